@@ -1,0 +1,15 @@
+"""kvcore: a KV-cache engine for transformer inference.
+
+Block pool with refcounted ownership, prefix caching, paged and contiguous
+caches, and round-to-nearest-even float16/bfloat16 conversion, at C speed
+(Cython/C kernels, GIL released) with an optional CuPy GPU path.
+"""
+from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
+from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVCacheError", "OutOfBlocksError", "CacheFullError",
+    "to_float16", "to_bfloat16", "from_float16", "from_bfloat16",
+]

@@ -1,0 +1,124 @@
+"""Data-movement backends.
+
+A backend is the one small set of operations the public classes need to move
+KV data on a device: allocate, take inputs, convert, write slots, gather,
+copy blocks, write a contiguous cache.  ``CPUBackend`` runs the Cython/C
+kernels of ``kvcore/_native``; the CUDA backend (``kvcore/_cuda``) runs CuPy
+RawKernels and has the same methods.  The public classes pick a backend once,
+from ``device=``, and never branch on the device elsewhere.
+
+Arguments reaching these methods have been validated by the caller, except
+where a method says it checks (``asarray``, ``check_out``).
+"""
+import numpy as np
+
+from ._native import _convert, _kernels
+
+
+def _is_cuda_array(x):
+    return not isinstance(x, np.ndarray) and (
+        hasattr(x, "__cuda_array_interface__")
+        or type(x).__module__.split(".")[0] in ("cupy", "cupyx"))
+
+
+class CPUBackend:
+    """NumPy arrays in host memory; Cython/C kernels."""
+
+    name = "cpu"
+    xp = np
+
+    def normalize_device(self, device):
+        return "cpu"
+
+    # -------------------------------------------------------------- arrays
+    def asarray(self, x, arg):
+        """``x`` as a NumPy array; a GPU array is a TypeError, never a copy."""
+        if isinstance(x, np.ndarray):
+            return x
+        if _is_cuda_array(x):
+            raise TypeError(
+                f"{arg} is a CUDA array ({type(x).__module__}.{type(x).__name__}) but this "
+                "operation runs on the CPU; pass a NumPy array or use device='cuda'")
+        if hasattr(x, "__dlpack_device__"):
+            dev_type = x.__dlpack_device__()[0]
+            if dev_type != 1:  # kDLCPU
+                raise TypeError(
+                    f"{arg} lives on DLPack device type {dev_type}, not the CPU; "
+                    "pass a NumPy array or use device='cuda'")
+        try:
+            return np.asarray(x)
+        except Exception as e:  # pragma: no cover - exotic inputs
+            raise TypeError(f"{arg} must be an array, got {type(x).__name__}: {e}") from None
+
+    def check_out(self, out, arg):
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"{arg} must be a NumPy array, got {type(out).__name__}")
+        if not out.flags.writeable:
+            raise ValueError(f"{arg} must be writeable, got a read-only array")
+        return out
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def to_host(self, a):
+        return a
+
+    def from_host(self, a):
+        return a
+
+    def inner_contiguous(self, a):
+        """``a`` with its last axis contiguous (a copy only when it is not)."""
+        if a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1:
+            return np.ascontiguousarray(a)
+        return a
+
+    # ------------------------------------------------------------- kernels
+    def convert(self, src, src_kind, dst, dst_kind):
+        """dst[...] = src converted; same shape, any strides."""
+        if np.may_share_memory(src, dst):
+            src = src.copy()
+        _convert.convert_array(src, src_kind, dst, dst_kind)
+
+    def write_slots(self, cache, src, slots, src_kind, dst_kind):
+        _kernels.write_slots(cache, self.inner_contiguous(src), slots, src_kind, dst_kind)
+
+    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+        _kernels.gather(cache, block_table, start, end, out, src_kind, dst_kind)
+
+    def copy_blocks(self, storage, src, dst):
+        _kernels.copy_blocks(storage, src, dst)
+
+    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
+        _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, dst_kind)
+
+    def synchronize(self):
+        pass
+
+
+CPU = CPUBackend()
+
+
+def get_backend(device):
+    """The backend for ``device`` ('cpu', 'cuda', 'cuda:N')."""
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    d = device.strip().lower()
+    if d == "cpu":
+        return CPU
+    if d == "cuda" or d.startswith("cuda:"):
+        from ._cuda import get_cuda_backend
+
+        return get_cuda_backend(d)
+    raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+
+
+def backend_of_array(x):
+    """The backend whose device holds array ``x``."""
+    if _is_cuda_array(x):
+        from ._cuda import get_cuda_backend
+
+        return get_cuda_backend("cuda")
+    return CPU

@@ -1,0 +1,1 @@
+"""Native (Cython/C) kernels and bookkeeping for kvcore. Internal."""

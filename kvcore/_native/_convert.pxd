@@ -1,0 +1,23 @@
+# Conversion routines other Cython modules call while they copy (the pool's
+# write kernels convert float32 -> float16/bf16 on the way into a block).
+# All are noexcept nogil; the SIMD level is the one chosen in _convert.
+from kvcore._native._typedefs cimport half_t
+
+cdef extern from "kv_half.h":
+    enum:
+        KVH_F32
+        KVH_F16
+        KVH_BF16
+
+cdef void f32_to_f16(const float* src, half_t* dst, Py_ssize_t n) noexcept nogil
+cdef void f32_to_bf16(const float* src, half_t* dst, Py_ssize_t n) noexcept nogil
+cdef void f16_to_f32(const half_t* src, float* dst, Py_ssize_t n) noexcept nogil
+cdef void bf16_to_f32(const half_t* src, float* dst, Py_ssize_t n) noexcept nogil
+
+# n contiguous elements of kind src_kind -> dst_kind (KVH_F32/F16/BF16, any
+# pair).  Returns 0, or -1 for an unknown kind.
+cdef int convert_n(int src_kind, const void* src, int dst_kind, void* dst,
+                   Py_ssize_t n) noexcept nogil
+
+cdef inline Py_ssize_t kind_itemsize(int kind) noexcept nogil:
+    return 4 if kind == KVH_F32 else 2

@@ -1,0 +1,145 @@
+"""CPU data-movement kernels: paged slot writes, gathers, block copies and
+contiguous-cache writes, converting with the RNE routines while they copy.
+
+Callers (``kvcore/_backend.py``) have validated every argument: shapes,
+kinds, slot ranges, that the innermost axis of every array is contiguous.
+The loops run without the GIL.
+"""
+cimport numpy as cnp
+from libc.string cimport memcpy
+
+from kvcore._native._convert cimport convert_n, kind_itemsize
+from kvcore._native._typedefs cimport block_id_t, slot_t
+
+cnp.import_array()
+
+
+cdef inline char* _ptr(cnp.ndarray a) noexcept:
+    return <char*>cnp.PyArray_DATA(a)
+
+
+def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
+                int src_kind, int dst_kind):
+    """cache[b, h, off, :] = src[i, h, :] for slot s = slots[i] >= 0,
+    b = s // block_size, off = s % block_size.
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    src: (n, heads, dim), last axis contiguous, any other strides.
+    """
+    cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
+    cdef Py_ssize_t bs = cache.shape[2]
+    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
+    cdef Py_ssize_t di = kind_itemsize(dst_kind)
+    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
+    cdef char* sp = _ptr(src)
+    cdef char* cp = _ptr(cache)
+    cdef Py_ssize_t i, h, b, off
+    cdef slot_t s
+    cdef char* row_src
+    cdef char* row_dst
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if s < 0:
+                continue
+            b = s // bs
+            off = s - b * bs
+            row_src = sp + i * s0
+            row_dst = cp + b * c_block + off * c_tok
+            for h in range(H):
+                convert_n(src_kind, row_src + h * s1, dst_kind, row_dst + h * c_head, D)
+
+
+def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
+           Py_ssize_t start, Py_ssize_t end, cnp.ndarray out,
+           int src_kind, int dst_kind):
+    """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
+    for t in start..end-1.
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    out: (heads, end - start, dim), C-contiguous.
+    Copies one run of up to block_size tokens per (block, head).
+    """
+    cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
+    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
+    cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]
+    cdef char* cp = _ptr(cache)
+    cdef char* op = _ptr(out)
+    cdef Py_ssize_t t = start, stop, off, run, h
+    cdef block_id_t b
+    with nogil:
+        while t < end:
+            b = block_table[t // bs]
+            off = t % bs
+            stop = t - off + bs
+            if stop > end:
+                stop = end
+            run = stop - t
+            for h in range(H):
+                convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
+                          dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
+            t = stop
+
+
+def copy_blocks(cnp.ndarray storage, const block_id_t[::1] src,
+                const block_id_t[::1] dst):
+    """storage[..., dst[i], :, :, :] = storage[..., src[i], :, :, :] for every
+    layer and K/V plane.
+
+    storage: (planes, num_blocks, heads, block_size, dim), C-contiguous
+    (planes = num_layers * 2).
+    """
+    cdef Py_ssize_t planes = storage.shape[0]
+    cdef Py_ssize_t p_stride = storage.strides[0], b_stride = storage.strides[1]
+    cdef char* base = _ptr(storage)
+    cdef Py_ssize_t i, p, n = src.shape[0]
+    with nogil:
+        for p in range(planes):
+            for i in range(n):
+                memcpy(base + p * p_stride + dst[i] * b_stride,
+                       base + p * p_stride + src[i] * b_stride, b_stride)
+
+
+def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
+                        cnp.ndarray dst_storage, const block_id_t[::1] dst):
+    """dst_storage[:, dst[i]] = src_storage[:, src[i]]: two pools' storage of
+    the same geometry and dtype, (planes, num_blocks, ...) C-contiguous."""
+    cdef Py_ssize_t planes = src_storage.shape[0]
+    cdef Py_ssize_t sp_stride = src_storage.strides[0], sb_stride = src_storage.strides[1]
+    cdef Py_ssize_t dp_stride = dst_storage.strides[0], db_stride = dst_storage.strides[1]
+    cdef char* sbase = _ptr(src_storage)
+    cdef char* dbase = _ptr(dst_storage)
+    cdef Py_ssize_t i, p, n = src.shape[0]
+    with nogil:
+        for p in range(planes):
+            for i in range(n):
+                memcpy(dbase + p * dp_stride + dst[i] * db_stride,
+                       sbase + p * sp_stride + src[i] * sb_stride, sb_stride)
+
+
+def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
+                     int src_kind, int dst_kind):
+    """dst[b, h, start + t, :] = src[b, h, t, :].
+
+    dst: (batch, heads, max_seq_len, dim), C-contiguous.
+    src: (batch, heads, n, dim), last axis contiguous, any other strides.
+    When src rows are back to back the n*dim run is one kernel call.
+    """
+    cdef Py_ssize_t B = src.shape[0], H = src.shape[1], n = src.shape[2], D = src.shape[3]
+    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1], s2 = src.strides[2]
+    cdef Py_ssize_t d0 = dst.strides[0], d1 = dst.strides[1], d2 = dst.strides[2]
+    cdef Py_ssize_t si = kind_itemsize(src_kind)
+    cdef bint rows_packed = s2 == D * si or n == 1
+    cdef char* sp = _ptr(src)
+    cdef char* dp = _ptr(dst) + start * d2
+    cdef Py_ssize_t b, h, t
+    with nogil:
+        for b in range(B):
+            for h in range(H):
+                if rows_packed:
+                    convert_n(src_kind, sp + b * s0 + h * s1, dst_kind,
+                              dp + b * d0 + h * d1, n * D)
+                else:
+                    for t in range(n):
+                        convert_n(src_kind, sp + b * s0 + h * s1 + t * s2, dst_kind,
+                                  dp + b * d0 + h * d1 + t * d2, D)
