@@ -53,7 +53,7 @@ extensions = [
     ext("_typedefs"),
     ext("_convert", "kv_half.c"),
     ext("_kernels"),
-    # ext("_pool", "kv_hash.c"),
+    ext("_pool", "kv_hash.c"),
 ]
 
 setup(

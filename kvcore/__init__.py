@@ -5,11 +5,16 @@ caches, and round-to-nearest-even float16/bfloat16 conversion, at C speed
 (Cython/C kernels, GIL released) with an optional CuPy GPU path.
 """
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
+from .contiguous import KVCache
 from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
+from .hashing import block_hashes
+from .paged import PagedKVCache
+from .pool import BlockPool
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KVCacheError", "OutOfBlocksError", "CacheFullError",
     "to_float16", "to_bfloat16", "from_float16", "from_bfloat16",
+    "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
 ]

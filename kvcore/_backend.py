@@ -70,19 +70,22 @@ class CPUBackend:
         return a
 
     def inner_contiguous(self, a):
-        """``a`` with its last axis contiguous (a copy only when it is not)."""
-        if a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1:
-            return np.ascontiguousarray(a)
+        """``a`` aligned and with its last axis contiguous (a copy only when
+        it is not)."""
+        if not a.flags.aligned or (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1):
+            return np.array(a, order="C", copy=True)
         return a
 
     # ------------------------------------------------------------- kernels
     def convert(self, src, src_kind, dst, dst_kind):
         """dst[...] = src converted; same shape, any strides."""
-        if np.may_share_memory(src, dst):
+        if np.may_share_memory(src, dst) or not src.flags.aligned:
             src = src.copy()
         _convert.convert_array(src, src_kind, dst, dst_kind)
 
     def write_slots(self, cache, src, slots, src_kind, dst_kind):
+        if np.may_share_memory(src, cache):  # e.g. a view of the pool itself
+            src = src.copy()
         _kernels.write_slots(cache, self.inner_contiguous(src), slots, src_kind, dst_kind)
 
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
@@ -92,6 +95,10 @@ class CPUBackend:
         _kernels.copy_blocks(storage, src, dst)
 
     def write_contiguous(self, dst, src, start, src_kind, dst_kind):
+        # the kernel writes rows of dst back to back: dst must be C-contiguous
+        assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
+        if np.may_share_memory(src, dst):  # e.g. a view of the cache itself
+            src = src.copy()
         _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, dst_kind)
 
     def synchronize(self):

@@ -1,0 +1,94 @@
+"""Argument checks shared by the public classes.  Each error names the
+argument, what was expected and what was given."""
+import operator
+
+import numpy as np
+
+from ._native import _pool
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def positive_int(value, arg):
+    """``value`` as an int > 0 (bools and floats rejected)."""
+    v = index_int(value, arg)
+    if v <= 0:
+        raise ValueError(f"{arg} must be a positive integer, got {v}")
+    return v
+
+
+def nonneg_int(value, arg):
+    v = index_int(value, arg)
+    if v < 0:
+        raise ValueError(f"{arg} must be a non-negative integer, got {v}")
+    return v
+
+
+def index_int(value, arg):
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{arg} must be an integer, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def layer_index(layer, num_layers):
+    v = index_int(layer, "layer")
+    if not 0 <= v < num_layers:
+        raise IndexError(f"layer must be in 0..{num_layers - 1}, got {v}")
+    return v
+
+
+def token_array(token_ids, arg="token_ids"):
+    """``token_ids`` (list/tuple/1-D integer array) as a C-contiguous int32
+    array (the input itself when it already is one); every id must lie in
+    0..2**31-1."""
+    if isinstance(token_ids, (list, tuple)):
+        out = np.empty(len(token_ids), np.int32)
+        bad = _pool.tokens_from_sequence(token_ids, out)
+        if bad >= 0:
+            t = token_ids[bad]
+            if isinstance(t, (bool, np.bool_)) or not hasattr(t, "__index__"):
+                raise TypeError(f"{arg} must hold integers, got {t!r} at index {bad}")
+            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {t} at index {bad}")
+        return out
+    if isinstance(token_ids, range):
+        token_ids = np.arange(token_ids.start, token_ids.stop, token_ids.step)
+    if not isinstance(token_ids, np.ndarray):
+        raise TypeError(
+            f"{arg} must be a list, tuple or 1-D integer array, got {type(token_ids).__name__}")
+    a = token_ids
+    if a.ndim != 1:
+        raise ValueError(f"{arg} must be 1-D, got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{arg} must hold integers, got dtype {a.dtype}")
+    if a.dtype == np.int32 and a.flags.c_contiguous:
+        bad = _pool.first_bad_token(a)
+        if bad >= 0:
+            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {a[bad]} at index {bad}")
+        return a
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            i = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
+            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {a[i]} at index {i}")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def token_id(value, arg="token_id"):
+    v = index_int(value, arg)
+    if not 0 <= v <= MAX_TOKEN_ID:
+        raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {v}")
+    return v
+
+
+def salt_bytes(salt):
+    """None, or the salt's bytes (str as UTF-8)."""
+    if salt is None:
+        return None
+    if isinstance(salt, str):
+        return salt.encode("utf-8")
+    if isinstance(salt, (bytes, bytearray, memoryview)):
+        return bytes(salt)
+    raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")

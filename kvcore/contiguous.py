@@ -1,0 +1,492 @@
+"""Contiguous KV cache: one preallocated buffer per layer, the seeds' layout.
+
+Per layer, K and V have shape ``(batch_size, num_kv_heads, max_seq_len,
+head_dim)``; all layers live in one allocation of shape
+``(num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)``.
+Writes convert to the storage dtype with the round-to-nearest-even kernels of
+the device's backend; reads are views.  Positions that were never written
+(or were forgotten by ``reset``/``truncate``) can never be read back.
+"""
+import operator
+
+from . import _dtypes
+from ._backend import get_backend
+from ._dtypes import KIND_NAME, STORAGE
+from ._errors import CacheFullError
+
+__all__ = ["KVCache"]
+
+
+def _positive_int(value, arg):
+    """``value`` as an int >= 1; TypeError/ValueError naming ``arg``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{arg} must be an int, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{arg} must be >= 1, got {value}")
+    return value
+
+
+def _index(value, arg):
+    """``value`` as an int (no bools, no floats); TypeError naming ``arg``."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool):
+        raise TypeError(f"{arg} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+class KVCache:
+    """Contiguous KV cache for one batch of sequences that advance together.
+
+    Every layer holds K and V of shape ``(batch_size, num_kv_heads,
+    max_seq_len, head_dim)`` in the storage dtype, allocated once (one buffer
+    for all layers) on ``device``.  Writes go through :meth:`update`, reads
+    through :meth:`get`.  Each layer tracks how many positions it holds, so a
+    forward pass may update the layers one after the other; :attr:`seq_len`
+    is the number of positions written in every layer.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim, max_seq_len : int
+        Geometry, each >= 1.  ``max_seq_len`` is the capacity in positions;
+        a write past it raises :class:`kvcore.CacheFullError`.
+    batch_size : int, default 1
+        Sequences in the batch.  They share positions: position ``t`` of every
+        sequence is written by the same :meth:`update`.
+    dtype : str or dtype, default "float16"
+        Storage dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (aliases
+        ``"f32"``, ``"f16"``, ``"bf16"``; ``numpy.float32``, ``numpy.float16``
+        and ``ml_dtypes.bfloat16`` too).  bfloat16 is stored, and returned,
+        as ``numpy.uint16`` arrays of raw bits.
+    device : str, default "cpu"
+        ``"cpu"`` (NumPy arrays) or ``"cuda"``/``"cuda:N"`` (CuPy arrays).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad geometry, dtype or device, naming the argument.
+    MemoryError
+        When the buffer cannot be allocated (the message gives its size).
+
+    Notes
+    -----
+    - The buffer is not zero-filled: unwritten positions hold arbitrary
+      bytes, which is why :meth:`get` refuses to read them and why
+      :meth:`reset` is O(1).  :meth:`key_cache`/:meth:`value_cache` expose
+      the raw buffers for kernels that take a length separately.
+    - After any exception the cache is exactly as it was before the call.
+    - There is no ``len()``: "length" could mean layers or positions; use
+      :attr:`seq_len` or :attr:`num_layers`.
+    - One thread at a time may drive a cache.
+
+    Examples
+    --------
+    >>> cache = kvcore.KVCache(num_layers=2, num_kv_heads=4, head_dim=64,
+    ...                        max_seq_len=1024, dtype="float16")
+    >>> for layer in range(2):                  # the prompt: 7 positions
+    ...     cache.update(layer, k_prompt, v_prompt)   # (1, 4, 7, 64) float32
+    >>> for layer in range(2):                  # one decode step
+    ...     cache.update(layer, k_tok, v_tok)         # (1, 4, 1, 64)
+    ...     k, v = cache.get(layer)                   # (1, 4, 8, 64) float16 views
+    >>> cache.seq_len
+    8
+    """
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len,
+                 batch_size=1, dtype="float16", device="cpu"):
+        num_layers = _positive_int(num_layers, "num_layers")
+        num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        head_dim = _positive_int(head_dim, "head_dim")
+        max_seq_len = _positive_int(max_seq_len, "max_seq_len")
+        batch_size = _positive_int(batch_size, "batch_size")
+        kind = _dtypes.storage_kind(dtype, "dtype")
+        backend = get_backend(device)
+        shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
+        storage = self._allocate(backend, shape, kind)
+        self._init_from(backend, backend.normalize_device(device), kind, storage,
+                        [0] * num_layers)
+
+    # ------------------------------------------------------------ internals
+    @staticmethod
+    def _allocate(backend, shape, kind):
+        try:
+            return backend.empty(shape, STORAGE[kind])
+        except MemoryError:
+            nbytes = _dtypes.ITEMSIZE[kind]
+            for s in shape:
+                nbytes *= s
+            raise MemoryError(
+                f"cannot allocate the KV cache buffer: shape {shape} in {KIND_NAME[kind]} "
+                f"is {nbytes} bytes ({nbytes / 2**30:.2f} GiB)") from None
+
+    def _init_from(self, backend, device, kind, storage, lengths):
+        self._backend = backend
+        self._device = device
+        self._kind = kind
+        self._storage = storage
+        L, _, B, H, S, D = storage.shape
+        self._num_layers, self._batch_size = L, B
+        self._num_kv_heads, self._max_seq_len, self._head_dim = H, S, D
+        # Per-layer (K, V) views, made once: update/get are hot paths.
+        self._planes = [(storage[i, 0], storage[i, 1]) for i in range(L)]
+        self._lengths = lengths
+
+    def _check_layer(self, layer):
+        layer = _index(layer, "layer")
+        if not 0 <= layer < self._num_layers:
+            raise IndexError(
+                f"layer must be in 0..{self._num_layers - 1} (num_layers={self._num_layers}), "
+                f"got {layer}")
+        return layer
+
+    def _check_input(self, x, arg, src_dtype):
+        """(array as kernel input, kind, n) for k or v; raises naming ``arg``."""
+        x = self._backend.asarray(x, arg)
+        kind = _dtypes.array_kind(x, arg, src_dtype)
+        shape = x.shape
+        if len(shape) != 4:
+            raise ValueError(
+                f"{arg} must be 4-D (batch_size, num_kv_heads, n, head_dim) = "
+                f"({self._batch_size}, {self._num_kv_heads}, n, {self._head_dim}), "
+                f"got shape {tuple(shape)}")
+        if (shape[0] != self._batch_size or shape[1] != self._num_kv_heads
+                or shape[3] != self._head_dim):
+            for axis, name, want in ((0, "batch_size", self._batch_size),
+                                     (1, "num_kv_heads", self._num_kv_heads),
+                                     (3, "head_dim", self._head_dim)):
+                if shape[axis] != want:
+                    raise ValueError(
+                        f"{arg}.shape[{axis}] must be {name}={want}, got {shape[axis]} "
+                        f"({arg} has shape {tuple(shape)}; expected "
+                        f"({self._batch_size}, {self._num_kv_heads}, n, {self._head_dim}))")
+        return _dtypes.as_bits(x), kind, shape[2]
+
+    # ---------------------------------------------------------------- writes
+    def update(self, layer, k, v, start_pos=None, src_dtype=None):
+        """Write ``k`` and ``v`` at positions ``start_pos .. start_pos+n-1`` of ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+            0 <= layer < num_layers (negative indices are not accepted).
+        k, v : array
+            Shape ``(batch_size, num_kv_heads, n, head_dim)``, the same for
+            both; any n (a whole prompt, a chunk, or one token; n == 0 writes
+            nothing).  float32, float16, ``ml_dtypes.bfloat16``, or uint16
+            holding bfloat16 bits when ``src_dtype="bfloat16"``.  Any strides
+            (e.g. a transposed ``(batch, n, heads, dim)`` projection).  The
+            two may differ in dtype.  Converted to the storage dtype rounding
+            to nearest, ties to even.
+        start_pos : int, optional
+            First position to write; defaults to the layer's current length
+            (append).  A smaller value overwrites those positions in place
+            (positions after the written range keep their contents).  It may
+            not exceed the layer's length: that would leave unwritten
+            positions inside the sequence.
+        src_dtype : str, optional
+            The element type of ``k`` and ``v`` when their dtype does not say
+            it; needed only for uint16 bfloat16 bits.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        TypeError
+            A non-integer argument, an unsupported dtype, a uint16 input
+            without ``src_dtype="bfloat16"``, an array on the wrong device.
+        ValueError
+            Wrong shapes, ``start_pos`` negative or past the layer's length.
+        kvcore.CacheFullError
+            ``start_pos + n > max_seq_len``.
+
+        Notes
+        -----
+        Everything is checked before anything is written: after an error
+        the cache is unchanged.
+        """
+        layer = self._check_layer(layer)
+        k, k_kind, n = self._check_input(k, "k", src_dtype)
+        v, v_kind, n_v = self._check_input(v, "v", src_dtype)
+        if n_v != n:
+            raise ValueError(
+                f"v must have the same number of positions as k: k.shape[2] is {n}, "
+                f"v.shape[2] is {n_v}")
+        length = self._lengths[layer]
+        if start_pos is None:
+            start = length
+        else:
+            start = _index(start_pos, "start_pos")
+            if start < 0:
+                raise ValueError(f"start_pos must be >= 0, got {start}")
+            if start > length:
+                raise ValueError(
+                    f"start_pos must be <= {length} (the positions written in layer "
+                    f"{layer}), got {start}: writing there would leave positions "
+                    f"{length}..{start - 1} unwritten")
+        end = start + n
+        if end > self._max_seq_len:
+            raise CacheFullError(
+                f"cache is full: writing {n} position(s) at start_pos={start} of layer "
+                f"{layer} needs {end} positions, max_seq_len is {self._max_seq_len}")
+        if n == 0:
+            return
+        be = self._backend
+        dst_k, dst_v = self._planes[layer]
+        # The kernel copies without staging; an input that is a view of this
+        # cache (e.g. from get()) must not be overwritten while it is read.
+        may_share = be.xp.may_share_memory
+        storage = self._storage
+        if may_share(k, storage):
+            k = k.copy()
+        if may_share(v, storage):
+            v = v.copy()
+        be.write_contiguous(dst_k, k, start, k_kind, self._kind)
+        be.write_contiguous(dst_v, v, start, v_kind, self._kind)
+        if end > length:
+            self._lengths[layer] = end
+
+    # ----------------------------------------------------------------- reads
+    def get(self, layer, start=0, end=None, dtype=None):
+        """Positions ``start .. end-1`` of ``layer``'s K and V.
+
+        Parameters
+        ----------
+        layer : int
+            0 <= layer < num_layers.
+        start : int, default 0
+        end : int, optional
+            Defaults to the layer's own length (so within a forward pass a
+            layer sees its own new positions before later layers are written).
+            ``start <= end <= `` the layer's length.
+        dtype : str, optional
+            Extension: when given (e.g. ``"float32"``), return new arrays
+            converted to that dtype (bfloat16 as uint16 bits) instead of
+            views, e.g. for NumPy attention in float32.
+
+        Returns
+        -------
+        k, v : array
+            Shape ``(batch_size, num_kv_heads, end - start, head_dim)``.
+            Without ``dtype``: views of the cache in the storage dtype
+            (bfloat16 as uint16); they reflect later writes to those
+            positions and become meaningless after ``reset``/``truncate``, so
+            copy them to keep a snapshot.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        TypeError
+            A non-integer bound or an unknown ``dtype`` type.
+        ValueError
+            ``start < 0``, ``end < start``, or ``end`` past the positions
+            written in the layer: kvcore never returns unwritten data.
+        """
+        layer = self._check_layer(layer)
+        length = self._lengths[layer]
+        start = _index(start, "start")
+        if end is None:
+            end = length
+        else:
+            end = _index(end, "end")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if end < start:
+            raise ValueError(f"end must be >= start ({start}), got {end}")
+        if end > length:
+            raise ValueError(
+                f"end must be <= {length} (the positions written in layer {layer}), got "
+                f"{end}: positions {length}..{end - 1} were never written")
+        out_kind = None if dtype is None else _dtypes.storage_kind(dtype, "dtype")
+        k_plane, v_plane = self._planes[layer]
+        k = k_plane[:, :, start:end]
+        v = v_plane[:, :, start:end]
+        if out_kind is None:
+            return k, v
+        be = self._backend
+        outs = []
+        for src in (k, v):
+            out = be.empty(src.shape, STORAGE[out_kind])
+            be.convert(src, self._kind, out, out_kind)
+            outs.append(out)
+        return outs[0], outs[1]
+
+    def key_cache(self, layer):
+        """The whole K buffer of ``layer``, ``(batch, heads, max_seq_len, dim)``.
+
+        Raw storage for kernels that take the buffer and a length separately
+        (e.g. attention with ``cache_seqlens``).  Positions at and past
+        :meth:`layer_len` hold arbitrary bytes; writing through this view
+        bypasses the cache's bookkeeping.
+        """
+        return self._planes[self._check_layer(layer)][0]
+
+    def value_cache(self, layer):
+        """The whole V buffer of ``layer``; see :meth:`key_cache`."""
+        return self._planes[self._check_layer(layer)][1]
+
+    def layer_len(self, layer):
+        """Positions written in ``layer`` (what ``get(layer)`` returns)."""
+        return self._lengths[self._check_layer(layer)]
+
+    # ------------------------------------------------------------- lifetime
+    def reset(self):
+        """Forget every position of every layer, O(1) (nothing is zeroed).
+
+        The buffer is kept for the next sequence; views returned by
+        :meth:`get` before the reset see whatever is written next.
+        """
+        self._lengths = [0] * self._num_layers
+
+    def truncate(self, n):
+        """Keep positions ``0 .. n-1`` of every layer and forget the rest.
+
+        Parameters
+        ----------
+        n : int
+            ``0 <= n <= seq_len``.  Every layer's length becomes ``n``, so
+            this also rolls back a step that wrote only some layers
+            (``truncate(seq_len)``).  Growing a layer is impossible (its
+            positions were never written), hence ``n > seq_len`` is an error.
+
+        Raises
+        ------
+        TypeError
+            ``n`` not an int.
+        ValueError
+            ``n < 0`` or ``n > seq_len``.
+        """
+        n = _index(n, "n")
+        seq_len = self.seq_len
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > seq_len:
+            raise ValueError(
+                f"n must be <= seq_len ({seq_len}, the positions written in every layer; "
+                f"layer lengths {self._lengths}), got {n}")
+        self._lengths = [n] * self._num_layers
+
+    def clone(self):
+        """An independent copy: same geometry, dtype, device and contents.
+
+        Only the written positions of each layer are copied.
+
+        Returns
+        -------
+        KVCache
+        """
+        be = self._backend
+        src = self._storage
+        dst = self._allocate(be, src.shape, self._kind)
+        for layer, n in enumerate(self._lengths):
+            if n:
+                dst[layer, :, :, :, :n] = src[layer, :, :, :, :n]
+        twin = object.__new__(type(self))
+        twin._init_from(be, self._device, self._kind, dst, list(self._lengths))
+        return twin
+
+    # ----------------------------------------------------------- properties
+    @property
+    def num_layers(self):
+        """Number of layers."""
+        return self._num_layers
+
+    @property
+    def num_kv_heads(self):
+        """KV heads per layer."""
+        return self._num_kv_heads
+
+    @property
+    def head_dim(self):
+        """Elements per head per position."""
+        return self._head_dim
+
+    @property
+    def max_seq_len(self):
+        """Capacity in positions."""
+        return self._max_seq_len
+
+    @property
+    def batch_size(self):
+        """Sequences in the batch."""
+        return self._batch_size
+
+    @property
+    def dtype(self):
+        """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
+        return KIND_NAME[self._kind]
+
+    @property
+    def device(self):
+        """The device the buffer lives on ('cpu', or the CUDA device)."""
+        return self._device
+
+    @property
+    def seq_len(self):
+        """Positions written in every layer (the minimum over layers)."""
+        return min(self._lengths)
+
+    @property
+    def layer_lengths(self):
+        """Positions written in each layer, as a tuple."""
+        return tuple(self._lengths)
+
+    def memory_report(self):
+        """Memory figures, in bytes unless named otherwise.
+
+        Returns
+        -------
+        dict
+            ``allocated_bytes``: the whole buffer (``num_layers *
+            bytes_per_layer``); ``used_bytes``: ``seq_len * bytes_per_token``;
+            ``bytes_per_token``: what one more position costs (all layers, K
+            and V, the whole batch); ``bytes_per_token_per_layer``;
+            ``bytes_per_layer`` (allocated, K and V); ``unused_bytes``
+            (``allocated_bytes - used_bytes``); ``utilization``
+            (``used_bytes / allocated_bytes``); ``seq_len``,
+            ``layer_lengths``, ``free_positions`` (positions every layer can
+            still append: ``max_seq_len - max(layer_lengths)``); and the
+            geometry: ``num_layers``, ``batch_size``, ``num_kv_heads``,
+            ``head_dim``, ``max_seq_len``, ``dtype``, ``itemsize``,
+            ``device``.
+        """
+        itemsize = _dtypes.ITEMSIZE[self._kind]
+        per_token_layer = 2 * self._batch_size * self._num_kv_heads * self._head_dim * itemsize
+        per_token = per_token_layer * self._num_layers
+        per_layer = per_token_layer * self._max_seq_len
+        allocated = per_layer * self._num_layers
+        seq_len = self.seq_len
+        used = seq_len * per_token
+        return {
+            "allocated_bytes": allocated,
+            "used_bytes": used,
+            "unused_bytes": allocated - used,
+            "utilization": used / allocated,
+            "bytes_per_token": per_token,
+            "bytes_per_token_per_layer": per_token_layer,
+            "bytes_per_layer": per_layer,
+            "seq_len": seq_len,
+            "layer_lengths": tuple(self._lengths),
+            "free_positions": self._max_seq_len - max(self._lengths),
+            "num_layers": self._num_layers,
+            "batch_size": self._batch_size,
+            "num_kv_heads": self._num_kv_heads,
+            "head_dim": self._head_dim,
+            "max_seq_len": self._max_seq_len,
+            "dtype": self.dtype,
+            "itemsize": itemsize,
+            "device": self._device,
+        }
+
+    def __repr__(self):
+        return (f"KVCache(num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
+                f"head_dim={self._head_dim}, max_seq_len={self._max_seq_len}, "
+                f"batch_size={self._batch_size}, dtype={self.dtype!r}, "
+                f"device={self._device!r}, seq_len={self.seq_len})")

@@ -1,0 +1,67 @@
+"""Chained block hashes for prefix caching.
+
+Algorithm (also in README.md, "Block hashes"): SipHash-2-4 with 128-bit
+output, key = the 16 bytes ``b"kvcore.block.v1\\0"``.
+
+* root = 16 zero bytes when there is no salt, else
+  SipHash128(key, b"kvcore.salt:" + salt) (a str salt as UTF-8);
+* h[i] = SipHash128(key, h[i-1] + token ids of block i as 4-byte
+  little-endian unsigned integers), with h[-1] = root.
+
+Only full blocks are hashed.  The result depends on nothing but the token ids,
+the block size and the salt: not on the process, the machine, the Python
+version or ``PYTHONHASHSEED``.
+"""
+import numpy as np
+
+from ._native import _pool
+from ._validate import positive_int, salt_bytes, token_array
+
+_K0, _K1 = _pool.block_key()
+SALT_PREFIX = b"kvcore.salt:"
+
+
+def root_words(salt):
+    """(lo, hi) words of the chain root for ``salt`` (bytes or None)."""
+    if salt is None:
+        return 0, 0
+    d = _pool.siphash128(SALT_PREFIX + salt, _K0, _K1)
+    return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little")
+
+
+def hash_words(tokens, block_size, root, n_blocks=None, out=None):
+    """(n_blocks, 2) uint64 chained hashes of the full blocks of int32 ``tokens``."""
+    if n_blocks is None:
+        n_blocks = len(tokens) // block_size
+    if out is None:
+        out = np.empty((n_blocks, 2), np.uint64)
+    _pool.hash_chain(tokens, n_blocks, block_size, root[0], root[1], out)
+    return out
+
+
+def words_to_bytes(words):
+    """Rows of (lo, hi) uint64 words as 16-byte hashes."""
+    raw = np.ascontiguousarray(words, dtype="<u8").tobytes()
+    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
+
+
+def block_hashes(token_ids, block_size, salt=None):
+    """The chained hash of every full block of ``token_ids``.
+
+    Parameters
+    ----------
+    token_ids : list of int or 1-D integer array
+        Ids in 0..2**31-1.
+    block_size : int
+    salt : str or bytes, optional
+        Sequences with different salts never share blocks.
+
+    Returns
+    -------
+    list of bytes
+        One 16-byte hash per full block, exactly as a ``BlockPool`` computes
+        them; the hashes of a prefix are a prefix of the hashes.
+    """
+    bs = positive_int(block_size, "block_size")
+    tokens = token_array(token_ids)
+    return words_to_bytes(hash_words(tokens, bs, root_words(salt_bytes(salt))))

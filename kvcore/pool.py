@@ -1,0 +1,278 @@
+"""BlockPool: one pool of KV blocks shared by many sequences."""
+import threading
+
+import numpy as np
+
+from . import _dtypes
+from ._backend import get_backend
+from ._native import _pool
+from ._validate import index_int, layer_index, positive_int
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """A pool of fixed-size KV blocks with refcounted ownership and prefix caching.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Blocks in the pool.
+    block_size : int
+        Token positions per block.
+    num_layers, num_kv_heads, head_dim : int
+        Model geometry.
+    dtype : str or dtype, default "float16"
+        Storage: "float32", "float16" or "bfloat16" (bf16 kept as uint16 bits).
+    device : {"cpu", "cuda"}, default "cpu"
+    enable_prefix_caching : bool, default True
+        Share full blocks of identical prefixes between sequences.
+
+    Notes
+    -----
+    Storage is one allocation of shape
+    ``(num_layers * 2, num_blocks, num_kv_heads, block_size, head_dim)``:
+    plane ``2*l`` is layer ``l``'s keys, ``2*l + 1`` its values, and each
+    block is head-major (``[kv_head][token][dim]``).
+
+    Every pool operation is atomic (one lock per pool), so a pool and its
+    sequences may be used from several threads; one ``PagedKVCache`` is
+    driven by one thread at a time.
+    """
+
+    def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim,
+                 dtype="float16", device="cpu", enable_prefix_caching=True):
+        num_blocks = positive_int(num_blocks, "num_blocks")
+        if num_blocks > 2**31 - 2:
+            raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
+        self._block_size = positive_int(block_size, "block_size")
+        self._num_layers = positive_int(num_layers, "num_layers")
+        self._num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+        self._head_dim = positive_int(head_dim, "head_dim")
+        self._kind = _dtypes.storage_kind(dtype)
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise TypeError(
+                f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+        self._backend = get_backend(device)
+        self._device = self._backend.normalize_device(device)
+        self._num_blocks = num_blocks
+        self._caching = bool(enable_prefix_caching)
+        self._storage = self._backend.zeros(
+            (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
+             self._head_dim), _dtypes.STORAGE[self._kind])
+        self._core = _pool.PoolCore(num_blocks, self._block_size)
+        self._lock = threading.RLock()
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ------------------------------------------------------------ geometry
+    num_blocks = property(lambda self: self._num_blocks, doc="Blocks in the pool.")
+    block_size = property(lambda self: self._block_size, doc="Token positions per block.")
+    num_layers = property(lambda self: self._num_layers)
+    num_kv_heads = property(lambda self: self._num_kv_heads)
+    head_dim = property(lambda self: self._head_dim)
+    device = property(lambda self: self._device)
+    enable_prefix_caching = property(lambda self: self._caching)
+
+    @property
+    def dtype(self):
+        """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
+        return _dtypes.KIND_NAME[self._kind]
+
+    @property
+    def storage(self):
+        """The whole storage array (see the class notes for its layout)."""
+        return self._storage
+
+    @property
+    def bytes_per_block(self):
+        """Bytes one block takes across all layers, K and V."""
+        return (2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
+                * _dtypes.ITEMSIZE[self._kind])
+
+    def key_cache(self, layer):
+        """Layer ``layer``'s keys: a view ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
+        return self._storage[2 * layer_index(layer, self._num_layers)]
+
+    def value_cache(self, layer):
+        """Layer ``layer``'s values: a view like :meth:`key_cache`."""
+        return self._storage[2 * layer_index(layer, self._num_layers) + 1]
+
+    # ------------------------------------------------------------ counts
+    @property
+    def num_free_blocks(self):
+        """Blocks that can be handed out now (never used, released, or cached and unheld)."""
+        return self._core.num_free
+
+    @property
+    def num_used_blocks(self):
+        """Blocks with a reference count above zero."""
+        return self._num_blocks - self._core.num_free
+
+    @property
+    def num_cached_blocks(self):
+        """Blocks registered in the prefix cache, held or not."""
+        return self._core.num_cached
+
+    def ref_count(self, block_id):
+        """Reference count of ``block_id``."""
+        b = self._block_id(block_id)
+        return int(self._core.ref_count(b))
+
+    def is_cached(self, block_id):
+        """True if ``block_id`` is registered in the prefix cache."""
+        return self._core.is_cached(self._block_id(block_id))
+
+    def stats(self):
+        """Counters: blocks, prefix-cache queries and hits (in tokens), evictions."""
+        with self._lock:
+            free = self._core.num_free
+            q, h = self._prefix_queries, self._prefix_hits
+            return {
+                "num_blocks": self._num_blocks,
+                "num_free_blocks": free,
+                "num_used_blocks": self._num_blocks - free,
+                "num_cached_blocks": self._core.num_cached,
+                "prefix_queries": q,
+                "prefix_hits": h,
+                "prefix_hit_rate": h / q if q else 0.0,
+                "evictions": int(self._core.evictions),
+            }
+
+    def reset_prefix_cache(self):
+        """Forget every cached block nobody holds.
+
+        Returns False, changing nothing, while any block is in use.
+        """
+        with self._lock:
+            return self._core.reset_prefix_cache()
+
+    def check(self):
+        """Verify the bookkeeping's internal invariants (raises AssertionError)."""
+        with self._lock:
+            return self._core.check()
+
+    # ------------------------------------------------------------ data
+    def write(self, layer, k, v, slots, src_dtype=None):
+        """Write ``n`` tokens' K and V into their slots (vLLM's reshape_and_cache).
+
+        Parameters
+        ----------
+        layer : int
+        k, v : arrays ``(n, num_kv_heads, head_dim)``
+            float32, float16 or bfloat16 (ml_dtypes, or uint16 bits with
+            ``src_dtype="bfloat16"``); converted to the storage dtype.
+        slots : 1-D integer array of length n
+            Token i goes to block ``slots[i] // block_size``, offset
+            ``slots[i] % block_size``; -1 skips the token.  Every slot is
+            checked before anything is written (IndexError).
+        """
+        layer = layer_index(layer, self._num_layers)
+        k, v, sk = self._kv_input(k, v, src_dtype)
+        n = k.shape[0]
+        slots = self._slots(slots, n)
+        be = self._backend
+        be.write_slots(self._storage[2 * layer], k, slots, sk, self._kind)
+        be.write_slots(self._storage[2 * layer + 1], v, slots, sk, self._kind)
+
+    def gather(self, layer, block_table, start, end, dtype=None):
+        """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
+
+        Returns
+        -------
+        (k, v) : new contiguous arrays ``(num_kv_heads, end - start, head_dim)``
+            In the storage dtype, or ``dtype`` if given (e.g. "float32").
+        """
+        layer = layer_index(layer, self._num_layers)
+        table = self._table(block_table)
+        start = index_int(start, "start")
+        end = index_int(end, "end")
+        cap = len(table) * self._block_size
+        if not 0 <= start <= end <= cap:
+            raise ValueError(
+                f"start and end must satisfy 0 <= start <= end <= {cap} "
+                f"(len(block_table) * block_size), got start={start}, end={end}")
+        return self._gather(layer, table, start, end, dtype)
+
+    # ------------------------------------------------------------ helpers
+    def _block_id(self, block_id):
+        b = index_int(block_id, "block_id")
+        if not 0 <= b < self._num_blocks:
+            raise IndexError(f"block_id must be in 0..{self._num_blocks - 1}, got {b}")
+        return b
+
+    def _kv_input(self, k, v, src_dtype):
+        """Validated (k, v, kind): same shape (n, heads, dim), same dtype."""
+        be = self._backend
+        k = be.asarray(k, "k")
+        v = be.asarray(v, "v")
+        want = (self._num_kv_heads, self._head_dim)
+        for name, a in (("k", k), ("v", v)):
+            if a.ndim != 3 or a.shape[1:] != want:
+                raise ValueError(
+                    f"{name} must have shape (n, {want[0]}, {want[1]}) "
+                    f"(n, num_kv_heads, head_dim), got {tuple(a.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        sk = _dtypes.array_kind(k, "k", src_dtype)
+        if _dtypes.array_kind(v, "v", src_dtype) != sk or k.dtype != v.dtype:
+            raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
+        return _dtypes.as_bits(k), _dtypes.as_bits(v), sk
+
+    def _slots(self, slots, n):
+        s = np.asarray(self._backend.to_host(slots) if not isinstance(slots, (list, tuple))
+                       else slots)
+        if s.ndim != 1 or s.shape[0] != n:
+            raise ValueError(f"slots must be 1-D of length {n} (one per token), got shape {s.shape}")
+        if n and s.dtype.kind not in "iu":
+            raise TypeError(f"slots must hold integers, got dtype {s.dtype}")
+        s = np.ascontiguousarray(s, dtype=np.int64)
+        if n:
+            limit = self._num_blocks * self._block_size
+            bad = (s < -1) | (s >= limit)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise IndexError(
+                    f"slots must be -1 (skip) or in 0..{limit - 1} "
+                    f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
+        return s
+
+    def _table(self, block_table):
+        t = np.asarray(self._backend.to_host(block_table) if not isinstance(
+            block_table, (list, tuple)) else block_table)
+        if t.ndim != 1:
+            raise ValueError(f"block_table must be 1-D, got shape {t.shape}")
+        if t.size and t.dtype.kind not in "iu":
+            raise TypeError(f"block_table must hold integers, got dtype {t.dtype}")
+        if t.size and (t.min() < 0 or t.max() >= self._num_blocks):
+            bad = (t < 0) | (t >= self._num_blocks)
+            i = int(np.argmax(bad))
+            raise IndexError(
+                f"block_table entries must be in 0..{self._num_blocks - 1}, "
+                f"got {int(t[i])} at index {i}")
+        return np.ascontiguousarray(t, dtype=np.int32)
+
+    def _out_kind(self, dtype):
+        return self._kind if dtype is None else _dtypes.storage_kind(dtype)
+
+    def _gather(self, layer, table, start, end, dtype):
+        dk = self._out_kind(dtype)
+        be = self._backend
+        shape = (self._num_kv_heads, end - start, self._head_dim)
+        k = be.empty(shape, _dtypes.STORAGE[dk])
+        v = be.empty(shape, _dtypes.STORAGE[dk])
+        if end > start:
+            be.gather(self._storage[2 * layer], table, start, end, k, self._kind, dk)
+            be.gather(self._storage[2 * layer + 1], table, start, end, v, self._kind, dk)
+        return k, v
+
+    def _copy_blocks(self, src, dst):
+        self._backend.copy_blocks(self._storage, np.asarray(src, np.int32),
+                                  np.asarray(dst, np.int32))
+
+    def __repr__(self):
+        return (f"BlockPool(num_blocks={self._num_blocks}, block_size={self._block_size}, "
+                f"num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
+                f"head_dim={self._head_dim}, dtype={self.dtype!r}, device={self._device!r}, "
+                f"free={self.num_free_blocks}, cached={self.num_cached_blocks})")
