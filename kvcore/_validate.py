@@ -44,6 +44,9 @@ def token_array(token_ids, arg="token_ids"):
     """``token_ids`` (list/tuple/1-D integer array) as a C-contiguous int32
     array (the input itself when it already is one); every id must lie in
     0..2**31-1."""
+    fast = _pool.checked_token_array(token_ids)
+    if fast is not None:
+        return fast
     if isinstance(token_ids, (list, tuple)):
         out = np.empty(len(token_ids), np.int32)
         bad = _pool.tokens_from_sequence(token_ids, out)
@@ -63,11 +66,6 @@ def token_array(token_ids, arg="token_ids"):
         raise ValueError(f"{arg} must be 1-D, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         raise TypeError(f"{arg} must hold integers, got dtype {a.dtype}")
-    if a.dtype == np.int32 and a.flags.c_contiguous:
-        bad = _pool.first_bad_token(a)
-        if bad >= 0:
-            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {a[bad]} at index {bad}")
-        return a
     if a.size:
         lo, hi = int(a.min()), int(a.max())
         if lo < 0 or hi > MAX_TOKEN_ID:

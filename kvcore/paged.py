@@ -10,7 +10,12 @@ from .pool import BlockPool
 
 __all__ = ["PagedKVCache"]
 
+# Shared empty arrays: a new sequence allocates nothing until it is used
+# (_grown always copies into a new array before writing).
 _EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_I32.flags.writeable = False
+_EMPTY_HASHES = np.empty((0, 2), np.uint64)
+_EMPTY_HASHES.flags.writeable = False
 
 
 def _grown(a, need):
@@ -52,12 +57,11 @@ class PagedKVCache:
         self._bs = pool.block_size
         self._max = None if max_seq_len is None else positive_int(max_seq_len, "max_seq_len")
         self._salt = salt_bytes(salt)
-        self._root = hashing.root_words(self._salt)
+        self._root = (0, 0) if salt is None else hashing.root_words(self._salt)
         self._caching = pool.enable_prefix_caching
-        self._tokens = np.empty(0, np.int32)
-        self._hashes = np.empty((0, 2), np.uint64)
-        self._table = np.empty(0, np.int32)
-        self._pending = [0] * pool.num_layers
+        self._tokens = _EMPTY_I32
+        self._hashes = _EMPTY_HASHES
+        self._table = _EMPTY_I32
         self._reset_state()
 
     def _reset_state(self):
@@ -66,12 +70,12 @@ class PagedKVCache:
         self._nblocks = 0
         self._n_hashed = 0       # leading full blocks whose hash is known
         self._n_registered = 0   # leading blocks already offered to the cache
-        for i in range(len(self._pending)):
-            self._pending[i] = 0
-        self._invalidate()
+        # positions appended per layer in the current step, past num_computed
+        self._pending = [0] * self._pool.num_layers
+        self._excl = (0, 0)      # block range [lo, hi) known to be ours alone
+        self._slot_key = None
 
     def _invalidate(self):
-        # block range [lo, hi) known to be this sequence's own (writable)
         self._excl = (0, 0)
         self._slot_key = None
 
@@ -146,10 +150,11 @@ class PagedKVCache:
         total = -(-n // bs)
         n_full = n // bs
         if self._caching:
-            hashes = hashing.hash_words(tokens, bs, self._root, n_full)
+            hashes = np.empty((n_full, 2), np.uint64)
+            _pool.hash_chain(tokens, n_full, bs, self._root[0], self._root[1], hashes)
             max_hit = (n - 1) // bs  # the last prompt token is always computed
         else:
-            hashes = np.empty((0, 2), np.uint64)
+            hashes = _EMPTY_HASHES
             max_hit = 0
         table = np.empty(max(total, 16), np.int32)
         pool = self._pool
@@ -164,7 +169,7 @@ class PagedKVCache:
                 pool._prefix_hits += hits * bs
         self._table = table
         self._nblocks = total
-        self._tokens = np.array(tokens, np.int32, copy=True) if tokens is token_ids else tokens
+        self._tokens = tokens.copy() if tokens is token_ids else tokens
         self._num_tokens = n
         self._hashes = hashes
         self._n_hashed = n_full if self._caching else 0
@@ -265,8 +270,9 @@ class PagedKVCache:
                 f"{self._nblocks * self._bs} positions are reserved; append or reserve first")
         self._num_computed = target
         p = self._pending
-        for i in range(len(p)):
-            p[i] = p[i] - n if p[i] > n else 0
+        if max(p):
+            for i in range(len(p)):
+                p[i] = p[i] - n if p[i] > n else 0
         self._register_ready()
 
     def append_token(self, token_id):

@@ -227,16 +227,17 @@ class BlockPool:
             raise ValueError(f"slots must be 1-D of length {n} (one per token), got shape {s.shape}")
         if n and s.dtype.kind not in "iu":
             raise TypeError(f"slots must hold integers, got dtype {s.dtype}")
-        s = np.ascontiguousarray(s, dtype=np.int64)
         if n:
+            # Check the caller's values before the int64 cast: a uint64 slot
+            # of 2**64 - 1 would otherwise wrap to -1 and be skipped.
             limit = self._num_blocks * self._block_size
-            bad = (s < -1) | (s >= limit)
+            bad = (s >= limit) if s.dtype.kind == "u" else (s < -1) | (s >= limit)
             if bad.any():
                 i = int(np.argmax(bad))
                 raise IndexError(
                     f"slots must be -1 (skip) or in 0..{limit - 1} "
                     f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
-        return s
+        return np.ascontiguousarray(s, dtype=np.int64)
 
     def _table(self, block_table):
         t = np.asarray(self._backend.to_host(block_table) if not isinstance(

@@ -16,6 +16,7 @@ only returns a block whose stored token ids equal the query's.
 """
 import numpy as np
 
+cimport numpy as cnp
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy
 
@@ -23,10 +24,15 @@ from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
 
 cdef extern from "kv_hash.h" nogil:
     void kvhash_siphash128(uint64_t k0, uint64_t k1, const void* data, size_t length,
-                           uint64_t* out)
+                           int c, int d, uint64_t* out)
+    int KV_BLOCK_C
+    int KV_BLOCK_D
     void kvhash_block_key(uint64_t* k0, uint64_t* k1)
     void kvhash_chain(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
                       const uint64_t* parent, uint64_t* out)
+
+cnp.import_array()
+
 
 cdef enum:
     NONE = -1
@@ -35,15 +41,43 @@ cdef enum:
     FREE_CACHED = 2
 
 
+cdef inline void* _data(cnp.ndarray a, int typenum, Py_ssize_t need, bint write,
+                        str what) except NULL:
+    if cnp.PyArray_TYPE(a) != typenum or not cnp.PyArray_IS_C_CONTIGUOUS(a) \
+            or cnp.PyArray_SIZE(a) < need or (write and not cnp.PyArray_ISWRITEABLE(a)):
+        raise ValueError(f"internal: expected a C-contiguous {what} array of at least {need} "
+                         f"elements{' (writeable)' if write else ''}, got {(<object>a).dtype} "
+                         f"shape {(<object>a).shape}")
+    return cnp.PyArray_DATA(a)
+
+
+cdef inline block_id_t* _i32(cnp.ndarray a, Py_ssize_t need, bint write) except NULL:
+    return <block_id_t*>_data(a, cnp.NPY_INT32, need, write, "int32")
+
+
+cdef inline token_t* _tok(cnp.ndarray a, Py_ssize_t need) except NULL:
+    return <token_t*>_data(a, cnp.NPY_INT32, need, False, "int32")
+
+
+cdef inline hash_word_t* _u64(cnp.ndarray a, Py_ssize_t need) except NULL:
+    return <hash_word_t*>_data(a, cnp.NPY_UINT64, need, False, "uint64")
+
+
 # ------------------------------------------------------------------ hashing
 
-def siphash128(bytes data, uint64_t k0, uint64_t k1):
-    """SipHash-2-4-128 of ``data``; returns the 16 output bytes."""
+BLOCK_ROUNDS = (KV_BLOCK_C, KV_BLOCK_D)
+
+
+def siphash128(bytes data, uint64_t k0, uint64_t k1, int c=KV_BLOCK_C, int d=KV_BLOCK_D):
+    """SipHash-c-d-128 of ``data`` (default: the block hash's 1-3); returns
+    the 16 output bytes."""
     cdef uint64_t out[2]
     cdef const unsigned char[::1] view = data
     cdef const void* p = &view[0] if len(data) else NULL
+    if not (1 <= c <= 8 and 1 <= d <= 8):
+        raise ValueError(f"c and d must be in 1..8, got c={c}, d={d}")
     with nogil:
-        kvhash_siphash128(k0, k1, p, view.shape[0], out)
+        kvhash_siphash128(k0, k1, p, view.shape[0], c, d, out)
     return (<unsigned long long>out[0]).to_bytes(8, "little") + \
         (<unsigned long long>out[1]).to_bytes(8, "little")
 
@@ -55,35 +89,57 @@ def block_key():
     return int(k0), int(k1)
 
 
-def hash_chain(const token_t[::1] tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
-               uint64_t parent0, uint64_t parent1, hash_word_t[:, ::1] out):
-    """out[i] = h[i] for the first n_blocks full blocks of ``tokens``."""
+def hash_chain(cnp.ndarray tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
+               uint64_t parent0, uint64_t parent1, cnp.ndarray out):
+    """out[i] = h[i] for the first n_blocks full blocks of int32 ``tokens``."""
     cdef uint64_t parent[2]
-    parent[0] = parent0
-    parent[1] = parent1
+    cdef const token_t* t
+    cdef uint64_t* o
     if n_blocks <= 0:
         return
+    t = _tok(tokens, n_blocks * block_size)
+    o = <uint64_t*>_data(out, cnp.NPY_UINT64, 2 * n_blocks, True, "uint64")
+    parent[0] = parent0
+    parent[1] = parent1
     with nogil:
-        kvhash_chain(&tokens[0], n_blocks, block_size, parent, &out[0, 0])
+        kvhash_chain(t, n_blocks, block_size, parent, o)
 
 
-def slots_for(const block_id_t[::1] table, Py_ssize_t block_size,
-              Py_ssize_t start, Py_ssize_t end, slot_t[::1] out):
+def slots_for(cnp.ndarray table, Py_ssize_t block_size, Py_ssize_t start, Py_ssize_t end,
+              cnp.ndarray out):
     """out[i] = slot of position start + i (block table lookup)."""
+    cdef const block_id_t* t = _i32(table, (end + block_size - 1) // block_size, False)
+    cdef slot_t* o = <slot_t*>_data(out, cnp.NPY_INT64, end - start, True, "int64")
     cdef Py_ssize_t p
+    if start < 0 or end < start:
+        raise ValueError(f"internal: bad range {start}..{end}")
     for p in range(start, end):
-        out[p - start] = <slot_t>table[p // block_size] * block_size + p % block_size
+        o[p - start] = <slot_t>t[p // block_size] * block_size + p % block_size
 
 
-def first_bad_token(const token_t[::1] tokens):
-    """Index of the first negative id in ``tokens``, or -1."""
-    cdef Py_ssize_t i, bad = -1
+def checked_token_array(obj):
+    """``obj`` itself if it is a 1-D C-contiguous int32 array of valid ids
+    (0..2**31-1); None if it is some other kind of input (the caller takes
+    the general path).  Raises ValueError naming the first negative id."""
+    cdef cnp.ndarray a
+    cdef const token_t* t
+    cdef Py_ssize_t i, n, bad = -1
+    if type(obj) is not np.ndarray:
+        return None
+    a = <cnp.ndarray>obj
+    if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != cnp.NPY_INT32 \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a):
+        return None
+    n = cnp.PyArray_SIZE(a)
+    t = <const token_t*>cnp.PyArray_DATA(a)
     with nogil:
-        for i in range(tokens.shape[0]):
-            if tokens[i] < 0:
+        for i in range(n):
+            if t[i] < 0:
                 bad = i
                 break
-    return bad
+    if bad >= 0:
+        raise ValueError(f"token_ids must lie in 0..2147483647, got {t[bad]} at index {bad}")
+    return obj
 
 
 def tokens_from_sequence(seq, token_t[::1] out):
@@ -286,105 +342,137 @@ cdef class PoolCore:
     def is_cached(self, block_id_t b):
         return bool(self.cached[b])
 
-    cdef Py_ssize_t _lookup_prefix(self, const token_t[::1] tokens,
-                                   const hash_word_t[:, ::1] hashes,
-                                   Py_ssize_t max_blocks, block_id_t[::1] out) noexcept nogil:
+    cdef Py_ssize_t _lookup_prefix(self, const token_t* tokens, const hash_word_t* hashes,
+                                   Py_ssize_t max_blocks, block_id_t* out) noexcept nogil:
         cdef Py_ssize_t i, bs = self.block_size
         cdef block_id_t b
         for i in range(max_blocks):
-            b = self._lookup(hashes[i, 0], hashes[i, 1], &tokens[i * bs])
+            b = self._lookup(hashes[2 * i], hashes[2 * i + 1], tokens + i * bs)
             if b == NONE:
                 return i
             out[i] = b
         return max_blocks
 
-    def lookup_prefix(self, const token_t[::1] tokens, const hash_word_t[:, ::1] hashes,
-                      Py_ssize_t max_blocks, block_id_t[::1] out):
+    cdef int _check_ids(self, const block_id_t* ids, Py_ssize_t n) except -1:
+        cdef Py_ssize_t i
+        for i in range(n):
+            if ids[i] < 0 or ids[i] >= self.num_blocks:
+                raise ValueError(f"block id {ids[i]} out of range 0..{self.num_blocks - 1}")
+        return 0
+
+    # The methods below take NumPy arrays, not typed memoryviews: acquiring
+    # a memoryview costs far more than these loops on a decode step.  Each
+    # array is checked (dtype, contiguity, size) by _i32/_u64/_tok.
+
+    def lookup_prefix(self, cnp.ndarray tokens, cnp.ndarray hashes, Py_ssize_t max_blocks,
+                      cnp.ndarray out):
         """Longest run of leading blocks found in the cache (at most
         max_blocks); their ids go to out[0:n].  Changes nothing."""
+        cdef const token_t* t = _tok(tokens, max_blocks * self.block_size)
+        cdef const hash_word_t* h = _u64(hashes, 2 * max_blocks)
+        cdef block_id_t* o = _i32(out, max_blocks, True)
         cdef Py_ssize_t n
         with nogil:
-            n = self._lookup_prefix(tokens, hashes, max_blocks, out)
+            n = self._lookup_prefix(t, h, max_blocks, o)
         return n
 
-    def allocate(self, const token_t[::1] tokens, const hash_word_t[:, ::1] hashes,
-                 Py_ssize_t max_hit_blocks, Py_ssize_t total_blocks, block_id_t[::1] out):
+    def allocate(self, cnp.ndarray tokens, cnp.ndarray hashes, Py_ssize_t max_hit_blocks,
+                 Py_ssize_t total_blocks, cnp.ndarray out):
         """Blocks for a new prompt: out[0:total_blocks] = cached hits, then
         fresh blocks.  Returns the number of hit blocks, or -1 (nothing
         changed) when the free blocks do not suffice."""
+        cdef const token_t* t = _tok(tokens, max_hit_blocks * self.block_size)
+        cdef const hash_word_t* h = _u64(hashes, 2 * max_hit_blocks)
+        cdef block_id_t* o = _i32(out, total_blocks, True)
         cdef Py_ssize_t hits, i, hits_free = 0
+        if max_hit_blocks > total_blocks:
+            raise ValueError("max_hit_blocks > total_blocks")
         with nogil:
-            hits = self._lookup_prefix(tokens, hashes, max_hit_blocks, out)
-        for i in range(hits):
-            if self.ref[out[i]] == 0:
-                hits_free += 1
+            hits = self._lookup_prefix(t, h, max_hit_blocks, o)
+            for i in range(hits):
+                if self.ref[o[i]] == 0:
+                    hits_free += 1
         if total_blocks - hits > self.num_uncached_free + self.num_lru_free - hits_free:
             return -1
         with nogil:
             for i in range(hits):
-                self._acquire(out[i])
+                self._acquire(o[i])
             for i in range(hits, total_blocks):
-                out[i] = self._pop()
+                o[i] = self._pop()
         return hits
 
-    def take(self, Py_ssize_t n, block_id_t[::1] out):
+    def take(self, Py_ssize_t n, cnp.ndarray out):
         """n fresh blocks into out[0:n]; False (nothing changed) if short."""
+        cdef block_id_t* o = _i32(out, n, True)
         cdef Py_ssize_t i
         if n > self.num_uncached_free + self.num_lru_free:
             return False
         with nogil:
             for i in range(n):
-                out[i] = self._pop()
+                o[i] = self._pop()
         return True
 
-    def release(self, const block_id_t[::1] blocks):
+    def release(self, cnp.ndarray blocks):
         """Drop one reference to each block, last block first (so the tail
         of a prefix becomes evictable before its head)."""
-        cdef Py_ssize_t i
+        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
+        cdef const block_id_t* b = _i32(blocks, n, False)
+        self._check_ids(b, n)
+        for i in range(n):
+            if self.ref[b[i]] <= 0:
+                raise ValueError(f"block {b[i]} is not held (ref count {self.ref[b[i]]})")
         with nogil:
-            for i in range(blocks.shape[0] - 1, -1, -1):
-                self._release(blocks[i])
+            for i in range(n - 1, -1, -1):
+                self._release(b[i])
 
-    def incref(self, const block_id_t[::1] blocks):
-        cdef Py_ssize_t i
+    def incref(self, cnp.ndarray blocks):
+        """Take one more reference to each block."""
+        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
+        cdef const block_id_t* b = _i32(blocks, n, False)
+        self._check_ids(b, n)
         with nogil:
-            for i in range(blocks.shape[0]):
-                self._acquire(blocks[i])
+            for i in range(n):
+                self._acquire(b[i])
 
     def exclusive(self, block_id_t b):
         """True if b may be written in place: one holder and not cached."""
         return self.ref[b] == 1 and not self.cached[b]
 
-    def shared_blocks(self, const block_id_t[::1] blocks, Py_ssize_t first,
-                      Py_ssize_t last, block_id_t[::1] out):
+    def shared_blocks(self, cnp.ndarray blocks, Py_ssize_t first, Py_ssize_t last,
+                      cnp.ndarray out):
         """Indices i in first..last-1 whose block may not be written in place
         (held by others, or cached) go to out; returns how many."""
+        cdef const block_id_t* b = _i32(blocks, last, False)
+        cdef block_id_t* o = _i32(out, last - first, True)
         cdef Py_ssize_t i, k = 0
-        cdef block_id_t b
+        self._check_ids(b + first, last - first)
         for i in range(first, last):
-            b = blocks[i]
-            if self.ref[b] != 1 or self.cached[b]:
-                out[k] = i
+            if self.ref[b[i]] != 1 or self.cached[b[i]]:
+                o[k] = i
                 k += 1
         return k
 
-    def register(self, const block_id_t[::1] blocks, const hash_word_t[:, ::1] hashes,
-                 const token_t[::1] tokens, Py_ssize_t first, Py_ssize_t last):
+    def register(self, cnp.ndarray blocks, cnp.ndarray hashes, cnp.ndarray tokens,
+                 Py_ssize_t first, Py_ssize_t last):
         """Enter blocks[first:last] (full, committed, tokens known) into the
         prefix cache.  A block whose hash and tokens are already cached under
         another block is skipped.  Returns how many were entered."""
         cdef Py_ssize_t i, bs = self.block_size, entered = 0
+        cdef const block_id_t* bl = _i32(blocks, last, False)
+        cdef const hash_word_t* h = _u64(hashes, 2 * last)
+        cdef const token_t* t = _tok(tokens, last * bs)
         cdef block_id_t b
+        self._check_ids(bl + first, last - first)
         with nogil:
             for i in range(first, last):
-                b = blocks[i]
+                b = bl[i]
                 if self.cached[b]:
                     continue
-                if self._lookup(hashes[i, 0], hashes[i, 1], &tokens[i * bs]) != NONE:
+                if self._lookup(h[2 * i], h[2 * i + 1], t + i * bs) != NONE:
                     continue
-                self.hashes[b, 0] = hashes[i, 0]
-                self.hashes[b, 1] = hashes[i, 1]
-                memcpy(&self.tokens[b, 0], &tokens[i * bs], bs * sizeof(token_t))
+                self.hashes[b, 0] = h[2 * i]
+                self.hashes[b, 1] = h[2 * i + 1]
+                memcpy(&self.tokens[b, 0], t + i * bs, bs * sizeof(token_t))
                 self._index_insert(b)
                 entered += 1
         return entered

