@@ -10,6 +10,7 @@ from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
 from .hashing import block_hashes
 from .paged import PagedKVCache
 from .pool import BlockPool
+from .tables import csr_block_tables, padded_block_tables
 
 __version__ = "0.1.0"
 
@@ -17,4 +18,5 @@ __all__ = [
     "KVCacheError", "OutOfBlocksError", "CacheFullError",
     "to_float16", "to_bfloat16", "from_float16", "from_bfloat16",
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
+    "padded_block_tables", "csr_block_tables",
 ]

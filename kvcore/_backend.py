@@ -94,6 +94,9 @@ class CPUBackend:
     def copy_blocks(self, storage, src, dst):
         _kernels.copy_blocks(storage, src, dst)
 
+    def copy_blocks_between(self, src_storage, src, dst_storage, dst):
+        _kernels.copy_blocks_between(src_storage, src, dst_storage, dst)
+
     def write_contiguous(self, dst, src, start, src_kind, dst_kind):
         # the kernel writes rows of dst back to back: dst must be C-contiguous
         assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"

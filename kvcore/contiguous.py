@@ -392,6 +392,29 @@ class KVCache:
         twin._init_from(be, self._device, self._kind, dst, list(self._lengths))
         return twin
 
+    def to(self, device):
+        """A copy of this cache on ``device`` ("cpu", "cuda", "cuda:N").
+
+        Same geometry, dtype and contents (only written positions travel);
+        always a new cache, even when ``device`` is the current one.  This is
+        how a CPU cache moves to the GPU and back.
+
+        Returns
+        -------
+        KVCache
+        """
+        be = get_backend(device)
+        dev = be.normalize_device(device)
+        src = self._storage
+        dst = self._allocate(be, src.shape, self._kind)
+        for layer, n in enumerate(self._lengths):
+            if n:
+                part = self._backend.to_host(src[layer, :, :, :, :n])
+                dst[layer, :, :, :, :n] = be.from_host(part)
+        twin = object.__new__(type(self))
+        twin._init_from(be, dev, self._kind, dst, list(self._lengths))
+        return twin
+
     # ----------------------------------------------------------- properties
     @property
     def num_layers(self):

@@ -432,6 +432,52 @@ class PagedKVCache:
         child._invalidate()
         return child
 
+    def copy_to(self, pool):
+        """This sequence's tokens and KV in another pool (e.g. offloaded to a
+        CPU pool, or brought back to a GPU one).
+
+        The new sequence takes fresh blocks there (no prefix sharing), the
+        written blocks are copied with ``BlockPool.copy_blocks_to``, and its
+        token ids, committed positions and cache registrations follow.  This
+        sequence is unchanged (``free`` it to release its blocks).
+
+        Raises
+        ------
+        OutOfBlocksError
+            ``pool`` is short of blocks; nothing changed.
+        """
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+        if pool.block_size != self._bs or pool.enable_prefix_caching != self._caching:
+            raise ValueError("pool must have the same block_size and enable_prefix_caching as "
+                             f"this sequence's pool ({self._bs}, {self._caching}), got "
+                             f"({pool.block_size}, {pool.enable_prefix_caching})")
+        twin = PagedKVCache(pool, self._max, self._salt)
+        n = self._nblocks
+        table = np.empty(max(n, 16), np.int32)
+        if n:
+            with pool._lock:
+                if not pool._core.take(n, table):
+                    raise OutOfBlocksError(
+                        f"copy_to needs {n} blocks, {pool.num_free_blocks} of {pool.num_blocks} "
+                        "are free in the destination pool")
+            try:
+                self._pool.copy_blocks_to(pool, self._table[:n], table[:n])
+            except BaseException:
+                with pool._lock:
+                    pool._core.release(table[:n])
+                raise
+        twin._table = table
+        twin._nblocks = n
+        twin._tokens = self._tokens.copy()
+        twin._num_tokens = self._num_tokens
+        twin._hashes = self._hashes.copy()
+        twin._n_hashed = self._n_hashed
+        twin._num_computed = self._num_computed
+        twin._pending = list(self._pending)
+        twin._register_ready()
+        return twin
+
     def free(self):
         """Release every block (idempotent); the sequence is empty afterwards."""
         if self._nblocks:

@@ -194,6 +194,46 @@ class BlockPool:
                 f"(len(block_table) * block_size), got start={start}, end={end}")
         return self._gather(layer, table, start, end, dtype)
 
+    def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
+        """Copy whole blocks (every layer, K and V) into another pool.
+
+        For offloading: ``dst_pool`` may live on another device (a CPU pool
+        as host memory for a GPU pool, and back).  Both pools must have the
+        same block geometry and dtype.  Reference counts and the prefix cache
+        of neither pool change: the caller owns the ids on both sides (e.g.
+        a sequence's ``block_table`` here and blocks it took there).
+
+        Parameters
+        ----------
+        dst_pool : BlockPool
+        src_block_ids, dst_block_ids : 1-D integer arrays of equal length
+        """
+        if not isinstance(dst_pool, BlockPool):
+            raise TypeError(f"dst_pool must be a kvcore.BlockPool, got {type(dst_pool).__name__}")
+        mine = (self._num_layers, self._num_kv_heads, self._block_size, self._head_dim, self._kind)
+        theirs = (dst_pool._num_layers, dst_pool._num_kv_heads, dst_pool._block_size,
+                  dst_pool._head_dim, dst_pool._kind)
+        if mine != theirs:
+            raise ValueError(
+                "dst_pool must have the same (num_layers, num_kv_heads, block_size, head_dim, "
+                f"dtype) as this pool, {mine[:4] + (self.dtype,)}; got "
+                f"{theirs[:4] + (dst_pool.dtype,)}")
+        src = self._table(src_block_ids, "src_block_ids")
+        dst = dst_pool._table(dst_block_ids, "dst_block_ids")
+        if src.shape != dst.shape:
+            raise ValueError(f"src_block_ids and dst_block_ids must have the same length, got "
+                             f"{src.shape[0]} and {dst.shape[0]}")
+        if len(np.unique(dst)) != len(dst):
+            raise ValueError("dst_block_ids must not repeat a block id")
+        if not src.size:
+            return
+        # a GPU on either side drives the copy (it can read and write host memory)
+        be = self._backend if self._backend.name != "cpu" else dst_pool._backend
+        if dst_pool is self:
+            self._copy_blocks(src, dst)
+        else:
+            be.copy_blocks_between(self._storage, src, dst_pool._storage, dst)
+
     # ------------------------------------------------------------ helpers
     def _block_id(self, block_id):
         b = index_int(block_id, "block_id")
@@ -239,18 +279,18 @@ class BlockPool:
                     f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
         return np.ascontiguousarray(s, dtype=np.int64)
 
-    def _table(self, block_table):
+    def _table(self, block_table, arg="block_table"):
         t = np.asarray(self._backend.to_host(block_table) if not isinstance(
             block_table, (list, tuple)) else block_table)
         if t.ndim != 1:
-            raise ValueError(f"block_table must be 1-D, got shape {t.shape}")
+            raise ValueError(f"{arg} must be 1-D, got shape {t.shape}")
         if t.size and t.dtype.kind not in "iu":
-            raise TypeError(f"block_table must hold integers, got dtype {t.dtype}")
+            raise TypeError(f"{arg} must hold integers, got dtype {t.dtype}")
         if t.size and (t.min() < 0 or t.max() >= self._num_blocks):
             bad = (t < 0) | (t >= self._num_blocks)
             i = int(np.argmax(bad))
             raise IndexError(
-                f"block_table entries must be in 0..{self._num_blocks - 1}, "
+                f"{arg} entries must be in 0..{self._num_blocks - 1}, "
                 f"got {int(t[i])} at index {i}")
         return np.ascontiguousarray(t, dtype=np.int32)
 
