@@ -16,6 +16,8 @@ _EMPTY_I32 = np.empty(0, np.int32)
 _EMPTY_I32.flags.writeable = False
 _EMPTY_HASHES = np.empty((0, 2), np.uint64)
 _EMPTY_HASHES.flags.writeable = False
+_EMPTY_I64 = np.empty(0, np.int64)
+_EMPTY_I64.flags.writeable = False
 
 
 def _grown(a, need):
@@ -58,10 +60,12 @@ class PagedKVCache:
         self._max = None if max_seq_len is None else positive_int(max_seq_len, "max_seq_len")
         self._salt = salt_bytes(salt)
         self._root = (0, 0) if salt is None else hashing.root_words(self._salt)
+        self._root_serial = pool._salt_root(self._salt)
         self._caching = pool.enable_prefix_caching
         self._tokens = _EMPTY_I32
         self._hashes = _EMPTY_HASHES
         self._table = _EMPTY_I32
+        self._serials = _EMPTY_I64   # serial each registered block is known by
         self._reset_state()
 
     def _reset_state(self):
@@ -157,9 +161,11 @@ class PagedKVCache:
             hashes = _EMPTY_HASHES
             max_hit = 0
         table = np.empty(max(total, 16), np.int32)
+        serials = np.empty(max(n_full, 16), np.int64)
         pool = self._pool
         with pool._lock:
-            hits = self._core.allocate(tokens, hashes, max_hit, total, table)
+            hits = self._core.allocate(tokens, hashes, max_hit, total, self._root_serial, table,
+                                       serials)
             if hits < 0:
                 raise OutOfBlocksError(
                     f"allocate needs {total} blocks for {n} tokens, {pool.num_free_blocks} "
@@ -172,6 +178,7 @@ class PagedKVCache:
         self._tokens = tokens.copy() if tokens is token_ids else tokens
         self._num_tokens = n
         self._hashes = hashes
+        self._serials = serials
         self._n_hashed = n_full if self._caching else 0
         self._num_computed = hits * bs
         self._n_registered = hits
@@ -324,9 +331,12 @@ class PagedKVCache:
             upto = self._n_hashed
         if upto <= self._n_registered:
             return
+        first = self._n_registered
+        self._serials = _grown(self._serials, upto)
+        parent = self._serials[first - 1] if first else self._root_serial
         with self._pool._lock:
-            self._core.register(self._table, self._hashes, self._tokens,
-                                self._n_registered, upto)
+            self._core.register(self._table, self._hashes, self._tokens, first, upto,
+                                parent, self._serials)
         self._n_registered = upto
 
     def slot_mapping(self, start, end):
@@ -424,6 +434,7 @@ class PagedKVCache:
         child._tokens = self._tokens.copy()
         child._hashes = self._hashes.copy()
         child._table = self._table.copy()
+        child._serials = self._serials.copy()
         child._pending = list(self._pending)
         if self._nblocks:
             with self._pool._lock:
@@ -472,6 +483,7 @@ class PagedKVCache:
         twin._tokens = self._tokens.copy()
         twin._num_tokens = self._num_tokens
         twin._hashes = self._hashes.copy()
+        # twin._serials stays empty: the twin registers from block 0 in its pool
         twin._n_hashed = self._n_hashed
         twin._num_computed = self._num_computed
         twin._pending = list(self._pending)

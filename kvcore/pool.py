@@ -64,6 +64,17 @@ class BlockPool:
         self._lock = threading.RLock()
         self._prefix_queries = 0
         self._prefix_hits = 0
+        # salt -> root of its chain in the prefix cache (negative, so it can
+        # never equal a block's serial): block 0 of a salted sequence only
+        # ever matches block 0 of the same salt, exactly, not via a hash.
+        self._salt_roots = {None: -1}
+
+    def _salt_root(self, salt):
+        with self._lock:
+            root = self._salt_roots.get(salt)
+            if root is None:
+                root = self._salt_roots[salt] = -1 - len(self._salt_roots)
+            return root
 
     # ------------------------------------------------------------ geometry
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks in the pool.")
@@ -138,6 +149,42 @@ class BlockPool:
                 "prefix_hit_rate": h / q if q else 0.0,
                 "evictions": int(self._core.evictions),
             }
+
+    def probe(self, token_ids, salt=None):
+        """What ``PagedKVCache(pool, salt=salt).allocate(token_ids)`` would do now.
+
+        Changes nothing (no blocks, no LRU order, no stats), so a scheduler
+        can decide whether a request fits before admitting it.
+
+        Returns
+        -------
+        dict
+            ``hit_tokens`` (the prefix hit allocate would report),
+            ``blocks_total`` (blocks the prompt occupies) and
+            ``blocks_needed`` (free blocks allocate would consume: new
+            blocks plus cached hits nobody holds); allocate succeeds iff
+            ``blocks_needed <= num_free_blocks``.
+        """
+        from . import hashing
+        from ._validate import salt_bytes, token_array
+
+        tokens = token_array(token_ids)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("token_ids must hold at least one token, got an empty sequence")
+        bs = self._block_size
+        total = -(-n // bs)
+        hits = hits_free = 0
+        if self._caching:
+            sb = salt_bytes(salt)
+            max_hit = (n - 1) // bs
+            hashes = hashing.hash_words(tokens, bs, hashing.root_words(sb), max_hit)
+            with self._lock:
+                root = self._salt_roots.get(sb)
+                if root is not None:
+                    hits, hits_free = self._core.probe(tokens, hashes, max_hit, root)
+        return {"hit_tokens": hits * bs, "blocks_total": total,
+                "blocks_needed": total - hits + hits_free}
 
     def reset_prefix_cache(self):
         """Forget every cached block nobody holds.

@@ -156,3 +156,25 @@ def test_kvcache_to_same_contents_independent(dtype):
     assert not np.array_equal(c.get(0)[0], d.get(0)[0])
     with pytest.raises(ValueError, match="device"):
         c.to("tpu")
+
+
+def test_probe_predicts_allocate_and_changes_nothing():
+    pool = kvcore.BlockPool(6, 4, 1, 1, 4, dtype="float32")
+    a = kvcore.PagedKVCache(pool)
+    t = list(range(9))
+    assert pool.probe(t) == {"hit_tokens": 0, "blocks_total": 3, "blocks_needed": 3}
+    a.allocate(t)
+    for layer in range(1):
+        a.append(layer, np.ones((9, 1, 4), np.float32), np.ones((9, 1, 4), np.float32))
+    a.commit(9)
+    a.free()  # blocks 0 and 1 stay cached, nobody holds them
+    before = (pool.stats(), pool._core.lru_order())
+    p = pool.probe(t + [3])
+    assert p == {"hit_tokens": 8, "blocks_total": 3, "blocks_needed": 3}
+    assert pool.probe(t, salt="x")["hit_tokens"] == 0
+    assert (pool.stats(), pool._core.lru_order()) == before
+    b = kvcore.PagedKVCache(pool)
+    assert b.allocate(t + [3]) == p["hit_tokens"]
+    assert pool.num_free_blocks == 6 - p["blocks_needed"]
+    with pytest.raises(ValueError, match="at least one token"):
+        pool.probe([])

@@ -17,7 +17,7 @@ only returns a block whose stored token ids equal the query's.
 import numpy as np
 
 cimport numpy as cnp
-from libc.stdint cimport uint64_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcmp, memcpy
 
 from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
@@ -179,6 +179,13 @@ cdef class PoolCore:
     cdef block_id_t[::1] hb_prev, hb_next      # hash-bucket chain links
     cdef block_id_t[::1] buckets
     cdef token_t[:, ::1] tokens                # (num_blocks, block_size)
+    # Identity chain: each registration gets a serial number never used
+    # before; a cached block remembers its parent's serial (or, for a first
+    # block, the negative id of its salt).  A hit must match hash, tokens
+    # AND parent, so a hit's whole prefix and salt equal the query's, hash
+    # collisions or not.
+    cdef int64_t[::1] serial, parent_serial
+    cdef int64_t next_serial
     cdef Py_ssize_t bucket_mask
     cdef block_id_t uc_head, uc_tail, lru_head, lru_tail
     cdef readonly Py_ssize_t num_uncached_free, num_lru_free, num_cached
@@ -201,6 +208,9 @@ cdef class PoolCore:
         self.buckets = np.full(cap, NONE, np.int32)
         self.bucket_mask = cap - 1
         self.tokens = np.zeros((num_blocks, block_size), np.int32)
+        self.serial = np.zeros(num_blocks, np.int64)
+        self.parent_serial = np.zeros(num_blocks, np.int64)
+        self.next_serial = 1
         # every block starts on the uncached list, in id order
         for i in range(num_blocks):
             self.fl_prev[i] = i - 1
@@ -292,11 +302,14 @@ cdef class PoolCore:
         self.cached[b] = 1
         self.num_cached += 1
 
-    cdef block_id_t _lookup(self, uint64_t h0, uint64_t h1, const token_t* toks) noexcept nogil:
-        """A cached block with this hash whose stored token ids equal toks."""
+    cdef block_id_t _lookup(self, uint64_t h0, uint64_t h1, const token_t* toks,
+                            int64_t parent) noexcept nogil:
+        """A cached block with this hash and parent whose stored token ids
+        equal toks."""
         cdef block_id_t b = self.buckets[self._bucket(h0)]
         while b != NONE:
             if self.hashes[b, 0] == h0 and self.hashes[b, 1] == h1 and \
+                    self.parent_serial[b] == parent and \
                     memcmp(&self.tokens[b, 0], toks, self.block_size * sizeof(token_t)) == 0:
                 return b
             b = self.hb_next[b]
@@ -343,14 +356,19 @@ cdef class PoolCore:
         return bool(self.cached[b])
 
     cdef Py_ssize_t _lookup_prefix(self, const token_t* tokens, const hash_word_t* hashes,
-                                   Py_ssize_t max_blocks, block_id_t* out) noexcept nogil:
+                                   Py_ssize_t max_blocks, int64_t root, block_id_t* out,
+                                   int64_t* serials) noexcept nogil:
         cdef Py_ssize_t i, bs = self.block_size
         cdef block_id_t b
+        cdef int64_t parent = root
         for i in range(max_blocks):
-            b = self._lookup(hashes[2 * i], hashes[2 * i + 1], tokens + i * bs)
+            b = self._lookup(hashes[2 * i], hashes[2 * i + 1], tokens + i * bs, parent)
             if b == NONE:
                 return i
             out[i] = b
+            parent = self.serial[b]
+            if serials != NULL:
+                serials[i] = parent
         return max_blocks
 
     cdef int _check_ids(self, const block_id_t* ids, Py_ssize_t n) except -1:
@@ -365,30 +383,55 @@ cdef class PoolCore:
     # array is checked (dtype, contiguity, size) by _i32/_u64/_tok.
 
     def lookup_prefix(self, cnp.ndarray tokens, cnp.ndarray hashes, Py_ssize_t max_blocks,
-                      cnp.ndarray out):
+                      cnp.ndarray out, int64_t root=-1):
         """Longest run of leading blocks found in the cache (at most
-        max_blocks); their ids go to out[0:n].  Changes nothing."""
+        max_blocks) for a chain starting at ``root`` (-1: no salt); their ids
+        go to out[0:n].  Changes nothing."""
         cdef const token_t* t = _tok(tokens, max_blocks * self.block_size)
         cdef const hash_word_t* h = _u64(hashes, 2 * max_blocks)
         cdef block_id_t* o = _i32(out, max_blocks, True)
         cdef Py_ssize_t n
+        if root >= 0:
+            raise ValueError(f"root must be negative (a salt id), got {root}")
         with nogil:
-            n = self._lookup_prefix(t, h, max_blocks, o)
+            n = self._lookup_prefix(t, h, max_blocks, root, o, NULL)
         return n
 
+    def probe(self, cnp.ndarray tokens, cnp.ndarray hashes, Py_ssize_t max_hit_blocks,
+              int64_t root):
+        """(hit blocks, hit blocks nobody holds) that allocate would find now.
+        Changes nothing."""
+        cdef const token_t* t = _tok(tokens, max_hit_blocks * self.block_size)
+        cdef const hash_word_t* h = _u64(hashes, 2 * max_hit_blocks)
+        out = np.empty(max(max_hit_blocks, 1), np.int32)
+        cdef block_id_t* o = _i32(out, max_hit_blocks, True)
+        cdef Py_ssize_t hits, i, hits_free = 0
+        if root >= 0:
+            raise ValueError(f"root must be negative (a salt id), got {root}")
+        with nogil:
+            hits = self._lookup_prefix(t, h, max_hit_blocks, root, o, NULL)
+            for i in range(hits):
+                if self.ref[o[i]] == 0:
+                    hits_free += 1
+        return hits, hits_free
+
     def allocate(self, cnp.ndarray tokens, cnp.ndarray hashes, Py_ssize_t max_hit_blocks,
-                 Py_ssize_t total_blocks, cnp.ndarray out):
+                 Py_ssize_t total_blocks, int64_t root, cnp.ndarray out, cnp.ndarray serials):
         """Blocks for a new prompt: out[0:total_blocks] = cached hits, then
-        fresh blocks.  Returns the number of hit blocks, or -1 (nothing
-        changed) when the free blocks do not suffice."""
+        fresh blocks; serials[0:hits] = the hits' serials.  Returns the
+        number of hit blocks, or -1 (nothing changed) when the free blocks
+        do not suffice."""
         cdef const token_t* t = _tok(tokens, max_hit_blocks * self.block_size)
         cdef const hash_word_t* h = _u64(hashes, 2 * max_hit_blocks)
         cdef block_id_t* o = _i32(out, total_blocks, True)
+        cdef int64_t* sr = <int64_t*>_data(serials, cnp.NPY_INT64, max_hit_blocks, True, "int64")
         cdef Py_ssize_t hits, i, hits_free = 0
         if max_hit_blocks > total_blocks:
             raise ValueError("max_hit_blocks > total_blocks")
+        if root >= 0:
+            raise ValueError(f"root must be negative (a salt id), got {root}")
         with nogil:
-            hits = self._lookup_prefix(t, h, max_hit_blocks, o)
+            hits = self._lookup_prefix(t, h, max_hit_blocks, root, o, sr)
             for i in range(hits):
                 if self.ref[o[i]] == 0:
                     hits_free += 1
@@ -453,27 +496,43 @@ cdef class PoolCore:
         return k
 
     def register(self, cnp.ndarray blocks, cnp.ndarray hashes, cnp.ndarray tokens,
-                 Py_ssize_t first, Py_ssize_t last):
+                 Py_ssize_t first, Py_ssize_t last, int64_t parent, cnp.ndarray serials):
         """Enter blocks[first:last] (full, committed, tokens known) into the
-        prefix cache.  A block whose hash and tokens are already cached under
-        another block is skipped.  Returns how many were entered."""
+        prefix cache, block ``first``'s parent being ``parent`` (a serial, or
+        the negative salt id for block 0).  A block whose content (hash,
+        tokens, parent) is already cached under another block is skipped.
+        serials[i] receives the serial the sequence's block i is known by
+        (its own, or the cached twin's): the parent of block i + 1.
+        Returns how many blocks were entered."""
         cdef Py_ssize_t i, bs = self.block_size, entered = 0
         cdef const block_id_t* bl = _i32(blocks, last, False)
         cdef const hash_word_t* h = _u64(hashes, 2 * last)
         cdef const token_t* t = _tok(tokens, last * bs)
-        cdef block_id_t b
+        cdef int64_t* sr = <int64_t*>_data(serials, cnp.NPY_INT64, last, True, "int64")
+        cdef block_id_t b, twin
         self._check_ids(bl + first, last - first)
         with nogil:
             for i in range(first, last):
                 b = bl[i]
                 if self.cached[b]:
+                    # a hit block, or one registered before: its serial stands
+                    parent = self.serial[b]
+                    sr[i] = parent
                     continue
-                if self._lookup(h[2 * i], h[2 * i + 1], t + i * bs) != NONE:
+                twin = self._lookup(h[2 * i], h[2 * i + 1], t + i * bs, parent)
+                if twin != NONE:
+                    parent = self.serial[twin]
+                    sr[i] = parent
                     continue
                 self.hashes[b, 0] = h[2 * i]
                 self.hashes[b, 1] = h[2 * i + 1]
                 memcpy(&self.tokens[b, 0], t + i * bs, bs * sizeof(token_t))
+                self.parent_serial[b] = parent
+                self.serial[b] = self.next_serial
+                self.next_serial += 1
                 self._index_insert(b)
+                parent = self.serial[b]
+                sr[i] = parent
                 entered += 1
         return entered
 
@@ -493,6 +552,10 @@ cdef class PoolCore:
     def cached_tokens(self, block_id_t b):
         """The token ids stored with cached block b (a copy)."""
         return np.asarray(self.tokens[b]).copy()
+
+    def cached_parent(self, block_id_t b):
+        """(serial, parent serial) of cached block b."""
+        return (int(self.serial[b]), int(self.parent_serial[b]))
 
     def cached_hash(self, block_id_t b):
         return (int(self.hashes[b, 0]), int(self.hashes[b, 1]))

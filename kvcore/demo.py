@@ -1,0 +1,782 @@
+"""``python -m kvcore demo``: serve a tiny transformer through kvcore and check it.
+
+What it does, on built-in defaults (nothing is downloaded):
+
+* builds :class:`kvcore._model.TinyTransformer` (random weights from ``--seed``:
+  4 layers, 8 query heads, 2 KV heads, head_dim 64, RoPE, float32 math);
+* makes ``--requests`` requests that share a ``--prompt-len``-token system
+  prompt, each with its own random suffix (``prompt_len/16 .. prompt_len/4``
+  tokens) and its own number of new tokens (``new_tokens/2 .. new_tokens``),
+  arriving at staggered steps (1 to 4 steps apart);
+* decodes them together step by step with continuous batching through ONE
+  :class:`kvcore.BlockPool` and one :class:`kvcore.PagedKVCache` per request:
+  ``allocate`` returns the prefix hit, so later arrivals reuse the blocks of the
+  shared prompt and prefill only the rest (in chunks of ``--prefill-chunk``);
+  each step concatenates every active request's new tokens, calls
+  ``seq.reserve(n)`` per request, builds one slot mapping from
+  ``seq.slot_mapping``, writes each layer once with ``pool.write``, reads each
+  request's history with ``pool.gather(..., dtype="float32")``, then
+  ``seq.commit(n)`` and ``seq.append_token``.  Finished requests ``free()``.
+  A request is admitted only when the pool can hold it to its last token
+  (counting the blocks the running requests may still take); until then it
+  waits;
+* runs the same loop over a contiguous NumPy cache like the NumPy seed's
+  (:class:`kvcore._model.NumpyContiguousCache`, float32, every request
+  preallocated to a common ``max_seq_len``) and with no cache at all (a full
+  recompute of each request's tokens at every step), each timed on its own;
+* verifies: every logits row kvcore produced (the prefill's last position and
+  every decode step) is compared with ``forward_full`` on that request's tokens
+  so far.  The no-cache loop computes exactly those rows, so its output is the
+  reference while the tokens agree; past a disagreement the reference is
+  recomputed on kvcore's own tokens (outside every timing).  float32 storage
+  must match within 1e-4 (max abs); float16 and bfloat16 report their max
+  error and must pick the same greedy tokens as the full recompute.
+
+``run_demo(**options) -> dict`` does all of that; ``main(argv)`` is the CLI
+(the table on stdout, progress on stderr, exit status 1 if the verification
+fails, 2 for a usage error).
+"""
+import argparse
+import contextlib
+import ctypes
+import os
+import sys
+import time
+from collections import deque
+
+import numpy as np
+
+import kvcore
+from ._model import ModelConfig, NumpyContiguousCache, TinyTransformer
+
+__all__ = ["run_demo", "main", "build_parser", "DEFAULTS", "F32_TOLERANCE"]
+
+DEFAULTS = {
+    "requests": 6,
+    "prompt_len": 192,
+    "new_tokens": 32,
+    "dtype": "float32",
+    "device": "cpu",
+    "seed": 0,
+    "block_size": 16,
+    "num_blocks": None,      # None: enough for every request at once
+    "prefill_chunk": 64,
+    "threads": 1,            # BLAS threads for the model math; 0 leaves them alone
+}
+
+F32_TOLERANCE = 1e-4
+_DTYPES = {"float32": "float32", "f32": "float32", "float16": "float16", "f16": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class DemoError(ValueError):
+    """Options the demo cannot run with (a usage error for the CLI)."""
+
+
+# --------------------------------------------------------------------- BLAS
+def _openblas_handles():
+    """(set, get) functions of the OpenBLAS NumPy loaded, or None (Linux only)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
+    except OSError:
+        return None
+    names = [("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
+             ("scipy_openblas_set_num_threads", "scipy_openblas_get_num_threads"),
+             ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
+             ("openblas_set_num_threads", "openblas_get_num_threads")]
+    for path in sorted(paths):
+        if not os.path.isfile(path):
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for set_name, get_name in names:
+            if hasattr(lib, set_name) and hasattr(lib, get_name):
+                setter, getter = getattr(lib, set_name), getattr(lib, get_name)
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                getter.argtypes, getter.restype = [], ctypes.c_int
+                return setter, getter
+    return None
+
+
+@contextlib.contextmanager
+def _blas_threads(n):
+    """Limit OpenBLAS to ``n`` threads inside the block (no-op if n is 0 or
+    the BLAS is not an OpenBLAS we can find).  Yields the thread count in
+    force, or None if unknown.
+
+    The model is tiny (matrices of 512 x 1024): BLAS threads only add
+    synchronisation, and on a loaded machine spinning threads make every
+    matmul tens of times slower, which would swamp what the demo measures.
+    """
+    handles = _openblas_handles() if n else None
+    if handles is None:
+        yield None
+        return
+    setter, getter = handles
+    before = getter()
+    setter(int(n))
+    try:
+        yield int(n)
+    finally:
+        setter(before)
+
+
+# ----------------------------------------------------------------- workload
+class _Request:
+    """One request of the workload (immutable during a run)."""
+
+    def __init__(self, rid, arrival, prompt, max_new):
+        self.rid = rid
+        self.arrival = arrival
+        self.prompt = prompt           # np.int64 array
+        self.max_new = max_new
+
+    @property
+    def max_len(self):
+        """Tokens the request ends with (prompt + generated)."""
+        return len(self.prompt) + self.max_new
+
+
+class _State:
+    """One request while an engine serves it."""
+
+    def __init__(self, req, computed=0):
+        self.req = req
+        self.tokens = [int(t) for t in req.prompt]
+        self.computed = computed       # positions whose KV is in the cache
+        self.hit = computed
+        self.generated = []
+        self.logits = []               # one float32 row per generated token
+        self.admitted = None
+        self.finished = None
+        self.handle = None             # engine-specific (PagedKVCache, contiguous cache)
+        self.nblocks = 0
+
+
+def _make_workload(model, opts, rng):
+    cfg = model.config
+    plen = opts["prompt_len"]
+    system = rng.integers(0, cfg.vocab_size, plen)
+    lo_sfx, hi_sfx = max(1, plen // 16), max(2, plen // 4)
+    lo_new = max(1, opts["new_tokens"] // 2)
+    reqs, arrival = [], 0
+    for rid in range(opts["requests"]):
+        if rid:
+            arrival += int(rng.integers(1, 5))
+        suffix = rng.integers(0, cfg.vocab_size, int(rng.integers(lo_sfx, hi_sfx + 1)))
+        max_new = int(rng.integers(lo_new, opts["new_tokens"] + 1))
+        reqs.append(_Request(rid, arrival, np.concatenate([system, suffix]).astype(np.int64),
+                             max_new))
+    return reqs
+
+
+# ------------------------------------------------------------------ engines
+class _Engine:
+    """How a loop stores KV; the scheduler in :func:`_serve` is shared."""
+
+    label = ""
+
+    def admit(self, req, active):
+        """A new _State for ``req``, or None if it must wait."""
+        return _State(req)
+
+    def step(self, batch):
+        """Run one step; ``batch`` is [(state, n)].  Returns one logits row
+        (or None when the chunk does not end the known tokens) per entry."""
+        raise NotImplementedError
+
+    def token(self, st, tok):
+        pass
+
+    def finish(self, st):
+        pass
+
+    def progress(self):
+        return ""
+
+
+class _BatchedEngine(_Engine):
+    """One forward pass over every active request's new tokens: the row-wise
+    parts (projections, MLP, LM head) run batched, attention per request over
+    the KV the cache hands back."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def _prepare(self, batch):
+        pass
+
+    def _store(self, layer, k, v, batch, bounds):
+        raise NotImplementedError
+
+    def _read(self, layer, st, end):
+        raise NotImplementedError
+
+    def _commit(self, batch):
+        pass
+
+    def step(self, batch):
+        model = self.model
+        cfg = model.config
+        self._prepare(batch)
+        toks, pos, bounds, sample = [], [], [], []
+        a = 0
+        for st, n in batch:
+            start = st.computed
+            toks.extend(st.tokens[start:start + n])
+            pos.append(np.arange(start, start + n, dtype=np.int64))
+            bounds.append((a, a + n))
+            a += n
+            if start + n == len(st.tokens):
+                sample.append(a - 1)
+        pos = np.concatenate(pos)
+        x = model.embed(np.asarray(toks, dtype=np.int64))
+        for layer in range(cfg.num_layers):
+            q, k, v = model.layer_qkv(layer, x, pos)
+            self._store(layer, k, v, batch, bounds)
+            attn = np.empty((a, cfg.num_heads, cfg.head_dim), np.float32)
+            for (st, n), (lo, hi) in zip(batch, bounds):
+                end = st.computed + n
+                k_all, v_all = self._read(layer, st, end)
+                attn[lo:hi] = model.attention(q[lo:hi], k_all, v_all, pos[lo:hi], end)
+            x = model.layer_finish(layer, x, attn)
+        self._commit(batch)
+        rows = iter(model.logits(x[sample]) if sample else ())
+        return [next(rows) if st.computed + n == len(st.tokens) else None for st, n in batch]
+
+
+class _PagedEngine(_BatchedEngine):
+    """kvcore: one BlockPool, one PagedKVCache per request, batched pool.write."""
+
+    label = "kvcore paged"
+
+    def __init__(self, model, pool, device):
+        super().__init__(model)
+        self.pool = pool
+        self.bs = pool.block_size
+        self.peak_blocks = 0
+        self.contig_bytes = 0          # live requests, each preallocated to its own max length
+        self.peak_contig_bytes = 0
+        self.tok_bytes = (2 * model.config.num_layers * model.config.num_kv_heads
+                          * model.config.head_dim * _ITEMSIZE[pool.dtype])
+        if device == "cuda":
+            import cupy
+
+            self._to_dev, self._to_host = cupy.asarray, cupy.asnumpy
+        else:
+            self._to_dev = self._to_host = None
+
+    def _blocks(self, ntok):
+        return -(-ntok // self.bs)
+
+    def _track(self):
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_used_blocks)
+
+    def admit(self, req, active):
+        pool = self.pool
+        # Blocks the running requests may still take before they finish.
+        promised = sum(self._blocks(st.req.max_len) - st.nblocks for st in active)
+        if pool.num_free_blocks - promised < self._blocks(req.max_len):
+            return None
+        seq = kvcore.PagedKVCache(pool, max_seq_len=req.max_len)
+        try:
+            hit = seq.allocate(req.prompt)
+        except kvcore.OutOfBlocksError:
+            return None
+        st = _State(req, computed=hit)
+        st.handle = seq
+        st.nblocks = len(seq.block_table)
+        self.contig_bytes += req.max_len * self.tok_bytes
+        self.peak_contig_bytes = max(self.peak_contig_bytes, self.contig_bytes)
+        self._track()
+        return st
+
+    def _prepare(self, batch):
+        slots, self._tables = [], {}
+        for st, n in batch:
+            seq = st.handle
+            seq.reserve(n)
+            table = seq.block_table
+            st.nblocks = len(table)
+            self._tables[id(st)] = table
+            slots.append(seq.slot_mapping(st.computed, st.computed + n))
+        self._slots = np.concatenate(slots)
+        self._track()
+
+    def _store(self, layer, k, v, batch, bounds):
+        if self._to_dev is not None:
+            k, v = self._to_dev(k), self._to_dev(v)
+        self.pool.write(layer, k, v, self._slots)
+
+    def _read(self, layer, st, end):
+        k, v = self.pool.gather(layer, self._tables[id(st)], 0, end, dtype="float32")
+        if self._to_host is not None:
+            k, v = self._to_host(k), self._to_host(v)
+        return k, v
+
+    def _commit(self, batch):
+        for st, n in batch:
+            st.handle.commit(n)
+
+    def token(self, st, tok):
+        st.handle.append_token(tok)
+
+    def finish(self, st):
+        st.handle.free()
+        st.handle = None
+        self.contig_bytes -= st.req.max_len * self.tok_bytes
+
+    def progress(self):
+        return f"{self.pool.num_used_blocks}/{self.pool.num_blocks} blocks used"
+
+
+class _ContiguousEngine(_BatchedEngine):
+    """The NumPy seed's way: a float32 NumpyContiguousCache per request,
+    preallocated to a common max_seq_len, filled by slice assignment."""
+
+    label = "contiguous NumPy"
+
+    def __init__(self, model, max_seq_len):
+        super().__init__(model)
+        self.max_seq_len = max_seq_len
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def admit(self, req, active):
+        st = _State(req)
+        st.handle = NumpyContiguousCache.from_config(self.model.config, self.max_seq_len)
+        self.live_bytes += st.handle.allocated_bytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return st
+
+    def _store(self, layer, k, v, batch, bounds):
+        for (st, n), (lo, hi) in zip(batch, bounds):
+            st.handle.update(layer, k[lo:hi], v[lo:hi])
+
+    def _read(self, layer, st, end):
+        return st.handle.get(layer)
+
+    def finish(self, st):
+        self.live_bytes -= st.handle.allocated_bytes
+        st.handle = None
+
+
+class _NoCacheEngine(_Engine):
+    """No cache: every step recomputes each request's whole sequence."""
+
+    label = "no cache"
+
+    def __init__(self, model):
+        self.model = model
+
+    def step(self, batch):
+        out = []
+        for st, n in batch:
+            if st.computed + n == len(st.tokens):
+                out.append(self.model.forward_full(st.tokens)[-1])
+            else:
+                out.append(None)    # a prefill chunk that does not end the prompt
+        return out
+
+
+# ---------------------------------------------------------------- scheduler
+def _serve(engine, reqs, chunk, log=None, every=8):
+    """Continuous batching: admit arrivals (first come, first served) as the
+    engine allows, run one step over every active request (a prefill chunk
+    or one decode token each), sample greedily, retire finished requests.
+    Returns (states in request order, steps, max batch, requests that waited)."""
+    pending = deque(sorted(reqs, key=lambda r: (r.arrival, r.rid)))
+    active, done, waited = [], {}, set()
+    step = max_batch = generated = 0
+    total_new = sum(r.max_new for r in reqs)
+    while pending or active:
+        while pending and pending[0].arrival <= step:
+            st = engine.admit(pending[0], active)
+            if st is None:
+                waited.add(pending[0].rid)
+                break
+            st.admitted = step
+            active.append(st)
+            pending.popleft()
+        if not active:
+            if pending and pending[0].arrival > step:
+                step = pending[0].arrival
+                continue
+            raise RuntimeError(f"{engine.label}: request {pending[0].rid} can never be "
+                               "admitted (the pool is too small for it)")
+        batch = []
+        for st in active:
+            left = len(st.tokens) - st.computed
+            batch.append((st, min(chunk, left)))
+        max_batch = max(max_batch, len(batch))
+        rows = engine.step(batch)
+        still = []
+        for (st, n), row in zip(batch, rows):
+            st.computed += n
+            if row is not None:
+                row = np.array(row, dtype=np.float32)
+                tok = int(np.argmax(row))
+                st.logits.append(row)
+                st.generated.append(tok)
+                st.tokens.append(tok)
+                engine.token(st, tok)
+                generated += 1
+            if len(st.generated) == st.req.max_new:
+                st.finished = step
+                engine.finish(st)
+                done[st.req.rid] = st
+            else:
+                still.append(st)
+        active = still
+        if log is not None and (step % every == 0 or not (pending or active)):
+            extra = engine.progress()
+            print(f"  [{engine.label}] step {step:3d}: {len(active)} active, {len(pending)} "
+                  f"queued, {generated}/{total_new} tokens generated"
+                  + (f", {extra}" if extra else ""), file=log, flush=True)
+        step += 1
+    return [done[r.rid] for r in reqs], step, max_batch, waited
+
+
+# ------------------------------------------------------------- verification
+def _compare(model, states, ref_states):
+    """Compare every logits row of ``states`` with a full recompute.
+
+    ``ref_states`` come from the no-cache loop, whose row i of a request is
+    ``forward_full(tokens so far)[-1]``: that is the reference as long as both
+    loops chose the same tokens before row i.  Past the first disagreement the
+    reference is recomputed here on ``states``' own tokens.
+    """
+    max_err, rows, agree, mismatches = 0.0, 0, 0, []
+    worst = None
+    for st, ref in zip(states, ref_states):
+        plen = len(st.req.prompt)
+        same_prefix = True
+        for i, row in enumerate(st.logits):
+            if same_prefix:
+                want = ref.logits[i]
+            else:
+                want = model.forward_full(st.tokens[:plen + i])[-1]
+            err = float(np.max(np.abs(row - want)))
+            if worst is None or err > max_err:
+                max_err, worst = err, (st.req.rid, i)
+            rows += 1
+            ref_tok = int(np.argmax(want))
+            if ref_tok == st.generated[i]:
+                agree += 1
+            else:
+                mismatches.append((st.req.rid, i, st.generated[i], ref_tok))
+            if same_prefix and ref.generated[i] != st.generated[i]:
+                same_prefix = False
+    return {"max_abs_err": max_err, "rows": rows, "tokens_agree": agree,
+            "mismatches": mismatches, "worst": worst}
+
+
+# ---------------------------------------------------------------- options
+def _options(options):
+    unknown = set(options) - set(DEFAULTS) - {"progress"}
+    if unknown:
+        raise TypeError(f"run_demo() got unknown options {sorted(unknown)}; "
+                        f"expected some of {sorted(DEFAULTS)}")
+    o = dict(DEFAULTS)
+    o.update({k: v for k, v in options.items() if k != "progress"})
+    for name in ("requests", "prompt_len", "new_tokens", "block_size", "prefill_chunk"):
+        v = o[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise DemoError(f"{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        o[name] = int(v)
+    for name in ("seed", "threads"):
+        v = o[name]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise DemoError(f"{name} must be a non-negative integer, got {v!r}")
+        o[name] = int(v)
+    if o["num_blocks"] is not None:
+        v = o["num_blocks"]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise DemoError(f"num-blocks must be a positive integer, got {v!r}")
+        o["num_blocks"] = int(v)
+    dt = str(o["dtype"]).lower()
+    if dt not in _DTYPES:
+        raise DemoError(f"dtype must be float32, float16 or bfloat16, got {o['dtype']!r}")
+    o["dtype"] = _DTYPES[dt]
+    dev = str(o["device"]).lower()
+    if dev not in ("cpu", "cuda"):
+        raise DemoError(f"device must be cpu or cuda, got {o['device']!r}")
+    o["device"] = dev
+    return o
+
+
+def _make_pool(o, cfg, num_blocks):
+    if o["device"] == "cuda":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            raise DemoError("--device cuda needs CuPy (pip install cupy-cuda12x, or "
+                            "kvcore[cuda]) and an NVIDIA GPU") from None
+    try:
+        return kvcore.BlockPool(num_blocks, o["block_size"], cfg.num_layers, cfg.num_kv_heads,
+                                cfg.head_dim, dtype=o["dtype"], device=o["device"])
+    except (ImportError, RuntimeError) as e:
+        if o["device"] == "cuda":
+            raise DemoError(f"--device cuda is not usable here: {e}") from None
+        raise
+
+
+# --------------------------------------------------------------------- run
+def run_demo(**options):
+    """Run the demo; return a dict of results, verification status and table.
+
+    Options (see ``DEFAULTS``): requests, prompt_len, new_tokens, dtype,
+    device, seed, block_size, num_blocks, prefill_chunk, threads; and
+    progress (a file for progress lines, e.g. sys.stderr; default none).
+
+    The returned dict has ``ok`` (bool) and ``message`` (why not), the
+    workload, ``pool_stats``, memory and timing figures, ``verification``,
+    and ``table`` (the text ``main`` prints).  Raises ``DemoError`` (a
+    ValueError) for options it cannot run with.
+    """
+    log = options.get("progress")
+    o = _options(options)
+    with _blas_threads(o["threads"]) as threads:
+        return _run(o, log, threads)
+
+
+def _run(o, log, threads):
+    model = TinyTransformer(ModelConfig(), seed=o["seed"])
+    cfg = model.config
+    reqs = _make_workload(model, o, np.random.default_rng([o["seed"], 1]))
+    max_seq_len = max(r.max_len for r in reqs)
+    if max_seq_len > cfg.max_position:
+        raise DemoError(f"prompt-len + suffix + new-tokens reach {max_seq_len} positions; the "
+                        f"model takes at most {cfg.max_position}")
+    bs = o["block_size"]
+    need_one = max(-(-r.max_len // bs) for r in reqs)
+    num_blocks = o["num_blocks"] or sum(-(-r.max_len // bs) for r in reqs)
+    if num_blocks < need_one:
+        raise DemoError(f"num-blocks={num_blocks} cannot hold the longest request "
+                        f"({max_seq_len} tokens = {need_one} blocks of {bs})")
+    pool = _make_pool(o, cfg, num_blocks)
+
+    def say(msg):
+        if log is not None:
+            print(msg, file=log, flush=True)
+
+    say(f"kvcore demo: {len(reqs)} requests, {o['prompt_len']}-token shared prompt, "
+        f"KV {o['dtype']} on {o['device']}, {num_blocks} blocks of {bs}")
+    runs = {}
+    for key, engine in (("kvcore", _PagedEngine(model, pool, o["device"])),
+                        ("contiguous", _ContiguousEngine(model, max_seq_len)),
+                        ("nocache", _NoCacheEngine(model))):
+        say(f"- {engine.label} loop")
+        t0 = time.perf_counter()
+        states, steps, max_batch, waited = _serve(engine, reqs, o["prefill_chunk"], log)
+        seconds = time.perf_counter() - t0
+        runs[key] = {"engine": engine, "states": states, "steps": steps,
+                     "max_batch": max_batch, "waited": waited, "seconds": seconds}
+
+    say("- verifying against the full recompute")
+    kv, contig, ref = runs["kvcore"], runs["contiguous"], runs["nocache"]
+    ver = _compare(model, kv["states"], ref["states"])
+    ver_contig = _compare(model, contig["states"], ref["states"])
+    gen_total = sum(len(s.generated) for s in kv["states"])
+    if o["dtype"] == "float32":
+        ok = ver["max_abs_err"] <= F32_TOLERANCE
+        criterion = f"max abs error <= {F32_TOLERANCE:g}"
+    else:
+        ok = not ver["mismatches"]
+        criterion = "greedy tokens agree with the full recompute"
+    if ok:
+        message = ""
+    elif o["dtype"] == "float32":
+        rid, i = ver["worst"]
+        message = (f"kvcore's logits differ from a full recompute by up to "
+                   f"{ver['max_abs_err']:.3e} (request {rid}, generated token {i}); "
+                   f"float32 storage must stay within {F32_TOLERANCE:g}")
+    else:
+        rid, i, got, want = ver["mismatches"][0]
+        message = (f"{len(ver['mismatches'])} of {ver['rows']} greedy tokens differ from the "
+                   f"full recompute (first: request {rid}, generated token {i}: kvcore chose "
+                   f"{got}, the recompute's argmax is {want}); max abs logits error "
+                   f"{ver['max_abs_err']:.3e}")
+    stats = pool.stats()
+    eng = kv["engine"]
+    res = {
+        "ok": ok, "message": message, "criterion": criterion,
+        "options": dict(o, num_blocks=num_blocks),
+        "blas_threads": threads,
+        "model": {"num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+                  "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                  "vocab_size": cfg.vocab_size},
+        "requests": [{"id": s.req.rid, "arrival": s.req.arrival,
+                      "prompt_tokens": len(s.req.prompt), "new_tokens": len(s.generated),
+                      "prefix_hit": s.hit, "admitted": s.admitted, "finished": s.finished,
+                      "waited": s.req.rid in kv["waited"]} for s in kv["states"]],
+        "prompt_tokens": sum(len(r.prompt) for r in reqs),
+        "generated_tokens": gen_total,
+        "pool_stats": stats,
+        "prefix_hit_rate": stats["prefix_hit_rate"],
+        "peak_blocks": eng.peak_blocks,
+        "bytes_per_block": pool.bytes_per_block,
+        "peak_paged_bytes": eng.peak_blocks * pool.bytes_per_block,
+        "contiguous_own_len_bytes": eng.peak_contig_bytes,
+        "contiguous_seed_bytes": runs["contiguous"]["engine"].peak_bytes,
+        "max_seq_len": max_seq_len,
+        "steps": kv["steps"], "max_batch": kv["max_batch"],
+        "timings": {k: {"seconds": r["seconds"], "tokens_per_s": gen_total / r["seconds"],
+                        "steps": r["steps"]} for k, r in runs.items()},
+        "verification": {"passed": ok, "criterion": criterion,
+                         "max_abs_err": ver["max_abs_err"], "rows": ver["rows"],
+                         "tokens_agree": ver["tokens_agree"],
+                         "mismatches": ver["mismatches"][:20],
+                         "contiguous_max_abs_err": ver_contig["max_abs_err"]},
+    }
+    res["table"] = _table(res)
+    return res
+
+
+# ------------------------------------------------------------------- table
+def _mib(n):
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _table(r):
+    o, m, v, t = r["options"], r["model"], r["verification"], r["timings"]
+    reqs = r["requests"]
+    st = r["pool_stats"]
+    arrivals = ",".join(str(q["arrival"]) for q in reqs)
+    sfx = [q["prompt_tokens"] - o["prompt_len"] for q in reqs]
+    news = [q["new_tokens"] for q in reqs]
+    nwait = sum(q["waited"] for q in reqs)
+    paged = r["peak_paged_bytes"]
+    base = t["nocache"]["seconds"]
+
+    def speed(key):
+        s = t[key]["seconds"]
+        vs = "the baseline" if key == "nocache" else f"{base / s:.1f}x no cache"
+        return f"{t[key]['tokens_per_s']:.1f}", f"{s:.2f} s for the whole loop, {vs}"
+
+
+    rows = [
+        ("requests", str(len(reqs)),
+         f"arrive at steps {arrivals}; up to {r['max_batch']} at once; "
+         f"{r['steps']} steps" + (f"; {nwait} waited for blocks" if nwait else "")),
+        ("prompt tokens", str(r["prompt_tokens"]),
+         f"{o['prompt_len']}-token shared system prompt + {min(sfx)}..{max(sfx)}-token "
+         f"suffixes; prefill chunk {o['prefill_chunk']}"),
+        ("generated tokens", str(r["generated_tokens"]),
+         f"{min(news)}..{max(news)} per request, greedy"),
+        ("prefix-cache hit rate", f"{100 * r['prefix_hit_rate']:.1f}%",
+         f"{st['prefix_hits']} of {st['prefix_queries']} prompt tokens found in the pool "
+         "(pool.stats())"),
+        ("peak KV blocks used", f"{r['peak_blocks']} of {o['num_blocks']}",
+         f"blocks of {o['block_size']} tokens, {r['bytes_per_block'] // 1024} KiB each"),
+        ("KV bytes, kvcore paged", _mib(paged),
+         f"peak blocks used x block bytes, {o['dtype']}"),
+        ("KV bytes, contiguous", _mib(r["contiguous_own_len_bytes"]),
+         f"{r['contiguous_own_len_bytes'] / paged:.2f}x paged: {o['dtype']}, each live request "
+         "preallocated to its own max length (prompt + new tokens)"),
+        ("KV bytes, NumPy seed", _mib(r["contiguous_seed_bytes"]),
+         f"{r['contiguous_seed_bytes'] / paged:.2f}x paged: float32, each live request "
+         f"preallocated to a common max_seq_len={r['max_seq_len']}"),
+        ("tokens/s, kvcore paged", speed("kvcore")[0],
+         speed("kvcore")[1] + f"; prefills {r['prompt_tokens'] - st['prefix_hits']} of "
+         f"{r['prompt_tokens']} prompt tokens (the rest are prefix hits)"),
+        ("tokens/s, contiguous NumPy", *speed("contiguous")),
+        ("tokens/s, no cache", *speed("nocache")),
+        ("verification", "PASS" if r["ok"] else "FAIL",
+         f"{v['rows']} logits rows vs full recompute: max abs error {v['max_abs_err']:.2e}; "
+         f"greedy tokens agree {v['tokens_agree']}/{v['rows']}; criterion: {v['criterion']}"),
+    ]
+    dev = o["device"]
+    head = (f"kvcore demo: TinyTransformer ({m['num_layers']} layers, {m['num_heads']} query / "
+            f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, RoPE, float32 math, "
+            f"seed {o['seed']}); KV cache {o['dtype']} on {dev}"
+            + (f"; BLAS threads {r['blas_threads']}" if r["blas_threads"] else ""))
+    widths = [max(len(x[i]) for x in rows) for i in range(2)]
+    lines = [head, "-" * min(len(head), 100)]
+    lines += [f"{a.ljust(widths[0])}  {b.rjust(widths[1])}  {c}" for a, b, c in rows]
+    lines.append(f"tokens/s = generated tokens / wall time of each loop (prefill included); "
+                 f"contiguous NumPy max abs error {v['contiguous_max_abs_err']:.2e}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- CLI
+def add_arguments(p):
+    """Add the demo's options to an argparse parser."""
+    d = DEFAULTS
+    p.add_argument("--requests", type=int, default=d["requests"], metavar="N",
+                   help="number of requests (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=d["prompt_len"], metavar="N",
+                   help="length of the shared system prompt (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=d["new_tokens"], metavar="N",
+                   help="most new tokens per request; each draws N/2..N (default %(default)s)")
+    p.add_argument("--dtype", default=d["dtype"], choices=sorted(_DTYPES),
+                   help="KV storage dtype (default %(default)s)")
+    p.add_argument("--device", default=d["device"], choices=("cpu", "cuda"),
+                   help="where the pool lives; cuda needs CuPy (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help="model weights and workload (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=d["block_size"], metavar="N",
+                   help="tokens per block (default %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d["num_blocks"], metavar="N",
+                   help="blocks in the pool (default: enough for every request at once; "
+                        "fewer make requests wait)")
+    p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"], metavar="N",
+                   help="most prompt tokens a request prefills per step (default %(default)s)")
+    p.add_argument("--threads", type=int, default=d["threads"], metavar="N",
+                   help="OpenBLAS threads for the model math, 0 = leave as is "
+                        "(default %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def build_parser(prog="python -m kvcore demo"):
+    p = argparse.ArgumentParser(
+        prog=prog, description="Serve a tiny random-weight transformer through kvcore "
+        "(continuous batching, prefix caching) and verify it against a full recompute.")
+    return add_arguments(p)
+
+
+def run_from_args(args, parser):
+    """Run the demo for parsed ``args``; returns the exit status."""
+    opts = {k: getattr(args, k) for k in DEFAULTS}
+    if not args.quiet:
+        opts["progress"] = sys.stderr
+    try:
+        res = run_demo(**opts)
+    except DemoError as e:
+        parser.error(str(e))      # exits 2
+    print(res["table"], flush=True)
+    if args.json:
+        import json
+
+        out = {k: v for k, v in res.items() if k != "table"}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=_json_default)
+    if not res["ok"]:
+        print(f"kvcore demo: VERIFICATION FAILED: {res['message']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def main(argv=None):
+    """``python -m kvcore demo [options]``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_from_args(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""python -m kvcore: subcommands, options and exit statuses."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcore import __main__ as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=120):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "kvcore", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_subprocess():
+    p = run_cli("demo", "--requests", "2", "--prompt-len", "32", "--new-tokens", "4")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("kvcore demo:")
+    for row in ("requests", "prefix-cache hit rate", "tokens/s, kvcore paged", "verification"):
+        assert any(line.startswith(row) for line in lines), row
+    assert "PASS" in p.stdout
+    assert "[kvcore paged] step" in p.stderr       # progress on stderr, not stdout
+    assert "[kvcore paged]" not in p.stdout
+
+
+def test_bench_help_subprocess():
+    p = run_cli("bench", "--help")
+    assert p.returncode == 0, p.stderr
+    for opt in ("--full", "--json", "--plot"):
+        assert opt in p.stdout
+
+
+def test_top_level_help():
+    p = run_cli("--help")
+    assert p.returncode == 0
+    assert "demo" in p.stdout and "bench" in p.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--requests", "0"],
+    ["demo", "--requests", "two"],
+    ["demo", "--dtype", "float8"],
+    ["demo", "--device", "tpu"],
+    ["demo", "--num-blocks", "1"],
+    ["demo", "--frobnicate"],
+    ["bench", "--only", "nope"],
+    ["serve"],
+])
+def test_bad_options_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_bad_option_subprocess_exit_2():
+    p = run_cli("demo", "--prompt-len", "-5")
+    assert p.returncode == 2
+    assert "prompt-len" in p.stderr
+
+
+def test_no_subcommand_runs_the_demo(monkeypatch):
+    from kvcore import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "run_from_args", lambda args, parser: seen.append(args) or 0)
+    assert cli.main([]) == 0
+    assert seen and seen[0].command == "demo" and seen[0].requests == demo.DEFAULTS["requests"]
+
+
+FAKE_SWEEP = {"points": [{"tokens": n, "bytes": 12288 * n, "kvcore_gb_s": 10.0,
+                          "numpy_gb_s": 2.0, "ratio_numpy": 5.0} for n in (1, 16)],
+              "config": {"quick": True}}
+
+
+def test_bench_table_json_and_notes(monkeypatch, tmp_path, capsys):
+    from kvcore.benchmarks import sweep
+
+    monkeypatch.setattr(sweep, "run", lambda quick=False: FAKE_SWEEP)
+    monkeypatch.setattr(cli, "_gpu_available", lambda: "no CUDA GPU")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--only", "sweep,gpu", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "paged write 16 tok" in stdout and "5.0x" in stdout
+    # the GPU benchmark is skipped with a note when there is no GPU
+    assert "note: gpu: skipped: no CUDA GPU" in stdout
+    data = json.loads(out.read_text())
+    assert data["results"]["sweep"]["points"][1]["tokens"] == 16
+    assert data["results"]["gpu"] == {"skipped": "skipped: no CUDA GPU"}
+    assert data["quick"] is True
+
+
+def test_bench_skips_a_missing_optional_module(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def fake(name, *a):
+        if name == "kvcore.benchmarks.convert":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    mod, why = cli._load("convert")
+    assert mod is None and "not in this build" in why
+
+
+def test_bench_plot_without_matplotlib(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib fails
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--only", "sweep", "--plot", "x.png"])
+    assert e.value.code == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_generic_rows_for_unknown_benchmarks():
+    rows = cli._summary_rows("convert", {"f16": {"ratio_numpy": 3.0, "kvcore_s": 1.0},
+                                         "speedup": 2.0})
+    assert ("convert: f16", "", "ratio_numpy", "3.0x") in rows
+    assert any(r[3] == "2.0x" for r in rows)

@@ -1,0 +1,142 @@
+"""kvcore.demo: the served-model demo runs through kvcore and verifies itself."""
+import io
+
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import demo
+
+SMALL = dict(requests=3, prompt_len=32, new_tokens=4)
+
+ROWS = ("requests", "prompt tokens", "generated tokens", "prefix-cache hit rate",
+        "peak KV blocks used", "KV bytes, kvcore paged", "KV bytes, contiguous",
+        "KV bytes, NumPy seed", "tokens/s, kvcore paged", "tokens/s, contiguous NumPy",
+        "tokens/s, no cache", "verification")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_demo_verifies_each_dtype(dtype):
+    res = demo.run_demo(dtype=dtype, **SMALL)
+    assert res["ok"], res["message"]
+    assert res["message"] == ""
+    ver = res["verification"]
+    assert ver["passed"]
+    # every generated token has a logits row, all compared
+    assert ver["rows"] == res["generated_tokens"] == sum(r["new_tokens"] for r in res["requests"])
+    assert ver["tokens_agree"] == ver["rows"]
+    if dtype == "float32":
+        assert ver["max_abs_err"] <= demo.F32_TOLERANCE
+    else:
+        assert 0 < ver["max_abs_err"] < 0.1   # rounding shows, but stays small
+    assert res["prefix_hit_rate"] > 0
+    assert res["pool_stats"]["prefix_hits"] > 0
+    assert res["pool_stats"]["num_used_blocks"] == 0      # every request freed its blocks
+    # later arrivals hit the shared prompt's blocks
+    assert any(r["prefix_hit"] >= 16 for r in res["requests"][1:])
+    assert 0 < res["peak_blocks"] <= res["options"]["num_blocks"]
+    assert res["peak_paged_bytes"] < res["contiguous_seed_bytes"]
+    for key in ("kvcore", "contiguous", "nocache"):
+        assert res["timings"][key]["tokens_per_s"] > 0
+    lines = res["table"].splitlines()
+    for row in ROWS:
+        assert any(line.startswith(row) for line in lines), row
+    assert "PASS" in next(line for line in lines if line.startswith("verification"))
+    assert dtype in lines[0]
+
+
+def test_demo_is_deterministic_and_staggered():
+    a = demo.run_demo(**SMALL)
+    b = demo.run_demo(**SMALL)
+    assert a["requests"] == b["requests"]
+    arrivals = [r["arrival"] for r in a["requests"]]
+    assert arrivals == sorted(arrivals) and len(set(arrivals)) == len(arrivals)
+    # requests have their own suffixes and new-token counts (finish at different steps)
+    opts = dict(demo.DEFAULTS)
+    reqs = demo._make_workload(demo.TinyTransformer(seed=0), opts, np.random.default_rng(0))
+    assert len({r.max_new for r in reqs}) > 1
+    assert len({len(r.prompt) for r in reqs}) > 1
+    assert all(np.array_equal(r.prompt[:opts["prompt_len"]], reqs[0].prompt[:opts["prompt_len"]])
+               for r in reqs)
+
+
+def test_demo_uses_batched_pool_write(monkeypatch):
+    calls = []
+    real_write = kvcore.BlockPool.write
+
+    def write(self, layer, k, v, slots, src_dtype=None):
+        calls.append(len(slots))
+        return real_write(self, layer, k, v, slots, src_dtype=src_dtype)
+
+    def no_append(*a, **kw):
+        raise AssertionError("the demo writes through pool.write, not seq.append")
+
+    monkeypatch.setattr(kvcore.BlockPool, "write", write)
+    monkeypatch.setattr(kvcore.PagedKVCache, "append", no_append)
+    res = demo.run_demo(**SMALL)
+    assert res["ok"], res["message"]
+    assert calls and len(calls) % 4 == 0           # once per layer per step
+    assert max(calls) > 1                          # several requests in one write
+
+
+def test_demo_waits_when_the_pool_is_short():
+    # 3 blocks of 16 hold one request (32 + suffix + 4 tokens) at a time
+    res = demo.run_demo(num_blocks=3, **SMALL)
+    assert res["ok"], res["message"]
+    assert res["peak_blocks"] <= 3
+    assert any(r["waited"] for r in res["requests"])
+    assert res["max_batch"] == 1
+    assert res["pool_stats"]["num_used_blocks"] == 0
+
+
+def test_demo_progress_goes_to_the_given_stream():
+    log = io.StringIO()
+    res = demo.run_demo(progress=log, **SMALL)
+    assert res["ok"]
+    text = log.getvalue()
+    assert "[kvcore paged] step" in text and "verifying" in text
+
+
+def _corrupt_writes(monkeypatch):
+    """Make every pool.write also damage the V of its first token."""
+    real_write = kvcore.BlockPool.write
+
+    def write(self, layer, k, v, slots, src_dtype=None):
+        real_write(self, layer, k, v, slots, src_dtype=src_dtype)
+        s = int(np.asarray(slots)[0])
+        vc = self.value_cache(layer)
+        b, off = divmod(s, self.block_size)
+        vc[b, :, off, :] = vc[b, :, off, :] + vc.dtype.type(8)
+
+    monkeypatch.setattr(kvcore.BlockPool, "write", write)
+
+
+def test_corrupted_cache_fails_verification(monkeypatch):
+    _corrupt_writes(monkeypatch)
+    res = demo.run_demo(**SMALL)
+    assert not res["ok"]
+    assert not res["verification"]["passed"]
+    assert res["verification"]["max_abs_err"] > demo.F32_TOLERANCE
+    assert "full recompute" in res["message"]
+    assert "FAIL" in next(line for line in res["table"].splitlines()
+                          if line.startswith("verification"))
+
+
+def test_corrupted_cache_makes_main_fail(monkeypatch, capsys):
+    _corrupt_writes(monkeypatch)
+    rc = demo.main(["--requests", "2", "--prompt-len", "32", "--new-tokens", "3", "--quiet"])
+    assert rc == 1
+    out, err = capsys.readouterr()
+    assert "verification" in out
+    assert "VERIFICATION FAILED" in err
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="num-blocks"):
+        demo.run_demo(num_blocks=1, **SMALL)
+    with pytest.raises(ValueError, match="requests"):
+        demo.run_demo(requests=0)
+    with pytest.raises(ValueError, match="dtype"):
+        demo.run_demo(dtype="float8")
+    with pytest.raises(TypeError, match="unknown options"):
+        demo.run_demo(batch=3)
