@@ -19,6 +19,10 @@ def _input(x, arg, kinds):
     be = backend_of_array(x)
     x = be.asarray(x, arg)
     dt = x.dtype
+    if not dt.isnative and dt.kind in "fu":
+        # byte-swapped input (e.g. '>f4' read from a file): a native copy
+        x = x.astype(dt.newbyteorder("="))
+        dt = x.dtype
     if dt == np.float32:
         kind = F32
     elif dt == np.float16:

@@ -247,7 +247,7 @@ class PoolMachine(RuleBasedStateMachine):
         n = min(n, len(m.tokens) - m.computed)
         if n <= 0:
             return
-        start, end = m.computed, m.computed + n
+        end = m.computed + n
         if tell_first and self.caching:
             # tokens known before their KV is committed
             while m.known < end:

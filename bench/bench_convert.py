@@ -1,0 +1,38 @@
+"""Conversion benchmark (see kvcore/benchmarks/convert.py):
+python bench/bench_convert.py [--quick] [--level NAME] [--json FILE]"""
+import argparse
+import json
+import sys
+
+from kvcore.benchmarks.convert import report, run
+
+
+def main(argv=None):
+    """Command line: measure, print the table, optionally write JSON; returns
+    the results dict."""
+    p = argparse.ArgumentParser(
+        description="kvcore's float16/bfloat16 conversion against NumPy, ml_dtypes, "
+                    "torch and a float32 memcpy")
+    p.add_argument("--quick", action="store_true",
+                   help="4 Mi elements and 5 repetitions instead of 16 Mi and 15")
+    p.add_argument("--level", metavar="NAME",
+                   help="force a SIMD level (scalar, f16c, avx2, avx512)")
+    p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
+    a = p.parse_args(argv)
+    if a.level is not None:
+        from kvcore._native import _convert  # noqa: PLC0415
+
+        if a.level not in _convert.available_simd_levels():
+            p.error(f"--level: expected one of {', '.join(_convert.available_simd_levels())} "
+                    f"(what this CPU supports), got {a.level!r}")
+    res = run(quick=a.quick, level=a.level)
+    print(report(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"wrote {a.json}", file=sys.stderr)
+    return res
+
+
+if __name__ == "__main__":
+    main()
