@@ -86,7 +86,10 @@ class CPUBackend:
     def write_slots(self, cache, src, slots, src_kind, dst_kind):
         if np.may_share_memory(src, cache):  # e.g. a view of the pool itself
             src = src.copy()
-        _kernels.write_slots(cache, self.inner_contiguous(src), slots, src_kind, dst_kind)
+        flags = src.flags
+        if not (flags.c_contiguous and flags.aligned):
+            src = self.inner_contiguous(src)
+        _kernels.write_slots(cache, src, slots, src_kind, dst_kind)
 
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
         _kernels.gather(cache, block_table, start, end, out, src_kind, dst_kind)

@@ -308,6 +308,9 @@ class BlockPool:
         return _dtypes.as_bits(k), _dtypes.as_bits(v), sk
 
     def _slots(self, slots, n):
+        fast = _pool.checked_slots(slots, n, self._num_blocks * self._block_size)
+        if fast is not None:
+            return fast
         s = np.asarray(self._backend.to_host(slots) if not isinstance(slots, (list, tuple))
                        else slots)
         if s.ndim != 1 or s.shape[0] != n:

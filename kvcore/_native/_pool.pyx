@@ -142,6 +142,32 @@ def checked_token_array(obj):
     return obj
 
 
+def checked_slots(obj, Py_ssize_t n, slot_t limit):
+    """``obj`` itself if it is a 1-D C-contiguous int64 array of ``n`` slots,
+    each -1 or in 0..limit-1; None if it is another kind of input (the
+    caller takes the general path).  Raises IndexError naming the first bad
+    slot."""
+    cdef cnp.ndarray a
+    cdef const slot_t* s
+    cdef Py_ssize_t i, bad = -1
+    if type(obj) is not np.ndarray:
+        return None
+    a = <cnp.ndarray>obj
+    if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != cnp.NPY_INT64 \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_SIZE(a) != n:
+        return None
+    s = <const slot_t*>cnp.PyArray_DATA(a)
+    with nogil:
+        for i in range(n):
+            if s[i] < -1 or s[i] >= limit:
+                bad = i
+                break
+    if bad >= 0:
+        raise IndexError(f"slots must be -1 (skip) or in 0..{limit - 1} "
+                         f"(num_blocks * block_size - 1), got {s[bad]} at index {bad}")
+    return obj
+
+
 def tokens_from_sequence(seq, token_t[::1] out):
     """Copy a list/tuple of Python ints into ``out`` checking 0 <= id < 2**31.
 
