@@ -25,6 +25,9 @@ def nonneg_int(value, arg):
 
 
 def index_int(value, arg):
+    """``value`` as an int (bools and floats rejected)."""
+    if type(value) is int:
+        return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{arg} must be an integer, got bool {value!r}")
     try:

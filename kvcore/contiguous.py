@@ -7,39 +7,14 @@ Writes convert to the storage dtype with the round-to-nearest-even kernels of
 the device's backend; reads are views.  Positions that were never written
 (or were forgotten by ``reset``/``truncate``) can never be read back.
 """
-import operator
 
 from . import _dtypes
 from ._backend import get_backend
 from ._dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
+from ._validate import index_int, positive_int
 
 __all__ = ["KVCache"]
-
-
-def _positive_int(value, arg):
-    """``value`` as an int >= 1; TypeError/ValueError naming ``arg``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{arg} must be an int, got bool {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{arg} must be >= 1, got {value}")
-    return value
-
-
-def _index(value, arg):
-    """``value`` as an int (no bools, no floats); TypeError naming ``arg``."""
-    if type(value) is int:
-        return value
-    if isinstance(value, bool):
-        raise TypeError(f"{arg} must be an int, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 class KVCache:
@@ -101,11 +76,11 @@ class KVCache:
 
     def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len,
                  batch_size=1, dtype="float16", device="cpu"):
-        num_layers = _positive_int(num_layers, "num_layers")
-        num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
-        head_dim = _positive_int(head_dim, "head_dim")
-        max_seq_len = _positive_int(max_seq_len, "max_seq_len")
-        batch_size = _positive_int(batch_size, "batch_size")
+        num_layers = positive_int(num_layers, "num_layers")
+        num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+        head_dim = positive_int(head_dim, "head_dim")
+        max_seq_len = positive_int(max_seq_len, "max_seq_len")
+        batch_size = positive_int(batch_size, "batch_size")
         kind = _dtypes.storage_kind(dtype, "dtype")
         backend = get_backend(device)
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
@@ -139,7 +114,7 @@ class KVCache:
         self._lengths = lengths
 
     def _check_layer(self, layer):
-        layer = _index(layer, "layer")
+        layer = index_int(layer, "layer")
         if not 0 <= layer < self._num_layers:
             raise IndexError(
                 f"layer must be in 0..{self._num_layers - 1} (num_layers={self._num_layers}), "
@@ -222,7 +197,7 @@ class KVCache:
         if start_pos is None:
             start = length
         else:
-            start = _index(start_pos, "start_pos")
+            start = index_int(start_pos, "start_pos")
             if start < 0:
                 raise ValueError(f"start_pos must be >= 0, got {start}")
             if start > length:
@@ -291,11 +266,11 @@ class KVCache:
         """
         layer = self._check_layer(layer)
         length = self._lengths[layer]
-        start = _index(start, "start")
+        start = index_int(start, "start")
         if end is None:
             end = length
         else:
-            end = _index(end, "end")
+            end = index_int(end, "end")
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
         if end < start:
@@ -363,7 +338,7 @@ class KVCache:
         ValueError
             ``n < 0`` or ``n > seq_len``.
         """
-        n = _index(n, "n")
+        n = index_int(n, "n")
         seq_len = self.seq_len
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")

@@ -335,8 +335,8 @@ def test_truncate(device):
 @pytest.mark.parametrize("n, exc, match", [
     (6, ValueError, r"n must be <= seq_len \(5"),
     (-1, ValueError, "n must be >= 0, got -1"),
-    (2.0, TypeError, "n must be an int, got float"),
-    (None, TypeError, "n must be an int, got NoneType"),
+    (2.0, TypeError, "n must be an integer, got float"),
+    (None, TypeError, "n must be an integer, got NoneType"),
 ])
 def test_truncate_errors(device, n, exc, match):
     cache = make(device)
@@ -433,8 +433,8 @@ BAD_UPDATES = [
     # (label, kwargs-maker, exception, match)
     ("layer too big", lambda: dict(layer=L), IndexError, rf"layer must be in 0\.\.{L - 1} .*got {L}"),
     ("layer negative", lambda: dict(layer=-1), IndexError, r"layer must be in 0\.\.2 .*got -1"),
-    ("layer float", lambda: dict(layer=1.0), TypeError, "layer must be an int, got float"),
-    ("layer bool", lambda: dict(layer=True), TypeError, "layer must be an int, got bool"),
+    ("layer float", lambda: dict(layer=1.0), TypeError, "layer must be an integer, got float"),
+    ("layer bool", lambda: dict(layer=True), TypeError, "layer must be an integer, got bool"),
     ("k 3-D", lambda: dict(k=_good()[0]), ValueError,
      r"k must be 4-D \(batch_size, num_kv_heads, n, head_dim\) = \(2, 3, n, 5\), got shape \(3, 2, 5\)"),
     ("k batch", lambda: dict(k=rand((B + 1, H, 2, D), 1)), ValueError,
@@ -458,7 +458,7 @@ BAD_UPDATES = [
     ("start_pos gap", lambda: dict(start_pos=5), ValueError,
      r"start_pos must be <= 4 \(the positions written in layer 1\), got 5"),
     ("start_pos negative", lambda: dict(start_pos=-1), ValueError, "start_pos must be >= 0, got -1"),
-    ("start_pos float", lambda: dict(start_pos=1.5), TypeError, "start_pos must be an int, got float"),
+    ("start_pos float", lambda: dict(start_pos=1.5), TypeError, "start_pos must be an integer, got float"),
     ("k list", lambda: dict(k=[[1.0]]), TypeError,
      "k must be float32, float16 or bfloat16, got float64"),
 ]
@@ -498,7 +498,7 @@ def test_bad_v_after_good_k_writes_nothing(device):
     ((0, 0, 5), ValueError, r"end must be <= 4 \(the positions written in layer 0\), got 5"),
     ((0, 5), ValueError, r"end must be >= start \(5\), got 4"),
     ((0, 0.0), TypeError, "start must be an int"),
-    ((0, 0, "4"), TypeError, "end must be an int, got str"),
+    ((0, 0, "4"), TypeError, "end must be an integer, got str"),
 ])
 def test_bad_get(device, args, exc, match):
     cache = make(device)
@@ -512,11 +512,11 @@ def test_bad_get(device, args, exc, match):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(num_layers=0), ValueError, "num_layers must be >= 1, got 0"),
-    (dict(num_kv_heads=-2), ValueError, "num_kv_heads must be >= 1, got -2"),
-    (dict(head_dim=64.0), TypeError, "head_dim must be an int, got float"),
-    (dict(max_seq_len=True), TypeError, "max_seq_len must be an int, got bool"),
-    (dict(batch_size=None), TypeError, "batch_size must be an int, got NoneType"),
+    (dict(num_layers=0), ValueError, "num_layers must be a positive integer, got 0"),
+    (dict(num_kv_heads=-2), ValueError, "num_kv_heads must be a positive integer, got -2"),
+    (dict(head_dim=64.0), TypeError, "head_dim must be an integer, got float"),
+    (dict(max_seq_len=True), TypeError, "max_seq_len must be an integer, got bool"),
+    (dict(batch_size=None), TypeError, "batch_size must be an integer, got NoneType"),
     (dict(dtype="int8"), ValueError, "dtype must be one of 'float32', 'float16', 'bfloat16'"),
     (dict(dtype=np.int32), ValueError, "dtype must be float32, float16 or bfloat16, got int32"),
     (dict(device="tpu"), ValueError, "device must be 'cpu' or 'cuda'"),
