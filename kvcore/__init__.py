@@ -4,6 +4,7 @@ Block pool with refcounted ownership, prefix caching, paged and contiguous
 caches, and round-to-nearest-even float16/bfloat16 conversion, at C speed
 (Cython/C kernels, GIL released) with an optional CuPy GPU path.
 """
+from ._cuda import CudaUnavailableError, cuda_available
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
 from .contiguous import KVCache
 from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
@@ -18,5 +19,5 @@ __all__ = [
     "KVCacheError", "OutOfBlocksError", "CacheFullError",
     "to_float16", "to_bfloat16", "from_float16", "from_bfloat16",
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
-    "padded_block_tables", "csr_block_tables",
+    "padded_block_tables", "csr_block_tables", "CudaUnavailableError", "cuda_available",
 ]

@@ -15,10 +15,22 @@ import numpy as np
 from ._native import _convert, _kernels
 
 
+_DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
 def _is_cuda_array(x):
-    return not isinstance(x, np.ndarray) and (
-        hasattr(x, "__cuda_array_interface__")
-        or type(x).__module__.split(".")[0] in ("cupy", "cupyx"))
+    if isinstance(x, np.ndarray):
+        return False
+    if hasattr(x, "__cuda_array_interface__") or \
+            type(x).__module__.split(".")[0] in ("cupy", "cupyx"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return dev()[0] in _DLPACK_CUDA
+        except Exception:
+            return False
+    return False
 
 
 class CPUBackend:
@@ -94,6 +106,17 @@ class CPUBackend:
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
         _kernels.gather(cache, block_table, start, end, out, src_kind, dst_kind)
 
+    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+        """out[s, :, :lengths[s]] = sequence s's positions (block table row s);
+        the padding past each length is +0.  out: (batch, heads, max_len, dim)."""
+        out[...] = 0
+        for s in range(out.shape[0]):
+            n = int(lengths[s])
+            if n:
+                _kernels.gather(cache, np.ascontiguousarray(block_tables[s], np.int32), 0, n,
+                                out[s, :, :n] if n < out.shape[2] else out[s], src_kind,
+                                dst_kind)
+
     def copy_blocks(self, storage, src, dst):
         _kernels.copy_blocks(storage, src, dst)
 
@@ -131,7 +154,7 @@ def get_backend(device):
 def backend_of_array(x):
     """The backend whose device holds array ``x``."""
     if _is_cuda_array(x):
-        from ._cuda import get_cuda_backend
+        from ._cuda import backend_for_array
 
-        return get_cuda_backend("cuda")
+        return backend_for_array(x)
     return CPU

@@ -241,6 +241,63 @@ class BlockPool:
                 f"(len(block_table) * block_size), got start={start}, end={end}")
         return self._gather(layer, table, start, end, dtype)
 
+    def gather_batch(self, layer, block_tables, lengths, dtype=None):
+        """Positions ``0..lengths[s]-1`` of a batch of sequences, padded.
+
+        Parameters
+        ----------
+        layer : int
+        block_tables : integer array ``[batch, max_blocks]``
+            Row s lists sequence s's blocks in position order (e.g. from
+            :func:`kvcore.padded_block_tables`); entries past a sequence's
+            length are not read.
+        lengths : integer array ``[batch]``
+        dtype : str, optional
+            Output dtype (default the storage dtype).
+
+        Returns
+        -------
+        (k, v) : new arrays ``(batch, num_kv_heads, max(lengths), head_dim)``
+            Positions past a sequence's length are +0 (padding).
+        """
+        layer = layer_index(layer, self._num_layers)
+        t = np.asarray(self._backend.to_host(block_tables) if not isinstance(
+            block_tables, (list, tuple)) else block_tables)
+        n = np.asarray(self._backend.to_host(lengths) if not isinstance(
+            lengths, (list, tuple)) else lengths)
+        if t.ndim != 2:
+            raise ValueError(f"block_tables must be 2-D [batch, max_blocks], got shape {t.shape}")
+        if n.ndim != 1 or n.shape[0] != t.shape[0]:
+            raise ValueError(f"lengths must be 1-D with one entry per row of block_tables "
+                             f"({t.shape[0]}), got shape {n.shape}")
+        if t.size and t.dtype.kind not in "iu":
+            raise TypeError(f"block_tables must hold integers, got dtype {t.dtype}")
+        if n.size and n.dtype.kind not in "iu":
+            raise TypeError(f"lengths must hold integers, got dtype {n.dtype}")
+        cap = t.shape[1] * self._block_size
+        if n.size and (n.min() < 0 or n.max() > cap):
+            i = int(np.argmax((n < 0) | (n > cap)))
+            raise ValueError(f"lengths must lie in 0..{cap} (max_blocks * block_size), "
+                             f"got {int(n[i])} at index {i}")
+        need = -(-n.astype(np.int64) // self._block_size) if n.size else n
+        for s in range(t.shape[0]):
+            row = t[s, :need[s]]
+            if row.size and (row.min() < 0 or row.max() >= self._num_blocks):
+                j = int(np.argmax((row < 0) | (row >= self._num_blocks)))
+                raise IndexError(f"block_tables[{s}, {j}] must be in 0..{self._num_blocks - 1}, "
+                                 f"got {int(row[j])}")
+        dk = self._out_kind(dtype)
+        be = self._backend
+        width = int(n.max()) if n.size else 0
+        shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
+        k = be.empty(shape, _dtypes.STORAGE[dk])
+        v = be.empty(shape, _dtypes.STORAGE[dk])
+        t32 = np.ascontiguousarray(t, np.int32)
+        n32 = np.ascontiguousarray(n, np.int32)
+        be.gather_batch(self._storage[2 * layer], t32, n32, k, self._kind, dk)
+        be.gather_batch(self._storage[2 * layer + 1], t32, n32, v, self._kind, dk)
+        return k, v
+
     def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
         """Copy whole blocks (every layer, K and V) into another pool.
 

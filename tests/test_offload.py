@@ -178,3 +178,25 @@ def test_probe_predicts_allocate_and_changes_nothing():
     assert pool.num_free_blocks == 6 - p["blocks_needed"]
     with pytest.raises(ValueError, match="at least one token"):
         pool.probe([])
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_gather_batch_matches_single_gathers(dtype):
+    rng = np.random.default_rng(5)
+    pool = kvcore.BlockPool(32, 4, 2, 2, 8, dtype="float16")
+    s1, _ = _filled_seq(pool, 10, rng)
+    s2, _ = _filled_seq(pool, 3, rng, tokens=[7, 7, 7])
+    tables, lens = kvcore.padded_block_tables([s1, s2])
+    k, v = pool.gather_batch(1, tables, lens, dtype=dtype)
+    assert k.shape == (2, 2, 10, 8)
+    for i, s in enumerate((s1, s2)):
+        ks, vs = s.gather(1, dtype=dtype)
+        n = lens[i]
+        assert np.array_equal(k[i, :, :n], ks) and np.array_equal(v[i, :, :n], vs)
+        assert not k[i, :, n:].any() and not v[i, :, n:].any()
+    with pytest.raises(ValueError, match="lengths must lie in 0..12"):
+        pool.gather_batch(0, tables, [13, 1])
+    with pytest.raises(IndexError, match="block_tables\\[1, 0\\]"):
+        pool.gather_batch(0, [[0, 1, 2], [99, 0, 0]], [10, 3])
+    with pytest.raises(ValueError, match="one entry per row"):
+        pool.gather_batch(0, tables, [1])

@@ -1,0 +1,96 @@
+"""The CUDA kernel sources and the template instantiations kvcore uses.
+
+Pure Python (no CuPy): the loader in ``backend.py``, the nvcc/NVRTC compile
+test and the host-emulation test all read the same tables, so the names a
+test compiles are the names the backend asks for.
+
+A *module* is one ``.cu`` file compiled for one (source kind, destination
+kind) pair, holding every kernel of that file in its scalar and its vector
+variant; ``blocks.cu`` (no conversion) is a single module.  Modules are
+compiled lazily, the first time a pair is used on a device.
+"""
+import re
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+HEADER = "kv_half.cuh"
+
+# Element kinds (kvcore._dtypes / kv_half.h numbering).
+F32, F16, BF16 = 0, 1, 2
+KINDS = (F32, F16, BF16)
+
+# .cu files whose kernels are templated on <SK, DK, V>.
+CONVERTING = {
+    "convert.cu": ("kv_convert_flat",),
+    "paged.cu": ("kv_write_slots", "kv_gather", "kv_gather_batch"),
+    "contiguous.cu": ("kv_write_contiguous",),
+}
+# blocks.cu: kv_copy_blocks<WB>, WB = bytes per word.
+COPY_FILE = "blocks.cu"
+COPY_KERNEL = "kv_copy_blocks"
+COPY_WORDS = (16, 4, 2)
+
+FILES = tuple(CONVERTING) + (COPY_FILE,)
+
+# NVRTC options.  C++17 for `if constexpr` (CuPy >= 14 defaults to it; older
+# CuPy needs it said).  No fast-math or FTZ flags: the kernels only do
+# integer arithmetic on the bits, so no float flag could matter anyway.
+COMPILE_OPTIONS = ("--std=c++17",)
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"' + re.escape(HEADER) + r'"[ \t]*$', re.M)
+_cache = {}
+
+
+def vector_width(src_kind, dst_kind):
+    """Elements per 16-byte vector run: 4 when both sides are float32, else 8
+    (8 halves = 16 bytes; 8 floats = 32 bytes, two 128-bit accesses)."""
+    return 4 if src_kind == dst_kind == F32 else 8
+
+
+def kernel_name(kernel, src_kind, dst_kind, v):
+    """The name expression of one instantiation (as NVRTC and CuPy spell it)."""
+    return f"{kernel}<{src_kind}, {dst_kind}, {v}>"
+
+
+def copy_name(word_bytes):
+    return f"{COPY_KERNEL}<{word_bytes}>"
+
+
+def module_names(file, src_kind=None, dst_kind=None):
+    """Name expressions compiled into the module (file, src_kind, dst_kind)."""
+    if file == COPY_FILE:
+        return [copy_name(w) for w in COPY_WORDS]
+    v = vector_width(src_kind, dst_kind)
+    return [kernel_name(k, src_kind, dst_kind, w) for k in CONVERTING[file] for w in (1, v)]
+
+
+def modules():
+    """Every module kvcore can ask for: ``[(file, src_kind, dst_kind, names)]``."""
+    out = []
+    for file in CONVERTING:
+        for sk in KINDS:
+            for dk in KINDS:
+                out.append((file, sk, dk, module_names(file, sk, dk)))
+    out.append((COPY_FILE, None, None, module_names(COPY_FILE)))
+    return out
+
+
+def source(file):
+    """The text NVRTC compiles for ``file``: the .cu with kv_half.cuh pasted in.
+
+    Pasting (rather than an include path) keeps the compiled text
+    self-contained, so CuPy's kernel cache, keyed on the text, can never hand
+    back a binary built from an older header.
+    """
+    text = _cache.get(file)
+    if text is None:
+        body = (KERNEL_DIR / file).read_text(encoding="utf-8")
+        header = (KERNEL_DIR / HEADER).read_text(encoding="utf-8")
+        m = _INCLUDE.search(body)
+        if m is None:
+            raise RuntimeError(f"{file} does not include {HEADER}")
+        line = body.count("\n", 0, m.start()) + 1
+        text = (body[:m.start()] + f'#line 1 "{HEADER}"\n' + header
+                + f'\n#line {line + 1} "{file}"' + body[m.end():])
+        _cache[file] = text
+    return text

@@ -1,0 +1,650 @@
+"""The CUDA data-movement backend: CuPy arrays, RawKernels from ``kernels/*.cu``.
+
+``CudaBackend`` has the methods of ``kvcore._backend.CPUBackend`` (plus
+``gather_batch`` and ``copy_blocks_between``) and gives the same bits.  Get
+one through ``kvcore._cuda.get_cuda_backend``: this module never imports
+CuPy itself; the guard in ``kvcore/_cuda/__init__.py`` hands the module in.
+
+Streams and graphs: every kernel and copy is issued on CuPy's current stream
+of the backend's device (``cupy.cuda.get_current_stream()``) and nothing
+here waits for the device, except ``to_host``, ``synchronize`` and
+``copy_blocks_between`` into pageable host memory (where CUDA itself
+blocks).  A step can therefore be captured into a CUDA graph, provided the
+index arrays (slots, block tables, ids, lengths) are passed as device
+arrays: a NumPy index array is copied up from host memory, which a graph
+capture does not allow.
+
+Arguments reaching these methods have been validated by the caller, except
+where a method says it checks.  Kernels are compiled with NVRTC on first
+use (one module per .cu file and kind pair) and cached per device.
+"""
+import threading
+
+import numpy as np
+
+from .. import _dtypes
+from . import _sources
+
+# DLPack device types (dlpack.h).
+_KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
+_KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan",
+              8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 13: "CUDA managed",
+              14: "oneAPI"}
+
+# Index arithmetic inside the kernels splits rows with 32-bit division.
+_ROW_LIMIT = 2**31 - 1
+# Threads per block and a cap on the grid (the kernels grid-stride over rows).
+_BLOCK_THREADS = 256
+_MAX_GRID = 1 << 20
+# cudaMemcpy2D rejects pitches above the device's maximum pitch (2**31 - 1
+# on current GPUs); larger plane strides take one copy per plane.
+_MAX_PITCH = 2**31 - 1
+
+
+def _bits_dtype(dtype):
+    """The unsigned integer dtype with the same itemsize as float ``dtype``.
+
+    Every copy this module makes goes through these views, so no float
+    instruction (which might quiet a NaN) ever touches the data."""
+    if dtype == np.float32:
+        return np.dtype(np.uint32)
+    if dtype == np.float16 or (_dtypes.BF16_NUMPY is not None and dtype == _dtypes.BF16_NUMPY):
+        return np.dtype(np.uint16)
+    return dtype
+
+
+def launch_shape(rows, chunks):
+    """``(grid, block)`` for a row/chunk kernel (see KV_ROW_LOOP in
+    kv_half.cuh): threadIdx.x walks the chunks of a row, (blockIdx.x,
+    threadIdx.y) the rows; the kernel grid-strides over rows beyond the grid."""
+    bx = min(chunks, _BLOCK_THREADS)
+    by = max(1, _BLOCK_THREADS // bx)
+    grid = min(-(-rows // by), _MAX_GRID)
+    return (grid, 1, 1), (bx, by, 1)
+
+
+class CudaBackend:
+    """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
+
+    Parameters
+    ----------
+    cupy : module
+        The imported CuPy module (the only way this module sees CuPy).
+    device_id : int
+        The CUDA device this backend allocates on and launches on.
+    """
+
+    name = "cuda"
+
+    def __init__(self, cupy, device_id):
+        self._cp = cupy
+        self.xp = cupy
+        self.device_id = int(device_id)
+        self.device = f"cuda:{self.device_id}"
+        self._device = cupy.cuda.Device(self.device_id)
+        self._functions = {}
+        self._modules = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"<kvcore CudaBackend {self.device}>"
+
+    def normalize_device(self, device):
+        return self.device
+
+    # ----------------------------------------------------- device hooks
+    # The few places that touch CuPy's device machinery.  The tests'
+    # host emulation overrides exactly these to run the kernels' C++ bodies
+    # on NumPy arrays.
+    def _ctx(self):
+        """Make this backend's device current for the enclosed calls."""
+        return self._device
+
+    def _ptr(self, a):
+        return a.data.ptr
+
+    def _is_device(self, a):
+        return isinstance(a, self._cp.ndarray)
+
+    def _device_id_of(self, a):
+        return a.device.id
+
+    def _stream_ptr(self):
+        return self._cp.cuda.get_current_stream().ptr
+
+    def _index_array(self, x, dtype):
+        """Ids, slots, tables or lengths as a C-contiguous device array of
+        ``dtype``: device arrays as they are (cast or compacted on the
+        device if needed), host arrays and sequences copied up on the current
+        stream (they are small)."""
+        cp = self._cp
+        dtype = np.dtype(dtype)
+        if isinstance(x, cp.ndarray):
+            if x.dtype == dtype and x.flags.c_contiguous:
+                return x
+            return cp.ascontiguousarray(x.astype(dtype, copy=False))
+        h = np.ascontiguousarray(x, dtype=dtype)
+        d = cp.empty(h.shape, dtype)
+        if h.size:
+            d.set(h, stream=cp.cuda.get_current_stream())
+        return d
+
+    def _function(self, file, sk, dk, name):
+        key = (file, sk, dk, name)
+        fn = self._functions.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._functions.get(key)
+                if fn is None:
+                    mkey = (file, sk, dk)
+                    mod = self._modules.get(mkey)
+                    if mod is None:
+                        mod = self._cp.RawModule(
+                            code=_sources.source(file),
+                            options=_sources.COMPILE_OPTIONS,
+                            name_expressions=_sources.module_names(file, sk, dk))
+                        self._modules[mkey] = mod
+                    fn = mod.get_function(name)  # compiles the module on first use
+                    self._functions[key] = fn
+        return fn
+
+    def _launch(self, file, sk, dk, name, rows, chunks, args):
+        """Run kernel ``name`` of module (file, sk, dk) over rows x chunks on
+        the current stream.  ``args`` after (rows, chunks): device arrays
+        (passed as pointers) and Python ints (passed as long long)."""
+        if rows <= 0 or chunks <= 0:
+            return
+        fn = self._function(file, sk, dk, name)
+        grid, block = launch_shape(rows, chunks)
+        cp = self._cp
+        kargs = [np.int64(rows), np.int64(chunks)]
+        kargs += [a if isinstance(a, cp.ndarray) else np.int64(a) for a in args]
+        fn(grid, block, tuple(kargs))
+
+    # -------------------------------------------------------------- arrays
+    def asarray(self, x, arg):
+        """``x`` as a CuPy array on this device, zero-copy.
+
+        CuPy arrays are returned as they are; objects with
+        ``__dlpack__`` on a CUDA device or ``__cuda_array_interface__``
+        (torch CUDA tensors, Numba, JAX, ...) are wrapped without a copy.  A
+        NumPy array, or anything else in host memory, is a TypeError naming
+        ``arg``: kvcore never copies between host and device behind the
+        caller's back.  An array on another GPU is a ValueError.
+        """
+        cp = self._cp
+        if isinstance(x, cp.ndarray):
+            a = x
+        elif isinstance(x, np.ndarray):
+            raise TypeError(
+                f"{arg} is a NumPy array in host memory but this operation runs on "
+                f"{self.device}; pass a CUDA array (e.g. cupy.asarray({arg})) or use "
+                "device='cpu' (kvcore never copies between host and device implicitly)")
+        else:
+            a = self._import_foreign(x, arg)
+        if self._device_id_of(a) != self.device_id:
+            raise ValueError(
+                f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs on "
+                f"{self.device}")
+        return a
+
+    def _import_foreign(self, x, arg):
+        cp = self._cp
+        what = f"{type(x).__module__}.{type(x).__name__}"
+        problem = None
+        dl_device = None
+        if hasattr(type(x), "__dlpack_device__"):
+            try:
+                dl_device = x.__dlpack_device__()
+            except Exception as e:  # e.g. a tensor that refuses export
+                problem = f"__dlpack_device__ failed: {e}"
+        if dl_device is not None:
+            dev_type = int(dl_device[0])
+            if dev_type not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+                where = _KDL_NAMES.get(dev_type, f"type {dev_type}")
+                raise TypeError(
+                    f"{arg} ({what}) lives on DLPack device {where}, not a CUDA device; "
+                    f"this operation runs on {self.device} and kvcore never copies host "
+                    "data to the device implicitly")
+            try:
+                return cp.from_dlpack(x)
+            except Exception as e:  # unsupported dtype (bfloat16 tensors), ...
+                problem = f"DLPack import failed: {e}"
+        try:
+            cai = x.__cuda_array_interface__
+        except Exception as e:  # AttributeError, or a tensor that requires grad
+            cai = None
+            if not isinstance(e, AttributeError) and problem is None:
+                problem = f"__cuda_array_interface__ failed: {e}"
+        if cai is not None:
+            try:
+                return cp.asarray(x)
+            except Exception as e:
+                problem = f"__cuda_array_interface__ import failed: {e}"
+        if problem is not None:
+            raise TypeError(
+                f"{arg} ({what}) could not be taken as a CUDA array without a copy: "
+                f"{problem}. (bfloat16 tensors: pass their raw bits, e.g. "
+                "t.view(torch.uint16), with src_dtype='bfloat16')")
+        raise TypeError(
+            f"{arg} must be a CUDA array (a CuPy array, or an object with "
+            f"__cuda_array_interface__ or __dlpack__ on a CUDA device) because this "
+            f"operation runs on {self.device}; got {what}")
+
+    def check_out(self, out, arg):
+        return self.asarray(out, arg)
+
+    def empty(self, shape, dtype):
+        with self._ctx():
+            return self.xp.empty(shape, _device_dtype(dtype))
+
+    def zeros(self, shape, dtype):
+        with self._ctx():
+            return self.xp.zeros(shape, _device_dtype(dtype))
+
+    def to_host(self, a):
+        """A NumPy copy of ``a``; waits for the current stream (a sync point)."""
+        if isinstance(a, np.ndarray):
+            return a
+        with self._ctx():
+            return a.get(stream=self._cp.cuda.get_current_stream())
+
+    def from_host(self, a):
+        """A device copy of host array ``a``, issued on the current stream."""
+        if self._is_device(a):
+            return a
+        a = np.asarray(a)
+        if _is_bf16(a.dtype):
+            a = a.view(np.uint16)
+        a = np.ascontiguousarray(a)
+        with self._ctx():
+            d = self._cp.empty(a.shape, a.dtype)
+            if a.size:
+                d.set(a, stream=self._cp.cuda.get_current_stream())
+            return d
+
+    def inner_contiguous(self, a):
+        """``a`` aligned to its itemsize and with its last axis contiguous (a
+        copy only when it is not)."""
+        if a.ndim and ((a.strides[-1] != a.itemsize and a.shape[-1] > 1)
+                       or any(s % a.itemsize for s in a.strides)
+                       or self._ptr(a) % a.itemsize):
+            with self._ctx():
+                return self._contiguous_copy(a)
+        return a
+
+    def _contiguous_copy(self, a):
+        """A C-contiguous copy of ``a`` (always a copy), moved as integers."""
+        b = a.view(_bits_dtype(a.dtype))
+        return self.xp.array(b, order="C", copy=True).view(a.dtype)
+
+    # ------------------------------------------------------------- helpers
+    def _estrides(self, a, axes):
+        """Strides of ``axes`` in elements (0 for axes of length 1)."""
+        out = []
+        for ax in axes:
+            if a.shape[ax] <= 1:
+                out.append(0)
+                continue
+            st = a.strides[ax]
+            if st % a.itemsize:
+                raise ValueError(
+                    f"array stride {st} is not a multiple of its itemsize {a.itemsize}")
+            out.append(st // a.itemsize)
+        return out
+
+    def _vector(self, sk, dk, dim, arrays):
+        """The vector width V if every access of a row/chunk kernel can be a
+        16-byte one (``dim`` a multiple of V, each array's base pointer and
+        the byte strides of the listed axes multiples of 16), else 1."""
+        v = _sources.vector_width(sk, dk)
+        if dim % v:
+            return 1
+        for a, axes in arrays:
+            if self._ptr(a) % 16:
+                return 1
+            if any(a.strides[ax] % 16 for ax in axes if a.shape[ax] > 1):
+                return 1
+        return v
+
+    @staticmethod
+    def _check_rows(count, what):
+        """The kernels split row and position indices with 32-bit division."""
+        if count > _ROW_LIMIT:
+            raise ValueError(
+                f"{what}: {count} exceeds the {_ROW_LIMIT} one kernel launch indexes; "
+                "split the call")
+
+    def _overlaps(self, a, b):
+        """Whether the memory spans of ``a`` and ``b`` intersect (a cheap,
+        conservative stand-in for numpy.may_share_memory)."""
+        if a.size == 0 or b.size == 0:
+            return False
+        a_lo, a_hi = self._extent(a)
+        b_lo, b_hi = self._extent(b)
+        return a_lo < b_hi and b_lo < a_hi
+
+    def _extent(self, a):
+        lo = hi = self._ptr(a)
+        for n, st in zip(a.shape, a.strides):
+            if st > 0:
+                hi += (n - 1) * st
+            else:
+                lo += (n - 1) * st
+        return lo, hi + a.itemsize
+
+    # ------------------------------------------------------------- kernels
+    def convert(self, src, src_kind, dst, dst_kind):
+        """dst[...] = src converted; same shape, any strides (overlap allowed)."""
+        if src.size == 0:
+            return
+        xp = self.xp
+        with self._ctx():
+            s = src.view(_bits_dtype(src.dtype))
+            d = dst.view(_bits_dtype(dst.dtype))
+            if self._overlaps(s, d):  # read from a copy
+                s = s.copy()
+            elif not s.flags.c_contiguous:
+                s = xp.ascontiguousarray(s)
+            tmp = d if d.flags.c_contiguous else xp.empty(d.shape, d.dtype)
+            n = s.size
+            v = _sources.vector_width(src_kind, dst_kind)
+            if self._ptr(s) % 16 or self._ptr(tmp) % 16:
+                v = 1
+            self._launch("convert.cu", src_kind, dst_kind,
+                         _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
+                         -(-n // v), 1, [tmp, s, n])
+            if tmp is not d:
+                d[...] = tmp
+
+    def write_slots(self, cache, src, slots, src_kind, dst_kind):
+        """cache[b, h, off, :] = src[i, h, :] converted, for slot s = slots[i]
+        >= 0, b = s // block_size, off = s % block_size (vLLM's
+        reshape_and_cache).  cache: (num_blocks, heads, block_size, dim);
+        src: (n, heads, dim); slots: int64, host or device.  Duplicate slots
+        leave one of the writers' values (unspecified which)."""
+        n, heads, dim = src.shape
+        if n == 0 or heads == 0 or dim == 0:
+            return
+        with self._ctx():
+            if self._overlaps(src, cache):  # e.g. a view of the pool itself
+                src = self._contiguous_copy(src)
+            src = self.inner_contiguous(src)
+            slots = self._index_array(slots, np.int64)
+            ss = self._estrides(src, (0, 1))
+            cs = self._estrides(cache, (0, 1, 2))
+            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
+            rows = n * heads
+            self._check_rows(rows, "write_slots")
+            self._launch("paged.cu", src_kind, dst_kind,
+                         _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v),
+                         rows, dim // v,
+                         [cache, src, slots, heads, cache.shape[2], ss[0], ss[1],
+                          cs[0], cs[1], cs[2]])
+
+    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+        """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
+        converted, for t in start..end-1.  out: (heads, end - start, dim)
+        with its last axis contiguous; block_table int32, host or device."""
+        n = end - start
+        heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
+        if n <= 0 or heads == 0 or dim == 0:
+            return
+        with self._ctx():
+            table = self._index_array(block_table, np.int32)
+            cs = self._estrides(cache, (0, 1, 2))
+            os_ = self._estrides(out, (0, 1))
+            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (out, (0, 1))])
+            rows = heads * n
+            self._check_rows(rows, "gather (heads x positions)")
+            self._check_rows(end, "gather (end position)")
+            self._launch("paged.cu", src_kind, dst_kind,
+                         _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
+                         rows, dim // v,
+                         [out, cache, table, start, n, bs, cs[0], cs[1], cs[2],
+                          os_[0], os_[1]])
+
+    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+        """A batch of sequences into one padded output.
+
+        out[s, h, t, :] = cache[block_tables[s, t // bs], h, t % bs, :]
+        converted, for t < lengths[s]; positions lengths[s] <= t < max_len
+        are set to +0.
+
+        Parameters
+        ----------
+        cache : (num_blocks, heads, block_size, dim) device array
+        block_tables : int32 [batch, max_blocks], host or device
+            Row s lists sequence s's blocks in position order (padding
+            entries past its length are never read).
+        lengths : integer [batch], host or device
+            Positions of each sequence to read.  Checked when on the host
+            (0 <= lengths[s] <= min(max_len, max_blocks * block_size));
+            device lengths are trusted.
+        out : (batch, heads, max_len, dim) device array, last axis contiguous
+        """
+        batch, heads, max_len, dim = out.shape
+        bs = cache.shape[2]
+        if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
+            return
+        if not self._is_device(block_tables):
+            block_tables = np.asarray(block_tables)
+        if getattr(block_tables, "ndim", 0) != 2 or block_tables.shape[0] != batch:
+            raise ValueError(
+                f"block_tables must have shape ({batch}, max_blocks) (one row per sequence "
+                f"of out), got {getattr(block_tables, 'shape', None)}")
+        if not self._is_device(lengths):
+            lengths = np.asarray(lengths)
+            if lengths.shape != (batch,):
+                raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+            limit = min(max_len, block_tables.shape[1] * bs)
+            if batch and (lengths.min() < 0 or lengths.max() > limit):
+                raise ValueError(
+                    f"lengths must lie in 0..{limit} (out holds {max_len} positions, the "
+                    f"tables {block_tables.shape[1]} blocks of {bs}), got "
+                    f"{int(lengths.min())}..{int(lengths.max())}")
+        elif lengths.shape != (batch,):
+            raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+        with self._ctx():
+            tables = self._index_array(block_tables, np.int32)
+            lens = self._index_array(lengths, np.int32)
+            cs = self._estrides(cache, (0, 1, 2))
+            os_ = self._estrides(out, (0, 1, 2))
+            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (out, (0, 1, 2))])
+            rows = batch * heads * max_len
+            self._check_rows(rows, "gather_batch")
+            self._launch("paged.cu", src_kind, dst_kind,
+                         _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
+                         rows, dim // v,
+                         [out, cache, tables, lens, heads, max_len, tables.shape[1], bs,
+                          cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
+
+    def copy_blocks(self, storage, src, dst):
+        """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
+        plane.  storage: (planes, num_blocks, heads, block_size, dim).
+
+        The pairs are copied in parallel when the ids allow it (distinct
+        ``dst`` ids, none of them a ``src`` id: copy-on-write, which copies
+        into fresh blocks).  Host ids that chain (a block copied on after it
+        was written) are copied pair by pair, in order, as the CPU backend
+        does; device ids are not inspected (that would need a sync) and must
+        not chain."""
+        n = len(src)
+        if n == 0:
+            return
+        with self._ctx():
+            if not (self._is_device(src) or self._is_device(dst)):
+                hs, hd = np.asarray(src), np.asarray(dst)
+                if len(np.unique(hd)) != n or np.intersect1d(hs, hd).size:
+                    for i in range(n):
+                        self._copy_blocks_kernel(
+                            storage, self._index_array(hs[i:i + 1], np.int32),
+                            storage, self._index_array(hd[i:i + 1], np.int32), 1)
+                    return
+            s = self._index_array(src, np.int32)
+            d = self._index_array(dst, np.int32)
+            self._copy_blocks_kernel(storage, s, storage, d, n)
+
+    def copy_blocks_between(self, src_storage, src_ids, dst_storage, dst_ids):
+        """dst_storage[:, dst_ids[i]] = src_storage[:, src_ids[i]]: two pools
+        of the same geometry and dtype.
+
+        Either side may be a NumPy array (host memory), for offloading
+        blocks to the host and bringing them back; device <-> device runs one
+        kernel.  Host copies are issued per run of consecutive ids, one 2-D
+        copy across all planes each, on the current stream.  With pinned
+        host memory (``cupyx.empty_pinned``) they are asynchronous: call
+        ``synchronize()`` before reading or reusing the host array.  With
+        pageable memory CUDA completes a device-to-host copy before
+        returning.  Ids on the device are read back to the host for a host
+        copy (a sync point); host ids are checked to be in range.
+        """
+        n = len(src_ids)
+        if len(dst_ids) != n:
+            raise ValueError(
+                f"src_ids and dst_ids must have the same length, got {n} and {len(dst_ids)}")
+        if (src_storage.shape[0] != dst_storage.shape[0]
+                or src_storage.shape[2:] != dst_storage.shape[2:]):
+            raise ValueError(
+                "src_storage and dst_storage must have the same geometry (planes, -, heads, "
+                f"block_size, dim), got {src_storage.shape} and {dst_storage.shape}")
+        if _bits_dtype(src_storage.dtype) != _bits_dtype(dst_storage.dtype):
+            raise TypeError(
+                "src_storage and dst_storage must have the same dtype, got "
+                f"{src_storage.dtype} and {dst_storage.dtype}")
+        if n == 0:
+            return
+        on_dev = self._is_device(src_storage), self._is_device(dst_storage)
+        if on_dev == (True, True):
+            for a, arg in ((src_storage, "src_storage"), (dst_storage, "dst_storage")):
+                if self._device_id_of(a) != self.device_id:
+                    raise ValueError(
+                        f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs "
+                        f"on {self.device}")
+            with self._ctx():
+                s = self._index_array(src_ids, np.int32)
+                d = self._index_array(dst_ids, np.int32)
+                self._copy_blocks_kernel(src_storage, s, dst_storage, d, n)
+        elif on_dev == (False, False):
+            from .._native import _kernels
+
+            _kernels.copy_blocks_between(
+                src_storage, np.ascontiguousarray(self._host_ids(src_ids), dtype=np.int32),
+                dst_storage, np.ascontiguousarray(self._host_ids(dst_ids), dtype=np.int32))
+        else:
+            self._copy_host_device(src_storage, src_ids, dst_storage, dst_ids, on_dev[1])
+
+    def _host_ids(self, ids):
+        if self._is_device(ids):
+            return self._cp.asnumpy(ids)
+        return np.asarray(ids)
+
+    @staticmethod
+    def _block_bytes(storage, arg):
+        """Bytes of one block; checks that each block is one contiguous run."""
+        shape, strides = storage.shape[2:], storage.strides[2:]
+        expect = storage.itemsize
+        for n, st in zip(reversed(shape), reversed(strides)):
+            if n > 1 and st != expect:
+                raise ValueError(
+                    f"{arg} must hold each block contiguously (axes 2.. C-contiguous), "
+                    f"got strides {storage.strides} for shape {storage.shape}")
+            expect *= n
+        return expect
+
+    def _copy_blocks_kernel(self, src_st, s_ids, dst_st, d_ids, n):
+        block_bytes = self._block_bytes(src_st, "src_storage")
+        self._block_bytes(dst_st, "dst_storage")
+        planes = src_st.shape[0]
+        if planes == 0 or block_bytes == 0:
+            return
+        ptrs = (self._ptr(src_st), self._ptr(dst_st))
+        strides = (src_st.strides[0], src_st.strides[1], dst_st.strides[0], dst_st.strides[1])
+        for wb in _sources.COPY_WORDS:
+            if block_bytes % wb == 0 and all(p % wb == 0 for p in ptrs) and all(
+                    st % wb == 0 for st in strides):
+                break
+        else:  # pragma: no cover - storage dtypes are 2 or 4 bytes wide
+            raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in 2-byte words")
+        rows = planes * n
+        self._check_rows(rows, "copy_blocks")
+        self._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
+                     rows, block_bytes // wb,
+                     [dst_st, src_st, s_ids, d_ids, n,
+                      strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
+
+    def _copy_host_device(self, src_st, src_ids, dst_st, dst_ids, to_device):
+        rt = self._cp.cuda.runtime
+        s = self._host_ids(src_ids).astype(np.int64, copy=False).ravel()
+        d = self._host_ids(dst_ids).astype(np.int64, copy=False).ravel()
+        for ids, st, arg in ((s, src_st, "src_ids"), (d, dst_st, "dst_ids")):
+            if ids.size and (ids.min() < 0 or ids.max() >= st.shape[1]):
+                raise IndexError(
+                    f"{arg} must lie in 0..{st.shape[1] - 1}, got "
+                    f"{int(ids.min())}..{int(ids.max())}")
+        if not to_device and not dst_st.flags.writeable:
+            raise ValueError("dst_storage must be writeable, got a read-only array")
+        block_bytes = self._block_bytes(src_st, "src_storage")
+        self._block_bytes(dst_st, "dst_storage")
+        planes = src_st.shape[0]
+        if planes == 0 or block_bytes == 0:
+            return
+        if to_device:
+            sp, dp, kind = src_st.ctypes.data, self._ptr(dst_st), rt.memcpyHostToDevice
+        else:
+            sp, dp, kind = self._ptr(src_st), dst_st.ctypes.data, rt.memcpyDeviceToHost
+        s_plane, s_block = src_st.strides[0], src_st.strides[1]
+        d_plane, d_block = dst_st.strides[0], dst_st.strides[1]
+        adjacent = s_block == block_bytes and d_block == block_bytes
+        with self._ctx():
+            stream = self._stream_ptr()
+            i, n = 0, s.size
+            while i < n:
+                j = i + 1
+                while (adjacent and j < n and s[j] == s[j - 1] + 1 and d[j] == d[j - 1] + 1):
+                    j += 1
+                width = (j - i) * block_bytes
+                so, do = int(s[i]) * s_block, int(d[i]) * d_block
+                if (planes > 1 and width <= s_plane <= _MAX_PITCH
+                        and width <= d_plane <= _MAX_PITCH):
+                    rt.memcpy2DAsync(dp + do, d_plane, sp + so, s_plane, width, planes,
+                                     kind, stream)
+                else:
+                    for p in range(planes):
+                        rt.memcpyAsync(dp + p * d_plane + do, sp + p * s_plane + so, width,
+                                       kind, stream)
+                i = j
+
+    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
+        """dst[b, h, start + t, :] = src[b, h, t, :] converted.
+        dst: (batch, heads, max_seq_len, dim); src: (batch, heads, n, dim)."""
+        batch, heads, n, dim = src.shape
+        if batch == 0 or heads == 0 or n == 0 or dim == 0:
+            return
+        with self._ctx():
+            if self._overlaps(src, dst):  # e.g. a view of the cache itself
+                src = self._contiguous_copy(src)
+            src = self.inner_contiguous(src)
+            ss = self._estrides(src, (0, 1, 2))
+            ds = self._estrides(dst, (0, 1, 2))
+            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
+            rows = batch * heads * n
+            self._check_rows(rows, "write_contiguous")
+            self._launch("contiguous.cu", src_kind, dst_kind,
+                         _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
+                         rows, dim // v,
+                         [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
+
+    def synchronize(self):
+        """Wait for everything issued on this device's current stream."""
+        with self._ctx():
+            self._cp.cuda.get_current_stream().synchronize()
+
+
+def _is_bf16(dtype):
+    return _dtypes.BF16_NUMPY is not None and np.dtype(dtype) == _dtypes.BF16_NUMPY
+
+
+def _device_dtype(dtype):
+    """bfloat16 lives on the device as its uint16 bits."""
+    return np.dtype(np.uint16) if _is_bf16(dtype) else dtype

@@ -1,0 +1,486 @@
+"""Test bodies for the CUDA backend, shared by two runners.
+
+``test_cuda_backend.py`` runs them on a real GPU (CuPy); without one,
+``test_cuda_host_emulation.py`` runs them on the host, with the kernels'
+C++ bodies compiled by the host compiler behind the same ``CudaBackend``
+methods.  Every case compares the device backend with the CPU backend bit for
+bit.  A runner provides a ``dev`` fixture (a ``DeviceUnderTest``) and does
+``from _cuda_cases import *``.
+"""
+import numpy as np
+import pytest
+
+from kvcore._backend import CPU
+from kvcore._dtypes import BF16, F16, F32, STORAGE
+
+KINDS = (F32, F16, BF16)
+PAIRS = [(s, d) for s in KINDS for d in KINDS]
+PAIR_IDS = [f"{'f32 f16 bf16'.split()[s]}-{'f32 f16 bf16'.split()[d]}" for s, d in PAIRS]
+HEAD_DIMS = (64, 128, 256, 60, 33)  # 60 and 33: the scalar (non-vector) path
+BLOCK_SIZES = (8, 16, 32)
+
+
+class DeviceUnderTest:
+    """What a case needs of a device.
+
+    be : the backend under test (CudaBackend or its host emulation)
+    put(a) : a device copy of NumPy array ``a`` (C-contiguous, same bits)
+    get(d) : a NumPy copy of device array ``d``
+    n_random : how many random bit patterns the conversion cases try
+    """
+
+    def __init__(self, be, put, get, n_random):
+        self.be, self.put, self.get, self.n_random = be, put, get, n_random
+
+
+# ------------------------------------------------------------------ data
+
+def _bits_view(a):
+    a = np.ascontiguousarray(a)
+    return a.view({4: np.uint32, 2: np.uint16}[a.itemsize])
+
+
+def assert_bits_equal(got, want):
+    """Same shape, dtype and bits (NaN payloads included)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    g, w = _bits_view(got).ravel(), _bits_view(want).ravel()
+    bad = np.flatnonzero(g != w)
+    if bad.size:
+        i = bad[0]
+        raise AssertionError(
+            f"{bad.size} of {g.size} elements differ; first at flat index {i} "
+            f"(index {np.unravel_index(i, got.shape) if got.ndim else ()}): "
+            f"got {int(g[i]):#x}, want {int(w[i]):#x}")
+
+
+def rand_bits(rng, shape, kind):
+    """Uniformly random bit patterns in the storage dtype of ``kind``
+    (NaNs, infinities and subnormals included)."""
+    if kind == F32:
+        return rng.integers(0, 2**32, size=shape, dtype=np.uint32).view(np.float32)
+    bits = rng.integers(0, 2**16, size=shape, dtype=np.uint16)
+    return bits.view(np.float16) if kind == F16 else bits
+
+
+# float32 bit patterns at the edges of float16/bfloat16 rounding.
+F32_EDGES = np.array([
+    0x00000000, 0x80000000,                          # +-0
+    0x7f800000, 0xff800000,                          # +-inf
+    0x7fc00000, 0xffc00000, 0x7f800001, 0xff800001,  # quiet / signalling NaNs
+    0x7fbfffff, 0x7fffffff, 0xffffffff, 0x7fa00000, 0x7f802000, 0x7f801fff,
+    0x00000001, 0x80000001, 0x007fffff, 0x00800000,  # float32 subnormals, min normal
+    0x7f7fffff, 0xff7fffff, 0x7f7f8000, 0x7f7f7fff,  # max finite (bf16 overflow ties)
+    0x477fe000, 0x477fefff, 0x477ff000, 0x477fffff, 0x47800000,  # f16 max / overflow
+    0x38800000, 0x387fffff, 0x387fe000, 0x387ff000,  # f16 min normal
+    0x33000000, 0x33000001, 0x32ffffff, 0x33800000, 0x337fffff, 0x33400000,  # 2^-25 ..
+    0x3f800000, 0x3f801000, 0x3f803000, 0x3f800fff, 0x3f801001,  # f16 ties at 1.0
+    0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001,  # bf16 ties at 1.0
+    0x3f7fffff, 0x3fffffff, 0x40000000,
+], dtype=np.uint32)
+
+
+def f32_patterns(rng, n):
+    """Edge values, ties and subnormal-range ties for both narrowings, NaN
+    payloads of both signs, then uniformly random patterns."""
+    parts = [F32_EDGES]
+    r = rng.integers(0, 2**32, size=4096, dtype=np.uint32)
+    for low in (0x0fff, 0x1000, 0x1001):  # f16 ties / near-ties (13 dropped bits)
+        parts.append((r & ~np.uint32(0x1fff)) | np.uint32(low))
+    for low in (0x7fff, 0x8000, 0x8001):  # bf16 ties / near-ties (16 dropped bits)
+        parts.append((r & ~np.uint32(0xffff)) | np.uint32(low))
+    # half-subnormal range (exponents 102..112) with exact ties at every shift
+    e = rng.integers(102, 113, size=4096).astype(np.uint32)
+    mant = rng.integers(0, 2**23, size=4096, dtype=np.uint32)
+    shift = np.uint32(126) - e
+    one = np.uint32(1)
+    tie = (mant & ~((one << shift) - one)) | (one << (shift - one))
+    tie &= np.uint32(0x7fffff)
+    sign = (rng.integers(0, 2, size=4096, dtype=np.uint32) << np.uint32(31))
+    parts += [sign | (e << np.uint32(23)) | mant, sign | (e << np.uint32(23)) | tie]
+    # NaNs with random payloads
+    parts.append(sign | np.uint32(0x7f800000) | (mant | np.uint32(1)))
+    parts.append(rng.integers(0, 2**32, size=n, dtype=np.uint32))
+    return np.concatenate(parts).view(np.float32)
+
+
+def half_patterns(rng, n, kind):
+    """All 65,536 patterns, then random ones."""
+    bits = np.concatenate([np.arange(2**16, dtype=np.uint16),
+                           rng.integers(0, 2**16, size=n, dtype=np.uint16)])
+    return bits.view(np.float16) if kind == F16 else bits
+
+
+def cpu_convert(x, sk, dk):
+    out = np.empty(x.shape, STORAGE[dk])
+    CPU.convert(x, sk, out, dk)
+    return out
+
+
+def _filled(shape, dtype, byte=0xFF):
+    """An array whose every byte is ``byte`` (a canary for unwritten places)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.full(n, byte, np.uint8).view(dtype).reshape(shape)
+
+
+# ------------------------------------------------------------ conversion
+
+@pytest.mark.parametrize("sk,dk", PAIRS, ids=PAIR_IDS)
+def test_convert_matches_cpu(dev, sk, dk):
+    rng = np.random.default_rng([1, sk, dk])
+    x = f32_patterns(rng, dev.n_random) if sk == F32 else half_patterns(rng, dev.n_random, sk)
+    want = cpu_convert(x, sk, dk)
+    dx = dev.put(x)
+    got = dev.put(np.zeros_like(want))
+    dev.be.convert(dx, sk, got, dk)
+    assert_bits_equal(dev.get(got), want)
+    # a length that is not a multiple of the vector width, starting one
+    # element in (not 16-byte aligned): the scalar path and the tail
+    got2 = dev.put(np.zeros_like(want))
+    dev.be.convert(dx[1:-2], sk, got2[1:-2], dk)
+    want2 = np.zeros_like(want)
+    want2[1:-2] = want[1:-2]
+    assert_bits_equal(dev.get(got2), want2)
+
+
+# (kind, input bits, output kind, output bits): the NaN and rounding rules of
+# kv_half.c, spelled out independently of the CPU backend.
+KNOWN = [
+    (F32, 0x7f800001, F16, 0x7e00), (F32, 0xff800001, F16, 0xfe00),
+    (F32, 0x7fffffff, F16, 0x7fff), (F32, 0x7f802000, F16, 0x7e01),
+    (F32, 0x7f800001, BF16, 0x7fc0), (F32, 0xffc00001, BF16, 0xffc0),
+    (F32, 0x7f810000, BF16, 0x7fc1),
+    (F32, 0x3f801000, F16, 0x3c00), (F32, 0x3f803000, F16, 0x3c02),
+    (F32, 0x3f808000, BF16, 0x3f80), (F32, 0x3f818000, BF16, 0x3f82),
+    (F32, 0x477ff000, F16, 0x7c00), (F32, 0x477fefff, F16, 0x7bff),
+    (F32, 0x7f7fffff, BF16, 0x7f80), (F32, 0x33000000, F16, 0x0000),
+    (F32, 0x33000001, F16, 0x0001), (F32, 0xb3800000, F16, 0x8001),
+    (F16, 0x7c01, F32, 0x7fc02000), (F16, 0xfc01, F32, 0xffc02000),
+    (F16, 0x0001, F32, 0x33800000), (F16, 0x83ff, F32, 0xb87fc000),
+    (F16, 0x7c01, BF16, 0x7fc0), (BF16, 0x7f81, F32, 0x7f810000),
+    (BF16, 0xff81, F16, 0xfe08), (BF16, 0x3f81, F16, 0x3c08),
+]
+
+
+def test_convert_known_bits(dev):
+    for sk, x, dk, want in KNOWN:
+        src = np.array([x] * 3, dtype=np.uint32 if sk == F32 else np.uint16)
+        src = src.view(STORAGE[sk])
+        out = dev.put(np.zeros(3, STORAGE[dk]))
+        dev.be.convert(dev.put(src), sk, out, dk)
+        got = _bits_view(dev.get(out))
+        assert all(int(g) == want for g in got), (
+            sk, hex(x), dk, [hex(int(g)) for g in got], hex(want))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided_dst", "negative", "zero_d", "empty",
+                                    "in_place", "shifted_overlap", "broadcast"])
+def test_convert_layouts(dev, layout):
+    rng = np.random.default_rng(7)
+    xp = dev.be.xp
+    if layout == "in_place":
+        # f16 -> bf16 into the very same memory
+        buf = rand_bits(rng, (37, 5), F16)
+        want = cpu_convert(buf, F16, BF16)
+        d = dev.put(buf.view(np.uint16))
+        dev.be.convert(d.view(np.float16), F16, d, BF16)
+        assert_bits_equal(dev.get(d), want)
+        return
+    if layout == "shifted_overlap":
+        buf = rand_bits(rng, 301, F16)
+        for shift in (1, -1, 8, -8):
+            want = buf.copy()
+            s_, d_ = (slice(None, -shift), slice(shift, None)) if shift > 0 else (
+                slice(-shift, None), slice(None, shift))
+            want[d_] = buf[s_]
+            d = dev.put(buf)
+            dev.be.convert(d[s_], F16, d[d_], F16)
+            assert_bits_equal(dev.get(d), want)
+        return
+    x = rand_bits(rng, (23, 17), F32)
+    if layout == "transposed":
+        src_h, src_d = x.T, dev.put(x).T
+    elif layout == "negative":
+        src_h, src_d = x[::-1, ::-2], dev.put(x)[::-1, ::-2]
+    elif layout == "zero_d":
+        src_h, src_d = x[3:4, 4:5].reshape(()), dev.put(x)[3:4, 4:5].reshape(())
+    elif layout == "empty":
+        src_h, src_d = x[:0], dev.put(x)[:0]
+    elif layout == "broadcast":
+        src_h = np.broadcast_to(x[:1], (5, 17))
+        src_d = xp.broadcast_to(dev.put(x)[:1], (5, 17))
+    else:  # strided_dst
+        src_h, src_d = x, dev.put(x)
+    want = cpu_convert(src_h, F32, F16)
+    if layout == "strided_dst":
+        big = dev.put(_filled((23, 34), np.float16))
+        out = big[:, ::2]
+        dev.be.convert(src_d, F32, out, F16)
+        host_big = dev.get(big)
+        assert_bits_equal(host_big[:, ::2], want)
+        assert (host_big[:, 1::2].view(np.uint16) == 0xFFFF).all()  # untouched
+        return
+    out = dev.put(np.zeros(src_h.shape, np.float16))
+    dev.be.convert(src_d, F32, out, F16)
+    assert_bits_equal(dev.get(out), want)
+
+
+# ------------------------------------------------------------ paged write
+
+def _slots(rng, num_blocks, block_size, n, skip=0.15):
+    slots = rng.permutation(num_blocks * block_size)[:n].astype(np.int64)
+    slots[rng.random(n) < skip] = -1
+    return slots
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("sk,dk", PAIRS, ids=PAIR_IDS)
+def test_write_slots_matches_cpu(dev, sk, dk, head_dim, block_size):
+    rng = np.random.default_rng([2, sk, dk, head_dim, block_size])
+    heads, num_blocks = 2, 6
+    n = num_blocks * block_size // 2 + 3
+    # a pool's storage, (planes, blocks, heads, block_size, dim); write plane 1
+    storage = rand_bits(rng, (2, num_blocks, heads, block_size, head_dim), dk)
+    src = rand_bits(rng, (n, heads, head_dim), sk)
+    slots = _slots(rng, num_blocks, block_size, n)
+    want = storage.copy()
+    CPU.write_slots(want[1], src, slots, sk, dk)
+    for slots_arg in (slots, dev.put(slots)):  # host slots, device slots
+        d = dev.put(storage)
+        dev.be.write_slots(d[1], dev.put(src), slots_arg, sk, dk)
+        assert_bits_equal(dev.get(d), want)
+
+
+@pytest.mark.parametrize("layout", ["padded_rows", "padded_rows_odd", "heads_major",
+                                    "inner_strided", "misaligned"])
+@pytest.mark.parametrize("sk,dk", [(F32, F16), (F16, F16), (F32, F32), (BF16, F32), (F32, BF16)],
+                         ids=["f32-f16", "f16-f16", "f32-f32", "bf16-f32", "f32-bf16"])
+def test_write_slots_source_layouts(dev, sk, dk, layout):
+    rng = np.random.default_rng([3, sk, dk])
+    heads, head_dim, block_size, num_blocks, n = 4, 64, 16, 4, 37
+    src = rand_bits(rng, (n, heads, head_dim), sk)
+    if layout.startswith("padded_rows"):
+        pad = 1 if layout.endswith("odd") else 8
+        big = np.zeros((n, heads, head_dim + pad), src.dtype)
+        big[..., :head_dim] = src
+        src_d = dev.put(big)[..., :head_dim]
+    elif layout == "heads_major":  # (heads, n, dim) seen as (n, heads, dim)
+        src_d = dev.put(np.ascontiguousarray(src.transpose(1, 0, 2))).transpose(1, 0, 2)
+    elif layout == "inner_strided":  # last axis not contiguous: copied first
+        big = np.zeros((n, heads, 2 * head_dim), src.dtype)
+        big[..., ::2] = src
+        src_d = dev.put(big)[..., ::2]
+    else:  # one element in: no 16-byte alignment, the scalar path
+        flat = np.zeros(src.size + 1, src.dtype)
+        flat[1:] = src.ravel()
+        src_d = dev.put(flat)[1:].reshape(src.shape)
+    cache = rand_bits(rng, (num_blocks, heads, block_size, head_dim), dk)
+    slots = _slots(rng, num_blocks, block_size, n)
+    want = cache.copy()
+    CPU.write_slots(want, src, slots, sk, dk)
+    d = dev.put(cache)
+    dev.be.write_slots(d, src_d, slots, sk, dk)
+    assert_bits_equal(dev.get(d), want)
+
+
+def test_write_slots_from_a_view_of_the_cache_itself(dev):
+    rng = np.random.default_rng(14)
+    num_blocks, heads, block_size, head_dim = 6, 2, 8, 64
+    cache = rand_bits(rng, (num_blocks, heads, block_size, head_dim), F16)
+    # token t (read from block t, offset 0) is written to block t + 1 (or
+    # t - 1), offset 0: the next (or previous) token's source
+    slots = (np.arange(num_blocks, dtype=np.int64) + 1) % num_blocks * block_size
+    slots[::2] = (np.arange(0, num_blocks, 2) - 1) % num_blocks * block_size
+    want = cache.copy()
+    CPU.write_slots(want, want[:, :, 0, :], slots, F16, F16)
+    d = dev.put(cache)
+    dev.be.write_slots(d, d[:, :, 0, :], slots, F16, F16)
+    assert_bits_equal(dev.get(d), want)
+    # a C-contiguous source that is the pool's own memory, read as tokens
+    flat_want = cache.copy()
+    src = flat_want.reshape(-1, heads, head_dim)[:num_blocks]
+    CPU.write_slots(flat_want, src, slots, F16, F16)
+    d = dev.put(cache)
+    dev.be.write_slots(d, d.reshape(-1, heads, head_dim)[:num_blocks], slots, F16, F16)
+    assert_bits_equal(dev.get(d), flat_want)
+
+
+def test_write_slots_all_skipped_and_empty(dev):
+    rng = np.random.default_rng(4)
+    cache = rand_bits(rng, (3, 2, 8, 64), F16)
+    d = dev.put(cache)
+    dev.be.write_slots(d, dev.put(rand_bits(rng, (5, 2, 64), F32)),
+                       np.full(5, -1, np.int64), F32, F16)
+    dev.be.write_slots(d, dev.put(np.zeros((0, 2, 64), np.float32)),
+                       np.zeros(0, np.int64), F32, F16)
+    assert_bits_equal(dev.get(d), cache)
+
+
+# ----------------------------------------------------------------- gather
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("sk,dk", PAIRS, ids=PAIR_IDS)
+def test_gather_matches_cpu(dev, sk, dk, head_dim, block_size):
+    rng = np.random.default_rng([5, sk, dk, head_dim, block_size])
+    heads, num_blocks, used = 2, 7, 5
+    storage = rand_bits(rng, (2, num_blocks, heads, block_size, head_dim), sk)
+    table = rng.permutation(num_blocks)[:used].astype(np.int32)
+    total = used * block_size
+    d_storage = dev.put(storage)
+    d_table = dev.put(table)
+    ranges = [(0, total), (1, total - 1), (block_size - 1, block_size + 1), (3, 4),
+              (total - 1, total), (2 * block_size, 2 * block_size)]
+    for k, (start, end) in enumerate(ranges):
+        want = np.zeros((heads, end - start, head_dim), STORAGE[dk])
+        if end > start:
+            CPU.gather(storage[1], table, start, end, want, sk, dk)
+        got = dev.put(_filled(want.shape, want.dtype, 0))
+        dev.be.gather(d_storage[1], table if k % 2 else d_table, start, end, got, sk, dk)
+        assert_bits_equal(dev.get(got), want)
+
+
+def test_gather_into_strided_out(dev):
+    rng = np.random.default_rng(6)
+    heads, block_size, head_dim = 3, 16, 128
+    cache = rand_bits(rng, (4, heads, block_size, head_dim), F16)
+    table = np.array([2, 0, 3], np.int32)
+    want = np.zeros((heads, 40, head_dim), np.float32)
+    CPU.gather(cache, table, 5, 45, want, F16, F32)
+    big = dev.put(_filled((heads, 40, head_dim + 4), np.float32))
+    dev.be.gather(dev.put(cache), table, 5, 45, big[..., :head_dim], F16, F32)
+    host = dev.get(big)
+    assert_bits_equal(host[..., :head_dim], want)
+    assert (host[..., head_dim:].view(np.uint32) == 0xFFFFFFFF).all()
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 33))
+@pytest.mark.parametrize("sk,dk", [(F16, F16), (F16, F32), (BF16, BF16), (BF16, F32),
+                                   (F32, F32), (F32, F16)],
+                         ids=["f16-f16", "f16-f32", "bf16-bf16", "bf16-f32", "f32-f32", "f32-f16"])
+def test_gather_batch_matches_cpu(dev, sk, dk, head_dim):
+    rng = np.random.default_rng([7, sk, dk, head_dim])
+    heads, block_size, num_blocks, max_blocks, max_len = 2, 8, 16, 5, 44
+    storage = rand_bits(rng, (2, num_blocks, heads, block_size, head_dim), sk)
+    lens = np.array([13, 0, 40, 8, 1], np.int32)
+    tables = np.full((len(lens), max_blocks), -1, np.int32)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    for s, n in enumerate(lens):
+        need = -(-int(n) // block_size)
+        tables[s, :need] = np.roll(perm, 3 * s)[:need]
+    want = np.zeros((len(lens), heads, max_len, head_dim), STORAGE[dk])
+    for s, n in enumerate(lens):
+        if n:
+            tmp = np.empty((heads, int(n), head_dim), STORAGE[dk])
+            CPU.gather(storage[1], np.ascontiguousarray(tables[s]), 0, int(n), tmp, sk, dk)
+            want[s, :, :n] = tmp
+    d_storage = dev.put(storage)
+    for tables_arg, lens_arg in ((tables, lens), (dev.put(tables), dev.put(lens)),
+                                 (tables, lens.astype(np.int64))):
+        got = dev.put(_filled(want.shape, want.dtype))  # padding must be overwritten with +0
+        dev.be.gather_batch(d_storage[1], tables_arg, lens_arg, got, sk, dk)
+        assert_bits_equal(dev.get(got), want)
+
+
+def test_gather_batch_checks_host_lengths(dev):
+    cache = dev.put(np.zeros((4, 2, 8, 64), np.float16))
+    out = dev.put(np.zeros((2, 2, 20, 64), np.float16))
+    tables = np.zeros((2, 2), np.int32)
+    with pytest.raises(ValueError, match="lengths"):
+        dev.be.gather_batch(cache, tables, np.array([3, 17]), out, F16, F16)  # > 2 blocks of 8
+    with pytest.raises(ValueError, match="lengths"):
+        dev.be.gather_batch(cache, tables, np.array([3, -1]), out, F16, F16)
+    with pytest.raises(ValueError, match="lengths"):
+        dev.be.gather_batch(cache, tables, np.array([3]), out, F16, F16)
+    with pytest.raises(ValueError, match="block_tables"):
+        dev.be.gather_batch(cache, tables[:1], np.array([3, 4]), out, F16, F16)
+
+
+# ------------------------------------------------------------ block copies
+
+@pytest.mark.parametrize("geometry", [(2, 16, 64), (1, 3, 5), (8, 16, 128)],
+                         ids=["h2-bs16-d64", "h1-bs3-d5", "h8-bs16-d128"])
+@pytest.mark.parametrize("kind", KINDS, ids=["f32", "f16", "bf16"])
+def test_copy_blocks_matches_reference(dev, kind, geometry):
+    rng = np.random.default_rng([8, kind, *geometry])
+    storage = rand_bits(rng, (4, 10, *geometry), kind)
+    src = np.array([0, 3, 7, 2], np.int32)
+    dst = np.array([5, 1, 9, 8], np.int32)
+    want = storage.copy()
+    want[:, dst] = storage[:, src]
+    for ids in ((src, dst), (dev.put(src), dev.put(dst)), (src.tolist(), dst.tolist())):
+        d = dev.put(storage)
+        dev.be.copy_blocks(d, *ids)
+        assert_bits_equal(dev.get(d), want)
+    d = dev.put(storage)
+    dev.be.copy_blocks(d, np.zeros(0, np.int32), np.zeros(0, np.int32))
+    assert_bits_equal(dev.get(d), storage)
+
+
+@pytest.mark.parametrize("src,dst", [([1, 2, 5], [2, 3, 5]), ([0, 1], [4, 4]),
+                                     ([3, 0, 3], [0, 3, 7])],
+                         ids=["chain", "repeated-dst", "swap-like"])
+def test_copy_blocks_with_chained_host_ids_matches_cpu(dev, src, dst):
+    """Ids where a block is copied on after being written: in order, as the
+    CPU backend does."""
+    rng = np.random.default_rng(len(src))
+    storage = rand_bits(rng, (4, 8, 2, 16, 64), F16)
+    want = storage.copy()
+    CPU.copy_blocks(want, np.array(src, np.int32), np.array(dst, np.int32))
+    d = dev.put(storage)
+    dev.be.copy_blocks(d, np.array(src, np.int32), np.array(dst, np.int32))
+    assert_bits_equal(dev.get(d), want)
+
+
+@pytest.mark.parametrize("geometry", [(2, 16, 64), (1, 3, 5)], ids=["h2-bs16-d64", "h1-bs3-d5"])
+def test_copy_blocks_between_devices_arrays(dev, geometry):
+    rng = np.random.default_rng([9, *geometry])
+    a = rand_bits(rng, (6, 6, *geometry), F16)
+    b = rand_bits(rng, (6, 9, *geometry), F16)
+    src = np.array([5, 0, 1, 2], np.int32)
+    dst = np.array([8, 3, 4, 5], np.int32)
+    want = b.copy()
+    want[:, dst] = a[:, src]
+    da, db = dev.put(a), dev.put(b)
+    dev.be.copy_blocks_between(da, src, db, dst)
+    assert_bits_equal(dev.get(db), want)
+    assert_bits_equal(dev.get(da), a)
+
+
+# ------------------------------------------------------ contiguous cache
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256, 33))
+@pytest.mark.parametrize("sk,dk", PAIRS, ids=PAIR_IDS)
+def test_write_contiguous_matches_cpu(dev, sk, dk, head_dim):
+    rng = np.random.default_rng([10, sk, dk, head_dim])
+    batch, heads, max_len = 2, 3, 40
+    cache = rand_bits(rng, (batch, heads, max_len, head_dim), dk)
+    want = cache.copy()
+    d = dev.put(cache)
+    for start, n, layout in ((0, 17, "bhnd"), (17, 1, "bhnd"), (18, 9, "bnhd"), (39, 1, "bnhd")):
+        if layout == "bhnd":
+            src = rand_bits(rng, (batch, heads, n, head_dim), sk)
+            src_d = dev.put(src)
+        else:  # Hugging Face's (batch, n, heads, dim), transposed: strided rows
+            raw = rand_bits(rng, (batch, n, heads, head_dim), sk)
+            src = raw.transpose(0, 2, 1, 3)
+            src_d = dev.put(raw).transpose(0, 2, 1, 3)
+        CPU.write_contiguous(want, src, start, sk, dk)
+        dev.be.write_contiguous(d, src_d, start, sk, dk)
+        assert_bits_equal(dev.get(d), want)
+
+
+def test_write_contiguous_from_a_view_of_itself(dev):
+    rng = np.random.default_rng(15)
+    cache = rand_bits(rng, (2, 3, 20, 64), F32)
+    want = cache.copy()
+    d = dev.put(cache)
+    for lo, start in ((2, 5), (5, 2)):  # shifted later, shifted earlier
+        CPU.write_contiguous(want, want[:, :, lo:lo + 7, :], start, F32, F32)
+        dev.be.write_contiguous(d, d[:, :, lo:lo + 7, :], start, F32, F32)
+        assert_bits_equal(dev.get(d), want)
+
+
+__all__ = [name for name in dir() if name.startswith("test_")] + [
+    "DeviceUnderTest", "assert_bits_equal", "rand_bits", "PAIRS", "PAIR_IDS", "KINDS"]

@@ -1,0 +1,238 @@
+"""The CUDA backend on a real GPU (skipped without CuPy and a visible GPU).
+
+The shared cases of ``_cuda_cases.py`` (bit-exact against the CPU backend:
+conversions over millions of patterns and every half pattern, paged writes
+and gathers over head dims 64/128/256 (and odd ones for the scalar path),
+block sizes 8/16/32, every kind pair, slot mappings with -1s, batched
+gathers, block copies, contiguous writes) run here with ``CudaBackend``;
+the cases below need the GPU itself: zero-copy interop, host arrays refused,
+streams and CUDA graphs, host <-> device block copies, the public conversion
+functions on CuPy arrays, and NVRTC compiling every module on the device.
+"""
+import numpy as np
+import pytest
+
+from kvcore._cuda import cuda_available, get_cuda_backend
+
+if not cuda_available():
+    pytest.skip("needs CuPy and an NVIDIA GPU", allow_module_level=True)
+
+import cupy  # noqa: E402
+
+import kvcore  # noqa: E402
+from kvcore._backend import CPU, get_backend  # noqa: E402
+from kvcore._cuda import _sources  # noqa: E402
+from kvcore._dtypes import BF16, F16, F32  # noqa: E402
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_cases import *  # noqa: F401,F403,E402
+    from ._cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits  # noqa: E402
+except ImportError:
+    from _cuda_cases import *  # noqa: F401,F403,E402
+    from _cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _put(a):
+    return cupy.asarray(np.ascontiguousarray(a))
+
+
+@pytest.fixture(scope="module")
+def be():
+    return get_cuda_backend("cuda")
+
+
+@pytest.fixture
+def dev(be):
+    return DeviceUnderTest(be, _put, cupy.asnumpy, 1 << 22)
+
+
+# ------------------------------------------------------------ the backend
+
+def test_get_backend_gives_one_cuda_backend_per_device(be):
+    dev_id = cupy.cuda.runtime.getDevice()
+    assert get_backend("cuda") is be
+    assert get_backend(f"cuda:{dev_id}") is be
+    assert be.name == "cuda" and be.xp is cupy
+    assert be.normalize_device("cuda") == f"cuda:{dev_id}"
+
+
+def test_every_module_compiles_on_this_device(be):
+    with cupy.cuda.Device(be.device_id):
+        for file, sk, dk, names in _sources.modules():
+            for name in names:
+                assert be._function(file, sk, dk, name) is not None
+
+
+def test_empty_zeros_from_host_to_host(be):
+    a = be.empty((3, 4), np.float16)
+    z = be.zeros((2, 5), np.uint16)
+    assert isinstance(a, cupy.ndarray) and a.dtype == np.float16 and a.shape == (3, 4)
+    assert isinstance(z, cupy.ndarray) and not z.any()
+    host = rand_bits(np.random.default_rng(0), (7, 9), F32)
+    d = be.from_host(host)
+    assert isinstance(d, cupy.ndarray)
+    back = be.to_host(d)
+    assert isinstance(back, np.ndarray)
+    assert_bits_equal(back, host)
+    assert be.from_host(d) is d and be.to_host(back) is back
+
+
+# --------------------------------------------------------------- asarray
+
+class _CAIOnly:
+    """Exposes a CuPy array through __cuda_array_interface__ only."""
+
+    def __init__(self, a):
+        self._a = a
+
+    @property
+    def __cuda_array_interface__(self):
+        return self._a.__cuda_array_interface__
+
+
+class _DLPackOnly:
+    """Exposes an array through the DLPack protocol only."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_asarray_takes_cuda_arrays_without_copying(be):
+    a = cupy.arange(12, dtype=cupy.float32).reshape(3, 4)
+    assert be.asarray(a, "k") is a
+    for wrapped in (_CAIOnly(a), _DLPackOnly(a)):
+        got = be.asarray(wrapped, "k")
+        assert isinstance(got, cupy.ndarray)
+        assert got.data.ptr == a.data.ptr and got.shape == a.shape and got.dtype == a.dtype
+
+
+def test_asarray_takes_torch_cuda_tensors_without_copying(be):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    t = torch.arange(24, dtype=torch.float16, device="cuda").reshape(2, 3, 4)
+    got = be.asarray(t, "k")
+    assert got.data.ptr == t.data_ptr() and got.shape == (2, 3, 4) and got.dtype == np.float16
+    got[0, 0, 0] = 7
+    torch.cuda.synchronize()
+    assert float(t[0, 0, 0]) == 7.0
+
+
+@pytest.mark.parametrize("host", [np.zeros(3, np.float32), [1.0, 2.0], 3.0,
+                                  _DLPackOnly(np.zeros(3, np.float32))],
+                         ids=["numpy", "list", "scalar", "dlpack-cpu"])
+def test_host_data_is_a_type_error_naming_the_argument(be, host):
+    with pytest.raises(TypeError, match="my_arg"):
+        be.asarray(host, "my_arg")
+    with pytest.raises(TypeError, match="out"):
+        be.check_out(host, "out")
+
+
+# ------------------------------------------------------ streams and graphs
+
+def test_kernels_run_on_the_current_stream_and_capture_into_a_graph(be):
+    """A paged write and a gather captured into a CUDA graph, replayed on new
+    data: proves every launch went to the capturing (current) stream and
+    that nothing synchronized (both are errors during capture)."""
+    rng = np.random.default_rng(11)
+    heads, bs, dim = 2, 16, 128
+    slots_h = np.array([5, -1, 17, 40, 33], np.int64)
+    table_h = np.array([0, 1, 2], np.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cache = cupy.zeros((4, heads, bs, dim), cupy.float16)
+        src = cupy.asarray(rand_bits(rng, (5, heads, dim), F32))
+        slots, table = cupy.asarray(slots_h), cupy.asarray(table_h)
+        out = cupy.zeros((heads, 48, dim), cupy.float32)
+        # warm-up outside the capture: compiles and loads the modules
+        be.write_slots(cache, src, slots, F32, F16)
+        be.gather(cache, table, 0, 48, out, F16, F32)
+        stream.synchronize()
+        stream.begin_capture()
+        be.write_slots(cache, src, slots, F32, F16)
+        be.gather(cache, table, 0, 48, out, F16, F32)
+        graph = stream.end_capture()
+        new_src = rand_bits(rng, (5, heads, dim), F32)
+        src.set(new_src, stream=stream)
+        cache.fill(0)
+        graph.launch(stream=stream)
+    stream.synchronize()
+    want_cache = np.zeros((4, heads, bs, dim), np.float16)
+    CPU.write_slots(want_cache, new_src, slots_h, F32, F16)
+    want_out = np.zeros((heads, 48, dim), np.float32)
+    CPU.gather(want_cache, table_h, 0, 48, want_out, F16, F32)
+    assert_bits_equal(cupy.asnumpy(cache), want_cache)
+    assert_bits_equal(cupy.asnumpy(out), want_out)
+
+
+# ------------------------------------------------- host <-> device blocks
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+@pytest.mark.parametrize("planes", [1, 6])
+def test_copy_blocks_between_host_and_device(be, pinned, planes):
+    import cupyx
+
+    rng = np.random.default_rng([12, planes])
+    geometry = (2, 16, 64)
+    dev_storage = rand_bits(rng, (planes, 10, *geometry), BF16)
+    host_storage = rand_bits(rng, (planes, 7, *geometry), BF16)
+    if pinned:
+        h = cupyx.empty_pinned(host_storage.shape, host_storage.dtype)
+        h[...] = host_storage
+    else:
+        h = host_storage.copy()
+    d = cupy.asarray(dev_storage)
+    # offload: runs of consecutive ids are merged into one copy
+    src, dst = np.array([2, 3, 4, 9, 0]), np.array([0, 1, 2, 6, 4])
+    want_h = host_storage.copy()
+    want_h[:, dst] = dev_storage[:, src]
+    be.copy_blocks_between(d, src, h, dst)
+    be.synchronize()
+    assert_bits_equal(np.asarray(h), want_h)
+    # and back into other blocks of the pool (ids given on the device)
+    back_src, back_dst = np.array([6, 0, 1]), np.array([5, 7, 8])
+    want_d = dev_storage.copy()
+    want_d[:, back_dst] = want_h[:, back_src]
+    be.copy_blocks_between(h, cupy.asarray(back_src), d, cupy.asarray(back_dst))
+    be.synchronize()
+    assert_bits_equal(cupy.asnumpy(d), want_d)
+
+
+def test_copy_blocks_between_checks_host_ids_and_geometry(be):
+    d = cupy.zeros((2, 4, 2, 8, 64), cupy.float16)
+    h = np.zeros((2, 3, 2, 8, 64), np.float16)
+    with pytest.raises(IndexError, match="dst_ids"):
+        be.copy_blocks_between(d, [0], h, [3])
+    with pytest.raises(IndexError, match="src_ids"):
+        be.copy_blocks_between(d, [4], h, [0])
+    with pytest.raises(ValueError, match="geometry"):
+        be.copy_blocks_between(d, [0], np.zeros((2, 3, 2, 8, 32), np.float16), [0])
+    with pytest.raises(TypeError, match="dtype"):
+        be.copy_blocks_between(d, [0], np.zeros((2, 3, 2, 8, 64), np.float32), [0])
+
+
+# ------------------------------------------------ public API on CuPy arrays
+
+def test_public_conversions_accept_cupy_arrays():
+    rng = np.random.default_rng(13)
+    x = rand_bits(rng, (257, 3), F32)
+    h = kvcore.to_float16(cupy.asarray(x))
+    b = kvcore.to_bfloat16(cupy.asarray(x))
+    assert isinstance(h, cupy.ndarray) and isinstance(b, cupy.ndarray)
+    assert_bits_equal(cupy.asnumpy(h), kvcore.to_float16(x))
+    assert_bits_equal(cupy.asnumpy(b), kvcore.to_bfloat16(x))
+    assert_bits_equal(cupy.asnumpy(kvcore.from_float16(h)), kvcore.from_float16(cupy.asnumpy(h)))
+    assert_bits_equal(cupy.asnumpy(kvcore.from_bfloat16(b)),
+                      kvcore.from_bfloat16(cupy.asnumpy(b)))
+    out = cupy.empty((257, 3), cupy.float16)
+    assert kvcore.to_float16(cupy.asarray(x), out=out) is out
+    with pytest.raises(TypeError, match="out"):
+        kvcore.to_float16(cupy.asarray(x), out=np.empty((257, 3), np.float16))

@@ -1,0 +1,215 @@
+"""Every CUDA kernel compiles, in every instantiation kvcore asks for.
+
+Runs wherever ``nvcc`` is on PATH (no GPU needed) and skips cleanly
+otherwise; the NVRTC cases run where libnvrtc can be found (the CUDA
+toolkit, or the ``nvidia-cuda-nvrtc`` wheel CuPy uses) and compile exactly
+what ``CudaBackend`` hands to CuPy's RawModule: the same text, options and
+name expressions.
+"""
+import ctypes
+import ctypes.util
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvcore._cuda import _sources
+
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+
+# The architecture the compile check targets (Hopper: H100/H200).
+ARCH = "sm_90"
+# -Werror all-warnings: compiler warnings fail the test.  ptxas: register
+# spills or local-memory use in these tiny kernels would be a regression.
+NVCC_FLAGS = ["-std=c++17", "-Werror", "all-warnings",
+              "-Xptxas", "-warn-spills,-warn-lmem-usage,-Werror"]
+
+
+def _names_by_file():
+    out = {}
+    for file, _sk, _dk, names in _sources.modules():
+        out.setdefault(file, []).extend(names)
+    return out
+
+
+def _harness(file):
+    """The text NVRTC compiles for ``file``, plus one host-side reference to
+    every name expression (which instantiates it, as NVRTC's name
+    expressions do)."""
+    refs = "\n".join(f"void *const kv_instance_{i} = (void *)&{name};"
+                     for i, name in enumerate(_names_by_file()[file]))
+    return _sources.source(file) + "\n\n/* instantiations kvcore uses */\n" + refs + "\n"
+
+
+def _nvcc(args, cwd):
+    r = subprocess.run([NVCC, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    assert r.returncode == 0, f"nvcc {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def test_every_module_name_is_a_kernel_of_its_file():
+    for file, _sk, _dk, names in _sources.modules():
+        text = (_sources.KERNEL_DIR / file).read_text(encoding="utf-8")
+        for name in names:
+            kernel = name.split("<")[0]
+            assert re.search(rf"__global__ void {kernel}\(", text), (file, name)
+    assert set(_sources.FILES) == {p.name for p in _sources.KERNEL_DIR.glob("*.cu")}
+
+
+def test_source_pastes_the_header_once():
+    for file in _sources.FILES:
+        text = _sources.source(file)
+        assert "#include" not in text
+        assert text.count("#define KVCORE_KV_HALF_CUH") == 1
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file", _sources.FILES)
+def test_nvcc_compiles_file_as_shipped(file, tmp_path):
+    """The .cu file itself, with its #include, as a reader would build it."""
+    _nvcc([f"-arch={ARCH}", *NVCC_FLAGS, "-c", str(_sources.KERNEL_DIR / file),
+           "-o", str(tmp_path / "k.o")], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """file -> PTX of its every-instantiation build (each file compiled once,
+    for the target architecture, with -keep to retain the PTX)."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    cache = {}
+
+    def get(file):
+        if file not in cache:
+            d = tmp_path_factory.mktemp(file.replace(".", "_"))
+            src = d / f"all_{file}"
+            src.write_text(_harness(file), encoding="utf-8")
+            _nvcc([f"-arch={ARCH}", *NVCC_FLAGS, "-keep", "-keep-dir", str(d), "-c", str(src),
+                   "-o", str(d / "k.o")], d)
+            ptx = sorted(d.glob("*.ptx"))
+            assert len(ptx) == 1, ptx
+            cache[file] = ptx[0].read_text()
+        return cache[file]
+
+    return get
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file", _sources.FILES)
+def test_nvcc_compiles_every_instantiation(file, compiled):
+    ptx = compiled(file)
+    for name in _names_by_file()[file]:
+        kernel = name.split("<")[0]
+        assert re.search(rf"\.entry\s+_Z\d+{kernel}I", ptx), name
+    assert len(re.findall(r"\.entry\s", ptx)) == len(_names_by_file()[file])
+
+
+_ENTRY = re.compile(r"\.entry\s+(_Z\d+(kv_[a-z_]+?)ILi(\d+)ELi(\d+)ELi(\d+)EE\w*)")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file", ["paged.cu", "contiguous.cu"])
+def test_vector_path_moves_16_bytes_per_access(file, compiled):
+    """In every vector instantiation each data store is one 128-bit
+    st.global.v4 and the data loads are ld.global.v4; the scalar
+    instantiations move single elements."""
+    ptx = compiled(file)
+    seen = 0
+    for m in _ENTRY.finditer(ptx):
+        v = int(m.group(5))
+        body = ptx[m.end():ptx.index("\n}", m.end())]
+        stores = re.findall(r"st\.global\.\S+", body)
+        v4_loads = re.findall(r"ld\.global\.v4\.u32", body)
+        assert stores, m.group(1)
+        if v > 1:
+            assert all(st == "st.global.v4.u32" for st in stores), (m.group(1), stores)
+            assert v4_loads, m.group(1)
+        else:
+            assert not any(".v4" in st for st in stores) and not v4_loads, m.group(1)
+        seen += 1
+    assert seen == len(_names_by_file()[file])
+
+
+# ---------------------------------------------------------------- NVRTC
+
+def _find_nvrtc():
+    candidates = []
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        candidates.append(found)
+    for root in filter(None, [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                              "/usr/local/cuda"]):
+        candidates += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))
+    for site in sys.path:  # the nvidia-cuda-nvrtc wheels CuPy loads
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cuda_nvrtc", "lib",
+                                                    "libnvrtc.so*")))
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "lib",
+                                                    "libnvrtc.so*")))
+    for c in candidates:
+        if "builtins" in os.path.basename(c) or ".alt." in os.path.basename(c):
+            continue
+        try:
+            return ctypes.CDLL(c)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    lib = _find_nvrtc()
+    if lib is None:
+        pytest.skip("libnvrtc not found")
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def _nvrtc_compile(lib, text, name, options, name_expressions):
+    def check(rc, what):
+        assert rc == 0, f"{what}: {lib.nvrtcGetErrorString(rc).decode()}"
+
+    prog = ctypes.c_void_p()
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), name.encode(), 0, None, None),
+          "nvrtcCreateProgram")
+    try:
+        for expr in name_expressions:
+            check(lib.nvrtcAddNameExpression(prog, expr.encode()), "nvrtcAddNameExpression")
+        opts = [o.encode() for o in options]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(max(1, size.value))
+        lib.nvrtcGetProgramLog(prog, log)
+        log = log.value.decode(errors="replace").strip()
+        assert rc == 0, f"NVRTC failed on {name}:\n{log}"
+        lowered = {}
+        for expr in name_expressions:
+            out = ctypes.c_char_p()
+            check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
+                  f"nvrtcGetLoweredName({expr})")
+            lowered[expr] = out.value.decode()
+        return log, lowered
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+# What CuPy's RawModule adds to kvcore's options when it compiles for a
+# Hopper GPU (cupy/cuda/compiler.py): the target, FTZ, and functions without
+# an execution-space annotation treated as device functions.
+CUPY_ADDED_OPTIONS = ("-arch=sm_90", "-ftz=true", "--device-as-default-execution-space")
+
+
+def test_nvrtc_compiles_every_module_as_the_backend_does(nvrtc):
+    """Each (file, kinds) module exactly as CudaBackend asks CuPy for it."""
+    for file, sk, dk, names in _sources.modules():
+        log, lowered = _nvrtc_compile(
+            nvrtc, _sources.source(file), file,
+            [*_sources.COMPILE_OPTIONS, *CUPY_ADDED_OPTIONS], names)
+        assert log == "", f"{file} ({sk}, {dk}) compiled with warnings:\n{log}"
+        assert sorted(lowered) == sorted(names)
+        assert all(v.startswith("_Z") for v in lowered.values())
