@@ -54,6 +54,7 @@ extensions = [
     ext("_convert", "kv_half.c"),
     ext("_kernels"),
     ext("_pool", "kv_hash.c"),
+    ext("_seq"),
 ]
 
 setup(

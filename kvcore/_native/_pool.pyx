@@ -89,20 +89,27 @@ def block_key():
     return int(k0), int(k1)
 
 
+cdef void hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
+                       uint64_t parent0, uint64_t parent1, hash_word_t* out) noexcept nogil:
+    cdef uint64_t parent[2]
+    if n_blocks <= 0:
+        return
+    parent[0] = parent0
+    parent[1] = parent1
+    kvhash_chain(tokens, n_blocks, block_size, parent, out)
+
+
 def hash_chain(cnp.ndarray tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
                uint64_t parent0, uint64_t parent1, cnp.ndarray out):
     """out[i] = h[i] for the first n_blocks full blocks of int32 ``tokens``."""
-    cdef uint64_t parent[2]
     cdef const token_t* t
     cdef uint64_t* o
     if n_blocks <= 0:
         return
     t = _tok(tokens, n_blocks * block_size)
     o = <uint64_t*>_data(out, cnp.NPY_UINT64, 2 * n_blocks, True, "uint64")
-    parent[0] = parent0
-    parent[1] = parent1
     with nogil:
-        kvhash_chain(t, n_blocks, block_size, parent, o)
+        hash_chain_c(t, n_blocks, block_size, parent0, parent1, o)
 
 
 def slots_for(cnp.ndarray table, Py_ssize_t block_size, Py_ssize_t start, Py_ssize_t end,
@@ -124,19 +131,27 @@ def checked_token_array(obj):
     cdef cnp.ndarray a
     cdef const token_t* t
     cdef Py_ssize_t i, n, bad = -1
+    cdef token_t any_bits = 0
     if type(obj) is not np.ndarray:
         return None
     a = <cnp.ndarray>obj
+    # (a byte-swapped int32 array has the same type number: it must take the
+    # general path, which converts it)
     if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != cnp.NPY_INT32 \
-            or not cnp.PyArray_IS_C_CONTIGUOUS(a):
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a):
         return None
     n = cnp.PyArray_SIZE(a)
     t = <const token_t*>cnp.PyArray_DATA(a)
     with nogil:
+        # OR of all ids: its sign bit says whether any is negative, in a
+        # loop the compiler vectorizes; the search runs only on bad input
         for i in range(n):
-            if t[i] < 0:
-                bad = i
-                break
+            any_bits = any_bits | t[i]
+        if any_bits < 0:
+            for i in range(n):
+                if t[i] < 0:
+                    bad = i
+                    break
     if bad >= 0:
         raise ValueError(f"token_ids must lie in 0..2147483647, got {t[bad]} at index {bad}")
     return obj
@@ -195,27 +210,15 @@ def tokens_from_sequence(seq, token_t[::1] out):
 # ---------------------------------------------------------------- the core
 
 cdef class PoolCore:
-    """Ownership state of ``num_blocks`` blocks of ``block_size`` tokens."""
-    cdef readonly Py_ssize_t num_blocks, block_size
-    cdef block_id_t[::1] ref
-    cdef block_id_t[::1] fl_prev, fl_next      # free-list links
-    cdef signed char[::1] where                # 0 held, 1 uncached free, 2 cached free (LRU)
-    cdef signed char[::1] cached               # 1 if in the hash index
-    cdef hash_word_t[:, ::1] hashes            # (num_blocks, 2)
-    cdef block_id_t[::1] hb_prev, hb_next      # hash-bucket chain links
-    cdef block_id_t[::1] buckets
-    cdef token_t[:, ::1] tokens                # (num_blocks, block_size)
-    # Identity chain: each registration gets a serial number never used
-    # before; a cached block remembers its parent's serial (or, for a first
-    # block, the negative id of its salt).  A hit must match hash, tokens
-    # AND parent, so a hit's whole prefix and salt equal the query's, hash
-    # collisions or not.
-    cdef int64_t[::1] serial, parent_serial
-    cdef int64_t next_serial
-    cdef Py_ssize_t bucket_mask
-    cdef block_id_t uc_head, uc_tail, lru_head, lru_tail
-    cdef readonly Py_ssize_t num_uncached_free, num_lru_free, num_cached
-    cdef readonly long long evictions
+    """Ownership state of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Attributes are declared in ``_pool.pxd``.  Identity chain (``serial``,
+    ``parent_serial``): each registration gets a serial number never used
+    before; a cached block remembers its parent's serial (or, for a first
+    block, the negative id of its salt).  A hit must match hash, tokens AND
+    parent, so a hit's whole prefix and salt equal the query's, hash
+    collisions or not.
+    """
 
     def __init__(self, Py_ssize_t num_blocks, Py_ssize_t block_size):
         cdef Py_ssize_t i, cap = 16
@@ -441,6 +444,116 @@ cdef class PoolCore:
                     hits_free += 1
         return hits, hits_free
 
+    # C-level operations (declared in _pool.pxd; _seq.pyx calls them
+    # directly).  Same contracts as the public methods below.
+
+    cdef Py_ssize_t c_allocate(self, const token_t* t, const hash_word_t* h,
+                               Py_ssize_t max_hit_blocks, Py_ssize_t total_blocks,
+                               int64_t root, block_id_t* o, int64_t* sr) noexcept nogil:
+        cdef Py_ssize_t hits, i, hits_free = 0
+        hits = self._lookup_prefix(t, h, max_hit_blocks, root, o, sr)
+        for i in range(hits):
+            if self.ref[o[i]] == 0:
+                hits_free += 1
+        if total_blocks - hits > self.num_uncached_free + self.num_lru_free - hits_free:
+            return -1
+        for i in range(hits):
+            self._acquire(o[i])
+        for i in range(hits, total_blocks):
+            o[i] = self._pop()
+        return hits
+
+    cdef bint c_take(self, Py_ssize_t n, block_id_t* o) noexcept nogil:
+        cdef Py_ssize_t i
+        if n > self.num_uncached_free + self.num_lru_free:
+            return False
+        for i in range(n):
+            o[i] = self._pop()
+        return True
+
+    cdef int c_release(self, const block_id_t* b, Py_ssize_t n) except -1:
+        cdef Py_ssize_t i
+        self._check_ids(b, n)
+        for i in range(n):
+            if self.ref[b[i]] <= 0:
+                raise ValueError(f"block {b[i]} is not held (ref count {self.ref[b[i]]})")
+        if n >= NOGIL_BLOCKS:
+            with nogil:
+                self._release_n(b, n)
+        else:
+            self._release_n(b, n)
+        return 0
+
+    cdef void _release_n(self, const block_id_t* b, Py_ssize_t n) noexcept nogil:
+        cdef Py_ssize_t i
+        for i in range(n - 1, -1, -1):
+            self._release(b[i])
+
+    cdef void _acquire_n(self, const block_id_t* b, Py_ssize_t n) noexcept nogil:
+        cdef Py_ssize_t i
+        for i in range(n):
+            self._acquire(b[i])
+
+    cdef int c_incref(self, const block_id_t* b, Py_ssize_t n) except -1:
+        self._check_ids(b, n)
+        if n >= NOGIL_BLOCKS:
+            with nogil:
+                self._acquire_n(b, n)
+        else:
+            self._acquire_n(b, n)
+        return 0
+
+    cdef Py_ssize_t c_shared_blocks(self, const block_id_t* b, Py_ssize_t first,
+                                    Py_ssize_t last, block_id_t* o) except -1:
+        cdef Py_ssize_t i, k = 0
+        self._check_ids(b + first, last - first)
+        for i in range(first, last):
+            if self.ref[b[i]] != 1 or self.cached[b[i]]:
+                o[k] = i
+                k += 1
+        return k
+
+    cdef Py_ssize_t c_register(self, const block_id_t* bl, const hash_word_t* h,
+                               const token_t* t, Py_ssize_t first, Py_ssize_t last,
+                               int64_t parent, int64_t* sr) except -1:
+        cdef Py_ssize_t entered
+        self._check_ids(bl + first, last - first)
+        if last - first >= NOGIL_BLOCKS:
+            with nogil:
+                entered = self._register_n(bl, h, t, first, last, parent, sr)
+        else:
+            entered = self._register_n(bl, h, t, first, last, parent, sr)
+        return entered
+
+    cdef Py_ssize_t _register_n(self, const block_id_t* bl, const hash_word_t* h,
+                                const token_t* t, Py_ssize_t first, Py_ssize_t last,
+                                int64_t parent, int64_t* sr) noexcept nogil:
+        cdef Py_ssize_t i, bs = self.block_size, entered = 0
+        cdef block_id_t b, twin
+        for i in range(first, last):
+            b = bl[i]
+            if self.cached[b]:
+                # a hit block, or one registered before: its serial stands
+                parent = self.serial[b]
+                sr[i] = parent
+                continue
+            twin = self._lookup(h[2 * i], h[2 * i + 1], t + i * bs, parent)
+            if twin != NONE:
+                parent = self.serial[twin]
+                sr[i] = parent
+                continue
+            self.hashes[b, 0] = h[2 * i]
+            self.hashes[b, 1] = h[2 * i + 1]
+            memcpy(&self.tokens[b, 0], t + i * bs, bs * sizeof(token_t))
+            self.parent_serial[b] = parent
+            self.serial[b] = self.next_serial
+            self.next_serial += 1
+            self._index_insert(b)
+            parent = self.serial[b]
+            sr[i] = parent
+            entered += 1
+        return entered
+
     def allocate(self, cnp.ndarray tokens, cnp.ndarray hashes, Py_ssize_t max_hit_blocks,
                  Py_ssize_t total_blocks, int64_t root, cnp.ndarray out, cnp.ndarray serials):
         """Blocks for a new prompt: out[0:total_blocks] = cached hits, then
@@ -451,57 +564,39 @@ cdef class PoolCore:
         cdef const hash_word_t* h = _u64(hashes, 2 * max_hit_blocks)
         cdef block_id_t* o = _i32(out, total_blocks, True)
         cdef int64_t* sr = <int64_t*>_data(serials, cnp.NPY_INT64, max_hit_blocks, True, "int64")
-        cdef Py_ssize_t hits, i, hits_free = 0
+        cdef Py_ssize_t hits
         if max_hit_blocks > total_blocks:
             raise ValueError("max_hit_blocks > total_blocks")
         if root >= 0:
             raise ValueError(f"root must be negative (a salt id), got {root}")
-        with nogil:
-            hits = self._lookup_prefix(t, h, max_hit_blocks, root, o, sr)
-            for i in range(hits):
-                if self.ref[o[i]] == 0:
-                    hits_free += 1
-        if total_blocks - hits > self.num_uncached_free + self.num_lru_free - hits_free:
-            return -1
-        with nogil:
-            for i in range(hits):
-                self._acquire(o[i])
-            for i in range(hits, total_blocks):
-                o[i] = self._pop()
+        if total_blocks >= NOGIL_BLOCKS:
+            with nogil:
+                hits = self.c_allocate(t, h, max_hit_blocks, total_blocks, root, o, sr)
+        else:
+            hits = self.c_allocate(t, h, max_hit_blocks, total_blocks, root, o, sr)
         return hits
 
     def take(self, Py_ssize_t n, cnp.ndarray out):
         """n fresh blocks into out[0:n]; False (nothing changed) if short."""
         cdef block_id_t* o = _i32(out, n, True)
-        cdef Py_ssize_t i
-        if n > self.num_uncached_free + self.num_lru_free:
-            return False
-        with nogil:
-            for i in range(n):
-                o[i] = self._pop()
-        return True
+        cdef bint ok
+        if n >= NOGIL_BLOCKS:
+            with nogil:
+                ok = self.c_take(n, o)
+        else:
+            ok = self.c_take(n, o)
+        return ok
 
     def release(self, cnp.ndarray blocks):
         """Drop one reference to each block, last block first (so the tail
         of a prefix becomes evictable before its head)."""
-        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
-        cdef const block_id_t* b = _i32(blocks, n, False)
-        self._check_ids(b, n)
-        for i in range(n):
-            if self.ref[b[i]] <= 0:
-                raise ValueError(f"block {b[i]} is not held (ref count {self.ref[b[i]]})")
-        with nogil:
-            for i in range(n - 1, -1, -1):
-                self._release(b[i])
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(blocks)
+        self.c_release(_i32(blocks, n, False), n)
 
     def incref(self, cnp.ndarray blocks):
         """Take one more reference to each block."""
-        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
-        cdef const block_id_t* b = _i32(blocks, n, False)
-        self._check_ids(b, n)
-        with nogil:
-            for i in range(n):
-                self._acquire(b[i])
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(blocks)
+        self.c_incref(_i32(blocks, n, False), n)
 
     def exclusive(self, block_id_t b):
         """True if b may be written in place: one holder and not cached."""
@@ -513,13 +608,7 @@ cdef class PoolCore:
         (held by others, or cached) go to out; returns how many."""
         cdef const block_id_t* b = _i32(blocks, last, False)
         cdef block_id_t* o = _i32(out, last - first, True)
-        cdef Py_ssize_t i, k = 0
-        self._check_ids(b + first, last - first)
-        for i in range(first, last):
-            if self.ref[b[i]] != 1 or self.cached[b[i]]:
-                o[k] = i
-                k += 1
-        return k
+        return self.c_shared_blocks(b, first, last, o)
 
     def register(self, cnp.ndarray blocks, cnp.ndarray hashes, cnp.ndarray tokens,
                  Py_ssize_t first, Py_ssize_t last, int64_t parent, cnp.ndarray serials):
@@ -530,37 +619,11 @@ cdef class PoolCore:
         serials[i] receives the serial the sequence's block i is known by
         (its own, or the cached twin's): the parent of block i + 1.
         Returns how many blocks were entered."""
-        cdef Py_ssize_t i, bs = self.block_size, entered = 0
         cdef const block_id_t* bl = _i32(blocks, last, False)
         cdef const hash_word_t* h = _u64(hashes, 2 * last)
-        cdef const token_t* t = _tok(tokens, last * bs)
+        cdef const token_t* t = _tok(tokens, last * self.block_size)
         cdef int64_t* sr = <int64_t*>_data(serials, cnp.NPY_INT64, last, True, "int64")
-        cdef block_id_t b, twin
-        self._check_ids(bl + first, last - first)
-        with nogil:
-            for i in range(first, last):
-                b = bl[i]
-                if self.cached[b]:
-                    # a hit block, or one registered before: its serial stands
-                    parent = self.serial[b]
-                    sr[i] = parent
-                    continue
-                twin = self._lookup(h[2 * i], h[2 * i + 1], t + i * bs, parent)
-                if twin != NONE:
-                    parent = self.serial[twin]
-                    sr[i] = parent
-                    continue
-                self.hashes[b, 0] = h[2 * i]
-                self.hashes[b, 1] = h[2 * i + 1]
-                memcpy(&self.tokens[b, 0], t + i * bs, bs * sizeof(token_t))
-                self.parent_serial[b] = parent
-                self.serial[b] = self.next_serial
-                self.next_serial += 1
-                self._index_insert(b)
-                parent = self.serial[b]
-                sr[i] = parent
-                entered += 1
-        return entered
+        return self.c_register(bl, h, t, first, last, parent, sr)
 
     def reset_prefix_cache(self):
         """Forget every cached block; False (nothing changed) if any block

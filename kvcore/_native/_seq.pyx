@@ -1,0 +1,824 @@
+"""Per-sequence bookkeeping of ``PagedKVCache``: the sequence's token ids,
+block hashes, block table and counters, and the operations on them
+(allocate, reserve/copy-on-write, commit, append_token, register, free) as
+C code calling ``PoolCore``'s C-level methods.
+
+``kvcore/paged.py`` validates every argument and raises every error; the
+methods here take validated values and report failures as status codes
+(details for the message in the ``_fail_*`` fields).  A failing method
+changes nothing.  Every PoolCore call happens with the pool's lock held.
+
+State (a sequence is driven by one thread at a time):
+  * ``toks`` [tok_cap]: token ids, the first ``_num_tokens`` known;
+  * ``hw`` [hash_cap, 2]: the first ``_n_hashed`` full blocks' chained hashes;
+  * ``ser`` [ser_cap]: the serial the pool knows each of the first
+    ``_n_registered`` blocks by (the next block's parent);
+  * ``_table``: int32 NumPy array [capacity], the first ``_nblocks`` the
+    block table (kvcore.tables and PagedKVCache read it);
+  * ``pending[layer]``: positions past ``_num_computed`` appended to that
+    layer in the current step;
+  * ``[excl_lo, excl_hi)``: blocks known to be this sequence's alone
+    (writable in place) since the last reserve; ``[slot_lo, slot_hi)``: the
+    positions whose slots ``slot_val`` caches for the layers of a step.
+Token ids, hashes and serials are plain C buffers, private to the sequence
+(handed out only as copies): a NumPy array costs more to create and free
+than these operations take otherwise.  ``_table`` is replaced, never
+resized in place: a bigger one is a copy, so the shared empty array below
+is never written.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcpy
+
+from kvcore._native._convert cimport KVH_F16, KVH_F32, convert_n, kind_itemsize
+from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
+from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
+
+from kvcore._native import _pool as _pool_module
+from kvcore._backend import CPU as _CPU
+
+cnp.import_array()
+
+cdef extern from "Python.h":
+    const Py_ssize_t PY_SSIZE_T_MAX
+
+cdef enum:
+    # hash with the GIL released from this many blocks on (~30 ns a block);
+    # the block a decode step completes is hashed without the round trip
+    HASH_NOGIL_BLOCKS = 16
+    # the direct append path writes with the GIL released from this many
+    # elements (of k and of v) on: a decode step's token is done before the
+    # round trip would be
+    WRITE_NOGIL_ELEMS = 32768
+    # the direct append path, not looked at yet / usable / not usable
+    FAST_UNKNOWN = 0
+    FAST_YES = 1
+    FAST_NO = 2
+
+# Statuses of the operations (0 or more: done), for kvcore/paged.py to
+# turn into errors.  UNCHECKED: an argument is not of the kind the native
+# path takes as is (or is out of range); nothing changed, and the caller
+# validates it (raising the precise error) and calls again.
+cdef enum:
+    ST_SHORT = -1          # the pool is short of blocks (_fail_free, _fail_cow set)
+    ST_EMPTY = -2          # allocate: no tokens
+    ST_TOO_LONG = -3       # past max_seq_len
+    ST_UNCHECKED = -4
+    ST_BUSY = -5           # allocate: the sequence is not empty
+    ST_PAST_RESERVED = -6  # commit: past the reserved positions
+
+SHORT = ST_SHORT
+EMPTY = ST_EMPTY
+TOO_LONG = ST_TOO_LONG
+UNCHECKED = ST_UNCHECKED
+BUSY = ST_BUSY
+PAST_RESERVED = ST_PAST_RESERVED
+
+# The hash every sequence uses unless ``_pool.hash_chain`` has been replaced
+# (tests forge collisions by replacing it): then the replacement is called.
+_HASH_CHAIN = _pool_module.hash_chain
+
+
+cdef cnp.ndarray _frozen_empty(cnp.ndarray a):
+    a.flags.writeable = False
+    return a
+
+
+_EMPTY_I32 = _frozen_empty(np.empty(0, np.int32))
+
+
+cdef inline cnp.ndarray _empty(Py_ssize_t n, int typenum):
+    cdef cnp.npy_intp dim = n
+    return cnp.PyArray_EMPTY(1, &dim, typenum, 0)
+
+
+cdef inline cnp.ndarray _empty_hashes(Py_ssize_t n):
+    cdef cnp.npy_intp dims[2]
+    dims[0] = n
+    dims[1] = 2
+    return cnp.PyArray_EMPTY(2, dims, cnp.NPY_UINT64, 0)
+
+
+cdef inline void* _ptr(cnp.ndarray a) noexcept:
+    return cnp.PyArray_DATA(a)
+
+
+cdef cnp.ndarray _copy(cnp.ndarray a):
+    """A copy of a C-contiguous 1-D array of ours (PyArray_NewCopy costs
+    several times a plain copy for small arrays)."""
+    cdef cnp.ndarray new = _empty(cnp.PyArray_DIM(a, 0), cnp.PyArray_TYPE(a))
+    memcpy(_ptr(new), _ptr(a), cnp.PyArray_NBYTES(a))
+    return new
+
+
+cdef cnp.ndarray _grown(cnp.ndarray a, Py_ssize_t need):
+    """``a`` if it holds ``need`` entries, else a copy with room for >= need."""
+    cdef Py_ssize_t rows = cnp.PyArray_DIM(a, 0)
+    cdef cnp.ndarray new
+    if rows >= need:
+        return a
+    new = _empty(max(need, 2 * rows, 16), cnp.PyArray_TYPE(a))
+    memcpy(_ptr(new), _ptr(a), cnp.PyArray_NBYTES(a))
+    return new
+
+
+cdef int _fit(void** buf, Py_ssize_t* cap, Py_ssize_t need, size_t item,
+              Py_ssize_t keep) except -1:
+    """Make ``*buf`` hold ``need`` items (capacity at least doubling), keeping
+    its first ``keep``."""
+    cdef Py_ssize_t new_cap
+    cdef void* p
+    if need <= cap[0]:
+        return 0
+    new_cap = max(need, 2 * cap[0], 16)
+    if keep:
+        p = realloc(buf[0], new_cap * item)
+        if p == NULL:
+            raise MemoryError()
+    else:
+        p = malloc(new_cap * item)
+        if p == NULL:
+            raise MemoryError()
+        free(buf[0])
+    buf[0] = p
+    cap[0] = new_cap
+    return 0
+
+
+cdef void* _dup(const void* src, Py_ssize_t n, size_t item, Py_ssize_t* cap) except NULL:
+    """A new buffer holding the n items at src (room for at least one)."""
+    cdef Py_ssize_t c = max(n, 1)
+    cdef void* p = malloc(c * item)
+    if p == NULL:
+        raise MemoryError()
+    memcpy(p, src, n * item)
+    cap[0] = c
+    return p
+
+
+cdef inline Py_ssize_t _count(object n) except -1:
+    """A non-negative int as Py_ssize_t; one too big saturates, so every
+    limit check on it fails."""
+    try:
+        return n
+    except OverflowError:
+        return PY_SSIZE_T_MAX
+
+
+cdef void _write_rows(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t H,
+                      Py_ssize_t D, Py_ssize_t row, int src_kind, int dst_kind,
+                      const block_id_t* table, Py_ssize_t bs, Py_ssize_t pos0, char* cache,
+                      Py_ssize_t s_plane, Py_ssize_t s_blk, Py_ssize_t s_head,
+                      Py_ssize_t s_tok) noexcept nogil:
+    """Rows i < n of C-contiguous k, v (n, H, D) to positions pos0 + i of the
+    sequence whose blocks are ``table``: keys in the plane at ``cache``,
+    values in the next (what the write_slots kernel does, slot by slot)."""
+    cdef Py_ssize_t i, h, p
+    cdef char* dk
+    for i in range(n):
+        p = pos0 + i
+        dk = cache + table[p // bs] * s_blk + (p % bs) * s_tok
+        for h in range(H):
+            convert_n(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
+            convert_n(src_kind, vp + (i * H + h) * row, dst_kind, dk + s_plane + h * s_head, D)
+
+
+cdef class _PoolView:
+    """What a sequence needs of its pool, read once per pool (kept in
+    ``PoolCore.seq_view``)."""
+    cdef object lock_acquire, lock_release
+    cdef Py_ssize_t bs, num_layers
+    cdef bint caching
+
+
+cdef class SeqCore:
+    """Bookkeeping state of one sequence in a ``BlockPool``; ``PagedKVCache``
+    is its public face."""
+    cdef readonly object _pool
+    cdef readonly PoolCore _core
+    cdef object lock_acquire, lock_release      # the pool's lock
+    cdef readonly Py_ssize_t _bs
+    cdef Py_ssize_t num_layers
+    cdef readonly object _max                   # max_seq_len: None or int
+    cdef Py_ssize_t max_len                     # -1: no limit
+    cdef readonly object _salt
+    cdef readonly bint _caching
+    cdef uint64_t root0, root1                  # the salt's hash-chain root
+    cdef int64_t root_serial                    # the salt's identity-chain root
+    cdef token_t* toks
+    cdef hash_word_t* hw
+    cdef int64_t* ser
+    cdef Py_ssize_t tok_cap, hash_cap, ser_cap
+    cdef readonly cnp.ndarray _table
+    cdef readonly Py_ssize_t _num_tokens, _num_computed, _nblocks, _n_hashed, _n_registered
+    cdef Py_ssize_t* pending
+    cdef Py_ssize_t excl_lo, excl_hi
+    cdef Py_ssize_t slot_lo, slot_hi
+    cdef cnp.ndarray slot_val
+    # the direct append path (looked at on first use): the pool's storage
+    # when it is a CPU pool, its element kind and geometry
+    cdef int fast
+    cdef cnp.ndarray storage
+    cdef int kind
+    cdef Py_ssize_t heads, dim
+    # what the last failed call saw, for the caller's error message
+    cdef readonly Py_ssize_t _fail_free, _fail_cow
+
+    def __cinit__(self):
+        self._table = _EMPTY_I32
+        self.max_len = -1
+        self.slot_lo = -1
+
+    def __dealloc__(self):
+        free(self.pending)
+        free(self.toks)
+        free(self.hw)
+        free(self.ser)
+
+    def __del__(self):
+        # Blocks of a dropped sequence go back to the pool.
+        try:
+            if self._nblocks:
+                self._free()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def _setup(self, pool, max_seq_len, salt, uint64_t root0, uint64_t root1,
+               int64_t root_serial):
+        """Bind to ``pool`` (a validated BlockPool); the sequence starts empty."""
+        cdef Py_ssize_t* pending
+        cdef PoolCore core = pool._core
+        cdef _PoolView view = core.seq_view
+        if view is None:
+            view = _PoolView()
+            lock = pool._lock
+            view.lock_acquire = lock.acquire
+            view.lock_release = lock.release
+            view.bs = pool._block_size
+            view.num_layers = pool._num_layers
+            view.caching = pool._caching
+            core.seq_view = view
+        self._pool = pool
+        self._core = core
+        self.lock_acquire = view.lock_acquire
+        self.lock_release = view.lock_release
+        self._bs = view.bs
+        self.num_layers = view.num_layers
+        self._caching = view.caching
+        self._max = max_seq_len
+        self.max_len = -1 if max_seq_len is None else _count(max_seq_len)
+        self._salt = salt
+        self.root0 = root0
+        self.root1 = root1
+        self.root_serial = root_serial
+        pending = <Py_ssize_t*>calloc(self.num_layers, sizeof(Py_ssize_t))
+        if pending == NULL:
+            raise MemoryError()
+        free(self.pending)
+        self.pending = pending
+        self.fast = FAST_UNKNOWN
+        self.storage = None
+        self._reset_state()
+
+    cdef bint _fast_ready(self) except -1:
+        """Whether the direct append path serves this sequence's pool."""
+        if self.fast == FAST_UNKNOWN:
+            pool = self._pool
+            storage = pool._storage
+            if pool._backend is _CPU and type(storage) is np.ndarray \
+                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>storage):
+                self.storage = <cnp.ndarray>storage
+                self.kind = pool._kind
+                self.heads = pool._num_kv_heads
+                self.dim = pool._head_dim
+                self.fast = FAST_YES
+            else:
+                self.fast = FAST_NO
+        return self.fast == FAST_YES
+
+    cdef void _reset_state(self) noexcept:
+        cdef Py_ssize_t i
+        self._num_tokens = 0
+        self._num_computed = 0
+        self._nblocks = 0
+        self._n_hashed = 0
+        self._n_registered = 0
+        for i in range(self.num_layers):
+            self.pending[i] = 0
+        self._invalidate()
+
+    cdef inline void _invalidate(self) noexcept:
+        self.excl_lo = 0
+        self.excl_hi = 0
+        self.slot_lo = -1
+
+    # ------------------------------------------------------------ state
+    @property
+    def _pending(self):
+        """Positions appended per layer in the current step (a list copy)."""
+        return [self.pending[i] for i in range(self.num_layers)] if self.pending else []
+
+    def _written(self, Py_ssize_t layer):
+        """Positions readable in (validated) ``layer``."""
+        return self._num_computed + self.pending[layer]
+
+    def _token_ids(self):
+        """int32 array of the known token ids (a copy)."""
+        cdef cnp.ndarray out = _empty(self._num_tokens, cnp.NPY_INT32)
+        memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
+        return out
+
+    def _hash_words(self):
+        """(n_hashed, 2) uint64 array of the known blocks' hashes (a copy)."""
+        cdef cnp.ndarray out = _empty_hashes(self._n_hashed)
+        memcpy(_ptr(out), self.hw, self._n_hashed * 2 * sizeof(hash_word_t))
+        return out
+
+    def _length(self):
+        """Known tokens or written positions, whichever reach further."""
+        cdef Py_ssize_t i, most = 0
+        for i in range(self.num_layers):
+            if self.pending[i] > most:
+                most = self.pending[i]
+        return max(self._num_tokens, self._num_computed + most)
+
+    # ------------------------------------------------------------ hashing
+    cdef int _hash(self, const token_t* t, Py_ssize_t n_blocks, uint64_t parent0,
+                   uint64_t parent1, hash_word_t* out) except -1:
+        """out[i] = h[i] for the n_blocks full blocks at t, chained from parent."""
+        cdef Py_ssize_t bs = self._bs
+        cdef cnp.ndarray tok_arr, out_arr
+        hash_chain = _pool_module.hash_chain
+        if hash_chain is _HASH_CHAIN:
+            if n_blocks >= HASH_NOGIL_BLOCKS:
+                with nogil:
+                    hash_chain_c(t, n_blocks, bs, parent0, parent1, out)
+            else:
+                hash_chain_c(t, n_blocks, bs, parent0, parent1, out)
+        else:
+            tok_arr = _empty(n_blocks * bs, cnp.NPY_INT32)
+            memcpy(_ptr(tok_arr), t, n_blocks * bs * sizeof(token_t))
+            out_arr = _empty_hashes(n_blocks)
+            hash_chain(tok_arr, n_blocks, bs, parent0, parent1, out_arr)
+            memcpy(out, _ptr(out_arr), n_blocks * 2 * sizeof(hash_word_t))
+        return 0
+
+    cdef int _hash_known_blocks(self) except -1:
+        cdef Py_ssize_t full = self._num_tokens // self._bs, h = self._n_hashed
+        if full <= h:
+            return 0
+        _fit(<void**>&self.hw, &self.hash_cap, full, 2 * sizeof(hash_word_t), h)
+        if h == 0:
+            self._hash(self.toks, full, self.root0, self.root1, self.hw)
+        else:
+            self._hash(self.toks + h * self._bs, full - h, self.hw[2 * h - 2],
+                       self.hw[2 * h - 1], self.hw + 2 * h)
+        self._n_hashed = full
+        return 0
+
+    cdef int _register_ready(self) except -1:
+        """Offer the full, committed blocks with known tokens to the cache."""
+        cdef Py_ssize_t upto, first
+        cdef int64_t parent
+        if not self._caching:
+            return 0
+        upto = min(self._num_computed, self._num_tokens) // self._bs
+        if upto > self._n_hashed:
+            upto = self._n_hashed
+        if upto <= self._n_registered:
+            return 0
+        first = self._n_registered
+        _fit(<void**>&self.ser, &self.ser_cap, upto, sizeof(int64_t), first)
+        parent = self.ser[first - 1] if first else self.root_serial
+        self.lock_acquire()
+        try:
+            self._core.c_register(<block_id_t*>_ptr(self._table), self.hw, self.toks,
+                                  first, upto, parent, self.ser)
+        finally:
+            self.lock_release()
+        self._n_registered = upto
+        return 0
+
+    # ------------------------------------------------------------ operations
+    def _allocate(self, token_ids):
+        """Blocks for the prompt ``token_ids`` on an empty sequence.  Returns
+        the hit tokens, or a status (nothing changed the caller can see):
+        BUSY, UNCHECKED (not a 1-D C-contiguous int32 array of ids >= 0),
+        EMPTY, TOO_LONG or SHORT, checked in that order."""
+        cdef Py_ssize_t n, bs = self._bs, total, n_full, max_hit, hits, i
+        cdef cnp.ndarray tokens, table
+        cdef PoolCore core = self._core
+        cdef int64_t root = self.root_serial
+        cdef block_id_t* bp
+        cdef const token_t* src
+        cdef token_t* dst
+        cdef token_t any_bits = 0
+        if self._nblocks or self._num_tokens or self._num_computed:
+            return ST_BUSY
+        if type(token_ids) is not np.ndarray:
+            return ST_UNCHECKED
+        tokens = <cnp.ndarray>token_ids
+        if cnp.PyArray_NDIM(tokens) != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32 \
+                or not cnp.PyArray_IS_C_CONTIGUOUS(tokens) \
+                or not cnp.PyArray_ISNOTSWAPPED(tokens):
+            return ST_UNCHECKED
+        n = cnp.PyArray_SIZE(tokens)
+        # copy the ids in, checking them on the way (as checked_token_array
+        # does: the OR of all has the sign bit set iff one is negative); the
+        # buffers' contents count only up to the counters, all 0 here
+        _fit(<void**>&self.toks, &self.tok_cap, n, sizeof(token_t), 0)
+        src = <const token_t*>_ptr(tokens)
+        dst = self.toks
+        for i in range(n):
+            dst[i] = src[i]
+            any_bits = any_bits | src[i]
+        if any_bits < 0:
+            return ST_UNCHECKED
+        if n == 0:
+            return ST_EMPTY
+        if self.max_len >= 0 and n > self.max_len:
+            return ST_TOO_LONG
+        total = (n + bs - 1) // bs
+        n_full = n // bs
+        _fit(<void**>&self.ser, &self.ser_cap, n_full, sizeof(int64_t), 0)
+        if self._caching:
+            _fit(<void**>&self.hw, &self.hash_cap, n_full, 2 * sizeof(hash_word_t), 0)
+            if n_full:
+                self._hash(self.toks, n_full, self.root0, self.root1, self.hw)
+            max_hit = (n - 1) // bs  # the last prompt token is always computed
+        else:
+            max_hit = 0
+        table = _empty(max(total, 16), cnp.NPY_INT32)
+        bp = <block_id_t*>_ptr(table)
+        self.lock_acquire()
+        try:
+            if total >= NOGIL_BLOCKS:
+                with nogil:
+                    hits = core.c_allocate(self.toks, self.hw, max_hit, total, root, bp,
+                                           self.ser)
+            else:
+                hits = core.c_allocate(self.toks, self.hw, max_hit, total, root, bp, self.ser)
+            if hits < 0:
+                self._fail_free = core.num_uncached_free + core.num_lru_free
+                return ST_SHORT
+            if self._caching:
+                pool = self._pool
+                pool._prefix_queries += n
+                pool._prefix_hits += hits * bs
+        finally:
+            self.lock_release()
+        self._table = table
+        self._nblocks = total
+        self._num_tokens = n
+        self._n_hashed = n_full if self._caching else 0
+        self._num_computed = hits * bs
+        self._n_registered = hits
+        self._invalidate()
+        return hits * bs
+
+    cdef int _ensure(self, Py_ssize_t target) except -2:
+        """Blocks for positions up to ``target`` - 1, those from num_computed
+        on this sequence's own (copy-on-write).  0, or SHORT (-1; nothing
+        changed; ``_fail_cow``, ``_fail_free`` set)."""
+        cdef Py_ssize_t bs = self._bs, first, end, grow, last, ncow = 0, need, i
+        cdef PoolCore core = self._core
+        cdef cnp.ndarray idx, new, old
+        cdef block_id_t* table
+        cdef block_id_t* fresh
+        if target <= self._num_computed:
+            return 0
+        first = self._num_computed // bs
+        end = target // bs + (target % bs != 0)  # blocks [first, end) must be ours
+        if self.excl_lo <= first and end <= self.excl_hi:
+            return 0
+        grow = end - self._nblocks if end > self._nblocks else 0
+        last = min(end, self._nblocks)
+        self.lock_acquire()
+        try:
+            if last > first:
+                idx = _empty(last - first, cnp.NPY_INT32)
+                ncow = core.c_shared_blocks(<block_id_t*>_ptr(self._table), first, last,
+                                            <block_id_t*>_ptr(idx))
+            need = grow + ncow
+            if need:
+                if need > core.num_uncached_free + core.num_lru_free:
+                    self._fail_cow = ncow
+                    self._fail_free = core.num_uncached_free + core.num_lru_free
+                    return ST_SHORT
+                new = _empty(need, cnp.NPY_INT32)
+                fresh = <block_id_t*>_ptr(new)
+                core.c_take(need, fresh)
+                if ncow:
+                    table = <block_id_t*>_ptr(self._table)
+                    old = _empty(ncow, cnp.NPY_INT32)
+                    for i in range(ncow):
+                        (<block_id_t*>_ptr(old))[i] = table[(<block_id_t*>_ptr(idx))[i]]
+                    try:
+                        self._pool._copy_blocks(old, new[:ncow])
+                    except BaseException:
+                        core.c_release(fresh, need)
+                        raise
+                    for i in range(ncow):
+                        table[(<block_id_t*>_ptr(idx))[i]] = fresh[i]
+                    core.c_release(<block_id_t*>_ptr(old), ncow)
+                if grow:
+                    self._table = _grown(self._table, end)
+                    memcpy(<block_id_t*>_ptr(self._table) + self._nblocks, fresh + ncow,
+                           grow * sizeof(block_id_t))
+                    self._nblocks = end
+                self.slot_lo = -1
+        finally:
+            self.lock_release()
+        self.excl_lo = first
+        self.excl_hi = end
+        return 0
+
+    def _reserve(self, n):
+        """Make positions num_computed .. num_computed + n - 1 writable.  0,
+        or a status (nothing changed): UNCHECKED (n not an int >= 0),
+        TOO_LONG or SHORT."""
+        cdef Py_ssize_t m, target
+        if type(n) is not int or n < 0:
+            return ST_UNCHECKED
+        m = _count(n)
+        if m > PY_SSIZE_T_MAX - self._num_computed:
+            if self.max_len >= 0:
+                return ST_TOO_LONG
+            self._fail_cow = 0
+            self._fail_free = self._core.num_uncached_free + self._core.num_lru_free
+            return ST_SHORT
+        target = self._num_computed + m
+        if self.max_len >= 0 and target > self.max_len:
+            return ST_TOO_LONG
+        return self._ensure(target)
+
+    def _ensure_to(self, Py_ssize_t target):
+        """``_ensure`` for a validated target position: 0 or SHORT."""
+        return self._ensure(target)
+
+    def _step_slots(self, Py_ssize_t start, Py_ssize_t end):
+        """int64 slots of positions start..end-1 (within the table); the same
+        array serves every layer of a step."""
+        cdef Py_ssize_t p, bs = self._bs
+        cdef const block_id_t* t
+        cdef slot_t* o
+        if self.slot_lo != start or self.slot_hi != end:
+            self.slot_val = _empty(end - start, cnp.NPY_INT64)
+            t = <const block_id_t*>_ptr(self._table)
+            o = <slot_t*>_ptr(self.slot_val)
+            for p in range(start, end):
+                o[p - start] = <slot_t>t[p // bs] * bs + p % bs
+            self.slot_lo = start
+            self.slot_hi = end
+        return self.slot_val
+
+    def _note_append(self, Py_ssize_t layer, Py_ssize_t n):
+        """``n`` positions of (validated) ``layer`` were written this step."""
+        if n > self.pending[layer]:
+            self.pending[layer] = n
+
+    def _append_fast(self, layer, k, v):
+        """``append(layer, k, v)`` for the common case: a CPU pool, ``layer``
+        an int in range, ``k`` and ``v`` NumPy arrays (n >= 1, num_kv_heads,
+        head_dim) of one native-order float32 or float16 dtype, C-contiguous,
+        aligned and apart from the pool's storage, within max_seq_len and the
+        free blocks.  Writes exactly what the validated path writes (the same
+        conversion routine) and returns True; returns False having changed
+        nothing for any other input, which then takes the validated path."""
+        cdef cnp.ndarray ka, va, st
+        cdef Py_ssize_t lay, n, bs = self._bs, H, D
+        cdef Py_ssize_t target, row, s_head, s_blk, s_tok, s_plane
+        cdef int typenum, src_kind, dst_kind
+        cdef char* kp
+        cdef char* vp
+        cdef char* sp
+        cdef char* lo
+        cdef char* hi
+        cdef const block_id_t* table
+        if type(layer) is not int or type(k) is not np.ndarray \
+                or type(v) is not np.ndarray or not self._fast_ready():
+            return False
+        st = self.storage
+        H = self.heads
+        D = self.dim
+        dst_kind = self.kind
+        if not 0 <= layer < self.num_layers:
+            return False
+        lay = layer
+        ka = <cnp.ndarray>k
+        va = <cnp.ndarray>v
+        if cnp.PyArray_NDIM(ka) != 3 or cnp.PyArray_NDIM(va) != 3:
+            return False
+        n = cnp.PyArray_DIM(ka, 0)
+        if n < 1 or cnp.PyArray_DIM(va, 0) != n or cnp.PyArray_DIM(ka, 1) != H \
+                or cnp.PyArray_DIM(va, 1) != H or cnp.PyArray_DIM(ka, 2) != D \
+                or cnp.PyArray_DIM(va, 2) != D:
+            return False
+        typenum = cnp.PyArray_TYPE(ka)
+        if typenum != cnp.PyArray_TYPE(va):
+            return False
+        if typenum == cnp.NPY_FLOAT32:
+            src_kind = KVH_F32
+        elif typenum == cnp.NPY_FLOAT16:
+            src_kind = KVH_F16
+        else:
+            return False
+        # C-contiguous, aligned, native byte order
+        if not (cnp.PyArray_ISCARRAY_RO(ka) and cnp.PyArray_ISCARRAY_RO(va)
+                and cnp.PyArray_ISNOTSWAPPED(ka) and cnp.PyArray_ISNOTSWAPPED(va)):
+            return False
+        sp = <char*>_ptr(st)
+        lo = sp
+        hi = sp + cnp.PyArray_NBYTES(st)
+        kp = <char*>_ptr(ka)
+        vp = <char*>_ptr(va)
+        if (kp < hi and lo < kp + cnp.PyArray_NBYTES(ka)) \
+                or (vp < hi and lo < vp + cnp.PyArray_NBYTES(va)):
+            return False
+        target = self._num_computed + n
+        if self.max_len >= 0 and target > self.max_len:
+            return False
+        if self._ensure(target) != 0:
+            return False
+        # storage: (2 * num_layers, num_blocks, heads, block_size, dim)
+        s_plane = cnp.PyArray_STRIDE(st, 0)
+        s_blk = cnp.PyArray_STRIDE(st, 1)
+        s_head = cnp.PyArray_STRIDE(st, 2)
+        s_tok = cnp.PyArray_STRIDE(st, 3)
+        row = kind_itemsize(src_kind) * D
+        table = <const block_id_t*>_ptr(self._table)
+        # layer lay's keys are plane 2 * lay, its values the plane after
+        sp += 2 * lay * s_plane
+        if n * H * D >= WRITE_NOGIL_ELEMS:
+            with nogil:
+                _write_rows(kp, vp, n, H, D, row, src_kind, dst_kind, table, bs,
+                            self._num_computed, sp, s_plane, s_blk, s_head, s_tok)
+        else:
+            _write_rows(kp, vp, n, H, D, row, src_kind, dst_kind, table, bs,
+                        self._num_computed, sp, s_plane, s_blk, s_head, s_tok)
+        if n > self.pending[lay]:
+            self.pending[lay] = n
+        return True
+
+    def _commit(self, n):
+        """num_computed += n for all layers, registering what became ready.
+        0, or a status (nothing changed): UNCHECKED (n not an int >= 0),
+        TOO_LONG or PAST_RESERVED."""
+        cdef Py_ssize_t m, target, i
+        if type(n) is not int or n < 0:
+            return ST_UNCHECKED
+        m = _count(n)
+        if m > PY_SSIZE_T_MAX - self._num_computed:
+            return ST_TOO_LONG if self.max_len >= 0 else ST_PAST_RESERVED
+        target = self._num_computed + m
+        if self.max_len >= 0 and target > self.max_len:
+            return ST_TOO_LONG
+        if target > self._nblocks * self._bs:
+            return ST_PAST_RESERVED
+        self._num_computed = target
+        for i in range(self.num_layers):
+            self.pending[i] = self.pending[i] - m if self.pending[i] > m else 0
+        self._register_ready()
+        return 0
+
+    def _append_token(self, token_id):
+        """Add a token id.  0, or a status (nothing changed): UNCHECKED (not
+        an int in 0..2**31-1) or TOO_LONG."""
+        cdef Py_ssize_t n = self._num_tokens
+        cdef token_t tid
+        if type(token_id) is not int or not 0 <= token_id <= 2147483647:
+            return ST_UNCHECKED
+        tid = token_id
+        if self.max_len >= 0 and n + 1 > self.max_len:
+            return ST_TOO_LONG
+        if n >= self.tok_cap:
+            _fit(<void**>&self.toks, &self.tok_cap, n + 1, sizeof(token_t), n)
+        self.toks[n] = tid
+        self._num_tokens = n + 1
+        if self._caching and (n + 1) % self._bs == 0:
+            self._hash_known_blocks()
+            self._register_ready()
+        return 0
+
+    def _extend_tokens(self, cnp.ndarray t):
+        """Add the validated token ids ``t`` (1-D C-contiguous int32).  0, or
+        TOO_LONG (nothing changed)."""
+        cdef Py_ssize_t n = self._num_tokens, m = cnp.PyArray_SIZE(t)
+        if self.max_len >= 0 and n + m > self.max_len:
+            return ST_TOO_LONG
+        if m:
+            _fit(<void**>&self.toks, &self.tok_cap, n + m, sizeof(token_t), n)
+            memcpy(self.toks + n, _ptr(t), m * sizeof(token_t))
+        self._num_tokens = n + m
+        if self._caching:
+            self._hash_known_blocks()
+            self._register_ready()
+        return 0
+
+    def _truncate(self, Py_ssize_t n):
+        """Forget positions and tokens from ``n`` (validated: at most the
+        sequence length) on, releasing the blocks no longer needed."""
+        cdef Py_ssize_t bs = self._bs, keep = min((n + bs - 1) // bs, self._nblocks)
+        cdef Py_ssize_t old_nc = self._num_computed, i
+        if keep < self._nblocks:
+            self.lock_acquire()
+            try:
+                self._core.c_release(<block_id_t*>_ptr(self._table) + keep,
+                                     self._nblocks - keep)
+            finally:
+                self.lock_release()
+            self._nblocks = keep
+        self._num_tokens = min(self._num_tokens, n)
+        self._num_computed = min(old_nc, n)
+        for i in range(self.num_layers):
+            self.pending[i] = max(0, min(old_nc + self.pending[i], n) - self._num_computed)
+        self._n_hashed = min(self._n_hashed, self._num_tokens // bs)
+        self._n_registered = min(self._n_registered, n // bs)
+        self._invalidate()
+
+    def _fork_into(self, SeqCore child):
+        """Make ``child`` (fresh) a copy of this sequence sharing its blocks."""
+        cdef Py_ssize_t* pending = <Py_ssize_t*>calloc(self.num_layers, sizeof(Py_ssize_t))
+        if pending == NULL:
+            raise MemoryError()
+        memcpy(pending, self.pending, self.num_layers * sizeof(Py_ssize_t))
+        free(child.pending)
+        child.pending = pending
+        child._pool = self._pool
+        child._core = self._core
+        child.lock_acquire = self.lock_acquire
+        child.lock_release = self.lock_release
+        child._bs = self._bs
+        child.num_layers = self.num_layers
+        child._max = self._max
+        child.max_len = self.max_len
+        child._salt = self._salt
+        child._caching = self._caching
+        child.root0 = self.root0
+        child.root1 = self.root1
+        child.root_serial = self.root_serial
+        child.fast = self.fast
+        child.storage = self.storage
+        child.kind = self.kind
+        child.heads = self.heads
+        child.dim = self.dim
+        child._take_buffers(self)
+        child._table = _copy(self._table)
+        child._num_tokens = self._num_tokens
+        child._num_computed = self._num_computed
+        child._nblocks = self._nblocks
+        child._n_hashed = self._n_hashed
+        child._n_registered = self._n_registered
+        if self._nblocks:
+            self.lock_acquire()
+            try:
+                self._core.c_incref(<block_id_t*>_ptr(self._table), self._nblocks)
+            finally:
+                self.lock_release()
+        # the blocks are shared now: the next write to either copies
+        self._invalidate()
+        child._invalidate()
+
+    def _adopt(self, SeqCore src, cnp.ndarray table, Py_ssize_t nblocks):
+        """Take ``src``'s tokens, hashes and positions with blocks ``table``
+        (this sequence's pool's, holding src's KV; this sequence is fresh)
+        and register what is ready, from block 0."""
+        self._table = table
+        self._nblocks = nblocks
+        self._take_buffers(src)
+        self._num_tokens = src._num_tokens
+        self._n_hashed = src._n_hashed
+        self._num_computed = src._num_computed
+        # (the pools' geometries match whenever src holds blocks; without
+        # blocks nothing is pending)
+        memcpy(self.pending, src.pending,
+               min(self.num_layers, src.num_layers) * sizeof(Py_ssize_t))
+        self._register_ready()
+
+    cdef int _take_buffers(self, SeqCore src) except -1:
+        """Copies of src's known token ids, hashes and serials (this
+        sequence is fresh)."""
+        free(self.toks)
+        self.toks = NULL
+        self.toks = <token_t*>_dup(src.toks, src._num_tokens, sizeof(token_t), &self.tok_cap)
+        free(self.hw)
+        self.hw = NULL
+        self.hw = <hash_word_t*>_dup(src.hw, src._n_hashed, 2 * sizeof(hash_word_t),
+                                     &self.hash_cap)
+        free(self.ser)
+        self.ser = NULL
+        self.ser = <int64_t*>_dup(src.ser, src._n_registered, sizeof(int64_t), &self.ser_cap)
+        return 0
+
+    def _free(self):
+        """Release every block; the sequence is empty afterwards."""
+        if self._nblocks:
+            self.lock_acquire()
+            try:
+                self._core.c_release(<block_id_t*>_ptr(self._table), self._nblocks)
+            finally:
+                self.lock_release()
+        self._reset_state()
