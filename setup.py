@@ -18,7 +18,7 @@ directives = {
     "boundscheck": DEBUG,
     "wraparound": False,
     "initializedcheck": DEBUG,
-    "nonecheck": DEBUG,
+    "nonecheck": False,  # True forbids attribute access without the GIL
     "cdivision": True,
     "embedsignature": True,
     "freethreading_compatible": False,

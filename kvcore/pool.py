@@ -11,6 +11,38 @@ from ._validate import index_int, layer_index, positive_int
 __all__ = ["BlockPool"]
 
 
+class _CheckedLock:
+    """The pool lock of a debug build (KVCORE_DEBUG=1): leaving the outermost
+    hold re-verifies every invariant of the bookkeeping, so a broken
+    operation is caught at the call that broke it."""
+
+    def __init__(self, core):
+        self._lock = threading.RLock()
+        self._core = core
+        self._depth = 0
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._depth += 1
+        return got
+
+    def release(self):
+        self._depth -= 1
+        try:
+            if self._depth == 0:
+                self._core.check()
+        finally:
+            self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 class BlockPool:
     """A pool of fixed-size KV blocks with refcounted ownership and prefix caching.
 
@@ -61,7 +93,7 @@ class BlockPool:
             (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
              self._head_dim), _dtypes.STORAGE[self._kind])
         self._core = _pool.PoolCore(num_blocks, self._block_size)
-        self._lock = threading.RLock()
+        self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
         self._prefix_queries = 0
         self._prefix_hits = 0
         # salt -> root of its chain in the prefix cache (negative, so it can

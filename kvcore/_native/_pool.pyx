@@ -33,6 +33,20 @@ cdef extern from "kv_hash.h" nogil:
 
 cnp.import_array()
 
+cdef extern from *:
+    """
+    #ifdef KVCORE_DEBUG
+    #define KV_DEBUG_BUILD 1
+    #else
+    #define KV_DEBUG_BUILD 0
+    #endif
+    """
+    int KV_DEBUG_BUILD
+
+# True in a KVCORE_DEBUG=1 build: bounds checks on, and every pool operation
+# re-verifies the whole bookkeeping (PoolCore.check) before it returns.
+DEBUG_BUILD = bool(KV_DEBUG_BUILD)
+
 
 cdef enum:
     NONE = -1
