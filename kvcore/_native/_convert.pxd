@@ -19,5 +19,12 @@ cdef void bf16_to_f32(const half_t* src, float* dst, Py_ssize_t n) noexcept nogi
 cdef int convert_n(int src_kind, const void* src, int dst_kind, void* dst,
                    Py_ssize_t n) noexcept nogil
 
+# convert_n with non-temporal stores where the SIMD path has them (same
+# bits); for large scattered writes.  Call stream_fence() once after the
+# last of a batch.
+cdef int convert_n_stream(int src_kind, const void* src, int dst_kind, void* dst,
+                          Py_ssize_t n) noexcept nogil
+cdef void stream_fence() noexcept nogil
+
 cdef inline Py_ssize_t kind_itemsize(int kind) noexcept nogil:
     return 4 if kind == KVH_F32 else 2

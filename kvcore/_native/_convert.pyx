@@ -22,6 +22,8 @@ cdef extern from "kv_half.h" nogil:
     void kvh_f16_to_f32(const half_t* src, float* dst, Py_ssize_t n)
     void kvh_bf16_to_f32(const half_t* src, float* dst, Py_ssize_t n)
     int kvh_convert(int sk, const void* src, int dk, void* dst, Py_ssize_t n)
+    int kvh_convert_stream(int sk, const void* src, int dk, void* dst, Py_ssize_t n)
+    void kvh_stream_fence()
 
 F32 = KVH_F32
 F16 = KVH_F16
@@ -47,6 +49,15 @@ cdef void bf16_to_f32(const half_t* src, float* dst, Py_ssize_t n) noexcept nogi
 cdef int convert_n(int src_kind, const void* src, int dst_kind, void* dst,
                    Py_ssize_t n) noexcept nogil:
     return kvh_convert(src_kind, src, dst_kind, dst, n)
+
+
+cdef int convert_n_stream(int src_kind, const void* src, int dst_kind, void* dst,
+                          Py_ssize_t n) noexcept nogil:
+    return kvh_convert_stream(src_kind, src, dst_kind, dst, n)
+
+
+cdef void stream_fence() noexcept nogil:
+    kvh_stream_fence()
 
 
 cdef int _convert_strided(int sk, char* sp, const cnp.npy_intp* sst,

@@ -8,10 +8,13 @@ The loops run without the GIL.
 cimport numpy as cnp
 from libc.string cimport memcpy
 
-from kvcore._native._convert cimport convert_n, kind_itemsize
+from kvcore._native._convert cimport convert_n, convert_n_stream, kind_itemsize, stream_fence
 from kvcore._native._typedefs cimport block_id_t, slot_t
 
 cnp.import_array()
+
+# Paged writes of at least this many bytes per plane use non-temporal stores.
+cdef Py_ssize_t STREAM_MIN_BYTES = 4 << 20
 
 
 cdef inline char* _ptr(cnp.ndarray a) noexcept:
@@ -37,6 +40,9 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
     cdef slot_t s
     cdef char* row_src
     cdef char* row_dst
+    # A write of several MiB (a prompt) is streamed past the cache: its rows
+    # are written whole and would be evicted before they are read.
+    cdef bint stream = n * H * D * di >= STREAM_MIN_BYTES
     with nogil:
         for i in range(n):
             s = slots[i]
@@ -47,7 +53,13 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
             row_src = sp + i * s0
             row_dst = cp + b * c_block + off * c_tok
             for h in range(H):
-                convert_n(src_kind, row_src + h * s1, dst_kind, row_dst + h * c_head, D)
+                if stream:
+                    convert_n_stream(src_kind, row_src + h * s1, dst_kind,
+                                     row_dst + h * c_head, D)
+                else:
+                    convert_n(src_kind, row_src + h * s1, dst_kind, row_dst + h * c_head, D)
+        if stream:
+            stream_fence()
 
 
 def gather(cnp.ndarray cache, const block_id_t[::1] block_table,

@@ -33,7 +33,7 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
-from kvcore._native._convert cimport KVH_F16, KVH_F32, convert_n, kind_itemsize
+from kvcore._native._convert cimport KVH_F16, KVH_F32, convert_n, convert_n_stream, kind_itemsize, stream_fence
 from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
 from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
 
@@ -178,12 +178,22 @@ cdef void _write_rows(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t H
     values in the next (what the write_slots kernel does, slot by slot)."""
     cdef Py_ssize_t i, h, p
     cdef char* dk
+    # a prompt of several MiB is streamed past the cache (as write_slots does)
+    cdef bint stream = n * H * D * kind_itemsize(dst_kind) >= (4 << 20)
     for i in range(n):
         p = pos0 + i
         dk = cache + table[p // bs] * s_blk + (p % bs) * s_tok
         for h in range(H):
-            convert_n(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
-            convert_n(src_kind, vp + (i * H + h) * row, dst_kind, dk + s_plane + h * s_head, D)
+            if stream:
+                convert_n_stream(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
+                convert_n_stream(src_kind, vp + (i * H + h) * row, dst_kind,
+                                 dk + s_plane + h * s_head, D)
+            else:
+                convert_n(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
+                convert_n(src_kind, vp + (i * H + h) * row, dst_kind,
+                          dk + s_plane + h * s_head, D)
+    if stream:
+        stream_fence()
 
 
 cdef class _PoolView:

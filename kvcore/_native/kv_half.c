@@ -97,7 +97,7 @@ uint32_t kvh_f16_to_f32_one(uint16_t h)
 
 uint32_t kvh_bf16_to_f32_one(uint16_t b) { return (uint32_t)b << 16; }
 
-static void f32_to_f16_scalar(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_f16_scalar(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     for (ptrdiff_t i = 0; i < n; i++) {
         uint32_t x;
@@ -106,7 +106,7 @@ static void f32_to_f16_scalar(const float *src, uint16_t *dst, ptrdiff_t n)
     }
 }
 
-static void f32_to_bf16_scalar(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_bf16_scalar(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     for (ptrdiff_t i = 0; i < n; i++) {
         uint32_t x;
@@ -115,7 +115,7 @@ static void f32_to_bf16_scalar(const float *src, uint16_t *dst, ptrdiff_t n)
     }
 }
 
-static void f16_to_f32_scalar(const uint16_t *src, float *dst, ptrdiff_t n)
+static void f16_to_f32_scalar(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     for (ptrdiff_t i = 0; i < n; i++) {
         uint32_t x = kvh_f16_to_f32_one(src[i]);
@@ -123,7 +123,7 @@ static void f16_to_f32_scalar(const uint16_t *src, float *dst, ptrdiff_t n)
     }
 }
 
-static void bf16_to_f32_scalar(const uint16_t *src, float *dst, ptrdiff_t n)
+static void bf16_to_f32_scalar(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     for (ptrdiff_t i = 0; i < n; i++) {
         uint32_t x = (uint32_t)src[i] << 16;
@@ -144,41 +144,44 @@ static void bf16_to_f32_scalar(const uint16_t *src, float *dst, ptrdiff_t n)
  * for narrowing).  The bits written are the same either way. */
 #define KVH_STREAM_MIN ((ptrdiff_t)1 << 20)
 
-static inline int kvh_streaming(const uint16_t *dst, ptrdiff_t n)
+static inline int kvh_streaming(const uint16_t *dst, ptrdiff_t n, int stream)
 {
-    return n >= KVH_STREAM_MIN && ((uintptr_t)dst & 1) == 0;
+    return (stream || n >= KVH_STREAM_MIN) && ((uintptr_t)dst & 1) == 0;
 }
 
-static inline int kvh_streaming32(const float *dst, ptrdiff_t n)
+static inline int kvh_streaming32(const float *dst, ptrdiff_t n, int stream)
 {
-    return n >= KVH_STREAM_MIN && ((uintptr_t)dst & 3) == 0;
+    return (stream || n >= KVH_STREAM_MIN) && ((uintptr_t)dst & 3) == 0;
 }
 
 /* Elements before a float32 dst reaches 32-byte alignment. */
-static inline ptrdiff_t kvh_stream_head32(const float *dst)
+static inline ptrdiff_t kvh_stream_head32(const float *dst, ptrdiff_t n)
 {
-    return (ptrdiff_t)(((32 - ((uintptr_t)dst & 31)) & 31) / 4);
+    ptrdiff_t h = (ptrdiff_t)(((32 - ((uintptr_t)dst & 31)) & 31) / 4);
+    return h < n ? h : n;
 }
 
-/* Elements before dst reaches `align` bytes (a power of two). */
-static inline ptrdiff_t kvh_stream_head(const uint16_t *dst, size_t align)
+/* Elements before dst reaches `align` bytes (a power of two), at most n. */
+static inline ptrdiff_t kvh_stream_head(const uint16_t *dst, size_t align, ptrdiff_t n)
 {
-    return (ptrdiff_t)(((align - ((uintptr_t)dst & (align - 1))) & (align - 1)) / 2);
+    ptrdiff_t h = (ptrdiff_t)(((align - ((uintptr_t)dst & (align - 1))) & (align - 1)) / 2);
+    return h < n ? h : n;
 }
 
 /* F16C with 256-bit AVX registers (Ivy Bridge and later). */
 __attribute__((target("avx,f16c")))
-static void f32_to_f16_f16c(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_f16_f16c(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
-    if (kvh_streaming(dst, n)) {
+    if (kvh_streaming(dst, n, stream)) {
         /* large output: non-temporal stores skip reading dst into the cache */
-        i = kvh_stream_head(dst, 16);
-        f32_to_f16_scalar(src, dst, i);
+        i = kvh_stream_head(dst, 16, n);
+        f32_to_f16_scalar(src, dst, i, 0);
         for (; i + 8 <= n; i += 8)
             _mm_stream_si128((__m128i *)(dst + i),
                              _mm256_cvtps_ph(_mm256_loadu_ps(src + i), KVH_RNE));
-        _mm_sfence();
+        if (!stream)
+            _mm_sfence(); /* else the caller fences once */
     } else {
         for (; i + 16 <= n; i += 16) {
             __m256 a = _mm256_loadu_ps(src + i);
@@ -190,19 +193,20 @@ static void f32_to_f16_f16c(const float *src, uint16_t *dst, ptrdiff_t n)
             _mm_storeu_si128((__m128i *)(dst + i),
                              _mm256_cvtps_ph(_mm256_loadu_ps(src + i), KVH_RNE));
     }
-    f32_to_f16_scalar(src + i, dst + i, n - i);
+    f32_to_f16_scalar(src + i, dst + i, n - i, 0);
 }
 
 __attribute__((target("avx,f16c")))
-static void f16_to_f32_f16c(const uint16_t *src, float *dst, ptrdiff_t n)
+static void f16_to_f32_f16c(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
-    if (kvh_streaming32(dst, n)) {
-        i = kvh_stream_head32(dst);
-        f16_to_f32_scalar(src, dst, i);
+    if (kvh_streaming32(dst, n, stream)) {
+        i = kvh_stream_head32(dst, n);
+        f16_to_f32_scalar(src, dst, i, 0);
         for (; i + 8 <= n; i += 8)
             _mm256_stream_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-        _mm_sfence();
+        if (!stream)
+            _mm_sfence(); /* else the caller fences once */
     } else {
         for (; i + 16 <= n; i += 16) {
             __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
@@ -213,13 +217,13 @@ static void f16_to_f32_f16c(const uint16_t *src, float *dst, ptrdiff_t n)
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
     }
-    f16_to_f32_scalar(src + i, dst + i, n - i);
+    f16_to_f32_scalar(src + i, dst + i, n - i, 0);
 }
 
 /* bf16 at the F16C level: 128-bit integer ops (SSE4.1 for packus_epi32;
  * every F16C CPU has it). */
 __attribute__((target("sse4.1")))
-static void f32_to_bf16_sse41(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_bf16_sse41(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     const __m128i bias = _mm_set1_epi32(0x7fff);
     const __m128i one = _mm_set1_epi32(1);
@@ -242,11 +246,11 @@ static void f32_to_bf16_sse41(const float *src, uint16_t *dst, ptrdiff_t n)
          * packus never triggers */
         _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(r[0], r[1]));
     }
-    f32_to_bf16_scalar(src + i, dst + i, n - i);
+    f32_to_bf16_scalar(src + i, dst + i, n - i, 0);
 }
 
 __attribute__((target("sse2")))
-static void bf16_to_f32_sse2(const uint16_t *src, float *dst, ptrdiff_t n)
+static void bf16_to_f32_sse2(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     const __m128i zero = _mm_setzero_si128();
     ptrdiff_t i = 0;
@@ -255,7 +259,7 @@ static void bf16_to_f32_sse2(const uint16_t *src, float *dst, ptrdiff_t n)
         _mm_storeu_si128((__m128i *)(dst + i), _mm_unpacklo_epi16(zero, x));
         _mm_storeu_si128((__m128i *)(dst + i + 4), _mm_unpackhi_epi16(zero, x));
     }
-    bf16_to_f32_scalar(src + i, dst + i, n - i);
+    bf16_to_f32_scalar(src + i, dst + i, n - i, 0);
 }
 
 /* 16 float32 -> 16 bf16 (RNE, NaN -> quiet NaN of the same sign). */
@@ -282,35 +286,37 @@ static inline __m256i bf16x16_avx2(const float *src)
 }
 
 __attribute__((target("avx2")))
-static void f32_to_bf16_avx2(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_bf16_avx2(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
-    if (kvh_streaming(dst, n)) {
+    if (kvh_streaming(dst, n, stream)) {
         /* large output: non-temporal stores skip reading dst into the cache */
-        i = kvh_stream_head(dst, 32);
-        f32_to_bf16_scalar(src, dst, i);
+        i = kvh_stream_head(dst, 32, n);
+        f32_to_bf16_scalar(src, dst, i, 0);
         for (; i + 16 <= n; i += 16)
             _mm256_stream_si256((__m256i *)(dst + i), bf16x16_avx2(src + i));
-        _mm_sfence();
+        if (!stream)
+            _mm_sfence(); /* else the caller fences once */
     } else {
         for (; i + 16 <= n; i += 16)
             _mm256_storeu_si256((__m256i *)(dst + i), bf16x16_avx2(src + i));
     }
-    f32_to_bf16_sse41(src + i, dst + i, n - i);
+    f32_to_bf16_sse41(src + i, dst + i, n - i, 0);
 }
 
 __attribute__((target("avx2")))
-static void bf16_to_f32_avx2(const uint16_t *src, float *dst, ptrdiff_t n)
+static void bf16_to_f32_avx2(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
-    if (kvh_streaming32(dst, n)) {
-        i = kvh_stream_head32(dst);
-        bf16_to_f32_scalar(src, dst, i);
+    if (kvh_streaming32(dst, n, stream)) {
+        i = kvh_stream_head32(dst, n);
+        bf16_to_f32_scalar(src, dst, i, 0);
         for (; i + 8 <= n; i += 8) {
             __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
             _mm256_stream_si256((__m256i *)(dst + i), _mm256_slli_epi32(a, 16));
         }
-        _mm_sfence();
+        if (!stream)
+            _mm_sfence(); /* else the caller fences once */
     } else {
         for (; i + 16 <= n; i += 16) {
             __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
@@ -319,11 +325,11 @@ static void bf16_to_f32_avx2(const uint16_t *src, float *dst, ptrdiff_t n)
             _mm256_storeu_si256((__m256i *)(dst + i + 8), _mm256_slli_epi32(b, 16));
         }
     }
-    bf16_to_f32_sse2(src + i, dst + i, n - i);
+    bf16_to_f32_sse2(src + i, dst + i, n - i, 0);
 }
 
 __attribute__((target("avx512f")))
-static void f32_to_f16_avx512(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_f16_avx512(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -340,7 +346,7 @@ static void f32_to_f16_avx512(const float *src, uint16_t *dst, ptrdiff_t n)
 }
 
 __attribute__((target("avx512f")))
-static void f16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n)
+static void f16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -354,7 +360,7 @@ static void f16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n)
 }
 
 __attribute__((target("avx512f")))
-static void f32_to_bf16_avx512(const float *src, uint16_t *dst, ptrdiff_t n)
+static void f32_to_bf16_avx512(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
 {
     const __m512i bias = _mm512_set1_epi32(0x7fff);
     const __m512i one = _mm512_set1_epi32(1);
@@ -376,14 +382,14 @@ static void f32_to_bf16_avx512(const float *src, uint16_t *dst, ptrdiff_t n)
 }
 
 __attribute__((target("avx512f")))
-static void bf16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n)
+static void bf16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
 {
     ptrdiff_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
         _mm512_storeu_si512((void *)(dst + i), _mm512_slli_epi32(a, 16));
     }
-    bf16_to_f32_avx2(src + i, dst + i, n - i);
+    bf16_to_f32_avx2(src + i, dst + i, n - i, 0);
 }
 
 #endif /* KVH_X86 */
@@ -392,8 +398,8 @@ static void bf16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n)
 /* Dispatch                                                            */
 /* ------------------------------------------------------------------ */
 
-typedef void (*narrow_fn)(const float *, uint16_t *, ptrdiff_t);
-typedef void (*widen_fn)(const uint16_t *, float *, ptrdiff_t);
+typedef void (*narrow_fn)(const float *, uint16_t *, ptrdiff_t, int);
+typedef void (*widen_fn)(const uint16_t *, float *, ptrdiff_t, int);
 
 typedef struct {
     narrow_fn to_f16, to_bf16;
@@ -473,14 +479,14 @@ const char *kvh_level_name(int level)
     return kvh_names[level];
 }
 
-void kvh_f32_to_f16(const float *src, uint16_t *dst, ptrdiff_t n) { kvh_active->to_f16(src, dst, n); }
-void kvh_f32_to_bf16(const float *src, uint16_t *dst, ptrdiff_t n) { kvh_active->to_bf16(src, dst, n); }
-void kvh_f16_to_f32(const uint16_t *src, float *dst, ptrdiff_t n) { kvh_active->from_f16(src, dst, n); }
-void kvh_bf16_to_f32(const uint16_t *src, float *dst, ptrdiff_t n) { kvh_active->from_bf16(src, dst, n); }
+void kvh_f32_to_f16(const float *src, uint16_t *dst, ptrdiff_t n) { kvh_active->to_f16(src, dst, n, 0); }
+void kvh_f32_to_bf16(const float *src, uint16_t *dst, ptrdiff_t n) { kvh_active->to_bf16(src, dst, n, 0); }
+void kvh_f16_to_f32(const uint16_t *src, float *dst, ptrdiff_t n) { kvh_active->from_f16(src, dst, n, 0); }
+void kvh_bf16_to_f32(const uint16_t *src, float *dst, ptrdiff_t n) { kvh_active->from_bf16(src, dst, n, 0); }
 
 static size_t kind_size(int k) { return k == KVH_F32 ? 4 : 2; }
 
-int kvh_convert(int sk, const void *src, int dk, void *dst, ptrdiff_t n)
+static int convert_impl(int sk, const void *src, int dk, void *dst, ptrdiff_t n, int stream)
 {
     if (sk < KVH_F32 || sk > KVH_BF16 || dk < KVH_F32 || dk > KVH_BF16)
         return -1;
@@ -492,16 +498,16 @@ int kvh_convert(int sk, const void *src, int dk, void *dst, ptrdiff_t n)
     }
     if (sk == KVH_F32) {
         if (dk == KVH_F16)
-            kvh_active->to_f16((const float *)src, (uint16_t *)dst, n);
+            kvh_active->to_f16((const float *)src, (uint16_t *)dst, n, stream);
         else
-            kvh_active->to_bf16((const float *)src, (uint16_t *)dst, n);
+            kvh_active->to_bf16((const float *)src, (uint16_t *)dst, n, stream);
         return 0;
     }
     if (dk == KVH_F32) {
         if (sk == KVH_F16)
-            kvh_active->from_f16((const uint16_t *)src, (float *)dst, n);
+            kvh_active->from_f16((const uint16_t *)src, (float *)dst, n, stream);
         else
-            kvh_active->from_bf16((const uint16_t *)src, (float *)dst, n);
+            kvh_active->from_bf16((const uint16_t *)src, (float *)dst, n, stream);
         return 0;
     }
     /* f16 <-> bf16: widening is exact, so one RNE narrowing is the single
@@ -513,13 +519,32 @@ int kvh_convert(int sk, const void *src, int dk, void *dst, ptrdiff_t n)
         for (ptrdiff_t i = 0; i < n; i += 512) {
             ptrdiff_t m = n - i < 512 ? n - i : 512;
             if (sk == KVH_F16) {
-                kvh_active->from_f16(s + i, buf, m);
-                kvh_active->to_bf16(buf, d + i, m);
+                kvh_active->from_f16(s + i, buf, m, 0);
+                kvh_active->to_bf16(buf, d + i, m, stream);
             } else {
-                kvh_active->from_bf16(s + i, buf, m);
-                kvh_active->to_f16(buf, d + i, m);
+                kvh_active->from_bf16(s + i, buf, m, 0);
+                kvh_active->to_f16(buf, d + i, m, stream);
             }
         }
     }
     return 0;
+}
+
+int kvh_convert(int sk, const void *src, int dk, void *dst, ptrdiff_t n)
+{
+    return convert_impl(sk, src, dk, dst, n, 0);
+}
+
+int kvh_convert_stream(int sk, const void *src, int dk, void *dst, ptrdiff_t n)
+{
+    if (sk == dk) /* a copy: memcpy already picks its own store kind */
+        return convert_impl(sk, src, dk, dst, n, 0);
+    return convert_impl(sk, src, dk, dst, n, 1);
+}
+
+void kvh_stream_fence(void)
+{
+#if KVH_X86
+    _mm_sfence();
+#endif
 }

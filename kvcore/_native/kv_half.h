@@ -48,6 +48,14 @@ void kvh_bf16_to_f32(const uint16_t *src, float *dst, ptrdiff_t n);
  * Returns 0, or -1 for an unknown kind. */
 int kvh_convert(int src_kind, const void *src, int dst_kind, void *dst, ptrdiff_t n);
 
+/* kvh_convert with non-temporal stores where the SIMD path has them (for
+ * large scattered writes, e.g. a prompt's rows into a paged pool, whose
+ * destination lines are written whole and not read back soon).  The bits
+ * are the same as kvh_convert's.  Call kvh_stream_fence() once after the
+ * last of a batch of these, before the data is read. */
+int kvh_convert_stream(int src_kind, const void *src, int dst_kind, void *dst, ptrdiff_t n);
+void kvh_stream_fence(void);
+
 /* Single-element scalar conversions (the reference every SIMD path matches). */
 uint16_t kvh_f32_to_f16_one(uint32_t bits);
 uint16_t kvh_f32_to_bf16_one(uint32_t bits);
