@@ -132,6 +132,24 @@ def _rows_sweep(r):
     return rows
 
 
+def _rows_convert(r):
+    names = {"numpy": "NumPy astype", "ml_dtypes": "ml_dtypes astype",
+             "torch": "torch copy_, 1 thread", "copy": "float32 memcpy"}
+    rows = []
+    for op in ("f32->f16", "f32->bf16", "f16->f32", "bf16->f32"):
+        w = r[op]
+        first = True
+        for base, label in names.items():
+            if f"ratio_{base}" not in w:
+                continue
+            rows.append((f"convert {op}, {r['n'] * 4 >> 20} MiB f32" if first else "",
+                         f"{w['kvcore_gelem_s']:.2f} Gelem/s" if first else "",
+                         f"{w[base + '_gelem_s']:.2f} Gelem/s ({label})",
+                         _x(w[f"ratio_{base}"])))
+            first = False
+    return rows
+
+
 def _rows_generic(name, r, path=""):
     """Rows for a benchmark whose result layout this CLI does not know:
     every ratio/speedup number found in the (nested) result dict."""
@@ -147,7 +165,8 @@ def _rows_generic(name, r, path=""):
     return rows
 
 
-_ROWS = {"pool": _rows_pool, "contiguous": _rows_contiguous, "sweep": _rows_sweep}
+_ROWS = {"pool": _rows_pool, "contiguous": _rows_contiguous, "sweep": _rows_sweep,
+         "convert": _rows_convert}
 
 
 def _summary_rows(name, res):
