@@ -18,8 +18,9 @@ What it does, on built-in defaults (nothing is downloaded):
   request's history with ``pool.gather(..., dtype="float32")``, then
   ``seq.commit(n)`` and ``seq.append_token``.  Finished requests ``free()``.
   A request is admitted only when the pool can hold it to its last token
-  (counting the blocks the running requests may still take); until then it
-  waits;
+  (``BlockPool.probe`` says what its prompt would take, prefix hits
+  included, and the blocks the running requests may still take are
+  counted); until then it waits;
 * runs the same loop over a contiguous NumPy cache like the NumPy seed's
   (:class:`kvcore._model.NumpyContiguousCache`, float32, every request
   preallocated to a common ``max_seq_len``) and with no cache at all (a full
@@ -280,7 +281,11 @@ class _PagedEngine(_BatchedEngine):
         pool = self.pool
         # Blocks the running requests may still take before they finish.
         promised = sum(self._blocks(st.req.max_len) - st.nblocks for st in active)
-        if pool.num_free_blocks - promised < self._blocks(req.max_len):
+        # What allocate would take now (prefix hits on held blocks are free),
+        # plus the blocks its generated tokens will need.
+        probe = pool.probe(req.prompt)
+        need = probe["blocks_needed"] + self._blocks(req.max_len) - probe["blocks_total"]
+        if pool.num_free_blocks - promised < need:
             return None
         seq = kvcore.PagedKVCache(pool, max_seq_len=req.max_len)
         try:
