@@ -12,6 +12,7 @@ import numpy as np
 
 import kvcore
 
+from . import sweep
 from ._pyref_pool import PyBlockPool
 from ._timing import median_time, table
 
@@ -67,55 +68,16 @@ def bench_bookkeeping(quick=False):
             "ratio": t_py / t_arr, "ratio_list": t_py / t_list, "requests": n_req}
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(1)
-    return torch
-
-
 def bench_write(quick=False):
-    rng = np.random.default_rng(1)
-    n = 4096
-    num_blocks = 2 * n // BS
-    pool = kvcore.BlockPool(num_blocks, BS, 1, HEADS, DIM, dtype="float16")
-    slots = rng.choice(num_blocks * BS, n, replace=False).astype(np.int64)
-    k = rng.standard_normal((n, HEADS, DIM), dtype=np.float32)
-    v = rng.standard_normal((n, HEADS, DIM), dtype=np.float32)
-    elems = 2 * k.size
-    rep = 7 if quick else 21
+    """The 4096-token point of the paged-write sweep, in Gelem/s."""
+    p = sweep._point(4096, quick, sweep._torch(), np.random.default_rng(1))
+    elems = 2 * 4096 * HEADS * DIM
+    res = {"kvcore_gelem_s": elems / p["kvcore_s"] / 1e9,
+           "numpy_gelem_s": elems / p["numpy_s"] / 1e9, "ratio_numpy": p["ratio_numpy"]}
+    if "torch_s" in p:
+        import torch
 
-    t_kv = median_time(lambda: pool.write(0, k, v, slots), repeat=rep)
-
-    kc = np.zeros((num_blocks, HEADS, BS, DIM), np.float16)
-    vc = np.zeros_like(kc)
-    b, off = slots // BS, slots % BS
-
-    def np_write():
-        kc[b, :, off] = k
-        vc[b, :, off] = v
-
-    t_np = median_time(np_write, repeat=rep)
-    # both must have produced the same cache
-    np_write()
-    assert np.array_equal(kc, pool.key_cache(0)) and np.array_equal(vc, pool.value_cache(0))
-    res = {"kvcore_gelem_s": elems / t_kv / 1e9, "numpy_gelem_s": elems / t_np / 1e9,
-           "ratio_numpy": t_np / t_kv}
-    torch = _torch()
-    if torch is not None:
-        tkc = torch.zeros((num_blocks, HEADS, BS, DIM), dtype=torch.float16)
-        tvc = torch.zeros_like(tkc)
-        tk, tv = torch.from_numpy(k), torch.from_numpy(v)
-        tb, toff = torch.from_numpy(b), torch.from_numpy(off)
-
-        def torch_write():
-            tkc[tb, :, toff] = tk.to(torch.float16)
-            tvc[tb, :, toff] = tv.to(torch.float16)
-
-        t_t = median_time(torch_write, repeat=rep)
-        res.update(torch_gelem_s=elems / t_t / 1e9, ratio_torch=t_t / t_kv,
+        res.update(torch_gelem_s=elems / p["torch_s"] / 1e9, ratio_torch=p["ratio_torch"],
                    torch_threads=torch.get_num_threads())
     return res
 
