@@ -16,6 +16,14 @@
 #define KVH_X86 0
 #endif
 
+/* AdvSIMD (NEON) is part of every AArch64 CPU: no run-time check needed. */
+#if defined(__aarch64__)
+#define KVH_NEON_ON 1
+#include <arm_neon.h>
+#else
+#define KVH_NEON_ON 0
+#endif
+
 /* ------------------------------------------------------------------ */
 /* Scalar reference                                                    */
 /* ------------------------------------------------------------------ */
@@ -394,6 +402,78 @@ static void bf16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n, int
 
 #endif /* KVH_X86 */
 
+
+/* ------------------------------------------------------------------ */
+/* AArch64 NEON paths                                                  */
+/* ------------------------------------------------------------------ */
+#if KVH_NEON_ON
+
+/* FCVTN/FCVTL round to nearest even under the default FPCR (as Linux starts
+ * every thread), keep subnormals, and turn a NaN into a quiet NaN with the
+ * top payload bits: the same bits as the scalar path. */
+static void f32_to_f16_neon(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
+{
+    ptrdiff_t i = 0;
+    (void)stream;
+    for (; i + 8 <= n; i += 8) {
+        float16x4_t a = vcvt_f16_f32(vld1q_f32(src + i));
+        float16x4_t b = vcvt_f16_f32(vld1q_f32(src + i + 4));
+        vst1q_u16(dst + i, vreinterpretq_u16_f16(vcombine_f16(a, b)));
+    }
+    f32_to_f16_scalar(src + i, dst + i, n - i, 0);
+}
+
+static void f16_to_f32_neon(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
+{
+    ptrdiff_t i = 0;
+    (void)stream;
+    for (; i + 8 <= n; i += 8) {
+        float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(src + i));
+        vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(h)));
+        vst1q_f32(dst + i + 4, vcvt_high_f32_f16(h));
+    }
+    f16_to_f32_scalar(src + i, dst + i, n - i, 0);
+}
+
+static inline uint16x4_t bf16x4_neon(uint32x4_t x)
+{
+    const uint32x4_t bias = vdupq_n_u32(0x7fff);
+    const uint32x4_t one = vdupq_n_u32(1);
+    const uint32x4_t absmask = vdupq_n_u32(0x7fffffff);
+    const uint32x4_t inf = vdupq_n_u32(0x7f800000);
+    uint32x4_t lsb = vandq_u32(vshrq_n_u32(x, 16), one);
+    uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vaddq_u32(x, bias), lsb), 16);
+    uint16x4_t nanv = vorr_u16(vshrn_n_u32(x, 16), vdup_n_u16(0x0040));
+    uint16x4_t isnan = vmovn_u32(vcgtq_u32(vandq_u32(x, absmask), inf));
+    return vbsl_u16(isnan, nanv, rounded);
+}
+
+static void f32_to_bf16_neon(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
+{
+    ptrdiff_t i = 0;
+    (void)stream;
+    for (; i + 8 <= n; i += 8) {
+        uint16x4_t a = bf16x4_neon(vld1q_u32((const uint32_t *)(src + i)));
+        uint16x4_t b = bf16x4_neon(vld1q_u32((const uint32_t *)(src + i + 4)));
+        vst1q_u16(dst + i, vcombine_u16(a, b));
+    }
+    f32_to_bf16_scalar(src + i, dst + i, n - i, 0);
+}
+
+static void bf16_to_f32_neon(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
+{
+    ptrdiff_t i = 0;
+    (void)stream;
+    for (; i + 8 <= n; i += 8) {
+        uint16x8_t h = vld1q_u16(src + i);
+        vst1q_u32((uint32_t *)(dst + i), vshll_n_u16(vget_low_u16(h), 16));
+        vst1q_u32((uint32_t *)(dst + i + 4), vshll_high_n_u16(h, 16));
+    }
+    bf16_to_f32_scalar(src + i, dst + i, n - i, 0);
+}
+
+#endif /* KVH_NEON_ON */
+
 /* ------------------------------------------------------------------ */
 /* Dispatch                                                            */
 /* ------------------------------------------------------------------ */
@@ -417,9 +497,14 @@ static const kvh_table kvh_tables[KVH_NUM_LEVELS] = {
     {0, 0, 0, 0},
     {0, 0, 0, 0},
 #endif
+#if KVH_NEON_ON
+    {f32_to_f16_neon, f32_to_bf16_neon, f16_to_f32_neon, bf16_to_f32_neon},
+#else
+    {0, 0, 0, 0},
+#endif
 };
 
-static const char *kvh_names[KVH_NUM_LEVELS] = {"scalar", "f16c", "avx2", "avx512"};
+static const char *kvh_names[KVH_NUM_LEVELS] = {"scalar", "f16c", "avx2", "avx512", "neon"};
 
 /* -1 until the first call detects the CPU.  Detection is idempotent, so a
  * race between two first callers only repeats the same work. */
@@ -445,7 +530,7 @@ int kvh_level_supported(int level)
         return 0;
     }
 #else
-    return 0;
+    return level == KVH_NEON && KVH_NEON_ON;
 #endif
 }
 

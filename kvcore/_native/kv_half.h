@@ -25,7 +25,11 @@ extern "C" {
 enum { KVH_F32 = 0, KVH_F16 = 1, KVH_BF16 = 2 };
 
 /* SIMD levels, lowest first.  A level is usable only if the CPU has it. */
-enum { KVH_SCALAR = 0, KVH_F16C = 1, KVH_AVX2 = 2, KVH_AVX512 = 3, KVH_NUM_LEVELS = 4 };
+enum {
+    KVH_SCALAR = 0, KVH_F16C = 1, KVH_AVX2 = 2, KVH_AVX512 = 3, /* x86-64 */
+    KVH_NEON = 4,                                                /* aarch64 */
+    KVH_NUM_LEVELS = 5
+};
 
 /* Best level this CPU supports (detected once). */
 int kvh_best_level(void);
@@ -35,7 +39,7 @@ int kvh_level_supported(int level);
 int kvh_current_level(void);
 /* Switch to `level`; returns 0, or -1 (nothing changed) if unsupported. */
 int kvh_set_level(int level);
-/* Name of a level ("scalar", "f16c", "avx2", "avx512"), NULL if out of range. */
+/* Name of a level ("scalar", "f16c", "avx2", "avx512", "neon"), NULL if out of range. */
 const char *kvh_level_name(int level);
 
 void kvh_f32_to_f16(const float *src, uint16_t *dst, ptrdiff_t n);

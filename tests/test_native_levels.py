@@ -1,0 +1,45 @@
+"""kv_half.c on its own: every SIMD level the machine supports gives the
+scalar path's bits (tests/c/kv_half_check.c), natively, and for AArch64's
+NEON path under qemu-aarch64 when a cross compiler and qemu are installed
+(apt: gcc-aarch64-linux-gnu qemu-user)."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE = ROOT / "kvcore" / "_native"
+CHECK = ROOT / "tests" / "c" / "kv_half_check.c"
+
+needs_source = pytest.mark.skipif(not (NATIVE / "kv_half.c").exists(),
+                                  reason="needs the source tree")
+
+
+def _build_and_run(cc, out, extra=(), runner=()):
+    subprocess.run([cc, "-O2", *extra, f"-I{NATIVE}", str(CHECK), str(NATIVE / "kv_half.c"),
+                    "-o", str(out)], check=True, capture_output=True, text=True)
+    return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
+
+
+@needs_source
+def test_native_simd_levels_match_scalar(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    run = _build_and_run(cc, tmp_path / "check")
+    if run.returncode == 3:
+        pytest.skip("this CPU has no SIMD level beyond scalar")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 mismatches" in run.stdout
+
+
+@needs_source
+def test_neon_level_matches_scalar_under_qemu(tmp_path):
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
+    run = _build_and_run(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "level neon" in run.stdout and "0 mismatches" in run.stdout
