@@ -1,11 +1,12 @@
 """Chained block hashes for prefix caching.
 
-Algorithm (also in README.md, "Block hashes"): SipHash-2-4 with 128-bit
-output, key = the 16 bytes ``b"kvcore.block.v1\\0"``.
+Algorithm (also in README.md, "Block hashes"): SipHash-1-3 with 128-bit
+output (one compression and three finalization rounds), key = the 16 bytes
+``b"kvcore.block.v1\\0"``.
 
 * root = 16 zero bytes when there is no salt, else
-  SipHash128(key, b"kvcore.salt:" + salt) (a str salt as UTF-8);
-* h[i] = SipHash128(key, h[i-1] + token ids of block i as 4-byte
+  SipHash13_128(key, b"kvcore.salt:" + salt) (a str salt as UTF-8);
+* h[i] = SipHash13_128(key, h[i-1] + token ids of block i as 4-byte
   little-endian unsigned integers), with h[-1] = root.
 
 Only full blocks are hashed.  The result depends on nothing but the token ids,

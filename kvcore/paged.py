@@ -243,6 +243,24 @@ class PagedKVCache(SeqCore):
         _pool.slots_for(self._table, self._bs, start, end, out)
         return out
 
+    def mark_written(self, layer, n):
+        """Declare positions ``num_computed .. num_computed + n - 1`` of
+        ``layer`` written through ``BlockPool.write`` (with this sequence's
+        ``slot_mapping``), so that :meth:`gather` reads them before
+        :meth:`commit`, as it does for :meth:`append`.
+
+        The positions must lie in reserved blocks and within max_seq_len.
+        """
+        layer = layer_index(layer, self._pool.num_layers)
+        n = nonneg_int(n, "n")
+        target = self._num_computed + n
+        self._check_len(target, "mark_written")
+        if target > self._nblocks * self._bs:
+            raise ValueError(
+                f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
+                f"{self._nblocks * self._bs} positions are reserved; reserve first")
+        self._note_append(layer, n)
+
     # ------------------------------------------------------------ reads
     def gather(self, layer, start=0, end=None, dtype=None):
         """K and V of positions ``start..end-1`` of ``layer``.

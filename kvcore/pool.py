@@ -100,12 +100,14 @@ class BlockPool:
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
         self._salt_roots = {None: -1}
+        self._next_root = -2   # roots are never reused, even after a reset
 
     def _salt_root(self, salt):
         with self._lock:
             root = self._salt_roots.get(salt)
             if root is None:
-                root = self._salt_roots[salt] = -1 - len(self._salt_roots)
+                root = self._salt_roots[salt] = self._next_root
+                self._next_root -= 1
             return root
 
     # ------------------------------------------------------------ geometry
@@ -224,7 +226,12 @@ class BlockPool:
         Returns False, changing nothing, while any block is in use.
         """
         with self._lock:
-            return self._core.reset_prefix_cache()
+            if not self._core.reset_prefix_cache():
+                return False
+            # Nothing is cached under any salt now: forget the salts (a live
+            # sequence keeps its root, which no new salt will ever get).
+            self._salt_roots = {None: -1}
+            return True
 
     def check(self):
         """Verify the bookkeeping's internal invariants (raises AssertionError)."""

@@ -183,7 +183,8 @@ def checked_slots(obj, Py_ssize_t n, slot_t limit):
         return None
     a = <cnp.ndarray>obj
     if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != cnp.NPY_INT64 \
-            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_SIZE(a) != n:
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_SIZE(a) != n \
+            or not cnp.PyArray_ISNOTSWAPPED(a) or not cnp.PyArray_ISALIGNED(a):
         return None
     s = <const slot_t*>cnp.PyArray_DATA(a)
     with nogil:

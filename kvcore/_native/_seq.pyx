@@ -256,10 +256,21 @@ cdef class SeqCore:
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
+    cdef inline int _check_setup(self) except -1:
+        # A subclass that skipped PagedKVCache.__init__ (or an object made
+        # with __new__) has no pool: refuse instead of dividing by zero.
+        if self._core is None:
+            raise RuntimeError("this PagedKVCache was not initialised: call "
+                               "PagedKVCache.__init__(pool, ...) first")
+        return 0
+
     def _setup(self, pool, max_seq_len, salt, uint64_t root0, uint64_t root1,
                int64_t root_serial):
-        """Bind to ``pool`` (a validated BlockPool); the sequence starts empty."""
+        """Bind to ``pool`` (a validated BlockPool); the sequence starts empty
+        (blocks held from an earlier binding are released first)."""
         cdef Py_ssize_t* pending
+        if self._core is not None and self._nblocks:
+            self._free()
         cdef PoolCore core = pool._core
         cdef _PoolView view = core.seq_view
         if view is None:
@@ -333,6 +344,7 @@ cdef class SeqCore:
 
     def _written(self, Py_ssize_t layer):
         """Positions readable in (validated) ``layer``."""
+        self._check_setup()
         return self._num_computed + self.pending[layer]
 
     def _token_ids(self):
@@ -418,6 +430,7 @@ cdef class SeqCore:
         the hit tokens, or a status (nothing changed the caller can see):
         BUSY, UNCHECKED (not a 1-D C-contiguous int32 array of ids >= 0),
         EMPTY, TOO_LONG or SHORT, checked in that order."""
+        self._check_setup()
         cdef Py_ssize_t n, bs = self._bs, total, n_full, max_hit, hits, i
         cdef cnp.ndarray tokens, table
         cdef PoolCore core = self._core
@@ -550,6 +563,7 @@ cdef class SeqCore:
         """Make positions num_computed .. num_computed + n - 1 writable.  0,
         or a status (nothing changed): UNCHECKED (n not an int >= 0),
         TOO_LONG or SHORT."""
+        self._check_setup()
         cdef Py_ssize_t m, target
         if type(n) is not int or n < 0:
             return ST_UNCHECKED
@@ -567,11 +581,13 @@ cdef class SeqCore:
 
     def _ensure_to(self, Py_ssize_t target):
         """``_ensure`` for a validated target position: 0 or SHORT."""
+        self._check_setup()
         return self._ensure(target)
 
     def _step_slots(self, Py_ssize_t start, Py_ssize_t end):
         """int64 slots of positions start..end-1 (within the table); the same
         array serves every layer of a step."""
+        self._check_setup()
         cdef Py_ssize_t p, bs = self._bs
         cdef const block_id_t* t
         cdef slot_t* o
@@ -587,6 +603,7 @@ cdef class SeqCore:
 
     def _note_append(self, Py_ssize_t layer, Py_ssize_t n):
         """``n`` positions of (validated) ``layer`` were written this step."""
+        self._check_setup()
         if n > self.pending[layer]:
             self.pending[layer] = n
 
@@ -598,6 +615,7 @@ cdef class SeqCore:
         free blocks.  Writes exactly what the validated path writes (the same
         conversion routine) and returns True; returns False having changed
         nothing for any other input, which then takes the validated path."""
+        self._check_setup()
         cdef cnp.ndarray ka, va, st
         cdef Py_ssize_t lay, n, bs = self._bs, H, D
         cdef Py_ssize_t target, row, s_head, s_blk, s_tok, s_plane
@@ -677,6 +695,7 @@ cdef class SeqCore:
         """num_computed += n for all layers, registering what became ready.
         0, or a status (nothing changed): UNCHECKED (n not an int >= 0),
         TOO_LONG or PAST_RESERVED."""
+        self._check_setup()
         cdef Py_ssize_t m, target, i
         if type(n) is not int or n < 0:
             return ST_UNCHECKED
@@ -697,6 +716,7 @@ cdef class SeqCore:
     def _append_token(self, token_id):
         """Add a token id.  0, or a status (nothing changed): UNCHECKED (not
         an int in 0..2**31-1) or TOO_LONG."""
+        self._check_setup()
         cdef Py_ssize_t n = self._num_tokens
         cdef token_t tid
         if type(token_id) is not int or not 0 <= token_id <= 2147483647:
@@ -716,6 +736,7 @@ cdef class SeqCore:
     def _extend_tokens(self, cnp.ndarray t):
         """Add the validated token ids ``t`` (1-D C-contiguous int32).  0, or
         TOO_LONG (nothing changed)."""
+        self._check_setup()
         cdef Py_ssize_t n = self._num_tokens, m = cnp.PyArray_SIZE(t)
         if self.max_len >= 0 and n + m > self.max_len:
             return ST_TOO_LONG
@@ -731,6 +752,7 @@ cdef class SeqCore:
     def _truncate(self, Py_ssize_t n):
         """Forget positions and tokens from ``n`` (validated: at most the
         sequence length) on, releasing the blocks no longer needed."""
+        self._check_setup()
         cdef Py_ssize_t bs = self._bs, keep = min((n + bs - 1) // bs, self._nblocks)
         cdef Py_ssize_t old_nc = self._num_computed, i
         if keep < self._nblocks:
@@ -751,6 +773,7 @@ cdef class SeqCore:
 
     def _fork_into(self, SeqCore child):
         """Make ``child`` (fresh) a copy of this sequence sharing its blocks."""
+        self._check_setup()
         cdef Py_ssize_t* pending = <Py_ssize_t*>calloc(self.num_layers, sizeof(Py_ssize_t))
         if pending == NULL:
             raise MemoryError()
@@ -796,6 +819,7 @@ cdef class SeqCore:
         """Take ``src``'s tokens, hashes and positions with blocks ``table``
         (this sequence's pool's, holding src's KV; this sequence is fresh)
         and register what is ready, from block 0."""
+        self._check_setup()
         self._table = table
         self._nblocks = nblocks
         self._take_buffers(src)

@@ -539,7 +539,9 @@ int kvh_best_level(void)
     if (kvh_best < 0) {
         int best = KVH_SCALAR;
         for (int l = 1; l < KVH_NUM_LEVELS; l++)
-            if (kvh_level_supported(l))
+            /* AVX-512 has not yet been run on an AVX-512 CPU: until it has,
+             * it is used only when asked for (KVCORE_SIMD=avx512). */
+            if (l != KVH_AVX512 && kvh_level_supported(l))
                 best = l;
         kvh_best = best;
     }
