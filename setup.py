@@ -37,13 +37,14 @@ if sys.platform == "win32":
     extra = []
 
 NATIVE = "kvcore/_native"
+CSRC = f"{NATIVE}/csrc"  # hand-written C (the .c files next to the .pyx are generated)
 
 
 def ext(name, *c_sources):
     return Extension(
         f"kvcore._native.{name}",
-        [f"{NATIVE}/{name}.pyx", *[f"{NATIVE}/{c}" for c in c_sources]],
-        include_dirs=[numpy.get_include(), NATIVE],
+        [f"{NATIVE}/{name}.pyx", *[f"{CSRC}/{c}" for c in c_sources]],
+        include_dirs=[numpy.get_include(), NATIVE, CSRC],
         define_macros=macros,
         extra_compile_args=extra,
     )

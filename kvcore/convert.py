@@ -3,7 +3,7 @@
 For every non-NaN float32 the result is bit-identical to
 ``x.astype(numpy.float16)`` and to ``x.astype(ml_dtypes.bfloat16)``; every
 NaN stays a NaN of the same sign; widening is exact.  The loops run in C with
-the GIL released (``kvcore/_native/kv_half.c``).
+the GIL released (``kvcore/_native/csrc/kv_half.c``).
 """
 import numpy as np
 

@@ -4,7 +4,7 @@
  *   - element kinds (KV_F32 / KV_F16 / KV_BF16, the numbers kv_half.h uses)
  *     and the integer type that stores each one;
  *   - the float32 <-> float16 / bfloat16 conversions, bit-exact with the
- *     scalar reference in kvcore/_native/kv_half.c (round to nearest even;
+ *     scalar reference in kvcore/_native/csrc/kv_half.c (round to nearest even;
  *     overflow to +-inf; subnormals and +-0 kept; a NaN narrows to a quiet
  *     NaN of the same sign keeping the top payload bits; f16 signalling NaNs
  *     widen quiet; bf16 widens by a plain shift);
