@@ -1,17 +1,7 @@
 """Contiguous-cache benchmark (see kvcore/benchmarks/contiguous.py):
 python bench/bench_contiguous.py [--quick] [--json FILE]"""
-import argparse
-import json
-
 from kvcore.benchmarks import contiguous
+from kvcore.benchmarks._timing import script_main
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer repetitions")
-    p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
-    a = p.parse_args()
-    r = contiguous.run(quick=a.quick)
-    print(contiguous.report(r))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+    script_main(contiguous.run, contiguous.report, __doc__)

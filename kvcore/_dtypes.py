@@ -24,6 +24,18 @@ _ALIASES = {
 }
 
 
+def float_kind(dt):
+    """Kind of NumPy dtype ``dt`` if it is float32, float16 or
+    ml_dtypes.bfloat16; None otherwise (uint16 included: never guessed)."""
+    if dt == np.float32:
+        return F32
+    if dt == np.float16:
+        return F16
+    if BF16_NUMPY is not None and dt == BF16_NUMPY:
+        return BF16
+    return None
+
+
 def storage_kind(dtype, arg="dtype"):
     """Canonical kind of a storage dtype given by name, NumPy type or ml_dtypes.
 
@@ -40,12 +52,9 @@ def storage_kind(dtype, arg="dtype"):
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{arg} must be a dtype name or NumPy dtype, got {dtype!r}") from None
-    if dt == np.float32:
-        return F32
-    if dt == np.float16:
-        return F16
-    if BF16_NUMPY is not None and dt == BF16_NUMPY:
-        return BF16
+    kind = float_kind(dt)
+    if kind is not None:
+        return kind
     raise ValueError(f"{arg} must be float32, float16 or bfloat16, got {dt}")
 
 
@@ -64,12 +73,9 @@ def array_kind(a, arg, src_dtype=None):
             raise TypeError(
                 f"{arg} must have dtype {want} for src_dtype={KIND_NAME[kind]!r}, got {dt}")
         return kind
-    if dt == np.float32:
-        return F32
-    if dt == np.float16:
-        return F16
-    if BF16_NUMPY is not None and dt == BF16_NUMPY:
-        return BF16
+    kind = float_kind(dt)
+    if kind is not None:
+        return kind
     if dt == np.uint16:
         raise TypeError(
             f"{arg} is a uint16 array; pass src_dtype='bfloat16' if it holds bfloat16 bits")

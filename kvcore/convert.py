@@ -23,14 +23,8 @@ def _input(x, arg, kinds):
         # byte-swapped input (e.g. '>f4' read from a file): a native copy
         x = x.astype(dt.newbyteorder("="))
         dt = x.dtype
-    if dt == np.float32:
-        kind = F32
-    elif dt == np.float16:
-        kind = F16
-    elif dt == np.uint16 or (_dtypes.BF16_NUMPY is not None and dt == _dtypes.BF16_NUMPY):
-        kind = BF16
-    else:
-        kind = None
+    # uint16 is taken as bfloat16 bits here: from_bfloat16 is the caller saying so
+    kind = BF16 if dt == np.uint16 else _dtypes.float_kind(dt)
     if kind not in kinds:
         want = " or ".join(
             {F32: "float32", F16: "float16",

@@ -756,12 +756,7 @@ cdef class SeqCore:
         cdef Py_ssize_t bs = self._bs, keep = min((n + bs - 1) // bs, self._nblocks)
         cdef Py_ssize_t old_nc = self._num_computed, i
         if keep < self._nblocks:
-            self.lock_acquire()
-            try:
-                self._core.c_release(<block_id_t*>_ptr(self._table) + keep,
-                                     self._nblocks - keep)
-            finally:
-                self.lock_release()
+            self._release_tail(keep)
             self._nblocks = keep
         self._num_tokens = min(self._num_tokens, n)
         self._num_computed = min(old_nc, n)
@@ -847,12 +842,17 @@ cdef class SeqCore:
         self.ser = <int64_t*>_dup(src.ser, src._n_registered, sizeof(int64_t), &self.ser_cap)
         return 0
 
+    cdef int _release_tail(self, Py_ssize_t keep) except -1:
+        """Release blocks keep..nblocks-1 (last first) under the pool lock."""
+        self.lock_acquire()
+        try:
+            self._core.c_release(<block_id_t*>_ptr(self._table) + keep, self._nblocks - keep)
+        finally:
+            self.lock_release()
+        return 0
+
     def _free(self):
         """Release every block; the sequence is empty afterwards."""
         if self._nblocks:
-            self.lock_acquire()
-            try:
-                self._core.c_release(<block_id_t*>_ptr(self._table), self._nblocks)
-            finally:
-                self.lock_release()
+            self._release_tail(0)
         self._reset_state()

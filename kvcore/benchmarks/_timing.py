@@ -23,3 +23,20 @@ def table(rows, headers):
     out = [line, "-" * len(line)]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
+
+
+def script_main(run, report, doc, argv=None):
+    """The command line of a ``bench/*.py`` script: ``--quick``, ``--json FILE``."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
+    a = p.parse_args(argv)
+    r = run(quick=a.quick)
+    print(report(r))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return r
