@@ -14,7 +14,8 @@ What it does, on built-in defaults (nothing is downloaded):
   shared prompt and prefill only the rest (in chunks of ``--prefill-chunk``);
   each step concatenates every active request's new tokens, calls
   ``seq.reserve(n)`` per request, builds one slot mapping from
-  ``seq.slot_mapping``, writes each layer once with ``pool.write``, reads each
+  ``seq.slot_mapping``, writes each layer once with ``pool.write`` (and
+  declares it with ``seq.mark_written``), reads each
   request's history with ``pool.gather(..., dtype="float32")``, then
   ``seq.commit(n)`` and ``seq.append_token``.  Finished requests ``free()``.
   A request is admitted only when the pool can hold it to its last token
@@ -316,6 +317,8 @@ class _PagedEngine(_BatchedEngine):
         if self._to_dev is not None:
             k, v = self._to_dev(k), self._to_dev(v)
         self.pool.write(layer, k, v, self._slots)
+        for st, n in batch:     # commit checks that every layer was written
+            st.handle.mark_written(layer, n)
 
     def _read(self, layer, st, end):
         k, v = self.pool.gather(layer, self._tables[id(st)], 0, end, dtype="float32")

@@ -29,14 +29,46 @@ class PagedKVCache(SeqCore):
         Enters the first block's hash: sequences with different salts never
         share blocks (e.g. per-tenant isolation, LoRA adapters).
 
+    Attributes
+    ----------
+    pool, max_seq_len, salt
+        The constructor's arguments (salt as bytes).
+    num_tokens, num_computed, num_blocks, capacity, block_table, token_ids
+        See each property.
+    closed : bool
+        True once :meth:`free` was called.
+
     Notes
     -----
     The usual step: ``allocate(prompt)`` once; then per step
     ``append(layer, k, v)`` for every layer (or ``reserve`` +
-    ``slot_mapping`` + ``pool.write`` for a batch), ``gather`` for
-    attention, ``commit(n)``, and ``append_token`` for each generated token.
-    Blocks that are full, committed and whose token ids are known enter the
-    pool's prefix cache.  One sequence is driven by one thread at a time.
+    ``slot_mapping`` + ``pool.write`` + ``mark_written`` for a batch),
+    ``gather`` for attention, ``commit(n)``, and ``append_token`` for each
+    generated token.  ``commit`` checks that every layer wrote the
+    positions, so KV an earlier owner left in a block is never read back nor
+    cached.  Blocks that are full, committed and whose token ids are known
+    enter the pool's prefix cache.  One sequence is driven by one thread at
+    a time.
+
+    Lifecycle:
+
+    * *new* (after ``__init__``): ``allocate`` makes it live; ``free``
+      closes it; ``fork`` and ``copy_to`` give new sequences;
+      ``num_written`` (0) and ``block_hashes`` (none) answer.  Every other
+      method (``append``, ``reserve``, ``commit``, ``mark_written``,
+      ``append_token``, ``extend_tokens``, ``slot_mapping``, ``gather``,
+      ``truncate``) raises ValueError: allocate first.
+    * *live* (after ``allocate``): everything; ``fork`` and ``copy_to``
+      give live sequences.
+    * *closed* (after ``free``, or leaving a ``with`` block): the blocks
+      and the salt went back to the pool.  ``free`` again does nothing; the
+      properties still answer (it holds nothing: counts 0, empty arrays,
+      ``closed`` True); every other method, ``allocate`` included, raises
+      ValueError.  A dropped sequence is freed as well.
+
+    An object whose ``__init__`` never ran (``PagedKVCache.__new__``, or a
+    subclass whose ``__init__`` skips ``super().__init__``) raises
+    RuntimeError from every method and property.
     """
 
     def __init__(self, pool, max_seq_len=None, salt=None):
@@ -46,52 +78,31 @@ class PagedKVCache(SeqCore):
             max_seq_len = positive_int(max_seq_len, "max_seq_len")
         if salt is None:
             # the pool's identity chain roots an unsalted sequence at -1
-            self._setup(pool, max_seq_len, None, 0, 0, -1)
+            self._setup(pool, max_seq_len, None, 0, 0)
         else:
             salt = salt_bytes(salt)
             r0, r1 = hashing.root_words(salt)
-            self._setup(pool, max_seq_len, salt, r0, r1, pool._salt_root(salt))
+            self._setup(pool, max_seq_len, salt, r0, r1)
 
     # ------------------------------------------------------------ state
-    pool = property(lambda self: self._pool)
-    max_seq_len = property(lambda self: self._max)
-    salt = property(lambda self: self._salt)
+    # The properties (pool, max_seq_len, salt, closed, num_tokens,
+    # num_computed, num_blocks, capacity, block_table, token_ids) are
+    # SeqCore's (_native/_seq.pyx).
 
-    @property
-    def num_tokens(self):
-        """Token ids known: the prompt plus every ``append_token``."""
-        return self._num_tokens
-
-    @property
-    def num_computed(self):
-        """Positions whose KV is written and committed."""
-        return self._num_computed
-
-    @property
-    def num_blocks(self):
-        return self._nblocks
-
-    @property
-    def block_table(self):
-        """numpy.int32 array of this sequence's block ids in position order (a copy)."""
-        return self._table[:self._nblocks].copy()
-
-    @property
-    def token_ids(self):
-        """numpy.int32 array of the known token ids (a copy)."""
-        return self._token_ids()
-
-    @property
-    def capacity(self):
-        """Positions the held blocks can store."""
-        return self._nblocks * self._bs
+    def _require(self, what, new_ok=False):
+        """Raise unless the sequence is live (or new, with ``new_ok``)."""
+        state = self._state
+        if state != _seq.LIVE and not (new_ok and state == _seq.NEW):
+            raise self._state_error(what)
 
     def num_written(self, layer):
         """Positions readable in ``layer``: committed plus appended this step."""
+        self._require("num_written", new_ok=True)
         return self._written(layer_index(layer, self._pool.num_layers))
 
     def block_hashes(self):
         """16-byte chained hashes of this sequence's full, known blocks."""
+        self._require("block_hashes", new_ok=True)
         return hashing.words_to_bytes(self._hash_words())
 
     # ------------------------------------------------------------ setup
@@ -109,6 +120,8 @@ class PagedKVCache(SeqCore):
         ------
         OutOfBlocksError
             The pool cannot supply the blocks; nothing changed.
+        ValueError
+            The sequence already holds tokens, or was freed.
         """
         # A valid int32 array is taken as is; anything else (a list, another
         # dtype, a bad id) and every error go through _allocate_failed.
@@ -118,6 +131,8 @@ class PagedKVCache(SeqCore):
         return hit
 
     def _allocate_failed(self, token_ids, status):
+        if status == _seq.STATE:
+            raise self._state_error("allocate")
         if status == _seq.BUSY:
             raise ValueError("allocate() takes an empty sequence; this one already holds "
                              f"{self._num_tokens} tokens and {self._nblocks} blocks "
@@ -146,6 +161,8 @@ class PagedKVCache(SeqCore):
         OutOfBlocksError (nothing changed) or CacheFullError.
         """
         status = self._reserve(n)
+        if status == _seq.STATE:
+            raise self._state_error("reserve")
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
             status = self._reserve(n)
@@ -176,6 +193,7 @@ class PagedKVCache(SeqCore):
         # one native call; anything else, errors included, takes the path below
         if src_dtype is None and self._append_fast(layer, k, v):
             return
+        self._require("append")
         pool = self._pool
         layer = layer_index(layer, pool.num_layers)
         k, v, sk = pool._kv_input(k, v, src_dtype)
@@ -196,19 +214,41 @@ class PagedKVCache(SeqCore):
         """Finish a step for all layers: ``num_computed += n``.
 
         Newly full blocks whose token ids are known enter the prefix cache.
-        The caller vouches that every layer was written; the positions must
-        lie within reserved blocks and ``max_seq_len``.
+        Every layer must have written positions ``num_computed ..
+        num_computed + n - 1`` in this step (through :meth:`append`, or
+        ``pool.write`` followed by :meth:`mark_written`), within the
+        reserved blocks and ``max_seq_len``.
+
+        Raises
+        ------
+        ValueError
+            A layer has not written those positions (the message names the
+            first such layer), or they lie past the reserved blocks; nothing
+            changed.
+        CacheFullError
+            They lie past ``max_seq_len``; nothing changed.
         """
         if self._commit(n):
             self._commit_failed(n)
 
     def _commit_failed(self, n):
-        n = nonneg_int(n, "n")
         status = self._commit(n)
+        if status == _seq.STATE:
+            raise self._state_error("commit")
+        if status == _seq.UNCHECKED:
+            n = nonneg_int(n, "n")
+            status = self._commit(n)
         if status:
-            target = self._num_computed + n
+            nc = self._num_computed
+            target = nc + n
             if status == _seq.TOO_LONG:
                 self._check_len(target, "commit")
+            if status == _seq.UNWRITTEN:
+                layer = self._fail_layer
+                raise ValueError(
+                    f"commit({n}) needs positions {nc}..{target - 1} written in every layer, "
+                    f"but layer {layer} has written {self._written(layer) - nc} of them; "
+                    "write them with append, or pool.write + mark_written, first")
             raise ValueError(
                 f"commit({n}) would commit positions up to {target - 1}, but only "
                 f"{self._nblocks * self._bs} positions are reserved; append or reserve first")
@@ -216,6 +256,8 @@ class PagedKVCache(SeqCore):
     def append_token(self, token_id):
         """Add a generated token to the sequence's token ids."""
         status = self._append_token(token_id)
+        if status == _seq.STATE:
+            raise self._state_error("append_token")
         if status == _seq.UNCHECKED:
             status = self._append_token(_check_token(token_id))
         if status:
@@ -225,6 +267,7 @@ class PagedKVCache(SeqCore):
 
     def extend_tokens(self, token_ids):
         """``append_token`` for each of ``token_ids`` (validated first)."""
+        self._require("extend_tokens")
         t = token_array(token_ids)
         if self._extend_tokens(t):
             raise CacheFullError(
@@ -233,6 +276,7 @@ class PagedKVCache(SeqCore):
 
     def slot_mapping(self, start, end):
         """numpy.int64 slots of positions ``start..end-1`` (for ``BlockPool.write``)."""
+        self._require("slot_mapping")
         start = index_int(start, "start")
         end = index_int(end, "end")
         cap = self._nblocks * self._bs
@@ -250,16 +294,26 @@ class PagedKVCache(SeqCore):
         :meth:`commit`, as it does for :meth:`append`.
 
         The positions must lie in reserved blocks and within max_seq_len.
+        Declaring positions that were not written lets :meth:`commit`
+        accept them: the caller answers for this declaration.
         """
+        status = self._mark_written(layer, n)
+        if status:
+            self._mark_written_failed(layer, n, status)
+
+    def _mark_written_failed(self, layer, n, status):
+        if status == _seq.STATE:
+            raise self._state_error("mark_written")
         layer = layer_index(layer, self._pool.num_layers)
         n = nonneg_int(n, "n")
+        status = self._mark_written(layer, n)
         target = self._num_computed + n
-        self._check_len(target, "mark_written")
-        if target > self._nblocks * self._bs:
+        if status == _seq.TOO_LONG:
+            self._check_len(target, "mark_written")
+        if status:
             raise ValueError(
                 f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
                 f"{self._nblocks * self._bs} positions are reserved; reserve first")
-        self._note_append(layer, n)
 
     # ------------------------------------------------------------ reads
     def gather(self, layer, start=0, end=None, dtype=None):
@@ -282,8 +336,10 @@ class PagedKVCache(SeqCore):
         Raises
         ------
         ValueError
-            If any position in the range was never written.
+            If any position in the range was never written, or the sequence
+            is not live (see the class notes).
         """
+        self._require("gather")
         pool = self._pool
         layer = layer_index(layer, pool.num_layers)
         written = self._written(layer)
@@ -304,6 +360,7 @@ class PagedKVCache(SeqCore):
         Blocks no longer needed are released; nothing new is allocated (a
         kept block that is shared or cached is copied at the next write).
         """
+        self._require("truncate")
         n = nonneg_int(n, "n")
         length = self._length()
         if n > length:
@@ -316,6 +373,7 @@ class PagedKVCache(SeqCore):
         Whichever sequence writes into a shared block first gets its own
         copy; the other keeps seeing the old contents.
         """
+        self._require("fork", new_ok=True)
         child = PagedKVCache.__new__(PagedKVCache)
         child.__dict__.update(self.__dict__)
         self._fork_into(child)
@@ -335,6 +393,7 @@ class PagedKVCache(SeqCore):
         OutOfBlocksError
             ``pool`` is short of blocks; nothing changed.
         """
+        self._require("copy_to", new_ok=True)
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
         if pool.block_size != self._bs or pool.enable_prefix_caching != self._caching:
@@ -361,10 +420,15 @@ class PagedKVCache(SeqCore):
         return twin
 
     def free(self):
-        """Release every block (idempotent); the sequence is empty afterwards."""
+        """Release every block and close the sequence (idempotent).
+
+        A closed sequence holds nothing; every method but ``free`` raises
+        (see the class notes).
+        """
         self._free()
 
     def __enter__(self):
+        self._require("with", new_ok=True)
         return self
 
     def __exit__(self, *exc):
@@ -378,6 +442,11 @@ class PagedKVCache(SeqCore):
                 f"{what} would reach position {target - 1}, past max_seq_len={self._max}")
 
     def __repr__(self):
+        # never raises (debuggers and error messages call it)
+        if self._state == _seq.UNINIT:
+            return "PagedKVCache(<not initialised>)"
+        if self._state == _seq.CLOSED:
+            return f"PagedKVCache(<closed>, max_seq_len={self._max})"
         return (f"PagedKVCache(num_tokens={self._num_tokens}, num_computed={self._num_computed}, "
                 f"blocks={self._nblocks}, max_seq_len={self._max})")
 

@@ -99,16 +99,32 @@ class BlockPool:
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
-        self._salt_roots = {None: -1}
-        self._next_root = -2   # roots are never reused, even after a reset
+        # The unsalted chain's root is -1.  A root is reference-counted by
+        # the core (sequences holding the salt, cached blocks whose parent
+        # it is) and forgotten here once its count fell to 0
+        # (_forget_dead_salts); see "Salt roots" in _native/_pool.pyx.
+        self._salt_roots = {}
+        self._root_salts = {}
 
-    def _salt_root(self, salt):
+    def _acquire_salt_root(self, salt):
+        """The root of ``salt`` (bytes) with one more reference, for a new
+        sequence; the sequence drops it (core.c_root_decref) when freed."""
         with self._lock:
+            self._forget_dead_salts()
             root = self._salt_roots.get(salt)
             if root is None:
-                root = self._salt_roots[salt] = self._next_root
-                self._next_root -= 1
+                root = self._core.new_root()
+                self._salt_roots[salt] = root
+                self._root_salts[root] = salt
+            else:
+                self._core.root_incref(root)
             return root
+
+    def _forget_dead_salts(self):
+        # caller holds the lock
+        if self._core.num_dead_roots:
+            for root in self._core.take_dead_roots():
+                del self._salt_roots[self._root_salts.pop(root)]
 
     # ------------------------------------------------------------ geometry
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks in the pool.")
@@ -169,8 +185,16 @@ class BlockPool:
         return self._core.is_cached(self._block_id(block_id))
 
     def stats(self):
-        """Counters: blocks, prefix-cache queries and hits (in tokens), evictions."""
+        """Counters: blocks, prefix-cache queries and hits (in tokens), evictions.
+
+        ``num_salts`` is the number of distinct salts the pool tracks now:
+        those held by a sequence (not yet freed) or by a cached block of
+        their chain.  A salt nothing refers to any more is forgotten, so it
+        goes back to 0 once every salted sequence is freed and their cached
+        blocks are evicted (or ``reset_prefix_cache`` is called).
+        """
         with self._lock:
+            self._forget_dead_salts()
             free = self._core.num_free
             q, h = self._prefix_queries, self._prefix_hits
             return {
@@ -182,6 +206,7 @@ class BlockPool:
                 "prefix_hits": h,
                 "prefix_hit_rate": h / q if q else 0.0,
                 "evictions": int(self._core.evictions),
+                "num_salts": len(self._salt_roots),
             }
 
     def probe(self, token_ids, salt=None):
@@ -214,7 +239,8 @@ class BlockPool:
             max_hit = (n - 1) // bs
             hashes = hashing.hash_words(tokens, bs, hashing.root_words(sb), max_hit)
             with self._lock:
-                root = self._salt_roots.get(sb)
+                self._forget_dead_salts()
+                root = -1 if sb is None else self._salt_roots.get(sb)
                 if root is not None:
                     hits, hits_free = self._core.probe(tokens, hashes, max_hit, root)
         return {"hit_tokens": hits * bs, "blocks_total": total,
@@ -228,9 +254,9 @@ class BlockPool:
         with self._lock:
             if not self._core.reset_prefix_cache():
                 return False
-            # Nothing is cached under any salt now: forget the salts (a live
-            # sequence keeps its root, which no new salt will ever get).
-            self._salt_roots = {None: -1}
+            # no cached block refers to a salt root now: the salts no
+            # sequence holds are forgotten
+            self._forget_dead_salts()
             return True
 
     def check(self):
@@ -346,10 +372,20 @@ class BlockPool:
         of neither pool change: the caller owns the ids on both sides (e.g.
         a sequence's ``block_table`` here and blocks it took there).
 
+        ``dst_pool`` may be this pool.  Every destination receives its
+        source's contents as they were before the call, even where a source
+        id is also a destination id (``copy_blocks_to(pool, [0, 1], [1, 2])``
+        puts the old block 0 in block 1 and the old block 1 in block 2, and
+        ``[0, 1] -> [1, 0]`` swaps them): such sources are staged in a
+        temporary buffer first.
+
         Parameters
         ----------
         dst_pool : BlockPool
         src_block_ids, dst_block_ids : 1-D integer arrays of equal length
+            A source id may repeat (one block copied to several places); a
+            destination id may not (ValueError: which copy would win is
+            undefined).
         """
         if not isinstance(dst_pool, BlockPool):
             raise TypeError(f"dst_pool must be a kvcore.BlockPool, got {type(dst_pool).__name__}")
@@ -366,16 +402,36 @@ class BlockPool:
         if src.shape != dst.shape:
             raise ValueError(f"src_block_ids and dst_block_ids must have the same length, got "
                              f"{src.shape[0]} and {dst.shape[0]}")
-        if len(np.unique(dst)) != len(dst):
-            raise ValueError("dst_block_ids must not repeat a block id")
+        uniq, counts = np.unique(dst, return_counts=True)
+        if uniq.size != dst.size:
+            i = int(np.flatnonzero(counts > 1)[0])
+            raise ValueError(
+                f"dst_block_ids must not repeat a block id, got {int(uniq[i])} at indices "
+                f"{np.flatnonzero(dst == uniq[i]).tolist()}")
         if not src.size:
             return
         # a GPU on either side drives the copy (it can read and write host memory)
         be = self._backend if self._backend.name != "cpu" else dst_pool._backend
-        if dst_pool is self:
-            self._copy_blocks(src, dst)
-        else:
+        if dst_pool is not self:
             be.copy_blocks_between(self._storage, src, dst_pool._storage, dst)
+            return
+        staged = np.isin(src, dst)
+        if not staged.any():
+            self._copy_blocks(src, dst)
+            return
+        # Sources that are also destinations are read before anything is
+        # written: copied out to a buffer, then in from it last.
+        stage_ids, where = np.unique(src[staged], return_inverse=True)
+        stage_ids = stage_ids.astype(np.int32)
+        buf = be.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
+                       self._storage.dtype)
+        be.copy_blocks_between(self._storage, stage_ids, buf,
+                               np.arange(stage_ids.size, dtype=np.int32))
+        direct = ~staged
+        if direct.any():
+            self._copy_blocks(src[direct], dst[direct])
+        be.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
+                               np.ascontiguousarray(dst[staged]))
 
     # ------------------------------------------------------------ helpers
     def _block_id(self, block_id):

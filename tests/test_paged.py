@@ -203,7 +203,7 @@ def test_reading_never_written_positions_raises():
     with pytest.raises(ValueError, match="never"):
         seq.gather(0, 0, 6)
     seq.free()
-    with pytest.raises(ValueError, match="never"):
+    with pytest.raises(ValueError, match="freed"):
         seq.gather(0, 0, 1)
 
 
@@ -228,6 +228,8 @@ def test_reserve_slot_mapping_and_pool_write_for_a_batch():
         for layer in range(L):
             k = rand((len(slots), H, D), 1000 * step + layer)
             pool.write(layer, k, 2 * k, slots)
+            for s, n in zip(seqs, news):
+                s.mark_written(layer, n)
             o = 0
             for i, n in enumerate(news):
                 want_k[i][layer] = np.concatenate(
@@ -404,7 +406,10 @@ def test_commit_past_reserved_blocks_is_value_error():
         seq.commit(5)
     assert not isinstance(e.value, kvcore.CacheFullError)
     assert seq.num_computed == 0
-    seq.commit(4)                 # block 0 is held: 4 positions are reserved
+    k = rand((4, H, D), 1)
+    for layer in range(L):        # block 0 is held: 4 positions are reserved
+        seq.append(layer, k, k)
+    seq.commit(4)
     assert seq.num_computed == 4
     with pytest.raises(ValueError, match="n must be"):
         seq.commit(-1)
@@ -430,9 +435,11 @@ def test_free_is_idempotent_and_returns_blocks():
     seq.free()
     assert pool_snapshot(pool) == snap
     pool.check()
-    # a freed sequence can be used again
-    seq.allocate([1])
-    seq.free()
+    # a freed sequence is closed: it cannot take blocks again
+    assert seq.closed
+    with pytest.raises(ValueError, match="freed"):
+        seq.allocate([1])
+    assert pool_snapshot(pool) == snap
 
 
 def test_context_manager_frees_on_exit_even_on_error():

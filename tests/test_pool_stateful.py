@@ -210,6 +210,7 @@ class PoolMachine(RuleBasedStateMachine):
                 for layer in range(LAYERS):
                     self.pool.write(layer, data[layer, 0].transpose(1, 0, 2),
                                     data[layer, 1].transpose(1, 0, 2), slots)
+                    seq.mark_written(layer, n)
             else:
                 for layer in range(LAYERS):
                     seq.append(layer, data[layer, 0].transpose(1, 0, 2),

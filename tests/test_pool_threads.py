@@ -47,6 +47,7 @@ class Seq:
             slots = seq.slot_mapping(start, end)
             for layer in range(L):
                 pool.write(layer, data[:, layer, 0], data[:, layer, 1], slots)
+                seq.mark_written(layer, end - start)
         else:
             for layer in range(L):
                 seq.append(layer, data[:, layer, 0], data[:, layer, 1])

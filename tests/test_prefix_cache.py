@@ -43,7 +43,8 @@ def want_kv(tokens, start, end, salt=None):
 
 def fill(seq, tokens, end=None, salt=None, batched=False):
     """Compute positions num_computed..end-1 as the model would for ``tokens``
-    and commit them (through append, or reserve + slot_mapping + pool.write)."""
+    and commit them (through append, or reserve + slot_mapping + pool.write +
+    mark_written)."""
     end = len(tokens) if end is None else end
     start = seq.num_computed
     if end <= start:
@@ -57,6 +58,7 @@ def fill(seq, tokens, end=None, salt=None, batched=False):
         v = data[layer, 1].transpose(1, 0, 2)
         if batched:
             seq.pool.write(layer, k, v, slots)
+            seq.mark_written(layer, end - start)
         else:
             seq.append(layer, k, v)
     seq.commit(end - start)

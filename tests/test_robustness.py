@@ -72,6 +72,11 @@ def test_mark_written_lets_gather_read_a_batch_written_step():
         seq.mark_written(1, 5)
     with pytest.raises(IndexError, match="layer"):
         seq.mark_written(2, 1)
+    with pytest.raises(ValueError, match="layer 1 has written 0 of them"):
+        seq.commit(3)                       # layer 1 was not declared
+    assert seq.num_computed == 0
+    pool.write(1, k, k, slots)
+    seq.mark_written(1, 3)
     seq.commit(3)
     assert seq.num_written(0) == seq.num_written(1) == 3
 
@@ -80,10 +85,10 @@ def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root():
     pool = kvcore.BlockPool(8, 4, 1, 1, 4, dtype="float32")
     live = kvcore.PagedKVCache(pool, salt="a")      # made before the reset, no blocks
     for i in range(5):
-        kvcore.PagedKVCache(pool, salt=f"s{i}")
-    assert len(pool._salt_roots) == 7
+        kvcore.PagedKVCache(pool, salt=f"s{i}")    # dropped at once: forgotten
+    assert pool.stats()["num_salts"] == 1
     assert pool.reset_prefix_cache()
-    assert pool._salt_roots == {None: -1}
+    assert pool.stats()["num_salts"] == 1           # live still holds "a"
     # a salt first seen after the reset must not land on live's old root
     other = kvcore.PagedKVCache(pool, salt="b")
     t = list(range(9))
@@ -92,6 +97,7 @@ def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root():
     live.commit(9)
     assert pool.num_cached_blocks == 2
     assert other.allocate(t) == 0
+    assert pool.stats()["num_salts"] == 2
     live.free()
     other.free()
     pool.check()

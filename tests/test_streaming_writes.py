@@ -36,6 +36,7 @@ def test_large_writes_match_small_writes(simd_level, dtype, path):
         got_v = pool.value_cache(0)[b, :, off]
     else:
         seq = kvcore.PagedKVCache(pool)
+        seq.allocate(np.zeros(n, np.int32))
         seq.append(0, k, v)
         got_k, got_v = (x.transpose(1, 0, 2) for x in seq.gather(0))
     view = np.uint32 if dtype == "float32" else np.uint16

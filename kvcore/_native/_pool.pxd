@@ -36,6 +36,15 @@ cdef class PoolCore:
     cdef block_id_t uc_head, uc_tail, lru_head, lru_tail
     cdef readonly Py_ssize_t num_uncached_free, num_lru_free, num_cached
     cdef readonly long long evictions
+    # Salt roots (see "Salt roots" in _pool.pyx): per slot, the root it
+    # holds now (0: free) and how many references (sequences holding the
+    # salt, cached blocks whose parent is the root) it has; roots whose
+    # count fell to 0 wait in salt_dead until BlockPool forgets their salt.
+    cdef int64_t[::1] salt_root, salt_refs, salt_dead
+    cdef Py_ssize_t[::1] salt_free
+    cdef uint64_t[::1] salt_gen
+    cdef Py_ssize_t num_salt_slots, num_salt_dead, num_salt_free
+    cdef readonly Py_ssize_t num_roots
     # constants of this pool that every sequence on it copies (_seq.pyx
     # fills it on first use), so a new sequence reads them in one go
     cdef object seq_view
@@ -44,6 +53,8 @@ cdef class PoolCore:
     cdef inline void _push_uncached(self, block_id_t b) noexcept nogil
     cdef inline void _append_lru(self, block_id_t b) noexcept nogil
     cdef inline Py_ssize_t _bucket(self, uint64_t h0) noexcept nogil
+    cdef Py_ssize_t _root_slot(self, int64_t root) noexcept nogil
+    cdef void _root_ref(self, int64_t root, int delta) noexcept nogil
     cdef void _index_remove(self, block_id_t b) noexcept nogil
     cdef void _index_insert(self, block_id_t b) noexcept nogil
     cdef block_id_t _lookup(self, uint64_t h0, uint64_t h1, const token_t* toks,
@@ -73,6 +84,8 @@ cdef class PoolCore:
     cdef int c_incref(self, const block_id_t* blocks, Py_ssize_t n) except -1
     cdef Py_ssize_t c_shared_blocks(self, const block_id_t* blocks, Py_ssize_t first,
                                     Py_ssize_t last, block_id_t* out) except -1
+    cdef void c_root_incref(self, int64_t root) noexcept nogil
+    cdef void c_root_decref(self, int64_t root) noexcept nogil
     cdef Py_ssize_t c_register(self, const block_id_t* blocks, const hash_word_t* hashes,
                                const token_t* tokens, Py_ssize_t first, Py_ssize_t last,
                                int64_t parent, int64_t* serials) except -1

@@ -13,6 +13,21 @@ Free lists (doubly linked through ``fl_prev``/``fl_next``):
 Hash index: ``buckets[h0 & mask]`` heads a doubly linked chain of cached
 blocks (``hb_prev``/``hb_next``).  Several blocks may share a hash; a lookup
 only returns a block whose stored token ids equal the query's.
+
+Salt roots: the identity chain of a salted sequence starts at its salt's
+root, a negative id (-1 is the unsalted chain's, fixed).  A root lives in a
+slot of the salt table with a reference count: one per sequence holding the
+salt (``new_root``/``c_root_incref``/``c_root_decref``) plus one per cached
+block whose parent is the root (counted on entering and leaving the hash
+index).  When the count falls to 0 nothing can reach the root again: its
+slot is marked free (``salt_root[slot] = 0``), the root waits in
+``salt_dead`` until ``BlockPool`` forgets the salt (``take_dead_roots``),
+and only then may the slot be handed out again.  A root id encodes its slot
+and the slot's generation, ``-2 - (slot | gen << 32)``, so a slot's next
+root differs from its last: ids are not reused (short of 2**30 reuses of
+one slot), and even a reused id could not alias two salts, since a root is
+dropped only once no cached block and no sequence refers to it (the cached
+blocks further down a chain refer to serials, which are never reused).
 """
 import numpy as np
 
@@ -42,6 +57,10 @@ cdef extern from *:
     #endif
     """
     int KV_DEBUG_BUILD
+
+# a salt slot's generation takes bits 32..61 of -2 - root
+cdef uint64_t SALT_GEN_MASK = (1 << 30) - 1
+cdef uint64_t SALT_SLOT_MASK = 0xFFFFFFFF
 
 # True in a KVCORE_DEBUG=1 build: bounds checks on, and every pool operation
 # re-verifies the whole bookkeeping (PoolCore.check) before it returns.
@@ -255,6 +274,11 @@ cdef class PoolCore:
         self.serial = np.zeros(num_blocks, np.int64)
         self.parent_serial = np.zeros(num_blocks, np.int64)
         self.next_serial = 1
+        self.salt_root = np.zeros(0, np.int64)
+        self.salt_refs = np.zeros(0, np.int64)
+        self.salt_dead = np.zeros(0, np.int64)
+        self.salt_free = np.zeros(0, np.intp)
+        self.salt_gen = np.zeros(0, np.uint64)
         # every block starts on the uncached list, in id order
         for i in range(num_blocks):
             self.fl_prev[i] = i - 1
@@ -334,6 +358,8 @@ cdef class PoolCore:
         self.hb_next[b] = NONE
         self.cached[b] = 0
         self.num_cached -= 1
+        if self.parent_serial[b] < -1:
+            self._root_ref(self.parent_serial[b], -1)
 
     cdef void _index_insert(self, block_id_t b) noexcept nogil:
         cdef Py_ssize_t k = self._bucket(self.hashes[b, 0])
@@ -345,6 +371,103 @@ cdef class PoolCore:
         self.buckets[k] = b
         self.cached[b] = 1
         self.num_cached += 1
+        if self.parent_serial[b] < -1:
+            self._root_ref(self.parent_serial[b], 1)
+
+    # ------------------------------------------------------ salt roots
+    cdef Py_ssize_t _root_slot(self, int64_t root) noexcept nogil:
+        """The slot holding ``root`` now, or -1 (unsalted, or not live)."""
+        cdef uint64_t x
+        cdef Py_ssize_t slot
+        if root > -2:
+            return -1
+        x = <uint64_t>(-2 - root)
+        slot = <Py_ssize_t>(x & SALT_SLOT_MASK)
+        if slot >= self.num_salt_slots or self.salt_root[slot] != root:
+            return -1
+        return slot
+
+    cdef void _root_ref(self, int64_t root, int delta) noexcept nogil:
+        cdef Py_ssize_t slot = self._root_slot(root)
+        if slot < 0:
+            return
+        self.salt_refs[slot] += delta
+        if self.salt_refs[slot] <= 0:
+            self.salt_refs[slot] = 0
+            self.salt_root[slot] = 0
+            self.salt_dead[self.num_salt_dead] = root
+            self.num_salt_dead += 1
+            self.num_roots -= 1
+
+    cdef void c_root_incref(self, int64_t root) noexcept nogil:
+        self._root_ref(root, 1)
+
+    cdef void c_root_decref(self, int64_t root) noexcept nogil:
+        self._root_ref(root, -1)
+
+    def new_root(self):
+        """A new salt root, holding one reference (the caller's)."""
+        cdef Py_ssize_t slot, cap = self.salt_root.shape[0], new_cap
+        cdef uint64_t gen
+        cdef int64_t root
+        if self.num_salt_free:
+            self.num_salt_free -= 1
+            slot = self.salt_free[self.num_salt_free]
+        else:
+            if self.num_salt_slots == cap:
+                if cap >= <Py_ssize_t>SALT_SLOT_MASK:
+                    raise MemoryError("the salt table is full (2**32 - 1 salts in use)")
+                new_cap = max(16, 2 * cap)
+                self.salt_root = np.concatenate([self.salt_root, np.zeros(new_cap - cap, np.int64)])
+                self.salt_refs = np.concatenate([self.salt_refs, np.zeros(new_cap - cap, np.int64)])
+                self.salt_dead = np.concatenate([self.salt_dead, np.zeros(new_cap - cap, np.int64)])
+                self.salt_free = np.concatenate([self.salt_free, np.zeros(new_cap - cap, np.intp)])
+                self.salt_gen = np.concatenate([self.salt_gen, np.zeros(new_cap - cap, np.uint64)])
+            slot = self.num_salt_slots
+            self.num_salt_slots += 1
+        gen = (self.salt_gen[slot] + 1) & SALT_GEN_MASK
+        self.salt_gen[slot] = gen
+        root = -2 - <int64_t>(<uint64_t>slot | (gen << 32))
+        self.salt_root[slot] = root
+        self.salt_refs[slot] = 1
+        self.num_roots += 1
+        return root
+
+    def root_incref(self, int64_t root):
+        """One more reference to live root ``root``."""
+        if self._root_slot(root) < 0:
+            raise ValueError(f"root {root} is not a live salt root")
+        self._root_ref(root, 1)
+
+    def root_decref(self, int64_t root):
+        """Drop one reference to live root ``root``."""
+        if self._root_slot(root) < 0:
+            raise ValueError(f"root {root} is not a live salt root")
+        self._root_ref(root, -1)
+
+    def root_refs(self, int64_t root):
+        """References to ``root`` (0 if it is not live)."""
+        cdef Py_ssize_t slot = self._root_slot(root)
+        return 0 if slot < 0 else int(self.salt_refs[slot])
+
+    def take_dead_roots(self):
+        """The roots that lost their last reference since the last call (a
+        list); their slots may be handed out again from now on."""
+        cdef Py_ssize_t i
+        cdef int64_t root
+        out = []
+        for i in range(self.num_salt_dead):
+            root = self.salt_dead[i]
+            out.append(root)
+            self.salt_free[self.num_salt_free] = <Py_ssize_t>(<uint64_t>(-2 - root)
+                                                              & SALT_SLOT_MASK)
+            self.num_salt_free += 1
+        self.num_salt_dead = 0
+        return out
+
+    @property
+    def num_dead_roots(self):
+        return self.num_salt_dead
 
     cdef block_id_t _lookup(self, uint64_t h0, uint64_t h1, const token_t* toks,
                             int64_t parent) noexcept nogil:
@@ -719,4 +842,22 @@ cdef class PoolCore:
                 assert count <= n, "hash chain has a cycle"
         assert count == self.num_cached, f"index holds {count}, num_cached {self.num_cached}"
         assert int(np.count_nonzero(np.asarray(self.cached))) == count, "cached flags disagree"
+        # salt roots: every cached first block of a live root is counted in it
+        live = 0
+        for k in range(self.num_salt_slots):
+            if self.salt_root[k] != 0:
+                live += 1
+                assert self.salt_refs[k] > 0, f"live salt slot {k} has no reference"
+        assert live == self.num_roots, f"{live} live salt roots, num_roots {self.num_roots}"
+        assert self.num_roots + self.num_salt_dead + self.num_salt_free == self.num_salt_slots, \
+            "salt slots lost"
+        per_slot = {}
+        for i in range(n):
+            if self.cached[i] and self.parent_serial[i] < -1:
+                k = self._root_slot(self.parent_serial[i])
+                if k >= 0:
+                    per_slot[k] = per_slot.get(k, 0) + 1
+        for k, c in per_slot.items():
+            assert self.salt_refs[k] >= c, \
+                f"salt slot {k}: {c} cached blocks but {self.salt_refs[k]} references"
         return True

@@ -20,6 +20,8 @@ State (a sequence is driven by one thread at a time):
   * ``[excl_lo, excl_hi)``: blocks known to be this sequence's alone
     (writable in place) since the last reserve; ``[slot_lo, slot_hi)``: the
     positions whose slots ``slot_val`` caches for the layers of a step.
+  * ``_state``: UNINIT (``__init__`` never ran), NEW (bound to a pool,
+    before ``allocate``), LIVE, CLOSED (after ``free``); see PagedKVCache.
 Token ids, hashes and serials are plain C buffers, private to the sequence
 (handed out only as copies): a NumPy array costs more to create and free
 than these operations take otherwise.  ``_table`` is replaced, never
@@ -69,6 +71,15 @@ cdef enum:
     ST_UNCHECKED = -4
     ST_BUSY = -5           # allocate: the sequence is not empty
     ST_PAST_RESERVED = -6  # commit: past the reserved positions
+    ST_STATE = -7          # the sequence is not in a state for this call (_state_error)
+    ST_UNWRITTEN = -8      # commit: a layer has not written the positions (_fail_layer)
+
+# The lifecycle of a sequence (SeqCore._state)
+cdef enum:
+    S_UNINIT = 0
+    S_NEW = 1
+    S_LIVE = 2
+    S_CLOSED = 3
 
 SHORT = ST_SHORT
 EMPTY = ST_EMPTY
@@ -76,6 +87,12 @@ TOO_LONG = ST_TOO_LONG
 UNCHECKED = ST_UNCHECKED
 BUSY = ST_BUSY
 PAST_RESERVED = ST_PAST_RESERVED
+STATE = ST_STATE
+UNWRITTEN = ST_UNWRITTEN
+UNINIT = S_UNINIT
+NEW = S_NEW
+LIVE = S_LIVE
+CLOSED = S_CLOSED
 
 # The hash every sequence uses unless ``_pool.hash_chain`` has been replaced
 # (tests forge collisions by replacing it): then the replacement is called.
@@ -218,6 +235,8 @@ cdef class SeqCore:
     cdef readonly bint _caching
     cdef uint64_t root0, root1                  # the salt's hash-chain root
     cdef int64_t root_serial                    # the salt's identity-chain root
+                                                # (< -1: a reference held on it)
+    cdef readonly int _state                    # S_UNINIT .. S_CLOSED
     cdef token_t* toks
     cdef hash_word_t* hw
     cdef int64_t* ser
@@ -235,12 +254,13 @@ cdef class SeqCore:
     cdef int kind
     cdef Py_ssize_t heads, dim
     # what the last failed call saw, for the caller's error message
-    cdef readonly Py_ssize_t _fail_free, _fail_cow
+    cdef readonly Py_ssize_t _fail_free, _fail_cow, _fail_layer
 
     def __cinit__(self):
         self._table = _EMPTY_I32
         self.max_len = -1
         self.slot_lo = -1
+        self.root_serial = -1
 
     def __dealloc__(self):
         free(self.pending)
@@ -249,28 +269,117 @@ cdef class SeqCore:
         free(self.ser)
 
     def __del__(self):
-        # Blocks of a dropped sequence go back to the pool.
+        # Blocks (and the salt root) of a dropped sequence go back to the pool.
         try:
-            if self._nblocks:
-                self._free()
+            if self._state == S_NEW or self._state == S_LIVE:
+                self._release_all()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
 
     cdef inline int _check_setup(self) except -1:
         # A subclass that skipped PagedKVCache.__init__ (or an object made
         # with __new__) has no pool: refuse instead of dividing by zero.
-        if self._core is None:
-            raise RuntimeError("this PagedKVCache was not initialised: call "
-                               "PagedKVCache.__init__(pool, ...) first")
+        if self._state == S_UNINIT:
+            raise self._state_error("this call")
         return 0
 
-    def _setup(self, pool, max_seq_len, salt, uint64_t root0, uint64_t root1,
-               int64_t root_serial):
-        """Bind to ``pool`` (a validated BlockPool); the sequence starts empty
-        (blocks held from an earlier binding are released first)."""
+    def _state_error(self, str what):
+        """The exception for calling ``what`` in the current state (None
+        while the sequence is live)."""
+        if self._state == S_UNINIT:
+            return RuntimeError(
+                f"{what}: PagedKVCache is not initialised; call PagedKVCache.__init__(pool, "
+                "...) first (a subclass's __init__ must call super().__init__(pool, ...))")
+        if self._state == S_NEW:
+            return ValueError(f"{what} needs an allocated sequence: call "
+                              "allocate(token_ids) first")
+        if self._state == S_CLOSED:
+            return ValueError(f"{what} on a freed PagedKVCache: free() closed it; "
+                              "use a new PagedKVCache")
+        return None
+
+    # ------------------------------------------------------------ properties
+    # (defined here, not in kvcore/paged.py, so that an uninitialised object
+    # raises instead of answering None or 0)
+    @property
+    def pool(self):
+        """The :class:`BlockPool` this sequence lives in."""
+        if self._state == S_UNINIT:
+            raise self._state_error("pool")
+        return self._pool
+
+    @property
+    def max_seq_len(self):
+        """Positions past which writes raise CacheFullError (None: no limit)."""
+        if self._state == S_UNINIT:
+            raise self._state_error("max_seq_len")
+        return self._max
+
+    @property
+    def salt(self):
+        """The salt as bytes (None: unsalted)."""
+        if self._state == S_UNINIT:
+            raise self._state_error("salt")
+        return self._salt
+
+    @property
+    def closed(self):
+        """True once :meth:`free` was called."""
+        if self._state == S_UNINIT:
+            raise self._state_error("closed")
+        return self._state == S_CLOSED
+
+    @property
+    def num_tokens(self):
+        """Token ids known: the prompt plus every ``append_token``."""
+        if self._state == S_UNINIT:
+            raise self._state_error("num_tokens")
+        return self._num_tokens
+
+    @property
+    def num_computed(self):
+        """Positions whose KV is written and committed."""
+        if self._state == S_UNINIT:
+            raise self._state_error("num_computed")
+        return self._num_computed
+
+    @property
+    def num_blocks(self):
+        """Blocks this sequence holds."""
+        if self._state == S_UNINIT:
+            raise self._state_error("num_blocks")
+        return self._nblocks
+
+    @property
+    def capacity(self):
+        """Positions the held blocks can store."""
+        if self._state == S_UNINIT:
+            raise self._state_error("capacity")
+        return self._nblocks * self._bs
+
+    @property
+    def block_table(self):
+        """numpy.int32 array of this sequence's block ids in position order (a copy)."""
+        if self._state == S_UNINIT:
+            raise self._state_error("block_table")
+        return _copy(self._table[:self._nblocks])
+
+    @property
+    def token_ids(self):
+        """numpy.int32 array of the known token ids (a copy)."""
+        if self._state == S_UNINIT:
+            raise self._state_error("token_ids")
+        return self._token_ids()
+
+    def _setup(self, pool, max_seq_len, salt, uint64_t root0, uint64_t root1):
+        """Bind to ``pool`` (a validated BlockPool) with ``salt`` (bytes or
+        None, whose hash-chain root is root0, root1); the sequence starts
+        NEW (blocks and salt held from an earlier binding are released
+        first)."""
         cdef Py_ssize_t* pending
-        if self._core is not None and self._nblocks:
-            self._free()
+        if self._state == S_NEW or self._state == S_LIVE:
+            self._release_all()
+        self._state = S_UNINIT
         cdef PoolCore core = pool._core
         cdef _PoolView view = core.seq_view
         if view is None:
@@ -294,7 +403,6 @@ cdef class SeqCore:
         self._salt = salt
         self.root0 = root0
         self.root1 = root1
-        self.root_serial = root_serial
         pending = <Py_ssize_t*>calloc(self.num_layers, sizeof(Py_ssize_t))
         if pending == NULL:
             raise MemoryError()
@@ -303,6 +411,10 @@ cdef class SeqCore:
         self.fast = FAST_UNKNOWN
         self.storage = None
         self._reset_state()
+        # the salt's identity-chain root, with a reference held on it (the
+        # unsalted chain's root, -1, is not counted)
+        self.root_serial = -1 if salt is None else pool._acquire_salt_root(salt)
+        self._state = S_NEW
 
     cdef bint _fast_ready(self) except -1:
         """Whether the direct append path serves this sequence's pool."""
@@ -350,13 +462,15 @@ cdef class SeqCore:
     def _token_ids(self):
         """int32 array of the known token ids (a copy)."""
         cdef cnp.ndarray out = _empty(self._num_tokens, cnp.NPY_INT32)
-        memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
+        if self._num_tokens:
+            memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
         return out
 
     def _hash_words(self):
         """(n_hashed, 2) uint64 array of the known blocks' hashes (a copy)."""
         cdef cnp.ndarray out = _empty_hashes(self._n_hashed)
-        memcpy(_ptr(out), self.hw, self._n_hashed * 2 * sizeof(hash_word_t))
+        if self._n_hashed:
+            memcpy(_ptr(out), self.hw, self._n_hashed * 2 * sizeof(hash_word_t))
         return out
 
     def _length(self):
@@ -428,9 +542,11 @@ cdef class SeqCore:
     def _allocate(self, token_ids):
         """Blocks for the prompt ``token_ids`` on an empty sequence.  Returns
         the hit tokens, or a status (nothing changed the caller can see):
-        BUSY, UNCHECKED (not a 1-D C-contiguous int32 array of ids >= 0),
-        EMPTY, TOO_LONG or SHORT, checked in that order."""
-        self._check_setup()
+        STATE (not initialised, or closed), BUSY, UNCHECKED (not a 1-D
+        C-contiguous int32 array of ids >= 0), EMPTY, TOO_LONG or SHORT,
+        checked in that order."""
+        if self._state != S_NEW and self._state != S_LIVE:
+            return ST_STATE
         cdef Py_ssize_t n, bs = self._bs, total, n_full, max_hit, hits, i
         cdef cnp.ndarray tokens, table
         cdef PoolCore core = self._core
@@ -500,6 +616,7 @@ cdef class SeqCore:
         self._num_computed = hits * bs
         self._n_registered = hits
         self._invalidate()
+        self._state = S_LIVE
         return hits * bs
 
     cdef int _ensure(self, Py_ssize_t target) except -2:
@@ -561,9 +678,10 @@ cdef class SeqCore:
 
     def _reserve(self, n):
         """Make positions num_computed .. num_computed + n - 1 writable.  0,
-        or a status (nothing changed): UNCHECKED (n not an int >= 0),
-        TOO_LONG or SHORT."""
-        self._check_setup()
+        or a status (nothing changed): STATE (not live), UNCHECKED (n not an
+        int >= 0), TOO_LONG or SHORT."""
+        if self._state != S_LIVE:
+            return ST_STATE
         cdef Py_ssize_t m, target
         if type(n) is not int or n < 0:
             return ST_UNCHECKED
@@ -614,8 +732,8 @@ cdef class SeqCore:
         aligned and apart from the pool's storage, within max_seq_len and the
         free blocks.  Writes exactly what the validated path writes (the same
         conversion routine) and returns True; returns False having changed
-        nothing for any other input, which then takes the validated path."""
-        self._check_setup()
+        nothing for any other input (or state), which then takes the
+        validated path."""
         cdef cnp.ndarray ka, va, st
         cdef Py_ssize_t lay, n, bs = self._bs, H, D
         cdef Py_ssize_t target, row, s_head, s_blk, s_tok, s_plane
@@ -626,7 +744,7 @@ cdef class SeqCore:
         cdef char* lo
         cdef char* hi
         cdef const block_id_t* table
-        if type(layer) is not int or type(k) is not np.ndarray \
+        if self._state != S_LIVE or type(layer) is not int or type(k) is not np.ndarray \
                 or type(v) is not np.ndarray or not self._fast_ready():
             return False
         st = self.storage
@@ -693,10 +811,12 @@ cdef class SeqCore:
 
     def _commit(self, n):
         """num_computed += n for all layers, registering what became ready.
-        0, or a status (nothing changed): UNCHECKED (n not an int >= 0),
-        TOO_LONG or PAST_RESERVED."""
-        self._check_setup()
+        0, or a status (nothing changed): STATE (not live), UNCHECKED (n not
+        an int >= 0), TOO_LONG, PAST_RESERVED or UNWRITTEN (a layer has not
+        written the positions: ``_fail_layer`` is the first)."""
         cdef Py_ssize_t m, target, i
+        if self._state != S_LIVE:
+            return ST_STATE
         if type(n) is not int or n < 0:
             return ST_UNCHECKED
         m = _count(n)
@@ -707,16 +827,47 @@ cdef class SeqCore:
             return ST_TOO_LONG
         if target > self._nblocks * self._bs:
             return ST_PAST_RESERVED
+        # every layer must have written the positions (append, or pool.write
+        # + mark_written): else a block's earlier owner's KV would become
+        # readable, and enter the prefix cache
+        for i in range(self.num_layers):
+            if self.pending[i] < m:
+                self._fail_layer = i
+                return ST_UNWRITTEN
         self._num_computed = target
         for i in range(self.num_layers):
-            self.pending[i] = self.pending[i] - m if self.pending[i] > m else 0
+            self.pending[i] -= m
         self._register_ready()
         return 0
 
+    def _mark_written(self, layer, n):
+        """``mark_written(layer, n)``: 0, or a status (nothing changed):
+        STATE (not live), UNCHECKED (layer or n not an int in range),
+        TOO_LONG or PAST_RESERVED."""
+        cdef Py_ssize_t m, target, lay
+        if self._state != S_LIVE:
+            return ST_STATE
+        if type(layer) is not int or type(n) is not int or n < 0 \
+                or not 0 <= layer < self.num_layers:
+            return ST_UNCHECKED
+        lay = layer
+        m = _count(n)
+        if m > PY_SSIZE_T_MAX - self._num_computed:
+            return ST_TOO_LONG if self.max_len >= 0 else ST_PAST_RESERVED
+        target = self._num_computed + m
+        if self.max_len >= 0 and target > self.max_len:
+            return ST_TOO_LONG
+        if target > self._nblocks * self._bs:
+            return ST_PAST_RESERVED
+        if m > self.pending[lay]:
+            self.pending[lay] = m
+        return 0
+
     def _append_token(self, token_id):
-        """Add a token id.  0, or a status (nothing changed): UNCHECKED (not
-        an int in 0..2**31-1) or TOO_LONG."""
-        self._check_setup()
+        """Add a token id.  0, or a status (nothing changed): STATE (not
+        live), UNCHECKED (not an int in 0..2**31-1) or TOO_LONG."""
+        if self._state != S_LIVE:
+            return ST_STATE
         cdef Py_ssize_t n = self._num_tokens
         cdef token_t tid
         if type(token_id) is not int or not 0 <= token_id <= 2147483647:
@@ -787,7 +938,6 @@ cdef class SeqCore:
         child._caching = self._caching
         child.root0 = self.root0
         child.root1 = self.root1
-        child.root_serial = self.root_serial
         child.fast = self.fast
         child.storage = self.storage
         child.kind = self.kind
@@ -800,12 +950,18 @@ cdef class SeqCore:
         child._nblocks = self._nblocks
         child._n_hashed = self._n_hashed
         child._n_registered = self._n_registered
-        if self._nblocks:
+        if self._nblocks or self.root_serial < -1:
             self.lock_acquire()
             try:
-                self._core.c_incref(<block_id_t*>_ptr(self._table), self._nblocks)
+                if self._nblocks:
+                    self._core.c_incref(<block_id_t*>_ptr(self._table), self._nblocks)
+                # the child holds the salt too
+                self._core.c_root_incref(self.root_serial)
             finally:
                 self.lock_release()
+        # only now the child owns references its __del__ or free gives back
+        child.root_serial = self.root_serial
+        child._state = self._state
         # the blocks are shared now: the next write to either copies
         self._invalidate()
         child._invalidate()
@@ -825,6 +981,7 @@ cdef class SeqCore:
         # blocks nothing is pending)
         memcpy(self.pending, src.pending,
                min(self.num_layers, src.num_layers) * sizeof(Py_ssize_t))
+        self._state = src._state
         self._register_ready()
 
     cdef int _take_buffers(self, SeqCore src) except -1:
@@ -851,8 +1008,36 @@ cdef class SeqCore:
             self.lock_release()
         return 0
 
-    def _free(self):
-        """Release every block; the sequence is empty afterwards."""
+    cdef int _release_all(self) except -1:
+        """Release every block and the salt root; the sequence is empty."""
+        cdef int64_t root = self.root_serial
         if self._nblocks:
             self._release_tail(0)
         self._reset_state()
+        if root < -1:
+            self.root_serial = -1
+            self.lock_acquire()
+            try:
+                self._core.c_root_decref(root)
+            finally:
+                self.lock_release()
+        return 0
+
+    def _free(self):
+        """Close the sequence: release every block and the salt, drop the
+        buffers (idempotent; raises on an uninitialised object)."""
+        if self._state == S_UNINIT:
+            raise self._state_error("free")
+        if self._state == S_CLOSED:
+            return
+        self._release_all()
+        self._state = S_CLOSED
+        self._table = _EMPTY_I32
+        self.slot_val = None
+        free(self.toks)
+        free(self.hw)
+        free(self.ser)
+        self.toks = NULL
+        self.hw = NULL
+        self.ser = NULL
+        self.tok_cap = self.hash_cap = self.ser_cap = 0

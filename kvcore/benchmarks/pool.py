@@ -1,8 +1,8 @@
 """Block-pool benchmarks: bookkeeping, paged write, gather.
 
 * bookkeeping: 2048-token requests sharing a 1024-token prefix (block size
-  16); allocate + commit + free per request, kvcore against a pure-Python
-  pool in the design of vLLM v1's BlockPool (``_pyref_pool``);
+  16); allocate + mark_written + commit + free per request, kvcore against a
+  pure-Python pool in the design of vLLM v1's BlockPool (``_pyref_pool``);
 * paged write: 4096 tokens x 8 KV heads x 128 dims, float32 -> float16, to
   random slots, against NumPy (and torch, when installed) index assignment;
 * gather: a 4096-token sequence from scattered blocks against NumPy fancy
@@ -43,6 +43,9 @@ def bench_bookkeeping(quick=False):
             for toks in inputs:
                 seq = kvcore.PagedKVCache(pool)
                 hit = seq.allocate(toks)
+                # the model's batched write would go here (pool.write);
+                # commit accepts only positions declared written
+                seq.mark_written(0, PROMPT - hit)
                 seq.commit(PROMPT - hit)
                 seq.free()
         return run
