@@ -120,6 +120,22 @@ class CPUBackend:
     def copy_blocks(self, storage, src, dst):
         _kernels.copy_blocks(storage, src, dst)
 
+    # BlockPool.write (the CUDA backend's versions say more)
+    def device_slots(self, slots, n):
+        """None: there is no device memory apart from the host's, so the pool
+        checks every slot on the host."""
+        return None
+
+    def slot_owner_table(self, num_slots):
+        return None
+
+    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner, check):
+        """K and V of one layer; slots checked by the caller.  The kernel
+        walks the tokens in order, so of several tokens naming one slot the
+        last one's values land."""
+        self.write_slots(k_cache, k, slots, src_kind, dst_kind)
+        self.write_slots(v_cache, v, slots, src_kind, dst_kind)
+
     def copy_blocks_between(self, src_storage, src, dst_storage, dst):
         _kernels.copy_blocks_between(src_storage, src, dst_storage, dst)
 

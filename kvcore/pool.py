@@ -92,6 +92,8 @@ class BlockPool:
         self._storage = self._backend.zeros(
             (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
              self._head_dim), _dtypes.STORAGE[self._kind])
+        # write()'s scratch on a GPU (one int32 per slot), None on the CPU
+        self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size)
         self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
         self._prefix_queries = 0
@@ -265,7 +267,7 @@ class BlockPool:
             return self._core.check()
 
     # ------------------------------------------------------------ data
-    def write(self, layer, k, v, slots, src_dtype=None):
+    def write(self, layer, k, v, slots, src_dtype=None, check=True):
         """Write ``n`` tokens' K and V into their slots (vLLM's reshape_and_cache).
 
         Parameters
@@ -277,15 +279,31 @@ class BlockPool:
         slots : 1-D integer array of length n
             Token i goes to block ``slots[i] // block_size``, offset
             ``slots[i] % block_size``; -1 skips the token.  Every slot is
-            checked before anything is written (IndexError).
+            checked before anything is written (IndexError).  A slot named
+            by several tokens gets the last one's K and V (on every device).
+        check : bool, default True
+            Only for slots in GPU memory on a CUDA pool (elsewhere every slot
+            is checked on the host, which costs no synchronisation).  True:
+            the slots are checked on the device and the call waits for the
+            verdict (an 8-byte read; nothing else is copied) before writing.
+            False: the raw call for CUDA graphs: nothing is read back or
+            waited for; the kernels still never write outside the pool (a
+            slot out of range is skipped, like -1) but such a slot is not
+            reported: the caller vouches for the slots.
         """
         layer = layer_index(layer, self._num_layers)
+        if not isinstance(check, (bool, np.bool_)):
+            raise TypeError(f"check must be a bool, got {type(check).__name__}")
         k, v, sk = self._kv_input(k, v, src_dtype)
         n = k.shape[0]
-        slots = self._slots(slots, n)
         be = self._backend
-        be.write_slots(self._storage[2 * layer], k, slots, sk, self._kind)
-        be.write_slots(self._storage[2 * layer + 1], v, slots, sk, self._kind)
+        on_device = be.device_slots(slots, n)  # GPU slots stay on the GPU
+        if on_device is None:
+            slots, check = self._slots(slots, n), False  # checked here, on the host
+        else:
+            slots = on_device
+        be.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
+                          sk, self._kind, self._slot_owner, bool(check))
 
     def gather(self, layer, block_table, start, end, dtype=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
@@ -357,8 +375,9 @@ class BlockPool:
         shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
         k = be.empty(shape, _dtypes.STORAGE[dk])
         v = be.empty(shape, _dtypes.STORAGE[dk])
-        t32 = np.ascontiguousarray(t, np.int32)
-        n32 = np.ascontiguousarray(n, np.int32)
+        # on a GPU: one upload each, shared by the K and the V gather
+        t32 = be.from_host(np.ascontiguousarray(t, np.int32))
+        n32 = be.from_host(np.ascontiguousarray(n, np.int32))
         be.gather_batch(self._storage[2 * layer], t32, n32, k, self._kind, dk)
         be.gather_batch(self._storage[2 * layer + 1], t32, n32, v, self._kind, dk)
         return k, v
@@ -506,6 +525,8 @@ class BlockPool:
         k = be.empty(shape, _dtypes.STORAGE[dk])
         v = be.empty(shape, _dtypes.STORAGE[dk])
         if end > start:
+            # on a GPU: one upload of the blocks the range needs, for K and V
+            table = be.from_host(table[:-(-end // self._block_size)])
             be.gather(self._storage[2 * layer], table, start, end, k, self._kind, dk)
             be.gather(self._storage[2 * layer + 1], table, start, end, v, self._kind, dk)
         return k, v

@@ -7,9 +7,13 @@ methods.  Every case compares the device backend with the CPU backend bit for
 bit.  A runner provides a ``dev`` fixture (a ``DeviceUnderTest``) and does
 ``from _cuda_cases import *``.
 """
+import array
+
+import ml_dtypes
 import numpy as np
 import pytest
 
+from kvcore import _dtypes
 from kvcore._backend import CPU
 from kvcore._dtypes import BF16, F16, F32, STORAGE
 
@@ -27,10 +31,14 @@ class DeviceUnderTest:
     put(a) : a device copy of NumPy array ``a`` (C-contiguous, same bits)
     get(d) : a NumPy copy of device array ``d``
     n_random : how many random bit patterns the conversion cases try
+    foreign : functions making a device copy of ``a`` that is not a CuPy
+        array (only ``__cuda_array_interface__``, only DLPack, ...), as
+        torch CUDA tensors present themselves
     """
 
-    def __init__(self, be, put, get, n_random):
+    def __init__(self, be, put, get, n_random, foreign=()):
         self.be, self.put, self.get, self.n_random = be, put, get, n_random
+        self.foreign = tuple(foreign)
 
 
 # ------------------------------------------------------------------ data
@@ -315,6 +323,187 @@ def test_write_slots_all_skipped_and_empty(dev):
     dev.be.write_slots(d, dev.put(np.zeros((0, 2, 64), np.float32)),
                        np.zeros(0, np.int64), F32, F16)
     assert_bits_equal(dev.get(d), cache)
+
+
+# ------------------------------------------- BlockPool.write: K and V
+
+def _owner(dev, num_slots):
+    return dev.be.slot_owner_table(num_slots)
+
+
+def _pool_planes(rng, num_blocks, heads, block_size, head_dim, dk):
+    """A two-plane (K, V) storage on the host, random bits."""
+    return rand_bits(rng, (2, num_blocks, heads, block_size, head_dim), dk)
+
+
+@pytest.mark.parametrize("sk,dk", [(F32, F16), (F16, F16), (F32, F32), (BF16, BF16), (F16, BF16)],
+                         ids=["f32-f16", "f16-f16", "f32-f32", "bf16-bf16", "f16-bf16"])
+def test_write_slots_kv_repeated_slots_keep_the_last_token(dev, sk, dk):
+    """One rule on every device: of several tokens naming one slot, the
+    last one's K and V land (the CPU kernel walks tokens in order)."""
+    rng = np.random.default_rng([16, sk, dk])
+    num_blocks, heads, block_size, head_dim = 4, 2, 8, 64
+    storage = _pool_planes(rng, num_blocks, heads, block_size, head_dim, dk)
+    slots = np.array([5, 9, 5, 31, -1, 9, 5, 0, 31, 9], np.int64)
+    k = rand_bits(rng, (len(slots), heads, head_dim), sk)
+    v = rand_bits(rng, (len(slots), heads, head_dim), sk)
+    want = storage.copy()
+    CPU.write_slots_kv(want[0], want[1], k, v, slots, sk, dk, None, False)
+    # the CPU result is the last writer's, spelled out independently
+    for slot in (5, 9, 31):
+        last = np.flatnonzero(slots == slot)[-1]
+        b, off = divmod(slot, block_size)
+        assert_bits_equal(want[0][b, :, off], cpu_convert(k[last], sk, dk))
+        assert_bits_equal(want[1][b, :, off], cpu_convert(v[last], sk, dk))
+    owner = _owner(dev, num_blocks * block_size)
+    for slots_arg in (slots, dev.put(slots)):  # host slots, device slots
+        d = dev.put(storage)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), slots_arg, sk, dk, owner,
+                              True)
+        assert_bits_equal(dev.get(d), want)
+        assert (dev.get(owner) == -1).all()  # released for the next write
+
+
+def test_write_slots_kv_reads_v_before_writing_k(dev):
+    """v a view of the keys' plane (issue 9, item 2 on the GPU): it is read
+    as it was at call time, not after the keys were written."""
+    rng = np.random.default_rng(17)
+    storage = _pool_planes(rng, 3, 2, 8, 64, F16)
+    slots = np.array([1, 9, 17], np.int64)       # offset 1 of blocks 0, 1, 2
+    k = rand_bits(rng, (3, 2, 64), F16)
+    want = storage.copy()
+    old_rows = storage[0][:, :, 1, :].copy()     # what v reads: K's offset-1 rows, before
+    CPU.write_slots(want[0], k, slots, F16, F16)
+    CPU.write_slots(want[1], old_rows, slots, F16, F16)
+    d = dev.put(storage)
+    dev.be.write_slots_kv(d[0], d[1], dev.put(k), d[0][:, :, 1, :], slots, F16, F16,
+                          _owner(dev, 24), True)
+    assert_bits_equal(dev.get(d), want)
+
+
+def test_write_slots_kv_checks_device_slots_on_the_device(dev):
+    rng = np.random.default_rng(18)
+    num_blocks, heads, block_size, head_dim = 3, 2, 8, 64
+    num_slots = num_blocks * block_size
+    storage = _pool_planes(rng, num_blocks, heads, block_size, head_dim, F16)
+    good = np.array([3, -1, 20, 7], np.int64)
+    k = rand_bits(rng, (4, heads, head_dim), F32)
+    v = rand_bits(rng, (4, heads, head_dim), F32)
+    owner = _owner(dev, num_slots)
+    for bad_value, at in ((num_slots, 2), (-2, 0), (2**40, 3)):
+        slots = good.copy()
+        slots[at] = bad_value
+        d = dev.put(storage)
+        with pytest.raises(IndexError, match=rf"got {bad_value} at index {at}"):
+            dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, F16,
+                                  owner, True)
+        assert_bits_equal(dev.get(d), storage)        # nothing written
+        assert (dev.get(owner) == -1).all()
+        # unchecked (the CUDA-graph call): no error, the bad token is skipped,
+        # the others land, nothing outside the pool is touched
+        want = storage.copy()
+        skip = slots.copy()
+        skip[at] = -1
+        CPU.write_slots_kv(want[0], want[1], k, v, skip, F32, F16, None, False)
+        d = dev.put(storage)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, F16,
+                              owner, False)
+        assert_bits_equal(dev.get(d), want)
+        assert (dev.get(owner) == -1).all()
+
+
+def test_device_slots_reads_metadata_only(dev):
+    be = dev.be
+    assert be.device_slots(np.arange(3), 3) is None      # host data: checked on the host
+    assert be.device_slots([0, 1, 2], 3) is None
+    got = be.device_slots(dev.put(np.array([4, -1, 2], np.int32)), 3)
+    assert be._is_device(got) and got.dtype == np.int64 and got.flags.c_contiguous
+    assert dev.get(got).tolist() == [4, -1, 2]
+    for wrap in dev.foreign:
+        got = be.device_slots(wrap(np.array([1, 0], np.int64)), 2)
+        assert dev.get(got).tolist() == [1, 0]
+    with pytest.raises(ValueError, match=r"slots must be 1-D of length 4"):
+        be.device_slots(dev.put(np.arange(3)), 4)
+    with pytest.raises(ValueError, match=r"slots must be 1-D of length 3"):
+        be.device_slots(dev.put(np.zeros((3, 1), np.int64)), 3)
+    with pytest.raises(TypeError, match="slots must hold integers, got dtype float32"):
+        be.device_slots(dev.put(np.zeros(3, np.float32)), 3)
+    with pytest.raises(TypeError, match="uint64"):
+        be.device_slots(dev.put(np.zeros(3, np.uint64)), 3)
+
+
+# --------------------------------------------------- host <-> device data
+
+def test_from_host_keeps_the_dtype_bfloat16_included(dev):
+    """ml_dtypes.bfloat16 stays bfloat16 on the device, so it is read as
+    bfloat16 (not as uint16 bits, which need src_dtype)."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(19)
+    host = rand_bits(rng, (3, 5), BF16).view(bf16)
+    d = dev.be.from_host(host)
+    assert dev.be._is_device(d) and d.dtype == bf16 and d.shape == (3, 5)
+    assert _dtypes.array_kind(d, "k") == BF16
+    assert_bits_equal(dev.get(_dtypes.as_bits(d)), host.view(np.uint16))
+    back = dev.be.to_host(d)
+    assert back.dtype == bf16
+    assert_bits_equal(back.view(np.uint16), host.view(np.uint16))
+    for a in (rand_bits(rng, (4,), F32), rand_bits(rng, (2, 3), F16), np.arange(5, dtype=np.int32),
+              host[:, ::2]):
+        d = dev.be.from_host(a)
+        assert d.dtype == a.dtype and d.flags.c_contiguous
+        assert_bits_equal(dev.be.to_host(d), np.ascontiguousarray(a))
+
+
+class _ArrayOnly:
+    """Host data exposing only ``__array__`` (as a torch CPU tensor does)."""
+
+    def __init__(self, a):
+        self._a = np.asarray(a)
+
+    def __array__(self, dtype=None, copy=None):
+        return self._a if dtype is None else self._a.astype(dtype)
+
+
+class _CPUDLPackOnly:
+    """Host data exposing only DLPack on the CPU."""
+
+    def __init__(self, a):
+        self._a = np.asarray(a)
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_to_host_takes_what_the_cpu_pool_takes(dev):
+    """Index arguments (slots, tables, lengths) read on the host."""
+    want = [3, 1, 4, 1, 5]
+    host_forms = [want, tuple(want), range(3, 8), array.array("q", want), array.array("i", want),
+                  np.array(want, np.int32), _ArrayOnly(want), _CPUDLPackOnly(want),
+                  np.array(want)[::-1][::-1]]
+    for x in host_forms:
+        got = dev.be.to_host(x)
+        assert isinstance(got, np.ndarray) and not dev.be._is_device(got), type(x)
+        assert got.tolist() == (list(range(3, 8)) if isinstance(x, range) else want), type(x)
+    device_forms = [dev.put(np.array(want, np.int64))] + [f(np.array(want)) for f in dev.foreign]
+    for x in device_forms:
+        got = dev.be.to_host(x)
+        assert type(got) is np.ndarray and got.tolist() == want, type(x)
+    assert dev.be.to_host([]).size == 0
+    with pytest.raises(TypeError, match="could not be taken as a CUDA array"):
+        dev.be.to_host(_Unreadable())
+
+
+class _Unreadable:
+    """Says it is a CUDA array but cannot be read as one."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, *args, **kwargs):
+        raise BufferError("cannot export")
 
 
 # ----------------------------------------------------------------- gather

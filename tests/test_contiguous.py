@@ -12,6 +12,11 @@ import kvcore
 from kvcore._backend import get_backend
 from kvcore._native import _convert
 
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_env import cuda_backend_or_skip
+except ImportError:
+    from _cuda_env import cuda_backend_or_skip
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 STORAGE_DTYPES = ["float32", "float16", "bfloat16"]
 BITS = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
@@ -20,10 +25,7 @@ BITS = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request):
     if request.param != "cpu":
-        try:
-            get_backend(request.param)
-        except (ImportError, RuntimeError, OSError) as e:
-            pytest.skip(f"no CUDA backend here: {e}")
+        cuda_backend_or_skip(request.param)  # skip only without CuPy or a GPU
     return request.param
 
 

@@ -12,10 +12,16 @@ functions on CuPy arrays, and NVRTC compiling every module on the device.
 import numpy as np
 import pytest
 
-from kvcore._cuda import cuda_available, get_cuda_backend
+from kvcore._cuda import get_cuda_backend
 
-if not cuda_available():
-    pytest.skip("needs CuPy and an NVIDIA GPU", allow_module_level=True)
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_env import cuda_backend_or_skip
+except ImportError:
+    from _cuda_env import cuda_backend_or_skip
+
+# Skips the module only without CuPy or without a GPU; fails it when both
+# are there but the backend does not work.
+cuda_backend_or_skip(allow_module_level=True)
 
 import cupy  # noqa: E402
 
@@ -45,7 +51,8 @@ def be():
 
 @pytest.fixture
 def dev(be):
-    return DeviceUnderTest(be, _put, cupy.asnumpy, 1 << 22)
+    return DeviceUnderTest(be, _put, cupy.asnumpy, 1 << 22,
+                           foreign=[lambda a: _CAIOnly(_put(a)), lambda a: _DLPackOnly(_put(a))])
 
 
 # ------------------------------------------------------------ the backend
@@ -236,3 +243,77 @@ def test_public_conversions_accept_cupy_arrays():
     assert kvcore.to_float16(cupy.asarray(x), out=out) is out
     with pytest.raises(TypeError, match="out"):
         kvcore.to_float16(cupy.asarray(x), out=np.empty((257, 3), np.float16))
+
+
+# ----------------------------------------------------- BlockPool.write
+
+def test_pool_write_with_device_slots_captures_into_a_graph(be):
+    """pool.write(..., check=False) with device slots syncs with nothing and
+    copies nothing between host and device: it captures into a CUDA graph,
+    and a replay reads the slots' new values (a repeated slot included)."""
+    rng = np.random.default_rng(25)
+    heads, bs, dim = 2, 16, 128
+    pool = kvcore.BlockPool(6, bs, 1, heads, dim, dtype="bfloat16", device=be.device)
+    ref = kvcore.BlockPool(6, bs, 1, heads, dim, dtype="bfloat16")
+    cupy.cuda.runtime.deviceSynchronize()  # the pool was zeroed on the legacy stream
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        k = cupy.asarray(rand_bits(rng, (4, heads, dim), F32))
+        v = cupy.asarray(rand_bits(rng, (4, heads, dim), F32))
+        slots = cupy.asarray(np.array([5, -1, 17, 40], np.int64))
+        pool.write(0, k, v, slots, check=False)  # warm-up: compiles and loads the modules
+        stream.synchronize()
+        stream.begin_capture()
+        pool.write(0, k, v, slots, check=False)
+        graph = stream.end_capture()
+        new_k, new_v = rand_bits(rng, (4, heads, dim), F32), rand_bits(rng, (4, heads, dim), F32)
+        new_slots = np.array([90, 3, 90, 64], np.int64)
+        k.set(new_k, stream=stream)
+        v.set(new_v, stream=stream)
+        slots.set(new_slots, stream=stream)
+        pool.storage.fill(0)
+        graph.launch(stream=stream)
+    stream.synchronize()
+    ref.write(0, new_k, new_v, new_slots)
+    assert_bits_equal(cupy.asnumpy(pool.storage), ref.storage)
+
+
+def test_pool_write_checks_device_slots_with_one_small_read(be):
+    pool = kvcore.BlockPool(4, 8, 1, 1, 64, device=be.device)
+    k = cupy.zeros((3, 1, 64), cupy.float32)
+    with pytest.raises(IndexError, match=r"got 32 at index 1"):
+        pool.write(0, k, k, cupy.asarray(np.array([0, 32, 5], np.int64)))
+    with pytest.raises(IndexError, match=r"got -7 at index 2"):
+        pool.write(0, k, k, cupy.asarray(np.array([0, 1, -7], np.int32)))
+
+
+def test_pool_takes_torch_index_tensors(be):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(26)
+    pool = kvcore.BlockPool(8, 4, 1, 2, 64, device=be.device)
+    ref = kvcore.BlockPool(8, 4, 1, 2, 64)
+    k, v = rand_bits(rng, (3, 2, 64), F32), rand_bits(rng, (3, 2, 64), F32)
+    ref.write(0, k, v, [4, 9, 30])
+    for slots in (torch.tensor([4, 9, 30], device="cuda"), torch.tensor([4, 9, 30])):
+        pool.write(0, cupy.asarray(k), cupy.asarray(v), slots)
+        assert_bits_equal(cupy.asnumpy(pool.storage), ref.storage)
+    for table in (torch.tensor([2, 1, 7], dtype=torch.int32, device="cuda"),
+                  torch.tensor([2, 1, 7], dtype=torch.int32)):
+        for a, b in zip(pool.gather(0, table, 0, 11), ref.gather(0, [2, 1, 7], 0, 11)):
+            assert_bits_equal(cupy.asnumpy(a), b)
+
+
+def test_kvcache_update_takes_ml_dtypes_bfloat16(be):
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(27)
+    x = rand_bits(rng, (1, 2, 5, 64), BF16).view(bf16)
+    cpu = kvcore.KVCache(1, 2, 64, 16, dtype="float32")
+    gpu = kvcore.KVCache(1, 2, 64, 16, dtype="float32", device=be.device)
+    cpu.update(0, x, x)
+    gpu.update(0, be.from_host(x), cupy.asarray(x.view(np.uint16)).view(bf16))
+    for a, b in zip(cpu.get(0), gpu.get(0)):
+        assert_bits_equal(cupy.asnumpy(b), a)

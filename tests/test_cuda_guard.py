@@ -4,9 +4,12 @@ CuPy's presence and the GPU count are simulated (a None entry in
 sys.modules, a stand-in module), so these run the same with or without a
 real GPU.
 """
+import importlib.abc
+import importlib.util
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 
@@ -79,3 +82,174 @@ def test_one_backend_per_device(fresh_guard):
     assert kc.get_cuda_backend("cuda:0").device == "cuda:0"
     with pytest.raises(kc.CudaUnavailableError, match="no CUDA device 2"):
         kc.get_cuda_backend("cuda:2")
+
+
+# ------------------------------------------------- when GPU tests may skip
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from . import _cuda_env
+except ImportError:
+    import _cuda_env
+
+
+class _FakeDriver:
+    """libcuda as ctypes sees it: cuInit's result and the device count."""
+
+    def __init__(self, init_rc=0, count=1, count_rc=0):
+        self.init_rc, self.count, self.count_rc = init_rc, count, count_rc
+
+    def cuInit(self, flags):
+        return self.init_rc
+
+    def cuDeviceGetCount(self, ref):
+        ref._obj.value = self.count
+        return self.count_rc
+
+
+def _loader(driver):
+    def load(name):
+        if driver is None:
+            raise OSError(f"{name}: cannot open shared object file")
+        return driver
+    return load
+
+
+@pytest.mark.parametrize("driver,visible,words", [
+    (None, False, "no NVIDIA driver"),
+    (_FakeDriver(init_rc=_cuda_env.CUDA_ERROR_NO_DEVICE), False, "no device"),
+    (_FakeDriver(init_rc=_cuda_env.CUDA_ERROR_STUB_LIBRARY), False, "stub"),
+    (_FakeDriver(count=0), False, "no device"),
+    (_FakeDriver(count=2), True, "2 device(s)"),
+    (_FakeDriver(init_rc=999), True, "cuInit failed (999)"),        # broken driver
+    (_FakeDriver(count_rc=3), True, "failed to count devices (3)"),
+])
+def test_driver_status_asks_the_driver_not_cupy(driver, visible, words):
+    got, detail = _cuda_env.driver_status(_loader(driver))
+    assert got is visible and words in detail
+
+
+def _backend_ok(device):
+    return ("backend", device)
+
+
+def _backend_broken(device):
+    # what kvcore raises when `import cupy` warned under filterwarnings=error
+    raise kc.CudaUnavailableError(
+        f"device={device!r} needs CuPy and an NVIDIA GPU, but CuPy failed to import "
+        "(UserWarning: CuPy may not function correctly because multiple CuPy packages "
+        "are installed)")
+
+
+@pytest.mark.parametrize("installed,visible", [(False, False), (False, True), (True, False)])
+def test_gpu_tests_skip_only_without_cupy_or_without_a_device(installed, visible):
+    with pytest.raises(pytest.skip.Exception) as e:
+        _cuda_env.decide(installed, visible, "the NVIDIA driver reports no device",
+                         _backend_broken)
+    reason = str(e.value)
+    assert reason.startswith(_cuda_env.SKIP_REASON)
+    assert ("CuPy is not installed" in reason) is (not installed)
+
+
+def test_gpu_tests_fail_when_cupy_and_a_device_are_there_but_the_backend_is_not():
+    with pytest.raises(pytest.fail.Exception) as e:
+        _cuda_env.decide(True, True, "the NVIDIA driver reports 1 device(s)", _backend_broken)
+    msg = str(e.value)
+    assert "unusable" in msg and "multiple CuPy packages" in msg
+    assert not msg.startswith(_cuda_env.SKIP_REASON)  # the smoke script would call it a skip
+
+
+def test_gpu_tests_run_when_the_backend_works():
+    assert _cuda_env.decide(True, True, "1 device", _backend_ok, "cuda:0") == ("backend", "cuda:0")
+
+
+class _WarningCupyFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds a `cupy` whose import warns, as CuPy does when two CuPy
+    packages are installed."""
+
+    def find_spec(self, name, path, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == "cupy" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        warnings.warn("CuPy may not function correctly because multiple CuPy packages are "
+                      "installed", UserWarning)
+
+
+def test_a_warning_while_importing_cupy_fails_the_gpu_tests(fresh_guard):
+    """The whole chain: `import cupy` warns, pytest's filterwarnings=error
+    makes that an exception, kvcore reports the backend unusable, and with
+    a device visible the GPU tests fail instead of skipping."""
+    fresh_guard.delitem(sys.modules, "cupy", raising=False)
+    fresh_guard.setattr(sys, "meta_path", [_WarningCupyFinder(), *sys.meta_path])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kc.cuda_available() is False
+        with pytest.raises(pytest.fail.Exception, match="multiple CuPy packages"):
+            _cuda_env.decide(True, True, "1 device", kc.get_cuda_backend)
+
+
+# ------------------------------------------------- kernel compile failures
+
+class _CompileException(Exception):
+    """Stands in for cupy.cuda.compiler.CompileException (matched by name)."""
+
+
+_CompileException.__name__ = "CompileException"
+
+
+class _CUDADriverError(RuntimeError):
+    pass
+
+
+_CUDADriverError.__name__ = "CUDADriverError"
+
+
+def _backend_whose_compile_raises(error):
+    from kvcore._cuda.backend import CudaBackend
+
+    class Module:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        def get_function(self, name):
+            raise error
+
+    cupy = _fake_cupy(1)
+    cupy.RawModule = Module
+    return CudaBackend(cupy, 0)
+
+
+@pytest.mark.parametrize("error,why,fix", [
+    (RuntimeError("CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open "
+                  "shared object file: No such file or directory"),
+     "NVRTC (libnvrtc), which compiles kvcore's kernels, is missing", "kvcore[cuda12]"),
+    (RuntimeError("Failed to find CUDA headers. Please install CUDA toolkit headers (e.g., pip "
+                  "install cupy-cuda12x[ctk]) or specify CUDA_PATH environment variable."),
+     "the CUDA headers NVRTC needs were not found", "cuda-toolkit[nvrtc,cudart]"),
+    (_CompileException('kvcore.cu(1): catastrophic error: cannot open source file '
+                       '"cuda_fp16.h"'),
+     "the CUDA headers NVRTC needs were not found", "kvcore[cuda13]"),
+    (_CompileException("nvrtc: error: failed to open libnvrtc-builtins.so.13.0."),
+     "NVRTC (libnvrtc), which compiles kvcore's kernels, is missing", "CUDA_PATH"),
+    (_CUDADriverError("CUDA_ERROR_UNSUPPORTED_PTX_VERSION: the provided PTX was compiled with "
+                      "an unsupported toolchain."),
+     "the NVIDIA driver could not load the kernels", "update the NVIDIA driver"),
+    (_CompileException("paged.cu(40): error: identifier \"x\" is undefined"),
+     "NVRTC failed to compile kvcore's kernels", "please report"),
+])
+def test_kernel_compile_failures_are_cuda_unavailable_errors(error, why, fix):
+    be = _backend_whose_compile_raises(error)
+    from kvcore._cuda import _sources
+
+    name = _sources.kernel_name("kv_write_slots", 1, 1, 8)
+    with pytest.raises(kc.CudaUnavailableError) as e:
+        be._function("paged.cu", 1, 1, name)
+    msg = str(e.value)
+    assert why in msg and fix in msg and "paged.cu" in msg and "device='cpu'" in msg
+    assert str(error) in msg          # CuPy's own words are kept
+    assert e.value.__cause__ is error
+    assert isinstance(e.value, kvcore.KVCacheError)
+    # nothing half-built is cached: the next call tries again
+    assert not be._functions and not be._modules

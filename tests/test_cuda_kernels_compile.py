@@ -105,7 +105,8 @@ def test_nvcc_compiles_every_instantiation(file, compiled):
     ptx = compiled(file)
     for name in _names_by_file()[file]:
         kernel = name.split("<")[0]
-        assert re.search(rf"\.entry\s+_Z\d+{kernel}I", ptx), name
+        # mangled: _Z<length of the name><name>, then I<args> for a template
+        assert re.search(rf"\.entry\s+_Z{len(kernel)}{kernel}", ptx), name
     assert len(re.findall(r"\.entry\s", ptx)) == len(_names_by_file()[file])
 
 
@@ -153,6 +154,15 @@ def _find_nvrtc():
     for c in candidates:
         if "builtins" in os.path.basename(c) or ".alt." in os.path.basename(c):
             continue
+        # libnvrtc dlopens libnvrtc-builtins by name at compile time; from a
+        # wheel's directory (not on the loader's path) it is found only if
+        # it is loaded already
+        for b in sorted(glob.glob(os.path.join(os.path.dirname(c), "libnvrtc-builtins.so*"))):
+            if ".alt." not in os.path.basename(b):
+                try:
+                    ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
         try:
             return ctypes.CDLL(c)
         except OSError:

@@ -7,17 +7,19 @@ import pytest
 import kvcore
 from kvcore._backend import get_backend
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.cuda,
-        pytest.mark.skipif(not kvcore.cuda_available(), reason="needs CuPy and a CUDA GPU")]),
-]
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_env import cuda_backend_or_skip
+except ImportError:
+    from _cuda_env import cuda_backend_or_skip
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
 @pytest.fixture(params=DEVICES)
 def device(request):
+    if request.param != "cpu":
+        cuda_backend_or_skip(request.param)  # skip only without CuPy or a GPU
     return request.param
 
 
@@ -146,3 +148,61 @@ def test_sequence_offload_to_host_pool_and_back(device):
     back.free()
     gpu.check()
     cpu.check()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_write_repeated_slots_keep_the_last_token(device, dtype):
+    """One rule on every device (issue 9, item 12): of several tokens naming
+    one slot in a write, the last one's K and V land."""
+    rng = np.random.default_rng(4)
+    pool = kvcore.BlockPool(4, 8, 1, 2, 64, dtype=dtype, device=device)
+    slots = np.array([3, 3, 12, 3, 12, -1, 30], np.int64)
+    k, v = rand(rng, 7, 2, 64), rand(rng, 7, 2, 64)
+    for s in (slots, dev(slots, device)):
+        pool.write(0, dev(k, device), dev(v, device), s)
+        for slot, last in ((3, 3), (12, 4), (30, 6)):
+            b, off = divmod(slot, 8)
+            want_k = kvcore.BlockPool(4, 8, 1, 2, 64, dtype=dtype)
+            want_k.write(0, k[last:last + 1], v[last:last + 1], [slot])
+            assert np.array_equal(host(pool.key_cache(0), device)[b, :, off],
+                                  want_k.key_cache(0)[b, :, off])
+            assert np.array_equal(host(pool.value_cache(0), device)[b, :, off],
+                                  want_k.value_cache(0)[b, :, off])
+
+
+def test_index_arguments_take_range_array_array_and_lists(device):
+    """Slots, block tables and lengths in the forms a CPU pool takes, on
+    every device (issue 9, item 9)."""
+    import array
+
+    rng = np.random.default_rng(5)
+    ref = kvcore.BlockPool(8, 4, 1, 1, 8)
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, device=device)
+    k, v = rand(rng, 4, 1, 8), rand(rng, 4, 1, 8)
+    for slots in (range(2, 6), array.array("q", [9, 1, -1, 31]), [0, 5, 6, 7]):
+        ref.write(0, k, v, slots)
+        pool.write(0, dev(k, device), dev(v, device), slots)
+    assert np.array_equal(host(pool.key_cache(0), device), ref.key_cache(0))
+    for table in (range(0, 3), array.array("i", [2, 0, 7]), [7, 1]):
+        for a, b in zip(pool.gather(0, table, 1, 7), ref.gather(0, table, 1, 7)):
+            assert np.array_equal(host(a, device), b)
+    tables, lengths = [[0, 1], [7, 2]], array.array("i", [6, 3])
+    for a, b in zip(pool.gather_batch(0, tables, lengths), ref.gather_batch(0, tables, lengths)):
+        assert np.array_equal(host(a, device), b)
+
+
+def test_pool_write_repeated_slots_in_a_prompt_sized_write(device):
+    """The same rule when the write is large enough for the CPU kernel's
+    streaming (non-temporal) stores and for many GPU blocks."""
+    rng = np.random.default_rng(6)
+    n, heads, dim, bs = 4096, 8, 128, 16
+    pool = kvcore.BlockPool(32, bs, 1, heads, dim, device=device)
+    slots = rng.integers(-1, 256, n).astype(np.int64)  # ~16 tokens per slot
+    k = rand(rng, n, heads, dim)
+    pool.write(0, dev(k, device), dev(k[::-1].copy(), device), slots)
+    keys, values = host(pool.key_cache(0), device), host(pool.value_cache(0), device)
+    for s in np.unique(slots[slots >= 0]):
+        last = np.flatnonzero(slots == s)[-1]
+        b, off = divmod(int(s), bs)
+        assert np.array_equal(keys[b, :, off], kvcore.to_float16(k[last]))
+        assert np.array_equal(values[b, :, off], kvcore.to_float16(k[n - 1 - last]))

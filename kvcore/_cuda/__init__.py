@@ -15,7 +15,9 @@ __all__ = ["CudaUnavailableError", "cuda_available", "get_cuda_backend", "backen
 
 
 class CudaUnavailableError(KVCacheError, RuntimeError):
-    """device='cuda' was asked for but CuPy or a usable NVIDIA GPU is missing."""
+    """device='cuda' was asked for but CuPy or a usable NVIDIA GPU is missing,
+    or CuPy cannot compile kvcore's kernels (NVRTC or the CUDA headers
+    missing, a driver older than NVRTC)."""
 
 
 _lock = threading.Lock()
@@ -44,8 +46,9 @@ def _import_cupy(device):
         else:
             why = f"CuPy failed to import ({type(e).__name__}: {e})"
         raise CudaUnavailableError(
-            f"device={device!r} needs CuPy and an NVIDIA GPU, but {why}; install the CuPy "
-            "wheel matching your CUDA (e.g. pip install 'kvcore[cuda]' or cupy-cuda12x), "
+            f"device={device!r} needs CuPy and an NVIDIA GPU, but {why}; install CuPy for "
+            "your driver's CUDA version with the NVRTC and headers it compiles with (pip "
+            "install 'kvcore[cuda12]' or 'kvcore[cuda13]'; keep one CuPy package), "
             "or use device='cpu'") from e
     return _cupy
 
@@ -119,7 +122,8 @@ def cuda_available():
     """True when CuPy imports and at least one CUDA device is visible.
 
     Never raises.  Kernels are compiled (NVRTC) only on first use, so this
-    does not prove that compilation works.
+    does not prove that compilation works: when it does not, the first
+    kernel raises ``CudaUnavailableError`` saying what to install.
     """
     try:
         cp = _import_cupy("cuda")

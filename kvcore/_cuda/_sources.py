@@ -7,7 +7,9 @@ test compiles are the names the backend asks for.
 A *module* is one ``.cu`` file compiled for one (source kind, destination
 kind) pair, holding every kernel of that file in its scalar and its vector
 variant; ``blocks.cu`` (no conversion) is a single module.  Modules are
-compiled lazily, the first time a pair is used on a device.
+compiled lazily, the first time a pair is used on a device.  ``slots.cu``
+(the claim and release passes of ``BlockPool.write``, plain kernels) is a
+single module too.
 """
 import re
 from pathlib import Path
@@ -30,7 +32,13 @@ COPY_FILE = "blocks.cu"
 COPY_KERNEL = "kv_copy_blocks"
 COPY_WORDS = (16, 4, 2)
 
-FILES = tuple(CONVERTING) + (COPY_FILE,)
+# slots.cu: plain (non-template) kernels around BlockPool.write.
+SLOTS_FILE = "slots.cu"
+SLOTS_KERNELS = ("kv_claim_slots", "kv_release_slots")
+# What kv_claim_slots leaves in *bad when every slot is in range.
+NO_BAD = 2**63 - 1
+
+FILES = tuple(CONVERTING) + (COPY_FILE, SLOTS_FILE)
 
 # NVRTC options.  C++17 for `if constexpr` (CuPy >= 14 defaults to it; older
 # CuPy needs it said).  No fast-math or FTZ flags: the kernels only do
@@ -60,6 +68,8 @@ def module_names(file, src_kind=None, dst_kind=None):
     """Name expressions compiled into the module (file, src_kind, dst_kind)."""
     if file == COPY_FILE:
         return [copy_name(w) for w in COPY_WORDS]
+    if file == SLOTS_FILE:
+        return list(SLOTS_KERNELS)
     v = vector_width(src_kind, dst_kind)
     return [kernel_name(k, src_kind, dst_kind, w) for k in CONVERTING[file] for w in (1, v)]
 
@@ -72,6 +82,7 @@ def modules():
             for dk in KINDS:
                 out.append((file, sk, dk, module_names(file, sk, dk)))
     out.append((COPY_FILE, None, None, module_names(COPY_FILE)))
+    out.append((SLOTS_FILE, None, None, module_names(SLOTS_FILE)))
     return out
 
 

@@ -12,7 +12,9 @@ here waits for the device, except ``to_host``, ``synchronize`` and
 blocks).  A step can therefore be captured into a CUDA graph, provided the
 index arrays (slots, block tables, ids, lengths) are passed as device
 arrays: a NumPy index array is copied up from host memory, which a graph
-capture does not allow.
+capture does not allow.  ``write_slots_kv`` with ``check=True`` waits for
+its range check's verdict (one 8-byte read); with ``check=False`` it does
+not.
 
 Arguments reaching these methods have been validated by the caller, except
 where a method says it checks.  Kernels are compiled with NVRTC on first
@@ -23,7 +25,7 @@ import threading
 import numpy as np
 
 from .. import _dtypes
-from . import _sources
+from . import CudaUnavailableError, _sources
 
 # DLPack device types (dlpack.h).
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
@@ -112,22 +114,30 @@ class CudaBackend:
     def _stream_ptr(self):
         return self._cp.cuda.get_current_stream().ptr
 
+    def _upload(self, h):
+        """A device copy of C-contiguous host array ``h``, issued on the
+        current stream."""
+        cp = self._cp
+        d = cp.empty(h.shape, h.dtype)
+        if h.size:
+            d.set(h, stream=cp.cuda.get_current_stream())
+        return d
+
+    def _download(self, d):
+        """A NumPy copy of device array ``d``; waits for the current stream."""
+        return d.get(stream=self._cp.cuda.get_current_stream())
+
     def _index_array(self, x, dtype):
         """Ids, slots, tables or lengths as a C-contiguous device array of
         ``dtype``: device arrays as they are (cast or compacted on the
         device if needed), host arrays and sequences copied up on the current
         stream (they are small)."""
-        cp = self._cp
         dtype = np.dtype(dtype)
-        if isinstance(x, cp.ndarray):
+        if self._is_device(x):
             if x.dtype == dtype and x.flags.c_contiguous:
                 return x
-            return cp.ascontiguousarray(x.astype(dtype, copy=False))
-        h = np.ascontiguousarray(x, dtype=dtype)
-        d = cp.empty(h.shape, dtype)
-        if h.size:
-            d.set(h, stream=cp.cuda.get_current_stream())
-        return d
+            return self.xp.ascontiguousarray(x.astype(dtype, copy=False))
+        return self._upload(np.ascontiguousarray(x, dtype=dtype))
 
     def _function(self, file, sk, dk, name):
         key = (file, sk, dk, name)
@@ -137,28 +147,34 @@ class CudaBackend:
                 fn = self._functions.get(key)
                 if fn is None:
                     mkey = (file, sk, dk)
-                    mod = self._modules.get(mkey)
-                    if mod is None:
-                        mod = self._cp.RawModule(
-                            code=_sources.source(file),
-                            options=_sources.COMPILE_OPTIONS,
-                            name_expressions=_sources.module_names(file, sk, dk))
-                        self._modules[mkey] = mod
-                    fn = mod.get_function(name)  # compiles the module on first use
+                    try:
+                        mod = self._modules.get(mkey)
+                        if mod is None:
+                            mod = self._cp.RawModule(
+                                code=_sources.source(file),
+                                options=_sources.COMPILE_OPTIONS,
+                                name_expressions=_sources.module_names(file, sk, dk))
+                            self._modules[mkey] = mod
+                        fn = mod.get_function(name)  # compiles the module on first use
+                    except Exception as e:  # NVRTC or headers missing, compile or load error
+                        self._modules.pop(mkey, None)  # the next call starts afresh
+                        raise compile_error(e, self.device, file) from e
                     self._functions[key] = fn
         return fn
 
     def _launch(self, file, sk, dk, name, rows, chunks, args):
         """Run kernel ``name`` of module (file, sk, dk) over rows x chunks on
         the current stream.  ``args`` after (rows, chunks): device arrays
-        (passed as pointers) and Python ints (passed as long long)."""
+        (passed as pointers), None (a null pointer) and Python ints (passed
+        as long long)."""
         if rows <= 0 or chunks <= 0:
             return
         fn = self._function(file, sk, dk, name)
         grid, block = launch_shape(rows, chunks)
         cp = self._cp
         kargs = [np.int64(rows), np.int64(chunks)]
-        kargs += [a if isinstance(a, cp.ndarray) else np.int64(a) for a in args]
+        kargs += [a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None else np.int64(a)
+                  for a in args]  # None: a null pointer
         fn(grid, block, tuple(kargs))
 
     # -------------------------------------------------------------- arrays
@@ -243,25 +259,39 @@ class CudaBackend:
             return self.xp.zeros(shape, _device_dtype(dtype))
 
     def to_host(self, a):
-        """A NumPy copy of ``a``; waits for the current stream (a sync point)."""
+        """``a`` as a NumPy array, for index arguments read on the host.
+
+        Takes what the CPU backend takes: device arrays (CuPy, anything with
+        ``__cuda_array_interface__`` or DLPack on a CUDA device, e.g. torch
+        CUDA tensors) are copied down, which waits for the current stream (a
+        sync point); host data (NumPy arrays, lists, tuples, ``range``,
+        ``array.array``, torch CPU tensors, DLPack on the CPU) is read as
+        ``numpy.asarray`` reads it (no copy where the memory allows).
+        """
+        if self._is_device(a):
+            with self._ctx():
+                return self._download(a)
         if isinstance(a, np.ndarray):
             return a
-        with self._ctx():
-            return a.get(stream=self._cp.cuda.get_current_stream())
+        if _on_cuda_device(a):
+            d = self._import_foreign(a, "array")
+            with self._ctx():
+                return self._download(d)
+        return _host_array(a)
 
     def from_host(self, a):
-        """A device copy of host array ``a``, issued on the current stream."""
+        """A device copy of host array ``a``, issued on the current stream.
+
+        Same dtype on the device, ``ml_dtypes.bfloat16`` included (moved as
+        its uint16 bits and viewed back, which every CuPy version allows).
+        """
         if self._is_device(a):
             return a
-        a = np.asarray(a)
-        if _is_bf16(a.dtype):
-            a = a.view(np.uint16)
         a = np.ascontiguousarray(a)
         with self._ctx():
-            d = self._cp.empty(a.shape, a.dtype)
-            if a.size:
-                d.set(a, stream=self._cp.cuda.get_current_stream())
-            return d
+            if _is_bf16(a.dtype):
+                return self._upload(a.view(np.uint16)).view(a.dtype)
+            return self._upload(a)
 
     def inner_contiguous(self, a):
         """``a`` aligned to its itemsize and with its last axis contiguous (a
@@ -361,26 +391,119 @@ class CudaBackend:
         """cache[b, h, off, :] = src[i, h, :] converted, for slot s = slots[i]
         >= 0, b = s // block_size, off = s % block_size (vLLM's
         reshape_and_cache).  cache: (num_blocks, heads, block_size, dim);
-        src: (n, heads, dim); slots: int64, host or device.  Duplicate slots
-        leave one of the writers' values (unspecified which)."""
-        n, heads, dim = src.shape
-        if n == 0 or heads == 0 or dim == 0:
+        src: (n, heads, dim); slots: int64, host or device, distinct (a
+        sequence's own positions; ``write_slots_kv`` takes repeats).  A slot
+        past the cache is skipped by the kernel, never written."""
+        n = src.shape[0]
+        if n == 0 or src.shape[1] == 0 or src.shape[2] == 0:
             return
         with self._ctx():
-            if self._overlaps(src, cache):  # e.g. a view of the pool itself
-                src = self._contiguous_copy(src)
-            src = self.inner_contiguous(src)
-            slots = self._index_array(slots, np.int64)
-            ss = self._estrides(src, (0, 1))
-            cs = self._estrides(cache, (0, 1, 2))
-            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
-            rows = n * heads
-            self._check_rows(rows, "write_slots")
-            self._launch("paged.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [cache, src, slots, heads, cache.shape[2], ss[0], ss[1],
-                          cs[0], cs[1], cs[2]])
+            self._write_plane(cache, src, self._index_array(slots, np.int64), None,
+                              src_kind, dst_kind)
+
+    def _write_plane(self, cache, src, slots, owner, src_kind, dst_kind):
+        """One kv_write_slots launch; ``slots`` a device int64 array, ``owner``
+        the claimed owner table or None."""
+        n, heads, dim = src.shape
+        if self._overlaps(src, cache):  # e.g. a view of the pool itself
+            src = self._contiguous_copy(src)
+        src = self.inner_contiguous(src)
+        ss = self._estrides(src, (0, 1))
+        cs = self._estrides(cache, (0, 1, 2))
+        v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
+        rows = n * heads
+        self._check_rows(rows, "write_slots")
+        self._launch("paged.cu", src_kind, dst_kind,
+                     _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v),
+                     rows, dim // v,
+                     [cache, src, slots, owner, cache.shape[0] * cache.shape[2], heads,
+                      cache.shape[2], ss[0], ss[1], cs[0], cs[1], cs[2]])
+
+    # ------------------------------------------------- BlockPool.write
+    def slot_owner_table(self, num_slots):
+        """The scratch ``write_slots_kv`` needs for a pool of ``num_slots``
+        slots: one int32 per slot, -1 (unclaimed) between writes.  Kept by
+        the pool for its lifetime (a CUDA graph holds its address)."""
+        with self._ctx():
+            # uploaded rather than filled: a CuPy fill would compile a kernel
+            # (NVRTC) just to build a pool
+            return self._upload(np.full(num_slots, -1, np.int32))
+
+    def device_slots(self, slots, n):
+        """``slots`` as a C-contiguous int64 array on this device when they
+        live on a CUDA device, else None (host data, which the caller checks
+        on the host).
+
+        Zero-copy for CuPy arrays, ``__cuda_array_interface__`` and DLPack
+        (torch CUDA tensors); an integer dtype other than int64 is cast on
+        the device.  Shape and dtype are checked from the metadata: nothing
+        is read back.  Slots on another GPU are a ValueError; uint64 slots a
+        TypeError (2**64 - 1 would become -1, a skip).
+        """
+        if not (self._is_device(slots) or _on_cuda_device(slots)):
+            return None
+        a = self.asarray(slots, "slots")
+        if a.ndim != 1 or a.shape[0] != n:
+            raise ValueError(
+                f"slots must be 1-D of length {n} (one per token), got shape {tuple(a.shape)}")
+        if n and a.dtype.kind not in "iu":
+            raise TypeError(f"slots must hold integers, got dtype {a.dtype}")
+        if a.dtype == np.uint64:
+            raise TypeError(
+                "slots on the device must be a signed integer array (int64 or int32), got "
+                "uint64: its largest values would wrap to -1 (a skip) in the int64 the "
+                "kernels read")
+        with self._ctx():
+            return self._index_array(a, np.int64)
+
+    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner,
+                       check):
+        """``BlockPool.write`` for one layer: K and V of n tokens into their
+        slots; of several tokens naming one slot, the last one's values land
+        (as the CPU backend's in-order loop gives).
+
+        Parameters
+        ----------
+        k_cache, v_cache : (num_blocks, heads, block_size, dim) device arrays
+        k, v : (n, heads, dim) device arrays
+        slots : int64 array
+            Host slots have been checked by the caller.  Device slots (from
+            ``device_slots``) have not: with ``check`` the claim pass checks
+            them on the device and this call waits for its verdict (one
+            8-byte read) before writing anything, raising IndexError like
+            the host check; without ``check`` nothing waits or is read back
+            (a CUDA graph can capture the call), and an out-of-range slot
+            is skipped by the kernels (never written) but not reported.
+        owner : the pool's ``slot_owner_table``
+        check : bool
+        """
+        n = k.shape[0]
+        if n == 0:
+            return
+        num_slots = owner.shape[0]
+        with self._ctx():
+            d_slots = self._index_array(slots, np.int64)
+            bad = None
+            if check and self._is_device(slots):
+                bad = self._upload(np.array([_sources.NO_BAD], np.int64))
+            self._launch(_sources.SLOTS_FILE, None, None, "kv_claim_slots", n, 1,
+                         [owner, bad, d_slots, num_slots])
+            try:
+                if bad is not None:
+                    first = int(self._download(bad)[0])
+                    if first != _sources.NO_BAD:
+                        value = int(self._download(d_slots[first:first + 1])[0])
+                        raise IndexError(
+                            f"slots must be -1 (skip) or in 0..{num_slots - 1} "
+                            f"(num_blocks * block_size - 1), got {value} at index {first}")
+                if k.shape[1] and k.shape[2]:
+                    if self._overlaps(v, k_cache):  # read v before the keys change
+                        v = self._contiguous_copy(v)
+                    self._write_plane(k_cache, k, d_slots, owner, src_kind, dst_kind)
+                    self._write_plane(v_cache, v, d_slots, owner, src_kind, dst_kind)
+            finally:
+                self._launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
+                             [owner, d_slots, num_slots])
 
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
         """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
@@ -535,9 +658,7 @@ class CudaBackend:
             self._copy_host_device(src_storage, src_ids, dst_storage, dst_ids, on_dev[1])
 
     def _host_ids(self, ids):
-        if self._is_device(ids):
-            return self._cp.asnumpy(ids)
-        return np.asarray(ids)
+        return np.asarray(self.to_host(ids))
 
     @staticmethod
     def _block_bytes(storage, arg):
@@ -639,6 +760,73 @@ class CudaBackend:
         """Wait for everything issued on this device's current stream."""
         with self._ctx():
             self._cp.cuda.get_current_stream().synchronize()
+
+
+def _dlpack_device_type(x):
+    """The DLPack device type ``x`` reports, or None."""
+    if not hasattr(type(x), "__dlpack_device__"):
+        return None
+    try:
+        return int(x.__dlpack_device__()[0])
+    except Exception:  # a tensor that refuses export: not ours to judge here
+        return None
+
+
+def _on_cuda_device(x):
+    """Whether ``x`` (not a NumPy or CuPy array) is an array in CUDA device
+    memory: DLPack on a CUDA device, or ``__cuda_array_interface__``."""
+    dev_type = _dlpack_device_type(x)
+    if dev_type is not None:
+        return dev_type in (_KDL_CUDA, _KDL_CUDA_MANAGED)
+    try:
+        return getattr(x, "__cuda_array_interface__", None) is not None
+    except Exception:  # e.g. torch on a tensor that requires grad
+        return True
+
+
+def _host_array(x):
+    """Host data as NumPy reads it: arrays, lists, tuples, range,
+    array.array, buffers, torch CPU tensors (``__array__``), DLPack on the
+    CPU."""
+    if _dlpack_device_type(x) == 1 and not hasattr(x, "__array__"):  # kDLCPU only
+        return np.from_dlpack(x)
+    try:
+        return np.asarray(x)
+    except Exception as e:
+        raise TypeError(
+            f"expected an array or a sequence of integers, got "
+            f"{type(x).__module__}.{type(x).__name__} ({e})") from None
+
+
+# What to install when kernels cannot be compiled (docs/gpu.md says the same).
+_INSTALL_FIX = ("install NVRTC and the CUDA headers matching your CuPy: "
+                "pip install 'kvcore[cuda12]' (CuPy for CUDA 12) or 'kvcore[cuda13]' "
+                "(CUDA 13), which add cuda-toolkit[nvrtc,cudart]; or set CUDA_PATH to "
+                "a CUDA toolkit that has them")
+
+
+def compile_error(e, device, file):
+    """The CudaUnavailableError for exception ``e`` raised while CuPy
+    compiled (NVRTC) or loaded module ``file``: what failed, and the fix."""
+    text = f"{type(e).__name__}: {e}".strip()
+    low = text.lower()
+    kind = type(e).__name__
+    if "header" in low or "source file" in low or "cuda_path" in low:
+        why, fix = "the CUDA headers NVRTC needs were not found", _INSTALL_FIX
+    elif "libnvrtc" in low or ("nvrtc" in low and kind != "CompileException"):
+        why, fix = "NVRTC (libnvrtc), which compiles kvcore's kernels, is missing", _INSTALL_FIX
+    elif kind == "CUDADriverError" or "driver" in low or "ptx" in low:
+        why = "the NVIDIA driver could not load the kernels NVRTC compiled"
+        fix = ("update the NVIDIA driver, or install the NVRTC of the driver's CUDA "
+               "version (kvcore[cuda12] for a CUDA 12 driver)")
+    else:
+        why = "NVRTC failed to compile kvcore's kernels"
+        fix = ("please report this with the message above; " + _INSTALL_FIX
+               + " if they are missing")
+    if len(text) > 2000:  # a compile log can be long
+        text = text[:2000] + " ..."
+    return CudaUnavailableError(
+        f"device={device!r}: {why} (compiling {file}: {text}); {fix}; or use device='cpu'")
 
 
 def _is_bf16(dtype):

@@ -294,6 +294,35 @@ KV_UNROLL
 }
 
 /* ------------------------------------------------------------------ */
+/* Atomics (the slot claims of slots.cu)                               */
+/* ------------------------------------------------------------------ */
+
+/* *p = max(*p, v) and *p = min(*p, v) as one atomic operation on the
+ * device.  The host emulation runs the items one after another, so a plain
+ * read-modify-write is the same there. */
+KV_HD void kv_atomic_max_i32(kv_i32 *p, kv_i32 v)
+{
+#if defined(__CUDA_ARCH__)
+    atomicMax(p, v);
+#else
+    if (v > *p)
+        *p = v;
+#endif
+}
+
+/* For values >= 0 only (compared as unsigned: the 64-bit atomicMin every
+ * CUDA GPU since sm_35 has). */
+KV_HD void kv_atomic_min_nonneg_i64(kv_i64 *p, kv_i64 v)
+{
+#if defined(__CUDA_ARCH__)
+    atomicMin((unsigned long long *)p, (unsigned long long)v);
+#else
+    if (v < *p)
+        *p = v;
+#endif
+}
+
+/* ------------------------------------------------------------------ */
 /* Launch shape                                                        */
 /* ------------------------------------------------------------------ */
 

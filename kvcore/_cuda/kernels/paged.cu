@@ -7,24 +7,33 @@
  * 1 (scalar path) or a 16-byte vector run (8 halves / 4 floats, chosen by the
  * host when dim, the strides and the pointers allow).  Host-side checks:
  * rows < 2^31, positions < 2^31 (so index splitting can use 32-bit
- * division), slot and block ids in range.
+ * division), block ids in range; slots are range-checked here too.
  */
 #include "kv_half.cuh"
 
 /* cache[b, h, off, :] = convert(src[t, h, :]) for slots[t] = b * block_size
- * + off; a slot < 0 is skipped.  rows = n * heads (row = t * heads + h). */
+ * + off.  rows = n * heads (row = t * heads + h).  A slot outside
+ * 0..num_slots-1 is skipped: -1 by definition, any other value because the
+ * host or the claim pass (slots.cu) has refused it, or because the caller
+ * asked for an unchecked write: either way nothing outside the cache is
+ * ever written.  With an owner table (slots.cu; null when the slots are
+ * known to be distinct) a token writes only a slot it owns, so of several
+ * tokens naming one slot the last one's values land, as on the CPU. */
 template <int SK, int DK, int V>
 KV_HD void kv_write_slots_item(kv_i64 row, kv_i64 chunk,
                                typename KvStorage<DK>::type *cache,
                                const typename KvStorage<SK>::type *src,
-                               const kv_i64 *slots, kv_i64 heads, kv_i64 block_size,
+                               const kv_i64 *slots, const kv_i32 *owner,
+                               kv_i64 num_slots, kv_i64 heads, kv_i64 block_size,
                                kv_i64 src_tok, kv_i64 src_head,
                                kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok)
 {
     kv_u32 r = (kv_u32)row, nh = (kv_u32)heads;
     kv_u32 t = r / nh, h = r - t * nh;
     kv_i64 slot = slots[t];
-    if (slot < 0)
+    if (slot < 0 || slot >= num_slots)
+        return;
+    if (owner != 0 && owner[slot] != (kv_i32)t)
         return;
     kv_i64 b, off;
     if (slot <= 0x7fffffffLL) {
@@ -93,14 +102,15 @@ template <int SK, int DK, int V>
 __global__ void kv_write_slots(kv_i64 rows, kv_i64 chunks,
                                typename KvStorage<DK>::type *cache,
                                const typename KvStorage<SK>::type *src,
-                               const kv_i64 *slots, kv_i64 heads, kv_i64 block_size,
+                               const kv_i64 *slots, const kv_i32 *owner,
+                               kv_i64 num_slots, kv_i64 heads, kv_i64 block_size,
                                kv_i64 src_tok, kv_i64 src_head,
                                kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok)
 {
     KV_ROW_LOOP(rows, chunks,
-                kv_write_slots_item<SK, DK, V>(row, chunk, cache, src, slots, heads,
-                                               block_size, src_tok, src_head,
-                                               c_block, c_head, c_tok));
+                kv_write_slots_item<SK, DK, V>(row, chunk, cache, src, slots, owner,
+                                               num_slots, heads, block_size,
+                                               src_tok, src_head, c_block, c_head, c_tok));
 }
 
 template <int SK, int DK, int V>
