@@ -16,7 +16,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="4 Mi elements and 5 repetitions instead of 16 Mi and 15")
     p.add_argument("--level", metavar="NAME",
-                   help="force a SIMD level (scalar, f16c, avx2, avx512)")
+                   help="force a SIMD level (scalar, f16c, avx2, neon)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
     a = p.parse_args(argv)
     if a.level is not None:
