@@ -163,12 +163,13 @@ def test_bench_repeat_prints_median_and_spread(monkeypatch, tmp_path, capsys):
 def test_spread_helpers():
     from kvcore.benchmarks._timing import aggregate, spread_lines, with_spread
 
-    runs = [{"a": 1.0, "n": 7, "name": "x", "l": [3.0]}, {"a": 3.0, "n": 7, "name": "y",
-                                                          "l": [1.0]},
+    runs = [{"a": 1.0, "n": 7, "name": "x", "l": [3.0]},
+            {"a": 3.0, "n": 7, "name": "y", "l": [1.0]},
             {"a": 2.0, "n": 7, "name": "z", "l": [2.0]}]
     assert aggregate(runs, "median") == {"a": 2.0, "n": 7, "name": "x", "l": [2.0]}
     assert aggregate(runs, "min")["a"] == 1.0 and aggregate(runs, "max")["l"] == [3.0]
-    assert with_spread("2.0x at 7 tok", "1.0x at 7 tok", "3.0x at 7 tok") == "2.0x [1.0-3.0] at 7 tok"
+    got = with_spread("2.0x at 7 tok", "1.0x at 7 tok", "3.0x at 7 tok")
+    assert got == "2.0x [1.0-3.0] at 7 tok"
     assert with_spread("2.0 us", "2.0 us", "2.0 us") == "2.0 us"
     assert spread_lines(runs) == ["a: 2 [1-3]", "l[0]: 2 [1-3]"]
 
