@@ -7,8 +7,8 @@ import os
 import sys
 
 import numpy
-from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("KVCORE_DEBUG", "") not in ("", "0")
 
@@ -58,10 +58,33 @@ extensions = [
     ext("_seq"),
 ]
 
+
+class cythonize_then_build_ext(build_ext):
+    """Cythonize the .pyx sources when the extensions are built, not before.
+
+    The extensions list .pyx files, so `sdist` ships the Cython sources (and
+    never Cython's generated C, which MANIFEST.in also excludes); every build
+    (wheel, editable, from an sdist) generates the C from them here.
+    """
+
+    def run(self):
+        from Cython.Build import cythonize
+
+        generated = cythonize(
+            self.extensions,
+            compiler_directives=directives,
+            include_path=["."],
+            nthreads=self.parallel if isinstance(self.parallel, int) and self.parallel > 1 else 0,
+        )
+        # Keep the Extension objects setuptools has finalized; only their
+        # sources change (.pyx -> the generated .c).
+        by_name = {e.name: e for e in generated}
+        for e in self.extensions:
+            e.sources = by_name[e.name].sources
+        super().run()
+
+
 setup(
-    ext_modules=cythonize(
-        extensions,
-        compiler_directives=directives,
-        include_path=["."],
-    ),
+    ext_modules=extensions,
+    cmdclass={"build_ext": cythonize_then_build_ext},
 )

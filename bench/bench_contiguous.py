@@ -1,5 +1,5 @@
 """Contiguous-cache benchmark (see kvcore/benchmarks/contiguous.py):
-python bench/bench_contiguous.py [--quick] [--json FILE]"""
+python bench/bench_contiguous.py [--quick] [--repeat N] [--json FILE]"""
 from kvcore.benchmarks import contiguous
 from kvcore.benchmarks._timing import script_main
 

@@ -1,9 +1,10 @@
 """Conversion benchmark (see kvcore/benchmarks/convert.py):
-python bench/bench_convert.py [--quick] [--level NAME] [--json FILE]"""
+python bench/bench_convert.py [--quick] [--level NAME] [--repeat N] [--json FILE]"""
 import argparse
 import json
 import sys
 
+from kvcore.benchmarks._timing import print_runs, repeat_runs
 from kvcore.benchmarks.convert import report, run
 
 
@@ -16,20 +17,25 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="4 Mi elements and 5 repetitions instead of 16 Mi and 15")
     p.add_argument("--level", metavar="NAME",
-                   help="force a SIMD level (scalar, f16c, avx2, avx512)")
+                   help="force a SIMD level (scalar, f16c, avx2, neon)")
+    p.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="run the benchmark N times; print medians and the min-max spread "
+                        "over the runs (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
     a = p.parse_args(argv)
+    if a.repeat < 1:
+        p.error(f"--repeat: expected a positive integer, got {a.repeat}")
     if a.level is not None:
         from kvcore._native import _convert  # noqa: PLC0415
 
         if a.level not in _convert.available_simd_levels():
             p.error(f"--level: expected one of {', '.join(_convert.available_simd_levels())} "
                     f"(what this CPU supports), got {a.level!r}")
-    res = run(quick=a.quick, level=a.level)
-    print(report(res))
+    runs = repeat_runs(run, a.repeat, quick=a.quick, level=a.level)
+    res = print_runs(runs, report)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+            json.dump({"median": res, "runs": runs}, f, indent=2)
         print(f"wrote {a.json}", file=sys.stderr)
     return res
 

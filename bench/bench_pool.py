@@ -1,5 +1,5 @@
 """Block-pool benchmarks (see kvcore/benchmarks/pool.py):
-python bench/bench_pool.py [--quick] [--json FILE]"""
+python bench/bench_pool.py [--quick] [--repeat N] [--json FILE]"""
 from kvcore.benchmarks import pool
 from kvcore.benchmarks._timing import script_main
 

@@ -20,6 +20,7 @@ import kvcore
 # missing from a build: they are skipped with a note.
 BENCHMARKS = (
     ("pool", "block pool: bookkeeping, paged write, gather"),
+    ("hashing", "chained block hashes of a prompt"),
     ("contiguous", "contiguous KVCache writes"),
     ("convert", "float16/bfloat16 conversion"),
     ("sweep", "paged write bandwidth against tokens"),
@@ -49,7 +50,11 @@ def _parser():
         description="Run kvcore's benchmarks (quick mode unless --full) and print one "
                     "table of kvcore against its baselines.")
     b.add_argument("--full", action="store_true",
-                   help="full mode: more repetitions and sizes (several minutes)")
+                   help="full mode: more repetitions and sizes (about 1 minute a run on a "
+                        "2-core x86-64; quick mode about 10 s a run)")
+    b.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="run every benchmark N times (interleaved) and print each number as "
+                        "median [min-max] over the runs (default %(default)s)")
     b.add_argument("--json", metavar="FILE", help="write every number as JSON")
     b.add_argument("--plot", metavar="FILE.png",
                    help="draw paged-write bandwidth against tokens (needs matplotlib)")
@@ -106,6 +111,15 @@ def _rows_pool(r):
     rows.append(("gather 4096 tok", f"{g['kvcore_gelem_s']:.2f} Gelem/s",
                  f"{g['numpy_gelem_s']:.2f} Gelem/s (NumPy fancy index)", _x(g["ratio_numpy"])))
     return rows
+
+
+def _rows_hashing(r):
+    n = r["tokens"]
+    return [(f"block_hashes, {n}-token prompt (int32 array)", f"{r['kvcore_array_us']:.1f} us",
+             f"{r['python_us']:.1f} us (sha256 of pickled tuples, vLLM-style)",
+             _x(r["ratio_array"])),
+            (f"block_hashes, {n}-token prompt (list)", f"{r['kvcore_list_us']:.1f} us",
+             "", _x(r["ratio_list"]))]
 
 
 def _rows_contiguous(r):
@@ -165,8 +179,8 @@ def _rows_generic(name, r, path=""):
     return rows
 
 
-_ROWS = {"pool": _rows_pool, "contiguous": _rows_contiguous, "sweep": _rows_sweep,
-         "convert": _rows_convert}
+_ROWS = {"pool": _rows_pool, "hashing": _rows_hashing, "contiguous": _rows_contiguous,
+         "sweep": _rows_sweep, "convert": _rows_convert}
 
 
 def _summary_rows(name, res):
@@ -213,7 +227,13 @@ def bench_main(args, parser):
             parser.error("--plot needs matplotlib, which is not installed "
                          "(pip install matplotlib, or kvcore[bench]); run without --plot")
 
-    results, notes, rows, reports = {}, [], [], []
+    if args.repeat < 1:
+        parser.error(f"--repeat: expected a positive integer, got {args.repeat}")
+
+    from .benchmarks._timing import aggregate, with_spread
+
+    results, notes, rows, reports, runs = {}, [], [], [], {}
+    mods = {}
     t_all = time.perf_counter()
     for name in names:
         mod, why = _load(name)
@@ -221,17 +241,25 @@ def bench_main(args, parser):
             notes.append(f"{name}: {why}")
             results[name] = {"skipped": why}
             print(f"  {name}: {why}", file=sys.stderr, flush=True)
-            continue
-        print(f"  running {name} ({'quick' if quick else 'full'}) ...", file=sys.stderr,
-              flush=True)
-        t0 = time.perf_counter()
-        res = mod.run(quick=quick)
-        dt = time.perf_counter() - t0
-        results[name] = res
-        rows += _summary_rows(name, res)
+        else:
+            mods[name] = mod
+            runs[name] = []
+    # Runs are interleaved (every benchmark once, then again), so that a
+    # change of load on a shared machine spreads over all of them.
+    for rep in range(args.repeat):
+        for name, mod in mods.items():
+            print(f"  run {rep + 1}/{args.repeat}: {name} ({'quick' if quick else 'full'}) ...",
+                  file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            runs[name].append(mod.run(quick=quick))
+            print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    for name, mod in mods.items():
+        med, lo, hi = (aggregate(runs[name], how) for how in ("median", "min", "max"))
+        results[name] = med
+        for rm, rl, rh in zip(*(_summary_rows(name, x) for x in (med, lo, hi))):
+            rows.append(tuple(with_spread(a, b, c) for a, b, c in zip(rm, rl, rh)))
         if args.details and hasattr(mod, "report"):
-            reports.append(mod.report(res))
-        print(f"  {name}: {dt:.1f} s", file=sys.stderr, flush=True)
+            reports.append(mod.report(med))
     elapsed = time.perf_counter() - t_all
 
     try:
@@ -240,9 +268,11 @@ def bench_main(args, parser):
         simd = _convert.get_simd_level()
     except Exception:  # an older native build: only the header loses it
         simd = "?"
+    spread = (f"each number the median of {args.repeat} runs, [min-max] over the runs"
+              if args.repeat > 1 else "one run, no spread (use --repeat N)")
     print(f"kvcore {kvcore.__version__} benchmarks ({'quick' if quick else 'full'} mode, "
-          f"{elapsed:.0f} s; NumPy {np.__version__}, SIMD {simd}); speedup = baseline time "
-          "/ kvcore time, medians")
+          f"{args.repeat} run(s) in {elapsed:.0f} s; NumPy {np.__version__}, SIMD {simd}); "
+          f"speedup = baseline time / kvcore time; {spread}")
     if rows:
         print(_table(rows))
     for n in notes:
@@ -253,7 +283,8 @@ def bench_main(args, parser):
 
     if args.json:
         out = {"kvcore": kvcore.__version__, "quick": quick, "numpy": np.__version__,
-               "simd": simd, "seconds": elapsed, "results": results}
+               "simd": simd, "seconds": elapsed, "repeat": args.repeat,
+               "results": results, "runs": runs}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=_json_default)
         print(f"wrote {args.json}", file=sys.stderr)

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
+import kvcore
 from kvcore import __main__ as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+# The directory holding the kvcore this test imported: the source tree for an
+# editable install, site-packages for an installed wheel or sdist (the tests
+# also run from an unpacked sdist, whose own kvcore/ is not built).
+ROOT = Path(kvcore.__file__).resolve().parents[1]
 
 
 def run_cli(*args, timeout=120):
@@ -52,6 +56,7 @@ def test_top_level_help():
     ["demo", "--num-blocks", "1"],
     ["demo", "--frobnicate"],
     ["bench", "--only", "nope"],
+    ["bench", "--repeat", "0"],
     ["serve"],
 ])
 def test_bad_options_are_usage_errors(argv, capsys):
@@ -126,3 +131,52 @@ def test_generic_rows_for_unknown_benchmarks():
                                          "speedup": 2.0})
     assert ("convert: f16", "", "ratio_numpy", "3.0x") in rows
     assert any(r[3] == "2.0x" for r in rows)
+
+
+def test_bench_repeat_prints_median_and_spread(monkeypatch, tmp_path, capsys):
+    # README numbers come from `python -m kvcore bench --repeat N`: every number
+    # is the median over the runs, with its [min-max] range.
+    from kvcore.benchmarks import sweep
+
+    ratios = iter([4.0, 6.0, 5.0])
+
+    def fake_run(quick=False):
+        r = next(ratios)
+        return {"points": [{"tokens": 16, "bytes": 12288 * 16, "kvcore_gb_s": 2.0 * r,
+                            "numpy_gb_s": 2.0, "ratio_numpy": r}], "config": {"quick": quick}}
+
+    monkeypatch.setattr(sweep, "run", fake_run)
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--only", "sweep", "--repeat", "3", "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "median of 3 runs" in stdout
+    assert "5.0x [4.0-6.0]" in stdout
+    assert "10.00 [8.00-12.00] GB/s" in stdout
+    assert "2.00 GB/s (NumPy)" in stdout            # a number that did not vary: no range
+    data = json.loads(out.read_text())
+    assert data["repeat"] == 3
+    assert [p["points"][0]["ratio_numpy"] for p in data["runs"]["sweep"]] == [4.0, 6.0, 5.0]
+    assert data["results"]["sweep"]["points"][0]["ratio_numpy"] == 5.0
+    assert data["results"]["sweep"]["points"][0]["tokens"] == 16
+
+
+def test_spread_helpers():
+    from kvcore.benchmarks._timing import aggregate, spread_lines, with_spread
+
+    runs = [{"a": 1.0, "n": 7, "name": "x", "l": [3.0]},
+            {"a": 3.0, "n": 7, "name": "y", "l": [1.0]},
+            {"a": 2.0, "n": 7, "name": "z", "l": [2.0]}]
+    assert aggregate(runs, "median") == {"a": 2.0, "n": 7, "name": "x", "l": [2.0]}
+    assert aggregate(runs, "min")["a"] == 1.0 and aggregate(runs, "max")["l"] == [3.0]
+    got = with_spread("2.0x at 7 tok", "1.0x at 7 tok", "3.0x at 7 tok")
+    assert got == "2.0x [1.0-3.0] at 7 tok"
+    assert with_spread("2.0 us", "2.0 us", "2.0 us") == "2.0 us"
+    assert spread_lines(runs) == ["a: 2 [1-3]", "l[0]: 2 [1-3]"]
+
+
+def test_bench_hashing_rows():
+    r = {"tokens": 2048, "block_size": 16, "kvcore_array_us": 15.0, "kvcore_list_us": 49.0,
+         "python_us": 300.0, "ratio_array": 20.0, "ratio_list": 300 / 49}
+    rows = cli._summary_rows("hashing", r)
+    assert rows[0][:2] == ("block_hashes, 2048-token prompt (int32 array)", "15.0 us")
+    assert rows[1][1:] == ("49.0 us", "", "6.1x")

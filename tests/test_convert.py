@@ -839,12 +839,27 @@ def _level_in_subprocess(value):
 @pytest.mark.parametrize("value, want", [
     (" Scalar ", "scalar"),
     *[(lvl, lvl) for lvl in LEVELS],
-    ("avx512", LEVELS[-1]),  # a cap, never more than the CPU has
+    (_convert.LEVELS[-1], BEST),  # a cap, never more than the CPU has
 ])
 def test_kvcore_simd_env_caps_level(value, want):
     r = _level_in_subprocess(value)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == want
+
+
+def test_levels_are_scalar_f16c_avx2_neon():
+    # The AVX-512 path was slower than AVX2 where it was measured and was
+    # removed: an AVX-512 CPU runs the AVX2 path.
+    assert _convert.LEVELS == ("scalar", "f16c", "avx2", "neon")
+    assert "avx512" not in _convert.available_simd_levels()
+    with pytest.raises(ValueError, match="avx512"):
+        _convert.set_simd_level("avx512")
+
+
+def test_kvcore_simd_env_avx512_is_unknown():
+    r = _level_in_subprocess("avx512")
+    assert r.returncode != 0
+    assert "KVCORE_SIMD must be one of" in r.stderr and "'avx512'" in r.stderr
 
 
 def test_kvcore_simd_env_unknown_fails_import():

@@ -101,13 +101,3 @@ def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root():
     live.free()
     other.free()
     pool.check()
-
-
-def test_avx512_is_opt_in():
-    from kvcore._native import _convert
-    assert _convert.best_simd_level() != "avx512"
-    if "avx512" in _convert.available_simd_levels():
-        r = subprocess.run([sys.executable, "-c", "from kvcore._native import _convert as c; "
-                            "print(c.get_simd_level())"], capture_output=True, text=True,
-                           env={"KVCORE_SIMD": "avx512", **__import__("os").environ})
-        assert r.stdout.strip() == "avx512"

@@ -137,9 +137,7 @@ def available_simd_levels():
 
 
 def best_simd_level():
-    """Name of the path used by default: the fastest this CPU supports,
-    except AVX-512, which is opt-in (``KVCORE_SIMD=avx512``) until it has
-    been run on an AVX-512 CPU."""
+    """Name of the path used by default: the fastest this CPU supports."""
     return LEVELS[kvh_best_level()]
 
 
@@ -173,8 +171,6 @@ def _initial_level():
     if want not in LEVELS:
         raise ImportError(f"KVCORE_SIMD must be one of {LEVELS}, got {want!r}")
     cap = LEVELS.index(want)
-    if kvh_level_supported(cap):
-        return cap        # asked for by name (the only way to get avx512)
     while cap > 0 and not kvh_level_supported(cap):
         cap -= 1
     return min(cap, best)

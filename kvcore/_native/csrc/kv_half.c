@@ -336,70 +336,6 @@ static void bf16_to_f32_avx2(const uint16_t *src, float *dst, ptrdiff_t n, int s
     bf16_to_f32_sse2(src + i, dst + i, n - i, 0);
 }
 
-__attribute__((target("avx512f")))
-static void f32_to_f16_avx512(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
-{
-    ptrdiff_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), KVH_RNE));
-    if (i < n) {
-        /* masked tail: one more vector, no scalar loop */
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + i), KVH_RNE);
-        uint16_t tmp[16];
-        _mm256_storeu_si256((__m256i *)tmp, h);
-        memcpy(dst + i, tmp, (size_t)(n - i) * 2);
-    }
-}
-
-__attribute__((target("avx512f")))
-static void f16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
-{
-    ptrdiff_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
-    if (i < n) {
-        __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-        uint16_t tmp[16] = {0};
-        memcpy(tmp, src + i, (size_t)(n - i) * 2);
-        _mm512_mask_storeu_ps(dst + i, m, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)tmp)));
-    }
-}
-
-__attribute__((target("avx512f")))
-static void f32_to_bf16_avx512(const float *src, uint16_t *dst, ptrdiff_t n, int stream)
-{
-    const __m512i bias = _mm512_set1_epi32(0x7fff);
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
-    const __m512i inf = _mm512_set1_epi32(0x7f800000);
-    const __m512i quiet = _mm512_set1_epi32(0x0040);
-    ptrdiff_t i = 0;
-    for (; i < n; i += 16) {
-        ptrdiff_t left = n - i;
-        __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-        __m512i x = _mm512_maskz_loadu_epi32(m, src + i);
-        __m512i hi = _mm512_srli_epi32(x, 16);
-        __m512i rounded = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(x, bias), _mm512_and_si512(hi, one)), 16);
-        __mmask16 isnan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, absmask), inf);
-        __m512i r = _mm512_mask_blend_epi32(isnan, rounded, _mm512_or_si512(hi, quiet));
-        _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, r);
-    }
-}
-
-__attribute__((target("avx512f")))
-static void bf16_to_f32_avx512(const uint16_t *src, float *dst, ptrdiff_t n, int stream)
-{
-    ptrdiff_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
-        _mm512_storeu_si512((void *)(dst + i), _mm512_slli_epi32(a, 16));
-    }
-    bf16_to_f32_avx2(src + i, dst + i, n - i, 0);
-}
-
 #endif /* KVH_X86 */
 
 
@@ -491,9 +427,7 @@ static const kvh_table kvh_tables[KVH_NUM_LEVELS] = {
 #if KVH_X86
     {f32_to_f16_f16c, f32_to_bf16_sse41, f16_to_f32_f16c, bf16_to_f32_sse2},
     {f32_to_f16_f16c, f32_to_bf16_avx2, f16_to_f32_f16c, bf16_to_f32_avx2},
-    {f32_to_f16_avx512, f32_to_bf16_avx512, f16_to_f32_avx512, bf16_to_f32_avx512},
 #else
-    {0, 0, 0, 0},
     {0, 0, 0, 0},
     {0, 0, 0, 0},
 #endif
@@ -504,7 +438,7 @@ static const kvh_table kvh_tables[KVH_NUM_LEVELS] = {
 #endif
 };
 
-static const char *kvh_names[KVH_NUM_LEVELS] = {"scalar", "f16c", "avx2", "avx512", "neon"};
+static const char *kvh_names[KVH_NUM_LEVELS] = {"scalar", "f16c", "avx2", "neon"};
 
 /* -1 until the first call detects the CPU.  Detection is idempotent, so a
  * race between two first callers only repeats the same work. */
@@ -524,8 +458,6 @@ int kvh_level_supported(int level)
                __builtin_cpu_supports("sse4.1");
     case KVH_AVX2:
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    case KVH_AVX512:
-        return __builtin_cpu_supports("avx512f");
     default:
         return 0;
     }
@@ -539,9 +471,7 @@ int kvh_best_level(void)
     if (kvh_best < 0) {
         int best = KVH_SCALAR;
         for (int l = 1; l < KVH_NUM_LEVELS; l++)
-            /* AVX-512 has not yet been run on an AVX-512 CPU: until it has,
-             * it is used only when asked for (KVCORE_SIMD=avx512). */
-            if (l != KVH_AVX512 && kvh_level_supported(l))
+            if (kvh_level_supported(l))
                 best = l;
         kvh_best = best;
     }
