@@ -2,10 +2,14 @@
 contiguous-cache writes, converting with the RNE routines while they copy.
 
 Callers (``kvcore/_backend.py``) have validated every argument: shapes,
-kinds, slot ranges, that the innermost axis of every array is contiguous.
+kinds, slot ranges, that the innermost axis of every array is contiguous,
+that every array is aligned for its element type (the loops load and store
+typed elements; a misaligned one is an error here, never undefined
+behaviour) and that no input overlaps what the call writes (``apart``).
 The loops run without the GIL.
 """
 cimport numpy as cnp
+from libc.stdint cimport uintptr_t
 from libc.string cimport memcpy
 
 from kvcore._native._convert cimport convert_n, convert_n_stream, kind_itemsize, stream_fence
@@ -19,6 +23,58 @@ cdef Py_ssize_t STREAM_MIN_BYTES = 4 << 20
 
 cdef inline char* _ptr(cnp.ndarray a) noexcept:
     return <char*>cnp.PyArray_DATA(a)
+
+
+cdef inline int _aligned(const void* p, size_t size, str what) except -1:
+    if <uintptr_t>p % size:
+        raise ValueError(f"internal: {what} is not aligned to {size} bytes")
+    return 0
+
+
+cdef inline int _aligned_array(cnp.ndarray a, str what) except -1:
+    if not cnp.PyArray_ISALIGNED(a):
+        raise ValueError(f"internal: {what} is not aligned for its dtype")
+    return 0
+
+
+cdef void _span(cnp.ndarray a, char** lo, char** hi) noexcept:
+    """The bytes [lo, hi) that a non-empty ``a`` may touch."""
+    cdef char* l = _ptr(a)
+    cdef char* h = l
+    cdef int i
+    cdef cnp.npy_intp n, s
+    for i in range(cnp.PyArray_NDIM(a)):
+        n = cnp.PyArray_DIM(a, i)
+        s = cnp.PyArray_STRIDE(a, i)
+        if s > 0:
+            h += (n - 1) * s
+        else:
+            l += (n - 1) * s
+    lo[0] = l
+    hi[0] = h + cnp.PyArray_ITEMSIZE(a)
+
+
+def overlaps(cnp.ndarray a, cnp.ndarray b):
+    """Whether the memory spans of ``a`` and ``b`` meet (one bounds check,
+    as ``numpy.may_share_memory`` does by default; empty arrays never do)."""
+    cdef char* alo
+    cdef char* ahi
+    cdef char* blo
+    cdef char* bhi
+    if cnp.PyArray_SIZE(a) == 0 or cnp.PyArray_SIZE(b) == 0:
+        return False
+    _span(a, &alo, &ahi)
+    _span(b, &blo, &bhi)
+    return alo < bhi and blo < ahi
+
+
+def apart(cnp.ndarray a, cnp.ndarray storage):
+    """``a`` itself, or a C-contiguous copy of it when its memory span meets
+    ``storage``'s: an input read while ``storage`` is written is then read
+    as it was when the call began."""
+    if overlaps(a, storage):
+        return cnp.PyArray_NewCopy(a, cnp.NPY_CORDER)
+    return a
 
 
 def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
@@ -43,6 +99,10 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
     # A write of several MiB (a prompt) is streamed past the cache: its rows
     # are written whole and would be evicted before they are read.
     cdef bint stream = n * H * D * di >= STREAM_MIN_BYTES
+    _aligned_array(src, "src")
+    _aligned_array(cache, "cache")
+    if n:
+        _aligned(&slots[0], sizeof(slot_t), "slots")
     with nogil:
         for i in range(n):
             s = slots[i]
@@ -79,6 +139,10 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
     cdef char* op = _ptr(out)
     cdef Py_ssize_t t = start, stop, off, run, h
     cdef block_id_t b
+    _aligned_array(out, "out")
+    _aligned_array(cache, "cache")
+    if block_table.shape[0]:
+        _aligned(&block_table[0], sizeof(block_id_t), "block_table")
     with nogil:
         while t < end:
             b = block_table[t // bs]
@@ -105,6 +169,9 @@ def copy_blocks(cnp.ndarray storage, const block_id_t[::1] src,
     cdef Py_ssize_t p_stride = storage.strides[0], b_stride = storage.strides[1]
     cdef char* base = _ptr(storage)
     cdef Py_ssize_t i, p, n = src.shape[0]
+    if n:
+        _aligned(&src[0], sizeof(block_id_t), "src")
+        _aligned(&dst[0], sizeof(block_id_t), "dst")
     with nogil:
         for p in range(planes):
             for i in range(n):
@@ -122,6 +189,9 @@ def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
     cdef char* sbase = _ptr(src_storage)
     cdef char* dbase = _ptr(dst_storage)
     cdef Py_ssize_t i, p, n = src.shape[0]
+    if n:
+        _aligned(&src[0], sizeof(block_id_t), "src")
+        _aligned(&dst[0], sizeof(block_id_t), "dst")
     with nogil:
         for p in range(planes):
             for i in range(n):
@@ -145,6 +215,8 @@ def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
     cdef char* sp = _ptr(src)
     cdef char* dp = _ptr(dst) + start * d2
     cdef Py_ssize_t b, h, t
+    _aligned_array(src, "src")
+    _aligned_array(dst, "dst")
     with nogil:
         for b in range(B):
             for h in range(H):

@@ -40,6 +40,7 @@ from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
 from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
 
 from kvcore._native import _pool as _pool_module
+from kvcore._arrays import host_view as _host_view
 from kvcore._backend import CPU as _CPU
 
 cnp.import_array()
@@ -171,7 +172,8 @@ cdef void* _dup(const void* src, Py_ssize_t n, size_t item, Py_ssize_t* cap) exc
     cdef void* p = malloc(c * item)
     if p == NULL:
         raise MemoryError()
-    memcpy(p, src, n * item)
+    if n:  # src may be NULL when there is nothing
+        memcpy(p, src, n * item)
     cap[0] = c
     return p
 
@@ -462,7 +464,7 @@ cdef class SeqCore:
     def _token_ids(self):
         """int32 array of the known token ids (a copy)."""
         cdef cnp.ndarray out = _empty(self._num_tokens, cnp.NPY_INT32)
-        if self._num_tokens:
+        if self._num_tokens:  # (toks is NULL until the first token)
             memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
         return out
 
@@ -543,7 +545,7 @@ cdef class SeqCore:
         """Blocks for the prompt ``token_ids`` on an empty sequence.  Returns
         the hit tokens, or a status (nothing changed the caller can see):
         STATE (not initialised, or closed), BUSY, UNCHECKED (not a 1-D
-        C-contiguous int32 array of ids >= 0), EMPTY, TOO_LONG or SHORT,
+        C-contiguous aligned int32 array of ids >= 0), EMPTY, TOO_LONG or SHORT,
         checked in that order."""
         if self._state != S_NEW and self._state != S_LIVE:
             return ST_STATE
@@ -562,7 +564,7 @@ cdef class SeqCore:
         tokens = <cnp.ndarray>token_ids
         if cnp.PyArray_NDIM(tokens) != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32 \
                 or not cnp.PyArray_IS_C_CONTIGUOUS(tokens) \
-                or not cnp.PyArray_ISNOTSWAPPED(tokens):
+                or not cnp.PyArray_ISNOTSWAPPED(tokens) or not cnp.PyArray_ISALIGNED(tokens):
             return ST_UNCHECKED
         n = cnp.PyArray_SIZE(tokens)
         # copy the ids in, checking them on the way (as checked_token_array
@@ -727,7 +729,7 @@ cdef class SeqCore:
 
     def _append_fast(self, layer, k, v):
         """``append(layer, k, v)`` for the common case: a CPU pool, ``layer``
-        an int in range, ``k`` and ``v`` NumPy arrays (n >= 1, num_kv_heads,
+        an int in range, ``k`` and ``v`` NumPy arrays or CPU torch tensors (n >= 1, num_kv_heads,
         head_dim) of one native-order float32 or float16 dtype, C-contiguous,
         aligned and apart from the pool's storage, within max_seq_len and the
         free blocks.  Writes exactly what the validated path writes (the same
@@ -744,6 +746,10 @@ cdef class SeqCore:
         cdef char* lo
         cdef char* hi
         cdef const block_id_t* table
+        if type(k) is not np.ndarray:
+            k = _host_view(k)       # a CPU torch tensor: its NumPy view
+        if type(v) is not np.ndarray:
+            v = _host_view(v)
         if self._state != S_LIVE or type(layer) is not int or type(k) is not np.ndarray \
                 or type(v) is not np.ndarray or not self._fast_ready():
             return False
