@@ -1,9 +1,9 @@
 """Arrays in: one adapter for every array argument of the public API.
 
 NumPy arrays pass through untouched.  A torch tensor becomes, without a
-copy, what the backends take: on the CPU a NumPy view of its memory
-(``tensor.numpy()``), on a GPU the tensor itself (CuPy imports it through
-DLPack).  A tensor that requires grad is read through ``detach()`` (its
+copy, what the backends take: on the CPU a NumPy view of its memory (made
+from its pointer when it is C-contiguous, ``tensor.numpy()`` otherwise), on
+a GPU the tensor itself (CuPy imports it through DLPack).  A tensor that requires grad is read through ``detach()`` (its
 data, no autograd), and a ``torch.bfloat16`` tensor through its raw bits
 (a 16-bit integer view), marked as bfloat16, since neither NumPy nor CuPy
 has that dtype.  torch is never imported here: a tensor can only exist
@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _dtypes
 from ._dtypes import BF16
+from ._native import _kernels
 
 __all__ = ["unwrap", "host_view", "float_input", "out_array", "index_array", "aligned"]
 
@@ -48,6 +49,9 @@ def unwrap(x, arg):
     (``bf16`` True); a CPU one as a NumPy array (bfloat16 bits as uint16).
     Anything else is returned as it is, with ``bf16`` False.
     """
+    a = host_view(x)
+    if a is not None:     # the common case: a C-contiguous CPU tensor
+        return a, a.dtype == np.uint16    # (only a bfloat16 tensor gives uint16)
     torch = _torch_of(x)
     if torch is None:
         return x, False
@@ -73,24 +77,10 @@ def unwrap(x, arg):
     return t, bf16
 
 
-def host_view(x):
-    """A NumPy view of a CPU torch tensor of float32 or float16 (any other
-    tensor, or any other object: None).  The direct append path's adapter:
-    it does only what that path needs."""
-    torch = _torch_of(x)
-    if torch is None or not x.is_cpu:
-        return None
-    dt = x.dtype
-    if dt is not torch.float32 and dt is not torch.float16:
-        return None
-    if x.requires_grad:
-        x = x.detach()
-    if x.is_neg():
-        return None
-    try:
-        return x.numpy()
-    except (TypeError, RuntimeError):
-        return None
+# A NumPy view of a C-contiguous CPU torch tensor (bfloat16 as uint16 bits),
+# or None for anything else: the cheap adapter the direct append path and
+# ``unwrap`` try first (see _kernels.tensor_view).
+host_view = _kernels.tensor_view
 
 
 def float_input(be, x, arg, src_dtype=None):
@@ -101,8 +91,11 @@ def float_input(be, x, arg, src_dtype=None):
     an ``ml_dtypes.bfloat16`` array, a ``torch.bfloat16`` tensor, or uint16
     bits with ``src_dtype="bfloat16"``.  Raises TypeError naming ``arg``.
     """
-    y, bf16 = unwrap(x, arg)
-    a = be.asarray(y, arg)
+    if isinstance(x, np.ndarray):
+        a, bf16 = be.asarray(x, arg), False
+    else:
+        y, bf16 = unwrap(x, arg)
+        a = be.asarray(y, arg)
     if bf16:
         if src_dtype is not None and _dtypes.storage_kind(src_dtype, "src_dtype") != BF16:
             raise TypeError(
@@ -160,8 +153,10 @@ def index_array(be, x, arg):
     if isinstance(x, range):
         return np.arange(x.start, x.stop, x.step)
     y, bf16 = unwrap(x, arg)
+    if bf16:
+        raise TypeError(f"{arg} must hold integers, got torch.bfloat16")
     if isinstance(y, np.ndarray):
-        return y if not bf16 else y.view(_dtypes.BF16_NUMPY or np.uint16)
+        return y
     return np.asarray(be.to_host(y))
 
 

@@ -388,9 +388,18 @@ def test_torch_fast_append_path(torch):
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))
     np.testing.assert_array_equal(v, (-x).astype(np.float16).transpose(1, 0, 2))
-    # a non-contiguous tensor or a bf16 one takes the validated path, same result
-    assert seq._append_fast(0, _t(torch, x).transpose(0, 1).transpose(0, 1)[:, :, ::1],
-                            _t(torch, x, torch.bfloat16)) is False
+    # a non-contiguous tensor, or a bf16 one, takes the validated path: same result
+    strided = _t(torch, x.transpose(1, 0, 2)).transpose(0, 1)     # (3, 2, 8), not contiguous
+    assert not strided.is_contiguous()
+    assert seq._append_fast(0, strided, _t(torch, -x)) is False
+    assert seq._append_fast(0, _t(torch, x), _t(torch, -x, torch.bfloat16)) is False
+    seq.append(0, strided, _t(torch, -x))
+    k, v = seq.gather(0)
+    np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))
+    seq.append(0, _t(torch, x, torch.bfloat16), _t(torch, -x, torch.bfloat16))
+    k, v = seq.gather(0)
+    want_v = kvcore.from_bfloat16(kvcore.to_bfloat16(-x)).astype(np.float16)
+    np.testing.assert_array_equal(v, want_v.transpose(1, 0, 2))
 
 
 def test_torch_token_ids_slots_and_tables(torch):
@@ -411,9 +420,10 @@ def test_torch_token_ids_slots_and_tables(torch):
     np.testing.assert_array_equal(got[0], want[0])
     got = pool.gather_batch(0, torch.tensor(table[None]), torch.tensor([6]))
     np.testing.assert_array_equal(got[1][0, :, :6], pool.gather(0, table, 0, 6)[1])
-    with pytest.raises(TypeError, match="slots must hold integers"):
-        pool.write(0, np.zeros((1, 2, 8), np.float32), np.zeros((1, 2, 8), np.float32),
-                   torch.tensor([1.0]))
+    for bad in (torch.tensor([1.0]), torch.tensor([1.0], dtype=torch.bfloat16)):
+        with pytest.raises(TypeError, match="slots must hold integers"):
+            pool.write(0, np.zeros((1, 2, 8), np.float32), np.zeros((1, 2, 8), np.float32),
+                       bad)
 
 
 def test_torch_out_tensors(torch):
@@ -467,11 +477,18 @@ def test_torch_bf16_with_a_contradicting_src_dtype(torch):
     assert not pool.key_cache(0)[0, :, 0].any()
 
 
-def test_torch_tensor_on_a_meta_device_is_a_clear_error(torch):
+def test_torch_tensor_that_cannot_be_read_in_place_is_a_clear_error(torch):
     pool = _filled_pool("float16")
     t = torch.empty((1, 2, 8), device="meta")
-    with pytest.raises(TypeError, match=r"\bk\b"):
+    with pytest.raises(TypeError, match=r"\bk\b.*meta"):
         pool.write(0, t, t, [0])
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2])
+    s = torch.zeros((2, 2, 8)).to_sparse()
+    with pytest.raises(TypeError, match=r"\bk\b.*Sparse"):
+        seq.append(0, s, s)
+    with pytest.raises(TypeError, match=r"\bx\b.*Sparse"):
+        kvcore.to_float16(s)
 
 
 # ============================================================ item 19: conversion errors

@@ -17,6 +17,8 @@ from kvcore._native._typedefs cimport block_id_t, slot_t
 
 cnp.import_array()
 
+import sys
+
 # Paged writes of at least this many bytes per plane use non-temporal stores.
 cdef Py_ssize_t STREAM_MIN_BYTES = 4 << 20
 
@@ -66,6 +68,74 @@ def overlaps(cnp.ndarray a, cnp.ndarray b):
     _span(a, &alo, &ahi)
     _span(b, &blo, &bhi)
     return alo < bhi and blo < ahi
+
+
+# ---------------------------------------------------------- torch tensors in
+
+# torch's tensor types and dtype -> NumPy type number, read from the torch
+# module the first time a tensor is seen (torch is never imported here)
+cdef object _torch = None
+cdef tuple _tensor_types = ()
+cdef dict _typenums = {}
+
+
+cdef int _learn_torch(object torch) except -1:
+    global _torch, _tensor_types, _typenums
+    _tensor_types = (torch.Tensor, torch.nn.Parameter)
+    _typenums = {
+        torch.float32: cnp.NPY_FLOAT32, torch.float16: cnp.NPY_FLOAT16,
+        torch.bfloat16: cnp.NPY_UINT16,   # its bits; the only tensor read as uint16
+        torch.float64: cnp.NPY_FLOAT64, torch.int64: cnp.NPY_INT64,
+        torch.int32: cnp.NPY_INT32, torch.int16: cnp.NPY_INT16, torch.int8: cnp.NPY_INT8,
+        torch.uint8: cnp.NPY_UINT8, torch.bool: cnp.NPY_BOOL,
+    }
+    _torch = torch
+    return 0
+
+
+def tensor_meta(t):
+    """``(data pointer, NumPy type number, shape)`` of ``t`` when it is a
+    C-contiguous CPU torch tensor (``torch.Tensor`` or ``Parameter``,
+    requiring grad or not: its data is what is read) of a dtype NumPy has,
+    ``torch.bfloat16`` as uint16 (its bits); None for anything else (the
+    caller takes the general path).  A handful of attribute reads: the
+    direct append path reads a tensor through this without making an array."""
+    tp = type(t)
+    if tp not in _tensor_types:
+        torch = sys.modules.get("torch")
+        if torch is None or torch is _torch:
+            return None
+        _learn_torch(torch)
+        if tp not in _tensor_types:
+            return None
+    try:
+        num = _typenums.get(t.dtype)
+        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous():
+            return None
+        return t.data_ptr(), num, t.shape
+    except RuntimeError:    # sparse, mkldnn, ... tensors: the general path says why
+        return None
+
+
+def tensor_view(t):
+    """A NumPy array over the memory of ``t`` when :func:`tensor_meta` takes
+    it (keeping the tensor alive), else None.  Cheaper than
+    ``tensor.numpy()``, and the same for tensors that require grad."""
+    cdef cnp.npy_intp dims[32]
+    cdef int nd, i
+    cdef cnp.ndarray arr
+    meta = tensor_meta(t)
+    if meta is None:
+        return None
+    ptr, typenum, shape = meta
+    nd = len(shape)
+    if nd > 32:
+        return None
+    for i in range(nd):
+        dims[i] = shape[i]
+    arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, <void*><uintptr_t>ptr)
+    cnp.set_array_base(arr, t)
+    return arr
 
 
 def apart(cnp.ndarray a, cnp.ndarray storage):

@@ -3,7 +3,8 @@
 One decode step (one token, 8 KV heads x 128 dims, float32 in, float16
 storage): ``PagedKVCache.append`` + ``commit``, ``BlockPool.write`` to one
 slot, and ``KVCache.update``; each with NumPy arrays, CPU torch tensors
-(plain and requiring grad) and, for reference, bfloat16 tensors.  Needs
+(plain and requiring grad) and bfloat16 (NumPy through ml_dtypes, and
+torch), which take the validated path.  Needs
 torch for the tensor rows (they are left out without it).
 """
 import sys
@@ -11,6 +12,7 @@ import sys
 import numpy as np
 
 import kvcore
+from kvcore import _dtypes
 
 from ._timing import median_time, table
 
@@ -21,6 +23,9 @@ DIM = 128
 def _inputs(torch):
     x = np.random.default_rng(0).standard_normal((1, HEADS, DIM)).astype(np.float32)
     rows = {"numpy float32": (x, -x)}
+    if _dtypes.BF16_NUMPY is not None:
+        rows["numpy bfloat16 (ml_dtypes)"] = (x.astype(_dtypes.BF16_NUMPY),
+                                              (-x).astype(_dtypes.BF16_NUMPY))
     if torch is not None:
         t = torch.from_numpy(x)
         rows["torch float32"] = (t, -t)
@@ -51,22 +56,28 @@ def run(quick=False):
             if seq.num_computed >= 2048:
                 seq.truncate(16)
 
-        t_append = median_time(append, repeat=repeat, number=number)
-        seq.free()
-        t_write = median_time(lambda: pool.write(0, k, v, slots), repeat=repeat, number=number)
         # (1, heads, 1, dim) views, as a (batch, n, heads, dim) projection gives them
         k4, v4 = (np.swapaxes(a[None], 1, 2) if isinstance(a, np.ndarray)
                   else a[None].transpose(1, 2) for a in (k, v))
-        t_update = median_time(lambda: cache.update(0, k4, v4, start_pos=0),
-                               repeat=repeat, number=number)
-        res["rows"].append({"input": name, "append_commit_us": t_append * 1e6,
-                            "pool_write_us": t_write * 1e6, "update_us": t_update * 1e6})
+        row = {"input": name}
+        for key, fn in (("append_commit_us", append),
+                        ("pool_write_us", lambda: pool.write(0, k, v, slots)),
+                        ("update_us", lambda: cache.update(0, k4, v4, start_pos=0))):
+            try:
+                row[key] = median_time(fn, repeat=repeat, number=number) * 1e6
+            except (TypeError, ValueError) as e:   # an input this version refuses
+                row[key] = f"refused ({type(e).__name__})"
+        seq.free()
+        res["rows"].append(row)
     return res
 
 
 def report(res):
-    rows = [(r["input"], f"{r['append_commit_us']:.2f}", f"{r['pool_write_us']:.2f}",
-             f"{r['update_us']:.2f}") for r in res["rows"]]
+    def cell(x):
+        return f"{x:.2f}" if isinstance(x, float) else x
+
+    rows = [(r["input"], cell(r["append_commit_us"]), cell(r["pool_write_us"]),
+             cell(r["update_us"])) for r in res["rows"]]
     head = ("one decode token, 8 KV heads x 128, float32 -> float16 storage; "
             "microseconds per call (median)")
     note = "" if res["torch"] else "\n(torch not installed: NumPy only)"
