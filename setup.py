@@ -2,6 +2,12 @@
 
 KVCORE_DEBUG=1 builds with bounds and initialisation checks on, -O0 -g, and
 the internal invariant checks of the pool (KVCORE_DEBUG macro) compiled in.
+
+KVCORE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
+(-fsanitize=address,undefined, any UB report aborts), into build/sanitize so
+that the objects of a normal build are never reused.  Python itself is not
+instrumented: run with LD_PRELOAD=$(gcc -print-file-name=libasan.so) and
+ASAN_OPTIONS=detect_leaks=0 (.ci/sanitize does all of this).
 """
 import os
 import sys
@@ -11,6 +17,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 DEBUG = os.environ.get("KVCORE_DEBUG", "") not in ("", "0")
+SANITIZE = os.environ.get("KVCORE_SANITIZE", "") not in ("", "0")
 
 # Directives are set here once, not per file.
 directives = {
@@ -33,6 +40,14 @@ else:
     # -O3 only.  Never -march=native: wheels must run on any x86-64/aarch64;
     # SIMD lives behind run-time dispatch in kv_half.c.
     extra = ["-O3"]
+link_extra = []
+if SANITIZE:
+    if sys.platform == "win32":
+        sys.exit("KVCORE_SANITIZE=1 needs GCC or Clang")
+    san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+           "-fno-omit-frame-pointer", "-g"]
+    extra = [f for f in extra if not f.startswith("-O")] + ["-O1"] + san
+    link_extra = san
 if sys.platform == "win32":
     extra = []
 
@@ -47,6 +62,7 @@ def ext(name, *c_sources):
         include_dirs=[numpy.get_include(), NATIVE, CSRC],
         define_macros=macros,
         extra_compile_args=extra,
+        extra_link_args=link_extra,
     )
 
 
@@ -85,6 +101,8 @@ class cythonize_then_build_ext(build_ext):
 
 
 setup(
+    # a sanitizer build never shares objects with a normal one
+    options={"build": {"build_base": "build/sanitize"}} if SANITIZE else {},
     ext_modules=extensions,
     cmdclass={"build_ext": cythonize_then_build_ext},
 )

@@ -1,9 +1,11 @@
 """Argument checks shared by the public classes.  Each error names the
 argument, what was expected and what was given."""
+import array
 import operator
 
 import numpy as np
 
+from . import _arrays
 from ._native import _pool
 
 MAX_TOKEN_ID = 2**31 - 1
@@ -44,9 +46,9 @@ def layer_index(layer, num_layers):
 
 
 def token_array(token_ids, arg="token_ids"):
-    """``token_ids`` (list/tuple/1-D integer array) as a C-contiguous int32
-    array (the input itself when it already is one); every id must lie in
-    0..2**31-1."""
+    """``token_ids`` (list/tuple/range/1-D integer array or torch tensor) as
+    a C-contiguous, aligned int32 array (the input itself when it already is
+    one); every id must lie in 0..2**31-1."""
     fast = _pool.checked_token_array(token_ids)
     if fast is not None:
         return fast
@@ -62,8 +64,13 @@ def token_array(token_ids, arg="token_ids"):
     if isinstance(token_ids, range):
         token_ids = np.arange(token_ids.start, token_ids.stop, token_ids.step)
     if not isinstance(token_ids, np.ndarray):
-        raise TypeError(
-            f"{arg} must be a list, tuple or 1-D integer array, got {type(token_ids).__name__}")
+        if not _array_like(token_ids):
+            raise TypeError(
+                f"{arg} must be a list, tuple or 1-D integer array, got "
+                f"{type(token_ids).__name__}")
+        # a torch tensor, array.array, anything with __array_interface__: a host view
+        from ._backend import CPU
+        token_ids = _arrays.index_array(CPU, token_ids, arg)
     a = token_ids
     if a.ndim != 1:
         raise ValueError(f"{arg} must be 1-D, got shape {a.shape}")
@@ -74,7 +81,17 @@ def token_array(token_ids, arg="token_ids"):
         if lo < 0 or hi > MAX_TOKEN_ID:
             i = int(np.argmax((a < 0) | (a > MAX_TOKEN_ID)))
             raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {a[i]} at index {i}")
-    return np.ascontiguousarray(a, dtype=np.int32)
+    # (misaligned ids, e.g. a view at an odd byte offset, are copied: the
+    # native code loads them as int32)
+    return _arrays.aligned(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def _array_like(x):
+    """Whether ``x`` can be read as an array (torch tensors, DLPack,
+    ``__array_interface__``, ``__array__``, ``array.array``, memoryview)."""
+    return (_arrays._torch_of(x) is not None or isinstance(x, (array.array, memoryview))
+            or hasattr(x, "__array_interface__") or hasattr(x, "__array__")
+            or hasattr(x, "__dlpack__"))
 
 
 def token_id(value, arg="token_id"):

@@ -8,7 +8,9 @@ the device's backend; reads are views.  Positions that were never written
 (or were forgotten by ``reset``/``truncate``) can never be read back.
 """
 
-from . import _dtypes
+import numpy as np
+
+from . import _arrays, _dtypes
 from ._backend import get_backend
 from ._dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
@@ -123,8 +125,7 @@ class KVCache:
 
     def _check_input(self, x, arg, src_dtype):
         """(array as kernel input, kind, n) for k or v; raises naming ``arg``."""
-        x = self._backend.asarray(x, arg)
-        kind = _dtypes.array_kind(x, arg, src_dtype)
+        x, kind = _arrays.float_input(self._backend, x, arg, src_dtype)
         shape = x.shape
         if len(shape) != 4:
             raise ValueError(
@@ -141,7 +142,7 @@ class KVCache:
                         f"{arg}.shape[{axis}] must be {name}={want}, got {shape[axis]} "
                         f"({arg} has shape {tuple(shape)}; expected "
                         f"({self._batch_size}, {self._num_kv_heads}, n, {self._head_dim}))")
-        return _dtypes.as_bits(x), kind, shape[2]
+        return x, kind, shape[2]
 
     # ---------------------------------------------------------------- writes
     def update(self, layer, k, v, start_pos=None, src_dtype=None):
@@ -215,20 +216,25 @@ class KVCache:
         be = self._backend
         dst_k, dst_v = self._planes[layer]
         # The kernel copies without staging; an input that is a view of this
-        # cache (e.g. from get()) must not be overwritten while it is read.
-        may_share = be.xp.may_share_memory
-        storage = self._storage
-        if may_share(k, storage):
-            k = k.copy()
-        if may_share(v, storage):
-            v = v.copy()
+        # cache (e.g. from get(), of either plane of any layer) must be read
+        # as it was: both are staged before anything is written.
+        k = self._apart(k)
+        v = self._apart(v)
         be.write_contiguous(dst_k, k, start, k_kind, self._kind)
         be.write_contiguous(dst_v, v, start, v_kind, self._kind)
         if end > length:
             self._lengths[layer] = end
 
+    def _apart(self, a):
+        """``a``, or a copy of it if its memory span meets the storage's."""
+        be = self._backend
+        apart = getattr(be, "apart", None)
+        if apart is not None:
+            return apart(a, self._storage)
+        return a.copy() if be.xp.may_share_memory(a, self._storage) else a
+
     # ----------------------------------------------------------------- reads
-    def get(self, layer, start=0, end=None, dtype=None):
+    def get(self, layer, start=0, end=None, dtype=None, out=None):
         """Positions ``start .. end-1`` of ``layer``'s K and V.
 
         Parameters
@@ -244,13 +250,19 @@ class KVCache:
             Extension: when given (e.g. ``"float32"``), return new arrays
             converted to that dtype (bfloat16 as uint16 bits) instead of
             views, e.g. for NumPy attention in float32.
+        out : (k_out, v_out), optional
+            Writable arrays of shape ``(batch_size, num_kv_heads, end -
+            start, head_dim)`` in the result dtype (``dtype``, else the
+            storage dtype; NumPy arrays or torch tensors, ``torch.bfloat16``
+            for bfloat16): the positions are copied (converted) into them
+            and they are returned, a snapshot rather than views.
 
         Returns
         -------
         k, v : array
             Shape ``(batch_size, num_kv_heads, end - start, head_dim)``.
-            Without ``dtype``: views of the cache in the storage dtype
-            (bfloat16 as uint16); they reflect later writes to those
+            Without ``dtype`` or ``out``: views of the cache in the storage
+            dtype (bfloat16 as uint16); they reflect later writes to those
             positions and become meaningless after ``reset``/``truncate``, so
             copy them to keep a snapshot.
 
@@ -283,15 +295,28 @@ class KVCache:
         k_plane, v_plane = self._planes[layer]
         k = k_plane[:, :, start:end]
         v = v_plane[:, :, start:end]
-        if out_kind is None:
+        if out_kind is None and out is None:
             return k, v
+        if out_kind is None:
+            out_kind = self._kind
         be = self._backend
-        outs = []
-        for src in (k, v):
-            out = be.empty(src.shape, STORAGE[out_kind])
-            be.convert(src, self._kind, out, out_kind)
-            outs.append(out)
-        return outs[0], outs[1]
+        if out is None:
+            dsts = [(o, o) for o in (be.empty(k.shape, STORAGE[out_kind]),
+                                     be.empty(k.shape, STORAGE[out_kind]))]
+        else:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}")
+            dsts = [_arrays.out_array(be, o, f"out[{i}]", k.shape, out_kind)
+                    for i, o in enumerate(out)]
+            kb, vb = dsts[0][0], dsts[1][0]
+            if be.xp.may_share_memory(kb, vb) and (be.xp is not np or np.shares_memory(kb, vb)):
+                raise ValueError("out[0] and out[1] must not share memory")
+            if any(be.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
+                # an out that is a view of this cache: read both before writing either
+                k, v = k.copy(), v.copy()
+        for src, (dst, _) in zip((k, v), dsts):
+            be.convert(src, self._kind, dst, out_kind)
+        return dsts[0][1], dsts[1][1]
 
     def key_cache(self, layer):
         """The whole K buffer of ``layer``, ``(batch, heads, max_seq_len, dim)``.

@@ -316,7 +316,7 @@ class PagedKVCache(SeqCore):
                 f"{self._nblocks * self._bs} positions are reserved; reserve first")
 
     # ------------------------------------------------------------ reads
-    def gather(self, layer, start=0, end=None, dtype=None):
+    def gather(self, layer, start=0, end=None, dtype=None, out=None):
         """K and V of positions ``start..end-1`` of ``layer``.
 
         Parameters
@@ -328,10 +328,13 @@ class PagedKVCache(SeqCore):
             any appended in the current step).
         dtype : str, optional
             Output dtype, e.g. "float32" to widen; default the storage dtype.
+        out : (k_out, v_out), optional
+            Writable arrays ``(num_kv_heads, end - start, head_dim)`` of the
+            output dtype (NumPy arrays or torch tensors), filled and returned.
 
         Returns
         -------
-        (k, v) : new arrays ``(num_kv_heads, end - start, head_dim)``
+        (k, v) : new arrays ``(num_kv_heads, end - start, head_dim)`` (``out`` when given)
 
         Raises
         ------
@@ -351,7 +354,7 @@ class PagedKVCache(SeqCore):
         if end > written:
             raise ValueError(f"positions {written}..{end - 1} of layer {layer} were never "
                              f"written (the layer holds {written} positions)")
-        return pool._gather(layer, self._table, start, end, dtype)
+        return pool._gather(layer, self._table, start, end, dtype, out)
 
     # ------------------------------------------------------------ lifecycle
     def truncate(self, n):

@@ -3,7 +3,7 @@ import threading
 
 import numpy as np
 
-from . import _dtypes
+from . import _arrays, _dtypes
 from ._backend import get_backend
 from ._native import _pool
 from ._validate import index_int, layer_index, positive_int
@@ -274,8 +274,11 @@ class BlockPool:
         ----------
         layer : int
         k, v : arrays ``(n, num_kv_heads, head_dim)``
-            float32, float16 or bfloat16 (ml_dtypes, or uint16 bits with
-            ``src_dtype="bfloat16"``); converted to the storage dtype.
+            float32, float16 or bfloat16 (ml_dtypes, torch.bfloat16, or
+            uint16 bits with ``src_dtype="bfloat16"``); NumPy arrays or torch
+            tensors; converted to the storage dtype.  They are read as they
+            were when the call began, even when they are views of this
+            pool's storage.
         slots : 1-D integer array of length n
             Token i goes to block ``slots[i] // block_size``, offset
             ``slots[i] % block_size``; -1 skips the token.  Every slot is
@@ -305,13 +308,26 @@ class BlockPool:
         be.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
                           sk, self._kind, self._slot_owner, bool(check))
 
-    def gather(self, layer, block_table, start, end, dtype=None):
+    def gather(self, layer, block_table, start, end, dtype=None, out=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
+
+        Parameters
+        ----------
+        layer : int
+        block_table : 1-D integer array (or list, or torch tensor)
+        start, end : int
+        dtype : str, optional
+            Result dtype, e.g. "float32"; default the storage dtype.
+        out : (k_out, v_out), optional
+            Writable arrays ``(num_kv_heads, end - start, head_dim)`` of the
+            result dtype (NumPy arrays or torch tensors, ``torch.bfloat16``
+            for bfloat16), filled and returned.
 
         Returns
         -------
         (k, v) : new contiguous arrays ``(num_kv_heads, end - start, head_dim)``
-            In the storage dtype, or ``dtype`` if given (e.g. "float32").
+            In the storage dtype, or ``dtype`` if given (e.g. "float32");
+            ``out`` when given.
         """
         layer = layer_index(layer, self._num_layers)
         table = self._table(block_table)
@@ -322,9 +338,9 @@ class BlockPool:
             raise ValueError(
                 f"start and end must satisfy 0 <= start <= end <= {cap} "
                 f"(len(block_table) * block_size), got start={start}, end={end}")
-        return self._gather(layer, table, start, end, dtype)
+        return self._gather(layer, table, start, end, dtype, out)
 
-    def gather_batch(self, layer, block_tables, lengths, dtype=None):
+    def gather_batch(self, layer, block_tables, lengths, dtype=None, out=None):
         """Positions ``0..lengths[s]-1`` of a batch of sequences, padded.
 
         Parameters
@@ -337,6 +353,8 @@ class BlockPool:
         lengths : integer array ``[batch]``
         dtype : str, optional
             Output dtype (default the storage dtype).
+        out : (k_out, v_out), optional
+            Writable arrays of the result's shape and dtype, filled and returned.
 
         Returns
         -------
@@ -344,10 +362,8 @@ class BlockPool:
             Positions past a sequence's length are +0 (padding).
         """
         layer = layer_index(layer, self._num_layers)
-        t = np.asarray(self._backend.to_host(block_tables) if not isinstance(
-            block_tables, (list, tuple)) else block_tables)
-        n = np.asarray(self._backend.to_host(lengths) if not isinstance(
-            lengths, (list, tuple)) else lengths)
+        t = _arrays.index_array(self._backend, block_tables, "block_tables")
+        n = _arrays.index_array(self._backend, lengths, "lengths")
         if t.ndim != 2:
             raise ValueError(f"block_tables must be 2-D [batch, max_blocks], got shape {t.shape}")
         if n.ndim != 1 or n.shape[0] != t.shape[0]:
@@ -373,14 +389,14 @@ class BlockPool:
         be = self._backend
         width = int(n.max()) if n.size else 0
         shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
-        k = be.empty(shape, _dtypes.STORAGE[dk])
-        v = be.empty(shape, _dtypes.STORAGE[dk])
         # on a GPU: one upload each, shared by the K and the V gather
-        t32 = be.from_host(np.ascontiguousarray(t, np.int32))
-        n32 = be.from_host(np.ascontiguousarray(n, np.int32))
-        be.gather_batch(self._storage[2 * layer], t32, n32, k, self._kind, dk)
-        be.gather_batch(self._storage[2 * layer + 1], t32, n32, v, self._kind, dk)
-        return k, v
+        t32 = be.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
+        n32 = be.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
+        outs = self._outs(out, shape, dk)
+        tmps = self._targets(outs, out, shape, dk)
+        for i in (0, 1):
+            be.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind, dk)
+        return self._deliver(outs, tmps)
 
     def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
         """Copy whole blocks (every layer, K and V) into another pool.
@@ -460,10 +476,13 @@ class BlockPool:
         return b
 
     def _kv_input(self, k, v, src_dtype):
-        """Validated (k, v, kind): same shape (n, heads, dim), same dtype."""
+        """Validated (k, v, kind): same shape (n, heads, dim), same dtype
+        (bfloat16 as uint16 bits), each apart from this pool's storage (an
+        input that is a view of any plane of it is copied once, so every
+        plane written later reads it as it was)."""
         be = self._backend
-        k = be.asarray(k, "k")
-        v = be.asarray(v, "v")
+        k, sk = _arrays.float_input(be, k, "k", src_dtype)
+        v, sv = _arrays.float_input(be, v, "v", src_dtype)
         want = (self._num_kv_heads, self._head_dim)
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 3 or a.shape[1:] != want:
@@ -473,17 +492,51 @@ class BlockPool:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
-        sk = _dtypes.array_kind(k, "k", src_dtype)
-        if _dtypes.array_kind(v, "v", src_dtype) != sk or k.dtype != v.dtype:
-            raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
-        return _dtypes.as_bits(k), _dtypes.as_bits(v), sk
+        if sv != sk:
+            raise TypeError(f"k and v must have the same dtype, got "
+                            f"{_dtypes.KIND_NAME[sk]} and {_dtypes.KIND_NAME[sv]}")
+        return self._apart(k), self._apart(v), sk
+
+    def _apart(self, a):
+        """``a``, or a copy of it if its memory span meets the storage's."""
+        be = self._backend
+        apart = getattr(be, "apart", None)
+        if apart is not None:
+            return apart(a, self._storage)
+        return a.copy() if be.xp.may_share_memory(a, self._storage) else a
+
+    def _direct(self, out):
+        """Whether a gather may write into ``out`` (bits) in place."""
+        be = self._backend
+        direct = getattr(be, "direct_out", None)
+        if direct is not None:
+            return direct(out, self._storage)
+        return not be.xp.may_share_memory(out, self._storage)
+
+    def _outs(self, out, shape, kind):
+        """``[(k_bits, k_result), (v_bits, v_result)]``: fresh arrays, or the
+        caller's ``out=(k_out, v_out)`` checked (shape, dtype, writable, the
+        two apart)."""
+        be = self._backend
+        if out is None:
+            return [(a, a) for a in (be.empty(shape, _dtypes.STORAGE[kind]),
+                                     be.empty(shape, _dtypes.STORAGE[kind]))]
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
+                            + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+        pair = [_arrays.out_array(be, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
+        kb, vb = pair[0][0], pair[1][0]
+        xp = be.xp
+        if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
+            raise ValueError("out[0] and out[1] must not share memory (k and v are "
+                             "different arrays)")
+        return pair
 
     def _slots(self, slots, n):
         fast = _pool.checked_slots(slots, n, self._num_blocks * self._block_size)
         if fast is not None:
             return fast
-        s = np.asarray(self._backend.to_host(slots) if not isinstance(slots, (list, tuple))
-                       else slots)
+        s = _arrays.index_array(self._backend, slots, "slots")
         if s.ndim != 1 or s.shape[0] != n:
             raise ValueError(f"slots must be 1-D of length {n} (one per token), got shape {s.shape}")
         if n and s.dtype.kind not in "iu":
@@ -498,11 +551,10 @@ class BlockPool:
                 raise IndexError(
                     f"slots must be -1 (skip) or in 0..{limit - 1} "
                     f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
-        return np.ascontiguousarray(s, dtype=np.int64)
+        return _arrays.aligned(np.ascontiguousarray(s, dtype=np.int64))
 
     def _table(self, block_table, arg="block_table"):
-        t = np.asarray(self._backend.to_host(block_table) if not isinstance(
-            block_table, (list, tuple)) else block_table)
+        t = _arrays.index_array(self._backend, block_table, arg)
         if t.ndim != 1:
             raise ValueError(f"{arg} must be 1-D, got shape {t.shape}")
         if t.size and t.dtype.kind not in "iu":
@@ -513,23 +565,44 @@ class BlockPool:
             raise IndexError(
                 f"{arg} entries must be in 0..{self._num_blocks - 1}, "
                 f"got {int(t[i])} at index {i}")
-        return np.ascontiguousarray(t, dtype=np.int32)
+        return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
 
     def _out_kind(self, dtype):
         return self._kind if dtype is None else _dtypes.storage_kind(dtype)
 
-    def _gather(self, layer, table, start, end, dtype):
+    def _gather(self, layer, table, start, end, dtype, out=None):
+        """(k, v) of positions start..end-1 of (validated) ``layer`` and
+        ``table`` (int32, aligned), into ``out`` when given."""
         dk = self._out_kind(dtype)
         be = self._backend
         shape = (self._num_kv_heads, end - start, self._head_dim)
-        k = be.empty(shape, _dtypes.STORAGE[dk])
-        v = be.empty(shape, _dtypes.STORAGE[dk])
-        if end > start:
-            # on a GPU: one upload of the blocks the range needs, for K and V
-            table = be.from_host(table[:-(-end // self._block_size)])
-            be.gather(self._storage[2 * layer], table, start, end, k, self._kind, dk)
-            be.gather(self._storage[2 * layer + 1], table, start, end, v, self._kind, dk)
-        return k, v
+        outs = self._outs(out, shape, dk)
+        if end == start:
+            return outs[0][1], outs[1][1]
+        tmps = self._targets(outs, out, shape, dk)
+        # on a GPU: one upload of the blocks the range needs, for K and V
+        table = be.from_host(table[:-(-end // self._block_size)])
+        for i in (0, 1):
+            be.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind, dk)
+        return self._deliver(outs, tmps)
+
+    def _targets(self, outs, out, shape, kind):
+        """What the kernels write for each of ``outs``: the array itself, or
+        (a caller's ``out`` that is not C-contiguous, not aligned, or meets
+        the storage) a temporary copied in by :meth:`_deliver` once both
+        K and V have been read."""
+        if out is None:
+            return [o[0] for o in outs]
+        be = self._backend
+        return [dst if self._direct(dst) else be.empty(shape, _dtypes.STORAGE[kind])
+                for dst, _ in outs]
+
+    @staticmethod
+    def _deliver(outs, tmps):
+        for (dst, _), tmp in zip(outs, tmps):
+            if tmp is not dst:
+                dst[...] = tmp
+        return outs[0][1], outs[1][1]
 
     def _copy_blocks(self, src, dst):
         self._backend.copy_blocks(self._storage, np.asarray(src, np.int32),

@@ -1,4 +1,6 @@
 """Shared fixtures for kvcore's tests."""
+import os
+
 import pytest
 
 from kvcore._native import _convert
@@ -16,3 +18,22 @@ def simd_level(request):
         yield request.param
     finally:
         _convert.set_simd_level(previous)
+
+
+def require_torch():
+    """The torch module; the test skips without it, except that with
+    KVCORE_REQUIRE_TORCH=1 (set by .ci/run, which installs torch) a missing
+    or broken torch fails the test instead of skipping it."""
+    if os.environ.get("KVCORE_REQUIRE_TORCH", "") not in ("", "0"):
+        try:
+            import torch
+        except Exception as e:  # pragma: no cover - a broken CI environment
+            pytest.fail(f"KVCORE_REQUIRE_TORCH=1 but torch cannot be imported: {e!r}")
+        return torch
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture
+def torch():
+    """torch (see ``require_torch``)."""
+    return require_torch()

@@ -101,8 +101,9 @@ cdef int _convert_strided(int sk, char* sp, const cnp.npy_intp* sst,
 def convert_array(cnp.ndarray src, int src_kind, cnp.ndarray dst, int dst_kind):
     """Convert ``src`` into ``dst`` element by element.
 
-    Both arrays have the same shape (any strides, 0-d and empty included) and
-    must not overlap; the caller has checked dtypes, shape and overlap.
+    Both arrays have the same shape (any strides, 0-d and empty included),
+    are aligned and must not overlap; the caller has checked dtypes, shape,
+    alignment and overlap.
     The GIL is released while converting.
     """
     cdef int nd = cnp.PyArray_NDIM(src)
@@ -112,6 +113,10 @@ def convert_array(cnp.ndarray src, int src_kind, cnp.ndarray dst, int dst_kind):
     cdef int rc
     if n == 0:
         return
+    # the kernels load and store typed elements (the caller copies
+    # misaligned arrays; here it is an error, never undefined behaviour)
+    if not cnp.PyArray_ISALIGNED(src) or not cnp.PyArray_ISALIGNED(dst):
+        raise ValueError("internal: convert_array needs arrays aligned for their dtype")
     if nd == 0 or (cnp.PyArray_IS_C_CONTIGUOUS(src) and cnp.PyArray_IS_C_CONTIGUOUS(dst)):
         with nogil:
             rc = kvh_convert(src_kind, sp, dst_kind, dp, n)

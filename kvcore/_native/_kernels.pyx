@@ -2,10 +2,14 @@
 contiguous-cache writes, converting with the RNE routines while they copy.
 
 Callers (``kvcore/_backend.py``) have validated every argument: shapes,
-kinds, slot ranges, that the innermost axis of every array is contiguous.
+kinds, slot ranges, that the innermost axis of every array is contiguous,
+that every array is aligned for its element type (the loops load and store
+typed elements; a misaligned one is an error here, never undefined
+behaviour) and that no input overlaps what the call writes (``apart``).
 The loops run without the GIL.
 """
 cimport numpy as cnp
+from libc.stdint cimport uintptr_t
 from libc.string cimport memcpy
 
 from kvcore._native._convert cimport convert_n, convert_n_stream, kind_itemsize, stream_fence
@@ -13,12 +17,134 @@ from kvcore._native._typedefs cimport block_id_t, slot_t
 
 cnp.import_array()
 
+import sys
+
 # Paged writes of at least this many bytes per plane use non-temporal stores.
 cdef Py_ssize_t STREAM_MIN_BYTES = 4 << 20
 
 
 cdef inline char* _ptr(cnp.ndarray a) noexcept:
     return <char*>cnp.PyArray_DATA(a)
+
+
+cdef inline int _aligned(const void* p, size_t size, str what) except -1:
+    if <uintptr_t>p % size:
+        raise ValueError(f"internal: {what} is not aligned to {size} bytes")
+    return 0
+
+
+cdef inline int _aligned_array(cnp.ndarray a, str what) except -1:
+    if not cnp.PyArray_ISALIGNED(a):
+        raise ValueError(f"internal: {what} is not aligned for its dtype")
+    return 0
+
+
+cdef void _span(cnp.ndarray a, char** lo, char** hi) noexcept:
+    """The bytes [lo, hi) that a non-empty ``a`` may touch."""
+    cdef char* l = _ptr(a)
+    cdef char* h = l
+    cdef int i
+    cdef cnp.npy_intp n, s
+    for i in range(cnp.PyArray_NDIM(a)):
+        n = cnp.PyArray_DIM(a, i)
+        s = cnp.PyArray_STRIDE(a, i)
+        if s > 0:
+            h += (n - 1) * s
+        else:
+            l += (n - 1) * s
+    lo[0] = l
+    hi[0] = h + cnp.PyArray_ITEMSIZE(a)
+
+
+def overlaps(cnp.ndarray a, cnp.ndarray b):
+    """Whether the memory spans of ``a`` and ``b`` meet (one bounds check,
+    as ``numpy.may_share_memory`` does by default; empty arrays never do)."""
+    cdef char* alo
+    cdef char* ahi
+    cdef char* blo
+    cdef char* bhi
+    if cnp.PyArray_SIZE(a) == 0 or cnp.PyArray_SIZE(b) == 0:
+        return False
+    _span(a, &alo, &ahi)
+    _span(b, &blo, &bhi)
+    return alo < bhi and blo < ahi
+
+
+# ---------------------------------------------------------- torch tensors in
+
+# torch's tensor types and dtype -> NumPy type number, read from the torch
+# module the first time a tensor is seen (torch is never imported here)
+cdef object _torch = None
+cdef tuple _tensor_types = ()
+cdef dict _typenums = {}
+
+
+cdef int _learn_torch(object torch) except -1:
+    global _torch, _tensor_types, _typenums
+    _tensor_types = (torch.Tensor, torch.nn.Parameter)
+    _typenums = {
+        torch.float32: cnp.NPY_FLOAT32, torch.float16: cnp.NPY_FLOAT16,
+        torch.bfloat16: cnp.NPY_UINT16,   # its bits; the only tensor read as uint16
+        torch.float64: cnp.NPY_FLOAT64, torch.int64: cnp.NPY_INT64,
+        torch.int32: cnp.NPY_INT32, torch.int16: cnp.NPY_INT16, torch.int8: cnp.NPY_INT8,
+        torch.uint8: cnp.NPY_UINT8, torch.bool: cnp.NPY_BOOL,
+    }
+    _torch = torch
+    return 0
+
+
+def tensor_meta(t):
+    """``(data pointer, NumPy type number, shape)`` of ``t`` when it is a
+    C-contiguous CPU torch tensor (``torch.Tensor`` or ``Parameter``,
+    requiring grad or not: its data is what is read) of a dtype NumPy has,
+    ``torch.bfloat16`` as uint16 (its bits); None for anything else (the
+    caller takes the general path).  A handful of attribute reads: the
+    direct append path reads a tensor through this without making an array."""
+    tp = type(t)
+    if tp not in _tensor_types:
+        torch = sys.modules.get("torch")
+        if torch is None or torch is _torch:
+            return None
+        _learn_torch(torch)
+        if tp not in _tensor_types:
+            return None
+    try:
+        num = _typenums.get(t.dtype)
+        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous():
+            return None
+        return t.data_ptr(), num, t.shape
+    except RuntimeError:    # sparse, mkldnn, ... tensors: the general path says why
+        return None
+
+
+def tensor_view(t):
+    """A NumPy array over the memory of ``t`` when :func:`tensor_meta` takes
+    it (keeping the tensor alive), else None.  Cheaper than
+    ``tensor.numpy()``, and the same for tensors that require grad."""
+    cdef cnp.npy_intp dims[32]
+    cdef int nd, i
+    cdef cnp.ndarray arr
+    meta = tensor_meta(t)
+    if meta is None:
+        return None
+    ptr, typenum, shape = meta
+    nd = len(shape)
+    if nd > 32:
+        return None
+    for i in range(nd):
+        dims[i] = shape[i]
+    arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, <void*><uintptr_t>ptr)
+    cnp.set_array_base(arr, t)
+    return arr
+
+
+def apart(cnp.ndarray a, cnp.ndarray storage):
+    """``a`` itself, or a C-contiguous copy of it when its memory span meets
+    ``storage``'s: an input read while ``storage`` is written is then read
+    as it was when the call began."""
+    if overlaps(a, storage):
+        return cnp.PyArray_NewCopy(a, cnp.NPY_CORDER)
+    return a
 
 
 def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
@@ -43,6 +169,10 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
     # A write of several MiB (a prompt) is streamed past the cache: its rows
     # are written whole and would be evicted before they are read.
     cdef bint stream = n * H * D * di >= STREAM_MIN_BYTES
+    _aligned_array(src, "src")
+    _aligned_array(cache, "cache")
+    if n:
+        _aligned(&slots[0], sizeof(slot_t), "slots")
     with nogil:
         for i in range(n):
             s = slots[i]
@@ -79,6 +209,10 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
     cdef char* op = _ptr(out)
     cdef Py_ssize_t t = start, stop, off, run, h
     cdef block_id_t b
+    _aligned_array(out, "out")
+    _aligned_array(cache, "cache")
+    if block_table.shape[0]:
+        _aligned(&block_table[0], sizeof(block_id_t), "block_table")
     with nogil:
         while t < end:
             b = block_table[t // bs]
@@ -105,6 +239,9 @@ def copy_blocks(cnp.ndarray storage, const block_id_t[::1] src,
     cdef Py_ssize_t p_stride = storage.strides[0], b_stride = storage.strides[1]
     cdef char* base = _ptr(storage)
     cdef Py_ssize_t i, p, n = src.shape[0]
+    if n:
+        _aligned(&src[0], sizeof(block_id_t), "src")
+        _aligned(&dst[0], sizeof(block_id_t), "dst")
     with nogil:
         for p in range(planes):
             for i in range(n):
@@ -122,6 +259,9 @@ def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
     cdef char* sbase = _ptr(src_storage)
     cdef char* dbase = _ptr(dst_storage)
     cdef Py_ssize_t i, p, n = src.shape[0]
+    if n:
+        _aligned(&src[0], sizeof(block_id_t), "src")
+        _aligned(&dst[0], sizeof(block_id_t), "dst")
     with nogil:
         for p in range(planes):
             for i in range(n):
@@ -145,6 +285,8 @@ def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
     cdef char* sp = _ptr(src)
     cdef char* dp = _ptr(dst) + start * d2
     cdef Py_ssize_t b, h, t
+    _aligned_array(src, "src")
+    _aligned_array(dst, "dst")
     with nogil:
         for b in range(B):
             for h in range(H):

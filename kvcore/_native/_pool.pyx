@@ -158,8 +158,8 @@ def slots_for(cnp.ndarray table, Py_ssize_t block_size, Py_ssize_t start, Py_ssi
 
 
 def checked_token_array(obj):
-    """``obj`` itself if it is a 1-D C-contiguous int32 array of valid ids
-    (0..2**31-1); None if it is some other kind of input (the caller takes
+    """``obj`` itself if it is a 1-D C-contiguous aligned int32 array of
+    valid ids (0..2**31-1); None if it is some other kind of input (the caller takes
     the general path).  Raises ValueError naming the first negative id."""
     cdef cnp.ndarray a
     cdef const token_t* t
@@ -171,7 +171,8 @@ def checked_token_array(obj):
     # (a byte-swapped int32 array has the same type number: it must take the
     # general path, which converts it)
     if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != cnp.NPY_INT32 \
-            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a):
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISNOTSWAPPED(a) \
+            or not cnp.PyArray_ISALIGNED(a):
         return None
     n = cnp.PyArray_SIZE(a)
     t = <const token_t*>cnp.PyArray_DATA(a)

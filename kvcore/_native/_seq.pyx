@@ -31,7 +31,7 @@ is never written.
 import numpy as np
 
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
@@ -40,6 +40,7 @@ from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
 from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
 
 from kvcore._native import _pool as _pool_module
+from kvcore._native._kernels import tensor_meta as _tensor_meta
 from kvcore._backend import CPU as _CPU
 
 cnp.import_array()
@@ -171,7 +172,8 @@ cdef void* _dup(const void* src, Py_ssize_t n, size_t item, Py_ssize_t* cap) exc
     cdef void* p = malloc(c * item)
     if p == NULL:
         raise MemoryError()
-    memcpy(p, src, n * item)
+    if n:  # src may be NULL when there is nothing
+        memcpy(p, src, n * item)
     cap[0] = c
     return p
 
@@ -211,6 +213,52 @@ cdef void _write_rows(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t H
                           dk + s_plane + h * s_head, D)
     if stream:
         stream_fence()
+
+
+cdef struct _Rows:
+    # a k or v input of the direct append path: (n, heads, dim) C-contiguous
+    # rows at p, of element kind ``kind`` (-1: not an input that path takes)
+    const char* p
+    Py_ssize_t n, h, d, nbytes
+    int kind
+
+
+cdef int _rows_of(object x, _Rows* r) except -1:
+    """Fill ``r`` from a NumPy array or a CPU torch tensor (read in place,
+    through its pointer) that the direct append path takes: 3-D, native
+    float32 or float16, C-contiguous and aligned; else r.kind = -1."""
+    cdef cnp.ndarray a
+    cdef int typenum
+    r.kind = -1
+    if type(x) is np.ndarray:
+        a = <cnp.ndarray>x
+        if cnp.PyArray_NDIM(a) != 3 or not cnp.PyArray_ISCARRAY_RO(a) \
+                or not cnp.PyArray_ISNOTSWAPPED(a):
+            return 0
+        typenum = cnp.PyArray_TYPE(a)
+        r.p = <const char*>cnp.PyArray_DATA(a)
+        r.n = cnp.PyArray_DIM(a, 0)
+        r.h = cnp.PyArray_DIM(a, 1)
+        r.d = cnp.PyArray_DIM(a, 2)
+    else:
+        meta = _tensor_meta(x)      # a C-contiguous CPU torch tensor
+        if meta is None:
+            return 0
+        ptr, typenum, shape = meta
+        if len(shape) != 3:
+            return 0
+        r.p = <const char*><uintptr_t>ptr
+        r.n, r.h, r.d = shape
+    if typenum == cnp.NPY_FLOAT32:
+        r.kind = KVH_F32
+    elif typenum == cnp.NPY_FLOAT16:
+        r.kind = KVH_F16
+    else:
+        return 0
+    r.nbytes = r.n * r.h * r.d * kind_itemsize(r.kind)
+    if <uintptr_t>r.p % kind_itemsize(r.kind):
+        r.kind = -1
+    return 0
 
 
 cdef class _PoolView:
@@ -462,7 +510,7 @@ cdef class SeqCore:
     def _token_ids(self):
         """int32 array of the known token ids (a copy)."""
         cdef cnp.ndarray out = _empty(self._num_tokens, cnp.NPY_INT32)
-        if self._num_tokens:
+        if self._num_tokens:  # (toks is NULL until the first token)
             memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
         return out
 
@@ -543,7 +591,7 @@ cdef class SeqCore:
         """Blocks for the prompt ``token_ids`` on an empty sequence.  Returns
         the hit tokens, or a status (nothing changed the caller can see):
         STATE (not initialised, or closed), BUSY, UNCHECKED (not a 1-D
-        C-contiguous int32 array of ids >= 0), EMPTY, TOO_LONG or SHORT,
+        C-contiguous aligned int32 array of ids >= 0), EMPTY, TOO_LONG or SHORT,
         checked in that order."""
         if self._state != S_NEW and self._state != S_LIVE:
             return ST_STATE
@@ -562,7 +610,7 @@ cdef class SeqCore:
         tokens = <cnp.ndarray>token_ids
         if cnp.PyArray_NDIM(tokens) != 1 or cnp.PyArray_TYPE(tokens) != cnp.NPY_INT32 \
                 or not cnp.PyArray_IS_C_CONTIGUOUS(tokens) \
-                or not cnp.PyArray_ISNOTSWAPPED(tokens):
+                or not cnp.PyArray_ISNOTSWAPPED(tokens) or not cnp.PyArray_ISALIGNED(tokens):
             return ST_UNCHECKED
         n = cnp.PyArray_SIZE(tokens)
         # copy the ids in, checking them on the way (as checked_token_array
@@ -727,25 +775,26 @@ cdef class SeqCore:
 
     def _append_fast(self, layer, k, v):
         """``append(layer, k, v)`` for the common case: a CPU pool, ``layer``
-        an int in range, ``k`` and ``v`` NumPy arrays (n >= 1, num_kv_heads,
-        head_dim) of one native-order float32 or float16 dtype, C-contiguous,
+        an int in range, ``k`` and ``v`` NumPy arrays or CPU torch tensors
+        (n >= 1, num_kv_heads, head_dim) of one native-order float32 or
+        float16 dtype, C-contiguous,
         aligned and apart from the pool's storage, within max_seq_len and the
         free blocks.  Writes exactly what the validated path writes (the same
         conversion routine) and returns True; returns False having changed
         nothing for any other input (or state), which then takes the
         validated path."""
-        cdef cnp.ndarray ka, va, st
+        cdef cnp.ndarray st
+        cdef _Rows kr, vr
         cdef Py_ssize_t lay, n, bs = self._bs, H, D
         cdef Py_ssize_t target, row, s_head, s_blk, s_tok, s_plane
-        cdef int typenum, src_kind, dst_kind
-        cdef char* kp
-        cdef char* vp
+        cdef int src_kind, dst_kind
+        cdef const char* kp
+        cdef const char* vp
         cdef char* sp
         cdef char* lo
         cdef char* hi
         cdef const block_id_t* table
-        if self._state != S_LIVE or type(layer) is not int or type(k) is not np.ndarray \
-                or type(v) is not np.ndarray or not self._fast_ready():
+        if self._state != S_LIVE or type(layer) is not int or not self._fast_ready():
             return False
         st = self.storage
         H = self.heads
@@ -754,35 +803,19 @@ cdef class SeqCore:
         if not 0 <= layer < self.num_layers:
             return False
         lay = layer
-        ka = <cnp.ndarray>k
-        va = <cnp.ndarray>v
-        if cnp.PyArray_NDIM(ka) != 3 or cnp.PyArray_NDIM(va) != 3:
-            return False
-        n = cnp.PyArray_DIM(ka, 0)
-        if n < 1 or cnp.PyArray_DIM(va, 0) != n or cnp.PyArray_DIM(ka, 1) != H \
-                or cnp.PyArray_DIM(va, 1) != H or cnp.PyArray_DIM(ka, 2) != D \
-                or cnp.PyArray_DIM(va, 2) != D:
-            return False
-        typenum = cnp.PyArray_TYPE(ka)
-        if typenum != cnp.PyArray_TYPE(va):
-            return False
-        if typenum == cnp.NPY_FLOAT32:
-            src_kind = KVH_F32
-        elif typenum == cnp.NPY_FLOAT16:
-            src_kind = KVH_F16
-        else:
-            return False
-        # C-contiguous, aligned, native byte order
-        if not (cnp.PyArray_ISCARRAY_RO(ka) and cnp.PyArray_ISCARRAY_RO(va)
-                and cnp.PyArray_ISNOTSWAPPED(ka) and cnp.PyArray_ISNOTSWAPPED(va)):
+        _rows_of(k, &kr)
+        _rows_of(v, &vr)
+        n = kr.n
+        src_kind = kr.kind
+        if src_kind < 0 or vr.kind != src_kind or n < 1 or vr.n != n or kr.h != H \
+                or vr.h != H or kr.d != D or vr.d != D:
             return False
         sp = <char*>_ptr(st)
         lo = sp
         hi = sp + cnp.PyArray_NBYTES(st)
-        kp = <char*>_ptr(ka)
-        vp = <char*>_ptr(va)
-        if (kp < hi and lo < kp + cnp.PyArray_NBYTES(ka)) \
-                or (vp < hi and lo < vp + cnp.PyArray_NBYTES(va)):
+        kp = kr.p
+        vp = vr.p
+        if (kp < hi and lo < kp + kr.nbytes) or (vp < hi and lo < vp + vr.nbytes):
             return False
         target = self._num_computed + n
         if self.max_len >= 0 and target > self.max_len:

@@ -1,0 +1,166 @@
+"""Arrays in: one adapter for every array argument of the public API.
+
+NumPy arrays pass through untouched.  A torch tensor becomes, without a
+copy, what the backends take: on the CPU a NumPy view of its memory (made
+from its pointer when it is C-contiguous, ``tensor.numpy()`` otherwise), on
+a GPU the tensor itself (CuPy imports it through DLPack).  A tensor that requires grad is read through ``detach()`` (its
+data, no autograd), and a ``torch.bfloat16`` tensor through its raw bits
+(a 16-bit integer view), marked as bfloat16, since neither NumPy nor CuPy
+has that dtype.  torch is never imported here: a tensor can only exist
+once its user has imported torch, so ``sys.modules`` tells.
+
+Other objects (lists, ``__array_interface__``, DLPack producers, CuPy
+arrays) are left to the backend's ``asarray``.
+"""
+import sys
+
+import numpy as np
+
+from . import _dtypes
+from ._dtypes import BF16
+from ._native import _kernels
+
+__all__ = ["unwrap", "host_view", "float_input", "out_array", "index_array", "aligned"]
+
+
+def _torch_of(x):
+    """The torch module if ``x`` is a torch tensor, else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def _describe(x):
+    """How an argument is named in an error: its dtype when it has one."""
+    torch = _torch_of(x)
+    if torch is not None:
+        return f"torch tensor of dtype {x.dtype}"
+    dt = getattr(x, "dtype", None)
+    if isinstance(x, np.ndarray) or dt is not None:
+        return f"{type(x).__name__} of dtype {dt}"
+    return type(x).__name__
+
+
+def unwrap(x, arg):
+    """``(y, bf16)``: ``x`` in a form the backends take without a copy.
+
+    For a torch tensor: detached; a bfloat16 one viewed as int16 bits
+    (``bf16`` True); a CPU one as a NumPy array (bfloat16 bits as uint16).
+    Anything else is returned as it is, with ``bf16`` False.
+    """
+    a = host_view(x)
+    if a is not None:     # the common case: a C-contiguous CPU tensor
+        return a, a.dtype == np.uint16    # (only a bfloat16 tensor gives uint16)
+    torch = _torch_of(x)
+    if torch is None:
+        return x, False
+    t = x
+    try:
+        if t.requires_grad:
+            t = t.detach()
+        bf16 = t.dtype == torch.bfloat16
+        if bf16:
+            t = t.view(torch.int16)   # same itemsize: any strides, no copy
+        if t.is_cpu:
+            if t.is_neg():            # a lazily negated view: its memory is not its values
+                t = t.resolve_neg()
+            a = t.numpy()
+            return (a.view(np.uint16) if bf16 else a), bf16
+        if not t.is_cuda:
+            raise TypeError(f"it lives on device {t.device}; kvcore takes CPU tensors (CPU "
+                            "pools and caches) and CUDA tensors (device='cuda')")
+    except (TypeError, RuntimeError, ValueError) as e:
+        raise TypeError(
+            f"{arg} (a torch tensor of dtype {x.dtype} on {x.device}) cannot be read "
+            f"without a copy: {e}") from None
+    return t, bf16
+
+
+# A NumPy view of a C-contiguous CPU torch tensor (bfloat16 as uint16 bits),
+# or None for anything else: the cheap adapter the direct append path and
+# ``unwrap`` try first (see _kernels.tensor_view).
+host_view = _kernels.tensor_view
+
+
+def float_input(be, x, arg, src_dtype=None):
+    """``(bits, kind)`` for a float input (K, V, a tensor to convert).
+
+    ``bits`` is the backend's array (bfloat16 as its uint16 bits), ``kind``
+    its element kind: float32 and float16 arrays carry theirs; bfloat16 is
+    an ``ml_dtypes.bfloat16`` array, a ``torch.bfloat16`` tensor, or uint16
+    bits with ``src_dtype="bfloat16"``.  Raises TypeError naming ``arg``.
+    """
+    if isinstance(x, np.ndarray):
+        a, bf16 = be.asarray(x, arg), False
+    else:
+        y, bf16 = unwrap(x, arg)
+        a = be.asarray(y, arg)
+    if bf16:
+        if src_dtype is not None and _dtypes.storage_kind(src_dtype, "src_dtype") != BF16:
+            raise TypeError(
+                f"{arg} must have dtype {_dtypes.STORAGE[_dtypes.storage_kind(src_dtype)]} "
+                f"for src_dtype={src_dtype!r}, got torch.bfloat16")
+        if a.dtype != np.uint16:
+            a = a.view(np.uint16)
+        return a, BF16
+    kind = _dtypes.array_kind(a, arg, src_dtype)
+    return _dtypes.as_bits(a), kind
+
+
+def out_array(be, out, arg, shape, kind):
+    """``(bits, result)`` for an ``out=`` argument that must hold ``kind``
+    elements in ``shape``: ``bits`` the writable backend array to fill
+    (bfloat16 as uint16 bits), ``result`` what the call returns (``out``
+    itself, e.g. the caller's torch tensor)."""
+    torch = _torch_of(out)
+    if torch is not None and out.requires_grad:
+        raise TypeError(
+            f"{arg} is a torch tensor that requires grad; kvcore writes its memory "
+            "outside autograd, so pass one that does not (e.g. out.detach())")
+    y, bf16 = unwrap(out, arg)
+    a = be.check_out(y, arg)
+    if bf16:
+        if kind != BF16:
+            raise TypeError(f"{arg} must have dtype {_dtypes.STORAGE[kind]}, got torch.bfloat16")
+        a = a.view(np.uint16) if a.dtype != np.uint16 else a
+    else:
+        want = _dtypes.STORAGE[kind]
+        ok = a.dtype == want or (kind == BF16 and _dtypes.BF16_NUMPY is not None
+                                 and a.dtype == _dtypes.BF16_NUMPY)
+        if not ok:
+            raise TypeError(f"{arg} must have dtype {want}"
+                            + (" (bfloat16 bits) or ml_dtypes.bfloat16" if kind == BF16 else "")
+                            + f", got {_describe(out)}")
+        if not a.dtype.isnative:
+            raise TypeError(f"{arg} must be in native byte order, got dtype {a.dtype}")
+        a = _dtypes.as_bits(a)
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{arg} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    return a, out
+
+
+def index_array(be, x, arg):
+    """A 1-D or 2-D index input (slots, block tables, lengths, token ids)
+    as a host NumPy array, without a copy where it can be: lists, tuples,
+    ranges, NumPy arrays, torch tensors, ``array.array`` and anything with
+    ``__array_interface__`` or the buffer protocol; device arrays through
+    the backend."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
+    if isinstance(x, range):
+        return np.arange(x.start, x.stop, x.step)
+    y, bf16 = unwrap(x, arg)
+    if bf16:
+        raise TypeError(f"{arg} must hold integers, got torch.bfloat16")
+    if isinstance(y, np.ndarray):
+        return y
+    return np.asarray(be.to_host(y))
+
+
+def aligned(a):
+    """``a`` itself when its data is aligned for its dtype, else an aligned
+    copy (the C kernels load and store typed elements)."""
+    return a if a.flags.aligned else a.copy()
