@@ -49,6 +49,9 @@
 #define KVA_KEY_TILE 32
 /* Key positions per split of a decode-like item. */
 #define KVA_SPLIT_KEYS 1024
+/* Items of more rows than this widen each K/V tile to float32 once (the
+ * micro-kernels work on 4 rows at a time, and would widen it per block). */
+#define KVA_WIDEN_ROWS 4
 
 #define KVA_LOG2E 1.4426950408889634f
 
@@ -64,6 +67,8 @@ typedef struct {
     /* acc[r] = acc[r] * alpha[r] + sum_{i < nt} P[r * KVA_KEY_TILE + i] V[i]. */
     void (*pv)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
                const float *alpha, float *tmp);
+    /* dst[i * D + d] = row i widened to float32, for i < n. */
+    void (*widen)(const char *const *rows, int n, int D, float *dst);
 } kva_kernels;
 
 typedef struct {
@@ -153,6 +158,11 @@ static void pv_scalar(int kind, const float *P, int M, int D, const char *const 
 }
 
 #define KVA_SCALAR_KIND(name, kind)                                                          \
+    static void widen_##name##_scalar(const char *const *rows, int n, int D, float *dst)     \
+    {                                                                                         \
+        for (int i = 0; i < n; i++)                                                           \
+            widen_row_scalar(rows[i], kind, dst + (size_t)i * D, D);                          \
+    }                                                                                         \
     static void scores_##name##_scalar(const float *Qs, int M, int D,                         \
                                        const char *const *krow, int ntp, float *S, float *t) \
     {                                                                                         \
@@ -204,9 +214,9 @@ static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
 }
 
 static const kva_kernels kernels_scalar[3] = {
-    {scores_f32_scalar, pv_f32_scalar},
-    {scores_f16_scalar, pv_f16_scalar},
-    {scores_bf16_scalar, pv_bf16_scalar},
+    {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar},
+    {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar},
+    {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar},
 };
 static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap_scalar,
                                      exp2_neg_scalar};
@@ -330,6 +340,9 @@ KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, 
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
             __m256 qv = _mm256_loadu_ps(q0 + (size_t)rb * D + d);
+            /* one load per q vector, reused for the KB keys (GCC would
+             * otherwise fold a load into every FMA) */
+            __asm__("" : "+x"(qv));
 #pragma GCC unroll 8
             for (int kb = 0; kb < KB; kb++)
                 acc[rb * KB + kb] = _mm256_fmadd_ps(qv, kv[kb], acc[rb * KB + kb]);
@@ -366,7 +379,7 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
                               int RB, int DB, int r, int d, float *acc, const float *alpha)
 {
     const int isz = kind == KVA_F32 ? 4 : 2;
-    __m256 a[8];
+    __m256 a[16];
 #pragma GCC unroll 8
     for (int rb = 0; rb < RB; rb++) {
         __m256 al = _mm256_set1_ps(alpha[r + rb]);
@@ -377,7 +390,7 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
     }
     const size_t off = (size_t)d * isz;
     for (int i = 0; i < nt; i++) {
-        __m256 v[8];
+        __m256 v[16];
 #pragma GCC unroll 8
         for (int db = 0; db < DB; db++)
             v[db] = load8_avx2(vrow[i] + off + (size_t)db * 8 * isz, kind);
@@ -422,6 +435,15 @@ KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *cons
 }
 
 #define KVA_AVX2_KIND(name, kind)                                                            \
+    KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
+                                               float *dst)                                    \
+    {                                                                                         \
+        const int isz = kind == KVA_F32 ? 4 : 2;                                              \
+        for (int i = 0; i < n; i++)                                                           \
+            for (int d = 0; d < D; d += 8)                                                    \
+                _mm256_storeu_ps(dst + (size_t)i * D + d,                                     \
+                                 load8_avx2(rows[i] + (size_t)d * isz, kind));                \
+    }                                                                                         \
     KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
                                                 const char *const *krow, int ntp, float *S,   \
                                                 float *t)                                     \
@@ -487,9 +509,9 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 static const kva_kernels kernels_avx2[3] = {
-    {scores_f32_avx2, pv_f32_avx2},
-    {scores_f16_avx2, pv_f16_avx2},
-    {scores_bf16_avx2, pv_bf16_avx2},
+    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2},
+    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2},
+    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2},
 };
 static const kva_math math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2,
                                    exp2_neg_n_avx2};
@@ -734,6 +756,7 @@ typedef struct {
 typedef struct {
     const kva_args *a;
     const kva_kernels *kern;
+    const kva_kernels *kern_f32; /* for tiles widened once (items of many rows) */
     const kva_math *math;
     kva_item *items;
     int64_t num_items;
@@ -827,6 +850,8 @@ typedef struct {
     int64_t *lo, *hi;
     const char **krow, **vrow;   /* this tile's rows */
     const char **nkrow, **nvrow; /* the next tile's */
+    float *kf, *vf;              /* a tile widened to float32 */
+    const char **kfrow, **vfrow; /* its rows */
 } kva_ws;
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -853,6 +878,10 @@ static size_t workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
     KVA_TAKE(vrow, const char *, KVA_KEY_TILE);
     KVA_TAKE(nkrow, const char *, KVA_KEY_TILE);
     KVA_TAKE(nvrow, const char *, KVA_KEY_TILE);
+    KVA_TAKE(kf, float, (size_t)KVA_KEY_TILE * D);
+    KVA_TAKE(vf, float, (size_t)KVA_KEY_TILE * D);
+    KVA_TAKE(kfrow, const char *, KVA_KEY_TILE);
+    KVA_TAKE(vfrow, const char *, KVA_KEY_TILE);
 #undef KVA_TAKE
     return off;
 }
@@ -919,11 +948,18 @@ static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
     return nt;
 }
 
+/* Touch the first two rows of every contiguous run of rows (a block's
+ * positions): the hardware prefetcher follows a run once it has started,
+ * but not the jump from one block to the next. */
 static inline void prefetch_rows(const char *const *rows, int n, size_t row_bytes)
 {
-    for (int i = 0; i < n; i++)
-        for (size_t b = 0; b < row_bytes; b += 64)
-            __builtin_prefetch(rows[i] + b, 0, 3);
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || rows[i] != rows[i - 1] + row_bytes) {
+            const char *end = rows[i] + 2 * row_bytes;
+            for (const char *p = rows[i]; p < end; p += 64)
+                __builtin_prefetch(p, 0, 3);
+        }
+    }
 }
 
 static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
@@ -939,8 +975,15 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
     const int32_t *table = a->block_tables + (size_t)s * a->block_table_stride;
     const char *kbase = a->key_cache + (ptrdiff_t)g * a->head_stride;
     const char *vbase = a->value_cache + (ptrdiff_t)g * a->head_stride;
-    const kva_kernels *kern = job->kern;
+    const kva_kernels *kern = job->kern, *kern_f32 = job->kern_f32;
     const kva_math *math = job->math;
+    const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32;
+    if (widen) {
+        for (int i = 0; i < KVA_KEY_TILE; i++) {
+            ws->kfrow[i] = (const char *)(ws->kf + (size_t)i * D);
+            ws->vfrow[i] = (const char *)(ws->vf + (size_t)i * D);
+        }
+    }
 
     for (int r = 0; r < M; r++) {
         int64_t j = it->q0 + r / G, h = r % G;
@@ -967,10 +1010,15 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
         const int64_t t1 = t0 + KVA_KEY_TILE;
         const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
                                       : 0;
-        /* The rows of a tile are scattered over blocks: fetch V while the
+        /* The rows of a tile are scattered over blocks: start V while the
          * scores are computed, and the next tile's K while P V is. */
         prefetch_rows(vrow, nt, row_bytes);
-        kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp);
+        if (widen) {
+            kern->widen(krow, ntp, D, ws->kf); /* padding rows included */
+            kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
+        } else {
+            kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp);
+        }
         for (int r = 0; r < M; r++) {
             float *srow = ws->S + r * KVA_KEY_TILE;
             if (capped)
@@ -998,7 +1046,12 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             ws->m[r] = mnew;
         }
         prefetch_rows(nkrow, nnext, row_bytes);
-        kern->pv(ws->S, M, D, vrow, nt, ws->acc, ws->alpha, ws->tmp);
+        if (widen) {
+            kern->widen(vrow, nt, D, ws->vf);
+            kern_f32->pv(ws->S, M, D, ws->vfrow, nt, ws->acc, ws->alpha, ws->tmp);
+        } else {
+            kern->pv(ws->S, M, D, vrow, nt, ws->acc, ws->alpha, ws->tmp);
+        }
         const char **swap = krow;
         krow = nkrow;
         nkrow = swap;
@@ -1068,6 +1121,7 @@ int kva_paged_attention(const kva_args *a)
     memset(&job, 0, sizeof job);
     job.a = a;
     job.kern = kernels_for(level, a->kind);
+    job.kern_f32 = kernels_for(level, KVA_F32);
     job.math = math_for(level);
     job.num_items = n;
     job.tokens_per_tile = (int)tokens_per_tile(a);
