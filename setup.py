@@ -74,6 +74,17 @@ extensions = [
     ext("_seq"),
 ]
 
+# Attention over the pages (kvcore/backends/cpu): C kernels with run-time
+# SIMD dispatch; pthreads for the worker pool.
+CPU_BACKEND = "kvcore/backends/cpu"
+extensions.append(Extension(
+    "kvcore.backends.cpu._attention",
+    [f"{CPU_BACKEND}/_attention.pyx", f"{CPU_BACKEND}/csrc/kv_attention.c"],
+    include_dirs=[numpy.get_include(), f"{CPU_BACKEND}/csrc"],
+    define_macros=macros,
+    extra_compile_args=extra + ([] if sys.platform == "win32" else ["-pthread"]),
+    extra_link_args=link_extra + ([] if sys.platform == "win32" else ["-pthread"]),
+))
 
 class cythonize_then_build_ext(build_ext):
     """Cythonize the .pyx sources when the extensions are built, not before.

@@ -6,6 +6,7 @@ caches, and round-to-nearest-even float16/bfloat16 conversion, at C speed
 """
 from ._cuda import CudaUnavailableError, cuda_available
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
+from .attention import get_num_threads, paged_attention, set_num_threads
 from .contiguous import KVCache
 from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
 from .hashing import block_hashes
@@ -20,4 +21,5 @@ __all__ = [
     "to_float16", "to_bfloat16", "from_float16", "from_bfloat16",
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
     "padded_block_tables", "csr_block_tables", "CudaUnavailableError", "cuda_available",
+    "paged_attention", "set_num_threads", "get_num_threads",
 ]

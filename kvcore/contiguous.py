@@ -318,6 +318,20 @@ class KVCache:
             be.convert(src, self._kind, dst, out_kind)
         return dsts[0][1], dsts[1][1]
 
+    def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
+                  out=None):
+        """Attention of the layer's last ``n`` positions' queries over the cache.
+
+        ``q`` ``(batch_size, num_heads, n, head_dim)`` are the queries of the
+        last ``n`` positions written in ``layer`` (update the layer first);
+        causal.  Keywords as :func:`kvcore.paged_attention`.  Returns
+        ``(batch_size, num_heads, n, head_dim)`` float32 (or ``out``).
+        """
+        from .attention import cache_attention
+
+        return cache_attention(self, layer, q, scale=scale, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, out=out)
+
     def key_cache(self, layer):
         """The whole K buffer of ``layer``, ``(batch, heads, max_seq_len, dim)``.
 

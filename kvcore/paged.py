@@ -356,6 +356,22 @@ class PagedKVCache(SeqCore):
                              f"written (the layer holds {written} positions)")
         return pool._gather(layer, self._table, start, end, dtype, out)
 
+    def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
+                  out=None):
+        """Attention of this step's queries over the sequence, read from the pages.
+
+        ``q`` ``(n, num_heads, head_dim)`` are the queries of positions
+        ``num_computed .. num_computed + n - 1``, whose K/V this layer has
+        already written (``append``, or ``pool.write`` + ``mark_written``);
+        causal over the sequence.  Keywords as :func:`kvcore.paged_attention`.
+        Returns ``(n, num_heads, head_dim)`` float32 (or ``out``).  Raises
+        ValueError if any of those positions was never written.
+        """
+        from .attention import sequence_attention
+
+        return sequence_attention(self, layer, q, scale=scale, sliding_window=sliding_window,
+                                  logits_soft_cap=logits_soft_cap, out=out)
+
     # ------------------------------------------------------------ lifecycle
     def truncate(self, n):
         """Forget positions and tokens from ``n`` on.

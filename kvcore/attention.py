@@ -1,0 +1,424 @@
+"""Attention over the pages: ``kvcore.paged_attention`` and its thread count.
+
+Every argument is checked here, before any work, and each error names the
+argument, what was expected and what was given; the C kernels
+(``kvcore/backends/cpu``) then read K/V where they lie in the pool, in the
+storage dtype, without the GIL.  ``PagedKVCache.attention`` and
+``KVCache.attention`` are checked conveniences over the same kernel.
+"""
+import math
+import os
+import threading
+
+import numpy as np
+
+from . import _dtypes
+from ._validate import index_int, layer_index
+from .backends.cpu import _attention as _kernel
+from .pool import BlockPool
+
+__all__ = ["paged_attention", "set_num_threads", "get_num_threads"]
+
+MAX_THREADS = 1024
+
+_threads_lock = threading.Lock()
+_num_threads = None
+
+
+# ------------------------------------------------------------------ threads
+def _default_num_threads():
+    """The CPUs this process may run on, capped by OMP_NUM_THREADS when set."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    limit = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if limit.isdigit() and int(limit) > 0:
+        n = min(n, int(limit))
+    return max(1, min(n, MAX_THREADS))
+
+
+def set_num_threads(n):
+    """Threads ``paged_attention`` may use on the CPU (process-wide).
+
+    Parameters
+    ----------
+    n : int
+        1 .. 1024.  The default is the number of CPUs this process may run
+        on (``os.sched_getaffinity``), capped by ``OMP_NUM_THREADS`` if set.
+
+    Notes
+    -----
+    The result has the same bits for every thread count: how a call is split
+    into work depends only on its arguments.
+    """
+    global _num_threads
+    v = index_int(n, "n")
+    if not 1 <= v <= MAX_THREADS:
+        raise ValueError(f"n must be in 1..{MAX_THREADS}, got {v}")
+    with _threads_lock:
+        _num_threads = v
+
+
+def get_num_threads():
+    """Threads ``paged_attention`` uses on the CPU (see :func:`set_num_threads`)."""
+    global _num_threads
+    with _threads_lock:
+        if _num_threads is None:
+            _num_threads = _default_num_threads()
+        return _num_threads
+
+
+# ------------------------------------------------------------------ inputs
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _host_view(x, arg):
+    """A NumPy view of ``x`` (no copy where the memory allows): NumPy
+    arrays, torch CPU tensors (bfloat16 as ml_dtypes.bfloat16, tensors that
+    require grad read as their data), anything np.asarray takes."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{arg} is a torch tensor on {x.device}, but this pool is on the "
+                            "CPU; pass a CPU tensor or use a CUDA pool")
+        t = x.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            if _dtypes.BF16_NUMPY is None:  # pragma: no cover - ml_dtypes is a dependency of tests
+                raise TypeError(f"{arg} is a torch.bfloat16 tensor; install ml_dtypes to pass it")
+            import torch
+
+            return t.view(torch.int16).numpy().view(_dtypes.BF16_NUMPY)
+        return t.numpy()
+    if hasattr(x, "__cuda_array_interface__") or \
+            type(x).__module__.split(".")[0] in ("cupy", "cupyx"):
+        raise TypeError(f"{arg} is a CUDA array ({type(x).__module__}.{type(x).__name__}) but "
+                        "this pool is on the CPU; pass a NumPy array or use a CUDA pool")
+    if hasattr(x, "__dlpack_device__") and x.__dlpack_device__()[0] != 1:  # kDLCPU
+        raise TypeError(f"{arg} lives on DLPack device type {x.__dlpack_device__()[0]}, "
+                        "not the CPU")
+    try:
+        return np.asarray(x)
+    except Exception as e:
+        raise TypeError(f"{arg} must be an array, got {type(x).__name__}: {e}") from None
+
+
+def _int_array(x, arg, ndim):
+    a = _host_view(x, arg) if not isinstance(x, (list, tuple)) else np.asarray(x)
+    if a.ndim != ndim:
+        raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(a.shape)}")
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"{arg} must hold integers, got dtype {a.dtype}")
+    return a
+
+
+def _real(value, arg):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                   np.floating)):
+        raise TypeError(f"{arg} must be a real number or None, got {type(value).__name__} "
+                        f"{value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{arg} must be finite, got {v}")
+    return v
+
+
+def _query_array(q, num_kv_heads, head_dim):
+    """(float32 C-contiguous q, shape) after checking dtype and shape."""
+    qa = _host_view(q, "q")
+    if qa.ndim != 3:
+        raise ValueError(f"q must be 3-D (num_query_tokens, num_heads, head_dim), "
+                         f"got shape {tuple(qa.shape)}")
+    n, heads, dim = qa.shape
+    if dim != head_dim:
+        raise ValueError(f"q.shape[2] must be the pool's head_dim={head_dim}, got {dim}")
+    if heads == 0 or heads % num_kv_heads:
+        raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of the pool's "
+                         f"num_kv_heads={num_kv_heads}, got {heads}")
+    kind = _dtypes.float_kind(qa.dtype)
+    if kind is None:
+        hint = " (a uint16 array is never guessed to be bfloat16: pass ml_dtypes.bfloat16)" \
+            if qa.dtype == np.uint16 else ""
+        raise TypeError(f"q must be float32, float16 or bfloat16, got {qa.dtype}{hint}")
+    return qa
+
+
+def _out_view(out, shape, what, storage):
+    """A NumPy view of ``out`` after checking shape, dtype, writeability and
+    that it does not overlap the cache's storage."""
+    view = _host_view(out, "out")
+    if tuple(view.shape) != shape:
+        raise ValueError(f"out must have shape {shape} {what}, got {tuple(view.shape)}")
+    if _dtypes.float_kind(view.dtype) is None:
+        raise TypeError(f"out must be float32, float16 or bfloat16, got {view.dtype}")
+    if not view.flags.writeable:
+        raise ValueError("out must be writeable, got a read-only array")
+    if np.may_share_memory(view, storage):
+        raise ValueError("out must not overlap the KV cache's storage")
+    return view
+
+
+def _fill_out(view, result):
+    """view[...] = result (float32), narrowing with round to nearest even."""
+    if view.dtype == np.float32:
+        view[...] = result
+    else:
+        from .convert import to_bfloat16, to_float16
+
+        result = np.ascontiguousarray(result)
+        if view.dtype == np.float16:
+            to_float16(result, out=view)
+        else:
+            to_bfloat16(result, out=view)
+
+
+# ------------------------------------------------------------------ the call
+def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None, scale=None,
+                    sliding_window=None, logits_soft_cap=None, out=None):
+    """Attention of ``q`` over the K/V of ``pool``'s ``layer``, read where it lies.
+
+    Varlen queries with block tables (the FlashAttention / vLLM convention):
+    prefill, chunked prefill, decode and mixed batches in one call.
+
+    Parameters
+    ----------
+    q : array ``(num_query_tokens, num_heads, head_dim)``
+        float32, float16 or bfloat16 (ml_dtypes, or a torch tensor).
+        ``num_heads`` is a multiple of ``pool.num_kv_heads``: query head
+        ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    pool : BlockPool
+    layer : int
+    block_tables : integer array ``(num_seqs, max_blocks)``
+        Row ``s``: the blocks of sequence ``s`` in position order
+        (:func:`kvcore.padded_block_tables`).  Entries past a sequence's
+        length (or before its sliding window) are not read.
+    seq_lens : integer array ``(num_seqs,)``
+        KV length of each sequence, its query tokens included.
+    query_start_loc : integer array ``(num_seqs + 1,)``, optional
+        Cumulative query counts: sequence ``s`` owns query rows
+        ``query_start_loc[s] .. query_start_loc[s+1]-1``.  Default: one
+        query per sequence (decode).
+    scale : float, optional
+        Multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
+    sliding_window : int, optional
+        Each query sees only the last ``sliding_window`` positions up to and
+        including its own.
+    logits_soft_cap : float, optional
+        ``c``: scores become ``c * tanh(score / c)`` before the softmax (Gemma 2).
+    out : array ``(num_query_tokens, num_heads, head_dim)``, optional
+        Writable float32 (or float16 / bfloat16) array or torch tensor;
+        filled and returned.
+
+    Returns
+    -------
+    numpy.ndarray (float32) or ``out``
+        Query ``j`` of a sequence with ``m`` queries sits at position
+        ``seq_lens[s] - m + j`` and attends to positions ``0..`` that
+        position (causal).  Accumulated in float32 with an online softmax.
+
+    Notes
+    -----
+    Raw like ``BlockPool.gather``: the caller vouches that the positions
+    were written.  Runs on :func:`get_num_threads` threads without the GIL;
+    the bits do not depend on the thread count.
+    """
+    if not isinstance(pool, BlockPool):
+        raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+    layer = layer_index(layer, pool.num_layers)
+    if pool.device != "cpu":
+        raise NotImplementedError(
+            f"paged_attention on a {pool.device!r} pool is not implemented yet (CPU pools only)")
+    return _attention(q, pool.key_cache(layer), pool.value_cache(layer),
+                      _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens, query_start_loc, scale,
+                      sliding_window, logits_soft_cap, out)
+
+
+def _int64(a, arg):
+    """1-D integer ``a`` as C-contiguous int64 (uint64 values past the int64
+    range are an error here, before they could wrap)."""
+    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(a > np.iinfo(np.int64).max))
+        raise ValueError(f"{arg}[{i}] = {int(a[i])} is out of range")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _int32_table(t):
+    """2-D integer ``t`` as C-contiguous int32; entries outside the int32
+    range become -1 (never a block id, so reading one is an error)."""
+    if t.dtype == np.int32:
+        return np.ascontiguousarray(t)
+    if t.size and t.dtype.itemsize >= 4 and (t.min() < -2**31 or t.max() > 2**31 - 1):
+        t = np.where((t >= -2**31) & (t <= 2**31 - 1), t, -1)
+    return np.ascontiguousarray(t, dtype=np.int32)
+
+
+def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
+               query_start_loc, scale, sliding_window, logits_soft_cap, out):
+    """Check everything, then run the kernel.  key_cache/value_cache:
+    ``(num_blocks, num_kv_heads, block_size, head_dim)`` with contiguous
+    rows, views of ``storage`` (which ``out`` must not overlap)."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    qa = _query_array(q, num_kv_heads, head_dim)
+    num_tokens, num_heads, _ = qa.shape
+
+    tables = _int_array(block_tables, "block_tables", 2)
+    num_seqs, max_blocks = tables.shape
+    lens_in = _int_array(seq_lens, "seq_lens", 1)
+    if lens_in.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens must have one entry per row of block_tables ({num_seqs}), "
+                         f"got shape {tuple(lens_in.shape)}")
+    lens = _int64(lens_in, "seq_lens")
+    if query_start_loc is None:
+        if num_tokens != num_seqs:
+            raise ValueError(
+                f"without query_start_loc there is one query per sequence: q.shape[0] must be "
+                f"num_seqs={num_seqs}, got {num_tokens}")
+        qsl = np.arange(num_seqs + 1, dtype=np.int64)
+    else:
+        qsl_in = _int_array(query_start_loc, "query_start_loc", 1)
+        if qsl_in.shape[0] != num_seqs + 1:
+            raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
+                             f"got shape {tuple(qsl_in.shape)}")
+        qsl = _int64(qsl_in, "query_start_loc")
+
+    if scale is None:
+        scale_v = 1.0 / math.sqrt(head_dim)
+    else:
+        scale_v = _real(scale, "scale")
+    if sliding_window is None:
+        window = 0
+    else:
+        window = index_int(sliding_window, "sliding_window")
+        if window <= 0:
+            raise ValueError(f"sliding_window must be a positive integer or None, got {window}")
+    if logits_soft_cap is None:
+        cap_v = 0.0
+    else:
+        cap_v = _real(logits_soft_cap, "logits_soft_cap")
+        if cap_v <= 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {cap_v}")
+
+    tables32 = _int32_table(tables)
+    shape = (num_tokens, num_heads, head_dim)
+    if out is not None:
+        view = _out_view(out, shape, "(num_query_tokens, num_heads, head_dim)", storage)
+        direct = (view.dtype == np.float32 and view.flags.c_contiguous and view.flags.aligned
+                  and not np.may_share_memory(view, qa))
+    # q as float32, C-contiguous (float16 and bfloat16 widen exactly)
+    q32 = qa if qa.dtype == np.float32 and qa.flags.c_contiguous and qa.flags.aligned else \
+        np.ascontiguousarray(qa, dtype=np.float32)
+    if out is None:
+        result = target = np.empty(shape, np.float32)
+    else:
+        result = out
+        target = view if direct else np.empty(shape, np.float32)
+    # the integer arguments are checked in the same native call, before any work
+    status, a, b = _kernel.paged_attention(q32, target, key_cache, value_cache, kind, tables32,
+                                           lens, qsl, scale_v, window, cap_v, get_num_threads())
+    if status:
+        _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens)
+    if out is not None and not direct:
+        _fill_out(view, target)
+    return result
+
+
+def _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens):
+    name = _kernel.STATUS_NAMES.get(status)
+    if name == "BAD_SEQ_LEN":
+        cap = tables.shape[1] * block_size
+        raise ValueError(f"seq_lens must lie in 0..{cap} (block_tables.shape[1] * block_size "
+                         f"= {tables.shape[1]} * {block_size}), got {int(lens[a])} at index {a}")
+    if name == "BAD_FIRST_START":
+        raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
+    if name == "DECREASING_START":
+        raise ValueError(f"query_start_loc must be non-decreasing, got {int(qsl[a])} then "
+                         f"{int(qsl[a + 1])} at index {a}")
+    if name == "BAD_LAST_START":
+        raise ValueError(f"query_start_loc[-1] must be q.shape[0]={num_tokens} (the number of "
+                         f"query tokens), got {int(qsl[-1])}")
+    if name == "SHORT_SEQ":
+        raise ValueError(f"seq_lens[{a}] = {int(lens[a])} is less than the "
+                         f"{int(qsl[a + 1] - qsl[a])} query tokens of sequence {a}: seq_lens "
+                         "counts the queries too")
+    if name == "BAD_BLOCK_ID":
+        raise IndexError(f"block_tables[{a}, {b}] must be a block id in 0..{num_blocks - 1} "
+                         f"(position {b * block_size} of sequence {a} is read), got "
+                         f"{int(tables[a, b])}")
+    raise AssertionError(f"unknown check status {status}")  # pragma: no cover
+
+
+# ------------------------------------------------------------------ conveniences
+def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_soft_cap=None,
+                       out=None):
+    """``PagedKVCache.attention``: queries of positions ``num_computed ..
+    num_computed + n - 1`` of ``seq``, causal over the sequence."""
+    pool = seq.pool
+    layer = layer_index(layer, pool.num_layers)
+    qa = _host_view(q, "q")
+    if qa.ndim != 3:
+        raise ValueError(f"q must be 3-D (n, num_heads, head_dim), got shape {tuple(qa.shape)}")
+    n = qa.shape[0]
+    if n == 0:
+        raise ValueError("q must hold at least one query token, got n=0")
+    start = seq.num_computed
+    written = seq.num_written(layer)
+    if start + n > written:
+        raise ValueError(
+            f"the {n} queries sit at positions {start}..{start + n - 1}, but layer {layer} "
+            f"holds {written} written positions: append (or mark_written) the step's K/V "
+            f"for positions {written}..{start + n - 1} first")
+    table = seq.block_table
+    return paged_attention(q, pool, layer, table[None, :], np.array([start + n], np.int64),
+                           query_start_loc=np.array([0, n], np.int64), scale=scale,
+                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                           out=out)
+
+
+def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_soft_cap=None,
+                    out=None):
+    """``KVCache.attention``: ``q`` ``(batch, num_heads, n, head_dim)`` are the
+    queries of the layer's last ``n`` written positions; returns
+    ``(batch, num_heads, n, head_dim)`` float32 (or ``out``)."""
+    if cache.device != "cpu":
+        raise NotImplementedError(
+            f"KVCache.attention on a {cache.device!r} cache is not implemented yet "
+            "(CPU caches only)")
+    k = cache.key_cache(layer)    # checks layer
+    v = cache.value_cache(layer)
+    length = cache.layer_len(layer)
+    batch, num_kv_heads, max_len, head_dim = k.shape
+    qa = _host_view(q, "q")
+    if qa.ndim != 4:
+        raise ValueError(f"q must be 4-D (batch_size, num_heads, n, head_dim) = ({batch}, "
+                         f"num_heads, n, {head_dim}), got shape {tuple(qa.shape)}")
+    if qa.shape[0] != batch:
+        raise ValueError(f"q.shape[0] must be batch_size={batch}, got {qa.shape[0]}")
+    num_heads, n = qa.shape[1], qa.shape[2]
+    if qa.shape[3] != head_dim:
+        raise ValueError(f"q.shape[3] must be head_dim={head_dim}, got {qa.shape[3]}")
+    if n == 0:
+        raise ValueError("q must hold at least one query position, got n=0")
+    if n > length:
+        raise ValueError(f"q holds {n} query positions but layer {layer} holds only {length} "
+                         "written positions: update the layer with this step's K/V first")
+    if num_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of "
+                         f"num_kv_heads={num_kv_heads}, got {num_heads}")
+    shape = (batch, num_heads, n, head_dim)
+    storage = k.base if k.base is not None else k   # every layer's K and V
+    if out is not None:
+        view = _out_view(out, shape, "(batch_size, num_heads, n, head_dim)", storage)
+    # one "block" per batch row, block_size = max_seq_len
+    q_rows = np.ascontiguousarray(qa.transpose(0, 2, 1, 3)).reshape(batch * n, num_heads,
+                                                                    head_dim)
+    rows = _attention(q_rows, k, v, _dtypes.storage_kind(cache.dtype), storage,
+                      np.arange(batch).reshape(batch, 1), np.full(batch, length, np.int64),
+                      np.arange(0, batch * n + 1, n), scale, sliding_window, logits_soft_cap,
+                      None)
+    result = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
+    if out is None:
+        return np.ascontiguousarray(result)
+    _fill_out(view, result)
+    return out

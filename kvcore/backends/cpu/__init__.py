@@ -1,0 +1,1 @@
+"""CPU kernels (C, runtime SIMD dispatch) behind thin Cython wrappers.  Internal."""

@@ -1,0 +1,249 @@
+"""Thin wrapper over kv_attention.c: paged attention on the CPU.
+
+Every argument was validated by ``kvcore/attention.py`` (shapes, dtypes,
+block ids and positions in range, seq_lens >= query counts, out not
+overlapping q or the caches); this module only unpacks arrays into the C
+argument struct and runs the kernel without the GIL.  The kernel returns a
+status; Python raises.
+"""
+cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t
+
+cnp.import_array()
+
+# Status codes of the argument check (kvcore/attention.py turns them into errors).
+cdef enum:
+    CHECK_OK = 0
+    BAD_SEQ_LEN = 1        # seq_lens[a] outside 0..max_blocks * block_size
+    BAD_FIRST_START = 2    # query_start_loc[0] != 0
+    DECREASING_START = 3   # query_start_loc[a + 1] < query_start_loc[a]
+    BAD_LAST_START = 4     # query_start_loc[-1] != num_tokens
+    SHORT_SEQ = 5          # seq_lens[a] < the query count of sequence a
+    BAD_BLOCK_ID = 6       # block_tables[a, b] is read and outside 0..num_blocks - 1
+STATUS_NAMES = {BAD_SEQ_LEN: "BAD_SEQ_LEN", BAD_FIRST_START: "BAD_FIRST_START",
+                DECREASING_START: "DECREASING_START", BAD_LAST_START: "BAD_LAST_START",
+                SHORT_SEQ: "SHORT_SEQ", BAD_BLOCK_ID: "BAD_BLOCK_ID"}
+
+
+cdef extern from "kv_attention.h" nogil:
+    enum:
+        KVA_OK
+        KVA_ENOMEM
+        KVA_NUM_LEVELS
+    ctypedef struct kva_args:
+        const float *q
+        float *out
+        const char *key_cache
+        const char *value_cache
+        int kind
+        Py_ssize_t block_stride
+        Py_ssize_t head_stride
+        Py_ssize_t row_stride
+        int64_t block_size
+        int num_heads
+        int num_kv_heads
+        int head_dim
+        const int32_t *block_tables
+        Py_ssize_t block_table_stride
+        const int64_t *seq_lens
+        const int64_t *query_start_loc
+        int64_t num_seqs
+        float scale
+        int64_t sliding_window
+        float soft_cap
+        int num_threads
+    int kva_paged_attention(const kva_args *args)
+    int kva_best_level()
+    int kva_level_supported(int level)
+    int kva_current_level()
+    int kva_set_level(int level)
+    const char *kva_level_name(int level)
+    int kva_exp2_neg(int level, const float *x, float *y, Py_ssize_t n)
+    int kva_softcap(int level, const float *x, float *y, Py_ssize_t n, float a, float b)
+    int64_t kva_num_items(const kva_args *args)
+
+
+cdef int _fill(kva_args *a, const float[:, :, ::1] q, float[:, :, ::1] out,
+               cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
+               const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
+               const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
+               double soft_cap, int num_threads) except -1:
+    a.q = &q[0, 0, 0] if q.shape[0] else NULL
+    a.out = &out[0, 0, 0] if out.shape[0] else NULL
+    a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
+    a.value_cache = <const char *>cnp.PyArray_DATA(value_cache)
+    a.kind = kind
+    a.block_stride = key_cache.strides[0]
+    a.head_stride = key_cache.strides[1]
+    a.row_stride = key_cache.strides[2]
+    a.block_size = key_cache.shape[2]
+    a.num_heads = <int>q.shape[1]
+    a.num_kv_heads = <int>key_cache.shape[1]
+    a.head_dim = <int>q.shape[2]
+    a.block_tables = &block_tables[0, 0] if block_tables.shape[0] and block_tables.shape[1] \
+        else NULL
+    a.block_table_stride = block_tables.shape[1]
+    a.seq_lens = &seq_lens[0] if seq_lens.shape[0] else NULL
+    a.query_start_loc = &query_start_loc[0]
+    a.num_seqs = seq_lens.shape[0]
+    a.scale = <float>scale
+    a.sliding_window = sliding_window
+    a.soft_cap = <float>soft_cap
+    a.num_threads = num_threads
+    return 0
+
+
+def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
+                    cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
+                    const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
+                    const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
+                    double soft_cap, int num_threads):
+    """out[...] = attention (see kv_attention.h).  key_cache and value_cache:
+    (num_blocks, num_kv_heads, block_size, head_dim) with contiguous rows and
+    the same strides.  sliding_window 0 and soft_cap 0 mean none.
+
+    The integer arguments are checked first (see _check_tables); on a
+    failure nothing is computed and ``(status, a, b)`` is returned, else
+    ``(0, 0, 0)`` after the work."""
+    cdef Py_ssize_t ea = 0, eb = 0
+    cdef int check = _check_tables(block_tables, seq_lens, query_start_loc, q.shape[0],
+                                   key_cache.shape[0], key_cache.shape[2], sliding_window,
+                                   &ea, &eb)
+    if check != CHECK_OK:
+        return check, ea, eb
+    cdef kva_args a
+    _fill(&a, q, out, key_cache, value_cache, kind, block_tables, seq_lens, query_start_loc,
+          scale, sliding_window, soft_cap, num_threads)
+    cdef int status
+    with nogil:
+        status = kva_paged_attention(&a)
+    if status == KVA_ENOMEM:
+        raise MemoryError("paged_attention could not allocate its work buffers")
+    if status != KVA_OK:
+        raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
+    return CHECK_OK, 0, 0
+
+
+def num_items(const float[:, :, ::1] q, float[:, :, ::1] out,
+              cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
+              const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
+              const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
+              double soft_cap, int num_threads):
+    """Work items paged_attention would split these arguments into."""
+    cdef kva_args a
+    _fill(&a, q, out, key_cache, value_cache, kind, block_tables, seq_lens, query_start_loc,
+          scale, sliding_window, soft_cap, num_threads)
+    return kva_num_items(&a)
+
+
+def simd_level():
+    """Name of the kernel level in use."""
+    return kva_level_name(kva_current_level()).decode()
+
+
+def available_simd_levels():
+    """Names of the kernel levels this CPU can run, lowest first."""
+    return [kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS) if kva_level_supported(l)]
+
+
+def set_simd_level(name):
+    """Use kernel level ``name`` (process-wide); returns the previous name.
+    ``None`` restores the best level."""
+    previous = simd_level()
+    if name is None:
+        kva_set_level(kva_best_level())
+        return previous
+    for l in range(KVA_NUM_LEVELS):
+        if kva_level_name(l).decode() == name:
+            if kva_set_level(l) != 0:
+                raise ValueError(f"SIMD level {name!r} is not supported by this CPU")
+            return previous
+    raise ValueError(f"unknown SIMD level {name!r}; known: "
+                     f"{[kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS)]}")
+
+
+def _level_index(name):
+    for l in range(KVA_NUM_LEVELS):
+        if kva_level_name(l).decode() == name:
+            if not kva_level_supported(l):
+                raise ValueError(f"SIMD level {name!r} is not supported by this CPU")
+            return l
+    raise ValueError(f"unknown SIMD level {name!r}")
+
+
+def exp2_neg(const float[::1] x, float[::1] y, level):
+    """y = 2**x for x <= 0, as the kernels of ``level`` compute it (tests)."""
+    if x.shape[0] != y.shape[0]:
+        raise ValueError("x and y must have the same length")
+    cdef int l = _level_index(level)
+    if x.shape[0]:
+        kva_exp2_neg(l, &x[0], &y[0], x.shape[0])
+
+
+def softcap(const float[::1] x, float[::1] y, float a, float b, level):
+    """y = b * tanh(a * x), as the kernels of ``level`` compute it (tests)."""
+    if x.shape[0] != y.shape[0]:
+        raise ValueError("x and y must have the same length")
+    cdef int l = _level_index(level)
+    if x.shape[0]:
+        kva_softcap(l, &x[0], &y[0], x.shape[0], a, b)
+
+
+
+
+def check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
+                 const int64_t[::1] query_start_loc, int64_t num_tokens, int64_t num_blocks,
+                 int64_t block_size, int64_t sliding_window):
+    """See _check_tables."""
+    cdef Py_ssize_t a = 0, b = 0
+    cdef int status = _check_tables(block_tables, seq_lens, query_start_loc, num_tokens,
+                                    num_blocks, block_size, sliding_window, &a, &b)
+    return status, a, b
+
+
+cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
+                       const int64_t[::1] query_start_loc, int64_t num_tokens,
+                       int64_t num_blocks, int64_t block_size, int64_t sliding_window,
+                       Py_ssize_t *ea, Py_ssize_t *eb) noexcept nogil:
+    """One pass over the integer arguments of paged_attention, in the order
+    the errors are reported.  Returns ``(status, a, b)``; status 0 is fine.
+
+    Only the block-table entries the kernel will read are checked: those
+    from the first position visible to the sequence's first query
+    (sliding_window 0: none) to its last position."""
+    cdef Py_ssize_t S = seq_lens.shape[0], B = block_tables.shape[1], s, b
+    cdef int64_t cap = B * block_size, n, first, end_blk
+    cdef int32_t blk
+    for s in range(S):
+        if seq_lens[s] < 0 or seq_lens[s] > cap:
+            ea[0] = s
+            return BAD_SEQ_LEN
+    if query_start_loc[0] != 0:
+        return BAD_FIRST_START
+    for s in range(S):
+        if query_start_loc[s + 1] < query_start_loc[s]:
+            ea[0] = s
+            return DECREASING_START
+    if query_start_loc[S] != num_tokens:
+        return BAD_LAST_START
+    for s in range(S):
+        if seq_lens[s] < query_start_loc[s + 1] - query_start_loc[s]:
+            ea[0] = s
+            return SHORT_SEQ
+    for s in range(S):
+        n = query_start_loc[s + 1] - query_start_loc[s]
+        if n == 0:
+            continue
+        first = seq_lens[s] - n
+        if sliding_window > 0:
+            first = first + 1 - sliding_window
+            if first < 0:
+                first = 0
+        end_blk = (seq_lens[s] + block_size - 1) // block_size
+        for b in range(first // block_size, end_blk):
+            blk = block_tables[s, b]
+            if blk < 0 or blk >= num_blocks:
+                ea[0] = s
+                eb[0] = b
+                return BAD_BLOCK_ID
+    return CHECK_OK

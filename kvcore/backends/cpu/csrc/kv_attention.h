@@ -1,0 +1,87 @@
+/*
+ * kv_attention: attention over a paged KV cache, read where it lies.
+ *
+ * For each sequence s the queries are rows query_start_loc[s] ..
+ * query_start_loc[s+1]-1 of q; query j of a sequence with m queries sits at
+ * position seq_lens[s] - m + j and attends (causally) to positions 0..that
+ * position, or to the last sliding_window of them.  Keys and values of
+ * position t of kv head g live at
+ *     cache + block_tables[s][t / block_size] * block_stride
+ *           + g * head_stride + (t % block_size) * row_stride   (bytes)
+ * as head_dim contiguous elements of `kind` (float32, float16 or bfloat16
+ * bits), and are widened to float32 in registers.  Scores, the online
+ * softmax (running max, rescaled sum) and the output accumulate in float32.
+ *
+ * The caller has validated every argument (kvcore/attention.py): shapes,
+ * that block ids and positions are in range, seq_lens >= query counts.
+ * Nothing here touches the Python API: the call runs without the GIL.
+ *
+ * Work is split into items (sequence x kv head x query tile x key split);
+ * how a call is split depends only on its arguments, never on the thread
+ * count, and every item is computed and merged in a fixed order, so the
+ * result has the same bits for any number of threads.
+ */
+#ifndef KV_ATTENTION_H
+#define KV_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Element kinds (the numbering of kvcore._dtypes and kv_half.h). */
+enum { KVA_F32 = 0, KVA_F16 = 1, KVA_BF16 = 2 };
+
+/* Instruction-set levels of the kernels. */
+enum { KVA_SCALAR = 0, KVA_AVX2 = 1, KVA_NUM_LEVELS = 2 };
+
+/* Status codes. */
+enum { KVA_OK = 0, KVA_ENOMEM = -1, KVA_EINVAL = -2 };
+
+typedef struct {
+    const float *q;              /* (num_tokens, num_heads, head_dim), C-contiguous */
+    float *out;                  /* same shape, C-contiguous; must not overlap q or the caches */
+    const char *key_cache;
+    const char *value_cache;
+    int kind;                    /* KVA_F32 / KVA_F16 / KVA_BF16 */
+    ptrdiff_t block_stride;      /* bytes between blocks */
+    ptrdiff_t head_stride;       /* bytes between kv heads of a block */
+    ptrdiff_t row_stride;        /* bytes between positions of a block (rows contiguous) */
+    int64_t block_size;
+    int num_heads, num_kv_heads, head_dim;
+    const int32_t *block_tables; /* row s at block_tables + s * block_table_stride */
+    ptrdiff_t block_table_stride;
+    const int64_t *seq_lens;     /* (num_seqs,) */
+    const int64_t *query_start_loc; /* (num_seqs + 1,) */
+    int64_t num_seqs;
+    float scale;                 /* multiplies q.k */
+    int64_t sliding_window;      /* 0: none */
+    float soft_cap;              /* 0: none; else cap * tanh(score / cap) */
+    int num_threads;             /* >= 1 */
+} kva_args;
+
+/* Run attention; returns KVA_OK, KVA_ENOMEM (nothing written) or KVA_EINVAL. */
+int kva_paged_attention(const kva_args *args);
+
+/* Kernel level: the best this CPU supports unless set. */
+int kva_best_level(void);
+int kva_level_supported(int level);
+int kva_current_level(void);
+int kva_set_level(int level);          /* 0, or -1 (unchanged) if unsupported */
+const char *kva_level_name(int level); /* "scalar", "avx2"; NULL if out of range */
+
+/* exp2 of x <= 0 as the SIMD kernels compute it, for the accuracy test
+ * (level KVA_AVX2 needs the CPU to support it; returns -1 otherwise). */
+int kva_exp2_neg(int level, const float *x, float *y, ptrdiff_t n);
+/* b * tanh(a * x), the soft cap, as the kernels compute it. */
+int kva_softcap(int level, const float *x, float *y, ptrdiff_t n, float a, float b);
+
+/* Work items a call is split into (for tests and the benchmark's notes). */
+int64_t kva_num_items(const kva_args *args);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

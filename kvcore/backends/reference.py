@@ -1,0 +1,93 @@
+"""Reference backend: plain NumPy in float64, the oracle for every kernel.
+
+Written to be obviously correct, not fast: one sequence and one KV head at
+a time, the context gathered through the block table, the causal window
+spelled out position by position.
+"""
+import numpy as np
+
+__all__ = ["paged_attention_reference", "stored_values"]
+
+
+def stored_values(cache, kind=None):
+    """The stored elements of a cache as float64.
+
+    ``cache`` is float32, float16, ml_dtypes.bfloat16, or uint16 holding
+    bfloat16 bits (then ``kind`` must be "bfloat16").
+    """
+    a = np.asarray(cache)
+    if a.dtype == np.uint16:
+        if kind != "bfloat16":
+            raise TypeError("a uint16 cache holds bfloat16 bits only when kind='bfloat16'")
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
+                              query_start_loc=None, scale=None, sliding_window=None,
+                              logits_soft_cap=None, kind=None):
+    """Attention over a paged cache, in float64.
+
+    Parameters
+    ----------
+    q : array ``(num_query_tokens, num_heads, head_dim)``
+    key_cache, value_cache : arrays ``(num_blocks, num_kv_heads, block_size, head_dim)``
+        The stored values (float32, float16, bfloat16; uint16 bits with
+        ``kind="bfloat16"``).
+    block_tables : integer array ``(num_seqs, max_blocks)``
+    seq_lens : integer array ``(num_seqs,)``
+        KV length of each sequence, its query tokens included.
+    query_start_loc : integer array ``(num_seqs + 1,)``, optional
+        Sequence s owns query rows ``query_start_loc[s] .. query_start_loc[s+1]-1``;
+        default one query per sequence.
+    scale : float, optional
+        Default ``1 / sqrt(head_dim)``.
+    sliding_window : int, optional
+        Each query sees only the last ``sliding_window`` positions up to its own.
+    logits_soft_cap : float, optional
+        Scores become ``c * tanh(score / c)`` before the softmax.
+
+    Returns
+    -------
+    float64 array ``(num_query_tokens, num_heads, head_dim)``
+    """
+    q = stored_values(q, kind if np.asarray(q).dtype == np.uint16 else None)
+    k_all = stored_values(key_cache, kind)
+    v_all = stored_values(value_cache, kind)
+    block_tables = np.asarray(block_tables)
+    seq_lens = np.asarray(seq_lens)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_all.shape
+    group = num_heads // num_kv_heads
+    if query_start_loc is None:
+        query_start_loc = np.arange(len(seq_lens) + 1)
+    query_start_loc = np.asarray(query_start_loc)
+    if scale is None:
+        scale = 1.0 / np.sqrt(head_dim)
+    out = np.zeros((num_tokens, num_heads, head_dim), np.float64)
+    for s in range(len(seq_lens)):
+        length = int(seq_lens[s])
+        first, stop = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        m = stop - first
+        if m == 0:
+            continue
+        positions = np.arange(length)
+        blocks = block_tables[s, positions // block_size]
+        offsets = positions % block_size
+        for g in range(num_kv_heads):
+            k = k_all[blocks, g, offsets]          # (length, head_dim)
+            v = v_all[blocks, g, offsets]
+            for j in range(m):
+                pos = length - m + j               # this query's position
+                visible = positions <= pos
+                if sliding_window is not None:
+                    visible &= positions > pos - sliding_window
+                heads = slice(g * group, (g + 1) * group)
+                scores = q[first + j, heads] @ k[visible].T * scale   # (group, n_visible)
+                if logits_soft_cap is not None:
+                    scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
+                scores -= scores.max(axis=1, keepdims=True)
+                weights = np.exp(scores)
+                weights /= weights.sum(axis=1, keepdims=True)
+                out[first + j, heads] = weights @ v[visible]
+    return out

@@ -1,0 +1,245 @@
+"""Attention over the pages: ``kvcore.paged_attention`` against its baselines.
+
+Shape: 32 query heads, 8 KV heads, head_dim 128, float16 pages of 16
+positions, shuffled block tables.  Every number is measured in the same run:
+
+- decode (one query per sequence), contexts 512 / 4096 / 16384, batch 1
+  and 8: GB/s of KV read (K and V bytes of the context / time), against
+  a streaming read of the same number of bytes (``numpy.sum`` of a
+  float32 array), torch ``scaled_dot_product_attention(enable_gqa=True)``
+  in float32 and bfloat16 on contiguous tensors, and a gather of the pages
+  to float32 followed by NumPy matmuls;
+- causal prefill of 512 / 2048 tokens: GFLOP/s (4 * n^2 / 2 * head_dim *
+  heads flops) against torch float32 and bfloat16 SDPA;
+- one thread against two, for decode batch 8 and prefill 2048.
+
+Times are the minimum over repeats of the wall time (the least disturbed
+sample on a shared machine); ratios compare numbers of the same run.
+torch is optional (``pip install torch``, CPU build); without it the torch
+columns are left out with a note.
+"""
+import math
+import os
+import time
+
+import numpy as np
+
+import kvcore
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = "float16"
+
+
+def _min_time(fn, budget=1.0, repeat_min=3, repeat_max=50):
+    """Minimum seconds per call of ``fn()`` over repeats (at least
+    ``repeat_min``, then until ``budget`` seconds are spent)."""
+    fn()
+    best, spent, n = math.inf, 0.0, 0
+    while n < repeat_min or (spent < budget and n < repeat_max):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        spent += dt
+        n += 1
+    return best
+
+
+def _torch():
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None, None
+    return torch, F
+
+
+def _fill(a, rng):
+    """Random finite values in ``a`` (a tiled random chunk: cheap for GBs)."""
+    flat = a.reshape(-1)
+    chunk = rng.standard_normal(min(flat.size, 1 << 20)).astype(np.float32)
+    if a.dtype == np.float16:
+        chunk = chunk.astype(np.float16)
+    reps = -(-flat.size // chunk.size)
+    flat[...] = np.tile(chunk, reps)[:flat.size]
+
+
+def _decode_setup(ctx, batch, rng):
+    nblk = ctx // BLOCK_SIZE
+    pool = kvcore.BlockPool(nblk * batch, BLOCK_SIZE, 1, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    _fill(pool.storage, rng)
+    tables = rng.permutation(nblk * batch).astype(np.int32).reshape(batch, nblk)
+    lens = np.full(batch, ctx, np.int64)
+    q = rng.standard_normal((batch, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+    return pool, tables, lens, q
+
+
+def _numpy_attention(pool, tables, lens, q):
+    """The gather path: each sequence's pages to a contiguous float32
+    copy, then scores, softmax and output with NumPy matmuls."""
+    g = NUM_HEADS // NUM_KV_HEADS
+    out = np.empty_like(q)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    for s in range(len(lens)):
+        k, v = pool.gather(0, tables[s], 0, int(lens[s]), dtype="float32")  # (kvh, L, D)
+        qs = q[s].reshape(NUM_KV_HEADS, g, HEAD_DIM)
+        scores = np.matmul(qs, k.transpose(0, 2, 1)) * scale             # (kvh, g, L)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[s] = np.matmul(scores, v).reshape(NUM_HEADS, HEAD_DIM)
+    return out
+
+
+def _with_threads(n, torch):
+    kvcore.set_num_threads(n)
+    if torch is not None:
+        torch.set_num_threads(n)
+
+
+def bench_decode(ctx, batch, rng, budget, torch=None, F=None, threads=(1,)):
+    pool, tables, lens, q = _decode_setup(ctx, batch, rng)
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * pool.key_cache(0).itemsize
+    out = np.empty_like(q)
+    r = {"context": ctx, "batch": batch, "kv_bytes": kv_bytes}
+    _with_threads(1, torch)
+    stream = np.ones(kv_bytes // 4, np.float32)
+    r["stream_s"] = _min_time(lambda: stream.sum(), budget / 4)
+    del stream
+    for n in threads:
+        _with_threads(n, torch)
+        r[f"kvcore_{n}t_s"] = _min_time(
+            lambda: kvcore.paged_attention(q, pool, 0, tables, lens, out=out), budget)
+    _with_threads(1, torch)
+    r["numpy_s"] = _min_time(lambda: _numpy_attention(pool, tables, lens, q), budget / 2)
+    want = _numpy_attention(pool, tables, lens, q)
+    got = kvcore.paged_attention(q, pool, 0, tables, lens)
+    r["max_rel_diff_vs_numpy"] = float(np.abs(got - want).max() / np.abs(want).max())
+    if torch is not None:
+        k, v = pool.gather_batch(0, tables, lens, dtype="float32")   # (B, kvh, L, D)
+        tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+        tq = torch.from_numpy(q).reshape(batch, NUM_HEADS, 1, HEAD_DIM)
+        del k, v
+        with torch.inference_mode():
+            r["torch_f32_s"] = _min_time(
+                lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), budget / 2)
+            bk, bv, bq = tk.bfloat16(), tv.bfloat16(), tq.bfloat16()
+            del tk, tv
+            r["torch_bf16_s"] = _min_time(
+                lambda: F.scaled_dot_product_attention(bq, bk, bv, enable_gqa=True), budget / 2)
+    t1 = r["kvcore_1t_s"]
+    r["kvcore_GBps"] = kv_bytes / t1 / 1e9
+    r["stream_GBps"] = kv_bytes / r["stream_s"] / 1e9
+    r["fraction_of_stream"] = r["stream_s"] / t1
+    r["speedup_vs_numpy"] = r["numpy_s"] / t1
+    if torch is not None:
+        r["speedup_vs_torch_f32"] = r["torch_f32_s"] / t1
+        r["speedup_vs_torch_bf16"] = r["torch_bf16_s"] / t1
+    if 2 in threads:
+        r["speedup_2t_vs_1t"] = t1 / r["kvcore_2t_s"]
+    return r
+
+
+def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
+    blocks = -(-n // BLOCK_SIZE)
+    pool = kvcore.BlockPool(blocks, BLOCK_SIZE, 1, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    _fill(pool.storage, rng)
+    tables = rng.permutation(blocks).astype(np.int32).reshape(1, blocks)
+    lens = np.array([n], np.int64)
+    qsl = np.array([0, n], np.int64)
+    q = rng.standard_normal((n, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+    out = np.empty_like(q)
+    flops = 4.0 * n * n / 2 * HEAD_DIM * NUM_HEADS
+    r = {"tokens": n, "flops": flops}
+    for t in threads:
+        _with_threads(t, torch)
+        r[f"kvcore_{t}t_s"] = _min_time(
+            lambda: kvcore.paged_attention(q, pool, 0, tables, lens, qsl, out=out), budget,
+            repeat_min=2)
+    _with_threads(1, torch)
+    if torch is not None:
+        k, v = pool.gather(0, tables[0], 0, n, dtype="float32")
+        tk = torch.from_numpy(k)[None]
+        tv = torch.from_numpy(v)[None]
+        tq = torch.from_numpy(q).permute(1, 0, 2)[None].contiguous()
+        with torch.inference_mode():
+            r["torch_f32_s"] = _min_time(lambda: F.scaled_dot_product_attention(
+                tq, tk, tv, is_causal=True, enable_gqa=True), budget, repeat_min=2)
+            bq, bk, bv = tq.bfloat16(), tk.bfloat16(), tv.bfloat16()
+            r["torch_bf16_s"] = _min_time(lambda: F.scaled_dot_product_attention(
+                bq, bk, bv, is_causal=True, enable_gqa=True), budget, repeat_min=2)
+            ref = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
+        got = kvcore.paged_attention(q, pool, 0, tables, lens, qsl)
+        want = ref[0].permute(1, 0, 2).numpy()
+        r["max_rel_diff_vs_torch_f32"] = float(np.abs(got - want).max() / np.abs(want).max())
+    t1 = r["kvcore_1t_s"]
+    r["kvcore_GFLOPps"] = flops / t1 / 1e9
+    if torch is not None:
+        r["torch_f32_GFLOPps"] = flops / r["torch_f32_s"] / 1e9
+        r["speedup_vs_torch_f32"] = r["torch_f32_s"] / t1
+        r["speedup_vs_torch_bf16"] = r["torch_bf16_s"] / t1
+    if 2 in threads:
+        r["speedup_2t_vs_1t"] = t1 / r["kvcore_2t_s"]
+    return r
+
+
+def run(quick=False, seed=0):
+    """All measurements, as a dict (see the module docstring)."""
+    torch, F = _torch()
+    rng = np.random.default_rng(seed)
+    threads_before = kvcore.get_num_threads()
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    budget = 0.3 if quick else 1.5
+    res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                     "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},
+           "torch": torch.__version__ if torch is not None else None,
+           "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count(),
+           "decode": {}, "prefill": {}}
+    try:
+        decode = [(512, 1), (4096, 1), (4096, 8)] if quick else \
+            [(512, 1), (512, 8), (4096, 1), (4096, 8), (16384, 1), (16384, 8)]
+        for ctx, batch in decode:
+            threads = (1, 2) if batch == 8 else (1,)
+            res["decode"][f"ctx{ctx}_b{batch}"] = bench_decode(ctx, batch, rng, budget, torch, F,
+                                                               threads)
+        for n in ([512] if quick else [512, 2048]):
+            threads = (1, 2) if n == 2048 or quick else (1,)
+            res["prefill"][f"n{n}"] = bench_prefill(n, rng, budget, torch, F, threads)
+    finally:
+        kvcore.set_num_threads(threads_before)
+        if torch is not None:
+            torch.set_num_threads(torch_threads)
+    return res
+
+
+def _f(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def report(res):
+    lines = [f"paged_attention: {res['shape']['num_heads']} q heads, "
+             f"{res['shape']['num_kv_heads']} kv heads, head_dim {res['shape']['head_dim']}, "
+             f"{res['shape']['dtype']} pages of {res['shape']['block_size']}; one thread unless "
+             f"noted; torch {res['torch'] or 'not installed'}; min of repeats"]
+    lines.append("")
+    lines.append("decode        kvcore    GB/s  stream GB/s  of stream  x torch f32  "
+                 "x torch bf16  x gather+numpy  2 threads")
+    for name, r in res["decode"].items():
+        lines.append(
+            f"{name:12s} {r['kvcore_1t_s'] * 1e3:7.3f} ms {r['kvcore_GBps']:6.1f} "
+            f"{r['stream_GBps']:12.1f} {r['fraction_of_stream']:9.0%} "
+            f"{_f(r.get('speedup_vs_torch_f32'), '12.1f')} "
+            f"{_f(r.get('speedup_vs_torch_bf16'), '13.1f')} {r['speedup_vs_numpy']:15.1f} "
+            f"{_f(r.get('speedup_2t_vs_1t'), '10.2f')}")
+    lines.append("")
+    lines.append("prefill       kvcore        GFLOP/s  torch f32 GFLOP/s  x torch f32  "
+                 "x torch bf16  2 threads")
+    for name, r in res["prefill"].items():
+        lines.append(
+            f"{name:12s} {r['kvcore_1t_s'] * 1e3:9.1f} ms {r['kvcore_GFLOPps']:8.1f} "
+            f"{_f(r.get('torch_f32_GFLOPps'), '18.1f')} "
+            f"{_f(r.get('speedup_vs_torch_f32'), '12.2f')} "
+            f"{_f(r.get('speedup_vs_torch_bf16'), '13.2f')} "
+            f"{_f(r.get('speedup_2t_vs_1t'), '10.2f')}")
+    return "\n".join(lines)
