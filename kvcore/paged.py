@@ -367,6 +367,7 @@ class PagedKVCache(SeqCore):
         Returns ``(n, num_heads, head_dim)`` float32 (or ``out``).  Raises
         ValueError if any of those positions was never written.
         """
+        self._require("attention")
         from .attention import sequence_attention
 
         return sequence_attention(self, layer, q, scale=scale, sliding_window=sliding_window,

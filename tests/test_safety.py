@@ -181,6 +181,7 @@ _UNINIT_SCRIPT = textwrap.dedent("""
         "num_written": lambda s: s.num_written(0),
         "block_hashes": lambda s: s.block_hashes(),
         "gather": lambda s: s.gather(0),
+        "attention": lambda s: s.attention(0, np.zeros((1, 1, 4), np.float32)),
         "truncate": lambda s: s.truncate(0),
         "fork": lambda s: s.fork(),
         "copy_to": lambda s: s.copy_to(pool),
@@ -261,6 +262,8 @@ _LIVE_ONLY = {
     "extend_tokens": lambda s: s.extend_tokens([1]),
     "slot_mapping": lambda s: s.slot_mapping(0, 0),
     "gather": lambda s: s.gather(0),
+    "attention": lambda s: s.attention(0, np.zeros((1, s.pool.num_kv_heads, s.pool.head_dim),
+                                                    np.float32)),
     "truncate": lambda s: s.truncate(0),
 }
 
