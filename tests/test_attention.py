@@ -286,6 +286,21 @@ def test_out_strided_and_narrow_dtypes():
     np.testing.assert_array_equal(b, want.astype(ml_dtypes.bfloat16))
 
 
+def test_unaligned_and_strided_queries():
+    rng = np.random.default_rng(24)
+    pool, tables, lens, qsl, q, want = _decode_setup(rng)
+    raw = np.zeros(q.nbytes + 4, np.uint8)
+    unaligned = raw[2:2 + q.nbytes].view(np.float32).reshape(q.shape)
+    unaligned[...] = q
+    assert not unaligned.flags.aligned
+    np.testing.assert_array_equal(kvcore.paged_attention(unaligned, pool, 0, tables, lens, qsl),
+                                  want)
+    wide = np.zeros((6, 16, 64), np.float32)
+    wide[:, ::2] = q
+    np.testing.assert_array_equal(kvcore.paged_attention(wide[:, ::2], pool, 0, tables, lens,
+                                                         qsl), want)
+
+
 def test_out_may_be_q_itself():
     rng = np.random.default_rng(22)
     pool, tables, lens, qsl, q, want = _decode_setup(rng)
@@ -451,6 +466,7 @@ BAD = [
     (dict(block_tables=np.array([[3, 2**40, -1], [7, -1, -1]])), IndexError,
      r"block_tables\[0, 1\] .*got 1099511627776"),
     (dict(block_tables=np.array([3, 5])), ValueError, r"block_tables must be 2-D"),
+    (dict(block_tables=[[3, 5, 1], [7]]), ValueError, r"block_tables must be a 2-D integer"),
     (dict(query_start_loc=[1, 4, 5]), ValueError, r"query_start_loc\[0\] must be 0, got 1"),
     (dict(query_start_loc=[0, 4, 3]), ValueError, r"non-decreasing, got 4 then 3 at index 1"),
     (dict(query_start_loc=[0, 4, 6]), ValueError, r"query_start_loc\[-1\] must be q.shape\[0\]=5"),

@@ -8,7 +8,7 @@ positions, shuffled block tables.  Every number is measured in the same run:
   a streaming read of the same number of bytes (``numpy.sum`` of a
   float32 array), torch ``scaled_dot_product_attention(enable_gqa=True)``
   in float32 and bfloat16 on contiguous tensors, and a gather of the pages
-  to float32 followed by NumPy matmuls;
+  to float32 followed by ``numpy.einsum``;
 - causal prefill of 512 / 2048 tokens: GFLOP/s (4 * n^2 / 2 * head_dim *
   heads flops) against torch float32 and bfloat16 SDPA;
 - one thread against two, for decode batch 8 and prefill 2048.
@@ -76,18 +76,19 @@ def _decode_setup(ctx, batch, rng):
 
 def _numpy_attention(pool, tables, lens, q):
     """The gather path: each sequence's pages to a contiguous float32
-    copy, then scores, softmax and output with NumPy matmuls."""
+    copy, then scores, softmax and output with ``numpy.einsum`` (no BLAS,
+    so one thread whatever NumPy's BLAS is set to)."""
     g = NUM_HEADS // NUM_KV_HEADS
     out = np.empty_like(q)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     for s in range(len(lens)):
         k, v = pool.gather(0, tables[s], 0, int(lens[s]), dtype="float32")  # (kvh, L, D)
         qs = q[s].reshape(NUM_KV_HEADS, g, HEAD_DIM)
-        scores = np.matmul(qs, k.transpose(0, 2, 1)) * scale             # (kvh, g, L)
+        scores = np.einsum("hgd,hld->hgl", qs, k) * scale
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        out[s] = np.matmul(scores, v).reshape(NUM_HEADS, HEAD_DIM)
+        out[s] = np.einsum("hgl,hld->hgd", scores, v).reshape(NUM_HEADS, HEAD_DIM)
     return out
 
 
@@ -189,7 +190,7 @@ def run(quick=False, seed=0):
     rng = np.random.default_rng(seed)
     threads_before = kvcore.get_num_threads()
     torch_threads = torch.get_num_threads() if torch is not None else None
-    budget = 0.3 if quick else 1.5
+    budget = 0.2 if quick else 1.5
     res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                      "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},
            "torch": torch.__version__ if torch is not None else None,
@@ -197,7 +198,7 @@ def run(quick=False, seed=0):
            else os.cpu_count(),
            "decode": {}, "prefill": {}}
     try:
-        decode = [(512, 1), (4096, 1), (4096, 8)] if quick else \
+        decode = [(512, 1), (4096, 8)] if quick else \
             [(512, 1), (512, 8), (4096, 1), (4096, 8), (16384, 1), (16384, 8)]
         for ctx, batch in decode:
             threads = (1, 2) if batch == 8 else (1,)

@@ -1010,9 +1010,11 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
         const int64_t t1 = t0 + KVA_KEY_TILE;
         const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
                                       : 0;
-        /* The rows of a tile are scattered over blocks: start V while the
-         * scores are computed, and the next tile's K while P V is. */
+        /* The rows of a tile are scattered over blocks: start this tile's V
+         * and the next tile's K and V while this tile's scores are computed. */
         prefetch_rows(vrow, nt, row_bytes);
+        prefetch_rows(nkrow, nnext, row_bytes);
+        prefetch_rows(nvrow, nnext, row_bytes);
         if (widen) {
             kern->widen(krow, ntp, D, ws->kf); /* padding rows included */
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
@@ -1045,7 +1047,6 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
         }
-        prefetch_rows(nkrow, nnext, row_bytes);
         if (widen) {
             kern->widen(vrow, nt, D, ws->vf);
             kern_f32->pv(ws->S, M, D, ws->vfrow, nt, ws->acc, ws->alpha, ws->tmp);
