@@ -191,6 +191,8 @@ def test_whole_prefill_every_row():
 def test_mixed_batch_prefill_chunk_and_decode():
     rng = np.random.default_rng(3)
     run_case(rng, "bfloat16", [260, 900, 4999, 1], [260, 37, 1, 1], 16, 4, 128, 32)
+    # long contexts split into 1024-key pieces, for items of 4 rows and of 40
+    run_case(rng, "float16", [3000, 2500, 1100], [10, 1, 16], 16, 4, 64, 16)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 100, 10_000])
