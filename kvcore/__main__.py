@@ -25,6 +25,7 @@ BENCHMARKS = (
     ("convert", "float16/bfloat16 conversion"),
     ("sweep", "paged write bandwidth against tokens"),
     ("gpu", "GPU (CuPy) kernels"),
+    ("attention", "paged_attention against torch SDPA and gather + NumPy"),
 )
 OPTIONAL = {"convert", "gpu"}
 

@@ -106,7 +106,13 @@ def _host_view(x, arg):
 
 
 def _int_array(x, arg, ndim):
-    a = _host_view(x, arg) if not isinstance(x, (list, tuple)) else np.asarray(x)
+    if isinstance(x, (list, tuple)):
+        try:
+            a = np.asarray(x)
+        except ValueError as e:   # ragged nested lists
+            raise ValueError(f"{arg} must be a {ndim}-D integer array, got {e}") from None
+    else:
+        a = _host_view(x, arg)
     if a.ndim != ndim:
         raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(a.shape)}")
     if a.size and a.dtype.kind not in "iu":
@@ -308,7 +314,7 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
                   and not np.may_share_memory(view, qa))
     # q as float32, C-contiguous (float16 and bfloat16 widen exactly)
     q32 = qa if qa.dtype == np.float32 and qa.flags.c_contiguous and qa.flags.aligned else \
-        np.ascontiguousarray(qa, dtype=np.float32)
+        np.array(qa, dtype=np.float32, order="C")
     if out is None:
         result = target = np.empty(shape, np.float32)
     else:

@@ -191,6 +191,8 @@ def test_whole_prefill_every_row():
 def test_mixed_batch_prefill_chunk_and_decode():
     rng = np.random.default_rng(3)
     run_case(rng, "bfloat16", [260, 900, 4999, 1], [260, 37, 1, 1], 16, 4, 128, 32)
+    # long contexts split into 1024-key pieces, for items of 4 rows and of 40
+    run_case(rng, "float16", [3000, 2500, 1100], [10, 1, 16], 16, 4, 64, 16)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 100, 10_000])
@@ -284,6 +286,21 @@ def test_out_strided_and_narrow_dtypes():
     b = np.empty(want.shape, ml_dtypes.bfloat16)
     kvcore.paged_attention(q, pool, 0, tables, lens, qsl, out=b)
     np.testing.assert_array_equal(b, want.astype(ml_dtypes.bfloat16))
+
+
+def test_unaligned_and_strided_queries():
+    rng = np.random.default_rng(24)
+    pool, tables, lens, qsl, q, want = _decode_setup(rng)
+    raw = np.zeros(q.nbytes + 4, np.uint8)
+    unaligned = raw[2:2 + q.nbytes].view(np.float32).reshape(q.shape)
+    unaligned[...] = q
+    assert not unaligned.flags.aligned
+    np.testing.assert_array_equal(kvcore.paged_attention(unaligned, pool, 0, tables, lens, qsl),
+                                  want)
+    wide = np.zeros((6, 16, 64), np.float32)
+    wide[:, ::2] = q
+    np.testing.assert_array_equal(kvcore.paged_attention(wide[:, ::2], pool, 0, tables, lens,
+                                                         qsl), want)
 
 
 def test_out_may_be_q_itself():
@@ -451,6 +468,7 @@ BAD = [
     (dict(block_tables=np.array([[3, 2**40, -1], [7, -1, -1]])), IndexError,
      r"block_tables\[0, 1\] .*got 1099511627776"),
     (dict(block_tables=np.array([3, 5])), ValueError, r"block_tables must be 2-D"),
+    (dict(block_tables=[[3, 5, 1], [7]]), ValueError, r"block_tables must be a 2-D integer"),
     (dict(query_start_loc=[1, 4, 5]), ValueError, r"query_start_loc\[0\] must be 0, got 1"),
     (dict(query_start_loc=[0, 4, 3]), ValueError, r"non-decreasing, got 4 then 3 at index 1"),
     (dict(query_start_loc=[0, 4, 6]), ValueError, r"query_start_loc\[-1\] must be q.shape\[0\]=5"),
@@ -706,3 +724,42 @@ def test_only_avx2_functions_use_avx():
             bad[fn] = uses
     assert not bad, f"baseline functions use AVX: {bad}"
     assert {"scores_f16_avx2", "pv_f16_avx2", "scores_bf16_avx2", "row_exp_sum_avx2"} <= simd
+
+
+# ------------------------------------------------------------------ the C file on its own
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "kvcore", "backends", "cpu", "csrc")
+CHECK = os.path.join(ROOT, "tests", "c", "kv_attention_check.c")
+needs_source = pytest.mark.skipif(not os.path.exists(os.path.join(CSRC, "kv_attention.c")),
+                                  reason="needs the source tree")
+
+
+def _build_and_run_check(cc, out, extra=(), runner=()):
+    subprocess.run([cc, "-O2", "-pthread", *extra, f"-I{CSRC}", CHECK,
+                    os.path.join(CSRC, "kv_attention.c"), "-o", str(out), "-lm"],
+                   check=True, capture_output=True, text=True)
+    return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
+
+
+@needs_source
+def test_c_kernels_alone_every_level(tmp_path):
+    """kv_attention.c without Python: every level against a double-precision
+    attention in C (threads, GQA, window, soft cap, every page dtype)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    run = _build_and_run_check(cc, tmp_path / "check")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{len(LEVELS)} levels, 0 failures" in run.stdout
+
+
+@needs_source
+def test_c_kernels_on_aarch64_under_qemu(tmp_path):
+    """The portable path on AArch64 (cross-compiled, run under qemu-aarch64)."""
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
+    run = _build_and_run_check(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "level scalar: 12 cases, 0 failures" in run.stdout and "0 failures" in run.stdout

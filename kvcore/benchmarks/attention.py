@@ -8,7 +8,7 @@ positions, shuffled block tables.  Every number is measured in the same run:
   a streaming read of the same number of bytes (``numpy.sum`` of a
   float32 array), torch ``scaled_dot_product_attention(enable_gqa=True)``
   in float32 and bfloat16 on contiguous tensors, and a gather of the pages
-  to float32 followed by NumPy matmuls;
+  to float32 followed by ``numpy.einsum``;
 - causal prefill of 512 / 2048 tokens: GFLOP/s (4 * n^2 / 2 * head_dim *
   heads flops) against torch float32 and bfloat16 SDPA;
 - one thread against two, for decode batch 8 and prefill 2048.
@@ -60,13 +60,15 @@ def _fill(a, rng):
     chunk = rng.standard_normal(min(flat.size, 1 << 20)).astype(np.float32)
     if a.dtype == np.float16:
         chunk = chunk.astype(np.float16)
+    elif a.dtype == np.uint16:   # bfloat16 bits
+        chunk = kvcore.to_bfloat16(chunk)
     reps = -(-flat.size // chunk.size)
     flat[...] = np.tile(chunk, reps)[:flat.size]
 
 
-def _decode_setup(ctx, batch, rng):
+def _decode_setup(ctx, batch, rng, dtype=DTYPE):
     nblk = ctx // BLOCK_SIZE
-    pool = kvcore.BlockPool(nblk * batch, BLOCK_SIZE, 1, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    pool = kvcore.BlockPool(nblk * batch, BLOCK_SIZE, 1, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
     _fill(pool.storage, rng)
     tables = rng.permutation(nblk * batch).astype(np.int32).reshape(batch, nblk)
     lens = np.full(batch, ctx, np.int64)
@@ -76,18 +78,19 @@ def _decode_setup(ctx, batch, rng):
 
 def _numpy_attention(pool, tables, lens, q):
     """The gather path: each sequence's pages to a contiguous float32
-    copy, then scores, softmax and output with NumPy matmuls."""
+    copy, then scores, softmax and output with ``numpy.einsum`` (no BLAS,
+    so one thread whatever NumPy's BLAS is set to)."""
     g = NUM_HEADS // NUM_KV_HEADS
     out = np.empty_like(q)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     for s in range(len(lens)):
         k, v = pool.gather(0, tables[s], 0, int(lens[s]), dtype="float32")  # (kvh, L, D)
         qs = q[s].reshape(NUM_KV_HEADS, g, HEAD_DIM)
-        scores = np.matmul(qs, k.transpose(0, 2, 1)) * scale             # (kvh, g, L)
+        scores = np.einsum("hgd,hld->hgl", qs, k) * scale
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        out[s] = np.matmul(scores, v).reshape(NUM_HEADS, HEAD_DIM)
+        out[s] = np.einsum("hgl,hld->hgd", scores, v).reshape(NUM_HEADS, HEAD_DIM)
     return out
 
 
@@ -140,6 +143,21 @@ def bench_decode(ctx, batch, rng, budget, torch=None, F=None, threads=(1,)):
     return r
 
 
+def bench_page_dtypes(ctx, rng, budget):
+    """Decode of one sequence over float32, float16 and bfloat16 pages:
+    nanoseconds per (position, KV head), i.e. per K row and V row read."""
+    r = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        pool, tables, lens, q = _decode_setup(ctx, 1, rng, dtype)
+        out = np.empty_like(q)
+        kvcore.set_num_threads(1)
+        t = _min_time(lambda: kvcore.paged_attention(q, pool, 0, tables, lens, out=out), budget)
+        r[dtype] = {"seconds": t, "ns_per_row": t * 1e9 / (ctx * NUM_KV_HEADS),
+                    "GBps": 2 * ctx * NUM_KV_HEADS * HEAD_DIM * pool.key_cache(0).itemsize
+                    / t / 1e9}
+    return r
+
+
 def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
     blocks = -(-n // BLOCK_SIZE)
     pool = kvcore.BlockPool(blocks, BLOCK_SIZE, 1, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE)
@@ -189,7 +207,7 @@ def run(quick=False, seed=0):
     rng = np.random.default_rng(seed)
     threads_before = kvcore.get_num_threads()
     torch_threads = torch.get_num_threads() if torch is not None else None
-    budget = 0.3 if quick else 1.5
+    budget = 0.2 if quick else 1.5
     res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                      "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},
            "torch": torch.__version__ if torch is not None else None,
@@ -197,12 +215,14 @@ def run(quick=False, seed=0):
            else os.cpu_count(),
            "decode": {}, "prefill": {}}
     try:
-        decode = [(512, 1), (4096, 1), (4096, 8)] if quick else \
+        decode = [(512, 1), (4096, 8)] if quick else \
             [(512, 1), (512, 8), (4096, 1), (4096, 8), (16384, 1), (16384, 8)]
         for ctx, batch in decode:
             threads = (1, 2) if batch == 8 else (1,)
             res["decode"][f"ctx{ctx}_b{batch}"] = bench_decode(ctx, batch, rng, budget, torch, F,
                                                                threads)
+        if not quick:
+            res["page_dtypes"] = bench_page_dtypes(4096, rng, budget)
         for n in ([512] if quick else [512, 2048]):
             threads = (1, 2) if n == 2048 or quick else (1,)
             res["prefill"][f"n{n}"] = bench_prefill(n, rng, budget, torch, F, threads)
@@ -232,6 +252,11 @@ def report(res):
             f"{_f(r.get('speedup_vs_torch_f32'), '12.1f')} "
             f"{_f(r.get('speedup_vs_torch_bf16'), '13.1f')} {r['speedup_vs_numpy']:15.1f} "
             f"{_f(r.get('speedup_2t_vs_1t'), '10.2f')}")
+    if "page_dtypes" in res:
+        lines.append("")
+        lines.append("decode, context 4096, batch 1, by page dtype: ns per (position, kv head)")
+        lines.append("  " + "  ".join(f"{k} {v['ns_per_row']:.0f} ns ({v['GBps']:.1f} GB/s)"
+                                       for k, v in res["page_dtypes"].items()))
     lines.append("")
     lines.append("prefill       kvcore        GFLOP/s  torch f32 GFLOP/s  x torch f32  "
                  "x torch bf16  2 threads")

@@ -767,6 +767,7 @@ typedef struct {
     char *workspace;     /* per thread */
     size_t workspace_bytes;
     int tokens_per_tile, max_rows;
+    int split_rows;      /* rows of a partial slot: the most rows of a split item */
 } kva_job;
 
 static int64_t group_size(const kva_args *a) { return a->num_heads / a->num_kv_heads; }
@@ -795,9 +796,9 @@ static void key_range(const kva_args *a, int64_t s, int64_t q0, int64_t q1, int6
 
 /* Items of the call, in a fixed order (fills `items` when given). */
 static int64_t make_items(const kva_args *a, kva_item *items, int64_t *num_groups,
-                          int64_t *num_slots)
+                          int64_t *num_slots, int64_t *split_rows)
 {
-    int64_t n = 0, groups = 0, slots = 0, tq = tokens_per_tile(a), G = group_size(a);
+    int64_t n = 0, groups = 0, slots = 0, rows = 0, tq = tokens_per_tile(a), G = group_size(a);
     for (int64_t s = 0; s < a->num_seqs; s++) {
         int64_t nq = seq_queries(a, s);
         if (nq <= 0)
@@ -831,6 +832,8 @@ static int64_t make_items(const kva_args *a, kva_item *items, int64_t *num_group
                 if (nsplit > 1) {
                     groups++;
                     slots += nsplit;
+                    if ((q1 - q0) * G > rows)
+                        rows = (q1 - q0) * G;
                 }
             }
         }
@@ -839,10 +842,12 @@ static int64_t make_items(const kva_args *a, kva_item *items, int64_t *num_group
         *num_groups = groups;
     if (num_slots)
         *num_slots = slots;
+    if (split_rows)
+        *split_rows = rows;
     return n;
 }
 
-int64_t kva_num_items(const kva_args *a) { return make_items(a, NULL, NULL, NULL); }
+int64_t kva_num_items(const kva_args *a) { return make_items(a, NULL, NULL, NULL, NULL); }
 
 /* Per-thread workspace layout (floats unless noted). */
 typedef struct {
@@ -907,11 +912,11 @@ static void merge_group(kva_job *job, const kva_item *it, int M)
             o[d] = 0.0f;
         for (int64_t sp = 0; sp < nsplit; sp++) {
             const float *p = job->partials + (size_t)(base + sp) * job->partial_floats;
-            const float m = p[r], l = p[job->max_rows + r];
+            const float m = p[r], l = p[job->split_rows + r];
             if (m == -INFINITY)
                 continue; /* no key of this split was visible to this row */
             const float w = exp2f(m - mx);
-            const float *acc = p + 2 * (size_t)job->max_rows + (size_t)r * D;
+            const float *acc = p + 2 * (size_t)job->split_rows + (size_t)r * D;
             total += w * l;
             for (int d = 0; d < D; d++)
                 o[d] += w * acc[d];
@@ -1010,9 +1015,11 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
         const int64_t t1 = t0 + KVA_KEY_TILE;
         const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
                                       : 0;
-        /* The rows of a tile are scattered over blocks: start V while the
-         * scores are computed, and the next tile's K while P V is. */
+        /* The rows of a tile are scattered over blocks: start this tile's V
+         * and the next tile's K and V while this tile's scores are computed. */
         prefetch_rows(vrow, nt, row_bytes);
+        prefetch_rows(nkrow, nnext, row_bytes);
+        prefetch_rows(nvrow, nnext, row_bytes);
         if (widen) {
             kern->widen(krow, ntp, D, ws->kf); /* padding rows included */
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
@@ -1045,7 +1052,6 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
         }
-        prefetch_rows(nkrow, nnext, row_bytes);
         if (widen) {
             kern->widen(vrow, nt, D, ws->vf);
             kern_f32->pv(ws->S, M, D, ws->vfrow, nt, ws->acc, ws->alpha, ws->tmp);
@@ -1073,8 +1079,8 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
     }
     float *p = job->partials + (size_t)it->slot * job->partial_floats;
     memcpy(p, ws->m, (size_t)M * sizeof(float));
-    memcpy(p + job->max_rows, ws->l, (size_t)M * sizeof(float));
-    memcpy(p + 2 * (size_t)job->max_rows, ws->acc, (size_t)M * D * sizeof(float));
+    memcpy(p + job->split_rows, ws->l, (size_t)M * sizeof(float));
+    memcpy(p + 2 * (size_t)job->split_rows, ws->acc, (size_t)M * D * sizeof(float));
     /* The split that finishes last merges, in split order (acq_rel: every
      * other split's partial is visible to it). */
     if (__atomic_add_fetch(&job->group_done[it->group], 1, __ATOMIC_ACQ_REL) == it->nsplit)
@@ -1114,7 +1120,8 @@ int kva_paged_attention(const kva_args *a)
     /* the AVX2 kernels work on whole vectors of 8 dims */
     if (a->head_dim % 8)
         level = KVA_SCALAR;
-    int64_t ngroups = 0, nslots = 0, n = make_items(a, NULL, &ngroups, &nslots);
+    int64_t ngroups = 0, nslots = 0, split_rows = 0;
+    int64_t n = make_items(a, NULL, &ngroups, &nslots, &split_rows);
     if (n == 0)
         return KVA_OK;
     kva_job job;
@@ -1126,6 +1133,7 @@ int kva_paged_attention(const kva_args *a)
     job.num_items = n;
     job.tokens_per_tile = (int)tokens_per_tile(a);
     job.max_rows = (int)(job.tokens_per_tile * group_size(a));
+    job.split_rows = (int)split_rows;
     int nthreads = a->num_threads < 1 ? 1 : a->num_threads;
     if (nthreads > n)
         nthreads = (int)n;
@@ -1133,7 +1141,8 @@ int kva_paged_attention(const kva_args *a)
     /* One allocation: items, merge counters, partial slots, workspaces. */
     const int D = a->head_dim;
     job.workspace_bytes = workspace_layout(job.max_rows, D, NULL, NULL);
-    job.partial_floats = align64(((size_t)2 * job.max_rows + (size_t)job.max_rows * D) * 4) / 4;
+    job.partial_floats =
+        align64(((size_t)2 * job.split_rows + (size_t)job.split_rows * D) * 4) / 4;
     size_t items_bytes = align64((size_t)n * sizeof(kva_item));
     size_t counters_bytes = align64((size_t)ngroups * sizeof(int));
     size_t partial_bytes = (size_t)nslots * job.partial_floats * sizeof(float);
@@ -1146,7 +1155,7 @@ int kva_paged_attention(const kva_args *a)
     job.group_done = (int *)(mem + items_bytes);
     job.partials = (float *)(mem + items_bytes + counters_bytes);
     job.workspace = mem + items_bytes + counters_bytes + partial_bytes;
-    make_items(a, job.items, NULL, NULL);
+    make_items(a, job.items, NULL, NULL, NULL);
     memset(job.group_done, 0, counters_bytes);
     if (nthreads > 1)
         qsort(job.items, (size_t)n, sizeof(kva_item), by_cost);

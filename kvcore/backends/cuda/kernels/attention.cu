@@ -1,0 +1,215 @@
+/*
+ * attention.cu: attention over a paged KV cache on the GPU (flash-decoding).
+ *
+ * Same contract as the CPU kernels (kvcore/backends/cpu/csrc/kv_attention.h):
+ * sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]-1;
+ * query j of its m queries sits at position seq_lens[s] - m + j and attends
+ * to positions max(0, pos + 1 - window) .. pos (window 0: from 0).  K/V of
+ * position t of kv head g are at
+ *     cache + table[t / block_size] * c_block + g * c_head + (t % block_size) * c_tok
+ * (elements), head_dim contiguous, of kind KIND (0 float32, 1 float16 bits,
+ * 2 bfloat16 bits), widened to float32 in registers.
+ *
+ * kva_attention_split: one thread block per work item, an item being
+ * (query row, kv head, chunk of up to KVA_HEADS query heads of its group,
+ * split of the keys).  The host builds the item table (7 int64 per item:
+ * seq, query row, kv head, first head of the chunk, heads in the chunk,
+ * first key, end key) and the split count per item.  Each warp walks every
+ * KVA_WARPS-th key of the item; each lane holds head_dim / 32 dimensions;
+ * scores are warp-reduced, the softmax is online in base 2 (the scale
+ * carries log2 e), and the warps' (max, sum, acc) are merged in shared
+ * memory in warp order.  An item of one split writes the output; otherwise
+ * its partial goes to `partials` (slot = item index) and
+ * kva_attention_merge combines the splits of each (query row, head) in
+ * split order.  No atomics: the result does not depend on scheduling.
+ */
+
+#define KVA_WARPS 4
+#define KVA_HEADS 8
+#define KVA_LOG2E 1.4426950408889634f
+/* -inf without math.h (NVRTC compiles without headers) */
+#define KVA_NEG_INF (-__int_as_float(0x7f800000))
+
+typedef long long kva_i64;
+typedef unsigned short kva_u16;
+
+template <int KIND> struct KvaStorage { typedef kva_u16 type; };
+template <> struct KvaStorage<0> { typedef float type; };
+
+template <int KIND>
+__device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type *p)
+{
+    if constexpr (KIND == 0) {
+        return *p;
+    } else if constexpr (KIND == 1) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+        return f;
+    } else {
+        return __uint_as_float((unsigned)(*p) << 16);
+    }
+}
+
+__device__ __forceinline__ float kva_warp_sum(float x)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/* items: [num_items][7]; nsplit: splits of each item's (row, chunk);
+ * partials: per item KVA_HEADS * (D + 2) floats (m, l, acc[D] per head). */
+template <int KIND, int D>
+__global__ void __launch_bounds__(KVA_WARPS * 32)
+kva_attention_split(float *out, float *partials, const float *q,
+                    const typename KvaStorage<KIND>::type *key_cache,
+                    const typename KvaStorage<KIND>::type *value_cache,
+                    const int *block_tables, const kva_i64 *seq_lens,
+                    const kva_i64 *query_start_loc, const kva_i64 *items,
+                    const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
+                    kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
+                    float scale, kva_i64 window, float soft_cap)
+{
+    constexpr int NPL = (D + 31) / 32; /* dims per lane */
+    __shared__ float q_s[KVA_HEADS][D];
+    __shared__ float part_s[KVA_WARPS][KVA_HEADS][D + 2];
+
+    const kva_i64 *it = items + (kva_i64)blockIdx.x * 7;
+    const kva_i64 s = it[0], row = it[1], g = it[2], h0 = it[3];
+    const int nh = (int)it[4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool capped = soft_cap > 0.0f;
+    const float qscale = capped ? scale : scale * KVA_LOG2E;
+
+    for (int i = threadIdx.x; i < KVA_HEADS * D; i += blockDim.x) {
+        int h = i / D, d = i - h * D;
+        q_s[h][d] = h < nh ? q[(row * num_heads + h0 + h) * D + d] * qscale : 0.0f;
+    }
+    __syncthreads();
+
+    /* this query's visible keys, within the item's range */
+    const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
+    const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
+    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    kva_i64 hi = pos + 1;
+    if (it[5] > lo)
+        lo = it[5];
+    if (it[6] < hi)
+        hi = it[6];
+
+    float m[KVA_HEADS], l[KVA_HEADS], acc[KVA_HEADS][NPL];
+#pragma unroll
+    for (int h = 0; h < KVA_HEADS; h++) {
+        m[h] = KVA_NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            acc[h][i] = 0.0f;
+    }
+    const int *table = block_tables + s * table_stride;
+    for (kva_i64 t = lo + warp; t < hi; t += KVA_WARPS) {
+        kva_i64 blk = t / block_size;
+        kva_i64 base = (kva_i64)table[blk] * c_block + g * c_head + (t - blk * block_size) * c_tok;
+        float kv[NPL], vv[NPL];
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            int d = lane + 32 * i;
+            kv[i] = d < D ? kva_widen<KIND>(key_cache + base + d) : 0.0f;
+            vv[i] = d < D ? kva_widen<KIND>(value_cache + base + d) : 0.0f;
+        }
+#pragma unroll
+        for (int h = 0; h < KVA_HEADS; h++) {
+            if (h >= nh)
+                break;
+            float part = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NPL; i++) {
+                int d = lane + 32 * i;
+                if (d < D)
+                    part = fmaf(q_s[h][d], kv[i], part);
+            }
+            float score = kva_warp_sum(part);
+            if (capped)
+                score = soft_cap * KVA_LOG2E * tanhf(score / soft_cap);
+            float mnew = fmaxf(m[h], score);
+            float alpha = exp2f(m[h] - mnew); /* m = -inf: 0 */
+            float p = exp2f(score - mnew);
+            l[h] = l[h] * alpha + p;
+            m[h] = mnew;
+#pragma unroll
+            for (int i = 0; i < NPL; i++)
+                acc[h][i] = fmaf(p, vv[i], acc[h][i] * alpha);
+        }
+    }
+
+    /* merge the warps in warp order */
+#pragma unroll
+    for (int h = 0; h < KVA_HEADS; h++) {
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            int d = lane + 32 * i;
+            if (d < D)
+                part_s[warp][h][2 + d] = acc[h][i];
+        }
+        if (lane == 0) {
+            part_s[warp][h][0] = m[h];
+            part_s[warp][h][1] = l[h];
+        }
+    }
+    __syncthreads();
+    const bool single = nsplit[blockIdx.x] == 1;
+    for (int i = threadIdx.x; i < nh * D; i += blockDim.x) {
+        int h = i / D, d = i - h * D;
+        float mx = KVA_NEG_INF;
+        for (int w = 0; w < KVA_WARPS; w++)
+            mx = fmaxf(mx, part_s[w][h][0]);
+        float total = 0.0f, a = 0.0f;
+        for (int w = 0; w < KVA_WARPS; w++) {
+            float mw = part_s[w][h][0];
+            if (mw == KVA_NEG_INF)
+                continue;
+            float wgt = exp2f(mw - mx);
+            total += wgt * part_s[w][h][1];
+            a += wgt * part_s[w][h][2 + d];
+        }
+        if (single) {
+            out[(row * num_heads + h0 + h) * D + d] = a / total;
+        } else {
+            float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
+            p[2 + d] = a;
+            if (d == 0) {
+                p[0] = mx;
+                p[1] = total;
+            }
+        }
+    }
+}
+
+/* rows: [num_rows][4] = (query row, first head, heads, first item); the
+ * splits of a row are consecutive items first_item .. first_item + n - 1,
+ * n = nsplit[first_item].  One thread block per row, threads over dims. */
+template <int D>
+__global__ void kva_attention_merge(float *out, const float *partials, const kva_i64 *rows,
+                                    const int *nsplit, kva_i64 num_heads)
+{
+    const kva_i64 *r = rows + (kva_i64)blockIdx.x * 4;
+    const kva_i64 row = r[0], h0 = r[1], nh = r[2], first = r[3];
+    const int n = nsplit[first];
+    for (kva_i64 i = threadIdx.x; i < nh * D; i += blockDim.x) {
+        kva_i64 h = i / D, d = i - h * D;
+        float mx = KVA_NEG_INF;
+        for (int sp = 0; sp < n; sp++)
+            mx = fmaxf(mx, partials[(first + sp) * KVA_HEADS * (D + 2) + h * (D + 2)]);
+        float total = 0.0f, a = 0.0f;
+        for (int sp = 0; sp < n; sp++) {
+            const float *p = partials + (first + sp) * KVA_HEADS * (D + 2) + h * (D + 2);
+            if (p[0] == KVA_NEG_INF)
+                continue;
+            float wgt = exp2f(p[0] - mx);
+            total += wgt * p[1];
+            a += wgt * p[2 + d];
+        }
+        out[(row * num_heads + h0 + h) * D + d] = a / total;
+    }
+}
