@@ -26,7 +26,7 @@ def main(argv=None):
     if a.repeat < 1:
         p.error(f"--repeat: expected a positive integer, got {a.repeat}")
     if a.level is not None:
-        from kvcore._native import _convert  # noqa: PLC0415
+        from kvcore.backends.cpu import _convert  # noqa: PLC0415
 
         if a.level not in _convert.available_simd_levels():
             p.error(f"--level: expected one of {', '.join(_convert.available_simd_levels())} "

@@ -263,7 +263,7 @@ def bench_main(args, parser):
     elapsed = time.perf_counter() - t_all
 
     try:
-        from ._native import _convert
+        from .backends.cpu import _convert
 
         simd = _convert.get_simd_level()
     except Exception:  # an older native build: only the header loses it

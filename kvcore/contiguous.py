@@ -10,9 +10,9 @@ the device's backend; reads are views.  Positions that were never written
 
 import numpy as np
 
-from . import _arrays, _dtypes
-from ._backend import get_backend
-from ._dtypes import KIND_NAME, STORAGE
+from . import _arrays, dtypes
+from .backends import get_backend
+from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
 from ._validate import index_int, positive_int
 
@@ -83,7 +83,7 @@ class KVCache:
         head_dim = positive_int(head_dim, "head_dim")
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         batch_size = positive_int(batch_size, "batch_size")
-        kind = _dtypes.storage_kind(dtype, "dtype")
+        kind = dtypes.storage_kind(dtype, "dtype")
         backend = get_backend(device)
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
         storage = self._allocate(backend, shape, kind)
@@ -96,7 +96,7 @@ class KVCache:
         try:
             return backend.empty(shape, STORAGE[kind])
         except MemoryError:
-            nbytes = _dtypes.ITEMSIZE[kind]
+            nbytes = dtypes.ITEMSIZE[kind]
             for s in shape:
                 nbytes *= s
             raise MemoryError(
@@ -291,7 +291,7 @@ class KVCache:
             raise ValueError(
                 f"end must be <= {length} (the positions written in layer {layer}), got "
                 f"{end}: positions {length}..{end - 1} were never written")
-        out_kind = None if dtype is None else _dtypes.storage_kind(dtype, "dtype")
+        out_kind = None if dtype is None else dtypes.storage_kind(dtype, "dtype")
         k_plane, v_plane = self._planes[layer]
         k = k_plane[:, :, start:end]
         v = v_plane[:, :, start:end]
@@ -494,7 +494,7 @@ class KVCache:
             ``head_dim``, ``max_seq_len``, ``dtype``, ``itemsize``,
             ``device``.
         """
-        itemsize = _dtypes.ITEMSIZE[self._kind]
+        itemsize = dtypes.ITEMSIZE[self._kind]
         per_token_layer = 2 * self._batch_size * self._num_kv_heads * self._head_dim * itemsize
         per_token = per_token_layer * self._num_layers
         per_layer = per_token_layer * self._max_seq_len

@@ -3,8 +3,8 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _dtypes
-from ._backend import get_backend
+from . import _arrays, dtypes
+from .backends import get_backend
 from ._native import _pool
 from ._validate import index_int, layer_index, positive_int
 
@@ -81,7 +81,7 @@ class BlockPool:
         self._num_layers = positive_int(num_layers, "num_layers")
         self._num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self._head_dim = positive_int(head_dim, "head_dim")
-        self._kind = _dtypes.storage_kind(dtype)
+        self._kind = dtypes.storage_kind(dtype)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
@@ -91,7 +91,7 @@ class BlockPool:
         self._caching = bool(enable_prefix_caching)
         self._storage = self._backend.zeros(
             (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
-             self._head_dim), _dtypes.STORAGE[self._kind])
+             self._head_dim), dtypes.STORAGE[self._kind])
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size)
@@ -140,7 +140,7 @@ class BlockPool:
     @property
     def dtype(self):
         """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
-        return _dtypes.KIND_NAME[self._kind]
+        return dtypes.KIND_NAME[self._kind]
 
     @property
     def storage(self):
@@ -151,7 +151,7 @@ class BlockPool:
     def bytes_per_block(self):
         """Bytes one block takes across all layers, K and V."""
         return (2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
-                * _dtypes.ITEMSIZE[self._kind])
+                * dtypes.ITEMSIZE[self._kind])
 
     def key_cache(self, layer):
         """Layer ``layer``'s keys: a view ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
@@ -494,7 +494,7 @@ class BlockPool:
                              f"{tuple(v.shape)}")
         if sv != sk:
             raise TypeError(f"k and v must have the same dtype, got "
-                            f"{_dtypes.KIND_NAME[sk]} and {_dtypes.KIND_NAME[sv]}")
+                            f"{dtypes.KIND_NAME[sk]} and {dtypes.KIND_NAME[sv]}")
         return self._apart(k), self._apart(v), sk
 
     def _apart(self, a):
@@ -519,8 +519,8 @@ class BlockPool:
         two apart)."""
         be = self._backend
         if out is None:
-            return [(a, a) for a in (be.empty(shape, _dtypes.STORAGE[kind]),
-                                     be.empty(shape, _dtypes.STORAGE[kind]))]
+            return [(a, a) for a in (be.empty(shape, dtypes.STORAGE[kind]),
+                                     be.empty(shape, dtypes.STORAGE[kind]))]
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
                             + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
@@ -568,7 +568,7 @@ class BlockPool:
         return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
 
     def _out_kind(self, dtype):
-        return self._kind if dtype is None else _dtypes.storage_kind(dtype)
+        return self._kind if dtype is None else dtypes.storage_kind(dtype)
 
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
@@ -594,7 +594,7 @@ class BlockPool:
         if out is None:
             return [o[0] for o in outs]
         be = self._backend
-        return [dst if self._direct(dst) else be.empty(shape, _dtypes.STORAGE[kind])
+        return [dst if self._direct(dst) else be.empty(shape, dtypes.STORAGE[kind])
                 for dst, _ in outs]
 
     @staticmethod

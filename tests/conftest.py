@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from kvcore._native import _convert
+from kvcore.backends.cpu import _convert
 
 
 @pytest.fixture(params=_convert.available_simd_levels())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore._native import _kernels
+from kvcore.backends.cpu import _kernels
 
 try:
     import ml_dtypes
@@ -271,7 +271,7 @@ def test_kernels_refuse_misaligned_arrays_instead_of_undefined_behaviour():
     with pytest.raises(ValueError, match="not aligned"):
         _kernels.gather(pool.key_cache(0), _misaligned(np.array([1], np.int32)), 0, 4, out, 1, 1)
     with pytest.raises(ValueError, match="aligned"):
-        from kvcore._native import _convert
+        from kvcore.backends.cpu import _convert
         _convert.convert_array(np.zeros(4, np.float32), 0, _misaligned(np.zeros(4, np.float16)), 1)
 
 

@@ -35,13 +35,13 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
-from kvcore._native._convert cimport KVH_F16, KVH_F32, convert_n, convert_n_stream, kind_itemsize, stream_fence
+from kvcore.backends.cpu._convert cimport KVH_F16, KVH_F32, convert_n, convert_n_stream, kind_itemsize, stream_fence
 from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
 from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
 
 from kvcore._native import _pool as _pool_module
-from kvcore._native._kernels import tensor_meta as _tensor_meta
-from kvcore._backend import CPU as _CPU
+from kvcore.backends.cpu._kernels import tensor_meta as _tensor_meta
+from kvcore.backends import CPU as _CPU
 
 cnp.import_array()
 

@@ -1,7 +1,7 @@
 """CPU data-movement kernels: paged slot writes, gathers, block copies and
 contiguous-cache writes, converting with the RNE routines while they copy.
 
-Callers (``kvcore/_backend.py``) have validated every argument: shapes,
+Callers (``kvcore/backends/``) have validated every argument: shapes,
 kinds, slot ranges, that the innermost axis of every array is contiguous,
 that every array is aligned for its element type (the loops load and store
 typed elements; a misaligned one is an error here, never undefined
@@ -12,7 +12,7 @@ cimport numpy as cnp
 from libc.stdint cimport uintptr_t
 from libc.string cimport memcpy
 
-from kvcore._native._convert cimport convert_n, convert_n_stream, kind_itemsize, stream_fence
+from kvcore.backends.cpu._convert cimport convert_n, convert_n_stream, kind_itemsize, stream_fence
 from kvcore._native._typedefs cimport block_id_t, slot_t
 
 cnp.import_array()

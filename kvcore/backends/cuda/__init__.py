@@ -1,7 +1,7 @@
 """Optional CUDA backend (CuPy).  Internal.
 
 This is the one module in kvcore that imports CuPy, and it does so lazily:
-importing ``kvcore`` or ``kvcore._cuda`` never needs CuPy or a GPU.
+importing ``kvcore`` or ``kvcore.backends.cuda`` never needs CuPy or a GPU.
 ``get_cuda_backend`` hands out one ``CudaBackend`` per device, or raises
 ``CudaUnavailableError`` saying what is missing; ``cuda_available`` answers
 without raising (for tests and feature checks).
@@ -9,7 +9,7 @@ without raising (for tests and feature checks).
 import re
 import threading
 
-from .._errors import KVCacheError
+from ..._errors import KVCacheError
 
 __all__ = ["CudaUnavailableError", "cuda_available", "get_cuda_backend", "backend_for_array"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 HEADER = "kv_half.cuh"
 
-# Element kinds (kvcore._dtypes / kv_half.h numbering).
+# Element kinds (kvcore.dtypes / kv_half.h numbering).
 F32, F16, BF16 = 0, 1, 2
 KINDS = (F32, F16, BF16)
 
