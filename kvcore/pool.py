@@ -1,11 +1,12 @@
 """BlockPool: one pool of KV blocks shared by many sequences."""
+import functools
 import threading
 
 import numpy as np
 
 from . import _arrays, dtypes
 from .backends import get_backend
-from ._native import _pool
+from ._native import _pool, _seq
 from ._validate import index_int, layer_index, positive_int
 
 __all__ = ["BlockPool"]
@@ -74,6 +75,21 @@ class BlockPool:
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim,
                  dtype="float16", device="cpu", enable_prefix_caching=True):
+        self._init(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+                   enable_prefix_caching, forge_hashes=False)
+
+    @classmethod
+    def _with_forged_hashes(cls, *args, **kwargs):
+        """Test seam (never used by the library): a pool on which every block
+        of every sequence hashes alike, so that only the stored token ids and
+        the identity chain keep another prefix's KV out.  Fixed when the
+        pool is made; the hot paths carry no hook for it."""
+        self = cls.__new__(cls)
+        self._init(*_constructor_args(*args, **kwargs), forge_hashes=True)
+        return self
+
+    def _init(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+              enable_prefix_caching, forge_hashes):
         num_blocks = positive_int(num_blocks, "num_blocks")
         if num_blocks > 2**31 - 2:
             raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
@@ -94,10 +110,16 @@ class BlockPool:
              self._head_dim), dtypes.STORAGE[self._kind])
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
-        self._core = _pool.PoolCore(num_blocks, self._block_size)
+        self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
         self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
-        self._prefix_queries = 0
-        self._prefix_hits = 0
+        # what every sequence on this pool binds to (PagedKVCache): the
+        # backend's row writer makes an append one native call
+        self._binding = _seq.PoolBinding(
+            self._core, self._lock, self._block_size, self._num_layers, self._caching,
+            self._backend.row_writer(self._storage, self._kind),
+            # (the storage, not the pool: no reference cycle keeps a dropped
+            # pool's memory alive)
+            functools.partial(self._backend.copy_blocks, self._storage))
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
@@ -198,7 +220,7 @@ class BlockPool:
         with self._lock:
             self._forget_dead_salts()
             free = self._core.num_free
-            q, h = self._prefix_queries, self._prefix_hits
+            q, h = self._core.prefix_queries, self._core.prefix_hits
             return {
                 "num_blocks": self._num_blocks,
                 "num_free_blocks": free,
@@ -239,7 +261,8 @@ class BlockPool:
         if self._caching:
             sb = salt_bytes(salt)
             max_hit = (n - 1) // bs
-            hashes = hashing.hash_words(tokens, bs, hashing.root_words(sb), max_hit)
+            r0, r1 = hashing.root_words(sb)
+            hashes = self._core.chain_hashes(tokens, max_hit, r0, r1)
             with self._lock:
                 self._forget_dead_salts()
                 root = -1 if sb is None else self._salt_roots.get(sb)
@@ -265,6 +288,43 @@ class BlockPool:
         """Verify the bookkeeping's internal invariants (raises AssertionError)."""
         with self._lock:
             return self._core.check()
+
+    def debug_snapshot(self):
+        """The whole bookkeeping state, as plain Python values, mainly for
+        tests (like vLLM's ``get_all_free_blocks``): comparing two snapshots
+        shows whether an operation changed anything.
+
+        Returns
+        -------
+        dict
+            ``ref_counts`` (list, per block), ``cached`` (list of bools, per
+            block), ``lru_order`` (the cached blocks nobody holds, least
+            recently used first: evicted in this order), ``num_free_blocks``,
+            ``num_uncached_free`` (free blocks outside the prefix cache) and
+            ``stats`` (:meth:`stats`).
+        """
+        with self._lock:
+            core = self._core
+            n = self._num_blocks
+            return {
+                "ref_counts": [int(core.ref_count(b)) for b in range(n)],
+                "cached": [bool(core.is_cached(b)) for b in range(n)],
+                "lru_order": list(core.lru_order()),
+                "num_free_blocks": int(core.num_free),
+                "num_uncached_free": int(core.num_uncached_free),
+                "stats": self.stats(),
+            }
+
+    def debug_cached_block(self, block_id):
+        """``(token_ids, hash)`` a cached block is registered with (token ids
+        an int32 array, hash two ints), mainly for tests; raises ValueError
+        for a block that is not cached."""
+        b = self._block_id(block_id)
+        with self._lock:
+            if not self._core.is_cached(b):
+                raise ValueError(f"block {b} is not in the prefix cache")
+            lo, hi = self._core.cached_hash(b)
+            return self._core.cached_tokens(b).copy(), (int(lo), int(hi))
 
     # ------------------------------------------------------------ data
     def write(self, layer, k, v, slots, src_dtype=None, check=True):
@@ -425,8 +485,8 @@ class BlockPool:
         if not isinstance(dst_pool, BlockPool):
             raise TypeError(f"dst_pool must be a kvcore.BlockPool, got {type(dst_pool).__name__}")
         mine = (self._num_layers, self._num_kv_heads, self._block_size, self._head_dim, self._kind)
-        theirs = (dst_pool._num_layers, dst_pool._num_kv_heads, dst_pool._block_size,
-                  dst_pool._head_dim, dst_pool._kind)
+        theirs = (dst_pool.num_layers, dst_pool.num_kv_heads, dst_pool.block_size,
+                  dst_pool.head_dim, dtypes.storage_kind(dst_pool.dtype))
         if mine != theirs:
             raise ValueError(
                 "dst_pool must have the same (num_layers, num_kv_heads, block_size, head_dim, "
@@ -446,9 +506,9 @@ class BlockPool:
         if not src.size:
             return
         # a GPU on either side drives the copy (it can read and write host memory)
-        be = self._backend if self._backend.name != "cpu" else dst_pool._backend
+        be = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
         if dst_pool is not self:
-            be.copy_blocks_between(self._storage, src, dst_pool._storage, dst)
+            be.copy_blocks_between(self._storage, src, dst_pool.storage, dst)
             return
         staged = np.isin(src, dst)
         if not staged.any():
@@ -604,12 +664,55 @@ class BlockPool:
                 dst[...] = tmp
         return outs[0][1], outs[1][1]
 
+    # ------------------------------------------------------------ private interface
+    # What the other public classes of kvcore (PagedKVCache, the block-table
+    # helpers) may ask of a pool; nobody else reads its storage, core, lock
+    # or backend.
+
+    def _bind_sequence(self):
+        """The ``PoolBinding`` a new sequence's core is made with."""
+        return self._binding
+
     def _copy_blocks(self, src, dst):
+        """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V)."""
         self._backend.copy_blocks(self._storage, np.asarray(src, np.int32),
                                   np.asarray(dst, np.int32))
+
+    def _take_blocks(self, n, out):
+        """Take ``n`` free blocks into int32 ``out`` (reference count 1):
+        True, or False when fewer are free (nothing taken)."""
+        with self._lock:
+            return self._core.take(n, out)
+
+    def _release_blocks(self, block_ids):
+        """Give back blocks taken with :meth:`_take_blocks`."""
+        with self._lock:
+            self._core.release(block_ids)
+
+    def _write_positions(self, layer, k, v, slots, src_kind):
+        """K and V (validated by :meth:`_kv_input`) to the slots of a
+        sequence's own positions in (validated) ``layer``."""
+        be = self._backend
+        be.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
+        be.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
+
+    def _gather_table(self, layer, table, start, end, dtype, out):
+        """:meth:`gather` of a sequence's own (checked) table."""
+        return self._gather(layer, table, start, end, dtype, out)
+
+    def _device_array(self, a):
+        """Host array ``a`` on this pool's device."""
+        return self._backend.from_host(a)
 
     def __repr__(self):
         return (f"BlockPool(num_blocks={self._num_blocks}, block_size={self._block_size}, "
                 f"num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
                 f"head_dim={self._head_dim}, dtype={self.dtype!r}, device={self._device!r}, "
                 f"free={self.num_free_blocks}, cached={self.num_cached_blocks})")
+
+
+def _constructor_args(num_blocks, block_size, num_layers, num_kv_heads, head_dim,
+                      dtype="float16", device="cpu", enable_prefix_caching=True):
+    return (num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+            enable_prefix_caching)
+

@@ -803,18 +803,19 @@ def test_lookup_verifies_token_ids():
     pool.check()
 
 
-def test_a_forged_hash_collision_never_hands_back_other_kv(monkeypatch):
-    """Every block hashes alike; only the stored token ids tell them apart."""
-    def forged(tokens, n_blocks, block_size, parent0, parent1, out):
-        np.asarray(out)[:n_blocks] = 0x1234
+def forged_pool(block_size):
+    """A pool on which every block hashes alike (the documented test seam)."""
+    return kvcore.BlockPool._with_forged_hashes(16, block_size, L, H, D, dtype="float32")
 
-    monkeypatch.setattr(_pool, "hash_chain", forged)
-    assert len(set(kvcore.block_hashes(prompt(1, 12), 4))) == 1
+
+def test_a_forged_hash_collision_never_hands_back_other_kv():
+    """Every block hashes alike; only the stored token ids tell them apart."""
     bs = 4
-    pool = make_pool(block_size=bs)
+    pool = forged_pool(bs)
     a = kvcore.PagedKVCache(pool)
     ta = prompt(100, 9)
     a.allocate(ta)
+    assert len({bytes(h) for h in a.block_hashes()}) == 1   # the forgery is in force
     fill(a, ta)
     assert pool.num_cached_blocks == 2        # same hash, different tokens: both kept
     b = kvcore.PagedKVCache(pool)
@@ -831,20 +832,17 @@ def test_a_forged_hash_collision_never_hands_back_other_kv(monkeypatch):
     pool.check()
 
 
-def test_a_full_chain_collision_never_hands_back_other_kv(monkeypatch):
+def test_a_full_chain_collision_never_hands_back_other_kv():
     """Every block hashes alike AND a later block's tokens equal a cached
     block's: only the identity chain (a hit's parent must be the block that
     hit before it) keeps another prefix's KV out."""
-    def forged(tokens, n_blocks, block_size, parent0, parent1, out):
-        np.asarray(out)[:n_blocks] = 0x1234
-
-    monkeypatch.setattr(_pool, "hash_chain", forged)
     bs = 4
-    pool = make_pool(block_size=bs)
+    pool = forged_pool(bs)
     a = kvcore.PagedKVCache(pool)
     x = prompt(100, 8)
     ta = x + [1]
     a.allocate(ta)
+    assert len({bytes(h) for h in a.block_hashes()}) == 1   # the forgery is in force
     fill(a, ta)
     assert pool.num_cached_blocks == 2
     # blocks swapped: block 0 of d equals block 1 of a, and the other way round

@@ -14,6 +14,9 @@ cdef enum:
     NOGIL_BLOCKS = 512
 
 # kvcore's chained block hash of n_blocks full blocks (see _pool.hash_chain).
+ctypedef void (*hash_chain_fn)(const token_t* tokens, Py_ssize_t n_blocks,
+                               Py_ssize_t block_size, uint64_t parent0, uint64_t parent1,
+                               hash_word_t* out) noexcept nogil
 cdef void hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
                        uint64_t parent0, uint64_t parent1, hash_word_t* out) noexcept nogil
 
@@ -45,9 +48,12 @@ cdef class PoolCore:
     cdef uint64_t[::1] salt_gen
     cdef Py_ssize_t num_salt_slots, num_salt_dead, num_salt_free
     cdef readonly Py_ssize_t num_roots
-    # constants of this pool that every sequence on it copies (_seq.pyx
-    # fills it on first use), so a new sequence reads them in one go
-    cdef object seq_view
+    # the block hash the sequences on this pool use: hash_chain_c, or (a
+    # pool made for the collision tests) one that hashes every block alike
+    cdef hash_chain_fn hash_chain
+    cdef readonly bint forged_hashes
+    # prefix-cache statistics (BlockPool.stats), counted by allocate
+    cdef public long long prefix_queries, prefix_hits
 
     cdef inline void _unlink(self, block_id_t b) noexcept nogil
     cdef inline void _push_uncached(self, block_id_t b) noexcept nogil

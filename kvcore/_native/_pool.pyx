@@ -132,6 +132,17 @@ cdef void hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bl
     kvhash_chain(tokens, n_blocks, block_size, parent, out)
 
 
+cdef void forged_hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks,
+                              Py_ssize_t block_size, uint64_t parent0, uint64_t parent1,
+                              hash_word_t* out) noexcept nogil:
+    """Every block hashes to (0x1234, 0x1234): a pool made with
+    ``forge_hashes`` shows that only the stored token ids and the identity
+    chain keep another prefix's KV out (tests only)."""
+    cdef Py_ssize_t i
+    for i in range(2 * n_blocks):
+        out[i] = 0x1234
+
+
 def hash_chain(cnp.ndarray tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
                uint64_t parent0, uint64_t parent1, cnp.ndarray out):
     """out[i] = h[i] for the first n_blocks full blocks of int32 ``tokens``."""
@@ -255,8 +266,13 @@ cdef class PoolCore:
     collisions or not.
     """
 
-    def __init__(self, Py_ssize_t num_blocks, Py_ssize_t block_size):
+    def __init__(self, Py_ssize_t num_blocks, Py_ssize_t block_size, bint forge_hashes=False):
+        """``forge_hashes``: a test seam, fixed at construction (never a hook
+        on the hot path): every block of every sequence on this pool hashes
+        alike (see forged_hash_chain_c)."""
         cdef Py_ssize_t i, cap = 16
+        self.hash_chain = forged_hash_chain_c if forge_hashes else hash_chain_c
+        self.forged_hashes = forge_hashes
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = np.zeros(num_blocks, np.int32)
@@ -787,6 +803,18 @@ cdef class PoolCore:
 
     def cached_hash(self, block_id_t b):
         return (int(self.hashes[b, 0]), int(self.hashes[b, 1]))
+
+    def chain_hashes(self, cnp.ndarray tokens, Py_ssize_t n_blocks, uint64_t parent0,
+                     uint64_t parent1):
+        """(n_blocks, 2) uint64 chained hashes of the first n_blocks full
+        blocks of int32 ``tokens``, with this pool's block hash."""
+        cdef cnp.ndarray out = np.empty((max(n_blocks, 0), 2), np.uint64)
+        cdef const token_t* t
+        if n_blocks > 0:
+            t = _tok(tokens, n_blocks * self.block_size)
+            self.hash_chain(t, n_blocks, self.block_size, parent0, parent1,
+                            <hash_word_t*>cnp.PyArray_DATA(out))
+        return out
 
     def lru_order(self):
         """Cached free blocks, next to be evicted first (for tests)."""

@@ -35,13 +35,8 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
-from kvcore.backends.cpu._convert cimport KVH_F16, KVH_F32, convert_n, convert_n_stream, kind_itemsize, stream_fence
-from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
-from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
-
-from kvcore._native import _pool as _pool_module
-from kvcore.backends.cpu._kernels import tensor_meta as _tensor_meta
-from kvcore.backends import CPU as _CPU
+from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore
+from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, hash_word_t, slot_t, token_t
 
 cnp.import_array()
 
@@ -52,14 +47,6 @@ cdef enum:
     # hash with the GIL released from this many blocks on (~30 ns a block);
     # the block a decode step completes is hashed without the round trip
     HASH_NOGIL_BLOCKS = 16
-    # the direct append path writes with the GIL released from this many
-    # elements (of k and of v) on: a decode step's token is done before the
-    # round trip would be
-    WRITE_NOGIL_ELEMS = 32768
-    # the direct append path, not looked at yet / usable / not usable
-    FAST_UNKNOWN = 0
-    FAST_YES = 1
-    FAST_NO = 2
 
 # Statuses of the operations (0 or more: done), for kvcore/paged.py to
 # turn into errors.  UNCHECKED: an argument is not of the kind the native
@@ -94,11 +81,6 @@ UNINIT = S_UNINIT
 NEW = S_NEW
 LIVE = S_LIVE
 CLOSED = S_CLOSED
-
-# The hash every sequence uses unless ``_pool.hash_chain`` has been replaced
-# (tests forge collisions by replacing it): then the replacement is called.
-_HASH_CHAIN = _pool_module.hash_chain
-
 
 cdef cnp.ndarray _frozen_empty(cnp.ndarray a):
     a.flags.writeable = False
@@ -187,93 +169,39 @@ cdef inline Py_ssize_t _count(object n) except -1:
         return PY_SSIZE_T_MAX
 
 
-cdef void _write_rows(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t H,
-                      Py_ssize_t D, Py_ssize_t row, int src_kind, int dst_kind,
-                      const block_id_t* table, Py_ssize_t bs, Py_ssize_t pos0, char* cache,
-                      Py_ssize_t s_plane, Py_ssize_t s_blk, Py_ssize_t s_head,
-                      Py_ssize_t s_tok) noexcept nogil:
-    """Rows i < n of C-contiguous k, v (n, H, D) to positions pos0 + i of the
-    sequence whose blocks are ``table``: keys in the plane at ``cache``,
-    values in the next (what the write_slots kernel does, slot by slot)."""
-    cdef Py_ssize_t i, h, p
-    cdef char* dk
-    # a prompt of several MiB is streamed past the cache (as write_slots does)
-    cdef bint stream = n * H * D * kind_itemsize(dst_kind) >= (4 << 20)
-    for i in range(n):
-        p = pos0 + i
-        dk = cache + table[p // bs] * s_blk + (p % bs) * s_tok
-        for h in range(H):
-            if stream:
-                convert_n_stream(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
-                convert_n_stream(src_kind, vp + (i * H + h) * row, dst_kind,
-                                 dk + s_plane + h * s_head, D)
-            else:
-                convert_n(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
-                convert_n(src_kind, vp + (i * H + h) * row, dst_kind,
-                          dk + s_plane + h * s_head, D)
-    if stream:
-        stream_fence()
-
-
-cdef struct _Rows:
-    # a k or v input of the direct append path: (n, heads, dim) C-contiguous
-    # rows at p, of element kind ``kind`` (-1: not an input that path takes)
-    const char* p
-    Py_ssize_t n, h, d, nbytes
-    int kind
-
-
-cdef int _rows_of(object x, _Rows* r) except -1:
-    """Fill ``r`` from a NumPy array or a CPU torch tensor (read in place,
-    through its pointer) that the direct append path takes: 3-D, native
-    float32 or float16, C-contiguous and aligned; else r.kind = -1."""
-    cdef cnp.ndarray a
-    cdef int typenum
-    r.kind = -1
-    if type(x) is np.ndarray:
-        a = <cnp.ndarray>x
-        if cnp.PyArray_NDIM(a) != 3 or not cnp.PyArray_ISCARRAY_RO(a) \
-                or not cnp.PyArray_ISNOTSWAPPED(a):
-            return 0
-        typenum = cnp.PyArray_TYPE(a)
-        r.p = <const char*>cnp.PyArray_DATA(a)
-        r.n = cnp.PyArray_DIM(a, 0)
-        r.h = cnp.PyArray_DIM(a, 1)
-        r.d = cnp.PyArray_DIM(a, 2)
-    else:
-        meta = _tensor_meta(x)      # a C-contiguous CPU torch tensor
-        if meta is None:
-            return 0
-        ptr, typenum, shape = meta
-        if len(shape) != 3:
-            return 0
-        r.p = <const char*><uintptr_t>ptr
-        r.n, r.h, r.d = shape
-    if typenum == cnp.NPY_FLOAT32:
-        r.kind = KVH_F32
-    elif typenum == cnp.NPY_FLOAT16:
-        r.kind = KVH_F16
-    else:
-        return 0
-    r.nbytes = r.n * r.h * r.d * kind_itemsize(r.kind)
-    if <uintptr_t>r.p % kind_itemsize(r.kind):
-        r.kind = -1
-    return 0
-
-
-cdef class _PoolView:
-    """What a sequence needs of its pool, read once per pool (kept in
-    ``PoolCore.seq_view``)."""
+cdef class PoolBinding:
+    """What a sequence needs of its pool, made once per pool by
+    ``BlockPool._bind_sequence`` (so a new sequence reads it in one go): the
+    bookkeeping core, the pool's lock, its geometry, the row writer of its
+    backend (None: appends take the validated path) and the pool's
+    block copy (for copy-on-write)."""
+    cdef PoolCore core
     cdef object lock_acquire, lock_release
-    cdef Py_ssize_t bs, num_layers
+    cdef Py_ssize_t block_size, num_layers
     cdef bint caching
+    cdef RowWriter writer
+    cdef object copy_blocks
+
+    def __init__(self, PoolCore core, lock, Py_ssize_t block_size, Py_ssize_t num_layers,
+                 bint caching, RowWriter writer, copy_blocks):
+        self.core = core
+        self.lock_acquire = lock.acquire
+        self.lock_release = lock.release
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.caching = caching
+        self.writer = writer
+        self.copy_blocks = copy_blocks
 
 
 cdef class SeqCore:
     """Bookkeeping state of one sequence in a ``BlockPool``; ``PagedKVCache``
-    is its public face."""
-    cdef readonly object _pool
-    cdef readonly PoolCore _core
+    holds one and is its public face.  It knows block ids, counts, token
+    ids and hashes; the bytes are written by the pool's row writer and
+    block copy, handed in through a ``PoolBinding``."""
+    cdef PoolCore _core
+    cdef RowWriter writer                       # None: no direct appends
+    cdef object copy_blocks                     # the pool's block copy (copy-on-write)
     cdef object lock_acquire, lock_release      # the pool's lock
     cdef readonly Py_ssize_t _bs
     cdef Py_ssize_t num_layers
@@ -295,12 +223,6 @@ cdef class SeqCore:
     cdef Py_ssize_t excl_lo, excl_hi
     cdef Py_ssize_t slot_lo, slot_hi
     cdef cnp.ndarray slot_val
-    # the direct append path (looked at on first use): the pool's storage
-    # when it is a CPU pool, its element kind and geometry
-    cdef int fast
-    cdef cnp.ndarray storage
-    cdef int kind
-    cdef Py_ssize_t heads, dim
     # what the last failed call saw, for the caller's error message
     cdef readonly Py_ssize_t _fail_free, _fail_cow, _fail_layer
 
@@ -349,13 +271,6 @@ cdef class SeqCore:
     # ------------------------------------------------------------ properties
     # (defined here, not in kvcore/paged.py, so that an uninitialised object
     # raises instead of answering None or 0)
-    @property
-    def pool(self):
-        """The :class:`BlockPool` this sequence lives in."""
-        if self._state == S_UNINIT:
-            raise self._state_error("pool")
-        return self._pool
-
     @property
     def max_seq_len(self):
         """Positions past which writes raise CacheFullError (None: no limit)."""
@@ -419,33 +334,24 @@ cdef class SeqCore:
             raise self._state_error("token_ids")
         return self._token_ids()
 
-    def _setup(self, pool, max_seq_len, salt, uint64_t root0, uint64_t root1):
-        """Bind to ``pool`` (a validated BlockPool) with ``salt`` (bytes or
-        None, whose hash-chain root is root0, root1); the sequence starts
-        NEW (blocks and salt held from an earlier binding are released
-        first)."""
+    def __init__(self, PoolBinding binding=None, max_seq_len=None, salt=None,
+                 uint64_t root0=0, uint64_t root1=0, int64_t root_serial=-1):
+        """Bind to a pool (``binding``) with ``salt`` (bytes or None, whose
+        hash-chain root is root0, root1, and whose identity-chain root is
+        ``root_serial``, with a reference taken on it for this sequence).
+        The sequence starts NEW.  Without a binding it stays UNINIT (the
+        core of a PagedKVCache whose ``__init__`` never ran)."""
         cdef Py_ssize_t* pending
-        if self._state == S_NEW or self._state == S_LIVE:
-            self._release_all()
-        self._state = S_UNINIT
-        cdef PoolCore core = pool._core
-        cdef _PoolView view = core.seq_view
-        if view is None:
-            view = _PoolView()
-            lock = pool._lock
-            view.lock_acquire = lock.acquire
-            view.lock_release = lock.release
-            view.bs = pool._block_size
-            view.num_layers = pool._num_layers
-            view.caching = pool._caching
-            core.seq_view = view
-        self._pool = pool
-        self._core = core
-        self.lock_acquire = view.lock_acquire
-        self.lock_release = view.lock_release
-        self._bs = view.bs
-        self.num_layers = view.num_layers
-        self._caching = view.caching
+        if binding is None:
+            return
+        self._core = binding.core
+        self.lock_acquire = binding.lock_acquire
+        self.lock_release = binding.lock_release
+        self.writer = binding.writer
+        self.copy_blocks = binding.copy_blocks
+        self._bs = binding.block_size
+        self.num_layers = binding.num_layers
+        self._caching = binding.caching
         self._max = max_seq_len
         self.max_len = -1 if max_seq_len is None else _count(max_seq_len)
         self._salt = salt
@@ -454,31 +360,12 @@ cdef class SeqCore:
         pending = <Py_ssize_t*>calloc(self.num_layers, sizeof(Py_ssize_t))
         if pending == NULL:
             raise MemoryError()
-        free(self.pending)
         self.pending = pending
-        self.fast = FAST_UNKNOWN
-        self.storage = None
         self._reset_state()
-        # the salt's identity-chain root, with a reference held on it (the
-        # unsalted chain's root, -1, is not counted)
-        self.root_serial = -1 if salt is None else pool._acquire_salt_root(salt)
+        # from here on the sequence owns the reference (its free or __del__
+        # gives it back); the unsalted chain's root, -1, is not counted
+        self.root_serial = root_serial
         self._state = S_NEW
-
-    cdef bint _fast_ready(self) except -1:
-        """Whether the direct append path serves this sequence's pool."""
-        if self.fast == FAST_UNKNOWN:
-            pool = self._pool
-            storage = pool._storage
-            if pool._backend is _CPU and type(storage) is np.ndarray \
-                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>storage):
-                self.storage = <cnp.ndarray>storage
-                self.kind = pool._kind
-                self.heads = pool._num_kv_heads
-                self.dim = pool._head_dim
-                self.fast = FAST_YES
-            else:
-                self.fast = FAST_NO
-        return self.fast == FAST_YES
 
     cdef void _reset_state(self) noexcept:
         cdef Py_ssize_t i
@@ -533,21 +420,11 @@ cdef class SeqCore:
     cdef int _hash(self, const token_t* t, Py_ssize_t n_blocks, uint64_t parent0,
                    uint64_t parent1, hash_word_t* out) except -1:
         """out[i] = h[i] for the n_blocks full blocks at t, chained from parent."""
-        cdef Py_ssize_t bs = self._bs
-        cdef cnp.ndarray tok_arr, out_arr
-        hash_chain = _pool_module.hash_chain
-        if hash_chain is _HASH_CHAIN:
-            if n_blocks >= HASH_NOGIL_BLOCKS:
-                with nogil:
-                    hash_chain_c(t, n_blocks, bs, parent0, parent1, out)
-            else:
-                hash_chain_c(t, n_blocks, bs, parent0, parent1, out)
+        if n_blocks >= HASH_NOGIL_BLOCKS:
+            with nogil:
+                self._core.hash_chain(t, n_blocks, self._bs, parent0, parent1, out)
         else:
-            tok_arr = _empty(n_blocks * bs, cnp.NPY_INT32)
-            memcpy(_ptr(tok_arr), t, n_blocks * bs * sizeof(token_t))
-            out_arr = _empty_hashes(n_blocks)
-            hash_chain(tok_arr, n_blocks, bs, parent0, parent1, out_arr)
-            memcpy(out, _ptr(out_arr), n_blocks * 2 * sizeof(hash_word_t))
+            self._core.hash_chain(t, n_blocks, self._bs, parent0, parent1, out)
         return 0
 
     cdef int _hash_known_blocks(self) except -1:
@@ -652,9 +529,8 @@ cdef class SeqCore:
                 self._fail_free = core.num_uncached_free + core.num_lru_free
                 return ST_SHORT
             if self._caching:
-                pool = self._pool
-                pool._prefix_queries += n
-                pool._prefix_hits += hits * bs
+                core.prefix_queries += n
+                core.prefix_hits += hits * bs
         finally:
             self.lock_release()
         self._table = table
@@ -705,7 +581,7 @@ cdef class SeqCore:
                     for i in range(ncow):
                         (<block_id_t*>_ptr(old))[i] = table[(<block_id_t*>_ptr(idx))[i]]
                     try:
-                        self._pool._copy_blocks(old, new[:ncow])
+                        self.copy_blocks(old, new[:ncow])
                     except BaseException:
                         core.c_release(fresh, need)
                         raise
@@ -773,71 +649,29 @@ cdef class SeqCore:
         if n > self.pending[layer]:
             self.pending[layer] = n
 
-    def _append_fast(self, layer, k, v):
-        """``append(layer, k, v)`` for the common case: a CPU pool, ``layer``
-        an int in range, ``k`` and ``v`` NumPy arrays or CPU torch tensors
-        (n >= 1, num_kv_heads, head_dim) of one native-order float32 or
-        float16 dtype, C-contiguous,
-        aligned and apart from the pool's storage, within max_seq_len and the
-        free blocks.  Writes exactly what the validated path writes (the same
-        conversion routine) and returns True; returns False having changed
-        nothing for any other input (or state), which then takes the
-        validated path."""
-        cdef cnp.ndarray st
-        cdef _Rows kr, vr
-        cdef Py_ssize_t lay, n, bs = self._bs, H, D
-        cdef Py_ssize_t target, row, s_head, s_blk, s_tok, s_plane
-        cdef int src_kind, dst_kind
-        cdef const char* kp
-        cdef const char* vp
-        cdef char* sp
-        cdef char* lo
-        cdef char* hi
-        cdef const block_id_t* table
-        if self._state != S_LIVE or type(layer) is not int or not self._fast_ready():
-            return False
-        st = self.storage
-        H = self.heads
-        D = self.dim
-        dst_kind = self.kind
-        if not 0 <= layer < self.num_layers:
+    def _append_direct(self, layer, k, v):
+        """``append(layer, k, v)`` in one native call for the inputs the
+        pool's row writer takes as they are (see PositionWriter), with
+        ``layer`` an int in range, within max_seq_len and the free blocks:
+        reserves the positions, has the writer write them, and returns True.
+        Returns False having changed nothing for any other input (or state,
+        or a pool without a writer), which then takes the validated path."""
+        cdef Py_ssize_t n, target, lay
+        cdef RowInput rows
+        cdef RowWriter writer = self.writer
+        if self._state != S_LIVE or writer is None or type(layer) is not int \
+                or not 0 <= layer < self.num_layers:
             return False
         lay = layer
-        _rows_of(k, &kr)
-        _rows_of(v, &vr)
-        n = kr.n
-        src_kind = kr.kind
-        if src_kind < 0 or vr.kind != src_kind or n < 1 or vr.n != n or kr.h != H \
-                or vr.h != H or kr.d != D or vr.d != D:
-            return False
-        sp = <char*>_ptr(st)
-        lo = sp
-        hi = sp + cnp.PyArray_NBYTES(st)
-        kp = kr.p
-        vp = vr.p
-        if (kp < hi and lo < kp + kr.nbytes) or (vp < hi and lo < vp + vr.nbytes):
+        n = writer.take(k, v, &rows)
+        if n < 1:
             return False
         target = self._num_computed + n
         if self.max_len >= 0 and target > self.max_len:
             return False
         if self._ensure(target) != 0:
             return False
-        # storage: (2 * num_layers, num_blocks, heads, block_size, dim)
-        s_plane = cnp.PyArray_STRIDE(st, 0)
-        s_blk = cnp.PyArray_STRIDE(st, 1)
-        s_head = cnp.PyArray_STRIDE(st, 2)
-        s_tok = cnp.PyArray_STRIDE(st, 3)
-        row = kind_itemsize(src_kind) * D
-        table = <const block_id_t*>_ptr(self._table)
-        # layer lay's keys are plane 2 * lay, its values the plane after
-        sp += 2 * lay * s_plane
-        if n * H * D >= WRITE_NOGIL_ELEMS:
-            with nogil:
-                _write_rows(kp, vp, n, H, D, row, src_kind, dst_kind, table, bs,
-                            self._num_computed, sp, s_plane, s_blk, s_head, s_tok)
-        else:
-            _write_rows(kp, vp, n, H, D, row, src_kind, dst_kind, table, bs,
-                        self._num_computed, sp, s_plane, s_blk, s_head, s_tok)
+        writer.write(lay, &rows, <const block_id_t*>_ptr(self._table), self._num_computed)
         if n > self.pending[lay]:
             self.pending[lay] = n
         return True
@@ -959,8 +793,9 @@ cdef class SeqCore:
         memcpy(pending, self.pending, self.num_layers * sizeof(Py_ssize_t))
         free(child.pending)
         child.pending = pending
-        child._pool = self._pool
         child._core = self._core
+        child.writer = self.writer
+        child.copy_blocks = self.copy_blocks
         child.lock_acquire = self.lock_acquire
         child.lock_release = self.lock_release
         child._bs = self._bs
@@ -971,11 +806,6 @@ cdef class SeqCore:
         child._caching = self._caching
         child.root0 = self.root0
         child.root1 = self.root1
-        child.fast = self.fast
-        child.storage = self.storage
-        child.kind = self.kind
-        child.heads = self.heads
-        child.dim = self.dim
         child._take_buffers(self)
         child._table = _copy(self._table)
         child._num_tokens = self._num_tokens

@@ -221,6 +221,12 @@ class Backend:
         """Scratch a GPU backend needs for ``write_slots_kv`` (None here)."""
         return None
 
+    def row_writer(self, storage, kind):
+        """A C-level writer of a sequence's appended rows into ``storage``
+        (a ``kvcore._native._typedefs.RowWriter``), or None: appends then
+        go through ``write_slots``."""
+        return None
+
     # ------------------------------------------------------------- kernels
     def convert(self, src, src_kind, dst, dst_kind):
         """``dst[...] = src`` converted; same shape, any strides; ``src`` is

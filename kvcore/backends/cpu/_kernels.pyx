@@ -12,15 +12,23 @@ cimport numpy as cnp
 from libc.stdint cimport uintptr_t
 from libc.string cimport memcpy
 
-from kvcore.backends.cpu._convert cimport convert_n, convert_n_stream, kind_itemsize, stream_fence
-from kvcore._native._typedefs cimport block_id_t, slot_t
+from kvcore.backends.cpu._convert cimport (KVH_F16, KVH_F32, convert_n, convert_n_stream,
+                                           kind_itemsize, stream_fence)
+from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, slot_t
 
 cnp.import_array()
 
 import sys
 
-# Paged writes of at least this many bytes per plane use non-temporal stores.
+import numpy as np
+
+# Paged writes of at least this many bytes per plane use non-temporal stores:
+# a prompt of several MiB is written whole and would only evict the cache.
 cdef Py_ssize_t STREAM_MIN_BYTES = 4 << 20
+# A sequence's rows are written with the GIL released from this many
+# elements (of k and of v) on: a decode step's token is done before the
+# release and retake would be.
+cdef Py_ssize_t POSITIONS_NOGIL_ELEMS = 32768
 
 
 cdef inline char* _ptr(cnp.ndarray a) noexcept:
@@ -147,6 +155,197 @@ def apart(cnp.ndarray a, cnp.ndarray storage):
     return a
 
 
+# ------------------------------------------------------------ paged writes
+# One token's rows are written by _write_token, whichever way its
+# destination was found (a slot, or a position in a block table).
+
+cdef inline bint _streamed(Py_ssize_t elems, int dst_kind) noexcept nogil:
+    return elems * kind_itemsize(dst_kind) >= STREAM_MIN_BYTES
+
+
+cdef inline void _write_token(int src_kind, const char* src, Py_ssize_t src_head,
+                              int dst_kind, char* dst, Py_ssize_t dst_head,
+                              Py_ssize_t heads, Py_ssize_t dim, bint stream) noexcept nogil:
+    """The ``heads`` rows of ``dim`` elements of one token: src rows
+    ``src_head`` bytes apart, destination rows ``dst_head`` bytes apart."""
+    cdef Py_ssize_t h
+    for h in range(heads):
+        if stream:
+            convert_n_stream(src_kind, src + h * src_head, dst_kind, dst + h * dst_head, dim)
+        else:
+            convert_n(src_kind, src + h * src_head, dst_kind, dst + h * dst_head, dim)
+
+
+cdef struct _Plane:
+    # where a layer's keys live in a pool's storage (values: one plane on)
+    char* keys
+    Py_ssize_t plane, block, head, token
+
+
+cdef void _write_positions(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t heads,
+                           Py_ssize_t dim, int src_kind, int dst_kind,
+                           const block_id_t* table, Py_ssize_t block_size, Py_ssize_t start,
+                           _Plane* dst) noexcept nogil:
+    """Rows i < n of C-contiguous k, v (n, heads, dim) to positions start + i
+    of the sequence whose blocks are ``table``."""
+    cdef Py_ssize_t i, p, row = heads * dim * kind_itemsize(src_kind)
+    cdef char* d
+    cdef bint stream = _streamed(n * heads * dim, dst_kind)
+    for i in range(n):
+        p = start + i
+        d = dst.keys + table[p // block_size] * dst.block + (p % block_size) * dst.token
+        _write_token(src_kind, kp + i * row, dim * kind_itemsize(src_kind), dst_kind, d,
+                     dst.head, heads, dim, stream)
+        _write_token(src_kind, vp + i * row, dim * kind_itemsize(src_kind), dst_kind,
+                     d + dst.plane, dst.head, heads, dim, stream)
+    if stream:
+        stream_fence()
+
+
+cdef inline void _plane_of(cnp.ndarray storage, Py_ssize_t layer, _Plane* out) noexcept:
+    # storage: (2 * num_layers, num_blocks, heads, block_size, dim), C-contiguous;
+    # layer l's keys are plane 2 * l, its values the plane after
+    out.plane = cnp.PyArray_STRIDE(storage, 0)
+    out.block = cnp.PyArray_STRIDE(storage, 1)
+    out.head = cnp.PyArray_STRIDE(storage, 2)
+    out.token = cnp.PyArray_STRIDE(storage, 3)
+    out.keys = _ptr(storage) + 2 * layer * out.plane
+
+
+def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
+                    const block_id_t[::1] block_table, Py_ssize_t start, int src_kind,
+                    int dst_kind):
+    """Rows i of k and v (n, heads, dim) to positions start + i of the
+    sequence whose blocks are ``block_table``, in layer ``layer``'s planes of
+    ``storage`` (see Backend.write_positions).  k, v: C-contiguous, aligned,
+    apart from storage; storage C-contiguous."""
+    cdef _Plane plane
+    cdef Py_ssize_t n = k.shape[0], heads = k.shape[1], dim = k.shape[2]
+    cdef const char* kp = _ptr(k)
+    cdef const char* vp = _ptr(v)
+    _aligned_array(k, "k")
+    _aligned_array(v, "v")
+    _aligned_array(storage, "storage")
+    if n == 0:
+        return
+    _aligned(&block_table[0], sizeof(block_id_t), "block_table")
+    _plane_of(storage, layer, &plane)
+    if n * heads * dim >= POSITIONS_NOGIL_ELEMS:
+        with nogil:
+            _write_positions(kp, vp, n, heads, dim, src_kind, dst_kind, &block_table[0],
+                             storage.shape[3], start, &plane)
+    else:
+        _write_positions(kp, vp, n, heads, dim, src_kind, dst_kind, &block_table[0],
+                         storage.shape[3], start, &plane)
+
+
+cdef struct _Rows:
+    # a k or v input a PositionWriter takes as it is: (n, heads, dim)
+    # C-contiguous rows at p, of element kind ``kind`` (-1: not such an input)
+    const char* p
+    Py_ssize_t n, h, d, nbytes
+    int kind
+
+
+cdef int _rows_of(object x, _Rows* r) except -1:
+    """Fill ``r`` from a NumPy array or a CPU torch tensor (read in place,
+    through its pointer): 3-D, native float32 or float16, C-contiguous and
+    aligned; else r.kind = -1."""
+    cdef cnp.ndarray a
+    cdef int typenum
+    r.kind = -1
+    if type(x) is np.ndarray:
+        a = <cnp.ndarray>x
+        if cnp.PyArray_NDIM(a) != 3 or not cnp.PyArray_ISCARRAY_RO(a) \
+                or not cnp.PyArray_ISNOTSWAPPED(a):
+            return 0
+        typenum = cnp.PyArray_TYPE(a)
+        r.p = <const char*>cnp.PyArray_DATA(a)
+        r.n = cnp.PyArray_DIM(a, 0)
+        r.h = cnp.PyArray_DIM(a, 1)
+        r.d = cnp.PyArray_DIM(a, 2)
+    else:
+        meta = tensor_meta(x)      # a C-contiguous CPU torch tensor
+        if meta is None:
+            return 0
+        ptr, typenum, shape = meta
+        if len(shape) != 3:
+            return 0
+        r.p = <const char*><uintptr_t>ptr
+        r.n, r.h, r.d = shape
+    if typenum == cnp.NPY_FLOAT32:
+        r.kind = KVH_F32
+    elif typenum == cnp.NPY_FLOAT16:
+        r.kind = KVH_F16
+    else:
+        return 0
+    r.nbytes = r.n * r.h * r.d * kind_itemsize(r.kind)
+    if <uintptr_t>r.p % kind_itemsize(r.kind):
+        r.kind = -1
+    return 0
+
+
+cdef class PositionWriter(RowWriter):
+    """A CPU pool's writer of appended rows (``Backend.row_writer``): a
+    sequence's bookkeeping hands it the k and v of an append and, once the
+    blocks are reserved, the block table and first position; it writes them
+    with ``_write_positions``, as ``write_positions`` does.  It takes, as
+    they are, NumPy arrays and CPU torch tensors (n >= 1, heads, dim) of one
+    native-order float32 or float16 dtype, C-contiguous, aligned and apart
+    from the storage; anything else is left to the caller's validated path."""
+    cdef cnp.ndarray storage
+    cdef int kind
+    cdef Py_ssize_t heads, dim, block_size
+    cdef const char* lo
+    cdef const char* hi
+
+    def __init__(self, cnp.ndarray storage, int kind):
+        if cnp.PyArray_NDIM(storage) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(storage) \
+                or not cnp.PyArray_ISALIGNED(storage):
+            raise ValueError("internal: a PositionWriter needs a C-contiguous, aligned "
+                             "(planes, blocks, heads, block_size, dim) storage")
+        self.storage = storage
+        self.kind = kind
+        self.heads = storage.shape[2]
+        self.block_size = storage.shape[3]
+        self.dim = storage.shape[4]
+        self.lo = _ptr(storage)
+        self.hi = self.lo + cnp.PyArray_NBYTES(storage)
+
+    cdef Py_ssize_t take(self, object k, object v, RowInput* rows) except -2:
+        cdef _Rows kr_, vr_
+        cdef _Rows* kr = &kr_
+        cdef _Rows* vr = &vr_
+        _rows_of(k, kr)
+        _rows_of(v, vr)
+        if kr.kind < 0 or vr.kind != kr.kind or kr.n < 1 or vr.n != kr.n \
+                or kr.h != self.heads or vr.h != self.heads or kr.d != self.dim \
+                or vr.d != self.dim:
+            return -1
+        if (kr.p < self.hi and self.lo < kr.p + kr.nbytes) \
+                or (vr.p < self.hi and self.lo < vr.p + vr.nbytes):
+            return -1      # a view of the storage: the validated path stages it
+        rows.k = kr.p
+        rows.v = vr.p
+        rows.n = kr.n
+        rows.kind = kr.kind
+        return kr.n
+
+    cdef int write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
+                   Py_ssize_t start) except -1:
+        cdef _Plane plane
+        cdef Py_ssize_t n = rows.n
+        _plane_of(self.storage, layer, &plane)
+        if n * self.heads * self.dim >= POSITIONS_NOGIL_ELEMS:
+            with nogil:
+                _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind,
+                                 self.kind, table, self.block_size, start, &plane)
+        else:
+            _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
+                             table, self.block_size, start, &plane)
+        return 0
+
+
 def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
                 int src_kind, int dst_kind):
     """cache[b, h, off, :] = src[i, h, :] for slot s = slots[i] >= 0,
@@ -158,17 +357,12 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
     cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
     cdef Py_ssize_t bs = cache.shape[2]
     cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
-    cdef Py_ssize_t di = kind_itemsize(dst_kind)
     cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
     cdef char* sp = _ptr(src)
     cdef char* cp = _ptr(cache)
-    cdef Py_ssize_t i, h, b, off
+    cdef Py_ssize_t i, b, off
     cdef slot_t s
-    cdef char* row_src
-    cdef char* row_dst
-    # A write of several MiB (a prompt) is streamed past the cache: its rows
-    # are written whole and would be evicted before they are read.
-    cdef bint stream = n * H * D * di >= STREAM_MIN_BYTES
+    cdef bint stream = _streamed(n * H * D, dst_kind)
     _aligned_array(src, "src")
     _aligned_array(cache, "cache")
     if n:
@@ -180,14 +374,8 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
                 continue
             b = s // bs
             off = s - b * bs
-            row_src = sp + i * s0
-            row_dst = cp + b * c_block + off * c_tok
-            for h in range(H):
-                if stream:
-                    convert_n_stream(src_kind, row_src + h * s1, dst_kind,
-                                     row_dst + h * c_head, D)
-                else:
-                    convert_n(src_kind, row_src + h * s1, dst_kind, row_dst + h * c_head, D)
+            _write_token(src_kind, sp + i * s0, s1, dst_kind, cp + b * c_block + off * c_tok,
+                         c_head, H, D, stream)
         if stream:
             stream_fence()
 

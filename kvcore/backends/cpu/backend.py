@@ -57,6 +57,24 @@ class CPUBackend(Backend):
             src = self.inner_contiguous(src)
         _kernels.write_slots(cache, src, slots, src_kind, dst_kind)
 
+    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, dst_kind):
+        """K and V in one kernel call (storage C-contiguous; k, v apart from it)."""
+        _kernels.write_positions(storage, layer, self._rows(k), self._rows(v), block_table,
+                                 start, src_kind, dst_kind)
+
+    @staticmethod
+    def _rows(a):
+        if not (a.flags.c_contiguous and a.flags.aligned):
+            a = np.array(a, order="C", copy=True)
+        return a
+
+    def row_writer(self, storage, kind):
+        """The C-level writer a sequence's appends go through (PagedKVCache.append:
+        one native call per append); it writes with write_positions' loop."""
+        if isinstance(storage, np.ndarray) and storage.flags.c_contiguous:
+            return _kernels.PositionWriter(storage, kind)
+        return None
+
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
         """out: (heads, end - start, dim), C-contiguous, aligned, apart from
         cache; block_table: int32, C-contiguous, aligned."""
