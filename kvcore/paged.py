@@ -19,7 +19,7 @@ __all__ = ["PagedKVCache"]
 
 
 # The core of a PagedKVCache whose __init__ never ran: every member raises
-# RuntimeError through it.
+# RuntimeError through it (see PagedKVCache.__getattr__).
 _UNBOUND = SeqCore()
 
 
@@ -77,6 +77,9 @@ class PagedKVCache:
     RuntimeError from every method and property.
     """
 
+    # until __init__ binds them (an object made with __new__, or by a
+    # subclass whose __init__ skips ours), every member raises RuntimeError
+    # through the unbound core
     _core = _UNBOUND
     _pool = None
 
@@ -87,16 +90,16 @@ class PagedKVCache:
             max_seq_len = positive_int(max_seq_len, "max_seq_len")
         if salt is not None:
             salt = salt_bytes(salt)
-        old = self.__dict__.get("_core")
-        if old is not None:      # __init__ again: what the old binding held goes back
+        old = self._core
+        if old is not _UNBOUND:  # __init__ again: what the old binding held goes back
             old._free()
         if salt is None:
             # the pool's identity chain roots an unsalted sequence at -1
-            core = SeqCore(pool._bind_sequence(), max_seq_len, None, 0, 0, -1)
+            core = _seq.bind(pool._binding, max_seq_len, None, 0, 0, -1)
         else:
             r0, r1 = hashing.root_words(salt)
-            core = SeqCore(pool._bind_sequence(), max_seq_len, salt, r0, r1,
-                           pool._acquire_salt_root(salt))
+            core = _seq.bind(pool._binding, max_seq_len, salt, r0, r1,
+                             pool._acquire_salt_root(salt))
         self._pool = pool
         self._core = core
 
@@ -108,50 +111,23 @@ class PagedKVCache:
             raise self._core._state_error("pool")
         return self._pool
 
-    @property
-    def max_seq_len(self):
-        """Positions past which writes raise CacheFullError (None: no limit)."""
-        return self._core.max_seq_len
+    max_seq_len = _seq.CoreField("max_seq_len", """Positions past which writes raise CacheFullError (None: no limit).""")
 
-    @property
-    def salt(self):
-        """The salt as bytes (None: unsalted)."""
-        return self._core.salt
+    salt = _seq.CoreField("salt", """The salt as bytes (None: unsalted).""")
 
-    @property
-    def closed(self):
-        """True once :meth:`free` was called."""
-        return self._core.closed
+    closed = _seq.CoreField("closed", """True once :meth:`free` was called.""")
 
-    @property
-    def num_tokens(self):
-        """Token ids known: the prompt plus every ``append_token``."""
-        return self._core.num_tokens
+    num_tokens = _seq.CoreField("num_tokens", """Token ids known: the prompt plus every ``append_token``.""")
 
-    @property
-    def num_computed(self):
-        """Positions whose KV is written and committed."""
-        return self._core.num_computed
+    num_computed = _seq.CoreField("num_computed", """Positions whose KV is written and committed.""")
 
-    @property
-    def num_blocks(self):
-        """Blocks this sequence holds."""
-        return self._core.num_blocks
+    num_blocks = _seq.CoreField("num_blocks", """Blocks this sequence holds.""")
 
-    @property
-    def capacity(self):
-        """Positions the held blocks can store."""
-        return self._core.capacity
+    capacity = _seq.CoreField("capacity", """Positions the held blocks can store.""")
 
-    @property
-    def block_table(self):
-        """numpy.int32 array of this sequence's block ids in position order (a copy)."""
-        return self._core.block_table
+    block_table = _seq.CoreField("block_table", """numpy.int32 array of this sequence's block ids in position order (a copy).""")
 
-    @property
-    def token_ids(self):
-        """numpy.int32 array of the known token ids (a copy)."""
-        return self._core.token_ids
+    token_ids = _seq.CoreField("token_ids", """numpy.int32 array of the known token ids (a copy).""")
 
     def _max_written(self):
         """Positions readable in the layer that has written most (committed

@@ -669,9 +669,8 @@ class BlockPool:
     # helpers) may ask of a pool; nobody else reads its storage, core, lock
     # or backend.
 
-    def _bind_sequence(self):
-        """The ``PoolBinding`` a new sequence's core is made with."""
-        return self._binding
+    # _binding: the ``PoolBinding`` a new sequence's core is made with
+    # (an attribute, read once per PagedKVCache).
 
     def _copy_blocks(self, src, dst):
         """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V)."""

@@ -171,7 +171,7 @@ cdef inline Py_ssize_t _count(object n) except -1:
 
 cdef class PoolBinding:
     """What a sequence needs of its pool, made once per pool by
-    ``BlockPool._bind_sequence`` (so a new sequence reads it in one go): the
+    ``BlockPool`` (its ``_binding``; a new sequence reads it in one go): the
     bookkeeping core, the pool's lock, its geometry, the row writer of its
     backend (None: appends take the validated path) and the pool's
     block copy (for copy-on-write)."""
@@ -192,6 +192,53 @@ cdef class PoolBinding:
         self.caching = caching
         self.writer = writer
         self.copy_blocks = copy_blocks
+
+
+cdef class CoreField:
+    """A read-only property of ``PagedKVCache`` answered in C from the
+    SeqCore it holds (``obj._core``): no Python frame on the counters a
+    decode loop reads.  An unbound core raises RuntimeError, as every member
+    of an uninitialised sequence does."""
+    cdef str name
+    cdef int field
+    cdef readonly str __doc__
+
+    def __init__(self, str name, str doc):
+        self.name = name
+        self.__doc__ = doc
+        self.field = ("num_computed", "num_tokens", "num_blocks", "capacity",
+                      "closed").index(name) if name in (
+            "num_computed", "num_tokens", "num_blocks", "capacity", "closed") else -1
+
+    def __get__(self, obj, objtype):
+        if obj is None:
+            return self
+        cdef SeqCore core = <SeqCore?>getattr(obj, "_core")
+        if core._state == S_UNINIT:
+            raise core._state_error(self.name)
+        if self.field == 0:
+            return core._num_computed
+        if self.field == 1:
+            return core._num_tokens
+        if self.field == 2:
+            return core._nblocks
+        if self.field == 3:
+            return core._nblocks * core._bs
+        if self.field == 4:
+            return core._state == S_CLOSED
+        return getattr(core, self.name)
+
+    def __set__(self, obj, value):
+        raise AttributeError(f"property {self.name!r} of 'PagedKVCache' object has no setter")
+
+
+def bind(PoolBinding binding, max_seq_len, salt, uint64_t root0, uint64_t root1,
+         int64_t root_serial):
+    """A new SeqCore bound to a pool (see ``SeqCore._bind``): a function,
+    so that making a sequence costs one fast call."""
+    cdef SeqCore core = SeqCore.__new__(SeqCore)
+    core._bind(binding, max_seq_len, salt, root0, root1, root_serial)
+    return core
 
 
 cdef class SeqCore:
@@ -334,16 +381,14 @@ cdef class SeqCore:
             raise self._state_error("token_ids")
         return self._token_ids()
 
-    def __init__(self, PoolBinding binding=None, max_seq_len=None, salt=None,
-                 uint64_t root0=0, uint64_t root1=0, int64_t root_serial=-1):
+    cdef int _bind(self, PoolBinding binding, object max_seq_len, object salt,
+                   uint64_t root0, uint64_t root1, int64_t root_serial) except -1:
         """Bind to a pool (``binding``) with ``salt`` (bytes or None, whose
         hash-chain root is root0, root1, and whose identity-chain root is
         ``root_serial``, with a reference taken on it for this sequence).
-        The sequence starts NEW.  Without a binding it stays UNINIT (the
-        core of a PagedKVCache whose ``__init__`` never ran)."""
+        The sequence starts NEW.  (A SeqCore never bound stays UNINIT: the
+        core of a PagedKVCache whose ``__init__`` never ran.)"""
         cdef Py_ssize_t* pending
-        if binding is None:
-            return
         self._core = binding.core
         self.lock_acquire = binding.lock_acquire
         self.lock_release = binding.lock_release
@@ -366,6 +411,7 @@ cdef class SeqCore:
         # gives it back); the unsalted chain's root, -1, is not counted
         self.root_serial = root_serial
         self._state = S_NEW
+        return 0
 
     cdef void _reset_state(self) noexcept:
         cdef Py_ssize_t i
