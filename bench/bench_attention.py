@@ -1,5 +1,5 @@
 """Attention over the pages against torch SDPA, gather + NumPy and a
-streaming read (see kvcore/benchmarks/attention.py):
+streaming read (see kvcore/cli/benchmarks/attention.py):
 python bench/bench_attention.py [--quick] [--json FILE]"""
 import os
 
@@ -7,8 +7,8 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-from kvcore.benchmarks import attention  # noqa: E402
-from kvcore.benchmarks._timing import script_main  # noqa: E402
+from kvcore.cli.benchmarks import attention  # noqa: E402
+from kvcore.cli.benchmarks._timing import script_main  # noqa: E402
 
 if __name__ == "__main__":
     script_main(attention.run, attention.report, __doc__)

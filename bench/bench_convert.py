@@ -1,11 +1,11 @@
-"""Conversion benchmark (see kvcore/benchmarks/convert.py):
+"""Conversion benchmark (see kvcore/cli/benchmarks/convert.py):
 python bench/bench_convert.py [--quick] [--level NAME] [--repeat N] [--json FILE]"""
 import argparse
 import json
 import sys
 
-from kvcore.benchmarks._timing import print_runs, repeat_runs
-from kvcore.benchmarks.convert import report, run
+from kvcore.cli.benchmarks._timing import print_runs, repeat_runs
+from kvcore.cli.benchmarks.convert import report, run
 
 
 def main(argv=None):

@@ -1,11 +1,11 @@
-"""GPU benchmark (see kvcore/benchmarks/gpu.py):
+"""GPU benchmark (see kvcore/cli/benchmarks/gpu.py):
 python bench/bench_gpu.py [--quick] [--repeat N] [--json FILE]"""
 import argparse
 import json
 import sys
 
-from kvcore.benchmarks._timing import print_runs, repeat_runs
-from kvcore.benchmarks.gpu import CudaUnavailableError, report, run
+from kvcore.cli.benchmarks._timing import print_runs, repeat_runs
+from kvcore.cli.benchmarks.gpu import CudaUnavailableError, report, run
 
 
 def main(argv=None):
