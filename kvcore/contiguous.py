@@ -227,11 +227,7 @@ class KVCache:
 
     def _apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's."""
-        be = self._backend
-        apart = getattr(be, "apart", None)
-        if apart is not None:
-            return apart(a, self._storage)
-        return a.copy() if be.xp.may_share_memory(a, self._storage) else a
+        return self._backend.apart(a, self._storage)
 
     # ----------------------------------------------------------------- reads
     def get(self, layer, start=0, end=None, dtype=None, out=None):

@@ -559,19 +559,11 @@ class BlockPool:
 
     def _apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's."""
-        be = self._backend
-        apart = getattr(be, "apart", None)
-        if apart is not None:
-            return apart(a, self._storage)
-        return a.copy() if be.xp.may_share_memory(a, self._storage) else a
+        return self._backend.apart(a, self._storage)
 
     def _direct(self, out):
         """Whether a gather may write into ``out`` (bits) in place."""
-        be = self._backend
-        direct = getattr(be, "direct_out", None)
-        if direct is not None:
-            return direct(out, self._storage)
-        return not be.xp.may_share_memory(out, self._storage)
+        return self._backend.direct_out(out, self._storage)
 
     def _outs(self, out, shape, kind):
         """``[(k_bits, k_result), (v_bits, v_result)]``: fresh arrays, or the

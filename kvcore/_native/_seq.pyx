@@ -194,6 +194,11 @@ cdef class PoolBinding:
         self.copy_blocks = copy_blocks
 
 
+# the PagedKVCache properties a CoreField answers, by number
+_FIELDS = ("num_computed", "num_tokens", "num_blocks", "capacity", "closed", "max_seq_len",
+           "salt", "block_table", "token_ids")
+
+
 cdef class CoreField:
     """A read-only property of ``PagedKVCache`` answered in C from the
     SeqCore it holds (``obj._core``): no Python frame on the counters a
@@ -206,9 +211,7 @@ cdef class CoreField:
     def __init__(self, str name, str doc):
         self.name = name
         self.__doc__ = doc
-        self.field = ("num_computed", "num_tokens", "num_blocks", "capacity",
-                      "closed").index(name) if name in (
-            "num_computed", "num_tokens", "num_blocks", "capacity", "closed") else -1
+        self.field = _FIELDS.index(name)
 
     def __get__(self, obj, objtype):
         if obj is None:
@@ -226,7 +229,13 @@ cdef class CoreField:
             return core._nblocks * core._bs
         if self.field == 4:
             return core._state == S_CLOSED
-        return getattr(core, self.name)
+        if self.field == 5:
+            return core._max
+        if self.field == 6:
+            return core._salt
+        if self.field == 7:
+            return _copy(core._table[:core._nblocks])
+        return core._token_ids()
 
     def __set__(self, obj, value):
         raise AttributeError(f"property {self.name!r} of 'PagedKVCache' object has no setter")
@@ -314,72 +323,6 @@ cdef class SeqCore:
             return ValueError(f"{what} on a freed PagedKVCache: free() closed it; "
                               "use a new PagedKVCache")
         return None
-
-    # ------------------------------------------------------------ properties
-    # (defined here, not in kvcore/paged.py, so that an uninitialised object
-    # raises instead of answering None or 0)
-    @property
-    def max_seq_len(self):
-        """Positions past which writes raise CacheFullError (None: no limit)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("max_seq_len")
-        return self._max
-
-    @property
-    def salt(self):
-        """The salt as bytes (None: unsalted)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("salt")
-        return self._salt
-
-    @property
-    def closed(self):
-        """True once :meth:`free` was called."""
-        if self._state == S_UNINIT:
-            raise self._state_error("closed")
-        return self._state == S_CLOSED
-
-    @property
-    def num_tokens(self):
-        """Token ids known: the prompt plus every ``append_token``."""
-        if self._state == S_UNINIT:
-            raise self._state_error("num_tokens")
-        return self._num_tokens
-
-    @property
-    def num_computed(self):
-        """Positions whose KV is written and committed."""
-        if self._state == S_UNINIT:
-            raise self._state_error("num_computed")
-        return self._num_computed
-
-    @property
-    def num_blocks(self):
-        """Blocks this sequence holds."""
-        if self._state == S_UNINIT:
-            raise self._state_error("num_blocks")
-        return self._nblocks
-
-    @property
-    def capacity(self):
-        """Positions the held blocks can store."""
-        if self._state == S_UNINIT:
-            raise self._state_error("capacity")
-        return self._nblocks * self._bs
-
-    @property
-    def block_table(self):
-        """numpy.int32 array of this sequence's block ids in position order (a copy)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("block_table")
-        return _copy(self._table[:self._nblocks])
-
-    @property
-    def token_ids(self):
-        """numpy.int32 array of the known token ids (a copy)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("token_ids")
-        return self._token_ids()
 
     cdef int _bind(self, PoolBinding binding, object max_seq_len, object salt,
                    uint64_t root0, uint64_t root1, int64_t root_serial) except -1:
@@ -722,17 +665,10 @@ cdef class SeqCore:
             self.pending[lay] = n
         return True
 
-    def _commit(self, n):
-        """num_computed += n for all layers, registering what became ready.
-        0, or a status (nothing changed): STATE (not live), UNCHECKED (n not
-        an int >= 0), TOO_LONG, PAST_RESERVED or UNWRITTEN (a layer has not
-        written the positions: ``_fail_layer`` is the first)."""
-        cdef Py_ssize_t m, target, i
-        if self._state != S_LIVE:
-            return ST_STATE
-        if type(n) is not int or n < 0:
-            return ST_UNCHECKED
-        m = _count(n)
+    cdef inline Py_ssize_t _reserved_through(self, Py_ssize_t m) noexcept:
+        """0 when positions num_computed .. num_computed + m - 1 lie within
+        max_seq_len and the reserved blocks, else TOO_LONG or PAST_RESERVED."""
+        cdef Py_ssize_t target
         if m > PY_SSIZE_T_MAX - self._num_computed:
             return ST_TOO_LONG if self.max_len >= 0 else ST_PAST_RESERVED
         target = self._num_computed + m
@@ -740,6 +676,22 @@ cdef class SeqCore:
             return ST_TOO_LONG
         if target > self._nblocks * self._bs:
             return ST_PAST_RESERVED
+        return 0
+
+    def _commit(self, n):
+        """num_computed += n for all layers, registering what became ready.
+        0, or a status (nothing changed): STATE (not live), UNCHECKED (n not
+        an int >= 0), TOO_LONG, PAST_RESERVED or UNWRITTEN (a layer has not
+        written the positions: ``_fail_layer`` is the first)."""
+        cdef Py_ssize_t m, i, status
+        if self._state != S_LIVE:
+            return ST_STATE
+        if type(n) is not int or n < 0:
+            return ST_UNCHECKED
+        m = _count(n)
+        status = self._reserved_through(m)
+        if status:
+            return status
         # every layer must have written the positions (append, or pool.write
         # + mark_written): else a block's earlier owner's KV would become
         # readable, and enter the prefix cache
@@ -747,7 +699,7 @@ cdef class SeqCore:
             if self.pending[i] < m:
                 self._fail_layer = i
                 return ST_UNWRITTEN
-        self._num_computed = target
+        self._num_computed += m
         for i in range(self.num_layers):
             self.pending[i] -= m
         self._register_ready()
@@ -757,7 +709,7 @@ cdef class SeqCore:
         """``mark_written(layer, n)``: 0, or a status (nothing changed):
         STATE (not live), UNCHECKED (layer or n not an int in range),
         TOO_LONG or PAST_RESERVED."""
-        cdef Py_ssize_t m, target, lay
+        cdef Py_ssize_t m, lay, status
         if self._state != S_LIVE:
             return ST_STATE
         if type(layer) is not int or type(n) is not int or n < 0 \
@@ -765,13 +717,9 @@ cdef class SeqCore:
             return ST_UNCHECKED
         lay = layer
         m = _count(n)
-        if m > PY_SSIZE_T_MAX - self._num_computed:
-            return ST_TOO_LONG if self.max_len >= 0 else ST_PAST_RESERVED
-        target = self._num_computed + m
-        if self.max_len >= 0 and target > self.max_len:
-            return ST_TOO_LONG
-        if target > self._nblocks * self._bs:
-            return ST_PAST_RESERVED
+        status = self._reserved_through(m)
+        if status:
+            return status
         if m > self.pending[lay]:
             self.pending[lay] = m
         return 0

@@ -198,16 +198,15 @@ class Backend:
         return a
 
     def apart(self, a, storage):
-        """``a``, or a C-contiguous copy of it when its memory meets
+        """``a``, or a C-contiguous copy of it when its memory may meet
         ``storage``'s: an input that is a view of the storage is read as it
         was when the call began."""
-        return a.copy() if np.may_share_memory(a, storage) else a
+        return a.copy() if self.xp.may_share_memory(a, storage) else a
 
     def direct_out(self, out, storage):
         """Whether a gather may write ``out`` in place (else a temporary is
         filled and copied into it)."""
-        f = out.flags
-        return f.c_contiguous and f.aligned and not np.may_share_memory(out, storage)
+        return not self.xp.may_share_memory(out, storage)
 
     def synchronize(self):
         pass
@@ -261,7 +260,8 @@ class Backend:
         values ``2 * layer + 1``).  What ``PagedKVCache.append`` writes."""
         bs = storage.shape[3]
         pos = start + np.arange(k.shape[0], dtype=np.int64)
-        slots = np.asarray(block_table, np.int64)[pos // bs] * bs + pos % bs
+        table = np.asarray(self.to_host(block_table), np.int64)
+        slots = table[pos // bs] * bs + pos % bs        # host slots: every backend takes them
         self.write_slots(storage[2 * layer], k, slots, src_kind, dst_kind)
         self.write_slots(storage[2 * layer + 1], v, slots, src_kind, dst_kind)
 

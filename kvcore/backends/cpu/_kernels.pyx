@@ -415,32 +415,11 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
             t = stop
 
 
-def copy_blocks(cnp.ndarray storage, const block_id_t[::1] src,
-                const block_id_t[::1] dst):
-    """storage[..., dst[i], :, :, :] = storage[..., src[i], :, :, :] for every
-    layer and K/V plane.
-
-    storage: (planes, num_blocks, heads, block_size, dim), C-contiguous
-    (planes = num_layers * 2).
-    """
-    cdef Py_ssize_t planes = storage.shape[0]
-    cdef Py_ssize_t p_stride = storage.strides[0], b_stride = storage.strides[1]
-    cdef char* base = _ptr(storage)
-    cdef Py_ssize_t i, p, n = src.shape[0]
-    if n:
-        _aligned(&src[0], sizeof(block_id_t), "src")
-        _aligned(&dst[0], sizeof(block_id_t), "dst")
-    with nogil:
-        for p in range(planes):
-            for i in range(n):
-                memcpy(base + p * p_stride + dst[i] * b_stride,
-                       base + p * p_stride + src[i] * b_stride, b_stride)
-
-
-def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
-                        cnp.ndarray dst_storage, const block_id_t[::1] dst):
-    """dst_storage[:, dst[i]] = src_storage[:, src[i]]: two pools' storage of
-    the same geometry and dtype, (planes, num_blocks, ...) C-contiguous."""
+cdef int _copy_blocks(cnp.ndarray src_storage, const block_id_t[::1] src,
+                     cnp.ndarray dst_storage, const block_id_t[::1] dst) except -1:
+    """dst_storage[:, dst[i]] = src_storage[:, src[i]] for each i in order,
+    every plane: storages of one geometry and dtype, (planes, num_blocks,
+    ...) C-contiguous (the same storage for a copy within a pool)."""
     cdef Py_ssize_t planes = src_storage.shape[0]
     cdef Py_ssize_t sp_stride = src_storage.strides[0], sb_stride = src_storage.strides[1]
     cdef Py_ssize_t dp_stride = dst_storage.strides[0], db_stride = dst_storage.strides[1]
@@ -455,6 +434,20 @@ def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
             for i in range(n):
                 memcpy(dbase + p * dp_stride + dst[i] * db_stride,
                        sbase + p * sp_stride + src[i] * sb_stride, sb_stride)
+    return 0
+
+
+def copy_blocks(cnp.ndarray storage, const block_id_t[::1] src, const block_id_t[::1] dst):
+    """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V plane;
+    storage: (planes, num_blocks, heads, block_size, dim), C-contiguous."""
+    _copy_blocks(storage, src, storage, dst)
+
+
+def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
+                        cnp.ndarray dst_storage, const block_id_t[::1] dst):
+    """dst_storage[:, dst[i]] = src_storage[:, src[i]]: two pools' storage of
+    the same geometry and dtype, (planes, num_blocks, ...) C-contiguous."""
+    _copy_blocks(src_storage, src, dst_storage, dst)
 
 
 def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
