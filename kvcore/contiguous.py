@@ -213,15 +213,15 @@ class KVCache:
                 f"{layer} needs {end} positions, max_seq_len is {self._max_seq_len}")
         if n == 0:
             return
-        be = self._backend
+        backend = self._backend
         dst_k, dst_v = self._planes[layer]
         # The kernel copies without staging; an input that is a view of this
         # cache (e.g. from get(), of either plane of any layer) must be read
         # as it was: both are staged before anything is written.
         k = self._apart(k)
         v = self._apart(v)
-        be.write_contiguous(dst_k, k, start, k_kind, self._kind)
-        be.write_contiguous(dst_v, v, start, v_kind, self._kind)
+        backend.write_contiguous(dst_k, k, start, k_kind, self._kind)
+        backend.write_contiguous(dst_v, v, start, v_kind, self._kind)
         if end > length:
             self._lengths[layer] = end
 
@@ -295,23 +295,24 @@ class KVCache:
             return k, v
         if out_kind is None:
             out_kind = self._kind
-        be = self._backend
+        backend = self._backend
         if out is None:
-            dsts = [(o, o) for o in (be.empty(k.shape, STORAGE[out_kind]),
-                                     be.empty(k.shape, STORAGE[out_kind]))]
+            dsts = [(o, o) for o in (backend.empty(k.shape, STORAGE[out_kind]),
+                                     backend.empty(k.shape, STORAGE[out_kind]))]
         else:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}")
-            dsts = [_arrays.out_array(be, o, f"out[{i}]", k.shape, out_kind)
+            dsts = [_arrays.out_array(backend, o, f"out[{i}]", k.shape, out_kind)
                     for i, o in enumerate(out)]
             kb, vb = dsts[0][0], dsts[1][0]
-            if be.xp.may_share_memory(kb, vb) and (be.xp is not np or np.shares_memory(kb, vb)):
+            xp = backend.xp
+            if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
                 raise ValueError("out[0] and out[1] must not share memory")
-            if any(be.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
+            if any(backend.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
                 # an out that is a view of this cache: read both before writing either
                 k, v = k.copy(), v.copy()
         for src, (dst, _) in zip((k, v), dsts):
-            be.convert(src, self._kind, dst, out_kind)
+            backend.convert(src, self._kind, dst, out_kind)
         return dsts[0][1], dsts[1][1]
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
@@ -392,14 +393,14 @@ class KVCache:
         -------
         KVCache
         """
-        be = self._backend
+        backend = self._backend
         src = self._storage
-        dst = self._allocate(be, src.shape, self._kind)
+        dst = self._allocate(backend, src.shape, self._kind)
         for layer, n in enumerate(self._lengths):
             if n:
                 dst[layer, :, :, :, :n] = src[layer, :, :, :, :n]
         twin = object.__new__(type(self))
-        twin._init_from(be, self._device, self._kind, dst, list(self._lengths))
+        twin._init_from(backend, self._device, self._kind, dst, list(self._lengths))
         return twin
 
     def to(self, device):
@@ -413,16 +414,16 @@ class KVCache:
         -------
         KVCache
         """
-        be = get_backend(device)
-        dev = be.normalize_device(device)
+        backend = get_backend(device)
+        dev = backend.normalize_device(device)
         src = self._storage
-        dst = self._allocate(be, src.shape, self._kind)
+        dst = self._allocate(backend, src.shape, self._kind)
         for layer, n in enumerate(self._lengths):
             if n:
                 part = self._backend.to_host(src[layer, :, :, :, :n])
-                dst[layer, :, :, :, :n] = be.from_host(part)
+                dst[layer, :, :, :, :n] = backend.from_host(part)
         twin = object.__new__(type(self))
-        twin._init_from(be, dev, self._kind, dst, list(self._lengths))
+        twin._init_from(backend, dev, self._kind, dst, list(self._lengths))
         return twin
 
     # ----------------------------------------------------------- properties

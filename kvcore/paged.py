@@ -111,23 +111,28 @@ class PagedKVCache:
             raise self._core._state_error("pool")
         return self._pool
 
-    max_seq_len = _seq.CoreField("max_seq_len", """Positions past which writes raise CacheFullError (None: no limit).""")
+    max_seq_len = _seq.CoreField(
+        "max_seq_len", "Positions past which writes raise CacheFullError (None: no limit).")
 
     salt = _seq.CoreField("salt", """The salt as bytes (None: unsalted).""")
 
     closed = _seq.CoreField("closed", """True once :meth:`free` was called.""")
 
-    num_tokens = _seq.CoreField("num_tokens", """Token ids known: the prompt plus every ``append_token``.""")
+    num_tokens = _seq.CoreField(
+        "num_tokens", "Token ids known: the prompt plus every ``append_token``.")
 
-    num_computed = _seq.CoreField("num_computed", """Positions whose KV is written and committed.""")
+    num_computed = _seq.CoreField(
+        "num_computed", "Positions whose KV is written and committed.")
 
     num_blocks = _seq.CoreField("num_blocks", """Blocks this sequence holds.""")
 
     capacity = _seq.CoreField("capacity", """Positions the held blocks can store.""")
 
-    block_table = _seq.CoreField("block_table", """numpy.int32 array of this sequence's block ids in position order (a copy).""")
+    block_table = _seq.CoreField(
+        "block_table", "numpy.int32 array of this sequence's block ids in position order (a copy).")
 
-    token_ids = _seq.CoreField("token_ids", """numpy.int32 array of the known token ids (a copy).""")
+    token_ids = _seq.CoreField(
+        "token_ids", "numpy.int32 array of the known token ids (a copy).")
 
     def _max_written(self):
         """Positions readable in the layer that has written most (committed
@@ -186,7 +191,7 @@ class PagedKVCache:
             raise self._core._state_error("allocate")
         if status == _seq.BUSY:
             raise ValueError("allocate() takes an empty sequence; this one already holds "
-                             f"{self._core._num_tokens} tokens and {self._core._nblocks} blocks "
+                             f"{self._core._num_tokens} tokens and {self._core._num_held} blocks "
                              "(call free() first)")
         tokens = token_array(token_ids)
         if status == _seq.UNCHECKED:
@@ -199,7 +204,8 @@ class PagedKVCache:
         if status == _seq.TOO_LONG:
             self._check_len(n, "allocate")
         raise OutOfBlocksError(
-            f"allocate needs {-(-n // self._core._bs)} blocks for {n} tokens, {self._core._fail_free} "
+            f"allocate needs {-(-n // self._core._block_size)} blocks for {n} tokens, "
+            f"{self._core._failed_free_blocks} "
             f"of {self._pool.num_blocks} are free")
 
     # ------------------------------------------------------------ writes
@@ -223,12 +229,13 @@ class PagedKVCache:
             self._out_of_blocks(self._core._num_computed + n)
 
     def _out_of_blocks(self, target):
-        # after SHORT from SeqCore._reserve/_ensure_to (it left _fail_cow, _fail_free)
-        ncow = self._core._fail_cow
-        need = max(0, -(-target // self._core._bs) - self._core._nblocks) + ncow
+        # after SHORT from SeqCore._reserve/_ensure_to (it left
+        # _failed_copy_on_write, _failed_free_blocks)
+        num_copied = self._core._failed_copy_on_write
+        need = max(0, -(-target // self._core._block_size) - self._core._num_held) + num_copied
         raise OutOfBlocksError(
             f"{need} more blocks needed for positions {self._core._num_computed}.."
-            f"{target - 1} ({ncow} copy-on-write), {self._core._fail_free} of "
+            f"{target - 1} ({num_copied} copy-on-write), {self._core._failed_free_blocks} of "
             f"{self._pool.num_blocks} are free")
 
     def append(self, layer, k, v, src_dtype=None):
@@ -293,14 +300,15 @@ class PagedKVCache:
             if status == _seq.TOO_LONG:
                 self._check_len(target, "commit")
             if status == _seq.UNWRITTEN:
-                layer = self._core._fail_layer
+                layer = self._core._failed_layer
                 raise ValueError(
                     f"commit({n}) needs positions {nc}..{target - 1} written in every layer, "
                     f"but layer {layer} has written {self._core._written(layer) - nc} of them; "
                     "write them with append, or pool.write + mark_written, first")
             raise ValueError(
                 f"commit({n}) would commit positions up to {target - 1}, but only "
-                f"{self._core._nblocks * self._core._bs} positions are reserved; append or reserve first")
+                f"{self._core._num_held * self._core._block_size} positions are reserved; "
+                "append or reserve first")
 
     def append_token(self, token_id):
         """Add a generated token to the sequence's token ids."""
@@ -312,7 +320,8 @@ class PagedKVCache:
         if status:
             n = self._core._num_tokens
             raise CacheFullError(
-                f"append_token would make {n + 1} tokens, past max_seq_len={self._core._max}")
+                f"append_token would make {n + 1} tokens, past "
+                f"max_seq_len={self._core._max_seq_len}")
 
     def extend_tokens(self, token_ids):
         """``append_token`` for each of ``token_ids`` (validated first)."""
@@ -321,19 +330,19 @@ class PagedKVCache:
         if self._core._extend_tokens(t):
             raise CacheFullError(
                 f"extend_tokens would make {self._core._num_tokens + len(t)} tokens, "
-                f"past max_seq_len={self._core._max}")
+                f"past max_seq_len={self._core._max_seq_len}")
 
     def slot_mapping(self, start, end):
         """numpy.int64 slots of positions ``start..end-1`` (for ``BlockPool.write``)."""
         self._require("slot_mapping")
         start = index_int(start, "start")
         end = index_int(end, "end")
-        cap = self._core._nblocks * self._core._bs
+        cap = self._core._num_held * self._core._block_size
         if not 0 <= start <= end <= cap:
             raise ValueError(f"start and end must satisfy 0 <= start <= end <= {cap} "
                              f"(reserved positions), got start={start}, end={end}")
         out = np.empty(end - start, np.int64)
-        _pool.slots_for(self._core._table, self._core._bs, start, end, out)
+        _pool.slots_for(self._core._table, self._core._block_size, start, end, out)
         return out
 
     def mark_written(self, layer, n):
@@ -362,7 +371,8 @@ class PagedKVCache:
         if status:
             raise ValueError(
                 f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
-                f"{self._core._nblocks * self._core._bs} positions are reserved; reserve first")
+                f"{self._core._num_held * self._core._block_size} positions are reserved; "
+                "reserve first")
 
     # ------------------------------------------------------------ reads
     def gather(self, layer, start=0, end=None, dtype=None, out=None):
@@ -466,12 +476,13 @@ class PagedKVCache:
         self._require("copy_to", new_ok=True)
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
-        if pool.block_size != self._core._bs or pool.enable_prefix_caching != self._core._caching:
+        core = self._core
+        if pool.block_size != core._block_size or pool.enable_prefix_caching != core._caching:
             raise ValueError("pool must have the same block_size and enable_prefix_caching as "
-                             f"this sequence's pool ({self._core._bs}, {self._core._caching}), got "
+                             f"this sequence's pool ({core._block_size}, {core._caching}), got "
                              f"({pool.block_size}, {pool.enable_prefix_caching})")
-        twin = PagedKVCache(pool, self._core._max, self._core._salt)
-        n = self._core._nblocks
+        twin = PagedKVCache(pool, self._core._max_seq_len, self._core._salt)
+        n = self._core._num_held
         table = np.empty(max(n, 16), np.int32)
         if n:
             if not pool._take_blocks(n, table):
@@ -505,18 +516,20 @@ class PagedKVCache:
     # The blocks of a dropped sequence go back to the pool: SeqCore.__del__.
 
     def _check_len(self, target, what):
-        if self._core._max is not None and target > self._core._max:
+        if self._core._max_seq_len is not None and target > self._core._max_seq_len:
             raise CacheFullError(
-                f"{what} would reach position {target - 1}, past max_seq_len={self._core._max}")
+                f"{what} would reach position {target - 1}, past "
+                f"max_seq_len={self._core._max_seq_len}")
 
     def __repr__(self):
         # never raises (debuggers and error messages call it)
         if self._core._state == _seq.UNINIT:
             return "PagedKVCache(<not initialised>)"
         if self._core._state == _seq.CLOSED:
-            return f"PagedKVCache(<closed>, max_seq_len={self._core._max})"
-        return (f"PagedKVCache(num_tokens={self._core._num_tokens}, num_computed={self._core._num_computed}, "
-                f"blocks={self._core._nblocks}, max_seq_len={self._core._max})")
+            return f"PagedKVCache(<closed>, max_seq_len={self._core._max_seq_len})"
+        core = self._core
+        return (f"PagedKVCache(num_tokens={core._num_tokens}, num_computed={core._num_computed}, "
+                f"blocks={self._core._num_held}, max_seq_len={self._core._max_seq_len})")
 
 
 def _check_token(value):

@@ -357,16 +357,16 @@ class BlockPool:
         layer = layer_index(layer, self._num_layers)
         if not isinstance(check, (bool, np.bool_)):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
-        k, v, sk = self._kv_input(k, v, src_dtype)
+        k, v, src_kind = self._kv_input(k, v, src_dtype)
         n = k.shape[0]
-        be = self._backend
-        on_device = be.device_slots(slots, n)  # GPU slots stay on the GPU
+        backend = self._backend
+        on_device = backend.device_slots(slots, n)  # GPU slots stay on the GPU
         if on_device is None:
             slots, check = self._slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
-        be.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
-                          sk, self._kind, self._slot_owner, bool(check))
+        backend.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
+                          src_kind, self._kind, self._slot_owner, bool(check))
 
     def gather(self, layer, block_table, start, end, dtype=None, out=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
@@ -445,17 +445,18 @@ class BlockPool:
                 j = int(np.argmax((row < 0) | (row >= self._num_blocks)))
                 raise IndexError(f"block_tables[{s}, {j}] must be in 0..{self._num_blocks - 1}, "
                                  f"got {int(row[j])}")
-        dk = self._out_kind(dtype)
-        be = self._backend
+        dst_kind = self._out_kind(dtype)
+        backend = self._backend
         width = int(n.max()) if n.size else 0
         shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
         # on a GPU: one upload each, shared by the K and the V gather
-        t32 = be.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
-        n32 = be.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
-        outs = self._outs(out, shape, dk)
-        tmps = self._targets(outs, out, shape, dk)
+        t32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
+        n32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
+        outs = self._outs(out, shape, dst_kind)
+        tmps = self._targets(outs, out, shape, dst_kind)
         for i in (0, 1):
-            be.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind, dk)
+            backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind,
+                                 dst_kind)
         return self._deliver(outs, tmps)
 
     def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
@@ -506,9 +507,9 @@ class BlockPool:
         if not src.size:
             return
         # a GPU on either side drives the copy (it can read and write host memory)
-        be = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
+        backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
         if dst_pool is not self:
-            be.copy_blocks_between(self._storage, src, dst_pool.storage, dst)
+            backend.copy_blocks_between(self._storage, src, dst_pool.storage, dst)
             return
         staged = np.isin(src, dst)
         if not staged.any():
@@ -518,14 +519,14 @@ class BlockPool:
         # written: copied out to a buffer, then in from it last.
         stage_ids, where = np.unique(src[staged], return_inverse=True)
         stage_ids = stage_ids.astype(np.int32)
-        buf = be.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
+        buf = backend.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
                        self._storage.dtype)
-        be.copy_blocks_between(self._storage, stage_ids, buf,
+        backend.copy_blocks_between(self._storage, stage_ids, buf,
                                np.arange(stage_ids.size, dtype=np.int32))
         direct = ~staged
         if direct.any():
             self._copy_blocks(src[direct], dst[direct])
-        be.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
+        backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
                                np.ascontiguousarray(dst[staged]))
 
     # ------------------------------------------------------------ helpers
@@ -540,9 +541,9 @@ class BlockPool:
         (bfloat16 as uint16 bits), each apart from this pool's storage (an
         input that is a view of any plane of it is copied once, so every
         plane written later reads it as it was)."""
-        be = self._backend
-        k, sk = _arrays.float_input(be, k, "k", src_dtype)
-        v, sv = _arrays.float_input(be, v, "v", src_dtype)
+        backend = self._backend
+        k, src_kind = _arrays.float_input(backend, k, "k", src_dtype)
+        v, sv = _arrays.float_input(backend, v, "v", src_dtype)
         want = (self._num_kv_heads, self._head_dim)
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 3 or a.shape[1:] != want:
@@ -552,10 +553,10 @@ class BlockPool:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
-        if sv != sk:
+        if sv != src_kind:
             raise TypeError(f"k and v must have the same dtype, got "
-                            f"{dtypes.KIND_NAME[sk]} and {dtypes.KIND_NAME[sv]}")
-        return self._apart(k), self._apart(v), sk
+                            f"{dtypes.KIND_NAME[src_kind]} and {dtypes.KIND_NAME[sv]}")
+        return self._apart(k), self._apart(v), src_kind
 
     def _apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's."""
@@ -569,16 +570,16 @@ class BlockPool:
         """``[(k_bits, k_result), (v_bits, v_result)]``: fresh arrays, or the
         caller's ``out=(k_out, v_out)`` checked (shape, dtype, writable, the
         two apart)."""
-        be = self._backend
+        backend = self._backend
         if out is None:
-            return [(a, a) for a in (be.empty(shape, dtypes.STORAGE[kind]),
-                                     be.empty(shape, dtypes.STORAGE[kind]))]
+            return [(a, a) for a in (backend.empty(shape, dtypes.STORAGE[kind]),
+                                     backend.empty(shape, dtypes.STORAGE[kind]))]
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
                             + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
-        pair = [_arrays.out_array(be, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
+        pair = [_arrays.out_array(backend, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
         kb, vb = pair[0][0], pair[1][0]
-        xp = be.xp
+        xp = backend.xp
         if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
             raise ValueError("out[0] and out[1] must not share memory (k and v are "
                              "different arrays)")
@@ -625,17 +626,18 @@ class BlockPool:
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
         ``table`` (int32, aligned), into ``out`` when given."""
-        dk = self._out_kind(dtype)
-        be = self._backend
+        dst_kind = self._out_kind(dtype)
+        backend = self._backend
         shape = (self._num_kv_heads, end - start, self._head_dim)
-        outs = self._outs(out, shape, dk)
+        outs = self._outs(out, shape, dst_kind)
         if end == start:
             return outs[0][1], outs[1][1]
-        tmps = self._targets(outs, out, shape, dk)
+        tmps = self._targets(outs, out, shape, dst_kind)
         # on a GPU: one upload of the blocks the range needs, for K and V
-        table = be.from_host(table[:-(-end // self._block_size)])
+        table = backend.from_host(table[:-(-end // self._block_size)])
         for i in (0, 1):
-            be.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind, dk)
+            backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind,
+                           dst_kind)
         return self._deliver(outs, tmps)
 
     def _targets(self, outs, out, shape, kind):
@@ -645,8 +647,8 @@ class BlockPool:
         K and V have been read."""
         if out is None:
             return [o[0] for o in outs]
-        be = self._backend
-        return [dst if self._direct(dst) else be.empty(shape, dtypes.STORAGE[kind])
+        backend = self._backend
+        return [dst if self._direct(dst) else backend.empty(shape, dtypes.STORAGE[kind])
                 for dst, _ in outs]
 
     @staticmethod
@@ -683,9 +685,9 @@ class BlockPool:
     def _write_positions(self, layer, k, v, slots, src_kind):
         """K and V (validated by :meth:`_kv_input`) to the slots of a
         sequence's own positions in (validated) ``layer``."""
-        be = self._backend
-        be.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
-        be.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
+        backend = self._backend
+        backend.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
+        backend.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
 
     def _gather_table(self, layer, table, start, end, dtype, out):
         """:meth:`gather` of a sequence's own (checked) table."""

@@ -9,15 +9,15 @@ methods here take validated values and report failures as status codes
 changes nothing.  Every PoolCore call happens with the pool's lock held.
 
 State (a sequence is driven by one thread at a time):
-  * ``toks`` [tok_cap]: token ids, the first ``_num_tokens`` known;
-  * ``hw`` [hash_cap, 2]: the first ``_n_hashed`` full blocks' chained hashes;
-  * ``ser`` [ser_cap]: the serial the pool knows each of the first
+  * ``token_buf`` [token_cap]: token ids, the first ``_num_tokens`` known;
+  * ``hash_words`` [hash_cap, 2]: the first ``_n_hashed`` full blocks' chained hashes;
+  * ``block_serials`` [serial_cap]: the serial the pool knows each of the first
     ``_n_registered`` blocks by (the next block's parent);
-  * ``_table``: int32 NumPy array [capacity], the first ``_nblocks`` the
+  * ``_table``: int32 NumPy array [capacity], the first ``_num_held`` the
     block table (kvcore.tables and PagedKVCache read it);
   * ``pending[layer]``: positions past ``_num_computed`` appended to that
     layer in the current step;
-  * ``[excl_lo, excl_hi)``: blocks known to be this sequence's alone
+  * ``[exclusive_lo, exclusive_hi)``: blocks known to be this sequence's alone
     (writable in place) since the last reserve; ``[slot_lo, slot_hi)``: the
     positions whose slots ``slot_val`` caches for the layers of a step.
   * ``_state``: UNINIT (``__init__`` never ran), NEW (bound to a pool,
@@ -53,14 +53,15 @@ cdef enum:
 # path takes as is (or is out of range); nothing changed, and the caller
 # validates it (raising the precise error) and calls again.
 cdef enum:
-    ST_SHORT = -1          # the pool is short of blocks (_fail_free, _fail_cow set)
+    ST_SHORT = -1          # the pool is short of blocks (_failed_free_blocks and
+                           # _failed_copy_on_write set)
     ST_EMPTY = -2          # allocate: no tokens
     ST_TOO_LONG = -3       # past max_seq_len
     ST_UNCHECKED = -4
     ST_BUSY = -5           # allocate: the sequence is not empty
     ST_PAST_RESERVED = -6  # commit: past the reserved positions
     ST_STATE = -7          # the sequence is not in a state for this call (_state_error)
-    ST_UNWRITTEN = -8      # commit: a layer has not written the positions (_fail_layer)
+    ST_UNWRITTEN = -8      # commit: a layer has not written the positions (_failed_layer)
 
 # The lifecycle of a sequence (SeqCore._state)
 cdef enum:
@@ -224,17 +225,17 @@ cdef class CoreField:
         if self.field == 1:
             return core._num_tokens
         if self.field == 2:
-            return core._nblocks
+            return core._num_held
         if self.field == 3:
-            return core._nblocks * core._bs
+            return core._num_held * core._block_size
         if self.field == 4:
             return core._state == S_CLOSED
         if self.field == 5:
-            return core._max
+            return core._max_seq_len
         if self.field == 6:
             return core._salt
         if self.field == 7:
-            return _copy(core._table[:core._nblocks])
+            return _copy(core._table[:core._num_held])
         return core._token_ids()
 
     def __set__(self, obj, value):
@@ -259,9 +260,9 @@ cdef class SeqCore:
     cdef RowWriter writer                       # None: no direct appends
     cdef object copy_blocks                     # the pool's block copy (copy-on-write)
     cdef object lock_acquire, lock_release      # the pool's lock
-    cdef readonly Py_ssize_t _bs
+    cdef readonly Py_ssize_t _block_size
     cdef Py_ssize_t num_layers
-    cdef readonly object _max                   # max_seq_len: None or int
+    cdef readonly object _max_seq_len                   # max_seq_len: None or int
     cdef Py_ssize_t max_len                     # -1: no limit
     cdef readonly object _salt
     cdef readonly bint _caching
@@ -269,18 +270,18 @@ cdef class SeqCore:
     cdef int64_t root_serial                    # the salt's identity-chain root
                                                 # (< -1: a reference held on it)
     cdef readonly int _state                    # S_UNINIT .. S_CLOSED
-    cdef token_t* toks
-    cdef hash_word_t* hw
-    cdef int64_t* ser
-    cdef Py_ssize_t tok_cap, hash_cap, ser_cap
+    cdef token_t* token_buf
+    cdef hash_word_t* hash_words
+    cdef int64_t* block_serials
+    cdef Py_ssize_t token_cap, hash_cap, serial_cap
     cdef readonly cnp.ndarray _table
-    cdef readonly Py_ssize_t _num_tokens, _num_computed, _nblocks, _n_hashed, _n_registered
+    cdef readonly Py_ssize_t _num_tokens, _num_computed, _num_held, _n_hashed, _n_registered
     cdef Py_ssize_t* pending
-    cdef Py_ssize_t excl_lo, excl_hi
+    cdef Py_ssize_t exclusive_lo, exclusive_hi
     cdef Py_ssize_t slot_lo, slot_hi
     cdef cnp.ndarray slot_val
     # what the last failed call saw, for the caller's error message
-    cdef readonly Py_ssize_t _fail_free, _fail_cow, _fail_layer
+    cdef readonly Py_ssize_t _failed_free_blocks, _failed_copy_on_write, _failed_layer
 
     def __cinit__(self):
         self._table = _EMPTY_I32
@@ -290,9 +291,9 @@ cdef class SeqCore:
 
     def __dealloc__(self):
         free(self.pending)
-        free(self.toks)
-        free(self.hw)
-        free(self.ser)
+        free(self.token_buf)
+        free(self.hash_words)
+        free(self.block_serials)
 
     def __del__(self):
         # Blocks (and the salt root) of a dropped sequence go back to the pool.
@@ -337,10 +338,10 @@ cdef class SeqCore:
         self.lock_release = binding.lock_release
         self.writer = binding.writer
         self.copy_blocks = binding.copy_blocks
-        self._bs = binding.block_size
+        self._block_size = binding.block_size
         self.num_layers = binding.num_layers
         self._caching = binding.caching
-        self._max = max_seq_len
+        self._max_seq_len = max_seq_len
         self.max_len = -1 if max_seq_len is None else _count(max_seq_len)
         self._salt = salt
         self.root0 = root0
@@ -360,7 +361,7 @@ cdef class SeqCore:
         cdef Py_ssize_t i
         self._num_tokens = 0
         self._num_computed = 0
-        self._nblocks = 0
+        self._num_held = 0
         self._n_hashed = 0
         self._n_registered = 0
         for i in range(self.num_layers):
@@ -368,8 +369,8 @@ cdef class SeqCore:
         self._invalidate()
 
     cdef inline void _invalidate(self) noexcept:
-        self.excl_lo = 0
-        self.excl_hi = 0
+        self.exclusive_lo = 0
+        self.exclusive_hi = 0
         self.slot_lo = -1
 
     # ------------------------------------------------------------ state
@@ -386,15 +387,15 @@ cdef class SeqCore:
     def _token_ids(self):
         """int32 array of the known token ids (a copy)."""
         cdef cnp.ndarray out = _empty(self._num_tokens, cnp.NPY_INT32)
-        if self._num_tokens:  # (toks is NULL until the first token)
-            memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
+        if self._num_tokens:  # (token_buf is NULL until the first token)
+            memcpy(_ptr(out), self.token_buf, self._num_tokens * sizeof(token_t))
         return out
 
     def _hash_words(self):
         """(n_hashed, 2) uint64 array of the known blocks' hashes (a copy)."""
         cdef cnp.ndarray out = _empty_hashes(self._n_hashed)
         if self._n_hashed:
-            memcpy(_ptr(out), self.hw, self._n_hashed * 2 * sizeof(hash_word_t))
+            memcpy(_ptr(out), self.hash_words, self._n_hashed * 2 * sizeof(hash_word_t))
         return out
 
     def _length(self):
@@ -411,21 +412,21 @@ cdef class SeqCore:
         """out[i] = h[i] for the n_blocks full blocks at t, chained from parent."""
         if n_blocks >= HASH_NOGIL_BLOCKS:
             with nogil:
-                self._core.hash_chain(t, n_blocks, self._bs, parent0, parent1, out)
+                self._core.hash_chain(t, n_blocks, self._block_size, parent0, parent1, out)
         else:
-            self._core.hash_chain(t, n_blocks, self._bs, parent0, parent1, out)
+            self._core.hash_chain(t, n_blocks, self._block_size, parent0, parent1, out)
         return 0
 
     cdef int _hash_known_blocks(self) except -1:
-        cdef Py_ssize_t full = self._num_tokens // self._bs, h = self._n_hashed
+        cdef Py_ssize_t full = self._num_tokens // self._block_size, h = self._n_hashed
         if full <= h:
             return 0
-        _fit(<void**>&self.hw, &self.hash_cap, full, 2 * sizeof(hash_word_t), h)
+        _fit(<void**>&self.hash_words, &self.hash_cap, full, 2 * sizeof(hash_word_t), h)
         if h == 0:
-            self._hash(self.toks, full, self.root0, self.root1, self.hw)
+            self._hash(self.token_buf, full, self.root0, self.root1, self.hash_words)
         else:
-            self._hash(self.toks + h * self._bs, full - h, self.hw[2 * h - 2],
-                       self.hw[2 * h - 1], self.hw + 2 * h)
+            self._hash(self.token_buf + h * self._block_size, full - h, self.hash_words[2 * h - 2],
+                       self.hash_words[2 * h - 1], self.hash_words + 2 * h)
         self._n_hashed = full
         return 0
 
@@ -435,18 +436,18 @@ cdef class SeqCore:
         cdef int64_t parent
         if not self._caching:
             return 0
-        upto = min(self._num_computed, self._num_tokens) // self._bs
+        upto = min(self._num_computed, self._num_tokens) // self._block_size
         if upto > self._n_hashed:
             upto = self._n_hashed
         if upto <= self._n_registered:
             return 0
         first = self._n_registered
-        _fit(<void**>&self.ser, &self.ser_cap, upto, sizeof(int64_t), first)
-        parent = self.ser[first - 1] if first else self.root_serial
+        _fit(<void**>&self.block_serials, &self.serial_cap, upto, sizeof(int64_t), first)
+        parent = self.block_serials[first - 1] if first else self.root_serial
         self.lock_acquire()
         try:
-            self._core.c_register(<block_id_t*>_ptr(self._table), self.hw, self.toks,
-                                  first, upto, parent, self.ser)
+            self._core.c_register(<block_id_t*>_ptr(self._table), self.hash_words, self.token_buf,
+                                  first, upto, parent, self.block_serials)
         finally:
             self.lock_release()
         self._n_registered = upto
@@ -461,7 +462,7 @@ cdef class SeqCore:
         checked in that order."""
         if self._state != S_NEW and self._state != S_LIVE:
             return ST_STATE
-        cdef Py_ssize_t n, bs = self._bs, total, n_full, max_hit, hits, i
+        cdef Py_ssize_t n, bs = self._block_size, total, n_full, max_hit, hits, i
         cdef cnp.ndarray tokens, table
         cdef PoolCore core = self._core
         cdef int64_t root = self.root_serial
@@ -469,7 +470,7 @@ cdef class SeqCore:
         cdef const token_t* src
         cdef token_t* dst
         cdef token_t any_bits = 0
-        if self._nblocks or self._num_tokens or self._num_computed:
+        if self._num_held or self._num_tokens or self._num_computed:
             return ST_BUSY
         if type(token_ids) is not np.ndarray:
             return ST_UNCHECKED
@@ -482,9 +483,9 @@ cdef class SeqCore:
         # copy the ids in, checking them on the way (as checked_token_array
         # does: the OR of all has the sign bit set iff one is negative); the
         # buffers' contents count only up to the counters, all 0 here
-        _fit(<void**>&self.toks, &self.tok_cap, n, sizeof(token_t), 0)
+        _fit(<void**>&self.token_buf, &self.token_cap, n, sizeof(token_t), 0)
         src = <const token_t*>_ptr(tokens)
-        dst = self.toks
+        dst = self.token_buf
         for i in range(n):
             dst[i] = src[i]
             any_bits = any_bits | src[i]
@@ -496,11 +497,11 @@ cdef class SeqCore:
             return ST_TOO_LONG
         total = (n + bs - 1) // bs
         n_full = n // bs
-        _fit(<void**>&self.ser, &self.ser_cap, n_full, sizeof(int64_t), 0)
+        _fit(<void**>&self.block_serials, &self.serial_cap, n_full, sizeof(int64_t), 0)
         if self._caching:
-            _fit(<void**>&self.hw, &self.hash_cap, n_full, 2 * sizeof(hash_word_t), 0)
+            _fit(<void**>&self.hash_words, &self.hash_cap, n_full, 2 * sizeof(hash_word_t), 0)
             if n_full:
-                self._hash(self.toks, n_full, self.root0, self.root1, self.hw)
+                self._hash(self.token_buf, n_full, self.root0, self.root1, self.hash_words)
             max_hit = (n - 1) // bs  # the last prompt token is always computed
         else:
             max_hit = 0
@@ -510,12 +511,13 @@ cdef class SeqCore:
         try:
             if total >= NOGIL_BLOCKS:
                 with nogil:
-                    hits = core.c_allocate(self.toks, self.hw, max_hit, total, root, bp,
-                                           self.ser)
+                    hits = core.c_allocate(self.token_buf, self.hash_words, max_hit, total, root, bp,
+                                           self.block_serials)
             else:
-                hits = core.c_allocate(self.toks, self.hw, max_hit, total, root, bp, self.ser)
+                hits = core.c_allocate(self.token_buf, self.hash_words, max_hit, total, root, bp,
+                                       self.block_serials)
             if hits < 0:
-                self._fail_free = core.num_uncached_free + core.num_lru_free
+                self._failed_free_blocks = core.num_uncached_free + core.num_lru_free
                 return ST_SHORT
             if self._caching:
                 core.prefix_queries += n
@@ -523,7 +525,7 @@ cdef class SeqCore:
         finally:
             self.lock_release()
         self._table = table
-        self._nblocks = total
+        self._num_held = total
         self._num_tokens = n
         self._n_hashed = n_full if self._caching else 0
         self._num_computed = hits * bs
@@ -535,8 +537,8 @@ cdef class SeqCore:
     cdef int _ensure(self, Py_ssize_t target) except -2:
         """Blocks for positions up to ``target`` - 1, those from num_computed
         on this sequence's own (copy-on-write).  0, or SHORT (-1; nothing
-        changed; ``_fail_cow``, ``_fail_free`` set)."""
-        cdef Py_ssize_t bs = self._bs, first, end, grow, last, ncow = 0, need, i
+        changed; ``_failed_copy_on_write``, ``_failed_free_blocks`` set)."""
+        cdef Py_ssize_t bs = self._block_size, first, end, grow, last, ncow = 0, need, i
         cdef PoolCore core = self._core
         cdef cnp.ndarray idx, new, old
         cdef block_id_t* table
@@ -545,10 +547,10 @@ cdef class SeqCore:
             return 0
         first = self._num_computed // bs
         end = target // bs + (target % bs != 0)  # blocks [first, end) must be ours
-        if self.excl_lo <= first and end <= self.excl_hi:
+        if self.exclusive_lo <= first and end <= self.exclusive_hi:
             return 0
-        grow = end - self._nblocks if end > self._nblocks else 0
-        last = min(end, self._nblocks)
+        grow = end - self._num_held if end > self._num_held else 0
+        last = min(end, self._num_held)
         self.lock_acquire()
         try:
             if last > first:
@@ -558,8 +560,8 @@ cdef class SeqCore:
             need = grow + ncow
             if need:
                 if need > core.num_uncached_free + core.num_lru_free:
-                    self._fail_cow = ncow
-                    self._fail_free = core.num_uncached_free + core.num_lru_free
+                    self._failed_copy_on_write = ncow
+                    self._failed_free_blocks = core.num_uncached_free + core.num_lru_free
                     return ST_SHORT
                 new = _empty(need, cnp.NPY_INT32)
                 fresh = <block_id_t*>_ptr(new)
@@ -579,14 +581,14 @@ cdef class SeqCore:
                     core.c_release(<block_id_t*>_ptr(old), ncow)
                 if grow:
                     self._table = _grown(self._table, end)
-                    memcpy(<block_id_t*>_ptr(self._table) + self._nblocks, fresh + ncow,
+                    memcpy(<block_id_t*>_ptr(self._table) + self._num_held, fresh + ncow,
                            grow * sizeof(block_id_t))
-                    self._nblocks = end
+                    self._num_held = end
                 self.slot_lo = -1
         finally:
             self.lock_release()
-        self.excl_lo = first
-        self.excl_hi = end
+        self.exclusive_lo = first
+        self.exclusive_hi = end
         return 0
 
     def _reserve(self, n):
@@ -602,8 +604,8 @@ cdef class SeqCore:
         if m > PY_SSIZE_T_MAX - self._num_computed:
             if self.max_len >= 0:
                 return ST_TOO_LONG
-            self._fail_cow = 0
-            self._fail_free = self._core.num_uncached_free + self._core.num_lru_free
+            self._failed_copy_on_write = 0
+            self._failed_free_blocks = self._core.num_uncached_free + self._core.num_lru_free
             return ST_SHORT
         target = self._num_computed + m
         if self.max_len >= 0 and target > self.max_len:
@@ -619,7 +621,7 @@ cdef class SeqCore:
         """int64 slots of positions start..end-1 (within the table); the same
         array serves every layer of a step."""
         self._check_setup()
-        cdef Py_ssize_t p, bs = self._bs
+        cdef Py_ssize_t p, bs = self._block_size
         cdef const block_id_t* t
         cdef slot_t* o
         if self.slot_lo != start or self.slot_hi != end:
@@ -674,7 +676,7 @@ cdef class SeqCore:
         target = self._num_computed + m
         if self.max_len >= 0 and target > self.max_len:
             return ST_TOO_LONG
-        if target > self._nblocks * self._bs:
+        if target > self._num_held * self._block_size:
             return ST_PAST_RESERVED
         return 0
 
@@ -682,7 +684,7 @@ cdef class SeqCore:
         """num_computed += n for all layers, registering what became ready.
         0, or a status (nothing changed): STATE (not live), UNCHECKED (n not
         an int >= 0), TOO_LONG, PAST_RESERVED or UNWRITTEN (a layer has not
-        written the positions: ``_fail_layer`` is the first)."""
+        written the positions: ``_failed_layer`` is the first)."""
         cdef Py_ssize_t m, i, status
         if self._state != S_LIVE:
             return ST_STATE
@@ -697,7 +699,7 @@ cdef class SeqCore:
         # readable, and enter the prefix cache
         for i in range(self.num_layers):
             if self.pending[i] < m:
-                self._fail_layer = i
+                self._failed_layer = i
                 return ST_UNWRITTEN
         self._num_computed += m
         for i in range(self.num_layers):
@@ -736,11 +738,11 @@ cdef class SeqCore:
         tid = token_id
         if self.max_len >= 0 and n + 1 > self.max_len:
             return ST_TOO_LONG
-        if n >= self.tok_cap:
-            _fit(<void**>&self.toks, &self.tok_cap, n + 1, sizeof(token_t), n)
-        self.toks[n] = tid
+        if n >= self.token_cap:
+            _fit(<void**>&self.token_buf, &self.token_cap, n + 1, sizeof(token_t), n)
+        self.token_buf[n] = tid
         self._num_tokens = n + 1
-        if self._caching and (n + 1) % self._bs == 0:
+        if self._caching and (n + 1) % self._block_size == 0:
             self._hash_known_blocks()
             self._register_ready()
         return 0
@@ -753,8 +755,8 @@ cdef class SeqCore:
         if self.max_len >= 0 and n + m > self.max_len:
             return ST_TOO_LONG
         if m:
-            _fit(<void**>&self.toks, &self.tok_cap, n + m, sizeof(token_t), n)
-            memcpy(self.toks + n, _ptr(t), m * sizeof(token_t))
+            _fit(<void**>&self.token_buf, &self.token_cap, n + m, sizeof(token_t), n)
+            memcpy(self.token_buf + n, _ptr(t), m * sizeof(token_t))
         self._num_tokens = n + m
         if self._caching:
             self._hash_known_blocks()
@@ -765,11 +767,11 @@ cdef class SeqCore:
         """Forget positions and tokens from ``n`` (validated: at most the
         sequence length) on, releasing the blocks no longer needed."""
         self._check_setup()
-        cdef Py_ssize_t bs = self._bs, keep = min((n + bs - 1) // bs, self._nblocks)
+        cdef Py_ssize_t bs = self._block_size, keep = min((n + bs - 1) // bs, self._num_held)
         cdef Py_ssize_t old_nc = self._num_computed, i
-        if keep < self._nblocks:
+        if keep < self._num_held:
             self._release_tail(keep)
-            self._nblocks = keep
+            self._num_held = keep
         self._num_tokens = min(self._num_tokens, n)
         self._num_computed = min(old_nc, n)
         for i in range(self.num_layers):
@@ -792,9 +794,9 @@ cdef class SeqCore:
         child.copy_blocks = self.copy_blocks
         child.lock_acquire = self.lock_acquire
         child.lock_release = self.lock_release
-        child._bs = self._bs
+        child._block_size = self._block_size
         child.num_layers = self.num_layers
-        child._max = self._max
+        child._max_seq_len = self._max_seq_len
         child.max_len = self.max_len
         child._salt = self._salt
         child._caching = self._caching
@@ -804,14 +806,14 @@ cdef class SeqCore:
         child._table = _copy(self._table)
         child._num_tokens = self._num_tokens
         child._num_computed = self._num_computed
-        child._nblocks = self._nblocks
+        child._num_held = self._num_held
         child._n_hashed = self._n_hashed
         child._n_registered = self._n_registered
-        if self._nblocks or self.root_serial < -1:
+        if self._num_held or self.root_serial < -1:
             self.lock_acquire()
             try:
-                if self._nblocks:
-                    self._core.c_incref(<block_id_t*>_ptr(self._table), self._nblocks)
+                if self._num_held:
+                    self._core.c_incref(<block_id_t*>_ptr(self._table), self._num_held)
                 # the child holds the salt too
                 self._core.c_root_incref(self.root_serial)
             finally:
@@ -829,7 +831,7 @@ cdef class SeqCore:
         and register what is ready, from block 0."""
         self._check_setup()
         self._table = table
-        self._nblocks = nblocks
+        self._num_held = nblocks
         self._take_buffers(src)
         self._num_tokens = src._num_tokens
         self._n_hashed = src._n_hashed
@@ -844,23 +846,23 @@ cdef class SeqCore:
     cdef int _take_buffers(self, SeqCore src) except -1:
         """Copies of src's known token ids, hashes and serials (this
         sequence is fresh)."""
-        free(self.toks)
-        self.toks = NULL
-        self.toks = <token_t*>_dup(src.toks, src._num_tokens, sizeof(token_t), &self.tok_cap)
-        free(self.hw)
-        self.hw = NULL
-        self.hw = <hash_word_t*>_dup(src.hw, src._n_hashed, 2 * sizeof(hash_word_t),
+        free(self.token_buf)
+        self.token_buf = NULL
+        self.token_buf = <token_t*>_dup(src.token_buf, src._num_tokens, sizeof(token_t), &self.token_cap)
+        free(self.hash_words)
+        self.hash_words = NULL
+        self.hash_words = <hash_word_t*>_dup(src.hash_words, src._n_hashed, 2 * sizeof(hash_word_t),
                                      &self.hash_cap)
-        free(self.ser)
-        self.ser = NULL
-        self.ser = <int64_t*>_dup(src.ser, src._n_registered, sizeof(int64_t), &self.ser_cap)
+        free(self.block_serials)
+        self.block_serials = NULL
+        self.block_serials = <int64_t*>_dup(src.block_serials, src._n_registered, sizeof(int64_t), &self.serial_cap)
         return 0
 
     cdef int _release_tail(self, Py_ssize_t keep) except -1:
         """Release blocks keep..nblocks-1 (last first) under the pool lock."""
         self.lock_acquire()
         try:
-            self._core.c_release(<block_id_t*>_ptr(self._table) + keep, self._nblocks - keep)
+            self._core.c_release(<block_id_t*>_ptr(self._table) + keep, self._num_held - keep)
         finally:
             self.lock_release()
         return 0
@@ -868,7 +870,7 @@ cdef class SeqCore:
     cdef int _release_all(self) except -1:
         """Release every block and the salt root; the sequence is empty."""
         cdef int64_t root = self.root_serial
-        if self._nblocks:
+        if self._num_held:
             self._release_tail(0)
         self._reset_state()
         if root < -1:
@@ -891,10 +893,10 @@ cdef class SeqCore:
         self._state = S_CLOSED
         self._table = _EMPTY_I32
         self.slot_val = None
-        free(self.toks)
-        free(self.hw)
-        free(self.ser)
-        self.toks = NULL
-        self.hw = NULL
-        self.ser = NULL
-        self.tok_cap = self.hash_cap = self.ser_cap = 0
+        free(self.token_buf)
+        free(self.hash_words)
+        free(self.block_serials)
+        self.token_buf = NULL
+        self.hash_words = NULL
+        self.block_serials = NULL
+        self.token_cap = self.hash_cap = self.serial_cap = 0
