@@ -51,40 +51,39 @@ if SANITIZE:
 if sys.platform == "win32":
     extra = []
 
+# One extension per .pyx.  Each layer is a folder (docs/architecture.md):
+# kvcore/_native holds the bookkeeping, kvcore/backends/cpu the data-movement
+# kernels; hand-written C lives in each folder's csrc/ (the .c files next to
+# the .pyx are generated).
 NATIVE = "kvcore/_native"
-CSRC = f"{NATIVE}/csrc"  # hand-written C (the .c files next to the .pyx are generated)
+CPU_BACKEND = "kvcore/backends/cpu"
+# _typedefs.pxd (block ids, slots, halves) is shared by both folders
+INCLUDE = [numpy.get_include(), NATIVE, f"{NATIVE}/csrc", CPU_BACKEND, f"{CPU_BACKEND}/csrc"]
 
 
-def ext(name, *c_sources):
+def ext(folder, name, *c_sources, compile_args=(), link_args=()):
     return Extension(
-        f"kvcore._native.{name}",
-        [f"{NATIVE}/{name}.pyx", *[f"{CSRC}/{c}" for c in c_sources]],
-        include_dirs=[numpy.get_include(), NATIVE, CSRC],
+        f"{folder.replace('/', '.')}.{name}",
+        [f"{folder}/{name}.pyx", *[f"{folder}/csrc/{c}" for c in c_sources]],
+        include_dirs=INCLUDE,
         define_macros=macros,
-        extra_compile_args=extra,
-        extra_link_args=link_extra,
+        extra_compile_args=extra + list(compile_args),
+        extra_link_args=link_extra + list(link_args),
     )
 
 
+# Attention over the pages: C kernels with run-time SIMD dispatch; pthreads
+# for the worker pool.
+PTHREAD = [] if sys.platform == "win32" else ["-pthread"]
 extensions = [
-    ext("_typedefs"),
-    ext("_convert", "kv_half.c"),
-    ext("_kernels"),
-    ext("_pool", "kv_hash.c"),
-    ext("_seq"),
+    ext(NATIVE, "_typedefs"),
+    ext(NATIVE, "_pool", "kv_hash.c"),
+    ext(NATIVE, "_seq"),
+    ext(CPU_BACKEND, "_convert", "kv_half.c"),
+    ext(CPU_BACKEND, "_kernels"),
+    ext(CPU_BACKEND, "_attention", "kv_attention.c", compile_args=PTHREAD, link_args=PTHREAD),
 ]
 
-# Attention over the pages (kvcore/backends/cpu): C kernels with run-time
-# SIMD dispatch; pthreads for the worker pool.
-CPU_BACKEND = "kvcore/backends/cpu"
-extensions.append(Extension(
-    "kvcore.backends.cpu._attention",
-    [f"{CPU_BACKEND}/_attention.pyx", f"{CPU_BACKEND}/csrc/kv_attention.c"],
-    include_dirs=[numpy.get_include(), f"{CPU_BACKEND}/csrc"],
-    define_macros=macros,
-    extra_compile_args=extra + ([] if sys.platform == "win32" else ["-pthread"]),
-    extra_link_args=link_extra + ([] if sys.platform == "win32" else ["-pthread"]),
-))
 
 class cythonize_then_build_ext(build_ext):
     """Cythonize the .pyx sources when the extensions are built, not before.

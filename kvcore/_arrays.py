@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
-from . import _dtypes
-from ._dtypes import BF16
-from ._native import _kernels
+from . import dtypes
+from .dtypes import BF16
+from .backends.cpu import _kernels
 
 __all__ = ["unwrap", "host_view", "float_input", "out_array", "index_array", "aligned"]
 
@@ -97,15 +97,15 @@ def float_input(be, x, arg, src_dtype=None):
         y, bf16 = unwrap(x, arg)
         a = be.asarray(y, arg)
     if bf16:
-        if src_dtype is not None and _dtypes.storage_kind(src_dtype, "src_dtype") != BF16:
+        if src_dtype is not None and dtypes.storage_kind(src_dtype, "src_dtype") != BF16:
             raise TypeError(
-                f"{arg} must have dtype {_dtypes.STORAGE[_dtypes.storage_kind(src_dtype)]} "
+                f"{arg} must have dtype {dtypes.STORAGE[dtypes.storage_kind(src_dtype)]} "
                 f"for src_dtype={src_dtype!r}, got torch.bfloat16")
         if a.dtype != np.uint16:
             a = a.view(np.uint16)
         return a, BF16
-    kind = _dtypes.array_kind(a, arg, src_dtype)
-    return _dtypes.as_bits(a), kind
+    kind = dtypes.array_kind(a, arg, src_dtype)
+    return dtypes.as_bits(a), kind
 
 
 def out_array(be, out, arg, shape, kind):
@@ -122,19 +122,19 @@ def out_array(be, out, arg, shape, kind):
     a = be.check_out(y, arg)
     if bf16:
         if kind != BF16:
-            raise TypeError(f"{arg} must have dtype {_dtypes.STORAGE[kind]}, got torch.bfloat16")
+            raise TypeError(f"{arg} must have dtype {dtypes.STORAGE[kind]}, got torch.bfloat16")
         a = a.view(np.uint16) if a.dtype != np.uint16 else a
     else:
-        want = _dtypes.STORAGE[kind]
-        ok = a.dtype == want or (kind == BF16 and _dtypes.BF16_NUMPY is not None
-                                 and a.dtype == _dtypes.BF16_NUMPY)
+        want = dtypes.STORAGE[kind]
+        ok = a.dtype == want or (kind == BF16 and dtypes.BF16_NUMPY is not None
+                                 and a.dtype == dtypes.BF16_NUMPY)
         if not ok:
             raise TypeError(f"{arg} must have dtype {want}"
                             + (" (bfloat16 bits) or ml_dtypes.bfloat16" if kind == BF16 else "")
                             + f", got {_describe(out)}")
         if not a.dtype.isnative:
             raise TypeError(f"{arg} must be in native byte order, got dtype {a.dtype}")
-        a = _dtypes.as_bits(a)
+        a = dtypes.as_bits(a)
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{arg} must have shape {tuple(shape)}, got {tuple(a.shape)}")
     return a, out

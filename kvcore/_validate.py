@@ -69,7 +69,7 @@ def token_array(token_ids, arg="token_ids"):
                 f"{arg} must be a list, tuple or 1-D integer array, got "
                 f"{type(token_ids).__name__}")
         # a torch tensor, array.array, anything with __array_interface__: a host view
-        from ._backend import CPU
+        from .backends import CPU
         token_ids = _arrays.index_array(CPU, token_ids, arg)
     a = token_ids
     if a.ndim != 1:

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from . import _dtypes
+from . import dtypes as _dtypes
 from ._validate import index_int, layer_index
 from .backends.cpu import _attention as _kernel
 from .pool import BlockPool

@@ -10,9 +10,9 @@ the device's backend; reads are views.  Positions that were never written
 
 import numpy as np
 
-from . import _arrays, _dtypes
-from ._backend import get_backend
-from ._dtypes import KIND_NAME, STORAGE
+from . import _arrays, dtypes
+from .backends import get_backend
+from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
 from ._validate import index_int, positive_int
 
@@ -83,7 +83,7 @@ class KVCache:
         head_dim = positive_int(head_dim, "head_dim")
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         batch_size = positive_int(batch_size, "batch_size")
-        kind = _dtypes.storage_kind(dtype, "dtype")
+        kind = dtypes.storage_kind(dtype, "dtype")
         backend = get_backend(device)
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
         storage = self._allocate(backend, shape, kind)
@@ -96,7 +96,7 @@ class KVCache:
         try:
             return backend.empty(shape, STORAGE[kind])
         except MemoryError:
-            nbytes = _dtypes.ITEMSIZE[kind]
+            nbytes = dtypes.ITEMSIZE[kind]
             for s in shape:
                 nbytes *= s
             raise MemoryError(
@@ -213,25 +213,21 @@ class KVCache:
                 f"{layer} needs {end} positions, max_seq_len is {self._max_seq_len}")
         if n == 0:
             return
-        be = self._backend
+        backend = self._backend
         dst_k, dst_v = self._planes[layer]
         # The kernel copies without staging; an input that is a view of this
         # cache (e.g. from get(), of either plane of any layer) must be read
         # as it was: both are staged before anything is written.
         k = self._apart(k)
         v = self._apart(v)
-        be.write_contiguous(dst_k, k, start, k_kind, self._kind)
-        be.write_contiguous(dst_v, v, start, v_kind, self._kind)
+        backend.write_contiguous(dst_k, k, start, k_kind, self._kind)
+        backend.write_contiguous(dst_v, v, start, v_kind, self._kind)
         if end > length:
             self._lengths[layer] = end
 
     def _apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's."""
-        be = self._backend
-        apart = getattr(be, "apart", None)
-        if apart is not None:
-            return apart(a, self._storage)
-        return a.copy() if be.xp.may_share_memory(a, self._storage) else a
+        return self._backend.apart(a, self._storage)
 
     # ----------------------------------------------------------------- reads
     def get(self, layer, start=0, end=None, dtype=None, out=None):
@@ -291,7 +287,7 @@ class KVCache:
             raise ValueError(
                 f"end must be <= {length} (the positions written in layer {layer}), got "
                 f"{end}: positions {length}..{end - 1} were never written")
-        out_kind = None if dtype is None else _dtypes.storage_kind(dtype, "dtype")
+        out_kind = None if dtype is None else dtypes.storage_kind(dtype, "dtype")
         k_plane, v_plane = self._planes[layer]
         k = k_plane[:, :, start:end]
         v = v_plane[:, :, start:end]
@@ -299,23 +295,24 @@ class KVCache:
             return k, v
         if out_kind is None:
             out_kind = self._kind
-        be = self._backend
+        backend = self._backend
         if out is None:
-            dsts = [(o, o) for o in (be.empty(k.shape, STORAGE[out_kind]),
-                                     be.empty(k.shape, STORAGE[out_kind]))]
+            dsts = [(o, o) for o in (backend.empty(k.shape, STORAGE[out_kind]),
+                                     backend.empty(k.shape, STORAGE[out_kind]))]
         else:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}")
-            dsts = [_arrays.out_array(be, o, f"out[{i}]", k.shape, out_kind)
+            dsts = [_arrays.out_array(backend, o, f"out[{i}]", k.shape, out_kind)
                     for i, o in enumerate(out)]
             kb, vb = dsts[0][0], dsts[1][0]
-            if be.xp.may_share_memory(kb, vb) and (be.xp is not np or np.shares_memory(kb, vb)):
+            xp = backend.xp
+            if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
                 raise ValueError("out[0] and out[1] must not share memory")
-            if any(be.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
+            if any(backend.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
                 # an out that is a view of this cache: read both before writing either
                 k, v = k.copy(), v.copy()
         for src, (dst, _) in zip((k, v), dsts):
-            be.convert(src, self._kind, dst, out_kind)
+            backend.convert(src, self._kind, dst, out_kind)
         return dsts[0][1], dsts[1][1]
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
@@ -396,14 +393,14 @@ class KVCache:
         -------
         KVCache
         """
-        be = self._backend
+        backend = self._backend
         src = self._storage
-        dst = self._allocate(be, src.shape, self._kind)
+        dst = self._allocate(backend, src.shape, self._kind)
         for layer, n in enumerate(self._lengths):
             if n:
                 dst[layer, :, :, :, :n] = src[layer, :, :, :, :n]
         twin = object.__new__(type(self))
-        twin._init_from(be, self._device, self._kind, dst, list(self._lengths))
+        twin._init_from(backend, self._device, self._kind, dst, list(self._lengths))
         return twin
 
     def to(self, device):
@@ -417,16 +414,16 @@ class KVCache:
         -------
         KVCache
         """
-        be = get_backend(device)
-        dev = be.normalize_device(device)
+        backend = get_backend(device)
+        dev = backend.normalize_device(device)
         src = self._storage
-        dst = self._allocate(be, src.shape, self._kind)
+        dst = self._allocate(backend, src.shape, self._kind)
         for layer, n in enumerate(self._lengths):
             if n:
                 part = self._backend.to_host(src[layer, :, :, :, :n])
-                dst[layer, :, :, :, :n] = be.from_host(part)
+                dst[layer, :, :, :, :n] = backend.from_host(part)
         twin = object.__new__(type(self))
-        twin._init_from(be, dev, self._kind, dst, list(self._lengths))
+        twin._init_from(backend, dev, self._kind, dst, list(self._lengths))
         return twin
 
     # ----------------------------------------------------------- properties
@@ -494,7 +491,7 @@ class KVCache:
             ``head_dim``, ``max_seq_len``, ``dtype``, ``itemsize``,
             ``device``.
         """
-        itemsize = _dtypes.ITEMSIZE[self._kind]
+        itemsize = dtypes.ITEMSIZE[self._kind]
         per_token_layer = 2 * self._batch_size * self._num_kv_heads * self._head_dim * itemsize
         per_token = per_token_layer * self._num_layers
         per_layer = per_token_layer * self._max_seq_len

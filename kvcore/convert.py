@@ -4,13 +4,13 @@ For every non-NaN float32 the result is bit-identical to
 ``x.astype(numpy.float16)`` and to ``x.astype(ml_dtypes.bfloat16)``; every
 NaN stays a NaN of the same sign; widening is exact.  Inputs and ``out=``
 may be NumPy arrays or torch tensors (``torch.bfloat16`` is bfloat16).  The loops run in C with
-the GIL released (``kvcore/_native/csrc/kv_half.c``).
+the GIL released (``kvcore/backends/cpu/csrc/kv_half.c``).
 """
 import numpy as np
 
-from . import _arrays, _dtypes
-from ._backend import backend_of_array
-from ._dtypes import BF16, F16, F32
+from . import _arrays, dtypes
+from .backends import backend_of_array
+from .dtypes import BF16, F16, F32
 
 __all__ = ["to_float16", "to_bfloat16", "from_float16", "from_bfloat16"]
 
@@ -40,7 +40,7 @@ def _hint(x, arg, kind, given):
             return f"pass {arg}.view(numpy.uint16) if it holds bfloat16 bits"
         return f"pass kvcore.to_bfloat16({arg}.astype(numpy.float32)) to get bfloat16 bits"
     if torch is not None:
-        return f"pass {arg}.to(torch.{_dtypes.KIND_NAME[kind]})"
+        return f"pass {arg}.to(torch.{dtypes.KIND_NAME[kind]})"
     return f"pass {arg}.astype({_NP_NAME[kind]})"
 
 
@@ -78,16 +78,16 @@ def _input(x, arg, kinds):
             a = a.astype(dt.newbyteorder("="))
             dt = a.dtype
         # uint16 is taken as bfloat16 bits here: from_bfloat16 is the caller saying so
-        kind = BF16 if dt == np.uint16 else _dtypes.float_kind(dt)
+        kind = BF16 if dt == np.uint16 else dtypes.float_kind(dt)
     if kind not in kinds:
         raise _bad_input(x, arg, kinds, None if bf16 else dt)
-    return be, _dtypes.as_bits(a), kind
+    return be, dtypes.as_bits(a), kind
 
 
 def _run(x, out, arg, src_kinds, dst_kind):
     be, x, sk = _input(x, arg, src_kinds)
     if out is None:
-        out = res = be.empty(x.shape, _dtypes.STORAGE[dst_kind])
+        out = res = be.empty(x.shape, dtypes.STORAGE[dst_kind])
     else:
         out, res = _arrays.out_array(be, out, "out", x.shape, dst_kind)
     be.convert(x, sk, out, dst_kind)

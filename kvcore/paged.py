@@ -1,13 +1,14 @@
 """PagedKVCache: one sequence's view of a BlockPool.
 
-The bookkeeping state and the loops over it live in ``_native/_seq.pyx``
-(``SeqCore``, the base class); this module validates arguments and raises.
+The bookkeeping state and the loops over it live in ``_native/_seq.pyx``: a
+``PagedKVCache`` holds a ``SeqCore`` (``self._core``), validates arguments
+and raises; the bytes go through the pool's private interface to its
+backend.
 """
 import numpy as np
 
 from ._errors import CacheFullError, OutOfBlocksError
-from ._native import _pool
-from ._native import _seq
+from ._native import _pool, _seq
 from ._native._seq import SeqCore
 from . import hashing
 from ._validate import (index_int, layer_index, nonneg_int, positive_int, salt_bytes,
@@ -17,7 +18,12 @@ from .pool import BlockPool
 __all__ = ["PagedKVCache"]
 
 
-class PagedKVCache(SeqCore):
+# The core of a PagedKVCache whose __init__ never ran: every member raises
+# RuntimeError through it (see PagedKVCache.__getattr__).
+_UNBOUND = SeqCore()
+
+
+class PagedKVCache:
     """One sequence's KV in a shared :class:`BlockPool`.
 
     Parameters
@@ -71,39 +77,89 @@ class PagedKVCache(SeqCore):
     RuntimeError from every method and property.
     """
 
+    # until __init__ binds them (an object made with __new__, or by a
+    # subclass whose __init__ skips ours), every member raises RuntimeError
+    # through the unbound core
+    _core = _UNBOUND
+    _pool = None
+
     def __init__(self, pool, max_seq_len=None, salt=None):
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
         if max_seq_len is not None:
             max_seq_len = positive_int(max_seq_len, "max_seq_len")
+        if salt is not None:
+            salt = salt_bytes(salt)
+        old = self._core
+        if old is not _UNBOUND:  # __init__ again: what the old binding held goes back
+            old._free()
         if salt is None:
             # the pool's identity chain roots an unsalted sequence at -1
-            self._setup(pool, max_seq_len, None, 0, 0)
+            core = _seq.bind(pool._binding, max_seq_len, None, 0, 0, -1)
         else:
-            salt = salt_bytes(salt)
             r0, r1 = hashing.root_words(salt)
-            self._setup(pool, max_seq_len, salt, r0, r1)
+            core = _seq.bind(pool._binding, max_seq_len, salt, r0, r1,
+                             pool._acquire_salt_root(salt))
+        self._pool = pool
+        self._core = core
 
     # ------------------------------------------------------------ state
-    # The properties (pool, max_seq_len, salt, closed, num_tokens,
-    # num_computed, num_blocks, capacity, block_table, token_ids) are
-    # SeqCore's (_native/_seq.pyx).
+    @property
+    def pool(self):
+        """The :class:`BlockPool` this sequence lives in."""
+        if self._core._state == _seq.UNINIT:
+            raise self._core._state_error("pool")
+        return self._pool
+
+    max_seq_len = _seq.CoreField(
+        "max_seq_len", "Positions past which writes raise CacheFullError (None: no limit).")
+
+    salt = _seq.CoreField("salt", """The salt as bytes (None: unsalted).""")
+
+    closed = _seq.CoreField("closed", """True once :meth:`free` was called.""")
+
+    num_tokens = _seq.CoreField(
+        "num_tokens", "Token ids known: the prompt plus every ``append_token``.")
+
+    num_computed = _seq.CoreField(
+        "num_computed", "Positions whose KV is written and committed.")
+
+    num_blocks = _seq.CoreField("num_blocks", """Blocks this sequence holds.""")
+
+    capacity = _seq.CoreField("capacity", """Positions the held blocks can store.""")
+
+    block_table = _seq.CoreField(
+        "block_table", "numpy.int32 array of this sequence's block ids in position order (a copy).")
+
+    token_ids = _seq.CoreField(
+        "token_ids", "numpy.int32 array of the known token ids (a copy).")
+
+    def _max_written(self):
+        """Positions readable in the layer that has written most (committed
+        plus appended this step): what a batch's attention spans by default
+        (``kvcore.tables``)."""
+        return self._core._num_computed + max(self._core._pending, default=0)
+
+    def _table_head(self, n):
+        """The first ``n`` entries of the block table (a view, for
+        ``kvcore.tables`` to copy from; ``n`` at most ``num_blocks``)."""
+        return self._core._table[:n]
 
     def _require(self, what, new_ok=False):
         """Raise unless the sequence is live (or new, with ``new_ok``)."""
-        state = self._state
+        state = self._core._state
         if state != _seq.LIVE and not (new_ok and state == _seq.NEW):
-            raise self._state_error(what)
+            raise self._core._state_error(what)
 
     def num_written(self, layer):
         """Positions readable in ``layer``: committed plus appended this step."""
         self._require("num_written", new_ok=True)
-        return self._written(layer_index(layer, self._pool.num_layers))
+        return self._core._written(layer_index(layer, self._pool.num_layers))
 
     def block_hashes(self):
         """16-byte chained hashes of this sequence's full, known blocks."""
         self._require("block_hashes", new_ok=True)
-        return hashing.words_to_bytes(self._hash_words())
+        return hashing.words_to_bytes(self._core._hash_words())
 
     # ------------------------------------------------------------ setup
     def allocate(self, token_ids):
@@ -125,21 +181,21 @@ class PagedKVCache(SeqCore):
         """
         # A valid int32 array is taken as is; anything else (a list, another
         # dtype, a bad id) and every error go through _allocate_failed.
-        hit = self._allocate(token_ids)
+        hit = self._core._allocate(token_ids)
         if hit < 0:
             hit = self._allocate_failed(token_ids, hit)
         return hit
 
     def _allocate_failed(self, token_ids, status):
         if status == _seq.STATE:
-            raise self._state_error("allocate")
+            raise self._core._state_error("allocate")
         if status == _seq.BUSY:
             raise ValueError("allocate() takes an empty sequence; this one already holds "
-                             f"{self._num_tokens} tokens and {self._nblocks} blocks "
+                             f"{self._core._num_tokens} tokens and {self._core._num_held} blocks "
                              "(call free() first)")
         tokens = token_array(token_ids)
         if status == _seq.UNCHECKED:
-            status = self._allocate(tokens)
+            status = self._core._allocate(tokens)
             if status >= 0:
                 return status
         n = tokens.shape[0]
@@ -148,7 +204,8 @@ class PagedKVCache(SeqCore):
         if status == _seq.TOO_LONG:
             self._check_len(n, "allocate")
         raise OutOfBlocksError(
-            f"allocate needs {-(-n // self._bs)} blocks for {n} tokens, {self._fail_free} "
+            f"allocate needs {-(-n // self._core._block_size)} blocks for {n} tokens, "
+            f"{self._core._failed_free_blocks} "
             f"of {self._pool.num_blocks} are free")
 
     # ------------------------------------------------------------ writes
@@ -160,24 +217,25 @@ class PagedKVCache(SeqCore):
         ``slot_mapping`` + ``pool.write`` is safe afterwards.  Raises
         OutOfBlocksError (nothing changed) or CacheFullError.
         """
-        status = self._reserve(n)
+        status = self._core._reserve(n)
         if status == _seq.STATE:
-            raise self._state_error("reserve")
+            raise self._core._state_error("reserve")
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
-            status = self._reserve(n)
+            status = self._core._reserve(n)
         if status == _seq.TOO_LONG:
-            self._check_len(self._num_computed + n, "reserve")
+            self._check_len(self._core._num_computed + n, "reserve")
         if status:
-            self._out_of_blocks(self._num_computed + n)
+            self._out_of_blocks(self._core._num_computed + n)
 
     def _out_of_blocks(self, target):
-        # after SHORT from SeqCore._reserve/_ensure_to (it left _fail_cow, _fail_free)
-        ncow = self._fail_cow
-        need = max(0, -(-target // self._bs) - self._nblocks) + ncow
+        # after SHORT from SeqCore._reserve/_ensure_to (it left
+        # _failed_copy_on_write, _failed_free_blocks)
+        num_copied = self._core._failed_copy_on_write
+        need = max(0, -(-target // self._core._block_size) - self._core._num_held) + num_copied
         raise OutOfBlocksError(
-            f"{need} more blocks needed for positions {self._num_computed}.."
-            f"{target - 1} ({ncow} copy-on-write), {self._fail_free} of "
+            f"{need} more blocks needed for positions {self._core._num_computed}.."
+            f"{target - 1} ({num_copied} copy-on-write), {self._core._failed_free_blocks} of "
             f"{self._pool.num_blocks} are free")
 
     def append(self, layer, k, v, src_dtype=None):
@@ -191,7 +249,7 @@ class PagedKVCache(SeqCore):
         """
         # the usual call (CPU pool, NumPy float32/float16 arrays) is done in
         # one native call; anything else, errors included, takes the path below
-        if src_dtype is None and self._append_fast(layer, k, v):
+        if src_dtype is None and self._core._append_direct(layer, k, v):
             return
         self._require("append")
         pool = self._pool
@@ -200,15 +258,13 @@ class PagedKVCache(SeqCore):
         n = k.shape[0]
         if n == 0:
             raise ValueError("k and v must hold at least one token, got n=0")
-        target = self._num_computed + n
+        target = self._core._num_computed + n
         self._check_len(target, "append")
-        if self._ensure_to(target):
+        if self._core._ensure_to(target):
             self._out_of_blocks(target)
-        slots = self._step_slots(self._num_computed, target)
-        be = pool._backend
-        be.write_slots(pool._storage[2 * layer], k, slots, sk, pool._kind)
-        be.write_slots(pool._storage[2 * layer + 1], v, slots, sk, pool._kind)
-        self._note_append(layer, n)
+        pool._write_positions(layer, k, v, self._core._step_slots(self._core._num_computed,
+                                                                   target), sk)
+        self._core._note_append(layer, n)
 
     def commit(self, n):
         """Finish a step for all layers: ``num_computed += n``.
@@ -228,63 +284,65 @@ class PagedKVCache(SeqCore):
         CacheFullError
             They lie past ``max_seq_len``; nothing changed.
         """
-        if self._commit(n):
+        if self._core._commit(n):
             self._commit_failed(n)
 
     def _commit_failed(self, n):
-        status = self._commit(n)
+        status = self._core._commit(n)
         if status == _seq.STATE:
-            raise self._state_error("commit")
+            raise self._core._state_error("commit")
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
-            status = self._commit(n)
+            status = self._core._commit(n)
         if status:
-            nc = self._num_computed
+            nc = self._core._num_computed
             target = nc + n
             if status == _seq.TOO_LONG:
                 self._check_len(target, "commit")
             if status == _seq.UNWRITTEN:
-                layer = self._fail_layer
+                layer = self._core._failed_layer
                 raise ValueError(
                     f"commit({n}) needs positions {nc}..{target - 1} written in every layer, "
-                    f"but layer {layer} has written {self._written(layer) - nc} of them; "
+                    f"but layer {layer} has written {self._core._written(layer) - nc} of them; "
                     "write them with append, or pool.write + mark_written, first")
             raise ValueError(
                 f"commit({n}) would commit positions up to {target - 1}, but only "
-                f"{self._nblocks * self._bs} positions are reserved; append or reserve first")
+                f"{self._core._num_held * self._core._block_size} positions are reserved; "
+                "append or reserve first")
 
     def append_token(self, token_id):
         """Add a generated token to the sequence's token ids."""
-        status = self._append_token(token_id)
+        status = self._core._append_token(token_id)
         if status == _seq.STATE:
-            raise self._state_error("append_token")
+            raise self._core._state_error("append_token")
         if status == _seq.UNCHECKED:
-            status = self._append_token(_check_token(token_id))
+            status = self._core._append_token(_check_token(token_id))
         if status:
-            n = self._num_tokens
+            n = self._core._num_tokens
             raise CacheFullError(
-                f"append_token would make {n + 1} tokens, past max_seq_len={self._max}")
+                f"append_token would make {n + 1} tokens, past "
+                f"max_seq_len={self._core._max_seq_len}")
 
     def extend_tokens(self, token_ids):
         """``append_token`` for each of ``token_ids`` (validated first)."""
         self._require("extend_tokens")
         t = token_array(token_ids)
-        if self._extend_tokens(t):
+        if self._core._extend_tokens(t):
             raise CacheFullError(
-                f"extend_tokens would make {self._num_tokens + len(t)} tokens, "
-                f"past max_seq_len={self._max}")
+                f"extend_tokens would make {self._core._num_tokens + len(t)} tokens, "
+                f"past max_seq_len={self._core._max_seq_len}")
 
     def slot_mapping(self, start, end):
         """numpy.int64 slots of positions ``start..end-1`` (for ``BlockPool.write``)."""
         self._require("slot_mapping")
         start = index_int(start, "start")
         end = index_int(end, "end")
-        cap = self._nblocks * self._bs
+        cap = self._core._num_held * self._core._block_size
         if not 0 <= start <= end <= cap:
             raise ValueError(f"start and end must satisfy 0 <= start <= end <= {cap} "
                              f"(reserved positions), got start={start}, end={end}")
         out = np.empty(end - start, np.int64)
-        _pool.slots_for(self._table, self._bs, start, end, out)
+        _pool.slots_for(self._core._table, self._core._block_size, start, end, out)
         return out
 
     def mark_written(self, layer, n):
@@ -297,23 +355,24 @@ class PagedKVCache(SeqCore):
         Declaring positions that were not written lets :meth:`commit`
         accept them: the caller answers for this declaration.
         """
-        status = self._mark_written(layer, n)
+        status = self._core._mark_written(layer, n)
         if status:
             self._mark_written_failed(layer, n, status)
 
     def _mark_written_failed(self, layer, n, status):
         if status == _seq.STATE:
-            raise self._state_error("mark_written")
+            raise self._core._state_error("mark_written")
         layer = layer_index(layer, self._pool.num_layers)
         n = nonneg_int(n, "n")
-        status = self._mark_written(layer, n)
-        target = self._num_computed + n
+        status = self._core._mark_written(layer, n)
+        target = self._core._num_computed + n
         if status == _seq.TOO_LONG:
             self._check_len(target, "mark_written")
         if status:
             raise ValueError(
                 f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
-                f"{self._nblocks * self._bs} positions are reserved; reserve first")
+                f"{self._core._num_held * self._core._block_size} positions are reserved; "
+                "reserve first")
 
     # ------------------------------------------------------------ reads
     def gather(self, layer, start=0, end=None, dtype=None, out=None):
@@ -345,7 +404,7 @@ class PagedKVCache(SeqCore):
         self._require("gather")
         pool = self._pool
         layer = layer_index(layer, pool.num_layers)
-        written = self._written(layer)
+        written = self._core._written(layer)
         start = index_int(start, "start")
         end = written if end is None else index_int(end, "end")
         if not 0 <= start <= end:
@@ -354,7 +413,7 @@ class PagedKVCache(SeqCore):
         if end > written:
             raise ValueError(f"positions {written}..{end - 1} of layer {layer} were never "
                              f"written (the layer holds {written} positions)")
-        return pool._gather(layer, self._table, start, end, dtype, out)
+        return pool._gather_table(layer, self._core._table, start, end, dtype, out)
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
                   out=None):
@@ -382,10 +441,10 @@ class PagedKVCache(SeqCore):
         """
         self._require("truncate")
         n = nonneg_int(n, "n")
-        length = self._length()
+        length = self._core._length()
         if n > length:
             raise ValueError(f"n must be at most the sequence length {length}, got {n}")
-        self._truncate(n)
+        self._core._truncate(n)
 
     def fork(self):
         """A new sequence sharing every block, copy-on-write.
@@ -394,9 +453,11 @@ class PagedKVCache(SeqCore):
         copy; the other keeps seeing the old contents.
         """
         self._require("fork", new_ok=True)
+        core = SeqCore()
+        self._core._fork_into(core)
         child = PagedKVCache.__new__(PagedKVCache)
-        child.__dict__.update(self.__dict__)
-        self._fork_into(child)
+        child._pool = self._pool
+        child._core = core
         return child
 
     def copy_to(self, pool):
@@ -416,27 +477,26 @@ class PagedKVCache(SeqCore):
         self._require("copy_to", new_ok=True)
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
-        if pool.block_size != self._bs or pool.enable_prefix_caching != self._caching:
+        core = self._core
+        if pool.block_size != core._block_size or pool.enable_prefix_caching != core._caching:
             raise ValueError("pool must have the same block_size and enable_prefix_caching as "
-                             f"this sequence's pool ({self._bs}, {self._caching}), got "
+                             f"this sequence's pool ({core._block_size}, {core._caching}), got "
                              f"({pool.block_size}, {pool.enable_prefix_caching})")
-        twin = PagedKVCache(pool, self._max, self._salt)
-        n = self._nblocks
+        twin = PagedKVCache(pool, self._core._max_seq_len, self._core._salt)
+        n = self._core._num_held
         table = np.empty(max(n, 16), np.int32)
         if n:
-            with pool._lock:
-                if not pool._core.take(n, table):
-                    raise OutOfBlocksError(
-                        f"copy_to needs {n} blocks, {pool.num_free_blocks} of {pool.num_blocks} "
-                        "are free in the destination pool")
+            if not pool._take_blocks(n, table):
+                raise OutOfBlocksError(
+                    f"copy_to needs {n} blocks, {pool.num_free_blocks} of {pool.num_blocks} "
+                    "are free in the destination pool")
             try:
-                self._pool.copy_blocks_to(pool, self._table[:n], table[:n])
+                self._pool.copy_blocks_to(pool, self._core._table[:n], table[:n])
             except BaseException:
-                with pool._lock:
-                    pool._core.release(table[:n])
+                pool._release_blocks(table[:n])
                 raise
         # the twin registers from block 0 in its pool
-        twin._adopt(self, table, n)
+        twin._core._adopt(self._core, table, n)
         return twin
 
     def free(self):
@@ -445,7 +505,7 @@ class PagedKVCache(SeqCore):
         A closed sequence holds nothing; every method but ``free`` raises
         (see the class notes).
         """
-        self._free()
+        self._core._free()
 
     def __enter__(self):
         self._require("with", new_ok=True)
@@ -454,21 +514,23 @@ class PagedKVCache(SeqCore):
     def __exit__(self, *exc):
         self.free()
 
-    # __del__ (SeqCore's): the blocks of a dropped sequence go back to the pool.
+    # The blocks of a dropped sequence go back to the pool: SeqCore.__del__.
 
     def _check_len(self, target, what):
-        if self._max is not None and target > self._max:
+        if self._core._max_seq_len is not None and target > self._core._max_seq_len:
             raise CacheFullError(
-                f"{what} would reach position {target - 1}, past max_seq_len={self._max}")
+                f"{what} would reach position {target - 1}, past "
+                f"max_seq_len={self._core._max_seq_len}")
 
     def __repr__(self):
         # never raises (debuggers and error messages call it)
-        if self._state == _seq.UNINIT:
+        if self._core._state == _seq.UNINIT:
             return "PagedKVCache(<not initialised>)"
-        if self._state == _seq.CLOSED:
-            return f"PagedKVCache(<closed>, max_seq_len={self._max})"
-        return (f"PagedKVCache(num_tokens={self._num_tokens}, num_computed={self._num_computed}, "
-                f"blocks={self._nblocks}, max_seq_len={self._max})")
+        if self._core._state == _seq.CLOSED:
+            return f"PagedKVCache(<closed>, max_seq_len={self._core._max_seq_len})"
+        core = self._core
+        return (f"PagedKVCache(num_tokens={core._num_tokens}, num_computed={core._num_computed}, "
+                f"blocks={self._core._num_held}, max_seq_len={self._core._max_seq_len})")
 
 
 def _check_token(value):

@@ -1,11 +1,12 @@
 """BlockPool: one pool of KV blocks shared by many sequences."""
+import functools
 import threading
 
 import numpy as np
 
-from . import _arrays, _dtypes
-from ._backend import get_backend
-from ._native import _pool
+from . import _arrays, dtypes
+from .backends import get_backend
+from ._native import _pool, _seq
 from ._validate import index_int, layer_index, positive_int
 
 __all__ = ["BlockPool"]
@@ -74,6 +75,21 @@ class BlockPool:
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim,
                  dtype="float16", device="cpu", enable_prefix_caching=True):
+        self._init(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+                   enable_prefix_caching, forge_hashes=False)
+
+    @classmethod
+    def _with_forged_hashes(cls, *args, **kwargs):
+        """Test seam (never used by the library): a pool on which every block
+        of every sequence hashes alike, so that only the stored token ids and
+        the identity chain keep another prefix's KV out.  Fixed when the
+        pool is made; the hot paths carry no hook for it."""
+        self = cls.__new__(cls)
+        self._init(*_constructor_args(*args, **kwargs), forge_hashes=True)
+        return self
+
+    def _init(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+              enable_prefix_caching, forge_hashes):
         num_blocks = positive_int(num_blocks, "num_blocks")
         if num_blocks > 2**31 - 2:
             raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
@@ -81,7 +97,7 @@ class BlockPool:
         self._num_layers = positive_int(num_layers, "num_layers")
         self._num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         self._head_dim = positive_int(head_dim, "head_dim")
-        self._kind = _dtypes.storage_kind(dtype)
+        self._kind = dtypes.storage_kind(dtype)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
@@ -91,13 +107,19 @@ class BlockPool:
         self._caching = bool(enable_prefix_caching)
         self._storage = self._backend.zeros(
             (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
-             self._head_dim), _dtypes.STORAGE[self._kind])
+             self._head_dim), dtypes.STORAGE[self._kind])
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
-        self._core = _pool.PoolCore(num_blocks, self._block_size)
+        self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
         self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
-        self._prefix_queries = 0
-        self._prefix_hits = 0
+        # what every sequence on this pool binds to (PagedKVCache): the
+        # backend's row writer makes an append one native call
+        self._binding = _seq.PoolBinding(
+            self._core, self._lock, self._block_size, self._num_layers, self._caching,
+            self._backend.row_writer(self._storage, self._kind),
+            # (the storage, not the pool: no reference cycle keeps a dropped
+            # pool's memory alive)
+            functools.partial(self._backend.copy_blocks, self._storage))
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
@@ -140,7 +162,7 @@ class BlockPool:
     @property
     def dtype(self):
         """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
-        return _dtypes.KIND_NAME[self._kind]
+        return dtypes.KIND_NAME[self._kind]
 
     @property
     def storage(self):
@@ -151,7 +173,7 @@ class BlockPool:
     def bytes_per_block(self):
         """Bytes one block takes across all layers, K and V."""
         return (2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
-                * _dtypes.ITEMSIZE[self._kind])
+                * dtypes.ITEMSIZE[self._kind])
 
     def key_cache(self, layer):
         """Layer ``layer``'s keys: a view ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
@@ -198,7 +220,7 @@ class BlockPool:
         with self._lock:
             self._forget_dead_salts()
             free = self._core.num_free
-            q, h = self._prefix_queries, self._prefix_hits
+            q, h = self._core.prefix_queries, self._core.prefix_hits
             return {
                 "num_blocks": self._num_blocks,
                 "num_free_blocks": free,
@@ -239,7 +261,8 @@ class BlockPool:
         if self._caching:
             sb = salt_bytes(salt)
             max_hit = (n - 1) // bs
-            hashes = hashing.hash_words(tokens, bs, hashing.root_words(sb), max_hit)
+            r0, r1 = hashing.root_words(sb)
+            hashes = self._core.chain_hashes(tokens, max_hit, r0, r1)
             with self._lock:
                 self._forget_dead_salts()
                 root = -1 if sb is None else self._salt_roots.get(sb)
@@ -265,6 +288,43 @@ class BlockPool:
         """Verify the bookkeeping's internal invariants (raises AssertionError)."""
         with self._lock:
             return self._core.check()
+
+    def debug_snapshot(self):
+        """The whole bookkeeping state, as plain Python values, mainly for
+        tests (like vLLM's ``get_all_free_blocks``): comparing two snapshots
+        shows whether an operation changed anything.
+
+        Returns
+        -------
+        dict
+            ``ref_counts`` (list, per block), ``cached`` (list of bools, per
+            block), ``lru_order`` (the cached blocks nobody holds, least
+            recently used first: evicted in this order), ``num_free_blocks``,
+            ``num_uncached_free`` (free blocks outside the prefix cache) and
+            ``stats`` (:meth:`stats`).
+        """
+        with self._lock:
+            core = self._core
+            n = self._num_blocks
+            return {
+                "ref_counts": [int(core.ref_count(b)) for b in range(n)],
+                "cached": [bool(core.is_cached(b)) for b in range(n)],
+                "lru_order": list(core.lru_order()),
+                "num_free_blocks": int(core.num_free),
+                "num_uncached_free": int(core.num_uncached_free),
+                "stats": self.stats(),
+            }
+
+    def debug_cached_block(self, block_id):
+        """``(token_ids, hash)`` a cached block is registered with (token ids
+        an int32 array, hash two ints), mainly for tests; raises ValueError
+        for a block that is not cached."""
+        b = self._block_id(block_id)
+        with self._lock:
+            if not self._core.is_cached(b):
+                raise ValueError(f"block {b} is not in the prefix cache")
+            lo, hi = self._core.cached_hash(b)
+            return self._core.cached_tokens(b).copy(), (int(lo), int(hi))
 
     # ------------------------------------------------------------ data
     def write(self, layer, k, v, slots, src_dtype=None, check=True):
@@ -297,16 +357,16 @@ class BlockPool:
         layer = layer_index(layer, self._num_layers)
         if not isinstance(check, (bool, np.bool_)):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
-        k, v, sk = self._kv_input(k, v, src_dtype)
+        k, v, src_kind = self._kv_input(k, v, src_dtype)
         n = k.shape[0]
-        be = self._backend
-        on_device = be.device_slots(slots, n)  # GPU slots stay on the GPU
+        backend = self._backend
+        on_device = backend.device_slots(slots, n)  # GPU slots stay on the GPU
         if on_device is None:
             slots, check = self._slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
-        be.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
-                          sk, self._kind, self._slot_owner, bool(check))
+        backend.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
+                          src_kind, self._kind, self._slot_owner, bool(check))
 
     def gather(self, layer, block_table, start, end, dtype=None, out=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
@@ -385,17 +445,18 @@ class BlockPool:
                 j = int(np.argmax((row < 0) | (row >= self._num_blocks)))
                 raise IndexError(f"block_tables[{s}, {j}] must be in 0..{self._num_blocks - 1}, "
                                  f"got {int(row[j])}")
-        dk = self._out_kind(dtype)
-        be = self._backend
+        dst_kind = self._out_kind(dtype)
+        backend = self._backend
         width = int(n.max()) if n.size else 0
         shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
         # on a GPU: one upload each, shared by the K and the V gather
-        t32 = be.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
-        n32 = be.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
-        outs = self._outs(out, shape, dk)
-        tmps = self._targets(outs, out, shape, dk)
+        t32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
+        n32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
+        outs = self._outs(out, shape, dst_kind)
+        tmps = self._targets(outs, out, shape, dst_kind)
         for i in (0, 1):
-            be.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind, dk)
+            backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind,
+                                 dst_kind)
         return self._deliver(outs, tmps)
 
     def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
@@ -425,8 +486,8 @@ class BlockPool:
         if not isinstance(dst_pool, BlockPool):
             raise TypeError(f"dst_pool must be a kvcore.BlockPool, got {type(dst_pool).__name__}")
         mine = (self._num_layers, self._num_kv_heads, self._block_size, self._head_dim, self._kind)
-        theirs = (dst_pool._num_layers, dst_pool._num_kv_heads, dst_pool._block_size,
-                  dst_pool._head_dim, dst_pool._kind)
+        theirs = (dst_pool.num_layers, dst_pool.num_kv_heads, dst_pool.block_size,
+                  dst_pool.head_dim, dtypes.storage_kind(dst_pool.dtype))
         if mine != theirs:
             raise ValueError(
                 "dst_pool must have the same (num_layers, num_kv_heads, block_size, head_dim, "
@@ -446,9 +507,9 @@ class BlockPool:
         if not src.size:
             return
         # a GPU on either side drives the copy (it can read and write host memory)
-        be = self._backend if self._backend.name != "cpu" else dst_pool._backend
+        backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
         if dst_pool is not self:
-            be.copy_blocks_between(self._storage, src, dst_pool._storage, dst)
+            backend.copy_blocks_between(self._storage, src, dst_pool.storage, dst)
             return
         staged = np.isin(src, dst)
         if not staged.any():
@@ -458,14 +519,14 @@ class BlockPool:
         # written: copied out to a buffer, then in from it last.
         stage_ids, where = np.unique(src[staged], return_inverse=True)
         stage_ids = stage_ids.astype(np.int32)
-        buf = be.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
+        buf = backend.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
                        self._storage.dtype)
-        be.copy_blocks_between(self._storage, stage_ids, buf,
+        backend.copy_blocks_between(self._storage, stage_ids, buf,
                                np.arange(stage_ids.size, dtype=np.int32))
         direct = ~staged
         if direct.any():
             self._copy_blocks(src[direct], dst[direct])
-        be.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
+        backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
                                np.ascontiguousarray(dst[staged]))
 
     # ------------------------------------------------------------ helpers
@@ -480,9 +541,9 @@ class BlockPool:
         (bfloat16 as uint16 bits), each apart from this pool's storage (an
         input that is a view of any plane of it is copied once, so every
         plane written later reads it as it was)."""
-        be = self._backend
-        k, sk = _arrays.float_input(be, k, "k", src_dtype)
-        v, sv = _arrays.float_input(be, v, "v", src_dtype)
+        backend = self._backend
+        k, src_kind = _arrays.float_input(backend, k, "k", src_dtype)
+        v, sv = _arrays.float_input(backend, v, "v", src_dtype)
         want = (self._num_kv_heads, self._head_dim)
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 3 or a.shape[1:] != want:
@@ -492,41 +553,33 @@ class BlockPool:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                              f"{tuple(v.shape)}")
-        if sv != sk:
+        if sv != src_kind:
             raise TypeError(f"k and v must have the same dtype, got "
-                            f"{_dtypes.KIND_NAME[sk]} and {_dtypes.KIND_NAME[sv]}")
-        return self._apart(k), self._apart(v), sk
+                            f"{dtypes.KIND_NAME[src_kind]} and {dtypes.KIND_NAME[sv]}")
+        return self._apart(k), self._apart(v), src_kind
 
     def _apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's."""
-        be = self._backend
-        apart = getattr(be, "apart", None)
-        if apart is not None:
-            return apart(a, self._storage)
-        return a.copy() if be.xp.may_share_memory(a, self._storage) else a
+        return self._backend.apart(a, self._storage)
 
     def _direct(self, out):
         """Whether a gather may write into ``out`` (bits) in place."""
-        be = self._backend
-        direct = getattr(be, "direct_out", None)
-        if direct is not None:
-            return direct(out, self._storage)
-        return not be.xp.may_share_memory(out, self._storage)
+        return self._backend.direct_out(out, self._storage)
 
     def _outs(self, out, shape, kind):
         """``[(k_bits, k_result), (v_bits, v_result)]``: fresh arrays, or the
         caller's ``out=(k_out, v_out)`` checked (shape, dtype, writable, the
         two apart)."""
-        be = self._backend
+        backend = self._backend
         if out is None:
-            return [(a, a) for a in (be.empty(shape, _dtypes.STORAGE[kind]),
-                                     be.empty(shape, _dtypes.STORAGE[kind]))]
+            return [(a, a) for a in (backend.empty(shape, dtypes.STORAGE[kind]),
+                                     backend.empty(shape, dtypes.STORAGE[kind]))]
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
                             + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
-        pair = [_arrays.out_array(be, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
+        pair = [_arrays.out_array(backend, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
         kb, vb = pair[0][0], pair[1][0]
-        xp = be.xp
+        xp = backend.xp
         if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
             raise ValueError("out[0] and out[1] must not share memory (k and v are "
                              "different arrays)")
@@ -568,22 +621,23 @@ class BlockPool:
         return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
 
     def _out_kind(self, dtype):
-        return self._kind if dtype is None else _dtypes.storage_kind(dtype)
+        return self._kind if dtype is None else dtypes.storage_kind(dtype)
 
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
         ``table`` (int32, aligned), into ``out`` when given."""
-        dk = self._out_kind(dtype)
-        be = self._backend
+        dst_kind = self._out_kind(dtype)
+        backend = self._backend
         shape = (self._num_kv_heads, end - start, self._head_dim)
-        outs = self._outs(out, shape, dk)
+        outs = self._outs(out, shape, dst_kind)
         if end == start:
             return outs[0][1], outs[1][1]
-        tmps = self._targets(outs, out, shape, dk)
+        tmps = self._targets(outs, out, shape, dst_kind)
         # on a GPU: one upload of the blocks the range needs, for K and V
-        table = be.from_host(table[:-(-end // self._block_size)])
+        table = backend.from_host(table[:-(-end // self._block_size)])
         for i in (0, 1):
-            be.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind, dk)
+            backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind,
+                           dst_kind)
         return self._deliver(outs, tmps)
 
     def _targets(self, outs, out, shape, kind):
@@ -593,8 +647,8 @@ class BlockPool:
         K and V have been read."""
         if out is None:
             return [o[0] for o in outs]
-        be = self._backend
-        return [dst if self._direct(dst) else be.empty(shape, _dtypes.STORAGE[kind])
+        backend = self._backend
+        return [dst if self._direct(dst) else backend.empty(shape, dtypes.STORAGE[kind])
                 for dst, _ in outs]
 
     @staticmethod
@@ -604,12 +658,54 @@ class BlockPool:
                 dst[...] = tmp
         return outs[0][1], outs[1][1]
 
+    # ------------------------------------------------------------ private interface
+    # What the other public classes of kvcore (PagedKVCache, the block-table
+    # helpers) may ask of a pool; nobody else reads its storage, core, lock
+    # or backend.
+
+    # _binding: the ``PoolBinding`` a new sequence's core is made with
+    # (an attribute, read once per PagedKVCache).
+
     def _copy_blocks(self, src, dst):
+        """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V)."""
         self._backend.copy_blocks(self._storage, np.asarray(src, np.int32),
                                   np.asarray(dst, np.int32))
+
+    def _take_blocks(self, n, out):
+        """Take ``n`` free blocks into int32 ``out`` (reference count 1):
+        True, or False when fewer are free (nothing taken)."""
+        with self._lock:
+            return self._core.take(n, out)
+
+    def _release_blocks(self, block_ids):
+        """Give back blocks taken with :meth:`_take_blocks`."""
+        with self._lock:
+            self._core.release(block_ids)
+
+    def _write_positions(self, layer, k, v, slots, src_kind):
+        """K and V (validated by :meth:`_kv_input`) to the slots of a
+        sequence's own positions in (validated) ``layer``."""
+        backend = self._backend
+        backend.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
+        backend.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
+
+    def _gather_table(self, layer, table, start, end, dtype, out):
+        """:meth:`gather` of a sequence's own (checked) table."""
+        return self._gather(layer, table, start, end, dtype, out)
+
+    def _device_array(self, a):
+        """Host array ``a`` on this pool's device."""
+        return self._backend.from_host(a)
 
     def __repr__(self):
         return (f"BlockPool(num_blocks={self._num_blocks}, block_size={self._block_size}, "
                 f"num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
                 f"head_dim={self._head_dim}, dtype={self.dtype!r}, device={self._device!r}, "
                 f"free={self.num_free_blocks}, cached={self.num_cached_blocks})")
+
+
+def _constructor_args(num_blocks, block_size, num_layers, num_kv_heads, head_dim,
+                      dtype="float16", device="cpu", enable_prefix_caching=True):
+    return (num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+            enable_prefix_caching)
+

@@ -23,7 +23,7 @@ def _batch(seqs, lengths):
         if s.pool is not seqs[0].pool:
             raise ValueError(f"seqs must share one BlockPool; seqs[{i}] uses another")
     if lengths is None:
-        lens = [s.num_computed + max(s._pending, default=0) for s in seqs]
+        lens = [s._max_written() for s in seqs]
     else:
         lens = [nonneg_int(v, f"lengths[{i}]") for i, v in enumerate(lengths)]
         if len(lens) != len(seqs):
@@ -66,9 +66,9 @@ def padded_block_tables(seqs, lengths=None, pad_value=0, max_blocks=None):
                          f"blocks), got {width}")
     out = np.full((len(seqs), width), pad_value, np.int32)
     for i, (s, k) in enumerate(zip(seqs, need)):
-        out[i, :k] = s._table[:k]
-    be = seqs[0].pool._backend
-    return be.from_host(out), be.from_host(np.asarray(lens, np.int32))
+        out[i, :k] = s._table_head(k)
+    pool = seqs[0].pool
+    return pool._device_array(out), pool._device_array(np.asarray(lens, np.int32))
 
 
 def csr_block_tables(seqs, lengths=None):
@@ -85,7 +85,7 @@ def csr_block_tables(seqs, lengths=None):
     np.cumsum(need, out=indptr[1:])
     indices = np.empty(int(indptr[-1]), np.int32)
     for i, (s, k) in enumerate(zip(seqs, need)):
-        indices[indptr[i]:indptr[i + 1]] = s._table[:k]
+        indices[indptr[i]:indptr[i + 1]] = s._table_head(k)
     last = np.array([n - (k - 1) * bs if k else 0 for n, k in zip(lens, need)], np.int32)
-    be = seqs[0].pool._backend
-    return be.from_host(indptr), be.from_host(indices), be.from_host(last)
+    pool = seqs[0].pool
+    return pool._device_array(indptr), pool._device_array(indices), pool._device_array(last)

@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvcore import _dtypes
-from kvcore._backend import CPU
-from kvcore._dtypes import BF16, F16, F32, STORAGE
+from kvcore import dtypes
+from kvcore.backends import CPU
+from kvcore.dtypes import BF16, F16, F32, STORAGE
 
 KINDS = (F32, F16, BF16)
 PAIRS = [(s, d) for s in KINDS for d in KINDS]
@@ -442,8 +442,8 @@ def test_from_host_keeps_the_dtype_bfloat16_included(dev):
     host = rand_bits(rng, (3, 5), BF16).view(bf16)
     d = dev.be.from_host(host)
     assert dev.be._is_device(d) and d.dtype == bf16 and d.shape == (3, 5)
-    assert _dtypes.array_kind(d, "k") == BF16
-    assert_bits_equal(dev.get(_dtypes.as_bits(d)), host.view(np.uint16))
+    assert dtypes.array_kind(d, "k") == BF16
+    assert_bits_equal(dev.get(dtypes.as_bits(d)), host.view(np.uint16))
     back = dev.be.to_host(d)
     assert back.dtype == bf16
     assert_bits_equal(back.view(np.uint16), host.view(np.uint16))

@@ -93,7 +93,7 @@ def decide(installed, visible, detail, get_backend, device="cuda",
 
 def cuda_backend_or_skip(device="cuda", allow_module_level=False):
     """This machine's CUDA backend for a GPU test; see ``decide``."""
-    from kvcore._cuda import get_cuda_backend
+    from kvcore.backends.cuda import get_cuda_backend
 
     installed, (visible, detail) = _machine()
     return decide(installed, visible, detail, get_cuda_backend, device, allow_module_level)

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from kvcore._native import _convert
+from kvcore.backends.cpu import _convert
 
 
 @pytest.fixture(params=_convert.available_simd_levels())
@@ -37,3 +37,41 @@ def require_torch():
 def torch():
     """torch (see ``require_torch``)."""
     return require_torch()
+
+
+# ------------------------------------------------------------ pools and sequences
+@pytest.fixture
+def make_pool():
+    """``make_pool(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1,
+    head_dim=4, dtype="float32", **kwargs)``: a CPU BlockPool, checked for
+    consistency (``pool.check()``) when the test ends."""
+    import kvcore
+
+    made = []
+
+    def make(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=4,
+             dtype="float32", **kwargs):
+        pool = kvcore.BlockPool(num_blocks, block_size, num_layers, num_kv_heads, head_dim,
+                                dtype=dtype, **kwargs)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        pool.check()
+
+
+@pytest.fixture
+def pool(make_pool):
+    """A small float32 pool: 8 blocks of 4 positions, 2 layers, 1 KV head of 4."""
+    return make_pool(num_layers=2)
+
+
+@pytest.fixture
+def seq(pool):
+    """A new (not yet allocated) sequence on ``pool``, freed when the test ends."""
+    import kvcore
+
+    s = kvcore.PagedKVCache(pool)
+    yield s
+    s.free()

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from kvcore.backends import cuda
+from kvcore.backends.cuda import attention_kernels as cuda
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")

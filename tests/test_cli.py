@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvcore
-from kvcore import __main__ as cli
+from kvcore import cli
 
 # The directory holding the kvcore this test imported: the source tree for an
 # editable install, site-packages for an installed wheel or sdist (the tests
@@ -73,7 +73,7 @@ def test_bad_option_subprocess_exit_2():
 
 
 def test_no_subcommand_runs_the_demo(monkeypatch):
-    from kvcore import demo
+    from kvcore.cli import demo
 
     seen = []
     monkeypatch.setattr(demo, "run_from_args", lambda args, parser: seen.append(args) or 0)
@@ -87,7 +87,7 @@ FAKE_SWEEP = {"points": [{"tokens": n, "bytes": 12288 * n, "kvcore_gb_s": 10.0,
 
 
 def test_bench_table_json_and_notes(monkeypatch, tmp_path, capsys):
-    from kvcore.benchmarks import sweep
+    from kvcore.cli.benchmarks import sweep
 
     monkeypatch.setattr(sweep, "run", lambda quick=False: FAKE_SWEEP)
     monkeypatch.setattr(cli, "_gpu_available", lambda: "no CUDA GPU")
@@ -109,7 +109,7 @@ def test_bench_skips_a_missing_optional_module(monkeypatch):
     real = importlib.import_module
 
     def fake(name, *a):
-        if name == "kvcore.benchmarks.convert":
+        if name == "kvcore.cli.benchmarks.convert":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return real(name, *a)
 
@@ -136,7 +136,7 @@ def test_generic_rows_for_unknown_benchmarks():
 def test_bench_repeat_prints_median_and_spread(monkeypatch, tmp_path, capsys):
     # README numbers come from `python -m kvcore bench --repeat N`: every number
     # is the median over the runs, with its [min-max] range.
-    from kvcore.benchmarks import sweep
+    from kvcore.cli.benchmarks import sweep
 
     ratios = iter([4.0, 6.0, 5.0])
 
@@ -161,7 +161,7 @@ def test_bench_repeat_prints_median_and_spread(monkeypatch, tmp_path, capsys):
 
 
 def test_spread_helpers():
-    from kvcore.benchmarks._timing import aggregate, spread_lines, with_spread
+    from kvcore.cli.benchmarks._timing import aggregate, spread_lines, with_spread
 
     runs = [{"a": 1.0, "n": 7, "name": "x", "l": [3.0]},
             {"a": 3.0, "n": 7, "name": "y", "l": [1.0]},

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore._backend import get_backend
-from kvcore._native import _convert
+from kvcore.backends import get_backend
+from kvcore.backends.cpu import _convert
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_env import cuda_backend_or_skip

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore._native import _convert
+from kvcore.backends.cpu import _convert
 
 try:
     import ml_dtypes
@@ -829,7 +829,7 @@ def _level_in_subprocess(value):
     root = str(Path(kvcore.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     code = ("import numpy as np, kvcore\n"
-            "from kvcore._native import _convert\n"
+            "from kvcore.backends.cpu import _convert\n"
             "h = kvcore.to_float16(np.array([1.0, 65520.0, 2**-25], np.float32))\n"
             "assert h.view(np.uint16).tolist() == [0x3C00, 0x7C00, 0], h\n"
             "print(_convert.get_simd_level())\n")

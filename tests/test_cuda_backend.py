@@ -12,7 +12,7 @@ functions on CuPy arrays, and NVRTC compiling every module on the device.
 import numpy as np
 import pytest
 
-from kvcore._cuda import get_cuda_backend
+from kvcore.backends.cuda import get_cuda_backend
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_env import cuda_backend_or_skip
@@ -26,9 +26,9 @@ cuda_backend_or_skip(allow_module_level=True)
 import cupy  # noqa: E402
 
 import kvcore  # noqa: E402
-from kvcore._backend import CPU, get_backend  # noqa: E402
-from kvcore._cuda import _sources  # noqa: E402
-from kvcore._dtypes import BF16, F16, F32  # noqa: E402
+from kvcore.backends import CPU, get_backend  # noqa: E402
+from kvcore.backends.cuda import _sources  # noqa: E402
+from kvcore.dtypes import BF16, F16, F32  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_cases import *  # noqa: F401,F403,E402

@@ -1,4 +1,4 @@
-"""The optional-CuPy guard (kvcore/_cuda/__init__.py), on any machine.
+"""The optional-CuPy guard (kvcore/backends/cuda/__init__.py), on any machine.
 
 CuPy's presence and the GPU count are simulated (a None entry in
 sys.modules, a stand-in module), so these run the same with or without a
@@ -14,8 +14,8 @@ import warnings
 import pytest
 
 import kvcore
-import kvcore._cuda as kc
-from kvcore._backend import get_backend
+import kvcore.backends.cuda as kc
+from kvcore.backends import get_backend
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def _fake_cupy(count=None, error=None, current=0):
 
 
 def test_importing_kvcore_does_not_import_cupy():
-    code = ("import sys, kvcore, kvcore._cuda, kvcore._backend; "
+    code = ("import sys, kvcore, kvcore.backends.cuda, kvcore.backends; "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -207,7 +207,7 @@ _CUDADriverError.__name__ = "CUDADriverError"
 
 
 def _backend_whose_compile_raises(error):
-    from kvcore._cuda.backend import CudaBackend
+    from kvcore.backends.cuda.backend import CudaBackend
 
     class Module:
         def __init__(self, **kwargs):
@@ -241,7 +241,7 @@ def _backend_whose_compile_raises(error):
 ])
 def test_kernel_compile_failures_are_cuda_unavailable_errors(error, why, fix):
     be = _backend_whose_compile_raises(error)
-    from kvcore._cuda import _sources
+    from kvcore.backends.cuda import _sources
 
     name = _sources.kernel_name("kv_write_slots", 1, 1, 8)
     with pytest.raises(kc.CudaUnavailableError) as e:

@@ -1,6 +1,6 @@
 """The CUDA backend with its kernels run on the host (no GPU, no CuPy needed).
 
-Every kernel in ``kvcore/_cuda/kernels`` is a thin ``__global__`` loop that
+Every kernel in ``kvcore/backends/cuda/kernels`` is a thin ``__global__`` loop that
 calls ``kv_<name>_item(row, chunk, ...)`` once per (row, chunk).  Here the
 item functions are compiled by the host C++ compiler (the headers' host
 branch) and driven through the real ``CudaBackend`` methods, with only the
@@ -27,9 +27,9 @@ import types
 import numpy as np
 import pytest
 
-from kvcore._cuda import _sources
-from kvcore._cuda.backend import CudaBackend, launch_shape
-from kvcore._dtypes import BF16, F16, F32
+from kvcore.backends.cuda import _sources
+from kvcore.backends.cuda.backend import CudaBackend, launch_shape
+from kvcore.dtypes import BF16, F16, F32
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_cases import *  # noqa: F401,F403
@@ -362,7 +362,7 @@ def emulated_cuda(emu_lib, monkeypatch):
     """An EmulatedBackend installed as device 'cuda' (= 'cuda:0'): BlockPool,
     PagedKVCache and KVCache built with device='cuda' run on it, their
     arrays DevArrays, their kernels the host-compiled item functions."""
-    import kvcore._cuda as kc
+    import kvcore.backends.cuda as kc
 
     be = EmulatedBackend(emu_lib)
     monkeypatch.setattr(kc, "_cupy", HOST_CUPY)

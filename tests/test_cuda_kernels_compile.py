@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from kvcore._cuda import _sources
+from kvcore.backends.cuda import _sources
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")

@@ -44,7 +44,7 @@ WORKLOAD = textwrap.dedent("""
         s.gather(1)
         s.free()
     # a broken structure is caught by the checking lock
-    pool._core.check()
+    pool.check()
     print("debug workload ok", pool.stats()["num_cached_blocks"])
 """)
 

@@ -1,11 +1,11 @@
-"""kvcore.demo: the served-model demo runs through kvcore and verifies itself."""
+"""kvcore.cli.demo: the served-model demo runs through kvcore and verifies itself."""
 import io
 
 import numpy as np
 import pytest
 
 import kvcore
-from kvcore import demo
+from kvcore.cli import demo
 
 SMALL = dict(requests=3, prompt_len=32, new_tokens=4)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore._backend import get_backend
+from kvcore.backends import get_backend
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_env import cuda_backend_or_skip

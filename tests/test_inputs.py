@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore._native import _kernels
+from kvcore.backends.cpu import _kernels
 
 try:
     import ml_dtypes
@@ -271,7 +271,7 @@ def test_kernels_refuse_misaligned_arrays_instead_of_undefined_behaviour():
     with pytest.raises(ValueError, match="not aligned"):
         _kernels.gather(pool.key_cache(0), _misaligned(np.array([1], np.int32)), 0, 4, out, 1, 1)
     with pytest.raises(ValueError, match="aligned"):
-        from kvcore._native import _convert
+        from kvcore.backends.cpu import _convert
         _convert.convert_array(np.zeros(4, np.float32), 0, _misaligned(np.zeros(4, np.float16)), 1)
 
 
@@ -384,15 +384,15 @@ def test_torch_fast_append_path(torch):
     seq = kvcore.PagedKVCache(pool)
     seq.allocate([1, 2, 3])
     x = np.random.default_rng(9).standard_normal((3, 2, 8)).astype(np.float32)
-    assert seq._append_fast(0, _t(torch, x), _t(torch, -x, grad=True)) is True
+    assert seq._core._append_direct(0, _t(torch, x), _t(torch, -x, grad=True)) is True
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))
     np.testing.assert_array_equal(v, (-x).astype(np.float16).transpose(1, 0, 2))
     # a non-contiguous tensor, or a bf16 one, takes the validated path: same result
     strided = _t(torch, x.transpose(1, 0, 2)).transpose(0, 1)     # (3, 2, 8), not contiguous
     assert not strided.is_contiguous()
-    assert seq._append_fast(0, strided, _t(torch, -x)) is False
-    assert seq._append_fast(0, _t(torch, x), _t(torch, -x, torch.bfloat16)) is False
+    assert seq._core._append_direct(0, strided, _t(torch, -x)) is False
+    assert seq._core._append_direct(0, _t(torch, x), _t(torch, -x, torch.bfloat16)) is False
     seq.append(0, strided, _t(torch, -x))
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NATIVE = ROOT / "kvcore" / "_native" / "csrc"
+NATIVE = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 CHECK = ROOT / "tests" / "c" / "kv_half_check.c"
 
 needs_source = pytest.mark.skipif(not (NATIVE / "kv_half.c").exists(),

@@ -168,11 +168,11 @@ def test_probe_predicts_allocate_and_changes_nothing():
         a.append(layer, np.ones((9, 1, 4), np.float32), np.ones((9, 1, 4), np.float32))
     a.commit(9)
     a.free()  # blocks 0 and 1 stay cached, nobody holds them
-    before = (pool.stats(), pool._core.lru_order())
+    before = (pool.stats(), pool.debug_snapshot()["lru_order"])
     p = pool.probe(t + [3])
     assert p == {"hit_tokens": 8, "blocks_total": 3, "blocks_needed": 3}
     assert pool.probe(t, salt="x")["hit_tokens"] == 0
-    assert (pool.stats(), pool._core.lru_order()) == before
+    assert (pool.stats(), pool.debug_snapshot()["lru_order"]) == before
     b = kvcore.PagedKVCache(pool)
     assert b.allocate(t + [3]) == p["hit_tokens"]
     assert pool.num_free_blocks == 6 - p["blocks_needed"]

@@ -40,17 +40,15 @@ def test_sdist_ships_sources_and_no_generated_c(tmp_path):
     (sdist,) = (tmp_path / "dist").glob("kvcore-*.tar.gz")
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    native = ROOT / "kvcore" / "_native"
-    for pyx in native.glob("*.pyx"):
-        assert f"kvcore/_native/{pyx.name}" in names
-    for pxd in native.glob("*.pxd"):
-        assert f"kvcore/_native/{pxd.name}" in names
-    for c in (native / "csrc").iterdir():
-        assert f"kvcore/_native/csrc/{c.name}" in names
-    for cu in (ROOT / "kvcore" / "_cuda" / "kernels").iterdir():
-        assert f"kvcore/_cuda/kernels/{cu.name}" in names
+    for folder in ("kvcore/_native", "kvcore/backends/cpu"):
+        src = ROOT / folder
+        for f in [*src.glob("*.pyx"), *src.glob("*.pxd"), *(src / "csrc").iterdir()]:
+            assert str(f.relative_to(ROOT)) in names
+    for cu in (ROOT / "kvcore" / "backends" / "cuda" / "kernels").iterdir():
+        assert f"kvcore/backends/cuda/kernels/{cu.name}" in names
     generated = sorted(n for n in names
-                       if n.startswith("kvcore/_native/") and n.count("/") == 2
+                       if n.startswith(("kvcore/_native/", "kvcore/backends/cpu/"))
+                       and n.count("/") == n.startswith("kvcore/backends/") + 2
                        and n.endswith((".c", ".cpp", ".html")))
     assert not generated, f"the sdist ships Cython's generated files: {generated}"
     for must in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md",

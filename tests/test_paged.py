@@ -6,6 +6,11 @@ import pytest
 
 import kvcore
 
+try:
+    from _helpers import pool_snapshot
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import pool_snapshot
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 L, H, D = 3, 2, 4
 
@@ -18,18 +23,6 @@ def make_pool(num_blocks=16, block_size=4, dtype="float32", caching=True, layers
 def rand(shape, seed):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
-
-def pool_snapshot(pool):
-    n = pool.num_blocks
-    return {
-        "stats": pool.stats(),
-        "refs": [pool.ref_count(b) for b in range(n)],
-        "cached": [pool.is_cached(b) for b in range(n)],
-        "lru": list(pool._core.lru_order()),
-        "free": pool.num_free_blocks,
-        "num_cached": pool.num_cached_blocks,
-        "storage": pool.storage.tobytes(),
-    }
 
 
 def seq_snapshot(seq):

@@ -21,6 +21,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import kvcore
 
+try:
+    from _helpers import cached_hash_bytes, pool_snapshot
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import cached_hash_bytes, pool_snapshot
+
 LAYERS, HEADS, DIM = 2, 1, 2
 ALPHABET = st.integers(0, 3)         # small, so different paths meet again
 BASES = ([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2],
@@ -73,10 +78,9 @@ class Model:
 
 
 def pool_state(pool):
-    n = pool.num_blocks
-    return (pool.stats(), [pool.ref_count(b) for b in range(n)],
-            [pool.is_cached(b) for b in range(n)], list(pool._core.lru_order()),
-            pool.storage.tobytes())
+    snap = pool_snapshot(pool)
+    return (snap["stats"], snap["ref_counts"], snap["cached"], snap["lru_order"],
+            snap["storage"])
 
 
 def seq_state(seq):
@@ -112,13 +116,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.prefixes[h] = (salt_key(m.salt), tuple(toks[:(j + 1) * self.bs]))
 
     def cached_hashes(self):
-        core = self.pool._core
-        out = set()
-        for b in range(self.pool.num_blocks):
-            if self.pool.is_cached(b):
-                lo, hi = core.cached_hash(b)
-                out.add(lo.to_bytes(8, "little") + hi.to_bytes(8, "little"))
-        return out
+        return {cached_hash_bytes(self.pool, b) for b in range(self.pool.num_blocks)
+                if self.pool.is_cached(b)}
 
     def assert_unchanged(self, before, models=()):
         assert pool_state(self.pool) == before[0]
@@ -162,7 +161,7 @@ class PoolMachine(RuleBasedStateMachine):
             if h not in cached:
                 break
             want_hit += 1
-        uncached_free = self.pool._core.num_uncached_free
+        uncached_free = self.pool.debug_snapshot()["num_uncached_free"]
         before = self.snapshot()
         try:
             hit = seq.allocate(prompt)
@@ -341,7 +340,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.assert_unchanged(before)
         else:
             assert self.pool.num_cached_blocks == 0
-            assert self.pool._core.lru_order() == []
+            assert self.pool.debug_snapshot()["lru_order"] == []
 
     # -------------------------------------------------------------- invariants
     @invariant()
@@ -359,7 +358,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.num_cached_blocks == len(cached)
         if not self.caching:
             assert not cached
-        lru = pool._core.lru_order()
+        lru = pool.debug_snapshot()["lru_order"]
         assert all(pool.is_cached(b) and refs[b] == 0 for b in lru)
         assert sorted(lru) == [b for b in cached if refs[b] == 0]
         s = pool.stats()
@@ -393,9 +392,9 @@ class PoolMachine(RuleBasedStateMachine):
         for b in range(pool.num_blocks):
             if not pool.is_cached(b):
                 continue
-            lo, hi = pool._core.cached_hash(b)
+            lo, hi = pool.debug_cached_block(b)[1]
             salt, prefix = self.prefixes[lo.to_bytes(8, "little") + hi.to_bytes(8, "little")]
-            assert pool._core.cached_tokens(b).tolist() == list(prefix[-bs:])
+            assert pool.debug_cached_block(b)[0].tolist() == list(prefix[-bs:])
             start = len(prefix) - bs
             for off in range(bs):
                 kv = kv_value(salt, prefix[:start + off + 1])

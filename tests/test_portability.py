@@ -11,8 +11,15 @@ import subprocess
 import pytest
 
 import kvcore._native
+import kvcore.backends.cpu
 
 NATIVE = os.path.dirname(kvcore._native.__file__)
+CPU = os.path.dirname(kvcore.backends.cpu.__file__)
+# the bookkeeping and the conversion/copy kernels (the attention kernels
+# have their own dispatch checks)
+EXTENSIONS = sorted(glob.glob(os.path.join(NATIVE, "*.so"))
+                    + glob.glob(os.path.join(CPU, "_convert*.so"))
+                    + glob.glob(os.path.join(CPU, "_kernels*.so")))
 # Functions compiled with __attribute__((target(...))); each is only reached
 # after __builtin_cpu_supports() agreed.
 DISPATCHED = re.compile(r"_(sse41|f16c|avx2)$")
@@ -53,7 +60,7 @@ def _offending(insns):
     return None
 
 
-@pytest.mark.parametrize("so", sorted(glob.glob(os.path.join(NATIVE, "*.so"))),
+@pytest.mark.parametrize("so", EXTENSIONS,
                          ids=os.path.basename)
 def test_only_dispatched_functions_use_simd_extensions(so):
     bad = {}
@@ -68,14 +75,14 @@ def test_only_dispatched_functions_use_simd_extensions(so):
 
 
 def test_dispatched_functions_are_present():
-    so = glob.glob(os.path.join(NATIVE, "_convert*.so"))
+    so = glob.glob(os.path.join(CPU, "_convert*.so"))
     assert so, "the _convert extension is not built"
     names = {fn.split(".")[0] for fn in _functions(so[0])}
     for want in ("f32_to_f16_f16c", "f32_to_bf16_avx2", "f32_to_bf16_sse41"):
         assert want in names, f"{want} missing from {os.path.basename(so[0])}"
 
 
-@pytest.mark.parametrize("so", sorted(glob.glob(os.path.join(NATIVE, "*.so"))),
+@pytest.mark.parametrize("so", EXTENSIONS,
                          ids=os.path.basename)
 def test_no_avx512_code(so):
     # The AVX-512 conversion path was removed (slower than AVX2 where measured):
@@ -87,7 +94,7 @@ def test_no_avx512_code(so):
 
 def test_checker_flags_simd_code():
     # the check above can fail: it does flag the AVX2 body it exempts
-    so = glob.glob(os.path.join(NATIVE, "_convert*.so"))[0]
+    so = glob.glob(os.path.join(CPU, "_convert*.so"))[0]
     fns = {fn.split(".")[0]: insns for fn, insns in _functions(so).items()}
     assert _offending(fns["f32_to_bf16_avx2"]) is not None
     assert _offending(fns["f32_to_bf16_sse41"]) is not None

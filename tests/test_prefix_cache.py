@@ -16,6 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcore
+
+try:
+    from _helpers import cached_hash_bytes, pool_snapshot
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import cached_hash_bytes, pool_snapshot
 from kvcore import hashing
 from kvcore._native import _pool
 
@@ -74,19 +79,7 @@ def check_kv(seq, tokens, end=None, salt=None, start=0):
 
 
 def snapshot(pool):
-    n = pool.num_blocks
-    return {
-        "stats": pool.stats(),
-        "refs": [pool.ref_count(b) for b in range(n)],
-        "cached": [pool.is_cached(b) for b in range(n)],
-        "cached_tokens": [pool._core.cached_tokens(b).tolist() if pool.is_cached(b) else None
-                          for b in range(n)],
-        "lru": list(pool._core.lru_order()),
-        "free": pool.num_free_blocks,
-        "used": pool.num_used_blocks,
-        "num_cached": pool.num_cached_blocks,
-        "storage": pool.storage.tobytes(),
-    }
+    return pool_snapshot(pool, cached_tokens=True)
 
 
 def prompt(base, n):
@@ -120,10 +113,8 @@ def test_hit_returns_the_cached_kv_and_counts_tokens():
     # the pool hashes blocks exactly as block_hashes does
     assert b.block_hashes() == kvcore.block_hashes(tb, 4)
     for i, blk in enumerate(a.block_table[:2]):
-        lo, hi = pool._core.cached_hash(int(blk))
-        assert lo.to_bytes(8, "little") + hi.to_bytes(8, "little") == \
-            kvcore.block_hashes(ta, 4)[i]
-        assert pool._core.cached_tokens(int(blk)).tolist() == ta[4 * i:4 * i + 4]
+        assert cached_hash_bytes(pool, blk) == kvcore.block_hashes(ta, 4)[i]
+        assert pool.debug_cached_block(blk)[0].tolist() == ta[4 * i:4 * i + 4]
     a.free()
     b.free()
     pool.check()
@@ -218,18 +209,18 @@ def test_tail_of_a_released_prefix_is_evicted_before_its_head():
     b0, b1, b2 = (int(x) for x in a.block_table[:3])
     a.free()
     # released tail first: the tail is next to evict, the head last
-    assert pool._core.lru_order() == [b2, b1, b0]
+    assert pool.debug_snapshot()["lru_order"] == [b2, b1, b0]
     # use the two never-cached blocks (a's partial tail and block 4), then
     # force two evictions
     x = kvcore.PagedKVCache(pool)
     x.allocate(prompt(300, 5))
     assert pool.stats()["evictions"] == 0
-    assert pool._core.lru_order() == [b2, b1, b0]
+    assert pool.debug_snapshot()["lru_order"] == [b2, b1, b0]
     y = kvcore.PagedKVCache(pool)
     y.allocate(prompt(500, 5))            # 2 blocks: evicts b2 then b1
     assert sorted(y.block_table.tolist()) == sorted([b2, b1])
     assert pool.stats()["evictions"] == 2
-    assert pool._core.lru_order() == [b0]
+    assert pool.debug_snapshot()["lru_order"] == [b0]
     assert pool.is_cached(b0) and not pool.is_cached(b1) and not pool.is_cached(b2)
     x.free()
     y.free()
@@ -252,13 +243,13 @@ def test_least_recently_released_is_evicted_first():
     blk_a, blk_b = int(a.block_table[0]), int(b.block_table[0])
     b.free()
     a.free()                                # a released last: evicted last
-    assert pool._core.lru_order() == [blk_b, blk_a]
+    assert pool.debug_snapshot()["lru_order"] == [blk_b, blk_a]
     # a hit takes a block off the LRU; releasing it puts it at the end again
     c = kvcore.PagedKVCache(pool)
     assert c.allocate(tb + [7]) == 2
-    assert pool._core.lru_order() == [blk_a]
+    assert pool.debug_snapshot()["lru_order"] == [blk_a]
     c.free()
-    assert pool._core.lru_order() == [blk_a, blk_b]
+    assert pool.debug_snapshot()["lru_order"] == [blk_a, blk_b]
     pool.check()
 
 
@@ -332,7 +323,7 @@ def test_reset_prefix_cache():
     keep.free()
     assert pool.reset_prefix_cache() is True
     assert pool.num_cached_blocks == 0
-    assert pool._core.lru_order() == []
+    assert pool.debug_snapshot()["lru_order"] == []
     assert pool.num_free_blocks == 6 and pool.num_used_blocks == 0
     assert not any(pool.is_cached(b) for b in range(6))
     assert pool.stats()["evictions"] == 0
@@ -803,18 +794,19 @@ def test_lookup_verifies_token_ids():
     pool.check()
 
 
-def test_a_forged_hash_collision_never_hands_back_other_kv(monkeypatch):
-    """Every block hashes alike; only the stored token ids tell them apart."""
-    def forged(tokens, n_blocks, block_size, parent0, parent1, out):
-        np.asarray(out)[:n_blocks] = 0x1234
+def forged_pool(block_size):
+    """A pool on which every block hashes alike (the documented test seam)."""
+    return kvcore.BlockPool._with_forged_hashes(16, block_size, L, H, D, dtype="float32")
 
-    monkeypatch.setattr(_pool, "hash_chain", forged)
-    assert len(set(kvcore.block_hashes(prompt(1, 12), 4))) == 1
+
+def test_a_forged_hash_collision_never_hands_back_other_kv():
+    """Every block hashes alike; only the stored token ids tell them apart."""
     bs = 4
-    pool = make_pool(block_size=bs)
+    pool = forged_pool(bs)
     a = kvcore.PagedKVCache(pool)
     ta = prompt(100, 9)
     a.allocate(ta)
+    assert len({bytes(h) for h in a.block_hashes()}) == 1   # the forgery is in force
     fill(a, ta)
     assert pool.num_cached_blocks == 2        # same hash, different tokens: both kept
     b = kvcore.PagedKVCache(pool)
@@ -831,20 +823,17 @@ def test_a_forged_hash_collision_never_hands_back_other_kv(monkeypatch):
     pool.check()
 
 
-def test_a_full_chain_collision_never_hands_back_other_kv(monkeypatch):
+def test_a_full_chain_collision_never_hands_back_other_kv():
     """Every block hashes alike AND a later block's tokens equal a cached
     block's: only the identity chain (a hit's parent must be the block that
     hit before it) keeps another prefix's KV out."""
-    def forged(tokens, n_blocks, block_size, parent0, parent1, out):
-        np.asarray(out)[:n_blocks] = 0x1234
-
-    monkeypatch.setattr(_pool, "hash_chain", forged)
     bs = 4
-    pool = make_pool(block_size=bs)
+    pool = forged_pool(bs)
     a = kvcore.PagedKVCache(pool)
     x = prompt(100, 8)
     ta = x + [1]
     a.allocate(ta)
+    assert len({bytes(h) for h in a.block_hashes()}) == 1   # the forgery is in force
     fill(a, ta)
     assert pool.num_cached_blocks == 2
     # blocks swapped: block 0 of d equals block 1 of a, and the other way round

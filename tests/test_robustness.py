@@ -43,8 +43,8 @@ def test_reinitialising_a_live_sequence_releases_its_blocks():
 
 
 @pytest.mark.parametrize("dt", [">i8", "<i8", ">i4", "<u2"])
-def test_slots_of_any_byte_order_and_width(dt):
-    pool = kvcore.BlockPool(8, 4, 1, 1, 4, dtype="float32")
+def test_slots_of_any_byte_order_and_width(dt, make_pool):
+    pool = make_pool()
     k = np.arange(8, dtype=np.float32).reshape(2, 1, 4)
     pool.write(0, k, -k, np.array([1, 30], dt))
     assert np.array_equal(pool.key_cache(0)[0, 0, 1], k[0, 0])
@@ -53,10 +53,8 @@ def test_slots_of_any_byte_order_and_width(dt):
         pool.write(0, k, k, np.array([1, 32], dt))
 
 
-def test_mark_written_lets_gather_read_a_batch_written_step():
+def test_mark_written_lets_gather_read_a_batch_written_step(pool, seq):
     rng = np.random.default_rng(0)
-    pool = kvcore.BlockPool(8, 4, 2, 1, 4, dtype="float32")
-    seq = kvcore.PagedKVCache(pool)
     seq.allocate([1, 2, 3])
     seq.reserve(3)
     slots = seq.slot_mapping(0, 3)
@@ -81,8 +79,8 @@ def test_mark_written_lets_gather_read_a_batch_written_step():
     assert seq.num_written(0) == seq.num_written(1) == 3
 
 
-def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root():
-    pool = kvcore.BlockPool(8, 4, 1, 1, 4, dtype="float32")
+def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root(make_pool):
+    pool = make_pool()
     live = kvcore.PagedKVCache(pool, salt="a")      # made before the reset, no blocks
     for i in range(5):
         kvcore.PagedKVCache(pool, salt=f"s{i}")    # dropped at once: forgotten

@@ -19,6 +19,11 @@ import pytest
 
 import kvcore
 
+try:
+    from _helpers import pool_snapshot
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import pool_snapshot
+
 L, H, D = 3, 2, 4
 
 
@@ -32,10 +37,7 @@ def kv(n, fill):
 
 
 def pool_state(pool):
-    n = pool.num_blocks
-    stats = pool.stats()
-    return (stats, [pool.ref_count(b) for b in range(n)],
-            [pool.is_cached(b) for b in range(n)], pool.storage.tobytes())
+    return pool_snapshot(pool)
 
 
 def seq_state(seq):
@@ -156,7 +158,7 @@ def test_unwritten_blocks_never_enter_the_prefix_cache(salts):
 def test_bookkeeping_benchmark_declares_what_it_commits():
     """The benchmark's requests pass commit's check (the demo's are run by
     tests/test_demo.py)."""
-    from kvcore.benchmarks import pool as bench_pool
+    from kvcore.cli.benchmarks import pool as bench_pool
 
     assert bench_pool.bench_bookkeeping(quick=True)["requests"] == 50
 

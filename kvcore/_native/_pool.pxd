@@ -14,6 +14,9 @@ cdef enum:
     NOGIL_BLOCKS = 512
 
 # kvcore's chained block hash of n_blocks full blocks (see _pool.hash_chain).
+ctypedef void (*hash_chain_fn)(const token_t* tokens, Py_ssize_t n_blocks,
+                               Py_ssize_t block_size, uint64_t parent0, uint64_t parent1,
+                               hash_word_t* out) noexcept nogil
 cdef void hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
                        uint64_t parent0, uint64_t parent1, hash_word_t* out) noexcept nogil
 
@@ -23,17 +26,17 @@ cdef void hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bl
 cdef class PoolCore:
     cdef readonly Py_ssize_t num_blocks, block_size
     cdef block_id_t[::1] ref
-    cdef block_id_t[::1] fl_prev, fl_next      # free-list links
+    cdef block_id_t[::1] prev_free_block, next_free_block      # free-list links
     cdef signed char[::1] where                # 0 held, 1 uncached free, 2 cached free (LRU)
     cdef signed char[::1] cached               # 1 if in the hash index
     cdef hash_word_t[:, ::1] hashes            # (num_blocks, 2)
-    cdef block_id_t[::1] hb_prev, hb_next      # hash-bucket chain links
+    cdef block_id_t[::1] prev_in_bucket, next_in_bucket      # hash-bucket chain links
     cdef block_id_t[::1] buckets
     cdef token_t[:, ::1] tokens                # (num_blocks, block_size)
     cdef int64_t[::1] serial, parent_serial    # the identity chain (see _pool.pyx)
     cdef int64_t next_serial
     cdef Py_ssize_t bucket_mask
-    cdef block_id_t uc_head, uc_tail, lru_head, lru_tail
+    cdef block_id_t uncached_head, uncached_tail, lru_head, lru_tail
     cdef readonly Py_ssize_t num_uncached_free, num_lru_free, num_cached
     cdef readonly long long evictions
     # Salt roots (see "Salt roots" in _pool.pyx): per slot, the root it
@@ -45,9 +48,12 @@ cdef class PoolCore:
     cdef uint64_t[::1] salt_gen
     cdef Py_ssize_t num_salt_slots, num_salt_dead, num_salt_free
     cdef readonly Py_ssize_t num_roots
-    # constants of this pool that every sequence on it copies (_seq.pyx
-    # fills it on first use), so a new sequence reads them in one go
-    cdef object seq_view
+    # the block hash the sequences on this pool use: hash_chain_c, or (a
+    # pool made for the collision tests) one that hashes every block alike
+    cdef hash_chain_fn hash_chain
+    cdef readonly bint forged_hashes
+    # prefix-cache statistics (BlockPool.stats), counted by allocate
+    cdef public long long prefix_queries, prefix_hits
 
     cdef inline void _unlink(self, block_id_t b) noexcept nogil
     cdef inline void _push_uncached(self, block_id_t b) noexcept nogil

@@ -5,13 +5,13 @@ No Python object exists per block.  Every method assumes the caller holds the
 pool's lock and has validated its arguments (``kvcore/pool.py``); methods that
 can fail return a status and change nothing when they do.
 
-Free lists (doubly linked through ``fl_prev``/``fl_next``):
+Free lists (doubly linked through ``prev_free_block``/``next_free_block``):
   * uncached: never-cached or released-and-uncached blocks, handed out first;
   * LRU: cached blocks nobody holds, least recently released at the head.
     Eviction takes the head.  A sequence releases its blocks tail first, so
     the tail of a cached prefix sits nearer the head than its start.
 Hash index: ``buckets[h0 & mask]`` heads a doubly linked chain of cached
-blocks (``hb_prev``/``hb_next``).  Several blocks may share a hash; a lookup
+blocks (``prev_in_bucket``/``next_in_bucket``).  Several blocks may share a hash; a lookup
 only returns a block whose stored token ids equal the query's.
 
 Salt roots: the identity chain of a salted sequence starts at its salt's
@@ -130,6 +130,17 @@ cdef void hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks, Py_ssize_t bl
     parent[0] = parent0
     parent[1] = parent1
     kvhash_chain(tokens, n_blocks, block_size, parent, out)
+
+
+cdef void forged_hash_chain_c(const token_t* tokens, Py_ssize_t n_blocks,
+                              Py_ssize_t block_size, uint64_t parent0, uint64_t parent1,
+                              hash_word_t* out) noexcept nogil:
+    """Every block hashes to (0x1234, 0x1234): a pool made with
+    ``forge_hashes`` shows that only the stored token ids and the identity
+    chain keep another prefix's KV out (tests only)."""
+    cdef Py_ssize_t i
+    for i in range(2 * n_blocks):
+        out[i] = 0x1234
 
 
 def hash_chain(cnp.ndarray tokens, Py_ssize_t n_blocks, Py_ssize_t block_size,
@@ -255,18 +266,23 @@ cdef class PoolCore:
     collisions or not.
     """
 
-    def __init__(self, Py_ssize_t num_blocks, Py_ssize_t block_size):
+    def __init__(self, Py_ssize_t num_blocks, Py_ssize_t block_size, bint forge_hashes=False):
+        """``forge_hashes``: a test seam, fixed at construction (never a hook
+        on the hot path): every block of every sequence on this pool hashes
+        alike (see forged_hash_chain_c)."""
         cdef Py_ssize_t i, cap = 16
+        self.hash_chain = forged_hash_chain_c if forge_hashes else hash_chain_c
+        self.forged_hashes = forge_hashes
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref = np.zeros(num_blocks, np.int32)
-        self.fl_prev = np.empty(num_blocks, np.int32)
-        self.fl_next = np.empty(num_blocks, np.int32)
+        self.prev_free_block = np.empty(num_blocks, np.int32)
+        self.next_free_block = np.empty(num_blocks, np.int32)
         self.where = np.full(num_blocks, FREE_UNCACHED, np.int8)
         self.cached = np.zeros(num_blocks, np.int8)
         self.hashes = np.zeros((num_blocks, 2), np.uint64)
-        self.hb_prev = np.full(num_blocks, NONE, np.int32)
-        self.hb_next = np.full(num_blocks, NONE, np.int32)
+        self.prev_in_bucket = np.full(num_blocks, NONE, np.int32)
+        self.next_in_bucket = np.full(num_blocks, NONE, np.int32)
         while cap < 2 * num_blocks:
             cap *= 2
         self.buckets = np.full(cap, NONE, np.int32)
@@ -282,10 +298,10 @@ cdef class PoolCore:
         self.salt_gen = np.zeros(0, np.uint64)
         # every block starts on the uncached list, in id order
         for i in range(num_blocks):
-            self.fl_prev[i] = i - 1
-            self.fl_next[i] = i + 1 if i + 1 < num_blocks else NONE
-        self.uc_head = 0 if num_blocks else NONE
-        self.uc_tail = num_blocks - 1 if num_blocks else NONE
+            self.prev_free_block[i] = i - 1
+            self.next_free_block[i] = i + 1 if i + 1 < num_blocks else NONE
+        self.uncached_head = 0 if num_blocks else NONE
+        self.uncached_tail = num_blocks - 1 if num_blocks else NONE
         self.lru_head = NONE
         self.lru_tail = NONE
         self.num_uncached_free = num_blocks
@@ -295,48 +311,48 @@ cdef class PoolCore:
 
     # ------------------------------------------------------ free lists
     cdef inline void _unlink(self, block_id_t b) noexcept nogil:
-        cdef block_id_t p = self.fl_prev[b], n = self.fl_next[b]
+        cdef block_id_t p = self.prev_free_block[b], n = self.next_free_block[b]
         if self.where[b] == FREE_UNCACHED:
             if p == NONE:
-                self.uc_head = n
+                self.uncached_head = n
             else:
-                self.fl_next[p] = n
+                self.next_free_block[p] = n
             if n == NONE:
-                self.uc_tail = p
+                self.uncached_tail = p
             else:
-                self.fl_prev[n] = p
+                self.prev_free_block[n] = p
             self.num_uncached_free -= 1
         else:
             if p == NONE:
                 self.lru_head = n
             else:
-                self.fl_next[p] = n
+                self.next_free_block[p] = n
             if n == NONE:
                 self.lru_tail = p
             else:
-                self.fl_prev[n] = p
+                self.prev_free_block[n] = p
             self.num_lru_free -= 1
         self.where[b] = HELD
-        self.fl_prev[b] = NONE
-        self.fl_next[b] = NONE
+        self.prev_free_block[b] = NONE
+        self.next_free_block[b] = NONE
 
     cdef inline void _push_uncached(self, block_id_t b) noexcept nogil:
         # LIFO: the most recently released block is reused first (warm in cache)
-        self.fl_prev[b] = NONE
-        self.fl_next[b] = self.uc_head
-        if self.uc_head != NONE:
-            self.fl_prev[self.uc_head] = b
+        self.prev_free_block[b] = NONE
+        self.next_free_block[b] = self.uncached_head
+        if self.uncached_head != NONE:
+            self.prev_free_block[self.uncached_head] = b
         else:
-            self.uc_tail = b
-        self.uc_head = b
+            self.uncached_tail = b
+        self.uncached_head = b
         self.where[b] = FREE_UNCACHED
         self.num_uncached_free += 1
 
     cdef inline void _append_lru(self, block_id_t b) noexcept nogil:
-        self.fl_next[b] = NONE
-        self.fl_prev[b] = self.lru_tail
+        self.next_free_block[b] = NONE
+        self.prev_free_block[b] = self.lru_tail
         if self.lru_tail != NONE:
-            self.fl_next[self.lru_tail] = b
+            self.next_free_block[self.lru_tail] = b
         else:
             self.lru_head = b
         self.lru_tail = b
@@ -348,15 +364,15 @@ cdef class PoolCore:
         return <Py_ssize_t>(h0 & <uint64_t>self.bucket_mask)
 
     cdef void _index_remove(self, block_id_t b) noexcept nogil:
-        cdef block_id_t p = self.hb_prev[b], n = self.hb_next[b]
+        cdef block_id_t p = self.prev_in_bucket[b], n = self.next_in_bucket[b]
         if p == NONE:
             self.buckets[self._bucket(self.hashes[b, 0])] = n
         else:
-            self.hb_next[p] = n
+            self.next_in_bucket[p] = n
         if n != NONE:
-            self.hb_prev[n] = p
-        self.hb_prev[b] = NONE
-        self.hb_next[b] = NONE
+            self.prev_in_bucket[n] = p
+        self.prev_in_bucket[b] = NONE
+        self.next_in_bucket[b] = NONE
         self.cached[b] = 0
         self.num_cached -= 1
         if self.parent_serial[b] < -1:
@@ -365,10 +381,10 @@ cdef class PoolCore:
     cdef void _index_insert(self, block_id_t b) noexcept nogil:
         cdef Py_ssize_t k = self._bucket(self.hashes[b, 0])
         cdef block_id_t head = self.buckets[k]
-        self.hb_prev[b] = NONE
-        self.hb_next[b] = head
+        self.prev_in_bucket[b] = NONE
+        self.next_in_bucket[b] = head
         if head != NONE:
-            self.hb_prev[head] = b
+            self.prev_in_bucket[head] = b
         self.buckets[k] = b
         self.cached[b] = 1
         self.num_cached += 1
@@ -480,7 +496,7 @@ cdef class PoolCore:
                     self.parent_serial[b] == parent and \
                     memcmp(&self.tokens[b, 0], toks, self.block_size * sizeof(token_t)) == 0:
                 return b
-            b = self.hb_next[b]
+            b = self.next_in_bucket[b]
         return NONE
 
     # ------------------------------------------------------ block ops
@@ -493,8 +509,8 @@ cdef class PoolCore:
         """A free block with ref 1; uncached first, else evict the LRU head.
         The caller has checked that one is free."""
         cdef block_id_t b
-        if self.uc_head != NONE:
-            b = self.uc_head
+        if self.uncached_head != NONE:
+            b = self.uncached_head
         else:
             b = self.lru_head
         self._unlink(b)
@@ -788,13 +804,25 @@ cdef class PoolCore:
     def cached_hash(self, block_id_t b):
         return (int(self.hashes[b, 0]), int(self.hashes[b, 1]))
 
+    def chain_hashes(self, cnp.ndarray tokens, Py_ssize_t n_blocks, uint64_t parent0,
+                     uint64_t parent1):
+        """(n_blocks, 2) uint64 chained hashes of the first n_blocks full
+        blocks of int32 ``tokens``, with this pool's block hash."""
+        cdef cnp.ndarray out = np.empty((max(n_blocks, 0), 2), np.uint64)
+        cdef const token_t* t
+        if n_blocks > 0:
+            t = _tok(tokens, n_blocks * self.block_size)
+            self.hash_chain(t, n_blocks, self.block_size, parent0, parent1,
+                            <hash_word_t*>cnp.PyArray_DATA(out))
+        return out
+
     def lru_order(self):
         """Cached free blocks, next to be evicted first (for tests)."""
         out = []
         cdef block_id_t b = self.lru_head
         while b != NONE:
             out.append(b)
-            b = self.fl_next[b]
+            b = self.next_free_block[b]
         return out
 
     def check(self):
@@ -804,7 +832,7 @@ cdef class PoolCore:
         cdef block_id_t b, prev
         seen = np.zeros(n, np.int8)
         for which, head, tail, expect in (
-                (FREE_UNCACHED, self.uc_head, self.uc_tail, self.num_uncached_free),
+                (FREE_UNCACHED, self.uncached_head, self.uncached_tail, self.num_uncached_free),
                 (FREE_CACHED, self.lru_head, self.lru_tail, self.num_lru_free)):
             count = 0
             prev = NONE
@@ -814,12 +842,12 @@ cdef class PoolCore:
                 assert not seen[b], f"block {b} is on a free list twice"
                 seen[b] = 1
                 assert self.where[b] == which, f"block {b} on list {which} marked {self.where[b]}"
-                assert self.fl_prev[b] == prev, f"block {b}: broken prev link"
+                assert self.prev_free_block[b] == prev, f"block {b}: broken prev link"
                 assert self.ref[b] == 0, f"free block {b} has ref {self.ref[b]}"
                 assert bool(self.cached[b]) == (which == FREE_CACHED), \
                     f"block {b} on list {which} has cached={self.cached[b]}"
                 prev = b
-                b = self.fl_next[b]
+                b = self.next_free_block[b]
                 count += 1
                 assert count <= n, "free list has a cycle"
             assert prev == tail, f"free list {which}: tail {tail} but last {prev}"
@@ -836,9 +864,9 @@ cdef class PoolCore:
             while b != NONE:
                 assert self.cached[b], f"block {b} in the index but not marked cached"
                 assert self._bucket(self.hashes[b, 0]) == k, f"block {b} in the wrong bucket"
-                assert self.hb_prev[b] == prev, f"block {b}: broken bucket link"
+                assert self.prev_in_bucket[b] == prev, f"block {b}: broken bucket link"
                 prev = b
-                b = self.hb_next[b]
+                b = self.next_in_bucket[b]
                 count += 1
                 assert count <= n, "hash chain has a cycle"
         assert count == self.num_cached, f"index holds {count}, num_cached {self.num_cached}"

@@ -9,15 +9,15 @@ methods here take validated values and report failures as status codes
 changes nothing.  Every PoolCore call happens with the pool's lock held.
 
 State (a sequence is driven by one thread at a time):
-  * ``toks`` [tok_cap]: token ids, the first ``_num_tokens`` known;
-  * ``hw`` [hash_cap, 2]: the first ``_n_hashed`` full blocks' chained hashes;
-  * ``ser`` [ser_cap]: the serial the pool knows each of the first
+  * ``token_buf`` [token_cap]: token ids, the first ``_num_tokens`` known;
+  * ``hash_words`` [hash_cap, 2]: the first ``_n_hashed`` full blocks' chained hashes;
+  * ``block_serials`` [serial_cap]: the serial the pool knows each of the first
     ``_n_registered`` blocks by (the next block's parent);
-  * ``_table``: int32 NumPy array [capacity], the first ``_nblocks`` the
+  * ``_table``: int32 NumPy array [capacity], the first ``_num_held`` the
     block table (kvcore.tables and PagedKVCache read it);
   * ``pending[layer]``: positions past ``_num_computed`` appended to that
     layer in the current step;
-  * ``[excl_lo, excl_hi)``: blocks known to be this sequence's alone
+  * ``[exclusive_lo, exclusive_hi)``: blocks known to be this sequence's alone
     (writable in place) since the last reserve; ``[slot_lo, slot_hi)``: the
     positions whose slots ``slot_val`` caches for the layers of a step.
   * ``_state``: UNINIT (``__init__`` never ran), NEW (bound to a pool,
@@ -35,13 +35,8 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
-from kvcore._native._convert cimport KVH_F16, KVH_F32, convert_n, convert_n_stream, kind_itemsize, stream_fence
-from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore, hash_chain_c
-from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
-
-from kvcore._native import _pool as _pool_module
-from kvcore._native._kernels import tensor_meta as _tensor_meta
-from kvcore._backend import CPU as _CPU
+from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore
+from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, hash_word_t, slot_t, token_t
 
 cnp.import_array()
 
@@ -52,28 +47,21 @@ cdef enum:
     # hash with the GIL released from this many blocks on (~30 ns a block);
     # the block a decode step completes is hashed without the round trip
     HASH_NOGIL_BLOCKS = 16
-    # the direct append path writes with the GIL released from this many
-    # elements (of k and of v) on: a decode step's token is done before the
-    # round trip would be
-    WRITE_NOGIL_ELEMS = 32768
-    # the direct append path, not looked at yet / usable / not usable
-    FAST_UNKNOWN = 0
-    FAST_YES = 1
-    FAST_NO = 2
 
 # Statuses of the operations (0 or more: done), for kvcore/paged.py to
 # turn into errors.  UNCHECKED: an argument is not of the kind the native
 # path takes as is (or is out of range); nothing changed, and the caller
 # validates it (raising the precise error) and calls again.
 cdef enum:
-    ST_SHORT = -1          # the pool is short of blocks (_fail_free, _fail_cow set)
+    ST_SHORT = -1          # the pool is short of blocks (_failed_free_blocks and
+                           # _failed_copy_on_write set)
     ST_EMPTY = -2          # allocate: no tokens
     ST_TOO_LONG = -3       # past max_seq_len
     ST_UNCHECKED = -4
     ST_BUSY = -5           # allocate: the sequence is not empty
     ST_PAST_RESERVED = -6  # commit: past the reserved positions
     ST_STATE = -7          # the sequence is not in a state for this call (_state_error)
-    ST_UNWRITTEN = -8      # commit: a layer has not written the positions (_fail_layer)
+    ST_UNWRITTEN = -8      # commit: a layer has not written the positions (_failed_layer)
 
 # The lifecycle of a sequence (SeqCore._state)
 cdef enum:
@@ -94,11 +82,6 @@ UNINIT = S_UNINIT
 NEW = S_NEW
 LIVE = S_LIVE
 CLOSED = S_CLOSED
-
-# The hash every sequence uses unless ``_pool.hash_chain`` has been replaced
-# (tests forge collisions by replacing it): then the replacement is called.
-_HASH_CHAIN = _pool_module.hash_chain
-
 
 cdef cnp.ndarray _frozen_empty(cnp.ndarray a):
     a.flags.writeable = False
@@ -187,97 +170,99 @@ cdef inline Py_ssize_t _count(object n) except -1:
         return PY_SSIZE_T_MAX
 
 
-cdef void _write_rows(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t H,
-                      Py_ssize_t D, Py_ssize_t row, int src_kind, int dst_kind,
-                      const block_id_t* table, Py_ssize_t bs, Py_ssize_t pos0, char* cache,
-                      Py_ssize_t s_plane, Py_ssize_t s_blk, Py_ssize_t s_head,
-                      Py_ssize_t s_tok) noexcept nogil:
-    """Rows i < n of C-contiguous k, v (n, H, D) to positions pos0 + i of the
-    sequence whose blocks are ``table``: keys in the plane at ``cache``,
-    values in the next (what the write_slots kernel does, slot by slot)."""
-    cdef Py_ssize_t i, h, p
-    cdef char* dk
-    # a prompt of several MiB is streamed past the cache (as write_slots does)
-    cdef bint stream = n * H * D * kind_itemsize(dst_kind) >= (4 << 20)
-    for i in range(n):
-        p = pos0 + i
-        dk = cache + table[p // bs] * s_blk + (p % bs) * s_tok
-        for h in range(H):
-            if stream:
-                convert_n_stream(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
-                convert_n_stream(src_kind, vp + (i * H + h) * row, dst_kind,
-                                 dk + s_plane + h * s_head, D)
-            else:
-                convert_n(src_kind, kp + (i * H + h) * row, dst_kind, dk + h * s_head, D)
-                convert_n(src_kind, vp + (i * H + h) * row, dst_kind,
-                          dk + s_plane + h * s_head, D)
-    if stream:
-        stream_fence()
-
-
-cdef struct _Rows:
-    # a k or v input of the direct append path: (n, heads, dim) C-contiguous
-    # rows at p, of element kind ``kind`` (-1: not an input that path takes)
-    const char* p
-    Py_ssize_t n, h, d, nbytes
-    int kind
-
-
-cdef int _rows_of(object x, _Rows* r) except -1:
-    """Fill ``r`` from a NumPy array or a CPU torch tensor (read in place,
-    through its pointer) that the direct append path takes: 3-D, native
-    float32 or float16, C-contiguous and aligned; else r.kind = -1."""
-    cdef cnp.ndarray a
-    cdef int typenum
-    r.kind = -1
-    if type(x) is np.ndarray:
-        a = <cnp.ndarray>x
-        if cnp.PyArray_NDIM(a) != 3 or not cnp.PyArray_ISCARRAY_RO(a) \
-                or not cnp.PyArray_ISNOTSWAPPED(a):
-            return 0
-        typenum = cnp.PyArray_TYPE(a)
-        r.p = <const char*>cnp.PyArray_DATA(a)
-        r.n = cnp.PyArray_DIM(a, 0)
-        r.h = cnp.PyArray_DIM(a, 1)
-        r.d = cnp.PyArray_DIM(a, 2)
-    else:
-        meta = _tensor_meta(x)      # a C-contiguous CPU torch tensor
-        if meta is None:
-            return 0
-        ptr, typenum, shape = meta
-        if len(shape) != 3:
-            return 0
-        r.p = <const char*><uintptr_t>ptr
-        r.n, r.h, r.d = shape
-    if typenum == cnp.NPY_FLOAT32:
-        r.kind = KVH_F32
-    elif typenum == cnp.NPY_FLOAT16:
-        r.kind = KVH_F16
-    else:
-        return 0
-    r.nbytes = r.n * r.h * r.d * kind_itemsize(r.kind)
-    if <uintptr_t>r.p % kind_itemsize(r.kind):
-        r.kind = -1
-    return 0
-
-
-cdef class _PoolView:
-    """What a sequence needs of its pool, read once per pool (kept in
-    ``PoolCore.seq_view``)."""
+cdef class PoolBinding:
+    """What a sequence needs of its pool, made once per pool by
+    ``BlockPool`` (its ``_binding``; a new sequence reads it in one go): the
+    bookkeeping core, the pool's lock, its geometry, the row writer of its
+    backend (None: appends take the validated path) and the pool's
+    block copy (for copy-on-write)."""
+    cdef PoolCore core
     cdef object lock_acquire, lock_release
-    cdef Py_ssize_t bs, num_layers
+    cdef Py_ssize_t block_size, num_layers
     cdef bint caching
+    cdef RowWriter writer
+    cdef object copy_blocks
+
+    def __init__(self, PoolCore core, lock, Py_ssize_t block_size, Py_ssize_t num_layers,
+                 bint caching, RowWriter writer, copy_blocks):
+        self.core = core
+        self.lock_acquire = lock.acquire
+        self.lock_release = lock.release
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.caching = caching
+        self.writer = writer
+        self.copy_blocks = copy_blocks
+
+
+# the PagedKVCache properties a CoreField answers, by number
+_FIELDS = ("num_computed", "num_tokens", "num_blocks", "capacity", "closed", "max_seq_len",
+           "salt", "block_table", "token_ids")
+
+
+cdef class CoreField:
+    """A read-only property of ``PagedKVCache`` answered in C from the
+    SeqCore it holds (``obj._core``): no Python frame on the counters a
+    decode loop reads.  An unbound core raises RuntimeError, as every member
+    of an uninitialised sequence does."""
+    cdef str name
+    cdef int field
+    cdef readonly str __doc__
+
+    def __init__(self, str name, str doc):
+        self.name = name
+        self.__doc__ = doc
+        self.field = _FIELDS.index(name)
+
+    def __get__(self, obj, objtype):
+        if obj is None:
+            return self
+        cdef SeqCore core = <SeqCore?>getattr(obj, "_core")
+        if core._state == S_UNINIT:
+            raise core._state_error(self.name)
+        if self.field == 0:
+            return core._num_computed
+        if self.field == 1:
+            return core._num_tokens
+        if self.field == 2:
+            return core._num_held
+        if self.field == 3:
+            return core._num_held * core._block_size
+        if self.field == 4:
+            return core._state == S_CLOSED
+        if self.field == 5:
+            return core._max_seq_len
+        if self.field == 6:
+            return core._salt
+        if self.field == 7:
+            return _copy(core._table[:core._num_held])
+        return core._token_ids()
+
+    def __set__(self, obj, value):
+        raise AttributeError(f"property {self.name!r} of 'PagedKVCache' object has no setter")
+
+
+def bind(PoolBinding binding, max_seq_len, salt, uint64_t root0, uint64_t root1,
+         int64_t root_serial):
+    """A new SeqCore bound to a pool (see ``SeqCore._bind``): a function,
+    so that making a sequence costs one fast call."""
+    cdef SeqCore core = SeqCore.__new__(SeqCore)
+    core._bind(binding, max_seq_len, salt, root0, root1, root_serial)
+    return core
 
 
 cdef class SeqCore:
     """Bookkeeping state of one sequence in a ``BlockPool``; ``PagedKVCache``
-    is its public face."""
-    cdef readonly object _pool
-    cdef readonly PoolCore _core
+    holds one and is its public face.  It knows block ids, counts, token
+    ids and hashes; the bytes are written by the pool's row writer and
+    block copy, handed in through a ``PoolBinding``."""
+    cdef PoolCore _core
+    cdef RowWriter writer                       # None: no direct appends
+    cdef object copy_blocks                     # the pool's block copy (copy-on-write)
     cdef object lock_acquire, lock_release      # the pool's lock
-    cdef readonly Py_ssize_t _bs
+    cdef readonly Py_ssize_t _block_size
     cdef Py_ssize_t num_layers
-    cdef readonly object _max                   # max_seq_len: None or int
+    cdef readonly object _max_seq_len                   # max_seq_len: None or int
     cdef Py_ssize_t max_len                     # -1: no limit
     cdef readonly object _salt
     cdef readonly bint _caching
@@ -285,24 +270,18 @@ cdef class SeqCore:
     cdef int64_t root_serial                    # the salt's identity-chain root
                                                 # (< -1: a reference held on it)
     cdef readonly int _state                    # S_UNINIT .. S_CLOSED
-    cdef token_t* toks
-    cdef hash_word_t* hw
-    cdef int64_t* ser
-    cdef Py_ssize_t tok_cap, hash_cap, ser_cap
+    cdef token_t* token_buf
+    cdef hash_word_t* hash_words
+    cdef int64_t* block_serials
+    cdef Py_ssize_t token_cap, hash_cap, serial_cap
     cdef readonly cnp.ndarray _table
-    cdef readonly Py_ssize_t _num_tokens, _num_computed, _nblocks, _n_hashed, _n_registered
+    cdef readonly Py_ssize_t _num_tokens, _num_computed, _num_held, _n_hashed, _n_registered
     cdef Py_ssize_t* pending
-    cdef Py_ssize_t excl_lo, excl_hi
+    cdef Py_ssize_t exclusive_lo, exclusive_hi
     cdef Py_ssize_t slot_lo, slot_hi
     cdef cnp.ndarray slot_val
-    # the direct append path (looked at on first use): the pool's storage
-    # when it is a CPU pool, its element kind and geometry
-    cdef int fast
-    cdef cnp.ndarray storage
-    cdef int kind
-    cdef Py_ssize_t heads, dim
     # what the last failed call saw, for the caller's error message
-    cdef readonly Py_ssize_t _fail_free, _fail_cow, _fail_layer
+    cdef readonly Py_ssize_t _failed_free_blocks, _failed_copy_on_write, _failed_layer
 
     def __cinit__(self):
         self._table = _EMPTY_I32
@@ -312,9 +291,9 @@ cdef class SeqCore:
 
     def __dealloc__(self):
         free(self.pending)
-        free(self.toks)
-        free(self.hw)
-        free(self.ser)
+        free(self.token_buf)
+        free(self.hash_words)
+        free(self.block_serials)
 
     def __del__(self):
         # Blocks (and the salt root) of a dropped sequence go back to the pool.
@@ -346,107 +325,23 @@ cdef class SeqCore:
                               "use a new PagedKVCache")
         return None
 
-    # ------------------------------------------------------------ properties
-    # (defined here, not in kvcore/paged.py, so that an uninitialised object
-    # raises instead of answering None or 0)
-    @property
-    def pool(self):
-        """The :class:`BlockPool` this sequence lives in."""
-        if self._state == S_UNINIT:
-            raise self._state_error("pool")
-        return self._pool
-
-    @property
-    def max_seq_len(self):
-        """Positions past which writes raise CacheFullError (None: no limit)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("max_seq_len")
-        return self._max
-
-    @property
-    def salt(self):
-        """The salt as bytes (None: unsalted)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("salt")
-        return self._salt
-
-    @property
-    def closed(self):
-        """True once :meth:`free` was called."""
-        if self._state == S_UNINIT:
-            raise self._state_error("closed")
-        return self._state == S_CLOSED
-
-    @property
-    def num_tokens(self):
-        """Token ids known: the prompt plus every ``append_token``."""
-        if self._state == S_UNINIT:
-            raise self._state_error("num_tokens")
-        return self._num_tokens
-
-    @property
-    def num_computed(self):
-        """Positions whose KV is written and committed."""
-        if self._state == S_UNINIT:
-            raise self._state_error("num_computed")
-        return self._num_computed
-
-    @property
-    def num_blocks(self):
-        """Blocks this sequence holds."""
-        if self._state == S_UNINIT:
-            raise self._state_error("num_blocks")
-        return self._nblocks
-
-    @property
-    def capacity(self):
-        """Positions the held blocks can store."""
-        if self._state == S_UNINIT:
-            raise self._state_error("capacity")
-        return self._nblocks * self._bs
-
-    @property
-    def block_table(self):
-        """numpy.int32 array of this sequence's block ids in position order (a copy)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("block_table")
-        return _copy(self._table[:self._nblocks])
-
-    @property
-    def token_ids(self):
-        """numpy.int32 array of the known token ids (a copy)."""
-        if self._state == S_UNINIT:
-            raise self._state_error("token_ids")
-        return self._token_ids()
-
-    def _setup(self, pool, max_seq_len, salt, uint64_t root0, uint64_t root1):
-        """Bind to ``pool`` (a validated BlockPool) with ``salt`` (bytes or
-        None, whose hash-chain root is root0, root1); the sequence starts
-        NEW (blocks and salt held from an earlier binding are released
-        first)."""
+    cdef int _bind(self, PoolBinding binding, object max_seq_len, object salt,
+                   uint64_t root0, uint64_t root1, int64_t root_serial) except -1:
+        """Bind to a pool (``binding``) with ``salt`` (bytes or None, whose
+        hash-chain root is root0, root1, and whose identity-chain root is
+        ``root_serial``, with a reference taken on it for this sequence).
+        The sequence starts NEW.  (A SeqCore never bound stays UNINIT: the
+        core of a PagedKVCache whose ``__init__`` never ran.)"""
         cdef Py_ssize_t* pending
-        if self._state == S_NEW or self._state == S_LIVE:
-            self._release_all()
-        self._state = S_UNINIT
-        cdef PoolCore core = pool._core
-        cdef _PoolView view = core.seq_view
-        if view is None:
-            view = _PoolView()
-            lock = pool._lock
-            view.lock_acquire = lock.acquire
-            view.lock_release = lock.release
-            view.bs = pool._block_size
-            view.num_layers = pool._num_layers
-            view.caching = pool._caching
-            core.seq_view = view
-        self._pool = pool
-        self._core = core
-        self.lock_acquire = view.lock_acquire
-        self.lock_release = view.lock_release
-        self._bs = view.bs
-        self.num_layers = view.num_layers
-        self._caching = view.caching
-        self._max = max_seq_len
+        self._core = binding.core
+        self.lock_acquire = binding.lock_acquire
+        self.lock_release = binding.lock_release
+        self.writer = binding.writer
+        self.copy_blocks = binding.copy_blocks
+        self._block_size = binding.block_size
+        self.num_layers = binding.num_layers
+        self._caching = binding.caching
+        self._max_seq_len = max_seq_len
         self.max_len = -1 if max_seq_len is None else _count(max_seq_len)
         self._salt = salt
         self.root0 = root0
@@ -454,37 +349,19 @@ cdef class SeqCore:
         pending = <Py_ssize_t*>calloc(self.num_layers, sizeof(Py_ssize_t))
         if pending == NULL:
             raise MemoryError()
-        free(self.pending)
         self.pending = pending
-        self.fast = FAST_UNKNOWN
-        self.storage = None
         self._reset_state()
-        # the salt's identity-chain root, with a reference held on it (the
-        # unsalted chain's root, -1, is not counted)
-        self.root_serial = -1 if salt is None else pool._acquire_salt_root(salt)
+        # from here on the sequence owns the reference (its free or __del__
+        # gives it back); the unsalted chain's root, -1, is not counted
+        self.root_serial = root_serial
         self._state = S_NEW
-
-    cdef bint _fast_ready(self) except -1:
-        """Whether the direct append path serves this sequence's pool."""
-        if self.fast == FAST_UNKNOWN:
-            pool = self._pool
-            storage = pool._storage
-            if pool._backend is _CPU and type(storage) is np.ndarray \
-                    and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>storage):
-                self.storage = <cnp.ndarray>storage
-                self.kind = pool._kind
-                self.heads = pool._num_kv_heads
-                self.dim = pool._head_dim
-                self.fast = FAST_YES
-            else:
-                self.fast = FAST_NO
-        return self.fast == FAST_YES
+        return 0
 
     cdef void _reset_state(self) noexcept:
         cdef Py_ssize_t i
         self._num_tokens = 0
         self._num_computed = 0
-        self._nblocks = 0
+        self._num_held = 0
         self._n_hashed = 0
         self._n_registered = 0
         for i in range(self.num_layers):
@@ -492,8 +369,8 @@ cdef class SeqCore:
         self._invalidate()
 
     cdef inline void _invalidate(self) noexcept:
-        self.excl_lo = 0
-        self.excl_hi = 0
+        self.exclusive_lo = 0
+        self.exclusive_hi = 0
         self.slot_lo = -1
 
     # ------------------------------------------------------------ state
@@ -510,15 +387,15 @@ cdef class SeqCore:
     def _token_ids(self):
         """int32 array of the known token ids (a copy)."""
         cdef cnp.ndarray out = _empty(self._num_tokens, cnp.NPY_INT32)
-        if self._num_tokens:  # (toks is NULL until the first token)
-            memcpy(_ptr(out), self.toks, self._num_tokens * sizeof(token_t))
+        if self._num_tokens:  # (token_buf is NULL until the first token)
+            memcpy(_ptr(out), self.token_buf, self._num_tokens * sizeof(token_t))
         return out
 
     def _hash_words(self):
         """(n_hashed, 2) uint64 array of the known blocks' hashes (a copy)."""
         cdef cnp.ndarray out = _empty_hashes(self._n_hashed)
         if self._n_hashed:
-            memcpy(_ptr(out), self.hw, self._n_hashed * 2 * sizeof(hash_word_t))
+            memcpy(_ptr(out), self.hash_words, self._n_hashed * 2 * sizeof(hash_word_t))
         return out
 
     def _length(self):
@@ -533,33 +410,23 @@ cdef class SeqCore:
     cdef int _hash(self, const token_t* t, Py_ssize_t n_blocks, uint64_t parent0,
                    uint64_t parent1, hash_word_t* out) except -1:
         """out[i] = h[i] for the n_blocks full blocks at t, chained from parent."""
-        cdef Py_ssize_t bs = self._bs
-        cdef cnp.ndarray tok_arr, out_arr
-        hash_chain = _pool_module.hash_chain
-        if hash_chain is _HASH_CHAIN:
-            if n_blocks >= HASH_NOGIL_BLOCKS:
-                with nogil:
-                    hash_chain_c(t, n_blocks, bs, parent0, parent1, out)
-            else:
-                hash_chain_c(t, n_blocks, bs, parent0, parent1, out)
+        if n_blocks >= HASH_NOGIL_BLOCKS:
+            with nogil:
+                self._core.hash_chain(t, n_blocks, self._block_size, parent0, parent1, out)
         else:
-            tok_arr = _empty(n_blocks * bs, cnp.NPY_INT32)
-            memcpy(_ptr(tok_arr), t, n_blocks * bs * sizeof(token_t))
-            out_arr = _empty_hashes(n_blocks)
-            hash_chain(tok_arr, n_blocks, bs, parent0, parent1, out_arr)
-            memcpy(out, _ptr(out_arr), n_blocks * 2 * sizeof(hash_word_t))
+            self._core.hash_chain(t, n_blocks, self._block_size, parent0, parent1, out)
         return 0
 
     cdef int _hash_known_blocks(self) except -1:
-        cdef Py_ssize_t full = self._num_tokens // self._bs, h = self._n_hashed
+        cdef Py_ssize_t full = self._num_tokens // self._block_size, h = self._n_hashed
         if full <= h:
             return 0
-        _fit(<void**>&self.hw, &self.hash_cap, full, 2 * sizeof(hash_word_t), h)
+        _fit(<void**>&self.hash_words, &self.hash_cap, full, 2 * sizeof(hash_word_t), h)
         if h == 0:
-            self._hash(self.toks, full, self.root0, self.root1, self.hw)
+            self._hash(self.token_buf, full, self.root0, self.root1, self.hash_words)
         else:
-            self._hash(self.toks + h * self._bs, full - h, self.hw[2 * h - 2],
-                       self.hw[2 * h - 1], self.hw + 2 * h)
+            self._hash(self.token_buf + h * self._block_size, full - h, self.hash_words[2 * h - 2],
+                       self.hash_words[2 * h - 1], self.hash_words + 2 * h)
         self._n_hashed = full
         return 0
 
@@ -569,18 +436,18 @@ cdef class SeqCore:
         cdef int64_t parent
         if not self._caching:
             return 0
-        upto = min(self._num_computed, self._num_tokens) // self._bs
+        upto = min(self._num_computed, self._num_tokens) // self._block_size
         if upto > self._n_hashed:
             upto = self._n_hashed
         if upto <= self._n_registered:
             return 0
         first = self._n_registered
-        _fit(<void**>&self.ser, &self.ser_cap, upto, sizeof(int64_t), first)
-        parent = self.ser[first - 1] if first else self.root_serial
+        _fit(<void**>&self.block_serials, &self.serial_cap, upto, sizeof(int64_t), first)
+        parent = self.block_serials[first - 1] if first else self.root_serial
         self.lock_acquire()
         try:
-            self._core.c_register(<block_id_t*>_ptr(self._table), self.hw, self.toks,
-                                  first, upto, parent, self.ser)
+            self._core.c_register(<block_id_t*>_ptr(self._table), self.hash_words, self.token_buf,
+                                  first, upto, parent, self.block_serials)
         finally:
             self.lock_release()
         self._n_registered = upto
@@ -595,7 +462,7 @@ cdef class SeqCore:
         checked in that order."""
         if self._state != S_NEW and self._state != S_LIVE:
             return ST_STATE
-        cdef Py_ssize_t n, bs = self._bs, total, n_full, max_hit, hits, i
+        cdef Py_ssize_t n, bs = self._block_size, total, n_full, max_hit, hits, i
         cdef cnp.ndarray tokens, table
         cdef PoolCore core = self._core
         cdef int64_t root = self.root_serial
@@ -603,7 +470,7 @@ cdef class SeqCore:
         cdef const token_t* src
         cdef token_t* dst
         cdef token_t any_bits = 0
-        if self._nblocks or self._num_tokens or self._num_computed:
+        if self._num_held or self._num_tokens or self._num_computed:
             return ST_BUSY
         if type(token_ids) is not np.ndarray:
             return ST_UNCHECKED
@@ -616,9 +483,9 @@ cdef class SeqCore:
         # copy the ids in, checking them on the way (as checked_token_array
         # does: the OR of all has the sign bit set iff one is negative); the
         # buffers' contents count only up to the counters, all 0 here
-        _fit(<void**>&self.toks, &self.tok_cap, n, sizeof(token_t), 0)
+        _fit(<void**>&self.token_buf, &self.token_cap, n, sizeof(token_t), 0)
         src = <const token_t*>_ptr(tokens)
-        dst = self.toks
+        dst = self.token_buf
         for i in range(n):
             dst[i] = src[i]
             any_bits = any_bits | src[i]
@@ -630,11 +497,11 @@ cdef class SeqCore:
             return ST_TOO_LONG
         total = (n + bs - 1) // bs
         n_full = n // bs
-        _fit(<void**>&self.ser, &self.ser_cap, n_full, sizeof(int64_t), 0)
+        _fit(<void**>&self.block_serials, &self.serial_cap, n_full, sizeof(int64_t), 0)
         if self._caching:
-            _fit(<void**>&self.hw, &self.hash_cap, n_full, 2 * sizeof(hash_word_t), 0)
+            _fit(<void**>&self.hash_words, &self.hash_cap, n_full, 2 * sizeof(hash_word_t), 0)
             if n_full:
-                self._hash(self.toks, n_full, self.root0, self.root1, self.hw)
+                self._hash(self.token_buf, n_full, self.root0, self.root1, self.hash_words)
             max_hit = (n - 1) // bs  # the last prompt token is always computed
         else:
             max_hit = 0
@@ -644,21 +511,21 @@ cdef class SeqCore:
         try:
             if total >= NOGIL_BLOCKS:
                 with nogil:
-                    hits = core.c_allocate(self.toks, self.hw, max_hit, total, root, bp,
-                                           self.ser)
+                    hits = core.c_allocate(self.token_buf, self.hash_words, max_hit, total, root, bp,
+                                           self.block_serials)
             else:
-                hits = core.c_allocate(self.toks, self.hw, max_hit, total, root, bp, self.ser)
+                hits = core.c_allocate(self.token_buf, self.hash_words, max_hit, total, root, bp,
+                                       self.block_serials)
             if hits < 0:
-                self._fail_free = core.num_uncached_free + core.num_lru_free
+                self._failed_free_blocks = core.num_uncached_free + core.num_lru_free
                 return ST_SHORT
             if self._caching:
-                pool = self._pool
-                pool._prefix_queries += n
-                pool._prefix_hits += hits * bs
+                core.prefix_queries += n
+                core.prefix_hits += hits * bs
         finally:
             self.lock_release()
         self._table = table
-        self._nblocks = total
+        self._num_held = total
         self._num_tokens = n
         self._n_hashed = n_full if self._caching else 0
         self._num_computed = hits * bs
@@ -670,8 +537,8 @@ cdef class SeqCore:
     cdef int _ensure(self, Py_ssize_t target) except -2:
         """Blocks for positions up to ``target`` - 1, those from num_computed
         on this sequence's own (copy-on-write).  0, or SHORT (-1; nothing
-        changed; ``_fail_cow``, ``_fail_free`` set)."""
-        cdef Py_ssize_t bs = self._bs, first, end, grow, last, ncow = 0, need, i
+        changed; ``_failed_copy_on_write``, ``_failed_free_blocks`` set)."""
+        cdef Py_ssize_t bs = self._block_size, first, end, grow, last, ncow = 0, need, i
         cdef PoolCore core = self._core
         cdef cnp.ndarray idx, new, old
         cdef block_id_t* table
@@ -680,10 +547,10 @@ cdef class SeqCore:
             return 0
         first = self._num_computed // bs
         end = target // bs + (target % bs != 0)  # blocks [first, end) must be ours
-        if self.excl_lo <= first and end <= self.excl_hi:
+        if self.exclusive_lo <= first and end <= self.exclusive_hi:
             return 0
-        grow = end - self._nblocks if end > self._nblocks else 0
-        last = min(end, self._nblocks)
+        grow = end - self._num_held if end > self._num_held else 0
+        last = min(end, self._num_held)
         self.lock_acquire()
         try:
             if last > first:
@@ -693,8 +560,8 @@ cdef class SeqCore:
             need = grow + ncow
             if need:
                 if need > core.num_uncached_free + core.num_lru_free:
-                    self._fail_cow = ncow
-                    self._fail_free = core.num_uncached_free + core.num_lru_free
+                    self._failed_copy_on_write = ncow
+                    self._failed_free_blocks = core.num_uncached_free + core.num_lru_free
                     return ST_SHORT
                 new = _empty(need, cnp.NPY_INT32)
                 fresh = <block_id_t*>_ptr(new)
@@ -705,7 +572,7 @@ cdef class SeqCore:
                     for i in range(ncow):
                         (<block_id_t*>_ptr(old))[i] = table[(<block_id_t*>_ptr(idx))[i]]
                     try:
-                        self._pool._copy_blocks(old, new[:ncow])
+                        self.copy_blocks(old, new[:ncow])
                     except BaseException:
                         core.c_release(fresh, need)
                         raise
@@ -714,14 +581,14 @@ cdef class SeqCore:
                     core.c_release(<block_id_t*>_ptr(old), ncow)
                 if grow:
                     self._table = _grown(self._table, end)
-                    memcpy(<block_id_t*>_ptr(self._table) + self._nblocks, fresh + ncow,
+                    memcpy(<block_id_t*>_ptr(self._table) + self._num_held, fresh + ncow,
                            grow * sizeof(block_id_t))
-                    self._nblocks = end
+                    self._num_held = end
                 self.slot_lo = -1
         finally:
             self.lock_release()
-        self.excl_lo = first
-        self.excl_hi = end
+        self.exclusive_lo = first
+        self.exclusive_hi = end
         return 0
 
     def _reserve(self, n):
@@ -737,8 +604,8 @@ cdef class SeqCore:
         if m > PY_SSIZE_T_MAX - self._num_computed:
             if self.max_len >= 0:
                 return ST_TOO_LONG
-            self._fail_cow = 0
-            self._fail_free = self._core.num_uncached_free + self._core.num_lru_free
+            self._failed_copy_on_write = 0
+            self._failed_free_blocks = self._core.num_uncached_free + self._core.num_lru_free
             return ST_SHORT
         target = self._num_computed + m
         if self.max_len >= 0 and target > self.max_len:
@@ -754,7 +621,7 @@ cdef class SeqCore:
         """int64 slots of positions start..end-1 (within the table); the same
         array serves every layer of a step."""
         self._check_setup()
-        cdef Py_ssize_t p, bs = self._bs
+        cdef Py_ssize_t p, bs = self._block_size
         cdef const block_id_t* t
         cdef slot_t* o
         if self.slot_lo != start or self.slot_hi != end:
@@ -773,101 +640,68 @@ cdef class SeqCore:
         if n > self.pending[layer]:
             self.pending[layer] = n
 
-    def _append_fast(self, layer, k, v):
-        """``append(layer, k, v)`` for the common case: a CPU pool, ``layer``
-        an int in range, ``k`` and ``v`` NumPy arrays or CPU torch tensors
-        (n >= 1, num_kv_heads, head_dim) of one native-order float32 or
-        float16 dtype, C-contiguous,
-        aligned and apart from the pool's storage, within max_seq_len and the
-        free blocks.  Writes exactly what the validated path writes (the same
-        conversion routine) and returns True; returns False having changed
-        nothing for any other input (or state), which then takes the
-        validated path."""
-        cdef cnp.ndarray st
-        cdef _Rows kr, vr
-        cdef Py_ssize_t lay, n, bs = self._bs, H, D
-        cdef Py_ssize_t target, row, s_head, s_blk, s_tok, s_plane
-        cdef int src_kind, dst_kind
-        cdef const char* kp
-        cdef const char* vp
-        cdef char* sp
-        cdef char* lo
-        cdef char* hi
-        cdef const block_id_t* table
-        if self._state != S_LIVE or type(layer) is not int or not self._fast_ready():
-            return False
-        st = self.storage
-        H = self.heads
-        D = self.dim
-        dst_kind = self.kind
-        if not 0 <= layer < self.num_layers:
+    def _append_direct(self, layer, k, v):
+        """``append(layer, k, v)`` in one native call for the inputs the
+        pool's row writer takes as they are (see PositionWriter), with
+        ``layer`` an int in range, within max_seq_len and the free blocks:
+        reserves the positions, has the writer write them, and returns True.
+        Returns False having changed nothing for any other input (or state,
+        or a pool without a writer), which then takes the validated path."""
+        cdef Py_ssize_t n, target, lay
+        cdef RowInput rows
+        cdef RowWriter writer = self.writer
+        if self._state != S_LIVE or writer is None or type(layer) is not int \
+                or not 0 <= layer < self.num_layers:
             return False
         lay = layer
-        _rows_of(k, &kr)
-        _rows_of(v, &vr)
-        n = kr.n
-        src_kind = kr.kind
-        if src_kind < 0 or vr.kind != src_kind or n < 1 or vr.n != n or kr.h != H \
-                or vr.h != H or kr.d != D or vr.d != D:
-            return False
-        sp = <char*>_ptr(st)
-        lo = sp
-        hi = sp + cnp.PyArray_NBYTES(st)
-        kp = kr.p
-        vp = vr.p
-        if (kp < hi and lo < kp + kr.nbytes) or (vp < hi and lo < vp + vr.nbytes):
+        n = writer.take(k, v, &rows)
+        if n < 1:
             return False
         target = self._num_computed + n
         if self.max_len >= 0 and target > self.max_len:
             return False
         if self._ensure(target) != 0:
             return False
-        # storage: (2 * num_layers, num_blocks, heads, block_size, dim)
-        s_plane = cnp.PyArray_STRIDE(st, 0)
-        s_blk = cnp.PyArray_STRIDE(st, 1)
-        s_head = cnp.PyArray_STRIDE(st, 2)
-        s_tok = cnp.PyArray_STRIDE(st, 3)
-        row = kind_itemsize(src_kind) * D
-        table = <const block_id_t*>_ptr(self._table)
-        # layer lay's keys are plane 2 * lay, its values the plane after
-        sp += 2 * lay * s_plane
-        if n * H * D >= WRITE_NOGIL_ELEMS:
-            with nogil:
-                _write_rows(kp, vp, n, H, D, row, src_kind, dst_kind, table, bs,
-                            self._num_computed, sp, s_plane, s_blk, s_head, s_tok)
-        else:
-            _write_rows(kp, vp, n, H, D, row, src_kind, dst_kind, table, bs,
-                        self._num_computed, sp, s_plane, s_blk, s_head, s_tok)
+        writer.write(lay, &rows, <const block_id_t*>_ptr(self._table), self._num_computed)
         if n > self.pending[lay]:
             self.pending[lay] = n
         return True
 
-    def _commit(self, n):
-        """num_computed += n for all layers, registering what became ready.
-        0, or a status (nothing changed): STATE (not live), UNCHECKED (n not
-        an int >= 0), TOO_LONG, PAST_RESERVED or UNWRITTEN (a layer has not
-        written the positions: ``_fail_layer`` is the first)."""
-        cdef Py_ssize_t m, target, i
-        if self._state != S_LIVE:
-            return ST_STATE
-        if type(n) is not int or n < 0:
-            return ST_UNCHECKED
-        m = _count(n)
+    cdef inline Py_ssize_t _reserved_through(self, Py_ssize_t m) noexcept:
+        """0 when positions num_computed .. num_computed + m - 1 lie within
+        max_seq_len and the reserved blocks, else TOO_LONG or PAST_RESERVED."""
+        cdef Py_ssize_t target
         if m > PY_SSIZE_T_MAX - self._num_computed:
             return ST_TOO_LONG if self.max_len >= 0 else ST_PAST_RESERVED
         target = self._num_computed + m
         if self.max_len >= 0 and target > self.max_len:
             return ST_TOO_LONG
-        if target > self._nblocks * self._bs:
+        if target > self._num_held * self._block_size:
             return ST_PAST_RESERVED
+        return 0
+
+    def _commit(self, n):
+        """num_computed += n for all layers, registering what became ready.
+        0, or a status (nothing changed): STATE (not live), UNCHECKED (n not
+        an int >= 0), TOO_LONG, PAST_RESERVED or UNWRITTEN (a layer has not
+        written the positions: ``_failed_layer`` is the first)."""
+        cdef Py_ssize_t m, i, status
+        if self._state != S_LIVE:
+            return ST_STATE
+        if type(n) is not int or n < 0:
+            return ST_UNCHECKED
+        m = _count(n)
+        status = self._reserved_through(m)
+        if status:
+            return status
         # every layer must have written the positions (append, or pool.write
         # + mark_written): else a block's earlier owner's KV would become
         # readable, and enter the prefix cache
         for i in range(self.num_layers):
             if self.pending[i] < m:
-                self._fail_layer = i
+                self._failed_layer = i
                 return ST_UNWRITTEN
-        self._num_computed = target
+        self._num_computed += m
         for i in range(self.num_layers):
             self.pending[i] -= m
         self._register_ready()
@@ -877,7 +711,7 @@ cdef class SeqCore:
         """``mark_written(layer, n)``: 0, or a status (nothing changed):
         STATE (not live), UNCHECKED (layer or n not an int in range),
         TOO_LONG or PAST_RESERVED."""
-        cdef Py_ssize_t m, target, lay
+        cdef Py_ssize_t m, lay, status
         if self._state != S_LIVE:
             return ST_STATE
         if type(layer) is not int or type(n) is not int or n < 0 \
@@ -885,13 +719,9 @@ cdef class SeqCore:
             return ST_UNCHECKED
         lay = layer
         m = _count(n)
-        if m > PY_SSIZE_T_MAX - self._num_computed:
-            return ST_TOO_LONG if self.max_len >= 0 else ST_PAST_RESERVED
-        target = self._num_computed + m
-        if self.max_len >= 0 and target > self.max_len:
-            return ST_TOO_LONG
-        if target > self._nblocks * self._bs:
-            return ST_PAST_RESERVED
+        status = self._reserved_through(m)
+        if status:
+            return status
         if m > self.pending[lay]:
             self.pending[lay] = m
         return 0
@@ -908,11 +738,11 @@ cdef class SeqCore:
         tid = token_id
         if self.max_len >= 0 and n + 1 > self.max_len:
             return ST_TOO_LONG
-        if n >= self.tok_cap:
-            _fit(<void**>&self.toks, &self.tok_cap, n + 1, sizeof(token_t), n)
-        self.toks[n] = tid
+        if n >= self.token_cap:
+            _fit(<void**>&self.token_buf, &self.token_cap, n + 1, sizeof(token_t), n)
+        self.token_buf[n] = tid
         self._num_tokens = n + 1
-        if self._caching and (n + 1) % self._bs == 0:
+        if self._caching and (n + 1) % self._block_size == 0:
             self._hash_known_blocks()
             self._register_ready()
         return 0
@@ -925,8 +755,8 @@ cdef class SeqCore:
         if self.max_len >= 0 and n + m > self.max_len:
             return ST_TOO_LONG
         if m:
-            _fit(<void**>&self.toks, &self.tok_cap, n + m, sizeof(token_t), n)
-            memcpy(self.toks + n, _ptr(t), m * sizeof(token_t))
+            _fit(<void**>&self.token_buf, &self.token_cap, n + m, sizeof(token_t), n)
+            memcpy(self.token_buf + n, _ptr(t), m * sizeof(token_t))
         self._num_tokens = n + m
         if self._caching:
             self._hash_known_blocks()
@@ -937,11 +767,11 @@ cdef class SeqCore:
         """Forget positions and tokens from ``n`` (validated: at most the
         sequence length) on, releasing the blocks no longer needed."""
         self._check_setup()
-        cdef Py_ssize_t bs = self._bs, keep = min((n + bs - 1) // bs, self._nblocks)
+        cdef Py_ssize_t bs = self._block_size, keep = min((n + bs - 1) // bs, self._num_held)
         cdef Py_ssize_t old_nc = self._num_computed, i
-        if keep < self._nblocks:
+        if keep < self._num_held:
             self._release_tail(keep)
-            self._nblocks = keep
+            self._num_held = keep
         self._num_tokens = min(self._num_tokens, n)
         self._num_computed = min(old_nc, n)
         for i in range(self.num_layers):
@@ -959,35 +789,31 @@ cdef class SeqCore:
         memcpy(pending, self.pending, self.num_layers * sizeof(Py_ssize_t))
         free(child.pending)
         child.pending = pending
-        child._pool = self._pool
         child._core = self._core
+        child.writer = self.writer
+        child.copy_blocks = self.copy_blocks
         child.lock_acquire = self.lock_acquire
         child.lock_release = self.lock_release
-        child._bs = self._bs
+        child._block_size = self._block_size
         child.num_layers = self.num_layers
-        child._max = self._max
+        child._max_seq_len = self._max_seq_len
         child.max_len = self.max_len
         child._salt = self._salt
         child._caching = self._caching
         child.root0 = self.root0
         child.root1 = self.root1
-        child.fast = self.fast
-        child.storage = self.storage
-        child.kind = self.kind
-        child.heads = self.heads
-        child.dim = self.dim
         child._take_buffers(self)
         child._table = _copy(self._table)
         child._num_tokens = self._num_tokens
         child._num_computed = self._num_computed
-        child._nblocks = self._nblocks
+        child._num_held = self._num_held
         child._n_hashed = self._n_hashed
         child._n_registered = self._n_registered
-        if self._nblocks or self.root_serial < -1:
+        if self._num_held or self.root_serial < -1:
             self.lock_acquire()
             try:
-                if self._nblocks:
-                    self._core.c_incref(<block_id_t*>_ptr(self._table), self._nblocks)
+                if self._num_held:
+                    self._core.c_incref(<block_id_t*>_ptr(self._table), self._num_held)
                 # the child holds the salt too
                 self._core.c_root_incref(self.root_serial)
             finally:
@@ -1005,7 +831,7 @@ cdef class SeqCore:
         and register what is ready, from block 0."""
         self._check_setup()
         self._table = table
-        self._nblocks = nblocks
+        self._num_held = nblocks
         self._take_buffers(src)
         self._num_tokens = src._num_tokens
         self._n_hashed = src._n_hashed
@@ -1020,23 +846,23 @@ cdef class SeqCore:
     cdef int _take_buffers(self, SeqCore src) except -1:
         """Copies of src's known token ids, hashes and serials (this
         sequence is fresh)."""
-        free(self.toks)
-        self.toks = NULL
-        self.toks = <token_t*>_dup(src.toks, src._num_tokens, sizeof(token_t), &self.tok_cap)
-        free(self.hw)
-        self.hw = NULL
-        self.hw = <hash_word_t*>_dup(src.hw, src._n_hashed, 2 * sizeof(hash_word_t),
+        free(self.token_buf)
+        self.token_buf = NULL
+        self.token_buf = <token_t*>_dup(src.token_buf, src._num_tokens, sizeof(token_t), &self.token_cap)
+        free(self.hash_words)
+        self.hash_words = NULL
+        self.hash_words = <hash_word_t*>_dup(src.hash_words, src._n_hashed, 2 * sizeof(hash_word_t),
                                      &self.hash_cap)
-        free(self.ser)
-        self.ser = NULL
-        self.ser = <int64_t*>_dup(src.ser, src._n_registered, sizeof(int64_t), &self.ser_cap)
+        free(self.block_serials)
+        self.block_serials = NULL
+        self.block_serials = <int64_t*>_dup(src.block_serials, src._n_registered, sizeof(int64_t), &self.serial_cap)
         return 0
 
     cdef int _release_tail(self, Py_ssize_t keep) except -1:
         """Release blocks keep..nblocks-1 (last first) under the pool lock."""
         self.lock_acquire()
         try:
-            self._core.c_release(<block_id_t*>_ptr(self._table) + keep, self._nblocks - keep)
+            self._core.c_release(<block_id_t*>_ptr(self._table) + keep, self._num_held - keep)
         finally:
             self.lock_release()
         return 0
@@ -1044,7 +870,7 @@ cdef class SeqCore:
     cdef int _release_all(self) except -1:
         """Release every block and the salt root; the sequence is empty."""
         cdef int64_t root = self.root_serial
-        if self._nblocks:
+        if self._num_held:
             self._release_tail(0)
         self._reset_state()
         if root < -1:
@@ -1067,10 +893,10 @@ cdef class SeqCore:
         self._state = S_CLOSED
         self._table = _EMPTY_I32
         self.slot_val = None
-        free(self.toks)
-        free(self.hw)
-        free(self.ser)
-        self.toks = NULL
-        self.hw = NULL
-        self.ser = NULL
-        self.tok_cap = self.hash_cap = self.ser_cap = 0
+        free(self.token_buf)
+        free(self.hash_words)
+        free(self.block_serials)
+        self.token_buf = NULL
+        self.hash_words = NULL
+        self.block_serials = NULL
+        self.token_cap = self.hash_cap = self.serial_cap = 0

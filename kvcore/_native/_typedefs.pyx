@@ -23,3 +23,15 @@ NUMPY_TWINS = {
     "hash_word_t": HASH_WORD_DTYPE,
     "half_t": HALF_DTYPE,
 }
+
+
+cdef class RowWriter:
+    """The writer interface of ``_typedefs.pxd`` (a backend subclasses it);
+    this base takes nothing."""
+
+    cdef Py_ssize_t take(self, object k, object v, RowInput* rows) except -2:
+        return -1
+
+    cdef int write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
+                   Py_ssize_t start) except -1:
+        raise NotImplementedError("RowWriter.write")

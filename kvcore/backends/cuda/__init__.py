@@ -1,24 +1,132 @@
-"""CUDA kernels of the backends layer (``kernels/*.cu``).  Internal.
+"""Optional CUDA backend (CuPy).  Internal.
 
-``kernels/attention.cu`` holds paged attention for CUDA pools.  It is
-compiled by the test suite (``nvcc -arch=sm_90``) but not yet launched by
-kvcore: ``paged_attention`` on a CUDA pool raises NotImplementedError.
+This is the one module in kvcore that imports CuPy, and it does so lazily:
+importing ``kvcore`` or ``kvcore.backends.cuda`` never needs CuPy or a GPU.
+``get_cuda_backend`` hands out one ``CudaBackend`` per device, or raises
+``CudaUnavailableError`` saying what is missing; ``cuda_available`` answers
+without raising (for tests and feature checks).
 """
-from pathlib import Path
+import re
+import threading
 
-KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-ATTENTION_FILE = KERNEL_DIR / "attention.cu"
+from ..._errors import KVCacheError
 
-# Instantiations (element kind, head_dim) the host side will ask for.
-KINDS = (0, 1, 2)              # float32, float16, bfloat16 (kvcore._dtypes numbering)
-HEAD_DIMS = (64, 80, 96, 128, 256)
+__all__ = ["CudaUnavailableError", "cuda_available", "get_cuda_backend", "backend_for_array"]
 
 
-def attention_names():
-    """Name expressions of every kernel instantiation (as NVRTC spells them)."""
-    names = []
-    for kind in KINDS:
-        for d in HEAD_DIMS:
-            names.append(f"kva_attention_split<{kind}, {d}>")
-    names += [f"kva_attention_merge<{d}>" for d in HEAD_DIMS]
-    return names
+class CudaUnavailableError(KVCacheError, RuntimeError):
+    """device='cuda' was asked for but CuPy or a usable NVIDIA GPU is missing,
+    or CuPy cannot compile kvcore's kernels (NVRTC or the CUDA headers
+    missing, a driver older than NVRTC)."""
+
+
+_lock = threading.Lock()
+_backends = {}           # device id -> CudaBackend
+_cupy = None             # the module, once imported
+_cupy_error = None       # why importing it failed, once it has
+_device_count = None     # cached after the first successful query
+
+_DEVICE = re.compile(r"^cuda(?::(\d+))?$")
+
+
+def _import_cupy(device):
+    """The CuPy module, or CudaUnavailableError naming what went wrong."""
+    global _cupy, _cupy_error
+    if _cupy is None and _cupy_error is None:
+        try:
+            import cupy
+        except Exception as e:  # ImportError, or a CuPy whose CUDA libraries fail to load
+            _cupy_error = e
+        else:
+            _cupy = cupy
+    if _cupy is None:
+        e = _cupy_error
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
+            why = "CuPy is not installed"
+        else:
+            why = f"CuPy failed to import ({type(e).__name__}: {e})"
+        raise CudaUnavailableError(
+            f"device={device!r} needs CuPy and an NVIDIA GPU, but {why}; install CuPy for "
+            "your driver's CUDA version with the NVRTC and headers it compiles with (pip "
+            "install 'kvcore[cuda12]' or 'kvcore[cuda13]'; keep one CuPy package), "
+            "or use device='cpu'") from e
+    return _cupy
+
+
+def _count_devices(cp, device):
+    global _device_count
+    if _device_count is None:
+        try:
+            count = int(cp.cuda.runtime.getDeviceCount())
+        except Exception as e:  # no driver, driver too old, no device node, ...
+            raise CudaUnavailableError(
+                f"device={device!r} needs CuPy and an NVIDIA GPU: CuPy {cp.__version__} is "
+                f"installed but CUDA reports no usable device ({type(e).__name__}: {e}); "
+                "use device='cpu'") from e
+        if count <= 0:
+            raise CudaUnavailableError(
+                f"device={device!r} needs CuPy and an NVIDIA GPU: CuPy {cp.__version__} is "
+                "installed but no CUDA device is visible (check the driver and "
+                "CUDA_VISIBLE_DEVICES); use device='cpu'")
+        _device_count = count
+    return _device_count
+
+
+def get_cuda_backend(device="cuda"):
+    """The ``CudaBackend`` of ``device`` ('cuda' or 'cuda:N'), cached per device.
+
+    'cuda' means CuPy's current device (as in PyTorch).
+
+    Raises
+    ------
+    CudaUnavailableError
+        CuPy is missing or fails to import, no GPU is visible, or device N
+        does not exist.
+    ValueError
+        ``device`` is not of the form 'cuda' / 'cuda:N'.
+    """
+    m = _DEVICE.match(device.strip().lower()) if isinstance(device, str) else None
+    if m is None:
+        raise ValueError(f"device must be 'cuda' or 'cuda:N', got {device!r}")
+    cp = _import_cupy(device)
+    count = _count_devices(cp, device)
+    if m.group(1) is None:
+        index = int(cp.cuda.runtime.getDevice())
+    else:
+        index = int(m.group(1))
+    if index >= count:
+        raise CudaUnavailableError(
+            f"device={device!r}: there is no CUDA device {index} ({count} visible)")
+    be = _backends.get(index)
+    if be is None:
+        with _lock:
+            be = _backends.get(index)
+            if be is None:
+                from .backend import CudaBackend
+
+                be = _backends[index] = CudaBackend(cp, index)
+    return be
+
+
+def backend_for_array(x):
+    """The backend of the GPU holding CUDA array ``x`` (CuPy arrays carry
+    their device; other CUDA arrays get the current device's backend)."""
+    dev = getattr(x, "device", None)
+    index = getattr(dev, "id", None)
+    if isinstance(index, int):
+        return get_cuda_backend(f"cuda:{index}")
+    return get_cuda_backend("cuda")
+
+
+def cuda_available():
+    """True when CuPy imports and at least one CUDA device is visible.
+
+    Never raises.  Kernels are compiled (NVRTC) only on first use, so this
+    does not prove that compilation works: when it does not, the first
+    kernel raises ``CudaUnavailableError`` saying what to install.
+    """
+    try:
+        cp = _import_cupy("cuda")
+        return _count_devices(cp, "cuda") > 0
+    except Exception:
+        return False

@@ -2,6 +2,7 @@
 the spread of every number across repeated runs of a whole benchmark."""
 import re
 import statistics
+import sys
 import time
 
 
@@ -115,15 +116,21 @@ def repeat_runs(run, repeat, **kw):
     return [run(**kw) for _ in range(repeat)]
 
 
-def script_main(run, report, doc, argv=None):
+def script_main(run, report, doc, argv=None, quick_help="fewer repetitions", options=None,
+                run_kwargs=None, fail=()):
     """The command line of a ``bench/*.py`` script: ``--quick``,
-    ``--repeat N``, ``--json FILE``.  Prints the table of the medians over
-    the runs, then every number that varied as ``median [min-max]``."""
+    ``--repeat N``, ``--json FILE`` (and what ``options(parser)`` adds;
+    ``run_kwargs(args, parser)`` turns those into keywords of ``run``).
+    Prints the table of the medians over the runs, then every number that
+    varied as ``median [min-max]``.  An exception of a type in ``fail`` ends
+    the script with its message."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(description=doc)
-    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    if options is not None:
+        options(p)
     p.add_argument("--repeat", type=int, default=3, metavar="N",
                    help="run the whole benchmark N times; print medians and the "
                         "min-max spread over the runs (default %(default)s)")
@@ -131,11 +138,16 @@ def script_main(run, report, doc, argv=None):
     a = p.parse_args(argv)
     if a.repeat < 1:
         p.error(f"--repeat: expected a positive integer, got {a.repeat}")
-    runs = repeat_runs(run, a.repeat, quick=a.quick)
+    kw = run_kwargs(a, p) if run_kwargs is not None else {}
+    try:
+        runs = repeat_runs(run, a.repeat, quick=a.quick, **kw)
+    except tuple(fail) as e:
+        sys.exit(f"{p.prog}: {e}")
     r = print_runs(runs, report)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"median": r, "runs": runs}, f, indent=2, default=_json_default)
+        print(f"wrote {a.json}", file=sys.stderr)
     return r
 
 

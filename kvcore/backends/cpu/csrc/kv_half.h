@@ -21,8 +21,8 @@
 extern "C" {
 #endif
 
-/* Element kinds shared by every kernel in kvcore. */
-enum { KVH_F32 = 0, KVH_F16 = 1, KVH_BF16 = 2 };
+/* Element kinds shared by every kernel in kvcore (KVH_F32, KVH_F16, KVH_BF16). */
+#include "kv_kinds.h"
 
 /* SIMD levels, lowest first.  A level is usable only if the CPU has it.
  * There is no AVX-512 level: on an AVX-512 CPU (AMD EPYC) the 512-bit

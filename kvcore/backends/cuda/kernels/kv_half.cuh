@@ -4,7 +4,7 @@
  *   - element kinds (KV_F32 / KV_F16 / KV_BF16, the numbers kv_half.h uses)
  *     and the integer type that stores each one;
  *   - the float32 <-> float16 / bfloat16 conversions, bit-exact with the
- *     scalar reference in kvcore/_native/csrc/kv_half.c (round to nearest even;
+ *     scalar reference in kvcore/backends/cpu/csrc/kv_half.c (round to nearest even;
  *     overflow to +-inf; subnormals and +-0 kept; a NaN narrows to a quiet
  *     NaN of the same sign keeping the top payload bits; f16 signalling NaNs
  *     widen quiet; bf16 widens by a plain shift);
@@ -14,7 +14,7 @@
  * instruction touches the data, so no FTZ/DAZ mode, NaN canonicalisation or
  * fast-math flag can change a result.
  *
- * The Python loader (kvcore/_cuda/_sources.py) pastes this header into each
+ * The Python loader (kvcore/backends/cuda/_sources.py) pastes this header into each
  * .cu file before NVRTC sees it, so the compiled text never depends on an
  * include path.  Compiled as plain C++ (KVCORE_HOST_EMULATION, no CUDA
  * compiler) the same functions run on the host; the tests use that to check

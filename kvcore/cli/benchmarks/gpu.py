@@ -31,8 +31,8 @@ import statistics
 
 import numpy as np
 
-from kvcore._cuda import CudaUnavailableError, get_cuda_backend  # noqa: F401
-from kvcore._dtypes import F16, F32
+from kvcore.backends.cuda import CudaUnavailableError, get_cuda_backend  # noqa: F401
+from kvcore.dtypes import F16, F32
 
 HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 128, 16, 8192
 WRITE_TOKENS = (1, 64, 4096, 65536)

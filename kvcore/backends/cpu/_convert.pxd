@@ -3,7 +3,7 @@
 # All are noexcept nogil; the SIMD level is the one chosen in _convert.
 from kvcore._native._typedefs cimport half_t
 
-cdef extern from "kv_half.h":
+cdef extern from "kv_kinds.h":
     enum:
         KVH_F32
         KVH_F16

@@ -1,9 +1,9 @@
 """The CUDA data-movement backend: CuPy arrays, RawKernels from ``kernels/*.cu``.
 
-``CudaBackend`` has the methods of ``kvcore._backend.CPUBackend`` (plus
+``CudaBackend`` implements ``kvcore.backends.base.Backend`` (as the CPU backend does, plus
 ``gather_batch`` and ``copy_blocks_between``) and gives the same bits.  Get
-one through ``kvcore._cuda.get_cuda_backend``: this module never imports
-CuPy itself; the guard in ``kvcore/_cuda/__init__.py`` hands the module in.
+one through ``kvcore.backends.cuda.get_cuda_backend``: this module never imports
+CuPy itself; the guard in ``kvcore/backends/cuda/__init__.py`` hands the module in.
 
 Streams and graphs: every kernel and copy is issued on CuPy's current stream
 of the backend's device (``cupy.cuda.get_current_stream()``) and nothing
@@ -24,7 +24,8 @@ import threading
 
 import numpy as np
 
-from .. import _dtypes
+from ... import dtypes
+from ..base import Backend
 from . import CudaUnavailableError, _sources
 
 # DLPack device types (dlpack.h).
@@ -50,7 +51,7 @@ def _bits_dtype(dtype):
     instruction (which might quiet a NaN) ever touches the data."""
     if dtype == np.float32:
         return np.dtype(np.uint32)
-    if dtype == np.float16 or (_dtypes.BF16_NUMPY is not None and dtype == _dtypes.BF16_NUMPY):
+    if dtype == np.float16 or (dtypes.BF16_NUMPY is not None and dtype == dtypes.BF16_NUMPY):
         return np.dtype(np.uint16)
     return dtype
 
@@ -65,7 +66,7 @@ def launch_shape(rows, chunks):
     return (grid, 1, 1), (bx, by, 1)
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
 
     Parameters
@@ -649,7 +650,7 @@ class CudaBackend:
                 d = self._index_array(dst_ids, np.int32)
                 self._copy_blocks_kernel(src_storage, s, dst_storage, d, n)
         elif on_dev == (False, False):
-            from .._native import _kernels
+            from ..cpu import _kernels
 
             _kernels.copy_blocks_between(
                 src_storage, np.ascontiguousarray(self._host_ids(src_ids), dtype=np.int32),
@@ -830,7 +831,7 @@ def compile_error(e, device, file):
 
 
 def _is_bf16(dtype):
-    return _dtypes.BF16_NUMPY is not None and np.dtype(dtype) == _dtypes.BF16_NUMPY
+    return dtypes.BF16_NUMPY is not None and np.dtype(dtype) == dtypes.BF16_NUMPY
 
 
 def _device_dtype(dtype):

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 import kvcore
-from kvcore import _dtypes
+from kvcore import dtypes
 
 from ._timing import median_time, table
 
@@ -23,9 +23,9 @@ DIM = 128
 def _inputs(torch):
     x = np.random.default_rng(0).standard_normal((1, HEADS, DIM)).astype(np.float32)
     rows = {"numpy float32": (x, -x)}
-    if _dtypes.BF16_NUMPY is not None:
-        rows["numpy bfloat16 (ml_dtypes)"] = (x.astype(_dtypes.BF16_NUMPY),
-                                              (-x).astype(_dtypes.BF16_NUMPY))
+    if dtypes.BF16_NUMPY is not None:
+        rows["numpy bfloat16 (ml_dtypes)"] = (x.astype(dtypes.BF16_NUMPY),
+                                              (-x).astype(dtypes.BF16_NUMPY))
     if torch is not None:
         t = torch.from_numpy(x)
         rows["torch float32"] = (t, -t)

@@ -9,7 +9,9 @@ except ImportError:  # pragma: no cover - exercised only without ml_dtypes
     _ml_dtypes = None
     BF16_NUMPY = None
 
-# Element kinds, as the native kernels number them (kv_half.h).
+# Element kinds: the numbering of kvcore/backends/cpu/csrc/kv_kinds.h, the one
+# table every kernel uses (tests/test_kinds.py checks this mirror and the CUDA
+# and attention kernels' copies against it).
 F32, F16, BF16 = 0, 1, 2
 KIND_NAME = {F32: "float32", F16: "float16", BF16: "bfloat16"}
 NAME_KIND = {v: k for k, v in KIND_NAME.items()}

@@ -148,7 +148,7 @@ def run(quick=False):
     for r in results.values():
         r["speedup_vs_astype"] = r["numpy_astype_ms"] / r["kvcore_ms"]
         r["speedup_vs_implicit"] = r["numpy_implicit_ms"] / r["kvcore_ms"]
-    from kvcore._native import _convert
+    from kvcore.backends.cpu import _convert
 
     results["config"] = {
         "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM,

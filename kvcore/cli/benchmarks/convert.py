@@ -79,7 +79,7 @@ def run(quick=False, level=None, n=None, repeat=None):
     quick : bool
         4 Mi elements and 5 repetitions instead of 16 Mi and 15.
     level : str, optional
-        SIMD path to force (see ``kvcore._native._convert.available_simd_levels``);
+        SIMD path to force (see ``kvcore.backends.cpu._convert.available_simd_levels``);
         the previous one is restored afterwards.  Default: the one in use.
     n, repeat : int, optional
         Override the element count and the number of timed repetitions.
@@ -95,7 +95,7 @@ def run(quick=False, level=None, n=None, repeat=None):
         = kvcore / impl throughput.
     """
     import kvcore
-    from kvcore._native import _convert
+    from kvcore.backends.cpu import _convert
 
     n = n or (1 << 22 if quick else 1 << 24)
     repeat = repeat or (5 if quick else 15)

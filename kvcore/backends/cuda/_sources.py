@@ -17,8 +17,9 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 HEADER = "kv_half.cuh"
 
-# Element kinds (kvcore._dtypes / kv_half.h numbering).
-F32, F16, BF16 = 0, 1, 2
+# Element kinds: kvcore.dtypes's (kv_kinds.h's numbering; kv_half.cuh's
+# KV_* carry the same values, checked by tests/test_kinds.py).
+from ...dtypes import BF16, F16, F32  # noqa: E402
 KINDS = (F32, F16, BF16)
 
 # .cu files whose kernels are templated on <SK, DK, V>.

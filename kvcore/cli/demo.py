@@ -2,7 +2,7 @@
 
 What it does, on built-in defaults (nothing is downloaded):
 
-* builds :class:`kvcore._model.TinyTransformer` (random weights from ``--seed``:
+* builds :class:`kvcore.cli.model.TinyTransformer` (random weights from ``--seed``:
   4 layers, 8 query heads, 2 KV heads, head_dim 64, RoPE, float32 math);
 * makes ``--requests`` requests that share a ``--prompt-len``-token system
   prompt, each with its own random suffix (``prompt_len/16 .. prompt_len/4``
@@ -23,7 +23,7 @@ What it does, on built-in defaults (nothing is downloaded):
   included, and the blocks the running requests may still take are
   counted); until then it waits;
 * runs the same loop over a contiguous NumPy cache like the NumPy seed's
-  (:class:`kvcore._model.NumpyContiguousCache`, float32, every request
+  (:class:`kvcore.cli.model.NumpyContiguousCache`, float32, every request
   preallocated to a common ``max_seq_len``) and with no cache at all (a full
   recompute of each request's tokens at every step), each timed on its own;
 * verifies: every logits row kvcore produced (the prefill's last position and
@@ -49,7 +49,7 @@ from collections import deque
 import numpy as np
 
 import kvcore
-from ._model import ModelConfig, NumpyContiguousCache, TinyTransformer
+from .model import ModelConfig, NumpyContiguousCache, TinyTransformer
 
 __all__ = ["run_demo", "main", "build_parser", "DEFAULTS", "F32_TOLERANCE"]
 

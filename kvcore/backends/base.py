@@ -1,0 +1,307 @@
+"""The backend interface, and its plain NumPy reference implementation.
+
+A backend moves KV data on one device: it converts between the element
+kinds, writes tokens into slots of a paged plane, gathers positions back,
+copies blocks and writes a contiguous cache.  It sees arrays and block ids
+only, never a pool or a sequence, and it trusts its arguments: the public
+classes have validated shapes, kinds, ranges, alignment and overlap before
+calling (one layer validates; see ``docs/architecture.md``).
+
+``Backend`` is both the interface and the oracle: every operation here is
+written in plain NumPy, element by element where the order matters, so that
+it is easy to read and obviously right.  Device backends (``cpu.CPUBackend``,
+``cuda.CudaBackend``) override the operations they run faster and must give
+the same bits; ``tests/test_backends.py`` checks each one against this class,
+operation by operation.  A new kernel gets its reference here first.
+
+Element kinds are ``kvcore.dtypes.F32 / F16 / BF16``; a bfloat16 array is
+held as its uint16 bits.  Layouts:
+
+* a paged plane (one layer's keys or values): ``(num_blocks, heads,
+  block_size, dim)``; a pool's storage stacks ``2 * num_layers`` planes;
+* tokens in: ``(n, heads, dim)``; a gather's output: ``(heads, n, dim)``;
+* a contiguous cache: ``(batch, heads, max_seq_len, dim)``.
+"""
+import numpy as np
+
+from .. import dtypes
+
+__all__ = ["Backend", "REFERENCE", "is_cuda_array"]
+
+_DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def is_cuda_array(x):
+    """Whether ``x`` is an array in GPU memory (CuPy, ``__cuda_array_interface__``,
+    or a DLPack producer on a CUDA device)."""
+    if isinstance(x, np.ndarray):
+        return False
+    if hasattr(x, "__cuda_array_interface__") or \
+            type(x).__module__.split(".")[0] in ("cupy", "cupyx"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return dev()[0] in _DLPACK_CUDA
+        except Exception:
+            return False
+    return False
+
+
+# ---------------------------------------------------------------- conversion
+# Every conversion goes through float32 bits (uint32): widening is exact, so
+# one round-to-nearest-even narrowing is the single correct rounding.  NaNs
+# follow the hardware convention the C and CUDA kernels use: narrowing keeps
+# the sign and the top payload bits and sets the quiet bit; widening a half
+# NaN quiets it.
+
+def _to_f32_bits(a, kind):
+    """uint32 float32 bits of the elements of ``a`` (storage bits of ``kind``)."""
+    if kind == dtypes.F32:
+        return a.view(np.uint32).copy()
+    h = a.view(np.uint16).astype(np.uint32)
+    if kind == dtypes.BF16:
+        return h << 16
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    man = h & 0x3FF
+    # normal halves: re-bias the exponent (15 -> 127)
+    out = sign | ((exp + 112) << 23) | (man << 13)
+    out = np.where(exp == 0x1F, sign | 0x7F800000 | (man << 13)
+                   | np.where(man != 0, 0x00400000, 0).astype(np.uint32), out)
+    # zeros and subnormals: man * 2**-24, exact in float32
+    sub = exp == 0
+    if sub.any():
+        vals = man[sub].astype(np.float32) * np.float32(2.0 ** -24)
+        out[sub] = sign[sub] | vals.view(np.uint32)
+    return out.astype(np.uint32)
+
+
+def _round_shift(x, shift):
+    """``x >> shift`` rounded to nearest, ties to even (uint32, shift >= 1)."""
+    shift = np.asarray(shift, np.uint32)
+    r = x >> shift
+    rem = x & ((np.uint32(1) << shift) - np.uint32(1))
+    half = np.uint32(1) << (shift - np.uint32(1))
+    up = (rem > half) | ((rem == half) & ((r & 1) == 1))
+    return r + up.astype(np.uint32)
+
+
+def _from_f32_bits(x, kind):
+    """Storage bits of ``kind`` for float32 bits ``x`` (uint32), RNE."""
+    x = x.astype(np.uint32)
+    if kind == dtypes.F32:
+        return x
+    ax = x & 0x7FFFFFFF
+    nan = ax > 0x7F800000
+    if kind == dtypes.BF16:
+        # (a carry into the exponent gives +-inf on overflow, as RNE asks;
+        # only a NaN could carry out of 16 bits)
+        rounded = _round_shift(x, 16) & 0xFFFF
+        quiet = (x >> 16) | 0x0040
+        return np.where(nan, quiet, rounded).astype(np.uint16)
+    sign = (x >> 16) & 0x8000
+    exp = ax >> 23
+    out = np.zeros(x.shape, np.uint32)
+    # normal results: re-bias the exponent, round the 13 dropped bits (a
+    # carry into the exponent is the right answer, up to infinity)
+    normal = (ax >= 0x38800000) & (ax < 0x477FF000)
+    out = np.where(normal, _round_shift(np.where(normal, ax - 0x38000000, 0), 13), out)
+    # subnormal results (unit 2**-24): the full mantissa shifted by 126 - exp
+    sub = (ax < 0x38800000) & (exp >= 102)
+    mant = (ax & 0x7FFFFF) | 0x800000
+    out = np.where(sub, _round_shift(mant, np.where(sub, 126 - exp, 1)), out)
+    out = np.where(ax >= 0x477FF000, 0x7C00, out)
+    out = np.where(nan, 0x7E00 | ((ax >> 13) & 0x3FF), out)
+    return (sign | out).astype(np.uint16)
+
+
+def _bits_view(a):
+    """``a`` viewed as unsigned integers of its itemsize (same memory)."""
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def convert_bits(src, src_kind, dst_kind):
+    """A new array: ``src`` (storage bits of ``src_kind``) as ``dst_kind``
+    storage bits (uint32 for float32, uint16 otherwise).  The same kind is
+    a copy of the bits (signalling NaNs stay as they are)."""
+    if src_kind == dst_kind:
+        return np.array(src, dtype=np.uint32 if src_kind == dtypes.F32 else np.uint16)
+    return _from_f32_bits(_to_f32_bits(np.asarray(src), src_kind), dst_kind)
+
+
+class Backend:
+    """The data-movement interface, implemented in plain NumPy (host memory).
+
+    ``REFERENCE`` (an instance) is the oracle of the tests; the public
+    classes use a device backend (``kvcore.backends.get_backend``).
+    """
+
+    name = "reference"
+    xp = np
+
+    def normalize_device(self, device):
+        return "cpu"
+
+    # -------------------------------------------------------------- arrays
+    def asarray(self, x, arg):
+        """``x`` as a NumPy array; a GPU array is a TypeError, never a copy.
+        (Torch tensors are unwrapped by the caller, ``kvcore._arrays``.)"""
+        if isinstance(x, np.ndarray):
+            return x
+        if is_cuda_array(x):
+            raise TypeError(
+                f"{arg} is a CUDA array ({type(x).__module__}.{type(x).__name__}) but this "
+                "operation runs on the CPU; pass a NumPy array or use device='cuda'")
+        if hasattr(x, "__dlpack_device__"):
+            try:
+                dev_type = x.__dlpack_device__()[0]
+            except Exception as e:
+                raise TypeError(f"{arg} ({type(x).__name__}) cannot say where its memory "
+                                f"lives: {e}") from None
+            if dev_type != 1:  # kDLCPU
+                raise TypeError(
+                    f"{arg} lives on DLPack device type {dev_type}, not the CPU; "
+                    "pass a NumPy array or use device='cuda'")
+        try:
+            return np.asarray(x)
+        except Exception as e:  # pragma: no cover - exotic inputs
+            raise TypeError(f"{arg} must be an array, got {type(x).__name__}: {e}") from None
+
+    def check_out(self, out, arg):
+        """``out`` (an ``out=`` argument, already unwrapped) checked: a
+        writeable NumPy array."""
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"{arg} must be a NumPy array or a CPU torch tensor, "
+                            f"got {type(out).__module__}.{type(out).__name__}")
+        if not out.flags.writeable:
+            raise ValueError(f"{arg} must be writeable, got a read-only array")
+        return out
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def to_host(self, a):
+        return a
+
+    def from_host(self, a):
+        return a
+
+    def inner_contiguous(self, a):
+        """``a`` aligned and with its last axis contiguous (a copy only when
+        it is not)."""
+        if not a.flags.aligned or (a.ndim and a.strides[-1] != a.itemsize and a.shape[-1] > 1):
+            return np.array(a, order="C", copy=True)
+        return a
+
+    def apart(self, a, storage):
+        """``a``, or a C-contiguous copy of it when its memory may meet
+        ``storage``'s: an input that is a view of the storage is read as it
+        was when the call began."""
+        return a.copy() if self.xp.may_share_memory(a, storage) else a
+
+    def direct_out(self, out, storage):
+        """Whether a gather may write ``out`` in place (else a temporary is
+        filled and copied into it)."""
+        return not self.xp.may_share_memory(out, storage)
+
+    def synchronize(self):
+        pass
+
+    # BlockPool.write with slots already on the device (GPU backends only)
+    def device_slots(self, slots, n):
+        """None: host slots are checked by the pool on the host."""
+        return None
+
+    def slot_owner_table(self, num_slots):
+        """Scratch a GPU backend needs for ``write_slots_kv`` (None here)."""
+        return None
+
+    def row_writer(self, storage, kind):
+        """A C-level writer of a sequence's appended rows into ``storage``
+        (a ``kvcore._native._typedefs.RowWriter``), or None: appends then
+        go through ``write_slots``."""
+        return None
+
+    # ------------------------------------------------------------- kernels
+    def convert(self, src, src_kind, dst, dst_kind):
+        """``dst[...] = src`` converted; same shape, any strides; ``src`` is
+        read as it was before the call even when it overlaps ``dst``."""
+        _bits_view(dst)[...] = convert_bits(_bits_view(src), src_kind, dst_kind)
+
+    def write_slots(self, cache, src, slots, src_kind, dst_kind):
+        """``cache[s // bs, :, s % bs, :] = src[i]`` for every slot
+        ``s = slots[i] >= 0``, in token order (of several tokens naming one
+        slot the last one lands); -1 skips a token.
+
+        cache: a paged plane ``(num_blocks, heads, block_size, dim)``;
+        src: ``(n, heads, dim)``; slots: int64 ``(n,)``."""
+        bs = cache.shape[2]
+        rows = convert_bits(_bits_view(src), src_kind, dst_kind)
+        out = _bits_view(cache)
+        for i, s in enumerate(np.asarray(slots).tolist()):
+            if s >= 0:
+                out[s // bs, :, s % bs, :] = rows[i]
+
+    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner, check):
+        """Keys into ``k_cache`` and values into ``v_cache`` (``write_slots``
+        for each).  ``owner`` and ``check`` matter only for slots in GPU
+        memory (see the CUDA backend)."""
+        self.write_slots(k_cache, k, slots, src_kind, dst_kind)
+        self.write_slots(v_cache, v, slots, src_kind, dst_kind)
+
+    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, dst_kind):
+        """Rows ``i`` of ``k`` and ``v`` ``(n, heads, dim)`` to positions
+        ``start + i`` of the sequence whose blocks are ``block_table`` (int32),
+        in layer ``layer``'s planes of ``storage`` (keys ``2 * layer``,
+        values ``2 * layer + 1``).  What ``PagedKVCache.append`` writes."""
+        bs = storage.shape[3]
+        pos = start + np.arange(k.shape[0], dtype=np.int64)
+        table = np.asarray(self.to_host(block_table), np.int64)
+        slots = table[pos // bs] * bs + pos % bs        # host slots: every backend takes them
+        self.write_slots(storage[2 * layer], k, slots, src_kind, dst_kind)
+        self.write_slots(storage[2 * layer + 1], v, slots, src_kind, dst_kind)
+
+    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+        """``out[:, t - start, :] = cache[block_table[t // bs], :, t % bs, :]``
+        for ``t`` in ``start..end-1``, converted; out: ``(heads, end - start, dim)``."""
+        bs = cache.shape[2]
+        pos = np.arange(start, end, dtype=np.int64)
+        blocks = np.asarray(block_table, np.int64)[pos // bs]
+        rows = _bits_view(cache)[blocks, :, pos % bs, :]          # (n, heads, dim)
+        _bits_view(out)[...] = convert_bits(rows, src_kind, dst_kind).transpose(1, 0, 2)
+
+    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+        """``out[s, :, :lengths[s]]`` = sequence ``s``'s positions (block
+        table row ``s``); the padding past each length is +0.
+        out: ``(batch, heads, max_len, dim)``."""
+        out[...] = 0
+        for s in range(out.shape[0]):
+            n = int(lengths[s])
+            if n:
+                self.gather(cache, block_tables[s], 0, n, out[s, :, :n], src_kind, dst_kind)
+
+    def copy_blocks(self, storage, src, dst):
+        """``storage[:, dst[i]] = storage[:, src[i]]`` for each ``i`` in
+        order, every plane (a block is copied whole, every layer, K and V)."""
+        for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
+            storage[:, d] = storage[:, s]
+
+    def copy_blocks_between(self, src_storage, src, dst_storage, dst):
+        """``dst_storage[:, dst[i]] = src_storage[:, src[i]]``: two storages of
+        one geometry and dtype (possibly on different devices)."""
+        for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
+            dst_storage[:, d] = src_storage[:, s]
+
+    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
+        """``dst[b, h, start + t, :] = src[b, h, t, :]`` converted.
+        dst: ``(batch, heads, max_seq_len, dim)``; src: ``(batch, heads, n, dim)``."""
+        n = src.shape[2]
+        _bits_view(dst)[:, :, start:start + n, :] = convert_bits(_bits_view(src), src_kind,
+                                                                 dst_kind)
+
+
+REFERENCE = Backend()

@@ -1,0 +1,480 @@
+"""CPU data-movement kernels: paged slot writes, gathers, block copies and
+contiguous-cache writes, converting with the RNE routines while they copy.
+
+Callers (``kvcore/backends/``) have validated every argument: shapes,
+kinds, slot ranges, that the innermost axis of every array is contiguous,
+that every array is aligned for its element type (the loops load and store
+typed elements; a misaligned one is an error here, never undefined
+behaviour) and that no input overlaps what the call writes (``apart``).
+The loops run without the GIL.
+"""
+cimport numpy as cnp
+from libc.stdint cimport uintptr_t
+from libc.string cimport memcpy
+
+from kvcore.backends.cpu._convert cimport (KVH_F16, KVH_F32, convert_n, convert_n_stream,
+                                           kind_itemsize, stream_fence)
+from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, slot_t
+
+cnp.import_array()
+
+import sys
+
+import numpy as np
+
+# Paged writes of at least this many bytes per plane use non-temporal stores:
+# a prompt of several MiB is written whole and would only evict the cache.
+cdef Py_ssize_t STREAM_MIN_BYTES = 4 << 20
+# A sequence's rows are written with the GIL released from this many
+# elements (of k and of v) on: a decode step's token is done before the
+# release and retake would be.
+cdef Py_ssize_t POSITIONS_NOGIL_ELEMS = 32768
+
+
+cdef inline char* _ptr(cnp.ndarray a) noexcept:
+    return <char*>cnp.PyArray_DATA(a)
+
+
+cdef inline int _aligned(const void* p, size_t size, str what) except -1:
+    if <uintptr_t>p % size:
+        raise ValueError(f"internal: {what} is not aligned to {size} bytes")
+    return 0
+
+
+cdef inline int _aligned_array(cnp.ndarray a, str what) except -1:
+    if not cnp.PyArray_ISALIGNED(a):
+        raise ValueError(f"internal: {what} is not aligned for its dtype")
+    return 0
+
+
+cdef void _span(cnp.ndarray a, char** lo, char** hi) noexcept:
+    """The bytes [lo, hi) that a non-empty ``a`` may touch."""
+    cdef char* l = _ptr(a)
+    cdef char* h = l
+    cdef int i
+    cdef cnp.npy_intp n, s
+    for i in range(cnp.PyArray_NDIM(a)):
+        n = cnp.PyArray_DIM(a, i)
+        s = cnp.PyArray_STRIDE(a, i)
+        if s > 0:
+            h += (n - 1) * s
+        else:
+            l += (n - 1) * s
+    lo[0] = l
+    hi[0] = h + cnp.PyArray_ITEMSIZE(a)
+
+
+def overlaps(cnp.ndarray a, cnp.ndarray b):
+    """Whether the memory spans of ``a`` and ``b`` meet (one bounds check,
+    as ``numpy.may_share_memory`` does by default; empty arrays never do)."""
+    cdef char* alo
+    cdef char* ahi
+    cdef char* blo
+    cdef char* bhi
+    if cnp.PyArray_SIZE(a) == 0 or cnp.PyArray_SIZE(b) == 0:
+        return False
+    _span(a, &alo, &ahi)
+    _span(b, &blo, &bhi)
+    return alo < bhi and blo < ahi
+
+
+# ---------------------------------------------------------- torch tensors in
+
+# torch's tensor types and dtype -> NumPy type number, read from the torch
+# module the first time a tensor is seen (torch is never imported here)
+cdef object _torch = None
+cdef tuple _tensor_types = ()
+cdef dict _typenums = {}
+
+
+cdef int _learn_torch(object torch) except -1:
+    global _torch, _tensor_types, _typenums
+    _tensor_types = (torch.Tensor, torch.nn.Parameter)
+    _typenums = {
+        torch.float32: cnp.NPY_FLOAT32, torch.float16: cnp.NPY_FLOAT16,
+        torch.bfloat16: cnp.NPY_UINT16,   # its bits; the only tensor read as uint16
+        torch.float64: cnp.NPY_FLOAT64, torch.int64: cnp.NPY_INT64,
+        torch.int32: cnp.NPY_INT32, torch.int16: cnp.NPY_INT16, torch.int8: cnp.NPY_INT8,
+        torch.uint8: cnp.NPY_UINT8, torch.bool: cnp.NPY_BOOL,
+    }
+    _torch = torch
+    return 0
+
+
+def tensor_meta(t):
+    """``(data pointer, NumPy type number, shape)`` of ``t`` when it is a
+    C-contiguous CPU torch tensor (``torch.Tensor`` or ``Parameter``,
+    requiring grad or not: its data is what is read) of a dtype NumPy has,
+    ``torch.bfloat16`` as uint16 (its bits); None for anything else (the
+    caller takes the general path).  A handful of attribute reads: the
+    direct append path reads a tensor through this without making an array."""
+    tp = type(t)
+    if tp not in _tensor_types:
+        torch = sys.modules.get("torch")
+        if torch is None or torch is _torch:
+            return None
+        _learn_torch(torch)
+        if tp not in _tensor_types:
+            return None
+    try:
+        num = _typenums.get(t.dtype)
+        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous():
+            return None
+        return t.data_ptr(), num, t.shape
+    except RuntimeError:    # sparse, mkldnn, ... tensors: the general path says why
+        return None
+
+
+def tensor_view(t):
+    """A NumPy array over the memory of ``t`` when :func:`tensor_meta` takes
+    it (keeping the tensor alive), else None.  Cheaper than
+    ``tensor.numpy()``, and the same for tensors that require grad."""
+    cdef cnp.npy_intp dims[32]
+    cdef int nd, i
+    cdef cnp.ndarray arr
+    meta = tensor_meta(t)
+    if meta is None:
+        return None
+    ptr, typenum, shape = meta
+    nd = len(shape)
+    if nd > 32:
+        return None
+    for i in range(nd):
+        dims[i] = shape[i]
+    arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, <void*><uintptr_t>ptr)
+    cnp.set_array_base(arr, t)
+    return arr
+
+
+def apart(cnp.ndarray a, cnp.ndarray storage):
+    """``a`` itself, or a C-contiguous copy of it when its memory span meets
+    ``storage``'s: an input read while ``storage`` is written is then read
+    as it was when the call began."""
+    if overlaps(a, storage):
+        return cnp.PyArray_NewCopy(a, cnp.NPY_CORDER)
+    return a
+
+
+# ------------------------------------------------------------ paged writes
+# One token's rows are written by _write_token, whichever way its
+# destination was found (a slot, or a position in a block table).
+
+cdef inline bint _streamed(Py_ssize_t elems, int dst_kind) noexcept nogil:
+    return elems * kind_itemsize(dst_kind) >= STREAM_MIN_BYTES
+
+
+cdef inline void _write_token(int src_kind, const char* src, Py_ssize_t src_head,
+                              int dst_kind, char* dst, Py_ssize_t dst_head,
+                              Py_ssize_t heads, Py_ssize_t dim, bint stream) noexcept nogil:
+    """The ``heads`` rows of ``dim`` elements of one token: src rows
+    ``src_head`` bytes apart, destination rows ``dst_head`` bytes apart."""
+    cdef Py_ssize_t h
+    for h in range(heads):
+        if stream:
+            convert_n_stream(src_kind, src + h * src_head, dst_kind, dst + h * dst_head, dim)
+        else:
+            convert_n(src_kind, src + h * src_head, dst_kind, dst + h * dst_head, dim)
+
+
+cdef struct _Plane:
+    # where a layer's keys live in a pool's storage (values: one plane on)
+    char* keys
+    Py_ssize_t plane, block, head, token
+
+
+cdef void _write_positions(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t heads,
+                           Py_ssize_t dim, int src_kind, int dst_kind,
+                           const block_id_t* table, Py_ssize_t block_size, Py_ssize_t start,
+                           _Plane* dst) noexcept nogil:
+    """Rows i < n of C-contiguous k, v (n, heads, dim) to positions start + i
+    of the sequence whose blocks are ``table``."""
+    cdef Py_ssize_t i, p, row = heads * dim * kind_itemsize(src_kind)
+    cdef char* d
+    cdef bint stream = _streamed(n * heads * dim, dst_kind)
+    for i in range(n):
+        p = start + i
+        d = dst.keys + table[p // block_size] * dst.block + (p % block_size) * dst.token
+        _write_token(src_kind, kp + i * row, dim * kind_itemsize(src_kind), dst_kind, d,
+                     dst.head, heads, dim, stream)
+        _write_token(src_kind, vp + i * row, dim * kind_itemsize(src_kind), dst_kind,
+                     d + dst.plane, dst.head, heads, dim, stream)
+    if stream:
+        stream_fence()
+
+
+cdef inline void _plane_of(cnp.ndarray storage, Py_ssize_t layer, _Plane* out) noexcept:
+    # storage: (2 * num_layers, num_blocks, heads, block_size, dim), C-contiguous;
+    # layer l's keys are plane 2 * l, its values the plane after
+    out.plane = cnp.PyArray_STRIDE(storage, 0)
+    out.block = cnp.PyArray_STRIDE(storage, 1)
+    out.head = cnp.PyArray_STRIDE(storage, 2)
+    out.token = cnp.PyArray_STRIDE(storage, 3)
+    out.keys = _ptr(storage) + 2 * layer * out.plane
+
+
+def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
+                    const block_id_t[::1] block_table, Py_ssize_t start, int src_kind,
+                    int dst_kind):
+    """Rows i of k and v (n, heads, dim) to positions start + i of the
+    sequence whose blocks are ``block_table``, in layer ``layer``'s planes of
+    ``storage`` (see Backend.write_positions).  k, v: C-contiguous, aligned,
+    apart from storage; storage C-contiguous."""
+    cdef _Plane plane
+    cdef Py_ssize_t n = k.shape[0], heads = k.shape[1], dim = k.shape[2]
+    cdef const char* kp = _ptr(k)
+    cdef const char* vp = _ptr(v)
+    _aligned_array(k, "k")
+    _aligned_array(v, "v")
+    _aligned_array(storage, "storage")
+    if n == 0:
+        return
+    _aligned(&block_table[0], sizeof(block_id_t), "block_table")
+    _plane_of(storage, layer, &plane)
+    if n * heads * dim >= POSITIONS_NOGIL_ELEMS:
+        with nogil:
+            _write_positions(kp, vp, n, heads, dim, src_kind, dst_kind, &block_table[0],
+                             storage.shape[3], start, &plane)
+    else:
+        _write_positions(kp, vp, n, heads, dim, src_kind, dst_kind, &block_table[0],
+                         storage.shape[3], start, &plane)
+
+
+cdef struct _Rows:
+    # a k or v input a PositionWriter takes as it is: (n, heads, dim)
+    # C-contiguous rows at p, of element kind ``kind`` (-1: not such an input)
+    const char* p
+    Py_ssize_t n, h, d, nbytes
+    int kind
+
+
+cdef int _rows_of(object x, _Rows* r) except -1:
+    """Fill ``r`` from a NumPy array or a CPU torch tensor (read in place,
+    through its pointer): 3-D, native float32 or float16, C-contiguous and
+    aligned; else r.kind = -1."""
+    cdef cnp.ndarray a
+    cdef int typenum
+    r.kind = -1
+    if type(x) is np.ndarray:
+        a = <cnp.ndarray>x
+        if cnp.PyArray_NDIM(a) != 3 or not cnp.PyArray_ISCARRAY_RO(a) \
+                or not cnp.PyArray_ISNOTSWAPPED(a):
+            return 0
+        typenum = cnp.PyArray_TYPE(a)
+        r.p = <const char*>cnp.PyArray_DATA(a)
+        r.n = cnp.PyArray_DIM(a, 0)
+        r.h = cnp.PyArray_DIM(a, 1)
+        r.d = cnp.PyArray_DIM(a, 2)
+    else:
+        meta = tensor_meta(x)      # a C-contiguous CPU torch tensor
+        if meta is None:
+            return 0
+        ptr, typenum, shape = meta
+        if len(shape) != 3:
+            return 0
+        r.p = <const char*><uintptr_t>ptr
+        r.n, r.h, r.d = shape
+    if typenum == cnp.NPY_FLOAT32:
+        r.kind = KVH_F32
+    elif typenum == cnp.NPY_FLOAT16:
+        r.kind = KVH_F16
+    else:
+        return 0
+    r.nbytes = r.n * r.h * r.d * kind_itemsize(r.kind)
+    if <uintptr_t>r.p % kind_itemsize(r.kind):
+        r.kind = -1
+    return 0
+
+
+cdef class PositionWriter(RowWriter):
+    """A CPU pool's writer of appended rows (``Backend.row_writer``): a
+    sequence's bookkeeping hands it the k and v of an append and, once the
+    blocks are reserved, the block table and first position; it writes them
+    with ``_write_positions``, as ``write_positions`` does.  It takes, as
+    they are, NumPy arrays and CPU torch tensors (n >= 1, heads, dim) of one
+    native-order float32 or float16 dtype, C-contiguous, aligned and apart
+    from the storage; anything else is left to the caller's validated path."""
+    cdef cnp.ndarray storage
+    cdef int kind
+    cdef Py_ssize_t heads, dim, block_size
+    cdef const char* lo
+    cdef const char* hi
+
+    def __init__(self, cnp.ndarray storage, int kind):
+        if cnp.PyArray_NDIM(storage) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(storage) \
+                or not cnp.PyArray_ISALIGNED(storage):
+            raise ValueError("internal: a PositionWriter needs a C-contiguous, aligned "
+                             "(planes, blocks, heads, block_size, dim) storage")
+        self.storage = storage
+        self.kind = kind
+        self.heads = storage.shape[2]
+        self.block_size = storage.shape[3]
+        self.dim = storage.shape[4]
+        self.lo = _ptr(storage)
+        self.hi = self.lo + cnp.PyArray_NBYTES(storage)
+
+    cdef Py_ssize_t take(self, object k, object v, RowInput* rows) except -2:
+        cdef _Rows kr_, vr_
+        cdef _Rows* kr = &kr_
+        cdef _Rows* vr = &vr_
+        _rows_of(k, kr)
+        _rows_of(v, vr)
+        if kr.kind < 0 or vr.kind != kr.kind or kr.n < 1 or vr.n != kr.n \
+                or kr.h != self.heads or vr.h != self.heads or kr.d != self.dim \
+                or vr.d != self.dim:
+            return -1
+        if (kr.p < self.hi and self.lo < kr.p + kr.nbytes) \
+                or (vr.p < self.hi and self.lo < vr.p + vr.nbytes):
+            return -1      # a view of the storage: the validated path stages it
+        rows.k = kr.p
+        rows.v = vr.p
+        rows.n = kr.n
+        rows.kind = kr.kind
+        return kr.n
+
+    cdef int write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
+                   Py_ssize_t start) except -1:
+        cdef _Plane plane
+        cdef Py_ssize_t n = rows.n
+        _plane_of(self.storage, layer, &plane)
+        if n * self.heads * self.dim >= POSITIONS_NOGIL_ELEMS:
+            with nogil:
+                _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind,
+                                 self.kind, table, self.block_size, start, &plane)
+        else:
+            _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
+                             table, self.block_size, start, &plane)
+        return 0
+
+
+def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
+                int src_kind, int dst_kind):
+    """cache[b, h, off, :] = src[i, h, :] for slot s = slots[i] >= 0,
+    b = s // block_size, off = s % block_size.
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    src: (n, heads, dim), last axis contiguous, any other strides.
+    """
+    cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
+    cdef Py_ssize_t bs = cache.shape[2]
+    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
+    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
+    cdef char* sp = _ptr(src)
+    cdef char* cp = _ptr(cache)
+    cdef Py_ssize_t i, b, off
+    cdef slot_t s
+    cdef bint stream = _streamed(n * H * D, dst_kind)
+    _aligned_array(src, "src")
+    _aligned_array(cache, "cache")
+    if n:
+        _aligned(&slots[0], sizeof(slot_t), "slots")
+    with nogil:
+        for i in range(n):
+            s = slots[i]
+            if s < 0:
+                continue
+            b = s // bs
+            off = s - b * bs
+            _write_token(src_kind, sp + i * s0, s1, dst_kind, cp + b * c_block + off * c_tok,
+                         c_head, H, D, stream)
+        if stream:
+            stream_fence()
+
+
+def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
+           Py_ssize_t start, Py_ssize_t end, cnp.ndarray out,
+           int src_kind, int dst_kind):
+    """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
+    for t in start..end-1.
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    out: (heads, end - start, dim), C-contiguous.
+    Copies one run of up to block_size tokens per (block, head).
+    """
+    cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
+    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
+    cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]
+    cdef char* cp = _ptr(cache)
+    cdef char* op = _ptr(out)
+    cdef Py_ssize_t t = start, stop, off, run, h
+    cdef block_id_t b
+    _aligned_array(out, "out")
+    _aligned_array(cache, "cache")
+    if block_table.shape[0]:
+        _aligned(&block_table[0], sizeof(block_id_t), "block_table")
+    with nogil:
+        while t < end:
+            b = block_table[t // bs]
+            off = t % bs
+            stop = t - off + bs
+            if stop > end:
+                stop = end
+            run = stop - t
+            for h in range(H):
+                convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
+                          dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
+            t = stop
+
+
+cdef int _copy_blocks(cnp.ndarray src_storage, const block_id_t[::1] src,
+                     cnp.ndarray dst_storage, const block_id_t[::1] dst) except -1:
+    """dst_storage[:, dst[i]] = src_storage[:, src[i]] for each i in order,
+    every plane: storages of one geometry and dtype, (planes, num_blocks,
+    ...) C-contiguous (the same storage for a copy within a pool)."""
+    cdef Py_ssize_t planes = src_storage.shape[0]
+    cdef Py_ssize_t sp_stride = src_storage.strides[0], sb_stride = src_storage.strides[1]
+    cdef Py_ssize_t dp_stride = dst_storage.strides[0], db_stride = dst_storage.strides[1]
+    cdef char* sbase = _ptr(src_storage)
+    cdef char* dbase = _ptr(dst_storage)
+    cdef Py_ssize_t i, p, n = src.shape[0]
+    if n:
+        _aligned(&src[0], sizeof(block_id_t), "src")
+        _aligned(&dst[0], sizeof(block_id_t), "dst")
+    with nogil:
+        for p in range(planes):
+            for i in range(n):
+                memcpy(dbase + p * dp_stride + dst[i] * db_stride,
+                       sbase + p * sp_stride + src[i] * sb_stride, sb_stride)
+    return 0
+
+
+def copy_blocks(cnp.ndarray storage, const block_id_t[::1] src, const block_id_t[::1] dst):
+    """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V plane;
+    storage: (planes, num_blocks, heads, block_size, dim), C-contiguous."""
+    _copy_blocks(storage, src, storage, dst)
+
+
+def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
+                        cnp.ndarray dst_storage, const block_id_t[::1] dst):
+    """dst_storage[:, dst[i]] = src_storage[:, src[i]]: two pools' storage of
+    the same geometry and dtype, (planes, num_blocks, ...) C-contiguous."""
+    _copy_blocks(src_storage, src, dst_storage, dst)
+
+
+def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
+                     int src_kind, int dst_kind):
+    """dst[b, h, start + t, :] = src[b, h, t, :].
+
+    dst: (batch, heads, max_seq_len, dim), C-contiguous.
+    src: (batch, heads, n, dim), last axis contiguous, any other strides.
+    When src rows are back to back the n*dim run is one kernel call.
+    """
+    cdef Py_ssize_t B = src.shape[0], H = src.shape[1], n = src.shape[2], D = src.shape[3]
+    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1], s2 = src.strides[2]
+    cdef Py_ssize_t d0 = dst.strides[0], d1 = dst.strides[1], d2 = dst.strides[2]
+    cdef Py_ssize_t si = kind_itemsize(src_kind)
+    cdef bint rows_packed = s2 == D * si or n == 1
+    cdef char* sp = _ptr(src)
+    cdef char* dp = _ptr(dst) + start * d2
+    cdef Py_ssize_t b, h, t
+    _aligned_array(src, "src")
+    _aligned_array(dst, "dst")
+    with nogil:
+        for b in range(B):
+            for h in range(H):
+                if rows_packed:
+                    convert_n(src_kind, sp + b * s0 + h * s1, dst_kind,
+                              dp + b * d0 + h * d1, n * D)
+                else:
+                    for t in range(n):
+                        convert_n(src_kind, sp + b * s0 + h * s1 + t * s2, dst_kind,
+                                  dp + b * d0 + h * d1 + t * d2, D)

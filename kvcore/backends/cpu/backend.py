@@ -1,0 +1,105 @@
+"""The CPU backend: ``Backend``'s interface over the Cython/C kernels of this
+folder (``_convert``, ``_kernels``; ``_attention`` is called by
+``kvcore.attention``).  The array helpers are ``Backend``'s (NumPy arrays in
+host memory); every kernel here gives the bits of ``Backend``'s reference.
+
+Arguments reaching these methods have been validated by the caller: shapes,
+kinds, slot and block ranges, index arrays int32/int64, C-contiguous and
+aligned.  The kernels themselves release the GIL.
+"""
+import numpy as np
+
+from ..base import Backend
+from . import _convert, _kernels
+
+
+def _aligned_ids(a):
+    """``a`` as a C-contiguous, aligned int32 array (the kernels load ids as int32)."""
+    a = np.ascontiguousarray(a, np.int32)
+    return a if a.flags.aligned else a.copy()
+
+
+class CPUBackend(Backend):
+    """NumPy arrays in host memory; Cython/C kernels (GIL released)."""
+
+    name = "cpu"
+
+    def convert(self, src, src_kind, dst, dst_kind):
+        """dst[...] = src converted; same shape, any strides, any alignment,
+        overlap allowed (src is read as it was before the call)."""
+        if np.may_share_memory(src, dst) or not src.flags.aligned:
+            src = src.copy()
+        if not dst.flags.aligned:
+            # the kernels store typed elements: convert into an aligned
+            # temporary, then let NumPy copy the bytes into place
+            tmp = np.empty(dst.shape, dst.dtype)
+            _convert.convert_array(src, src_kind, tmp, dst_kind)
+            dst[...] = tmp
+            return
+        _convert.convert_array(src, src_kind, dst, dst_kind)
+
+    def apart(self, a, storage):
+        """``a``, or a C-contiguous copy of it when its memory span meets
+        ``storage``'s (one bounds check, cheaper than NumPy's)."""
+        return _kernels.apart(a, storage)
+
+    def direct_out(self, out, storage):
+        f = out.flags
+        return f.c_contiguous and f.aligned and not _kernels.overlaps(out, storage)
+
+    def write_slots(self, cache, src, slots, src_kind, dst_kind):
+        """src is read as it was, also when it is a view of ``cache`` (a
+        caller that writes both planes of a layer stages its inputs with
+        ``apart`` against the whole storage first)."""
+        src = _kernels.apart(src, cache)
+        flags = src.flags
+        if not (flags.c_contiguous and flags.aligned):
+            src = self.inner_contiguous(src)
+        _kernels.write_slots(cache, src, slots, src_kind, dst_kind)
+
+    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, dst_kind):
+        """K and V in one kernel call (storage C-contiguous; k, v apart from it)."""
+        _kernels.write_positions(storage, layer, self._rows(k), self._rows(v), block_table,
+                                 start, src_kind, dst_kind)
+
+    @staticmethod
+    def _rows(a):
+        if not (a.flags.c_contiguous and a.flags.aligned):
+            a = np.array(a, order="C", copy=True)
+        return a
+
+    def row_writer(self, storage, kind):
+        """The C-level writer a sequence's appends go through (PagedKVCache.append:
+        one native call per append); it writes with write_positions' loop."""
+        if isinstance(storage, np.ndarray) and storage.flags.c_contiguous:
+            return _kernels.PositionWriter(storage, kind)
+        return None
+
+    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+        """out: (heads, end - start, dim), C-contiguous, aligned, apart from
+        cache; block_table: int32, C-contiguous, aligned."""
+        _kernels.gather(cache, block_table, start, end, out, src_kind, dst_kind)
+
+    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+        out[...] = 0
+        for s in range(out.shape[0]):
+            n = int(lengths[s])
+            if n:
+                _kernels.gather(cache, _aligned_ids(block_tables[s]), 0, n,
+                                out[s, :, :n] if n < out.shape[2] else out[s], src_kind,
+                                dst_kind)
+
+    def copy_blocks(self, storage, src, dst):
+        _kernels.copy_blocks(storage, src, dst)
+
+    def copy_blocks_between(self, src_storage, src, dst_storage, dst):
+        _kernels.copy_blocks_between(src_storage, src, dst_storage, dst)
+
+    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
+        # the kernel writes rows of dst back to back: dst must be C-contiguous
+        assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
+        src = _kernels.apart(src, dst)  # e.g. a view of the cache itself
+        _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, dst_kind)
+
+
+CPU = CPUBackend()

@@ -1,0 +1,148 @@
+"""The layer check (docs/architecture.md): every module of the library imports
+only from its own layer or the layers below it.
+
+    kvcore/*.py          public classes      may import anything below, never kvcore.cli
+    kvcore/_native/      bookkeeping         kvcore._native, kvcore._errors
+    kvcore/backends/     data movement       kvcore.backends, kvcore.dtypes, kvcore._errors,
+                                             and the shared C types kvcore._native._typedefs
+    kvcore/cli/          demo and benchmarks anything (kvcore/__main__.py only calls it)
+
+Imports are read from the source (``ast`` for .py, the import and cimport
+statements for .pyx/.pxd), so the check runs without building anything and
+fails on the first module that reaches upward.
+"""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "kvcore"
+
+pytestmark = pytest.mark.skipif(not PKG.is_dir(), reason="needs the source tree")
+
+# (layer, the kvcore modules it may import: exact names or prefixes ending in ".")
+LAYERS = {
+    "native": ("kvcore._native.", "kvcore._errors"),
+    "backends": ("kvcore.backends.", "kvcore.backends", "kvcore.dtypes", "kvcore._errors",
+                 "kvcore._native._typedefs"),
+    "cli": ("kvcore",),
+    "public": ("kvcore",),           # anything ...
+}
+NEVER_FROM_LIBRARY = "kvcore.cli"    # ... but the library never imports the CLI
+
+_CYTHON_IMPORT = re.compile(
+    r"^\s*(?:from\s+([\w.]+)\s+c?import\b|c?import\s+([\w.]+(?:\s*,\s*[\w.]+)*))", re.M)
+
+
+def module_name(path):
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module):
+    if module in ("kvcore.cli", "kvcore.__main__") or module.startswith("kvcore.cli."):
+        return "cli"
+    if module.startswith("kvcore._native"):
+        return "native"
+    if module.startswith("kvcore.backends"):
+        return "backends"
+    return "public"
+
+
+def _resolve(module, path, level, name):
+    """The absolute module a relative import in ``module`` names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{name}" if name else package
+
+
+def _is_module(name):
+    where = PKG.parent / name.replace(".", "/")
+    return where.is_dir() or any(where.with_suffix(x).exists() for x in (".py", ".pyx"))
+
+
+def imports(path):
+    """Every kvcore module ``path`` imports (``from X import y`` counts as
+    X.y when X is a package, so ``from . import dtypes`` names the module)."""
+    module = module_name(path)
+    found = set()
+    if path.suffix == ".py":
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = (_resolve(module, path, node.level, node.module) if node.level
+                        else node.module)
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    found.add(sub if _is_module(sub) else base)
+    else:
+        for m in _CYTHON_IMPORT.finditer(path.read_text(encoding="utf-8")):
+            if m.group(1):
+                found.add(m.group(1))
+            else:
+                found.update(n.strip() for n in m.group(2).split(","))
+    return {f for f in found if f == "kvcore" or f.startswith("kvcore.")}
+
+
+def allowed(layer, target):
+    if layer != "cli" and (target == NEVER_FROM_LIBRARY or target.startswith("kvcore.cli.")):
+        return False
+    return any(target == rule or (rule.endswith(".") and target.startswith(rule))
+               or (rule == "kvcore") for rule in LAYERS[layer])
+
+
+def sources():
+    return sorted(p for p in PKG.rglob("*") if p.suffix in (".py", ".pyx", ".pxd"))
+
+
+def upward_imports():
+    bad = []
+    for path in sources():
+        module = module_name(path)
+        layer = layer_of(module)
+        for target in sorted(imports(path)):
+            if not allowed(layer, target):
+                bad.append(f"{path.relative_to(ROOT)} ({layer}) imports {target}")
+    return bad
+
+
+def test_no_module_imports_upward():
+    assert sources(), "no sources found"
+    bad = upward_imports()
+    assert not bad, "imports across the layers (see docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_check_sees_every_layer():
+    layers = {layer_of(module_name(p)) for p in sources()}
+    assert layers == {"public", "native", "backends", "cli"}
+
+
+@pytest.mark.parametrize("layer, target, ok", [
+    ("native", "kvcore.backends.cpu._kernels", False),
+    ("native", "kvcore.pool", False),
+    ("native", "kvcore._native._pool", True),
+    ("backends", "kvcore._native._pool", False),
+    ("backends", "kvcore._native._typedefs", True),
+    ("backends", "kvcore.dtypes", True),
+    ("backends", "kvcore._arrays", False),
+    ("public", "kvcore.cli.demo", False),
+    ("public", "kvcore.backends", True),
+    ("cli", "kvcore.cli.model", True),
+])
+def test_the_rules_can_fail(layer, target, ok):
+    assert allowed(layer, target) is ok
+
+
+def test_imports_are_read_from_python_and_cython(tmp_path):
+    # the reader finds relative, absolute and Cython imports alike
+    seq = PKG / "_native" / "_seq.pyx"
+    assert "kvcore._native._pool" in imports(seq)
+    pool = PKG / "pool.py"
+    assert {"kvcore.backends", "kvcore._native._pool"} <= imports(pool)
