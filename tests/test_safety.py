@@ -203,7 +203,7 @@ _UNINIT_SCRIPT = textwrap.dedent("""
             attr = getattr(type(s), name)
             print(name, file=sys.stderr, flush=True)   # the last name names a crash
             try:
-                if isinstance(attr, property) or type(attr).__name__ == "getset_descriptor":
+                if not callable(attr):      # a property or other descriptor: read it
                     getattr(s, name)
                 elif name in CALLS:
                     CALLS[name](s)
