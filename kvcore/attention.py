@@ -120,6 +120,16 @@ def _int_array(x, arg, ndim):
     return a
 
 
+def _positive_or_off(value, arg, convert, what):
+    """``value`` converted and checked > 0, or 0 (off) for None."""
+    if value is None:
+        return 0
+    v = convert(value, arg)
+    if v <= 0:
+        raise ValueError(f"{arg} must be {what} or None, got {v}")
+    return v
+
+
 def _real(value, arg):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                    np.floating)):
@@ -293,18 +303,9 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
         scale_v = 1.0 / math.sqrt(head_dim)
     else:
         scale_v = _real(scale, "scale")
-    if sliding_window is None:
-        window = 0
-    else:
-        window = index_int(sliding_window, "sliding_window")
-        if window <= 0:
-            raise ValueError(f"sliding_window must be a positive integer or None, got {window}")
-    if logits_soft_cap is None:
-        cap_v = 0.0
-    else:
-        cap_v = _real(logits_soft_cap, "logits_soft_cap")
-        if cap_v <= 0:
-            raise ValueError(f"logits_soft_cap must be positive or None, got {cap_v}")
+    # 0 tells the kernel "off"
+    window = _positive_or_off(sliding_window, "sliding_window", index_int, "a positive integer")
+    cap_v = _positive_or_off(logits_soft_cap, "logits_soft_cap", _real, "positive")
 
     tables32 = _int32_table(tables)
     shape = (num_tokens, num_heads, head_dim)

@@ -8,7 +8,6 @@ queries, many queries with short contexts)."""
 import glob
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,11 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+
+try:
+    from _helpers import aarch64_tools, functions_in
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import aarch64_tools, functions_in
 
 import kvcore
 from kvcore.backends.cpu import _attention
@@ -689,20 +693,6 @@ def test_softcap_accuracy(lvl):
 NATIVE = os.path.dirname(_attention.__file__)
 
 
-def _functions(so):
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], check=True,
-                         capture_output=True, text=True).stdout
-    fn, body = None, {}
-    for line in out.splitlines():
-        m = re.match(r"^[0-9a-f]+ <([^>]+)>:$", line)
-        if m:
-            fn = m.group(1)
-            body[fn] = []
-            continue
-        parts = line.split("\t")
-        if fn and len(parts) >= 2 and parts[1].strip():
-            body[fn].append(parts[1].strip())
-    return body
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump")
@@ -712,7 +702,7 @@ def test_only_avx2_functions_use_avx():
     after __builtin_cpu_supports) may use AVX; and they do."""
     so = glob.glob(os.path.join(NATIVE, "_attention*.so"))
     assert so, "the _attention extension is not built"
-    fns = _functions(so[0])
+    fns = functions_in(so[0])
     bad, simd = {}, set()
     for fn, insns in fns.items():
         name = fn.split("@")[0].split(".")[0]
@@ -756,10 +746,7 @@ def test_c_kernels_alone_every_level(tmp_path):
 @needs_source
 def test_c_kernels_on_aarch64_under_qemu(tmp_path):
     """The portable path on AArch64 (cross-compiled, run under qemu-aarch64)."""
-    cc = shutil.which("aarch64-linux-gnu-gcc")
-    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
-    if cc is None or qemu is None:
-        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
+    cc, qemu = aarch64_tools()
     run = _build_and_run_check(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "level scalar: 12 cases, 0 failures" in run.stdout and "0 failures" in run.stdout

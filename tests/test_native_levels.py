@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    from _helpers import aarch64_tools
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import aarch64_tools
+
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 CHECK = ROOT / "tests" / "c" / "kv_half_check.c"
@@ -36,10 +41,7 @@ def test_native_simd_levels_match_scalar(tmp_path):
 
 @needs_source
 def test_neon_level_matches_scalar_under_qemu(tmp_path):
-    cc = shutil.which("aarch64-linux-gnu-gcc")
-    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
-    if cc is None or qemu is None:
-        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
+    cc, qemu = aarch64_tools()
     run = _build_and_run(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "level neon" in run.stdout and "0 mismatches" in run.stdout

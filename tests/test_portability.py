@@ -6,9 +6,13 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 
 import pytest
+
+try:
+    from _helpers import functions_in
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import functions_in
 
 import kvcore._native
 import kvcore.backends.cpu
@@ -36,20 +40,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs x86-64 and objdump")
 
 
-def _functions(so):
-    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], check=True,
-                         capture_output=True, text=True).stdout
-    fn, body = None, {}
-    for line in out.splitlines():
-        m = re.match(r"^[0-9a-f]+ <([^>]+)>:$", line)
-        if m:
-            fn = m.group(1)
-            body[fn] = []
-            continue
-        parts = line.split("\t")
-        if fn and len(parts) >= 2 and parts[1].strip():
-            body[fn].append(parts[1].strip())
-    return body
 
 
 def _offending(insns):
@@ -64,7 +54,7 @@ def _offending(insns):
                          ids=os.path.basename)
 def test_only_dispatched_functions_use_simd_extensions(so):
     bad = {}
-    for fn, insns in _functions(so).items():
+    for fn, insns in functions_in(so).items():
         name = fn.split("@")[0].split(".")[0]
         if DISPATCHED.search(name):
             continue
@@ -77,7 +67,7 @@ def test_only_dispatched_functions_use_simd_extensions(so):
 def test_dispatched_functions_are_present():
     so = glob.glob(os.path.join(CPU, "_convert*.so"))
     assert so, "the _convert extension is not built"
-    names = {fn.split(".")[0] for fn in _functions(so[0])}
+    names = {fn.split(".")[0] for fn in functions_in(so[0])}
     for want in ("f32_to_f16_f16c", "f32_to_bf16_avx2", "f32_to_bf16_sse41"):
         assert want in names, f"{want} missing from {os.path.basename(so[0])}"
 
@@ -87,7 +77,7 @@ def test_dispatched_functions_are_present():
 def test_no_avx512_code(so):
     # The AVX-512 conversion path was removed (slower than AVX2 where measured):
     # no function of any extension may use 512-bit registers or mask registers.
-    bad = {fn: insn for fn, insns in _functions(so).items() for insn in insns
+    bad = {fn: insn for fn, insns in functions_in(so).items() for insn in insns
            if "zmm" in insn or re.search(r"%k[0-7]\b", insn)}
     assert not bad, f"{os.path.basename(so)}: AVX-512 instructions in {sorted(bad)[:5]}"
 
@@ -95,6 +85,6 @@ def test_no_avx512_code(so):
 def test_checker_flags_simd_code():
     # the check above can fail: it does flag the AVX2 body it exempts
     so = glob.glob(os.path.join(CPU, "_convert*.so"))[0]
-    fns = {fn.split(".")[0]: insns for fn, insns in _functions(so).items()}
+    fns = {fn.split(".")[0]: insns for fn, insns in functions_in(so).items()}
     assert _offending(fns["f32_to_bf16_avx2"]) is not None
     assert _offending(fns["f32_to_bf16_sse41"]) is not None
