@@ -28,3 +28,20 @@ cdef void stream_fence() noexcept nogil
 
 cdef inline Py_ssize_t kind_itemsize(int kind) noexcept nogil:
     return 4 if kind == KVH_F32 else 2
+
+# fp8 / int8 (kv_fp8.h): the pool's writers and readers call these; same bits
+# as the scalar definitions in kv_fp8.h.  fmt: KV_FP8_E4M3 or KV_FP8_E5M2.
+from libc.stdint cimport int8_t, uint8_t
+
+cdef extern from "kv_fp8.h":
+    enum:
+        KV_FP8_E4M3
+        KV_FP8_E5M2
+
+cdef void f32_to_fp8(int fmt, const float* src, uint8_t* dst, Py_ssize_t n,
+                     float scale, int saturate) noexcept nogil
+cdef void fp8_to_f32(int fmt, const uint8_t* src, float* dst, Py_ssize_t n,
+                     float scale) noexcept nogil
+# int8 row of n elements: returns its scale (see kv_fp8.h)
+cdef float f32_to_i8_row(const float* src, int8_t* dst, Py_ssize_t n) noexcept nogil
+cdef void i8_to_f32(const int8_t* src, float* dst, Py_ssize_t n, float scale) noexcept nogil

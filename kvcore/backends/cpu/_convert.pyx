@@ -60,6 +60,32 @@ cdef void stream_fence() noexcept nogil:
     kvh_stream_fence()
 
 
+cdef extern from "kv_fp8.h" nogil:
+    void kvh_f32_to_fp8(int fmt, const float* src, uint8_t* dst, Py_ssize_t n,
+                        float scale, int saturate)
+    void kvh_fp8_to_f32(int fmt, const uint8_t* src, float* dst, Py_ssize_t n, float scale)
+    float kvh_f32_to_i8_row(const float* src, int8_t* dst, Py_ssize_t n)
+    void kvh_i8_to_f32(const int8_t* src, float* dst, Py_ssize_t n, float scale)
+
+
+cdef void f32_to_fp8(int fmt, const float* src, uint8_t* dst, Py_ssize_t n,
+                     float scale, int saturate) noexcept nogil:
+    kvh_f32_to_fp8(fmt, src, dst, n, scale, saturate)
+
+
+cdef void fp8_to_f32(int fmt, const uint8_t* src, float* dst, Py_ssize_t n,
+                     float scale) noexcept nogil:
+    kvh_fp8_to_f32(fmt, src, dst, n, scale)
+
+
+cdef float f32_to_i8_row(const float* src, int8_t* dst, Py_ssize_t n) noexcept nogil:
+    return kvh_f32_to_i8_row(src, dst, n)
+
+
+cdef void i8_to_f32(const int8_t* src, float* dst, Py_ssize_t n, float scale) noexcept nogil:
+    kvh_i8_to_f32(src, dst, n, scale)
+
+
 cdef int _convert_strided(int sk, char* sp, const cnp.npy_intp* sst,
                           int dk, char* dp, const cnp.npy_intp* dst_st,
                           const cnp.npy_intp* shape, int nd) noexcept nogil:
