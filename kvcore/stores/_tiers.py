@@ -90,13 +90,13 @@ class StoreTiers:
                     for s in stores]
         self._hmac = [getattr(s, "hmac_key", None) for s in stores]
         self._stats = [_stat_dict(getattr(s, "kind", type(s).__name__)) for s in stores]
-        self._warned = [set() for _ in stores]
+        self._warned = [{} for _ in stores]   # condition -> the operation that failed
         self._pending = []
         self._down_until = [0.0] * len(stores)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ faults
-    def _fail(self, i, exc, count=True):
+    def _fail(self, i, exc, count=True, op=None):
         cond = _condition(exc)
         with self._lock:
             if count:
@@ -104,7 +104,7 @@ class StoreTiers:
             if cond in ("timeout", "unreachable"):
                 self._down_until[i] = time.monotonic() + self.retry_interval
             if cond not in self._warned[i]:
-                self._warned[i].add(cond)
+                self._warned[i][cond] = op
                 self._pending.append(
                     f"prefix store {i} ({self.stores[i]!r}): {cond}: {exc}; treated as a miss "
                     f"(warned once per condition)")
@@ -114,10 +114,14 @@ class StoreTiers:
             self._stats[i]["rejected"] += 1
         self._fail(i, exc, count=False)
 
-    def _ok(self, i):
-        if self._warned[i] & _TRANSIENT:
+    def _ok(self, i, op):
+        """Operation ``op`` of store ``i`` worked: the transient conditions
+        it had warned of are warned of again if they recur."""
+        warned = self._warned[i]
+        if warned:
             with self._lock:
-                self._warned[i] -= _TRANSIENT
+                for cond in [c for c, o in warned.items() if o == op and c in _TRANSIENT]:
+                    del warned[cond]
 
     def _up(self, i):
         return time.monotonic() >= self._down_until[i]
@@ -154,7 +158,7 @@ class StoreTiers:
                               _format.encode(fp, h, pb[16 * j:16 * j + 16],
                                              rb[16 * j:16 * j + 16], tokens[j], payloads[j], key)))
         except Exception as e:
-            self._fail(0, e)
+            self._fail(0, e, op="export")
             return
         self._put(0, items)
 
@@ -166,9 +170,9 @@ class StoreTiers:
             try:
                 dropped = self.stores[i].put(items)
             except Exception as e:
-                self._fail(i, e)
+                self._fail(i, e, op="put")
                 return
-            self._ok(i)
+            self._ok(i, "put")
             with self._lock:
                 st = self._stats[i]
                 st["puts"] += len(items)
@@ -213,10 +217,10 @@ class StoreTiers:
                 n = int(s.contains(keys))
             except Exception as e:
                 if count:
-                    self._fail(i, e)
+                    self._fail(i, e, op="contains")
                 continue
             if count:
-                self._ok(i)
+                self._ok(i, "contains")
                 with self._lock:
                     self._stats[i]["lookups"] += 1
             n = max(0, min(n, stop - at))
@@ -267,9 +271,9 @@ class StoreTiers:
             try:
                 values = self.stores[i].get(keys)
             except Exception as e:
-                self._fail(i, e)
+                self._fail(i, e, op="get")
                 break
-            self._ok(i)
+            self._ok(i, "get")
             complete = True
             for b, v in zip(range(start, end), values):
                 if v is None:   # gone since contains (another process, LRU)
@@ -294,7 +298,7 @@ class StoreTiers:
         try:
             pool._import_blocks(core._table[first:first + m], payloads)
         except Exception as e:  # nothing adopted: the blocks stay fresh
-            self._fail(owners[0][0], e)
+            self._fail(owners[0][0], e, op="import")
             return hit
         new_hit = core._adopt_loaded(m)
         with self._lock:

@@ -29,9 +29,10 @@ class DiskStore(PrefixStore):
     renamed into place (``os.replace``), so a reader sees a whole old entry,
     a whole new one, or none; concurrent writers of one key both succeed
     and one of their (identical) entries stays.  Trimming to capacity runs
-    under an exclusive ``flock`` on ``PATH/.lock``, over a fresh listing of
-    the directory, so processes sharing it keep it within capacity between
-    them.  A torn or corrupted file is caught by the entry's checksum when
+    after every ``put``, under an exclusive ``flock`` on ``PATH/.lock``,
+    over a fresh listing of the directory, so processes sharing it keep it
+    within capacity between them (the listing costs a ``stat`` per entry
+    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A torn or corrupted file is caught by the entry's checksum when
     read, and is then a miss.
     """
 
@@ -134,8 +135,9 @@ class DiskStore(PrefixStore):
             grown += len(v) - old
         with self._lock:
             self._used += grown
-            over = self._used > self.capacity_bytes
-        return self._trim() if over else []
+        # other processes write here too: the bound is checked against a
+        # fresh listing after every put (one scandir of the directory)
+        return self._trim()
 
     def _trim(self):
         """Remove least recently used files until within capacity; their
@@ -145,8 +147,9 @@ class DiskStore(PrefixStore):
         with open(lock_path, "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             try:
-                files = sorted(self._listing(), key=lambda e: e[2])
+                files = self._listing()
                 used = sum(size for _, size, _ in files)
+                files = sorted(files, key=lambda e: e[2]) if used > self.capacity_bytes else []
                 for p, size, _ in files:
                     if used <= self.capacity_bytes:
                         break
