@@ -111,9 +111,6 @@ def parse(value, fp, hmac_key=None):
     if n != head + 4 * ntok + npay:
         raise Invalid("corrupt", f"truncated or overlong entry: {n} bytes, its header says "
                                  f"{head + 4 * ntok + npay}")
-    if efp != fp:
-        raise Invalid("fingerprint", "the entry's layout fingerprint (dtype, block size, "
-                                     "layers, heads, head_dim, namespace) differs from the pool's")
     tok = view[head:head + 4 * ntok]
     pay = view[head + 4 * ntok:]
     (checksum,) = _CHECKSUM.unpack_from(view, PREFIX_SIZE)
@@ -122,6 +119,9 @@ def parse(value, fp, hmac_key=None):
     h.update(pay)
     if h.intdigest() != checksum:
         raise Invalid("corrupt", "checksum mismatch")
+    if efp != fp:   # (after the checksum: a damaged fingerprint is corruption)
+        raise Invalid("fingerprint", "the entry's layout fingerprint (dtype, block size, "
+                                     "layers, heads, head_dim, namespace) differs from the pool's")
     if hmac_key:
         if not flags & FLAG_HMAC:
             raise Invalid("hmac", "the entry is not signed but the store has an hmac_key")
