@@ -317,6 +317,20 @@ class BlockPool:
             self._forget_dead_salts()
             return True
 
+    def flush_to_stores(self):
+        """Write every block of the prefix cache to the first prefix store,
+        keeping it cached: for a graceful shutdown, so that the next process
+        on the same ``DiskStore`` or ``RedisStore`` finds this one's
+        prefixes.  Returns how many blocks were written (0 without stores,
+        or when the store failed: a ``StoreWarning`` says why)."""
+        if self._stores is None:
+            return 0
+        with self._lock:
+            cached = np.flatnonzero([self._core.is_cached(b) for b in range(self._num_blocks)])
+            n = self._stores.spill(cached.astype(np.int32)) if cached.size else 0
+        self._stores.emit_warnings()
+        return n
+
     def check(self):
         """Verify the bookkeeping's internal invariants (raises AssertionError)."""
         with self._lock:

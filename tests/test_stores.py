@@ -414,3 +414,31 @@ def test_cuda_pool_to_host_store_and_back():
         gk, gv = pool.gather(layer, seq.block_table, 0, 16)
         assert np.array_equal(gk.get(), k) and np.array_equal(gv.get(), v)
     seq.free()
+
+
+def test_demo_second_run_hits_the_first_runs_prefixes(tmp_path):
+    from kvcore.cli.demo import run_demo
+
+    opts = dict(requests=3, prompt_len=64, new_tokens=4, store=f"disk:{tmp_path / 's'}")
+    first = run_demo(**opts)
+    assert first["ok"] and first["pool_stats"]["stores"][0]["hits"] == 0
+    second = run_demo(**opts)
+    assert second["ok"], second["message"]
+    st = second["pool_stats"]
+    assert st["stores"][0]["hit_tokens"] >= 64       # the shared prompt, at least
+    assert st["prefix_hits"] > first["pool_stats"]["prefix_hits"]
+    assert "prefix-store hits" in second["table"]
+
+
+def test_flush_to_stores_keeps_the_cache_and_writes_every_cached_block(tmp_path):
+    pool = make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)])
+    assert pool.flush_to_stores() == 0
+    run(pool, PROMPT)
+    snap = pool.debug_snapshot()
+    assert pool.flush_to_stores() == 4
+    after = pool.debug_snapshot()
+    after["stats"].pop("stores"), snap["stats"].pop("stores")
+    assert after == snap
+    other = make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)])
+    check_hit(other, PROMPT, 4)
+    assert make_pool().flush_to_stores() == 0

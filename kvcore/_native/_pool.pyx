@@ -831,6 +831,19 @@ cdef class PoolCore:
         return (blocks, np.asarray(self.hashes)[blocks], np.asarray(self.parent_hashes)[blocks],
                 np.asarray(self.chain_roots)[blocks], np.asarray(self.tokens)[blocks])
 
+    def cached_entries(self, cnp.ndarray blocks):
+        """``take_evicted``'s tuple for cached blocks ``blocks`` (int32,
+        each checked cached), without evicting them."""
+        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
+        cdef const block_id_t* b = _i32(blocks, n, False)
+        self._check_ids(b, n)
+        for i in range(n):
+            if not self.cached[b[i]]:
+                raise ValueError(f"block {b[i]} is not in the prefix cache")
+        ids = np.asarray(blocks, np.int32).copy()
+        return (ids, np.asarray(self.hashes)[ids], np.asarray(self.parent_hashes)[ids],
+                np.asarray(self.chain_roots)[ids], np.asarray(self.tokens)[ids])
+
     def cached_tokens(self, block_id_t b):
         """The token ids stored with cached block b (a copy)."""
         return np.asarray(self.tokens[b]).copy()

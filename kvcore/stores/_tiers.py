@@ -136,15 +136,20 @@ class StoreTiers:
             warnings.warn(msg, StoreWarning, stacklevel=4)
 
     # ------------------------------------------------------------ spill
-    def spill(self):
-        """Put the blocks the pool just evicted into the first store (the
-        pool's lock is held; the blocks are not written yet).  Never raises."""
+    def spill(self, cached=None):
+        """Put the blocks the pool just evicted (or, with ``cached``, these
+        cached blocks) into the first store (the pool's lock is held; the
+        blocks are not written yet).  Returns how many entries were put;
+        never raises."""
         pool = self._pool()
         if pool is None:
-            return
-        blocks, hashes, parents, roots, tokens = pool._core.take_evicted()
+            return 0
+        if cached is None:
+            blocks, hashes, parents, roots, tokens = pool._core.take_evicted()
+        else:
+            blocks, hashes, parents, roots, tokens = pool._core.cached_entries(cached)
         if not blocks.size or not self.stores:
-            return
+            return 0
         try:
             payloads = pool._export_blocks(blocks)
             hb = hashes.astype("<u8").tobytes()
@@ -159,10 +164,11 @@ class StoreTiers:
                                              rb[16 * j:16 * j + 16], tokens[j], payloads[j], key)))
         except Exception as e:
             self._fail(0, e, op="export")
-            return
-        self._put(0, items)
+            return 0
+        return self._put(0, items)
 
     def _put(self, i, items):
+        first = len(items)
         while items and i < len(self.stores):
             if not self._up(i):
                 i, items = i + 1, self._retarget(i, i + 1, items)
@@ -171,7 +177,7 @@ class StoreTiers:
                 dropped = self.stores[i].put(items)
             except Exception as e:
                 self._fail(i, e, op="put")
-                return
+                return 0
             self._ok(i, "put")
             with self._lock:
                 st = self._stats[i]
@@ -180,6 +186,7 @@ class StoreTiers:
                 st["evictions"] += len(dropped or ())
             items = self._retarget(i, i + 1, list(dropped or ()))
             i += 1
+        return first
 
     def _retarget(self, i, j, items):
         """Entries of store ``i`` re-encoded for store ``j`` where their
