@@ -271,7 +271,8 @@ class StoreTiers:
         root = np.array([r0, r1], "<u8").tobytes()
         tokens = core._token_ids()
         segments = self._run(hb, first, stop, count=True)
-        payloads, owners = [], []
+        table = core._table
+        owners = []           # (store, entry bytes) of each block loaded, in order
         for i, start, end in segments:
             keys = [_format.store_key(self._fp[i], hb[16 * b:16 * b + 16])
                     for b in range(start, end)]
@@ -281,7 +282,7 @@ class StoreTiers:
                 self._fail(i, e, op="get")
                 break
             self._ok(i, "get")
-            complete = True
+            complete = len(values) == end - start
             for b, v in zip(range(start, end), values):
                 if v is None:   # gone since contains (another process, LRU)
                     complete = False
@@ -291,23 +292,23 @@ class StoreTiers:
                     pay = _format.decode(v, self._fp[i], hb[16 * b:16 * b + 16], parent, root,
                                          tokens[b * bs:(b + 1) * bs], self._payload_size,
                                          self._hmac[i])
+                    # each block is copied in right after its checksum pass,
+                    # while its bytes are still in the CPU's caches
+                    pool._import_blocks(table[b:b + 1], [pay])
                 except _format.Invalid as e:
                     self._reject(i, e)
                     complete = False
                     break
-                payloads.append(pay)
+                except Exception as e:  # the block stays fresh, not adopted
+                    self._fail(i, e, op="import")
+                    complete = False
+                    break
                 owners.append((i, len(v)))
-            if not complete or len(values) != end - start:
+            if not complete:
                 break
-        if not payloads:
+        if not owners:
             return hit
-        m = len(payloads)
-        try:
-            pool._import_blocks(core._table[first:first + m], payloads)
-        except Exception as e:  # nothing adopted: the blocks stay fresh
-            self._fail(owners[0][0], e, op="import")
-            return hit
-        new_hit = core._adopt_loaded(m)
+        new_hit = core._adopt_loaded(len(owners))
         with self._lock:
             for i, size in owners:
                 st = self._stats[i]
