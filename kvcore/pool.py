@@ -755,14 +755,16 @@ class BlockPool:
             out.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
         return out
 
-    def _import_blocks(self, block_ids, payloads):
+    def _import_blocks(self, block_ids, payloads, seeds=None):
         """Write ``payloads`` (bytes-like, as :meth:`_export_blocks` gives
         them) into blocks ``block_ids``.  Checks every payload's size before
-        writing anything (ValueError)."""
+        writing anything (ValueError).  With ``seeds`` (one int per block),
+        returns the XXH64 of each payload with its seed, computed while
+        copying (prefix stores verify entries so); else None."""
         ids = np.asarray(block_ids, np.int64).tolist()
-        if len(ids) != len(payloads):
-            raise ValueError(f"payloads must hold one entry per block ({len(ids)}), got "
-                             f"{len(payloads)}")
+        if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
+            raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
+                             f"got {len(payloads)}")
         shape = (self._storage.shape[0],) + tuple(self._storage.shape[2:])
         dt = np.dtype(self._storage.dtype)
         arrays = []
@@ -771,9 +773,28 @@ class BlockPool:
             if a.nbytes != self.bytes_per_block:
                 raise ValueError(f"payloads[{i}] must hold {self.bytes_per_block} bytes (one "
                                  f"block), got {a.nbytes}")
-            arrays.append(a.view(dt).reshape(shape))
-        for b, a in zip(ids, arrays):
-            self._storage[:, b] = self._backend.from_host(a)
+            arrays.append(a)
+        if seeds is None:
+            for b, a in zip(ids, arrays):
+                self._storage[:, b] = self._backend.from_host(a.view(dt).reshape(shape))
+            return None
+        from .backends.cpu import _checksum
+
+        digests = []
+        planes = self._storage.shape[0]
+        chunk = self.bytes_per_block // planes           # one block of one plane
+        if self._backend.name == "cpu":
+            # the storage is one C-contiguous array: plane p of block b
+            # starts at byte (p * num_blocks + b) * chunk
+            flat = self._storage.reshape(-1).view(np.uint8)
+            for b, a, seed in zip(ids, arrays, seeds):
+                digests.append(_checksum.copy_xxh64(a, flat[b * chunk:], planes, chunk,
+                                                    self._num_blocks * chunk, seed))
+        else:
+            for b, a, seed in zip(ids, arrays, seeds):
+                digests.append(_checksum.xxh64(a, seed))
+                self._storage[:, b] = self._backend.from_host(a.view(dt).reshape(shape))
+        return digests
 
     def _device_array(self, a):
         """Host array ``a`` on this pool's device."""

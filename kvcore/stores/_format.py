@@ -15,7 +15,8 @@ gives them) and what identifies it.  Layout, all integers little-endian::
     72     4    tokens in the block (= block_size)
     76     4    0 (reserved)
     80     8    payload bytes
-    88     8    checksum: XXH3-64 of bytes 0..87, the token ids, the payload
+    88     8    checksum: XXH64 of the payload, seeded with the XXH64 (seed 0)
+                of bytes 0..87 and the token ids
     96     32   HMAC-SHA256 (only with flag bit 0) of bytes 0..95, the token
                 ids and the payload, with the store's ``hmac_key``
     ...         token ids (int32), then the payload
@@ -29,7 +30,8 @@ import hmac
 import struct
 
 import numpy as np
-import xxhash
+
+from ..backends.cpu._checksum import xxh64
 
 MAGIC = b"KVST"
 VERSION = 1
@@ -64,6 +66,12 @@ def store_key(fp, block_hash):
     return fp + block_hash
 
 
+def header_seed(prefix, tokens):
+    """The seed of an entry's payload checksum: XXH64 of its first 88
+    bytes and its token ids."""
+    return xxh64(bytes(prefix) + bytes(memoryview(tokens).cast("B")))
+
+
 def _mac(hmac_key, head, tokens, payload):
     m = hmac.new(hmac_key, head, hashlib.sha256)
     m.update(tokens)
@@ -78,10 +86,7 @@ def encode(fp, block_hash, parent, salt_root, tokens, payload, hmac_key=None):
     pay = memoryview(payload).cast("B")
     prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_HMAC if hmac_key else 0, fp, block_hash,
                           parent, salt_root, tok.size, 0, pay.nbytes)
-    h = xxhash.xxh3_64(prefix)
-    h.update(tok)
-    h.update(pay)
-    head = prefix + _CHECKSUM.pack(h.intdigest())
+    head = prefix + _CHECKSUM.pack(xxh64(pay, header_seed(prefix, tok)))
     if hmac_key:
         head += _mac(hmac_key, head, tok, pay)
     out = bytearray(len(head) + tok.nbytes + pay.nbytes)
@@ -91,11 +96,14 @@ def encode(fp, block_hash, parent, salt_root, tokens, payload, hmac_key=None):
     return out
 
 
-def parse(value, fp, hmac_key=None):
-    """``(block_hash, parent, salt_root, tokens, payload)`` of a well-formed
-    entry of layout ``fp`` (tokens and payload memoryviews into ``value``):
-    structure, fingerprint, checksum and (with ``hmac_key``) HMAC checked;
-    raises :class:`Invalid` otherwise."""
+def parse(value, fp, hmac_key=None, verify_payload=True):
+    """``(block_hash, parent, salt_root, tokens, payload, checksum, seed)``
+    of a well-formed entry of layout ``fp`` (tokens and payload are
+    memoryviews into ``value``): structure, header, fingerprint and (with
+    ``hmac_key``) HMAC checked, and the payload's checksum unless
+    ``verify_payload`` is False (the caller then checks ``checksum``
+    against the XXH64 of the payload with ``seed``, e.g. while copying
+    it); raises :class:`Invalid` otherwise."""
     try:
         view = memoryview(value).cast("B")
     except TypeError as e:
@@ -114,12 +122,13 @@ def parse(value, fp, hmac_key=None):
     tok = view[head:head + 4 * ntok]
     pay = view[head + 4 * ntok:]
     (checksum,) = _CHECKSUM.unpack_from(view, PREFIX_SIZE)
-    h = xxhash.xxh3_64(view[:PREFIX_SIZE])
-    h.update(tok)
-    h.update(pay)
-    if h.intdigest() != checksum:
+    seed = header_seed(view[:PREFIX_SIZE], tok)
+    if verify_payload and xxh64(pay, seed) != checksum:
         raise Invalid("corrupt", "checksum mismatch")
-    if efp != fp:   # (after the checksum: a damaged fingerprint is corruption)
+    if efp != fp:
+        # a damaged fingerprint is corruption, not another layout
+        if not verify_payload and xxh64(pay, seed) != checksum:
+            raise Invalid("corrupt", "checksum mismatch")
         raise Invalid("fingerprint", "the entry's layout fingerprint (dtype, block size, "
                                      "layers, heads, head_dim, namespace) differs from the pool's")
     if hmac_key:
@@ -128,17 +137,22 @@ def parse(value, fp, hmac_key=None):
         want = _mac(hmac_key, view[:PREFIX_SIZE + 8], tok, pay)
         if not hmac.compare_digest(want, view[PREFIX_SIZE + 8:head]):
             raise Invalid("hmac", "HMAC mismatch")
-    return ehash, eparent, esalt, tok, pay
+    return ehash, eparent, esalt, tok, pay, checksum, seed
 
 
-def decode(value, fp, block_hash, parent, salt_root, tokens, payload_size, hmac_key=None):
-    """The payload (a memoryview into ``value``) of a valid entry for the
-    block ``block_hash`` with ``parent``, ``salt_root`` and ``tokens`` (int32
-    array) of ``payload_size`` bytes; raises :class:`Invalid` otherwise."""
-    ehash, eparent, esalt, tok, pay = parse(value, fp, hmac_key)
+def decode(value, fp, block_hash, parent, salt_root, tokens, payload_size, hmac_key=None,
+           verify_payload=True):
+    """``(payload, checksum, seed)`` (see :func:`parse`) of a valid entry
+    for the block ``block_hash`` with ``parent``, ``salt_root`` and
+    ``tokens`` (int32 array) of ``payload_size`` bytes; raises
+    :class:`Invalid` otherwise."""
+    ehash, eparent, esalt, tok, pay, checksum, seed = parse(value, fp, hmac_key, verify_payload)
     expect = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
     if (ehash != block_hash or eparent != parent or esalt != salt_root
             or pay.nbytes != payload_size or tok != expect):
+        # a damaged header or token id is corruption, not another block
+        if not verify_payload and xxh64(pay, seed) != checksum:
+            raise Invalid("corrupt", "checksum mismatch")
         raise Invalid("mismatch", "the entry's hash, parent, salt, token ids or size differ "
                                   "from the query's")
-    return pay
+    return pay, checksum, seed

@@ -198,7 +198,7 @@ class StoreTiers:
         out = []
         for _, v in items:
             try:
-                h, parent, salt, tok, pay = _format.parse(v, self._fp[i], self._hmac[i])
+                h, parent, salt, tok, pay, _, _ = _format.parse(v, self._fp[i], self._hmac[i])
             except _format.Invalid as e:
                 self._reject(i, e)
                 continue
@@ -289,12 +289,15 @@ class StoreTiers:
                     break
                 parent = hb[16 * b - 16:16 * b] if b else root
                 try:
-                    pay = _format.decode(v, self._fp[i], hb[16 * b:16 * b + 16], parent, root,
-                                         tokens[b * bs:(b + 1) * bs], self._payload_size,
-                                         self._hmac[i])
-                    # each block is copied in right after its checksum pass,
-                    # while its bytes are still in the CPU's caches
-                    pool._import_blocks(table[b:b + 1], [pay])
+                    pay, checksum, seed = _format.decode(
+                        v, self._fp[i], hb[16 * b:16 * b + 16], parent, root,
+                        tokens[b * bs:(b + 1) * bs], self._payload_size, self._hmac[i],
+                        verify_payload=False)
+                    # the payload's checksum is computed while it is copied
+                    # into the (fresh, not yet adopted) block
+                    (digest,) = pool._import_blocks(table[b:b + 1], [pay], seeds=[seed])
+                    if digest != checksum:
+                        raise _format.Invalid("corrupt", "checksum mismatch")
                 except _format.Invalid as e:
                     self._reject(i, e)
                     complete = False

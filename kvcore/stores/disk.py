@@ -1,11 +1,13 @@
 """DiskStore: evicted blocks as files, surviving restarts, shared by the processes of a machine."""
 import fcntl
+import mmap
 import os
 import threading
 
 from .base import PrefixStore
 
 _SUFFIX = ".kve"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)    # Linux: fault the pages in at once
 
 
 class DiskStore(PrefixStore):
@@ -95,10 +97,12 @@ class DiskStore(PrefixStore):
             try:
                 with open(p, "rb", buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
-                    buf = bytearray(size)
-                    got = f.readinto(buf)
-                    if got != size:
-                        del buf[got:]
+                    # mapped, not read: the pool reads the entry once, from
+                    # the page cache, straight into its blocks.  (Writers
+                    # never change a file in place: they rename a new one
+                    # over it, which leaves this mapping intact.)
+                    buf = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE,
+                                    prot=mmap.PROT_READ) if size else b""
                 try:
                     os.utime(p)   # recency for the LRU trim
                 except OSError:
