@@ -442,3 +442,27 @@ def test_flush_to_stores_keeps_the_cache_and_writes_every_cached_block(tmp_path)
     other = make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)])
     check_hit(other, PROMPT, 4)
     assert make_pool().flush_to_stores() == 0
+
+
+def test_a_store_returning_garbage_types_is_a_miss_not_an_exception():
+    class Odd(kvcore.HostStore):
+        def contains(self, keys):
+            return "many"                  # not an int
+
+        def get(self, keys):
+            return [object() for _ in keys]
+
+        def put(self, items):
+            super().put(items)
+            return [(b"k", object())]      # a dropped "entry" that is no entry
+
+    nxt = kvcore.HostStore(1 << 20, namespace="other")   # re-encoding path
+    pool = make_pool(stores=[Odd(1 << 20), nxt])
+    with pytest.warns(kvcore.StoreWarning):
+        run(pool, PROMPT)
+        flush_pool(pool)
+        seq = kvcore.PagedKVCache(pool)
+        assert seq.allocate(PROMPT) == 0
+        seq.free()
+    pool.check()
+    assert pool.num_free_blocks == pool.num_blocks

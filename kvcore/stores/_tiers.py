@@ -13,7 +13,7 @@
 * Faults: any exception of a store, and any entry that fails verification,
   is a miss; a ``StoreWarning`` is issued once per (store, condition) from
   the thread calling the pool.  A store that times out or cannot be
-  reached is skipped for ``retry_interval`` seconds, so a dead server costs
+  reached is skipped for its ``retry_interval`` seconds (default 1), so a dead server costs
   one timeout per interval, not one per call.
 """
 import errno
@@ -65,7 +65,7 @@ def _stat_dict(kind):
 class StoreTiers:
     """The stores of one pool, in order, and the pool's traffic with them."""
 
-    def __init__(self, pool, stores, retry_interval=1.0):
+    def __init__(self, pool, stores):
         if isinstance(stores, (PrefixStore, str, bytes)) or not hasattr(stores, "__iter__"):
             raise TypeError("stores must be a list of prefix stores (kvcore.HostStore, "
                             f"DiskStore, RedisStore, ...), got {type(stores).__name__}")
@@ -81,7 +81,6 @@ class StoreTiers:
             raise ValueError("stores must not list one store twice")
         self._pool = weakref.ref(pool)
         self.stores = tuple(stores)
-        self.retry_interval = retry_interval
         self._block_size = pool.block_size
         self._payload_size = pool.bytes_per_block
         self._fp = [_format.fingerprint(pool.dtype, pool.block_size, pool.num_layers,
@@ -102,7 +101,8 @@ class StoreTiers:
             if count:
                 self._stats[i]["failures"] += 1
             if cond in ("timeout", "unreachable"):
-                self._down_until[i] = time.monotonic() + self.retry_interval
+                self._down_until[i] = time.monotonic() + float(
+                    getattr(self.stores[i], "retry_interval", 1.0))
             if cond not in self._warned[i]:
                 self._warned[i][cond] = op
                 self._pending.append(
@@ -141,6 +141,13 @@ class StoreTiers:
         cached blocks) into the first store (the pool's lock is held; the
         blocks are not written yet).  Returns how many entries were put;
         never raises."""
+        try:
+            return self._spill(cached)
+        except Exception as e:  # a bug must not break the pool operation that evicted
+            self._fail(0, e, op="spill")
+            return 0
+
+    def _spill(self, cached):
         pool = self._pool()
         if pool is None:
             return 0
@@ -253,6 +260,9 @@ class StoreTiers:
         raises (except from the warnings it issues)."""
         try:
             return self._extend(seq, hit)
+        except Exception as e:  # a bug must not reach allocate's caller
+            self._fail(0, e, op="load")
+            return seq._core._num_computed
         finally:
             self.emit_warnings()
 

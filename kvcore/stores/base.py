@@ -36,6 +36,9 @@ class PrefixStore:
 
     #: short name used in stats() and warnings
     kind = "store"
+    #: seconds a pool leaves the store alone after it timed out or could
+    #: not be reached (then tries it again)
+    retry_interval = 1.0
 
     def __init__(self, capacity_bytes=None, namespace="", hmac_key=None):
         if capacity_bytes is not None:

@@ -26,6 +26,9 @@ class RedisStore(PrefixStore):
     timeout : float, default 1.0
         Socket connect and read timeout in seconds (a client made here):
         a slow or dead server costs at most this, then misses.
+    retry_interval : float, default 1.0
+        Seconds a pool leaves the server alone after a timeout or a failed
+        connection, then tries it again.
     capacity_bytes : int, optional
         Not enforced here (Redis bounds itself); reported by ``stats``.
 
@@ -41,7 +44,7 @@ class RedisStore(PrefixStore):
     kind = "redis"
 
     def __init__(self, url, namespace="kvcore", ttl=None, hmac_key=None, timeout=1.0,
-                 capacity_bytes=None):
+                 retry_interval=1.0, capacity_bytes=None):
         super().__init__(capacity_bytes, namespace, hmac_key)
         try:
             import redis
@@ -52,8 +55,13 @@ class RedisStore(PrefixStore):
                 raise ValueError(f"ttl must be None or a positive number of seconds, got {ttl!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) \
+                or not retry_interval >= 0:
+            raise ValueError(f"retry_interval must be a number of seconds >= 0, got "
+                             f"{retry_interval!r}")
         self.ttl = ttl
         self.timeout = float(timeout)
+        self.retry_interval = float(retry_interval)
         if isinstance(url, str):
             self.url = url
             self._client = redis.Redis.from_url(
