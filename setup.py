@@ -81,6 +81,7 @@ extensions = [
     ext(NATIVE, "_seq"),
     ext(CPU_BACKEND, "_convert", "kv_half.c", "kv_fp8.c"),
     ext(CPU_BACKEND, "_kernels"),
+    ext(CPU_BACKEND, "_checksum", "kv_checksum.c"),
     ext(CPU_BACKEND, "_attention", "kv_attention.c", compile_args=PTHREAD, link_args=PTHREAD),
 ]
 

@@ -12,6 +12,7 @@ from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
 from .hashing import block_hashes
 from .paged import PagedKVCache
 from .pool import BlockPool
+from .stores import DiskStore, HostStore, PrefixStore, RedisStore, StoreWarning
 from .tables import csr_block_tables, padded_block_tables
 
 __version__ = "0.1.0"
@@ -22,4 +23,5 @@ __all__ = [
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
     "padded_block_tables", "csr_block_tables", "CudaUnavailableError", "cuda_available",
     "paged_attention", "set_num_threads", "get_num_threads",
+    "HostStore", "DiskStore", "RedisStore", "PrefixStore", "StoreWarning",
 ]

@@ -184,6 +184,10 @@ class PagedKVCache:
         hit = self._core._allocate(token_ids)
         if hit < 0:
             hit = self._allocate_failed(token_ids, hit)
+        stores = self._pool._stores
+        if stores is not None:
+            # the pool's prefix stores may hold the blocks after the hit
+            hit = stores.extend(self, hit)
         return hit
 
     def _allocate_failed(self, token_ids, status):

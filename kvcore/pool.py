@@ -60,6 +60,14 @@ class BlockPool:
     device : {"cpu", "cuda"}, default "cpu"
     enable_prefix_caching : bool, default True
         Share full blocks of identical prefixes between sequences.
+    stores : list of prefix stores, optional
+        Tiers below the prefix cache (``kvcore.HostStore``, ``DiskStore``,
+        ``RedisStore``, or anything following the protocol of
+        ``kvcore.stores.PrefixStore``): cached blocks the pool evicts go to
+        the first store, each store drops its least recently used entries
+        into the next, and ``allocate``/``probe`` extend the pool's own hit
+        with the run of following blocks found there (docs/stores.md).
+        Needs ``enable_prefix_caching``.
 
     Notes
     -----
@@ -74,9 +82,9 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim,
-                 dtype="float16", device="cpu", enable_prefix_caching=True):
+                 dtype="float16", device="cpu", enable_prefix_caching=True, stores=None):
         self._init(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-                   enable_prefix_caching, forge_hashes=False)
+                   enable_prefix_caching, stores, forge_hashes=False)
 
     @classmethod
     def _with_forged_hashes(cls, *args, **kwargs):
@@ -89,7 +97,7 @@ class BlockPool:
         return self
 
     def _init(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-              enable_prefix_caching, forge_hashes):
+              enable_prefix_caching, stores, forge_hashes):
         num_blocks = positive_int(num_blocks, "num_blocks")
         if num_blocks > 2**31 - 2:
             raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
@@ -111,6 +119,16 @@ class BlockPool:
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
+        self._stores = None
+        if stores is not None:
+            if not self._caching:
+                raise ValueError("stores need enable_prefix_caching=True (they keep the "
+                                 "prefix cache's evicted blocks)")
+            from .stores._tiers import StoreTiers
+            self._stores = StoreTiers(self, stores)
+            # evicted cached blocks are logged, and spilled (self._stores.spill)
+            # right after each operation that evicted some
+            self._core.log_evictions = True
         self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
         # what every sequence on this pool binds to (PagedKVCache): the
         # backend's row writer makes an append one native call
@@ -119,7 +137,8 @@ class BlockPool:
             self._backend.row_writer(self._storage, self._kind),
             # (the storage, not the pool: no reference cycle keeps a dropped
             # pool's memory alive)
-            functools.partial(self._backend.copy_blocks, self._storage))
+            functools.partial(self._backend.copy_blocks, self._storage),
+            None if self._stores is None else self._stores.spill)
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
@@ -158,6 +177,11 @@ class BlockPool:
     head_dim = property(lambda self: self._head_dim)
     device = property(lambda self: self._device)
     enable_prefix_caching = property(lambda self: self._caching)
+
+    @property
+    def stores(self):
+        """The prefix stores below this pool's prefix cache (a tuple; empty: none)."""
+        return () if self._stores is None else self._stores.stores
 
     @property
     def dtype(self):
@@ -231,6 +255,7 @@ class BlockPool:
                 "prefix_hit_rate": h / q if q else 0.0,
                 "evictions": int(self._core.evictions),
                 "num_salts": len(self._salt_roots),
+                **({} if self._stores is None else {"stores": self._stores.stats()}),
             }
 
     def probe(self, token_ids, salt=None):
@@ -246,7 +271,10 @@ class BlockPool:
             ``blocks_total`` (blocks the prompt occupies) and
             ``blocks_needed`` (free blocks allocate would consume: new
             blocks plus cached hits nobody holds); allocate succeeds iff
-            ``blocks_needed <= num_free_blocks``.
+            ``blocks_needed <= num_free_blocks``.  With prefix stores,
+            ``hit_tokens`` includes ``store_hit_tokens``: the following
+            blocks the stores hold now (one lookup per store; allocate may
+            find fewer if an entry goes or fails verification meanwhile).
         """
         from . import hashing
         from ._validate import salt_bytes, token_array
@@ -268,8 +296,13 @@ class BlockPool:
                 root = -1 if sb is None else self._salt_roots.get(sb)
                 if root is not None:
                     hits, hits_free = self._core.probe(tokens, hashes, max_hit, root)
-        return {"hit_tokens": hits * bs, "blocks_total": total,
-                "blocks_needed": total - hits + hits_free}
+        if self._stores is None:
+            return {"hit_tokens": hits * bs, "blocks_total": total,
+                    "blocks_needed": total - hits + hits_free}
+        extra = self._stores.probe_blocks(hashes, hits, max_hit) if self._caching else 0
+        self._stores.emit_warnings()
+        return {"hit_tokens": (hits + extra) * bs, "blocks_total": total,
+                "blocks_needed": total - hits + hits_free, "store_hit_tokens": extra * bs}
 
     def reset_prefix_cache(self):
         """Forget every cached block nobody holds.
@@ -283,6 +316,20 @@ class BlockPool:
             # sequence holds are forgotten
             self._forget_dead_salts()
             return True
+
+    def flush_to_stores(self):
+        """Write every block of the prefix cache to the first prefix store,
+        keeping it cached: for a graceful shutdown, so that the next process
+        on the same ``DiskStore`` or ``RedisStore`` finds this one's
+        prefixes.  Returns how many blocks were written (0 without stores,
+        or when the store failed: a ``StoreWarning`` says why)."""
+        if self._stores is None:
+            return 0
+        with self._lock:
+            cached = np.flatnonzero([self._core.is_cached(b) for b in range(self._num_blocks)])
+            n = self._stores.spill(cached.astype(np.int32)) if cached.size else 0
+        self._stores.emit_warnings()
+        return n
 
     def check(self):
         """Verify the bookkeeping's internal invariants (raises AssertionError)."""
@@ -675,7 +722,10 @@ class BlockPool:
         """Take ``n`` free blocks into int32 ``out`` (reference count 1):
         True, or False when fewer are free (nothing taken)."""
         with self._lock:
-            return self._core.take(n, out)
+            ok = self._core.take(n, out)
+            if self._core.num_evict_log and self._stores is not None:
+                self._stores.spill()
+            return ok
 
     def _release_blocks(self, block_ids):
         """Give back blocks taken with :meth:`_take_blocks`."""
@@ -693,6 +743,59 @@ class BlockPool:
         """:meth:`gather` of a sequence's own (checked) table."""
         return self._gather(layer, table, start, end, dtype, out)
 
+    def _export_blocks(self, block_ids):
+        """The contents of blocks ``block_ids`` as host bytes: one
+        C-contiguous ``numpy.uint8`` array per block, the block's planes in
+        storage order (``[2 * layer + (0: K, 1: V)][kv_head][token][dim]``
+        in the storage dtype).  The one place block contents leave the pool
+        (prefix stores); :meth:`_import_blocks` is its inverse."""
+        out = []
+        for b in np.asarray(block_ids, np.int64).tolist():
+            a = self._backend.to_host(self._storage[:, b])
+            out.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        return out
+
+    def _import_blocks(self, block_ids, payloads, seeds=None):
+        """Write ``payloads`` (bytes-like, as :meth:`_export_blocks` gives
+        them) into blocks ``block_ids``.  Checks every payload's size before
+        writing anything (ValueError).  With ``seeds`` (one int per block),
+        returns the XXH64 of each payload with its seed, computed while
+        copying (prefix stores verify entries so); else None."""
+        ids = np.asarray(block_ids, np.int64).tolist()
+        if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
+            raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
+                             f"got {len(payloads)}")
+        shape = (self._storage.shape[0],) + tuple(self._storage.shape[2:])
+        dt = np.dtype(self._storage.dtype)
+        arrays = []
+        for i, p in enumerate(payloads):
+            a = np.frombuffer(p, dtype=np.uint8)
+            if a.nbytes != self.bytes_per_block:
+                raise ValueError(f"payloads[{i}] must hold {self.bytes_per_block} bytes (one "
+                                 f"block), got {a.nbytes}")
+            arrays.append(a)
+        if seeds is None:
+            for b, a in zip(ids, arrays):
+                self._storage[:, b] = self._backend.from_host(a.view(dt).reshape(shape))
+            return None
+        from .backends.cpu import _checksum
+
+        digests = []
+        planes = self._storage.shape[0]
+        chunk = self.bytes_per_block // planes           # one block of one plane
+        if self._backend.name == "cpu":
+            # the storage is one C-contiguous array: plane p of block b
+            # starts at byte (p * num_blocks + b) * chunk
+            flat = self._storage.reshape(-1).view(np.uint8)
+            for b, a, seed in zip(ids, arrays, seeds):
+                digests.append(_checksum.copy_xxh64(a, flat[b * chunk:], planes, chunk,
+                                                    self._num_blocks * chunk, seed))
+        else:
+            for b, a, seed in zip(ids, arrays, seeds):
+                digests.append(_checksum.xxh64(a, seed))
+                self._storage[:, b] = self._backend.from_host(a.view(dt).reshape(shape))
+        return digests
+
     def _device_array(self, a):
         """Host array ``a`` on this pool's device."""
         return self._backend.from_host(a)
@@ -705,7 +808,7 @@ class BlockPool:
 
 
 def _constructor_args(num_blocks, block_size, num_layers, num_kv_heads, head_dim,
-                      dtype="float16", device="cpu", enable_prefix_caching=True):
+                      dtype="float16", device="cpu", enable_prefix_caching=True, stores=None):
     return (num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-            enable_prefix_caching)
+            enable_prefix_caching, stores)
 

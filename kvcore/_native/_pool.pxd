@@ -54,6 +54,14 @@ cdef class PoolCore:
     cdef readonly bint forged_hashes
     # prefix-cache statistics (BlockPool.stats), counted by allocate
     cdef public long long prefix_queries, prefix_hits
+    # Prefix stores (kvcore/stores): per cached block, its parent's chained
+    # hash and its chain's salt root words (what a store entry records), and
+    # the log of cached blocks evicted since BlockPool last took it (only
+    # kept while log_evictions is set: a pool with stores).
+    cdef hash_word_t[:, ::1] parent_hashes, chain_roots
+    cdef block_id_t[::1] evict_log
+    cdef readonly Py_ssize_t num_evict_log
+    cdef public bint log_evictions
 
     cdef inline void _unlink(self, block_id_t b) noexcept nogil
     cdef inline void _push_uncached(self, block_id_t b) noexcept nogil
@@ -76,7 +84,8 @@ cdef class PoolCore:
     cdef void _acquire_n(self, const block_id_t* blocks, Py_ssize_t n) noexcept nogil
     cdef Py_ssize_t _register_n(self, const block_id_t* blocks, const hash_word_t* hashes,
                                 const token_t* tokens, Py_ssize_t first, Py_ssize_t last,
-                                int64_t parent, int64_t* serials) noexcept nogil
+                                int64_t parent, int64_t* serials, uint64_t root0,
+                                uint64_t root1) noexcept nogil
 
     # C-level twins of the public methods of the same name (without the c_):
     # same contract (caller holds the pool's lock, arguments are sized
@@ -94,4 +103,5 @@ cdef class PoolCore:
     cdef void c_root_decref(self, int64_t root) noexcept nogil
     cdef Py_ssize_t c_register(self, const block_id_t* blocks, const hash_word_t* hashes,
                                const token_t* tokens, Py_ssize_t first, Py_ssize_t last,
-                               int64_t parent, int64_t* serials) except -1
+                               int64_t parent, int64_t* serials, uint64_t root0,
+                               uint64_t root1) except -1

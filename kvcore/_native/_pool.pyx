@@ -296,6 +296,11 @@ cdef class PoolCore:
         self.salt_dead = np.zeros(0, np.int64)
         self.salt_free = np.zeros(0, np.intp)
         self.salt_gen = np.zeros(0, np.uint64)
+        self.parent_hashes = np.zeros((num_blocks, 2), np.uint64)
+        self.chain_roots = np.zeros((num_blocks, 2), np.uint64)
+        self.evict_log = np.zeros(num_blocks, np.int32)
+        self.num_evict_log = 0
+        self.log_evictions = False
         # every block starts on the uncached list, in id order
         for i in range(num_blocks):
             self.prev_free_block[i] = i - 1
@@ -517,6 +522,12 @@ cdef class PoolCore:
         if self.cached[b]:
             self._index_remove(b)
             self.evictions += 1
+            # (a block leaves the cache once per registration and the log is
+            # taken before the block can be registered again: it never
+            # holds more than num_blocks entries)
+            if self.log_evictions and self.num_evict_log < self.num_blocks:
+                self.evict_log[self.num_evict_log] = b
+                self.num_evict_log += 1
         self.ref[b] = 1
         return b
 
@@ -670,19 +681,21 @@ cdef class PoolCore:
 
     cdef Py_ssize_t c_register(self, const block_id_t* bl, const hash_word_t* h,
                                const token_t* t, Py_ssize_t first, Py_ssize_t last,
-                               int64_t parent, int64_t* sr) except -1:
+                               int64_t parent, int64_t* sr, uint64_t root0,
+                               uint64_t root1) except -1:
         cdef Py_ssize_t entered
         self._check_ids(bl + first, last - first)
         if last - first >= NOGIL_BLOCKS:
             with nogil:
-                entered = self._register_n(bl, h, t, first, last, parent, sr)
+                entered = self._register_n(bl, h, t, first, last, parent, sr, root0, root1)
         else:
-            entered = self._register_n(bl, h, t, first, last, parent, sr)
+            entered = self._register_n(bl, h, t, first, last, parent, sr, root0, root1)
         return entered
 
     cdef Py_ssize_t _register_n(self, const block_id_t* bl, const hash_word_t* h,
                                 const token_t* t, Py_ssize_t first, Py_ssize_t last,
-                                int64_t parent, int64_t* sr) noexcept nogil:
+                                int64_t parent, int64_t* sr, uint64_t root0,
+                                uint64_t root1) noexcept nogil:
         cdef Py_ssize_t i, bs = self.block_size, entered = 0
         cdef block_id_t b, twin
         for i in range(first, last):
@@ -701,6 +714,16 @@ cdef class PoolCore:
             self.hashes[b, 1] = h[2 * i + 1]
             memcpy(&self.tokens[b, 0], t + i * bs, bs * sizeof(token_t))
             self.parent_serial[b] = parent
+            # what a prefix store's entry records: the parent's chained hash
+            # (the salt root words for block 0) and the chain's salt root
+            if i == 0:
+                self.parent_hashes[b, 0] = root0
+                self.parent_hashes[b, 1] = root1
+            else:
+                self.parent_hashes[b, 0] = h[2 * i - 2]
+                self.parent_hashes[b, 1] = h[2 * i - 1]
+            self.chain_roots[b, 0] = root0
+            self.chain_roots[b, 1] = root1
             self.serial[b] = self.next_serial
             self.next_serial += 1
             self._index_insert(b)
@@ -766,19 +789,21 @@ cdef class PoolCore:
         return self.c_shared_blocks(b, first, last, o)
 
     def register(self, cnp.ndarray blocks, cnp.ndarray hashes, cnp.ndarray tokens,
-                 Py_ssize_t first, Py_ssize_t last, int64_t parent, cnp.ndarray serials):
+                 Py_ssize_t first, Py_ssize_t last, int64_t parent, cnp.ndarray serials,
+                 uint64_t root0=0, uint64_t root1=0):
         """Enter blocks[first:last] (full, committed, tokens known) into the
         prefix cache, block ``first``'s parent being ``parent`` (a serial, or
         the negative salt id for block 0).  A block whose content (hash,
         tokens, parent) is already cached under another block is skipped.
         serials[i] receives the serial the sequence's block i is known by
         (its own, or the cached twin's): the parent of block i + 1.
-        Returns how many blocks were entered."""
+        ``root0, root1``: the salt's hash-chain root words (recorded for
+        prefix stores).  Returns how many blocks were entered."""
         cdef const block_id_t* bl = _i32(blocks, last, False)
         cdef const hash_word_t* h = _u64(hashes, 2 * last)
         cdef const token_t* t = _tok(tokens, last * self.block_size)
         cdef int64_t* sr = <int64_t*>_data(serials, cnp.NPY_INT64, last, True, "int64")
-        return self.c_register(bl, h, t, first, last, parent, sr)
+        return self.c_register(bl, h, t, first, last, parent, sr, root0, root1)
 
     def reset_prefix_cache(self):
         """Forget every cached block; False (nothing changed) if any block
@@ -792,6 +817,32 @@ cdef class PoolCore:
             self._index_remove(b)
             self._push_uncached(b)
         return True
+
+    def take_evicted(self):
+        """The cached blocks evicted since the last call (kept only while
+        ``log_evictions`` is set), with what they were registered with:
+        ``(blocks int32 (n,), hashes, parent_hashes, chain_roots uint64
+        (n, 2), tokens int32 (n, block_size))``, copies; the log is then
+        empty.  The caller takes it before the blocks' new owner can write
+        them or have them registered again."""
+        cdef Py_ssize_t n = self.num_evict_log
+        blocks = np.asarray(self.evict_log[:n]).copy()
+        self.num_evict_log = 0
+        return (blocks, np.asarray(self.hashes)[blocks], np.asarray(self.parent_hashes)[blocks],
+                np.asarray(self.chain_roots)[blocks], np.asarray(self.tokens)[blocks])
+
+    def cached_entries(self, cnp.ndarray blocks):
+        """``take_evicted``'s tuple for cached blocks ``blocks`` (int32,
+        each checked cached), without evicting them."""
+        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
+        cdef const block_id_t* b = _i32(blocks, n, False)
+        self._check_ids(b, n)
+        for i in range(n):
+            if not self.cached[b[i]]:
+                raise ValueError(f"block {b[i]} is not in the prefix cache")
+        ids = np.asarray(blocks, np.int32).copy()
+        return (ids, np.asarray(self.hashes)[ids], np.asarray(self.parent_hashes)[ids],
+                np.asarray(self.chain_roots)[ids], np.asarray(self.tokens)[ids])
 
     def cached_tokens(self, block_id_t b):
         """The token ids stored with cached block b (a copy)."""

@@ -182,9 +182,10 @@ cdef class PoolBinding:
     cdef bint caching
     cdef RowWriter writer
     cdef object copy_blocks
+    cdef object on_evict
 
     def __init__(self, PoolCore core, lock, Py_ssize_t block_size, Py_ssize_t num_layers,
-                 bint caching, RowWriter writer, copy_blocks):
+                 bint caching, RowWriter writer, copy_blocks, on_evict=None):
         self.core = core
         self.lock_acquire = lock.acquire
         self.lock_release = lock.release
@@ -193,6 +194,10 @@ cdef class PoolBinding:
         self.caching = caching
         self.writer = writer
         self.copy_blocks = copy_blocks
+        # a pool with prefix stores: called (lock held) right after blocks
+        # were taken whenever that evicted cached blocks, so that their KV
+        # is copied out before anything overwrites it
+        self.on_evict = on_evict
 
 
 # the PagedKVCache properties a CoreField answers, by number
@@ -259,6 +264,7 @@ cdef class SeqCore:
     cdef PoolCore _core
     cdef RowWriter writer                       # None: no direct appends
     cdef object copy_blocks                     # the pool's block copy (copy-on-write)
+    cdef object on_evict                        # None, or the pool's spill (prefix stores)
     cdef object lock_acquire, lock_release      # the pool's lock
     cdef readonly Py_ssize_t _block_size
     cdef Py_ssize_t num_layers
@@ -338,6 +344,7 @@ cdef class SeqCore:
         self.lock_release = binding.lock_release
         self.writer = binding.writer
         self.copy_blocks = binding.copy_blocks
+        self.on_evict = binding.on_evict
         self._block_size = binding.block_size
         self.num_layers = binding.num_layers
         self._caching = binding.caching
@@ -447,7 +454,7 @@ cdef class SeqCore:
         self.lock_acquire()
         try:
             self._core.c_register(<block_id_t*>_ptr(self._table), self.hash_words, self.token_buf,
-                                  first, upto, parent, self.block_serials)
+                                  first, upto, parent, self.block_serials, self.root0, self.root1)
         finally:
             self.lock_release()
         self._n_registered = upto
@@ -519,6 +526,8 @@ cdef class SeqCore:
             if hits < 0:
                 self._failed_free_blocks = core.num_uncached_free + core.num_lru_free
                 return ST_SHORT
+            if core.num_evict_log and self.on_evict is not None:
+                self.on_evict()
             if self._caching:
                 core.prefix_queries += n
                 core.prefix_hits += hits * bs
@@ -533,6 +542,36 @@ cdef class SeqCore:
         self._invalidate()
         self._state = S_LIVE
         return hits * bs
+
+    def _adopt_loaded(self, Py_ssize_t m):
+        """Right after ``_allocate``: the ``m`` blocks following the prefix
+        hit (fresh blocks of this sequence, filled by the pool from its
+        prefix stores) hold the prompt's KV.  num_computed grows by ``m``
+        blocks, they enter the prefix cache and count as prefix hits.
+        Returns the new hit in tokens; ValueError (nothing changed) when
+        the sequence is not just allocated or ``m`` reaches past the
+        blocks a hit may cover."""
+        cdef Py_ssize_t bs = self._block_size, first, i
+        if self._state != S_LIVE:
+            raise ValueError("internal: _adopt_loaded on a sequence that is not live")
+        first = self._num_computed // bs
+        for i in range(self.num_layers):
+            if self.pending[i]:
+                raise ValueError("internal: _adopt_loaded after appends")
+        if m < 0 or self._num_computed % bs or first != self._n_registered \
+                or first + m > (self._num_tokens - 1) // bs:
+            raise ValueError(f"internal: cannot adopt {m} loaded blocks after {first}")
+        if m == 0:
+            return self._num_computed
+        self._num_computed += m * bs
+        self._invalidate()
+        self._register_ready()
+        self.lock_acquire()
+        try:
+            self._core.prefix_hits += m * bs
+        finally:
+            self.lock_release()
+        return self._num_computed
 
     cdef int _ensure(self, Py_ssize_t target) except -2:
         """Blocks for positions up to ``target`` - 1, those from num_computed
@@ -566,6 +605,8 @@ cdef class SeqCore:
                 new = _empty(need, cnp.NPY_INT32)
                 fresh = <block_id_t*>_ptr(new)
                 core.c_take(need, fresh)
+                if core.num_evict_log and self.on_evict is not None:
+                    self.on_evict()
                 if ncow:
                     table = <block_id_t*>_ptr(self._table)
                     old = _empty(ncow, cnp.NPY_INT32)

@@ -64,6 +64,7 @@ DEFAULTS = {
     "num_blocks": None,      # None: enough for every request at once
     "prefill_chunk": 64,
     "threads": 1,            # BLAS threads for the model math; 0 leaves them alone
+    "store": None,           # "disk:PATH" or "redis:URL": a prefix store below the pool
 }
 
 F32_TOLERANCE = 1e-4
@@ -514,7 +515,21 @@ def _options(options):
     if dev not in ("cpu", "cuda"):
         raise DemoError(f"device must be cpu or cuda, got {o['device']!r}")
     o["device"] = dev
+    st = o["store"]
+    if st is not None and not (isinstance(st, str) and st.partition(":")[0] in ("disk", "redis")
+                               and st.partition(":")[2]):
+        raise DemoError(f"store must be disk:PATH or redis:URL, got {st!r}")
     return o
+
+
+def _stores(o):
+    """The pool's prefix stores for ``--store`` (None: no store)."""
+    if o["store"] is None:
+        return None
+    kind, _, where = o["store"].partition(":")
+    if kind == "disk":
+        return [kvcore.DiskStore(where, 4 << 30, namespace="kvcore-demo")]
+    return [kvcore.RedisStore(where, namespace="kvcore-demo")]
 
 
 def _make_pool(o, cfg, num_blocks):
@@ -526,7 +541,8 @@ def _make_pool(o, cfg, num_blocks):
                             "kvcore[cuda]) and an NVIDIA GPU") from None
     try:
         return kvcore.BlockPool(num_blocks, o["block_size"], cfg.num_layers, cfg.num_kv_heads,
-                                cfg.head_dim, dtype=o["dtype"], device=o["device"])
+                                cfg.head_dim, dtype=o["dtype"], device=o["device"],
+                                stores=_stores(o))
     except (ImportError, RuntimeError) as e:
         if o["device"] == "cuda":
             raise DemoError(f"--device cuda is not usable here: {e}") from None
@@ -584,6 +600,8 @@ def _run(o, log, threads):
         seconds = time.perf_counter() - t0
         runs[key] = {"engine": engine, "states": states, "steps": steps,
                      "max_batch": max_batch, "waited": waited, "seconds": seconds}
+        if key == "kvcore" and pool.stores:
+            pool.flush_to_stores()   # the next run (another process) starts from these
 
     say("- verifying against the full recompute")
     kv, contig, ref = runs["kvcore"], runs["contiguous"], runs["nocache"]
@@ -679,6 +697,9 @@ def _table(r):
         ("prefix-cache hit rate", f"{100 * r['prefix_hit_rate']:.1f}%",
          f"{st['prefix_hits']} of {st['prefix_queries']} prompt tokens found in the pool "
          "(pool.stats())"),
+        *([("prefix-store hits", str(sum(x["hit_tokens"] for x in st["stores"])),
+             f"of those tokens, loaded from --store {o['store']} (an earlier run's prefixes)")]
+          if "stores" in st else []),
         ("peak KV blocks used", f"{r['peak_blocks']} of {o['num_blocks']}",
          f"blocks of {o['block_size']} tokens, {r['bytes_per_block'] // 1024} KiB each"),
         ("KV bytes, kvcore paged", _mib(paged),
@@ -737,6 +758,9 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, default=d["threads"], metavar="N",
                    help="OpenBLAS threads for the model math, 0 = leave as is "
                         "(default %(default)s)")
+    p.add_argument("--store", default=d["store"], metavar="disk:PATH|redis:URL",
+                   help="keep the prefix cache in a prefix store; a second run finds the "
+                        "first run's prefixes there (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p

@@ -1,0 +1,270 @@
+"""Prefix-store restore benchmark: python bench/bench_stores.py [--tokens N] [--layers N]
+[--repeat N] [--redis-server PATH] [--json FILE]
+
+Restores an N-token prefix (default 2048 tokens of a 32-layer, 8-KV-head,
+head_dim-128 float16 model: 128 KiB a token, 256 MiB) into an empty pool
+with ``PagedKVCache.allocate`` (lookup, fetch, verify every entry's
+checksum, copy into the pool, register) from each store, and measures in
+the same run what moving the same bytes costs without kvcore:
+
+* HostStore  vs  a plain memcpy (numpy.copyto) of the same number of bytes;
+* DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
+* RedisStore on loopback  vs  one raw redis-py pipelined GET of the same keys;
+* each against recomputing the prefix with the demo model
+  (kvcore.cli.model.TinyTransformer.forward_full over the N tokens; its KV
+  is smaller, so this says what a hit saves, not a like-for-like speed).
+
+Every time is median [min-max] over --repeat runs; a ratio is baseline
+seconds / kvcore seconds (1.0: as fast as the baseline).  Needs redis-py
+and redis-server for the Redis row (skipped, and said so, without them).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import kvcore
+from kvcore.cli.model import ModelConfig, TinyTransformer
+
+BLOCK = 16
+
+
+def _samples(fn, repeat, setup=None):
+    out = []
+    for i in range(repeat + 1):          # the first is a warm-up
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def _fmt(s):
+    return f"{statistics.median(s) * 1e3:8.1f} ms [{min(s) * 1e3:.1f}-{max(s) * 1e3:.1f}]"
+
+
+def _pool(tokens, layers, heads, dim, stores):
+    return kvcore.BlockPool(tokens // BLOCK + 2, BLOCK, layers, heads, dim, dtype="float16",
+                            stores=stores)
+
+
+def _fill(pool, prompt, rng):
+    """Compute (random) KV for the prompt, then write it to the pool's store."""
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(prompt)
+    n = len(prompt)
+    for layer in range(pool.num_layers):
+        k = rng.standard_normal((n, pool.num_kv_heads, pool.head_dim)).astype(np.float16)
+        seq.append(layer, k, k)
+    seq.commit(n)
+    table = seq.block_table
+    seq.free()
+    written = pool.flush_to_stores()
+    assert written == (n - 1) // BLOCK, written
+    return pool.storage[:, table[:written]].copy()
+
+
+def _restore_fn(pool, prompt, expect):
+    state = {}
+
+    def setup():
+        if "seq" in state:
+            state.pop("seq").free()
+        pool.reset_prefix_cache()
+
+    def restore():
+        seq = kvcore.PagedKVCache(pool)
+        hit = seq.allocate(prompt)
+        state["seq"] = seq
+        state["hit"] = hit
+
+    def check():
+        setup_hit = state["hit"]
+        assert setup_hit == len(prompt) - 1, setup_hit
+        got = pool.storage[:, state["seq"].block_table[:expect.shape[1]]]
+        assert np.array_equal(got, expect), "restored KV differs"
+
+    return setup, restore, check
+
+
+def _start_redis(binary, directory):
+    import socket
+
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", directory],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(host="127.0.0.1", port=port)
+    for _ in range(500):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.02)
+    return proc, f"redis://127.0.0.1:{port}/0", client
+
+
+def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 500, tokens + 1, dtype=np.int32)
+    nbytes = tokens * layers * heads * dim * 2 * 2
+    res = {"shape": {"tokens": tokens, "layers": layers, "kv_heads": heads, "head_dim": dim,
+                     "dtype": "float16", "bytes": nbytes, "block_size": BLOCK},
+           "rows": {}}
+    tmp = tempfile.mkdtemp(prefix="kvcore-bench-stores-")
+    try:
+        # --- host
+        pool = _pool(tokens, layers, heads, dim, [kvcore.HostStore(2 * nbytes)])
+        expect = _fill(pool, prompt, rng)
+        setup, restore, check = _restore_fn(pool, prompt, expect)
+        kv = _samples(restore, repeat, setup)
+        check()
+        setup()
+        src = np.empty(nbytes, np.uint8)
+        src[:] = 1
+        dst = np.empty_like(src)
+        base = _samples(lambda: np.copyto(dst, src), repeat)
+        res["rows"]["host"] = {"kvcore": kv, "baseline": base, "baseline_name": "memcpy"}
+        # the same bytes scattered into the pool's blocks by NumPy, nothing
+        # checked: what the block layout (a block is 2 * layers pieces, one
+        # per plane, num_blocks * piece bytes apart) costs any restore
+        ids = np.arange(expect.shape[1])
+        parts = [np.ascontiguousarray(expect[:, i]) for i in ids]
+
+        def scatter():
+            for i, part in zip(ids, parts):
+                pool.storage[:, i] = part
+
+        res["layout_copy"] = _samples(scatter, repeat)
+        del pool, src, dst, parts
+
+        # --- disk
+        d = os.path.join(tmp, "disk")
+        pool = _pool(tokens, layers, heads, dim, [kvcore.DiskStore(d, 2 * nbytes)])
+        expect = _fill(pool, prompt, rng)
+        setup, restore, check = _restore_fn(pool, prompt, expect)
+        kv = _samples(restore, repeat, setup)
+        check()
+        setup()
+        files = sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
+                       if f.endswith(".kve"))
+        base = _samples(lambda: [np.fromfile(f, np.uint8) for f in files], repeat)
+        res["rows"]["disk"] = {"kvcore": kv, "baseline": base,
+                               "baseline_name": "numpy.fromfile of the entry files"}
+        del pool
+
+        # --- redis
+        binary = redis_server or shutil.which("redis-server")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            binary = None
+        if binary:
+            proc, url, client = _start_redis(binary, tmp)
+            try:
+                store = kvcore.RedisStore(url, namespace="bench", timeout=30)
+                pool = _pool(tokens, layers, heads, dim, [store])
+                expect = _fill(pool, prompt, rng)
+                setup, restore, check = _restore_fn(pool, prompt, expect)
+                kv = _samples(restore, repeat, setup)
+                check()
+                setup()
+                keys = client.keys(b"kvcore:bench:*")
+
+                def raw():
+                    pipe = client.pipeline(transaction=False)
+                    for k in keys:
+                        pipe.get(k)
+                    pipe.execute()
+
+                base = _samples(raw, repeat)
+                res["rows"]["redis"] = {"kvcore": kv, "baseline": base,
+                                        "baseline_name": "redis-py pipelined GET"}
+                store.close()
+                del pool
+            finally:
+                proc.kill()
+                proc.wait()
+        else:
+            res["rows"]["redis"] = None
+
+        # --- recompute with the demo model
+        model = TinyTransformer(ModelConfig(), seed=0)
+        n = min(tokens, model.config.max_position)
+        demo_prompt = prompt[:n] % model.config.vocab_size
+        res["recompute"] = {"tokens": n, "seconds": _samples(
+            lambda: model.forward_full(demo_prompt), max(1, min(repeat, 3)))}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def report(res):
+    sh = res["shape"]
+    lines = [f"restore a {sh['tokens']}-token prefix: {sh['layers']} layers, {sh['kv_heads']} KV "
+             f"heads, head_dim {sh['head_dim']}, {sh['dtype']}, blocks of {sh['block_size']}: "
+             f"{sh['bytes'] / 2**20:.0f} MiB", "",
+             f"{'store':8} {'kvcore restore':30} {'baseline':30} {'ratio':>6}  baseline is",
+             "-" * 100]
+    for name, row in res["rows"].items():
+        if row is None:
+            lines.append(f"{name:8} (skipped: needs redis-server and redis-py)")
+            continue
+        ratio = statistics.median(row["baseline"]) / statistics.median(row["kvcore"])
+        lines.append(f"{name:8} {_fmt(row['kvcore']):30} {_fmt(row['baseline']):30} "
+                     f"{ratio:5.2f}x  {row['baseline_name']}")
+    if "layout_copy" in res:
+        lines.append(f"{'':8} (the same bytes copied into the pool's blocks by NumPy, nothing "
+                     f"checked: {_fmt(res['layout_copy']).strip()}; host restore is "
+                     f"{statistics.median(res['layout_copy']) / statistics.median(res['rows']['host']['kvcore']):.2f}x that)")
+    rc = res["recompute"]
+    lines.append("")
+    lines.append(f"recompute {rc['tokens']} tokens with the demo model (4 layers, 2 KV heads, "
+                 f"head_dim 64, float32 math): {_fmt(rc['seconds']).strip()}")
+    for name, row in res["rows"].items():
+        if row is not None:
+            lines.append(f"  restore from {name} is {statistics.median(rc['seconds']) / statistics.median(row['kvcore']):.1f}x "
+                         f"faster than that recompute (of a larger KV: {sh['bytes'] / 2**20:.0f} MiB)")
+    lines.append("ratio = baseline median / kvcore median, one run; times median [min-max] of "
+                 "--repeat samples")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--redis-server", metavar="PATH")
+    p.add_argument("--json", metavar="FILE")
+    a = p.parse_args(argv)
+    for name in ("tokens", "layers", "kv_heads", "head_dim", "repeat"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if a.tokens % BLOCK:
+        p.error(f"--tokens must be a multiple of {BLOCK}")
+    res = run(a.tokens, a.layers, a.kv_heads, a.head_dim, a.repeat, a.redis_server)
+    print(report(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The bytes of a prefix-store entry, and their verification.
+
+An entry is one full block of one sequence: its KV (every layer, K and V,
+in the pool's storage dtype, the block's bytes as ``BlockPool._export_blocks``
+gives them) and what identifies it.  Layout, all integers little-endian::
+
+    offset size
+    0      4    magic b"KVST"
+    4      2    format version (1)
+    6      2    flags: bit 0 = an HMAC follows the checksum
+    8      16   layout fingerprint (see :func:`fingerprint`)
+    24     16   the block's chained hash (kvcore.block_hashes)
+    40     16   the parent's chained hash (the salt's root for block 0)
+    56     16   the salt's chain root (16 zero bytes: no salt)
+    72     4    tokens in the block (= block_size)
+    76     4    0 (reserved)
+    80     8    payload bytes
+    88     8    checksum: XXH64 of the payload, seeded with the XXH64 (seed 0)
+                of bytes 0..87 and the token ids
+    96     32   HMAC-SHA256 (only with flag bit 0) of bytes 0..95, the token
+                ids and the payload, with the store's ``hmac_key``
+    ...         token ids (int32), then the payload
+
+An entry is accepted only if every field is consistent, the fingerprint,
+hash, parent, salt root and token ids equal what the query expects, the
+checksum holds and, for a store with an ``hmac_key``, the HMAC does.
+"""
+import hashlib
+import hmac
+import struct
+
+import numpy as np
+
+from ..backends.cpu._checksum import xxh64
+
+MAGIC = b"KVST"
+VERSION = 1
+FLAG_HMAC = 1
+_PREFIX = struct.Struct("<4sHH16s16s16s16sIIQ")     # bytes 0..87
+_CHECKSUM = struct.Struct("<Q")
+PREFIX_SIZE = _PREFIX.size                          # 88
+MAC_SIZE = 32
+KEY_SIZE = 32
+
+
+class Invalid(Exception):
+    """An entry that must not be used; ``condition`` names why (the
+    warning's condition: 'corrupt', 'fingerprint', 'hmac', 'mismatch')."""
+
+    def __init__(self, condition, detail):
+        super().__init__(detail)
+        self.condition = condition
+
+
+def fingerprint(dtype, block_size, num_layers, num_kv_heads, head_dim, namespace):
+    """16 bytes naming a pool's block layout and the store's namespace:
+    entries of another model, dtype, block size or namespace never match."""
+    text = (f"kvcore.store.v{VERSION}|dtype={dtype}|block_size={block_size}|"
+            f"num_layers={num_layers}|num_kv_heads={num_kv_heads}|head_dim={head_dim}|"
+            f"layout=[2*layers][heads][tokens][dim]|namespace=").encode() + namespace
+    return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def store_key(fp, block_hash):
+    """The key a store files an entry under: fingerprint + chained hash (32 bytes)."""
+    return fp + block_hash
+
+
+def header_seed(prefix, tokens):
+    """The seed of an entry's payload checksum: XXH64 of its first 88
+    bytes and its token ids."""
+    return xxh64(bytes(prefix) + bytes(memoryview(tokens).cast("B")))
+
+
+def _mac(hmac_key, head, tokens, payload):
+    m = hmac.new(hmac_key, head, hashlib.sha256)
+    m.update(tokens)
+    m.update(payload)
+    return m.digest()
+
+
+def encode(fp, block_hash, parent, salt_root, tokens, payload, hmac_key=None):
+    """One entry's bytes (a bytearray).  ``tokens``: int32 array;
+    ``payload``: a C-contiguous array or bytes-like of the block's KV."""
+    tok = np.ascontiguousarray(tokens, dtype="<i4")
+    pay = memoryview(payload).cast("B")
+    prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_HMAC if hmac_key else 0, fp, block_hash,
+                          parent, salt_root, tok.size, 0, pay.nbytes)
+    head = prefix + _CHECKSUM.pack(xxh64(pay, header_seed(prefix, tok)))
+    if hmac_key:
+        head += _mac(hmac_key, head, tok, pay)
+    out = bytearray(len(head) + tok.nbytes + pay.nbytes)
+    out[:len(head)] = head
+    out[len(head):len(head) + tok.nbytes] = tok.tobytes()
+    out[len(head) + tok.nbytes:] = pay
+    return out
+
+
+def parse(value, fp, hmac_key=None, verify_payload=True):
+    """``(block_hash, parent, salt_root, tokens, payload, checksum, seed)``
+    of a well-formed entry of layout ``fp`` (tokens and payload are
+    memoryviews into ``value``): structure, header, fingerprint and (with
+    ``hmac_key``) HMAC checked, and the payload's checksum unless
+    ``verify_payload`` is False (the caller then checks ``checksum``
+    against the XXH64 of the payload with ``seed``, e.g. while copying
+    it); raises :class:`Invalid` otherwise."""
+    try:
+        view = memoryview(value).cast("B")
+    except TypeError as e:
+        raise Invalid("corrupt", f"not a bytes-like value ({type(value).__name__})") from e
+    n = view.nbytes
+    if n < PREFIX_SIZE + 8:
+        raise Invalid("corrupt", f"truncated entry ({n} bytes)")
+    (magic, version, flags, efp, ehash, eparent, esalt, ntok, _reserved,
+     npay) = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC or version != VERSION:
+        raise Invalid("corrupt", f"not a kvcore store entry (magic {magic!r}, version {version})")
+    head = PREFIX_SIZE + 8 + (MAC_SIZE if flags & FLAG_HMAC else 0)
+    if n != head + 4 * ntok + npay:
+        raise Invalid("corrupt", f"truncated or overlong entry: {n} bytes, its header says "
+                                 f"{head + 4 * ntok + npay}")
+    tok = view[head:head + 4 * ntok]
+    pay = view[head + 4 * ntok:]
+    (checksum,) = _CHECKSUM.unpack_from(view, PREFIX_SIZE)
+    seed = header_seed(view[:PREFIX_SIZE], tok)
+    if verify_payload and xxh64(pay, seed) != checksum:
+        raise Invalid("corrupt", "checksum mismatch")
+    if efp != fp:
+        # a damaged fingerprint is corruption, not another layout
+        if not verify_payload and xxh64(pay, seed) != checksum:
+            raise Invalid("corrupt", "checksum mismatch")
+        raise Invalid("fingerprint", "the entry's layout fingerprint (dtype, block size, "
+                                     "layers, heads, head_dim, namespace) differs from the pool's")
+    if hmac_key:
+        if not flags & FLAG_HMAC:
+            raise Invalid("hmac", "the entry is not signed but the store has an hmac_key")
+        want = _mac(hmac_key, view[:PREFIX_SIZE + 8], tok, pay)
+        if not hmac.compare_digest(want, view[PREFIX_SIZE + 8:head]):
+            raise Invalid("hmac", "HMAC mismatch")
+    return ehash, eparent, esalt, tok, pay, checksum, seed
+
+
+def decode(value, fp, block_hash, parent, salt_root, tokens, payload_size, hmac_key=None,
+           verify_payload=True):
+    """``(payload, checksum, seed)`` (see :func:`parse`) of a valid entry
+    for the block ``block_hash`` with ``parent``, ``salt_root`` and
+    ``tokens`` (int32 array) of ``payload_size`` bytes; raises
+    :class:`Invalid` otherwise."""
+    ehash, eparent, esalt, tok, pay, checksum, seed = parse(value, fp, hmac_key, verify_payload)
+    expect = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+    if (ehash != block_hash or eparent != parent or esalt != salt_root
+            or pay.nbytes != payload_size or tok != expect):
+        # a damaged header or token id is corruption, not another block
+        if not verify_payload and xxh64(pay, seed) != checksum:
+            raise Invalid("corrupt", "checksum mismatch")
+        raise Invalid("mismatch", "the entry's hash, parent, salt, token ids or size differ "
+                                  "from the query's")
+    return pay, checksum, seed

@@ -1,0 +1,335 @@
+"""What a BlockPool does with its prefix stores (``BlockPool(..., stores=[...])``).
+
+* Spill: cached blocks the pool evicts are encoded (``_format``) and put in
+  the first store, synchronously, right when they are evicted (their KV is
+  copied out before the block's new owner can write it); what a store
+  drops to stay within capacity goes to the next store, and so on.
+* Lookup: after the pool's own prefix hit, the following blocks are looked
+  up with one batched ``contains`` per store (store 0 first, the rest of
+  the run in store 1, ...), fetched with one batched ``get`` per store,
+  verified (fingerprint, hash, parent, salt root, token ids, checksum,
+  HMAC), and the verified run is copied into the sequence's fresh blocks,
+  which then enter the pool's prefix cache.
+* Faults: any exception of a store, and any entry that fails verification,
+  is a miss; a ``StoreWarning`` is issued once per (store, condition) from
+  the thread calling the pool.  A store that times out or cannot be
+  reached is skipped for its ``retry_interval`` seconds (default 1), so a dead server costs
+  one timeout per interval, not one per call.
+"""
+import errno
+import threading
+import time
+import warnings
+import weakref
+
+import numpy as np
+
+from . import _format
+from .base import PrefixStore, StoreWarning
+
+# conditions that clear once the store works again (warned anew if they recur)
+_TRANSIENT = {"timeout", "unreachable", "I/O error", "disk full", "permission denied", "error"}
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _condition(exc):
+    if isinstance(exc, _format.Invalid):
+        return exc.condition
+    name = type(exc).__name__
+    module = type(exc).__module__ or ""
+    if module.startswith("redis"):
+        if "Timeout" in name:
+            return "timeout"
+        if "Connection" in name or "Busy" in name:
+            return "unreachable"
+        return "error"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, OSError):
+        if exc.errno in _DISK_FULL:
+            return "disk full"
+        if exc.errno in _PERMISSION or isinstance(exc, PermissionError):
+            return "permission denied"
+        if isinstance(exc, ConnectionError):
+            return "unreachable"
+        return "I/O error"
+    return "error"
+
+
+def _stat_dict(kind):
+    return {"kind": kind, "lookups": 0, "hits": 0, "hit_tokens": 0, "puts": 0,
+            "bytes_in": 0, "bytes_out": 0, "evictions": 0, "failures": 0, "rejected": 0}
+
+
+class StoreTiers:
+    """The stores of one pool, in order, and the pool's traffic with them."""
+
+    def __init__(self, pool, stores):
+        if isinstance(stores, (PrefixStore, str, bytes)) or not hasattr(stores, "__iter__"):
+            raise TypeError("stores must be a list of prefix stores (kvcore.HostStore, "
+                            f"DiskStore, RedisStore, ...), got {type(stores).__name__}")
+        stores = list(stores)
+        for i, s in enumerate(stores):
+            missing = [m for m in ("contains", "get", "put", "delete") if not callable(
+                getattr(s, m, None))]
+            if missing:
+                raise TypeError(f"stores[{i}] must implement the prefix-store protocol "
+                                f"(contains, get, put, delete); {type(s).__name__} lacks "
+                                f"{', '.join(missing)}")
+        if len({id(s) for s in stores}) != len(stores):
+            raise ValueError("stores must not list one store twice")
+        self._pool = weakref.ref(pool)
+        self.stores = tuple(stores)
+        self._block_size = pool.block_size
+        self._payload_size = pool.bytes_per_block
+        self._fp = [_format.fingerprint(pool.dtype, pool.block_size, pool.num_layers,
+                                        pool.num_kv_heads, pool.head_dim,
+                                        getattr(s, "namespace", b"") or b"")
+                    for s in stores]
+        self._hmac = [getattr(s, "hmac_key", None) for s in stores]
+        self._stats = [_stat_dict(getattr(s, "kind", type(s).__name__)) for s in stores]
+        self._warned = [{} for _ in stores]   # condition -> the operation that failed
+        self._pending = []
+        self._down_until = [0.0] * len(stores)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ faults
+    def _fail(self, i, exc, count=True, op=None):
+        cond = _condition(exc)
+        with self._lock:
+            if count:
+                self._stats[i]["failures"] += 1
+            if cond in ("timeout", "unreachable"):
+                self._down_until[i] = time.monotonic() + float(
+                    getattr(self.stores[i], "retry_interval", 1.0))
+            if cond not in self._warned[i]:
+                self._warned[i][cond] = op
+                self._pending.append(
+                    f"prefix store {i} ({self.stores[i]!r}): {cond}: {exc}; treated as a miss "
+                    f"(warned once per condition)")
+
+    def _reject(self, i, exc):
+        with self._lock:
+            self._stats[i]["rejected"] += 1
+        self._fail(i, exc, count=False)
+
+    def _ok(self, i, op):
+        """Operation ``op`` of store ``i`` worked: the transient conditions
+        it had warned of are warned of again if they recur."""
+        warned = self._warned[i]
+        if warned:
+            with self._lock:
+                for cond in [c for c, o in warned.items() if o == op and c in _TRANSIENT]:
+                    del warned[cond]
+
+    def _up(self, i):
+        return time.monotonic() >= self._down_until[i]
+
+    def emit_warnings(self):
+        """Issue the warnings recorded since the last call (caller's thread)."""
+        if not self._pending:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for msg in pending:
+            warnings.warn(msg, StoreWarning, stacklevel=4)
+
+    # ------------------------------------------------------------ spill
+    def spill(self, cached=None):
+        """Put the blocks the pool just evicted (or, with ``cached``, these
+        cached blocks) into the first store (the pool's lock is held; the
+        blocks are not written yet).  Returns how many entries were put;
+        never raises."""
+        try:
+            return self._spill(cached)
+        except Exception as e:  # a bug must not break the pool operation that evicted
+            self._fail(0, e, op="spill")
+            return 0
+
+    def _spill(self, cached):
+        pool = self._pool()
+        if pool is None:
+            return 0
+        if cached is None:
+            blocks, hashes, parents, roots, tokens = pool._core.take_evicted()
+        else:
+            blocks, hashes, parents, roots, tokens = pool._core.cached_entries(cached)
+        if not blocks.size or not self.stores:
+            return 0
+        try:
+            payloads = pool._export_blocks(blocks)
+            hb = hashes.astype("<u8").tobytes()
+            pb = parents.astype("<u8").tobytes()
+            rb = roots.astype("<u8").tobytes()
+            fp, key = self._fp[0], self._hmac[0]
+            items = []
+            for j in range(blocks.size):
+                h = hb[16 * j:16 * j + 16]
+                items.append((_format.store_key(fp, h),
+                              _format.encode(fp, h, pb[16 * j:16 * j + 16],
+                                             rb[16 * j:16 * j + 16], tokens[j], payloads[j], key)))
+        except Exception as e:
+            self._fail(0, e, op="export")
+            return 0
+        return self._put(0, items)
+
+    def _put(self, i, items):
+        first = len(items)
+        while items and i < len(self.stores):
+            if not self._up(i):
+                i, items = i + 1, self._retarget(i, i + 1, items)
+                continue
+            try:
+                dropped = self.stores[i].put(items)
+            except Exception as e:
+                self._fail(i, e, op="put")
+                return 0
+            self._ok(i, "put")
+            with self._lock:
+                st = self._stats[i]
+                st["puts"] += len(items)
+                st["bytes_in"] += sum(len(v) for _, v in items)
+                st["evictions"] += len(dropped or ())
+            items = self._retarget(i, i + 1, list(dropped or ()))
+            i += 1
+        return first
+
+    def _retarget(self, i, j, items):
+        """Entries of store ``i`` re-encoded for store ``j`` where their
+        namespace or hmac_key differ (entries that fail verification are dropped)."""
+        if j >= len(self.stores) or not items:
+            return items
+        if self._fp[i] == self._fp[j] and self._hmac[i] == self._hmac[j]:
+            return items
+        out = []
+        for _, v in items:
+            try:
+                h, parent, salt, tok, pay, _, _ = _format.parse(v, self._fp[i], self._hmac[i])
+            except _format.Invalid as e:
+                self._reject(i, e)
+                continue
+            out.append((_format.store_key(self._fp[j], h),
+                        _format.encode(self._fp[j], h, parent, salt,
+                                       np.frombuffer(tok, "<i4"), pay, self._hmac[j])))
+        return out
+
+    # ------------------------------------------------------------ lookup
+    def _run(self, hash_bytes, first, stop, count):
+        """[(store, start, end)]: the longest run of blocks first..stop-1
+        found store after store (one ``contains`` per store)."""
+        segments = []
+        at = first
+        for i, s in enumerate(self.stores):
+            if at >= stop:
+                break
+            if not self._up(i):
+                continue
+            keys = [_format.store_key(self._fp[i], hash_bytes[16 * b:16 * b + 16])
+                    for b in range(at, stop)]
+            try:
+                n = int(s.contains(keys))
+            except Exception as e:
+                if count:
+                    self._fail(i, e, op="contains")
+                continue
+            if count:
+                self._ok(i, "contains")
+                with self._lock:
+                    self._stats[i]["lookups"] += 1
+            n = max(0, min(n, stop - at))
+            if n:
+                segments.append((i, at, at + n))
+                at += n
+        return segments
+
+    def probe_blocks(self, hash_words, first, stop):
+        """Blocks first.. that the stores would add to a hit (no loading, no stats)."""
+        if first >= stop:
+            return 0
+        hb = np.ascontiguousarray(hash_words, "<u8").tobytes()
+        try:
+            segs = self._run(hb, first, stop, count=False)
+        except Exception:  # pragma: no cover - _run catches store errors
+            return 0
+        return sum(e - s for _, s, e in segs)
+
+    def extend(self, seq, hit):
+        """After ``seq.allocate`` hit ``hit`` tokens in the pool: load the
+        following blocks found in the stores; returns the new hit.  Never
+        raises (except from the warnings it issues)."""
+        try:
+            return self._extend(seq, hit)
+        except Exception as e:  # a bug must not reach allocate's caller
+            self._fail(0, e, op="load")
+            return seq._core._num_computed
+        finally:
+            self.emit_warnings()
+
+    def _extend(self, seq, hit):
+        pool = self._pool()
+        core = seq._core
+        bs = self._block_size
+        n = core._num_tokens
+        first, stop = hit // bs, (n - 1) // bs
+        if pool is None or first >= stop or not self.stores:
+            return hit
+        from ..hashing import root_words
+        hw = core._hash_words()
+        hb = np.ascontiguousarray(hw, "<u8").tobytes()
+        r0, r1 = root_words(core._salt)
+        root = np.array([r0, r1], "<u8").tobytes()
+        tokens = core._token_ids()
+        segments = self._run(hb, first, stop, count=True)
+        table = core._table
+        owners = []           # (store, entry bytes) of each block loaded, in order
+        for i, start, end in segments:
+            keys = [_format.store_key(self._fp[i], hb[16 * b:16 * b + 16])
+                    for b in range(start, end)]
+            try:
+                values = self.stores[i].get(keys)
+            except Exception as e:
+                self._fail(i, e, op="get")
+                break
+            self._ok(i, "get")
+            complete = len(values) == end - start
+            for b, v in zip(range(start, end), values):
+                if v is None:   # gone since contains (another process, LRU)
+                    complete = False
+                    break
+                parent = hb[16 * b - 16:16 * b] if b else root
+                try:
+                    pay, checksum, seed = _format.decode(
+                        v, self._fp[i], hb[16 * b:16 * b + 16], parent, root,
+                        tokens[b * bs:(b + 1) * bs], self._payload_size, self._hmac[i],
+                        verify_payload=False)
+                    # the payload's checksum is computed while it is copied
+                    # into the (fresh, not yet adopted) block
+                    (digest,) = pool._import_blocks(table[b:b + 1], [pay], seeds=[seed])
+                    if digest != checksum:
+                        raise _format.Invalid("corrupt", "checksum mismatch")
+                except _format.Invalid as e:
+                    self._reject(i, e)
+                    complete = False
+                    break
+                except Exception as e:  # the block stays fresh, not adopted
+                    self._fail(i, e, op="import")
+                    complete = False
+                    break
+                owners.append((i, len(v)))
+            if not complete:
+                break
+        if not owners:
+            return hit
+        new_hit = core._adopt_loaded(len(owners))
+        with self._lock:
+            for i, size in owners:
+                st = self._stats[i]
+                st["hits"] += 1
+                st["hit_tokens"] += bs
+                st["bytes_out"] += size
+        return new_hit
+
+    def stats(self):
+        with self._lock:
+            return [dict(s) for s in self._stats]

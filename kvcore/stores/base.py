@@ -1,0 +1,94 @@
+"""The prefix-store protocol: what a tier below a BlockPool's prefix cache implements.
+
+A store maps keys (32 bytes: a pool's layout fingerprint then a block's
+chained hash) to values (bytes: one encoded entry, see ``_format``).  It
+knows nothing of pools, hashes or KV: the pool encodes, decodes and
+verifies every entry, so a store may keep values anywhere (process memory,
+files, Redis, Mooncake, LMCache's backends) as long as it returns the
+bytes it was given, or nothing.
+
+Methods (every one may raise; the pool turns an exception into misses and
+one warning per condition, never into wrong data):
+
+* ``contains(keys) -> int``: how many of ``keys``, from the first on, the
+  store holds (one batched query: the length of the found run).
+* ``get(keys) -> list``: the value of each key (bytes-like) or None.
+  Marks what it returns as recently used.
+* ``put(items) -> list``: store ``(key, value)`` pairs (a key already there
+  is replaced); returns the ``(key, value)`` pairs the store dropped to stay
+  within its capacity, least recently used first, for the next tier.
+* ``delete(keys) -> int``: forget these keys; how many were there.
+* ``capacity_bytes`` (None: bounded elsewhere, e.g. Redis' maxmemory),
+  ``used_bytes()``, ``close()``.
+
+``namespace`` (bytes) enters the layout fingerprint, so entries of another
+namespace are never found; ``hmac_key`` (bytes or None) makes the pool sign
+what it stores there and accept only entries whose HMAC holds.
+"""
+
+
+class PrefixStore:
+    """Base class of kvcore's prefix stores (and a template for others).
+
+    Subclasses implement ``contains``, ``get``, ``put``, ``delete`` and
+    ``used_bytes``; see the module docstring for the contract.
+    """
+
+    #: short name used in stats() and warnings
+    kind = "store"
+    #: seconds a pool leaves the store alone after it timed out or could
+    #: not be reached (then tries it again)
+    retry_interval = 1.0
+
+    def __init__(self, capacity_bytes=None, namespace="", hmac_key=None):
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not hasattr(capacity_bytes, "__index__"):
+                raise TypeError(f"capacity_bytes must be an int, got "
+                                f"{type(capacity_bytes).__name__}")
+            capacity_bytes = capacity_bytes.__index__()
+            if capacity_bytes <= 0:
+                raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        if isinstance(namespace, str):
+            namespace = namespace.encode()
+        if not isinstance(namespace, (bytes, bytearray)):
+            raise TypeError(f"namespace must be str or bytes, got {type(namespace).__name__}")
+        self.namespace = bytes(namespace)
+        if isinstance(hmac_key, str):
+            hmac_key = hmac_key.encode()
+        if hmac_key is not None and (not isinstance(hmac_key, (bytes, bytearray))
+                                     or not hmac_key):
+            raise TypeError("hmac_key must be None or non-empty bytes/str, got "
+                            f"{hmac_key!r:.40}")
+        self.hmac_key = None if hmac_key is None else bytes(hmac_key)
+
+    def contains(self, keys):
+        raise NotImplementedError
+
+    def get(self, keys):
+        raise NotImplementedError
+
+    def put(self, items):
+        raise NotImplementedError
+
+    def delete(self, keys):
+        raise NotImplementedError
+
+    def used_bytes(self):
+        raise NotImplementedError
+
+    def close(self):
+        """Release what the store holds open (files, connections)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StoreWarning(UserWarning):
+    """A prefix store failed or held an unusable entry; the pool treated it
+    as a miss.  Issued once per store and condition ('timeout',
+    'unreachable', 'disk full', 'permission denied', 'I/O error', 'corrupt',
+    'fingerprint', 'hmac', 'mismatch', 'error')."""

@@ -1,0 +1,201 @@
+"""DiskStore: evicted blocks as files, surviving restarts, shared by the processes of a machine."""
+import fcntl
+import mmap
+import os
+import threading
+
+from .base import PrefixStore
+
+_SUFFIX = ".kve"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)    # Linux: fault the pages in at once
+
+
+class DiskStore(PrefixStore):
+    """Prefix store in a directory: one file per entry.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Directory (created if missing).  Several processes, and later runs,
+        may use the same directory: the files are the index.
+    capacity_bytes : int
+        Most bytes of entry files kept; past it the least recently used
+        (by file modification time, refreshed on every hit) are removed,
+        handed to the next store first.
+    namespace : str or bytes, optional
+    hmac_key : bytes, optional
+
+    Notes
+    -----
+    An entry is written to a temporary file in its final directory and
+    renamed into place (``os.replace``), so a reader sees a whole old entry,
+    a whole new one, or none; concurrent writers of one key both succeed
+    and one of their (identical) entries stays.  Trimming to capacity runs
+    after every ``put``, under an exclusive ``flock`` on ``PATH/.lock``,
+    over a fresh listing of the directory, so processes sharing it keep it
+    within capacity between them (the listing costs a ``stat`` per entry
+    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A torn or corrupted file is caught by the entry's checksum when
+    read, and is then a miss.
+    """
+
+    kind = "disk"
+
+    def __init__(self, path, capacity_bytes, namespace="", hmac_key=None):
+        if capacity_bytes is None:
+            raise TypeError("capacity_bytes must be an int, got None")
+        super().__init__(capacity_bytes, namespace, hmac_key)
+        try:
+            path = os.fspath(path)
+        except TypeError:
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}") \
+                from None
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        os.makedirs(path, exist_ok=True)
+        self.path = os.path.abspath(path)
+        self._lock = threading.Lock()
+        self._used = sum(size for _, size, _ in self._listing())
+
+    def _file(self, key):
+        h = key.hex()
+        return os.path.join(self.path, h[-2:], h + _SUFFIX)
+
+    def _listing(self):
+        """(path, size, mtime) of every entry file now in the directory."""
+        out = []
+        try:
+            subdirs = list(os.scandir(self.path))
+        except FileNotFoundError:
+            return out
+        for d in subdirs:
+            if not d.is_dir(follow_symlinks=False):
+                continue
+            try:
+                for f in os.scandir(d.path):
+                    if f.name.endswith(_SUFFIX):
+                        try:
+                            st = f.stat()
+                        except FileNotFoundError:
+                            continue
+                        out.append((f.path, st.st_size, st.st_mtime_ns))
+            except FileNotFoundError:
+                continue
+        return out
+
+    def contains(self, keys):
+        n = 0
+        for k in keys:
+            if not os.path.exists(self._file(k)):
+                break
+            n += 1
+        return n
+
+    def get(self, keys):
+        out = []
+        for k in keys:
+            p = self._file(k)
+            try:
+                with open(p, "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    # mapped, not read: the pool reads the entry once, from
+                    # the page cache, straight into its blocks.  (Writers
+                    # never change a file in place: they rename a new one
+                    # over it, which leaves this mapping intact.)
+                    buf = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE,
+                                    prot=mmap.PROT_READ) if size else b""
+                try:
+                    os.utime(p)   # recency for the LRU trim
+                except OSError:
+                    pass
+                out.append(buf)
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    def put(self, items):
+        grown = 0
+        for k, v in items:
+            p = self._file(k)
+            d = os.path.dirname(p)
+            os.makedirs(d, exist_ok=True)
+            tmp = os.path.join(d, f".tmp-{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
+            try:
+                with open(tmp, "wb", buffering=0) as f:
+                    view = memoryview(v).cast("B")
+                    done = 0
+                    while done < view.nbytes:
+                        done += f.write(view[done:])
+                try:
+                    old = os.stat(p).st_size
+                except FileNotFoundError:
+                    old = 0
+                os.replace(tmp, p)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            grown += len(v) - old
+        with self._lock:
+            self._used += grown
+        # other processes write here too: the bound is checked against a
+        # fresh listing after every put (one scandir of the directory)
+        return self._trim()
+
+    def _trim(self):
+        """Remove least recently used files until within capacity; their
+        entries are returned (for the next tier)."""
+        dropped = []
+        lock_path = os.path.join(self.path, ".lock")
+        with open(lock_path, "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                files = self._listing()
+                used = sum(size for _, size, _ in files)
+                files = sorted(files, key=lambda e: e[2]) if used > self.capacity_bytes else []
+                for p, size, _ in files:
+                    if used <= self.capacity_bytes:
+                        break
+                    try:
+                        with open(p, "rb") as f:
+                            value = f.read()
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        value = None
+                    used -= size
+                    if value is not None:
+                        key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
+                        dropped.append((key, value))
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        with self._lock:
+            self._used = used
+        return dropped
+
+    def delete(self, keys):
+        n = 0
+        for k in keys:
+            p = self._file(k)
+            try:
+                size = os.stat(p).st_size
+                os.unlink(p)
+            except FileNotFoundError:
+                continue
+            n += 1
+            with self._lock:
+                self._used -= size
+        return n
+
+    def used_bytes(self):
+        """Bytes of entry files in the directory now (a fresh listing)."""
+        used = sum(size for _, size, _ in self._listing())
+        with self._lock:
+            self._used = used
+        return used
+
+    def __len__(self):
+        return len(self._listing())
+
+    def __repr__(self):
+        return f"DiskStore({self.path!r}, capacity_bytes={self.capacity_bytes})"

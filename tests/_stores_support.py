@@ -1,0 +1,189 @@
+"""Helpers for the prefix-store tests: sequences that compute their KV from
+their token ids (so any process can check a hit bit for bit), a real
+redis-server on a free loopback port, and a store that fails on demand."""
+import errno
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import kvcore
+
+GEOMETRY = dict(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+
+
+def make_pool(num_blocks=8, stores=None, dtype="float16", **kw):
+    geo = dict(GEOMETRY, **kw)
+    return kvcore.BlockPool(num_blocks, geo["block_size"], geo["num_layers"],
+                            geo["num_kv_heads"], geo["head_dim"], dtype=dtype, stores=stores)
+
+
+def kv_for(tokens, positions, layer, pool, salt=b""):
+    """The K/V every test writes for ``positions`` of a sequence: a function
+    of the token ids up to each position, the layer and the salt (what a
+    model would compute), so a hit can be checked anywhere."""
+    h, d = pool.num_kv_heads, pool.head_dim
+    out = np.empty((2, len(positions), h, d), np.float32)
+    for j, p in enumerate(positions):
+        seed = (int(np.sum(tokens[:p + 1], dtype=np.int64)) * 1000003 + p * 7919 + layer * 31
+                + len(salt)) % (2**32)
+        out[:, j] = np.random.default_rng(seed).standard_normal((2, h, d))
+    return out[0], out[1]
+
+
+def run(pool, tokens, salt=None, free=True):
+    """allocate ``tokens``, compute the positions not hit, commit; returns
+    (hit tokens, sequence or None)."""
+    tokens = np.asarray(tokens, np.int32)
+    seq = kvcore.PagedKVCache(pool, salt=salt)
+    hit = seq.allocate(tokens)
+    n = len(tokens)
+    for layer in range(pool.num_layers):
+        k, v = kv_for(tokens, range(hit, n), layer, pool, (salt or "").encode()
+                      if isinstance(salt, str) else (salt or b""))
+        seq.append(layer, k, v)
+    seq.commit(n - hit)
+    if free:
+        seq.free()
+        return hit, None
+    return hit, seq
+
+
+def expected_kv(pool, tokens, n, salt=b""):
+    """What positions 0..n-1 must hold in the pool's dtype, per layer."""
+    out = []
+    for layer in range(pool.num_layers):
+        k, v = kv_for(np.asarray(tokens, np.int32), range(n), layer, pool, salt)
+        conv = {"float16": np.float16, "float32": np.float32}[pool.dtype]
+        out.append((k.astype(conv).transpose(1, 0, 2), v.astype(conv).transpose(1, 0, 2)))
+    return out
+
+
+def check_hit(pool, tokens, hit_blocks, salt=None):
+    """allocate ``tokens`` again: the hit must be ``hit_blocks`` blocks and
+    every hit position must hold exactly what was computed."""
+    tokens = np.asarray(tokens, np.int32)
+    seq = kvcore.PagedKVCache(pool, salt=salt)
+    hit = seq.allocate(tokens)
+    assert hit == hit_blocks * pool.block_size, (hit, hit_blocks)
+    sb = (salt.encode() if isinstance(salt, str) else salt) or b""
+    for layer, (k, v) in enumerate(expected_kv(pool, tokens, hit, sb)):
+        gk, gv = pool.gather(layer, seq.block_table, 0, hit)
+        assert np.array_equal(gk.view(np.uint8), k.view(np.uint8)), layer
+        assert np.array_equal(gv.view(np.uint8), v.view(np.uint8)), layer
+    seq.free()
+
+
+def flush_pool(pool, n_tokens=None):
+    """Evict every cached block of ``pool`` (into its stores) by filling the
+    pool with a sequence of fresh tokens."""
+    n = pool.num_blocks * pool.block_size
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(np.arange(10**6, 10**6 + n, dtype=np.int32))
+    seq.free()
+    pool.reset_prefix_cache()
+
+
+class FailingStore(kvcore.HostStore):
+    """A HostStore that raises ``exc`` from the methods named in ``fail``
+    (fault injection for conditions a test cannot cause for real, such as
+    a full disk, or permission denied when the tests run as root)."""
+
+    def __init__(self, capacity_bytes, exc=None, fail=()):
+        super().__init__(capacity_bytes)
+        self.exc = exc
+        self.fail = set(fail)
+
+    def _maybe(self, name):
+        if name in self.fail:
+            raise self.exc
+
+    def contains(self, keys):
+        self._maybe("contains")
+        return super().contains(keys)
+
+    def get(self, keys):
+        self._maybe("get")
+        return super().get(keys)
+
+    def put(self, items):
+        self._maybe("put")
+        return super().put(items)
+
+
+def disk_full():
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def permission_denied():
+    return PermissionError(errno.EACCES, "Permission denied")
+
+
+# ------------------------------------------------------------ redis
+def require_redis():
+    """(redis-server path, redis module); skips without them, except that
+    with KVCORE_REQUIRE_REDIS=1 (set by .ci/run, which installs both) a
+    missing one fails the test."""
+    server = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        redis = None
+    if server and redis is not None:
+        return server, redis
+    what = "redis-server" if not server else "redis-py"
+    if os.environ.get("KVCORE_REQUIRE_REDIS", "") not in ("", "0"):
+        pytest.fail(f"KVCORE_REQUIRE_REDIS=1 but {what} is missing")
+    pytest.skip(f"needs {what} (apt-get install redis-server; pip install 'kvcore[redis]')")
+
+
+def free_port():
+    # (--port 0 means "no TCP" to Redis: pick a free one first)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server of its own on 127.0.0.1, data in ``directory``."""
+
+    def __init__(self, directory, port=None):
+        self.binary, self.redis = require_redis()
+        self.directory = str(directory)
+        self.port = port or free_port()
+        self.proc = None
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.directory, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except self.redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def client(self):
+        return self.redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)

@@ -1,0 +1,253 @@
+"""RedisStore against a real redis-server (started here on a free loopback
+port, data in a temporary directory, stopped at the end).  Without
+redis-server or redis-py these tests skip, except under KVCORE_REQUIRE_REDIS=1
+(.ci/run), where they fail."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore.stores import _format
+
+from _stores_support import RedisServer, check_hit, flush_pool, make_pool, run
+
+PROMPT = np.arange(1, 18, dtype=np.int32)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RedisServer(tmp_path).start()
+    yield srv
+    srv.stop()
+
+
+def redis_pool(server, **kw):
+    store = kvcore.RedisStore(server.url, namespace=kw.pop("namespace", "t"),
+                              timeout=kw.pop("timeout", 1.0), **kw)
+    return make_pool(stores=[store]), store
+
+
+def test_spill_and_hit_bit_exact(server):
+    pool, store = redis_pool(server)
+    run(pool, PROMPT)
+    flush_pool(pool)
+    keys = server.client().keys("kvcore:t:*")
+    assert len(keys) == 4
+    check_hit(pool, PROMPT, 4)
+    st = pool.stats()["stores"][0]
+    assert st["kind"] == "redis" and st["hits"] == 4 and st["failures"] == 0
+    assert st["bytes_in"] == st["bytes_out"] == sum(len(server.client().get(k)) for k in keys)
+
+
+_PEER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np, kvcore
+    from _stores_support import run, check_hit, flush_pool, make_pool
+    pool = make_pool(stores=[kvcore.RedisStore({url!r}, namespace="shared")])
+    prompt = np.arange(1, 18, dtype=np.int32)
+    if sys.argv[1] == "compute":
+        assert run(pool, prompt)[0] == 0
+        flush_pool(pool)
+    else:
+        check_hit(pool, prompt, 4)
+        assert pool.stats()["stores"][0]["hits"] == 4
+    print("ok", sys.argv[1])
+""")
+
+
+def test_two_processes_share_a_redis_store(server, tmp_path):
+    script = tmp_path / "peer.py"
+    script.write_text(_PEER.format(tests=os.path.dirname(__file__), url=server.url))
+    for phase in ("compute", "hit"):
+        r = subprocess.run([sys.executable, "-W", "error", str(script), phase],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and f"ok {phase}" in r.stdout, r.stderr
+
+
+def test_redis_killed_mid_run_then_restarted(server):
+    pool, store = redis_pool(server, timeout=0.5, retry_interval=0.2)
+    plain = make_pool()
+    run(pool, PROMPT)
+    run(plain, PROMPT)
+    server.stop()
+    # evictions (puts) and lookups while the server is down: misses, one
+    # warning, the pool exactly as a pool without stores
+    with pytest.warns(kvcore.StoreWarning, match="unreachable") as record:
+        for p in (np.arange(300, 329, dtype=np.int32), PROMPT):
+            for q in (pool, plain):
+                run(q, p)
+                flush_pool(q)
+            time.sleep(0.25)          # past the retry interval: the store is tried again
+    assert len(record) == 1
+    assert pool.stats()["stores"][0]["failures"] >= 2
+    a, b = plain.debug_snapshot(), pool.debug_snapshot()
+    b["stats"].pop("stores")
+    assert a == b
+    # the server comes back (empty: no persistence): misses, then hits again
+    server.start()
+    time.sleep(0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(pool, PROMPT)[0] == 0
+        flush_pool(pool)
+        check_hit(pool, PROMPT, 4)
+    pool.check()
+
+
+def test_slow_redis_times_out_into_misses(server):
+    pool, store = redis_pool(server, timeout=0.5, retry_interval=5.0)
+    run(pool, PROMPT)
+    flush_pool(pool)
+    # a server that stops answering (SIGSTOP) is a slow one: every call times out
+    server.proc.send_signal(19)
+    try:
+        t0 = time.monotonic()
+        with pytest.warns(kvcore.StoreWarning, match="timeout"):
+            seq = kvcore.PagedKVCache(pool)
+            assert seq.allocate(PROMPT) == 0
+        assert 0.5 <= time.monotonic() - t0 < 3       # one timeout, not one per block
+        seq.free()
+        # within the retry interval the store is not asked again: no wait
+        t0 = time.monotonic()
+        seq = kvcore.PagedKVCache(pool)
+        assert seq.allocate(PROMPT) == 0
+        assert time.monotonic() - t0 < 0.4            # less than one timeout
+        seq.free()
+    finally:
+        server.proc.send_signal(18)
+    pool.check()
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "truncate", "garbage"])
+def test_corrupt_entry_in_redis_is_a_miss_with_a_warning(server, where):
+    pool, store = redis_pool(server)
+    run(pool, PROMPT)
+    flush_pool(pool)
+    client = server.client()
+    fp = _format.fingerprint("float16", 4, 2, 2, 8, b"t")
+    key = b"kvcore:t:" + _format.store_key(fp, kvcore.block_hashes(PROMPT, 4)[1]).hex().encode()
+    value = bytearray(client.get(key))
+    if where == "truncate":
+        value = value[:100]
+    elif where == "garbage":
+        value = bytearray(b"not an entry")
+    else:
+        value[-3 if where == "payload" else 20] ^= 1
+    client.set(key, bytes(value))
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        check_hit(pool, PROMPT, 1)
+    assert pool.stats()["stores"][0]["rejected"] == 1
+
+
+def test_hmac(server):
+    signed, _ = redis_pool(server, hmac_key=b"secret-1")
+    run(signed, PROMPT)
+    flush_pool(signed)
+    check_hit(signed, PROMPT, 4)
+    flush_pool(signed)
+    # another key: refused
+    other, _ = redis_pool(server, hmac_key=b"secret-2")
+    with pytest.warns(kvcore.StoreWarning, match="hmac"):
+        check_hit(other, PROMPT, 0)
+    # an unsigned entry where a key is required: refused
+    unsigned, _ = redis_pool(server, namespace="u")
+    run(unsigned, PROMPT)
+    flush_pool(unsigned)
+    wants_sig, _ = redis_pool(server, namespace="u", hmac_key=b"secret-1")
+    with pytest.warns(kvcore.StoreWarning, match="hmac"):
+        check_hit(wants_sig, PROMPT, 0)
+    # a forged entry: KV changed and the checksum fixed up, the HMAC cannot be
+    client = server.client()
+    fp = _format.fingerprint("float16", 4, 2, 2, 8, b"t")
+    h0 = kvcore.block_hashes(PROMPT, 4)[0]
+    key = b"kvcore:t:" + _format.store_key(fp, h0).hex().encode()
+    value = bytearray(client.get(key))
+    value[-1] ^= 1
+    from kvcore.backends.cpu._checksum import xxh64
+    head = _format.PREFIX_SIZE + 8 + _format.MAC_SIZE
+    seed = _format.header_seed(bytes(value[:_format.PREFIX_SIZE]), bytes(value[head:head + 16]))
+    value[_format.PREFIX_SIZE:_format.PREFIX_SIZE + 8] = xxh64(
+        bytes(value[head + 16:]), seed).to_bytes(8, "little")
+    client.set(key, bytes(value))
+    fresh, _ = redis_pool(server, hmac_key=b"secret-1")
+    with pytest.warns(kvcore.StoreWarning, match="HMAC mismatch"):
+        check_hit(fresh, PROMPT, 0)
+
+
+def test_namespace_and_salt_isolation(server):
+    a, _ = redis_pool(server, namespace="a")
+    b, _ = redis_pool(server, namespace="b")
+    run(a, PROMPT, salt="s1")
+    flush_pool(a)
+    check_hit(b, PROMPT, 0, salt="s1")
+    check_hit(a, PROMPT, 0, salt="s2")
+    check_hit(a, PROMPT, 0)
+    check_hit(a, PROMPT, 4, salt="s1")
+
+
+def test_concurrent_writers_of_the_same_key(server, tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import numpy as np, kvcore
+        from _stores_support import run, flush_pool, make_pool
+        pool = make_pool(stores=[kvcore.RedisStore({server.url!r}, namespace="c")])
+        for _ in range(10):
+            run(pool, np.arange(1, 18, dtype=np.int32))
+            flush_pool(pool)
+    """))
+    procs = [subprocess.Popen([sys.executable, "-W", "error", str(script)]) for _ in range(3)]
+    assert [p.wait(120) for p in procs] == [0, 0, 0]
+    pool, _ = redis_pool(server, namespace="c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_hit(pool, PROMPT, 4)
+
+
+def test_ttl_expires_entries(server):
+    pool, store = redis_pool(server, ttl=0.3)
+    run(pool, PROMPT)
+    flush_pool(pool)
+    assert pool.probe(PROMPT)["store_hit_tokens"] == 16
+    time.sleep(0.5)
+    assert pool.probe(PROMPT)["store_hit_tokens"] == 0
+
+
+def test_host_disk_redis_tiers(server, tmp_path):
+    size = _format.PREFIX_SIZE + 8 + 16 + make_pool().bytes_per_block
+    host = kvcore.HostStore(2 * size)
+    disk = kvcore.DiskStore(tmp_path / "d", 2 * size)
+    redis_store = kvcore.RedisStore(server.url, namespace="tiers")
+    pool = make_pool(stores=[host, disk, redis_store])
+    run(pool, PROMPT)
+    flush_pool(pool)
+    assert (len(host), len(disk)) == (2, 2)
+    assert len(server.client().keys("kvcore:tiers:*")) == 0   # nothing dropped yet past disk
+    run(pool, np.arange(700, 717, dtype=np.int32))
+    flush_pool(pool)
+    assert len(server.client().keys("kvcore:tiers:*")) == 4
+    check_hit(pool, PROMPT, 4)
+    st = pool.stats()["stores"]
+    assert sum(s["hits"] for s in st) == 4 and st[2]["hits"] >= 2
+
+
+def test_redis_store_arguments(server):
+    with pytest.raises(ValueError, match="ttl"):
+        kvcore.RedisStore(server.url, ttl=0)
+    with pytest.raises(ValueError, match="timeout"):
+        kvcore.RedisStore(server.url, timeout=-1)
+    with pytest.raises(ValueError, match="retry_interval"):
+        kvcore.RedisStore(server.url, retry_interval=-1)
+    with pytest.raises(TypeError, match="url"):
+        kvcore.RedisStore(42)
+    client = server.client()
+    store = kvcore.RedisStore(client, namespace="c")
+    assert store.client is client
