@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 
+from . import _arrays
 from . import dtypes as _dtypes
 from ._validate import index_int, layer_index
 from .backends.cpu import _attention as _kernel
@@ -244,8 +245,9 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
         raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
     layer = layer_index(layer, pool.num_layers)
     if pool.device != "cpu":
-        raise NotImplementedError(
-            f"paged_attention on a {pool.device!r} pool is not implemented yet (CPU pools only)")
+        return _device_attention(q, pool._backend, pool.key_cache(layer), pool.value_cache(layer),
+                                 _dtypes.storage_kind(pool.dtype), block_tables, seq_lens,
+                                 query_start_loc, scale, sliding_window, logits_soft_cap, out)
     return _attention(q, pool.key_cache(layer), pool.value_cache(layer),
                       _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens, query_start_loc, scale,
                       sliding_window, logits_soft_cap, out)
@@ -270,15 +272,16 @@ def _int32_table(t):
     return np.ascontiguousarray(t, dtype=np.int32)
 
 
-def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
-               query_start_loc, scale, sliding_window, logits_soft_cap, out):
-    """Check everything, then run the kernel.  key_cache/value_cache:
-    ``(num_blocks, num_kv_heads, block_size, head_dim)`` with contiguous
-    rows, views of ``storage`` (which ``out`` must not overlap)."""
-    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
-    qa = _query_array(q, num_kv_heads, head_dim)
-    num_tokens, num_heads, _ = qa.shape
-
+def _index_args(num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale,
+                sliding_window, logits_soft_cap, to_host=None):
+    """The checked host forms of the integer and scalar arguments:
+    ``(tables, lens, qsl, scale, window, cap)`` (window and cap 0 when off).
+    ``to_host`` reads device index arrays (CUDA pools)."""
+    if to_host is not None:
+        block_tables = to_host(block_tables, "block_tables")
+        seq_lens = to_host(seq_lens, "seq_lens")
+        if query_start_loc is not None:
+            query_start_loc = to_host(query_start_loc, "query_start_loc")
     tables = _int_array(block_tables, "block_tables", 2)
     num_seqs, max_blocks = tables.shape
     lens_in = _int_array(seq_lens, "seq_lens", 1)
@@ -306,6 +309,20 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
     # 0 tells the kernel "off"
     window = _positive_or_off(sliding_window, "sliding_window", index_int, "a positive integer")
     cap_v = _positive_or_off(logits_soft_cap, "logits_soft_cap", _real, "positive")
+    return tables, lens, qsl, scale_v, window, cap_v
+
+
+def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
+               query_start_loc, scale, sliding_window, logits_soft_cap, out):
+    """Check everything, then run the kernel.  key_cache/value_cache:
+    ``(num_blocks, num_kv_heads, block_size, head_dim)`` with contiguous
+    rows, views of ``storage`` (which ``out`` must not overlap)."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    qa = _query_array(q, num_kv_heads, head_dim)
+    num_tokens, num_heads, _ = qa.shape
+    tables, lens, qsl, scale_v, window, cap_v = _index_args(
+        num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+        logits_soft_cap)
 
     tables32 = _int32_table(tables)
     shape = (num_tokens, num_heads, head_dim)
@@ -328,6 +345,56 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
         _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens)
     if out is not None and not direct:
         _fill_out(view, target)
+    return result
+
+
+def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_lens,
+                      query_start_loc, scale, sliding_window, logits_soft_cap, out):
+    """``paged_attention`` on a device pool: the same checks, on the host
+    (device index arrays are copied down, a synchronisation), before any
+    work; then the backend's kernels.  ``q`` and ``out`` are device arrays
+    (``q`` may be a pair ``(bits, kind)`` already read)."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    qd, qkind = q if isinstance(q, tuple) else _arrays.float_input(be, q, "q")
+    if qd.ndim != 3:
+        raise ValueError(f"q must be 3-D (num_query_tokens, num_heads, head_dim), "
+                         f"got shape {tuple(qd.shape)}")
+    num_tokens, num_heads, dim = qd.shape
+    if dim != head_dim:
+        raise ValueError(f"q.shape[2] must be the pool's head_dim={head_dim}, got {dim}")
+    if num_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of the pool's "
+                         f"num_kv_heads={num_kv_heads}, got {num_heads}")
+    tables, lens, qsl, scale_v, window, cap_v = _index_args(
+        num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+        logits_soft_cap, to_host=lambda x, arg: _arrays.index_array(be, x, arg))
+    tables32 = _int32_table(tables)
+    status, a, b = _kernel.check_tables(tables32, lens, qsl, num_tokens, num_blocks, block_size,
+                                        window)
+    if status:
+        _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens)
+    shape = (num_tokens, num_heads, head_dim)
+    if out is not None:
+        y, bf16 = _arrays.unwrap(out, "out")
+        okind = _dtypes.BF16 if bf16 else _dtypes.array_kind(be.check_out(y, "out"), "out")
+        obits, result = _arrays.out_array(be, out, "out", shape, okind)
+        if not (be.direct_out(obits, key_cache) and be.direct_out(obits, value_cache)):
+            raise ValueError("out must not overlap the KV cache's storage")
+    # q as float32, C-contiguous, on the device (a conversion kernel when needed)
+    if qkind == _dtypes.F32 and qd.flags.c_contiguous and be._ptr(qd) % 4 == 0:
+        q32 = qd
+    else:
+        q32 = be.empty(shape, "float32")
+        be.convert(qd, qkind, q32, _dtypes.F32)
+    direct = out is not None and okind == _dtypes.F32 and obits.flags.c_contiguous \
+        and be._ptr(obits) % 4 == 0 and be.direct_out(obits, q32)
+    target = obits if direct else be.empty(shape, "float32")
+    be.paged_attention(q32, target, key_cache, value_cache, kind, tables32, lens, qsl, scale_v,
+                       window, cap_v)
+    if out is None:
+        return target
+    if not direct:
+        be.convert(target, _dtypes.F32, obits, okind)
     return result
 
 
@@ -388,15 +455,16 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
     """``KVCache.attention``: ``q`` ``(batch, num_heads, n, head_dim)`` are the
     queries of the layer's last ``n`` written positions; returns
     ``(batch, num_heads, n, head_dim)`` float32 (or ``out``)."""
-    if cache.device != "cpu":
-        raise NotImplementedError(
-            f"KVCache.attention on a {cache.device!r} cache is not implemented yet "
-            "(CPU caches only)")
     k = cache.key_cache(layer)    # checks layer
     v = cache.value_cache(layer)
     length = cache.layer_len(layer)
     batch, num_kv_heads, max_len, head_dim = k.shape
-    qa = _host_view(q, "q")
+    device = cache.device != "cpu"
+    if device:
+        be = cache._backend
+        qa, qkind = _arrays.float_input(be, q, "q")
+    else:
+        qa = _host_view(q, "q")
     if qa.ndim != 4:
         raise ValueError(f"q must be 4-D (batch_size, num_heads, n, head_dim) = ({batch}, "
                          f"num_heads, n, {head_dim}), got shape {tuple(qa.shape)}")
@@ -414,16 +482,34 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
         raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of "
                          f"num_kv_heads={num_kv_heads}, got {num_heads}")
     shape = (batch, num_heads, n, head_dim)
+    kind = _dtypes.storage_kind(cache.dtype)
+    tables = np.arange(batch).reshape(batch, 1)   # one "block" per batch row
+    lens = np.full(batch, length, np.int64)
+    qsl = np.arange(0, batch * n + 1, n)
+    if device:
+        q_rows = be.xp.ascontiguousarray(qa.transpose(0, 2, 1, 3)).reshape(
+            batch * n, num_heads, head_dim)
+        if out is not None:
+            y, bf16 = _arrays.unwrap(out, "out")
+            okind = _dtypes.BF16 if bf16 else _dtypes.array_kind(be.check_out(y, "out"), "out")
+            obits, result = _arrays.out_array(be, out, "out", shape, okind)
+            if not (be.direct_out(obits, k) and be.direct_out(obits, v)):
+                raise ValueError("out must not overlap the KV cache's storage")
+        rows = _device_attention((q_rows, qkind), be, k, v, kind, tables, lens, qsl, scale,
+                                 sliding_window, logits_soft_cap, None)
+        res = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
+        if out is None:
+            return be.xp.ascontiguousarray(res)
+        be.convert(res, _dtypes.F32, obits, okind)
+        return result
     storage = k.base if k.base is not None else k   # every layer's K and V
     if out is not None:
         view = _out_view(out, shape, "(batch_size, num_heads, n, head_dim)", storage)
     # one "block" per batch row, block_size = max_seq_len
     q_rows = np.ascontiguousarray(qa.transpose(0, 2, 1, 3)).reshape(batch * n, num_heads,
                                                                     head_dim)
-    rows = _attention(q_rows, k, v, _dtypes.storage_kind(cache.dtype), storage,
-                      np.arange(batch).reshape(batch, 1), np.full(batch, length, np.int64),
-                      np.arange(0, batch * n + 1, n), scale, sliding_window, logits_soft_cap,
-                      None)
+    rows = _attention(q_rows, k, v, kind, storage, tables, lens, qsl, scale, sliding_window,
+                      logits_soft_cap, None)
     result = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
     if out is None:
         return np.ascontiguousarray(result)

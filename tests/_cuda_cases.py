@@ -671,5 +671,88 @@ def test_write_contiguous_from_a_view_of_itself(dev):
         assert_bits_equal(dev.get(d), want)
 
 
+# ------------------------------------------------------------ attention
+# kernels/attention.cu against the float64 reference (the contract's 1e-5
+# relative: max abs error / max abs value), through the backend method.
+
+def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
+                    block_size=16, window=None, cap=None, split_keys=None, monkeypatch=None):
+    from kvcore.backends.cuda import attention_kernels
+    from kvcore.backends.reference import paged_attention_reference
+
+    if split_keys is not None:
+        monkeypatch.setattr(attention_kernels, "SPLIT_KEYS", split_keys)
+    need = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(need) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    vals = rng.standard_normal((2, *shape)).astype(np.float32)
+    if kind == F16:
+        k, v = vals.astype(np.float16)
+    elif kind == BF16:
+        k, v = (vals.astype(ml_dtypes.bfloat16)).view(np.uint16)
+    else:
+        k, v = vals
+    perm = rng.permutation(num_blocks)
+    tables = np.full((len(contexts), max(need) + 1), -1, np.int32)
+    a = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[a:a + n]
+        a += n
+    lens = np.array(contexts, np.int64)
+    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    out = dev.be.empty(q.shape, "float32")
+    dev.be.paged_attention(dev.put(q), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
+                           scale, window or 0, cap or 0.0)
+    got = dev.get(out)
+    want = paged_attention_reference(q, k, v, np.where(tables < 0, 0, tables), lens, qsl,
+                                     scale=scale, sliding_window=window, logits_soft_cap=cap,
+                                     kind="bfloat16" if kind == BF16 else None)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= 1e-5, err
+    return got
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("head_dim", (64, 80, 128))
+def test_paged_attention_decode_and_prefill_match_reference(dev, kind, head_dim, monkeypatch):
+    """Decode of several sequences (one split and several, merged), a
+    prefill chunk and a whole short prefill in one call; GQA 4."""
+    rng = np.random.default_rng(head_dim + 10 * kind)
+    _attention_case(dev, rng, kind, head_dim, 8, 2, contexts=[1, 37, 200, 9],
+                    queries=[1, 1, 3, 9], split_keys=64, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("nh,nkv", [(4, 4), (16, 1), (24, 2)], ids=["mha", "mqa-16", "gqa-12"])
+def test_paged_attention_head_groups_match_reference(dev, nh, nkv, monkeypatch):
+    """Group sizes 1, 16 (two chunks of 8 heads) and 12 (a partial chunk)."""
+    rng = np.random.default_rng(nh * 100 + nkv)
+    _attention_case(dev, rng, F16, 64, nh, nkv, contexts=[70, 5], queries=[2, 1],
+                    block_size=8, split_keys=32, monkeypatch=monkeypatch)
+
+
+def test_paged_attention_window_and_soft_cap_match_reference(dev, monkeypatch):
+    rng = np.random.default_rng(7)
+    for window, cap in ((20, None), (None, 5.0), (33, 2.0)):
+        _attention_case(dev, rng, BF16, 96, 8, 2, contexts=[150, 40], queries=[4, 1],
+                        block_size=16, window=window, cap=cap, split_keys=64,
+                        monkeypatch=monkeypatch)
+
+
+def test_paged_attention_head_dim_256_and_block_size_1(dev):
+    rng = np.random.default_rng(8)
+    _attention_case(dev, rng, F32, 256, 4, 1, contexts=[13, 2], queries=[2, 2], block_size=1)
+
+
+def test_paged_attention_splits_do_not_change_the_result_beyond_rounding(dev, monkeypatch):
+    rng = np.random.default_rng(9)
+    a = _attention_case(dev, rng, F16, 64, 4, 2, contexts=[300], queries=[1])
+    rng = np.random.default_rng(9)
+    b = _attention_case(dev, rng, F16, 64, 4, 2, contexts=[300], queries=[1], split_keys=16,
+                        monkeypatch=monkeypatch)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
 __all__ = [name for name in dir() if name.startswith("test_")] + [
     "DeviceUnderTest", "assert_bits_equal", "rand_bits", "PAIRS", "PAIR_IDS", "KINDS"]

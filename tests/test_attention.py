@@ -745,8 +745,11 @@ def test_c_kernels_alone_every_level(tmp_path):
 
 @needs_source
 def test_c_kernels_on_aarch64_under_qemu(tmp_path):
-    """The portable path on AArch64 (cross-compiled, run under qemu-aarch64)."""
+    """The scalar and NEON paths on AArch64 (cross-compiled, run under
+    qemu-aarch64): every page dtype, threads, GQA, window, soft cap, exp2."""
     cc, qemu = aarch64_tools()
     run = _build_and_run_check(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "level scalar: 12 cases, 0 failures" in run.stdout and "0 failures" in run.stdout
+    assert "level scalar: 12 cases, 0 failures" in run.stdout
+    assert "level neon: 12 cases, 0 failures" in run.stdout      # the NEON kernels
+    assert "2 levels, 0 failures" in run.stdout

@@ -1,12 +1,14 @@
 """The CUDA attention kernels (kvcore/backends/cuda/kernels/attention.cu)
 compile with nvcc for Hopper, in every instantiation kvcore will ask for,
 without warnings, register spills or local memory.  Runs where ``nvcc`` is
-on PATH (no GPU needed), skips otherwise.  (The kernels are not launched by
-kvcore yet: paged_attention on a CUDA pool raises NotImplementedError.)"""
+on PATH (no GPU needed), skips otherwise.  The host plan of a call
+(``attention_kernels.plan``) is checked here too; the kernels themselves run
+in test_cuda_host_emulation.py (host emulation) and test_cuda_backend.py (a GPU)."""
 import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 from kvcore.backends.cuda import attention_kernels as cuda
@@ -23,6 +25,42 @@ def test_every_name_is_a_kernel_of_the_file():
     for name in cuda.attention_names():
         assert re.search(rf"(?:\n|void ){name.split('<')[0]}\(", text), name
     assert "#include" not in text   # NVRTC compiles it without headers
+
+
+def test_host_constants_match_the_file():
+    text = cuda.ATTENTION_FILE.read_text(encoding="utf-8")
+    assert re.search(rf"#define KVA_HEADS {cuda.CHUNK_HEADS}\n", text)
+    assert re.search(rf"#define KVA_WARPS {cuda.WARPS}\n", text)
+
+
+@pytest.mark.parametrize("window", [0, 7, 100])
+def test_plan_covers_each_rows_visible_keys_once(window):
+    """Every (query row, query head) gets each visible key in exactly one
+    item, splits in order; merge rows list exactly the (row, chunk)s of
+    more than one split."""
+    nq = np.array([1, 5, 0, 3])
+    lens = np.array([300, 40, 9, 3])
+    qsl = np.concatenate([[0], np.cumsum(nq)])
+    H, KVH = 20, 2        # groups of 10: a chunk of 8 heads and one of 2
+    items, nsplit, merge = cuda.plan(qsl, lens, H, KVH, window, split_keys=16)
+    seen = {}
+    for it, ns in zip(items, nsplit):
+        s, row, g, h0, nh, k0, k1 = (int(x) for x in it)
+        assert 0 < nh <= cuda.CHUNK_HEADS and g * (H // KVH) <= h0 < (g + 1) * (H // KVH)
+        for h in range(h0, h0 + nh):
+            seen.setdefault((row, h), []).append((k0, k1, int(ns)))
+    assert len(seen) == int(qsl[-1]) * H
+    for (row, h), ranges in seen.items():
+        s = int(np.searchsorted(qsl, row, side="right") - 1)
+        pos = lens[s] - nq[s] + row - qsl[s]
+        lo = max(0, pos + 1 - window) if window else 0
+        assert ranges[0][0] == lo and ranges[-1][1] == pos + 1
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(ns == len(ranges) for _, _, ns in ranges)
+    multi = {(int(r), int(h0)) for r, h0, _, _ in merge}
+    assert multi == {(it[1], it[3]) for it, ns in zip(items, nsplit) if ns > 1}
+    for r, h0, nh, first in merge:
+        assert items[first][1] == r and items[first][3] == h0 and items[first][4] == nh
 
 
 def _nvcc(args, cwd):

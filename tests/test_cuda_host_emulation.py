@@ -32,9 +32,11 @@ from kvcore.backends.cuda.backend import CudaBackend, launch_shape
 from kvcore.dtypes import BF16, F16, F32
 
 try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_attention_emulation import AttentionEmulation
     from ._cuda_cases import *  # noqa: F401,F403
     from ._cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits
 except ImportError:
+    from _cuda_attention_emulation import AttentionEmulation
     from _cuda_cases import *  # noqa: F401,F403
     from _cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits
 
@@ -175,6 +177,8 @@ class EmulationLibrary:
     """Every instantiation the backend can ask for, compiled for the host."""
 
     def __init__(self, path, names):
+        self._dir = path.parent
+        self._attention = None
         self._lib = ctypes.CDLL(str(path))
         self._lib.kvemu_take_misaligned.restype = ctypes.c_longlong
         self.index = {name: i for i, name in enumerate(names)}
@@ -201,6 +205,12 @@ class EmulationLibrary:
 
     def take_misaligned(self):
         return int(self._lib.kvemu_take_misaligned())
+
+    def attention(self):
+        """attention.cu's emulation (block kernels as fibers), built on first use."""
+        if self._attention is None:
+            self._attention = AttentionEmulation(self._dir)
+        return self._attention
 
 
 def build_emulation(tmpdir):
@@ -287,6 +297,34 @@ class EmulatedBackend(CudaBackend):
         self._lib.run(name, rows, chunks, params)
         bad = self._lib.take_misaligned()
         assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
+
+    def _launch_grid(self, file, name, grid, block, args):
+        lib = self._lib.attention()
+        assert file == "attention.cu" and name in lib.names, (file, name)
+        sig = lib.signature(name)
+        assert len(sig) == len(args), (
+            f"{name}: kernel takes {len(sig)} arguments, given {len(args)}")
+        keep, params = [], (ctypes.c_void_p * max(1, len(args)))()
+        for k, (code, a) in enumerate(zip(sig, args)):
+            if code == 0:
+                assert isinstance(a, (int, np.integer)) and not isinstance(a, bool), (name, k, a)
+                v = ctypes.c_longlong(int(a))
+            elif code == -1:
+                assert isinstance(a, float), (name, k, a)
+                v = ctypes.c_float(a)
+            elif a is None:
+                v = ctypes.c_void_p(None)
+            else:
+                assert isinstance(a, DevArray), (name, k, type(a))
+                assert a.itemsize == code, (
+                    f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
+                v = ctypes.c_void_p(a.ctypes.data)
+            keep.append(v)
+            params[k] = ctypes.addressof(v)
+        self.launches.append((name, grid, block))
+        if grid <= 0:
+            return
+        assert lib.launch(name, grid, block, params), f"{name}: a barrier deadlocked"
 
 
 @pytest.fixture(scope="module")
@@ -523,3 +561,99 @@ def test_paged_gather_uploads_only_the_needed_blocks_once(emulated_cuda):
     k, v = seq.gather(0, 0, 9)
     assert len(be.uploads) == 1 and be.uploads[0].tolist() == seq.block_table[:3].tolist()
     assert k.shape == v.shape == (2, 9, 16)
+
+
+# ------------------------------------------ paged_attention on a CUDA pool
+
+def _attention_pools(dtype, rng, num_blocks=12, block_size=8, kv_heads=2, head_dim=64):
+    import kvcore
+
+    cpu = kvcore.BlockPool(num_blocks, block_size, 2, kv_heads, head_dim, dtype=dtype)
+    gpu = kvcore.BlockPool(num_blocks, block_size, 2, kv_heads, head_dim, dtype=dtype,
+                           device="cuda")
+    vals = rng.standard_normal((num_blocks * block_size, kv_heads, head_dim)).astype(np.float32)
+    slots = np.arange(num_blocks * block_size)
+    for layer in (0, 1):
+        cpu.write(layer, vals, vals[::-1].copy(), slots)
+        gpu.write(layer, _put(vals), _put(vals[::-1].copy()), slots)
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_paged_attention_on_a_cuda_pool(emulated_cuda, dtype):
+    """Issue 11: a CUDA pool runs kernels/attention.cu (it raised
+    NotImplementedError); device index arrays, q float16, out= float32 and
+    float16 device arrays; same results as the CPU pool within tolerance."""
+    import kvcore
+
+    rng = np.random.default_rng(30)
+    cpu, gpu = _attention_pools(dtype, rng)
+    tables = np.array([[3, 0, 7, 4, 9], [1, 2, 5, 6, 8]], np.int32)
+    lens = np.array([37, 11], np.int64)
+    qsl = np.array([0, 3, 4], np.int64)
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    want = kvcore.paged_attention(q, cpu, 1, tables, lens, qsl, sliding_window=30)
+    be = emulated_cuda
+    be.launches.clear()
+    got = kvcore.paged_attention(_put(q), gpu, 1, _put(tables), lens, _put(qsl),
+                                 sliding_window=30)
+    assert isinstance(got, DevArray) and got.dtype == np.float32
+    assert [n for n, _, _ in be.launches] == [f"kva_attention_split<{gpu._kind}, 64>"]
+    np.testing.assert_allclose(_get(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    out = _put(np.zeros(q.shape, np.float16))
+    assert kvcore.paged_attention(_put(q.astype(np.float16)), gpu, 1, tables, lens, qsl,
+                                  sliding_window=30, out=out) is out
+    want16 = kvcore.paged_attention(q.astype(np.float16), cpu, 1, tables, lens, qsl,
+                                    sliding_window=30, out=np.zeros(q.shape, np.float16))
+    # float16 results: one rounding of values within 1e-5 of each other
+    np.testing.assert_allclose(_get(out).astype(np.float32), want16.astype(np.float32),
+                               rtol=2 ** -10, atol=1e-5)
+
+
+def test_paged_attention_on_a_cuda_pool_checks_before_any_work(emulated_cuda):
+    import kvcore
+
+    rng = np.random.default_rng(31)
+    _, gpu = _attention_pools("float16", rng)
+    q = _put(rng.standard_normal((2, 8, 64)).astype(np.float32))
+    tables, lens = np.array([[3, 0], [1, 2]], np.int32), np.array([9, 16], np.int64)
+    be = emulated_cuda
+    be.launches.clear()
+    with pytest.raises(IndexError, match=r"block_tables\[1, 1\] must be a block id in 0\.\.11"):
+        kvcore.paged_attention(q, gpu, 0, _put(np.array([[3, 0], [1, 12]], np.int32)), lens)
+    with pytest.raises(ValueError, match="seq_lens must lie in 0..16"):
+        kvcore.paged_attention(q, gpu, 0, tables, [9, 17])
+    with pytest.raises(ValueError, match="multiple of the pool's num_kv_heads=2"):
+        kvcore.paged_attention(_put(np.zeros((2, 3, 64), np.float32)), gpu, 0, tables, lens)
+    with pytest.raises(TypeError, match="q is a NumPy array in host memory"):
+        kvcore.paged_attention(_get(q), gpu, 0, tables, lens)
+    with pytest.raises(ValueError, match="out must have shape"):
+        kvcore.paged_attention(q, gpu, 0, tables, lens, out=_put(np.zeros((2, 8, 32), np.float32)))
+    with pytest.raises(ValueError, match="out must not overlap"):
+        kvcore.paged_attention(q, gpu, 0, tables, lens, out=gpu.key_cache(0)[:2, 0, :8, :])
+    assert be.launches == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_kvcache_attention_on_cuda(emulated_cuda, dtype):
+    """KVCache.attention on a CUDA cache (it raised NotImplementedError):
+    as on the CPU within tolerance; out= a bfloat16 device array."""
+    import ml_dtypes
+
+    import kvcore
+
+    rng = np.random.default_rng(32)
+    cpu = kvcore.KVCache(2, 2, 64, 40, batch_size=3, dtype=dtype)
+    gpu = kvcore.KVCache(2, 2, 64, 40, batch_size=3, dtype=dtype, device="cuda")
+    k = rng.standard_normal((3, 2, 29, 64)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 29, 64)).astype(np.float32)
+    cpu.update(1, k, v)
+    gpu.update(1, _put(k), _put(v))
+    q = rng.standard_normal((3, 8, 4, 64)).astype(np.float32)
+    want = cpu.attention(1, q, logits_soft_cap=3.0)
+    got = gpu.attention(1, _put(q), logits_soft_cap=3.0)
+    assert isinstance(got, DevArray) and got.shape == (3, 8, 4, 64)
+    np.testing.assert_allclose(_get(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    out = _put(np.zeros((3, 8, 4, 64), ml_dtypes.bfloat16))
+    assert gpu.attention(1, _put(q), logits_soft_cap=3.0, out=out) is out
+    np.testing.assert_allclose(_get(out).astype(np.float32), want, rtol=2 ** -7, atol=1e-5)

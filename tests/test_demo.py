@@ -140,3 +140,53 @@ def test_bad_options():
         demo.run_demo(dtype="float8")
     with pytest.raises(TypeError, match="unknown options"):
         demo.run_demo(batch=3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_demo_attends_over_the_pages_by_default(monkeypatch, dtype):
+    """Issue 11: the kvcore loop runs one paged_attention call per layer per
+    step over the pages (no gather); --attention gather keeps the old path."""
+    calls = {"attention": [], "gather": 0}
+    real_attention, real_gather = kvcore.paged_attention, kvcore.BlockPool.gather
+
+    def attention(q, pool, layer, tables, lens, qsl=None, **kw):
+        calls["attention"].append(len(lens))
+        return real_attention(q, pool, layer, tables, lens, qsl, **kw)
+
+    def gather(self, *a, **kw):
+        calls["gather"] += 1
+        return real_gather(self, *a, **kw)
+
+    monkeypatch.setattr(kvcore, "paged_attention", attention)
+    monkeypatch.setattr(kvcore.BlockPool, "gather", gather)
+    res = demo.run_demo(dtype=dtype, **SMALL)
+    assert res["ok"], res["message"]
+    assert res["options"]["attention"] == "paged"
+    assert calls["gather"] == 0
+    assert calls["attention"] and len(calls["attention"]) % 4 == 0   # once per layer per step
+    assert max(calls["attention"]) > 1                                # a batch in one call
+    assert "tokens/s, kvcore paged (paged)" in res["table"]
+    calls["attention"].clear()
+    ref = demo.run_demo(dtype=dtype, attention="gather", **SMALL)
+    assert ref["ok"], ref["message"]
+    assert calls["attention"] == [] and calls["gather"] > 0
+    assert "tokens/s, kvcore paged (gather)" in ref["table"]
+    # same greedy tokens either way
+    assert [r["new_tokens"] for r in res["requests"]] == [r["new_tokens"] for r in ref["requests"]]
+
+
+def test_time_kvcore_loop_paged_and_gather_agree():
+    a = demo.time_kvcore_loop(attention="paged", **SMALL)
+    b = demo.time_kvcore_loop(attention="gather", **SMALL)
+    assert a["tokens"] == b["tokens"]
+    for r in (a, b):
+        assert r["tokens_per_s"] > 0 and r["decode_tokens"] > 0 and r["decode_tokens_per_s"] > 0
+
+
+def test_bad_attention_option(capsys):
+    with pytest.raises(ValueError, match="attention must be paged or gather, got 'flash'"):
+        demo.run_demo(attention="flash", **SMALL)
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--attention", "flash"])
+    assert e.value.code == 2
+    assert "--attention" in capsys.readouterr().err

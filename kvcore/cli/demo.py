@@ -15,8 +15,11 @@ What it does, on built-in defaults (nothing is downloaded):
   each step concatenates every active request's new tokens, calls
   ``seq.reserve(n)`` per request, builds one slot mapping from
   ``seq.slot_mapping``, writes each layer once with ``pool.write`` (and
-  declares it with ``seq.mark_written``), reads each
-  request's history with ``pool.gather(..., dtype="float32")``, then
+  declares it with ``seq.mark_written``), runs each layer's attention for
+  the whole batch in one ``kvcore.paged_attention`` call over the pages
+  (``kvcore.padded_block_tables`` gives the tables; ``--attention gather``
+  instead reads each request's history with ``pool.gather(...,
+  dtype="float32")`` and runs the model's NumPy attention on the copy), then
   ``seq.commit(n)`` and ``seq.append_token``.  Finished requests ``free()``.
   A request is admitted only when the pool can hold it to its last token
   (``BlockPool.probe`` says what its prompt would take, prefix hits
@@ -65,12 +68,14 @@ DEFAULTS = {
     "prefill_chunk": 64,
     "threads": 1,            # BLAS threads for the model math; 0 leaves them alone
     "store": None,           # "disk:PATH" or "redis:URL": a prefix store below the pool
+    "attention": "paged",    # kvcore loop: "paged" (paged_attention) or "gather"
 }
 
 F32_TOLERANCE = 1e-4
 _DTYPES = {"float32": "float32", "f32": "float32", "float16": "float16", "f16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+_ATTENTION = ("paged", "gather")
 
 
 class DemoError(ValueError):
@@ -222,6 +227,16 @@ class _BatchedEngine(_Engine):
     def _commit(self, batch):
         pass
 
+    def _attend(self, layer, q, pos, batch, bounds):
+        """Attention of the step's queries ``q`` ``(tokens, heads, dim)``:
+        per request, the model's NumPy attention over what ``_read`` gives."""
+        attn = np.empty(q.shape, np.float32)
+        for (st, n), (lo, hi) in zip(batch, bounds):
+            end = st.computed + n
+            k_all, v_all = self._read(layer, st, end)
+            attn[lo:hi] = self.model.attention(q[lo:hi], k_all, v_all, pos[lo:hi], end)
+        return attn
+
     def step(self, batch):
         model = self.model
         cfg = model.config
@@ -241,25 +256,28 @@ class _BatchedEngine(_Engine):
         for layer in range(cfg.num_layers):
             q, k, v = model.layer_qkv(layer, x, pos)
             self._store(layer, k, v, batch, bounds)
-            attn = np.empty((a, cfg.num_heads, cfg.head_dim), np.float32)
-            for (st, n), (lo, hi) in zip(batch, bounds):
-                end = st.computed + n
-                k_all, v_all = self._read(layer, st, end)
-                attn[lo:hi] = model.attention(q[lo:hi], k_all, v_all, pos[lo:hi], end)
-            x = model.layer_finish(layer, x, attn)
+            x = model.layer_finish(layer, x, self._attend(layer, q, pos, batch, bounds))
         self._commit(batch)
         rows = iter(model.logits(x[sample]) if sample else ())
         return [next(rows) if st.computed + n == len(st.tokens) else None for st, n in batch]
 
 
 class _PagedEngine(_BatchedEngine):
-    """kvcore: one BlockPool, one PagedKVCache per request, batched pool.write."""
+    """kvcore: one BlockPool, one PagedKVCache per request, batched pool.write;
+    attention over the pages in one ``paged_attention`` call per layer
+    (``attention="paged"``) or per request over a gathered float32 copy
+    (``attention="gather"``)."""
 
     label = "kvcore paged"
 
-    def __init__(self, model, pool, device):
+    def __init__(self, model, pool, device, attention="paged"):
         super().__init__(model)
         self.pool = pool
+        self.attention = attention
+        self.decode_seconds = 0.0      # steps where every request decodes one token
+        self.decode_tokens = 0
+        if attention == "gather":
+            self.label = "kvcore paged, gather"
         self.bs = pool.block_size
         self.peak_blocks = 0
         self.contig_bytes = 0          # live requests, each preallocated to its own max length
@@ -312,7 +330,31 @@ class _PagedEngine(_BatchedEngine):
             self._tables[id(st)] = table
             slots.append(seq.slot_mapping(st.computed, st.computed + n))
         self._slots = np.concatenate(slots)
+        if self.attention == "paged":
+            seqs = [st.handle for st, _ in batch]
+            ends = [st.computed + n for st, n in batch]
+            self._block_tables, self._seq_lens = kvcore.padded_block_tables(seqs, ends)
+            qsl = np.zeros(len(batch) + 1, np.int64)
+            np.cumsum([n for _, n in batch], out=qsl[1:])
+            self._qsl = self._to_dev(qsl) if self._to_dev is not None else qsl
         self._track()
+
+    def step(self, batch):
+        t0 = time.perf_counter()
+        rows = super().step(batch)
+        if all(n == 1 for _, n in batch):       # a pure decode step
+            self.decode_seconds += time.perf_counter() - t0
+            self.decode_tokens += len(batch)
+        return rows
+
+    def _attend(self, layer, q, pos, batch, bounds):
+        if self.attention != "paged":
+            return super()._attend(layer, q, pos, batch, bounds)
+        if self._to_dev is not None:
+            q = self._to_dev(q)
+        out = kvcore.paged_attention(q, self.pool, layer, self._block_tables, self._seq_lens,
+                                     self._qsl, scale=1.0 / np.sqrt(self.model.config.head_dim))
+        return self._to_host(out) if self._to_host is not None else out
 
     def _store(self, layer, k, v, batch, bounds):
         if self._to_dev is not None:
@@ -519,6 +561,10 @@ def _options(options):
     if st is not None and not (isinstance(st, str) and st.partition(":")[0] in ("disk", "redis")
                                and st.partition(":")[2]):
         raise DemoError(f"store must be disk:PATH or redis:URL, got {st!r}")
+    att = str(o["attention"]).lower()
+    if att not in _ATTENTION:
+        raise DemoError(f"attention must be paged or gather, got {o['attention']!r}")
+    o["attention"] = att
     return o
 
 
@@ -554,7 +600,7 @@ def run_demo(**options):
     """Run the demo; return a dict of results, verification status and table.
 
     Options (see ``DEFAULTS``): requests, prompt_len, new_tokens, dtype,
-    device, seed, block_size, num_blocks, prefill_chunk, threads; and
+    device, seed, block_size, num_blocks, prefill_chunk, threads, attention; and
     progress (a file for progress lines, e.g. sys.stderr; default none).
 
     The returned dict has ``ok`` (bool) and ``message`` (why not), the
@@ -568,7 +614,29 @@ def run_demo(**options):
         return _run(o, log, threads)
 
 
-def _run(o, log, threads):
+def time_kvcore_loop(**options):
+    """Only the demo's kvcore loop (no other loop, no verification), for
+    benchmarks: ``{"seconds", "tokens_per_s", "decode_seconds",
+    "decode_tokens", "decode_tokens_per_s", "tokens"}``; decode figures
+    count the steps where every active request decodes one token.
+    ``tokens`` are each request's generated tokens."""
+    o = _options(options)
+    with _blas_threads(o["threads"]):
+        model, reqs, pool, _, _ = _setup(o)
+        engine = _PagedEngine(model, pool, o["device"], o["attention"])
+        t0 = time.perf_counter()
+        states = _serve(engine, reqs, o["prefill_chunk"])[0]
+        seconds = time.perf_counter() - t0
+    generated = sum(len(s.generated) for s in states)
+    return {"seconds": seconds, "tokens_per_s": generated / seconds,
+            "decode_seconds": engine.decode_seconds, "decode_tokens": engine.decode_tokens,
+            "decode_tokens_per_s": engine.decode_tokens / engine.decode_seconds
+            if engine.decode_seconds else 0.0,
+            "tokens": [list(s.generated) for s in states]}
+
+
+def _setup(o):
+    """(model, requests, pool, num_blocks, max_seq_len) of the options ``o``."""
     model = TinyTransformer(ModelConfig(), seed=o["seed"])
     cfg = model.config
     reqs = _make_workload(model, o, np.random.default_rng([o["seed"], 1]))
@@ -583,6 +651,13 @@ def _run(o, log, threads):
         raise DemoError(f"num-blocks={num_blocks} cannot hold the longest request "
                         f"({max_seq_len} tokens = {need_one} blocks of {bs})")
     pool = _make_pool(o, cfg, num_blocks)
+    return model, reqs, pool, num_blocks, max_seq_len
+
+
+def _run(o, log, threads):
+    model, reqs, pool, num_blocks, max_seq_len = _setup(o)
+    cfg = model.config
+    bs = o["block_size"]
 
     def say(msg):
         if log is not None:
@@ -591,7 +666,7 @@ def _run(o, log, threads):
     say(f"kvcore demo: {len(reqs)} requests, {o['prompt_len']}-token shared prompt, "
         f"KV {o['dtype']} on {o['device']}, {num_blocks} blocks of {bs}")
     runs = {}
-    for key, engine in (("kvcore", _PagedEngine(model, pool, o["device"])),
+    for key, engine in (("kvcore", _PagedEngine(model, pool, o["device"], o["attention"])),
                         ("contiguous", _ContiguousEngine(model, max_seq_len)),
                         ("nocache", _NoCacheEngine(model))):
         say(f"- {engine.label} loop")
@@ -710,7 +785,7 @@ def _table(r):
         ("KV bytes, NumPy seed", _mib(r["contiguous_seed_bytes"]),
          f"{r['contiguous_seed_bytes'] / paged:.2f}x paged: float32, each live request "
          f"preallocated to a common max_seq_len={r['max_seq_len']}"),
-        ("tokens/s, kvcore paged", speed("kvcore")[0],
+        (f"tokens/s, kvcore paged ({o['attention']})", speed("kvcore")[0],
          speed("kvcore")[1] + f"; prefills {r['prompt_tokens'] - st['prefix_hits']} of "
          f"{r['prompt_tokens']} prompt tokens (the rest are prefix hits)"),
         ("tokens/s, contiguous NumPy", *speed("contiguous")),
@@ -761,6 +836,10 @@ def add_arguments(p):
     p.add_argument("--store", default=d["store"], metavar="disk:PATH|redis:URL",
                    help="keep the prefix cache in a prefix store; a second run finds the "
                         "first run's prefixes there (default: none)")
+    p.add_argument("--attention", default=d["attention"], choices=_ATTENTION,
+                   help="kvcore loop's attention: paged = kvcore.paged_attention over the "
+                        "pages, gather = pool.gather to float32 then NumPy (default "
+                        "%(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p

@@ -180,6 +180,30 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
     return 0;
 }
 
+/* The level's 2^x (x <= 0, the softmax's exp) against double precision:
+ * within 2 float ulps (relative 2.4e-7) wherever the result is normal. */
+static int check_exp2(int level)
+{
+    enum { N = 100001 };
+    static float x[N], y[N];
+    for (int i = 0; i < N; i++)
+        x[i] = -126.0f * (float)i / (float)(N - 1);
+    if (kva_exp2_neg(level, x, y, N) != 0)
+        return 1;
+    double worst = 0;
+    for (int i = 0; i < N; i++) {
+        double want = exp2((double)x[i]);
+        double rel = fabs(y[i] - want) / want;
+        if (rel > worst)
+            worst = rel;
+    }
+    if (!(worst <= 2.4e-7)) {
+        printf("  FAIL exp2: max relative error %.3g\n", worst);
+        return 1;
+    }
+    return 0;
+}
+
 int main(void)
 {
     int failures = 0, levels = 0;
@@ -196,6 +220,7 @@ int main(void)
             failures += run_case(kind, 3, 0, 1.5f, 8, 1, 96, 16);
             cases += 4;
         }
+        failures += check_exp2(level);
         printf("level %s: %d cases, %d failures\n", kva_level_name(level), cases,
                failures - before);
     }

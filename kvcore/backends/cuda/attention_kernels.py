@@ -1,10 +1,17 @@
-"""CUDA paged-attention kernels (``kernels/attention.cu``).  Internal.
+"""CUDA paged-attention kernels (``kernels/attention.cu``): names and the
+host-side plan of a call.  Internal; pure Python and NumPy (no CuPy), so
+the backend, the nvcc compile test and the host emulation read the same
+tables.
 
-The kernels are compiled by the test suite (``nvcc -arch=sm_90``) but not yet
-launched by kvcore: ``paged_attention`` on a CUDA pool raises
-NotImplementedError.
+A call is cut into work items, one thread block each (see attention.cu):
+(query row, kv head, chunk of up to ``CHUNK_HEADS`` query heads of its
+group, split of the row's visible keys into pieces of ``SPLIT_KEYS``).
+Rows whose keys take more than one split get a merge row:
+``kva_attention_merge`` combines their partials in split order.
 """
 from pathlib import Path
+
+import numpy as np
 
 from ... import dtypes
 
@@ -15,9 +22,88 @@ ATTENTION_FILE = KERNEL_DIR / "attention.cu"
 KINDS = (dtypes.F32, dtypes.F16, dtypes.BF16)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 
+# attention.cu's KVA_HEADS and KVA_WARPS (checked against the file by the tests).
+CHUNK_HEADS = 8
+WARPS = 4
+THREADS = 32 * WARPS
+# Keys per split: long contexts are split so a decode of a few sequences
+# still fills the GPU's multiprocessors.
+SPLIT_KEYS = 256
+# Threads per block of the merge kernel.
+MERGE_THREADS = 128
+
+
+def split_name(kind, head_dim):
+    return f"kva_attention_split<{kind}, {head_dim}>"
+
+
+def merge_name(head_dim):
+    return f"kva_attention_merge<{head_dim}>"
+
 
 def attention_names():
     """Name expressions of every kernel instantiation (as NVRTC spells them)."""
-    names = [f"kva_attention_split<{kind}, {d}>" for kind in KINDS for d in HEAD_DIMS]
-    names += [f"kva_attention_merge<{d}>" for d in HEAD_DIMS]
+    names = [split_name(kind, d) for kind in KINDS for d in HEAD_DIMS]
+    names += [merge_name(d) for d in HEAD_DIMS]
     return names
+
+
+_source = None
+
+
+def source():
+    """The text NVRTC compiles (the file has no #include)."""
+    global _source
+    if _source is None:
+        _source = ATTENTION_FILE.read_text(encoding="utf-8")
+    return _source
+
+
+def plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
+         split_keys=None):
+    """The work items of a call (host NumPy, checked arguments).
+
+    Returns ``(items, nsplit, merge_rows)``: ``items`` int64 ``[n, 7]`` =
+    (sequence, query row, kv head, first query head of the chunk, heads in
+    the chunk, first key, end key); ``nsplit`` int32 ``[n]``, the splits of
+    each item's (row, chunk); ``merge_rows`` int64 ``[m, 4]`` = (query row,
+    first head, heads, first item) of every (row, chunk) of more than one
+    split, whose items are consecutive.  ``split_keys`` defaults to
+    ``SPLIT_KEYS``.
+    """
+    if split_keys is None:
+        split_keys = SPLIT_KEYS
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    nq = np.diff(qsl)
+    T = int(qsl[-1])
+    G = num_heads // num_kv_heads
+    chunks = -(-G // CHUNK_HEADS)
+    seq = np.repeat(np.arange(len(nq), dtype=np.int64), nq)              # [T]
+    row = np.arange(T, dtype=np.int64)
+    pos = lens[seq] - nq[seq] + (row - qsl[seq])
+    hi = pos + 1
+    lo = np.maximum(hi - sliding_window, 0) if sliding_window > 0 else np.zeros_like(hi)
+    ns = np.maximum(1, -(-(hi - lo) // split_keys))                        # [T]
+    # units: (row, kv head, chunk), row-major
+    U = T * num_kv_heads * chunks
+    u_row = np.repeat(row, num_kv_heads * chunks)
+    u_g = np.tile(np.repeat(np.arange(num_kv_heads, dtype=np.int64), chunks), T)
+    u_c = np.tile(np.arange(chunks, dtype=np.int64), T * num_kv_heads)
+    u_h0 = u_g * G + u_c * CHUNK_HEADS
+    u_nh = np.minimum(CHUNK_HEADS, G - u_c * CHUNK_HEADS)
+    u_ns = ns[u_row]
+    first = np.zeros(U + 1, np.int64)
+    np.cumsum(u_ns, out=first[1:])
+    n = int(first[-1])
+    unit = np.repeat(np.arange(U, dtype=np.int64), u_ns)
+    sp = np.arange(n, dtype=np.int64) - first[unit]
+    r = u_row[unit]
+    k0 = lo[r] + sp * split_keys
+    items = np.stack([seq[r], r, u_g[unit], u_h0[unit], u_nh[unit], k0,
+                      np.minimum(hi[r], k0 + split_keys)], axis=1)
+    nsplit = u_ns[unit].astype(np.int32)
+    multi = np.flatnonzero(u_ns > 1)
+    merge_rows = np.stack([u_row[multi], u_h0[multi], u_nh[multi], first[multi]], axis=1) \
+        if multi.size else np.zeros((0, 4), np.int64)
+    return np.ascontiguousarray(items), nsplit, np.ascontiguousarray(merge_rows, np.int64)

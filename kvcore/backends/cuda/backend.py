@@ -26,7 +26,7 @@ import numpy as np
 
 from ... import dtypes
 from ..base import Backend
-from . import CudaUnavailableError, _sources
+from . import CudaUnavailableError, _sources, attention_kernels
 
 # DLPack device types (dlpack.h).
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
@@ -151,10 +151,15 @@ class CudaBackend(Backend):
                     try:
                         mod = self._modules.get(mkey)
                         if mod is None:
-                            mod = self._cp.RawModule(
-                                code=_sources.source(file),
-                                options=_sources.COMPILE_OPTIONS,
-                                name_expressions=_sources.module_names(file, sk, dk))
+                            if file == attention_kernels.ATTENTION_FILE.name:
+                                code = attention_kernels.source()
+                                names = attention_kernels.attention_names()
+                            else:
+                                code = _sources.source(file)
+                                names = _sources.module_names(file, sk, dk)
+                            mod = self._cp.RawModule(code=code,
+                                                     options=_sources.COMPILE_OPTIONS,
+                                                     name_expressions=names)
                             self._modules[mkey] = mod
                         fn = mod.get_function(name)  # compiles the module on first use
                     except Exception as e:  # NVRTC or headers missing, compile or load error
@@ -177,6 +182,20 @@ class CudaBackend(Backend):
         kargs += [a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None else np.int64(a)
                   for a in args]  # None: a null pointer
         fn(grid, block, tuple(kargs))
+
+    def _launch_grid(self, file, name, grid, block, args):
+        """Run kernel ``name`` of ``file``'s module on ``grid`` blocks of
+        ``block`` threads on the current stream.  ``args``: device arrays
+        (pointers), None (a null pointer), Python floats (passed as float)
+        and ints (passed as long long)."""
+        if grid <= 0:
+            return
+        fn = self._function(file, None, None, name)
+        cp = self._cp
+        kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
+                      else np.float32(a) if isinstance(a, (float, np.floating))
+                      else np.int64(a) for a in args)
+        fn((int(grid), 1, 1), (int(block), 1, 1), kargs)
 
     # -------------------------------------------------------------- arrays
     def asarray(self, x, arg):
@@ -756,6 +775,49 @@ class CudaBackend(Backend):
                          _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
                          rows, dim // v,
                          [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
+
+    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window, soft_cap):
+        """``kvcore.paged_attention`` on this device (``kernels/attention.cu``).
+
+        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device arrays
+        key_cache, value_cache : ``(num_blocks, kv_heads, block_size, head_dim)``
+            device views of the pool's storage (bits of ``kind``), rows contiguous
+        block_tables, seq_lens, query_start_loc : host int32 / int64 / int64
+            arrays, already checked (kvcore/attention.py)
+        sliding_window, soft_cap : 0 when off
+        """
+        ak = attention_kernels
+        num_tokens, num_heads, dim = q.shape
+        kv_heads, bs = key_cache.shape[1], key_cache.shape[2]
+        if dim not in ak.HEAD_DIMS:
+            raise ValueError(f"the CUDA attention kernels take head_dim in {ak.HEAD_DIMS}, "
+                             f"got {dim}")
+        if num_tokens == 0:
+            return
+        items, nsplit, merge_rows = ak.plan(query_start_loc, seq_lens, num_heads, kv_heads,
+                                            sliding_window)
+        self._check_rows(len(items), "paged_attention (work items)")
+        with self._ctx():
+            d_items = self._upload(items)
+            d_nsplit = self._upload(nsplit)
+            tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
+            lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
+            qsl = self._upload(np.ascontiguousarray(query_start_loc, np.int64))
+            partials = (self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)), np.float32)
+                        if len(merge_rows) else None)
+            cs = self._estrides(key_cache, (0, 1, 2))
+            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(kind, dim), len(items),
+                              ak.THREADS,
+                              [out, partials, q, key_cache, value_cache, tables, lens, qsl,
+                               d_items, d_nsplit, num_heads, tables.shape[1], bs,
+                               cs[0], cs[1], cs[2], float(scale), int(sliding_window),
+                               float(soft_cap)])
+            if len(merge_rows):
+                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(dim), len(merge_rows),
+                                  ak.MERGE_THREADS,
+                                  [out, partials, self._upload(merge_rows), d_nsplit,
+                                   num_heads])
 
     def synchronize(self):
         """Wait for everything issued on this device's current stream."""

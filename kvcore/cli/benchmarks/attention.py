@@ -11,15 +11,21 @@ positions, shuffled block tables.  Every number is measured in the same run:
   to float32 followed by ``numpy.einsum``;
 - causal prefill of 512 / 2048 tokens: GFLOP/s (4 * n^2 / 2 * head_dim *
   heads flops) against torch float32 and bfloat16 SDPA;
-- one thread against two, for decode batch 8 and prefill 2048.
+- one thread against two, for decode batch 8 and prefill 2048;
+- the demo's kvcore loop (``python -m kvcore demo``'s default workload)
+  with attention over the pages (``--attention paged``) against the gather
+  path (``--attention gather``): tokens/s of the whole loop and of its pure
+  decode steps, the two loops alternated, median [min-max] of the repeats.
 
-Times are the minimum over repeats of the wall time (the least disturbed
-sample on a shared machine); ratios compare numbers of the same run.
+Each time is the median over repeats of the wall time, printed with the
+fastest and slowest repeat as ``median [min-max]``; GB/s, GFLOP/s and
+ratios use the medians of the same run.
 torch is optional (``pip install torch``, CPU build); without it the torch
 columns are left out with a note.
 """
 import math
 import os
+import statistics
 import time
 
 import numpy as np
@@ -30,19 +36,22 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = "float16"
 
 
-def _min_time(fn, budget=1.0, repeat_min=3, repeat_max=50):
-    """Minimum seconds per call of ``fn()`` over repeats (at least
-    ``repeat_min``, then until ``budget`` seconds are spent)."""
+def _time(r, key, fn, budget=1.0, repeat_min=3, repeat_max=50):
+    """Seconds per call of ``fn()`` over repeats (after one warm-up call; at
+    least ``repeat_min`` repeats, then until ``budget`` seconds are spent):
+    ``r[key]`` gets the median, ``r[key + "_range"]`` the ``[min, max]``.
+    Returns the median."""
     fn()
-    best, spent, n = math.inf, 0.0, 0
-    while n < repeat_min or (spent < budget and n < repeat_max):
+    samples, spent = [], 0.0
+    while len(samples) < repeat_min or (spent < budget and len(samples) < repeat_max):
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
-        best = min(best, dt)
+        samples.append(dt)
         spent += dt
-        n += 1
-    return best
+    r[key] = statistics.median(samples)
+    r[key + "_range"] = [min(samples), max(samples)]
+    return r[key]
 
 
 def _torch():
@@ -107,14 +116,14 @@ def bench_decode(ctx, batch, rng, budget, torch=None, F=None, threads=(1,)):
     r = {"context": ctx, "batch": batch, "kv_bytes": kv_bytes}
     _with_threads(1, torch)
     stream = np.ones(kv_bytes // 4, np.float32)
-    r["stream_s"] = _min_time(lambda: stream.sum(), budget / 4)
+    _time(r, "stream_s", lambda: stream.sum(), budget / 4)
     del stream
     for n in threads:
         _with_threads(n, torch)
-        r[f"kvcore_{n}t_s"] = _min_time(
-            lambda: kvcore.paged_attention(q, pool, 0, tables, lens, out=out), budget)
+        _time(r, f"kvcore_{n}t_s",
+              lambda: kvcore.paged_attention(q, pool, 0, tables, lens, out=out), budget)
     _with_threads(1, torch)
-    r["numpy_s"] = _min_time(lambda: _numpy_attention(pool, tables, lens, q), budget / 2)
+    _time(r, "numpy_s", lambda: _numpy_attention(pool, tables, lens, q), budget / 2)
     want = _numpy_attention(pool, tables, lens, q)
     got = kvcore.paged_attention(q, pool, 0, tables, lens)
     r["max_rel_diff_vs_numpy"] = float(np.abs(got - want).max() / np.abs(want).max())
@@ -124,12 +133,12 @@ def bench_decode(ctx, batch, rng, budget, torch=None, F=None, threads=(1,)):
         tq = torch.from_numpy(q).reshape(batch, NUM_HEADS, 1, HEAD_DIM)
         del k, v
         with torch.inference_mode():
-            r["torch_f32_s"] = _min_time(
-                lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), budget / 2)
+            _time(r, "torch_f32_s",
+                  lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), budget / 2)
             bk, bv, bq = tk.bfloat16(), tv.bfloat16(), tq.bfloat16()
             del tk, tv
-            r["torch_bf16_s"] = _min_time(
-                lambda: F.scaled_dot_product_attention(bq, bk, bv, enable_gqa=True), budget / 2)
+            _time(r, "torch_bf16_s",
+                  lambda: F.scaled_dot_product_attention(bq, bk, bv, enable_gqa=True), budget / 2)
     t1 = r["kvcore_1t_s"]
     r["kvcore_GBps"] = kv_bytes / t1 / 1e9
     r["stream_GBps"] = kv_bytes / r["stream_s"] / 1e9
@@ -151,8 +160,11 @@ def bench_page_dtypes(ctx, rng, budget):
         pool, tables, lens, q = _decode_setup(ctx, 1, rng, dtype)
         out = np.empty_like(q)
         kvcore.set_num_threads(1)
-        t = _min_time(lambda: kvcore.paged_attention(q, pool, 0, tables, lens, out=out), budget)
-        r[dtype] = {"seconds": t, "ns_per_row": t * 1e9 / (ctx * NUM_KV_HEADS),
+        tr = {}
+        t = _time(tr, "s", lambda: kvcore.paged_attention(q, pool, 0, tables, lens, out=out),
+                  budget)
+        r[dtype] = {"seconds": t, "seconds_range": tr["s_range"],
+                    "ns_per_row": t * 1e9 / (ctx * NUM_KV_HEADS),
                     "GBps": 2 * ctx * NUM_KV_HEADS * HEAD_DIM * pool.key_cache(0).itemsize
                     / t / 1e9}
     return r
@@ -171,9 +183,9 @@ def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
     r = {"tokens": n, "flops": flops}
     for t in threads:
         _with_threads(t, torch)
-        r[f"kvcore_{t}t_s"] = _min_time(
-            lambda: kvcore.paged_attention(q, pool, 0, tables, lens, qsl, out=out), budget,
-            repeat_min=2)
+        _time(r, f"kvcore_{t}t_s",
+              lambda: kvcore.paged_attention(q, pool, 0, tables, lens, qsl, out=out), budget,
+              repeat_min=2)
     _with_threads(1, torch)
     if torch is not None:
         k, v = pool.gather(0, tables[0], 0, n, dtype="float32")
@@ -181,10 +193,10 @@ def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
         tv = torch.from_numpy(v)[None]
         tq = torch.from_numpy(q).permute(1, 0, 2)[None].contiguous()
         with torch.inference_mode():
-            r["torch_f32_s"] = _min_time(lambda: F.scaled_dot_product_attention(
+            _time(r, "torch_f32_s", lambda: F.scaled_dot_product_attention(
                 tq, tk, tv, is_causal=True, enable_gqa=True), budget, repeat_min=2)
             bq, bk, bv = tq.bfloat16(), tk.bfloat16(), tv.bfloat16()
-            r["torch_bf16_s"] = _min_time(lambda: F.scaled_dot_product_attention(
+            _time(r, "torch_bf16_s", lambda: F.scaled_dot_product_attention(
                 bq, bk, bv, is_causal=True, enable_gqa=True), budget, repeat_min=2)
             ref = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)
         got = kvcore.paged_attention(q, pool, 0, tables, lens, qsl)
@@ -199,6 +211,30 @@ def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
     if 2 in threads:
         r["speedup_2t_vs_1t"] = t1 / r["kvcore_2t_s"]
     return r
+
+
+def bench_demo(repeat):
+    """The demo's kvcore loop, paged attention against the gather path,
+    alternated ``repeat`` times; both must pick the same tokens."""
+    from .. import demo
+
+    samples = {"paged": [], "gather": []}
+    tokens = {}
+    for _ in range(repeat):
+        for mode in samples:
+            r = demo.time_kvcore_loop(attention=mode)
+            samples[mode].append(r)
+            tokens[mode] = r["tokens"]
+    if tokens["paged"] != tokens["gather"]:
+        raise RuntimeError("the demo's paged and gather loops generated different tokens")
+    res = {}
+    for key in ("tokens_per_s", "decode_tokens_per_s"):
+        for mode, runs in samples.items():
+            vals = [r[key] for r in runs]
+            res[f"{mode}_{key}"] = statistics.median(vals)
+            res[f"{mode}_{key}_range"] = [min(vals), max(vals)]
+        res[f"{key}_paged_vs_gather"] = res[f"paged_{key}"] / res[f"gather_{key}"]
+    return res
 
 
 def run(quick=False, seed=0):
@@ -226,6 +262,8 @@ def run(quick=False, seed=0):
         for n in ([512] if quick else [512, 2048]):
             threads = (1, 2) if n == 2048 or quick else (1,)
             res["prefill"][f"n{n}"] = bench_prefill(n, rng, budget, torch, F, threads)
+        _with_threads(1, torch)
+        res["demo"] = bench_demo(1 if quick else 3)
     finally:
         kvcore.set_num_threads(threads_before)
         if torch is not None:
@@ -234,21 +272,31 @@ def run(quick=False, seed=0):
 
 
 def _f(x, spec):
-    return "-" if x is None else format(x, spec)
+    """``x`` formatted, or a dash as wide as the spec's width for None."""
+    width = spec.split(".")[0]
+    return ("-".rjust(int(width)) if width.isdigit() else "-") if x is None else format(x, spec)
+
+
+def _spread(r, key, unit_scale, spec):
+    """``median [min-max]`` of the time ``r[key]`` (seconds times ``unit_scale``)."""
+    lo, hi = r[key + "_range"]
+    return (f"{format(r[key] * unit_scale, spec)} "
+            f"[{format(lo * unit_scale, spec)}-{format(hi * unit_scale, spec)}]")
 
 
 def report(res):
     lines = [f"paged_attention: {res['shape']['num_heads']} q heads, "
              f"{res['shape']['num_kv_heads']} kv heads, head_dim {res['shape']['head_dim']}, "
              f"{res['shape']['dtype']} pages of {res['shape']['block_size']}; one thread unless "
-             f"noted; torch {res['torch'] or 'not installed'}; min of repeats"]
+             f"noted; torch {res['torch'] or 'not installed'}; times are median [min-max] of "
+             "repeats, GB/s and ratios from the medians"]
     lines.append("")
-    lines.append("decode        kvcore    GB/s  stream GB/s  of stream  x torch f32  "
+    lines.append(f"{'decode':12s} {'kvcore ms':>23s}  GB/s  stream GB/s  of stream  x torch f32  "
                  "x torch bf16  x gather+numpy  2 threads")
     for name, r in res["decode"].items():
         lines.append(
-            f"{name:12s} {r['kvcore_1t_s'] * 1e3:7.3f} ms {r['kvcore_GBps']:6.1f} "
-            f"{r['stream_GBps']:12.1f} {r['fraction_of_stream']:9.0%} "
+            f"{name:12s} {_spread(r, 'kvcore_1t_s', 1e3, '.3f'):>23s} {r['kvcore_GBps']:5.1f} "
+            f"{r['stream_GBps']:12.1f} {r['fraction_of_stream']:10.0%} "
             f"{_f(r.get('speedup_vs_torch_f32'), '12.1f')} "
             f"{_f(r.get('speedup_vs_torch_bf16'), '13.1f')} {r['speedup_vs_numpy']:15.1f} "
             f"{_f(r.get('speedup_2t_vs_1t'), '10.2f')}")
@@ -258,13 +306,23 @@ def report(res):
         lines.append("  " + "  ".join(f"{k} {v['ns_per_row']:.0f} ns ({v['GBps']:.1f} GB/s)"
                                        for k, v in res["page_dtypes"].items()))
     lines.append("")
-    lines.append("prefill       kvcore        GFLOP/s  torch f32 GFLOP/s  x torch f32  "
+    lines.append(f"{'prefill':12s} {'kvcore ms':>23s}  GFLOP/s  torch f32 GFLOP/s  x torch f32  "
                  "x torch bf16  2 threads")
     for name, r in res["prefill"].items():
         lines.append(
-            f"{name:12s} {r['kvcore_1t_s'] * 1e3:9.1f} ms {r['kvcore_GFLOPps']:8.1f} "
+            f"{name:12s} {_spread(r, 'kvcore_1t_s', 1e3, '.1f'):>23s} {r['kvcore_GFLOPps']:8.1f} "
             f"{_f(r.get('torch_f32_GFLOPps'), '18.1f')} "
             f"{_f(r.get('speedup_vs_torch_f32'), '12.2f')} "
             f"{_f(r.get('speedup_vs_torch_bf16'), '13.2f')} "
             f"{_f(r.get('speedup_2t_vs_1t'), '10.2f')}")
+    if "demo" in res:
+        d = res["demo"]
+        lines.append("")
+        lines.append("demo (python -m kvcore demo, kvcore loop): tokens/s, attention over the "
+                     "pages vs gather + NumPy")
+        for key, what in (("tokens_per_s", "whole loop"), ("decode_tokens_per_s",
+                                                           "decode steps")):
+            lines.append(f"  {what:12s} paged {_spread(d, 'paged_' + key, 1, '.1f')}  gather "
+                         f"{_spread(d, 'gather_' + key, 1, '.1f')}  "
+                         f"{d[key + '_paged_vs_gather']:.2f}x")
     return "\n".join(lines)

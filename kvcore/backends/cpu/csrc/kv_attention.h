@@ -35,7 +35,7 @@ extern "C" {
 enum { KVA_F32 = 0, KVA_F16 = 1, KVA_BF16 = 2 };
 
 /* Instruction-set levels of the kernels. */
-enum { KVA_SCALAR = 0, KVA_AVX2 = 1, KVA_NUM_LEVELS = 2 };
+enum { KVA_SCALAR = 0, KVA_AVX2 = 1, KVA_NEON = 2, KVA_NUM_LEVELS = 3 };
 
 /* Status codes. */
 enum { KVA_OK = 0, KVA_ENOMEM = -1, KVA_EINVAL = -2 };

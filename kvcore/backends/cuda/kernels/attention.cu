@@ -22,6 +22,12 @@
  * its partial goes to `partials` (slot = item index) and
  * kva_attention_merge combines the splits of each (query row, head) in
  * split order.  No atomics: the result does not depend on scheduling.
+ *
+ * Host emulation (tests/_cuda_attention_emulation.py): compiled by the host
+ * C++ compiler with KVCORE_HOST_EMULATION defined after a shim that runs
+ * each block's threads as cooperative fibers (__syncthreads a block
+ * barrier, __shfl_xor_sync a warp exchange), so the tests run this code
+ * without a GPU.
  */
 
 #define KVA_WARPS 4
@@ -42,9 +48,13 @@ __device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type
     if constexpr (KIND == 0) {
         return *p;
     } else if constexpr (KIND == 1) {
+#ifdef KVCORE_HOST_EMULATION
+        return kvemu_half_to_float(*p); /* the tests' host emulation */
+#else
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
         return f;
+#endif
     } else {
         return __uint_as_float((unsigned)(*p) << 16);
     }

@@ -1,0 +1,254 @@
+"""Host emulation of the CUDA attention kernels (kernels/attention.cu).
+
+The row/chunk kernels of the other .cu files are emulated by calling their
+item functions (test_cuda_host_emulation.py).  The attention kernels are
+thread-block kernels: shared memory, __syncthreads and warp shuffles.  Here
+attention.cu itself is compiled by the host C++ compiler after a shim that
+runs a launch the way a GPU would, one block at a time: each of the block's
+threads is a cooperative fiber (ucontext) with its own threadIdx and
+registers; __syncthreads is a barrier of the block's fibers and
+__shfl_xor_sync a barrier-fenced exchange among the 32 fibers of a warp;
+__shared__ arrays are shared by the fibers of the block.  A barrier that
+not every thread of its group reaches (divergence) is reported as a
+deadlock, not a hang.  Fibers are resumed in reverse order, so results that
+depend on thread order show up.
+
+Not covered: the device's own math library (exp2f, tanhf: the host libm's
+are used), memory coalescing and speed.
+"""
+import ctypes
+import shutil
+import subprocess
+
+from kvcore.backends.cuda import attention_kernels
+
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+SHIM = r'''
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static
+
+struct kvemu_dim3 { unsigned x, y, z; };
+static kvemu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float kvemu_half_to_float(unsigned short h)
+{
+    unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    if (e == 0x1fu) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    } else {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    return __uint_as_float(bits);
+}
+
+namespace kvemu {
+struct Fiber {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    unsigned tid, block;
+    bool done;
+};
+static std::vector<Fiber> fibers;
+static ucontext_t sched;
+static int cur;
+static unsigned grid_n;
+static void (*body)(void *);
+static void *body_arg;
+static std::vector<int> bar_count;
+static std::vector<unsigned> bar_gen;
+static bool progress;
+static float shfl_buf[1024];
+
+static void yield() { swapcontext(&fibers[cur].ctx, &sched); }
+
+/* Barrier of `size` fibers, group 0 = the block, 1 + w = warp w. */
+static void wait(int group, int size)
+{
+    unsigned gen = bar_gen[group];
+    progress = true;
+    if (++bar_count[group] == size) {
+        bar_count[group] = 0;
+        ++bar_gen[group];
+        return;
+    }
+    while (bar_gen[group] == gen)
+        yield();
+}
+
+static void entry()
+{
+    Fiber &f = fibers[cur];
+    for (unsigned b = 0; b < grid_n; ++b) {
+        f.block = b;
+        blockIdx.x = b;
+        body(body_arg);
+        wait(0, (int)fibers.size()); /* the next block reuses __shared__ */
+    }
+    f.done = true;
+}
+
+/* 0, or -1 when a barrier can never complete (divergent threads). */
+static int run(unsigned grid, unsigned block)
+{
+    fibers.clear();
+    fibers.resize(block);
+    bar_count.assign(1 + (block + 31) / 32, 0);
+    bar_gen.assign(1 + (block + 31) / 32, 0);
+    blockDim = {block, 1, 1};
+    gridDim = {grid, 1, 1};
+    grid_n = grid;
+    for (unsigned t = 0; t < block; ++t) {
+        Fiber &f = fibers[t];
+        f.tid = t;
+        f.block = 0;
+        f.done = false;
+        f.stack.resize(1 << 17);
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &sched;
+        makecontext(&f.ctx, entry, 0);
+    }
+    unsigned alive = block;
+    while (alive) {
+        progress = false;
+        for (int i = (int)block - 1; i >= 0; --i) {
+            Fiber &f = fibers[i];
+            if (f.done)
+                continue;
+            cur = i;
+            threadIdx = {f.tid, 0, 0};
+            blockIdx = {f.block, 0, 0};
+            swapcontext(&sched, &f.ctx);
+            if (f.done) {
+                --alive;
+                progress = true;
+            }
+        }
+        if (!progress)
+            return -1;
+    }
+    return 0;
+}
+} // namespace kvemu
+
+static inline void __syncthreads() { kvemu::wait(0, (int)blockDim.x); }
+
+static inline float __shfl_xor_sync(unsigned, float x, int o)
+{
+    unsigned t = threadIdx.x, w = t / 32;
+    kvemu::shfl_buf[t] = x;
+    kvemu::wait(1 + (int)w, 32);
+    float y = kvemu::shfl_buf[(t & ~31u) | ((t & 31u) ^ (unsigned)o)];
+    kvemu::wait(1 + (int)w, 32);
+    return y;
+}
+'''
+
+HARNESS = r'''
+template <typename... A, std::size_t... I>
+static int kvemu_launch(void (*k)(A...), unsigned grid, unsigned block, void **p,
+                        std::index_sequence<I...>)
+{
+    struct Call {
+        void (*k)(A...);
+        std::tuple<A...> args;
+    };
+    Call c{k, std::tuple<A...>(*static_cast<A *>(p[I])...)};
+    kvemu::body = [](void *v) {
+        Call *call = static_cast<Call *>(v);
+        std::apply(call->k, call->args);
+    };
+    kvemu::body_arg = &c;
+    return kvemu::run(grid, block);
+}
+
+/* The parameter list: 0 an integer, -1 a float, the pointee size for a pointer. */
+template <typename T> static int kvemu_code()
+{
+    if constexpr (std::is_pointer<T>::value)
+        return (int)sizeof(typename std::remove_pointer<T>::type);
+    else if constexpr (std::is_floating_point<T>::value)
+        return -1;
+    else
+        return 0;
+}
+
+template <typename... A> static int kvemu_sig(void (*)(A...), int *out)
+{
+    int codes[] = {kvemu_code<A>()..., 0};
+    for (std::size_t i = 0; i < sizeof...(A); ++i)
+        out[i] = codes[i];
+    return (int)sizeof...(A);
+}
+'''
+
+
+class AttentionEmulation:
+    """attention.cu compiled for the host; ``launch(name, grid, block, args)``."""
+
+    def __init__(self, tmpdir):
+        if CXX is None:
+            raise RuntimeError("the attention emulation needs a C++17 compiler")
+        self.names = attention_kernels.attention_names()
+        parts = [SHIM, "#define KVCORE_HOST_EMULATION 1\n", attention_kernels.source(), HARNESS]
+        for k, name in enumerate(self.names):
+            parts.append(
+                f'extern "C" int kvattn_{k}(unsigned grid, unsigned block, void **p) {{\n'
+                f"    return kvemu_launch(&{name}, grid, block, p,\n"
+                f"        std::make_index_sequence<kvemu_nargs(&{name})>{{}});\n}}\n"
+                f'extern "C" int kvattn_{k}_sig(int *out) {{ return kvemu_sig(&{name}, out); }}\n')
+        parts.insert(3, "template <typename... A> constexpr std::size_t kvemu_nargs(void (*)(A...))"
+                        " { return sizeof...(A); }\n")
+        src = tmpdir / "kvcore_attention_emulation.cpp"
+        src.write_text("\n".join(parts), encoding="utf-8")
+        lib = tmpdir / "kvcore_attention_emulation.so"
+        cmd = [CXX, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+               "-Wno-unknown-pragmas",
+               "-shared", "-fPIC", str(src), "-o", str(lib)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
+        self._lib = ctypes.CDLL(str(lib))
+        self._sigs, self._fns = {}, {}
+
+    def signature(self, name):
+        sig = self._sigs.get(name)
+        if sig is None:
+            f = getattr(self._lib, f"kvattn_{self.names.index(name)}_sig")
+            f.restype = ctypes.c_int
+            buf = (ctypes.c_int * 64)()
+            sig = self._sigs[name] = tuple(buf[:f(buf)])
+        return sig
+
+    def launch(self, name, grid, block, params):
+        """Run ``name`` over ``grid`` blocks of ``block`` threads; ``params``
+        a ctypes array of pointers to the arguments.  False on a deadlock."""
+        fn = self._fns.get(name)
+        if fn is None:
+            fn = getattr(self._lib, f"kvattn_{self.names.index(name)}")
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
+            fn.restype = ctypes.c_int
+            self._fns[name] = fn
+        return fn(grid, block, params) == 0
