@@ -135,115 +135,200 @@ static void i8_to_f32_scalar(const int8_t *src, float *dst, ptrdiff_t n, float s
 /* ------------------------------------------------------------------ */
 #if KV_FP8_X86
 
-/* 8 float32 bit patterns -> 8 fp8 codes in the low byte of each lane. */
+/* Outputs of at least this many elements are written with non-temporal
+ * stores (as kv_half.c does): they would not stay in the cache anyway, and
+ * streaming skips the read-for-ownership of every destination line. */
+#define KV_FP8_STREAM_MIN ((ptrdiff_t)1 << 20)
+
+/* 8 float32 -> 8 fp8 codes in the low byte of each lane.  `limit` is the
+ * code overflow gives (saturate ? max_code : ovf_code). */
 __attribute__((target("avx2"))) KV_FP8_INLINE __m256i
-fp8x8_avx2(__m256i x, const kv_fp8_fmt f, int saturate)
+fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan)
 {
-    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i one = _mm256_set1_epi32(1);
-    __m256i a = _mm256_and_si256(x, absmask);
+    const int sh = 23 - f.mbits;
+    __m256i x = _mm256_castps_si256(xf);
+    __m256i a = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFFFFFF));
     __m256i sign = _mm256_and_si256(_mm256_srli_epi32(x, 24), _mm256_set1_epi32(0x80));
-    /* results below 2^(1-bias) are subnormal (or zero) */
+    /* normal result: re-bias and round the dropped bits to nearest even (a
+     * carry into the exponent is right, up to overflow) */
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(a, sh), _mm256_set1_epi32(1));
+    __m256i normal = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32((int)(((uint32_t)(f.bias - 127) << 23)
+                                                                     + (1u << (sh - 1)) - 1u))),
+                         lsb), sh);
+    /* subnormal result (|x| < 2^(1-bias)): |x| / unit is exact (a power of
+     * two, no overflow), rounded with an explicit to-nearest-even mode, so
+     * no MXCSR setting matters; a tie at 2^mbits - 1/2 rounds up to the
+     * first normal code, as it should */
+    __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(1.0f / f.sub_unit)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((128 - f.bias) << 23), a);
-    __m256i v_norm = _mm256_sub_epi32(a, _mm256_set1_epi32((127 - f.bias) << 23));
-    __m256i v_sub = _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0x7FFFFF)),
-                                    _mm256_set1_epi32(0x800000));
-    __m256i sh_sub = _mm256_min_epi32(
-        _mm256_sub_epi32(_mm256_set1_epi32(151 - f.bias - f.mbits), _mm256_srli_epi32(a, 23)),
-        _mm256_set1_epi32(25));
-    __m256i v = _mm256_blendv_epi8(v_norm, v_sub, sub);
-    __m256i sh = _mm256_blendv_epi8(_mm256_set1_epi32(23 - f.mbits), sh_sub, sub);
-    /* round to nearest even: add half - 1 and the kept lsb, then shift */
-    __m256i lsb = _mm256_and_si256(_mm256_srlv_epi32(v, sh), one);
-    __m256i half_m1 = _mm256_sub_epi32(_mm256_sllv_epi32(one, _mm256_sub_epi32(sh, one)), one);
-    __m256i code = _mm256_srlv_epi32(_mm256_add_epi32(_mm256_add_epi32(v, half_m1), lsb), sh);
-    __m256i ovf = _mm256_cmpgt_epi32(code, _mm256_set1_epi32((int)f.max_code));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32((int)(saturate ? f.max_code : f.ovf_code)),
-                              ovf);
-    __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32((int)f.nan_code), nan);
+    __m256i code = _mm256_blendv_epi8(normal, _mm256_cvttps_epi32(q), sub);
+    /* overflow (inf included) -> limit; NaN -> nan_code, which is >= limit
+     * (a NaN's code is past limit already: without saturation, e4m3fn's
+     * NaN code is its limit) */
+    code = _mm256_min_epi32(code, limit);
+    if (with_nan) {
+        __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+        code = _mm256_max_epi32(code, _mm256_and_si256(nan, _mm256_set1_epi32((int)f.nan_code)));
+    }
     return _mm256_or_si256(code, sign);
 }
 
-__attribute__((target("avx2"))) static inline __m256i
-load_scaled_avx2(const float *p, int scaled, __m256 scale)
+/* n float32 -> fp8, scaled (x / scale) or not, streamed or not: one loop
+ * per case. */
+__attribute__((target("avx2"))) KV_FP8_INLINE void
+f32_to_fp8_avx2_loop(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst, ptrdiff_t n,
+                     float scale, int saturate, const int scaled, const int stream)
 {
-    __m256 x = _mm256_loadu_ps(p);
-    return _mm256_castps_si256(scaled ? _mm256_div_ps(x, scale) : x);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m256i limit = _mm256_set1_epi32((int)(saturate ? f.max_code : f.ovf_code));
+    ptrdiff_t i = 0;
+    if (stream) {   /* narrow up to dst's 32-byte alignment first */
+        i = (ptrdiff_t)((32 - ((uintptr_t)dst & 31)) & 31);
+        f32_to_fp8_scalar(fmt, src, dst, i, scale, saturate);
+    }
+#define KV_FP8_LOAD(p) (scaled ? _mm256_div_ps(_mm256_loadu_ps(p), vscale) : _mm256_loadu_ps(p))
+    /* NaN needs its own code only where the overflow limit is not it; then
+     * a block of 32 takes the NaN-aware steps only when it holds a NaN */
+    const int nan_apart = saturate || f.nan_code != f.ovf_code;
+    for (; i + 32 <= n; i += 32) {
+        __m256 x0 = KV_FP8_LOAD(src + i), x1 = KV_FP8_LOAD(src + i + 8);
+        __m256 x2 = KV_FP8_LOAD(src + i + 16), x3 = KV_FP8_LOAD(src + i + 24);
+        __m256i a, b, c, d;
+        /* unordered: a NaN in either operand's lane */
+        __m256 unord = _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q),
+                                    _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q));
+        if (nan_apart && !_mm256_testz_ps(unord, unord)) {
+            a = fp8x8_avx2(x0, f, limit, 1);
+            b = fp8x8_avx2(x1, f, limit, 1);
+            c = fp8x8_avx2(x2, f, limit, 1);
+            d = fp8x8_avx2(x3, f, limit, 1);
+        } else {
+            a = fp8x8_avx2(x0, f, limit, 0);
+            b = fp8x8_avx2(x1, f, limit, 0);
+            c = fp8x8_avx2(x2, f, limit, 0);
+            d = fp8x8_avx2(x3, f, limit, 0);
+        }
+        /* codes are in [0, 0xFF]: the saturating packs never clip; packs
+         * work within 128-bit lanes, so put the dwords back in order */
+        __m256i ab = _mm256_packus_epi32(a, b), cd = _mm256_packus_epi32(c, d);
+        __m256i r = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
+        if (stream)
+            _mm256_stream_si256((__m256i *)(dst + i), r);
+        else
+            _mm256_storeu_si256((__m256i *)(dst + i), r);
+    }
+    if (stream)
+        _mm_sfence();
+    for (; i + 8 <= n; i += 8) {
+        __m256i a = fp8x8_avx2(KV_FP8_LOAD(src + i), f, limit, 1);
+        __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        _mm_storel_epi64((__m128i *)(dst + i), _mm_packus_epi16(w, w));
+    }
+#undef KV_FP8_LOAD
+    f32_to_fp8_scalar(fmt, src + i, dst + i, n - i, scale, saturate);
 }
 
 __attribute__((target("avx2"))) KV_FP8_INLINE void
 f32_to_fp8_avx2_fmt(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst, ptrdiff_t n,
                     float scale, int saturate)
 {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    /* large outputs: non-temporal stores skip reading dst into the cache */
+    int stream = n >= KV_FP8_STREAM_MIN;
+    if (scale == 1.0f) {
+        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 0, 1);
+        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 0, 0);
+    } else {
+        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 1, 1);
+        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 1, 0);
+    }
+}
+
+/* Widening goes through float16, which holds every fp8 value exactly: the
+ * codes become the high and low bytes of their float16 bits with byte
+ * operations, 32 at a time, and F16C's VCVTPH2PS widens those exactly (it
+ * ignores MXCSR.DAZ).  NaN codes become the float16 quiet NaN 0x7E00 of
+ * their sign, which widens to 0x7FC00000 | sign, the scalar result. */
+__attribute__((target("avx2,f16c"))) KV_FP8_INLINE void
+f16_bytes_avx2(__m256i b, const kv_fp8_fmt f, __m256i *hi, __m256i *lo)
+{
+    const __m256i sign = _mm256_and_si256(b, _mm256_set1_epi8((char)0x80));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi8(0x7F));
+    if (f.mbits == 2) {
+        /* e5m2 is the high byte of a float16 */
+        __m256i nan = _mm256_cmpgt_epi8(mag, _mm256_set1_epi8(0x7C));
+        *hi = _mm256_blendv_epi8(b, _mm256_or_si256(sign, _mm256_set1_epi8(0x7E)), nan);
+        *lo = _mm256_setzero_si256();
+        return;
+    }
+    /* e4m3fn: a normal code's float16 is (mag << 7) + (8 << 10); a
+     * subnormal m * 2^-9 is a normal float16 whose high byte a table gives
+     * (its low byte is 0) */
+    const __m256i table = _mm256_setr_epi8(0x00, 0x18, 0x1C, 0x1E, 0x20, 0x21, 0x22, 0x23, 0, 0, 0,
+                                           0, 0, 0, 0, 0, 0x00, 0x18, 0x1C, 0x1E, 0x20, 0x21, 0x22,
+                                           0x23, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256i h = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(mag, 1), _mm256_set1_epi8(0x7F)),
+                                _mm256_set1_epi8(0x20));
+    __m256i l = _mm256_and_si256(_mm256_slli_epi16(mag, 7), _mm256_set1_epi8((char)0x80));
+    __m256i sub = _mm256_cmpgt_epi8(_mm256_set1_epi8(8), mag);
+    h = _mm256_blendv_epi8(h, _mm256_shuffle_epi8(table, mag), sub);
+    __m256i nan = _mm256_cmpeq_epi8(mag, _mm256_set1_epi8(0x7F));
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi8(0x7E), nan);
+    *hi = _mm256_or_si256(h, sign);
+    *lo = _mm256_andnot_si256(_mm256_or_si256(sub, nan), l);
+}
+
+__attribute__((target("avx2,f16c"))) KV_FP8_INLINE void
+fp8_to_f32_avx2_loop(const kv_fp8_fmt f, int fmt, const uint8_t *src, float *dst, ptrdiff_t n,
+                     float scale, const int scaled, const int stream)
+{
     const __m256 vscale = _mm256_set1_ps(scale);
-    const int scaled = scale != 1.0f;
     ptrdiff_t i = 0;
+    if (stream) {   /* dst 4-byte aligned: widen up to 32-byte alignment first */
+        i = (ptrdiff_t)(((32 - ((uintptr_t)dst & 31)) & 31) / 4);
+        fp8_to_f32_scalar(fmt, src, dst, i, scale);
+    }
+#define KV_FP8_STORE(p, v)                                                  \
+    do {                                                                    \
+        __m256 v_ = scaled ? _mm256_mul_ps((v), vscale) : (v);              \
+        if (stream) _mm256_stream_ps((p), v_); else _mm256_storeu_ps((p), v_); \
+    } while (0)
     for (; i + 32 <= n; i += 32) {
-        __m256i a = fp8x8_avx2(load_scaled_avx2(src + i, scaled, vscale), f, saturate);
-        __m256i b = fp8x8_avx2(load_scaled_avx2(src + i + 8, scaled, vscale), f, saturate);
-        __m256i c = fp8x8_avx2(load_scaled_avx2(src + i + 16, scaled, vscale), f, saturate);
-        __m256i d = fp8x8_avx2(load_scaled_avx2(src + i + 24, scaled, vscale), f, saturate);
-        /* codes are in [0, 0xFF]: the saturating packs never clip; packs
-         * work within 128-bit lanes, so put the dwords back in order */
-        __m256i ab = _mm256_packus_epi32(a, b), cd = _mm256_packus_epi32(c, d);
-        __m256i r = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
-        _mm256_storeu_si256((__m256i *)(dst + i), r);
+        __m256i hi, lo;
+        f16_bytes_avx2(_mm256_loadu_si256((const __m256i *)(src + i)), f, &hi, &lo);
+        __m256i h0 = _mm256_unpacklo_epi8(lo, hi);   /* codes 0-7 | 16-23 */
+        __m256i h1 = _mm256_unpackhi_epi8(lo, hi);   /* codes 8-15 | 24-31 */
+        KV_FP8_STORE(dst + i, _mm256_cvtph_ps(_mm256_castsi256_si128(h0)));
+        KV_FP8_STORE(dst + i + 8, _mm256_cvtph_ps(_mm256_castsi256_si128(h1)));
+        KV_FP8_STORE(dst + i + 16, _mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)));
+        KV_FP8_STORE(dst + i + 24, _mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)));
     }
     for (; i + 8 <= n; i += 8) {
-        __m256i a = fp8x8_avx2(load_scaled_avx2(src + i, scaled, vscale), f, saturate);
-        __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-        _mm_storel_epi64((__m128i *)(dst + i), _mm_packus_epi16(w, w));
+        __m256i hi, lo;
+        f16_bytes_avx2(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(src + i))), f,
+                       &hi, &lo);
+        KV_FP8_STORE(dst + i, _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_unpacklo_epi8(lo, hi))));
     }
-    f32_to_fp8_scalar(fmt, src + i, dst + i, n - i, scale, saturate);
+#undef KV_FP8_STORE
+    if (stream)
+        _mm_sfence();
+    fp8_to_f32_scalar(fmt, src + i, dst + i, n - i, scale);
 }
 
-/* 8 fp8 codes (zero-extended to 32 bits) -> 8 float32. */
-__attribute__((target("avx2"))) KV_FP8_INLINE __m256
-f32x8_from_fp8_avx2(__m256i b, const kv_fp8_fmt f)
-{
-    __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-    __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - f.mbits),
-                                      _mm256_set1_epi32((127 - f.bias) << 23));
-    /* exponent field 0: m * 2^(1-bias-mbits), exact and a normal float32 */
-    __m256 subf = _mm256_mul_ps(_mm256_cvtepi32_ps(mag),
-                                _mm256_set1_ps(f.sub_unit));
-    __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << f.mbits), mag);
-    __m256i r = _mm256_blendv_epi8(normal, _mm256_castps_si256(subf), sub);
-    __m256i inf = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32((int)f.inf_mag));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F800000), inf);
-    __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((int)f.max_mag));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
-    return _mm256_castsi256_ps(_mm256_or_si256(r, sign));
-}
-
-__attribute__((target("avx2"))) static inline void
-store_scaled_avx2(float *p, __m256 v, int scaled, __m256 scale)
-{
-    _mm256_storeu_ps(p, scaled ? _mm256_mul_ps(v, scale) : v);
-}
-
-__attribute__((target("avx2"))) KV_FP8_INLINE void
+__attribute__((target("avx2,f16c"))) KV_FP8_INLINE void
 fp8_to_f32_avx2_fmt(const kv_fp8_fmt f, int fmt, const uint8_t *src, float *dst, ptrdiff_t n,
                     float scale)
 {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    const int scaled = scale != 1.0f;
-    ptrdiff_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i));
-        __m256 lo = f32x8_from_fp8_avx2(_mm256_cvtepu8_epi32(b), f);
-        __m256 hi = f32x8_from_fp8_avx2(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), f);
-        store_scaled_avx2(dst + i, lo, scaled, vscale);
-        store_scaled_avx2(dst + i + 8, hi, scaled, vscale);
+    int stream = n >= KV_FP8_STREAM_MIN && ((uintptr_t)dst & 3) == 0;
+    if (scale == 1.0f) {
+        if (stream) fp8_to_f32_avx2_loop(f, fmt, src, dst, n, scale, 0, 1);
+        else fp8_to_f32_avx2_loop(f, fmt, src, dst, n, scale, 0, 0);
+    } else {
+        if (stream) fp8_to_f32_avx2_loop(f, fmt, src, dst, n, scale, 1, 1);
+        else fp8_to_f32_avx2_loop(f, fmt, src, dst, n, scale, 1, 0);
     }
-    for (; i + 8 <= n; i += 8) {
-        __m128i b = _mm_loadl_epi64((const __m128i *)(src + i));
-        store_scaled_avx2(dst + i, f32x8_from_fp8_avx2(_mm256_cvtepu8_epi32(b), f), scaled, vscale);
-    }
-    fp8_to_f32_scalar(fmt, src + i, dst + i, n - i, scale);
 }
 
 __attribute__((target("avx2"))) static void
@@ -255,7 +340,7 @@ f32_to_fp8_avx2(int fmt, const float *src, uint8_t *dst, ptrdiff_t n, float scal
         f32_to_fp8_avx2_fmt(KV_E5M2, fmt, src, dst, n, scale, saturate);
 }
 
-__attribute__((target("avx2"))) static void
+__attribute__((target("avx2,f16c"))) static void
 fp8_to_f32_avx2(int fmt, const uint8_t *src, float *dst, ptrdiff_t n, float scale)
 {
     if (fmt == KV_FP8_E4M3)
