@@ -64,6 +64,7 @@ cdef extern from "kv_fp8.h" nogil:
     void kvh_f32_to_fp8(int fmt, const float* src, uint8_t* dst, Py_ssize_t n,
                         float scale, int saturate)
     void kvh_fp8_to_f32(int fmt, const uint8_t* src, float* dst, Py_ssize_t n, float scale)
+    const char* kvh_fp8_path(int level)
     float kvh_f32_to_i8_row(const float* src, int8_t* dst, Py_ssize_t n)
     void kvh_i8_to_f32(const int8_t* src, float* dst, Py_ssize_t n, float scale)
 
@@ -289,6 +290,12 @@ def set_simd_level(level):
         raise ValueError(
             f"level {level!r} is not supported by this CPU; available: {available_simd_levels()}")
     return previous
+
+
+def fp8_paths():
+    """``{level: fp8 path}`` for the levels this CPU supports: the fp8/int8
+    code each runs (levels without fp8 instructions share the scalar one)."""
+    return {lvl: kvh_fp8_path(LEVELS.index(lvl)).decode() for lvl in available_simd_levels()}
 
 
 def _initial_level():

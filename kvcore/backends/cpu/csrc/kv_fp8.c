@@ -563,6 +563,16 @@ static void i8_to_f32_neon(const int8_t *src, float *dst, ptrdiff_t n, float sca
 /* Dispatch on kv_half's level                                         */
 /* ------------------------------------------------------------------ */
 
+const char *kvh_fp8_path(int level)
+{
+    switch (level) {
+    case KVH_SCALAR: case KVH_F16C: return "scalar";
+    case KVH_AVX2: return "avx2";
+    case KVH_NEON: return "neon";
+    default: return NULL;
+    }
+}
+
 void kvh_f32_to_fp8(int fmt, const float *src, uint8_t *dst, ptrdiff_t n,
                     float scale, int saturate)
 {
