@@ -38,9 +38,11 @@ needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes"
 U8, U32 = np.dtype(np.uint8), np.dtype(np.uint32)
 BEST = _convert.best_simd_level()
 PATHS = _convert.fp8_paths()
-# one level per fp8 code path other than the best level's
-OTHER_PATH_LEVELS = sorted({path: lvl for lvl, path in PATHS.items()
-                            if path != PATHS[BEST]}.values())
+# one level per fp8 code path other than the best level's (the lowest that runs it)
+_FIRST = {}
+for _lvl in _convert.available_simd_levels():
+    _FIRST.setdefault(PATHS[_lvl], _lvl)
+OTHER_PATH_LEVELS = [lvl for path, lvl in _FIRST.items() if path != PATHS[BEST]]
 
 E4M3, E5M2 = _convert.FP8_E4M3, _convert.FP8_E5M2
 FMTS = {
