@@ -141,9 +141,10 @@ static void i8_to_f32_scalar(const int8_t *src, float *dst, ptrdiff_t n, float s
 #define KV_FP8_STREAM_MIN ((ptrdiff_t)1 << 20)
 
 /* 8 float32 -> 8 fp8 codes in the low byte of each lane.  `limit` is the
- * code overflow gives (saturate ? max_code : ovf_code). */
+ * code overflow gives (saturate ? max_code : ovf_code).  Without
+ * `with_sign` the codes are magnitudes (the caller adds the signs). */
 __attribute__((target("avx2"))) KV_FP8_INLINE __m256i
-fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan)
+fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan, const int with_sign)
 {
     const int sh = 23 - f.mbits;
     __m256i x = _mm256_castps_si256(xf);
@@ -172,7 +173,7 @@ fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan)
         __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
         code = _mm256_max_epi32(code, _mm256_and_si256(nan, _mm256_set1_epi32((int)f.nan_code)));
     }
-    return _mm256_or_si256(code, sign);
+    return with_sign ? _mm256_or_si256(code, sign) : code;
 }
 
 /* n float32 -> fp8, scaled (x / scale) or not, streamed or not: one loop
@@ -201,20 +202,27 @@ f32_to_fp8_avx2_loop(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst
         __m256 unord = _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q),
                                     _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q));
         if (nan_apart && !_mm256_testz_ps(unord, unord)) {
-            a = fp8x8_avx2(x0, f, limit, 1);
-            b = fp8x8_avx2(x1, f, limit, 1);
-            c = fp8x8_avx2(x2, f, limit, 1);
-            d = fp8x8_avx2(x3, f, limit, 1);
+            a = fp8x8_avx2(x0, f, limit, 1, 0);
+            b = fp8x8_avx2(x1, f, limit, 1, 0);
+            c = fp8x8_avx2(x2, f, limit, 1, 0);
+            d = fp8x8_avx2(x3, f, limit, 1, 0);
         } else {
-            a = fp8x8_avx2(x0, f, limit, 0);
-            b = fp8x8_avx2(x1, f, limit, 0);
-            c = fp8x8_avx2(x2, f, limit, 0);
-            d = fp8x8_avx2(x3, f, limit, 0);
+            a = fp8x8_avx2(x0, f, limit, 0, 0);
+            b = fp8x8_avx2(x1, f, limit, 0, 0);
+            c = fp8x8_avx2(x2, f, limit, 0, 0);
+            d = fp8x8_avx2(x3, f, limit, 0, 0);
         }
-        /* codes are in [0, 0xFF]: the saturating packs never clip; packs
-         * work within 128-bit lanes, so put the dwords back in order */
+        /* magnitude codes are in [0, 0x7F]: the saturating packs never clip.
+         * The signs: the same signed packs of the inputs saturate every
+         * negative pattern to a byte with the top bit set, every other to
+         * one without.  Packs work within 128-bit lanes, so the dwords go
+         * back in order at the end. */
         __m256i ab = _mm256_packus_epi32(a, b), cd = _mm256_packus_epi32(c, d);
-        __m256i r = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
+        __m256i sab = _mm256_packs_epi32(_mm256_castps_si256(x0), _mm256_castps_si256(x1));
+        __m256i scd = _mm256_packs_epi32(_mm256_castps_si256(x2), _mm256_castps_si256(x3));
+        __m256i sign = _mm256_and_si256(_mm256_packs_epi16(sab, scd), _mm256_set1_epi8((char)0x80));
+        __m256i r = _mm256_permutevar8x32_epi32(
+            _mm256_or_si256(_mm256_packus_epi16(ab, cd), sign), order);
         if (stream)
             _mm256_stream_si256((__m256i *)(dst + i), r);
         else
@@ -223,7 +231,7 @@ f32_to_fp8_avx2_loop(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst
     if (stream)
         _mm_sfence();
     for (; i + 8 <= n; i += 8) {
-        __m256i a = fp8x8_avx2(KV_FP8_LOAD(src + i), f, limit, 1);
+        __m256i a = fp8x8_avx2(KV_FP8_LOAD(src + i), f, limit, 1, 1);
         __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
         _mm_storel_epi64((__m128i *)(dst + i), _mm_packus_epi16(w, w));
     }
