@@ -180,7 +180,9 @@ def _fp8_codes(x, fmt):
     as its uint8 codes; anything else unchanged."""
     torch = _arrays._torch_of(x)
     if torch is not None:
-        return x.view(torch.uint8) if x.dtype == getattr(torch, FP8_NAME[fmt], None) else x
+        if x.dtype != getattr(torch, FP8_NAME[fmt], None):
+            return x
+        return (x.detach() if x.requires_grad else x).view(torch.uint8)
     if fmt in _FP8_NUMPY and getattr(x, "dtype", None) == _FP8_NUMPY[fmt]:
         return x.view(_U8)
     return x
