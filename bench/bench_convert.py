@@ -23,7 +23,7 @@ def main(argv=None):
     """Command line: measure, print the table, optionally write JSON; returns
     the results dict."""
     return script_main(run, report,
-                       "kvcore's float16/bfloat16 conversion against NumPy, ml_dtypes, "
+                       "kvcore's float16/bfloat16/fp8 conversion against NumPy, ml_dtypes, "
                        "torch and a float32 memcpy", argv,
                        quick_help="4 Mi elements and 5 repetitions instead of 16 Mi and 15",
                        options=_options, run_kwargs=_run_kwargs)

@@ -45,7 +45,7 @@ class DeviceUnderTest:
 
 def _bits_view(a):
     a = np.ascontiguousarray(a)
-    return a.view({4: np.uint32, 2: np.uint16}[a.itemsize])
+    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.itemsize])
 
 
 def assert_bits_equal(got, want):
@@ -149,6 +149,38 @@ def test_convert_matches_cpu(dev, sk, dk):
     want2 = np.zeros_like(want)
     want2[1:-2] = want[1:-2]
     assert_bits_equal(dev.get(got2), want2)
+
+
+@pytest.mark.parametrize("fmt", [0, 1], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("saturate", [False, True])
+def test_convert_fp8_matches_cpu(dev, fmt, saturate):
+    """convert_fp8.cu against the CPU's kv_fp8.c, both ways, with a strided
+    and an overlapping layout."""
+    rng = np.random.default_rng([2, fmt, saturate])
+    x = f32_patterns(rng, dev.n_random)
+    want = np.empty(x.shape, np.uint8)
+    CPU.convert_fp8(x, want, fmt, True, saturate)
+    got = dev.put(np.zeros_like(want))
+    dev.be.convert_fp8(dev.put(x), got, fmt, True, saturate)
+    assert_bits_equal(dev.get(got), want)
+    codes = np.concatenate([np.arange(256, dtype=np.uint8), want])
+    wide = np.empty(codes.shape, np.float32)
+    CPU.convert_fp8(codes, wide, fmt, False)
+    got_wide = dev.put(np.zeros_like(wide))
+    dev.be.convert_fp8(dev.put(codes), got_wide, fmt, False)
+    assert_bits_equal(dev.get(got_wide), wide)
+    # strided input and output, lengths not a multiple of 4
+    m = (x.size - 2) // 3
+    out = dev.put(np.zeros(x.size, np.uint8))
+    dev.be.convert_fp8(dev.put(x)[1::3][:m], out[2::3][:m], fmt, True, saturate)
+    np.testing.assert_array_equal(dev.get(out)[2::3][:m], want[1::3][:m])
+    assert not dev.get(out)[0::3].any()
+    # fp8 codes widened into the float32 array that holds them
+    buf = dev.put(np.zeros(257, np.float32))
+    src = buf.view(np.uint8)[-257:]
+    src[...] = dev.put(codes[:257])
+    dev.be.convert_fp8(src, buf, fmt, False)
+    assert_bits_equal(dev.get(buf), wide[:257])
 
 
 # (kind, input bits, output kind, output bits): the NaN and rounding rules of

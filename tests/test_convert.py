@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import kvcore
+from kvcore.backends.base import f32_bits_from_fp8, fp8_from_f32_bits
 from kvcore.backends.cpu import _convert
 
 try:
@@ -38,7 +39,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
 
 needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
 
-U16, U32 = np.dtype(np.uint16), np.dtype(np.uint32)
+U8, U16, U32 = np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)
 BEST = _convert.best_simd_level()
 LEVELS = _convert.available_simd_levels()
 OTHER_LEVELS = [lvl for lvl in LEVELS if lvl != BEST]
@@ -90,9 +91,9 @@ def check_bits(src_bits, src_fmt, got_bits, dst_fmt, want_bits, what=""):
 
 
 def bits(a):
-    """Raw bits of a float32/float16/bfloat16/uint16 array (a view)."""
+    """Raw bits of a float32/float16/bfloat16/uint16 (or fp8/uint8) array (a view)."""
     a = np.asarray(a)
-    return a.view(U32 if a.dtype.itemsize == 4 else U16)
+    return a.view({4: U32, 2: U16, 1: np.dtype(np.uint8)}[a.dtype.itemsize])
 
 
 def f32(b):
@@ -538,7 +539,8 @@ def _views():
 
 
 def _source(fmt, shape, seed=0):
-    """Random finite input of kind ``fmt`` ('f32', 'f16', 'bf16' bits)."""
+    """Random finite input of kind ``fmt`` ('f32', 'f16', 'bf16' bits; 'e4m3',
+    'e5m2' fp8 codes)."""
     rng = np.random.default_rng(seed)
     x = np.asarray(rng.standard_normal(shape) * 1000, np.float32)
     x.ravel()[::7] = 1e-6  # subnormal in f16
@@ -546,7 +548,38 @@ def _source(fmt, shape, seed=0):
         return x
     if fmt == "f16":
         return x.astype(np.float16)
+    if fmt == "e4m3":
+        return kvcore.to_float8_e4m3fn(x / 8)
+    if fmt == "e5m2":
+        return kvcore.to_float8_e5m2(x)
     return kvcore.to_bfloat16(x)
+
+
+def _ref_fp8(fmt, saturate=False):
+    """float32 -> fp8 codes, ml_dtypes' bits (clipped to the largest finite
+    value when saturating); the backends' reference without ml_dtypes."""
+    def ref(x):
+        x = np.ascontiguousarray(x, np.float32)
+        if ml_dtypes is None:
+            return fp8_from_f32_bits(bits(x), fmt, saturate)
+        codes = bits(x.astype(ml_dtypes.float8_e4m3fn if fmt == 0 else ml_dtypes.float8_e5m2))
+        if saturate:
+            big = (np.abs(x) > (448.0 if fmt == 0 else 57344.0)) & ~np.isnan(x)
+            codes = np.where(big, (0x7E if fmt == 0 else 0x7B) | (codes & 0x80), codes)
+        return codes.astype(np.uint8)
+    return ref
+
+
+def _widen_fp8(fmt):
+    return lambda b: f32_bits_from_fp8(bits(b), fmt)
+
+
+def to_float8_e4m3fn_saturate(x, out=None):
+    return kvcore.to_float8_e4m3fn(x, out=out, saturate=True)
+
+
+def to_float8_e5m2_saturate(x, out=None):
+    return kvcore.to_float8_e5m2(x, out=out, saturate=True)
 
 
 CONVERSIONS = {
@@ -556,6 +589,12 @@ CONVERSIONS = {
     "from_float16": (kvcore.from_float16, "f16", np.float32, lambda h: bits(h.astype(np.float32))),
     "from_bfloat16": (kvcore.from_bfloat16, "bf16", np.float32,
                       lambda b: b.astype(U32) << 16),
+    "to_float8_e4m3fn": (kvcore.to_float8_e4m3fn, "f32", U8, _ref_fp8(0)),
+    "to_float8_e4m3fn_saturate": (to_float8_e4m3fn_saturate, "f32", U8, _ref_fp8(0, True)),
+    "to_float8_e5m2": (kvcore.to_float8_e5m2, "f32", U8, _ref_fp8(1)),
+    "to_float8_e5m2_saturate": (to_float8_e5m2_saturate, "f32", U8, _ref_fp8(1, True)),
+    "from_float8_e4m3fn": (kvcore.from_float8_e4m3fn, "e4m3", np.float32, _widen_fp8(0)),
+    "from_float8_e5m2": (kvcore.from_float8_e5m2, "e5m2", np.float32, _widen_fp8(1)),
 }
 
 
@@ -654,18 +693,19 @@ def test_many_dimensions(name):
 def _overlapping(name, n):
     """(input, out) pairs sharing one buffer, in several arrangements."""
     fn, kind, out_dtype, _ = CONVERSIONS[name]
-    if kind == "f32":  # narrowing: 2-byte results inside the 4-byte inputs
+    if kind == "f32":  # narrowing: 2-byte (1-byte) results inside the 4-byte inputs
         def make(layout):
             x = _source("f32", n, seed=3)
-            half = x.view(U16)  # 2n items over the same bytes
-            out = {"front": half[:n], "back": half[n:], "odd": half[1::2],
+            half = bits(np.empty(0, out_dtype)).dtype
+            half = x.view(half)  # 2n (4n) items over the same bytes
+            out = {"front": half[:n], "back": half[-n:], "odd": half[1::2][:n],
                    "reversed": half[::-1][:n], "front-reversed": half[:n][::-1]}[layout]
             return x, out.view(out_dtype)
-    else:  # widening: 4-byte results over 2-byte inputs
+    else:  # widening: 4-byte results over 2-byte (1-byte) inputs
         def make(layout):
             buf = np.zeros(n, np.float32)
-            u = buf.view(U16)
-            sl = {"front": u[:n], "back": u[n:], "odd": u[1::2],
+            u = buf.view(U8 if kind in ("e4m3", "e5m2") else U16)
+            sl = {"front": u[:n], "back": u[-n:], "odd": u[1::2][:n],
                   "reversed": u[::-1][:n], "front-reversed": u[:n][::-1]}[layout]
             sl[...] = bits(_source(kind, n, seed=3))
             src = sl.view(np.float16) if kind == "f16" else sl
@@ -686,11 +726,12 @@ def test_out_overlapping_input(name, layout):
 
 
 def _unaligned(a):
-    """A copy of ``a`` at an odd byte address (not aligned for its dtype)."""
+    """A copy of ``a`` at an odd byte address (not aligned for its dtype,
+    unless that is one byte)."""
     raw = np.zeros(a.nbytes + 1, np.uint8)
     u = raw[1:].view(a.dtype).reshape(a.shape)
     u[...] = a
-    assert not u.flags.aligned
+    assert a.itemsize == 1 or not u.flags.aligned
     return u
 
 

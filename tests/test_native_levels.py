@@ -1,6 +1,7 @@
-"""kv_half.c on its own: every SIMD level the machine supports gives the
-scalar path's bits (tests/c/kv_half_check.c), natively, and for AArch64's
-NEON path under qemu-aarch64 when a cross compiler and qemu are installed
+"""kv_half.c and kv_fp8.c on their own: every SIMD level the machine
+supports gives the scalar path's bits (tests/c/kv_half_check.c,
+tests/c/kv_fp8_check.c), natively, and for AArch64's NEON path under
+qemu-aarch64 when a cross compiler and qemu are installed
 (apt: gcc-aarch64-linux-gnu qemu-user)."""
 import shutil
 import subprocess
@@ -15,24 +16,31 @@ except ImportError:  # pragma: no cover - run as a package
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
-CHECK = ROOT / "tests" / "c" / "kv_half_check.c"
+# each check: its C driver and the sources it links
+CHECKS = {
+    "kv_half": (ROOT / "tests" / "c" / "kv_half_check.c", ("kv_half.c",)),
+    "kv_fp8": (ROOT / "tests" / "c" / "kv_fp8_check.c", ("kv_fp8.c", "kv_half.c")),
+}
 
 needs_source = pytest.mark.skipif(not (NATIVE / "kv_half.c").exists(),
                                   reason="needs the source tree")
 
 
-def _build_and_run(cc, out, extra=(), runner=()):
-    subprocess.run([cc, "-O2", *extra, f"-I{NATIVE}", str(CHECK), str(NATIVE / "kv_half.c"),
-                    "-o", str(out)], check=True, capture_output=True, text=True)
+def _build_and_run(cc, check, out, extra=(), runner=()):
+    driver, sources = CHECKS[check]
+    subprocess.run([cc, "-O2", *extra, f"-I{NATIVE}", str(driver),
+                    *[str(NATIVE / c) for c in sources], "-o", str(out), "-lm"],
+                   check=True, capture_output=True, text=True)
     return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
 
 
 @needs_source
-def test_native_simd_levels_match_scalar(tmp_path):
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_native_simd_levels_match_scalar(tmp_path, check):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    run = _build_and_run(cc, tmp_path / "check")
+    run = _build_and_run(cc, check, tmp_path / "check")
     if run.returncode == 3:
         pytest.skip("this CPU has no SIMD level beyond scalar")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -40,8 +48,9 @@ def test_native_simd_levels_match_scalar(tmp_path):
 
 
 @needs_source
-def test_neon_level_matches_scalar_under_qemu(tmp_path):
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
     cc, qemu = aarch64_tools()
-    run = _build_and_run(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
+    run = _build_and_run(cc, check, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "level neon" in run.stdout and "0 mismatches" in run.stdout

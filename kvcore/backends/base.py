@@ -130,6 +130,53 @@ def convert_bits(src, src_kind, dst_kind):
     return _from_f32_bits(_to_f32_bits(np.asarray(src), src_kind), dst_kind)
 
 
+# ---------------------------------------------------------------- fp8
+# float32 <-> fp8 (kv_fp8.h's definition, fmt 0 = e4m3fn, 1 = e5m2):
+# narrowing is one RNE right shift of the float32 bits (re-biased for a
+# normal result, the whole significand for a subnormal one), then overflow
+# (NaN for e4m3fn, inf for e5m2, or the largest finite value when
+# saturating) and NaN (0x7F / 0x7E, the input's sign); widening is exact,
+# every NaN the quiet float32 NaN of its sign.
+# fmt: (mantissa bits, bias, largest finite code, overflow code, NaN code)
+FP8_FORMATS = {0: (3, 7, 0x7E, 0x7F, 0x7F), 1: (2, 15, 0x7B, 0x7C, 0x7E)}
+
+
+def fp8_from_f32_bits(x, fmt, saturate=False):
+    """fp8 codes (uint8) of float32 bits ``x`` (uint32), round to nearest even."""
+    mbits, bias, max_code, ovf_code, nan_code = FP8_FORMATS[fmt]
+    x = np.asarray(x, np.uint32)
+    a = x & np.uint32(0x7FFFFFFF)
+    sign = (x >> np.uint32(24)) & np.uint32(0x80)
+    exp = (a >> np.uint32(23)).astype(np.int64)
+    sub = a < np.uint32((128 - bias) << 23)       # the result is subnormal or zero
+    v = np.where(sub, (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000),
+                 a - np.minimum(a, np.uint32((127 - bias) << 23)))
+    # (a shift of 25 leaves 0 of any significand: f32 zeros and subnormals)
+    shift = np.where(sub, np.minimum(151 - bias - mbits - exp, 25), 23 - mbits)
+    code = _round_shift(v, shift.astype(np.uint32))
+    code = np.where(code > max_code, max_code if saturate else ovf_code, code)
+    code = np.where(a > np.uint32(0x7F800000), nan_code, code)
+    return (code | sign).astype(np.uint8)
+
+
+def f32_bits_from_fp8(codes, fmt):
+    """float32 bits (uint32) of fp8 ``codes`` (uint8): exact."""
+    mbits, bias, _, _, _ = FP8_FORMATS[fmt]
+    c = np.arange(256, dtype=np.int64)
+    mag, neg = c & 0x7F, c >= 0x80
+    exp, man = mag >> mbits, mag & ((1 << mbits) - 1)
+    # subnormal (exp 0): man * 2**(1 - bias - mbits); normal: (2**mbits + man) * 2**(exp - ...)
+    value = np.where(exp == 0, np.ldexp(man.astype(np.float64), 1 - bias - mbits),
+                     np.ldexp((man + (1 << mbits)).astype(np.float64), exp - bias - mbits))
+    if fmt == 0:
+        value = np.where(mag == 0x7F, np.nan, value)
+    else:
+        value = np.where(exp == 0x1F, np.where(man == 0, np.inf, np.nan), value)
+    bits = np.where(neg, -value, value).astype(np.float32).view(np.uint32)
+    bits = np.where(np.isnan(value), np.uint32(0x7FC00000) | (neg.astype(np.uint32) << 31), bits)
+    return bits.astype(np.uint32)[np.asarray(codes, np.uint8)]
+
+
 class Backend:
     """The data-movement interface, implemented in plain NumPy (host memory).
 
@@ -231,6 +278,15 @@ class Backend:
         """``dst[...] = src`` converted; same shape, any strides; ``src`` is
         read as it was before the call even when it overlaps ``dst``."""
         _bits_view(dst)[...] = convert_bits(_bits_view(src), src_kind, dst_kind)
+
+    def convert_fp8(self, src, dst, fmt, narrow, saturate=False):
+        """float32 ``src`` -> fp8 codes ``dst`` (uint8) when ``narrow``, else
+        fp8 codes ``src`` -> float32 ``dst``; ``fmt`` 0 is e4m3fn, 1 e5m2.
+        Same shape, any strides; ``src`` is read as it was before the call."""
+        if narrow:
+            dst[...] = fp8_from_f32_bits(src.view(np.uint32), fmt, saturate)
+        else:
+            dst.view(np.uint32)[...] = f32_bits_from_fp8(src.view(np.uint8), fmt)
 
     def write_slots(self, cache, src, slots, src_kind, dst_kind):
         """``cache[s // bs, :, s % bs, :] = src[i]`` for every slot

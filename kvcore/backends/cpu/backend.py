@@ -19,6 +19,21 @@ def _aligned_ids(a):
     return a if a.flags.aligned else a.copy()
 
 
+def _elementwise(src, dst, kernel):
+    """``kernel(src, dst)`` for arrays of any alignment that may overlap:
+    the kernels load and store typed elements, so a misaligned or
+    overlapping ``src`` is read from a copy, and a misaligned ``dst`` is
+    filled through an aligned temporary that NumPy then copies into place."""
+    if np.may_share_memory(src, dst) or not src.flags.aligned:
+        src = src.copy()
+    if not dst.flags.aligned:
+        tmp = np.empty(dst.shape, dst.dtype)
+        kernel(src, tmp)
+        dst[...] = tmp
+        return
+    kernel(src, dst)
+
+
 class CPUBackend(Backend):
     """NumPy arrays in host memory; Cython/C kernels (GIL released)."""
 
@@ -27,16 +42,12 @@ class CPUBackend(Backend):
     def convert(self, src, src_kind, dst, dst_kind):
         """dst[...] = src converted; same shape, any strides, any alignment,
         overlap allowed (src is read as it was before the call)."""
-        if np.may_share_memory(src, dst) or not src.flags.aligned:
-            src = src.copy()
-        if not dst.flags.aligned:
-            # the kernels store typed elements: convert into an aligned
-            # temporary, then let NumPy copy the bytes into place
-            tmp = np.empty(dst.shape, dst.dtype)
-            _convert.convert_array(src, src_kind, tmp, dst_kind)
-            dst[...] = tmp
-            return
-        _convert.convert_array(src, src_kind, dst, dst_kind)
+        _elementwise(src, dst, lambda s, d: _convert.convert_array(s, src_kind, d, dst_kind))
+
+    def convert_fp8(self, src, dst, fmt, narrow, saturate=False):
+        """float32 -> fp8 codes (``narrow``) or back; same shape, any strides,
+        any alignment, overlap allowed (as ``convert``)."""
+        _elementwise(src, dst, lambda s, d: _convert.fp8_array(s, d, fmt, narrow, saturate))
 
     def apart(self, a, storage):
         """``a``, or a C-contiguous copy of it when its memory span meets

@@ -39,7 +39,22 @@ SLOTS_KERNELS = ("kv_claim_slots", "kv_release_slots")
 # What kv_claim_slots leaves in *bad when every slot is in range.
 NO_BAD = 2**63 - 1
 
-FILES = tuple(CONVERTING) + (COPY_FILE, SLOTS_FILE)
+# convert_fp8.cu: float32 <-> fp8, templated on the format (0 e4m3fn,
+# 1 e5m2) and, narrowing, on saturation; a single module.
+FP8_FILE = "convert_fp8.cu"
+
+
+def fp8_kernel_name(fmt, narrow, saturate=False):
+    """The name expression of one fp8 conversion kernel."""
+    if narrow:
+        return f"kv_f32_to_fp8<{fmt}, {int(saturate)}>"
+    return f"kv_fp8_to_f32<{fmt}>"
+
+
+FP8_KERNELS = tuple([fp8_kernel_name(f, True, s) for f in (0, 1) for s in (False, True)]
+                    + [fp8_kernel_name(f, False) for f in (0, 1)])
+
+FILES = tuple(CONVERTING) + (COPY_FILE, SLOTS_FILE, FP8_FILE)
 
 # NVRTC options.  C++17 for `if constexpr` (CuPy >= 14 defaults to it; older
 # CuPy needs it said).  No fast-math or FTZ flags: the kernels only do
@@ -71,6 +86,8 @@ def module_names(file, src_kind=None, dst_kind=None):
         return [copy_name(w) for w in COPY_WORDS]
     if file == SLOTS_FILE:
         return list(SLOTS_KERNELS)
+    if file == FP8_FILE:
+        return list(FP8_KERNELS)
     v = vector_width(src_kind, dst_kind)
     return [kernel_name(k, src_kind, dst_kind, w) for k in CONVERTING[file] for w in (1, v)]
 
@@ -84,6 +101,7 @@ def modules():
                 out.append((file, sk, dk, module_names(file, sk, dk)))
     out.append((COPY_FILE, None, None, module_names(COPY_FILE)))
     out.append((SLOTS_FILE, None, None, module_names(SLOTS_FILE)))
+    out.append((FP8_FILE, None, None, module_names(FP8_FILE)))
     return out
 
 

@@ -384,19 +384,26 @@ class CudaBackend(Backend):
         return lo, hi + a.itemsize
 
     # ------------------------------------------------------------- kernels
+    def _flat(self, s, d, launch):
+        """``launch(src, dst)`` over contiguous views of the bit arrays ``s``
+        and ``d`` (same shape): ``s`` read from a copy when it overlaps ``d``
+        or is strided, a strided ``d`` filled through a temporary."""
+        xp = self.xp
+        if self._overlaps(s, d):  # read from a copy
+            s = s.copy()
+        elif not s.flags.c_contiguous:
+            s = xp.ascontiguousarray(s)
+        tmp = d if d.flags.c_contiguous else xp.empty(d.shape, d.dtype)
+        launch(s, tmp)
+        if tmp is not d:
+            d[...] = tmp
+
     def convert(self, src, src_kind, dst, dst_kind):
         """dst[...] = src converted; same shape, any strides (overlap allowed)."""
         if src.size == 0:
             return
-        xp = self.xp
-        with self._ctx():
-            s = src.view(_bits_dtype(src.dtype))
-            d = dst.view(_bits_dtype(dst.dtype))
-            if self._overlaps(s, d):  # read from a copy
-                s = s.copy()
-            elif not s.flags.c_contiguous:
-                s = xp.ascontiguousarray(s)
-            tmp = d if d.flags.c_contiguous else xp.empty(d.shape, d.dtype)
+
+        def launch(s, tmp):
             n = s.size
             v = _sources.vector_width(src_kind, dst_kind)
             if self._ptr(s) % 16 or self._ptr(tmp) % 16:
@@ -404,8 +411,24 @@ class CudaBackend(Backend):
             self._launch("convert.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
                          -(-n // v), 1, [tmp, s, n])
-            if tmp is not d:
-                d[...] = tmp
+
+        with self._ctx():
+            self._flat(src.view(_bits_dtype(src.dtype)), dst.view(_bits_dtype(dst.dtype)), launch)
+
+    def convert_fp8(self, src, dst, fmt, narrow, saturate=False):
+        """float32 -> fp8 codes (``narrow``) or back; same shape, any strides
+        (overlap allowed).  Four elements per thread (convert_fp8.cu)."""
+        if src.size == 0:
+            return
+        name = _sources.fp8_kernel_name(fmt, narrow, saturate)
+
+        def launch(s, tmp):
+            self._launch(_sources.FP8_FILE, None, None, name, -(-s.size // 4), 1,
+                         [tmp, s, s.size])
+
+        with self._ctx():
+            self._flat(src.view(np.uint32) if narrow else src,
+                       dst if narrow else dst.view(np.uint32), launch)
 
     def write_slots(self, cache, src, slots, src_kind, dst_kind):
         """cache[b, h, off, :] = src[i, h, :] converted, for slot s = slots[i]

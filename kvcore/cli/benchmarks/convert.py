@@ -1,4 +1,4 @@
-"""float32 <-> float16/bfloat16 conversion: kvcore against its baselines.
+"""float32 <-> float16/bfloat16/fp8 conversion: kvcore against its baselines.
 
     python bench/bench_convert.py [--quick] [--level NAME] [--json FILE]
     python -m kvcore bench
@@ -6,9 +6,11 @@
 One run measures, on 16 Mi elements (64 MiB of float32; ``--quick``: 4 Mi
 elements and fewer repetitions), narrowing and widening in both formats:
 
-* kvcore: ``to_float16``/``to_bfloat16``/``from_float16``/``from_bfloat16``;
-* NumPy's cast for float16 and ml_dtypes' for bfloat16, through
-  ``numpy.copyto(out, x, casting="unsafe")`` (``astype``'s cast loop);
+* kvcore: ``to_float16``/``to_bfloat16``/``from_float16``/``from_bfloat16``,
+  ``to_float8_e4m3fn``/``to_float8_e5m2``/``from_float8_e4m3fn``/``from_float8_e5m2``;
+* NumPy's cast for float16 and ml_dtypes' for bfloat16 and the float8
+  formats, through ``numpy.copyto(out, x, casting="unsafe")`` (``astype``'s
+  cast loop);
 * torch's ``Tensor.copy_`` when torch is importable, on one thread
   (``torch.set_num_threads(1)``; kvcore and NumPy are single-threaded too);
 * a float32 memcpy (``numpy.copyto``) of the same number of elements, the
@@ -19,7 +21,8 @@ faulted in by the warm-up runs.  The implementations of one op take turns
 (one call each per round), so a change of load on a shared machine slows
 them alike.  Figures are medians; ratios are
 kvcore throughput / baseline throughput (= baseline time / kvcore time), so
-above 1 means kvcore is faster.
+above 1 means kvcore is faster.  ``bench/bench_convert.py`` repeats the
+whole run (``--repeat``) and prints every figure as median [min-max].
 
 ``run(quick=False, level=None) -> dict`` does the measuring and ``report``
 formats it, so that ``python -m kvcore bench`` can call them; ``main`` is
@@ -46,10 +49,11 @@ def _torch():
     return torch
 
 
-def _medians_s(fns, repeat, warmup):
-    """Median seconds per call of each of ``fns`` (a dict).  The calls are
-    interleaved, one of each per round, so that a machine whose load changes
-    during the run slows every implementation alike and the ratios hold."""
+def _times_s(fns, repeat, warmup):
+    """Seconds per call of each of ``fns`` (a dict), ``repeat`` samples each.
+    The calls are interleaved, one of each per round, so that a machine
+    whose load changes during the run slows every implementation alike and
+    the ratios hold."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -59,7 +63,7 @@ def _medians_s(fns, repeat, warmup):
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
 
 
 # op name -> (kvcore function name, source format, destination format)
@@ -68,7 +72,12 @@ OPS = {
     "f32->bf16": ("to_bfloat16", "f32", "bf16"),
     "f16->f32": ("from_float16", "f16", "f32"),
     "bf16->f32": ("from_bfloat16", "bf16", "f32"),
+    "f32->e4m3fn": ("to_float8_e4m3fn", "f32", "e4m3fn"),
+    "f32->e5m2": ("to_float8_e5m2", "f32", "e5m2"),
+    "e4m3fn->f32": ("from_float8_e4m3fn", "e4m3fn", "f32"),
+    "e5m2->f32": ("from_float8_e5m2", "e5m2", "f32"),
 }
+FP8 = {"e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}   # format -> dtype name
 
 
 def run(quick=False, level=None, n=None, repeat=None):
@@ -108,19 +117,28 @@ def run(quick=False, level=None, n=None, repeat=None):
         x = rng.standard_normal(n, dtype=np.float32)   # typical K/V values
         h = x.astype(np.float16)
         b = kvcore.to_bfloat16(x)                       # bf16 bits, uint16
-        arrays = {"f32": x, "f16": h, "bf16": b}
+        arrays = {"f32": x, "f16": h, "bf16": b,
+                  "e4m3fn": kvcore.to_float8_e4m3fn(x), "e5m2": kvcore.to_float8_e5m2(x)}
         # preallocated outputs shared by every implementation
         outs = {"f32": np.empty(n, np.float32), "f16": np.empty(n, np.float16),
-                "bf16": np.empty(n, np.uint16)}
+                "bf16": np.empty(n, np.uint16), "e4m3fn": np.empty(n, np.uint8),
+                "e5m2": np.empty(n, np.uint8)}
         copy_out = np.empty(n, np.float32)
 
         def ml_view(a, fmt):
-            """bf16 arrays as ml_dtypes.bfloat16 for the ml_dtypes baseline."""
-            return a.view(ml_dtypes.bfloat16) if fmt == "bf16" else a
+            """bf16 and fp8 bits as ml_dtypes' types for the ml_dtypes baseline."""
+            if fmt == "bf16":
+                return a.view(ml_dtypes.bfloat16)
+            return a.view(getattr(ml_dtypes, FP8[fmt])) if fmt in FP8 else a
 
         def torch_view(a, fmt):
             t = torch.from_numpy(a.view(np.int16) if fmt == "bf16" else a)
-            return t.view(torch.bfloat16) if fmt == "bf16" else t
+            if fmt == "bf16":
+                return t.view(torch.bfloat16)
+            return t.view(getattr(torch, FP8[fmt])) if fmt in FP8 else t
+
+        def torch_has(fmt):
+            return fmt not in FP8 or hasattr(torch, FP8[fmt])
 
         res = {
             "n": n, "repeat": repeat, "warmup": warmup,
@@ -140,12 +158,12 @@ def run(quick=False, level=None, n=None, repeat=None):
             if ref == "numpy" or ml_dtypes is not None:
                 s_ref, d_ref = ml_view(src, sf), ml_view(dst, df)
                 impls[ref] = lambda: np.copyto(d_ref, s_ref, casting="unsafe")
-            if torch is not None:
+            if torch is not None and torch_has(sf) and torch_has(df):
                 s_t, d_t = torch_view(src, sf), torch_view(dst, df)
                 impls["torch"] = lambda: d_t.copy_(s_t)
             impls["copy"] = lambda: np.copyto(copy_out, x)
-            r = {f"{name}_gelem_s": n / t / 1e9
-                 for name, t in _medians_s(impls, repeat, warmup).items()}
+            r = {f"{name}_gelem_s": n / statistics.median(t) / 1e9
+                 for name, t in _times_s(impls, repeat, warmup).items()}
             copies.append(r["copy_gelem_s"])
             for name in impls:
                 if name != "kvcore":
@@ -176,6 +194,8 @@ def report(res):
     ]
     rows = []
     for op in OPS:
+        if op not in res:
+            continue
         r = res[op]
         rows.append((op, "kvcore", f"{r['kvcore_gelem_s']:.3f}", ""))
         for name in ("numpy", "ml_dtypes", "torch", "copy"):

@@ -154,6 +154,10 @@ extern "C" {
 void kvh_f32_to_fp8(int fmt, const float *src, uint8_t *dst, ptrdiff_t n,
                     float scale, int saturate);
 void kvh_fp8_to_f32(int fmt, const uint8_t *src, float *dst, ptrdiff_t n, float scale);
+/* The fp8/int8 code path level `level` of kv_half.h runs: "scalar", "avx2"
+ * or "neon" (levels without fp8 instructions run the scalar path); NULL
+ * when out of range.  For tests, which check each path once. */
+const char *kvh_fp8_path(int level);
 
 /* int8, symmetric, one scale per row of n elements (a token's head):
  * scale = max|x| / 127 (1.0f when the row is all zeros), stored
