@@ -76,3 +76,21 @@ def test_disk_store_trim_still_takes_a_free_lock(tmp_path):
     with open(tmp_path / ".lock", "a+b") as f:
         disk._lock_file(f)
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------ RedisStore arguments
+@pytest.mark.parametrize("kw, name", [
+    ({"ttl": float("inf")}, "ttl"), ({"ttl": 1e300}, "ttl"), ({"ttl": float("nan")}, "ttl"),
+    ({"timeout": float("inf")}, "timeout"), ({"timeout": 1e300}, "timeout"),
+])
+def test_redis_store_rejects_unusable_ttl_and_timeout(kw, name):
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        kvcore.RedisStore("redis://127.0.0.1:1/0", **kw)
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "http://host", "", "redis://h:notaport"])
+def test_redis_store_bad_url_names_url(url):
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=r"^url must be a redis://"):
+        kvcore.RedisStore(url)
