@@ -94,3 +94,31 @@ def test_redis_store_bad_url_names_url(url):
     pytest.importorskip("redis")
     with pytest.raises(ValueError, match=r"^url must be a redis://"):
         kvcore.RedisStore(url)
+
+
+# ------------------------------------------------------------ probe on a dead server
+def test_probe_skips_a_store_that_timed_out():
+    """probe() used to pay the store's full timeout on every call, with no
+    warning, while allocate() skipped the store for retry_interval."""
+    pytest.importorskip("redis")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)                              # connects, never answers
+    try:
+        store = kvcore.RedisStore(f"redis://127.0.0.1:{srv.getsockname()[1]}/0",
+                                  timeout=0.3, retry_interval=60)
+        pool = make_pool(stores=[store])
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert pool.probe(PROMPT)["store_hit_tokens"] == 0
+            t = time.monotonic()
+            for _ in range(3):
+                assert pool.probe(PROMPT)["store_hit_tokens"] == 0
+            elapsed = time.monotonic() - t
+        assert elapsed < 0.3, f"3 probes of a store down for 60 s took {elapsed:.2f} s"
+        assert any("timeout" in str(x.message) for x in w
+                   if issubclass(x.category, kvcore.StoreWarning))
+        assert pool.stats()["stores"][0]["failures"] == 0     # probe counts nothing
+        store.close()
+    finally:
+        srv.close()
