@@ -230,8 +230,9 @@ class StoreTiers:
             try:
                 n = int(s.contains(keys))
             except Exception as e:
-                if count:
-                    self._fail(i, e, op="contains")
+                # (probe too: a store that timed out is skipped for its
+                # retry_interval, and warned of, without counting a failure)
+                self._fail(i, e, count=count, op="contains")
                 continue
             if count:
                 self._ok(i, "contains")

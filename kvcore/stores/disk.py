@@ -3,10 +3,12 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 
 from .base import PrefixStore
 
 _SUFFIX = ".kve"
+_LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)    # Linux: fault the pages in at once
 
 
@@ -39,6 +41,11 @@ class DiskStore(PrefixStore):
     """
 
     kind = "disk"
+    #: most seconds a trim waits for ``PATH/.lock`` (another process trimming,
+    #: or one stopped while it held the lock); then the put fails with
+    #: TimeoutError (the pool: a 'timeout' warning, the store skipped for
+    #: ``retry_interval``), never blocking the pool for longer
+    lock_timeout = 1.0
 
     def __init__(self, path, capacity_bytes, namespace="", hmac_key=None):
         if capacity_bytes is None:
@@ -51,7 +58,14 @@ class DiskStore(PrefixStore):
                 from None
         if isinstance(path, bytes):
             path = os.fsdecode(path)
-        os.makedirs(path, exist_ok=True)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"path must be a directory (or not exist yet), got {path!r}: "
+                             "it exists and is not a directory")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"path must be a directory that can be created, got {path!r}: "
+                             f"{e.strerror or e}") from e
         self.path = os.path.abspath(path)
         self._lock = threading.Lock()
         self._used = sum(size for _, size, _ in self._listing())
@@ -149,7 +163,7 @@ class DiskStore(PrefixStore):
         dropped = []
         lock_path = os.path.join(self.path, ".lock")
         with open(lock_path, "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            self._lock_file(lock)
             try:
                 files = self._listing()
                 used = sum(size for _, size, _ in files)
@@ -172,6 +186,20 @@ class DiskStore(PrefixStore):
         with self._lock:
             self._used = used
         return dropped
+
+    def _lock_file(self, lock):
+        """Exclusive flock on ``lock``, waiting at most ``lock_timeout``."""
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process held {lock.name} for more than "
+                        f"{self.lock_timeout} s (DiskStore.lock_timeout)") from None
+                time.sleep(_LOCK_POLL)
 
     def delete(self, keys):
         n = 0

@@ -1,6 +1,9 @@
 """RedisStore: evicted blocks in a Redis server, shared by processes and machines."""
 from .base import PrefixStore
 
+_MAX_TTL = 2**53 / 1000       # seconds: Redis' PX (milliseconds) must fit after "now" is added
+_MAX_TIMEOUT = 2**31 - 1      # seconds: what a socket timeout (timeval) takes everywhere
+
 
 class RedisStore(PrefixStore):
     """Prefix store in Redis (or a Redis-compatible server), through redis-py.
@@ -51,10 +54,14 @@ class RedisStore(PrefixStore):
         except ImportError as e:  # pragma: no cover - exercised where redis is absent
             raise ImportError("RedisStore needs redis-py: pip install 'kvcore[redis]'") from e
         if ttl is not None:
-            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
-                raise ValueError(f"ttl must be None or a positive number of seconds, got {ttl!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 \
+                    or not ttl <= _MAX_TTL:
+                raise ValueError(f"ttl must be None or a positive, finite number of seconds "
+                                 f"(at most {_MAX_TTL:.0f}), got {ttl!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 < timeout <= _MAX_TIMEOUT:
+            raise ValueError(f"timeout must be a positive, finite number of seconds (at most "
+                             f"{_MAX_TIMEOUT}), got {timeout!r}")
         if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) \
                 or not retry_interval >= 0:
             raise ValueError(f"retry_interval must be a number of seconds >= 0, got "
@@ -64,9 +71,13 @@ class RedisStore(PrefixStore):
         self.retry_interval = float(retry_interval)
         if isinstance(url, str):
             self.url = url
-            self._client = redis.Redis.from_url(
-                url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                retry_on_timeout=False)
+            try:
+                self._client = redis.Redis.from_url(
+                    url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                    retry_on_timeout=False)
+            except ValueError as e:
+                raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got "
+                                 f"{url!r}: {e}") from None
         elif hasattr(url, "pipeline") and hasattr(url, "get"):
             self.url = repr(url)
             self._client = url

@@ -1,0 +1,124 @@
+"""Regressions found in review of the prefix stores: bad arguments caught at
+construction with a message naming them, a DiskStore trim that never waits
+unboundedly for another process's lock (under the pool's lock), and probe()
+that skips a store which timed out like allocate() does."""
+import fcntl
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import kvcore
+
+from _stores_support import make_pool, run
+
+PROMPT = np.arange(1, 18, dtype=np.int32)
+
+
+# ------------------------------------------------------------ DiskStore(path)
+def test_disk_store_on_a_file_names_path(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"path must be a directory.*file"):
+        kvcore.DiskStore(f, 1 << 20)
+    with pytest.raises(ValueError, match=r"path must be a directory.*sub"):
+        kvcore.DiskStore(f / "sub", 1 << 20)
+    assert f.read_bytes() == b"x"
+
+
+# ------------------------------------------------------------ DiskStore trim lock
+def test_disk_store_trim_waits_boundedly_for_another_process_lock(tmp_path):
+    """A process holding PATH/.lock (stopped while trimming, hung on a
+    network file system) must not block this pool's evictions, under the
+    pool's lock, for ever: the put times out, a StoreWarning says so."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        f = open({str(tmp_path / '.lock')!r}, "a+b")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        print("held", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        disk = kvcore.DiskStore(tmp_path, 1 << 20)
+        disk.lock_timeout = 0.2
+        pool = make_pool(num_blocks=5, stores=[disk])
+        run(pool, PROMPT)                       # 4 cached blocks, unheld
+        done = []
+
+        def evict():
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                run(pool, PROMPT + 100)         # evicts the cached blocks
+                done.append([str(x.message) for x in w])
+
+        t = threading.Thread(target=evict, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the eviction blocked on PATH/.lock"
+        pool.probe(PROMPT)                      # issues the spill's pending warning
+        assert pool.stats()["stores"][0]["failures"] >= 1
+        pool.check()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+        holder.stdout.close()
+
+
+def test_disk_store_trim_still_takes_a_free_lock(tmp_path):
+    disk = kvcore.DiskStore(tmp_path, 1 << 20)
+    with open(tmp_path / ".lock", "a+b") as f:
+        disk._lock_file(f)
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------ RedisStore arguments
+@pytest.mark.parametrize("kw, name", [
+    ({"ttl": float("inf")}, "ttl"), ({"ttl": 1e300}, "ttl"), ({"ttl": float("nan")}, "ttl"),
+    ({"timeout": float("inf")}, "timeout"), ({"timeout": 1e300}, "timeout"),
+])
+def test_redis_store_rejects_unusable_ttl_and_timeout(kw, name):
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        kvcore.RedisStore("redis://127.0.0.1:1/0", **kw)
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "http://host", "", "redis://h:notaport"])
+def test_redis_store_bad_url_names_url(url):
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=r"^url must be a redis://"):
+        kvcore.RedisStore(url)
+
+
+# ------------------------------------------------------------ probe on a dead server
+def test_probe_skips_a_store_that_timed_out():
+    """probe() used to pay the store's full timeout on every call, with no
+    warning, while allocate() skipped the store for retry_interval."""
+    pytest.importorskip("redis")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)                              # connects, never answers
+    try:
+        store = kvcore.RedisStore(f"redis://127.0.0.1:{srv.getsockname()[1]}/0",
+                                  timeout=0.3, retry_interval=60)
+        pool = make_pool(stores=[store])
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert pool.probe(PROMPT)["store_hit_tokens"] == 0
+            t = time.monotonic()
+            for _ in range(3):
+                assert pool.probe(PROMPT)["store_hit_tokens"] == 0
+            elapsed = time.monotonic() - t
+        assert elapsed < 0.3, f"3 probes of a store down for 60 s took {elapsed:.2f} s"
+        assert any("timeout" in str(x.message) for x in w
+                   if issubclass(x.category, kvcore.StoreWarning))
+        assert pool.stats()["stores"][0]["failures"] == 0     # probe counts nothing
+        store.close()
+    finally:
+        srv.close()
