@@ -186,8 +186,14 @@ class PagedKVCache:
             hit = self._allocate_failed(token_ids, hit)
         stores = self._pool._stores
         if stores is not None:
-            # the pool's prefix stores may hold the blocks after the hit
-            hit = stores.extend(self, hit)
+            # the pool's prefix stores may hold the blocks after the hit;
+            # extend never raises, but the warnings it issues may (-W error):
+            # then the allocation is undone, so the sequence is as before
+            try:
+                hit = stores.extend(self, hit)
+            except BaseException:
+                self._core._unallocate()
+                raise
         return hit
 
     def _allocate_failed(self, token_ids, status):

@@ -122,3 +122,56 @@ def test_probe_skips_a_store_that_timed_out():
         store.close()
     finally:
         srv.close()
+
+
+def test_a_store_warning_raised_as_an_error_leaves_the_sequence_new(tmp_path):
+    """-W error turns the pool's StoreWarning into an exception out of
+    allocate: the allocation is undone, so the sequence takes a retry and the
+    pool holds no block for it."""
+    import glob
+    import os
+    import warnings
+
+    pool = kvcore.BlockPool(4, 2, 1, 1, 4, dtype="float32",
+                            stores=[kvcore.DiskStore(str(tmp_path), 1 << 20)])
+    a = kvcore.PagedKVCache(pool)
+    a.allocate([1, 2, 3])
+    k = np.ones((3, 1, 4), np.float32)
+    a.append(0, k, k)
+    a.commit(3)
+    a.free()
+    pool.flush_to_stores()
+    f = glob.glob(os.path.join(str(tmp_path), "*", "*.kve"))[0]
+    with open(f, "rb") as fh:
+        b = bytearray(fh.read())
+    b[-1] ^= 1
+    with open(f, "wb") as fh:
+        fh.write(b)
+    pool2 = kvcore.BlockPool(4, 2, 1, 1, 4, dtype="float32",
+                             stores=[kvcore.DiskStore(str(tmp_path), 1 << 20)])
+    s = kvcore.PagedKVCache(pool2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(kvcore.StoreWarning):
+            s.allocate([1, 2, 3])
+    assert s.num_tokens == 0 and pool2.num_used_blocks == 0
+    assert s.allocate([1, 2, 3]) == 0        # warned once already: a plain miss now
+    assert s.num_tokens == 3
+    s.free()
+
+
+class _BadRepr(kvcore.HostStore):
+    def __repr__(self):
+        raise RuntimeError("repr is broken")
+
+    def contains(self, keys):
+        raise OSError("store offline")
+
+
+def test_a_store_whose_repr_fails_still_degrades_to_a_miss():
+    pool = kvcore.BlockPool(8, 2, 1, 1, 4, dtype="float32", stores=[_BadRepr(1 << 20)])
+    s = kvcore.PagedKVCache(pool)
+    with pytest.warns(kvcore.StoreWarning, match="_BadRepr"):
+        assert s.allocate([1, 2, 3, 4, 5]) == 0
+    assert s.num_tokens == 5
+    s.free()

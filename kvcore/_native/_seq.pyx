@@ -923,6 +923,17 @@ cdef class SeqCore:
                 self.lock_release()
         return 0
 
+    def _unallocate(self):
+        """Undo an allocate whose caller failed after it (e.g. a store warning
+        raised as an error): every block back, the sequence empty and new
+        again, its salt kept."""
+        if self._state != S_LIVE:
+            return
+        if self._num_held:
+            self._release_tail(0)
+        self._reset_state()
+        self._state = S_NEW
+
     def _free(self):
         """Close the sequence: release every block and the salt, drop the
         buffers (idempotent; raises on an uninitialised object)."""

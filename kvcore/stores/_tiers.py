@@ -62,6 +62,14 @@ def _stat_dict(kind):
             "bytes_in": 0, "bytes_out": 0, "evictions": 0, "failures": 0, "rejected": 0}
 
 
+
+def _describe(store):
+    """repr(store), or its type's name when a third-party repr fails."""
+    try:
+        return repr(store)
+    except Exception:
+        return f"<{type(store).__name__}>"
+
 class StoreTiers:
     """The stores of one pool, in order, and the pool's traffic with them."""
 
@@ -106,7 +114,8 @@ class StoreTiers:
             if cond not in self._warned[i]:
                 self._warned[i][cond] = op
                 self._pending.append(
-                    f"prefix store {i} ({self.stores[i]!r}): {cond}: {exc}; treated as a miss "
+                    f"prefix store {i} ({_describe(self.stores[i])}): {cond}: {exc}; "
+                    f"treated as a miss "
                     f"(warned once per condition)")
 
     def _reject(self, i, exc):
