@@ -56,10 +56,29 @@ class BlockPool:
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     dtype : str or dtype, default "float16"
-        Storage: "float32", "float16" or "bfloat16" (bf16 kept as uint16 bits).
+        Storage: "float32", "float16" or "bfloat16" (bf16 kept as uint16
+        bits), or low precision: "float8_e4m3fn", "float8_e5m2" (fp8 bits as
+        uint8; ml_dtypes' types accepted) or "int8".
     device : {"cpu", "cuda"}, default "cpu"
     enable_prefix_caching : bool, default True
         Share full blocks of identical prefixes between sequences.
+    kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
+        fp8 pools only: per-layer float32 scales (default 1.0): a value x is
+        stored as ``fp8(x / scale)``, saturated to the largest finite fp8
+        value (+-inf included; NaN stays NaN), and read as ``fp8 * scale``.
+
+    Notes on int8 pools
+    -------------------
+    Symmetric, one float32 scale per (token, kv head): ``scale = max|x| /
+    127`` over ``head_dim`` (1.0 for an all-zero row), stored
+    ``round_half_even(x / scale)``; read ``code * scale``.  A row holding a
+    NaN or an infinity stores scale NaN and zero codes, so it reads back as
+    NaN (never as plausible numbers).  The scales live in a second array,
+    :attr:`scales` ``(num_layers * 2, num_blocks, num_kv_heads, block_size)``,
+    addressed by the same block ids: every block copy (copy-on-write,
+    :meth:`copy_blocks_to`, offload) moves them with the codes.  A raw
+    :meth:`gather` returns the codes; :meth:`gather_scales` their scales;
+    ``gather(..., dtype="float32")`` dequantizes.
 
     Notes
     -----
@@ -74,9 +93,9 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim,
-                 dtype="float16", device="cpu", enable_prefix_caching=True):
+                 dtype="float16", device="cpu", enable_prefix_caching=True, kv_scales=None):
         self._init(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-                   enable_prefix_caching, forge_hashes=False)
+                   enable_prefix_caching, forge_hashes=False, kv_scales=kv_scales)
 
     @classmethod
     def _with_forged_hashes(cls, *args, **kwargs):
@@ -85,11 +104,12 @@ class BlockPool:
         the identity chain keep another prefix's KV out.  Fixed when the
         pool is made; the hot paths carry no hook for it."""
         self = cls.__new__(cls)
-        self._init(*_constructor_args(*args, **kwargs), forge_hashes=True)
+        a = _constructor_args(*args, **kwargs)
+        self._init(*a[:8], forge_hashes=True, kv_scales=a[8])
         return self
 
     def _init(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-              enable_prefix_caching, forge_hashes):
+              enable_prefix_caching, forge_hashes, kv_scales=None):
         num_blocks = positive_int(num_blocks, "num_blocks")
         if num_blocks > 2**31 - 2:
             raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
@@ -101,13 +121,21 @@ class BlockPool:
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+        self._layer_scales = _layer_scales(kv_scales, self._kind, self._num_layers)
         self._backend = get_backend(device)
         self._device = self._backend.normalize_device(device)
+        if self._kind in dtypes.LOWPREC_KINDS and not getattr(self._backend, "lowprec", False):
+            raise ValueError(f"dtype={dtypes.KIND_NAME[self._kind]!r} is not supported on "
+                             f"device={self._device!r}; use float32, float16 or bfloat16 there")
         self._num_blocks = num_blocks
         self._caching = bool(enable_prefix_caching)
         self._storage = self._backend.zeros(
             (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
              self._head_dim), dtypes.STORAGE[self._kind])
+        # int8: one float32 scale per (plane, block, kv head, token), addressed
+        # by the same block ids as the storage (None for other dtypes)
+        self._scales = (self._backend.zeros(self._storage.shape[:4], np.float32)
+                        if self._kind == dtypes.I8 else None)
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
@@ -116,10 +144,11 @@ class BlockPool:
         # backend's row writer makes an append one native call
         self._binding = _seq.PoolBinding(
             self._core, self._lock, self._block_size, self._num_layers, self._caching,
-            self._backend.row_writer(self._storage, self._kind),
+            self._backend.row_writer(self._storage, self._kind, self._scales,
+                                     self._layer_scales),
             # (the storage, not the pool: no reference cycle keeps a dropped
             # pool's memory alive)
-            functools.partial(self._backend.copy_blocks, self._storage))
+            functools.partial(_copy_blocks, self._backend, self._storage, self._scales))
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
@@ -161,7 +190,8 @@ class BlockPool:
 
     @property
     def dtype(self):
-        """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
+        """Canonical storage dtype name: 'float32', 'float16', 'bfloat16',
+        'float8_e4m3fn', 'float8_e5m2' or 'int8'."""
         return dtypes.KIND_NAME[self._kind]
 
     @property
@@ -170,10 +200,33 @@ class BlockPool:
         return self._storage
 
     @property
+    def scales(self):
+        """int8 pools: the per-(token, kv head) float32 scales, shape
+        ``(num_layers * 2, num_blocks, num_kv_heads, block_size)`` (plane
+        ``2*l`` layer l's keys, ``2*l + 1`` its values); None otherwise."""
+        return self._scales
+
+    @property
+    def kv_scales(self):
+        """fp8 pools: the per-layer ``(k_scale, v_scale)`` pairs (floats);
+        None for other dtypes."""
+        if self._layer_scales is None:
+            return None
+        return [(float(k), float(v)) for k, v in self._layer_scales]
+
+    @property
+    def bytes_per_token(self):
+        """Bytes one token position takes across all layers, K and V, its
+        int8 scales included."""
+        per = self._num_kv_heads * self._head_dim * dtypes.ITEMSIZE[self._kind]
+        if self._kind == dtypes.I8:
+            per += self._num_kv_heads * 4
+        return 2 * self._num_layers * per
+
+    @property
     def bytes_per_block(self):
-        """Bytes one block takes across all layers, K and V."""
-        return (2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
-                * dtypes.ITEMSIZE[self._kind])
+        """Bytes one block takes across all layers, K and V (int8 scales included)."""
+        return self.bytes_per_token * self._block_size
 
     def key_cache(self, layer):
         """Layer ``layer``'s keys: a view ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
@@ -182,6 +235,21 @@ class BlockPool:
     def value_cache(self, layer):
         """Layer ``layer``'s values: a view like :meth:`key_cache`."""
         return self._storage[2 * layer_index(layer, self._num_layers) + 1]
+
+    def key_scales(self, layer):
+        """int8 pools: layer ``layer``'s key scales, a float32 view
+        ``(num_blocks, num_kv_heads, block_size)``; ValueError otherwise."""
+        return self._scale_plane(2 * layer_index(layer, self._num_layers))
+
+    def value_scales(self, layer):
+        """int8 pools: layer ``layer``'s value scales (like :meth:`key_scales`)."""
+        return self._scale_plane(2 * layer_index(layer, self._num_layers) + 1)
+
+    def _scale_plane(self, plane):
+        if self._scales is None:
+            raise ValueError(f"only int8 pools keep per-token scales; this pool's dtype is "
+                             f"{self.dtype!r} (fp8 pools: see kv_scales)")
+        return self._scales[plane]
 
     # ------------------------------------------------------------ counts
     @property
@@ -231,6 +299,9 @@ class BlockPool:
                 "prefix_hit_rate": h / q if q else 0.0,
                 "evictions": int(self._core.evictions),
                 "num_salts": len(self._salt_roots),
+                "dtype": self.dtype,
+                "bytes_per_token": self.bytes_per_token,
+                "bytes_per_block": self.bytes_per_block,
             }
 
     def probe(self, token_ids, salt=None):
@@ -365,6 +436,9 @@ class BlockPool:
             slots, check = self._slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
+        if self._kind in dtypes.LOWPREC_KINDS:
+            self._write_q(layer, k, v, slots, src_kind)
+            return
         backend.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
                           src_kind, self._kind, self._slot_owner, bool(check))
 
@@ -377,7 +451,10 @@ class BlockPool:
         block_table : 1-D integer array (or list, or torch tensor)
         start, end : int
         dtype : str, optional
-            Result dtype, e.g. "float32"; default the storage dtype.
+            Result dtype, e.g. "float32"; default the storage dtype.  For
+            fp8 and int8 pools, a float dtype dequantizes (``fp8 * scale``,
+            ``code * scale``); the default returns the stored codes (fp8 bits
+            as uint8, int8 codes: see :meth:`gather_scales` for their scales).
         out : (k_out, v_out), optional
             Writable arrays ``(num_kv_heads, end - start, head_dim)`` of the
             result dtype (NumPy arrays or torch tensors, ``torch.bfloat16``
@@ -455,9 +532,42 @@ class BlockPool:
         outs = self._outs(out, shape, dst_kind)
         tmps = self._targets(outs, out, shape, dst_kind)
         for i in (0, 1):
-            backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind,
-                                 dst_kind)
+            if self._kind in dtypes.LOWPREC_KINDS and dst_kind != self._kind:
+                backend.gather_batch_q(self._storage[2 * layer + i], self._plane_scales(layer, i),
+                                       t32, n32, tmps[i], self._kind, dst_kind,
+                                       self._plane_scale(layer, i))
+            else:
+                backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i],
+                                     self._kind, dst_kind)
         return self._deliver(outs, tmps)
+
+    def gather_scales(self, layer, block_table, start, end):
+        """int8 pools: the scales of the codes :meth:`gather` returns for the
+        same arguments: ``(k_scales, v_scales)``, new float32 arrays
+        ``(num_kv_heads, end - start)``; ``code * scale`` is the value.
+        ValueError for other dtypes (fp8 pools: :attr:`kv_scales`)."""
+        layer = layer_index(layer, self._num_layers)
+        if self._scales is None:
+            self._scale_plane(0)   # raises, naming the dtype
+        table = self._table(block_table)
+        start = index_int(start, "start")
+        end = index_int(end, "end")
+        cap = len(table) * self._block_size
+        if not 0 <= start <= end <= cap:
+            raise ValueError(
+                f"start and end must satisfy 0 <= start <= end <= {cap} "
+                f"(len(block_table) * block_size), got start={start}, end={end}")
+        return self._gather_scales(layer, table, start, end)
+
+    def _gather_scales(self, layer, table, start, end):
+        pos = np.arange(start, end, dtype=np.int64)
+        blocks = table.astype(np.int64)[pos // self._block_size]
+        offs = pos % self._block_size
+        xp = self._backend.xp
+        if xp is not np:
+            blocks, offs = self._backend.from_host(blocks), self._backend.from_host(offs)
+        return tuple(xp.ascontiguousarray(self._scales[2 * layer + i][blocks, :, offs].T)
+                     for i in (0, 1))
 
     def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
         """Copy whole blocks (every layer, K and V) into another pool.
@@ -506,10 +616,19 @@ class BlockPool:
                 f"{np.flatnonzero(dst == uniq[i]).tolist()}")
         if not src.size:
             return
+        if self._layer_scales is not None and not np.array_equal(
+                self._layer_scales, dst_pool._layer_scales):
+            raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
+                             f"{self.kv_scales}; got {dst_pool.kv_scales}")
         # a GPU on either side drives the copy (it can read and write host memory)
         backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
+        # the blocks' data, and their int8 scales (same block ids) with them
+        arrays = [(self._storage, dst_pool.storage)]
+        if self._scales is not None:
+            arrays.append((self._scales, dst_pool._scales))
         if dst_pool is not self:
-            backend.copy_blocks_between(self._storage, src, dst_pool.storage, dst)
+            for mine_a, theirs_a in arrays:
+                backend.copy_blocks_between(mine_a, src, theirs_a, dst)
             return
         staged = np.isin(src, dst)
         if not staged.any():
@@ -519,15 +638,18 @@ class BlockPool:
         # written: copied out to a buffer, then in from it last.
         stage_ids, where = np.unique(src[staged], return_inverse=True)
         stage_ids = stage_ids.astype(np.int32)
-        buf = backend.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
-                       self._storage.dtype)
-        backend.copy_blocks_between(self._storage, stage_ids, buf,
-                               np.arange(stage_ids.size, dtype=np.int32))
+        bufs = []
+        for a, _ in arrays:
+            buf = backend.empty((a.shape[0], stage_ids.size) + a.shape[2:], a.dtype)
+            backend.copy_blocks_between(a, stage_ids, buf,
+                                        np.arange(stage_ids.size, dtype=np.int32))
+            bufs.append(buf)
         direct = ~staged
         if direct.any():
             self._copy_blocks(src[direct], dst[direct])
-        backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
-                               np.ascontiguousarray(dst[staged]))
+        for (a, _), buf in zip(arrays, bufs):
+            backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), a,
+                                        np.ascontiguousarray(dst[staged]))
 
     # ------------------------------------------------------------ helpers
     def _block_id(self, block_id):
@@ -621,7 +743,28 @@ class BlockPool:
         return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
 
     def _out_kind(self, dtype):
-        return self._kind if dtype is None else dtypes.storage_kind(dtype)
+        if dtype is None:
+            return self._kind
+        kind = dtypes.storage_kind(dtype)
+        if kind in dtypes.LOWPREC_KINDS and kind != self._kind:
+            raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float dtype "
+                             f"('float32', 'float16', 'bfloat16'), got {dtypes.KIND_NAME[kind]!r}")
+        return kind
+
+    def _plane_scales(self, layer, i):
+        """int8: the scale plane of layer ``layer``'s keys (i=0) or values (1)."""
+        return None if self._scales is None else self._scales[2 * layer + i]
+
+    def _plane_scale(self, layer, i):
+        """fp8: the layer's key (i=0) or value (1) scale as a float (1.0 otherwise)."""
+        return 1.0 if self._layer_scales is None else float(self._layer_scales[layer, i])
+
+    def _write_q(self, layer, k, v, slots, src_kind):
+        """K and V (validated) into the slots of a low-precision ``layer``."""
+        backend = self._backend
+        for i, x in ((0, k), (1, v)):
+            backend.write_slots_q(self._storage[2 * layer + i], self._plane_scales(layer, i), x,
+                                  slots, src_kind, self._kind, self._plane_scale(layer, i))
 
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
@@ -636,8 +779,13 @@ class BlockPool:
         # on a GPU: one upload of the blocks the range needs, for K and V
         table = backend.from_host(table[:-(-end // self._block_size)])
         for i in (0, 1):
-            backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind,
-                           dst_kind)
+            if self._kind in dtypes.LOWPREC_KINDS and dst_kind != self._kind:
+                backend.gather_q(self._storage[2 * layer + i], self._plane_scales(layer, i),
+                                 table, start, end, tmps[i], self._kind, dst_kind,
+                                 self._plane_scale(layer, i))
+            else:
+                backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i],
+                               self._kind, dst_kind)
         return self._deliver(outs, tmps)
 
     def _targets(self, outs, out, shape, kind):
@@ -667,9 +815,52 @@ class BlockPool:
     # (an attribute, read once per PagedKVCache).
 
     def _copy_blocks(self, src, dst):
-        """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V)."""
-        self._backend.copy_blocks(self._storage, np.asarray(src, np.int32),
-                                  np.asarray(dst, np.int32))
+        """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V, int8
+        scales included)."""
+        _copy_blocks(self._backend, self._storage, self._scales, np.asarray(src, np.int32),
+                     np.asarray(dst, np.int32))
+
+    def _export_blocks(self, block_ids):
+        """Whole blocks, as host arrays, for a store outside this pool:
+        ``(kv, scales)``, ``kv`` of shape ``(num_layers * 2, n, num_kv_heads,
+        block_size, head_dim)`` in the storage dtype, ``scales`` the int8
+        scales ``(num_layers * 2, n, num_kv_heads, block_size)`` float32 (None
+        for other dtypes).  Blocks ``block_ids[i]`` are index ``i`` of axis 1.
+        The caller holds the blocks (nothing here changes reference counts)."""
+        ids = self._table(block_ids, "block_ids")
+        host = self._backend.to_host
+        kv = np.ascontiguousarray(host(self._storage[:, self._device_ids(ids)]))
+        sc = None if self._scales is None else np.ascontiguousarray(
+            host(self._scales[:, self._device_ids(ids)]))
+        return kv, sc
+
+    def _import_blocks(self, block_ids, payload):
+        """Write ``payload = (kv, scales)`` (as :meth:`_export_blocks` returns
+        it, from a pool of the same geometry and dtype) into blocks
+        ``block_ids`` (the caller holds them; distinct ids)."""
+        ids = self._table(block_ids, "block_ids")
+        kv, sc = payload
+        want = (self._storage.shape[0], ids.size) + self._storage.shape[2:]
+        kv = np.asarray(kv)
+        if kv.shape != want or kv.dtype != self._storage.dtype:
+            raise ValueError(f"payload[0] must have shape {want} and dtype {self._storage.dtype}, "
+                             f"got {kv.shape} {kv.dtype}")
+        if np.unique(ids).size != ids.size:
+            raise ValueError("block_ids must not repeat a block id")
+        if self._scales is not None:
+            sc = np.asarray(sc) if sc is not None else None
+            if sc is None or sc.shape != want[:4] or sc.dtype != np.float32:
+                raise ValueError(f"payload[1] must be the float32 scales of shape {want[:4]}, "
+                                 f"got {None if sc is None else (sc.shape, sc.dtype)}")
+        elif sc is not None:
+            raise ValueError(f"payload[1] must be None for a {self.dtype} pool")
+        d = self._device_ids(ids)
+        self._storage[:, d] = self._backend.from_host(np.ascontiguousarray(kv))
+        if self._scales is not None:
+            self._scales[:, d] = self._backend.from_host(np.ascontiguousarray(sc))
+
+    def _device_ids(self, ids):
+        return self._backend.from_host(ids.astype(np.intp))
 
     def _take_blocks(self, n, out):
         """Take ``n`` free blocks into int32 ``out`` (reference count 1):
@@ -685,6 +876,9 @@ class BlockPool:
     def _write_positions(self, layer, k, v, slots, src_kind):
         """K and V (validated by :meth:`_kv_input`) to the slots of a
         sequence's own positions in (validated) ``layer``."""
+        if self._kind in dtypes.LOWPREC_KINDS:
+            self._write_q(layer, k, v, slots, src_kind)
+            return
         backend = self._backend
         backend.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
         backend.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
@@ -705,7 +899,43 @@ class BlockPool:
 
 
 def _constructor_args(num_blocks, block_size, num_layers, num_kv_heads, head_dim,
-                      dtype="float16", device="cpu", enable_prefix_caching=True):
+                      dtype="float16", device="cpu", enable_prefix_caching=True, kv_scales=None):
     return (num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-            enable_prefix_caching)
+            enable_prefix_caching, kv_scales)
+
+
+def _copy_blocks(backend, storage, scales, src, dst):
+    """The one block copy within a pool (copy-on-write, ``copy_blocks_to``
+    within the pool): ``storage[:, dst[i]] = storage[:, src[i]]``, and the
+    int8 ``scales`` (same block ids) with it."""
+    backend.copy_blocks(storage, src, dst)
+    if scales is not None:
+        backend.copy_blocks(scales, src, dst)
+
+
+def _layer_scales(kv_scales, kind, num_layers):
+    """fp8: ``kv_scales`` checked, as a float32 ``(num_layers, 2)`` array
+    (default all 1.0); None for other dtypes (where kv_scales must be None)."""
+    if kind not in dtypes.FP8_KINDS:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales applies to fp8 pools (float8_e4m3fn, float8_e5m2) "
+                             f"only, got kv_scales for dtype {dtypes.KIND_NAME[kind]!r}")
+        return None
+    if kv_scales is None:
+        return np.ones((num_layers, 2), np.float32)
+    try:
+        a = np.array(kv_scales, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"kv_scales must be a sequence of num_layers (k_scale, v_scale) "
+                        f"float pairs, got {kv_scales!r}") from None
+    if a.shape != (num_layers, 2):
+        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
+                         f"(shape ({num_layers}, 2)), got shape {a.shape}")
+    f = a.astype(np.float32)
+    bad = ~(np.isfinite(f) & (f > 0))
+    if bad.any():
+        l, i = np.argwhere(bad)[0]
+        raise ValueError(f"kv_scales must be finite positive float32 values, got "
+                         f"{a[l, i]!r} for layer {l}'s {'kv'[i]}_scale")
+    return f
 
