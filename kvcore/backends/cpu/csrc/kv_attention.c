@@ -1021,6 +1021,12 @@ static inline void prefetch_rows(const char *const *rows, int n, size_t row_byte
     }
 }
 
+/* An fp8 layer scale; 0 (a zero-initialised kva_args) means none. */
+static inline float layer_scale(float s)
+{
+    return s == 0.0f ? 1.0f : s;
+}
+
 /* Low precision: the scales of keys t0..t0+nt-1 of kv head g (ks, vs),
  * and the scores of the tile's M rows times the keys' scales. */
 static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t t0, int nt,
@@ -1036,8 +1042,8 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
         }
     } else {
         for (int i = 0; i < nt; i++) {
-            ks[i] = a->k_scale;
-            vs[i] = a->v_scale;
+            ks[i] = layer_scale(a->k_scale);
+            vs[i] = layer_scale(a->v_scale);
         }
     }
     for (int r = 0; r < M; r++)
@@ -1086,7 +1092,8 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
     const size_t row_bytes = (size_t)D * kva_isz(a->kind);
     /* low precision: row i of a tile reads as its elements times ks[i]
      * (keys) / vs[i] (values), applied to its scores and its weights */
-    const int scaled = a->key_scales != NULL || a->k_scale != 1.0f || a->v_scale != 1.0f;
+    const int scaled = a->key_scales != NULL || layer_scale(a->k_scale) != 1.0f ||
+                       layer_scale(a->v_scale) != 1.0f;
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)

@@ -66,7 +66,8 @@ typedef struct {
     /* Low-precision kinds.  A stored row reads as its elements times its
      * scale: int8, the row's scale in key_scales / value_scales (float32
      * planes (num_blocks, num_kv_heads, block_size), C-contiguous; NULL for
-     * other kinds); fp8, k_scale / v_scale (the layer's; 1 for other kinds). */
+     * other kinds); fp8, k_scale / v_scale (the layer's; 1 or 0 -- "none" --
+     * for other kinds, so a zero-initialised kva_args needs no change). */
     const float *key_scales;
     const float *value_scales;
     float k_scale, v_scale;
