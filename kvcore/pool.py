@@ -931,7 +931,8 @@ def _layer_scales(kv_scales, kind, num_layers):
     if a.shape != (num_layers, 2):
         raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
                          f"(shape ({num_layers}, 2)), got shape {a.shape}")
-    f = a.astype(np.float32)
+    with np.errstate(over="ignore"):
+        f = a.astype(np.float32)
     bad = ~(np.isfinite(f) & (f > 0))
     if bad.any():
         l, i = np.argwhere(bad)[0]

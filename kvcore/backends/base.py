@@ -118,13 +118,16 @@ def _from_f32_bits(x, kind):
 
 def _bits_view(a):
     """``a`` viewed as unsigned integers of its itemsize (same memory)."""
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
 
 
 def convert_bits(src, src_kind, dst_kind):
     """A new array: ``src`` (storage bits of ``src_kind``) as ``dst_kind``
     storage bits (uint32 for float32, uint16 otherwise).  The same kind is
-    a copy of the bits (signalling NaNs stay as they are)."""
+    a copy of the bits (signalling NaNs stay as they are); the same
+    low-precision kind too (uint8 bits)."""
+    if src_kind == dst_kind and src_kind in dtypes.LOWPREC_KINDS:
+        return np.array(src, dtype=np.uint8)
     if src_kind == dst_kind:
         return np.array(src, dtype=np.uint32 if src_kind == dtypes.F32 else np.uint16)
     return _from_f32_bits(_to_f32_bits(np.asarray(src), src_kind), dst_kind)

@@ -448,6 +448,9 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
     cdef char* op = _ptr(out)
     cdef Py_ssize_t t = start, stop, off, run, h
     cdef block_id_t b
+    # a low-precision plane read raw: its codes, copied
+    cdef bint raw = src_kind == dst_kind and src_kind >= KVH_F8E4M3
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(cache)
     _aligned_array(out, "out")
     _aligned_array(cache, "cache")
     if block_table.shape[0]:
@@ -461,8 +464,12 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
                 stop = end
             run = stop - t
             for h in range(H):
-                convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
-                          dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
+                if raw:
+                    memcpy(op + h * o_head + (t - start) * o_tok,
+                           cp + b * c_block + h * c_head + off * c_tok, run * D * item)
+                else:
+                    convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
+                              dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
             t = stop
 
 

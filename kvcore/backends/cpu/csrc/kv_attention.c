@@ -1142,14 +1142,10 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             float sum = math->row_exp_sum(srow, ntp, mnew);
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
+            if (scaled) /* the visible keys' weights times their values' scales */
+                for (int64_t i = first; i < last; i++)
+                    srow[i] *= vs[i];
         }
-        if (scaled) /* the weights of the values' scales (a zero weight stays zero) */
-            for (int r = 0; r < M; r++) {
-                float *srow = ws->S + r * KVA_KEY_TILE;
-                for (int i = 0; i < nt; i++)
-                    if (srow[i] != 0.0f)
-                        srow[i] *= vs[i];
-            }
         if (widen) {
             kern->widen(vrow, nt, D, ws->vf);
             kern_f32->pv(ws->S, M, D, ws->vfrow, nt, ws->acc, ws->alpha, ws->tmp);
