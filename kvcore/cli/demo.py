@@ -68,8 +68,8 @@ DEFAULTS = {
 
 F32_TOLERANCE = 1e-4
 _DTYPES = {"float32": "float32", "f32": "float32", "float16": "float16", "f16": "float16",
-           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
+           "float8_e5m2": "float8_e5m2", "int8": "int8"}
 
 
 class DemoError(ValueError):
@@ -263,8 +263,7 @@ class _PagedEngine(_BatchedEngine):
         self.peak_blocks = 0
         self.contig_bytes = 0          # live requests, each preallocated to its own max length
         self.peak_contig_bytes = 0
-        self.tok_bytes = (2 * model.config.num_layers * model.config.num_kv_heads
-                          * model.config.head_dim * _ITEMSIZE[pool.dtype])
+        self.tok_bytes = pool.bytes_per_token    # int8 scales included
         if device == "cuda":
             import cupy
 
@@ -508,7 +507,8 @@ def _options(options):
         o["num_blocks"] = int(v)
     dt = str(o["dtype"]).lower()
     if dt not in _DTYPES:
-        raise DemoError(f"dtype must be float32, float16 or bfloat16, got {o['dtype']!r}")
+        raise DemoError(f"dtype must be one of {', '.join(sorted(set(_DTYPES.values())))}, "
+                        f"got {o['dtype']!r}")
     o["dtype"] = _DTYPES[dt]
     dev = str(o["device"]).lower()
     if dev not in ("cpu", "cuda"):
