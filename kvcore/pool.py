@@ -681,8 +681,10 @@ class BlockPool:
         return self._apart(k), self._apart(v), src_kind
 
     def _apart(self, a):
-        """``a``, or a copy of it if its memory span meets the storage's."""
-        return self._backend.apart(a, self._storage)
+        """``a``, or a copy of it if its memory span meets the storage's (or
+        the int8 scales')."""
+        a = self._backend.apart(a, self._storage)
+        return a if self._scales is None else self._backend.apart(a, self._scales)
 
     def _direct(self, out):
         """Whether a gather may write into ``out`` (bits) in place."""

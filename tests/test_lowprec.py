@@ -403,6 +403,28 @@ def test_pool_write_matches_append(dtype):
     del model
 
 
+def test_an_input_that_is_a_view_of_the_int8_scales_is_read_as_it_was():
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="int8")
+    flat = pool.scales.reshape(-1)           # (2 planes, 8 blocks, 1 head, 4 tokens)
+    flat[...] = np.arange(1, flat.size + 1, dtype=np.float32)
+    with kvcore.PagedKVCache(pool) as seq:
+        seq.allocate([1, 2, 3, 4, 5])
+        b0 = int(seq.block_table[0])
+        # v: float32 views of the scales whose row 2 holds the value scales
+        # the first tokens' writes land on (block b0 of plane 1)
+        start = 32 + 4 * b0
+        k = flat[start - 24:start + 8].reshape(4, 1, 8)
+        v = flat[start - 16:start + 16].reshape(4, 1, 8)
+        want_k, want_v = int8_encode(k.copy()), int8_encode(v.copy())
+        seq.append(0, k, v)     # the direct path must not read them while writing
+        codes = seq.gather(0, 0, 4)
+        scales = seq.gather_scales(0, 0, 4)
+    same(codes[0][0], want_k[0][:, 0])
+    same(codes[1][0], want_v[0][:, 0])
+    same(scales[0][0], want_k[1][:, 0])
+    same(scales[1][0], want_v[1][:, 0])
+
+
 def test_bytes_per_token():
     f16 = pool_of("float16", heads=8, dim=128)
     e4 = pool_of("float8_e4m3fn", heads=8, dim=128)

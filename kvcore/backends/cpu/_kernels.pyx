@@ -319,6 +319,8 @@ cdef class PositionWriter(RowWriter):
     cdef object layer_scales
     cdef float* ls
     cdef float* buf
+    cdef const char* slo     # the int8 scales' bytes (an input may not meet them either)
+    cdef const char* shi
 
     def __init__(self, cnp.ndarray storage, int kind, scales=None, layer_scales=None):
         if cnp.PyArray_NDIM(storage) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(storage) \
@@ -335,6 +337,10 @@ cdef class PositionWriter(RowWriter):
         self.lowprec = kind == KVH_F8E4M3 or kind == KVH_F8E5M2 or kind == KVH_I8
         self.scales = scales
         self.sc = _scale_ptr(scales)
+        self.slo = self.shi = NULL
+        if self.sc != NULL:
+            self.slo = <const char*>self.sc
+            self.shi = self.slo + cnp.PyArray_NBYTES(<cnp.ndarray>scales)
         if kind == KVH_I8 and self.sc == NULL:
             raise ValueError("internal: an int8 pool's writer needs its scales")
         self.layer_scales = None
@@ -362,6 +368,9 @@ cdef class PositionWriter(RowWriter):
         if (kr.p < self.hi and self.lo < kr.p + kr.nbytes) \
                 or (vr.p < self.hi and self.lo < vr.p + vr.nbytes):
             return -1      # a view of the storage: the validated path stages it
+        if self.slo != NULL and ((kr.p < self.shi and self.slo < kr.p + kr.nbytes)
+                                 or (vr.p < self.shi and self.slo < vr.p + vr.nbytes)):
+            return -1      # a view of the int8 scales: likewise
         rows.k = kr.p
         rows.v = vr.p
         rows.n = kr.n
