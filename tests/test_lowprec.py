@@ -627,3 +627,22 @@ def test_kvcache_lowprec(dtype, simd_level):
 
 def test_the_kinds_are_listed_once():
     assert set(itertools.chain(dtypes.FLOAT_KINDS, dtypes.LOWPREC_KINDS)) == set(dtypes.KIND_NAME)
+
+
+# ------------------------------------------------------------------ demo
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_demo_runs_on_lowprec_storage_and_reports_its_error(dtype):
+    from kvcore.cli import demo
+
+    res = demo.run_demo(dtype=dtype, requests=3, prompt_len=32, new_tokens=4)
+    ver = res["verification"]
+    assert res["ok"] == (ver["tokens_agree"] >= demo.LOWPREC_AGREEMENT * ver["rows"])
+    assert res["ok"], res["message"]
+    assert ver["rows"] == res["generated_tokens"]
+    # 8-bit K/V moves the logits by more than float32 rounding, and says so
+    assert demo.F32_TOLERANCE < ver["max_abs_err"] < 1.0
+    assert "of greedy tokens agree" in ver["criterion"]
+    assert res["bytes_per_block"] == kvcore.BlockPool(
+        1, 16, res["model"]["num_layers"], res["model"]["num_kv_heads"],
+        res["model"]["head_dim"], dtype=dtype).bytes_per_block
+    assert dtype in res["table"]
