@@ -558,6 +558,26 @@ def test_attention_over_lowprec_pages_matches_float64(dtype, dim, kw, simd_level
                                                    query_start_loc=[0, 1]))
 
 
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_attention_loaders_widen_every_code_exactly(dtype, simd_level):
+    """Each of the 256 stored bytes through the attention kernel's loader:
+    one visible key with score 0, so the output is that value row."""
+    pool = kvcore.BlockPool(32, 1, 1, 1, 8, dtype=dtype)
+    pool.value_cache(0).reshape(-1)[:] = np.arange(256, dtype=np.uint8).view(
+        pool.storage.dtype)
+    if dtype == "int8":
+        pool.scales[...] = 1
+        want = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)
+    else:
+        want = fp8_decode(np.arange(256, dtype=np.uint8), dtypes.NAME_KIND[dtype])
+    q = np.zeros((32, 1, 8), np.float32)         # keys are code 0: every score is 0
+    got = kvcore.paged_attention(q, pool, 0, np.arange(32).reshape(32, 1), np.ones(32, int))
+    got = got.reshape(-1)
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all() and (np.signbit(got[nan]) == np.signbit(want[nan])).all()
+    same(got[~nan], want[~nan] + np.float32(0))   # (the sum 0 + 1 * -0 is +0)
+
+
 def test_int8_nan_row_is_nan_only_for_the_queries_that_see_it(simd_level):
     pool = pool_of("int8", num_blocks=8, dim=16, bs=4)
     seq = kvcore.PagedKVCache(pool)

@@ -254,17 +254,18 @@ static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap
 #define KVA_TARGET __attribute__((target("avx2,fma,f16c")))
 #define KVA_INLINE static inline __attribute__((always_inline)) KVA_TARGET
 
-/* 8 fp8 e4m3fn elements at p, widened: each byte's magnitude moved into a
- * half's exponent and mantissa (e4m3's exponent bias 7 is the half's 15
- * less 8, so the half is the value times 2^-8, subnormals included), F16C,
- * times 2^8; S.1111.111 (NaN) gets the half's all-ones exponent. */
+/* 8 fp8 e4m3fn elements at p, widened: each byte, sign-extended to 16 bits
+ * and shifted left by 7, is a half with the byte's sign, exponent and
+ * mantissa (bit 14, the sign's copy, cleared); e4m3's exponent bias 7 is the
+ * half's 15 less 8, so the half is the value times 2^-8, subnormals
+ * included: F16C, then times 2^8.  S.1111.111 (NaN) gets the half's all-ones
+ * exponent. */
 KVA_INLINE __m256 load8_e4m3_avx2(const char *p)
 {
-    __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(mag, 7));
-    __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80));
+    __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(h, _mm_set1_epi16((short)0x8000)),
+                                  _mm_set1_epi16((short)0xBF80));
     h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
