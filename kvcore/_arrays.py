@@ -127,7 +127,8 @@ def out_array(be, out, arg, shape, kind):
     else:
         want = dtypes.STORAGE[kind]
         ok = a.dtype == want or (kind == BF16 and dtypes.BF16_NUMPY is not None
-                                 and a.dtype == dtypes.BF16_NUMPY)
+                                 and a.dtype == dtypes.BF16_NUMPY) \
+            or (kind in dtypes.FP8_KINDS and dtypes.lowprec_kind(a.dtype) == kind)
         if not ok:
             raise TypeError(f"{arg} must have dtype {want}"
                             + (" (bfloat16 bits) or ml_dtypes.bfloat16" if kind == BF16 else "")

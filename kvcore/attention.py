@@ -249,8 +249,22 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
                                  _dtypes.storage_kind(pool.dtype), block_tables, seq_lens,
                                  query_start_loc, scale, sliding_window, logits_soft_cap, out)
     return _attention(q, pool.key_cache(layer), pool.value_cache(layer),
-                      _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens, query_start_loc, scale,
-                      sliding_window, logits_soft_cap, out)
+                      _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens,
+                      query_start_loc, scale, sliding_window, logits_soft_cap, out,
+                      _lowprec_args(pool, layer))
+
+
+def _lowprec_args(store, layer):
+    """``(key_scales, value_scales, k_scale, v_scale)`` of a low-precision
+    pool or cache's layer (int8: its scale planes; fp8: its layer's
+    scales), None for float storage."""
+    kind = _dtypes.storage_kind(store.dtype)
+    if kind == _dtypes.I8:
+        return store.key_scales(layer), store.value_scales(layer), 1.0, 1.0
+    if kind in _dtypes.FP8_KINDS:
+        k_scale, v_scale = store.kv_scales[layer]
+        return None, None, k_scale, v_scale
+    return None
 
 
 def _int64(a, arg):
@@ -313,7 +327,7 @@ def _index_args(num_tokens, head_dim, block_tables, seq_lens, query_start_loc, s
 
 
 def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
-               query_start_loc, scale, sliding_window, logits_soft_cap, out):
+               query_start_loc, scale, sliding_window, logits_soft_cap, out, lowprec=None):
     """Check everything, then run the kernel.  key_cache/value_cache:
     ``(num_blocks, num_kv_heads, block_size, head_dim)`` with contiguous
     rows, views of ``storage`` (which ``out`` must not overlap)."""
@@ -340,7 +354,8 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
         target = view if direct else np.empty(shape, np.float32)
     # the integer arguments are checked in the same native call, before any work
     status, a, b = _kernel.paged_attention(q32, target, key_cache, value_cache, kind, tables32,
-                                           lens, qsl, scale_v, window, cap_v, get_num_threads())
+                                           lens, qsl, scale_v, window, cap_v, get_num_threads(),
+                                           *(lowprec or ()))
     if status:
         _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens)
     if out is not None and not direct:
@@ -509,7 +524,7 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
     q_rows = np.ascontiguousarray(qa.transpose(0, 2, 1, 3)).reshape(batch * n, num_heads,
                                                                     head_dim)
     rows = _attention(q_rows, k, v, kind, storage, tables, lens, qsl, scale, sliding_window,
-                      logits_soft_cap, None)
+                      logits_soft_cap, None, _lowprec_args(cache, layer))
     result = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
     if out is None:
         return np.ascontiguousarray(result)

@@ -41,9 +41,15 @@ class KVCache:
         Storage dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (aliases
         ``"f32"``, ``"f16"``, ``"bf16"``; ``numpy.float32``, ``numpy.float16``
         and ``ml_dtypes.bfloat16`` too).  bfloat16 is stored, and returned,
-        as ``numpy.uint16`` arrays of raw bits.
+        as ``numpy.uint16`` arrays of raw bits.  Low precision, as for
+        :class:`kvcore.BlockPool`: ``"float8_e4m3fn"`` / ``"float8_e5m2"``
+        (uint8 bits, per-layer ``kv_scales``) and ``"int8"`` (one float32
+        scale per (batch row, kv head, position), see :meth:`get_scales`);
+        ``get(..., dtype="float32")`` dequantizes, ``get()`` returns codes.
     device : str, default "cpu"
         ``"cpu"`` (NumPy arrays) or ``"cuda"``/``"cuda:N"`` (CuPy arrays).
+    kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
+        fp8 only: the per-layer scales (default 1.0), as for BlockPool.
 
     Raises
     ------
@@ -77,18 +83,24 @@ class KVCache:
     """
 
     def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len,
-                 batch_size=1, dtype="float16", device="cpu"):
+                 batch_size=1, dtype="float16", device="cpu", kv_scales=None):
         num_layers = positive_int(num_layers, "num_layers")
         num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
         head_dim = positive_int(head_dim, "head_dim")
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         batch_size = positive_int(batch_size, "batch_size")
         kind = dtypes.storage_kind(dtype, "dtype")
+        from .pool import _layer_scales
+        layer_scales = _layer_scales(kv_scales, kind, num_layers)
         backend = get_backend(device)
+        if kind in dtypes.LOWPREC_KINDS and not getattr(backend, "lowprec", False):
+            raise ValueError(f"dtype={KIND_NAME[kind]!r} is not supported on "
+                             f"device={device!r}; use float32, float16 or bfloat16 there")
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
         storage = self._allocate(backend, shape, kind)
+        scales = backend.zeros(shape[:5], np.float32) if kind == dtypes.I8 else None
         self._init_from(backend, backend.normalize_device(device), kind, storage,
-                        [0] * num_layers)
+                        [0] * num_layers, scales, layer_scales)
 
     # ------------------------------------------------------------ internals
     @staticmethod
@@ -103,11 +115,16 @@ class KVCache:
                 f"cannot allocate the KV cache buffer: shape {shape} in {KIND_NAME[kind]} "
                 f"is {nbytes} bytes ({nbytes / 2**30:.2f} GiB)") from None
 
-    def _init_from(self, backend, device, kind, storage, lengths):
+    def _init_from(self, backend, device, kind, storage, lengths, scales=None,
+                   layer_scales=None):
         self._backend = backend
         self._device = device
         self._kind = kind
         self._storage = storage
+        # int8: (num_layers, 2, batch, heads, max_seq_len) float32 scales;
+        # fp8: the (num_layers, 2) float32 layer scales; else None
+        self._scales = scales
+        self._layer_scales = layer_scales
         L, _, B, H, S, D = storage.shape
         self._num_layers, self._batch_size = L, B
         self._num_kv_heads, self._max_seq_len, self._head_dim = H, S, D
@@ -220,14 +237,73 @@ class KVCache:
         # as it was: both are staged before anything is written.
         k = self._apart(k)
         v = self._apart(v)
-        backend.write_contiguous(dst_k, k, start, k_kind, self._kind)
-        backend.write_contiguous(dst_v, v, start, v_kind, self._kind)
+        if self._kind in dtypes.LOWPREC_KINDS:
+            for i, x, kind in ((0, k, k_kind), (1, v, v_kind)):
+                backend.write_contiguous_q(self._planes[layer][i], self._scale_plane(layer, i),
+                                           x, start, kind, self._kind,
+                                           self._plane_scale(layer, i))
+        else:
+            backend.write_contiguous(dst_k, k, start, k_kind, self._kind)
+            backend.write_contiguous(dst_v, v, start, v_kind, self._kind)
         if end > length:
             self._lengths[layer] = end
 
     def _apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's."""
-        return self._backend.apart(a, self._storage)
+        a = self._backend.apart(a, self._storage)
+        return a if self._scales is None else self._backend.apart(a, self._scales)
+
+    def _scale_plane(self, layer, i):
+        return None if self._scales is None else self._scales[layer, i]
+
+    def _plane_scale(self, layer, i):
+        return 1.0 if self._layer_scales is None else float(self._layer_scales[layer, i])
+
+    @property
+    def kv_scales(self):
+        """fp8 caches: the per-layer ``(k_scale, v_scale)`` pairs; None otherwise."""
+        if self._layer_scales is None:
+            return None
+        return [(float(k), float(v)) for k, v in self._layer_scales]
+
+    def key_scales(self, layer):
+        """int8 caches: layer ``layer``'s whole key scale buffer, float32
+        ``(batch, heads, max_seq_len)`` (like :meth:`key_cache`); ValueError
+        otherwise."""
+        return self._scales_of(layer, 0)
+
+    def value_scales(self, layer):
+        """int8 caches: layer ``layer``'s value scales; see :meth:`key_scales`."""
+        return self._scales_of(layer, 1)
+
+    def _scales_of(self, layer, i):
+        layer = self._check_layer(layer)
+        if self._scales is None:
+            raise ValueError(f"only int8 caches keep per-position scales; this cache's dtype "
+                             f"is {self.dtype!r} (fp8: see kv_scales)")
+        return self._scales[layer, i]
+
+    def get_scales(self, layer, start=0, end=None):
+        """int8 caches: the scales of the codes ``get(layer, start, end)``
+        returns, ``(k_scales, v_scales)`` views ``(batch, heads, end -
+        start)`` float32 (value = code * scale).  Checked like :meth:`get`."""
+        k_sc, v_sc = self._scales_of(layer, 0), self._scales_of(layer, 1)
+        start, end = self._range(self._check_layer(layer), start, end)
+        return k_sc[:, :, start:end], v_sc[:, :, start:end]
+
+    def _range(self, layer, start, end):
+        length = self._lengths[layer]
+        start = index_int(start, "start")
+        end = length if end is None else index_int(end, "end")
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if end < start:
+            raise ValueError(f"end must be >= start ({start}), got {end}")
+        if end > length:
+            raise ValueError(
+                f"end must be <= {length} (the positions written in layer {layer}), got "
+                f"{end}: positions {length}..{end - 1} were never written")
+        return start, end
 
     # ----------------------------------------------------------------- reads
     def get(self, layer, start=0, end=None, dtype=None, out=None):
@@ -288,6 +364,10 @@ class KVCache:
                 f"end must be <= {length} (the positions written in layer {layer}), got "
                 f"{end}: positions {length}..{end - 1} were never written")
         out_kind = None if dtype is None else dtypes.storage_kind(dtype, "dtype")
+        if out_kind is not None and out_kind in dtypes.LOWPREC_KINDS and out_kind != self._kind:
+            raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float "
+                             f"dtype ('float32', 'float16', 'bfloat16'), got "
+                             f"{KIND_NAME[out_kind]!r}")
         k_plane, v_plane = self._planes[layer]
         k = k_plane[:, :, start:end]
         v = v_plane[:, :, start:end]
@@ -311,8 +391,15 @@ class KVCache:
             if any(backend.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
                 # an out that is a view of this cache: read both before writing either
                 k, v = k.copy(), v.copy()
-        for src, (dst, _) in zip((k, v), dsts):
-            backend.convert(src, self._kind, dst, out_kind)
+        for i, (src, (dst, _)) in enumerate(zip((k, v), dsts)):
+            if self._kind in dtypes.LOWPREC_KINDS and out_kind != self._kind:
+                sc = self._scale_plane(layer, i)
+                backend.dequantize(src, None if sc is None else sc[:, :, start:end], self._kind,
+                                   dst, out_kind, self._plane_scale(layer, i))
+            elif self._kind in dtypes.LOWPREC_KINDS:
+                dst[...] = src
+            else:
+                backend.convert(src, self._kind, dst, out_kind)
         return dsts[0][1], dsts[1][1]
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
@@ -396,11 +483,15 @@ class KVCache:
         backend = self._backend
         src = self._storage
         dst = self._allocate(backend, src.shape, self._kind)
+        scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)
         for layer, n in enumerate(self._lengths):
             if n:
                 dst[layer, :, :, :, :n] = src[layer, :, :, :, :n]
+                if scales is not None:
+                    scales[layer, :, :, :, :n] = self._scales[layer, :, :, :, :n]
         twin = object.__new__(type(self))
-        twin._init_from(backend, self._device, self._kind, dst, list(self._lengths))
+        twin._init_from(backend, self._device, self._kind, dst, list(self._lengths), scales,
+                        self._layer_scales)
         return twin
 
     def to(self, device):
@@ -416,14 +507,21 @@ class KVCache:
         """
         backend = get_backend(device)
         dev = backend.normalize_device(device)
+        if self._kind in dtypes.LOWPREC_KINDS and not getattr(backend, "lowprec", False):
+            raise ValueError(f"dtype={self.dtype!r} is not supported on device={dev!r}")
         src = self._storage
         dst = self._allocate(backend, src.shape, self._kind)
+        scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)
         for layer, n in enumerate(self._lengths):
             if n:
                 part = self._backend.to_host(src[layer, :, :, :, :n])
                 dst[layer, :, :, :, :n] = backend.from_host(part)
+                if scales is not None:
+                    scales[layer, :, :, :, :n] = backend.from_host(
+                        self._backend.to_host(self._scales[layer, :, :, :, :n]))
         twin = object.__new__(type(self))
-        twin._init_from(backend, dev, self._kind, dst, list(self._lengths))
+        twin._init_from(backend, dev, self._kind, dst, list(self._lengths), scales,
+                        self._layer_scales)
         return twin
 
     # ----------------------------------------------------------- properties
@@ -454,7 +552,8 @@ class KVCache:
 
     @property
     def dtype(self):
-        """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
+        """Canonical storage dtype name: 'float32', 'float16', 'bfloat16',
+        'float8_e4m3fn', 'float8_e5m2' or 'int8'."""
         return KIND_NAME[self._kind]
 
     @property
@@ -489,10 +588,12 @@ class KVCache:
             still append: ``max_seq_len - max(layer_lengths)``); and the
             geometry: ``num_layers``, ``batch_size``, ``num_kv_heads``,
             ``head_dim``, ``max_seq_len``, ``dtype``, ``itemsize``,
-            ``device``.
+            ``device``.  int8 caches count their float32 scales (one per
+            batch row, kv head and position, K and V) in every figure.
         """
         itemsize = dtypes.ITEMSIZE[self._kind]
-        per_token_layer = 2 * self._batch_size * self._num_kv_heads * self._head_dim * itemsize
+        per_row = self._head_dim * itemsize + (4 if self._kind == dtypes.I8 else 0)
+        per_token_layer = 2 * self._batch_size * self._num_kv_heads * per_row
         per_token = per_token_layer * self._num_layers
         per_layer = per_token_layer * self._max_seq_len
         allocated = per_layer * self._num_layers

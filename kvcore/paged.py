@@ -425,6 +425,27 @@ class PagedKVCache:
                              f"written (the layer holds {written} positions)")
         return pool._gather_table(layer, self._core._table, start, end, dtype, out)
 
+    def gather_scales(self, layer, start=0, end=None):
+        """int8 pools: the scales of the codes ``gather(layer, start, end)``
+        returns: ``(k_scales, v_scales)``, float32 ``(num_kv_heads, end -
+        start)`` (value = code * scale).  Checked like :meth:`gather`;
+        ValueError on pools of other dtypes."""
+        self._require("gather_scales")
+        pool = self._pool
+        layer = layer_index(layer, pool.num_layers)
+        if pool.scales is None:
+            pool._scale_plane(0)   # raises, naming the dtype
+        written = self._core._written(layer)
+        start = index_int(start, "start")
+        end = written if end is None else index_int(end, "end")
+        if not 0 <= start <= end:
+            raise ValueError(f"start and end must satisfy 0 <= start <= end, "
+                             f"got start={start}, end={end}")
+        if end > written:
+            raise ValueError(f"positions {written}..{end - 1} of layer {layer} were never "
+                             f"written (the layer holds {written} positions)")
+        return pool._gather_scales(layer, self._core._table, start, end)
+
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
                   out=None):
         """Attention of this step's queries over the sequence, read from the pages.

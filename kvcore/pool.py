@@ -56,7 +56,9 @@ class BlockPool:
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     dtype : str or dtype, default "float16"
-        Storage: "float32", "float16" or "bfloat16" (bf16 kept as uint16 bits).
+        Storage: "float32", "float16" or "bfloat16" (bf16 kept as uint16
+        bits), or low precision: "float8_e4m3fn", "float8_e5m2" (fp8 bits as
+        uint8; ml_dtypes' types accepted) or "int8".
     device : {"cpu", "cuda"}, default "cpu"
     enable_prefix_caching : bool, default True
         Share full blocks of identical prefixes between sequences.
@@ -68,6 +70,23 @@ class BlockPool:
         into the next, and ``allocate``/``probe`` extend the pool's own hit
         with the run of following blocks found there (docs/stores.md).
         Needs ``enable_prefix_caching``.
+    kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
+        fp8 pools only: per-layer float32 scales (default 1.0): a value x is
+        stored as ``fp8(x / scale)``, saturated to the largest finite fp8
+        value (+-inf included; NaN stays NaN), and read as ``fp8 * scale``.
+
+    Notes on int8 pools
+    -------------------
+    Symmetric, one float32 scale per (token, kv head): ``scale = max|x| /
+    127`` over ``head_dim`` (1.0 for an all-zero row), stored
+    ``round_half_even(x / scale)``; read ``code * scale``.  A row holding a
+    NaN or an infinity stores scale NaN and zero codes, so it reads back as
+    NaN (never as plausible numbers).  The scales live in a second array,
+    :attr:`scales` ``(num_layers * 2, num_blocks, num_kv_heads, block_size)``,
+    addressed by the same block ids: every block copy (copy-on-write,
+    :meth:`copy_blocks_to`, offload) moves them with the codes.  A raw
+    :meth:`gather` returns the codes; :meth:`gather_scales` their scales;
+    ``gather(..., dtype="float32")`` dequantizes.
 
     Notes
     -----
@@ -82,9 +101,10 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim,
-                 dtype="float16", device="cpu", enable_prefix_caching=True, stores=None):
+                 dtype="float16", device="cpu", enable_prefix_caching=True, kv_scales=None,
+                 stores=None):
         self._init(num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-                   enable_prefix_caching, stores, forge_hashes=False)
+                   enable_prefix_caching, stores, forge_hashes=False, kv_scales=kv_scales)
 
     @classmethod
     def _with_forged_hashes(cls, *args, **kwargs):
@@ -93,11 +113,12 @@ class BlockPool:
         the identity chain keep another prefix's KV out.  Fixed when the
         pool is made; the hot paths carry no hook for it."""
         self = cls.__new__(cls)
-        self._init(*_constructor_args(*args, **kwargs), forge_hashes=True)
+        a = _constructor_args(*args, **kwargs)
+        self._init(*a[:9], forge_hashes=True, kv_scales=a[9])
         return self
 
     def _init(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-              enable_prefix_caching, stores, forge_hashes):
+              enable_prefix_caching, stores, forge_hashes, kv_scales=None):
         num_blocks = positive_int(num_blocks, "num_blocks")
         if num_blocks > 2**31 - 2:
             raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
@@ -109,13 +130,21 @@ class BlockPool:
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+        self._layer_scales = _layer_scales(kv_scales, self._kind, self._num_layers)
         self._backend = get_backend(device)
         self._device = self._backend.normalize_device(device)
+        if self._kind in dtypes.LOWPREC_KINDS and not getattr(self._backend, "lowprec", False):
+            raise ValueError(f"dtype={dtypes.KIND_NAME[self._kind]!r} is not supported on "
+                             f"device={self._device!r}; use float32, float16 or bfloat16 there")
         self._num_blocks = num_blocks
         self._caching = bool(enable_prefix_caching)
         self._storage = self._backend.zeros(
             (2 * self._num_layers, num_blocks, self._num_kv_heads, self._block_size,
              self._head_dim), dtypes.STORAGE[self._kind])
+        # int8: one float32 scale per (plane, block, kv head, token), addressed
+        # by the same block ids as the storage (None for other dtypes)
+        self._scales = (self._backend.zeros(self._storage.shape[:4], np.float32)
+                        if self._kind == dtypes.I8 else None)
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
@@ -134,10 +163,11 @@ class BlockPool:
         # backend's row writer makes an append one native call
         self._binding = _seq.PoolBinding(
             self._core, self._lock, self._block_size, self._num_layers, self._caching,
-            self._backend.row_writer(self._storage, self._kind),
+            self._backend.row_writer(self._storage, self._kind, self._scales,
+                                     self._layer_scales),
             # (the storage, not the pool: no reference cycle keeps a dropped
             # pool's memory alive)
-            functools.partial(self._backend.copy_blocks, self._storage),
+            functools.partial(_copy_blocks, self._backend, self._storage, self._scales),
             None if self._stores is None else self._stores.spill)
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
@@ -185,7 +215,8 @@ class BlockPool:
 
     @property
     def dtype(self):
-        """Canonical storage dtype name: 'float32', 'float16' or 'bfloat16'."""
+        """Canonical storage dtype name: 'float32', 'float16', 'bfloat16',
+        'float8_e4m3fn', 'float8_e5m2' or 'int8'."""
         return dtypes.KIND_NAME[self._kind]
 
     @property
@@ -194,10 +225,33 @@ class BlockPool:
         return self._storage
 
     @property
+    def scales(self):
+        """int8 pools: the per-(token, kv head) float32 scales, shape
+        ``(num_layers * 2, num_blocks, num_kv_heads, block_size)`` (plane
+        ``2*l`` layer l's keys, ``2*l + 1`` its values); None otherwise."""
+        return self._scales
+
+    @property
+    def kv_scales(self):
+        """fp8 pools: the per-layer ``(k_scale, v_scale)`` pairs (floats);
+        None for other dtypes."""
+        if self._layer_scales is None:
+            return None
+        return [(float(k), float(v)) for k, v in self._layer_scales]
+
+    @property
+    def bytes_per_token(self):
+        """Bytes one token position takes across all layers, K and V, its
+        int8 scales included."""
+        per = self._num_kv_heads * self._head_dim * dtypes.ITEMSIZE[self._kind]
+        if self._kind == dtypes.I8:
+            per += self._num_kv_heads * 4
+        return 2 * self._num_layers * per
+
+    @property
     def bytes_per_block(self):
-        """Bytes one block takes across all layers, K and V."""
-        return (2 * self._num_layers * self._num_kv_heads * self._block_size * self._head_dim
-                * dtypes.ITEMSIZE[self._kind])
+        """Bytes one block takes across all layers, K and V (int8 scales included)."""
+        return self.bytes_per_token * self._block_size
 
     def key_cache(self, layer):
         """Layer ``layer``'s keys: a view ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
@@ -206,6 +260,21 @@ class BlockPool:
     def value_cache(self, layer):
         """Layer ``layer``'s values: a view like :meth:`key_cache`."""
         return self._storage[2 * layer_index(layer, self._num_layers) + 1]
+
+    def key_scales(self, layer):
+        """int8 pools: layer ``layer``'s key scales, a float32 view
+        ``(num_blocks, num_kv_heads, block_size)``; ValueError otherwise."""
+        return self._scale_plane(2 * layer_index(layer, self._num_layers))
+
+    def value_scales(self, layer):
+        """int8 pools: layer ``layer``'s value scales (like :meth:`key_scales`)."""
+        return self._scale_plane(2 * layer_index(layer, self._num_layers) + 1)
+
+    def _scale_plane(self, plane):
+        if self._scales is None:
+            raise ValueError(f"only int8 pools keep per-token scales; this pool's dtype is "
+                             f"{self.dtype!r} (fp8 pools: see kv_scales)")
+        return self._scales[plane]
 
     # ------------------------------------------------------------ counts
     @property
@@ -255,6 +324,9 @@ class BlockPool:
                 "prefix_hit_rate": h / q if q else 0.0,
                 "evictions": int(self._core.evictions),
                 "num_salts": len(self._salt_roots),
+                "dtype": self.dtype,
+                "bytes_per_token": self.bytes_per_token,
+                "bytes_per_block": self.bytes_per_block,
                 **({} if self._stores is None else {"stores": self._stores.stats()}),
             }
 
@@ -412,6 +484,9 @@ class BlockPool:
             slots, check = self._slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
+        if self._kind in dtypes.LOWPREC_KINDS:
+            self._write_q(layer, k, v, slots, src_kind)
+            return
         backend.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
                           src_kind, self._kind, self._slot_owner, bool(check))
 
@@ -424,7 +499,10 @@ class BlockPool:
         block_table : 1-D integer array (or list, or torch tensor)
         start, end : int
         dtype : str, optional
-            Result dtype, e.g. "float32"; default the storage dtype.
+            Result dtype, e.g. "float32"; default the storage dtype.  For
+            fp8 and int8 pools, a float dtype dequantizes (``fp8 * scale``,
+            ``code * scale``); the default returns the stored codes (fp8 bits
+            as uint8, int8 codes: see :meth:`gather_scales` for their scales).
         out : (k_out, v_out), optional
             Writable arrays ``(num_kv_heads, end - start, head_dim)`` of the
             result dtype (NumPy arrays or torch tensors, ``torch.bfloat16``
@@ -502,9 +580,42 @@ class BlockPool:
         outs = self._outs(out, shape, dst_kind)
         tmps = self._targets(outs, out, shape, dst_kind)
         for i in (0, 1):
-            backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i], self._kind,
-                                 dst_kind)
+            if self._kind in dtypes.LOWPREC_KINDS and dst_kind != self._kind:
+                backend.gather_batch_q(self._storage[2 * layer + i], self._plane_scales(layer, i),
+                                       t32, n32, tmps[i], self._kind, dst_kind,
+                                       self._plane_scale(layer, i))
+            else:
+                backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i],
+                                     self._kind, dst_kind)
         return self._deliver(outs, tmps)
+
+    def gather_scales(self, layer, block_table, start, end):
+        """int8 pools: the scales of the codes :meth:`gather` returns for the
+        same arguments: ``(k_scales, v_scales)``, new float32 arrays
+        ``(num_kv_heads, end - start)``; ``code * scale`` is the value.
+        ValueError for other dtypes (fp8 pools: :attr:`kv_scales`)."""
+        layer = layer_index(layer, self._num_layers)
+        if self._scales is None:
+            self._scale_plane(0)   # raises, naming the dtype
+        table = self._table(block_table)
+        start = index_int(start, "start")
+        end = index_int(end, "end")
+        cap = len(table) * self._block_size
+        if not 0 <= start <= end <= cap:
+            raise ValueError(
+                f"start and end must satisfy 0 <= start <= end <= {cap} "
+                f"(len(block_table) * block_size), got start={start}, end={end}")
+        return self._gather_scales(layer, table, start, end)
+
+    def _gather_scales(self, layer, table, start, end):
+        pos = np.arange(start, end, dtype=np.int64)
+        blocks = table.astype(np.int64)[pos // self._block_size]
+        offs = pos % self._block_size
+        xp = self._backend.xp
+        if xp is not np:
+            blocks, offs = self._backend.from_host(blocks), self._backend.from_host(offs)
+        return tuple(xp.ascontiguousarray(self._scales[2 * layer + i][blocks, :, offs].T)
+                     for i in (0, 1))
 
     def copy_blocks_to(self, dst_pool, src_block_ids, dst_block_ids):
         """Copy whole blocks (every layer, K and V) into another pool.
@@ -553,10 +664,19 @@ class BlockPool:
                 f"{np.flatnonzero(dst == uniq[i]).tolist()}")
         if not src.size:
             return
+        if self._layer_scales is not None and not np.array_equal(
+                self._layer_scales, dst_pool._layer_scales):
+            raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
+                             f"{self.kv_scales}; got {dst_pool.kv_scales}")
         # a GPU on either side drives the copy (it can read and write host memory)
         backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
+        # the blocks' data, and their int8 scales (same block ids) with them
+        arrays = [(self._storage, dst_pool.storage)]
+        if self._scales is not None:
+            arrays.append((self._scales, dst_pool._scales))
         if dst_pool is not self:
-            backend.copy_blocks_between(self._storage, src, dst_pool.storage, dst)
+            for mine_a, theirs_a in arrays:
+                backend.copy_blocks_between(mine_a, src, theirs_a, dst)
             return
         staged = np.isin(src, dst)
         if not staged.any():
@@ -566,15 +686,18 @@ class BlockPool:
         # written: copied out to a buffer, then in from it last.
         stage_ids, where = np.unique(src[staged], return_inverse=True)
         stage_ids = stage_ids.astype(np.int32)
-        buf = backend.empty((self._storage.shape[0], stage_ids.size) + self._storage.shape[2:],
-                       self._storage.dtype)
-        backend.copy_blocks_between(self._storage, stage_ids, buf,
-                               np.arange(stage_ids.size, dtype=np.int32))
+        bufs = []
+        for a, _ in arrays:
+            buf = backend.empty((a.shape[0], stage_ids.size) + a.shape[2:], a.dtype)
+            backend.copy_blocks_between(a, stage_ids, buf,
+                                        np.arange(stage_ids.size, dtype=np.int32))
+            bufs.append(buf)
         direct = ~staged
         if direct.any():
             self._copy_blocks(src[direct], dst[direct])
-        backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), self._storage,
-                               np.ascontiguousarray(dst[staged]))
+        for (a, _), buf in zip(arrays, bufs):
+            backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), a,
+                                        np.ascontiguousarray(dst[staged]))
 
     # ------------------------------------------------------------ helpers
     def _block_id(self, block_id):
@@ -606,8 +729,10 @@ class BlockPool:
         return self._apart(k), self._apart(v), src_kind
 
     def _apart(self, a):
-        """``a``, or a copy of it if its memory span meets the storage's."""
-        return self._backend.apart(a, self._storage)
+        """``a``, or a copy of it if its memory span meets the storage's (or
+        the int8 scales')."""
+        a = self._backend.apart(a, self._storage)
+        return a if self._scales is None else self._backend.apart(a, self._scales)
 
     def _direct(self, out):
         """Whether a gather may write into ``out`` (bits) in place."""
@@ -668,7 +793,28 @@ class BlockPool:
         return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
 
     def _out_kind(self, dtype):
-        return self._kind if dtype is None else dtypes.storage_kind(dtype)
+        if dtype is None:
+            return self._kind
+        kind = dtypes.storage_kind(dtype)
+        if kind in dtypes.LOWPREC_KINDS and kind != self._kind:
+            raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float dtype "
+                             f"('float32', 'float16', 'bfloat16'), got {dtypes.KIND_NAME[kind]!r}")
+        return kind
+
+    def _plane_scales(self, layer, i):
+        """int8: the scale plane of layer ``layer``'s keys (i=0) or values (1)."""
+        return None if self._scales is None else self._scales[2 * layer + i]
+
+    def _plane_scale(self, layer, i):
+        """fp8: the layer's key (i=0) or value (1) scale as a float (1.0 otherwise)."""
+        return 1.0 if self._layer_scales is None else float(self._layer_scales[layer, i])
+
+    def _write_q(self, layer, k, v, slots, src_kind):
+        """K and V (validated) into the slots of a low-precision ``layer``."""
+        backend = self._backend
+        for i, x in ((0, k), (1, v)):
+            backend.write_slots_q(self._storage[2 * layer + i], self._plane_scales(layer, i), x,
+                                  slots, src_kind, self._kind, self._plane_scale(layer, i))
 
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
@@ -683,8 +829,13 @@ class BlockPool:
         # on a GPU: one upload of the blocks the range needs, for K and V
         table = backend.from_host(table[:-(-end // self._block_size)])
         for i in (0, 1):
-            backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i], self._kind,
-                           dst_kind)
+            if self._kind in dtypes.LOWPREC_KINDS and dst_kind != self._kind:
+                backend.gather_q(self._storage[2 * layer + i], self._plane_scales(layer, i),
+                                 table, start, end, tmps[i], self._kind, dst_kind,
+                                 self._plane_scale(layer, i))
+            else:
+                backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i],
+                               self._kind, dst_kind)
         return self._deliver(outs, tmps)
 
     def _targets(self, outs, out, shape, kind):
@@ -714,9 +865,13 @@ class BlockPool:
     # (an attribute, read once per PagedKVCache).
 
     def _copy_blocks(self, src, dst):
-        """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V)."""
-        self._backend.copy_blocks(self._storage, np.asarray(src, np.int32),
-                                  np.asarray(dst, np.int32))
+        """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V, int8
+        scales included)."""
+        _copy_blocks(self._backend, self._storage, self._scales, np.asarray(src, np.int32),
+                     np.asarray(dst, np.int32))
+
+    def _device_ids(self, ids):
+        return self._backend.from_host(ids.astype(np.intp))
 
     def _take_blocks(self, n, out):
         """Take ``n`` free blocks into int32 ``out`` (reference count 1):
@@ -735,6 +890,9 @@ class BlockPool:
     def _write_positions(self, layer, k, v, slots, src_kind):
         """K and V (validated by :meth:`_kv_input`) to the slots of a
         sequence's own positions in (validated) ``layer``."""
+        if self._kind in dtypes.LOWPREC_KINDS:
+            self._write_q(layer, k, v, slots, src_kind)
+            return
         backend = self._backend
         backend.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
         backend.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
@@ -745,14 +903,21 @@ class BlockPool:
 
     def _export_blocks(self, block_ids):
         """The contents of blocks ``block_ids`` as host bytes: one
-        C-contiguous ``numpy.uint8`` array per block, the block's planes in
-        storage order (``[2 * layer + (0: K, 1: V)][kv_head][token][dim]``
-        in the storage dtype).  The one place block contents leave the pool
-        (prefix stores); :meth:`_import_blocks` is its inverse."""
+        C-contiguous ``numpy.uint8`` array of :attr:`bytes_per_block` bytes
+        per block: the block's planes in storage order
+        (``[2 * layer + (0: K, 1: V)][kv_head][token][dim]`` in the storage
+        dtype), then, for int8 pools, its float32 scales in the same order
+        (``[2 * layer + (0: K, 1: V)][kv_head][token]``).  The one place block
+        contents leave the pool (prefix stores); :meth:`_import_blocks` is its
+        inverse."""
         out = []
+        host = self._backend.to_host
         for b in np.asarray(block_ids, np.int64).tolist():
-            a = self._backend.to_host(self._storage[:, b])
-            out.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            a = np.ascontiguousarray(host(self._storage[:, b])).reshape(-1).view(np.uint8)
+            if self._scales is not None:
+                sc = np.ascontiguousarray(host(self._scales[:, b]), np.float32)
+                a = np.concatenate([a, sc.reshape(-1).view(np.uint8)])
+            out.append(a)
         return out
 
     def _import_blocks(self, block_ids, payloads, seeds=None):
@@ -774,11 +939,21 @@ class BlockPool:
                 raise ValueError(f"payloads[{i}] must hold {self.bytes_per_block} bytes (one "
                                  f"block), got {a.nbytes}")
             arrays.append(a)
-        if seeds is None:
-            for b, a in zip(ids, arrays):
-                self._storage[:, b] = self._backend.from_host(a.view(dt).reshape(shape))
-            return None
         from .backends.cpu import _checksum
+
+        if seeds is None or self._scales is not None:
+            # plain copies (int8: the codes, then the scales that follow them)
+            kv_bytes = int(np.prod(shape)) * dt.itemsize
+            digests = None if seeds is None else []
+            for i, (b, a) in enumerate(zip(ids, arrays)):
+                if digests is not None:
+                    digests.append(_checksum.xxh64(a, seeds[i]))
+                self._storage[:, b] = self._backend.from_host(a[:kv_bytes].view(dt).reshape(shape))
+                if self._scales is not None:
+                    self._scales[:, b] = self._backend.from_host(
+                        a[kv_bytes:].view(np.float32).reshape(self._scales.shape[:1]
+                                                              + self._scales.shape[2:]))
+            return digests
 
         digests = []
         planes = self._storage.shape[0]
@@ -808,7 +983,45 @@ class BlockPool:
 
 
 def _constructor_args(num_blocks, block_size, num_layers, num_kv_heads, head_dim,
-                      dtype="float16", device="cpu", enable_prefix_caching=True, stores=None):
+                      dtype="float16", device="cpu", enable_prefix_caching=True, kv_scales=None,
+                      stores=None):
     return (num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-            enable_prefix_caching, stores)
+            enable_prefix_caching, stores, kv_scales)
+
+
+def _copy_blocks(backend, storage, scales, src, dst):
+    """The one block copy within a pool (copy-on-write, ``copy_blocks_to``
+    within the pool): ``storage[:, dst[i]] = storage[:, src[i]]``, and the
+    int8 ``scales`` (same block ids) with it."""
+    backend.copy_blocks(storage, src, dst)
+    if scales is not None:
+        backend.copy_blocks(scales, src, dst)
+
+
+def _layer_scales(kv_scales, kind, num_layers):
+    """fp8: ``kv_scales`` checked, as a float32 ``(num_layers, 2)`` array
+    (default all 1.0); None for other dtypes (where kv_scales must be None)."""
+    if kind not in dtypes.FP8_KINDS:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales applies to fp8 pools (float8_e4m3fn, float8_e5m2) "
+                             f"only, got kv_scales for dtype {dtypes.KIND_NAME[kind]!r}")
+        return None
+    if kv_scales is None:
+        return np.ones((num_layers, 2), np.float32)
+    try:
+        a = np.array(kv_scales, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"kv_scales must be a sequence of num_layers (k_scale, v_scale) "
+                        f"float pairs, got {kv_scales!r}") from None
+    if a.shape != (num_layers, 2):
+        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
+                         f"(shape ({num_layers}, 2)), got shape {a.shape}")
+    with np.errstate(over="ignore"):
+        f = a.astype(np.float32)
+    bad = ~(np.isfinite(f) & (f > 0))
+    if bad.any():
+        l, i = np.argwhere(bad)[0]
+        raise ValueError(f"kv_scales must be finite positive float32 values, got "
+                         f"{a[l, i]!r} for layer {l}'s {'kv'[i]}_scale")
+    return f
 

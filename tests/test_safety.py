@@ -183,6 +183,7 @@ _UNINIT_SCRIPT = textwrap.dedent("""
         "num_written": lambda s: s.num_written(0),
         "block_hashes": lambda s: s.block_hashes(),
         "gather": lambda s: s.gather(0),
+        "gather_scales": lambda s: s.gather_scales(0),
         "attention": lambda s: s.attention(0, np.zeros((1, 1, 4), np.float32)),
         "truncate": lambda s: s.truncate(0),
         "fork": lambda s: s.fork(),

@@ -118,13 +118,16 @@ def _from_f32_bits(x, kind):
 
 def _bits_view(a):
     """``a`` viewed as unsigned integers of its itemsize (same memory)."""
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
 
 
 def convert_bits(src, src_kind, dst_kind):
     """A new array: ``src`` (storage bits of ``src_kind``) as ``dst_kind``
     storage bits (uint32 for float32, uint16 otherwise).  The same kind is
-    a copy of the bits (signalling NaNs stay as they are)."""
+    a copy of the bits (signalling NaNs stay as they are); the same
+    low-precision kind too (uint8 bits)."""
+    if src_kind == dst_kind and src_kind in dtypes.LOWPREC_KINDS:
+        return np.array(src, dtype=np.uint8)
     if src_kind == dst_kind:
         return np.array(src, dtype=np.uint32 if src_kind == dtypes.F32 else np.uint16)
     return _from_f32_bits(_to_f32_bits(np.asarray(src), src_kind), dst_kind)
@@ -175,6 +178,63 @@ def f32_bits_from_fp8(codes, fmt):
     bits = np.where(neg, -value, value).astype(np.float32).view(np.uint32)
     bits = np.where(np.isnan(value), np.uint32(0x7FC00000) | (neg.astype(np.uint32) << 31), bits)
     return bits.astype(np.uint32)[np.asarray(codes, np.uint8)]
+# ------------------------------------------------------- low-precision storage
+# fp8 (e4m3fn, e5m2) and int8 storage, defined on float32 values: a float16 or
+# bfloat16 input is widened (exactly) first, and a widened output is the
+# float32 value converted once more.  The fp8 rounding is the one above (the
+# definition of kv_fp8.h, checked against ml_dtypes by the tests).
+
+_FP8_FMT = {dtypes.F8E4M3: 0, dtypes.F8E5M2: 1}   # kind -> kv_fp8.h's fmt
+
+
+def _f32(bits, kind):
+    """float32 values of float storage bits ``bits`` of float ``kind``."""
+    return _to_f32_bits(np.asarray(bits), kind).view(np.float32)
+
+
+def fp8_encode(x, kind, scale=1.0):
+    """uint8 fp8 bits of float32 ``x / scale``, saturated: a value past the
+    largest finite one (and +-inf) stores +-max; NaN stays NaN."""
+    x = np.asarray(x, np.float32)
+    scale = np.float32(scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = x if scale == 1 else x / scale
+    return fp8_from_f32_bits(np.ascontiguousarray(y, np.float32).view(np.uint32),
+                             _FP8_FMT[kind], saturate=True)
+
+
+def fp8_decode(b, kind, scale=1.0):
+    """float32 ``fp8 * scale`` of uint8 fp8 bits ``b``."""
+    v = f32_bits_from_fp8(b, _FP8_FMT[kind]).view(np.float32)
+    scale = np.float32(scale)
+    return v if scale == 1 else v * scale
+
+
+def int8_encode(x):
+    """``(codes, scales)`` of float32 rows ``x`` (..., dim): per row
+    ``scale = max|x| / 127`` (1 for an all-zero row), codes
+    ``round_half_even(x / scale)`` in -127..127.  A row holding a NaN or an
+    infinity stores scale NaN and zeros (it reads back as NaN)."""
+    x = np.asarray(x, np.float32)
+    a = np.abs(x)
+    finite = np.isfinite(x).all(axis=-1)
+    amax = np.where(np.isfinite(a), a, np.float32(0)).max(axis=-1, initial=np.float32(0))
+    scale = np.where(amax == 0, np.float32(1), amax / np.float32(127)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = np.clip(np.rint(x / scale[..., None]), -127, 127)
+    q = np.where(finite[..., None], q, 0).astype(np.int8)
+    scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
+    return q, scale
+
+
+def int8_decode(codes, scales):
+    """float32 ``codes * scale`` (scales: one per row of ``codes``)."""
+    return np.asarray(codes, np.int8).astype(np.float32) * np.asarray(scales, np.float32)[..., None]
+
+
+def _float_rows(bits, kind):
+    """float32 rows of an input of float ``kind`` (storage bits)."""
+    return _f32(bits, kind)
 
 
 class Backend:
@@ -186,6 +246,7 @@ class Backend:
 
     name = "reference"
     xp = np
+    lowprec = True   # fp8 / int8 pools (write_slots_q, gather_q, ...) supported
 
     def normalize_device(self, device):
         return "cpu"
@@ -267,10 +328,11 @@ class Backend:
         """Scratch a GPU backend needs for ``write_slots_kv`` (None here)."""
         return None
 
-    def row_writer(self, storage, kind):
+    def row_writer(self, storage, kind, scales=None, layer_scales=None):
         """A C-level writer of a sequence's appended rows into ``storage``
         (a ``kvcore._native._typedefs.RowWriter``), or None: appends then
-        go through ``write_slots``."""
+        go through ``write_slots``.  ``scales``: an int8 pool's scale array;
+        ``layer_scales``: an fp8 pool's float32 ``(num_layers, 2)`` scales."""
         return None
 
     # ------------------------------------------------------------- kernels
@@ -301,6 +363,68 @@ class Backend:
         for i, s in enumerate(np.asarray(slots).tolist()):
             if s >= 0:
                 out[s // bs, :, s % bs, :] = rows[i]
+
+    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
+        """``write_slots`` into a low-precision plane: ``dst_kind`` fp8 (stored
+        ``fp8(x / scale)`` saturated; ``scales`` None) or int8 (``scales``: the
+        plane's float32 scales ``(num_blocks, heads, block_size)``, one per
+        token and head, written beside the codes; ``scale`` unused)."""
+        bs = cache.shape[2]
+        x = _float_rows(_bits_view(src), src_kind)
+        if dst_kind == dtypes.I8:
+            rows, sc = int8_encode(x)
+        else:
+            rows, sc = fp8_encode(x, dst_kind, scale), None
+        for i, s in enumerate(np.asarray(slots).tolist()):
+            if s >= 0:
+                cache[s // bs, :, s % bs, :] = rows[i]
+                if sc is not None:
+                    scales[s // bs, :, s % bs] = sc[i]
+
+    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
+        """``gather`` of a low-precision plane widened to float ``dst_kind``:
+        ``fp8 * scale``, or ``code * scales[block, head, offset]`` for int8."""
+        bs = cache.shape[2]
+        pos = np.arange(start, end, dtype=np.int64)
+        blocks = np.asarray(block_table, np.int64)[pos // bs]
+        rows = cache[blocks, :, pos % bs, :]                      # (n, heads, dim)
+        if src_kind == dtypes.I8:
+            vals = int8_decode(rows, scales[blocks, :, pos % bs])
+        else:
+            vals = fp8_decode(rows, src_kind, scale)
+        _bits_view(out)[...] = convert_bits(vals.view(np.uint32), dtypes.F32,
+                                            dst_kind).transpose(1, 0, 2)
+
+    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
+                       scale):
+        """``gather_batch`` through ``gather_q`` (padding +0)."""
+        out[...] = 0
+        for s in range(out.shape[0]):
+            n = int(lengths[s])
+            if n:
+                self.gather_q(cache, scales, block_tables[s], 0, n, out[s, :, :n], src_kind,
+                              dst_kind, scale)
+
+    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
+        """``write_contiguous`` into a low-precision cache; int8 scales:
+        ``(batch, heads, max_seq_len)`` float32."""
+        n = src.shape[2]
+        x = _float_rows(_bits_view(src), src_kind)
+        if dst_kind == dtypes.I8:
+            codes, sc = int8_encode(x)
+            dst[:, :, start:start + n, :] = codes
+            scales[:, :, start:start + n] = sc
+        else:
+            dst[:, :, start:start + n, :] = fp8_encode(x, dst_kind, scale)
+
+    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
+        """``dst[...] = src`` widened (any shape ``(..., dim)``; int8
+        ``scales`` of shape ``src.shape[:-1]``)."""
+        if src_kind == dtypes.I8:
+            vals = int8_decode(src, scales)
+        else:
+            vals = fp8_decode(src, src_kind, scale)
+        _bits_view(dst)[...] = convert_bits(vals.view(np.uint32), dtypes.F32, dst_kind)
 
     def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner, check):
         """Keys into ``k_cache`` and values into ``v_cache`` (``write_slots``

@@ -9,13 +9,25 @@ import numpy as np
 __all__ = ["paged_attention_reference", "stored_values"]
 
 
-def stored_values(cache, kind=None):
+def stored_values(cache, kind=None, scales=None):
     """The stored elements of a cache as float64.
 
     ``cache`` is float32, float16, ml_dtypes.bfloat16, or uint16 holding
-    bfloat16 bits (then ``kind`` must be "bfloat16").
+    bfloat16 bits (then ``kind`` must be "bfloat16"); or low precision:
+    uint8 fp8 bits with ``kind`` "float8_e4m3fn" / "float8_e5m2" (``scales``
+    the layer's float scale, default 1), int8 codes with ``kind="int8"``
+    (``scales`` one float32 per row: ``cache.shape[:-1]``).  A low-precision
+    value is the float32 ``element * scale`` the pool reads back.
     """
     a = np.asarray(cache)
+    if kind in ("float8_e4m3fn", "float8_e5m2"):
+        from .base import fp8_decode
+        from .. import dtypes
+        return fp8_decode(a, dtypes.NAME_KIND[kind],
+                          1.0 if scales is None else scales).astype(np.float64)
+    if kind == "int8":
+        from .base import int8_decode
+        return int8_decode(a, scales).astype(np.float64)
     if a.dtype == np.uint16:
         if kind != "bfloat16":
             raise TypeError("a uint16 cache holds bfloat16 bits only when kind='bfloat16'")
@@ -25,7 +37,8 @@ def stored_values(cache, kind=None):
 
 def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
                               query_start_loc=None, scale=None, sliding_window=None,
-                              logits_soft_cap=None, kind=None):
+                              logits_soft_cap=None, kind=None, key_scales=None,
+                              value_scales=None):
     """Attention over a paged cache, in float64.
 
     Parameters
@@ -33,7 +46,11 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
     q : array ``(num_query_tokens, num_heads, head_dim)``
     key_cache, value_cache : arrays ``(num_blocks, num_kv_heads, block_size, head_dim)``
         The stored values (float32, float16, bfloat16; uint16 bits with
-        ``kind="bfloat16"``).
+        ``kind="bfloat16"``; fp8 bits or int8 codes with their ``kind``).
+    key_scales, value_scales : optional
+        Low precision (see :func:`stored_values`): an fp8 layer's float
+        scales, or an int8 layer's scale planes ``(num_blocks, num_kv_heads,
+        block_size)``.
     block_tables : integer array ``(num_seqs, max_blocks)``
     seq_lens : integer array ``(num_seqs,)``
         KV length of each sequence, its query tokens included.
@@ -52,8 +69,8 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
     float64 array ``(num_query_tokens, num_heads, head_dim)``
     """
     q = stored_values(q, kind if np.asarray(q).dtype == np.uint16 else None)
-    k_all = stored_values(key_cache, kind)
-    v_all = stored_values(value_cache, kind)
+    k_all = stored_values(key_cache, kind, key_scales)
+    v_all = stored_values(value_cache, kind, value_scales)
     block_tables = np.asarray(block_tables)
     seq_lens = np.asarray(seq_lens)
     num_tokens, num_heads, head_dim = q.shape

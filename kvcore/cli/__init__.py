@@ -26,6 +26,7 @@ BENCHMARKS = (
     ("sweep", "paged write bandwidth against tokens"),
     ("gpu", "GPU (CuPy) kernels"),
     ("attention", "paged_attention against torch SDPA and gather + NumPy"),
+    ("lowprec", "fp8/int8 pools against float16: paged write, bytes/token, decode"),
 )
 OPTIONAL = {"convert", "gpu"}
 

@@ -52,6 +52,10 @@ cdef extern from "kv_attention.h" nogil:
         int64_t sliding_window
         float soft_cap
         int num_threads
+        const float *key_scales
+        const float *value_scales
+        float k_scale
+        float v_scale
     int kva_paged_attention(const kva_args *args)
     int kva_best_level()
     int kva_level_supported(int level)
@@ -67,7 +71,8 @@ cdef int _fill(kva_args *a, const float[:, :, ::1] q, float[:, :, ::1] out,
                cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
                const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
-               double soft_cap, int num_threads) except -1:
+               double soft_cap, int num_threads, object key_scales, object value_scales,
+               double k_scale, double v_scale) except -1:
     a.q = &q[0, 0, 0] if q.shape[0] else NULL
     a.out = &out[0, 0, 0] if out.shape[0] else NULL
     a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
@@ -90,14 +95,34 @@ cdef int _fill(kva_args *a, const float[:, :, ::1] q, float[:, :, ::1] out,
     a.sliding_window = sliding_window
     a.soft_cap = <float>soft_cap
     a.num_threads = num_threads
+    a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
+    a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
+    a.k_scale = <float>k_scale
+    a.v_scale = <float>v_scale
     return 0
+
+
+cdef const float* _scale_plane(object scales, cnp.ndarray cache, str what) except? NULL:
+    """An int8 cache's scale plane (num_blocks, num_kv_heads, block_size),
+    C-contiguous float32, checked against the cache; NULL for None."""
+    cdef cnp.ndarray s
+    if scales is None:
+        return NULL
+    s = <cnp.ndarray>scales
+    want = (cache.shape[0], cache.shape[1], cache.shape[2])
+    if cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(s) \
+            or not cnp.PyArray_ISALIGNED(s) or s.ndim != 3 \
+            or (s.shape[0], s.shape[1], s.shape[2]) != want:
+        raise ValueError(f"internal: {what} must be C-contiguous float32 of shape {want}")
+    return <const float*>cnp.PyArray_DATA(s)
 
 
 def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
                     cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
                     const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                     const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
-                    double soft_cap, int num_threads):
+                    double soft_cap, int num_threads, key_scales=None, value_scales=None,
+                    double k_scale=1.0, double v_scale=1.0):
     """out[...] = attention (see kv_attention.h).  key_cache and value_cache:
     (num_blocks, num_kv_heads, block_size, head_dim) with contiguous rows and
     the same strides.  sliding_window 0 and soft_cap 0 mean none.
@@ -113,7 +138,8 @@ def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
         return check, ea, eb
     cdef kva_args a
     _fill(&a, q, out, key_cache, value_cache, kind, block_tables, seq_lens, query_start_loc,
-          scale, sliding_window, soft_cap, num_threads)
+          scale, sliding_window, soft_cap, num_threads, key_scales, value_scales, k_scale,
+          v_scale)
     cdef int status
     with nogil:
         status = kva_paged_attention(&a)
@@ -128,11 +154,13 @@ def num_items(const float[:, :, ::1] q, float[:, :, ::1] out,
               cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
               const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
               const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
-              double soft_cap, int num_threads):
+              double soft_cap, int num_threads, key_scales=None, value_scales=None,
+              double k_scale=1.0, double v_scale=1.0):
     """Work items paged_attention would split these arguments into."""
     cdef kva_args a
     _fill(&a, q, out, key_cache, value_cache, kind, block_tables, seq_lens, query_start_loc,
-          scale, sliding_window, soft_cap, num_threads)
+          scale, sliding_window, soft_cap, num_threads, key_scales, value_scales, k_scale,
+          v_scale)
     return kva_num_items(&a)
 
 

@@ -12,11 +12,25 @@ cimport numpy as cnp
 from libc.stdint cimport uintptr_t
 from libc.string cimport memcpy
 
-from kvcore.backends.cpu._convert cimport (KVH_F16, KVH_F32, convert_n, convert_n_stream,
-                                           kind_itemsize, stream_fence)
+from libc.stdint cimport int8_t, uint8_t
+from libc.stdlib cimport free, malloc
+
+from kvcore.backends.cpu._convert cimport (KV_FP8_E4M3, KV_FP8_E5M2, KVH_F16, KVH_F32,
+                                           convert_n, convert_n_stream, f32_to_fp8,
+                                           f32_to_i8_row, fp8_to_f32, i8_to_f32, kind_itemsize,
+                                           stream_fence)
 from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, slot_t
 
+cdef extern from "kv_kinds.h":
+    enum:
+        KVH_F8E4M3
+        KVH_F8E5M2
+        KVH_I8
+
 cnp.import_array()
+
+# the low-precision kinds as compiled (tests/test_kinds.py checks the twins)
+LOWPREC_KINDS = {"F8E4M3": KVH_F8E4M3, "F8E5M2": KVH_F8E5M2, "I8": KVH_I8}
 
 import sys
 
@@ -298,8 +312,17 @@ cdef class PositionWriter(RowWriter):
     cdef Py_ssize_t heads, dim, block_size
     cdef const char* lo
     cdef const char* hi
+    # low-precision pools: int8 scale array (or None), fp8 per-layer scales
+    cdef bint lowprec
+    cdef object scales
+    cdef float* sc
+    cdef object layer_scales
+    cdef float* ls
+    cdef float* buf
+    cdef const char* slo     # the int8 scales' bytes (an input may not meet them either)
+    cdef const char* shi
 
-    def __init__(self, cnp.ndarray storage, int kind):
+    def __init__(self, cnp.ndarray storage, int kind, scales=None, layer_scales=None):
         if cnp.PyArray_NDIM(storage) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(storage) \
                 or not cnp.PyArray_ISALIGNED(storage):
             raise ValueError("internal: a PositionWriter needs a C-contiguous, aligned "
@@ -311,6 +334,26 @@ cdef class PositionWriter(RowWriter):
         self.dim = storage.shape[4]
         self.lo = _ptr(storage)
         self.hi = self.lo + cnp.PyArray_NBYTES(storage)
+        self.lowprec = kind == KVH_F8E4M3 or kind == KVH_F8E5M2 or kind == KVH_I8
+        self.scales = scales
+        self.sc = _scale_ptr(scales)
+        self.slo = self.shi = NULL
+        if self.sc != NULL:
+            self.slo = <const char*>self.sc
+            self.shi = self.slo + cnp.PyArray_NBYTES(<cnp.ndarray>scales)
+        if kind == KVH_I8 and self.sc == NULL:
+            raise ValueError("internal: an int8 pool's writer needs its scales")
+        self.layer_scales = None
+        self.ls = NULL
+        if layer_scales is not None:
+            self.layer_scales = np.ascontiguousarray(layer_scales, np.float32)
+            self.ls = <float*>cnp.PyArray_DATA(<cnp.ndarray>self.layer_scales)
+        self.buf = NULL
+        if self.lowprec:
+            self.buf = _scratch(self.dim)
+
+    def __dealloc__(self):
+        free(self.buf)
 
     cdef Py_ssize_t take(self, object k, object v, RowInput* rows) except -2:
         cdef _Rows kr_, vr_
@@ -325,6 +368,9 @@ cdef class PositionWriter(RowWriter):
         if (kr.p < self.hi and self.lo < kr.p + kr.nbytes) \
                 or (vr.p < self.hi and self.lo < vr.p + vr.nbytes):
             return -1      # a view of the storage: the validated path stages it
+        if self.slo != NULL and ((kr.p < self.shi and self.slo < kr.p + kr.nbytes)
+                                 or (vr.p < self.shi and self.slo < vr.p + vr.nbytes)):
+            return -1      # a view of the int8 scales: likewise
         rows.k = kr.p
         rows.v = vr.p
         rows.n = kr.n
@@ -335,7 +381,21 @@ cdef class PositionWriter(RowWriter):
                    Py_ssize_t start) except -1:
         cdef _Plane plane
         cdef Py_ssize_t n = rows.n
+        cdef Py_ssize_t per_plane = self.storage.shape[1] * self.heads * self.block_size
+        cdef float* k_sc = NULL
+        cdef float ks = 1.0, vs = 1.0
         _plane_of(self.storage, layer, &plane)
+        if self.lowprec:
+            if self.sc != NULL:
+                k_sc = self.sc + 2 * layer * per_plane
+            if self.ls != NULL:
+                ks = self.ls[2 * layer]
+                vs = self.ls[2 * layer + 1]
+            with nogil:
+                _write_positions_q(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
+                                   table, self.block_size, start, &plane, ks, vs, k_sc,
+                                   (k_sc + per_plane) if k_sc != NULL else NULL, self.buf)
+            return 0
         if n * self.heads * self.dim >= POSITIONS_NOGIL_ELEMS:
             with nogil:
                 _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind,
@@ -397,6 +457,9 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
     cdef char* op = _ptr(out)
     cdef Py_ssize_t t = start, stop, off, run, h
     cdef block_id_t b
+    # a low-precision plane read raw: its codes, copied
+    cdef bint raw = src_kind == dst_kind and src_kind >= KVH_F8E4M3
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(cache)
     _aligned_array(out, "out")
     _aligned_array(cache, "cache")
     if block_table.shape[0]:
@@ -410,8 +473,12 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
                 stop = end
             run = stop - t
             for h in range(H):
-                convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
-                          dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
+                if raw:
+                    memcpy(op + h * o_head + (t - start) * o_tok,
+                           cp + b * c_block + h * c_head + off * c_tok, run * D * item)
+                else:
+                    convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
+                              dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
             t = stop
 
 
@@ -478,3 +545,259 @@ def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
                     for t in range(n):
                         convert_n(src_kind, sp + b * s0 + h * s1 + t * s2, dst_kind,
                                   dp + b * d0 + h * d1 + t * d2, D)
+
+
+# ------------------------------------------------------- low-precision storage
+# fp8 (e4m3fn, e5m2; a per-layer float32 scale) and int8 (one float32 scale
+# per token and kv head, in a scale plane (num_blocks, heads, block_size)
+# beside the codes).  Every element goes through float32: a float16/bf16
+# input row is widened (exactly) into a scratch row first, and a widened
+# output is the float32 value converted once more.  The conversions are
+# _convert's (kv_fp8.h): the bits of the NumPy reference (backends/base.py).
+
+cdef inline int _fp8_fmt(int kind) noexcept nogil:
+    return KV_FP8_E4M3 if kind == KVH_F8E4M3 else KV_FP8_E5M2
+
+
+cdef inline void _store_row_q(int src_kind, const char* src, int dst_kind, char* dst,
+                              Py_ssize_t dim, float scale, float* sc_out,
+                              float* buf) noexcept nogil:
+    """One row of ``dim`` elements into low-precision ``dst_kind``; int8
+    writes the row's scale to ``sc_out``."""
+    cdef const float* x
+    if src_kind == KVH_F32:
+        x = <const float*>src
+    else:
+        convert_n(src_kind, src, KVH_F32, buf, dim)
+        x = buf
+    if dst_kind == KVH_I8:
+        sc_out[0] = f32_to_i8_row(x, <int8_t*>dst, dim)
+    else:
+        f32_to_fp8(_fp8_fmt(dst_kind), x, <uint8_t*>dst, dim, scale, 1)
+
+
+cdef inline void _load_run_q(int src_kind, const char* src, Py_ssize_t run, Py_ssize_t dim,
+                             const float* sc, int dst_kind, char* dst, float scale,
+                             float* buf) noexcept nogil:
+    """``run`` consecutive rows of ``dim`` low-precision elements widened to
+    float ``dst_kind`` (int8: row r's scale is ``sc[r]``); ``buf`` holds
+    ``run * dim`` floats when dst_kind is not float32."""
+    cdef float* f = <float*>dst if dst_kind == KVH_F32 else buf
+    cdef Py_ssize_t r
+    if src_kind == KVH_I8:
+        for r in range(run):
+            i8_to_f32(<const int8_t*>src + r * dim, f + r * dim, dim, sc[r])
+    else:
+        fp8_to_f32(_fp8_fmt(src_kind), <const uint8_t*>src, f, run * dim, scale)
+    if dst_kind != KVH_F32:
+        convert_n(KVH_F32, f, dst_kind, dst, run * dim)
+
+
+cdef float* _scratch(Py_ssize_t n) except NULL:
+    cdef float* p = <float*>malloc((n if n > 0 else 1) * sizeof(float))
+    if p == NULL:
+        raise MemoryError("cannot allocate a conversion scratch row")
+    return p
+
+
+cdef inline float* _scale_ptr(object scales) except? NULL:
+    """float32 data of a C-contiguous int8 scale plane, or NULL (fp8)."""
+    cdef cnp.ndarray a
+    if scales is None:
+        return NULL
+    a = <cnp.ndarray>scales
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(a) \
+            or not cnp.PyArray_ISALIGNED(a):
+        raise ValueError("internal: a scale plane must be C-contiguous aligned float32")
+    return <float*>cnp.PyArray_DATA(a)
+
+
+def write_slots_q(cnp.ndarray cache, object scales, cnp.ndarray src, const slot_t[::1] slots,
+                  int src_kind, int dst_kind, float scale):
+    """write_slots into a low-precision plane (Backend.write_slots_q).
+
+    cache: (num_blocks, heads, block_size, dim) C-contiguous (1-byte codes);
+    scales: int8 only, the plane's (num_blocks, heads, block_size) float32,
+    C-contiguous (else None); src: (n, heads, dim), last axis contiguous."""
+    cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
+    cdef Py_ssize_t bs = cache.shape[2]
+    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
+    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
+    cdef char* sp = _ptr(src)
+    cdef char* cp = _ptr(cache)
+    cdef float* sc = _scale_ptr(scales)
+    cdef float dummy
+    cdef Py_ssize_t i, b, off, h
+    cdef slot_t s
+    cdef float* buf
+    _aligned_array(src, "src")
+    if n:
+        _aligned(&slots[0], sizeof(slot_t), "slots")
+    if dst_kind == KVH_I8 and sc == NULL:
+        raise ValueError("internal: an int8 plane needs its scales")
+    buf = _scratch(D)
+    try:
+        with nogil:
+            for i in range(n):
+                s = slots[i]
+                if s < 0:
+                    continue
+                b = s // bs
+                off = s - b * bs
+                for h in range(H):
+                    _store_row_q(src_kind, sp + i * s0 + h * s1, dst_kind,
+                                 cp + b * c_block + h * c_head + off * c_tok, D, scale,
+                                 (sc + (b * H + h) * bs + off) if sc != NULL else &dummy, buf)
+    finally:
+        free(buf)
+
+
+cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t heads,
+                             Py_ssize_t dim, int src_kind, int dst_kind,
+                             const block_id_t* table, Py_ssize_t block_size, Py_ssize_t start,
+                             _Plane* dst, float k_scale, float v_scale, float* k_sc,
+                             float* v_sc, float* buf) noexcept nogil:
+    """_write_positions into low-precision planes: fp8 with the layer's
+    scales, int8 writing each row's scale to the scale planes k_sc / v_sc
+    ((num_blocks, heads, block_size) float32; NULL for fp8)."""
+    cdef Py_ssize_t i, p, h, b, off, row = heads * dim * kind_itemsize(src_kind)
+    cdef Py_ssize_t src_head = dim * kind_itemsize(src_kind)
+    cdef char* d
+    cdef float dummy
+    cdef Py_ssize_t si
+    for i in range(n):
+        p = start + i
+        b = table[p // block_size]
+        off = p % block_size
+        d = dst.keys + b * dst.block + off * dst.token
+        for h in range(heads):
+            si = (b * heads + h) * block_size + off
+            _store_row_q(src_kind, kp + i * row + h * src_head, dst_kind, d + h * dst.head, dim,
+                         k_scale, (k_sc + si) if k_sc != NULL else &dummy, buf)
+            _store_row_q(src_kind, vp + i * row + h * src_head, dst_kind,
+                         d + dst.plane + h * dst.head, dim, v_scale,
+                         (v_sc + si) if v_sc != NULL else &dummy, buf)
+
+
+def write_positions_q(cnp.ndarray storage, object scales, Py_ssize_t layer, cnp.ndarray k,
+                      cnp.ndarray v, const block_id_t[::1] block_table, Py_ssize_t start,
+                      int src_kind, int dst_kind, float k_scale, float v_scale):
+    """write_positions into a low-precision pool's storage; ``scales`` the
+    int8 pool's whole scale array (planes, num_blocks, heads, block_size),
+    else None."""
+    cdef _Plane plane
+    cdef Py_ssize_t n = k.shape[0], heads = k.shape[1], dim = k.shape[2]
+    cdef float* sc = _scale_ptr(scales)
+    cdef float* k_sc = NULL
+    cdef float* v_sc = NULL
+    cdef Py_ssize_t per_plane = storage.shape[1] * heads * storage.shape[3]
+    cdef float* buf
+    _aligned_array(k, "k")
+    _aligned_array(v, "v")
+    if n == 0:
+        return
+    _aligned(&block_table[0], sizeof(block_id_t), "block_table")
+    _plane_of(storage, layer, &plane)
+    if sc != NULL:
+        k_sc = sc + 2 * layer * per_plane
+        v_sc = k_sc + per_plane
+    cdef const char* kp = _ptr(k)
+    cdef const char* vp = _ptr(v)
+    buf = _scratch(dim)
+    try:
+        with nogil:
+            _write_positions_q(kp, vp, n, heads, dim, src_kind, dst_kind,
+                               &block_table[0], storage.shape[3], start, &plane, k_scale,
+                               v_scale, k_sc, v_sc, buf)
+    finally:
+        free(buf)
+
+
+def gather_q(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
+             Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind, int dst_kind,
+             float scale):
+    """gather of a low-precision plane, widened to float ``dst_kind``
+    (Backend.gather_q).  cache C-contiguous; out (heads, end - start, dim)
+    C-contiguous, aligned; scales: int8's scale plane, else None."""
+    cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
+    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
+    cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]
+    cdef char* cp = _ptr(cache)
+    cdef char* op = _ptr(out)
+    cdef float* sc = _scale_ptr(scales)
+    cdef Py_ssize_t t = start, stop, off, run, h
+    cdef block_id_t b
+    cdef float* buf
+    _aligned_array(out, "out")
+    if src_kind == KVH_I8 and sc == NULL:
+        raise ValueError("internal: an int8 plane needs its scales")
+    if block_table.shape[0]:
+        _aligned(&block_table[0], sizeof(block_id_t), "block_table")
+    buf = _scratch(bs * D if dst_kind != KVH_F32 else 1)
+    try:
+        with nogil:
+            while t < end:
+                b = block_table[t // bs]
+                off = t % bs
+                stop = t - off + bs
+                if stop > end:
+                    stop = end
+                run = stop - t
+                for h in range(H):
+                    _load_run_q(src_kind, cp + b * c_block + h * c_head + off * c_tok, run, D,
+                                (sc + (b * H + h) * bs + off) if sc != NULL else NULL,
+                                dst_kind, op + h * o_head + (t - start) * o_tok, scale, buf)
+                t = stop
+    finally:
+        free(buf)
+
+
+def write_contiguous_q(cnp.ndarray dst, object scales, cnp.ndarray src, Py_ssize_t start,
+                       int src_kind, int dst_kind, float scale):
+    """dst[b, h, start + t, :] = src[b, h, t, :] into a low-precision
+    contiguous cache (dst C-contiguous; int8 scales (batch, heads,
+    max_seq_len) float32 C-contiguous, else None)."""
+    cdef Py_ssize_t B = src.shape[0], H = src.shape[1], n = src.shape[2], D = src.shape[3]
+    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1], s2 = src.strides[2]
+    cdef Py_ssize_t d0 = dst.strides[0], d1 = dst.strides[1], d2 = dst.strides[2]
+    cdef Py_ssize_t L = dst.shape[2]
+    cdef char* sp = _ptr(src)
+    cdef char* dp = _ptr(dst)
+    cdef float* sc = _scale_ptr(scales)
+    cdef float dummy
+    cdef Py_ssize_t b, h, t
+    cdef float* buf
+    _aligned_array(src, "src")
+    buf = _scratch(D)
+    try:
+        with nogil:
+            for b in range(B):
+                for h in range(H):
+                    for t in range(n):
+                        _store_row_q(src_kind, sp + b * s0 + h * s1 + t * s2, dst_kind,
+                                     dp + b * d0 + h * d1 + (start + t) * d2, D, scale,
+                                     (sc + (b * H + h) * L + start + t) if sc != NULL
+                                     else &dummy, buf)
+    finally:
+        free(buf)
+
+
+def dequantize(cnp.ndarray src, object scales, int src_kind, cnp.ndarray dst, int dst_kind,
+               float scale):
+    """dst = src widened: C-contiguous (rows, dim) views of the same shape
+    (int8 scales: (rows,) float32 C-contiguous)."""
+    cdef Py_ssize_t rows = src.shape[0], D = src.shape[1], r
+    cdef float* sc = _scale_ptr(scales)
+    cdef float* buf
+    cdef char* sp = _ptr(src)
+    cdef char* dp = _ptr(dst)
+    cdef Py_ssize_t drow = D * kind_itemsize(dst_kind)
+    _aligned_array(dst, "dst")
+    buf = _scratch(D if dst_kind != KVH_F32 else 1)
+    try:
+        with nogil:
+            for r in range(rows):
+                _load_run_q(src_kind, sp + r * D, 1, D, (sc + r) if sc != NULL else NULL,
+                            dst_kind, dp + r * drow, scale, buf)
+    finally:
+        free(buf)

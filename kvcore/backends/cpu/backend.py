@@ -79,12 +79,52 @@ class CPUBackend(Backend):
             a = np.array(a, order="C", copy=True)
         return a
 
-    def row_writer(self, storage, kind):
+    def row_writer(self, storage, kind, scales=None, layer_scales=None):
         """The C-level writer a sequence's appends go through (PagedKVCache.append:
         one native call per append); it writes with write_positions' loop."""
         if isinstance(storage, np.ndarray) and storage.flags.c_contiguous:
-            return _kernels.PositionWriter(storage, kind)
+            return _kernels.PositionWriter(storage, kind, scales, layer_scales)
         return None
+
+    # ------------------------------------------------- low-precision storage
+    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
+        src = _kernels.apart(src, cache)
+        if scales is not None:
+            src = _kernels.apart(src, scales)
+        if not (src.flags.c_contiguous and src.flags.aligned):
+            src = self.inner_contiguous(src)
+        _kernels.write_slots_q(cache, scales, src, slots, src_kind, dst_kind, scale)
+
+    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
+        _kernels.gather_q(cache, scales, block_table, start, end, out, src_kind, dst_kind, scale)
+
+    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
+                       scale):
+        out[...] = 0
+        for s in range(out.shape[0]):
+            n = int(lengths[s])
+            if n:
+                # (rows of a head back to back, as gather_q writes them)
+                _kernels.gather_q(cache, scales, _aligned_ids(block_tables[s]), 0, n,
+                                  out[s, :, :n] if n < out.shape[2] else out[s], src_kind,
+                                  dst_kind, scale)
+
+    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
+        assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
+        src = _kernels.apart(src, dst)
+        _kernels.write_contiguous_q(dst, scales, self.inner_contiguous(src), start, src_kind,
+                                    dst_kind, scale)
+
+    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
+        d = src.shape[-1]
+        s2 = np.ascontiguousarray(src).reshape(-1, d)
+        sc = None if scales is None else np.ascontiguousarray(scales, np.float32).reshape(-1)
+        if dst.flags.c_contiguous and dst.flags.aligned:
+            _kernels.dequantize(s2, sc, src_kind, dst.reshape(-1, d), dst_kind, scale)
+        else:
+            tmp = np.empty(dst.shape, dst.dtype)
+            _kernels.dequantize(s2, sc, src_kind, tmp.reshape(-1, d), dst_kind, scale)
+            dst[...] = tmp
 
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
         """out: (heads, end - start, dim), C-contiguous, aligned, apart from

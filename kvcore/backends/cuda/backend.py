@@ -78,6 +78,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    lowprec = False   # fp8 / int8 pools: not on this backend yet
 
     def __init__(self, cupy, device_id):
         self._cp = cupy

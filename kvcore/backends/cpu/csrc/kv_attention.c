@@ -23,6 +23,7 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #include "kv_attention.h"
+#include "kv_fp8.h" /* the scalar fp8 definition (static inline) */
 
 #include <math.h>
 #include <stdlib.h>
@@ -54,6 +55,12 @@
 #define KVA_WIDEN_ROWS 4
 
 #define KVA_LOG2E 1.4426950408889634f
+
+/* Bytes per stored element of a kind. */
+static inline int kva_isz(int kind)
+{
+    return kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
+}
 
 /* ------------------------------------------------------------------ */
 /* Kernel table                                                        */
@@ -112,6 +119,18 @@ static inline void widen_row_scalar(const char *src, int kind, float *dst, int D
         const uint16_t *h = (const uint16_t *)src;
         for (int d = 0; d < D; d++)
             dst[d] = f16_to_f32_scalar(h[d]);
+    } else if (kind == KVA_F8E4M3) {
+        const uint8_t *b = (const uint8_t *)src;
+        for (int d = 0; d < D; d++)
+            dst[d] = kv_fp8_float(kv_e4m3_to_f32_one(b[d]));
+    } else if (kind == KVA_F8E5M2) {
+        const uint8_t *b = (const uint8_t *)src;
+        for (int d = 0; d < D; d++)
+            dst[d] = kv_fp8_float(kv_e5m2_to_f32_one(b[d]));
+    } else if (kind == KVA_I8) {
+        const int8_t *c = (const int8_t *)src;
+        for (int d = 0; d < D; d++)
+            dst[d] = (float)c[d];
     } else {
         const uint16_t *b = (const uint16_t *)src;
         for (int d = 0; d < D; d++) {
@@ -176,6 +195,9 @@ static void pv_scalar(int kind, const float *P, int M, int D, const char *const 
 KVA_SCALAR_KIND(f32, KVA_F32)
 KVA_SCALAR_KIND(f16, KVA_F16)
 KVA_SCALAR_KIND(bf16, KVA_BF16)
+KVA_SCALAR_KIND(e4m3, KVA_F8E4M3)
+KVA_SCALAR_KIND(e5m2, KVA_F8E5M2)
+KVA_SCALAR_KIND(i8, KVA_I8)
 
 static float row_max_scalar(const float *s, int ntp)
 {
@@ -213,10 +235,13 @@ static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
         y[i] = exp2_neg_scalar_one(x[i]);
 }
 
-static const kva_kernels kernels_scalar[3] = {
+static const kva_kernels kernels_scalar[6] = {
     {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar},
     {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar},
     {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar},
+    {scores_e4m3_scalar, pv_e4m3_scalar, widen_e4m3_scalar},
+    {scores_e5m2_scalar, pv_e5m2_scalar, widen_e5m2_scalar},
+    {scores_i8_scalar, pv_i8_scalar, widen_i8_scalar},
 };
 static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap_scalar,
                                      exp2_neg_scalar};
@@ -229,13 +254,37 @@ static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap
 #define KVA_TARGET __attribute__((target("avx2,fma,f16c")))
 #define KVA_INLINE static inline __attribute__((always_inline)) KVA_TARGET
 
-/* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift). */
+/* 8 fp8 e4m3fn elements at p, widened: each byte, sign-extended to 16 bits
+ * and shifted left by 7, is a half with the byte's sign, exponent and
+ * mantissa (bit 14, the sign's copy, cleared); e4m3's exponent bias 7 is the
+ * half's 15 less 8, so the half is the value times 2^-8, subnormals
+ * included: F16C, then times 2^8.  S.1111.111 (NaN) gets the half's all-ones
+ * exponent. */
+KVA_INLINE __m256 load8_e4m3_avx2(const char *p)
+{
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80));
+    __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(h, _mm_set1_epi16((short)0x8000)),
+                                  _mm_set1_epi16((short)0xBF80));
+    h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+/* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift;
+ * e5m2: the high byte of a half; int8: the code, unscaled). */
 KVA_INLINE __m256 load8_avx2(const char *p, int kind)
 {
     if (kind == KVA_F32)
         return _mm256_loadu_ps((const float *)p);
     if (kind == KVA_F16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (kind == KVA_F8E4M3)
+        return load8_e4m3_avx2(p);
+    if (kind == KVA_F8E5M2)
+        return _mm256_cvtph_ps(
+            _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+    if (kind == KVA_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -326,7 +375,7 @@ KVA_INLINE __m256 tanh_avx2(__m256 x)
 KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, int kind, int RB,
                                int KB, int r, int i, float *S)
 {
-    const int isz = kind == KVA_F32 ? 4 : 2;
+    const int isz = kva_isz(kind);
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int a = 0; a < 8; a++)
@@ -378,7 +427,7 @@ KVA_INLINE void scores_avx2(int kind, const float *Qs, int M, int D, const char 
 KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, int nt, int kind,
                               int RB, int DB, int r, int d, float *acc, const float *alpha)
 {
-    const int isz = kind == KVA_F32 ? 4 : 2;
+    const int isz = kva_isz(kind);
     __m256 a[16];
 #pragma GCC unroll 8
     for (int rb = 0; rb < RB; rb++) {
@@ -438,7 +487,7 @@ KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *cons
     KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
                                                float *dst)                                    \
     {                                                                                         \
-        const int isz = kind == KVA_F32 ? 4 : 2;                                              \
+        const int isz = kva_isz(kind);                                              \
         for (int i = 0; i < n; i++)                                                           \
             for (int d = 0; d < D; d += 8)                                                    \
                 _mm256_storeu_ps(dst + (size_t)i * D + d,                                     \
@@ -461,6 +510,9 @@ KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *cons
 KVA_AVX2_KIND(f32, KVA_F32)
 KVA_AVX2_KIND(f16, KVA_F16)
 KVA_AVX2_KIND(bf16, KVA_BF16)
+KVA_AVX2_KIND(e4m3, KVA_F8E4M3)
+KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
+KVA_AVX2_KIND(i8, KVA_I8)
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)
 {
@@ -508,10 +560,13 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
     }
 }
 
-static const kva_kernels kernels_avx2[3] = {
+static const kva_kernels kernels_avx2[6] = {
     {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2},
     {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2},
     {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2},
+    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2},
+    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2},
+    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2},
 };
 static const kva_math math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2,
                                    exp2_neg_n_avx2};
@@ -1175,6 +1230,36 @@ static inline void prefetch_rows(const char *const *rows, int n, size_t row_byte
     }
 }
 
+/* An fp8 layer scale; 0 (a zero-initialised kva_args) means none. */
+static inline float layer_scale(float s)
+{
+    return s == 0.0f ? 1.0f : s;
+}
+
+/* Low precision: the scales of keys t0..t0+nt-1 of kv head g (ks, vs),
+ * and the scores of the tile's M rows times the keys' scales. */
+static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t t0, int nt,
+                        float *ks, float *vs, float *S, int M)
+{
+    if (a->key_scales != NULL) {
+        for (int i = 0; i < nt; i++) {
+            int64_t t = t0 + i, blk = t / a->block_size;
+            size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size +
+                        (size_t)(t - blk * a->block_size);
+            ks[i] = a->key_scales[at];
+            vs[i] = a->value_scales[at];
+        }
+    } else {
+        for (int i = 0; i < nt; i++) {
+            ks[i] = layer_scale(a->k_scale);
+            vs[i] = layer_scale(a->v_scale);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < nt; i++)
+            S[r * KVA_KEY_TILE + i] *= ks[i];
+}
+
 static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
 {
     const kva_args *a = job->a;
@@ -1213,7 +1298,12 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
     }
     memset(ws->acc, 0, (size_t)M * D * sizeof(float));
 
-    const size_t row_bytes = (size_t)D * (a->kind == KVA_F32 ? 4 : 2);
+    const size_t row_bytes = (size_t)D * kva_isz(a->kind);
+    /* low precision: row i of a tile reads as its elements times ks[i]
+     * (keys) / vs[i] (values), applied to its scores and its weights */
+    const int scaled = a->key_scales != NULL || layer_scale(a->k_scale) != 1.0f ||
+                       layer_scale(a->v_scale) != 1.0f;
+    float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, krow, vrow);
@@ -1234,6 +1324,8 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
         } else {
             kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp);
         }
+        if (scaled)
+            tile_scales(a, table, g, t0, nt, ks, vs, ws->S, M);
         for (int r = 0; r < M; r++) {
             float *srow = ws->S + r * KVA_KEY_TILE;
             if (capped)
@@ -1259,6 +1351,9 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             float sum = math->row_exp_sum(srow, ntp, mnew);
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
+            if (scaled) /* the visible keys' weights times their values' scales */
+                for (int64_t i = first; i < last; i++)
+                    srow[i] *= vs[i];
         }
         if (widen) {
             kern->widen(vrow, nt, D, ws->vf);
@@ -1322,7 +1417,8 @@ static int by_cost(const void *x, const void *y)
 int kva_paged_attention(const kva_args *a)
 {
     if (a->num_heads <= 0 || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads ||
-        a->head_dim <= 0 || a->block_size <= 0 || a->kind < 0 || a->kind > 2)
+        a->head_dim <= 0 || a->block_size <= 0 || a->kind < 0 || a->kind > KVA_I8 ||
+        (a->kind == KVA_I8) != (a->key_scales != NULL && a->value_scales != NULL))
         return KVA_EINVAL;
     int level = kva_current_level();
     /* the AVX2 (NEON) kernels work on whole vectors of 8 (4) dims */

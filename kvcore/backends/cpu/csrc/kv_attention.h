@@ -33,6 +33,9 @@ extern "C" {
 
 /* Element kinds (the numbering of kvcore._dtypes and kv_half.h). */
 enum { KVA_F32 = 0, KVA_F16 = 1, KVA_BF16 = 2 };
+/* Low-precision storage: fp8 bits (a per-layer scale) and int8 codes (a
+ * float32 scale per token and kv head). */
+enum { KVA_F8E4M3 = 3, KVA_F8E5M2 = 4, KVA_I8 = 5 };
 
 /* Instruction-set levels of the kernels. */
 enum { KVA_SCALAR = 0, KVA_AVX2 = 1, KVA_NEON = 2, KVA_NUM_LEVELS = 3 };
@@ -45,7 +48,7 @@ typedef struct {
     float *out;                  /* same shape, C-contiguous; must not overlap q or the caches */
     const char *key_cache;
     const char *value_cache;
-    int kind;                    /* KVA_F32 / KVA_F16 / KVA_BF16 */
+    int kind;                    /* KVA_F32 / KVA_F16 / KVA_BF16 / KVA_F8E4M3 / KVA_F8E5M2 / KVA_I8 */
     ptrdiff_t block_stride;      /* bytes between blocks */
     ptrdiff_t head_stride;       /* bytes between kv heads of a block */
     ptrdiff_t row_stride;        /* bytes between positions of a block (rows contiguous) */
@@ -60,6 +63,14 @@ typedef struct {
     int64_t sliding_window;      /* 0: none */
     float soft_cap;              /* 0: none; else cap * tanh(score / cap) */
     int num_threads;             /* >= 1 */
+    /* Low-precision kinds.  A stored row reads as its elements times its
+     * scale: int8, the row's scale in key_scales / value_scales (float32
+     * planes (num_blocks, num_kv_heads, block_size), C-contiguous; NULL for
+     * other kinds); fp8, k_scale / v_scale (the layer's; 1 or 0 -- "none" --
+     * for other kinds, so a zero-initialised kva_args needs no change). */
+    const float *key_scales;
+    const float *value_scales;
+    float k_scale, v_scale;
 } kva_args;
 
 /* Run attention; returns KVA_OK, KVA_ENOMEM (nothing written) or KVA_EINVAL. */
