@@ -380,3 +380,19 @@ def test_example_runs_and_reports_prefix_hits():
     hits = [int(line.split()[-1]) for line in run.stdout.splitlines()
             if line.startswith("request 2") and "prefix_hits" in line]
     assert hits and hits[0] > 0, run.stdout
+
+
+def test_benchmark_runs_and_reports_goals():
+    """bench/bench_hf.py's code on tiny sizes (speed is never asserted)."""
+    from kvcore.cli import BENCHMARKS, ON_REQUEST
+    from kvcore.cli.benchmarks import hf as bench
+
+    assert "hf" in dict(BENCHMARKS) and "hf" in ON_REQUEST
+    r = bench.run(prompt=48, new=4, repeat=1)
+    for b in ("batch1", "batch4"):
+        assert r[b]["ratio_tok_s"] > 0
+        # float16 pages hold half of DynamicCache's float32 bytes, rounded up to blocks
+        assert 0.5 <= r[b]["kv_bytes_fraction"] < 0.75
+    assert r["ttft"]["hit_tokens"] == 48
+    text = bench.report(r)
+    assert "goals:" in text and "time to first token" in text
