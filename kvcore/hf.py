@@ -167,12 +167,15 @@ class _PagedLayer(CacheLayerMixin):
         return self._cache.update(key_states, value_states, self._layer_idx)
 
     def get_mask_sizes(self, query_length):
-        return self._cache._length + query_length, 0
+        return self._cache._length + _query_length(query_length), 0
 
     def get_seq_length(self):
         return self._cache._length
 
     def get_max_length(self):
+        return -1
+
+    def get_max_cache_shape(self):     # transformers < 5.x's name of get_max_length
         return -1
 
     # the whole cache acts once (Cache.crop etc. are overridden)
@@ -286,9 +289,10 @@ class PagedCache(Cache):
         pads = np.zeros(batch, np.int64)
         mask = self._pending_mask
         if mask is not None:
+            if tuple(mask.shape) != (batch, q):
+                raise ValueError(f"the first forward's attention_mask must be (batch, columns) "
+                                 f"= ({batch}, {q}), got {tuple(mask.shape)}")
             pads = _left_pads(mask, "attention_mask")
-            if pads.shape[0] != batch or mask.shape[1] != q:
-                pads = np.zeros(batch, np.int64)
         seqs = []
         # the ids are not known: a private salt makes sure the placeholder id
         # can never meet another sequence's blocks, and with one known token
@@ -456,9 +460,14 @@ class PagedCache(Cache):
         elif batch != len(self._seqs) or q != step.q:
             raise ValueError(f"layer {layer_idx} got K/V for {batch} rows x {q} columns, this "
                              f"step has {len(self._seqs)} x {step.q}")
-        # (batch, heads, q, dim) -> (batch * q, heads, dim): a view for q == 1
-        k_rows = key_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
-        v_rows = value_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+        # (batch, heads, q, dim) -> (batch * q, heads, dim): for q == 1 the
+        # same order without a transpose (a view when contiguous)
+        if q == 1:
+            k_rows = key_states.detach().reshape(batch, heads, dim)
+            v_rows = value_states.detach().reshape(batch, heads, dim)
+        else:
+            k_rows = key_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+            v_rows = value_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
         pool.write(layer_idx, k_rows, v_rows, step.slots)
         for i, seq in enumerate(self._seqs):
             n = int(step.counts[i])
@@ -486,11 +495,16 @@ class PagedCache(Cache):
         return self._length
 
     def get_mask_sizes(self, query_length, layer_idx=0):
+        """``(length + query_length, 0)``: every column is kept.  (Older
+        transformers pass the query's ``cache_position`` tensor instead.)"""
         self._kvcore_forward = False
         _mask_call.cache = self
-        return self._length + query_length, 0
+        return self._length + _query_length(query_length), 0
 
     def get_max_length(self, layer_idx=None):
+        return -1
+
+    def get_max_cache_shape(self, layer_idx=0):
         return -1
 
     @property
@@ -592,6 +606,12 @@ class PagedCache(Cache):
                 f"pool={self.pool!r})")
 
 
+def _query_length(query):
+    """The query length transformers passes to get_mask_sizes: an int, or
+    (transformers 5.0-5.x) the query's cache_position tensor."""
+    return int(query.shape[0]) if isinstance(query, torch.Tensor) else int(query)
+
+
 def _left_pads(mask, arg):
     """Padding columns before each row's first token of a 2-D 0/1 mask;
     raises ValueError unless the mask is left padding."""
@@ -612,19 +632,24 @@ def _left_pads(mask, arg):
 
 
 # ------------------------------------------------------------------ attention
-def _kvcore_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
+def _kvcore_mask(*args, **kwargs):
     """Mask function of ``attn_implementation="kvcore"``: a PagedCache needs
     no mask (the kernel is causal over each row's own positions); it gets the
     padding of a first forward instead.  Otherwise sdpa's mask."""
     cache = getattr(_mask_call, "cache", None)
     _mask_call.cache = None
-    if isinstance(cache, PagedCache) and cache._length + (q_length or 0) == kv_length:
-        cache._kvcore_forward = True
-        if not cache._seqs and attention_mask is not None:
-            cache._pending_mask = attention_mask
-        return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                     attention_mask=attention_mask, **kwargs)
+    if isinstance(cache, PagedCache) and not args:
+        if "q_length" in kwargs:
+            q_length = kwargs["q_length"]
+        else:                                  # transformers 5.0-5.x
+            q_length = _query_length(kwargs.get("cache_position", 0))
+        if cache._length + q_length == kwargs.get("kv_length"):
+            cache._kvcore_forward = True
+            mask = kwargs.get("attention_mask")
+            if not cache._seqs and mask is not None:
+                cache._pending_mask = mask
+            return None
+    return sdpa_mask(*args, **kwargs)
 
 
 def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -647,8 +672,14 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     cache, step, layer = ref
     cache._attention_plan(step)
     batch, heads, q, dim = query.shape
-    rows = query.detach().transpose(1, 2).reshape(batch * q, heads, dim)
-    out = torch.zeros((batch, q, heads, dim), dtype=query.dtype)
+    if q == 1:
+        rows = query.detach().reshape(batch, heads, dim)
+    else:
+        rows = query.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+    if step.query_rows is None:
+        out = torch.empty((batch, q, heads, dim), dtype=query.dtype)
+    else:   # padding columns of a first forward: zeros
+        out = torch.zeros((batch, q, heads, dim), dtype=query.dtype)
     flat = out.view(batch * q, heads, dim)
     if step.query_rows is not None:
         rows = rows[step.query_rows]
@@ -669,8 +700,9 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _kvcore_mask)
 
 
 # ------------------------------------------------------------------ generate
-def _cache_keyword(model):
-    """``cache`` (transformers >= 5.x) or ``past_key_values`` (older)."""
+def cache_keyword(model):
+    """The keyword ``model`` takes its cache by: ``"cache"`` (recent
+    transformers 5) or ``"past_key_values"`` (earlier)."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
@@ -725,7 +757,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
         hook = model.register_forward_pre_hook(cache._pre_forward, with_kwargs=True)
         try:
             return model.generate(input_ids, attention_mask=attention_mask,
-                                  **{_cache_keyword(model): cache}, **generate_kwargs)
+                                  **{cache_keyword(model): cache}, **generate_kwargs)
         finally:
             hook.remove()
     finally:

@@ -72,15 +72,20 @@ def _prompts(lengths, seed=1):
     return ids, mask
 
 
+def _kw(model, cache):
+    """``cache=cache`` in the keyword this transformers version takes."""
+    return {kvcore.hf.cache_keyword(model): cache}
+
+
 def _dynamic(model, ids, mask, **kw):
-    return model.generate(ids, attention_mask=mask, cache=transformers.DynamicCache(),
+    return model.generate(ids, attention_mask=mask, **_kw(model, transformers.DynamicCache()),
                           **kw)
 
 
 def _paged(model, ids, mask, dtype="float32", **kw):
     pool = pool_for(model.config, 256, dtype=dtype, block_size=16)
     with PagedCache(pool) as cache:
-        out = model.generate(ids, attention_mask=mask, cache=cache, **kw)
+        out = model.generate(ids, attention_mask=mask, **_kw(model, cache), **kw)
     assert pool.num_used_blocks == 0
     pool.check()
     return out
@@ -122,10 +127,11 @@ def test_mismatched_pool_raises_clear_errors():
         kvcore.hf.generate(model, ids, wrong, attention_mask=mask, max_new_tokens=2)
     assert wrong.num_used_blocks == 0
     with pytest.raises(ValueError, match="the pool 4 of dimension 16"):
-        model.generate(ids, attention_mask=mask, cache=PagedCache(wrong), max_new_tokens=2)
+        model.generate(ids, attention_mask=mask, **_kw(model, PagedCache(wrong)), max_new_tokens=2)
     few_layers = kvcore.BlockPool(16, 16, 1, 2, 16, dtype="float32")
     with pytest.raises(IndexError, match="layer_idx must be in 0..0"):
-        model.generate(ids, attention_mask=mask, cache=PagedCache(few_layers), max_new_tokens=2)
+        model.generate(ids, attention_mask=mask, **_kw(model, PagedCache(few_layers)),
+                       max_new_tokens=2)
     with pytest.raises(TypeError, match="pool must be a kvcore.BlockPool"):
         PagedCache("pool")
     with pytest.raises(ValueError, match="float16"):
@@ -204,9 +210,11 @@ def test_prompt_lookup_matches_dynamic_cache(attn):
     motif = torch.randint(3, VOCAB, (6,), generator=g)
     ids = motif.repeat(5)[None, :]
     mask = torch.ones_like(ids)
-    kw = dict(max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
+    # (transformers 5.0's prompt lookup needs an eos_token_id)
+    kw = dict(max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4, eos_token_id=2)
     want = _dynamic(model_for("llama"), ids, mask, **kw)
-    plain = _dynamic(model_for("llama"), ids, mask, max_new_tokens=16, do_sample=False)
+    plain = _dynamic(model_for("llama"), ids, mask, max_new_tokens=16, do_sample=False,
+                     eos_token_id=2)
     assert torch.equal(want, plain)
     got = _paged(model_for("llama", attn), ids, mask, **kw)
     assert torch.equal(got, want)
@@ -220,13 +228,13 @@ def test_forward_loop_crop_and_seq_length():
     cache = PagedCache(pool)
     dyn = transformers.DynamicCache()
     with torch.no_grad():
-        a = model(ids, cache=cache).logits
-        b = model(ids, cache=dyn).logits
+        a = model(ids, **_kw(model, cache)).logits
+        b = model(ids, **_kw(model, dyn)).logits
         assert torch.equal(a, b)
         assert cache.get_seq_length() == 20 and cache.get_mask_sizes(3, 0) == (23, 0)
         step = torch.tensor([[7, 8, 9]])
-        model(step, cache=cache)
-        model(step, cache=dyn)
+        model(step, **_kw(model, cache))
+        model(step, **_kw(model, dyn))
         assert cache.get_seq_length() == 23
         cache.crop(0)                        # transformers 5: nothing to remove
         assert cache.get_seq_length() == 23
@@ -235,7 +243,7 @@ def test_forward_loop_crop_and_seq_length():
         assert cache.get_seq_length() == 20
         assert cache.rows[0].num_computed == 20
         again = torch.tensor([[11, 12]])
-        assert torch.equal(model(again, cache=cache).logits, model(again, cache=dyn).logits)
+        assert torch.equal(model(again, **_kw(model, cache)).logits, model(again, **_kw(model, dyn)).logits)
     with pytest.raises(ValueError, match="crop"):
         cache.crop(-30)
     cache.free()
@@ -262,8 +270,8 @@ def test_low_precision_storage_logit_error_bounded(dtype, bound, attn):
         pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
         for lo, hi in [(0, width)] + [(c, c + 1) for c in range(width, width + 15)]:
             kw = dict(attention_mask=full_mask[:, :hi], position_ids=pos[:, lo:hi])
-            a = model(seq[:, lo:hi], cache=cache, **kw).logits
-            b = ref_model(seq[:, lo:hi], cache=dyn, **kw).logits
+            a = model(seq[:, lo:hi], **_kw(model, cache), **kw).logits
+            b = ref_model(seq[:, lo:hi], **_kw(model, dyn), **kw).logits
             real = mask[:, lo:hi].bool() if hi <= width else torch.ones(4, hi - lo, dtype=bool)
             err = (a - b).abs()[real].max() / (b[real].max() - b[real].min())
             worst = max(worst, float(err))
@@ -355,7 +363,7 @@ def test_generate_rejects_bad_arguments():
     with pytest.raises(ValueError, match="no tokens"):
         kvcore.hf.generate(model, ids, pool, attention_mask=torch.tensor([[0, 0, 0]]))
     with pytest.raises(ValueError, match="makes its own cache"):
-        kvcore.hf.generate(model, ids, pool, cache=transformers.DynamicCache())
+        kvcore.hf.generate(model, ids, pool, **_kw(model, transformers.DynamicCache()))
     with pytest.raises(ValueError, match="input_ids must be a 2-D torch tensor"):
         kvcore.hf.generate(model, [[5, 6]], pool)
     assert pool.num_used_blocks == 0
