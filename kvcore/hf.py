@@ -22,6 +22,7 @@ in the pool, so rows with different padding share prefix blocks.
 """
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -498,7 +499,7 @@ class PagedCache(Cache):
         """``(length + query_length, 0)``: every column is kept.  (Older
         transformers pass the query's ``cache_position`` tensor instead.)"""
         self._kvcore_forward = False
-        _mask_call.cache = self
+        _mask_call.cache = weakref.ref(self)     # never keeps a dropped cache's blocks
         return self._length + _query_length(query_length), 0
 
     def get_max_length(self, layer_idx=None):
@@ -636,7 +637,8 @@ def _kvcore_mask(*args, **kwargs):
     """Mask function of ``attn_implementation="kvcore"``: a PagedCache needs
     no mask (the kernel is causal over each row's own positions); it gets the
     padding of a first forward instead.  Otherwise sdpa's mask."""
-    cache = getattr(_mask_call, "cache", None)
+    ref = getattr(_mask_call, "cache", None)
+    cache = ref() if ref is not None else None
     _mask_call.cache = None
     if isinstance(cache, PagedCache) and not args:
         if "q_length" in kwargs:

@@ -220,6 +220,25 @@ def test_prompt_lookup_matches_dynamic_cache(attn):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_sliding_window_model_matches_dynamic_cache(attn):
+    """Mistral with an 8-token window: the window applies per row, padding
+    excluded (the kvcore kernel gets the model's sliding_window)."""
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids, mask = _prompts([30, 23])
+    kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask,
+                          **_kw(model, transformers.DynamicCache(config=config)), **kw)
+    model.set_attn_implementation(attn)
+    assert torch.equal(_paged(model, ids, mask, **kw), want)
+
+
 def test_forward_loop_crop_and_seq_length():
     """A hand-written forward loop: get_seq_length, get_mask_sizes, crop."""
     model = model_for("llama")
@@ -247,6 +266,21 @@ def test_forward_loop_crop_and_seq_length():
     with pytest.raises(ValueError, match="crop"):
         cache.crop(-30)
     cache.free()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_a_dropped_cache_gives_its_blocks_back(attn):
+    import gc
+
+    model = model_for("llama", attn)
+    pool = pool_for(model.config, 32, dtype="float32")
+    ids, mask = _prompts([40, 30])
+    cache = PagedCache(pool)
+    model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=3)
+    assert pool.num_used_blocks > 0
+    del cache
+    gc.collect()
     assert pool.num_used_blocks == 0
 
 
