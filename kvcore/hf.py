@@ -28,7 +28,6 @@ import numpy as np
 
 try:
     import torch
-    import transformers
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -12,7 +12,6 @@ import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 if os.environ.get("KVCORE_REQUIRE_HF", "") not in ("", "0"):

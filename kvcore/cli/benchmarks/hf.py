@@ -27,8 +27,6 @@ interleaved, after one warm-up round).  torch and transformers are needed
 import statistics
 import time
 
-import numpy as np
-
 HIDDEN, LAYERS, HEADS, KV_HEADS = 256, 4, 8, 2
 VOCAB = 1000
 
