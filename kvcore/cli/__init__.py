@@ -27,8 +27,11 @@ BENCHMARKS = (
     ("gpu", "GPU (CuPy) kernels"),
     ("attention", "paged_attention against torch SDPA and gather + NumPy"),
     ("lowprec", "fp8/int8 pools against float16: paged write, bytes/token, decode"),
+    ("hf", "kvcore.hf against transformers' DynamicCache + sdpa (minutes; only with --only)"),
 )
-OPTIONAL = {"convert", "gpu"}
+OPTIONAL = {"convert", "gpu", "hf"}
+# run only when --only names them (they take minutes, or need extras)
+ON_REQUEST = {"hf"}
 
 
 def _parser():
@@ -223,6 +226,8 @@ def bench_main(args, parser):
         if bad or not chosen:
             parser.error(f"--only: expected names among {', '.join(names)}, got {args.only!r}")
         names = [n for n in names if n in chosen]
+    else:
+        names = [n for n in names if n not in ON_REQUEST]
     if args.plot:
         if "sweep" not in names:
             parser.error("--plot draws the sweep benchmark; add sweep to --only")

@@ -1,0 +1,439 @@
+"""kvcore.hf: the transformers Cache, prefix reuse across generate calls and
+attn_implementation="kvcore", on tiny models built from configs with seeded
+random weights (no downloads).
+
+Skips without torch and transformers, except with KVCORE_REQUIRE_HF=1 (set
+by .ci/run, which installs the ``hf`` extra): then a missing or broken
+install fails the module instead.
+"""
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("KVCORE_REQUIRE_HF", "") not in ("", "0"):
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+import kvcore
+import kvcore.hf
+from kvcore.hf import PagedCache, pool_for
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 96
+PAD = 0
+
+
+def _tiny(family, attn="sdpa", seed=0):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config)
+    model.set_attn_implementation(attn)
+    model.eval()
+    model.generation_config.eos_token_id = None   # every call runs max_new_tokens
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+_models = {}
+
+
+def model_for(family, attn="sdpa"):
+    key = (family, attn)
+    if key not in _models:
+        _models[key] = _tiny(family, attn)
+    return _models[key]
+
+
+def _prompts(lengths, seed=1):
+    """Left-padded input_ids and attention_mask for prompts of ``lengths``."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def _kw(model, cache):
+    """``cache=cache`` in the keyword this transformers version takes."""
+    return {kvcore.hf.cache_keyword(model): cache}
+
+
+def _dynamic(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, **_kw(model, transformers.DynamicCache()),
+                          **kw)
+
+
+def _paged(model, ids, mask, dtype="float32", **kw):
+    pool = pool_for(model.config, 256, dtype=dtype, block_size=16)
+    with PagedCache(pool) as cache:
+        out = model.generate(ids, attention_mask=mask, **_kw(model, cache), **kw)
+    assert pool.num_used_blocks == 0
+    pool.check()
+    return out
+
+
+BATCHES = {"b1": [37], "b4": [37, 20, 5, 29]}
+
+
+# ------------------------------------------------------------------ pool_for
+def test_pool_for_shapes_and_bad_configs():
+    model = model_for("llama")
+    pool = pool_for(model.config, 8, dtype="float32", block_size=4)
+    assert (pool.num_layers, pool.num_kv_heads, pool.head_dim) == (2, 2, 16)
+    assert pool.dtype == "float32" and pool.block_size == 4
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=0)
+    with pytest.raises(ValueError, match="num_key_value_heads must be a positive integer"):
+        pool_for(cfg, 8)
+    cfg = transformers.LlamaConfig(num_hidden_layers=0, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        pool_for(cfg, 8)
+    # transformers' own configs validate this; a plain object is read the same way
+    cfg = types.SimpleNamespace(num_hidden_layers=2, hidden_size=60, num_attention_heads=8)
+    with pytest.raises(ValueError, match="not a multiple of num_attention_heads"):
+        pool_for(cfg, 8)
+    cfg = types.SimpleNamespace(num_hidden_layers=2, hidden_size=64)
+    with pytest.raises(ValueError, match="neither num_key_value_heads nor num_attention_heads"):
+        pool_for(cfg, 8)
+    cfg = types.SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    assert pool_for(cfg, 2).num_kv_heads == 4 and pool_for(cfg, 2).head_dim == 16
+
+
+def test_mismatched_pool_raises_clear_errors():
+    model = model_for("llama")
+    ids, mask = _prompts([10])
+    wrong = kvcore.BlockPool(16, 16, 2, 4, 16, dtype="float32")     # 4 KV heads, model has 2
+    with pytest.raises(ValueError, match=r"pool does not fit the model.*\(2, 2, 16\).*\(2, 4, 16\)"):
+        kvcore.hf.generate(model, ids, wrong, attention_mask=mask, max_new_tokens=2)
+    assert wrong.num_used_blocks == 0
+    with pytest.raises(ValueError, match="the pool 4 of dimension 16"):
+        model.generate(ids, attention_mask=mask, **_kw(model, PagedCache(wrong)), max_new_tokens=2)
+    few_layers = kvcore.BlockPool(16, 16, 1, 2, 16, dtype="float32")
+    with pytest.raises(IndexError, match="layer_idx must be in 0..0"):
+        model.generate(ids, attention_mask=mask, **_kw(model, PagedCache(few_layers)),
+                       max_new_tokens=2)
+    with pytest.raises(TypeError, match="pool must be a kvcore.BlockPool"):
+        PagedCache("pool")
+    with pytest.raises(ValueError, match="float16"):
+        PagedCache(kvcore.BlockPool(4, 4, 2, 2, 16, dtype="int8")) \
+            if "int8" in _dtypes_supported() else PagedCache(_FakeDtypePool())
+
+
+def _dtypes_supported():
+    try:
+        kvcore.BlockPool(1, 1, 1, 1, 1, dtype="int8")
+        return {"int8"}
+    except (ValueError, TypeError):
+        return set()
+
+
+class _FakeDtypePool(kvcore.BlockPool):
+    def __init__(self):
+        super().__init__(4, 4, 2, 2, 16, dtype="float32")
+
+    @property
+    def dtype(self):
+        return "float8_e4m3fn"
+
+
+# ------------------------------------------------------------------ tokens identical
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_greedy_matches_dynamic_cache(family, batch):
+    model = model_for(family)
+    ids, mask = _prompts(BATCHES[batch])
+    want = _dynamic(model, ids, mask, max_new_tokens=12, do_sample=False)
+    got = _paged(model, ids, mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    assert len(set(want[:, -12:].flatten().tolist())) > 1   # the tokens do vary
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_kvcore_attention_matches_sdpa(batch):
+    ids, mask = _prompts(BATCHES[batch])
+    want = _dynamic(model_for("llama"), ids, mask, max_new_tokens=12, do_sample=False)
+    got = _paged(model_for("llama", "kvcore"), ids, mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_kvcore_attention_without_paged_cache_falls_back_to_sdpa():
+    ids, mask = _prompts(BATCHES["b4"])
+    want = _dynamic(model_for("qwen2"), ids, mask, max_new_tokens=6, do_sample=False)
+    got = _dynamic(model_for("qwen2", "kvcore"), ids, mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_beam_search_matches_dynamic_cache(attn):
+    ids, mask = _prompts([23, 9])
+    kw = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False)
+    want = _dynamic(model_for("llama"), ids, mask, **kw)
+    got = _paged(model_for("llama", attn), ids, mask, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_seeded_sampling_matches_dynamic_cache(attn):
+    ids, mask = _prompts(BATCHES["b4"])
+    kw = dict(max_new_tokens=10, do_sample=True, top_k=20, temperature=1.3)
+    torch.manual_seed(5)
+    want = _dynamic(model_for("qwen2"), ids, mask, **kw)
+    torch.manual_seed(5)
+    got = _paged(model_for("qwen2", attn), ids, mask, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_prompt_lookup_matches_dynamic_cache(attn):
+    # a repetitive prompt so that lookups propose candidates and crop runs
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(3, VOCAB, (6,), generator=g)
+    ids = motif.repeat(5)[None, :]
+    mask = torch.ones_like(ids)
+    # (transformers 5.0's prompt lookup needs an eos_token_id)
+    kw = dict(max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4, eos_token_id=2)
+    want = _dynamic(model_for("llama"), ids, mask, **kw)
+    plain = _dynamic(model_for("llama"), ids, mask, max_new_tokens=16, do_sample=False,
+                     eos_token_id=2)
+    assert torch.equal(want, plain)
+    got = _paged(model_for("llama", attn), ids, mask, **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_sliding_window_model_matches_dynamic_cache(attn):
+    """Mistral with an 8-token window: the window applies per row, padding
+    excluded (the kvcore kernel gets the model's sliding_window)."""
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        sliding_window=8, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids, mask = _prompts([30, 23])
+    kw = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask,
+                          **_kw(model, transformers.DynamicCache(config=config)), **kw)
+    model.set_attn_implementation(attn)
+    assert torch.equal(_paged(model, ids, mask, **kw), want)
+
+
+def test_forward_loop_crop_and_seq_length():
+    """A hand-written forward loop: get_seq_length, get_mask_sizes, crop."""
+    model = model_for("llama")
+    ids, _ = _prompts([20])
+    pool = pool_for(model.config, 32, dtype="float32", block_size=4)
+    cache = PagedCache(pool)
+    dyn = transformers.DynamicCache()
+    with torch.no_grad():
+        a = model(ids, **_kw(model, cache)).logits
+        b = model(ids, **_kw(model, dyn)).logits
+        assert torch.equal(a, b)
+        assert cache.get_seq_length() == 20 and cache.get_mask_sizes(3, 0) == (23, 0)
+        step = torch.tensor([[7, 8, 9]])
+        model(step, **_kw(model, cache))
+        model(step, **_kw(model, dyn))
+        assert cache.get_seq_length() == 23
+        cache.crop(0)                        # transformers 5: nothing to remove
+        assert cache.get_seq_length() == 23
+        cache.crop(-3)
+        dyn.crop(-3)
+        assert cache.get_seq_length() == 20
+        assert cache.rows[0].num_computed == 20
+        again = torch.tensor([[11, 12]])
+        assert torch.equal(model(again, **_kw(model, cache)).logits, model(again, **_kw(model, dyn)).logits)
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(-30)
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_a_dropped_cache_gives_its_blocks_back(attn):
+    import gc
+
+    model = model_for("llama", attn)
+    pool = pool_for(model.config, 32, dtype="float32")
+    ids, mask = _prompts([40, 30])
+    cache = PagedCache(pool)
+    model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=3)
+    assert pool.num_used_blocks > 0
+    del cache
+    gc.collect()
+    assert pool.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------ low precision
+@pytest.mark.parametrize("dtype,bound", [("float16", 1e-3), ("bfloat16", 8e-3)])
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_low_precision_storage_logit_error_bounded(dtype, bound, attn):
+    """Teacher-forced: the same tokens through DynamicCache (float32) and a
+    float16/bfloat16 pool; the logits differ by at most ``bound`` relative to
+    their range, and greedy generation mostly agrees (reported)."""
+    model = model_for("llama", attn)
+    ref_model = model_for("llama")
+    ids, mask = _prompts(BATCHES["b4"])
+    seq = _dynamic(ref_model, ids, mask, max_new_tokens=16, do_sample=False)
+    pool = pool_for(model.config, 256, dtype=dtype)
+    cache, dyn = PagedCache(pool), transformers.DynamicCache()
+    worst = 0.0
+    with torch.no_grad():
+        width = ids.shape[1]
+        full_mask = torch.cat([mask, torch.ones((4, 16), dtype=mask.dtype)], dim=1)
+        pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        for lo, hi in [(0, width)] + [(c, c + 1) for c in range(width, width + 15)]:
+            kw = dict(attention_mask=full_mask[:, :hi], position_ids=pos[:, lo:hi])
+            a = model(seq[:, lo:hi], **_kw(model, cache), **kw).logits
+            b = ref_model(seq[:, lo:hi], **_kw(model, dyn), **kw).logits
+            real = mask[:, lo:hi].bool() if hi <= width else torch.ones(4, hi - lo, dtype=bool)
+            err = (a - b).abs()[real].max() / (b[real].max() - b[real].min())
+            worst = max(worst, float(err))
+    cache.free()
+    got = _paged(model, ids, mask, dtype=dtype, max_new_tokens=16, do_sample=False)
+    agree = float((got[:, -16:] == seq[:, -16:]).float().mean())
+    print(f"{dtype} storage ({attn}): max relative logit error {worst:.2e}, "
+          f"greedy token agreement {agree:.0%}")
+    assert 0 < worst < bound
+    assert agree >= 0.5
+
+
+# ------------------------------------------------------------------ prefix reuse
+def _hits(pool):
+    return pool.stats()["prefix_hits"]
+
+
+def test_generate_reuses_a_shared_prefix_and_generated_tokens():
+    model = model_for("llama", "kvcore")
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, VOCAB, (256,), generator=g)
+    p1 = torch.cat([shared, torch.randint(3, VOCAB, (21,), generator=g)])[None, :]
+    p2 = torch.cat([shared, torch.randint(3, VOCAB, (9,), generator=g)])[None, :]
+    pool = pool_for(model.config, 128, dtype="float32", block_size=16)
+    kw = dict(max_new_tokens=40, do_sample=False)
+
+    out1 = kvcore.hf.generate(model, p1, pool, **kw)
+    assert torch.equal(out1, _dynamic(model_for("llama"), p1, torch.ones_like(p1), **kw))
+    h = _hits(pool)
+    out2 = kvcore.hf.generate(model, p2, pool, **kw)
+    assert _hits(pool) - h >= 256
+    assert torch.equal(out2, _dynamic(model_for("llama"), p2, torch.ones_like(p2), **kw))
+
+    # a third request continues the first one's text: its generated tokens
+    # (fed back while generating) are cached too
+    p3 = torch.cat([out1, torch.tensor([[5, 6, 7]])], dim=1)
+    h = _hits(pool)
+    out3 = kvcore.hf.generate(model, p3, pool, max_new_tokens=5, do_sample=False)
+    fed = p1.shape[1] + 40 - 1            # the last generated token is never fed
+    assert _hits(pool) - h == fed // 16 * 16 > p1.shape[1]
+    assert torch.equal(out3, _dynamic(model_for("llama"), p3, torch.ones_like(p3),
+                                      max_new_tokens=5, do_sample=False))
+    assert pool.num_used_blocks == 0
+    pool.check()
+
+
+def test_generate_batch_with_padding_never_caches_padding():
+    model = model_for("qwen2")
+    ids, mask = _prompts([40, 18, 33, 35], seed=4)
+    pool = pool_for(model.config, 128, dtype="float32", block_size=8)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    first = kvcore.hf.generate(model, ids, pool, attention_mask=mask, **kw)
+    assert torch.equal(first, _dynamic(model, ids, mask, **kw))
+    for i in range(4):
+        n = int(mask[i].sum())
+        real = ids[i, -n:].tolist()
+        # the real tokens are cached from position 0 (not shifted by padding)
+        assert pool.probe(real + [3])["hit_tokens"] == n // 8 * 8
+        # and no block holds padding
+        if n < ids.shape[1]:
+            assert pool.probe(ids[i].tolist())["hit_tokens"] == 0
+    # the same batch again hits every row's prompt and gives the same tokens
+    h = _hits(pool)
+    again = kvcore.hf.generate(model, ids, pool, attention_mask=mask, **kw)
+    assert torch.equal(again, first)
+    # (allocate always leaves one token to compute: a 40-token prompt hits 32)
+    assert _hits(pool) - h == sum((int(mask[i].sum()) - 1) // 8 * 8 for i in range(4))
+
+
+def test_generate_beam_search_with_prefix_hits():
+    model = model_for("llama", "kvcore")
+    ids, mask = _prompts([50, 34])
+    pool = pool_for(model.config, 256, dtype="float32", block_size=16)
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False)
+    want = _dynamic(model_for("llama"), ids, mask, **kw)
+    assert torch.equal(kvcore.hf.generate(model, ids, pool, attention_mask=mask, **kw), want)
+    h = _hits(pool)
+    assert torch.equal(kvcore.hf.generate(model, ids, pool, attention_mask=mask, **kw), want)
+    assert _hits(pool) - h >= 48 + 32
+    assert pool.num_used_blocks == 0
+
+
+def test_generate_rejects_bad_arguments():
+    model = model_for("llama")
+    pool = pool_for(model.config, 16, dtype="float32")
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="left padding"):
+        kvcore.hf.generate(model, ids, pool, attention_mask=torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match="no tokens"):
+        kvcore.hf.generate(model, ids, pool, attention_mask=torch.tensor([[0, 0, 0]]))
+    with pytest.raises(ValueError, match="makes its own cache"):
+        kvcore.hf.generate(model, ids, pool, **_kw(model, transformers.DynamicCache()))
+    with pytest.raises(ValueError, match="input_ids must be a 2-D torch tensor"):
+        kvcore.hf.generate(model, [[5, 6]], pool)
+    assert pool.num_used_blocks == 0
+
+
+def test_out_of_blocks_leaves_the_pool_whole():
+    model = model_for("llama")
+    pool = pool_for(model.config, 2, dtype="float32", block_size=4)
+    ids, _ = _prompts([20])
+    with pytest.raises(kvcore.OutOfBlocksError):
+        kvcore.hf.generate(model, ids, pool, max_new_tokens=2)
+    assert pool.num_used_blocks == 0
+    pool.check()
+
+
+# ------------------------------------------------------------------ example
+def test_example_runs_and_reports_prefix_hits():
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_generate.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "prefix_hits" in run.stdout
+    hits = [int(line.split()[-1]) for line in run.stdout.splitlines()
+            if line.startswith("request 2") and "prefix_hits" in line]
+    assert hits and hits[0] > 0, run.stdout
+
+
+def test_benchmark_runs_and_reports_goals():
+    """bench/bench_hf.py's code on tiny sizes (speed is never asserted)."""
+    from kvcore.cli import BENCHMARKS, ON_REQUEST
+    from kvcore.cli.benchmarks import hf as bench
+
+    assert "hf" in dict(BENCHMARKS) and "hf" in ON_REQUEST
+    r = bench.run(prompt=48, new=4, repeat=1)
+    for b in ("batch1", "batch4"):
+        assert r[b]["ratio_tok_s"] > 0
+        # float16 pages hold half of DynamicCache's float32 bytes, rounded up to blocks
+        assert 0.5 <= r[b]["kv_bytes_fraction"] < 0.75
+    assert r["ttft"]["hit_tokens"] == 48
+    text = bench.report(r)
+    assert "goals:" in text and "time to first token" in text
