@@ -64,6 +64,8 @@ def test_copy_xxh64_many_refuses_sizes_that_do_not_fit_before_writing():
         _checksum.copy_xxh64_many([b"abcd", b"abc"], dst, [0, 4], 1, 4, 4, [0, 0])
     with pytest.raises(ValueError, match="dst is too small"):
         _checksum.copy_xxh64_many([b"abcd", b"efgh"], dst, [0, 13], 1, 4, 4, [0, 0])
+    with pytest.raises(ValueError, match="dst is too small"):   # no wrap-around
+        _checksum.copy_xxh64_many([b"abcd"], dst, [2**64 - 2], 1, 4, 4, [0])
     with pytest.raises(ValueError, match="2 sources but 1 offsets"):
         _checksum.copy_xxh64_many([b"abcd", b"efgh"], dst, [0], 1, 4, 4, [0, 0])
     assert dst == bytearray(16)

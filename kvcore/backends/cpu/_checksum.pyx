@@ -92,7 +92,7 @@ def copy_xxh64_many(srcs, dst, dst_offsets, size_t n_chunks, size_t chunk_bytes,
             views.append(s)           # keeps the buffer exported until the copy is done
             ptrs[j] = &s[0] if need else NULL
             offs[j] = dst_offsets[j]
-            if need and offs[j] + span > <size_t>d.shape[0]:
+            if need and (span > <size_t>d.shape[0] or offs[j] > <size_t>d.shape[0] - span):
                 raise ValueError("internal: dst is too small for the chunks")
             sd[j] = seeds[j]
         with nogil:
