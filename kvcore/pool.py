@@ -961,10 +961,10 @@ class BlockPool:
         if self._backend.name == "cpu":
             # the storage is one C-contiguous array: plane p of block b
             # starts at byte (p * num_blocks + b) * chunk
+            # (all blocks in one native call, the GIL released)
             flat = self._storage.reshape(-1).view(np.uint8)
-            for b, a, seed in zip(ids, arrays, seeds):
-                digests.append(_checksum.copy_xxh64(a, flat[b * chunk:], planes, chunk,
-                                                    self._num_blocks * chunk, seed))
+            digests = _checksum.copy_xxh64_many(arrays, flat, [b * chunk for b in ids], planes,
+                                                chunk, self._num_blocks * chunk, seeds)
         else:
             for b, a, seed in zip(ids, arrays, seeds):
                 digests.append(_checksum.xxh64(a, seed))

@@ -74,6 +74,23 @@ def test_probe_counts_store_blocks_and_changes_nothing():
     assert pool.probe(PROMPT, salt="other")["hit_tokens"] == 0
 
 
+def test_host_restore_keeps_the_blocks_before_a_corrupt_payload_bit_exact():
+    # the whole run is copied by one native call: the blocks before the
+    # corrupt one are adopted bit-exact, it and those after it are not
+    host = kvcore.HostStore(1 << 20)
+    pool = make_pool(stores=[host])
+    run(pool, PROMPT)
+    flush_pool(pool)
+    fp = next(iter(host._entries))[:16]
+    keys = [_format.store_key(fp, h) for h in kvcore.block_hashes(PROMPT, 4)]
+    host._entries[keys[2]][-3] ^= 0x10          # third block's payload
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        check_hit(pool, PROMPT, 2)
+    st = pool.stats()["stores"][0]
+    assert st["hits"] == 2 and st["rejected"] == 1
+    pool.check()
+
+
 def test_host_store_capacity_spills_lru_into_the_next_store(tmp_path):
     pool0 = make_pool()
     size = entry_bytes(pool0)

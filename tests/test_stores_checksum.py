@@ -38,3 +38,35 @@ def test_copy_xxh64_refuses_sizes_that_do_not_fit():
         _checksum.copy_xxh64(b"abc", bytearray(10), 1, 4, 4)
     with pytest.raises(ValueError, match="dst is too small"):
         _checksum.copy_xxh64(b"abcdefgh", bytearray(10), 2, 4, 8)
+
+
+@pytest.mark.parametrize("chunks, chunk", [(1, 0), (1, 5), (3, 7), (4, 40), (2, 8193)])
+def test_copy_xxh64_many_equals_one_copy_per_source(chunks, chunk):
+    # sources interleaved like a pool's blocks: source j's chunk i at
+    # offsets[j] + i * stride (stride = n sources * chunk)
+    n = 5
+    stride = n * chunk
+    srcs = [os.urandom(chunks * chunk) for _ in range(n)]
+    order = [3, 0, 4, 1, 2]
+    dst = np.full(max(stride * chunks, 1), 7, np.uint8)
+    want = dst.copy()
+    digests = _checksum.copy_xxh64_many(srcs, dst, [k * chunk for k in order], chunks, chunk,
+                                        stride, list(range(10, 10 + n)))
+    for j, k in enumerate(order):
+        assert digests[j] == xxhash.xxh64_intdigest(srcs[j], 10 + j)
+        _checksum.copy_xxh64(srcs[j], want[k * chunk:], chunks, chunk, stride, 0)
+    assert np.array_equal(dst, want)
+
+
+def test_copy_xxh64_many_refuses_sizes_that_do_not_fit_before_writing():
+    dst = bytearray(16)
+    with pytest.raises(ValueError, match=r"srcs\[1\] holds 3 bytes, expected 4"):
+        _checksum.copy_xxh64_many([b"abcd", b"abc"], dst, [0, 4], 1, 4, 4, [0, 0])
+    with pytest.raises(ValueError, match="dst is too small"):
+        _checksum.copy_xxh64_many([b"abcd", b"efgh"], dst, [0, 13], 1, 4, 4, [0, 0])
+    with pytest.raises(ValueError, match="dst is too small"):   # no wrap-around
+        _checksum.copy_xxh64_many([b"abcd"], dst, [2**64 - 2], 1, 4, 4, [0])
+    with pytest.raises(ValueError, match="2 sources but 1 offsets"):
+        _checksum.copy_xxh64_many([b"abcd", b"efgh"], dst, [0], 1, 4, 4, [0, 0])
+    assert dst == bytearray(16)
+    assert _checksum.copy_xxh64_many([], dst, [], 1, 4, 4, []) == []

@@ -303,6 +303,7 @@ class StoreTiers:
                 break
             self._ok(i, "get")
             complete = len(values) == end - start
+            blocks, pays, seeds, checks, sizes = [], [], [], [], []
             for b, v in zip(range(start, end), values):
                 if v is None:   # gone since contains (another process, LRU)
                     complete = False
@@ -313,20 +314,31 @@ class StoreTiers:
                         v, self._fp[i], hb[16 * b:16 * b + 16], parent, root,
                         tokens[b * bs:(b + 1) * bs], self._payload_size, self._hmac[i],
                         verify_payload=False)
-                    # the payload's checksum is computed while it is copied
-                    # into the (fresh, not yet adopted) block
-                    (digest,) = pool._import_blocks(table[b:b + 1], [pay], seeds=[seed])
-                    if digest != checksum:
-                        raise _format.Invalid("corrupt", "checksum mismatch")
                 except _format.Invalid as e:
                     self._reject(i, e)
                     complete = False
                     break
-                except Exception as e:  # the block stays fresh, not adopted
+                blocks.append(b)
+                pays.append(pay)
+                seeds.append(seed)
+                checks.append(checksum)
+                sizes.append(len(v))
+            if blocks:
+                # the payloads' checksums are computed while they are copied
+                # into the (fresh, not yet adopted) blocks, all in one call;
+                # the blocks up to the first mismatch are kept
+                try:
+                    digests = pool._import_blocks(table[blocks[0]:blocks[-1] + 1], pays,
+                                                  seeds=seeds)
+                except Exception as e:  # the blocks stay fresh, not adopted
                     self._fail(i, e, op="import")
-                    complete = False
                     break
-                owners.append((i, len(v)))
+                for digest, checksum, size in zip(digests, checks, sizes):
+                    if digest != checksum:
+                        self._reject(i, _format.Invalid("corrupt", "checksum mismatch"))
+                        complete = False
+                        break
+                    owners.append((i, size))
             if not complete:
                 break
         if not owners:

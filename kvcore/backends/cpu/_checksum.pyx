@@ -2,6 +2,7 @@
 way into a pool's storage (kvcore/stores, BlockPool._import_blocks).
 Callers validate sizes; these functions only check what would be unsafe."""
 from libc.stdint cimport uint64_t
+from libc.stdlib cimport free, malloc
 
 cdef extern from "kv_checksum.h" nogil:
     ctypedef struct kv_xxh64_state:
@@ -11,6 +12,10 @@ cdef extern from "kv_checksum.h" nogil:
     uint64_t kv_xxh64_digest(const kv_xxh64_state* s)
     void kv_copy_xxh64(kv_xxh64_state* s, const unsigned char* src, unsigned char* dst,
                        size_t n_chunks, size_t chunk_bytes, size_t dst_stride)
+    void kv_copy_xxh64_many(const unsigned char* const* srcs, unsigned char* dst,
+                            const size_t* dst_offsets, size_t n_srcs, size_t n_chunks,
+                            size_t chunk_bytes, size_t dst_stride, const uint64_t* seeds,
+                            uint64_t* digests)
 
 
 def xxh64(data, uint64_t seed=0):
@@ -49,3 +54,49 @@ def copy_xxh64(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
             kv_copy_xxh64(&st, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
         h = kv_xxh64_digest(&st)
     return h
+
+
+def copy_xxh64_many(srcs, dst, dst_offsets, size_t n_chunks, size_t chunk_bytes,
+                    size_t dst_stride, seeds):
+    """:func:`copy_xxh64` of every source in ``srcs`` (bytes-likes of
+    ``n_chunks * chunk_bytes`` bytes): source ``j``'s chunk ``i`` goes to
+    byte ``dst_offsets[j] + i * dst_stride`` of ``dst``; returns the list
+    of their XXH64 digests with ``seeds[j]``.  All of it in one call with
+    the GIL released."""
+    cdef unsigned char[::1] d = memoryview(dst).cast("B")
+    cdef size_t n = len(srcs)
+    cdef size_t need = n_chunks * chunk_bytes
+    cdef size_t span, j
+    cdef const unsigned char[::1] s
+    cdef unsigned char* dbase = &d[0] if d.shape[0] else NULL
+    if len(dst_offsets) != n or len(seeds) != n:
+        raise ValueError(f"internal: {n} sources but {len(dst_offsets)} offsets and "
+                         f"{len(seeds)} seeds")
+    if n == 0:
+        return []
+    if n_chunks and chunk_bytes > dst_stride and n_chunks > 1:
+        raise ValueError("internal: chunks overlap in dst")
+    span = (n_chunks - 1) * dst_stride + chunk_bytes if n_chunks else 0
+    views = []
+    cdef const unsigned char** ptrs = <const unsigned char**>malloc(n * sizeof(void*))
+    cdef size_t* offs = <size_t*>malloc(n * sizeof(size_t))
+    cdef uint64_t* sd = <uint64_t*>malloc(n * sizeof(uint64_t))
+    cdef uint64_t* out = <uint64_t*>malloc(n * sizeof(uint64_t))
+    try:
+        if not ptrs or not offs or not sd or not out:
+            raise MemoryError()
+        for j in range(n):
+            s = memoryview(srcs[j]).cast("B")
+            if <size_t>s.shape[0] != need:
+                raise ValueError(f"internal: srcs[{j}] holds {s.shape[0]} bytes, expected {need}")
+            views.append(s)           # keeps the buffer exported until the copy is done
+            ptrs[j] = &s[0] if need else NULL
+            offs[j] = dst_offsets[j]
+            if need and (span > <size_t>d.shape[0] or offs[j] > <size_t>d.shape[0] - span):
+                raise ValueError("internal: dst is too small for the chunks")
+            sd[j] = seeds[j]
+        with nogil:
+            kv_copy_xxh64_many(ptrs, dbase, offs, n, n_chunks, chunk_bytes, dst_stride, sd, out)
+        return [out[j] for j in range(n)]
+    finally:
+        free(ptrs); free(offs); free(sd); free(out)

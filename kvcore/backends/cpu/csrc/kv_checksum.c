@@ -158,3 +158,16 @@ void kv_copy_xxh64(kv_xxh64_state* s, const unsigned char* src, unsigned char* d
         src += chunk_bytes;
     }
 }
+
+void kv_copy_xxh64_many(const unsigned char* const* srcs, unsigned char* dst,
+                        const size_t* dst_offsets, size_t n_srcs, size_t n_chunks,
+                        size_t chunk_bytes, size_t dst_stride, const uint64_t* seeds,
+                        uint64_t* digests) {
+    for (size_t j = 0; j < n_srcs; j++) {
+        kv_xxh64_state st;
+        kv_xxh64_init(&st, seeds[j]);
+        if (n_chunks && chunk_bytes)
+            kv_copy_xxh64(&st, srcs[j], dst + dst_offsets[j], n_chunks, chunk_bytes, dst_stride);
+        digests[j] = kv_xxh64_digest(&st);
+    }
+}
