@@ -175,3 +175,66 @@ def test_a_store_whose_repr_fails_still_degrades_to_a_miss():
         assert s.allocate([1, 2, 3, 4, 5]) == 0
     assert s.num_tokens == 5
     s.free()
+
+
+def test_disk_store_loads_a_run_longer_than_the_open_file_limit(tmp_path):
+    """DiskStore.get reads entries (no mapping per entry, which kept a file
+    descriptor each): a prefix of more blocks than the process may open
+    files still loads whole."""
+    code = textwrap.dedent(f"""
+        import resource, warnings
+        import numpy as np
+        import kvcore
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        bs, nblk = 2, 300
+        def pool():
+            return kvcore.BlockPool(nblk + 2, bs, 1, 1, 4, dtype="float32",
+                                    stores=[kvcore.DiskStore({str(tmp_path)!r}, 1 << 30)])
+        toks = np.arange(bs * nblk + 1, dtype=np.int32)
+        p = pool()
+        s = kvcore.PagedKVCache(p)
+        s.allocate(toks)
+        k = np.random.default_rng(0).random((len(toks), 1, 4)).astype(np.float32)
+        s.append(0, k, k)
+        s.commit(len(toks))
+        s.free()
+        p.flush_to_stores()
+        warnings.simplefilter("error")
+        p2 = pool()
+        s2 = kvcore.PagedKVCache(p2)
+        assert s2.allocate(toks) == bs * nblk
+        got = s2.gather(0, 0, bs * nblk)[0]
+        assert np.array_equal(got, k[:bs * nblk].transpose(1, 0, 2)), "wrong data"
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_disk_store_stays_near_its_bound_during_a_big_flush(tmp_path, monkeypatch):
+    """A batch put trims as soon as the bound would be passed: the directory
+    never holds more than the capacity plus one entry."""
+    from kvcore.stores.disk import DiskStore
+
+    peak = []
+    orig = DiskStore._trim
+
+    def spy(self):
+        peak.append(sum(size for _, size, _ in self._listing()))
+        return orig(self)
+
+    monkeypatch.setattr(DiskStore, "_trim", spy)
+    st = DiskStore(str(tmp_path), 64 * 1024)
+    pool = kvcore.BlockPool(64, 16, 2, 2, 64, dtype="float16", stores=[st])
+    s = kvcore.PagedKVCache(pool)
+    toks = np.arange(64 * 16, dtype=np.int32)
+    s.allocate(toks)
+    k = np.ones((len(toks), 2, 64), np.float16)
+    for layer in range(2):
+        s.append(layer, k, k)
+    s.commit(len(toks))
+    assert pool.flush_to_stores() > 0
+    entry = pool.bytes_per_block + 4096           # payload + header, generously
+    assert peak and max(peak) <= st.capacity_bytes + entry, (max(peak), st.capacity_bytes)
+    assert st.used_bytes() <= st.capacity_bytes
+    s.free()

@@ -1,15 +1,15 @@
 """DiskStore: evicted blocks as files, surviving restarts, shared by the processes of a machine."""
 import fcntl
-import mmap
 import os
 import threading
 import time
+
+import numpy as np
 
 from .base import PrefixStore
 
 _SUFFIX = ".kve"
 _LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)    # Linux: fault the pages in at once
 
 
 class DiskStore(PrefixStore):
@@ -111,12 +111,15 @@ class DiskStore(PrefixStore):
             try:
                 with open(p, "rb", buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
-                    # mapped, not read: the pool reads the entry once, from
-                    # the page cache, straight into its blocks.  (Writers
-                    # never change a file in place: they rename a new one
-                    # over it, which leaves this mapping intact.)
-                    buf = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE,
-                                    prot=mmap.PROT_READ) if size else b""
+                    # read, not mapped: a mapping keeps a file descriptor
+                    # per entry (a long prefix would run out of them) and a
+                    # file truncated under it would kill the process
+                    # (SIGBUS); a short read is a truncated entry, which
+                    # fails its checks like any corrupt one.
+                    buf = np.empty(size, np.uint8)
+                    got = f.readinto(memoryview(buf)) if size else 0
+                    if got != size:
+                        buf = buf[:got]
                 try:
                     os.utime(p)   # recency for the LRU trim
                 except OSError:
@@ -128,6 +131,7 @@ class DiskStore(PrefixStore):
 
     def put(self, items):
         grown = 0
+        dropped = []
         for k, v in items:
             p = self._file(k)
             d = os.path.dirname(p)
@@ -151,11 +155,19 @@ class DiskStore(PrefixStore):
                     pass
                 raise
             grown += len(v) - old
+            if self._used + grown > self.capacity_bytes:
+                # trim as soon as this batch would pass the bound, not after
+                # the whole batch (a big flush must never fill the disk)
+                with self._lock:
+                    self._used += grown
+                grown = 0
+                dropped.extend(self._trim())
         with self._lock:
             self._used += grown
         # other processes write here too: the bound is checked against a
         # fresh listing after every put (one scandir of the directory)
-        return self._trim()
+        dropped.extend(self._trim())
+        return dropped
 
     def _trim(self):
         """Remove least recently used files until within capacity; their
