@@ -105,18 +105,32 @@ class DiskStore(PrefixStore):
         return n
 
     def get(self, keys):
+        # Entries are read, not mapped: a mapping keeps a file descriptor
+        # per entry (a long prefix would run out of them) and a file
+        # truncated under it would kill the process (SIGBUS).  They are
+        # read into one allocation sized from a stat of every file first:
+        # one large buffer (NumPy asks the kernel for huge pages) is
+        # not paced by page faults the way many small ones are.  A short read is a truncated entry, which fails its
+        # checks like any corrupt one.
+        paths = [self._file(k) for k in keys]
+        sizes = []
+        for p in paths:
+            try:
+                sizes.append(os.stat(p).st_size)
+            except OSError:
+                sizes.append(0)
+        arena = np.empty(sum(sizes), np.uint8)
+        off = 0
         out = []
-        for k in keys:
-            p = self._file(k)
+        for p, room in zip(paths, sizes):
             try:
                 with open(p, "rb", buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
-                    # read, not mapped: a mapping keeps a file descriptor
-                    # per entry (a long prefix would run out of them) and a
-                    # file truncated under it would kill the process
-                    # (SIGBUS); a short read is a truncated entry, which
-                    # fails its checks like any corrupt one.
-                    buf = np.empty(size, np.uint8)
+                    if size <= room:
+                        buf = arena[off:off + size]
+                        off += room
+                    else:   # rewritten since the stat: a buffer of its own
+                        buf = np.empty(size, np.uint8)
                     got = f.readinto(memoryview(buf)) if size else 0
                     if got != size:
                         buf = buf[:got]
