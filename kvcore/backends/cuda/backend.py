@@ -763,9 +763,6 @@ class CudaBackend(Backend):
             device lengths are trusted.
         out : (batch, heads, max_len, dim) device array, last axis contiguous
         """
-        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
-            self.gather_batch_q(cache, None, block_tables, lengths, out, src_kind, src_kind, 1.0)
-            return
         batch, heads, max_len, dim = out.shape
         bs = cache.shape[2]
         if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
@@ -788,6 +785,9 @@ class CudaBackend(Backend):
                     f"{int(lengths.min())}..{int(lengths.max())}")
         elif lengths.shape != (batch,):
             raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
+            self.gather_batch_q(cache, None, block_tables, lengths, out, src_kind, src_kind, 1.0)
+            return
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
