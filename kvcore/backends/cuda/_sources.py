@@ -72,8 +72,10 @@ def lowprec_name(kernel, float_kind, q_kind):
 FILES = tuple(CONVERTING) + (COPY_FILE, SLOTS_FILE, FP8_FILE, LOWPREC_FILE)
 
 # NVRTC options.  C++17 for `if constexpr` (CuPy >= 14 defaults to it; older
-# CuPy needs it said).  No fast-math or FTZ flags: the kernels only do
-# integer arithmetic on the bits, so no float flag could matter anyway.
+# CuPy needs it said).  No fast-math or FTZ flags, ever: the conversion
+# kernels do integer arithmetic on the bits, and lowprec.cu's float32
+# divisions and multiplications (int8 scales and codes, fp8 scales) must be
+# IEEE-rounded with subnormals kept (NVRTC's defaults) to give the CPU's bits.
 COMPILE_OPTIONS = ("--std=c++17",)
 
 # A kernel file or header including one of the headers beside it.
