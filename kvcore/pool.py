@@ -485,7 +485,10 @@ class BlockPool:
         else:
             slots = on_device
         if self._kind in dtypes.LOWPREC_KINDS:
-            self._write_q(layer, k, v, slots, src_kind)
+            backend.write_slots_kv_q(self._storage[2 * layer], self._storage[2 * layer + 1],
+                                     self._plane_scales(layer, 0), self._plane_scales(layer, 1),
+                                     k, v, slots, src_kind, self._kind, self._plane_scale(layer, 0),
+                                     self._plane_scale(layer, 1), self._slot_owner, bool(check))
             return
         backend.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
                           src_kind, self._kind, self._slot_owner, bool(check))

@@ -15,7 +15,8 @@ import pytest
 
 from kvcore import dtypes
 from kvcore.backends import CPU
-from kvcore.dtypes import BF16, F16, F32, STORAGE
+from kvcore.backends.base import REFERENCE
+from kvcore.dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8, STORAGE
 
 KINDS = (F32, F16, BF16)
 PAIRS = [(s, d) for s in KINDS for d in KINDS]
@@ -784,6 +785,307 @@ def test_paged_attention_splits_do_not_change_the_result_beyond_rounding(dev, mo
     b = _attention_case(dev, rng, F16, 64, 4, 2, contexts=[300], queries=[1], split_keys=16,
                         monkeypatch=monkeypatch)
     assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+# ------------------------------------------------- fp8 / int8 storage
+# lowprec.cu against the CPU backend (kv_fp8.h / kv_fp8.c) and the NumPy
+# reference, bit for bit: codes, int8 scales (NaN rows included) and the
+# widened reads.
+
+QKINDS = (F8E4M3, F8E5M2, I8)
+QIDS = ["e4m3", "e5m2", "int8"]
+KIDS = ["f32", "f16", "bf16"]
+
+
+def lp_values(rng, shape, kind=F32):
+    """Input rows of float ``kind`` (storage bits): many magnitudes, zeros,
+    an all-zero row, fp8 overflow, float32 subnormals, values on int8 and
+    fp8 rounding ties, and rows holding +-NaN or +-inf."""
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-20, 14, shape))).astype(np.float32)
+    x[rng.random(shape) < 0.05] = 0
+    x[rng.random(shape) < 0.02] *= np.float32(1e5)
+    flat = x.reshape(-1, shape[-1])
+    rows = flat.shape[0]
+    if rows > 6:
+        flat[1] = 0
+        flat[2, 0] = np.nan
+        flat[3, -1] = -np.inf
+        flat[4, 1 % shape[-1]] = np.float32(-np.nan)       # a negative NaN
+        flat[4, 0] = 1
+        # int8 ties: max 127 -> scale 1, halves round to even
+        flat[5] = np.float32(0.5) + rng.integers(-60, 60, shape[-1]).astype(np.float32)
+        flat[5, 0] = 127
+        flat[6] = np.float32(1e-41)                         # subnormal rows
+    if kind == F32:
+        return x
+    with np.errstate(over="ignore"):
+        return cpu_convert(x, F32, kind)
+
+
+def _q_storage(rng, shape, qk):
+    return rng.integers(0, 256, size=shape, dtype=np.uint8).view(STORAGE[qk])
+
+
+def _q_scales(rng, shape):
+    """Random positive float32 scales, with a NaN (an int8 NaN row's)."""
+    s = (rng.random(shape) * 0.1 + 1e-3).astype(np.float32)
+    s.reshape(-1)[::7] = np.float32(np.nan)
+    return s
+
+
+@pytest.mark.parametrize("head_dim", (64, 33))
+@pytest.mark.parametrize("sk", KINDS, ids=KIDS)
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_write_slots_q_matches_cpu(dev, qk, sk, head_dim):
+    rng = np.random.default_rng([30, qk, sk, head_dim])
+    num_blocks, heads, block_size, n = 5, 3, 8, 19
+    cache = _q_storage(rng, (num_blocks, heads, block_size, head_dim), qk)
+    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    slots = rng.permutation(num_blocks * block_size)[:n].astype(np.int64)
+    slots[[3, 11]] = -1
+    src = lp_values(rng, (n, heads, head_dim), sk)
+    for scale in ((1.0,) if qk == I8 else (1.0, 0.37, 3.0)):
+        want_c, want_s = cache.copy(), None if scales is None else scales.copy()
+        CPU.write_slots_q(want_c, want_s, src, slots, sk, qk, scale)
+        ref_c, ref_s = cache.copy(), None if scales is None else scales.copy()
+        REFERENCE.write_slots_q(ref_c, ref_s, src, slots, sk, qk, scale)
+        assert_bits_equal(want_c, ref_c)
+        for slots_arg in (slots, dev.put(slots)):
+            d_c = dev.put(cache)
+            d_s = None if scales is None else dev.put(scales)
+            dev.be.write_slots_q(d_c, d_s, dev.put(src), slots_arg, sk, qk, scale)
+            assert_bits_equal(dev.get(d_c), want_c)
+            if scales is not None:
+                assert_bits_equal(dev.get(d_s), want_s)
+                assert_bits_equal(want_s, ref_s)
+
+
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_write_slots_q_from_strided_rows(dev, qk):
+    """Hugging Face's (n, heads, dim) as a transposed view: strided rows."""
+    rng = np.random.default_rng([31, qk])
+    cache = _q_storage(rng, (4, 2, 8, 64), qk)
+    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    raw = lp_values(rng, (2, 9, 64), F16)
+    src = raw.transpose(1, 0, 2)
+    slots = np.arange(9, dtype=np.int64) + 7
+    want_c, want_s = cache.copy(), None if scales is None else scales.copy()
+    CPU.write_slots_q(want_c, want_s, np.ascontiguousarray(src), slots, F16, qk, 0.5)
+    d_c, d_s = dev.put(cache), None if scales is None else dev.put(scales)
+    dev.be.write_slots_q(d_c, d_s, dev.put(raw).transpose(1, 0, 2), slots, F16, qk, 0.5)
+    assert_bits_equal(dev.get(d_c), want_c)
+    if scales is not None:
+        assert_bits_equal(dev.get(d_s), want_s)
+
+
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
+    """BlockPool.write's rules on fp8 / int8 planes: the last token naming a
+    slot lands (codes and scales), device slots are range-checked on the
+    device (nothing written on error) or skipped unchecked."""
+    rng = np.random.default_rng([32, qk])
+    num_blocks, heads, block_size, head_dim = 4, 2, 8, 64
+    num_slots = num_blocks * block_size
+    storage = _q_storage(rng, (2, num_blocks, heads, block_size, head_dim), qk)
+    scales = _q_scales(rng, storage.shape[:4]) if qk == I8 else None
+    slots = np.array([5, 9, 5, 31, -1, 9, 5, 0, 31, 9], np.int64)
+    k = lp_values(rng, (len(slots), heads, head_dim), F32)
+    v = lp_values(rng, (len(slots), heads, head_dim), BF16)
+    want = storage.copy()
+    want_s = None if scales is None else scales.copy()
+    ws = (None, None) if want_s is None else (want_s[0], want_s[1])
+    vb = cpu_convert(v, BF16, F32)
+    CPU.write_slots_kv_q(want[0], want[1], ws[0], ws[1], k, vb, slots, F32, qk, 0.5, 2.0,
+                         None, False)
+    # the last writer's rows, spelled out with the reference
+    for slot in (5, 9, 31):
+        last = np.flatnonzero(slots == slot)[-1]
+        b, off = divmod(slot, block_size)
+        one = np.zeros((num_blocks, heads, block_size, head_dim), STORAGE[qk])
+        one_s = None if scales is None else np.zeros((num_blocks, heads, block_size), np.float32)
+        REFERENCE.write_slots_q(one, one_s, k[last:last + 1], np.array([slot]), F32, qk, 0.5)
+        assert_bits_equal(want[0][b, :, off], one[b, :, off])
+        if scales is not None:
+            assert_bits_equal(want_s[0][b, :, off], one_s[b, :, off])
+    owner = _owner(dev, num_slots)
+    for slots_arg in (slots, dev.put(slots)):
+        d = dev.put(storage)
+        d_s = None if scales is None else dev.put(scales)
+        dsc = (None, None) if d_s is None else (d_s[0], d_s[1])
+        dev.be.write_slots_kv_q(d[0], d[1], dsc[0], dsc[1], dev.put(k), dev.put(vb), slots_arg,
+                                F32, qk, 0.5, 2.0, owner, True)
+        assert_bits_equal(dev.get(d), want)
+        if scales is not None:
+            assert_bits_equal(dev.get(d_s), want_s)
+        assert (dev.get(owner) == -1).all()
+    bad = slots.copy()
+    bad[2] = num_slots
+    d = dev.put(storage)
+    d_s = None if scales is None else dev.put(scales)
+    dsc = (None, None) if d_s is None else (d_s[0], d_s[1])
+    with pytest.raises(IndexError, match=rf"got {num_slots} at index 2"):
+        dev.be.write_slots_kv_q(d[0], d[1], dsc[0], dsc[1], dev.put(k), dev.put(vb),
+                                dev.put(bad), F32, qk, 0.5, 2.0, owner, True)
+    assert_bits_equal(dev.get(d), storage)
+    if scales is not None:
+        assert_bits_equal(dev.get(d_s), scales)
+    assert (dev.get(owner) == -1).all()
+
+
+@pytest.mark.parametrize("block_size", (8, 16))
+@pytest.mark.parametrize("dk", KINDS, ids=KIDS)
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_gather_q_matches_cpu(dev, qk, dk, block_size):
+    """Every code pattern (NaN codes, subnormals) widened, with NaN scales."""
+    rng = np.random.default_rng([33, qk, dk, block_size])
+    heads, num_blocks, used, head_dim = 2, 7, 5, 64
+    storage = _q_storage(rng, (2, num_blocks, heads, block_size, head_dim), qk)
+    storage.reshape(-1)[:256] = np.arange(256, dtype=np.uint8).view(STORAGE[qk])
+    scales = _q_scales(rng, storage.shape[:4]) if qk == I8 else None
+    table = rng.permutation(num_blocks)[:used].astype(np.int32)
+    table[0] = 0   # the block holding every pattern
+    total = used * block_size
+    d_storage, d_table = dev.put(storage), dev.put(table)
+    d_scales = None if scales is None else dev.put(scales)
+    for scale in ((1.0,) if qk == I8 else (1.0, 0.3)):
+        for k, (start, end) in enumerate([(0, total), (1, total - 1), (3, 4),
+                                          (block_size - 1, block_size + 1)]):
+            want = np.zeros((heads, end - start, head_dim), STORAGE[dk])
+            CPU.gather_q(storage[1 - k % 2], None if scales is None else scales[1 - k % 2],
+                         table, start, end, want, qk, dk, scale)
+            ref = np.zeros_like(want)
+            REFERENCE.gather_q(storage[1 - k % 2], None if scales is None else scales[1 - k % 2],
+                               table, start, end, ref, qk, dk, scale)
+            assert_bits_equal(want, ref)
+            got = dev.put(_filled(want.shape, want.dtype, 0))
+            dev.be.gather_q(d_storage[1 - k % 2],
+                            None if scales is None else d_scales[1 - k % 2],
+                            table if k % 2 else d_table, start, end, got, qk, dk, scale)
+            assert_bits_equal(dev.get(got), want)
+
+
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_gather_q_into_strided_out(dev, qk):
+    rng = np.random.default_rng([34, qk])
+    heads, block_size, head_dim = 3, 16, 64
+    cache = _q_storage(rng, (4, heads, block_size, head_dim), qk)
+    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    table = np.array([2, 0, 3], np.int32)
+    want = np.zeros((heads, 40, head_dim), np.float32)
+    CPU.gather_q(cache, scales, table, 5, 45, want, qk, F32, 0.5)
+    for big_shape, view in (((heads, 40, head_dim + 4), lambda b: b[..., :head_dim]),
+                            ((heads, 40, head_dim, 2), lambda b: b[..., 0])):
+        big = dev.put(_filled(big_shape, np.float32))
+        dev.be.gather_q(dev.put(cache), None if scales is None else dev.put(scales), table,
+                        5, 45, view(big), qk, F32, 0.5)
+        host = dev.get(big)
+        assert_bits_equal(np.ascontiguousarray(view(host)), want)
+
+
+@pytest.mark.parametrize("dk", KINDS, ids=KIDS)
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_gather_batch_q_matches_cpu(dev, qk, dk):
+    rng = np.random.default_rng([35, qk, dk])
+    heads, block_size, num_blocks, max_blocks, max_len, head_dim = 2, 8, 16, 5, 44, 33
+    storage = _q_storage(rng, (2, num_blocks, heads, block_size, head_dim), qk)
+    scales = _q_scales(rng, storage.shape[:4]) if qk == I8 else None
+    lens = np.array([13, 0, 40, 8, 1], np.int32)
+    tables = np.full((len(lens), max_blocks), -1, np.int32)
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    for s, n in enumerate(lens):
+        tables[s, :-(-int(n) // block_size)] = np.roll(perm, 3 * s)[:-(-int(n) // block_size)]
+    want = np.zeros((len(lens), heads, max_len, head_dim), STORAGE[dk])
+    sc1 = None if scales is None else scales[1]
+    CPU.gather_batch_q(storage[1], sc1, tables, lens, want, qk, dk, 0.75)
+    ref = np.zeros_like(want)
+    REFERENCE.gather_batch_q(storage[1], sc1, tables, lens, ref, qk, dk, 0.75)
+    assert_bits_equal(want, ref)
+    d_storage = dev.put(storage)
+    d_sc1 = None if scales is None else dev.put(scales)[1]
+    for tables_arg, lens_arg in ((tables, lens), (dev.put(tables), dev.put(lens))):
+        got = dev.put(_filled(want.shape, want.dtype))  # padding overwritten with +0
+        dev.be.gather_batch_q(d_storage[1], d_sc1, tables_arg, lens_arg, got, qk, dk, 0.75)
+        assert_bits_equal(dev.get(got), want)
+
+
+@pytest.mark.parametrize("sk", KINDS, ids=KIDS)
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_write_contiguous_q_matches_cpu(dev, qk, sk):
+    rng = np.random.default_rng([36, qk, sk])
+    batch, heads, max_len, head_dim = 2, 3, 40, 64
+    cache = _q_storage(rng, (batch, heads, max_len, head_dim), qk)
+    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    want, want_s = cache.copy(), None if scales is None else scales.copy()
+    d, d_s = dev.put(cache), None if scales is None else dev.put(scales)
+    for start, n, layout in ((0, 17, "bhnd"), (17, 1, "bhnd"), (18, 9, "bnhd"), (39, 1, "bnhd")):
+        if layout == "bhnd":
+            src = lp_values(rng, (batch, heads, n, head_dim), sk)
+            src_d = dev.put(src)
+        else:
+            raw = lp_values(rng, (batch, n, heads, head_dim), sk)
+            src = raw.transpose(0, 2, 1, 3)
+            src_d = dev.put(raw).transpose(0, 2, 1, 3)
+        ref, ref_s = want.copy(), None if want_s is None else want_s.copy()
+        CPU.write_contiguous_q(want, want_s, np.ascontiguousarray(src), start, sk, qk, 0.25)
+        REFERENCE.write_contiguous_q(ref, ref_s, np.ascontiguousarray(src), start, sk, qk, 0.25)
+        assert_bits_equal(want, ref)
+        dev.be.write_contiguous_q(d, d_s, src_d, start, sk, qk, 0.25)
+        assert_bits_equal(dev.get(d), want)
+        if scales is not None:
+            assert_bits_equal(want_s, ref_s)
+            assert_bits_equal(dev.get(d_s), want_s)
+
+
+@pytest.mark.parametrize("dk", KINDS, ids=KIDS)
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_dequantize_matches_cpu(dev, qk, dk):
+    """KVCache.get(dtype=...): a range of the cache (views), widened."""
+    rng = np.random.default_rng([37, qk, dk])
+    cache = _q_storage(rng, (2, 3, 40, 64), qk)
+    cache.reshape(-1)[:256] = np.arange(256, dtype=np.uint8).view(STORAGE[qk])
+    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    d_c, d_s = dev.put(cache), None if scales is None else dev.put(scales)
+    for start, end in ((0, 40), (5, 17)):
+        src = cache[:, :, start:end]
+        sc = None if scales is None else scales[:, :, start:end]
+        want = np.zeros(src.shape, STORAGE[dk])
+        CPU.dequantize(src, sc, qk, want, dk, 1.5)
+        ref = np.zeros_like(want)
+        REFERENCE.dequantize(src, sc, qk, ref, dk, 1.5)
+        assert_bits_equal(want, ref)
+        got = dev.put(_filled(want.shape, want.dtype))
+        dev.be.dequantize(d_c[:, :, start:end], None if d_s is None else d_s[:, :, start:end],
+                          qk, got, dk, 1.5)
+        assert_bits_equal(dev.get(got), want)
+        # into a strided out
+        big = dev.put(_filled(want.shape[:-1] + (70,), want.dtype))
+        dev.be.dequantize(d_c[:, :, start:end], None if d_s is None else d_s[:, :, start:end],
+                          qk, big[..., 3:67], dk, 1.5)
+        host = dev.get(big)
+        assert_bits_equal(np.ascontiguousarray(host[..., 3:67]), want)
+        assert (_bits_view(host[..., :3]) == _bits_view(_filled((1,), want.dtype))[0]).all()
+
+
+@pytest.mark.parametrize("geometry", [(1, 3, 5), (2, 16, 64)], ids=["h1-bs3-d5", "h2-bs16-d64"])
+@pytest.mark.parametrize("qk", (F8E4M3, I8), ids=["uint8", "int8"])
+def test_copy_blocks_of_one_byte_storage(dev, qk, geometry):
+    """fp8 / int8 blocks of an odd number of bytes (15: 1-byte words) and
+    their float32 scales (copy-on-write; copy_blocks_between)."""
+    rng = np.random.default_rng([38, qk, *geometry])
+    storage = _q_storage(rng, (4, 10, *geometry), qk)
+    scales = _q_scales(rng, storage.shape[:4])
+    src = np.array([0, 3, 7, 2], np.int32)
+    dst = np.array([5, 1, 9, 8], np.int32)
+    for a in (storage, scales):
+        want = a.copy()
+        want[:, dst] = a[:, src]
+        for ids in ((src, dst), (dev.put(src), dev.put(dst))):
+            d = dev.put(a)
+            dev.be.copy_blocks(d, *ids)
+            assert_bits_equal(dev.get(d), want)
+        other = dev.put(_filled(a.shape, a.dtype))
+        dev.be.copy_blocks_between(dev.put(a), src, other, dst)
+        assert_bits_equal(dev.get(other)[:, dst], a[:, src])
 
 
 __all__ = [name for name in dir() if name.startswith("test_")] + [

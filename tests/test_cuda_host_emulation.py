@@ -140,7 +140,13 @@ class HostCupy:
     DevArrays; a foreign CUDA array (FakeCudaTensor) is imported zero-copy."""
 
     ndarray = DevArray
-    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
+        getDevice=lambda: 0,
+        # copies between host and (emulated) device memory: plain memmoves
+        memcpyHostToDevice=1, memcpyDeviceToHost=2,
+        memcpyAsync=lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size),
+        memcpy2DAsync=lambda dst, dpitch, src, spitch, width, height, kind, stream: [
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width) for r in range(height)]))
 
     def __getattr__(self, name):  # everything else as NumPy has it
         return getattr(np, name)
@@ -258,6 +264,9 @@ class EmulatedBackend(CudaBackend):
         return a.ctypes.data
 
     def _device_id_of(self, a):
+        return 0
+
+    def _stream_ptr(self):
         return 0
 
     def _upload(self, h):
@@ -657,3 +666,169 @@ def test_kvcache_attention_on_cuda(emulated_cuda, dtype):
     out = _put(np.zeros((3, 8, 4, 64), ml_dtypes.bfloat16))
     assert gpu.attention(1, _put(q), logits_soft_cap=3.0, out=out) is out
     np.testing.assert_allclose(_get(out).astype(np.float32), want, rtol=2 ** -7, atol=1e-5)
+
+
+# ---------------------------------------- fp8 / int8 pools and caches on CUDA
+
+LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
+
+
+def _lp_rows(rng, shape):
+    """float32 rows over many magnitudes, with NaN / inf rows and zeros."""
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-10, 10, shape))).astype(np.float32)
+    x[rng.random(shape) < 0.05] = 0
+    x[rng.random(shape) < 0.02] *= np.float32(1e5)
+    flat = x.reshape(-1, shape[-1])
+    if flat.shape[0] > 3:
+        flat[1] = 0
+        flat[2, 0] = np.nan
+        flat[3, -1] = -np.inf
+    return x
+
+
+def _same_pool(cpu, gpu):
+    _same(gpu.storage, cpu.storage)
+    if cpu.dtype == "int8":
+        _same(gpu.scales, cpu.scales)
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_lowprec_pool_on_cuda_matches_the_cpu_pool(emulated_cuda, dtype):
+    """Issue 12's CUDA part: fp8 / int8 pools on device='cuda' (a ValueError
+    before) give the CPU pool's bits: writes (repeated and device slots,
+    float16 / bfloat16 / float32 input), appends, copy-on-write, raw and
+    widened gathers, gather_batch, gather_scales, copy_blocks_to both ways."""
+    import kvcore
+
+    rng = np.random.default_rng(40)
+    kw = {} if dtype == "int8" else {"kv_scales": [(0.5, 2.0), (1.0, 0.25)]}
+    args = (12, 4, 2, 2, 16)
+    cpu = kvcore.BlockPool(*args, dtype=dtype, **kw)
+    gpu = kvcore.BlockPool(*args, dtype=dtype, device="cuda", **kw)
+    assert gpu.dtype == dtype and gpu.device == "cuda:0"
+    _same_pool(cpu, gpu)
+    # BlockPool.write: repeated slots (the last lands), skips, device slots, input kinds
+    slots = np.array([5, 9, 5, 31, -1, 9, 0, 47], np.int64)
+    for layer, src in ((0, "float32"), (1, "float16"), (1, "bfloat16")):
+        k = _lp_rows(rng, (8, 2, 16))
+        v = _lp_rows(rng, (8, 2, 16))
+        if src == "float16":
+            with np.errstate(over="ignore"):
+                k, v = k.astype(np.float16), v.astype(np.float16)
+            cpu.write(layer, k, v, slots)
+            gpu.write(layer, _put(k), _put(v), _put(slots))
+        elif src == "bfloat16":
+            kb, vb = cpu_bits(k, BF16), cpu_bits(v, BF16)
+            cpu.write(layer, kb, vb, slots, src_dtype="bfloat16")
+            gpu.write(layer, _put(kb), _put(vb), slots, src_dtype="bfloat16")
+        else:
+            cpu.write(layer, k, v, slots)
+            gpu.write(layer, _put(k), _put(v), slots)
+        _same_pool(cpu, gpu)
+    with pytest.raises(IndexError, match="got 48 at index 1"):
+        gpu.write(0, _put(k), _put(v), _put(np.array([1, 48, 2, 3, 4, 5, 6, 7])))
+    _same_pool(cpu, gpu)
+    # sequences: append, fork + append (copy-on-write of the shared block)
+    seqs = []
+    for pool in (cpu, gpu):
+        s = kvcore.PagedKVCache(pool)
+        s.allocate(list(range(100, 106)))
+        seqs.append(s)
+    rows = [_lp_rows(rng, (6, 2, 16)) for _ in range(4)]
+    for layer in (0, 1):
+        seqs[0].append(layer, rows[2 * layer], rows[2 * layer + 1])
+        seqs[1].append(layer, _put(rows[2 * layer]), _put(rows[2 * layer + 1]))
+    forks = [s.fork() for s in seqs]
+    extra = _lp_rows(rng, (2, 1, 2, 16))
+    for f, put in zip(forks, (np.asarray, _put)):
+        f.append_token(7)
+        for layer in (0, 1):
+            f.append(layer, put(extra[0]), put(extra[1]))
+    _same_pool(cpu, gpu)
+    # reads
+    for a, b in ((seqs[0], seqs[1]), (forks[0], forks[1])):
+        for layer in (0, 1):
+            for dt in (None, "float32", "float16", "bfloat16"):
+                for x, y in zip(a.gather(layer, 0, a.num_computed, dtype=dt),
+                                b.gather(layer, 0, b.num_computed, dtype=dt)):
+                    _same(x, y)
+    table = forks[0].block_table
+    assert table.tolist() == forks[1].block_table.tolist()
+    tables = np.stack([seqs[0].block_table, table])
+    lens = np.array([6, 7])
+    for dt in (None, "float32", "float16"):
+        for x, y in zip(cpu.gather_batch(1, tables, lens, dtype=dt),
+                        gpu.gather_batch(1, _put(tables), lens, dtype=dt)):
+            _same(x, y)
+    if dtype == "int8":
+        for x, y in zip(cpu.gather_scales(0, table, 1, 7), gpu.gather_scales(0, table, 1, 7)):
+            _same(x, y)
+    # copy_blocks_to: CUDA -> CPU, CPU -> CUDA, CUDA -> CUDA
+    src_ids = np.array([0, 1, 2, 9], np.int32)
+    dst_ids = np.array([11, 3, 4, 10], np.int32)
+    host = kvcore.BlockPool(*args, dtype=dtype, **kw)
+    gpu.copy_blocks_to(host, src_ids, dst_ids)
+    cpu2 = kvcore.BlockPool(*args, dtype=dtype, **kw)
+    cpu.copy_blocks_to(cpu2, src_ids, dst_ids)
+    _same_pool(cpu2, host)
+    gpu2 = kvcore.BlockPool(*args, dtype=dtype, device="cuda", **kw)
+    cpu.copy_blocks_to(gpu2, src_ids, dst_ids)
+    _same_pool(cpu2, gpu2)
+    gpu3 = kvcore.BlockPool(*args, dtype=dtype, device="cuda", **kw)
+    gpu.copy_blocks_to(gpu3, src_ids, dst_ids)
+    _same_pool(cpu2, gpu3)
+    # within one pool (chained ids: in order)
+    cpu.copy_blocks_to(cpu, [0, 1], [1, 2])
+    gpu.copy_blocks_to(gpu, [0, 1], [1, 2])
+    _same_pool(cpu, gpu)
+
+
+def cpu_bits(x, kind):
+    out = np.empty(x.shape, np.uint16)
+    from kvcore.backends import CPU
+    CPU.convert(x, F32, out, kind)
+    return out
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_lowprec_kvcache_on_cuda_matches_the_cpu_cache(emulated_cuda, dtype):
+    import kvcore
+
+    rng = np.random.default_rng(41)
+    kw = {} if dtype == "int8" else {"kv_scales": [(0.5, 2.0), (1.0, 3.0)]}
+    cpu = kvcore.KVCache(2, 2, 16, 24, batch_size=2, dtype=dtype, **kw)
+    gpu = kvcore.KVCache(2, 2, 16, 24, batch_size=2, dtype=dtype, device="cuda", **kw)
+    for n in (9, 1, 5):
+        for layer in (0, 1):
+            k = _lp_rows(rng, (2, 2, n, 16))
+            raw = _lp_rows(rng, (2, n, 2, 16))   # (batch, n, heads, dim), transposed
+            with np.errstate(over="ignore"):
+                k = k.astype(np.float16)
+            cpu.update(layer, k, raw.transpose(0, 2, 1, 3))
+            gpu.update(layer, _put(k), _put(raw).transpose(0, 2, 1, 3))
+    for layer in (0, 1):
+        for dt in (None, "float32", "float16", "bfloat16"):
+            for x, y in zip(cpu.get(layer, dtype=dt), gpu.get(layer, dtype=dt)):
+                _same(x, y)
+            for x, y in zip(cpu.get(layer, 3, 11, dtype=dt), gpu.get(layer, 3, 11, dtype=dt)):
+                _same(x, y)
+        if dtype == "int8":
+            for x, y in zip(cpu.get_scales(layer, 2, 9), gpu.get_scales(layer, 2, 9)):
+                _same(x, y)
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_paged_attention_over_lowprec_pages_on_cuda_is_not_implemented(emulated_cuda, dtype):
+    """Documented limit (docs/gpu.md): a clear NotImplementedError, never
+    fp8 / int8 codes read as float pages."""
+    import kvcore
+
+    gpu = kvcore.BlockPool(4, 8, 1, 2, 64, dtype=dtype, device="cuda")
+    q = _put(np.zeros((1, 2, 64), np.float32))
+    with pytest.raises(NotImplementedError, match=f"{dtype} pages is not implemented"):
+        kvcore.paged_attention(q, gpu, 0, np.array([[0]], np.int32), np.array([3]))
+    cache = kvcore.KVCache(1, 2, 64, 8, dtype=dtype, device="cuda")
+    cache.update(0, _put(np.ones((1, 2, 3, 64), np.float32)),
+                 _put(np.ones((1, 2, 3, 64), np.float32)))
+    with pytest.raises(NotImplementedError, match="not implemented"):
+        cache.attention(0, _put(np.zeros((1, 2, 1, 64), np.float32)))

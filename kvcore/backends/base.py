@@ -381,6 +381,13 @@ class Backend:
                 if sc is not None:
                     scales[s // bs, :, s % bs] = sc[i]
 
+    def write_slots_kv_q(self, k_cache, v_cache, k_scales, v_scales, k, v, slots, src_kind,
+                         dst_kind, k_scale, v_scale, owner, check):
+        """``write_slots_kv`` for low-precision planes: ``write_slots_q`` of
+        the keys (``k_scales`` / ``k_scale``), then of the values."""
+        self.write_slots_q(k_cache, k_scales, k, slots, src_kind, dst_kind, k_scale)
+        self.write_slots_q(v_cache, v_scales, v, slots, src_kind, dst_kind, v_scale)
+
     def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
         """``gather`` of a low-precision plane widened to float ``dst_kind``:
         ``fp8 * scale``, or ``code * scales[block, head, offset]`` for int8."""

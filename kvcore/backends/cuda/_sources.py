@@ -19,8 +19,9 @@ HEADER = "kv_half.cuh"
 
 # Element kinds: kvcore.dtypes's (kv_kinds.h's numbering; kv_half.cuh's
 # KV_* carry the same values, checked by tests/test_kinds.py).
-from ...dtypes import BF16, F16, F32  # noqa: E402
+from ...dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8  # noqa: E402
 KINDS = (F32, F16, BF16)
+LOWPREC_KINDS = (F8E4M3, F8E5M2, I8)
 
 # .cu files whose kernels are templated on <SK, DK, V>.
 CONVERTING = {
@@ -31,7 +32,7 @@ CONVERTING = {
 # blocks.cu: kv_copy_blocks<WB>, WB = bytes per word.
 COPY_FILE = "blocks.cu"
 COPY_KERNEL = "kv_copy_blocks"
-COPY_WORDS = (16, 4, 2)
+COPY_WORDS = (16, 4, 2, 1)
 
 # slots.cu: plain (non-template) kernels around BlockPool.write.
 SLOTS_FILE = "slots.cu"
@@ -54,14 +55,31 @@ def fp8_kernel_name(fmt, narrow, saturate=False):
 FP8_KERNELS = tuple([fp8_kernel_name(f, True, s) for f in (0, 1) for s in (False, True)]
                     + [fp8_kernel_name(f, False) for f in (0, 1)])
 
-FILES = tuple(CONVERTING) + (COPY_FILE, SLOTS_FILE, FP8_FILE)
+# lowprec.cu: fp8 / int8 pools and caches, templated on <FK, QK> (the float
+# kind on the other side, the storage kind); one module per pair.
+LOWPREC_FILE = "lowprec.cu"
+LOWPREC_KERNELS = ("kv_write_slots_q", "kv_gather_q", "kv_gather_batch_q",
+                   "kv_write_contiguous_q", "kv_dequantize")
+# <QK, QK>: raw reads of the codes (the stored bytes, copied)
+LOWPREC_RAW_KERNELS = ("kv_gather_q", "kv_gather_batch_q")
+
+
+def lowprec_name(kernel, float_kind, q_kind):
+    """The name expression of one lowprec.cu kernel."""
+    return f"{kernel}<{float_kind}, {q_kind}>"
+
+
+FILES = tuple(CONVERTING) + (COPY_FILE, SLOTS_FILE, FP8_FILE, LOWPREC_FILE)
 
 # NVRTC options.  C++17 for `if constexpr` (CuPy >= 14 defaults to it; older
-# CuPy needs it said).  No fast-math or FTZ flags: the kernels only do
-# integer arithmetic on the bits, so no float flag could matter anyway.
+# CuPy needs it said).  No fast-math or FTZ flags, ever: the conversion
+# kernels do integer arithmetic on the bits, and lowprec.cu's float32
+# divisions and multiplications (int8 scales and codes, fp8 scales) must be
+# IEEE-rounded with subnormals kept (NVRTC's defaults) to give the CPU's bits.
 COMPILE_OPTIONS = ("--std=c++17",)
 
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"' + re.escape(HEADER) + r'"[ \t]*$', re.M)
+# A kernel file or header including one of the headers beside it.
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"(kv_[a-z0-9_]+\.cuh)"[ \t]*$', re.M)
 _cache = {}
 
 
@@ -88,6 +106,9 @@ def module_names(file, src_kind=None, dst_kind=None):
         return list(SLOTS_KERNELS)
     if file == FP8_FILE:
         return list(FP8_KERNELS)
+    if file == LOWPREC_FILE:   # (src_kind, dst_kind) = (float kind, storage kind)
+        kernels = LOWPREC_RAW_KERNELS if src_kind == dst_kind else LOWPREC_KERNELS
+        return [lowprec_name(k, src_kind, dst_kind) for k in kernels]
     v = vector_width(src_kind, dst_kind)
     return [kernel_name(k, src_kind, dst_kind, w) for k in CONVERTING[file] for w in (1, v)]
 
@@ -102,11 +123,16 @@ def modules():
     out.append((COPY_FILE, None, None, module_names(COPY_FILE)))
     out.append((SLOTS_FILE, None, None, module_names(SLOTS_FILE)))
     out.append((FP8_FILE, None, None, module_names(FP8_FILE)))
+    for fk in KINDS + LOWPREC_KINDS:
+        for qk in LOWPREC_KINDS:
+            if fk in KINDS or fk == qk:
+                out.append((LOWPREC_FILE, fk, qk, module_names(LOWPREC_FILE, fk, qk)))
     return out
 
 
 def source(file):
-    """The text NVRTC compiles for ``file``: the .cu with kv_half.cuh pasted in.
+    """The text NVRTC compiles for ``file``: the .cu with its headers
+    (kv_half.cuh, kv_fp8.cuh) pasted in, each once.
 
     Pasting (rather than an include path) keeps the compiled text
     self-contained, so CuPy's kernel cache, keyed on the text, can never hand
@@ -115,12 +141,37 @@ def source(file):
     text = _cache.get(file)
     if text is None:
         body = (KERNEL_DIR / file).read_text(encoding="utf-8")
-        header = (KERNEL_DIR / HEADER).read_text(encoding="utf-8")
-        m = _INCLUDE.search(body)
-        if m is None:
+        if not _INCLUDE.search(body) or HEADER not in _headers_of(body, set()):
             raise RuntimeError(f"{file} does not include {HEADER}")
-        line = body.count("\n", 0, m.start()) + 1
-        text = (body[:m.start()] + f'#line 1 "{HEADER}"\n' + header
-                + f'\n#line {line + 1} "{file}"' + body[m.end():])
+        text = _paste(body, file, set())
         _cache[file] = text
     return text
+
+
+def _headers_of(body, seen):
+    """The headers ``body`` includes, directly or through another header."""
+    for m in _INCLUDE.finditer(body):
+        name = m.group(1)
+        if name not in seen:
+            seen.add(name)
+            _headers_of((KERNEL_DIR / name).read_text(encoding="utf-8"), seen)
+    return seen
+
+
+def _paste(body, name, pasted):
+    """``body`` (of file ``name``) with each kv_*.cuh include replaced by the
+    header's text, pasted once (a later include of it is dropped), with
+    #line markers so compile errors name the right file and line."""
+    out, pos = [], 0
+    for m in _INCLUDE.finditer(body):
+        header = m.group(1)
+        out.append(body[pos:m.start()])
+        line = body.count("\n", 0, m.start()) + 1
+        if header not in pasted:
+            pasted.add(header)
+            text = (KERNEL_DIR / header).read_text(encoding="utf-8")
+            out.append(f'#line 1 "{header}"\n' + _paste(text, header, pasted)
+                       + f'\n#line {line + 1} "{name}"')
+        pos = m.end()
+    out.append(body[pos:])
+    return "".join(out)

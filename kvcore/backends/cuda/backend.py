@@ -78,7 +78,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
-    lowprec = False   # fp8 / int8 pools: not on this backend yet
+    lowprec = True    # fp8 / int8 pools and caches (lowprec.cu)
 
     def __init__(self, cupy, device_id):
         self._cp = cupy
@@ -521,9 +521,24 @@ class CudaBackend(Backend):
         owner : the pool's ``slot_owner_table``
         check : bool
         """
-        n = k.shape[0]
-        if n == 0:
+        if k.shape[0] == 0:
             return
+
+        def write(d_slots):
+            if k.shape[1] and k.shape[2]:
+                v_ = v
+                if self._overlaps(v_, k_cache):  # read v before the keys change
+                    v_ = self._contiguous_copy(v_)
+                self._write_plane(k_cache, k, d_slots, owner, src_kind, dst_kind)
+                self._write_plane(v_cache, v_, d_slots, owner, src_kind, dst_kind)
+
+        self._claimed_write(slots, k.shape[0], owner, check, write)
+
+    def _claimed_write(self, slots, n, owner, check, write):
+        """Run ``write(device_slots)`` between the claim and the release
+        passes of slots.cu (``write_slots_kv``'s protocol): with ``check``
+        and slots on the device, wait for the claim pass's range verdict
+        first and raise IndexError (nothing written) on a bad slot."""
         num_slots = owner.shape[0]
         with self._ctx():
             d_slots = self._index_array(slots, np.int64)
@@ -540,19 +555,177 @@ class CudaBackend(Backend):
                         raise IndexError(
                             f"slots must be -1 (skip) or in 0..{num_slots - 1} "
                             f"(num_blocks * block_size - 1), got {value} at index {first}")
-                if k.shape[1] and k.shape[2]:
-                    if self._overlaps(v, k_cache):  # read v before the keys change
-                        v = self._contiguous_copy(v)
-                    self._write_plane(k_cache, k, d_slots, owner, src_kind, dst_kind)
-                    self._write_plane(v_cache, v, d_slots, owner, src_kind, dst_kind)
+                write(d_slots)
             finally:
                 self._launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
                              [owner, d_slots, num_slots])
+
+    # ------------------------------------------- fp8 / int8 storage (lowprec.cu)
+    @staticmethod
+    def _scale_bits(scale):
+        """A float32 scale as the integer of its bits (kernels take it so)."""
+        return int(np.float32(scale).view(np.uint32))
+
+    def _scale_strides(self, scales, axes):
+        """Element strides of an int8 scale array's ``axes`` (0s for fp8's None)."""
+        return [0] * len(axes) if scales is None else self._estrides(scales, axes)
+
+    def _q_launch(self, float_kind, q_kind, kernel, rows, chunks, args):
+        self._launch(_sources.LOWPREC_FILE, float_kind, q_kind,
+                     _sources.lowprec_name(kernel, float_kind, q_kind), rows, chunks, args)
+
+    def _row_target(self, out):
+        """``out``, or a C-contiguous temporary when its last axis is not
+        contiguous (the read kernels write one element per thread along it)."""
+        if out.ndim and out.shape[-1] > 1 and out.strides[-1] != out.itemsize or any(
+                st % out.itemsize for st in out.strides):
+            return self.xp.empty(out.shape, out.dtype)
+        return out
+
+    def _deliver_bits(self, tmp, out):
+        if tmp is not out:
+            out.view(_bits_dtype(out.dtype))[...] = tmp.view(_bits_dtype(tmp.dtype))
+
+    def _write_plane_q(self, cache, scales, src, slots, owner, src_kind, dst_kind, scale):
+        """One kv_write_slots_q launch (``_write_plane`` for fp8 / int8)."""
+        n, heads, dim = src.shape
+        if self._overlaps(src, cache) or (scales is not None and self._overlaps(src, scales)):
+            src = self._contiguous_copy(src)
+        src = self.inner_contiguous(src)
+        ss = self._estrides(src, (0, 1))
+        cs = self._estrides(cache, (0, 1, 2))
+        scs = self._scale_strides(scales, (0, 1, 2))
+        rows = n * heads
+        self._check_rows(rows, "write_slots")
+        self._q_launch(src_kind, dst_kind, "kv_write_slots_q", rows,
+                       1 if dst_kind == dtypes.I8 else dim,
+                       [cache, scales, src, slots, owner, cache.shape[0] * cache.shape[2], heads,
+                        cache.shape[2], dim, ss[0], ss[1], cs[0], cs[1], cs[2],
+                        scs[0], scs[1], scs[2], self._scale_bits(scale)])
+
+    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
+        """``write_slots`` into an fp8 or int8 plane (distinct slots, host or
+        device; a slot past the cache is skipped).  An int8 row's max-abs
+        takes one thread per (token, head) row; fp8 one per element."""
+        if src.shape[0] == 0 or src.shape[1] == 0 or src.shape[2] == 0:
+            return
+        with self._ctx():
+            self._write_plane_q(cache, scales, src, self._index_array(slots, np.int64), None,
+                                src_kind, dst_kind, scale)
+
+    def write_slots_kv_q(self, k_cache, v_cache, k_scales, v_scales, k, v, slots, src_kind,
+                         dst_kind, k_scale, v_scale, owner, check):
+        """``write_slots_kv`` into fp8 / int8 planes: repeated slots (the last
+        token's K, V and int8 scales land) and device slots (``check``) as
+        there."""
+        if k.shape[0] == 0:
+            return
+
+        def write(d_slots):
+            if k.shape[1] and k.shape[2]:
+                v_ = v
+                if self._overlaps(v_, k_cache) or (k_scales is not None
+                                                  and self._overlaps(v_, k_scales)):
+                    v_ = self._contiguous_copy(v_)   # read v before the keys change
+                self._write_plane_q(k_cache, k_scales, k, d_slots, owner, src_kind, dst_kind,
+                                    k_scale)
+                self._write_plane_q(v_cache, v_scales, v_, d_slots, owner, src_kind, dst_kind,
+                                    v_scale)
+
+        self._claimed_write(slots, k.shape[0], owner, check, write)
+
+    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
+        """``gather`` of an fp8 / int8 plane, widened to float ``dst_kind``
+        (``fp8 * scale``, ``code * scales[block, head, offset]``)."""
+        n = end - start
+        heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
+        if n <= 0 or heads == 0 or dim == 0:
+            return
+        with self._ctx():
+            table = self._index_array(block_table, np.int32)
+            tmp = self._row_target(out)
+            cs = self._estrides(cache, (0, 1, 2))
+            scs = self._scale_strides(scales, (0, 1, 2))
+            os_ = self._estrides(tmp, (0, 1))
+            rows = heads * n
+            self._check_rows(rows, "gather (heads x positions)")
+            self._check_rows(end, "gather (end position)")
+            self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
+                           [tmp, cache, scales, table, start, n, bs, cs[0], cs[1], cs[2],
+                            scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
+            self._deliver_bits(tmp, out)
+
+    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
+                       scale):
+        """``gather_batch`` of an fp8 / int8 plane, widened (padding +0);
+        block tables and lengths checked by the caller."""
+        batch, heads, max_len, dim = out.shape
+        bs = cache.shape[2]
+        if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
+            return
+        with self._ctx():
+            tables = self._index_array(block_tables, np.int32)
+            lens = self._index_array(lengths, np.int32)
+            tmp = self._row_target(out)
+            cs = self._estrides(cache, (0, 1, 2))
+            scs = self._scale_strides(scales, (0, 1, 2))
+            os_ = self._estrides(tmp, (0, 1, 2))
+            rows = batch * heads * max_len
+            self._check_rows(rows, "gather_batch")
+            self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
+                           [tmp, cache, scales, tables, lens, heads, max_len, tables.shape[1], bs,
+                            cs[0], cs[1], cs[2], scs[0], scs[1], scs[2],
+                            os_[0], os_[1], os_[2], self._scale_bits(scale)])
+            self._deliver_bits(tmp, out)
+
+    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
+        """``write_contiguous`` into an fp8 / int8 cache (int8 scales
+        ``(batch, heads, max_seq_len)`` written beside the codes)."""
+        batch, heads, n, dim = src.shape
+        if batch == 0 or heads == 0 or n == 0 or dim == 0:
+            return
+        with self._ctx():
+            if self._overlaps(src, dst) or (scales is not None and self._overlaps(src, scales)):
+                src = self._contiguous_copy(src)
+            src = self.inner_contiguous(src)
+            ss = self._estrides(src, (0, 1, 2))
+            ds = self._estrides(dst, (0, 1, 2))
+            scs = self._scale_strides(scales, (0, 1, 2))
+            rows = batch * heads * n
+            self._check_rows(rows, "write_contiguous")
+            self._q_launch(src_kind, dst_kind, "kv_write_contiguous_q", rows,
+                           1 if dst_kind == dtypes.I8 else dim,
+                           [dst, scales, src, heads, n, start, dim, ss[0], ss[1], ss[2],
+                            ds[0], ds[1], ds[2], scs[0], scs[1], scs[2],
+                            self._scale_bits(scale)])
+
+    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
+        """``dst[...] = src`` widened, any shape ``(..., dim)`` (int8 scales
+        of shape ``src.shape[:-1]``); through contiguous copies of the codes
+        and scales when they are views."""
+        if src.size == 0:
+            return
+        xp = self.xp
+        with self._ctx():
+            dim = src.shape[-1]
+            s = xp.ascontiguousarray(src)
+            sc = None if scales is None else xp.ascontiguousarray(scales)
+            tmp = dst if dst.flags.c_contiguous and self._ptr(dst) % dst.itemsize == 0 \
+                else xp.empty(dst.shape, dst.dtype)
+            rows = src.size // dim
+            self._check_rows(rows, "dequantize")
+            self._q_launch(dst_kind, src_kind, "kv_dequantize", rows, dim,
+                           [tmp.view(_bits_dtype(tmp.dtype)), s, sc, dim,
+                            self._scale_bits(scale)])
+            self._deliver_bits(tmp, dst)
 
     def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
         """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
         converted, for t in start..end-1.  out: (heads, end - start, dim)
         with its last axis contiguous; block_table int32, host or device."""
+        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
+            self.gather_q(cache, None, block_table, start, end, out, src_kind, src_kind, 1.0)
+            return
         n = end - start
         heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
         if n <= 0 or heads == 0 or dim == 0:
@@ -612,6 +785,9 @@ class CudaBackend(Backend):
                     f"{int(lengths.min())}..{int(lengths.max())}")
         elif lengths.shape != (batch,):
             raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
+        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
+            self.gather_batch_q(cache, None, block_tables, lengths, out, src_kind, src_kind, 1.0)
+            return
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
@@ -729,8 +905,8 @@ class CudaBackend(Backend):
             if block_bytes % wb == 0 and all(p % wb == 0 for p in ptrs) and all(
                     st % wb == 0 for st in strides):
                 break
-        else:  # pragma: no cover - storage dtypes are 2 or 4 bytes wide
-            raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in 2-byte words")
+        else:  # pragma: no cover - 1-byte words copy anything
+            raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in words")
         rows = planes * n
         self._check_rows(rows, "copy_blocks")
         self._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
@@ -811,6 +987,12 @@ class CudaBackend(Backend):
             arrays, already checked (kvcore/attention.py)
         sliding_window, soft_cap : 0 when off
         """
+        if kind in dtypes.LOWPREC_KINDS:
+            raise NotImplementedError(
+                f"paged_attention over {dtypes.KIND_NAME[kind]} pages is not implemented on "
+                f"{self.device} yet (it is on device='cpu'); gather the layer with "
+                "dtype='float16' (or 'float32') and attend over that, or use a float16, "
+                "bfloat16 or float32 pool")
         ak = attention_kernels
         num_tokens, num_heads, dim = q.shape
         kv_heads, bs = key_cache.shape[1], key_cache.shape[2]

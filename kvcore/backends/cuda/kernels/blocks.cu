@@ -3,7 +3,7 @@
  * between two pools of the same geometry and dtype.
  *
  * A storage is (planes, num_blocks, heads, block_size, dim) with every block
- * one contiguous run of bytes; the host picks the widest word WB (16, 4 or 2
+ * one contiguous run of bytes; the host picks the widest word WB (16, 4, 2 or 1
  * bytes) that the block size, strides and base pointers allow.  No
  * conversion: blocks are copied bit for bit.
  */
@@ -13,6 +13,7 @@ template <int WB> struct KvWord;
 template <> struct KvWord<16> { typedef kv_vec16 type; };
 template <> struct KvWord<4> { typedef kv_u32 type; };
 template <> struct KvWord<2> { typedef kv_u16 type; };
+template <> struct KvWord<1> { typedef unsigned char type; };
 
 /* dst[p, dst_ids[i]] = src[p, src_ids[i]] for every plane p, word by word.
  * rows = planes * n (row = p * n + i), chunks = words per block; strides in

@@ -39,7 +39,7 @@ typedef int kv_i32;
 typedef long long kv_i64;
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
-/* Low-precision pool kinds (kv_kinds.h); no CUDA kernel handles them yet. */
+/* Low-precision pool kinds (kv_kinds.h): lowprec.cu. */
 enum { KV_F8E4M3 = 3, KV_F8E5M2 = 4, KV_I8 = 5 };
 
 /* The integer that holds one element of each kind (float32 as its bits). */
