@@ -625,7 +625,8 @@ float kvh_f32_to_i8_row(const float *src, int8_t *dst, ptrdiff_t n)
         amax = amax_bits_scalar(src, n);
     float scale = i8_row_scale(amax);
     if (amax == 0 || amax >= 0x7F800000u) {     /* all zeros, or not finite */
-        memset(dst, 0, (size_t)(n > 0 ? n : 0));
+        if (n > 0)   /* (dst may be NULL when n is 0) */
+            memset(dst, 0, (size_t)n);
         return scale;
     }
 #if KV_FP8_X86
