@@ -518,14 +518,7 @@ class BlockPool:
             ``out`` when given.
         """
         layer = layer_index(layer, self._num_layers)
-        table = self._table(block_table)
-        start = index_int(start, "start")
-        end = index_int(end, "end")
-        cap = len(table) * self._block_size
-        if not 0 <= start <= end <= cap:
-            raise ValueError(
-                f"start and end must satisfy 0 <= start <= end <= {cap} "
-                f"(len(block_table) * block_size), got start={start}, end={end}")
+        table, start, end = self._table_range(block_table, start, end)
         return self._gather(layer, table, start, end, dtype, out)
 
     def gather_batch(self, layer, block_tables, lengths, dtype=None, out=None):
@@ -600,14 +593,7 @@ class BlockPool:
         layer = layer_index(layer, self._num_layers)
         if self._scales is None:
             self._scale_plane(0)   # raises, naming the dtype
-        table = self._table(block_table)
-        start = index_int(start, "start")
-        end = index_int(end, "end")
-        cap = len(table) * self._block_size
-        if not 0 <= start <= end <= cap:
-            raise ValueError(
-                f"start and end must satisfy 0 <= start <= end <= {cap} "
-                f"(len(block_table) * block_size), got start={start}, end={end}")
+        table, start, end = self._table_range(block_table, start, end)
         return self._gather_scales(layer, table, start, end)
 
     def _gather_scales(self, layer, table, start, end):
@@ -780,6 +766,19 @@ class BlockPool:
                     f"slots must be -1 (skip) or in 0..{limit - 1} "
                     f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
         return _arrays.aligned(np.ascontiguousarray(s, dtype=np.int64))
+
+    def _table_range(self, block_table, start, end):
+        """Checked ``(table, start, end)`` of a raw read of positions
+        ``start .. end - 1`` through ``block_table``."""
+        table = self._table(block_table)
+        start = index_int(start, "start")
+        end = index_int(end, "end")
+        cap = len(table) * self._block_size
+        if not 0 <= start <= end <= cap:
+            raise ValueError(
+                f"start and end must satisfy 0 <= start <= end <= {cap} "
+                f"(len(block_table) * block_size), got start={start}, end={end}")
+        return table, start, end
 
     def _table(self, block_table, arg="block_table"):
         t = _arrays.index_array(self._backend, block_table, arg)

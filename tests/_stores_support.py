@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import textwrap
 import time
 
 import numpy as np
@@ -187,3 +188,28 @@ class RedisServer:
 
     def client(self):
         return self.redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+
+
+# A script another process runs against a shared store: "compute" fills and
+# flushes the prefix, "hit" checks that it finds it.  {store}: the store's
+# constructor expression; {tests}: this folder.
+PEER_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np, kvcore
+    from _stores_support import run, check_hit, flush_pool, make_pool
+    pool = make_pool(stores=[{store}])
+    prompt = np.arange(1, 18, dtype=np.int32)
+    if sys.argv[1] == "compute":
+        assert run(pool, prompt)[0] == 0
+        flush_pool(pool)
+    else:
+        check_hit(pool, prompt, 4)
+        assert pool.stats()["stores"][0]["hits"] == 4
+    print("ok", sys.argv[1])
+""")
+
+
+def peer_script(store):
+    """PEER_SCRIPT for the store built by the expression ``store``."""
+    return PEER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), store=store)

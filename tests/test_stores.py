@@ -14,7 +14,7 @@ import kvcore
 from kvcore.stores import _format
 
 from _stores_support import (FailingStore, check_hit, disk_full, expected_kv, flush_pool,
-                             make_pool, permission_denied, run)
+                             make_pool, peer_script, permission_denied, run)
 
 PROMPT = np.arange(1, 18, dtype=np.int32)       # 17 tokens: 4 full blocks can hit
 
@@ -126,26 +126,11 @@ def test_entry_larger_than_the_host_store_goes_to_the_next(tmp_path):
 
 
 # ------------------------------------------------------------ disk
-_RESTART = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    import numpy as np, kvcore
-    from _stores_support import run, check_hit, flush_pool, make_pool
-    pool = make_pool(stores=[kvcore.DiskStore({path!r}, 1 << 24)])
-    prompt = np.arange(1, 18, dtype=np.int32)
-    if sys.argv[1] == "compute":
-        assert run(pool, prompt)[0] == 0
-        flush_pool(pool)
-    else:
-        check_hit(pool, prompt, 4)
-        assert pool.stats()["stores"][0]["hits"] == 4
-    print("ok", sys.argv[1])
-""")
 
 
 def test_disk_store_survives_a_restart_bit_exact(tmp_path):
     script = tmp_path / "restart.py"
-    script.write_text(_RESTART.format(tests=os.path.dirname(__file__), path=str(tmp_path / "s")))
+    script.write_text(peer_script(f"kvcore.DiskStore({str(tmp_path / 's')!r}, 1 << 24)"))
     for phase in ("compute", "hit"):
         r = subprocess.run([sys.executable, "-W", "error", str(script), phase],
                            capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ import pytest
 import kvcore
 from kvcore.stores import _format
 
-from _stores_support import RedisServer, check_hit, flush_pool, make_pool, run
+from _stores_support import RedisServer, check_hit, flush_pool, make_pool, peer_script, run
 
 PROMPT = np.arange(1, 18, dtype=np.int32)
 
@@ -45,26 +45,11 @@ def test_spill_and_hit_bit_exact(server):
     assert st["bytes_in"] == st["bytes_out"] == sum(len(server.client().get(k)) for k in keys)
 
 
-_PEER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    import numpy as np, kvcore
-    from _stores_support import run, check_hit, flush_pool, make_pool
-    pool = make_pool(stores=[kvcore.RedisStore({url!r}, namespace="shared")])
-    prompt = np.arange(1, 18, dtype=np.int32)
-    if sys.argv[1] == "compute":
-        assert run(pool, prompt)[0] == 0
-        flush_pool(pool)
-    else:
-        check_hit(pool, prompt, 4)
-        assert pool.stats()["stores"][0]["hits"] == 4
-    print("ok", sys.argv[1])
-""")
 
 
 def test_two_processes_share_a_redis_store(server, tmp_path):
     script = tmp_path / "peer.py"
-    script.write_text(_PEER.format(tests=os.path.dirname(__file__), url=server.url))
+    script.write_text(peer_script(f"kvcore.RedisStore({server.url!r}, namespace='shared')"))
     for phase in ("compute", "hit"):
         r = subprocess.run([sys.executable, "-W", "error", str(script), phase],
                            capture_output=True, text=True, timeout=120)
