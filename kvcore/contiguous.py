@@ -349,20 +349,7 @@ class KVCache:
             written in the layer: kvcore never returns unwritten data.
         """
         layer = self._check_layer(layer)
-        length = self._lengths[layer]
-        start = index_int(start, "start")
-        if end is None:
-            end = length
-        else:
-            end = index_int(end, "end")
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
-        if end < start:
-            raise ValueError(f"end must be >= start ({start}), got {end}")
-        if end > length:
-            raise ValueError(
-                f"end must be <= {length} (the positions written in layer {layer}), got "
-                f"{end}: positions {length}..{end - 1} were never written")
+        start, end = self._range(layer, start, end)
         out_kind = None if dtype is None else dtypes.storage_kind(dtype, "dtype")
         if out_kind is not None and out_kind in dtypes.LOWPREC_KINDS and out_kind != self._kind:
             raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float "
