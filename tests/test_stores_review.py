@@ -3,6 +3,7 @@ construction with a message naming them, a DiskStore trim that never waits
 unboundedly for another process's lock (under the pool's lock), and probe()
 that skips a store which timed out like allocate() does."""
 import fcntl
+import os
 import socket
 import subprocess
 import sys
@@ -238,3 +239,66 @@ def test_disk_store_stays_near_its_bound_during_a_big_flush(tmp_path, monkeypatc
     assert peak and max(peak) <= st.capacity_bytes + entry, (max(peak), st.capacity_bytes)
     assert st.used_bytes() <= st.capacity_bytes
     s.free()
+
+
+# ------------------------------------------------------------ a failing first store
+@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), TimeoutError("slow"),
+                                 RuntimeError("bug")])
+def test_failing_first_store_passes_its_entries_to_the_next(exc):
+    """A first store whose put fails (full disk, Redis gone) is passed over:
+    the evicted blocks reach the store behind it, which serves the next hit;
+    one StoreWarning says what happened to the first."""
+    from _stores_support import FailingStore, check_hit, flush_pool
+    broken = FailingStore(1 << 20, exc, ("put",))
+    behind = kvcore.HostStore(1 << 20)
+    pool = make_pool(stores=[broken, behind])
+    with pytest.warns(kvcore.StoreWarning, match="prefix store 0") as record:
+        run(pool, PROMPT)
+        flush_pool(pool)
+    assert len(record) == 1
+    assert len(broken) == 0 and len(behind) == 4
+    st = pool.stats()["stores"]
+    assert st[0]["failures"] == 1 and st[0]["puts"] == 0
+    assert st[1]["puts"] == 4
+    check_hit(pool, PROMPT, 4)
+    assert pool.stats()["stores"][1]["hits"] == 4
+    pool.check()
+
+
+def test_failing_store_in_the_middle_passes_its_drops_on():
+    """Entries the first store drops skip a failing second store and land in the third."""
+    from _stores_support import FailingStore, flush_pool
+    first = kvcore.HostStore(1)           # keeps nothing: drops every entry
+    broken = FailingStore(1 << 20, RuntimeError("bug"), ("put",))
+    last = kvcore.HostStore(1 << 20)
+    pool = make_pool(stores=[first, broken, last])
+    with pytest.warns(kvcore.StoreWarning, match="prefix store 1"):
+        run(pool, PROMPT)
+        flush_pool(pool)
+    assert len(first) == 0 and len(broken) == 0 and len(last) == 4
+
+
+# ------------------------------------------------------------ DiskStore temporary files
+def test_disk_store_removes_temporary_files_of_dead_writers(tmp_path):
+    """A writer killed between writing its temporary file and renaming it
+    leaves ``.tmp-*``: a trim (after a put) or a new store on the directory
+    removes those not modified for ``stale_tmp_seconds``, and leaves young
+    ones (a writer may be working on them)."""
+    store = kvcore.DiskStore(tmp_path, 1 << 20)
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    old, young = sub / ".tmp-1-2-0123456789abcdef", sub / ".tmp-3-4-fedcba9876543210"
+    for f in (old, young):
+        f.write_bytes(b"x" * 1000)
+    past = time.time() - store.stale_tmp_seconds - 5
+    os.utime(old, (past, past))
+    kvcore.DiskStore(tmp_path, 1 << 20)          # opening the directory cleans up
+    assert not old.exists() and young.exists()
+    os.utime(young, (past, past))
+    pool = make_pool(stores=[store])
+    run(pool, PROMPT)
+    from _stores_support import flush_pool
+    flush_pool(pool)                             # puts, then trims
+    assert not young.exists()
+    assert len(store) == 4
+    assert store.used_bytes() == sum(p.stat().st_size for p in tmp_path.rglob("*.kve"))

@@ -184,25 +184,31 @@ class StoreTiers:
         return self._put(0, items)
 
     def _put(self, i, items):
-        first = len(items)
+        """Put ``items`` into store ``i``; what it drops goes to the next
+        store.  A store that is down or whose put fails is passed over: its
+        items go to the next store (a full disk or a dead Redis in front
+        must not lose what the stores behind it could keep).  Returns how
+        many of ``items`` some store took."""
+        first, taken = len(items), False
         while items and i < len(self.stores):
-            if not self._up(i):
-                i, items = i + 1, self._retarget(i, i + 1, items)
-                continue
-            try:
-                dropped = self.stores[i].put(items)
-            except Exception as e:
-                self._fail(i, e, op="put")
-                return 0
-            self._ok(i, "put")
-            with self._lock:
-                st = self._stats[i]
-                st["puts"] += len(items)
-                st["bytes_in"] += sum(len(v) for _, v in items)
-                st["evictions"] += len(dropped or ())
-            items = self._retarget(i, i + 1, list(dropped or ()))
+            passed_over = items      # what goes on if store i does not take it
+            if self._up(i):
+                try:
+                    dropped = list(self.stores[i].put(items) or ())
+                except Exception as e:
+                    self._fail(i, e, op="put")
+                else:
+                    taken = True
+                    self._ok(i, "put")
+                    with self._lock:
+                        st = self._stats[i]
+                        st["puts"] += len(items)
+                        st["bytes_in"] += sum(len(v) for _, v in items)
+                        st["evictions"] += len(dropped)
+                    passed_over = dropped
+            items = self._retarget(i, i + 1, passed_over)
             i += 1
-        return first
+        return first if taken else 0
 
     def _retarget(self, i, j, items):
         """Entries of store ``i`` re-encoded for store ``j`` where their

@@ -10,6 +10,7 @@ from .base import PrefixStore
 
 _SUFFIX = ".kve"
 _LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
+_TMP = ".tmp-"
 
 
 class DiskStore(PrefixStore):
@@ -46,6 +47,11 @@ class DiskStore(PrefixStore):
     #: TimeoutError (the pool: a 'timeout' warning, the store skipped for
     #: ``retry_interval``), never blocking the pool for longer
     lock_timeout = 1.0
+    #: a temporary file (``.tmp-*``, an entry being written) not modified
+    #: for this many seconds was left by a writer that died or hung; the
+    #: next trim (after a put, and when a store opens the directory)
+    #: removes it
+    stale_tmp_seconds = 600.0
 
     def __init__(self, path, capacity_bytes, namespace="", hmac_key=None):
         if capacity_bytes is None:
@@ -68,15 +74,20 @@ class DiskStore(PrefixStore):
                              f"{e.strerror or e}") from e
         self.path = os.path.abspath(path)
         self._lock = threading.Lock()
-        self._used = sum(size for _, size, _ in self._listing())
+        stale = []
+        self._used = sum(size for _, size, _ in self._listing(stale))
+        self._unlink_all(stale)
 
     def _file(self, key):
         h = key.hex()
         return os.path.join(self.path, h[-2:], h + _SUFFIX)
 
-    def _listing(self):
-        """(path, size, mtime) of every entry file now in the directory."""
+    def _listing(self, stale=None):
+        """(path, size, mtime) of every entry file now in the directory;
+        with a list ``stale``, the paths of temporary files older than
+        ``stale_tmp_seconds`` are appended to it."""
         out = []
+        cutoff = time.time_ns() - int(self.stale_tmp_seconds * 1e9)
         try:
             subdirs = list(os.scandir(self.path))
         except FileNotFoundError:
@@ -92,6 +103,12 @@ class DiskStore(PrefixStore):
                         except FileNotFoundError:
                             continue
                         out.append((f.path, st.st_size, st.st_mtime_ns))
+                    elif stale is not None and f.name.startswith(_TMP):
+                        try:
+                            if f.stat().st_mtime_ns < cutoff:
+                                stale.append(f.path)
+                        except FileNotFoundError:
+                            continue
             except FileNotFoundError:
                 continue
         return out
@@ -150,7 +167,7 @@ class DiskStore(PrefixStore):
             p = self._file(k)
             d = os.path.dirname(p)
             os.makedirs(d, exist_ok=True)
-            tmp = os.path.join(d, f".tmp-{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
+            tmp = os.path.join(d, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
             try:
                 with open(tmp, "wb", buffering=0) as f:
                     view = memoryview(v).cast("B")
@@ -191,7 +208,9 @@ class DiskStore(PrefixStore):
         with open(lock_path, "a+b") as lock:
             self._lock_file(lock)
             try:
-                files = self._listing()
+                stale = []
+                files = self._listing(stale)
+                self._unlink_all(stale)
                 used = sum(size for _, size, _ in files)
                 files = sorted(files, key=lambda e: e[2]) if used > self.capacity_bytes else []
                 for p, size, _ in files:
@@ -212,6 +231,16 @@ class DiskStore(PrefixStore):
         with self._lock:
             self._used = used
         return dropped
+
+    @staticmethod
+    def _unlink_all(paths):
+        """Remove stale temporary files (one that cannot be removed is
+        left: it only takes room)."""
+        for p in paths:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
     def _lock_file(self, lock):
         """Exclusive flock on ``lock``, waiting at most ``lock_timeout``."""
