@@ -943,34 +943,32 @@ class BlockPool:
             arrays.append(a)
         from .backends.cpu import _checksum
 
-        if seeds is None or self._scales is not None:
-            # plain copies (int8: the codes, then the scales that follow them)
-            kv_bytes = int(np.prod(shape)) * dt.itemsize
-            digests = None if seeds is None else []
-            for i, (b, a) in enumerate(zip(ids, arrays)):
-                if digests is not None:
-                    digests.append(_checksum.xxh64(a, seeds[i]))
-                self._storage[:, b] = self._backend.from_host(a[:kv_bytes].view(dt).reshape(shape))
-                if self._scales is not None:
-                    self._scales[:, b] = self._backend.from_host(
-                        a[kv_bytes:].view(np.float32).reshape(self._scales.shape[:1]
-                                                              + self._scales.shape[2:]))
-            return digests
-
-        digests = []
-        planes = self._storage.shape[0]
-        chunk = self.bytes_per_block // planes           # one block of one plane
-        if self._backend.name == "cpu":
+        if seeds is not None and self._backend.name == "cpu":
             # the storage is one C-contiguous array: plane p of block b
-            # starts at byte (p * num_blocks + b) * chunk
-            # (all blocks in one native call, the GIL released)
-            flat = self._storage.reshape(-1).view(np.uint8)
-            digests = _checksum.copy_xxh64_many(arrays, flat, [b * chunk for b in ids], planes,
-                                                chunk, self._num_blocks * chunk, seeds)
-        else:
-            for b, a, seed in zip(ids, arrays, seeds):
-                digests.append(_checksum.xxh64(a, seed))
-                self._storage[:, b] = self._backend.from_host(a.view(dt).reshape(shape))
+            # starts at byte (p * num_blocks + b) * chunk; int8 scales
+            # (after the codes in a payload) likewise in their array.  All
+            # blocks in one native call, the GIL released.
+            parts = []
+            for arr in (self._storage, self._scales):
+                if arr is None:
+                    continue
+                planes = arr.shape[0]
+                chunk = arr.nbytes // (planes * self._num_blocks)   # one block of one plane
+                parts.append((arr.reshape(-1).view(np.uint8), [b * chunk for b in ids], planes,
+                              chunk, self._num_blocks * chunk))
+            return _checksum.copy_xxh64_many(arrays, parts, seeds)
+
+        # plain copies (int8: the codes, then the scales that follow them)
+        kv_bytes = int(np.prod(shape)) * dt.itemsize
+        digests = None if seeds is None else []
+        for i, (b, a) in enumerate(zip(ids, arrays)):
+            if digests is not None:
+                digests.append(_checksum.xxh64(a, seeds[i]))
+            self._storage[:, b] = self._backend.from_host(a[:kv_bytes].view(dt).reshape(shape))
+            if self._scales is not None:
+                self._scales[:, b] = self._backend.from_host(
+                    a[kv_bytes:].view(np.float32).reshape(self._scales.shape[:1]
+                                                          + self._scales.shape[2:]))
         return digests
 
     def _device_array(self, a):

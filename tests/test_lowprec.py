@@ -714,3 +714,39 @@ def test_prefix_stores_carry_codes_and_scales(dtype, tmp_path):
             np.testing.assert_array_equal(ks, want_sc[layer][0][:, :32])
             np.testing.assert_array_equal(vs, want_sc[layer][1][:, :32])
     b.free()
+
+
+def test_prefix_store_entry_with_a_corrupt_int8_scale_is_a_miss(tmp_path):
+    """The checksum of an int8 entry covers its scales as well as its codes
+    (both are copied and hashed in one native pass): one flipped scale byte
+    makes that block, and the blocks after it, a miss."""
+    rng = np.random.default_rng(6)
+    tokens = list(range(200, 225))                    # 3 full blocks of 8 and one more
+    k = rng.standard_normal((len(tokens), 2, 16)).astype(np.float32)
+    store = kvcore.DiskStore(str(tmp_path), 1 << 24)
+    a_pool = kvcore.BlockPool(16, 8, 2, 2, 16, dtype="int8", stores=[store])
+    a = kvcore.PagedKVCache(a_pool)
+    a.allocate(tokens)
+    for layer in range(2):
+        a.append(layer, k, k * 2)
+    a.commit(len(tokens))
+    second = a.block_table[1]
+    want = a.gather(0, 0, 8, dtype="float32")
+    payload = a_pool._export_blocks([second])[0].tobytes()
+    a.free()
+    a_pool.flush_to_stores()
+    files = [p for p in tmp_path.rglob("*.kve") if payload in p.read_bytes()]
+    assert len(files) == 1
+    data = bytearray(files[0].read_bytes())
+    data[data.find(payload) + len(payload) - 3] ^= 0x01   # inside the last float32 scale
+    files[0].write_bytes(bytes(data))
+
+    b_pool = kvcore.BlockPool(16, 8, 2, 2, 16, dtype="int8", stores=[store])
+    b = kvcore.PagedKVCache(b_pool)
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        assert b.allocate(tokens) == 8                # block 0 only
+    assert b_pool.stats()["stores"][0]["rejected"] == 1
+    for got, exp in zip(b.gather(0, 0, 8, dtype="float32"), want):
+        np.testing.assert_array_equal(got, exp)
+    b.free()
+    b_pool.check()

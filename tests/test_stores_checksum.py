@@ -50,23 +50,54 @@ def test_copy_xxh64_many_equals_one_copy_per_source(chunks, chunk):
     order = [3, 0, 4, 1, 2]
     dst = np.full(max(stride * chunks, 1), 7, np.uint8)
     want = dst.copy()
-    digests = _checksum.copy_xxh64_many(srcs, dst, [k * chunk for k in order], chunks, chunk,
-                                        stride, list(range(10, 10 + n)))
+    digests = _checksum.copy_xxh64_many(
+        srcs, [(dst, [k * chunk for k in order], chunks, chunk, stride)],
+        list(range(10, 10 + n)))
     for j, k in enumerate(order):
         assert digests[j] == xxhash.xxh64_intdigest(srcs[j], 10 + j)
         _checksum.copy_xxh64(srcs[j], want[k * chunk:], chunks, chunk, stride, 0)
     assert np.array_equal(dst, want)
 
 
+@pytest.mark.parametrize("tail_chunk", [0, 3, 64])
+def test_copy_xxh64_many_two_parts(tail_chunk):
+    """Sources made of two parts (an int8 pool's codes, then its scales)
+    land in two destinations; the digest covers the whole source."""
+    n, chunks, chunk, tail_chunks = 4, 3, 24, 3
+    srcs = [os.urandom(chunks * chunk + tail_chunks * tail_chunk) for _ in range(n)]
+    order = [2, 0, 3, 1]
+    a = np.zeros(n * chunks * chunk, np.uint8)
+    b = np.zeros(max(n * tail_chunks * tail_chunk, 1), np.uint8)
+    digests = _checksum.copy_xxh64_many(
+        srcs, [(a, [k * chunk for k in order], chunks, chunk, n * chunk),
+               (b, [k * tail_chunk for k in order], tail_chunks, tail_chunk, n * tail_chunk)],
+        list(range(n)))
+    for j, k in enumerate(order):
+        assert digests[j] == xxhash.xxh64_intdigest(srcs[j], j)
+        for i in range(chunks):
+            assert a[i * n * chunk + k * chunk:][:chunk].tobytes() == \
+                srcs[j][i * chunk:(i + 1) * chunk]
+        for i in range(tail_chunks):
+            start = chunks * chunk + i * tail_chunk
+            assert b[i * n * tail_chunk + k * tail_chunk:][:tail_chunk].tobytes() == \
+                srcs[j][start:start + tail_chunk]
+
+
 def test_copy_xxh64_many_refuses_sizes_that_do_not_fit_before_writing():
     dst = bytearray(16)
     with pytest.raises(ValueError, match=r"srcs\[1\] holds 3 bytes, expected 4"):
-        _checksum.copy_xxh64_many([b"abcd", b"abc"], dst, [0, 4], 1, 4, 4, [0, 0])
+        _checksum.copy_xxh64_many([b"abcd", b"abc"], [(dst, [0, 4], 1, 4, 4)], [0, 0])
     with pytest.raises(ValueError, match="dst is too small"):
-        _checksum.copy_xxh64_many([b"abcd", b"efgh"], dst, [0, 13], 1, 4, 4, [0, 0])
+        _checksum.copy_xxh64_many([b"abcd", b"efgh"], [(dst, [0, 13], 1, 4, 4)], [0, 0])
     with pytest.raises(ValueError, match="dst is too small"):   # no wrap-around
-        _checksum.copy_xxh64_many([b"abcd"], dst, [2**64 - 2], 1, 4, 4, [0])
+        _checksum.copy_xxh64_many([b"abcd"], [(dst, [2**64 - 2], 1, 4, 4)], [0])
     with pytest.raises(ValueError, match="2 sources but 1 offsets"):
-        _checksum.copy_xxh64_many([b"abcd", b"efgh"], dst, [0], 1, 4, 4, [0, 0])
+        _checksum.copy_xxh64_many([b"abcd", b"efgh"], [(dst, [0], 1, 4, 4)], [0, 0])
+    with pytest.raises(ValueError, match=r"srcs\[0\] holds 4 bytes, expected 6"):
+        _checksum.copy_xxh64_many([b"abcd"], [(dst, [0], 1, 4, 4),
+                                              (bytearray(2), [0], 1, 2, 2)], [0])
+    with pytest.raises(ValueError, match="dst is too small"):   # second part checked too
+        _checksum.copy_xxh64_many([b"abcdef"], [(dst, [0], 1, 4, 4),
+                                                (bytearray(1), [0], 1, 2, 2)], [0])
     assert dst == bytearray(16)
-    assert _checksum.copy_xxh64_many([], dst, [], 1, 4, 4, []) == []
+    assert _checksum.copy_xxh64_many([], [(dst, [], 1, 4, 4)], []) == []

@@ -12,9 +12,12 @@ cdef extern from "kv_checksum.h" nogil:
     uint64_t kv_xxh64_digest(const kv_xxh64_state* s)
     void kv_copy_xxh64(kv_xxh64_state* s, const unsigned char* src, unsigned char* dst,
                        size_t n_chunks, size_t chunk_bytes, size_t dst_stride)
-    void kv_copy_xxh64_many(const unsigned char* const* srcs, unsigned char* dst,
-                            const size_t* dst_offsets, size_t n_srcs, size_t n_chunks,
-                            size_t chunk_bytes, size_t dst_stride, const uint64_t* seeds,
+    ctypedef struct kv_copy_part:
+        unsigned char* dst
+        const size_t* dst_offsets
+        size_t n_chunks, chunk_bytes, dst_stride
+    void kv_copy_xxh64_many(const unsigned char* const* srcs, size_t n_srcs,
+                            const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
                             uint64_t* digests)
 
 
@@ -56,47 +59,61 @@ def copy_xxh64(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
     return h
 
 
-def copy_xxh64_many(srcs, dst, dst_offsets, size_t n_chunks, size_t chunk_bytes,
-                    size_t dst_stride, seeds):
-    """:func:`copy_xxh64` of every source in ``srcs`` (bytes-likes of
-    ``n_chunks * chunk_bytes`` bytes): source ``j``'s chunk ``i`` goes to
-    byte ``dst_offsets[j] + i * dst_stride`` of ``dst``; returns the list
-    of their XXH64 digests with ``seeds[j]``.  All of it in one call with
-    the GIL released."""
-    cdef unsigned char[::1] d = memoryview(dst).cast("B")
-    cdef size_t n = len(srcs)
-    cdef size_t need = n_chunks * chunk_bytes
-    cdef size_t span, j
+def copy_xxh64_many(srcs, parts, seeds):
+    """:func:`copy_xxh64` of every source in ``srcs`` (bytes-likes) into
+    one or more destinations: ``parts`` is a list of ``(dst, dst_offsets,
+    n_chunks, chunk_bytes, dst_stride)``, and every source is those parts
+    one after the other: part ``k``'s chunk ``i`` of source ``j`` goes to
+    byte ``dst_offsets[j] + i * dst_stride`` of that part's ``dst``.
+    Returns the list of the sources' XXH64 digests with ``seeds[j]``.  All
+    of it in one call with the GIL released."""
+    cdef size_t n = len(srcs), k, j, need = 0, span, size
+    cdef size_t n_parts = len(parts)
+    cdef unsigned char[::1] d
     cdef const unsigned char[::1] s
-    cdef unsigned char* dbase = &d[0] if d.shape[0] else NULL
-    if len(dst_offsets) != n or len(seeds) != n:
-        raise ValueError(f"internal: {n} sources but {len(dst_offsets)} offsets and "
-                         f"{len(seeds)} seeds")
+    if len(seeds) != <Py_ssize_t>n:
+        raise ValueError(f"internal: {n} sources but {len(seeds)} seeds")
     if n == 0:
         return []
-    if n_chunks and chunk_bytes > dst_stride and n_chunks > 1:
-        raise ValueError("internal: chunks overlap in dst")
-    span = (n_chunks - 1) * dst_stride + chunk_bytes if n_chunks else 0
     views = []
     cdef const unsigned char** ptrs = <const unsigned char**>malloc(n * sizeof(void*))
-    cdef size_t* offs = <size_t*>malloc(n * sizeof(size_t))
+    cdef kv_copy_part* cparts = <kv_copy_part*>malloc((n_parts or 1) * sizeof(kv_copy_part))
+    cdef size_t* offs = <size_t*>malloc((n_parts or 1) * n * sizeof(size_t))
     cdef uint64_t* sd = <uint64_t*>malloc(n * sizeof(uint64_t))
     cdef uint64_t* out = <uint64_t*>malloc(n * sizeof(uint64_t))
     try:
-        if not ptrs or not offs or not sd or not out:
+        if not ptrs or not cparts or not offs or not sd or not out:
             raise MemoryError()
+        for k in range(n_parts):
+            dst, dst_offsets, cparts[k].n_chunks, cparts[k].chunk_bytes, cparts[k].dst_stride = \
+                parts[k]
+            d = memoryview(dst).cast("B")
+            views.append(d)
+            cparts[k].dst = &d[0] if d.shape[0] else NULL
+            cparts[k].dst_offsets = offs + k * n
+            if len(dst_offsets) != <Py_ssize_t>n:
+                raise ValueError(f"internal: {n} sources but {len(dst_offsets)} offsets in "
+                                 f"part {k}")
+            size = cparts[k].n_chunks * cparts[k].chunk_bytes
+            need += size
+            if not size:
+                continue
+            if cparts[k].chunk_bytes > cparts[k].dst_stride and cparts[k].n_chunks > 1:
+                raise ValueError("internal: chunks overlap in dst")
+            span = (cparts[k].n_chunks - 1) * cparts[k].dst_stride + cparts[k].chunk_bytes
+            for j in range(n):
+                offs[k * n + j] = dst_offsets[j]
+                if span > <size_t>d.shape[0] or offs[k * n + j] > <size_t>d.shape[0] - span:
+                    raise ValueError("internal: dst is too small for the chunks")
         for j in range(n):
             s = memoryview(srcs[j]).cast("B")
             if <size_t>s.shape[0] != need:
                 raise ValueError(f"internal: srcs[{j}] holds {s.shape[0]} bytes, expected {need}")
             views.append(s)           # keeps the buffer exported until the copy is done
             ptrs[j] = &s[0] if need else NULL
-            offs[j] = dst_offsets[j]
-            if need and (span > <size_t>d.shape[0] or offs[j] > <size_t>d.shape[0] - span):
-                raise ValueError("internal: dst is too small for the chunks")
             sd[j] = seeds[j]
         with nogil:
-            kv_copy_xxh64_many(ptrs, dbase, offs, n, n_chunks, chunk_bytes, dst_stride, sd, out)
+            kv_copy_xxh64_many(ptrs, n, cparts, n_parts, sd, out)
         return [out[j] for j in range(n)]
     finally:
-        free(ptrs); free(offs); free(sd); free(out)
+        free(ptrs); free(cparts); free(offs); free(sd); free(out)

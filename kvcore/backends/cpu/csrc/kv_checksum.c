@@ -159,15 +159,21 @@ void kv_copy_xxh64(kv_xxh64_state* s, const unsigned char* src, unsigned char* d
     }
 }
 
-void kv_copy_xxh64_many(const unsigned char* const* srcs, unsigned char* dst,
-                        const size_t* dst_offsets, size_t n_srcs, size_t n_chunks,
-                        size_t chunk_bytes, size_t dst_stride, const uint64_t* seeds,
+void kv_copy_xxh64_many(const unsigned char* const* srcs, size_t n_srcs,
+                        const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
                         uint64_t* digests) {
     for (size_t j = 0; j < n_srcs; j++) {
         kv_xxh64_state st;
+        const unsigned char* src = srcs[j];
         kv_xxh64_init(&st, seeds[j]);
-        if (n_chunks && chunk_bytes)
-            kv_copy_xxh64(&st, srcs[j], dst + dst_offsets[j], n_chunks, chunk_bytes, dst_stride);
+        for (size_t k = 0; k < n_parts; k++) {
+            const kv_copy_part* p = &parts[k];
+            if (p->n_chunks && p->chunk_bytes) {
+                kv_copy_xxh64(&st, src, p->dst + p->dst_offsets[j], p->n_chunks, p->chunk_bytes,
+                              p->dst_stride);
+                src += p->n_chunks * p->chunk_bytes;
+            }
+        }
         digests[j] = kv_xxh64_digest(&st);
     }
 }

@@ -27,13 +27,21 @@ uint64_t kv_xxh64_digest(const kv_xxh64_state* s);
 void kv_copy_xxh64(kv_xxh64_state* s, const unsigned char* src, unsigned char* dst,
                    size_t n_chunks, size_t chunk_bytes, size_t dst_stride);
 
-/* kv_copy_xxh64 of n_srcs sources at once: source j (n_chunks * chunk_bytes
- * bytes at srcs[j]) goes to dst + dst_offsets[j] + i * dst_stride, and
- * digests[j] receives its XXH64 with seeds[j].  One call for every block of
- * a restore (no per-block interpreter work, the GIL released once). */
-void kv_copy_xxh64_many(const unsigned char* const* srcs, unsigned char* dst,
-                        const size_t* dst_offsets, size_t n_srcs, size_t n_chunks,
-                        size_t chunk_bytes, size_t dst_stride, const uint64_t* seeds,
+/* Where one part of every source goes: part k of source j (n_chunks *
+ * chunk_bytes bytes) goes to dst + dst_offsets[j] + i * dst_stride. */
+typedef struct {
+    unsigned char* dst;
+    const size_t* dst_offsets;
+    size_t n_chunks, chunk_bytes, dst_stride;
+} kv_copy_part;
+
+/* kv_copy_xxh64 of n_srcs sources at once: source j (at srcs[j]) is its
+ * n_parts parts one after the other, each copied as parts[k] says, and
+ * digests[j] receives the XXH64 of the whole source with seeds[j].  One
+ * call for every block of a restore (no per-block interpreter work, the GIL
+ * released once); two parts for pools that keep scales beside the blocks. */
+void kv_copy_xxh64_many(const unsigned char* const* srcs, size_t n_srcs,
+                        const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
                         uint64_t* digests);
 
 #endif
