@@ -51,7 +51,9 @@ def set_num_threads(n):
     Notes
     -----
     The result has the same bits for every thread count: how a call is split
-    into work depends only on its arguments.
+    into work depends only on its arguments.  A call uses fewer threads
+    than this when it has too little work to repay waking them (a short
+    decode runs on the calling thread).
     """
     global _num_threads
     v = index_int(n, "n")

@@ -413,6 +413,32 @@ def test_concurrent_callers(threads):
     assert not errors, errors[0]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_small_calls_do_not_wake_worker_threads():
+    """A call with too little work to repay waking a worker (a short
+    decode) runs on the calling thread: no worker thread is started for
+    it; a large call starts them."""
+    code = textwrap.dedent("""
+        import os
+        import numpy as np, kvcore
+        kvcore.set_num_threads(4)
+        tasks = lambda: len(os.listdir("/proc/self/task"))
+        pool = kvcore.BlockPool(300, 16, 1, 2, 64)
+        before = tasks()
+        q = np.ones((1, 8, 64), np.float32)
+        kvcore.paged_attention(q, pool, 0, np.arange(4).reshape(1, 4), [40])
+        small = tasks()
+        q = np.ones((4, 8, 64), np.float32)
+        kvcore.paged_attention(q, pool, 0, np.arange(256).reshape(4, 64), [1024] * 4)
+        print(before, small, tasks())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    before, small, large = map(int, r.stdout.split())
+    assert small == before
+    assert large == before + 3
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_fork_after_the_worker_pool_started():
     """A child forked after the workers exist gets a fresh pool."""
@@ -422,7 +448,7 @@ def test_fork_after_the_worker_pool_started():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.12 warns on fork with threads
         kvcore.set_num_threads(3)
         pool = kvcore.BlockPool(64, 16, 1, 2, 64)
-        q = np.ones((2, 4, 64), np.float32)
+        q = np.ones((2, 32, 64), np.float32)    # enough work for three threads
         t = np.arange(64).reshape(2, 32)
         a = kvcore.paged_attention(q, pool, 0, t, [500, 400])
         pid = os.fork()

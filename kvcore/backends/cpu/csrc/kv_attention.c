@@ -50,6 +50,10 @@
 #define KVA_KEY_TILE 32
 /* Key positions per split of a decode-like item. */
 #define KVA_SPLIT_KEYS 1024
+/* Least work (query rows x keys x head_dim) worth a thread of its own:
+ * about 100 us of one core's time, several times what waking a worker
+ * costs on a loaded machine. */
+#define KVA_WORK_PER_THREAD ((int64_t)1 << 19)
 /* Items of more rows than this widen each K/V tile to float32 once (the
  * micro-kernels work on 4 rows at a time, and would widen it per block). */
 #define KVA_WIDEN_ROWS 4
@@ -1461,6 +1465,17 @@ int kva_paged_attention(const kva_args *a)
     job.workspace = mem + items_bytes + counters_bytes + partial_bytes;
     make_items(a, job.items, NULL, NULL, NULL);
     memset(job.group_done, 0, counters_bytes);
+    if (nthreads > 1) {
+        /* Waking a worker costs microseconds: a call too small to repay it
+         * (a short decode) runs on fewer threads.  The bits do not depend
+         * on the thread count. */
+        int64_t work = 0;
+        for (int64_t i = 0; i < n; i++)
+            work += job.items[i].cost;
+        work *= D;
+        if (work / KVA_WORK_PER_THREAD < nthreads)
+            nthreads = work / KVA_WORK_PER_THREAD > 1 ? (int)(work / KVA_WORK_PER_THREAD) : 1;
+    }
     if (nthreads > 1)
         qsort(job.items, (size_t)n, sizeof(kva_item), by_cost);
     pool_run(job_thread, &job, nthreads);
