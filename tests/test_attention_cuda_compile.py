@@ -24,7 +24,12 @@ def test_every_name_is_a_kernel_of_the_file():
     text = cuda.ATTENTION_FILE.read_text(encoding="utf-8")
     for name in cuda.attention_names():
         assert re.search(rf"(?:\n|void ){name.split('<')[0]}\(", text), name
-    assert "#include" not in text   # NVRTC compiles it without headers
+    # NVRTC compiles it without system headers: its only includes are the
+    # kernel headers beside it, pasted in by the loader (_sources.source)
+    includes = re.findall(r'^\s*#\s*include\s*(\S+)', text, re.M)
+    assert includes == ['"kv_fp8.cuh"'], includes
+    assert "#include" not in cuda.source()
+    assert "kv_fp8_to_f32_one" in cuda.source()   # the shared fp8 rule, not a copy
 
 
 def test_host_constants_match_the_file():
@@ -72,7 +77,7 @@ def _nvcc(args, cwd):
 def test_nvcc_compiles_every_instantiation(tmp_path):
     names = cuda.attention_names()
     src = tmp_path / "attention_all.cu"
-    src.write_text(cuda.ATTENTION_FILE.read_text(encoding="utf-8")
+    src.write_text(cuda.source()
                    + "\nvoid *kv_instances[] = {\n"
                    + ",\n".join(f"    (void *)&{n}" for n in names) + "\n};\n",
                    encoding="utf-8")
