@@ -898,7 +898,8 @@ def test_paged_attention_over_lowprec_pages_splits_agree(dev, qk, monkeypatch):
     assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
 
 
-@pytest.mark.parametrize("split_keys", (256, 4), ids=["one-split", "splits-of-4"])
+@pytest.mark.parametrize("split_keys", (256, 4, 1), ids=["one-split", "splits-of-4",
+                                                        "splits-of-1"])
 @pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
 def test_paged_attention_over_lowprec_nan_key_rows_as_on_the_cpu(dev, qk, split_keys,
                                                                    monkeypatch):
@@ -908,7 +909,8 @@ def test_paged_attention_over_lowprec_nan_key_rows_as_on_the_cpu(dev, qk, split_
     dim), the CPU kernel's NaN pattern, and no other output.  The kernel's
     warp and split merges must keep a NaN partial: with splits of 4 keys the
     query at position 13 has a split (12, 13) whose warp 1 sees only the NaN
-    key (its max stays -inf, its sum is NaN)."""
+    key (its max stays -inf, its sum is NaN); with splits of 1 a whole split
+    does (its merged max is -inf, its sum NaN)."""
     rng = np.random.default_rng([55, qk])
     got, cpu = _attention_case(dev, rng, qk, 64, 4, 2, contexts=[30, 12, 16],
                                queries=[20, 1, 1], block_size=4, split_keys=split_keys,
