@@ -11,7 +11,13 @@ import subprocess
 import numpy as np
 import pytest
 
+from kvcore.backends.cuda import _sources
 from kvcore.backends.cuda import attention_kernels as cuda
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from .test_cuda_kernels_compile import CUPY_ADDED_OPTIONS, _nvrtc_compile, nvrtc  # noqa: F401
+except ImportError:
+    from test_cuda_kernels_compile import CUPY_ADDED_OPTIONS, _nvrtc_compile, nvrtc  # noqa: F401
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
@@ -94,3 +100,15 @@ def test_nvcc_compiles_every_instantiation(tmp_path):
 def test_nvcc_compiles_the_file_as_shipped(tmp_path):
     _nvcc([f"-arch={ARCH}", *FLAGS, "-c", str(cuda.ATTENTION_FILE), "-o",
            str(tmp_path / "k.o")], tmp_path)
+
+
+def test_nvrtc_compiles_every_attention_module_as_the_backend_does(nvrtc):
+    """Each attention module (one page kind's split kernels, or the merge
+    kernels) exactly as CudaBackend asks CuPy for it: the pasted source,
+    kvcore's options and those CuPy adds (FTZ included)."""
+    for key, names in cuda.modules():
+        log, lowered = _nvrtc_compile(
+            nvrtc, cuda.source(), cuda.ATTENTION_FILE.name,
+            [*_sources.COMPILE_OPTIONS, *CUPY_ADDED_OPTIONS], names)
+        assert log == "", f"attention.cu ({key}) compiled with warnings:\n{log}"
+        assert sorted(lowered) == sorted(names)

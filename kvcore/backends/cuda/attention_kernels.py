@@ -50,6 +50,30 @@ def attention_names():
     return names
 
 
+MERGE_MODULE = "merge"
+
+
+def module_key(name):
+    """The module that holds kernel ``name``: its page kind for a split
+    kernel (one module per kind, so a call compiles only its kind's
+    kernels), ``MERGE_MODULE`` for a merge kernel."""
+    if name.startswith("kva_attention_merge<"):
+        return MERGE_MODULE
+    return int(name[len("kva_attention_split<"):].split(",")[0])
+
+
+def module_names(key):
+    """Name expressions of module ``key`` (see :func:`module_key`)."""
+    if key == MERGE_MODULE:
+        return [merge_name(d) for d in HEAD_DIMS]
+    return [split_name(key, d) for d in HEAD_DIMS]
+
+
+def modules():
+    """Every attention module: ``[(key, names)]``."""
+    return [(k, module_names(k)) for k in (*KINDS, MERGE_MODULE)]
+
+
 def source():
     """The text NVRTC compiles: the file with the headers it includes
     (kv_fp8.cuh, kv_half.cuh) pasted in, as for every other kernel file."""

@@ -148,13 +148,16 @@ class CudaBackend(Backend):
             with self._lock:
                 fn = self._functions.get(key)
                 if fn is None:
-                    mkey = (file, sk, dk)
+                    attention = file == attention_kernels.ATTENTION_FILE.name
+                    # attention.cu: one module per page kind, one for the merges
+                    mkey = (file, attention_kernels.module_key(name), None) if attention \
+                        else (file, sk, dk)
                     try:
                         mod = self._modules.get(mkey)
                         if mod is None:
-                            if file == attention_kernels.ATTENTION_FILE.name:
+                            if attention:
                                 code = attention_kernels.source()
-                                names = attention_kernels.attention_names()
+                                names = attention_kernels.module_names(mkey[1])
                             else:
                                 code = _sources.source(file)
                                 names = _sources.module_names(file, sk, dk)
