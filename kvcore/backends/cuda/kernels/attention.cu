@@ -80,7 +80,7 @@ __device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type
     } else if constexpr (KIND == KV_BF16) {
         return __uint_as_float((unsigned)(*p) << 16);
     } else if constexpr (KIND == KV_I8) {
-        return (float)*p; /* the code; its row scale is applied to score / weight */
+        return (float)*p; /* the code (the caller multiplies by its row scale) */
     } else {
         return __uint_as_float(kv_fp8_to_f32_one<KIND - KV_F8E4M3>(*p));
     }
