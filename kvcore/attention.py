@@ -249,7 +249,8 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     if pool.device != "cpu":
         return _device_attention(q, pool._backend, pool.key_cache(layer), pool.value_cache(layer),
                                  _dtypes.storage_kind(pool.dtype), block_tables, seq_lens,
-                                 query_start_loc, scale, sliding_window, logits_soft_cap, out)
+                                 query_start_loc, scale, sliding_window, logits_soft_cap, out,
+                                 _lowprec_args(pool, layer))
     return _attention(q, pool.key_cache(layer), pool.value_cache(layer),
                       _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens,
                       query_start_loc, scale, sliding_window, logits_soft_cap, out,
@@ -366,11 +367,13 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
 
 
 def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_lens,
-                      query_start_loc, scale, sliding_window, logits_soft_cap, out):
+                      query_start_loc, scale, sliding_window, logits_soft_cap, out,
+                      lowprec=None):
     """``paged_attention`` on a device pool: the same checks, on the host
     (device index arrays are copied down, a synchronisation), before any
     work; then the backend's kernels.  ``q`` and ``out`` are device arrays
-    (``q`` may be a pair ``(bits, kind)`` already read)."""
+    (``q`` may be a pair ``(bits, kind)`` already read); ``lowprec`` the
+    scales of fp8 / int8 pages (:func:`_lowprec_args`)."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     qd, qkind = q if isinstance(q, tuple) else _arrays.float_input(be, q, "q")
     if qd.ndim != 3:
@@ -407,7 +410,7 @@ def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_len
         and be._ptr(obits) % 4 == 0 and be.direct_out(obits, q32)
     target = obits if direct else be.empty(shape, "float32")
     be.paged_attention(q32, target, key_cache, value_cache, kind, tables32, lens, qsl, scale_v,
-                       window, cap_v)
+                       window, cap_v, lowprec)
     if out is None:
         return target
     if not direct:
@@ -513,7 +516,8 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
             if not (be.direct_out(obits, k) and be.direct_out(obits, v)):
                 raise ValueError("out must not overlap the KV cache's storage")
         rows = _device_attention((q_rows, qkind), be, k, v, kind, tables, lens, qsl, scale,
-                                 sliding_window, logits_soft_cap, None)
+                                 sliding_window, logits_soft_cap, None,
+                                 _lowprec_args(cache, layer))
         res = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
         if out is None:
             return be.xp.ascontiguousarray(res)

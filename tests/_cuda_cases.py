@@ -708,8 +708,26 @@ def test_write_contiguous_from_a_view_of_itself(dev):
 # kernels/attention.cu against the float64 reference (the contract's 1e-5
 # relative: max abs error / max abs value), through the backend method.
 
+def _lowprec_pages(vals, kind, layer_scales):
+    """fp8 / int8 pages of float32 ``vals`` ``(2, blocks, heads, bs, dim)``,
+    encoded by the NumPy reference: ``(codes, scales)``; int8 scales are
+    one ``(blocks, heads, bs, 2)`` array (K at [..., 0], V at [..., 1]), so
+    their strides are not the cache's."""
+    from kvcore.backends.base import fp8_encode, int8_encode
+
+    if kind == I8:
+        codes, sc = int8_encode(vals)
+        return codes, np.ascontiguousarray(np.moveaxis(sc, 0, -1))
+    return np.stack([fp8_encode(vals[i], kind, layer_scales[i]) for i in (0, 1)]), None
+
+
 def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
-                    block_size=16, window=None, cap=None, split_keys=None, monkeypatch=None):
+                    block_size=16, window=None, cap=None, split_keys=None, monkeypatch=None,
+                    layer_scales=(1.0, 1.0), nan_rows=()):
+    """One call of the backend against the float64 reference over the
+    stored values (dequantized for fp8 / int8 pages); returns the result.
+    With ``nan_rows`` (fp8 / int8) the NaN pattern and the finite values
+    are checked against the CPU kernel instead."""
     from kvcore.backends.cuda import attention_kernels
     from kvcore.backends.reference import paged_attention_reference
 
@@ -719,10 +737,13 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
     num_blocks = sum(need) + 3
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     vals = rng.standard_normal((2, *shape)).astype(np.float32)
+    lowprec = ref_kw = None
     if kind == F16:
         k, v = vals.astype(np.float16)
     elif kind == BF16:
         k, v = (vals.astype(ml_dtypes.bfloat16)).view(np.uint16)
+    elif kind in QKINDS:
+        codes, both = _lowprec_pages(vals * 3, kind, layer_scales)
     else:
         k, v = vals
     perm = rng.permutation(num_blocks)
@@ -731,20 +752,53 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
     for s, n in enumerate(need):
         tables[s, :n] = perm[a:a + n]
         a += n
+    if kind in QKINDS:
+        # NaN rows: (plane, sequence, position, kv head): int8 scale NaN and
+        # zero codes (what a write of a NaN row stores); fp8 a NaN code at
+        # element 3
+        for plane, sq, pos, g in nan_rows:
+            b, t = tables[sq, pos // block_size], pos % block_size
+            if kind == I8:
+                codes[plane, b, g, t] = 0
+                both[b, g, t, plane] = np.nan
+            else:
+                codes[plane, b, g, t, 3] = 0xFF if kind == F8E4M3 else 0x7F
+        k, v = codes
+        ref_kw = dict(kind=dtypes.KIND_NAME[kind])
+        if kind == I8:
+            d_both = dev.put(both)
+            lowprec = (d_both[..., 0], d_both[..., 1], 1.0, 1.0)
+            ks, vs = np.ascontiguousarray(both[..., 0]), np.ascontiguousarray(both[..., 1])
+            cpu_lowprec = (ks, vs, 1.0, 1.0)
+        else:
+            ks, vs = layer_scales
+            lowprec = cpu_lowprec = (None, None, float(ks), float(vs))
+        ref_kw.update(key_scales=ks, value_scales=vs)
     lens = np.array(contexts, np.int64)
     qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
     q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
     scale = 1.0 / np.sqrt(head_dim)
     out = dev.be.empty(q.shape, "float32")
     dev.be.paged_attention(dev.put(q), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
-                           scale, window or 0, cap or 0.0)
+                           scale, window or 0, cap or 0.0,
+                           **({} if lowprec is None else {"lowprec": lowprec}))
     got = dev.get(out)
-    want = paged_attention_reference(q, k, v, np.where(tables < 0, 0, tables), lens, qsl,
-                                     scale=scale, sliding_window=window, logits_soft_cap=cap,
-                                     kind="bfloat16" if kind == BF16 else None)
-    err = np.abs(got - want).max() / np.abs(want).max()
+    if nan_rows:   # the CPU kernel's result; the caller checks the NaN pattern
+        from kvcore.attention import _attention
+        want = _attention(q, k, v, kind, k, tables, lens, qsl, scale, window, cap, None,
+                          cpu_lowprec)
+        nan = np.isnan(want) | np.isnan(got)
+        assert nan.any() and not nan.all()
+    else:
+        nan = np.zeros(got.shape, bool)
+        want = paged_attention_reference(
+            q, k, v, np.where(tables < 0, 0, tables), lens, qsl, scale=scale,
+            sliding_window=window, logits_soft_cap=cap,
+            **(ref_kw or dict(kind="bfloat16" if kind == BF16 else None)))
+        assert np.isfinite(want).all()
+    err = np.abs(got - want)[~nan].max() / np.abs(want)[~nan].max()
     assert err <= 1e-5, err
-    return got
+    return (got, want) if nan_rows else got
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=["f32", "f16", "bf16"])
@@ -787,13 +841,113 @@ def test_paged_attention_splits_do_not_change_the_result_beyond_rounding(dev, mo
     assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
 
 
+# ------------------------------------------ attention over fp8 / int8 pages
+# the same kernels reading fp8 codes (layer scales) and int8 codes (row
+# scales) against the float64 reference over the dequantized K/V.
+
+QKINDS = (F8E4M3, F8E5M2, I8)
+QIDS = ["e4m3", "e5m2", "int8"]
+# fp8 layer scales: neither 1 (so a dropped or swapped scale shows)
+FP8_SCALES = (0.37, 3.0)
+
+
+@pytest.mark.parametrize("head_dim", (64, 80))
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_paged_attention_over_lowprec_pages_matches_reference(dev, qk, head_dim, monkeypatch):
+    """Decode of several sequences (one split and several, merged), a
+    prefill chunk and a short whole prefill in one call; GQA 4."""
+    rng = np.random.default_rng([50, qk, head_dim])
+    _attention_case(dev, rng, qk, head_dim, 8, 2, contexts=[1, 37, 200, 9],
+                    queries=[1, 1, 3, 9], split_keys=64, monkeypatch=monkeypatch,
+                    layer_scales=FP8_SCALES)
+
+
+@pytest.mark.parametrize("qk", (F8E5M2, I8), ids=["e5m2", "int8"])
+@pytest.mark.parametrize("nh,nkv", [(4, 4), (16, 1), (24, 2)], ids=["mha", "mqa-16", "gqa-12"])
+def test_paged_attention_over_lowprec_pages_head_groups(dev, qk, nh, nkv, monkeypatch):
+    rng = np.random.default_rng([51, qk, nh, nkv])
+    _attention_case(dev, rng, qk, 64, nh, nkv, contexts=[70, 5], queries=[2, 1],
+                    block_size=8, split_keys=32, monkeypatch=monkeypatch,
+                    layer_scales=(2.0, 0.25))
+
+
+@pytest.mark.parametrize("qk", (F8E4M3, I8), ids=["e4m3", "int8"])
+def test_paged_attention_over_lowprec_pages_window_and_soft_cap(dev, qk, monkeypatch):
+    rng = np.random.default_rng([52, qk])
+    for window, cap in ((20, None), (None, 5.0), (33, 2.0)):
+        _attention_case(dev, rng, qk, 96, 8, 2, contexts=[150, 40], queries=[4, 1],
+                        block_size=16, window=window, cap=cap, split_keys=64,
+                        monkeypatch=monkeypatch, layer_scales=FP8_SCALES)
+
+
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_paged_attention_over_lowprec_pages_block_size_1_head_dim_256(dev, qk):
+    rng = np.random.default_rng([53, qk])
+    _attention_case(dev, rng, qk, 256, 4, 1, contexts=[13, 2], queries=[2, 2], block_size=1,
+                    layer_scales=FP8_SCALES)
+
+
+@pytest.mark.parametrize("qk", (F8E5M2, I8), ids=["e5m2", "int8"])
+def test_paged_attention_over_lowprec_pages_splits_agree(dev, qk, monkeypatch):
+    rng = np.random.default_rng([54, qk])
+    a = _attention_case(dev, rng, qk, 64, 4, 2, contexts=[300], queries=[1],
+                        layer_scales=FP8_SCALES)
+    rng = np.random.default_rng([54, qk])
+    b = _attention_case(dev, rng, qk, 64, 4, 2, contexts=[300], queries=[1], split_keys=16,
+                        monkeypatch=monkeypatch, layer_scales=FP8_SCALES)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("split_keys", (256, 4, 1), ids=["one-split", "splits-of-4",
+                                                        "splits-of-1"])
+@pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
+def test_paged_attention_over_lowprec_nan_key_rows_as_on_the_cpu(dev, qk, split_keys,
+                                                                   monkeypatch):
+    """An int8 NaN row (scale NaN, zero codes: what a write of a row holding
+    a NaN stores) or an fp8 NaN code in a key row makes the outputs of
+    exactly the queries that see it NaN (their kv head's query heads, every
+    dim), the CPU kernel's NaN pattern, and no other output.  The kernel's
+    warp and split merges must keep a NaN partial: with splits of 4 keys the
+    query at position 13 has a split (12, 13) whose warp 1 sees only the NaN
+    key (its max stays -inf, its sum is NaN); with splits of 1 a whole split
+    does (its merged max is -inf, its sum NaN)."""
+    rng = np.random.default_rng([55, qk])
+    got, cpu = _attention_case(dev, rng, qk, 64, 4, 2, contexts=[30, 12, 16],
+                               queries=[20, 1, 1], block_size=4, split_keys=split_keys,
+                               monkeypatch=monkeypatch, layer_scales=FP8_SCALES,
+                               nan_rows=[(0, 0, 13, 0)])   # K, sequence 0, position 13, head 0
+    nan = np.isnan(got)
+    assert (nan == np.isnan(cpu)).all(), np.argwhere(nan != np.isnan(cpu))[:5]
+    # sequence 0's queries sit at positions 10..29: 10..12 do not see position 13
+    want = np.zeros_like(nan)
+    want[3:20, :2] = True
+    assert (nan == want).all(), np.argwhere(nan != want)[:5]
+
+
+@pytest.mark.parametrize("split_keys", (256, 4), ids=["one-split", "splits-of-4"])
+@pytest.mark.parametrize("qk", (F8E4M3, F8E5M2), ids=["e4m3", "e5m2"])
+def test_paged_attention_over_fp8_nan_value_code(dev, qk, split_keys, monkeypatch):
+    """An fp8 NaN code in a value row: NaN in that dim of exactly the queries
+    that see the position (their kv head's query heads), finite elsewhere.
+    (The CPU kernel also gives NaN there for queries whose key tile holds
+    the position without seeing it, 0 * NaN in its P V product; this
+    kernel never reads a key a query does not see.)"""
+    rng = np.random.default_rng([56, qk])
+    got, cpu = _attention_case(dev, rng, qk, 64, 4, 2, contexts=[30, 12, 16],
+                               queries=[20, 1, 1], block_size=4, split_keys=split_keys,
+                               monkeypatch=monkeypatch, layer_scales=FP8_SCALES,
+                               nan_rows=[(1, 0, 22, 1)])   # V, sequence 0, position 22, head 1
+    want = np.zeros(got.shape, bool)
+    want[12:20, 2:, 3] = True                              # positions 22..29, query heads 2, 3
+    assert (np.isnan(got) == want).all(), np.argwhere(np.isnan(got) != want)[:5]
+    assert np.isnan(cpu[want]).all()
+
+
 # ------------------------------------------------- fp8 / int8 storage
 # lowprec.cu against the CPU backend (kv_fp8.h / kv_fp8.c) and the NumPy
 # reference, bit for bit: codes, int8 scales (NaN rows included) and the
 # widened reads.
 
-QKINDS = (F8E4M3, F8E5M2, I8)
-QIDS = ["e4m3", "e5m2", "int8"]
 KIDS = ["f32", "f16", "bf16"]
 
 

@@ -11,7 +11,13 @@ import subprocess
 import numpy as np
 import pytest
 
+from kvcore.backends.cuda import _sources
 from kvcore.backends.cuda import attention_kernels as cuda
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from .test_cuda_kernels_compile import CUPY_ADDED_OPTIONS, _nvrtc_compile, nvrtc  # noqa: F401
+except ImportError:
+    from test_cuda_kernels_compile import CUPY_ADDED_OPTIONS, _nvrtc_compile, nvrtc  # noqa: F401
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
@@ -24,7 +30,12 @@ def test_every_name_is_a_kernel_of_the_file():
     text = cuda.ATTENTION_FILE.read_text(encoding="utf-8")
     for name in cuda.attention_names():
         assert re.search(rf"(?:\n|void ){name.split('<')[0]}\(", text), name
-    assert "#include" not in text   # NVRTC compiles it without headers
+    # NVRTC compiles it without system headers: its only includes are the
+    # kernel headers beside it, pasted in by the loader (_sources.source)
+    includes = re.findall(r'^\s*#\s*include\s*(\S+)', text, re.M)
+    assert includes == ['"kv_fp8.cuh"'], includes
+    assert "#include" not in cuda.source()
+    assert "kv_fp8_to_f32_one" in cuda.source()   # the shared fp8 rule, not a copy
 
 
 def test_host_constants_match_the_file():
@@ -72,7 +83,7 @@ def _nvcc(args, cwd):
 def test_nvcc_compiles_every_instantiation(tmp_path):
     names = cuda.attention_names()
     src = tmp_path / "attention_all.cu"
-    src.write_text(cuda.ATTENTION_FILE.read_text(encoding="utf-8")
+    src.write_text(cuda.source()
                    + "\nvoid *kv_instances[] = {\n"
                    + ",\n".join(f"    (void *)&{n}" for n in names) + "\n};\n",
                    encoding="utf-8")
@@ -89,3 +100,15 @@ def test_nvcc_compiles_every_instantiation(tmp_path):
 def test_nvcc_compiles_the_file_as_shipped(tmp_path):
     _nvcc([f"-arch={ARCH}", *FLAGS, "-c", str(cuda.ATTENTION_FILE), "-o",
            str(tmp_path / "k.o")], tmp_path)
+
+
+def test_nvrtc_compiles_every_attention_module_as_the_backend_does(nvrtc):
+    """Each attention module (one page kind's split kernels, or the merge
+    kernels) exactly as CudaBackend asks CuPy for it: the pasted source,
+    kvcore's options and those CuPy adds (FTZ included)."""
+    for key, names in cuda.modules():
+        log, lowered = _nvrtc_compile(
+            nvrtc, cuda.source(), cuda.ATTENTION_FILE.name,
+            [*_sources.COMPILE_OPTIONS, *CUPY_ADDED_OPTIONS], names)
+        assert log == "", f"attention.cu ({key}) compiled with warnings:\n{log}"
+        assert sorted(lowered) == sorted(names)

@@ -27,7 +27,7 @@ import cupy  # noqa: E402
 
 import kvcore  # noqa: E402
 from kvcore.backends import CPU, get_backend  # noqa: E402
-from kvcore.backends.cuda import _sources  # noqa: E402
+from kvcore.backends.cuda import _sources, attention_kernels  # noqa: E402
 from kvcore.dtypes import BF16, F16, F32  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
@@ -70,6 +70,11 @@ def test_every_module_compiles_on_this_device(be):
         for file, sk, dk, names in _sources.modules():
             for name in names:
                 assert be._function(file, sk, dk, name) is not None
+        # attention.cu: one module per page kind, one of merge kernels
+        for _key, names in attention_kernels.modules():
+            for name in names:
+                assert be._function(attention_kernels.ATTENTION_FILE.name, None, None,
+                                    name) is not None
 
 
 def test_empty_zeros_from_host_to_host(be):

@@ -253,3 +253,39 @@ def test_kernel_compile_failures_are_cuda_unavailable_errors(error, why, fix):
     assert isinstance(e.value, kvcore.KVCacheError)
     # nothing half-built is cached: the next call tries again
     assert not be._functions and not be._modules
+
+
+def test_attention_modules_hold_one_page_kind_each():
+    """kernels/attention.cu is compiled per page kind (its split kernels)
+    plus one module of merge kernels: a call over float16 pages never
+    compiles the fp8 / int8 instantiations, and each module is built once."""
+    from kvcore.backends.cuda import attention_kernels as ak
+    from kvcore.backends.cuda.backend import CudaBackend
+    from kvcore.dtypes import F16, I8
+
+    built = []
+
+    class Module:
+        def __init__(self, **kwargs):
+            built.append(kwargs["name_expressions"])
+            self.names = kwargs["name_expressions"]
+
+        def get_function(self, name):
+            assert name in self.names
+            return ("fn", name)
+
+    cupy = _fake_cupy(1)
+    cupy.RawModule = Module
+    be = CudaBackend(cupy, 0)
+    file = ak.ATTENTION_FILE.name
+    for kind in (F16, I8):
+        for d in (64, 128):
+            assert be._function(file, None, None, ak.split_name(kind, d)) == \
+                ("fn", ak.split_name(kind, d))
+        assert be._function(file, None, None, ak.merge_name(64)) == ("fn", ak.merge_name(64))
+    assert built == [ak.module_names(F16), ak.module_names(ak.MERGE_MODULE),
+                     ak.module_names(I8)]
+    assert built[0] == [ak.split_name(F16, d) for d in ak.HEAD_DIMS]
+    # every instantiation is in exactly one module
+    every = [n for _, names in ak.modules() for n in names]
+    assert sorted(every) == sorted(ak.attention_names())

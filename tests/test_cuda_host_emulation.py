@@ -817,18 +817,181 @@ def test_lowprec_kvcache_on_cuda_matches_the_cpu_cache(emulated_cuda, dtype):
                 _same(x, y)
 
 
-@pytest.mark.parametrize("dtype", LOWPREC)
-def test_paged_attention_over_lowprec_pages_on_cuda_is_not_implemented(emulated_cuda, dtype):
-    """Documented limit (docs/gpu.md): a clear NotImplementedError, never
-    fp8 / int8 codes read as float pages."""
+def _lowprec_attention_pools(dtype, rng, num_blocks=12, block_size=8, kv_heads=2, head_dim=64):
+    """The same fp8 / int8 pool on the CPU and on the (emulated) GPU, both
+    layers written from the same float32 rows (a NaN row in layer 1's keys
+    at slot 21, kv head 0: an int8 NaN scale, an fp8 NaN code)."""
     import kvcore
 
-    gpu = kvcore.BlockPool(4, 8, 1, 2, 64, dtype=dtype, device="cuda")
-    q = _put(np.zeros((1, 2, 64), np.float32))
-    with pytest.raises(NotImplementedError, match=f"{dtype} pages is not implemented"):
-        kvcore.paged_attention(q, gpu, 0, np.array([[0]], np.int32), np.array([3]))
-    cache = kvcore.KVCache(1, 2, 64, 8, dtype=dtype, device="cuda")
-    cache.update(0, _put(np.ones((1, 2, 3, 64), np.float32)),
-                 _put(np.ones((1, 2, 3, 64), np.float32)))
-    with pytest.raises(NotImplementedError, match="not implemented"):
-        cache.attention(0, _put(np.zeros((1, 2, 1, 64), np.float32)))
+    kw = {} if dtype == "int8" else {"kv_scales": [(0.5, 2.0), (0.37, 3.0)]}
+    args = (num_blocks, block_size, 2, kv_heads, head_dim)
+    cpu = kvcore.BlockPool(*args, dtype=dtype, **kw)
+    gpu = kvcore.BlockPool(*args, dtype=dtype, device="cuda", **kw)
+    n = num_blocks * block_size
+    slots = np.arange(n)
+    for layer in (0, 1):
+        k = (rng.standard_normal((n, kv_heads, head_dim)) * 3).astype(np.float32)
+        v = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32)
+        if layer == 1:
+            k[21, 0, 5] = np.nan
+        cpu.write(layer, k, v, slots)
+        gpu.write(layer, _put(k), _put(v), slots)
+    _same_pool(cpu, gpu)
+    return cpu, gpu
+
+
+def _close(got, want):
+    """Same NaN pattern; the rest within 1e-5 of the largest magnitude."""
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all(), np.argwhere(np.isnan(got) != nan)[:5]
+    np.testing.assert_allclose(got[~nan], want[~nan], rtol=0,
+                               atol=1e-5 * np.abs(want[~nan]).max())
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_paged_attention_over_lowprec_pages_on_cuda(emulated_cuda, dtype):
+    """Issue 12 on CUDA (it raised NotImplementedError): paged_attention and
+    seq.attention over fp8 / int8 pages run kernels/attention.cu with the
+    pool's scales; the results match the CPU pool's within 1e-5 relative
+    and the float64 reference over the dequantized pages; a NaN row (layer
+    1, slot 21) is NaN for the queries that see it."""
+    import kvcore
+    from kvcore.backends.reference import paged_attention_reference
+
+    rng = np.random.default_rng(60)
+    cpu, gpu = _lowprec_attention_pools(dtype, rng)
+    tables = np.array([[3, 0, 7, 4, 9], [1, 2, 5, 6, 8]], np.int32)
+    lens = np.array([37, 11], np.int64)
+    qsl = np.array([0, 3, 4], np.int64)
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    be = emulated_cuda
+    for layer, kw in ((0, {}), (0, dict(sliding_window=30)), (1, dict(logits_soft_cap=5.0)),
+                      (1, dict(sliding_window=14))):
+        want = kvcore.paged_attention(q, cpu, layer, tables, lens, qsl, **kw)
+        be.launches.clear()
+        got = kvcore.paged_attention(_put(q), gpu, layer, _put(tables), lens, _put(qsl), **kw)
+        assert isinstance(got, DevArray) and got.dtype == np.float32
+        assert [n for n, _, _ in be.launches] == [f"kva_attention_split<{gpu._kind}, 64>"]
+        got = _get(got)
+        _close(got, want)
+        if dtype == "int8":
+            rk = dict(key_scales=cpu.key_scales(layer), value_scales=cpu.value_scales(layer))
+        else:
+            rk = dict(zip(("key_scales", "value_scales"), cpu.kv_scales[layer]))
+        ref = paged_attention_reference(q, cpu.key_cache(layer), cpu.value_cache(layer),
+                                        tables, lens, qsl, kind=dtype, **kw, **rk)
+        _close(got, ref)
+        # the NaN row (slot 21: block 2, offset 5) would be position 13 of
+        # sequence 1, which reads positions 0..10 only
+        assert np.isfinite(got).all()
+    # a table whose queries (positions 12..14) see the NaN row at position 5
+    t2 = np.array([[2, 1]], np.int32)
+    q2 = rng.standard_normal((3, 8, 64)).astype(np.float32)
+    want = kvcore.paged_attention(q2, cpu, 1, t2, [8 + 7], [0, 3])
+    got = _get(kvcore.paged_attention(_put(q2), gpu, 1, t2, [8 + 7], [0, 3]))
+    _close(got, want)
+    assert np.isnan(got[:, :4]).all() and np.isfinite(got[:, 4:]).all()
+    # out= a float16 device array, q float16
+    out = _put(np.zeros(q.shape, np.float16))
+    assert kvcore.paged_attention(_put(q.astype(np.float16)), gpu, 0, tables, lens, qsl,
+                                  out=out) is out
+    want16 = kvcore.paged_attention(q.astype(np.float16), cpu, 0, tables, lens, qsl,
+                                    out=np.zeros(q.shape, np.float16))
+    np.testing.assert_allclose(_get(out).astype(np.float32), want16.astype(np.float32),
+                               rtol=2 ** -10, atol=1e-5)
+    # seq.attention: 16 committed positions, then a step of 3
+    seqs = []
+    rows = [rng.standard_normal((19, 2, 64)).astype(np.float32) for _ in range(4)]
+    for pool, put in ((cpu, np.asarray), (gpu, _put)):
+        seq = kvcore.PagedKVCache(pool)
+        seq.allocate(list(range(1, 20)))
+        for layer in (0, 1):
+            seq.append(layer, put(rows[2 * layer][:16]), put(rows[2 * layer + 1][:16]))
+        seq.commit(16)
+        for layer in (0, 1):
+            seq.append(layer, put(rows[2 * layer][16:]), put(rows[2 * layer + 1][16:]))
+        seqs.append(seq)
+    q3 = rng.standard_normal((3, 8, 64)).astype(np.float32)
+    for layer in (0, 1):
+        _close(_get(seqs[1].attention(layer, _put(q3))), seqs[0].attention(layer, q3))
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_kvcache_attention_over_lowprec_on_cuda(emulated_cuda, dtype):
+    """KVCache.attention on an fp8 / int8 CUDA cache (it raised
+    NotImplementedError): as on the CPU cache within tolerance, soft cap and
+    window, out= a bfloat16 device array."""
+    import ml_dtypes
+
+    import kvcore
+
+    rng = np.random.default_rng(62)
+    kw = {} if dtype == "int8" else {"kv_scales": [(0.5, 2.0), (0.37, 3.0)]}
+    cpu = kvcore.KVCache(2, 2, 64, 40, batch_size=3, dtype=dtype, **kw)
+    gpu = kvcore.KVCache(2, 2, 64, 40, batch_size=3, dtype=dtype, device="cuda", **kw)
+    for n in (20, 9):
+        for layer in (0, 1):
+            k = (rng.standard_normal((3, 2, n, 64)) * 3).astype(np.float32)
+            v = rng.standard_normal((3, 2, n, 64)).astype(np.float32)
+            cpu.update(layer, k, v)
+            gpu.update(layer, _put(k), _put(v))
+    q = rng.standard_normal((3, 8, 4, 64)).astype(np.float32)
+    for layer, kw2 in ((0, {}), (1, dict(logits_soft_cap=3.0, sliding_window=12))):
+        want = cpu.attention(layer, q, **kw2)
+        got = gpu.attention(layer, _put(q), **kw2)
+        assert isinstance(got, DevArray) and got.shape == (3, 8, 4, 64)
+        _close(_get(got), want)
+        assert np.isfinite(want).all()
+    out = _put(np.zeros((3, 8, 4, 64), ml_dtypes.bfloat16))
+    assert gpu.attention(1, _put(q), out=out) is out
+    np.testing.assert_allclose(_get(out).astype(np.float32), cpu.attention(1, q), rtol=2 ** -7,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+def test_paged_attention_over_lowprec_pages_checks_the_scales(emulated_cuda, dtype):
+    """The backend checks the scale arguments on the host, before any
+    launch: a missing, misshapen or host scale plane, a non-finite or
+    non-positive fp8 scale, scales on float pages."""
+    import kvcore
+    from kvcore.dtypes import NAME_KIND
+
+    rng = np.random.default_rng(63)
+    _, gpu = _lowprec_attention_pools(dtype, rng)
+    be = emulated_cuda
+    kind = NAME_KIND[dtype]
+    q = _put(rng.standard_normal((1, 4, 64)).astype(np.float32))
+    out = be.empty(q.shape, "float32")
+    args = (q, out, gpu.key_cache(0), gpu.value_cache(0), kind, np.array([[0]], np.int32),
+            np.array([3], np.int64), np.array([0, 1], np.int64), 0.125, 0, 0.0)
+    if dtype == "int8":
+        ks, vs = gpu.key_scales(0), gpu.value_scales(0)
+        good = (ks, vs, 1.0, 1.0)
+        bad = [(None, TypeError, "int8 pages need lowprec"),
+               ((_get(ks), vs, 1.0, 1.0), TypeError, "key_scales must be a float32 array on"),
+               ((ks, vs[:5], 1.0, 1.0), ValueError, r"value_scales must be float32 of shape"),
+               ((ks, _put(np.asarray(vs, np.float64)), 1.0, 1.0), ValueError, "float32"),
+               ((ks, vs, 2.0, 1.0), ValueError, "k_scale and v_scale must be 1.0"),
+               ((ks, _put(np.zeros((12, 2, 8, 2), np.float32))[..., 0], 1.0, 1.0), ValueError,
+                "same layout")]
+    else:
+        k_scale, v_scale = gpu.kv_scales[0]
+        good = (None, None, k_scale, v_scale)
+        bad = [(None, TypeError, "pages need lowprec"),
+               ((None, None, 0.0, v_scale), ValueError, "k_scale must be finite and positive"),
+               ((None, None, k_scale, float("nan")), ValueError, "v_scale must be finite"),
+               ((None, None, k_scale, 1e39), ValueError, "v_scale must be finite"),
+               ((None, None, "2", v_scale), TypeError, "k_scale must be a real number"),
+               ((gpu.key_cache(0), None, k_scale, v_scale), ValueError,
+                "key_scales and value_scales must be None")]
+    be.launches.clear()
+    for lowprec, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            be.paged_attention(*args, lowprec=lowprec)
+    with pytest.raises(ValueError, match="lowprec must be None for float16 pages"):
+        be.paged_attention(q, out, _put(np.zeros((4, 2, 8, 64), np.float16)),
+                           _put(np.zeros((4, 2, 8, 64), np.float16)), F16, *args[5:],
+                           lowprec=good)
+    assert be.launches == []
+    be.paged_attention(*args, lowprec=good)
+    assert len(be.launches) == 1

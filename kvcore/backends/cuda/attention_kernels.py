@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from ... import dtypes
+from . import _sources
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ATTENTION_FILE = KERNEL_DIR / "attention.cu"
 
-# Instantiations (element kind, head_dim) the host side will ask for.
-KINDS = (dtypes.F32, dtypes.F16, dtypes.BF16)
+# Instantiations (element kind, head_dim) the host side will ask for:
+# float pages and fp8 / int8 pages (read with their scales).
+KINDS = (dtypes.F32, dtypes.F16, dtypes.BF16) + dtypes.LOWPREC_KINDS
 HEAD_DIMS = (64, 80, 96, 128, 256)
 
 # attention.cu's KVA_HEADS and KVA_WARPS (checked against the file by the tests).
@@ -48,15 +50,34 @@ def attention_names():
     return names
 
 
-_source = None
+MERGE_MODULE = "merge"
+
+
+def module_key(name):
+    """The module that holds kernel ``name``: its page kind for a split
+    kernel (one module per kind, so a call compiles only its kind's
+    kernels), ``MERGE_MODULE`` for a merge kernel."""
+    if name.startswith("kva_attention_merge<"):
+        return MERGE_MODULE
+    return int(name[len("kva_attention_split<"):].split(",")[0])
+
+
+def module_names(key):
+    """Name expressions of module ``key`` (see :func:`module_key`)."""
+    if key == MERGE_MODULE:
+        return [merge_name(d) for d in HEAD_DIMS]
+    return [split_name(key, d) for d in HEAD_DIMS]
+
+
+def modules():
+    """Every attention module: ``[(key, names)]``."""
+    return [(k, module_names(k)) for k in (*KINDS, MERGE_MODULE)]
 
 
 def source():
-    """The text NVRTC compiles (the file has no #include)."""
-    global _source
-    if _source is None:
-        _source = ATTENTION_FILE.read_text(encoding="utf-8")
-    return _source
+    """The text NVRTC compiles: the file with the headers it includes
+    (kv_fp8.cuh, kv_half.cuh) pasted in, as for every other kernel file."""
+    return _sources.source(ATTENTION_FILE.name)
 
 
 def plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,

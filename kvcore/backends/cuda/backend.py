@@ -148,13 +148,16 @@ class CudaBackend(Backend):
             with self._lock:
                 fn = self._functions.get(key)
                 if fn is None:
-                    mkey = (file, sk, dk)
+                    attention = file == attention_kernels.ATTENTION_FILE.name
+                    # attention.cu: one module per page kind, one for the merges
+                    mkey = (file, attention_kernels.module_key(name), None) if attention \
+                        else (file, sk, dk)
                     try:
                         mod = self._modules.get(mkey)
                         if mod is None:
-                            if file == attention_kernels.ATTENTION_FILE.name:
+                            if attention:
                                 code = attention_kernels.source()
-                                names = attention_kernels.attention_names()
+                                names = attention_kernels.module_names(mkey[1])
                             else:
                                 code = _sources.source(file)
                                 names = _sources.module_names(file, sk, dk)
@@ -977,7 +980,7 @@ class CudaBackend(Backend):
                          [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap):
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
         """``kvcore.paged_attention`` on this device (``kernels/attention.cu``).
 
         q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device arrays
@@ -986,13 +989,14 @@ class CudaBackend(Backend):
         block_tables, seq_lens, query_start_loc : host int32 / int64 / int64
             arrays, already checked (kvcore/attention.py)
         sliding_window, soft_cap : 0 when off
+        lowprec : fp8 / int8 pages only (None for float pages), as the CPU
+            kernel takes it: ``(key_scales, value_scales, k_scale, v_scale)``;
+            int8: float32 device arrays ``(num_blocks, kv_heads, block_size)``
+            (the pool's scale planes of the layer) and 1.0, 1.0; fp8: None,
+            None and the layer's finite positive scales.  A stored value
+            reads as ``element * scale`` (the pool's rule).
         """
-        if kind in dtypes.LOWPREC_KINDS:
-            raise NotImplementedError(
-                f"paged_attention over {dtypes.KIND_NAME[kind]} pages is not implemented on "
-                f"{self.device} yet (it is on device='cpu'); gather the layer with "
-                "dtype='float16' (or 'float32') and attend over that, or use a float16, "
-                "bfloat16 or float32 pool")
+        scales = self._attention_scales(kind, key_cache, lowprec)
         ak = attention_kernels
         num_tokens, num_heads, dim = q.shape
         kv_heads, bs = key_cache.shape[1], key_cache.shape[2]
@@ -1018,12 +1022,63 @@ class CudaBackend(Backend):
                               [out, partials, q, key_cache, value_cache, tables, lens, qsl,
                                d_items, d_nsplit, num_heads, tables.shape[1], bs,
                                cs[0], cs[1], cs[2], float(scale), int(sliding_window),
-                               float(soft_cap)])
+                               float(soft_cap), *scales])
             if len(merge_rows):
                 self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(dim), len(merge_rows),
                                   ak.MERGE_THREADS,
                                   [out, partials, self._upload(merge_rows), d_nsplit,
                                    num_heads])
+
+    def _attention_scales(self, kind, key_cache, lowprec):
+        """The scale arguments of kva_attention_split for pages of ``kind``
+        (``key_scales, value_scales, s_block, s_head, s_tok, k_scale,
+        v_scale``), every one checked here, before any launch."""
+        name = dtypes.KIND_NAME.get(kind, kind)
+        if kind not in dtypes.LOWPREC_KINDS:
+            if lowprec is not None:
+                raise ValueError(f"lowprec must be None for {name} pages (scales belong to "
+                                 f"fp8 / int8 pages), got {type(lowprec).__name__}")
+            return [None, None, 0, 0, 0, 1.0, 1.0]
+        if not isinstance(lowprec, tuple) or len(lowprec) != 4:
+            raise TypeError(f"{name} pages need lowprec = (key_scales, value_scales, k_scale, "
+                            f"v_scale), got {lowprec!r:.80}")
+        key_scales, value_scales, k_scale, v_scale = lowprec
+        layer = []
+        for arg, v in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{arg} must be a real number, got {type(v).__name__}")
+            with np.errstate(over="ignore"):
+                f = np.float32(v)   # the kernel's float (as the CPU kernel's)
+            if not (np.isfinite(f) and f > 0):
+                raise ValueError(f"{arg} must be finite and positive (as a float32), got {v!r}")
+            layer.append(float(f))
+        if kind != dtypes.I8:
+            if key_scales is not None or value_scales is not None:
+                raise ValueError(f"{name} pages have per-layer scales (k_scale, v_scale): "
+                                 "key_scales and value_scales must be None")
+            return [None, None, 0, 0, 0, *layer]
+        if layer != [1.0, 1.0]:
+            raise ValueError(f"int8 pages carry their scales per row: k_scale and v_scale "
+                             f"must be 1.0, got {k_scale!r}, {v_scale!r}")
+        want = tuple(key_cache.shape[:3])
+        strides = []
+        for arg, a in (("key_scales", key_scales), ("value_scales", value_scales)):
+            if not self._is_device(a):
+                raise TypeError(f"{arg} must be a float32 array on {self.device} (the pool's "
+                                f"scale plane), got {type(a).__name__}")
+            if self._device_id_of(a) != self.device_id:
+                raise ValueError(f"{arg} is on cuda:{self._device_id_of(a)} but this "
+                                 f"operation runs on {self.device}")
+            if a.dtype != np.float32 or tuple(a.shape) != want:
+                raise ValueError(f"{arg} must be float32 of shape {want} (num_blocks, "
+                                 f"num_kv_heads, block_size), got {a.dtype} {tuple(a.shape)}")
+            if a.size and self._ptr(a) % 4:
+                raise ValueError(f"{arg} must be 4-byte aligned")
+            strides.append(self._estrides(a, (0, 1, 2)))
+        if strides[0] != strides[1]:
+            raise ValueError(f"key_scales and value_scales must have the same layout, got "
+                             f"element strides {strides[0]} and {strides[1]}")
+        return [key_scales, value_scales, *strides[0], 1.0, 1.0]
 
     def synchronize(self):
         """Wait for everything issued on this device's current stream."""

@@ -7,8 +7,22 @@
  * to positions max(0, pos + 1 - window) .. pos (window 0: from 0).  K/V of
  * position t of kv head g are at
  *     cache + table[t / block_size] * c_block + g * c_head + (t % block_size) * c_tok
- * (elements), head_dim contiguous, of kind KIND (0 float32, 1 float16 bits,
- * 2 bfloat16 bits), widened to float32 in registers.
+ * (elements), head_dim contiguous, of kind KIND (kv_half.cuh's numbering:
+ * KV_F32, KV_F16 / KV_BF16 bits, KV_F8E4M3 / KV_F8E5M2 codes, KV_I8 codes),
+ * widened to float32 in registers (fp8: kv_fp8.cuh's exact rule, shared
+ * with convert_fp8.cu and lowprec.cu).
+ *
+ * Low precision: each element reads as the pool reads it back, the float32
+ * product element * scale (kv_fp8.cuh's exact fp8 widening, or the int8
+ * code), formed in registers as the row is loaded; the CPU kernel
+ * (kv_attention.c) applies the same scales to the scores and weights
+ * instead (equal up to float rounding).  fp8: one scale per layer
+ * (k_scale, v_scale); int8: one float32 per (block, kv head, slot) in
+ * key_scales / value_scales at
+ *     table[t / block_size] * s_block + g * s_head + (t % block_size) * s_tok.
+ * A NaN (an int8 NaN row's scale, an fp8 NaN code) makes the outputs of
+ * the queries that see it NaN, as on the CPU: warps and splits are merged
+ * skipping only the empty ones (l == 0), never a NaN partial.
  *
  * kva_attention_split: one thread block per work item, an item being
  * (query row, kv head, chunk of up to KVA_HEADS query heads of its group,
@@ -30,6 +44,8 @@
  * without a GPU.
  */
 
+#include "kv_fp8.cuh"
+
 #define KVA_WARPS 4
 #define KVA_HEADS 8
 #define KVA_LOG2E 1.4426950408889634f
@@ -40,7 +56,13 @@ typedef long long kva_i64;
 typedef unsigned short kva_u16;
 
 template <int KIND> struct KvaStorage { typedef kva_u16 type; };
-template <> struct KvaStorage<0> { typedef float type; };
+template <> struct KvaStorage<KV_F32> { typedef float type; };
+template <> struct KvaStorage<KV_F8E4M3> { typedef kv_u8 type; };
+template <> struct KvaStorage<KV_F8E5M2> { typedef kv_u8 type; };
+template <> struct KvaStorage<KV_I8> { typedef signed char type; };
+
+/* Kinds whose elements carry scales (fp8 per layer, int8 per row). */
+#define KVA_SCALED(KIND) ((KIND) >= KV_F8E4M3)
 
 template <int KIND>
 __device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type *p)
@@ -55,8 +77,12 @@ __device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
         return f;
 #endif
-    } else {
+    } else if constexpr (KIND == KV_BF16) {
         return __uint_as_float((unsigned)(*p) << 16);
+    } else if constexpr (KIND == KV_I8) {
+        return (float)*p; /* the code (the caller multiplies by its row scale) */
+    } else {
+        return __uint_as_float(kv_fp8_to_f32_one<KIND - KV_F8E4M3>(*p));
     }
 }
 
@@ -69,7 +95,9 @@ __device__ __forceinline__ float kva_warp_sum(float x)
 }
 
 /* items: [num_items][7]; nsplit: splits of each item's (row, chunk);
- * partials: per item KVA_HEADS * (D + 2) floats (m, l, acc[D] per head). */
+ * partials: per item KVA_HEADS * (D + 2) floats (m, l, acc[D] per head).
+ * key_scales / value_scales, s_*: int8 row scales (null otherwise);
+ * k_scale / v_scale: fp8 layer scales (1 otherwise; unused for int8). */
 template <int KIND, int D>
 __global__ void __launch_bounds__(KVA_WARPS * 32)
 kva_attention_split(float *out, float *partials, const float *q,
@@ -79,7 +107,10 @@ kva_attention_split(float *out, float *partials, const float *q,
                     const kva_i64 *query_start_loc, const kva_i64 *items,
                     const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
                     kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap)
+                    float scale, kva_i64 window, float soft_cap,
+                    const float *key_scales, const float *value_scales,
+                    kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
+                    float k_scale, float v_scale)
 {
     constexpr int NPL = (D + 31) / 32; /* dims per lane */
     __shared__ float q_s[KVA_HEADS][D];
@@ -119,14 +150,26 @@ kva_attention_split(float *out, float *partials, const float *q,
     }
     const int *table = block_tables + s * table_stride;
     for (kva_i64 t = lo + warp; t < hi; t += KVA_WARPS) {
-        kva_i64 blk = t / block_size;
-        kva_i64 base = (kva_i64)table[blk] * c_block + g * c_head + (t - blk * block_size) * c_tok;
+        kva_i64 blk = t / block_size, off = t - blk * block_size;
+        kva_i64 base = (kva_i64)table[blk] * c_block + g * c_head + off * c_tok;
+        float ks = k_scale, vs = v_scale;
+        if constexpr (KIND == KV_I8) {
+            kva_i64 at = (kva_i64)table[blk] * s_block + g * s_head + off * s_tok;
+            ks = key_scales[at];
+            vs = value_scales[at];
+        }
         float kv[NPL], vv[NPL];
 #pragma unroll
         for (int i = 0; i < NPL; i++) {
             int d = lane + 32 * i;
             kv[i] = d < D ? kva_widen<KIND>(key_cache + base + d) : 0.0f;
             vv[i] = d < D ? kva_widen<KIND>(value_cache + base + d) : 0.0f;
+            if constexpr (KVA_SCALED(KIND)) {
+                if (d < D) { /* the stored value: element * scale */
+                    kv[i] *= ks;
+                    vv[i] *= vs;
+                }
+            }
         }
 #pragma unroll
         for (int h = 0; h < KVA_HEADS; h++) {
@@ -177,7 +220,7 @@ kva_attention_split(float *out, float *partials, const float *q,
         float total = 0.0f, a = 0.0f;
         for (int w = 0; w < KVA_WARPS; w++) {
             float mw = part_s[w][h][0];
-            if (mw == KVA_NEG_INF)
+            if (part_s[w][h][1] == 0.0f) /* a warp without keys (a NaN sum is kept) */
                 continue;
             float wgt = exp2f(mw - mx);
             total += wgt * part_s[w][h][1];
@@ -214,7 +257,7 @@ __global__ void kva_attention_merge(float *out, const float *partials, const kva
         float total = 0.0f, a = 0.0f;
         for (int sp = 0; sp < n; sp++) {
             const float *p = partials + (first + sp) * KVA_HEADS * (D + 2) + h * (D + 2);
-            if (p[0] == KVA_NEG_INF)
+            if (p[1] == 0.0f) /* a split without keys (a NaN sum is kept) */
                 continue;
             float wgt = exp2f(p[0] - mx);
             total += wgt * p[1];
