@@ -225,3 +225,20 @@ def test_nvrtc_compiles_every_module_as_the_backend_does(nvrtc):
         assert log == "", f"{file} ({sk}, {dk}) compiled with warnings:\n{log}"
         assert sorted(lowered) == sorted(names)
         assert all(v.startswith("_Z") for v in lowered.values())
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file", [f for f in _sources.FILES if f != "attention.cu"])
+def test_no_flush_to_zero_under_cupys_ftz_option(file, tmp_path):
+    """CuPy compiles every kernel with -ftz=true.  The data kernels promise
+    the CPU's bits, subnormals included (an int8 row of tiny values, an fp8
+    write with a tiny scale): compiled with that option, none of their
+    instructions may carry .ftz.  (Attention accumulates in float32 within a
+    tolerance; flushing there is allowed.)"""
+    src = tmp_path / f"all_{file}"
+    src.write_text(_harness(file), encoding="utf-8")
+    _nvcc([f"-arch={ARCH}", *NVCC_FLAGS, "-ftz=true", "-ptx", str(src),
+           "-o", str(tmp_path / "k.ptx")], tmp_path)
+    ptx = (tmp_path / "k.ptx").read_text()
+    flushed = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", ptx)))
+    assert not flushed, f"{file}: {flushed}"

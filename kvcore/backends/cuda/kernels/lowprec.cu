@@ -43,12 +43,6 @@ template <> struct KvStorage<KV_F8E4M3> { typedef kv_u8 type; };
 template <> struct KvStorage<KV_F8E5M2> { typedef kv_u8 type; };
 template <> struct KvStorage<KV_I8> { typedef signed char type; };
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define KV_RINTF rintf
-#else
-#define KV_RINTF __builtin_rintf
-#endif
-
 enum { KV_F32_ONE = 0x3F800000, KV_F32_QNAN = 0x7FC00000 };
 
 KV_HD float kv_lp_float(kv_u32 b)
@@ -67,6 +61,47 @@ KV_HD kv_u32 kv_lp_bits(float f)
 
 KV_HD bool kv_lp_isnan(kv_u32 b) { return (b & 0x7FFFFFFFu) > 0x7F800000u; }
 
+/* The float32 operations of this file, IEEE with subnormals kept.  CuPy
+ * compiles every kernel with -ftz=true, which would turn `a / b` into
+ * div.rn.ftz.f32 (a subnormal operand or result flushed to zero) and part
+ * ways with the CPU's bits for tiny rows and scales: on the device these
+ * are the PTX instructions without .ftz (tests/test_cuda_kernels_compile.py
+ * checks that no .ftz instruction is left in this file's kernels). */
+KV_HD float kv_lp_div(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return a / b;
+#endif
+}
+
+KV_HD float kv_lp_fmul(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+#else
+    return a * b;
+#endif
+}
+
+/* int8 code of q = x / scale: rounded half to even, clamped to +-127
+ * (q is never NaN here: the row's scale is finite and non-zero). */
+KV_HD signed char kv_lp_i8(float q)
+{
+#if defined(__CUDA_ARCH__)
+    int r;
+    asm("cvt.rni.s32.f32 %0, %1;" : "=r"(r) : "f"(q));
+#else
+    int r = (int)__builtin_rintf(q > 128.0f ? 128.0f : q < -128.0f ? -128.0f : q);
+#endif
+    return (signed char)(r > 127 ? 127 : r < -127 ? -127 : r);
+}
+
 /* float32 bits of one element of float kind FK (exact). */
 template <int FK>
 KV_HD kv_u32 kv_lp_widen(typename KvStorage<FK>::type x)
@@ -79,7 +114,7 @@ template <int QK>
 KV_HD kv_u8 kv_lp_fp8(kv_u32 x, kv_u32 scale)
 {
     if (scale != (kv_u32)KV_F32_ONE && !kv_lp_isnan(x))
-        x = kv_lp_bits(kv_lp_float(x) / kv_lp_float(scale));
+        x = kv_lp_bits(kv_lp_div(kv_lp_float(x), kv_lp_float(scale)));
     return kv_f32_to_fp8_one<KvQ<QK>::FMT, 1>(x);
 }
 
@@ -90,7 +125,7 @@ KV_HD kv_u32 kv_lp_mul(kv_u32 v, kv_u32 s)
         return v | 0x00400000u;
     if (kv_lp_isnan(s))
         return s | 0x00400000u;
-    return kv_lp_bits(kv_lp_float(v) * kv_lp_float(s));
+    return kv_lp_bits(kv_lp_fmul(kv_lp_float(v), kv_lp_float(s)));
 }
 
 /* The value of stored element c (float32 bits): fp8 * scale (layer scale,
@@ -124,12 +159,9 @@ KV_HD void kv_lp_encode(const typename KvStorage<FK>::type *src, typename KvQ<QK
             *scale_out = m == 0 ? (kv_u32)KV_F32_ONE : (kv_u32)KV_F32_QNAN;
             return;
         }
-        float s = kv_lp_float(m) / 127.0f;
+        float s = kv_lp_div(kv_lp_float(m), 127.0f);
         for (kv_i64 i = 0; i < dim; ++i) {
-            float q = KV_RINTF(kv_lp_float(kv_lp_widen<FK>(src[i])) / s);
-            q = q > 127.0f ? 127.0f : q;
-            q = q < -127.0f ? -127.0f : q;
-            dst[i] = (signed char)(int)q;
+            dst[i] = kv_lp_i8(kv_lp_div(kv_lp_float(kv_lp_widen<FK>(src[i])), s));
         }
         *scale_out = kv_lp_bits(s);
     } else {
