@@ -16,6 +16,29 @@
  *    through an integer widening, and fp8 / int8 K through each widening
  *    tried for them: how much each conversion costs.
  *
+ * Measured on the 2-core AMD EPYC (Zen 1: one 256-bit FMA a cycle) of the
+ * README, while other jobs ran:
+ *   - K.Q loop, G 8-wide FMA/s: float32 K 2.8-2.9 (the FMA pipe, 1 a cycle);
+ *     float16 vcvtph2ps 1.8-2.0; every 8-bit widening tried 1.7-1.9 (e4m3fn
+ *     sext+shift+and 1.86-1.93, e5m2 zext+shift 1.94-1.96, its unpack
+ *     1.68-1.90, int8 vcvtdq2ps 1.90, int8 or+subtract 1.55-1.69); the old
+ *     e4m3fn loader with its NaN blend and x256 0.98; int8 x int16 q by
+ *     vpmaddwd 2.35 (but q rounded to 16 bits moves an attention output by
+ *     ~1e-4 of its largest value, 10x the tests' 1e-5: not used).
+ *   - So on this core any widening of 8 elements costs the FMA pipe about
+ *     2 cycles, vcvtph2ps included, against 4 cycles of FMAs for the 4 query
+ *     rows of a GQA group of 4: 6 cycles per 8 elements of K (and of V) for
+ *     float16, fp8 and int8 alike.  An 8-bit kind reads half the bytes in
+ *     the same time: about 0.5x float16's GB/s while decode is compute-bound
+ *     (in cache), more only where float16 waits for memory.  Even a free
+ *     widening would leave the 4 FMA cycles: 1.5x float16's speed per
+ *     position, 0.75x its GB/s, the most float32 FMAs allow here.
+ *   - Decode, ns per (position, KV head), ctx 256 / 1024 / 4096: float16
+ *     88-90 / 91-99 / 118-138; e4m3fn 148-149 / 148-152 / 156-157 before
+ *     the per-tile NaN check, 101-106 / 101-105 / 111-119 after; e5m2
+ *     92-94 / 91-97 / 100-107; int8 90-98 / 90-101 / 100-105 (float16, e5m2
+ *     and int8: the same before and after).
+ *
  * Times are thread CPU time (CLOCK_THREAD_CPUTIME_ID), best of 7, so other
  * processes on a shared machine do not count (their memory traffic still
  * does).  Storage is 2 MiB aligned and advised for huge pages, as NumPy
@@ -203,6 +226,16 @@ PT __m256 ld_i8(int row, int d)
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&Kb[row][d])));
 }
 
+/* int8 without vcvtdq2ps: (code ^ 0x80) zero-extended into a float's
+ * mantissa under 2^23, less 2^23 + 128 (a subtraction, not a conversion) */
+PT __m256 ld_i8_magic(int row, int d)
+{
+    __m128i b = _mm_xor_si128(_mm_loadl_epi64((const __m128i *)&Kb[row][d]),
+                              _mm_set1_epi8((char)0x80));
+    __m256i w = _mm256_or_si256(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(0x4B000000));
+    return _mm256_sub_ps(_mm256_castsi256_ps(w), _mm256_set1_ps(8388736.0f));
+}
+
 /* The K.Q micro-kernel of kv_attention.c (4 query rows x 2 keys, 8
  * accumulators) with one loader, n times over head_dim 128. */
 #define FMA_LOOP(name, LOAD)                                                                 \
@@ -236,6 +269,34 @@ FMA_LOOP(e4m3_unpack, ld_e4m3_unpack)
 FMA_LOOP(e5m2, ld_e5m2)
 FMA_LOOP(e5m2_unpack, ld_e5m2_unpack)
 FMA_LOOP(i8, ld_i8)
+FMA_LOOP(i8_magic, ld_i8_magic)
+
+/* int8 K against q quantized to int16 (not exact: q loses bits): K widened
+ * to int16, vpmaddwd, int32 sums; as many multiply-adds as the loops above. */
+static int16_t Qi[4][128] __attribute__((aligned(64)));
+__attribute__((target("avx2,fma,f16c"), noinline)) static float madd_i8(long n)
+{
+    __m256i acc[8];
+    for (int i = 0; i < 8; i++)
+        acc[i] = _mm256_setzero_si256();
+    for (long it = 0; it < n; it++) {
+        for (int d = 0; d < 128; d += 16) {
+            __m256i k0 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)&Kb[0][d]));
+            __m256i k1 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)&Kb[1][d]));
+            __asm__("" : "+x"(k0), "+x"(k1)); /* not hoisted out of the `it` loop */
+            for (int r = 0; r < 4; r++) {
+                __m256i qv = _mm256_load_si256((const __m256i *)&Qi[r][d]);
+                __asm__("" : "+x"(qv));
+                acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(qv, k0));
+                acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(qv, k1));
+            }
+        }
+    }
+    __m256i s = acc[0];
+    for (int i = 1; i < 8; i++)
+        s = _mm256_add_epi32(s, acc[i]);
+    return (float)_mm256_extract_epi32(s, 0);
+}
 
 static void fma_ceiling(void)
 {
@@ -252,10 +313,14 @@ static void fma_ceiling(void)
         {"e5m2, zext+shift", fma_e5m2},
         {"e5m2, unpack", fma_e5m2_unpack},
         {"int8, sext+vcvtdq2ps", fma_i8},
+        {"int8, or+subtract", fma_i8_magic},
+        {"int8 x int16 q, vpmaddwd", madd_i8},
     };
     for (int i = 0; i < 128; i++) {
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < 4; r++) {
             Qm[r][i] = 0.001f * i;
+            Qi[r][i] = (int16_t)(97 * i);
+        }
         Kh[0][i] = Kh[1][i] = 0x3c00;
         Kf[0][i] = Kf[1][i] = 1.0f;
         Kb[0][i] = Kb[1][i] = 0x38;
