@@ -4,14 +4,40 @@
  *
  *   cc -O3 -pthread -Ikvcore/backends/cpu/csrc bench/attention_profile.c \
  *      kvcore/backends/cpu/csrc/kv_attention.c -o /tmp/attention_profile -lm
- *   /tmp/attention_profile [kind]        (kind 0 float32, 1 float16, 2 bfloat16)
+ *   /tmp/attention_profile [kind]        (kind 0 float32, 1 float16, 2 bfloat16,
+ *                                         3 fp8 e4m3fn, 4 fp8 e5m2, 5 int8)
  *
  * 1. Decode, 32 query / 8 KV heads, head_dim 128, pages of 16 positions in
  *    shuffled order, one thread, contexts 256 (in cache) to 4096 (16 MB of
- *    float16 KV): nanoseconds per (position, KV head) and GB/s of KV read.
+ *    float16 KV): nanoseconds per (position, KV head) and GB/s of KV read
+ *    (int8: its float32 scales included).
  * 2. The FMA loop of the K.Q kernel alone on data in L1 (2 K vectors and 4
  *    q vectors per 8 FMAs), with float32 K, float16 K through vcvtph2ps and
- *    float16 K through an integer widening: how much the conversion costs.
+ *    through an integer widening, and fp8 / int8 K through each widening
+ *    tried for them: how much each conversion costs.
+ *
+ * Measured on the 2-core AMD EPYC (Zen 1: one 256-bit FMA a cycle) of the
+ * README, while other jobs ran:
+ *   - K.Q loop, G 8-wide FMA/s: float32 K 2.8-2.9 (the FMA pipe, 1 a cycle);
+ *     float16 vcvtph2ps 1.8-2.0; every 8-bit widening tried 1.7-1.9 (e4m3fn
+ *     sext+shift+and 1.86-1.93, e5m2 zext+shift 1.94-1.96, its unpack
+ *     1.68-1.90, int8 vcvtdq2ps 1.90, int8 or+subtract 1.55-1.69); the old
+ *     e4m3fn loader with its NaN blend and x256 0.98; int8 x int16 q by
+ *     vpmaddwd 2.35 (but q rounded to 16 bits moves an attention output by
+ *     ~1e-4 of its largest value, 10x the tests' 1e-5: not used).
+ *   - So on this core any widening of 8 elements costs the FMA pipe about
+ *     2 cycles, vcvtph2ps included, against 4 cycles of FMAs for the 4 query
+ *     rows of a GQA group of 4: 6 cycles per 8 elements of K (and of V) for
+ *     float16, fp8 and int8 alike.  An 8-bit kind reads half the bytes in
+ *     the same time: about 0.5x float16's GB/s while decode is compute-bound
+ *     (in cache), more only where float16 waits for memory.  Even a free
+ *     widening would leave the 4 FMA cycles: 1.5x float16's speed per
+ *     position, 0.75x its GB/s, the most float32 FMAs allow here.
+ *   - Decode, ns per (position, KV head), ctx 256 / 1024 / 4096: float16
+ *     88-90 / 91-99 / 118-138; e4m3fn 148-149 / 148-152 / 156-157 before
+ *     the per-tile NaN check, 101-106 / 101-105 / 111-119 after; e5m2
+ *     92-94 / 91-97 / 100-107; int8 90-98 / 90-101 / 100-105 (float16, e5m2
+ *     and int8: the same before and after).
  *
  * Times are thread CPU time (CLOCK_THREAD_CPUTIME_ID), best of 7, so other
  * processes on a shared machine do not count (their memory traffic still
@@ -43,7 +69,7 @@ static double cpu_now(void)
 static void decode(int ctx, int kind)
 {
     enum { H = 32, KVH = 8, D = 128, BS = 16 };
-    const int isz = kind == 0 ? 4 : 2, nblk = ctx / BS;
+    const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2, nblk = ctx / BS;
     const size_t bytes = (size_t)nblk * KVH * BS * D * isz;
     const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
     char *k = aligned_alloc(2u << 20, al), *v = aligned_alloc(2u << 20, al);
@@ -55,12 +81,27 @@ static void decode(int ctx, int kind)
         if (kind == 0) {
             ((float *)k)[i] = a;
             ((float *)v)[i] = b;
+        } else if (kind >= 3) { /* finite fp8 codes of modest size; int8 codes */
+            for (int j = 0; j < 4; j++) {
+                int r = rand();
+                uint8_t kb = kind == 5 ? (uint8_t)r : (uint8_t)(0x20 + (r & 0x3f));
+                uint8_t vb = kind == 5 ? (uint8_t)(r >> 8) : (uint8_t)(0x24 + ((r >> 8) & 0x3f));
+                k[4 * i + j] = (char)(kb | ((r >> 16) & 0x80));
+                v[4 * i + j] = (char)(vb | ((r >> 17) & 0x80));
+            }
         } else { /* random finite halves / bfloat16 of modest size */
             ((uint16_t *)k)[2 * i] = (uint16_t)(0x3000 + (rand() & 0x7ff));
             ((uint16_t *)k)[2 * i + 1] = (uint16_t)(0xb000 + (rand() & 0x7ff));
             ((uint16_t *)v)[2 * i] = (uint16_t)(0x3400 + (rand() & 0x3ff));
             ((uint16_t *)v)[2 * i + 1] = (uint16_t)(0xb400 + (rand() & 0x3ff));
         }
+    }
+    /* int8: a float32 scale per (block, kv head, position) for K and for V */
+    const size_t nsc = (size_t)nblk * KVH * BS;
+    float *ksc = malloc(nsc * sizeof(float)), *vsc = malloc(nsc * sizeof(float));
+    for (size_t i = 0; i < nsc; i++) {
+        ksc[i] = (float)(rand() % 1000 + 1) / 40000.0f;
+        vsc[i] = (float)(rand() % 1000 + 1) / 30000.0f;
     }
     int32_t *table = malloc(sizeof(int32_t) * nblk);
     for (int i = 0; i < nblk; i++)
@@ -95,6 +136,13 @@ static void decode(int ctx, int kind)
     a.num_seqs = 1;
     a.scale = 0.088f;
     a.num_threads = 1;
+    if (kind == 5) {
+        a.key_scales = ksc;
+        a.value_scales = vsc;
+    } else if (kind >= 3) {
+        a.k_scale = 0.5f;
+        a.v_scale = 0.25f;
+    }
     kva_paged_attention(&a);
     const int reps = 20000 / ctx + 5;
     double best = 1e30;
@@ -108,7 +156,10 @@ static void decode(int ctx, int kind)
     }
     printf("decode ctx %5d kind %d (%s): %8.1f us  %6.1f ns per (position, kv head)  %5.2f GB/s\n",
            ctx, kind, kva_level_name(kva_current_level()), best * 1e6,
-           best * 1e9 / ((double)ctx * KVH), 2.0 * bytes / best / 1e9);
+           best * 1e9 / ((double)ctx * KVH),
+           (2.0 * bytes + (kind == 5 ? 2.0 * nsc * sizeof(float) : 0.0)) / best / 1e9);
+    free(ksc);
+    free(vsc);
     free(k);
     free(v);
     free(table);
@@ -118,65 +169,174 @@ static void decode(int ctx, int kind)
 static float Qm[4][128] __attribute__((aligned(64)));
 static uint16_t Kh[2][128] __attribute__((aligned(64)));
 static float Kf[2][128] __attribute__((aligned(64)));
+static uint8_t Kb[2][128] __attribute__((aligned(64)));
 
-__attribute__((target("avx2,fma,f16c"), noinline)) static float fma_loop(long n, int mode)
+#define PT __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+/* Loaders: 8 elements of K row `row` from dimension d, widened to float32. */
+PT __m256 ld_f32(int row, int d) { return _mm256_load_ps(&Kf[row][d]); }
+PT __m256 ld_f16(int row, int d)
 {
-    __m256 acc[8];
+    return _mm256_cvtph_ps(_mm_load_si128((const __m128i *)&Kh[row][d]));
+}
+PT __m256 ld_f16_int(int row, int d) /* sign-extend, shift, mask: half bits scaled by 2^-112 */
+{
+    return _mm256_castsi256_ps(_mm256_and_si256(
+        _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_load_si128((const __m128i *)&Kh[row][d])), 13),
+        _mm256_set1_epi32((int)0x8fffffff)));
+}
+/* fp8 e4m3fn as kv_attention.c widened it before the per-tile NaN check:
+ * a half through a sign-extending shift, a NaN blend per 8, times 2^8 */
+PT __m256 ld_e4m3_nan_x256(int row, int d)
+{
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)&Kb[row][d]));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80));
+    __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(h, _mm_set1_epi16((short)0x8000)),
+                                  _mm_set1_epi16((short)0xBF80));
+    h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+/* e4m3fn without the NaN blend and the 2^8 (the scale carries it) */
+PT __m256 ld_e4m3(int row, int d)
+{
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)&Kb[row][d]));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80)));
+}
+/* e4m3fn, the byte put in the high half by an unpack, then an arithmetic shift */
+PT __m256 ld_e4m3_unpack(int row, int d)
+{
+    __m128i b = _mm_loadl_epi64((const __m128i *)&Kb[row][d]);
+    __m128i w = _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1);
+    return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBF80)));
+}
+/* fp8 e5m2: the high byte of a half (zero-extend, shift) */
+PT __m256 ld_e5m2(int row, int d)
+{
+    return _mm256_cvtph_ps(
+        _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)&Kb[row][d])), 8));
+}
+/* e5m2 by one unpack with zero */
+PT __m256 ld_e5m2_unpack(int row, int d)
+{
+    return _mm256_cvtph_ps(
+        _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)&Kb[row][d])));
+}
+/* int8 codes: sign-extend to 32 bits, convert */
+PT __m256 ld_i8(int row, int d)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&Kb[row][d])));
+}
+
+/* int8 without vcvtdq2ps: (code ^ 0x80) zero-extended into a float's
+ * mantissa under 2^23, less 2^23 + 128 (a subtraction, not a conversion) */
+PT __m256 ld_i8_magic(int row, int d)
+{
+    __m128i b = _mm_xor_si128(_mm_loadl_epi64((const __m128i *)&Kb[row][d]),
+                              _mm_set1_epi8((char)0x80));
+    __m256i w = _mm256_or_si256(_mm256_cvtepu8_epi32(b), _mm256_set1_epi32(0x4B000000));
+    return _mm256_sub_ps(_mm256_castsi256_ps(w), _mm256_set1_ps(8388736.0f));
+}
+
+/* The K.Q micro-kernel of kv_attention.c (4 query rows x 2 keys, 8
+ * accumulators) with one loader, n times over head_dim 128. */
+#define FMA_LOOP(name, LOAD)                                                                 \
+    __attribute__((target("avx2,fma,f16c"), noinline)) static float fma_##name(long n)      \
+    {                                                                                         \
+        __m256 acc[8];                                                                        \
+        for (int i = 0; i < 8; i++)                                                           \
+            acc[i] = _mm256_setzero_ps();                                                     \
+        for (long it = 0; it < n; it++) {                                                     \
+            for (int d = 0; d < 128; d += 8) {                                                \
+                __m256 k0 = LOAD(0, d), k1 = LOAD(1, d);                                      \
+                for (int r = 0; r < 4; r++) {                                                 \
+                    __m256 qv = _mm256_load_ps(&Qm[r][d]);                                    \
+                    __asm__("" : "+x"(qv));                                                   \
+                    acc[2 * r] = _mm256_fmadd_ps(qv, k0, acc[2 * r]);                         \
+                    acc[2 * r + 1] = _mm256_fmadd_ps(qv, k1, acc[2 * r + 1]);                 \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        __m256 s = acc[0];                                                                    \
+        for (int i = 1; i < 8; i++)                                                           \
+            s = _mm256_add_ps(s, acc[i]);                                                     \
+        return _mm256_cvtss_f32(s);                                                           \
+    }
+FMA_LOOP(f32, ld_f32)
+FMA_LOOP(f16, ld_f16)
+FMA_LOOP(f16_int, ld_f16_int)
+FMA_LOOP(e4m3_nan_x256, ld_e4m3_nan_x256)
+FMA_LOOP(e4m3, ld_e4m3)
+FMA_LOOP(e4m3_unpack, ld_e4m3_unpack)
+FMA_LOOP(e5m2, ld_e5m2)
+FMA_LOOP(e5m2_unpack, ld_e5m2_unpack)
+FMA_LOOP(i8, ld_i8)
+FMA_LOOP(i8_magic, ld_i8_magic)
+
+/* int8 K against q quantized to int16 (not exact: q loses bits): K widened
+ * to int16, vpmaddwd, int32 sums; as many multiply-adds as the loops above. */
+static int16_t Qi[4][128] __attribute__((aligned(64)));
+__attribute__((target("avx2,fma,f16c"), noinline)) static float madd_i8(long n)
+{
+    __m256i acc[8];
     for (int i = 0; i < 8; i++)
-        acc[i] = _mm256_setzero_ps();
-    const __m256i keep = _mm256_set1_epi32((int)0x8fffffff);
+        acc[i] = _mm256_setzero_si256();
     for (long it = 0; it < n; it++) {
-        for (int d = 0; d < 128; d += 8) {
-            __m256 k0, k1;
-            if (mode == 0) {
-                k0 = _mm256_load_ps(&Kf[0][d]);
-                k1 = _mm256_load_ps(&Kf[1][d]);
-            } else if (mode == 1) {
-                k0 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)&Kh[0][d]));
-                k1 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)&Kh[1][d]));
-            } else { /* sign-extend, shift, mask: half bits scaled by 2^-112 */
-                k0 = _mm256_castsi256_ps(_mm256_and_si256(
-                    _mm256_slli_epi32(_mm256_cvtepi16_epi32(
-                                          _mm_load_si128((const __m128i *)&Kh[0][d])), 13), keep));
-                k1 = _mm256_castsi256_ps(_mm256_and_si256(
-                    _mm256_slli_epi32(_mm256_cvtepi16_epi32(
-                                          _mm_load_si128((const __m128i *)&Kh[1][d])), 13), keep));
-            }
+        for (int d = 0; d < 128; d += 16) {
+            __m256i k0 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)&Kb[0][d]));
+            __m256i k1 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)&Kb[1][d]));
+            __asm__("" : "+x"(k0), "+x"(k1)); /* not hoisted out of the `it` loop */
             for (int r = 0; r < 4; r++) {
-                __m256 qv = _mm256_load_ps(&Qm[r][d]);
+                __m256i qv = _mm256_load_si256((const __m256i *)&Qi[r][d]);
                 __asm__("" : "+x"(qv));
-                acc[2 * r] = _mm256_fmadd_ps(qv, k0, acc[2 * r]);
-                acc[2 * r + 1] = _mm256_fmadd_ps(qv, k1, acc[2 * r + 1]);
+                acc[2 * r] = _mm256_add_epi32(acc[2 * r], _mm256_madd_epi16(qv, k0));
+                acc[2 * r + 1] = _mm256_add_epi32(acc[2 * r + 1], _mm256_madd_epi16(qv, k1));
             }
         }
     }
-    __m256 s = acc[0];
+    __m256i s = acc[0];
     for (int i = 1; i < 8; i++)
-        s = _mm256_add_ps(s, acc[i]);
-    return _mm256_cvtss_f32(s);
+        s = _mm256_add_epi32(s, acc[i]);
+    return (float)_mm256_extract_epi32(s, 0);
 }
 
 static void fma_ceiling(void)
 {
-    static const char *names[3] = {"float32 K", "float16 K, vcvtph2ps", "float16 K, integer"};
+    static const struct {
+        const char *name;
+        float (*fn)(long);
+    } loops[] = {
+        {"float32 K", fma_f32},
+        {"float16 K, vcvtph2ps", fma_f16},
+        {"float16 K, integer", fma_f16_int},
+        {"e4m3fn, NaN blend, x256", fma_e4m3_nan_x256},
+        {"e4m3fn, sext+shift+and", fma_e4m3},
+        {"e4m3fn, unpack+sra+and", fma_e4m3_unpack},
+        {"e5m2, zext+shift", fma_e5m2},
+        {"e5m2, unpack", fma_e5m2_unpack},
+        {"int8, sext+vcvtdq2ps", fma_i8},
+        {"int8, or+subtract", fma_i8_magic},
+        {"int8 x int16 q, vpmaddwd", madd_i8},
+    };
     for (int i = 0; i < 128; i++) {
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < 4; r++) {
             Qm[r][i] = 0.001f * i;
+            Qi[r][i] = (int16_t)(97 * i);
+        }
         Kh[0][i] = Kh[1][i] = 0x3c00;
         Kf[0][i] = Kf[1][i] = 1.0f;
+        Kb[0][i] = Kb[1][i] = 0x38;
     }
     const long n = 1000000;
-    for (int mode = 0; mode < 3; mode++) {
+    for (size_t m = 0; m < sizeof loops / sizeof loops[0]; m++) {
         double best = 1e30;
         float sink = 0;
         for (int r = 0; r < 7; r++) {
             double t0 = cpu_now();
-            sink += fma_loop(n, mode);
+            sink += loops[m].fn(n);
             double t = cpu_now() - t0;
             if (t < best)
                 best = t;
         }
-        printf("K.Q FMA loop, %-22s %.2f G 8-wide FMA/s (%g)\n", names[mode],
+        printf("K.Q FMA loop, %-26s %.2f G 8-wide FMA/s (%g)\n", loops[m].name,
                n * 16.0 * 8 / best / 1e9, (double)sink);
     }
 }
@@ -185,8 +345,9 @@ static void fma_ceiling(void)
 int main(int argc, char **argv)
 {
     const int kind = argc > 1 ? atoi(argv[1]) : 1;
-    if (kind < 0 || kind > 2) {
-        fprintf(stderr, "kind must be 0 (float32), 1 (float16) or 2 (bfloat16)\n");
+    if (kind < 0 || kind > 5) {
+        fprintf(stderr, "kind must be 0 (float32), 1 (float16), 2 (bfloat16), 3 (fp8 e4m3fn), "
+                        "4 (fp8 e5m2) or 5 (int8)\n");
         return 2;
     }
     for (int ctx = 256; ctx <= 4096; ctx *= 4)

@@ -600,6 +600,112 @@ def test_int8_nan_row_is_nan_only_for_the_queries_that_see_it(simd_level):
     assert np.isnan(out[6:, :4]).all()
 
 
+def _codes(dtype, shape, rng):
+    """Random finite stored bytes of ``dtype`` (fp8 bits of every exponent
+    with subnormals and zeros; int8 codes), as the pool's storage dtype."""
+    if dtype == "int8":
+        return rng.integers(-128, 128, shape).astype(np.int8)
+    b = rng.integers(0, 256, shape).astype(np.uint8)
+    finite = np.isfinite(fp8_decode(b, dtypes.NAME_KIND[dtype]))
+    return np.where(finite, b, b & np.uint8(0xF0)).astype(np.uint8)
+
+
+@pytest.mark.parametrize("dtype", LOWPREC)
+@pytest.mark.parametrize("dim", [64, 40])   # 40: not a multiple of 32 bytes
+def test_attention_over_lowprec_pages_is_that_over_float16_pages_of_the_values(dtype, dim,
+                                                                             simd_level):
+    """fp8 (scales 1) and int8 (scales 1) codes are float16 values: the
+    kernels must give the bits the float16 kernels give on those values, so
+    reading e4m3fn as value / 2^8 (its unit riding on q and the output) is
+    exact."""
+    rng = np.random.default_rng(11)
+    nb, bs, heads = 12, 8, 2
+    lp = kvcore.BlockPool(nb, bs, 1, heads, dim, dtype=dtype)
+    f16 = kvcore.BlockPool(nb, bs, 1, heads, dim, dtype="float16")
+    for cache, ref in ((lp.key_cache(0), f16.key_cache(0)), (lp.value_cache(0), f16.value_cache(0))):
+        cache[...] = _codes(dtype, cache.shape, rng)
+        if dtype == "int8":
+            ref[...] = cache.astype(np.float16)
+        else:
+            ref[...] = fp8_decode(cache, dtypes.NAME_KIND[dtype]).astype(np.float16)
+    if dtype == "int8":
+        lp.scales[...] = 1
+    tables = rng.permutation(nb).astype(np.int32).reshape(2, 6)
+    lens = np.array([45, 48])
+    q = (rng.standard_normal((2, 8, dim)) * 0.2).astype(np.float32)        # decode, GQA 4
+    same(kvcore.paged_attention(q, lp, 0, tables, lens),
+         kvcore.paged_attention(q, f16, 0, tables, lens))
+    qp = (rng.standard_normal((20, 8, dim)) * 0.2).astype(np.float32)      # prefill rows
+    kw = dict(query_start_loc=[0, 20])
+    same(kvcore.paged_attention(qp, lp, 0, tables[1:], lens[1:], **kw),
+         kvcore.paged_attention(qp, f16, 0, tables[1:], lens[1:], **kw))
+
+
+def _nan_code(dtype, negative):
+    return {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}[dtype] | (0x80 if negative else 0)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_fp8_nan_code_reaches_only_the_rows_that_see_it(dtype, dim, which, simd_level):
+    """One NaN code (either sign) at one position; the decode rows of the
+    sequence that holds it are NaN (their dim 7 for a value), everything else
+    is the float64 reference's (tiles without a NaN read through the fast
+    loaders)."""
+    rng = np.random.default_rng(3)
+    nb, bs = 16, 8
+    pool = kvcore.BlockPool(nb, bs, 1, 2, dim, dtype=dtype, kv_scales=[(0.5, 2.0)])
+    for cache in (pool.key_cache(0), pool.value_cache(0)):
+        cache[...] = _codes(dtype, cache.shape, rng)
+    tables = np.arange(nb, dtype=np.int32).reshape(4, 4)
+    lens = np.array([32, 30, 9, 17])
+    # sequence 1, kv head 1, position 13 (block 5, offset 5): a NaN code
+    getattr(pool, which + "_cache")(0)[5, 1, 5, 7] = _nan_code(dtype, negative=dim == 40)
+    q = (rng.standard_normal((4, 8, dim)) * 0.2).astype(np.float32)
+    got = kvcore.paged_attention(q, pool, 0, tables, lens)
+    want = paged_attention_reference(q, pool.key_cache(0), pool.value_cache(0), tables, lens,
+                                     kind=dtype, key_scales=0.5, value_scales=2.0)
+    nan = np.zeros(got.shape, bool)
+    # sequence 1, the heads of kv head 1: every dim (a NaN score), or dim 7
+    nan[1, 4:, slice(None) if which == "key" else 7] = True
+    assert (np.isnan(got) == nan).all() and (np.isnan(want) == nan).all()
+    assert rel_err(got[~nan], want[~nan]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", FP8 + ("float16",))
+def test_a_nan_or_inf_value_reaches_only_the_queries_that_see_it(dtype, simd_level):
+    """Regression: a stored NaN (or inf) value at a position a query cannot
+    see (after it, causally; before its window) made that query NaN too,
+    through its weight 0 times the value."""
+    dim, bs = 16, 8
+    pool = kvcore.BlockPool(4, bs, 1, 1, dim, dtype=dtype)
+    rng = np.random.default_rng(4)
+    vc = pool.value_cache(0)
+    if dtype == "float16":
+        pool.key_cache(0)[...] = rng.standard_normal(vc.shape).astype(np.float16)
+        vc[...] = rng.standard_normal(vc.shape).astype(np.float16)
+        vc[0, 0, 6, 3], vc[0, 0, 2, 1] = np.nan, np.inf
+    else:
+        pool.key_cache(0)[...] = _codes(dtype, vc.shape, rng)
+        vc[...] = _codes(dtype, vc.shape, rng)
+        vc[0, 0, 6, 3] = _nan_code(dtype, negative=False)
+        vc[0, 0, 2, 1] = 0x7C if dtype == "float8_e5m2" else _nan_code(dtype, negative=True)
+    tables = np.arange(2, dtype=np.int32)[None]
+    q = rng.standard_normal((12, 4, dim)).astype(np.float32)     # prefill: positions 0..11
+    for kw, bad in (({}, slice(2, 12)),                          # causal: from position 2
+                    (dict(sliding_window=3), [2, 3, 4, 6, 7, 8])):  # window 3
+        got = kvcore.paged_attention(q, pool, 0, tables, [12], query_start_loc=[0, 12], **kw)
+        with np.errstate(invalid="ignore"):     # the reference's inf * 0
+            want = paged_attention_reference(q, pool.key_cache(0), vc, tables, [12],
+                                             query_start_loc=[0, 12], kind=dtype, **kw)
+        sees = np.zeros(12, bool)
+        sees[bad] = True
+        assert (~np.isfinite(want).all(axis=(1, 2)) == sees).all()
+        assert (~np.isfinite(got).all(axis=(1, 2)) == sees).all()
+        assert rel_err(got[~sees], want[~sees]) <= 1e-5
+
+
 # -------------------------------------------------------------- KVCache
 @pytest.mark.parametrize("dtype", LOWPREC)
 def test_kvcache_lowprec(dtype, simd_level):

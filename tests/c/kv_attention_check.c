@@ -1,8 +1,9 @@
 /*
  * kv_attention.c on its own (no Python): every kernel level this CPU runs,
  * against a plain double-precision attention, on random varlen batches over
- * float32, float16 and bfloat16 pages (GQA, sliding window, soft cap, 1 and
- * 3 threads).  Built and run by tests/test_attention.py natively and, for
+ * float32, float16, bfloat16, fp8 (e4m3fn, e5m2; layer scales) and int8
+ * (scales per token and kv head) pages (GQA, sliding window, soft cap, 1
+ * and 3 threads).  Built and run by tests/test_attention.py natively and, for
  * AArch64, under qemu.  Prints one line per level and "0 failures" when
  * every case is within 1e-5 (max abs error / max abs value).
  */
@@ -54,12 +55,43 @@ static double from_bf16(uint16_t b)
     return f;
 }
 
+/* fp8 by their definition (finite codes only here). */
+static double from_e4m3(uint8_t b)
+{
+    int e = (b >> 3) & 0xf, m = b & 7;
+    double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m / 8.0, -6);
+    return (b & 0x80) ? -v : v;
+}
+static double from_e5m2(uint8_t b)
+{
+    int e = (b >> 2) & 0x1f, m = b & 3;
+    double v = e ? ldexp(1.0 + m / 4.0, e - 15) : ldexp(m / 4.0, -14);
+    return (b & 0x80) ? -v : v;
+}
+/* A random finite fp8 code of modest size (exponents around the bias, a
+ * subnormal or a zero now and then), either sign. */
+static uint8_t fp8_code(int kind)
+{
+    uint32_t r = rnd();
+    int sub = (r & 15) == 0;
+    if (kind == KVA_F8E4M3)
+        return (uint8_t)(((r >> 4) & 0x80) | (sub ? 0 : (int)(4 + (r >> 8) % 7) << 3) | (r & 7));
+    return (uint8_t)(((r >> 4) & 0x80) | (sub ? 0 : (int)(12 + (r >> 8) % 7) << 2) | (r & 3));
+}
+
+/* Element i of a cache, unscaled. */
 static double stored(const void *cache, int kind, size_t i)
 {
     if (kind == KVA_F32)
         return ((const float *)cache)[i];
     if (kind == KVA_F16)
         return from_f16(((const uint16_t *)cache)[i]);
+    if (kind == KVA_F8E4M3)
+        return from_e4m3(((const uint8_t *)cache)[i]);
+    if (kind == KVA_F8E5M2)
+        return from_e5m2(((const uint8_t *)cache)[i]);
+    if (kind == KVA_I8)
+        return ((const int8_t *)cache)[i];
     return from_bf16(((const uint16_t *)cache)[i]);
 }
 
@@ -80,12 +112,25 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
         total_blocks += nb;
     }
     int num_blocks = total_blocks + 2;
-    size_t isz = kind == KVA_F32 ? 4 : 2;
+    size_t isz = kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
     size_t cache_elems = (size_t)num_blocks * nkv * bs * D;
     char *kc = malloc(cache_elems * isz), *vc = malloc(cache_elems * isz);
+    /* the scale of each row (element i's: row i / D): int8's own, fp8's layer's */
+    size_t rows = cache_elems / D;
+    float *ksc = malloc(sizeof(float) * rows), *vsc = malloc(sizeof(float) * rows);
+    for (size_t r = 0; r < rows; r++) {
+        ksc[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 0.5f : 1.0f;
+        vsc[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 2.0f : 1.0f;
+    }
     for (size_t i = 0; i < cache_elems; i++) {
         float k = urand(), v = urand();
-        if (kind == KVA_F32) {
+        if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
+            ((uint8_t *)kc)[i] = fp8_code(kind);
+            ((uint8_t *)vc)[i] = fp8_code(kind);
+        } else if (kind == KVA_I8) {
+            ((uint8_t *)kc)[i] = (uint8_t)rnd();
+            ((uint8_t *)vc)[i] = (uint8_t)rnd();
+        } else if (kind == KVA_F32) {
             ((float *)kc)[i] = k;
             ((float *)vc)[i] = v;
         } else if (kind == KVA_F16) {
@@ -117,6 +162,13 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
     kva_args a = {q, out, kc, vc, kind,
                   (ptrdiff_t)(nkv * bs * D * isz), (ptrdiff_t)(bs * D * isz), (ptrdiff_t)(D * isz),
                   bs, nh, nkv, D, tables, max_blocks, lens, qsl, S, scale, window, cap, threads};
+    if (kind == KVA_I8) {
+        a.key_scales = ksc;
+        a.value_scales = vsc;
+    } else if (kind >= KVA_F8E4M3) {
+        a.k_scale = 0.5f;
+        a.v_scale = 2.0f;
+    }
     if (kva_paged_attention(&a) != KVA_OK) {
         printf("kernel failed\n");
         return 1;
@@ -138,7 +190,7 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
                     double dot = 0;
                     for (int d = 0; d < D; d++)
                         dot += (double)qq[d] * stored(kc, kind, base + d);
-                    dot *= scale;
+                    dot *= scale * (double)ksc[base / D];
                     if (cap > 0)
                         dot = cap * tanh(dot / cap);
                     w[t - lo] = dot;
@@ -152,7 +204,7 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
                     for (int64_t t = lo; t <= pos; t++) {
                         size_t base = ((size_t)tables[s * max_blocks + t / bs] * nkv + g) * bs * D +
                                       (size_t)(t % bs) * D;
-                        o += w[t - lo] * stored(vc, kind, base + d);
+                        o += w[t - lo] * stored(vc, kind, base + d) * vsc[base / D];
                     }
                     o /= sum;
                     double got = out[((qsl[s] + j) * nh + h) * D + d];
@@ -165,6 +217,8 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
         }
     }
     free(w);
+    free(ksc);
+    free(vsc);
     free(kc);
     free(vc);
     free(perm);
@@ -213,7 +267,7 @@ int main(void)
         kva_set_level(level);
         levels++;
         int cases = 0, before = failures;
-        for (int kind = 0; kind < 3; kind++) {
+        for (int kind = 0; kind <= KVA_I8; kind++) {
             failures += run_case(kind, 1, 0, 0.0f, 8, 2, 64, 16);
             failures += run_case(kind, 3, 0, 0.0f, 4, 1, 40, 1);
             failures += run_case(kind, 2, 37, 0.0f, 4, 4, 128, 32);

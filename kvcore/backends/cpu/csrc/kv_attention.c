@@ -80,6 +80,9 @@ typedef struct {
                const float *alpha, float *tmp);
     /* dst[i * D + d] = row i widened to float32, for i < n. */
     void (*widen)(const char *const *rows, int n, int D, float *dst);
+    /* The elements these kernels read are the stored values divided by
+     * unit (a power of two): the caller multiplies q and the output by it. */
+    float unit;
 } kva_kernels;
 
 typedef struct {
@@ -240,12 +243,12 @@ static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
 }
 
 static const kva_kernels kernels_scalar[6] = {
-    {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar},
-    {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar},
-    {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar},
-    {scores_e4m3_scalar, pv_e4m3_scalar, widen_e4m3_scalar},
-    {scores_e5m2_scalar, pv_e5m2_scalar, widen_e5m2_scalar},
-    {scores_i8_scalar, pv_i8_scalar, widen_i8_scalar},
+    {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar, 1.0f},
+    {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar, 1.0f},
+    {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar, 1.0f},
+    {scores_e4m3_scalar, pv_e4m3_scalar, widen_e4m3_scalar, 1.0f},
+    {scores_e5m2_scalar, pv_e5m2_scalar, widen_e5m2_scalar, 1.0f},
+    {scores_i8_scalar, pv_i8_scalar, widen_i8_scalar, 1.0f},
 };
 static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap_scalar,
                                      exp2_neg_scalar};
@@ -258,24 +261,60 @@ static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap
 #define KVA_TARGET __attribute__((target("avx2,fma,f16c")))
 #define KVA_INLINE static inline __attribute__((always_inline)) KVA_TARGET
 
-/* 8 fp8 e4m3fn elements at p, widened: each byte, sign-extended to 16 bits
- * and shifted left by 7, is a half with the byte's sign, exponent and
- * mantissa (bit 14, the sign's copy, cleared); e4m3's exponent bias 7 is the
- * half's 15 less 8, so the half is the value times 2^-8, subnormals
- * included: F16C, then times 2^8.  S.1111.111 (NaN) gets the half's all-ones
- * exponent. */
+/* 8 fp8 e4m3fn elements at p, widened to float32 and divided by 2^8: each
+ * byte, sign-extended to 16 bits and shifted left by 7, is a half with the
+ * byte's sign, exponent and mantissa (bit 14, the sign's copy, cleared);
+ * e4m3's exponent bias 7 is the half's 15 less 8, so the half is the value
+ * times 2^-8, subnormals included (F16C widens it exactly).  The 2^8 rides
+ * on q and on the output (kva_kernels.unit: exact, a power of two).  No
+ * NaN: S.1111.111 would read as +-480; a tile holding one takes
+ * load8_e4m3_nan_avx2. */
 KVA_INLINE __m256 load8_e4m3_avx2(const char *p)
+{
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80)));
+}
+
+/* The same with NaN: S.1111.111 gets the half's all-ones exponent. */
+KVA_INLINE __m256 load8_e4m3_nan_avx2(const char *p)
 {
     __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
     __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80));
     __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(h, _mm_set1_epi16((short)0x8000)),
                                   _mm_set1_epi16((short)0xBF80));
     h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    return _mm256_cvtph_ps(h);
 }
 
+/* Whether any of rows[0..n-1] (D bytes each, D % 8 == 0) holds an e4m3fn
+ * NaN code (0x7F or 0xFF): the unsigned max of every byte with its sign
+ * bit set is 0xFF exactly then. */
+KVA_INLINE int rows_have_e4m3_nan_avx2(const char *const *rows, int n, int D)
+{
+    const __m256i sign = _mm256_set1_epi8((char)0x80);
+    __m256i mx = _mm256_setzero_si256();
+    __m128i mx8 = _mm_setzero_si128();
+    for (int i = 0; i < n; i++) {
+        const char *p = rows[i];
+        int d = 0;
+        for (; d + 32 <= D; d += 32)
+            mx = _mm256_max_epu8(mx, _mm256_or_si256(_mm256_loadu_si256((const __m256i *)(p + d)),
+                                                     sign));
+        for (; d < D; d += 8)
+            mx8 = _mm_max_epu8(mx8, _mm_loadl_epi64((const __m128i *)(p + d)));
+    }
+    mx8 = _mm_or_si128(mx8, _mm256_castsi256_si128(sign));
+    mx8 = _mm_max_epu8(mx8, _mm_max_epu8(_mm256_castsi256_si128(mx),
+                                         _mm256_extracti128_si256(mx, 1)));
+    return _mm_movemask_epi8(_mm_cmpeq_epi8(mx8, _mm_set1_epi8((char)0xFF))) != 0;
+}
+
+/* An internal kind of the AVX2 kernels: e4m3fn read with its NaN blend. */
+#define KVA_F8E4M3_NAN 6
+
 /* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift;
- * e5m2: the high byte of a half; int8: the code, unscaled). */
+ * e4m3fn: divided by 2^8; e5m2: the high byte of a half; int8: the code,
+ * unscaled). */
 KVA_INLINE __m256 load8_avx2(const char *p, int kind)
 {
     if (kind == KVA_F32)
@@ -284,6 +323,8 @@ KVA_INLINE __m256 load8_avx2(const char *p, int kind)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
     if (kind == KVA_F8E4M3)
         return load8_e4m3_avx2(p);
+    if (kind == KVA_F8E4M3_NAN)
+        return load8_e4m3_nan_avx2(p);
     if (kind == KVA_F8E5M2)
         return _mm256_cvtph_ps(
             _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
@@ -487,15 +528,19 @@ KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *cons
     }
 }
 
+KVA_INLINE void widen_avx2(int kind, const char *const *rows, int n, int D, float *dst)
+{
+    const int isz = kva_isz(kind);
+    for (int i = 0; i < n; i++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + (size_t)i * D + d, load8_avx2(rows[i] + (size_t)d * isz, kind));
+}
+
 #define KVA_AVX2_KIND(name, kind)                                                            \
     KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
                                                float *dst)                                    \
     {                                                                                         \
-        const int isz = kva_isz(kind);                                              \
-        for (int i = 0; i < n; i++)                                                           \
-            for (int d = 0; d < D; d += 8)                                                    \
-                _mm256_storeu_ps(dst + (size_t)i * D + d,                                     \
-                                 load8_avx2(rows[i] + (size_t)d * isz, kind));                \
+        widen_avx2(kind, rows, n, D, dst);                                                    \
     }                                                                                         \
     KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
                                                 const char *const *krow, int ntp, float *S,   \
@@ -514,9 +559,39 @@ KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *cons
 KVA_AVX2_KIND(f32, KVA_F32)
 KVA_AVX2_KIND(f16, KVA_F16)
 KVA_AVX2_KIND(bf16, KVA_BF16)
-KVA_AVX2_KIND(e4m3, KVA_F8E4M3)
 KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX2_KIND(i8, KVA_I8)
+
+/* e4m3fn: the tile's rows are searched for NaN codes once (a few byte
+ * compares per row); only a tile that holds one pays for the NaN blend of
+ * every 8 elements. */
+KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst)
+{
+    if (rows_have_e4m3_nan_avx2(rows, n, D))
+        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst);
+    else
+        widen_avx2(KVA_F8E4M3, rows, n, D, dst);
+}
+
+KVA_TARGET static void scores_e4m3_avx2(const float *Qs, int M, int D, const char *const *krow,
+                                        int ntp, float *S, float *t)
+{
+    (void)t;
+    if (rows_have_e4m3_nan_avx2(krow, ntp, D))
+        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S);
+    else
+        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S);
+}
+
+KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *const *vrow, int nt,
+                                    float *acc, const float *alpha, float *t)
+{
+    (void)t;
+    if (rows_have_e4m3_nan_avx2(vrow, nt, D))
+        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha);
+    else
+        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha);
+}
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)
 {
@@ -565,12 +640,12 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 static const kva_kernels kernels_avx2[6] = {
-    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2},
-    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2},
-    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2},
-    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2},
-    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2},
-    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2},
+    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f},
+    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f},
+    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f},
+    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f}, /* its loaders: value / 2^8 */
+    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f},
+    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f},
 };
 static const kva_math math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2,
                                    exp2_neg_n_avx2};
@@ -762,9 +837,9 @@ static void exp2_neg_n_neon(const float *x, float *y, ptrdiff_t n)
 }
 
 static const kva_kernels kernels_neon[3] = {
-    {scores_f32_neon, pv_f32_neon, widen_f32_neon},
-    {scores_f16_neon, pv_f16_neon, widen_f16_neon},
-    {scores_bf16_neon, pv_bf16_neon, widen_bf16_neon},
+    {scores_f32_neon, pv_f32_neon, widen_f32_neon, 1.0f},
+    {scores_f16_neon, pv_f16_neon, widen_f16_neon, 1.0f},
+    {scores_bf16_neon, pv_bf16_neon, widen_bf16_neon, 1.0f},
 };
 /* soft cap: the scalar tanhf (rare, and exact to libm) */
 static const kva_math math_neon = {row_max_neon, row_exp_sum_neon, softcap_scalar,
@@ -1120,6 +1195,7 @@ int64_t kva_num_items(const kva_args *a) { return make_items(a, NULL, NULL, NULL
 typedef struct {
     float *Qs, *S, *acc, *m, *l, *alpha, *tmp;
     int64_t *lo, *hi;
+    int *first, *last;           /* visible keys of each row in this tile */
     const char **krow, **vrow;   /* this tile's rows */
     const char **nkrow, **nvrow; /* the next tile's */
     float *kf, *vf;              /* a tile widened to float32 */
@@ -1146,6 +1222,8 @@ static size_t workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
     KVA_TAKE(tmp, float, (size_t)KVA_KEY_TILE * D);
     KVA_TAKE(lo, int64_t, max_rows);
     KVA_TAKE(hi, int64_t, max_rows);
+    KVA_TAKE(first, int, max_rows);
+    KVA_TAKE(last, int, max_rows);
     KVA_TAKE(krow, const char *, KVA_KEY_TILE);
     KVA_TAKE(vrow, const char *, KVA_KEY_TILE);
     KVA_TAKE(nkrow, const char *, KVA_KEY_TILE);
@@ -1166,6 +1244,7 @@ static void merge_group(kva_job *job, const kva_item *it, int M)
     const int64_t nsplit = it->nsplit;
     const int64_t base = it->slot - it->split;
     const int64_t row0 = a->query_start_loc[it->seq] + it->q0;
+    const float unit = job->kern->unit;
     for (int r = 0; r < M; r++) {
         float mx = -INFINITY, total = 0.0f;
         for (int64_t sp = 0; sp < nsplit; sp++) {
@@ -1189,7 +1268,7 @@ static void merge_group(kva_job *job, const kva_item *it, int M)
                 o[d] += w * acc[d];
         }
         for (int d = 0; d < D; d++)
-            o[d] /= total;
+            o[d] = o[d] * unit / total; /* the values' unit (exact) */
     }
 }
 
@@ -1246,10 +1325,15 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
                         float *ks, float *vs, float *S, int M)
 {
     if (a->key_scales != NULL) {
-        for (int i = 0; i < nt; i++) {
-            int64_t t = t0 + i, blk = t / a->block_size;
-            size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size +
-                        (size_t)(t - blk * a->block_size);
+        /* position t0 + i: block blk, offset off (one division per tile) */
+        int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
+        size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size + (size_t)off;
+        for (int i = 0; i < nt; i++, off++, at++) {
+            if (off == a->block_size) {
+                blk++;
+                off = 0;
+                at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size;
+            }
             ks[i] = a->key_scales[at];
             vs[i] = a->value_scales[at];
         }
@@ -1279,6 +1363,8 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
     const char *vbase = a->value_cache + (ptrdiff_t)g * a->head_stride;
     const kva_kernels *kern = job->kern, *kern_f32 = job->kern_f32;
     const kva_math *math = job->math;
+    /* the kernels read the elements divided by unit: q carries it */
+    const float unit = kern->unit;
     const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32;
     if (widen) {
         for (int i = 0; i < KVA_KEY_TILE; i++) {
@@ -1292,7 +1378,7 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
         const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
         float *dst = ws->Qs + (size_t)r * D;
         for (int d = 0; d < D; d++)
-            dst[d] = src[d] * qscale;
+            dst[d] = src[d] * qscale * unit; /* (times a power of two: exact) */
         int64_t pos = len - nq + j;
         ws->hi[r] = pos + 1;
         ws->lo[r] = a->sliding_window > 0 && pos + 1 > a->sliding_window
@@ -1341,10 +1427,13 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             if (last > nt)
                 last = nt;
             if (last <= first) { /* nothing visible: no change to this row */
+                ws->first[r] = ws->last[r] = 0;
                 ws->alpha[r] = 1.0f;
                 memset(srow, 0, (size_t)ntp * sizeof(float));
                 continue;
             }
+            ws->first[r] = (int)first;
+            ws->last[r] = (int)last;
             for (int64_t i = 0; i < first; i++)
                 srow[i] = -INFINITY;
             for (int64_t i = last; i < ntp; i++)
@@ -1359,11 +1448,23 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
                 for (int64_t i = first; i < last; i++)
                     srow[i] *= vs[i];
         }
+        /* P V over each row's visible keys only (a masked key's weight is
+         * 0, but 0 * a stored NaN or inf is NaN): runs of rows with the same
+         * visible keys (every row of a decode item) in one call. */
+        const kva_kernels *pk = kern;
+        const char *const *prow = vrow;
         if (widen) {
             kern->widen(vrow, nt, D, ws->vf);
-            kern_f32->pv(ws->S, M, D, ws->vfrow, nt, ws->acc, ws->alpha, ws->tmp);
-        } else {
-            kern->pv(ws->S, M, D, vrow, nt, ws->acc, ws->alpha, ws->tmp);
+            pk = kern_f32;
+            prow = ws->vfrow;
+        }
+        for (int r = 0, r1; r < M; r = r1) {
+            const int first = ws->first[r], last = ws->last[r];
+            for (r1 = r + 1; r1 < M && ws->first[r1] == first && ws->last[r1] == last; r1++)
+                ;
+            if (last > first)
+                pk->pv(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
+                       last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp);
         }
         const char **swap = krow;
         krow = nkrow;
@@ -1380,7 +1481,7 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             const float *acc = ws->acc + (size_t)r * D;
             const float l = ws->l[r];
             for (int d = 0; d < D; d++)
-                o[d] = acc[d] / l;
+                o[d] = acc[d] * unit / l; /* the values' unit (exact) */
         }
         return;
     }
