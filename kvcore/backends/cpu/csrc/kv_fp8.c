@@ -504,26 +504,76 @@ __attribute__((target("avx2"))) KV_FP8_INLINE uint32_t amax_bits_avx2_inl(const 
 }
 
 /* 8 float32 -> 8 int32 in [-127, 127]: round(x / scale), ties to even. */
+__attribute__((target("avx2"))) static inline __m256 i8q8_avx2(__m256 q)
+{
+    return _mm256_max_ps(_mm256_min_ps(q, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
+}
+
 __attribute__((target("avx2"))) static inline __m256i i8x8_avx2(const float *p, __m256 scale)
 {
     __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p), scale),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm256_max_ps(_mm256_min_ps(q, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
-    return _mm256_cvtps_epi32(q);   /* integral already: exact */
+    return _mm256_cvtps_epi32(i8q8_avx2(q));   /* integral already: exact */
 }
 
-/* n float32 -> int8 codes at `scale`; with `stream` (dst 16-byte aligned)
+/* The int8 codes of a row come from products instead of quotients where
+ * that cannot change them.  For a finite row with 2^-100 <= A = max|x| <=
+ * 2^100, scale s = fl(A / 127), r = fl(127 / A), the quotient q = fl(x / s)
+ * and the product y = fl(x * r) are normal or tiny (no overflow), |x / s|
+ * <= 127 (1 + 2^-24), and y / (x / s) = (1 + e2)(1 + e3)(1 + e4) with the
+ * relative errors of r, s and the product; so |y - q| <= 4 * 2^-24 * 127.01
+ * < 2^-15 in the default rounding mode (< 2^-14 in any other).  t = fl(y +
+ * 1536) lies in [1024, 2048), where floats are 2^-13 apart: its bits hold
+ * t - 1536 = I + F * 2^-13 (integer I, F in 0..8191) within 2^-14 (2^-13)
+ * of y, so q is within 1.5 * 2^-13 of it.  Where |F - 4096| >= 3, q is then
+ * on the same side of the half-integer I + 1/2 as t - 1536 and not on it, so
+ * q rounds (to nearest, ties to even) to the integer floor(t - 1536 + 1/2),
+ * an integer shift of t's bits.  A block of 32 holding an F that close to
+ * one half (about one element in 1600) is quantized by division instead. */
+#define KV_I8_FAST_LO 0x0D800000u   /* 2^-100 */
+#define KV_I8_FAST_HI 0x71800000u   /* 2^100 */
+
+/* n float32 -> int8 codes at `scale` (recip = 1 / scale, `fast`: the row
+ * qualifies for products, see above); with `stream` (dst 16-byte aligned)
  * the 32-element blocks go out with non-temporal stores. */
 __attribute__((target("avx2"))) KV_FP8_INLINE void
-i8_quantize_avx2_inl(const float *src, int8_t *dst, ptrdiff_t n, float scale, const int stream)
+i8_quantize_avx2_inl(const float *src, int8_t *dst, ptrdiff_t n, float scale, float recip,
+                     const int fast, const int stream)
 {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256 vscale = _mm256_set1_ps(scale);
     ptrdiff_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        __m256i ab = _mm256_packs_epi32(i8x8_avx2(src + i, vscale), i8x8_avx2(src + i + 8, vscale));
-        __m256i cd = _mm256_packs_epi32(i8x8_avx2(src + i + 16, vscale),
-                                        i8x8_avx2(src + i + 24, vscale));
+        __m256i ab, cd;
+        if (fast) {
+            const __m256 vrecip = _mm256_set1_ps(recip), off = _mm256_set1_ps(1536.0f);
+            /* bits of t - (bits of 1536 - 2^12): t - 1536 + 1/2 in fixed point */
+            const __m256i base = _mm256_set1_epi32(0x44C00000 - 0x1000);
+            const __m256i window = _mm256_set1_epi32(5), mask13 = _mm256_set1_epi32(0x1FFF);
+            __m256i t0 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i), vrecip), off)), base);
+            __m256i t1 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i + 8), vrecip), off)), base);
+            __m256i t2 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i + 16), vrecip), off)), base);
+            __m256i t3 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i + 24), vrecip), off)), base);
+            /* F within 2 of 4096: (F + 4096 + 2) mod 8192 < 5, where t's low
+             * 13 bits are already F + 4096 (mod 8192) */
+#define KV_I8_NEAR(t) _mm256_cmpgt_epi32(window, _mm256_and_si256(                 \
+                          _mm256_add_epi32((t), _mm256_set1_epi32(2)), mask13))
+            __m256i close = _mm256_or_si256(_mm256_or_si256(KV_I8_NEAR(t0), KV_I8_NEAR(t1)),
+                                            _mm256_or_si256(KV_I8_NEAR(t2), KV_I8_NEAR(t3)));
+#undef KV_I8_NEAR
+            if (_mm256_testz_si256(close, close)) {
+                ab = _mm256_packs_epi32(_mm256_srai_epi32(t0, 13), _mm256_srai_epi32(t1, 13));
+                cd = _mm256_packs_epi32(_mm256_srai_epi32(t2, 13), _mm256_srai_epi32(t3, 13));
+                goto store;
+            }
+        }
+        ab = _mm256_packs_epi32(i8x8_avx2(src + i, vscale), i8x8_avx2(src + i + 8, vscale));
+        cd = _mm256_packs_epi32(i8x8_avx2(src + i + 16, vscale), i8x8_avx2(src + i + 24, vscale));
+    store:;
         __m256i v = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
         if (stream) {
             _mm_stream_si128((__m128i *)(dst + i), _mm256_castsi256_si128(v));
@@ -549,7 +599,7 @@ __attribute__((target("avx2"))) static uint32_t amax_bits_avx2(const float *src,
 __attribute__((target("avx2"))) static void
 i8_quantize_avx2(const float *src, int8_t *dst, ptrdiff_t n, float scale)
 {
-    i8_quantize_avx2_inl(src, dst, n, scale, 0);
+    i8_quantize_avx2_inl(src, dst, n, scale, 1.0f, 0, 0);
 }
 
 /* `rows` int8 rows (see kvh_f32_to_i8_rows): the largest magnitude of a row
@@ -567,10 +617,17 @@ f32_to_i8_rows_avx2(const char *src, ptrdiff_t src_stride, int8_t *dst, ptrdiff_
         if (amax == 0 || amax >= 0x7F800000u) {     /* all zeros, or not finite */
             if (n > 0)
                 memset(d, 0, (size_t)n);
-        } else if (stream && ((uintptr_t)d & 15) == 0) {
-            i8_quantize_avx2_inl(s, d, n, scale, 1);
         } else {
-            i8_quantize_avx2_inl(s, d, n, scale, 0);
+            int st = stream && ((uintptr_t)d & 15) == 0;
+            if (amax >= KV_I8_FAST_LO && amax <= KV_I8_FAST_HI) {
+                /* r of the bound above (it need not wait for scale) */
+                float recip = 127.0f / kv_fp8_float(amax);
+                if (st) i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 1);
+                else i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 0);
+            } else {
+                if (st) i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 1);
+                else i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 0);
+            }
         }
     }
 }
