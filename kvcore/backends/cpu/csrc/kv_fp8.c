@@ -182,34 +182,54 @@ fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan, con
 
 /* 32 float32 (x0..x3, already divided by the scale) -> 32 fp8 codes in
  * order.  `nan_apart`: whether NaN needs its own code (the overflow limit
- * is not it).  A block whose magnitudes are all normal-range fp8 or
- * infinite (the common case) takes the normal steps alone; one holding a
- * NaN or a magnitude below the smallest normal fp8 (a float compare that
- * only picks the path: both paths give the same bits for such a block)
- * takes the subnormal and NaN steps as well. */
+ * is not it).  The NaN steps run only for a block holding a NaN; for e5m2
+ * the subnormal steps too run only for a block holding a magnitude below
+ * the smallest normal e5m2 (float compares that only pick the path: both
+ * paths give the same bits for a block they let through). */
 __attribute__((target("avx2"))) KV_FP8_INLINE __m256i
 fp8x32_avx2(__m256 x0, __m256 x1, __m256 x2, __m256 x3, const kv_fp8_fmt f, __m256i limit,
             const int nan_apart)
 {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256i a, b, c, d;
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 tiny = _mm256_set1_ps(kv_fp8_float((uint32_t)(128 - f.bias) << 23));
-    /* not >= the smallest normal fp8 (unordered: NaN too) */
-#define KV_FP8_ODD(x) _mm256_cmp_ps(_mm256_and_ps((x), absm), tiny, _CMP_NGE_UQ)
-    __m256 odd = _mm256_or_ps(_mm256_or_ps(KV_FP8_ODD(x0), KV_FP8_ODD(x1)),
-                              _mm256_or_ps(KV_FP8_ODD(x2), KV_FP8_ODD(x3)));
-#undef KV_FP8_ODD
-    if (!_mm256_testz_ps(odd, odd)) {
-        a = fp8x8_avx2(x0, f, limit, nan_apart, 0, 1);
-        b = fp8x8_avx2(x1, f, limit, nan_apart, 0, 1);
-        c = fp8x8_avx2(x2, f, limit, nan_apart, 0, 1);
-        d = fp8x8_avx2(x3, f, limit, nan_apart, 0, 1);
+    if (f.mbits == 3) {
+        /* e4m3fn: values below 2^-6 are common enough (one in 80 of a
+         * standard normal) that telling blocks apart costs more than the
+         * subnormal steps; only NaN gets a test (unordered: a NaN in either
+         * operand's lane) */
+        __m256 unord = _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q),
+                                    _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q));
+        if (nan_apart && !_mm256_testz_ps(unord, unord)) {
+            a = fp8x8_avx2(x0, f, limit, 1, 0, 1);
+            b = fp8x8_avx2(x1, f, limit, 1, 0, 1);
+            c = fp8x8_avx2(x2, f, limit, 1, 0, 1);
+            d = fp8x8_avx2(x3, f, limit, 1, 0, 1);
+        } else {
+            a = fp8x8_avx2(x0, f, limit, 0, 0, 1);
+            b = fp8x8_avx2(x1, f, limit, 0, 0, 1);
+            c = fp8x8_avx2(x2, f, limit, 0, 0, 1);
+            d = fp8x8_avx2(x3, f, limit, 0, 0, 1);
+        }
     } else {
-        a = fp8x8_avx2(x0, f, limit, 0, 0, 0);
-        b = fp8x8_avx2(x1, f, limit, 0, 0, 0);
-        c = fp8x8_avx2(x2, f, limit, 0, 0, 0);
-        d = fp8x8_avx2(x3, f, limit, 0, 0, 0);
+        /* e5m2: a block with a magnitude below 2^-14 (or a NaN) is rare */
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        const __m256 tiny = _mm256_set1_ps(kv_fp8_float((uint32_t)(128 - f.bias) << 23));
+        /* not >= the smallest normal fp8 (unordered: NaN too) */
+#define KV_FP8_ODD(x) _mm256_cmp_ps(_mm256_and_ps((x), absm), tiny, _CMP_NGE_UQ)
+        __m256 odd = _mm256_or_ps(_mm256_or_ps(KV_FP8_ODD(x0), KV_FP8_ODD(x1)),
+                                  _mm256_or_ps(KV_FP8_ODD(x2), KV_FP8_ODD(x3)));
+#undef KV_FP8_ODD
+        if (!_mm256_testz_ps(odd, odd)) {
+            a = fp8x8_avx2(x0, f, limit, nan_apart, 0, 1);
+            b = fp8x8_avx2(x1, f, limit, nan_apart, 0, 1);
+            c = fp8x8_avx2(x2, f, limit, nan_apart, 0, 1);
+            d = fp8x8_avx2(x3, f, limit, nan_apart, 0, 1);
+        } else {
+            a = fp8x8_avx2(x0, f, limit, 0, 0, 0);
+            b = fp8x8_avx2(x1, f, limit, 0, 0, 0);
+            c = fp8x8_avx2(x2, f, limit, 0, 0, 0);
+            d = fp8x8_avx2(x3, f, limit, 0, 0, 0);
+        }
     }
     /* magnitude codes are in [0, 0x7F]: the saturating packs never clip.
      * The signs: the same signed packs of the inputs saturate every
@@ -533,6 +553,18 @@ __attribute__((target("avx2"))) static inline __m256i i8x8_avx2(const float *p, 
 #define KV_I8_FAST_LO 0x0D800000u   /* 2^-100 */
 #define KV_I8_FAST_HI 0x71800000u   /* 2^100 */
 
+/* 32 float32 -> 32 int8 codes in order, by division (out of line: the
+ * rare blocks of the product path, and rows outside its range). */
+__attribute__((target("avx2"), noinline)) static __m256i i8x32_div_avx2(const float *src,
+                                                                        float scale)
+{
+    const __m256 vscale = _mm256_set1_ps(scale);
+    __m256i ab = _mm256_packs_epi32(i8x8_avx2(src, vscale), i8x8_avx2(src + 8, vscale));
+    __m256i cd = _mm256_packs_epi32(i8x8_avx2(src + 16, vscale), i8x8_avx2(src + 24, vscale));
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* n float32 -> int8 codes at `scale` (recip = 1 / scale, `fast`: the row
  * qualifies for products, see above); with `stream` (dst 16-byte aligned)
  * the 32-element blocks go out with non-temporal stores. */
@@ -571,8 +603,16 @@ i8_quantize_avx2_inl(const float *src, int8_t *dst, ptrdiff_t n, float scale, fl
                 goto store;
             }
         }
-        ab = _mm256_packs_epi32(i8x8_avx2(src + i, vscale), i8x8_avx2(src + i + 8, vscale));
-        cd = _mm256_packs_epi32(i8x8_avx2(src + i + 16, vscale), i8x8_avx2(src + i + 24, vscale));
+        {
+            __m256i v = i8x32_div_avx2(src + i, scale);
+            if (stream) {
+                _mm_stream_si128((__m128i *)(dst + i), _mm256_castsi256_si128(v));
+                _mm_stream_si128((__m128i *)(dst + i + 16), _mm256_extracti128_si256(v, 1));
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + i), v);
+            }
+            continue;
+        }
     store:;
         __m256i v = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
         if (stream) {
@@ -617,17 +657,17 @@ f32_to_i8_rows_avx2(const char *src, ptrdiff_t src_stride, int8_t *dst, ptrdiff_
         if (amax == 0 || amax >= 0x7F800000u) {     /* all zeros, or not finite */
             if (n > 0)
                 memset(d, 0, (size_t)n);
+            continue;
+        }
+        int st = stream && ((uintptr_t)d & 15) == 0;
+        if (amax >= KV_I8_FAST_LO && amax <= KV_I8_FAST_HI) {
+            /* r of the bound above (it need not wait for scale) */
+            float recip = 127.0f / kv_fp8_float(amax);
+            if (st) i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 1);
+            else i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 0);
         } else {
-            int st = stream && ((uintptr_t)d & 15) == 0;
-            if (amax >= KV_I8_FAST_LO && amax <= KV_I8_FAST_HI) {
-                /* r of the bound above (it need not wait for scale) */
-                float recip = 127.0f / kv_fp8_float(amax);
-                if (st) i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 1);
-                else i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 0);
-            } else {
-                if (st) i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 1);
-                else i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 0);
-            }
+            if (st) i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 1);
+            else i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 0);
         }
     }
 }
