@@ -137,7 +137,7 @@ def test_int8_nan_and_inf_rows_store_a_nan_scale_and_read_back_nan():
 # ------------------------------------------------- CPU kernels vs reference
 @pytest.mark.parametrize("src_kind", FLOAT_KINDS, ids=lambda k: dtypes.KIND_NAME[k])
 @pytest.mark.parametrize("dst_kind", Q_KINDS, ids=lambda k: dtypes.KIND_NAME[k])
-@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 0.25])    # 0.25: applied as x * 4, exactly
 def test_write_slots_q_and_gather_q_match_the_reference(src_kind, dst_kind, scale):
     rng = np.random.default_rng(2)
     nb, h, bs, d = 6, 3, 4, 24
@@ -169,6 +169,56 @@ def test_write_slots_q_and_gather_q_match_the_reference(src_kind, dst_kind, scal
             be.gather_batch_q(caches[0], scales[0], tables, lens, out, dst_kind, out_kind, scale)
             outs.append(out)
         same(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("dst_kind", Q_KINDS, ids=lambda k: dtypes.KIND_NAME[k])
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -3, 0.37])
+def test_large_paged_writes_match_the_reference(dst_kind, scale):
+    """Writes of at least 4 MiB of codes go out with non-temporal stores, a
+    token's rows in one call: the same codes and scales as the reference,
+    rows in random blocks of a pool whose planes start 16 bytes into a
+    cache line (NumPy's alignment)."""
+    rng = np.random.default_rng(5)
+    n, h, bs, d = 4096, 8, 16, 128
+    nb = 2 * n // bs
+    x = values((n, h, d), rng)
+    x[7, 3] = (rng.integers(-127, 128, d) + 0.5).astype(np.float32)    # int8 ties
+    x[7, 3, 0] = 127
+    slots = rng.permutation(nb * bs)[:n].astype(np.int64)
+    slots[::97] = -1
+    caches, scales = [], []
+    for be in (REFERENCE, CPU):
+        raw = np.zeros(nb * h * bs * d + 16, np.uint8)
+        cache = raw[16:].view(dtypes.STORAGE[dst_kind]).reshape(nb, h, bs, d)
+        sc = np.zeros((nb, h, bs), np.float32) if dst_kind == dtypes.I8 else None
+        be.write_slots_q(cache, sc, x, slots, dtypes.F32, dst_kind, scale)
+        caches.append(cache)
+        scales.append(sc)
+    same(caches[1], caches[0])
+    if dst_kind == dtypes.I8:
+        same(scales[1], scales[0])
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_large_append_matches_the_reference_encoders(dtype):
+    """An append of at least 4 MiB of codes (non-temporal stores, a token's
+    rows in one call) stores the reference encoders' codes and scales."""
+    n, h, d = 4096, 8, 128
+    kw = {"kv_scales": [(0.5, 0.3)]} if dtype != "int8" else {}
+    pool = kvcore.BlockPool(2 * n // 16, 16, 1, h, d, dtype=dtype, **kw)
+    seq = kvcore.PagedKVCache(pool)
+    rng = np.random.default_rng(9)
+    k, v = values((n, h, d), rng), values((n, h, d), rng)
+    seq.allocate(list(range(n)))
+    seq.append(0, k, v)
+    seq.commit(n)
+    for which, x in ((0, k), (1, v)):
+        if dtype == "int8":
+            codes, sc = int8_encode(x)
+            same(seq.gather_scales(0, 0, n)[which], sc.T)
+        else:
+            codes = fp8_encode(x, dtypes.NAME_KIND[dtype], pool.kv_scales[0][which])
+        same(seq.gather(0)[which], codes.transpose(1, 0, 2))
 
 
 @pytest.mark.parametrize("src_kind", FLOAT_KINDS, ids=lambda k: dtypes.KIND_NAME[k])

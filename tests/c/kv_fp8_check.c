@@ -5,11 +5,15 @@
  * qemu-aarch64 are installed, for AArch64 (the NEON path).  (The Python
  * tests walk all 2**32 float32 patterns at every level of the host.)
  *
- * Checked, for both formats, both saturate modes and scales 1 and 0.37:
+ * Checked, for both formats, both saturate modes and scales 1, 0.37 and
+ * powers of two (applied as the product with the exact reciprocal):
  * float32 narrowed for every sign and exponent under all 2^12 low mantissa
  * patterns with several high parts (every rounding boundary of both
  * formats), plus a pseudo-random sample; all 256 codes widened; int8 rows
- * (random, all zero, with NaN/inf, huge and tiny); lengths 0..67 for tails.
+ * (random, all zero, with NaN/inf, huge and tiny); lengths 0..67 for tails;
+ * the row-batch calls of the paged writes (kvh_f32_to_fp8_rows,
+ * kvh_f32_to_i8_rows: strides, unaligned rows, non-temporal stores) against
+ * the scalar one-row calls.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,14 +33,15 @@ static uint32_t rnd(void)
 }
 
 static int fails = 0;
-static const float scales[] = {1.0f, 0.37f};
+static const float scales[] = {1.0f, 0.37f, 0.25f, 64.0f, 0x1p-126f, 0x1p126f, -2.0f};
+#define NSCALES ((int)(sizeof scales / sizeof scales[0]))
 
 static void check_narrow(int level, const uint32_t *x, size_t n)
 {
     static uint8_t a[1 << 16], b[1 << 16];
     for (int fmt = 0; fmt < 2; fmt++)
         for (int sat = 0; sat < 2; sat++)
-            for (int s = 0; s < 2; s++) {
+            for (int s = 0; s < NSCALES; s++) {
                 kvh_set_level(KVH_SCALAR);
                 kvh_f32_to_fp8(fmt, (const float *)x, a, (ptrdiff_t)n, scales[s], sat);
                 kvh_set_level(level);
@@ -114,6 +119,106 @@ static void check_i8(int level)
     }
 }
 
+/* The row-batch calls: `rows` rows of n elements (strides in elements /
+ * bytes, pad so that rows start unaligned), every level against the scalar
+ * one-row calls, streamed or not. */
+static void check_rows(int level)
+{
+    static float x[8 * 300];
+    static uint8_t a[8 * 320], b[8 * 320];
+    static float sa[8 * 3], sb[8 * 3];
+    for (int r = 0; r < 600; r++) {
+        ptrdiff_t n = (ptrdiff_t)(rnd() % 290), rows = 1 + (ptrdiff_t)(rnd() % 8);
+        ptrdiff_t ss = n + (ptrdiff_t)(rnd() % 3), ds = n + (ptrdiff_t)(rnd() % 32);
+        ptrdiff_t off = (ptrdiff_t)(rnd() % 17);
+        int kind = (int)(rnd() % 5), stream = (int)(rnd() & 1);
+        int fmt = (int)(rnd() & 1), sat = (int)(rnd() & 1);
+        float scale = scales[rnd() % NSCALES];
+        for (ptrdiff_t i = 0; i < rows * ss; i++) {
+            uint32_t u = rnd();
+            float v = (float)(int32_t)u / 2147483648.0f;    /* [-1, 1) */
+            switch (kind) {
+            case 0: x[i] = v * 4.0f; break;
+            case 1: x[i] = v * 0.02f; break;                 /* fp8 subnormals among normals */
+            case 2: x[i] = (u & 63) == 0 ? NAN : v * 600.0f; break;
+            case 3: memcpy(&x[i], &u, 4); break;             /* any pattern */
+            default: x[i] = (u & 7) == 0 ? -INFINITY : v * 60000.0f; break;
+            }
+        }
+        memset(a, 0xA5, sizeof a);
+        memset(b, 0xA5, sizeof b);
+        kvh_set_level(KVH_SCALAR);
+        for (ptrdiff_t k = 0; k < rows; k++)
+            kvh_f32_to_fp8(fmt, x + k * ss, a + off + k * ds, n, scale, sat);
+        kvh_set_level(level);
+        kvh_f32_to_fp8_rows(fmt, x, ss * 4, b + off, ds, rows, n, scale, sat, stream);
+        kvh_stream_fence();
+        if (memcmp(a, b, sizeof a) != 0) {
+            if (fails < 20)
+                printf("MISMATCH %s fp8 rows fmt=%d sat=%d scale=%g rows=%td n=%td off=%td "
+                       "stream=%d\n", kvh_level_name(level), fmt, sat, scale, rows, n, off,
+                       stream);
+            fails++;
+        }
+        memset(a, 0xA5, sizeof a);
+        memset(b, 0xA5, sizeof b);
+        kvh_set_level(KVH_SCALAR);
+        for (ptrdiff_t k = 0; k < rows; k++)
+            sa[3 * k] = kvh_f32_to_i8_row(x + k * ss, (int8_t *)a + off + k * ds, n);
+        kvh_set_level(level);
+        for (ptrdiff_t k = 0; k < rows; k++)
+            sb[3 * k] = 0.0f;
+        kvh_f32_to_i8_rows(x, ss * 4, (int8_t *)b + off, ds, sb, 3, rows, n, stream);
+        kvh_stream_fence();
+        int bad = memcmp(a, b, sizeof a) != 0;
+        for (ptrdiff_t k = 0; k < rows; k++)
+            bad |= memcmp(&sa[3 * k], &sb[3 * k], 4) != 0;
+        if (bad) {
+            if (fails < 20)
+                printf("MISMATCH %s i8 rows rows=%td n=%td off=%td stream=%d\n",
+                       kvh_level_name(level), rows, n, off, stream);
+            fails++;
+        }
+    }
+}
+
+/* int8 rows near every rounding boundary: x within a few ulps of
+ * (k + 1/2) * scale, so that x / scale falls on, just below and just above
+ * half-integers (the AVX2 rows take products only where that cannot change
+ * a code), at magnitudes across the range. */
+static void check_i8_ties(int level)
+{
+    static float x[8 * 128];
+    static int8_t a[8 * 128], b[8 * 128];
+    static float sa[8], sb[8];
+    for (int r = 0; r < 4000; r++) {
+        float amax = ldexpf(1.0f + (float)(rnd() % 1000) / 1000.0f, (int)(rnd() % 240) - 120);
+        float scale = amax / 127.0f;
+        for (int i = 0; i < 8 * 128; i++) {
+            int k = (int)(rnd() % 255) - 127;
+            float v = ((float)k + 0.5f) * scale;
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            u += (uint32_t)((int)(rnd() % 9) - 4);
+            memcpy(&v, &u, 4);
+            x[i] = fabsf(v) < amax ? v : 0.0f;
+        }
+        for (int k = 0; k < 8; k++)
+            x[k * 128 + (int)(rnd() % 128)] = (rnd() & 1) ? amax : -amax;
+        kvh_set_level(KVH_SCALAR);
+        for (int k = 0; k < 8; k++)
+            sa[k] = kvh_f32_to_i8_row(x + k * 128, a + k * 128, 128);
+        kvh_set_level(level);
+        kvh_f32_to_i8_rows(x, 128 * 4, b, 128, sb, 1, 8, 128, (int)(r & 1));
+        kvh_stream_fence();
+        if (memcmp(a, b, sizeof a) != 0 || memcmp(sa, sb, sizeof sa) != 0) {
+            if (fails < 20)
+                printf("MISMATCH %s i8 rows near ties amax=%a\n", kvh_level_name(level), amax);
+            fails++;
+        }
+    }
+}
+
 static void check_level(int level)
 {
     static uint32_t x[1 << 16];
@@ -122,6 +227,8 @@ static void check_level(int level)
                                      0x2aa000, 0x555000, 0x7ef000, 0x0ff000};
     check_widen(level);
     check_i8(level);
+    check_rows(level);
+    check_i8_ties(level);
     for (uint32_t sign = 0; sign < 2; sign++)
         for (uint32_t e = 0; e < 256; e++)
             for (size_t hsel = 0; hsel < sizeof highs / sizeof highs[0]; hsel++)
@@ -146,7 +253,8 @@ static void check_level(int level)
     for (size_t len = 0; len < 68; len++)
         for (size_t off = 0; off < 4; off++)
             check_narrow(level, x + off, len);
-    printf("level %s: %zu float32 patterns, 256 codes, 2000 int8 rows\n", kvh_level_name(level),
+    printf("level %s: %zu float32 patterns, 256 codes, 2000 int8 rows, 600 row batches\n",
+           kvh_level_name(level),
            total);
 }
 

@@ -45,3 +45,12 @@ cdef void fp8_to_f32(int fmt, const uint8_t* src, float* dst, Py_ssize_t n,
 # int8 row of n elements: returns its scale (see kv_fp8.h)
 cdef float f32_to_i8_row(const float* src, int8_t* dst, Py_ssize_t n) noexcept nogil
 cdef void i8_to_f32(const int8_t* src, float* dst, Py_ssize_t n, float scale) noexcept nogil
+# `rows` rows of n float32 (strides in bytes) in one call, as the paged
+# writes need them; stream: non-temporal stores where possible, then one
+# stream_fence() after the batch (see kv_fp8.h)
+cdef void f32_to_fp8_rows(int fmt, const float* src, Py_ssize_t src_stride, uint8_t* dst,
+                          Py_ssize_t dst_stride, Py_ssize_t rows, Py_ssize_t n, float scale,
+                          int saturate, int stream) noexcept nogil
+cdef void f32_to_i8_rows(const float* src, Py_ssize_t src_stride, int8_t* dst,
+                         Py_ssize_t dst_stride, float* scales, Py_ssize_t scale_stride,
+                         Py_ssize_t rows, Py_ssize_t n, int stream) noexcept nogil

@@ -67,6 +67,24 @@ cdef extern from "kv_fp8.h" nogil:
     const char* kvh_fp8_path(int level)
     float kvh_f32_to_i8_row(const float* src, int8_t* dst, Py_ssize_t n)
     void kvh_i8_to_f32(const int8_t* src, float* dst, Py_ssize_t n, float scale)
+    void kvh_f32_to_fp8_rows(int fmt, const float* src, Py_ssize_t src_stride, uint8_t* dst,
+                             Py_ssize_t dst_stride, Py_ssize_t rows, Py_ssize_t n, float scale,
+                             int saturate, int stream)
+    void kvh_f32_to_i8_rows(const float* src, Py_ssize_t src_stride, int8_t* dst,
+                            Py_ssize_t dst_stride, float* scales, Py_ssize_t scale_stride,
+                            Py_ssize_t rows, Py_ssize_t n, int stream)
+
+
+cdef void f32_to_fp8_rows(int fmt, const float* src, Py_ssize_t src_stride, uint8_t* dst,
+                          Py_ssize_t dst_stride, Py_ssize_t rows, Py_ssize_t n, float scale,
+                          int saturate, int stream) noexcept nogil:
+    kvh_f32_to_fp8_rows(fmt, src, src_stride, dst, dst_stride, rows, n, scale, saturate, stream)
+
+
+cdef void f32_to_i8_rows(const float* src, Py_ssize_t src_stride, int8_t* dst,
+                         Py_ssize_t dst_stride, float* scales, Py_ssize_t scale_stride,
+                         Py_ssize_t rows, Py_ssize_t n, int stream) noexcept nogil:
+    kvh_f32_to_i8_rows(src, src_stride, dst, dst_stride, scales, scale_stride, rows, n, stream)
 
 
 cdef void f32_to_fp8(int fmt, const float* src, uint8_t* dst, Py_ssize_t n,

@@ -16,8 +16,8 @@ from libc.stdint cimport int8_t, uint8_t
 from libc.stdlib cimport free, malloc
 
 from kvcore.backends.cpu._convert cimport (KV_FP8_E4M3, KV_FP8_E5M2, KVH_F16, KVH_F32,
-                                           convert_n, convert_n_stream, f32_to_fp8,
-                                           f32_to_i8_row, fp8_to_f32, i8_to_f32, kind_itemsize,
+                                           convert_n, convert_n_stream, f32_to_fp8_rows,
+                                           f32_to_i8_rows, fp8_to_f32, i8_to_f32, kind_itemsize,
                                            stream_fence)
 from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, slot_t
 
@@ -559,21 +559,32 @@ cdef inline int _fp8_fmt(int kind) noexcept nogil:
     return KV_FP8_E4M3 if kind == KVH_F8E4M3 else KV_FP8_E5M2
 
 
-cdef inline void _store_row_q(int src_kind, const char* src, int dst_kind, char* dst,
-                              Py_ssize_t dim, float scale, float* sc_out,
-                              float* buf) noexcept nogil:
-    """One row of ``dim`` elements into low-precision ``dst_kind``; int8
-    writes the row's scale to ``sc_out``."""
-    cdef const float* x
+cdef inline void _store_rows_q(int src_kind, const char* src, Py_ssize_t src_row, int dst_kind,
+                               char* dst, Py_ssize_t dst_row, Py_ssize_t rows, Py_ssize_t dim,
+                               float scale, float* sc_out, Py_ssize_t sc_row, float* buf,
+                               bint stream) noexcept nogil:
+    """``rows`` rows of ``dim`` elements (``src_row`` / ``dst_row`` bytes
+    apart) into low-precision ``dst_kind``; int8 writes row r's scale to
+    ``sc_out[r * sc_row]`` (sc_out: NULL for fp8).  A float16/bf16 row is
+    widened into ``buf`` (dim floats) first.  ``stream``: non-temporal
+    stores where a row allows them (the caller fences)."""
+    cdef Py_ssize_t r
     if src_kind == KVH_F32:
-        x = <const float*>src
-    else:
-        convert_n(src_kind, src, KVH_F32, buf, dim)
-        x = buf
-    if dst_kind == KVH_I8:
-        sc_out[0] = f32_to_i8_row(x, <int8_t*>dst, dim)
-    else:
-        f32_to_fp8(_fp8_fmt(dst_kind), x, <uint8_t*>dst, dim, scale, 1)
+        if dst_kind == KVH_I8:
+            f32_to_i8_rows(<const float*>src, src_row, <int8_t*>dst, dst_row, sc_out, sc_row,
+                           rows, dim, stream)
+        else:
+            f32_to_fp8_rows(_fp8_fmt(dst_kind), <const float*>src, src_row, <uint8_t*>dst,
+                            dst_row, rows, dim, scale, 1, stream)
+        return
+    for r in range(rows):
+        convert_n(src_kind, src + r * src_row, KVH_F32, buf, dim)
+        if dst_kind == KVH_I8:
+            f32_to_i8_rows(buf, 0, <int8_t*>(dst + r * dst_row), 0, sc_out + r * sc_row, 0, 1,
+                           dim, stream)
+        else:
+            f32_to_fp8_rows(_fp8_fmt(dst_kind), buf, 0, <uint8_t*>(dst + r * dst_row), 0, 1, dim,
+                            scale, 1, stream)
 
 
 cdef inline void _load_run_q(int src_kind, const char* src, Py_ssize_t run, Py_ssize_t dim,
@@ -626,10 +637,10 @@ def write_slots_q(cnp.ndarray cache, object scales, cnp.ndarray src, const slot_
     cdef char* sp = _ptr(src)
     cdef char* cp = _ptr(cache)
     cdef float* sc = _scale_ptr(scales)
-    cdef float dummy
-    cdef Py_ssize_t i, b, off, h
+    cdef Py_ssize_t i, b, off
     cdef slot_t s
     cdef float* buf
+    cdef bint stream = n * H * D >= STREAM_MIN_BYTES    # 1-byte codes
     _aligned_array(src, "src")
     if n:
         _aligned(&slots[0], sizeof(slot_t), "slots")
@@ -644,10 +655,11 @@ def write_slots_q(cnp.ndarray cache, object scales, cnp.ndarray src, const slot_
                     continue
                 b = s // bs
                 off = s - b * bs
-                for h in range(H):
-                    _store_row_q(src_kind, sp + i * s0 + h * s1, dst_kind,
-                                 cp + b * c_block + h * c_head + off * c_tok, D, scale,
-                                 (sc + (b * H + h) * bs + off) if sc != NULL else &dummy, buf)
+                _store_rows_q(src_kind, sp + i * s0, s1, dst_kind,
+                              cp + b * c_block + off * c_tok, c_head, H, D, scale,
+                              (sc + b * H * bs + off) if sc != NULL else NULL, bs, buf, stream)
+            if stream:
+                stream_fence()
     finally:
         free(buf)
 
@@ -660,23 +672,24 @@ cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ss
     """_write_positions into low-precision planes: fp8 with the layer's
     scales, int8 writing each row's scale to the scale planes k_sc / v_sc
     ((num_blocks, heads, block_size) float32; NULL for fp8)."""
-    cdef Py_ssize_t i, p, h, b, off, row = heads * dim * kind_itemsize(src_kind)
+    cdef Py_ssize_t i, p, b, off, row = heads * dim * kind_itemsize(src_kind)
     cdef Py_ssize_t src_head = dim * kind_itemsize(src_kind)
     cdef char* d
-    cdef float dummy
     cdef Py_ssize_t si
+    cdef bint stream = n * heads * dim >= STREAM_MIN_BYTES      # 1-byte codes
     for i in range(n):
         p = start + i
         b = table[p // block_size]
         off = p % block_size
         d = dst.keys + b * dst.block + off * dst.token
-        for h in range(heads):
-            si = (b * heads + h) * block_size + off
-            _store_row_q(src_kind, kp + i * row + h * src_head, dst_kind, d + h * dst.head, dim,
-                         k_scale, (k_sc + si) if k_sc != NULL else &dummy, buf)
-            _store_row_q(src_kind, vp + i * row + h * src_head, dst_kind,
-                         d + dst.plane + h * dst.head, dim, v_scale,
-                         (v_sc + si) if v_sc != NULL else &dummy, buf)
+        si = b * heads * block_size + off
+        _store_rows_q(src_kind, kp + i * row, src_head, dst_kind, d, dst.head, heads, dim,
+                      k_scale, (k_sc + si) if k_sc != NULL else NULL, block_size, buf, stream)
+        _store_rows_q(src_kind, vp + i * row, src_head, dst_kind, d + dst.plane, dst.head, heads,
+                      dim, v_scale, (v_sc + si) if v_sc != NULL else NULL, block_size, buf,
+                      stream)
+    if stream:
+        stream_fence()
 
 
 def write_positions_q(cnp.ndarray storage, object scales, Py_ssize_t layer, cnp.ndarray k,
@@ -764,20 +777,21 @@ def write_contiguous_q(cnp.ndarray dst, object scales, cnp.ndarray src, Py_ssize
     cdef char* sp = _ptr(src)
     cdef char* dp = _ptr(dst)
     cdef float* sc = _scale_ptr(scales)
-    cdef float dummy
-    cdef Py_ssize_t b, h, t
+    cdef Py_ssize_t b, h
     cdef float* buf
+    cdef bint stream = B * H * n * D >= STREAM_MIN_BYTES        # 1-byte codes
     _aligned_array(src, "src")
     buf = _scratch(D)
     try:
         with nogil:
             for b in range(B):
                 for h in range(H):
-                    for t in range(n):
-                        _store_row_q(src_kind, sp + b * s0 + h * s1 + t * s2, dst_kind,
-                                     dp + b * d0 + h * d1 + (start + t) * d2, D, scale,
-                                     (sc + (b * H + h) * L + start + t) if sc != NULL
-                                     else &dummy, buf)
+                    _store_rows_q(src_kind, sp + b * s0 + h * s1, s2, dst_kind,
+                                  dp + b * d0 + h * d1 + start * d2, d2, n, D, scale,
+                                  (sc + (b * H + h) * L + start) if sc != NULL else NULL, 1,
+                                  buf, stream)
+            if stream:
+                stream_fence()
     finally:
         free(buf)
 

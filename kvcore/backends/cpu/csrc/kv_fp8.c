@@ -12,11 +12,13 @@
  * input and count depend on whether the result is normal (the re-biased
  * bits, shifted by 23 - mbits) or subnormal (the full significand, shifted
  * by 151 - bias - mbits - exponent, capped at 25 where everything rounds to
- * 0); then overflow and NaN are blended in.  No float arithmetic takes part
- * (beyond the caller's scale), so no MXCSR/FPCR rounding or DAZ mode can
- * change a bit.  Widening builds normal results with integer shifts and
- * subnormal ones as m * 2^(1-bias-mbits), a float product that is exact and
- * normal.
+ * 0); then overflow and NaN are blended in.  No float arithmetic that rounds
+ * takes part (beyond the caller's scale; a float compare only chooses
+ * whether a block of 32 needs the subnormal and NaN steps), so no MXCSR/FPCR
+ * rounding or DAZ mode can change a bit (a scale that is a power of two is
+ * applied as the exact product with its reciprocal: see fp8_scale_mode).
+ * Widening builds normal results with integer shifts and subnormal ones as
+ * m * 2^(1-bias-mbits), a float product that is exact and normal.
  *
  * Build notes: like kv_half.c, compiled without -m flags; the AVX2 bodies
  * carry __attribute__((target("avx2"))) and run only at the AVX2 level.
@@ -144,7 +146,8 @@ static void i8_to_f32_scalar(const int8_t *src, float *dst, ptrdiff_t n, float s
  * code overflow gives (saturate ? max_code : ovf_code).  Without
  * `with_sign` the codes are magnitudes (the caller adds the signs). */
 __attribute__((target("avx2"))) KV_FP8_INLINE __m256i
-fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan, const int with_sign)
+fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan, const int with_sign,
+           const int with_sub)
 {
     const int sh = 23 - f.mbits;
     __m256i x = _mm256_castps_si256(xf);
@@ -160,11 +163,12 @@ fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan, con
     /* subnormal result (|x| < 2^(1-bias)): |x| / unit is exact (a power of
      * two, no overflow), rounded with an explicit to-nearest-even mode, so
      * no MXCSR setting matters; a tie at 2^mbits - 1/2 rounds up to the
-     * first normal code, as it should */
+     * first normal code, as it should.  Only where the caller says a lane
+     * may need it (with_sub). */
     __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(1.0f / f.sub_unit)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((128 - f.bias) << 23), a);
-    __m256i code = _mm256_blendv_epi8(normal, _mm256_cvttps_epi32(q), sub);
+    __m256i code = with_sub ? _mm256_blendv_epi8(normal, _mm256_cvttps_epi32(q), sub) : normal;
     /* overflow (inf included) -> limit; NaN -> nan_code, which is >= limit
      * (a NaN's code is past limit already: without saturation, e4m3fn's
      * NaN code is its limit) */
@@ -176,53 +180,112 @@ fp8x8_avx2(__m256 xf, const kv_fp8_fmt f, __m256i limit, const int with_nan, con
     return with_sign ? _mm256_or_si256(code, sign) : code;
 }
 
+/* 32 float32 (x0..x3, already divided by the scale) -> 32 fp8 codes in
+ * order.  `nan_apart`: whether NaN needs its own code (the overflow limit
+ * is not it).  The NaN steps run only for a block holding a NaN; for e5m2
+ * the subnormal steps too run only for a block holding a magnitude below
+ * the smallest normal e5m2 (float compares that only pick the path: both
+ * paths give the same bits for a block they let through). */
+__attribute__((target("avx2"))) KV_FP8_INLINE __m256i
+fp8x32_avx2(__m256 x0, __m256 x1, __m256 x2, __m256 x3, const kv_fp8_fmt f, __m256i limit,
+            const int nan_apart)
+{
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i a, b, c, d;
+    if (f.mbits == 3) {
+        /* e4m3fn: values below 2^-6 are common enough (one in 80 of a
+         * standard normal) that telling blocks apart costs more than the
+         * subnormal steps; only NaN gets a test (unordered: a NaN in either
+         * operand's lane) */
+        __m256 unord = _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q),
+                                    _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q));
+        if (nan_apart && !_mm256_testz_ps(unord, unord)) {
+            a = fp8x8_avx2(x0, f, limit, 1, 0, 1);
+            b = fp8x8_avx2(x1, f, limit, 1, 0, 1);
+            c = fp8x8_avx2(x2, f, limit, 1, 0, 1);
+            d = fp8x8_avx2(x3, f, limit, 1, 0, 1);
+        } else {
+            a = fp8x8_avx2(x0, f, limit, 0, 0, 1);
+            b = fp8x8_avx2(x1, f, limit, 0, 0, 1);
+            c = fp8x8_avx2(x2, f, limit, 0, 0, 1);
+            d = fp8x8_avx2(x3, f, limit, 0, 0, 1);
+        }
+    } else {
+        /* e5m2: a block with a magnitude below 2^-14 (or a NaN) is rare */
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        const __m256 tiny = _mm256_set1_ps(kv_fp8_float((uint32_t)(128 - f.bias) << 23));
+        /* not >= the smallest normal fp8 (unordered: NaN too) */
+#define KV_FP8_ODD(x) _mm256_cmp_ps(_mm256_and_ps((x), absm), tiny, _CMP_NGE_UQ)
+        __m256 odd = _mm256_or_ps(_mm256_or_ps(KV_FP8_ODD(x0), KV_FP8_ODD(x1)),
+                                  _mm256_or_ps(KV_FP8_ODD(x2), KV_FP8_ODD(x3)));
+#undef KV_FP8_ODD
+        if (!_mm256_testz_ps(odd, odd)) {
+            a = fp8x8_avx2(x0, f, limit, nan_apart, 0, 1);
+            b = fp8x8_avx2(x1, f, limit, nan_apart, 0, 1);
+            c = fp8x8_avx2(x2, f, limit, nan_apart, 0, 1);
+            d = fp8x8_avx2(x3, f, limit, nan_apart, 0, 1);
+        } else {
+            a = fp8x8_avx2(x0, f, limit, 0, 0, 0);
+            b = fp8x8_avx2(x1, f, limit, 0, 0, 0);
+            c = fp8x8_avx2(x2, f, limit, 0, 0, 0);
+            d = fp8x8_avx2(x3, f, limit, 0, 0, 0);
+        }
+    }
+    /* magnitude codes are in [0, 0x7F]: the saturating packs never clip.
+     * The signs: the same signed packs of the inputs saturate every
+     * negative pattern to a byte with the top bit set, every other to
+     * one without.  Packs work within 128-bit lanes, so the dwords go
+     * back in order at the end. */
+    __m256i ab = _mm256_packus_epi32(a, b), cd = _mm256_packus_epi32(c, d);
+    __m256i sab = _mm256_packs_epi32(_mm256_castps_si256(x0), _mm256_castps_si256(x1));
+    __m256i scd = _mm256_packs_epi32(_mm256_castps_si256(x2), _mm256_castps_si256(x3));
+    __m256i sign = _mm256_and_si256(_mm256_packs_epi16(sab, scd), _mm256_set1_epi8((char)0x80));
+    return _mm256_permutevar8x32_epi32(_mm256_or_si256(_mm256_packus_epi16(ab, cd), sign), order);
+}
+
+/* How the SIMD loops apply the scale: not at all (scale 1), as a product
+ * with 1/scale when that is exactly the quotient, else as the quotient. */
+enum { KV_FP8_UNSCALED = 0, KV_FP8_RECIP = 1, KV_FP8_DIVIDE = 2 };
+
+/* KV_FP8_RECIP when scale is +-2^e with 2^e and 2^-e both normal floats:
+ * then x * 2^-e and x / 2^e are the same real number for every x, so the
+ * one rounding of each gives the same float (NaN, inf, zero and results
+ * in the subnormal range included, and DAZ/FTZ treat both alike); *recip
+ * is set to 2^-e.  Any other scale: KV_FP8_DIVIDE (1.0f: UNSCALED). */
+static inline int fp8_scale_mode(float scale, float *recip)
+{
+    uint32_t u = kv_fp8_bits(scale), e = (u >> 23) & 0xFFu;
+    if (scale == 1.0f)
+        return KV_FP8_UNSCALED;
+    if ((u & 0x7FFFFFu) == 0 && e >= 1 && e <= 253) {
+        *recip = kv_fp8_float((u & 0x80000000u) | ((254u - e) << 23));
+        return KV_FP8_RECIP;
+    }
+    return KV_FP8_DIVIDE;
+}
+
 /* n float32 -> fp8, scaled (x / scale) or not, streamed or not: one loop
  * per case. */
 __attribute__((target("avx2"))) KV_FP8_INLINE void
 f32_to_fp8_avx2_loop(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst, ptrdiff_t n,
-                     float scale, int saturate, const int scaled, const int stream)
+                     float scale, float recip, int saturate, const int mode, const int stream)
 {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m256 vscale = _mm256_set1_ps(mode == KV_FP8_RECIP ? recip : scale);
     const __m256i limit = _mm256_set1_epi32((int)(saturate ? f.max_code : f.ovf_code));
     ptrdiff_t i = 0;
     if (stream) {   /* narrow up to dst's 32-byte alignment first */
         i = (ptrdiff_t)((32 - ((uintptr_t)dst & 31)) & 31);
         f32_to_fp8_scalar(fmt, src, dst, i, scale, saturate);
     }
-#define KV_FP8_LOAD(p) (scaled ? _mm256_div_ps(_mm256_loadu_ps(p), vscale) : _mm256_loadu_ps(p))
-    /* NaN needs its own code only where the overflow limit is not it; then
-     * a block of 32 takes the NaN-aware steps only when it holds a NaN */
+#define KV_FP8_LOAD(p)                                                             \
+    (mode == KV_FP8_DIVIDE ? _mm256_div_ps(_mm256_loadu_ps(p), vscale)             \
+     : mode == KV_FP8_RECIP ? _mm256_mul_ps(_mm256_loadu_ps(p), vscale) : _mm256_loadu_ps(p))
+    /* NaN needs its own code only where the overflow limit is not it */
     const int nan_apart = saturate || f.nan_code != f.ovf_code;
     for (; i + 32 <= n; i += 32) {
-        __m256 x0 = KV_FP8_LOAD(src + i), x1 = KV_FP8_LOAD(src + i + 8);
-        __m256 x2 = KV_FP8_LOAD(src + i + 16), x3 = KV_FP8_LOAD(src + i + 24);
-        __m256i a, b, c, d;
-        /* unordered: a NaN in either operand's lane */
-        __m256 unord = _mm256_or_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q),
-                                    _mm256_cmp_ps(x2, x3, _CMP_UNORD_Q));
-        if (nan_apart && !_mm256_testz_ps(unord, unord)) {
-            a = fp8x8_avx2(x0, f, limit, 1, 0);
-            b = fp8x8_avx2(x1, f, limit, 1, 0);
-            c = fp8x8_avx2(x2, f, limit, 1, 0);
-            d = fp8x8_avx2(x3, f, limit, 1, 0);
-        } else {
-            a = fp8x8_avx2(x0, f, limit, 0, 0);
-            b = fp8x8_avx2(x1, f, limit, 0, 0);
-            c = fp8x8_avx2(x2, f, limit, 0, 0);
-            d = fp8x8_avx2(x3, f, limit, 0, 0);
-        }
-        /* magnitude codes are in [0, 0x7F]: the saturating packs never clip.
-         * The signs: the same signed packs of the inputs saturate every
-         * negative pattern to a byte with the top bit set, every other to
-         * one without.  Packs work within 128-bit lanes, so the dwords go
-         * back in order at the end. */
-        __m256i ab = _mm256_packus_epi32(a, b), cd = _mm256_packus_epi32(c, d);
-        __m256i sab = _mm256_packs_epi32(_mm256_castps_si256(x0), _mm256_castps_si256(x1));
-        __m256i scd = _mm256_packs_epi32(_mm256_castps_si256(x2), _mm256_castps_si256(x3));
-        __m256i sign = _mm256_and_si256(_mm256_packs_epi16(sab, scd), _mm256_set1_epi8((char)0x80));
-        __m256i r = _mm256_permutevar8x32_epi32(
-            _mm256_or_si256(_mm256_packus_epi16(ab, cd), sign), order);
+        __m256i r = fp8x32_avx2(KV_FP8_LOAD(src + i), KV_FP8_LOAD(src + i + 8),
+                                KV_FP8_LOAD(src + i + 16), KV_FP8_LOAD(src + i + 24), f, limit,
+                                nan_apart);
         if (stream)
             _mm256_stream_si256((__m256i *)(dst + i), r);
         else
@@ -231,11 +294,10 @@ f32_to_fp8_avx2_loop(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst
     if (stream)
         _mm_sfence();
     for (; i + 8 <= n; i += 8) {
-        __m256i a = fp8x8_avx2(KV_FP8_LOAD(src + i), f, limit, 1, 1);
+        __m256i a = fp8x8_avx2(KV_FP8_LOAD(src + i), f, limit, 1, 1, 1);
         __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
         _mm_storel_epi64((__m128i *)(dst + i), _mm_packus_epi16(w, w));
     }
-#undef KV_FP8_LOAD
     f32_to_fp8_scalar(fmt, src + i, dst + i, n - i, scale, saturate);
 }
 
@@ -245,13 +307,81 @@ f32_to_fp8_avx2_fmt(const kv_fp8_fmt f, int fmt, const float *src, uint8_t *dst,
 {
     /* large outputs: non-temporal stores skip reading dst into the cache */
     int stream = n >= KV_FP8_STREAM_MIN;
-    if (scale == 1.0f) {
-        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 0, 1);
-        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 0, 0);
+    float recip = 1.0f;
+    int mode = fp8_scale_mode(scale, &recip);
+    if (mode == KV_FP8_UNSCALED) {
+        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, recip, saturate, 0, 1);
+        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, recip, saturate, 0, 0);
+    } else if (mode == KV_FP8_RECIP) {
+        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, recip, saturate, 1, 1);
+        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, recip, saturate, 1, 0);
     } else {
-        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 1, 1);
-        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, saturate, 1, 0);
+        if (stream) f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, recip, saturate, 2, 1);
+        else f32_to_fp8_avx2_loop(f, fmt, src, dst, n, scale, recip, saturate, 2, 0);
     }
+}
+
+/* `rows` rows of n float32 (src_stride bytes apart) -> fp8 rows (dst_stride
+ * bytes apart), the paged writes' shape: one call per token, the constants
+ * set up once.  With `stream`, the 32-element blocks of a row whose dst is
+ * 16-byte aligned go out with non-temporal stores (the caller fences). */
+__attribute__((target("avx2"))) KV_FP8_INLINE void
+f32_to_fp8_rows_avx2_loop(const kv_fp8_fmt f, int fmt, const char *src, ptrdiff_t src_stride,
+                          uint8_t *dst, ptrdiff_t dst_stride, ptrdiff_t rows, ptrdiff_t n,
+                          float scale, float recip, int saturate, const int mode,
+                          const int stream)
+{
+    const __m256 vscale = _mm256_set1_ps(mode == KV_FP8_RECIP ? recip : scale);
+    const __m256i limit = _mm256_set1_epi32((int)(saturate ? f.max_code : f.ovf_code));
+    const int nan_apart = saturate || f.nan_code != f.ovf_code;
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const float *s = (const float *)(src + r * src_stride);
+        uint8_t *d = dst + r * dst_stride;
+        ptrdiff_t i = 0;
+        if (stream && ((uintptr_t)d & 15) == 0) {
+            for (; i + 32 <= n; i += 32) {
+                __m256i v = fp8x32_avx2(KV_FP8_LOAD(s + i), KV_FP8_LOAD(s + i + 8),
+                                        KV_FP8_LOAD(s + i + 16), KV_FP8_LOAD(s + i + 24), f,
+                                        limit, nan_apart);
+                _mm_stream_si128((__m128i *)(d + i), _mm256_castsi256_si128(v));
+                _mm_stream_si128((__m128i *)(d + i + 16), _mm256_extracti128_si256(v, 1));
+            }
+        } else {
+            for (; i + 32 <= n; i += 32)
+                _mm256_storeu_si256((__m256i *)(d + i),
+                                    fp8x32_avx2(KV_FP8_LOAD(s + i), KV_FP8_LOAD(s + i + 8),
+                                                KV_FP8_LOAD(s + i + 16), KV_FP8_LOAD(s + i + 24),
+                                                f, limit, nan_apart));
+        }
+        for (; i + 8 <= n; i += 8) {
+            __m256i a = fp8x8_avx2(KV_FP8_LOAD(s + i), f, limit, 1, 1, 1);
+            __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(a),
+                                         _mm256_extracti128_si256(a, 1));
+            _mm_storel_epi64((__m128i *)(d + i), _mm_packus_epi16(w, w));
+        }
+        if (i < n)
+            f32_to_fp8_scalar(fmt, s + i, d + i, n - i, scale, saturate);
+    }
+}
+#undef KV_FP8_LOAD
+
+__attribute__((target("avx2"))) KV_FP8_INLINE void
+f32_to_fp8_rows_avx2_fmt(const kv_fp8_fmt f, int fmt, const char *src, ptrdiff_t src_stride,
+                         uint8_t *dst, ptrdiff_t dst_stride, ptrdiff_t rows, ptrdiff_t n,
+                         float scale, int saturate, int stream)
+{
+    float recip = 1.0f;
+    int mode = fp8_scale_mode(scale, &recip);
+#define KV_FP8_ROWS(m, st) f32_to_fp8_rows_avx2_loop(f, fmt, src, src_stride, dst, dst_stride, \
+                                                      rows, n, scale, recip, saturate, m, st)
+    if (mode == KV_FP8_UNSCALED) {
+        if (stream) KV_FP8_ROWS(0, 1); else KV_FP8_ROWS(0, 0);
+    } else if (mode == KV_FP8_RECIP) {
+        if (stream) KV_FP8_ROWS(1, 1); else KV_FP8_ROWS(1, 0);
+    } else {
+        if (stream) KV_FP8_ROWS(2, 1); else KV_FP8_ROWS(2, 0);
+    }
+#undef KV_FP8_ROWS
 }
 
 /* Widening goes through float16, which holds every fp8 value exactly: the
@@ -348,6 +478,19 @@ f32_to_fp8_avx2(int fmt, const float *src, uint8_t *dst, ptrdiff_t n, float scal
         f32_to_fp8_avx2_fmt(KV_E5M2, fmt, src, dst, n, scale, saturate);
 }
 
+__attribute__((target("avx2"))) static void
+f32_to_fp8_rows_avx2(int fmt, const char *src, ptrdiff_t src_stride, uint8_t *dst,
+                     ptrdiff_t dst_stride, ptrdiff_t rows, ptrdiff_t n, float scale, int saturate,
+                     int stream)
+{
+    if (fmt == KV_FP8_E4M3)
+        f32_to_fp8_rows_avx2_fmt(KV_E4M3, fmt, src, src_stride, dst, dst_stride, rows, n, scale,
+                                 saturate, stream);
+    else
+        f32_to_fp8_rows_avx2_fmt(KV_E5M2, fmt, src, src_stride, dst, dst_stride, rows, n, scale,
+                                 saturate, stream);
+}
+
 __attribute__((target("avx2,f16c"))) static void
 fp8_to_f32_avx2(int fmt, const uint8_t *src, float *dst, ptrdiff_t n, float scale)
 {
@@ -357,7 +500,8 @@ fp8_to_f32_avx2(int fmt, const uint8_t *src, float *dst, ptrdiff_t n, float scal
         fp8_to_f32_avx2_fmt(KV_E5M2, fmt, src, dst, n, scale);
 }
 
-__attribute__((target("avx2"))) static uint32_t amax_bits_avx2(const float *src, ptrdiff_t n)
+__attribute__((target("avx2"))) KV_FP8_INLINE uint32_t amax_bits_avx2_inl(const float *src,
+                                                                           ptrdiff_t n)
 {
     const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
@@ -373,38 +517,159 @@ __attribute__((target("avx2"))) static uint32_t amax_bits_avx2(const float *src,
     m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
     m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));
     uint32_t best = (uint32_t)_mm_cvtsi128_si32(m);
+    if (i == n)
+        return best;
     uint32_t rest = amax_bits_scalar(src + i, n - i);
     return rest > best ? rest : best;
 }
 
 /* 8 float32 -> 8 int32 in [-127, 127]: round(x / scale), ties to even. */
+__attribute__((target("avx2"))) static inline __m256 i8q8_avx2(__m256 q)
+{
+    return _mm256_max_ps(_mm256_min_ps(q, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
+}
+
 __attribute__((target("avx2"))) static inline __m256i i8x8_avx2(const float *p, __m256 scale)
 {
     __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(p), scale),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm256_max_ps(_mm256_min_ps(q, _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
-    return _mm256_cvtps_epi32(q);   /* integral already: exact */
+    return _mm256_cvtps_epi32(i8q8_avx2(q));   /* integral already: exact */
 }
 
-__attribute__((target("avx2"))) static void
-i8_quantize_avx2(const float *src, int8_t *dst, ptrdiff_t n, float scale)
+/* The int8 codes of a row come from products instead of quotients where
+ * that cannot change them.  For a finite row with 2^-100 <= A = max|x| <=
+ * 2^100, scale s = fl(A / 127), r = fl(127 / A), the quotient q = fl(x / s)
+ * and the product y = fl(x * r) are normal or tiny (no overflow), |x / s|
+ * <= 127 (1 + 2^-24), and y / (x / s) = (1 + e2)(1 + e3)(1 + e4) with the
+ * relative errors of r, s and the product; so |y - q| <= 4 * 2^-24 * 127.01
+ * < 2^-15 in the default rounding mode (< 2^-14 in any other).  t = fl(y +
+ * 1536) lies in [1024, 2048), where floats are 2^-13 apart: its bits hold
+ * t - 1536 = I + F * 2^-13 (integer I, F in 0..8191) within 2^-14 (2^-13)
+ * of y, so q is within 1.5 * 2^-13 of it.  Where |F - 4096| >= 3, q is then
+ * on the same side of the half-integer I + 1/2 as t - 1536 and not on it, so
+ * q rounds (to nearest, ties to even) to the integer floor(t - 1536 + 1/2),
+ * an integer shift of t's bits.  A block of 32 holding an F that close to
+ * one half (about one element in 1600) is quantized by division instead. */
+#define KV_I8_FAST_LO 0x0D800000u   /* 2^-100 */
+#define KV_I8_FAST_HI 0x71800000u   /* 2^100 */
+
+/* 32 float32 -> 32 int8 codes in order, by division (out of line: the
+ * rare blocks of the product path, and rows outside its range). */
+__attribute__((target("avx2"), noinline)) static __m256i i8x32_div_avx2(const float *src,
+                                                                        float scale)
+{
+    const __m256 vscale = _mm256_set1_ps(scale);
+    __m256i ab = _mm256_packs_epi32(i8x8_avx2(src, vscale), i8x8_avx2(src + 8, vscale));
+    __m256i cd = _mm256_packs_epi32(i8x8_avx2(src + 16, vscale), i8x8_avx2(src + 24, vscale));
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* n float32 -> int8 codes at `scale` (recip = 1 / scale, `fast`: the row
+ * qualifies for products, see above); with `stream` (dst 16-byte aligned)
+ * the 32-element blocks go out with non-temporal stores. */
+__attribute__((target("avx2"))) KV_FP8_INLINE void
+i8_quantize_avx2_inl(const float *src, int8_t *dst, ptrdiff_t n, float scale, float recip,
+                     const int fast, const int stream)
 {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256 vscale = _mm256_set1_ps(scale);
     ptrdiff_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        __m256i ab = _mm256_packs_epi32(i8x8_avx2(src + i, vscale), i8x8_avx2(src + i + 8, vscale));
-        __m256i cd = _mm256_packs_epi32(i8x8_avx2(src + i + 16, vscale),
-                                        i8x8_avx2(src + i + 24, vscale));
-        _mm256_storeu_si256((__m256i *)(dst + i),
-                            _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
+        __m256i ab, cd;
+        if (fast) {
+            const __m256 vrecip = _mm256_set1_ps(recip), off = _mm256_set1_ps(1536.0f);
+            /* bits of t - (bits of 1536 - 2^12): t - 1536 + 1/2 in fixed point */
+            const __m256i base = _mm256_set1_epi32(0x44C00000 - 0x1000);
+            const __m256i window = _mm256_set1_epi32(5), mask13 = _mm256_set1_epi32(0x1FFF);
+            __m256i t0 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i), vrecip), off)), base);
+            __m256i t1 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i + 8), vrecip), off)), base);
+            __m256i t2 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i + 16), vrecip), off)), base);
+            __m256i t3 = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(
+                                              _mm256_mul_ps(_mm256_loadu_ps(src + i + 24), vrecip), off)), base);
+            /* F within 2 of 4096: (F + 4096 + 2) mod 8192 < 5, where t's low
+             * 13 bits are already F + 4096 (mod 8192) */
+#define KV_I8_NEAR(t) _mm256_cmpgt_epi32(window, _mm256_and_si256(                 \
+                          _mm256_add_epi32((t), _mm256_set1_epi32(2)), mask13))
+            __m256i close = _mm256_or_si256(_mm256_or_si256(KV_I8_NEAR(t0), KV_I8_NEAR(t1)),
+                                            _mm256_or_si256(KV_I8_NEAR(t2), KV_I8_NEAR(t3)));
+#undef KV_I8_NEAR
+            if (_mm256_testz_si256(close, close)) {
+                ab = _mm256_packs_epi32(_mm256_srai_epi32(t0, 13), _mm256_srai_epi32(t1, 13));
+                cd = _mm256_packs_epi32(_mm256_srai_epi32(t2, 13), _mm256_srai_epi32(t3, 13));
+                goto store;
+            }
+        }
+        {
+            __m256i v = i8x32_div_avx2(src + i, scale);
+            if (stream) {
+                _mm_stream_si128((__m128i *)(dst + i), _mm256_castsi256_si128(v));
+                _mm_stream_si128((__m128i *)(dst + i + 16), _mm256_extracti128_si256(v, 1));
+            } else {
+                _mm256_storeu_si256((__m256i *)(dst + i), v);
+            }
+            continue;
+        }
+    store:;
+        __m256i v = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+        if (stream) {
+            _mm_stream_si128((__m128i *)(dst + i), _mm256_castsi256_si128(v));
+            _mm_stream_si128((__m128i *)(dst + i + 16), _mm256_extracti128_si256(v, 1));
+        } else {
+            _mm256_storeu_si256((__m256i *)(dst + i), v);
+        }
     }
     for (; i + 8 <= n; i += 8) {
         __m256i a = i8x8_avx2(src + i, vscale);
         __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
         _mm_storel_epi64((__m128i *)(dst + i), _mm_packs_epi16(w, w));
     }
-    i8_quantize_scalar(src + i, dst + i, n - i, scale);
+    if (i < n)
+        i8_quantize_scalar(src + i, dst + i, n - i, scale);
+}
+
+__attribute__((target("avx2"))) static uint32_t amax_bits_avx2(const float *src, ptrdiff_t n)
+{
+    return amax_bits_avx2_inl(src, n);
+}
+
+__attribute__((target("avx2"))) static void
+i8_quantize_avx2(const float *src, int8_t *dst, ptrdiff_t n, float scale)
+{
+    i8_quantize_avx2_inl(src, dst, n, scale, 1.0f, 0, 0);
+}
+
+/* `rows` int8 rows (see kvh_f32_to_i8_rows): the largest magnitude of a row
+ * (read once), then its codes from the same, L1-resident, row. */
+__attribute__((target("avx2"))) static void
+f32_to_i8_rows_avx2(const char *src, ptrdiff_t src_stride, int8_t *dst, ptrdiff_t dst_stride,
+                    float *scales, ptrdiff_t scale_stride, ptrdiff_t rows, ptrdiff_t n, int stream)
+{
+    for (ptrdiff_t r = 0; r < rows; r++) {
+        const float *s = (const float *)(src + r * src_stride);
+        int8_t *d = dst + r * dst_stride;
+        uint32_t amax = amax_bits_avx2_inl(s, n);
+        float scale = i8_row_scale(amax);
+        scales[r * scale_stride] = scale;
+        if (amax == 0 || amax >= 0x7F800000u) {     /* all zeros, or not finite */
+            if (n > 0)
+                memset(d, 0, (size_t)n);
+            continue;
+        }
+        int st = stream && ((uintptr_t)d & 15) == 0;
+        if (amax >= KV_I8_FAST_LO && amax <= KV_I8_FAST_HI) {
+            /* r of the bound above (it need not wait for scale) */
+            float recip = 127.0f / kv_fp8_float(amax);
+            if (st) i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 1);
+            else i8_quantize_avx2_inl(s, d, n, scale, recip, 1, 0);
+        } else {
+            if (st) i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 1);
+            else i8_quantize_avx2_inl(s, d, n, scale, 1.0f, 0, 0);
+        }
+    }
 }
 
 __attribute__((target("avx2"))) static void
@@ -606,6 +871,40 @@ void kvh_fp8_to_f32(int fmt, const uint8_t *src, float *dst, ptrdiff_t n, float 
 #endif
     default: fp8_to_f32_scalar(fmt, src, dst, n, scale);
     }
+}
+
+void kvh_f32_to_fp8_rows(int fmt, const float *src, ptrdiff_t src_stride, uint8_t *dst,
+                         ptrdiff_t dst_stride, ptrdiff_t rows, ptrdiff_t n, float scale,
+                         int saturate, int stream)
+{
+#if KV_FP8_X86
+    if (kvh_current_level() == KVH_AVX2) {
+        f32_to_fp8_rows_avx2(fmt, (const char *)src, src_stride, dst, dst_stride, rows, n, scale,
+                             saturate, stream);
+        return;
+    }
+#endif
+    (void)stream;
+    for (ptrdiff_t r = 0; r < rows; r++)
+        kvh_f32_to_fp8(fmt, (const float *)((const char *)src + r * src_stride),
+                       dst + r * dst_stride, n, scale, saturate);
+}
+
+void kvh_f32_to_i8_rows(const float *src, ptrdiff_t src_stride, int8_t *dst,
+                        ptrdiff_t dst_stride, float *scales, ptrdiff_t scale_stride,
+                        ptrdiff_t rows, ptrdiff_t n, int stream)
+{
+#if KV_FP8_X86
+    if (kvh_current_level() == KVH_AVX2) {
+        f32_to_i8_rows_avx2((const char *)src, src_stride, dst, dst_stride, scales, scale_stride,
+                            rows, n, stream);
+        return;
+    }
+#endif
+    (void)stream;
+    for (ptrdiff_t r = 0; r < rows; r++)
+        scales[r * scale_stride] = kvh_f32_to_i8_row(
+            (const float *)((const char *)src + r * src_stride), dst + r * dst_stride, n);
 }
 
 float kvh_f32_to_i8_row(const float *src, int8_t *dst, ptrdiff_t n)

@@ -166,6 +166,19 @@ const char *kvh_fp8_path(int level);
  * plausible numbers).  Returns the scale. */
 float kvh_f32_to_i8_row(const float *src, int8_t *dst, ptrdiff_t n);
 void kvh_i8_to_f32(const int8_t *src, float *dst, ptrdiff_t n, float scale);
+
+/* The paged writes' shape: `rows` rows of n float32 elements, row r at
+ * src + r * src_stride and its codes at dst + r * dst_stride (strides in
+ * bytes), the bits of the one-row calls above, row by row (int8: row r's
+ * scale to scales[r * scale_stride]).  `stream` asks for non-temporal
+ * stores where a row allows them (large scattered writes); the caller then
+ * calls kvh_stream_fence() (kv_half.h) once after the last of a batch. */
+void kvh_f32_to_fp8_rows(int fmt, const float *src, ptrdiff_t src_stride, uint8_t *dst,
+                         ptrdiff_t dst_stride, ptrdiff_t rows, ptrdiff_t n, float scale,
+                         int saturate, int stream);
+void kvh_f32_to_i8_rows(const float *src, ptrdiff_t src_stride, int8_t *dst,
+                        ptrdiff_t dst_stride, float *scales, ptrdiff_t scale_stride,
+                        ptrdiff_t rows, ptrdiff_t n, int stream);
 #ifdef __cplusplus
 }
 #endif
