@@ -723,6 +723,28 @@ def test_fp8_nan_code_reaches_only_the_rows_that_see_it(dtype, dim, which, simd_
     assert rel_err(got[~nan], want[~nan]) <= 1e-5
 
 
+@pytest.mark.parametrize("dim", [40, 80, 64])     # 40, 80: dims past the last 32
+@pytest.mark.parametrize("which", ["key", "value"])
+def test_e4m3_positive_nan_code_in_the_last_dims_is_seen(dim, which, simd_level):
+    """Regression: the e4m3fn tile scan for NaN codes took the unsigned max
+    of the bytes past the last multiple of 32 before setting their sign
+    bits, so a +NaN code (0x7F) there was lost to any byte >= 0x80 in the
+    same lane of another row (a negative code), and read as 480."""
+    pool = kvcore.BlockPool(4, 8, 1, 1, dim, dtype="float8_e4m3fn")
+    keys, vals = pool.key_cache(0), pool.value_cache(0)
+    keys[...] = 0x38                    # 1.0
+    vals[...] = 0x38
+    keys[0, 0, 1, :] = 0xB8             # a row of -1.0 in the same tile
+    vals[0, 0, 1, :] = 0xB8
+    getattr(pool, which + "_cache")(0)[0, 0, 2, dim - 4] = 0x7F
+    tables = np.arange(4, dtype=np.int32).reshape(1, 4)
+    q = np.full((1, 1, dim), 0.1, np.float32)
+    got = kvcore.paged_attention(q, pool, 0, tables, np.array([8]))
+    nan = np.zeros(got.shape, bool)
+    nan[..., slice(None) if which == "key" else dim - 4] = True
+    assert (np.isnan(got) == nan).all()
+
+
 @pytest.mark.parametrize("dtype", FP8 + ("float16",))
 def test_a_nan_or_inf_value_reaches_only_the_queries_that_see_it(dtype, simd_level):
     """Regression: a stored NaN (or inf) value at a position a query cannot

@@ -300,10 +300,12 @@ KVA_INLINE int rows_have_e4m3_nan_avx2(const char *const *rows, int n, int D)
         for (; d + 32 <= D; d += 32)
             mx = _mm256_max_epu8(mx, _mm256_or_si256(_mm256_loadu_si256((const __m256i *)(p + d)),
                                                      sign));
+        /* the sign bit set before the max, as above (0x7F against 0x80
+         * must give 0xFF, not 0x80) */
         for (; d < D; d += 8)
-            mx8 = _mm_max_epu8(mx8, _mm_loadl_epi64((const __m128i *)(p + d)));
+            mx8 = _mm_max_epu8(mx8, _mm_or_si128(_mm_loadl_epi64((const __m128i *)(p + d)),
+                                                 _mm256_castsi256_si128(sign)));
     }
-    mx8 = _mm_or_si128(mx8, _mm256_castsi256_si128(sign));
     mx8 = _mm_max_epu8(mx8, _mm_max_epu8(_mm256_castsi256_si128(mx),
                                          _mm256_extracti128_si256(mx, 1)));
     return _mm_movemask_epi8(_mm_cmpeq_epi8(mx8, _mm_set1_epi8((char)0xFF))) != 0;
