@@ -674,7 +674,8 @@ LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
 
 
 def _lp_rows(rng, shape):
-    """float32 rows over many magnitudes, with NaN / inf rows and zeros."""
+    """float32 rows over many magnitudes, with NaN / inf rows, zeros and
+    subnormal rows."""
     x = (rng.standard_normal(shape) * np.exp2(rng.integers(-10, 10, shape))).astype(np.float32)
     x[rng.random(shape) < 0.05] = 0
     x[rng.random(shape) < 0.02] *= np.float32(1e5)
@@ -683,6 +684,11 @@ def _lp_rows(rng, shape):
         flat[1] = 0
         flat[2, 0] = np.nan
         flat[3, -1] = -np.inf
+    if flat.shape[0] > 5:
+        # tiny rows: int8's max|x| / 127 underflows to 0 (the scale is then
+        # 2**-149), or is subnormal (fp8: subnormal inputs)
+        flat[4] = np.float32(2.0**-149) * rng.integers(-63, 64, shape[-1])
+        flat[5] = flat[0] * np.float32(1e-38)
     return x
 
 

@@ -666,8 +666,8 @@ def test_attention_over_lowprec_pages_is_that_over_float16_pages_of_the_values(d
                                                                              simd_level):
     """fp8 (scales 1) and int8 (scales 1) codes are float16 values: the
     kernels must give the bits the float16 kernels give on those values, so
-    reading e4m3fn as value / 2^8 (its unit riding on q and the output) is
-    exact."""
+    reading e4m3fn as value / 2^8 (its unit riding on q and the P.V weights)
+    is exact."""
     rng = np.random.default_rng(11)
     nb, bs, heads = 12, 8, 2
     lp = kvcore.BlockPool(nb, bs, 1, heads, dim, dtype=dtype)
@@ -690,6 +690,30 @@ def test_attention_over_lowprec_pages_is_that_over_float16_pages_of_the_values(d
     same(kvcore.paged_attention(qp, lp, 0, tables[1:], lens[1:], **kw),
          kvcore.paged_attention(qp, f16, 0, tables[1:], lens[1:], **kw))
 
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_lowprec_attention_keeps_subnormal_products_exact(dtype, simd_level):
+    """An output that rests on weights so small that weight * value is
+    subnormal: e4m3fn's values read as value / 2^8 must still give the
+    products the float16 kernels give (the 2^8 rides on the weights, not on
+    the output), bit for bit."""
+    D = 64
+    for c in np.linspace(0.185, 0.1935, 12).astype(np.float32):
+        lp = kvcore.BlockPool(2, 8, 1, 1, D, dtype=dtype)
+        f16 = kvcore.BlockPool(2, 8, 1, 1, D, dtype="float16")
+        K, V = lp.key_cache(0), lp.value_cache(0)
+        K[...] = 0
+        V[...] = 0
+        K[0, 0, 0, 0] = 0x7E if dtype == "float8_e4m3fn" else 0x7B   # key 0: its largest finite
+        V[0, 0, 1, :] = 0x3B           # key 1 (score 0, weight ~2^-127): a value near 1
+        for a, b in ((K, f16.key_cache(0)), (V, f16.value_cache(0))):
+            b[...] = fp8_decode(a, dtypes.NAME_KIND[dtype]).astype(np.float16)
+        q = np.zeros((1, 1, D), np.float32)
+        q[0, 0, 0] = c * (1.0 if dtype == "float8_e4m3fn" else 448 / 57344)
+        t = np.array([[0, 1]], np.int32)
+        same(kvcore.paged_attention(q, lp, 0, t, [2], scale=1.0),
+             kvcore.paged_attention(q, f16, 0, t, [2], scale=1.0))
 
 def _nan_code(dtype, negative):
     return {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}[dtype] | (0x80 if negative else 0)
@@ -928,3 +952,29 @@ def test_prefix_store_entry_with_a_corrupt_int8_scale_is_a_miss(tmp_path):
         np.testing.assert_array_equal(got, exp)
     b.free()
     b_pool.check()
+
+
+def test_int8_row_whose_scale_underflows_is_stored_exactly(simd_level):
+    """max|x| / 127 underflows to 0 for rows below 63.5 * 2**-149: the scale
+    is then the smallest subnormal, every element an exact multiple of it:
+    the same codes at every SIMD level and in the reference, and the row
+    reads back exactly (it once read 0/0 = NaN into 127, 0 or -127 by path)."""
+    tiny = np.float32(2.0**-149)
+    x = np.zeros((3, 16), np.float32)
+    x[0, :3] = [tiny, 0, -tiny]                       # max|x| = 2**-149
+    x[1, :4] = [63 * tiny, -5 * tiny, 0, 17 * tiny]    # just below the underflow bound
+    x[2, :2] = [64 * tiny, -tiny]                      # the quotient no longer underflows
+    codes, scales = int8_encode(x)
+    assert scales[0] == tiny and scales[1] == tiny and scales[2] > 0
+    np.testing.assert_array_equal(int8_decode(codes[:2], scales[:2]), x[:2])
+    pool = kvcore.BlockPool(2, 4, 1, 1, 16, dtype="int8")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(list(range(3)))
+    seq.append(0, x[:, None, :], x[:, None, :])
+    seq.commit(3)
+    k, _ = seq.gather(0)
+    ks, _ = seq.gather_scales(0)
+    np.testing.assert_array_equal(k[0], codes)
+    np.testing.assert_array_equal(ks[0].view(np.uint32), scales.view(np.uint32))
+    kd, _ = seq.gather(0, dtype="float32")
+    np.testing.assert_array_equal(kd[0, :2], x[:2])

@@ -302,3 +302,52 @@ def test_disk_store_removes_temporary_files_of_dead_writers(tmp_path):
     assert not young.exists()
     assert len(store) == 4
     assert store.used_bytes() == sum(p.stat().st_size for p in tmp_path.rglob("*.kve"))
+
+
+def test_disk_put_failing_mid_batch_hands_on_what_it_trimmed(tmp_path, monkeypatch):
+    """A put that trims (the batch passed capacity) and then fails on a
+    later entry (disk full) must not lose the entries the trim removed:
+    they ride on the exception (``dropped``), and the pool passes them, with
+    the batch, to the next store."""
+    disk = kvcore.DiskStore(tmp_path, 2500)
+    key = lambda i: bytes([i]) * 32                 # noqa: E731
+    disk.put([(key(1), b"a" * 1000), (key(2), b"b" * 1000)])
+    real = os.replace
+    calls = []
+
+    def full_on_second(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", full_on_second)
+    with pytest.raises(OSError) as info:
+        disk.put([(key(3), b"c" * 1000), (key(4), b"d" * 1000)])
+    monkeypatch.setattr(os, "replace", real)
+    assert [k for k, _ in info.value.dropped] == [key(1)]
+    assert disk.get([key(1)]) == [None]
+    assert disk.used_bytes() == 2000 and len(disk) == 2
+
+
+def test_tiers_pass_on_what_a_failing_put_dropped():
+    """The pool side: a first store whose put fails after dropping entries;
+    the dropped entries and the batch land in the next store."""
+    from _stores_support import check_hit, flush_pool
+
+    class DropsThenFails(kvcore.HostStore):
+        def put(self, items):
+            items = list(items)
+            e = OSError(28, "No space left on device")
+            # as if a trim had removed two older entries before the failure
+            e.dropped = [(bytes([9, i]) * 16, b"older %d" % i) for i in range(2)]
+            raise e
+
+    behind = kvcore.HostStore(1 << 20)
+    pool = make_pool(stores=[DropsThenFails(1 << 20), behind])
+    with pytest.warns(kvcore.StoreWarning, match="disk full"):
+        run(pool, PROMPT)
+        flush_pool(pool)
+    assert len(behind) == 6
+    assert behind.get([bytes([9, 1]) * 16]) == [b"older 1"]
+    check_hit(pool, PROMPT, 4)

@@ -212,7 +212,8 @@ def fp8_decode(b, kind, scale=1.0):
 
 def int8_encode(x):
     """``(codes, scales)`` of float32 rows ``x`` (..., dim): per row
-    ``scale = max|x| / 127`` (1 for an all-zero row), codes
+    ``scale = max|x| / 127`` (1 for an all-zero row, 2**-149 where that
+    quotient underflows to 0), codes
     ``round_half_even(x / scale)`` in -127..127.  A row holding a NaN or an
     infinity stores scale NaN and zeros (it reads back as NaN)."""
     x = np.asarray(x, np.float32)
@@ -220,6 +221,9 @@ def int8_encode(x):
     finite = np.isfinite(x).all(axis=-1)
     amax = np.where(np.isfinite(a), a, np.float32(0)).max(axis=-1, initial=np.float32(0))
     scale = np.where(amax == 0, np.float32(1), amax / np.float32(127)).astype(np.float32)
+    # max|x| / 127 underflowing to 0 (max|x| below 63.5 * 2**-149): the
+    # smallest subnormal, of which every element is an exact multiple
+    scale = np.where(scale == 0, np.float32(2.0**-149), scale).astype(np.float32)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = np.clip(np.rint(x / scale[..., None]), -127, 127)
     q = np.where(finite[..., None], q, 0).astype(np.int8)

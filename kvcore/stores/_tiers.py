@@ -197,6 +197,8 @@ class StoreTiers:
                     dropped = list(self.stores[i].put(items) or ())
                 except Exception as e:
                     self._fail(i, e, op="put")
+                    # what it dropped before failing goes on with the batch
+                    passed_over = list(getattr(e, "dropped", None) or ()) + items
                 else:
                     taken = True
                     self._ok(i, "put")

@@ -163,42 +163,57 @@ class DiskStore(PrefixStore):
     def put(self, items):
         grown = 0
         dropped = []
-        for k, v in items:
-            p = self._file(k)
-            d = os.path.dirname(p)
-            os.makedirs(d, exist_ok=True)
-            tmp = os.path.join(d, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
-            try:
-                with open(tmp, "wb", buffering=0) as f:
-                    view = memoryview(v).cast("B")
-                    done = 0
-                    while done < view.nbytes:
-                        done += f.write(view[done:])
-                try:
-                    old = os.stat(p).st_size
-                except FileNotFoundError:
-                    old = 0
-                os.replace(tmp, p)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-            grown += len(v) - old
-            if self._used + grown > self.capacity_bytes:
-                # trim as soon as this batch would pass the bound, not after
-                # the whole batch (a big flush must never fill the disk)
-                with self._lock:
-                    self._used += grown
-                grown = 0
-                dropped.extend(self._trim())
-        with self._lock:
-            self._used += grown
-        # other processes write here too: the bound is checked against a
-        # fresh listing after every put (one scandir of the directory)
-        dropped.extend(self._trim())
+        try:
+            for k, v in items:
+                grown += self._write(k, v)
+                if self._used + grown > self.capacity_bytes:
+                    # trim as soon as this batch would pass the bound, not
+                    # after the whole batch (a big flush must never fill the disk)
+                    with self._lock:
+                        self._used += grown
+                    grown = 0
+                    dropped.extend(self._trim())
+            with self._lock:
+                self._used += grown
+            grown = 0
+            # other processes write here too: the bound is checked against a
+            # fresh listing after every put (one scandir of the directory)
+            dropped.extend(self._trim())
+        except BaseException as e:
+            # what this put already wrote counts; what its trims removed
+            # from the disk goes on to the next tier with the exception
+            with self._lock:
+                self._used += grown
+            if dropped:
+                e.dropped = dropped
+            raise
         return dropped
+
+    def _write(self, k, v):
+        """Write entry ``k`` (temporary file, then rename); returns the
+        bytes the directory grew by."""
+        p = self._file(k)
+        d = os.path.dirname(p)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                view = memoryview(v).cast("B")
+                done = 0
+                while done < view.nbytes:
+                    done += f.write(view[done:])
+            try:
+                old = os.stat(p).st_size
+            except FileNotFoundError:
+                old = 0
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return len(v) - old
 
     def _trim(self):
         """Remove least recently used files until within capacity; their

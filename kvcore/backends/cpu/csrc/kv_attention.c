@@ -81,7 +81,8 @@ typedef struct {
     /* dst[i * D + d] = row i widened to float32, for i < n. */
     void (*widen)(const char *const *rows, int n, int D, float *dst);
     /* The elements these kernels read are the stored values divided by
-     * unit (a power of two): the caller multiplies q and the output by it. */
+     * unit (a power of two): the caller multiplies q and the P.V weights
+     * by it, so every product is exactly the one over the values. */
     float unit;
 } kva_kernels;
 
@@ -266,7 +267,7 @@ static const kva_math math_scalar = {row_max_scalar, row_exp_sum_scalar, softcap
  * byte's sign, exponent and mantissa (bit 14, the sign's copy, cleared);
  * e4m3's exponent bias 7 is the half's 15 less 8, so the half is the value
  * times 2^-8, subnormals included (F16C widens it exactly).  The 2^8 rides
- * on q and on the output (kva_kernels.unit: exact, a power of two).  No
+ * on q and on the P.V weights (kva_kernels.unit: exact products).  No
  * NaN: S.1111.111 would read as +-480; a tile holding one takes
  * load8_e4m3_nan_avx2. */
 KVA_INLINE __m256 load8_e4m3_avx2(const char *p)
@@ -1246,7 +1247,6 @@ static void merge_group(kva_job *job, const kva_item *it, int M)
     const int64_t nsplit = it->nsplit;
     const int64_t base = it->slot - it->split;
     const int64_t row0 = a->query_start_loc[it->seq] + it->q0;
-    const float unit = job->kern->unit;
     for (int r = 0; r < M; r++) {
         float mx = -INFINITY, total = 0.0f;
         for (int64_t sp = 0; sp < nsplit; sp++) {
@@ -1270,7 +1270,7 @@ static void merge_group(kva_job *job, const kva_item *it, int M)
                 o[d] += w * acc[d];
         }
         for (int d = 0; d < D; d++)
-            o[d] = o[d] * unit / total; /* the values' unit (exact) */
+            o[d] = o[d] / total;
     }
 }
 
@@ -1449,6 +1449,11 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             if (scaled) /* the visible keys' weights times their values' scales */
                 for (int64_t i = first; i < last; i++)
                     srow[i] *= vs[i];
+            if (unit != 1.0f) /* the values are read divided by unit: the weights
+                                 carry it, so each product is the exact p * v
+                                 (subnormal ones included) */
+                for (int64_t i = first; i < last; i++)
+                    srow[i] *= unit;
         }
         /* P V over each row's visible keys only (a masked key's weight is
          * 0, but 0 * a stored NaN or inf is NaN): runs of rows with the same
@@ -1483,7 +1488,7 @@ static void run_item(kva_job *job, const kva_item *it, const kva_ws *ws)
             const float *acc = ws->acc + (size_t)r * D;
             const float l = ws->l[r];
             for (int d = 0; d < D; d++)
-                o[d] = acc[d] * unit / l; /* the values' unit (exact) */
+                o[d] = acc[d] / l;
         }
         return;
     }

@@ -94,14 +94,17 @@ static void fp8_to_f32_scalar(int fmt, const uint8_t *src, float *dst, ptrdiff_t
 }
 
 /* Row scale from the largest magnitude's bits (see kv_fp8.h): NaN for a
- * row holding a NaN or an infinity, 1 for an all-zero row. */
+ * row holding a NaN or an infinity, 1 for an all-zero row, the smallest
+ * subnormal 2^-149 where max|x| / 127 underflows to 0 (every element is
+ * then a multiple of it below 64: the codes are exact). */
 static inline float i8_row_scale(uint32_t amax_bits)
 {
     if (amax_bits >= 0x7F800000u)
         return NAN;
     if (amax_bits == 0)
         return 1.0f;
-    return kv_fp8_float(amax_bits) / 127.0f;
+    float s = kv_fp8_float(amax_bits) / 127.0f;
+    return s == 0.0f ? kv_fp8_float(1u) : s;
 }
 
 static void i8_quantize_scalar(const float *src, int8_t *dst, ptrdiff_t n, float scale)

@@ -160,7 +160,8 @@ void kvh_fp8_to_f32(int fmt, const uint8_t *src, float *dst, ptrdiff_t n, float 
 const char *kvh_fp8_path(int level);
 
 /* int8, symmetric, one scale per row of n elements (a token's head):
- * scale = max|x| / 127 (1.0f when the row is all zeros), stored
+ * scale = max|x| / 127 (1.0f when the row is all zeros; 2^-149, the
+ * smallest subnormal, when that quotient underflows to 0), stored
  * round_half_even(x / scale) clamped to [-127, 127].  A row holding a NaN or
  * an infinity stores scale = NaN and zeros, so it reads back as NaN (never as
  * plausible numbers).  Returns the scale. */

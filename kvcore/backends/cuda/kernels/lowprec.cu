@@ -11,7 +11,8 @@
  *               division skipped when scale == 1 and for a NaN (whose sign
  *               the code keeps, as on the CPU);
  *   int8 write  per (token, head) row: scale = max|x| / 127 (1 for an
- *               all-zero row), code = clamp(rint(x / scale), -127, 127)
+ *               all-zero row, 2^-149 where the quotient underflows to 0),
+ *               code = clamp(rint(x / scale), -127, 127)
  *               (round half to even); a row holding a NaN or an infinity
  *               stores scale NaN (0x7FC00000) and zeros;
  *   read        fp8 * scale (no multiply when scale == 1), code * scale for
@@ -90,7 +91,8 @@ KV_HD float kv_lp_fmul(float a, float b)
 }
 
 /* int8 code of q = x / scale: rounded half to even, clamped to +-127
- * (q is never NaN here: the row's scale is finite and non-zero). */
+ * (q is never NaN here: the row's scale is finite and non-zero, 2^-149 at
+ * the least). */
 KV_HD signed char kv_lp_i8(float q)
 {
 #if defined(__CUDA_ARCH__)
@@ -160,6 +162,8 @@ KV_HD void kv_lp_encode(const typename KvStorage<FK>::type *src, typename KvQ<QK
             return;
         }
         float s = kv_lp_div(kv_lp_float(m), 127.0f);
+        if (kv_lp_bits(s) == 0)   /* underflow: the smallest subnormal (exact codes) */
+            s = kv_lp_float(1u);
         for (kv_i64 i = 0; i < dim; ++i) {
             dst[i] = kv_lp_i8(kv_lp_div(kv_lp_float(kv_lp_widen<FK>(src[i])), s));
         }
