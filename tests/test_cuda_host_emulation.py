@@ -588,6 +588,15 @@ def _attention_pools(dtype, rng, num_blocks=12, block_size=8, kv_heads=2, head_d
     return cpu, gpu
 
 
+def _attention_batch(rng):
+    """The batch the CUDA attention tests run: two sequences over shuffled
+    blocks (37 and 11 positions), 3 + 1 queries of 8 heads, head_dim 64."""
+    tables = np.array([[3, 0, 7, 4, 9], [1, 2, 5, 6, 8]], np.int32)
+    lens = np.array([37, 11], np.int64)
+    qsl = np.array([0, 3, 4], np.int64)
+    return tables, lens, qsl, rng.standard_normal((4, 8, 64)).astype(np.float32)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_paged_attention_on_a_cuda_pool(emulated_cuda, dtype):
     """Issue 11: a CUDA pool runs kernels/attention.cu (it raised
@@ -597,10 +606,7 @@ def test_paged_attention_on_a_cuda_pool(emulated_cuda, dtype):
 
     rng = np.random.default_rng(30)
     cpu, gpu = _attention_pools(dtype, rng)
-    tables = np.array([[3, 0, 7, 4, 9], [1, 2, 5, 6, 8]], np.int32)
-    lens = np.array([37, 11], np.int64)
-    qsl = np.array([0, 3, 4], np.int64)
-    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    tables, lens, qsl, q = _attention_batch(rng)
     want = kvcore.paged_attention(q, cpu, 1, tables, lens, qsl, sliding_window=30)
     be = emulated_cuda
     be.launches.clear()
@@ -866,10 +872,7 @@ def test_paged_attention_over_lowprec_pages_on_cuda(emulated_cuda, dtype):
 
     rng = np.random.default_rng(60)
     cpu, gpu = _lowprec_attention_pools(dtype, rng)
-    tables = np.array([[3, 0, 7, 4, 9], [1, 2, 5, 6, 8]], np.int32)
-    lens = np.array([37, 11], np.int64)
-    qsl = np.array([0, 3, 4], np.int64)
-    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    tables, lens, qsl, q = _attention_batch(rng)
     be = emulated_cuda
     for layer, kw in ((0, {}), (0, dict(sliding_window=30)), (1, dict(logits_soft_cap=5.0)),
                       (1, dict(sliding_window=14))):
