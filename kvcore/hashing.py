@@ -1,6 +1,6 @@
 """Chained block hashes for prefix caching.
 
-Algorithm (also in README.md, "Block hashes"): SipHash-1-3 with 128-bit
+Algorithm (also in docs/api.md, "Block hashes"): SipHash-1-3 with 128-bit
 output (one compression and three finalization rounds), key = the 16 bytes
 ``b"kvcore.block.v1\\0"``.
 
