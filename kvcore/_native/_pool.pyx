@@ -852,6 +852,26 @@ cdef class PoolCore:
         """(serial, parent serial) of cached block b."""
         return (int(self.serial[b]), int(self.parent_serial[b]))
 
+    def identity_links(self, cnp.ndarray blocks):
+        """``(serial, parent_serial)`` int64 arrays: the identity chain links
+        ``blocks`` (int32) were last registered with; still set right
+        after a block is evicted, until it is registered again (prefix
+        stores: which prefix an evicted block's KV belongs to)."""
+        ids = np.asarray(blocks, np.int32)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block ids must be in 0..{self.num_blocks - 1}")
+        return np.asarray(self.serial)[ids], np.asarray(self.parent_serial)[ids]
+
+    def find_serial(self, uint64_t h0, uint64_t h1, int64_t serial):
+        """The cached block with chained hash ``(h0, h1)`` registered as
+        ``serial``, or -1."""
+        cdef block_id_t b = self.buckets[self._bucket(h0)]
+        while b != NONE:
+            if self.serial[b] == serial and self.hashes[b, 0] == h0 and self.hashes[b, 1] == h1:
+                return b
+            b = self.next_in_bucket[b]
+        return -1
+
     def cached_hash(self, block_id_t b):
         return (int(self.hashes[b, 0]), int(self.hashes[b, 1]))
 
