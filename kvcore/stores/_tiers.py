@@ -218,41 +218,48 @@ class StoreTiers:
         serials, parent_serials = core.identity_links(blocks)
         serials, parent_serials = serials.tolist(), parent_serials.tolist()
         parent_words = parents.tolist()
+        raw = np.ascontiguousarray(tokens, "<i4").tobytes()
+        step = 4 * self._block_size
+        tokens = [raw[j * step:(j + 1) * step] for j in range(len(serials))]
         batch = {s: j for j, s in enumerate(serials)}
         memo = self._identities
         out = []
         for j in range(len(serials)):
-            s, ps, pw, tok = serials[j], parent_serials[j], parent_words[j], tokens[j]
-            chain = []          # (serial, tokens) from block j up to what is known
-            digest = None
-            while True:
-                known = memo.get(s)
-                if known is not None:
-                    memo.move_to_end(s)
-                    digest = known
-                    break
-                chain.append((s, tok))
+            digest = memo.get(serials[j])
+            if digest is not None:
+                memo.move_to_end(serials[j])
+                out.append(digest)
+                continue
+            chain = [(serials[j], tokens[j])]   # (serial, token bytes), nearest first
+            below, ps, pw = serials[j], parent_serials[j], parent_words[j]
+            while digest is None:
                 if ps < 0:
                     digest = self._root_identity(pool, ps)
                     break
-                if ps >= s:     # serials grow along a chain: never loop
+                if ps >= below:     # serials grow along a chain: never loop
                     break
-                known = memo.get(ps)
-                if known is not None:
+                digest = memo.get(ps)
+                if digest is not None:
                     memo.move_to_end(ps)
-                    digest = known
                     break
                 k = batch.get(ps)
-                if k is not None:
-                    s, ps, pw, tok = serials[k], parent_serials[k], parent_words[k], tokens[k]
+                if k is not None:   # evicted in this batch
+                    chain.append((ps, tokens[k]))
+                    below, ps, pw = ps, parent_serials[k], parent_words[k]
                     continue
-                b = core.find_serial(pw[0], pw[1], ps)
-                if b < 0:
+                # still cached: the pool walks up its cache in one call
+                up, up_serials, end, end_words = core.cached_ancestry(pw[0], pw[1], ps)
+                if not up.size:
                     break
-                one = np.array([b], np.int32)
-                _, _, par, _, btok = core.cached_entries(one)
-                bps = int(core.identity_links(one)[1][0])
-                s, ps, pw, tok = ps, bps, par[0].tolist(), btok[0]
+                up_tokens = core.cached_entries(up)[4].astype("<i4")
+                for us, ut in zip(up_serials.tolist(), up_tokens):
+                    digest = memo.get(us)
+                    if digest is not None:
+                        memo.move_to_end(us)
+                        break
+                    chain.append((us, ut.tobytes()))
+                if digest is None:
+                    below, ps, pw = int(up_serials[-1]), end, list(end_words)
             if digest is not None:
                 for cs, ctok in reversed(chain):
                     digest = hashing.identity_next(digest, ctok)
