@@ -99,8 +99,18 @@ class DiskStore(PrefixStore):
     after every ``put``, under an exclusive ``flock`` on ``PATH/.lock``,
     over a fresh listing of the directory, so processes sharing it keep it
     within capacity between them (the listing costs a ``stat`` per entry
-    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A torn or corrupted file is caught by the entry's checksum when
-    read, and is then a miss.
+    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A
+    torn or corrupted file is caught by the entry's checksum when read, and
+    is then a miss.
+
+    Every file in the directory is untrusted: entries are opened without
+    following links and without blocking, and only regular files are read,
+    at most the size ``fstat`` gives (and, in a trim, the size the header
+    promises).  A link, FIFO, device or socket named like an entry is a
+    miss and is removed by the next trim (a link itself, never its target);
+    a directory named like one is passed over; an entry file that cannot be
+    read is removed without being handed on, and one that cannot be removed
+    either keeps its room while the trim goes on with the others.
     """
 
     kind = "disk"
