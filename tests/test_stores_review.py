@@ -315,11 +315,11 @@ def test_disk_put_failing_mid_batch_hands_on_what_it_trimmed(tmp_path, monkeypat
     real = os.replace
     calls = []
 
-    def full_on_second(a, b):
+    def full_on_second(a, b, **kw):
         calls.append(b)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real(a, b)
+        return real(a, b, **kw)
 
     monkeypatch.setattr(os, "replace", full_on_second)
     with pytest.raises(OSError) as info:

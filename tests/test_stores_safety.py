@@ -350,3 +350,39 @@ def test_a_link_in_place_of_a_subdirectory_is_not_followed(tmp_path):
     assert disk.get([key]) == [None]
     assert len(disk) == 0 and disk.used_bytes() == 0
     assert (elsewhere / name).read_bytes() == b"not yours"
+    # a put of that key writes nothing there: the entry goes to the next tier
+    assert disk.put([(key, b"mine")]) == [(key, b"mine")]
+    assert sorted(os.listdir(elsewhere)) == [name]
+    assert (elsewhere / name).read_bytes() == b"not yours"
+
+
+def test_a_directory_at_an_entrys_name_passes_the_entry_on(tmp_path):
+    disk = kvcore.DiskStore(tmp_path, 1 << 22)
+    p = entry_path(tmp_path, fake_key(4))
+    p.mkdir(parents=True)
+    assert disk.put([(fake_key(4), b"v"), (fake_key(5), b"w")]) == [(fake_key(4), b"v")]
+    assert p.is_dir() and disk.get([fake_key(5)])[0].tobytes() == b"w"
+
+
+def test_an_entry_filed_under_another_key_never_reaches_the_next_store(tmp_path):
+    """A valid entry copied (as a regular file) under the key of another
+    block: the trim hands it on, the pool's check before forwarding drops it."""
+    d = tmp_path / "disk"
+    probe_pool = make_pool()
+    disk = kvcore.DiskStore(d, 3 * one_entry_bytes(probe_pool))
+    nxt = RecordingStore(1 << 22)
+    pool = make_pool(stores=[disk, nxt])
+    other = make_pool(stores=[kvcore.DiskStore(tmp_path / "other", 1 << 22)])
+    run(other, PROMPT + 1000)
+    flush_pool(other)
+    value = sorted((tmp_path / "other").rglob("*.kve"))[0].read_bytes()
+    p = entry_path(d, fake_key(8))
+    p.parent.mkdir(parents=True)
+    p.write_bytes(value)
+    old(p)
+    with pytest.warns(kvcore.StoreWarning, match="mismatch"):
+        run(pool, PROMPT)
+        flush_pool(pool)
+    assert not p.exists()
+    assert value not in nxt.values
+    check_hit(pool, PROMPT, 4)

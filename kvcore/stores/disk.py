@@ -255,7 +255,11 @@ class DiskStore(PrefixStore):
         dropped = []
         try:
             for k, v in items:
-                grown += self._write(k, v)
+                g = self._write(k, v)
+                if g is None:        # no place of ours for it: the next tier's
+                    dropped.append((k, v))
+                    continue
+                grown += g
                 if self._used + grown > self.capacity_bytes:
                     # trim as soon as this batch would pass the bound, not
                     # after the whole batch (a big flush must never fill the disk)
@@ -280,36 +284,52 @@ class DiskStore(PrefixStore):
         return dropped
 
     def _write(self, k, v):
-        """Write entry ``k`` (temporary file, then rename); returns the
-        bytes the directory grew by."""
-        p = self._file(k)
-        d = os.path.dirname(p)
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
+        """Write entry ``k`` (a temporary file, then a rename, both inside
+        its subdirectory opened without following a link); returns the
+        bytes the directory grew by, or None when the entry's place is not
+        one to write to (its subdirectory a link or not a directory, a
+        directory at its name): the caller hands the entry on instead."""
+        d, name = os.path.split(self._file(k))
+        try:
+            os.makedirs(d, exist_ok=True)
+        except FileExistsError:       # not a directory: the open below says so
+            pass
+        try:
+            dfd = os.open(d, _OPEN_DIR)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                return None
+            raise
+        tmp = f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}"
         try:
             try:
-                # never through a link planted at the (predictable) name
-                fd = os.open(tmp, _OPEN_TMP, 0o644)
-            except FileExistsError:   # left by a writer of this pid and thread that died
-                os.unlink(tmp)
-                fd = os.open(tmp, _OPEN_TMP, 0o644)
-            with open(fd, "wb", buffering=0) as f:
-                view = memoryview(v).cast("B")
-                done = 0
-                while done < view.nbytes:
-                    done += f.write(view[done:])
-            try:
-                st = os.lstat(p)
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    return None
                 old = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except FileNotFoundError:
                 old = 0
-            os.replace(tmp, p)
-        except BaseException:
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+                # never through a link planted at the (predictable) name
+                fd = os.open(tmp, _OPEN_TMP, 0o644, dir_fd=dfd)
+            except FileExistsError:   # left by a writer of this pid and thread that died
+                os.unlink(tmp, dir_fd=dfd)
+                fd = os.open(tmp, _OPEN_TMP, 0o644, dir_fd=dfd)
+            try:
+                with open(fd, "wb", buffering=0) as f:
+                    view = memoryview(v).cast("B")
+                    done = 0
+                    while done < view.nbytes:
+                        done += f.write(view[done:])
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
         return len(v) - old
 
     def _trim(self):
