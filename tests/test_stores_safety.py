@@ -386,3 +386,24 @@ def test_an_entry_filed_under_another_key_never_reaches_the_next_store(tmp_path)
     assert not p.exists()
     assert value not in nxt.values
     check_hit(pool, PROMPT, 4)
+
+
+def test_a_file_larger_than_the_store_is_never_read_whole(tmp_path):
+    """A regular file named like an entry, larger than the store's
+    capacity (no entry of the store can be): a lookup reads its head only
+    and calls it corrupt; the trim removes it without reading it."""
+    disk = kvcore.DiskStore(tmp_path, 1 << 16)
+    pool = make_pool(stores=[disk])
+    run(pool, PROMPT)
+    flush_pool(pool)
+    key = _format.store_key(FP16, kvcore.block_hashes(PROMPT, 4)[0])
+    p = entry_path(tmp_path, key)
+    with open(p, "r+b") as f:            # a sparse file of 64 MiB behind a valid head
+        f.truncate(1 << 26)
+    (value,) = disk.get([key])
+    assert len(value) == _format.HEAD_PROBE
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        check_hit(pool, PROMPT, 0)
+    disk.put([(fake_key(1), b"x")])      # a trim: the big file goes, unread
+    assert not p.exists()
+    assert disk.used_bytes() <= disk.capacity_bytes

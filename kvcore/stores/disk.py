@@ -233,6 +233,10 @@ class DiskStore(PrefixStore):
                 out.append(None)
                 continue
             try:
+                if size > self.capacity_bytes:
+                    # no entry of this store is that large (its put would
+                    # have handed it on): read the head only, a corrupt entry
+                    size = min(size, _format.HEAD_PROBE)
                 if size <= room:
                     buf = arena[off:off + size]
                     off += room
@@ -371,8 +375,7 @@ class DiskStore(PrefixStore):
             self._used = used
         return dropped
 
-    @staticmethod
-    def _take(path):
+    def _take(self, path):
         """The bytes of the entry file at ``path`` for the next tier, or None
         (gone, not a regular file, unreadable, or not of the size its
         header promises): never more than that size is read."""
@@ -381,7 +384,8 @@ class DiskStore(PrefixStore):
         except OSError:
             return None
         try:
-            if _format.entry_size(os.pread(fd, _format.HEAD_PROBE, 0)) != size:
+            if size > self.capacity_bytes or \
+                    _format.entry_size(os.pread(fd, _format.HEAD_PROBE, 0)) != size:
                 return None
             value = bytearray(size)
             if _read_into(fd, value) != size:
