@@ -29,13 +29,12 @@
   reached is skipped for its ``retry_interval`` seconds (default 1), so a dead server costs
   one timeout per interval, not one per call.
 """
+import collections
 import errno
 import threading
 import time
 import warnings
 import weakref
-
-import collections
 
 import numpy as np
 
@@ -117,7 +116,7 @@ class StoreTiers:
         self._pending = []
         self._down_until = [0.0] * len(stores)
         self._lock = threading.Lock()
-        # serial (or salt root id) -> identity digest, most recent last:
+        # registration serial -> identity digest, most recently used last:
         # serials are never reused, so an entry stays true; bounded (what
         # matters are the ancestors of blocks still cached)
         self._identities = collections.OrderedDict()
@@ -220,7 +219,7 @@ class StoreTiers:
         parent_words = parents.tolist()
         raw = np.ascontiguousarray(tokens, "<i4").tobytes()
         step = 4 * self._block_size
-        tokens = [raw[j * step:(j + 1) * step] for j in range(len(serials))]
+        token_bytes = [raw[j * step:(j + 1) * step] for j in range(len(serials))]
         batch = {s: j for j, s in enumerate(serials)}
         memo = self._identities
         out = []
@@ -230,7 +229,7 @@ class StoreTiers:
                 memo.move_to_end(serials[j])
                 out.append(digest)
                 continue
-            chain = [(serials[j], tokens[j])]   # (serial, token bytes), nearest first
+            chain = [(serials[j], token_bytes[j])]   # (serial, token bytes), nearest first
             below, ps, pw = serials[j], parent_serials[j], parent_words[j]
             while digest is None:
                 if ps < 0:
@@ -244,7 +243,7 @@ class StoreTiers:
                     break
                 k = batch.get(ps)
                 if k is not None:   # evicted in this batch
-                    chain.append((ps, tokens[k]))
+                    chain.append((ps, token_bytes[k]))
                     below, ps, pw = ps, parent_serials[k], parent_words[k]
                     continue
                 # still cached: the pool walks up its cache in one call
