@@ -4,8 +4,9 @@
 Restores an N-token prefix (default 2048 tokens of a 32-layer, 8-KV-head,
 head_dim-128 float16 model: 128 KiB a token, 256 MiB) into an empty pool
 with ``PagedKVCache.allocate`` (lookup, fetch, verify every entry's
-checksum, copy into the pool, register) from each store, and measures in
-the same run what moving the same bytes costs without kvcore:
+identity and checksum, copy into the pool, register) from each store, and
+measures in the same run what moving the same bytes costs without kvcore
+(and, for the HostStore, what spilling the prefix into it costs):
 
 * HostStore  vs  a plain memcpy (numpy.copyto) of the same number of bytes;
 * DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
@@ -138,6 +139,22 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None):
         dst = np.empty_like(src)
         base = _samples(lambda: np.copyto(dst, src), repeat)
         res["rows"]["host"] = {"kvcore": kv, "baseline": base, "baseline_name": "memcpy"}
+        # spill: the cached prefix evicted into the HostStore by a fresh
+        # prompt (export, identity digests, encode, checksum, put)
+        other = np.arange(10**6, 10**6 + tokens + 1, dtype=np.int32)
+
+        def cache_prefix():
+            setup()
+            seq = kvcore.PagedKVCache(pool)
+            assert seq.allocate(prompt) == tokens     # restored: cached again
+            seq.free()
+
+        def evict():
+            seq = kvcore.PagedKVCache(pool)
+            seq.allocate(other)
+            seq.free()
+
+        res["host_spill"] = _samples(evict, repeat, cache_prefix)
         # the same bytes scattered into the pool's blocks by NumPy, nothing
         # checked: what the block layout (a block is 2 * layers pieces, one
         # per plane, num_blocks * piece bytes apart) costs any restore
@@ -239,6 +256,9 @@ def report(res):
         ratio = statistics.median(row["baseline"]) / statistics.median(row["kvcore"])
         lines.append(f"{name:8} {_fmt(row['kvcore']):30} {_fmt(row['baseline']):30} "
                      f"{ratio:5.2f}x  {row['baseline_name']}")
+    if res.get("host_spill"):
+        lines.append(f"{'':8} (spill of the prefix into the HostStore, evicted by a fresh "
+                     f"prompt: {_fmt(res['host_spill']).strip()})")
     if "layout_copy" in res:
         lines.append(f"{'':8} (the same bytes copied into the pool's blocks by NumPy, nothing "
                      f"checked: {_fmt(res['layout_copy']).strip()}; host restore is "
