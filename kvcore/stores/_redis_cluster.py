@@ -159,15 +159,18 @@ class ClusterBatches:
         return pipe.execute(raise_on_error=False)
 
     def _node_failed(self, name, exc):
+        """The fault for node ``name`` whose pipeline raised ``exc``; a node
+        that timed out or could not be reached is left alone for
+        retry_interval and the slot map refreshed (a replica may take over)."""
         exceptions = self._redis.exceptions
         if isinstance(exc, (exceptions.TimeoutError, TimeoutError)):
             fault = NodeTimeout(f"cluster node {name} timed out ({exc}); its keys are misses")
-        elif isinstance(exc, (exceptions.ConnectionError, ConnectionError, OSError)):
+        elif isinstance(exc, (exceptions.ConnectionError, OSError)):
             fault = NodeUnreachable(f"cluster node {name} is unreachable ({exc}); its keys "
                                     f"are misses")
         else:
-            fault = NodeError(f"cluster node {name} failed: {type(exc).__name__}: {exc}; its "
-                              f"keys are misses")
+            return NodeError(f"cluster node {name} failed: {type(exc).__name__}: {exc}; its "
+                             f"keys are misses")
         with self._lock:
             self._down[name] = (time.monotonic() + self.retry_interval, fault)
             self._stale = True
@@ -186,7 +189,7 @@ class ClusterBatches:
         for j, command in enumerate(commands):
             try:
                 node = client.get_node_from_key(command[1])
-            except exceptions.SlotNotCoveredError as e:
+            except exceptions.RedisClusterException as e:     # a slot no node serves
                 self._fault(NodeUnreachable(f"{e}; its keys are misses"))
                 continue
             entry = groups.get(node.name)

@@ -152,8 +152,11 @@ class RedisStore(PrefixStore):
 
     def _cluster_batches(self, **where):
         """ClusterBatches over a RedisCluster made (on first use) from
-        ``where`` with this store's timeouts and no retries: a dead node
-        costs one timeout, then its keys are misses for retry_interval."""
+        ``where`` with this store's timeouts.  The batches never go through
+        the client's own retries (a dead node costs one timeout, then its
+        keys are misses for retry_interval); only making the client does:
+        it asks the first primary for COMMAND and, when that one is down,
+        needs a retry to ask another."""
         import redis.cluster
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -163,7 +166,7 @@ class RedisStore(PrefixStore):
         def make():
             return redis.cluster.RedisCluster(
                 socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                retry=Retry(NoBackoff(), 0), require_full_coverage=False, **where)
+                retry=Retry(NoBackoff(), 3), require_full_coverage=False, **where)
 
         return ClusterBatches(make, self.retry_interval)
 
@@ -219,7 +222,9 @@ class RedisStore(PrefixStore):
         px = None if self.ttl is None else max(1, int(self.ttl * 1000))
         if self._nodes is not None:
             expiry = () if px is None else ("PX", px)
-            done = self._nodes.run([("SET", self._key(k), v) + expiry for k, v in items])
+            # (a memoryview: the entry is sent without a copy)
+            done = self._nodes.run([("SET", self._key(k), v if isinstance(v, bytes) else
+                                     memoryview(v).cast("B")) + expiry for k, v in items])
             # what a failed node did not take goes on, like dropped entries
             return [item for item, ok in zip(items, done) if ok is _FAILED]
         pipe = self._client.pipeline(transaction=False)
