@@ -64,6 +64,7 @@ class ClusterBatches:
         self._client = None
         self.retry_interval = retry_interval
         self._lock = threading.Lock()
+        self._client_lock = threading.Lock()   # making the client (may take timeouts)
         self._down = {}              # node name -> (retry after, exception)
         self._stale = False          # the slot map may be out of date
         self._refreshed = 0.0        # when the slot map was last asked for
@@ -80,7 +81,7 @@ class ClusterBatches:
         client = self._client
         if client is not None:
             return client
-        with self._lock:
+        with self._client_lock:
             if self._client is None:
                 try:
                     self._client = self._make_client()
