@@ -436,3 +436,46 @@ def test_failover_to_a_replica_brings_the_hits_back(fresh_cluster):
         check_hit(pool, LONG, 10)
     pool.check()
     store.close()
+
+
+def test_a_moved_slot_is_a_miss_then_hits_where_it_went(fresh_cluster):
+    c = fresh_cluster()
+    store = c.store()
+    pool = make_pool(num_blocks=16, stores=[store])
+    run(pool, LONG)
+    flush_pool(pool)
+    # move the slot of block 2 to another master, keys and all (what
+    # resharding does), behind the store's back
+    from redis.crc import key_slot
+    key = redis_key(LONG, 2)
+    slot, source = key_slot(key), c.owner(key)
+    target = next(p for p in c.master_ports if p != source)
+    src, dst = c.node(source), c.node(target)
+    sid, tid = (n.execute_command("CLUSTER MYID").decode() for n in (src, dst))
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", sid)
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", tid)
+    keys = [k if isinstance(k, bytes) else k.encode()
+            for k in src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)]
+    assert key in keys
+    src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+    for p in c.master_ports:
+        c.node(p).execute_command("CLUSTER SETSLOT", slot, "NODE", tid)
+    time.sleep(RETRY)                 # the store may refresh its slot map now
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")    # a moved key is no failure: no warning
+        # the store still sends block 2 to its old master, which answers
+        # MOVED: a miss from there on, and a refresh of the slot map
+        check_hit(pool, LONG, 2)
+        deadline = time.monotonic() + 10
+        while True:
+            seq = kvcore.PagedKVCache(pool)
+            hit = seq.allocate(LONG)
+            seq.free()
+            pool.reset_prefix_cache()
+            if hit == 40 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert hit == 40
+        check_hit(pool, LONG, 10)
+    assert pool.stats()["stores"][0]["failures"] == 0
+    store.close()
