@@ -198,9 +198,6 @@ def _cluster_row(binary, cli, directory, prompt, rng, tokens, layers, heads, dim
         pool = _pool(tokens, layers, heads, dim, [store])
         expect = _fill(pool, prompt, rng)
         setup, restore, check = _restore_fn(pool, prompt, expect)
-        kv = _samples(restore, repeat, setup)
-        check()
-        setup()
         # the same keys, where the cluster keeps them: each master's own
         nodes = [redis.Redis(host="127.0.0.1", port=p) for p in ports]
         owned = [n.keys(b"kvcore:bench:*") for n in nodes]
@@ -212,9 +209,22 @@ def _cluster_row(binary, cli, directory, prompt, rng, tokens, layers, heads, dim
                 pipe.get(k)
             return pipe.execute()
 
+        # the three interleaved, sample by sample: on a shared machine the
+        # load drifts, and must not favour whichever ran last
+        kv, base, serial = [], [], []
         with ThreadPoolExecutor(len(nodes)) as ex:
-            base = _samples(lambda: list(ex.map(node_get, range(len(nodes)))), repeat)
-        serial = _samples(lambda: [node_get(i) for i in range(len(nodes))], repeat)
+            for i in range(repeat + 1):          # the first is a warm-up
+                for out, fn in ((kv, restore),
+                                (base, lambda: list(ex.map(node_get, range(len(nodes))))),
+                                (serial, lambda: [node_get(j) for j in range(len(nodes))])):
+                    setup()
+                    t0 = time.perf_counter()
+                    fn()
+                    if i:
+                        out.append(time.perf_counter() - t0)
+                    if fn is restore:
+                        check()
+        setup()
         store.close()
         del pool
         return {"kvcore": kv, "baseline": base,
