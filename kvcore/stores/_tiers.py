@@ -123,12 +123,12 @@ class StoreTiers:
         self._identity_cap = pool.num_blocks + 1024
 
     # ------------------------------------------------------------ faults
-    def _fail(self, i, exc, count=True, op=None):
+    def _fail(self, i, exc, count=True, op=None, skip=True):
         cond = _condition(exc)
         with self._lock:
             if count:
                 self._stats[i]["failures"] += 1
-            if cond in ("timeout", "unreachable"):
+            if skip and cond in ("timeout", "unreachable"):
                 self._down_until[i] = time.monotonic() + float(
                     getattr(self.stores[i], "retry_interval", 1.0))
             if cond not in self._warned[i]:
@@ -151,6 +151,21 @@ class StoreTiers:
             with self._lock:
                 for cond in [c for c, o in warned.items() if o == op and c in _TRANSIENT]:
                     del warned[cond]
+
+    def _done(self, i, op, count=True):
+        """Operation ``op`` of store ``i`` returned: the faults it reports
+        although it returned (``take_faults()``, e.g. a cluster node down
+        whose keys were misses) are warned of, without skipping the store
+        (its other keys work); with none, as ``_ok``."""
+        take = getattr(self.stores[i], "take_faults", None)
+        try:
+            faults = take() if callable(take) else ()
+        except Exception as e:
+            faults = [e]
+        for e in faults:
+            self._fail(i, e, count=count, op=op, skip=False)
+        if not faults and count:
+            self._ok(i, op)
 
     def _up(self, i):
         return time.monotonic() >= self._down_until[i]
@@ -295,7 +310,7 @@ class StoreTiers:
                     passed_over = list(getattr(e, "dropped", None) or ()) + items
                 else:
                     taken = True
-                    self._ok(i, "put")
+                    self._done(i, "put")
                     with self._lock:
                         st = self._stats[i]
                         st["puts"] += len(items)
@@ -353,8 +368,8 @@ class StoreTiers:
                 # retry_interval, and warned of, without counting a failure)
                 self._fail(i, e, count=count, op="contains")
                 continue
+            self._done(i, "contains", count)
             if count:
-                self._ok(i, "contains")
                 with self._lock:
                     self._stats[i]["lookups"] += 1
             n = max(0, min(n, stop - at))
@@ -416,7 +431,7 @@ class StoreTiers:
             except Exception as e:
                 self._fail(i, e, op="get")
                 break
-            self._ok(i, "get")
+            self._done(i, "get")
             complete = len(values) == end - start
             blocks, pays, seeds, checks, sizes = [], [], [], [], []
             for b, v in zip(range(start, end), values):
