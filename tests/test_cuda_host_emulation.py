@@ -256,6 +256,15 @@ class EmulatedBackend(CudaBackend):
         self.launches = []
         self.uploads = []
         self.downloads = []
+        self.fences = []      # what was issued before each stream synchronisation
+        self.launch_args = []  # the argument list of every launch, as given
+
+    def _fence(self):
+        self.fences.append(len(self.launches))
+
+    def _is_pinned(self, h):
+        return False
+
 
     def _ctx(self):
         return contextlib.nullcontext()
@@ -297,10 +306,14 @@ class EmulatedBackend(CudaBackend):
                 if file != _sources.COPY_FILE or a.dtype == np.int32:
                     assert a.itemsize == code, (
                         f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
+                # a GPU faults on an access off its size's alignment (x86 does not)
+                assert a.ctypes.data % code == 0, (
+                    f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
                 v = ctypes.c_void_p(a.ctypes.data)
             keep.append(v)
             params[k] = ctypes.addressof(v)
         self.launches.append((name, rows, chunks))
+        self.launch_args.append((name, list(args)))
         if rows <= 0 or chunks <= 0:
             return
         self._lib.run(name, rows, chunks, params)
@@ -327,6 +340,8 @@ class EmulatedBackend(CudaBackend):
                 assert isinstance(a, DevArray), (name, k, type(a))
                 assert a.itemsize == code, (
                     f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
+                assert a.ctypes.data % code == 0, (
+                    f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
                 v = ctypes.c_void_p(a.ctypes.data)
             keep.append(v)
             params[k] = ctypes.addressof(v)
@@ -1004,3 +1019,73 @@ def test_paged_attention_over_lowprec_pages_checks_the_scales(emulated_cuda, dty
     assert be.launches == []
     be.paged_attention(*args, lowprec=good)
     assert len(be.launches) == 1
+
+
+# ------------------------------ issue 23: streams, host copies (emulated)
+
+def test_a_cuda_pool_is_filled_before_any_stream_uses_it(emulated_cuda):
+    """Issue 23, item 2: the zero fill of a pool's storage (and int8 scales)
+    is waited for before the pool is handed out, so a write issued on
+    another stream cannot run before it (or be overwritten by it)."""
+    import kvcore
+
+    for dtype in ("float16", "int8"):
+        del emulated_cuda.fences[:]
+        pool = kvcore.BlockPool(8, 4, 2, 2, 16, dtype=dtype, device="cuda")
+        planes = 2 if dtype == "int8" else 1   # storage (+ scales)
+        assert len(emulated_cuda.fences) >= planes, dtype
+        assert not _get(pool.storage).any()
+
+
+def _claim_tables(be):
+    """The owner-table address of every kv_claim_slots launch so far."""
+    return [args[0].ctypes.data for name, args in be.launch_args if name == "kv_claim_slots"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn", "int8"])
+def test_each_layer_writes_through_its_own_slot_owner_table(emulated_cuda, dtype):
+    """Issue 23, item 2: two layers written on two streams must not share
+    the claim/release state (one write's release would reset the entries
+    the other's kernels read, dropping its K/V).  Each layer claims in a
+    table of its own, the same table every time (a CUDA graph keeps its
+    address), filled on the stream of its first write (nothing copied up);
+    the data is the CPU pool's."""
+    import kvcore
+
+    kw = {"kv_scales": [(0.5, 2.0)] * 3} if dtype.startswith("float8") else {}
+    cpu = kvcore.BlockPool(8, 4, 3, 2, 16, dtype=dtype, **kw)
+    gpu = kvcore.BlockPool(8, 4, 3, 2, 16, dtype=dtype, device="cuda", **kw)
+    rng = np.random.default_rng(23)
+    slots = np.array([3, 7, 3, -1, 30], np.int64)
+    for layer in (0, 2, 1, 0, 2):
+        k = rng.standard_normal((5, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((5, 2, 16)).astype(np.float32)
+        cpu.write(layer, k, v, slots)
+        gpu.write(layer, _put(k), _put(v), _put(slots) if layer == 1 else slots)
+    tables = _claim_tables(emulated_cuda)
+    assert len(tables) == 5
+    assert len({tables[0], tables[1], tables[2]}) == 3      # one table per layer
+    assert tables[3] == tables[0] and tables[4] == tables[1]  # and always the same
+    _same(gpu.storage, cpu.storage)
+    if dtype == "int8":
+        _same(gpu.scales, cpu.scales)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_copies_between_a_gpu_and_pageable_host_memory_wait(emu_lib, pinned):
+    """Issue 23, item 3: copy_blocks_between into (or out of) pageable host
+    memory waits for its copies before returning, so the host array may be
+    read or reused at once; pinned memory stays asynchronous."""
+    be = EmulatedBackend(emu_lib)
+    be._is_pinned = lambda h: pinned
+    rng = np.random.default_rng(24)
+    bits = rand_bits(rng, (2, 6, 2, 4, 8), F16)
+    host = np.zeros((2, 6, 2, 4, 8), np.float16)
+    dev_storage = _put(bits)
+    for src, dst in ((dev_storage, host), (host, dev_storage)):
+        del be.fences[:]
+        be.copy_blocks_between(src, np.array([1, 2, 5]), dst, np.array([0, 1, 3]))
+        assert len(be.fences) == (0 if pinned else 1)
+        if dst is host:
+            assert_bits_equal(host[:, [0, 1, 3]], bits[:, [1, 2, 5]])
+    assert_bits_equal(_get(dev_storage)[:, [0, 1, 3]], host[:, [1, 2, 5]])
