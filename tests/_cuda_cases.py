@@ -1249,10 +1249,6 @@ def test_copy_blocks_of_one_byte_storage(dev, qk, geometry):
         assert_bits_equal(dev.get(other)[:, dst], a[:, src])
 
 
-__all__ = [name for name in dir() if name.startswith("test_")] + [
-    "DeviceUnderTest", "assert_bits_equal", "rand_bits", "PAIRS", "PAIR_IDS", "KINDS"]
-
-
 # ------------------------------- issue 23, item 5: misaligned out= views
 
 def _misaligned_zeros(dev, shape, dtype):
@@ -1341,3 +1337,7 @@ def test_paged_attention_into_a_misaligned_out(dev):
     bad = _misaligned_zeros(dev, (nb, kv_heads, bs, dim), np.float16)
     with pytest.raises(ValueError, match="key_cache must be aligned to its itemsize"):
         dev.be.paged_attention(dev.put(q_host), out, bad, vc, *args)
+
+
+__all__ = [name for name in dir() if name.startswith("test_")] + [
+    "DeviceUnderTest", "assert_bits_equal", "rand_bits", "PAIRS", "PAIR_IDS", "KINDS"]
