@@ -413,3 +413,53 @@ def test_attention_keeps_subnormal_values_as_the_cpu_does(be, kind):
     # the contract's 1e-5 relative (max abs error / max abs value); a value
     # flushed to zero is off by all of it
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_32_layer_decode_step_captures_into_a_graph_and_replays_the_same_bits(be):
+    """Issue 23, item 6: with the attention plan made once (its metadata on
+    the device), a decode step of 32 layers of ``pool.write(check=False)``
+    and ``attention_run`` copies nothing and syncs nothing: it captures into
+    a CUDA graph, and a replay gives the bits of the step run directly."""
+    rng = np.random.default_rng(234)
+    layers, heads, kv_heads, bs, dim, batch, ctx = 32, 8, 2, 16, 128, 4, 100
+    per_seq = -(-ctx // bs)
+    nblk = batch * per_seq + 1
+    pool = kvcore.BlockPool(nblk, bs, layers, kv_heads, dim, dtype="float16", device=be.device)
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    lens = np.full(batch, ctx, np.int64)
+    qsl = np.arange(batch + 1, dtype=np.int64)
+    hist = rng.standard_normal((batch * per_seq * bs, kv_heads, dim)).astype(np.float32)
+    for layer in range(layers):   # the context before this step
+        pool.write(layer, cupy.asarray(hist), cupy.asarray(hist[::-1].copy()),
+                   np.arange(len(hist)))
+    plan = be.attention_plan(tables, lens, qsl, num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=dim, block_size=bs, num_blocks=nblk, kind=F16,
+                             scale=dim ** -0.5, sliding_window=0, soft_cap=0.0)
+    cupy.cuda.runtime.deviceSynchronize()   # the setup above ran on the legacy stream
+    slots_h = tables[:, (ctx - 1) // bs].astype(np.int64) * bs + (ctx - 1) % bs
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q = cupy.asarray(rng.standard_normal((layers, batch, heads, dim)).astype(np.float32))
+        k = cupy.asarray(rng.standard_normal((layers, batch, kv_heads, dim)).astype(np.float32))
+        v = cupy.asarray(rng.standard_normal((layers, batch, kv_heads, dim)).astype(np.float32))
+        slots = cupy.asarray(slots_h)
+        outs = cupy.zeros((layers, batch, heads, dim), cupy.float32)
+
+        def step():
+            for layer in range(layers):
+                pool.write(layer, k[layer], v[layer], slots, check=False)
+                be.attention_run(plan, q[layer], outs[layer], pool.storage[2 * layer],
+                                 pool.storage[2 * layer + 1])
+
+        step()   # warm-up: compiles the kernels, makes each layer's owner table
+        stream.synchronize()
+        want, want_storage = cupy.asnumpy(outs), cupy.asnumpy(pool.storage)
+        outs.fill(0)
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        graph.launch(stream=stream)
+    stream.synchronize()
+    assert (want != 0).any()
+    assert_bits_equal(cupy.asnumpy(outs), want)
+    assert_bits_equal(cupy.asnumpy(pool.storage), want_storage)

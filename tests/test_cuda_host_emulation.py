@@ -265,6 +265,9 @@ class EmulatedBackend(CudaBackend):
     def _is_pinned(self, h):
         return False
 
+    def _record_event(self):
+        return None   # one host thread: every launch is complete on return
+
 
     def _ctx(self):
         return contextlib.nullcontext()
@@ -1089,3 +1092,84 @@ def test_copies_between_a_gpu_and_pageable_host_memory_wait(emu_lib, pinned):
         if dst is host:
             assert_bits_equal(host[:, [0, 1, 3]], bits[:, [1, 2, 5]])
     assert_bits_equal(_get(dev_storage)[:, [0, 1, 3]], host[:, [1, 2, 5]])
+
+
+# --------------------- issue 23, item 6: attention plan once, run per layer
+
+@pytest.mark.parametrize("kind_name", ["float16", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("split_keys", [None, 8])   # 8: several splits, merge rows
+def test_attention_plan_uploads_once_and_runs_each_layer_with_launches_only(
+        emu_lib, monkeypatch, kind_name, split_keys):
+    """CudaBackend.attention_plan puts the step's metadata on the device
+    once; attention_run then only launches (nothing copied up or down, no
+    host sync: what a CUDA graph captures) and gives, layer after layer,
+    the bits of paged_attention, which is run(plan(...)), within the
+    contract's 1e-5 of the float64 reference."""
+    from kvcore import dtypes
+    from kvcore.backends.base import fp8_encode
+    from kvcore.backends.cuda import attention_kernels
+    from kvcore.backends.reference import paged_attention_reference
+
+    if split_keys is not None:
+        monkeypatch.setattr(attention_kernels, "SPLIT_KEYS", split_keys)
+    be = EmulatedBackend(emu_lib)
+    kind = dtypes.storage_kind(kind_name)
+    rng = np.random.default_rng([60, kind, split_keys or 0])
+    tables, lens, qsl, q = _attention_batch(rng)
+    num_blocks, kv_heads, bs, dim = 10, 2, 8, 64
+    layers, lowprec = [], None
+    for _ in range(3):
+        vals = rng.standard_normal((2, num_blocks, kv_heads, bs, dim)).astype(np.float32)
+        if kind == F16:
+            pages = vals.astype(np.float16)
+        elif kind == BF16:
+            pages = (vals.view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            pages = np.stack([fp8_encode(vals[i], kind, 0.5) for i in (0, 1)])
+            lowprec = (None, None, 0.5, 0.5)
+        layers.append((pages, _put(pages[0]), _put(pages[1])))
+    plan = be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=kv_heads,
+                             head_dim=dim, block_size=bs, num_blocks=num_blocks, kind=kind,
+                             scale=0.125, sliding_window=30, soft_cap=0.0, num_threads=1)
+    assert len(be.uploads) == (6 if split_keys else 5)
+    dq = _put(q)
+    outs = []
+    be.uploads.clear()
+    for _, k, v in layers:
+        out = _put(np.zeros(q.shape, np.float32))
+        be.attention_run(plan, dq, out, k, v, lowprec)
+        outs.append(_get(out))
+    assert be.uploads == [] and be.downloads == []
+    merges = [n for n, _, _ in be.launches if n.startswith("kva_attention_merge")]
+    assert len(merges) == (3 if split_keys else 0)
+    for (pages, k, v), got in zip(layers, outs):
+        once = _put(np.zeros(q.shape, np.float32))
+        be.paged_attention(dq, once, k, v, kind, tables, lens, qsl, 0.125, 30, 0.0, lowprec)
+        assert_bits_equal(got, _get(once))
+        ref_kw = {} if lowprec is None else {"key_scales": 0.5, "value_scales": 0.5}
+        want = np.asarray(paged_attention_reference(
+            q, pages[0], pages[1], tables, lens, qsl, scale=0.125, sliding_window=30,
+            kind=kind_name, **ref_kw))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_attention_run_checks_what_it_is_given_against_the_plan(emu_lib):
+    be = EmulatedBackend(emu_lib)
+    rng = np.random.default_rng(61)
+    tables, lens, qsl, q = _attention_batch(rng)
+    plan = be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=8, num_blocks=10, kind=F16, scale=0.125,
+                             sliding_window=0, soft_cap=0.0, num_threads=1)
+    k = _put(np.zeros((10, 2, 8, 64), np.float16))
+    out = _put(np.zeros(q.shape, np.float32))
+    with pytest.raises(ValueError, match=r"q must have the planned shape \(4, 8, 64\)"):
+        be.attention_run(plan, _put(q[:3]), out, k, k)
+    with pytest.raises(ValueError, match=r"key_cache must have the planned shape"):
+        be.attention_run(plan, _put(q), out, k[:9], k)
+    with pytest.raises(TypeError, match="plan must come from this backend's attention_plan"):
+        be.attention_run(object(), _put(q), out, k, k)
+    with pytest.raises(ValueError, match="head_dim in"):
+        be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=2, head_dim=48,
+                          block_size=8, num_blocks=10, kind=F16, scale=0.125,
+                          sliding_window=0, soft_cap=0.0, num_threads=1)
+    assert not _get(out).any()   # nothing ran

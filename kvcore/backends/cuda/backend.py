@@ -124,6 +124,18 @@ class CudaBackend(Backend):
         copy to or from pageable memory)."""
         self._cp.cuda.get_current_stream().synchronize()
 
+    def _record_event(self):
+        """An event recorded on the current stream (what was issued so far)."""
+        return self._cp.cuda.get_current_stream().record()
+
+    def _wait_event(self, event):
+        """Order the current stream's next work after ``event``: nothing to
+        do once it has completed (a query, not a wait: no host sync, and a
+        CUDA graph capture sees no cross-stream dependency), else a
+        device-side wait."""
+        if event is not None and not event.done:
+            self._cp.cuda.get_current_stream().wait_event(event)
+
     def _is_pinned(self, h):
         """Whether host array ``h`` lies in page-locked (pinned) memory."""
         try:
@@ -1083,31 +1095,82 @@ class CudaBackend(Backend):
                          rows, dim // v,
                          [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
 
-    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
-        """``kvcore.paged_attention`` on this device (``kernels/attention.cu``).
+    # ------------------------------------------------------------- attention
+    def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
+                       num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
+                       sliding_window, soft_cap, num_threads=None):
+        """Plan attention calls of one step (``kernels/attention.cu``): the
+        work split and every index array, uploaded once, living on the
+        device.
 
-        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device arrays
-        key_cache, value_cache : ``(num_blocks, kv_heads, block_size, head_dim)``
-            device views of the pool's storage (bits of ``kind``), rows contiguous
-        block_tables, seq_lens, query_start_loc : host int32 / int64 / int64
-            arrays, already checked (kvcore/attention.py)
-        sliding_window, soft_cap : 0 when off
-        lowprec : fp8 / int8 pages only (None for float pages), as the CPU
-            kernel takes it: ``(key_scales, value_scales, k_scale, v_scale)``;
-            int8: float32 device arrays ``(num_blocks, kv_heads, block_size)``
-            (the pool's scale planes of the layer) and 1.0, 1.0; fp8: None,
-            None and the layer's finite positive scales.  A stored value
-            reads as ``element * scale`` (the pool's rule).
+        block_tables, seq_lens, query_start_loc : host int32 / int64 /
+            int64 arrays, already checked by the public layer (every block
+            id a run can read in ``0..num_blocks-1``)
+        scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
+        num_threads : ignored (the GPU's split is sized by the plan)
+
+        Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
+        are issued on the current stream and an event records their end: a
+        run on another stream waits for it (on the device), so the plan may
+        be made on one stream and run on others.
         """
-        scales = self._attention_scales(kind, key_cache, lowprec)
         ak = attention_kernels
-        num_tokens, num_heads, dim = q.shape
-        kv_heads, bs = key_cache.shape[1], key_cache.shape[2]
+        dim = int(head_dim)
         if dim not in ak.HEAD_DIMS:
             raise ValueError(f"the CUDA attention kernels take head_dim in {ak.HEAD_DIMS}, "
                              f"got {dim}")
+        qsl_h = np.ascontiguousarray(query_start_loc, np.int64)
+        num_tokens = int(qsl_h[-1]) if qsl_h.size else 0
+        plan = CudaAttentionPlan(
+            num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+            head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
+            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
         if num_tokens == 0:
+            return plan
+        items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
+                                            plan.sliding_window)
+        self._check_rows(len(items), "paged_attention (work items)")
+        with self._ctx():
+            plan.items = self._upload(items)
+            plan.nsplit = self._upload(nsplit)
+            plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
+            plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
+            plan.qsl = self._upload(qsl_h)
+            if len(merge_rows):
+                plan.merge_rows = self._upload(merge_rows)
+                plan.partials = self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)),
+                                              np.float32)
+            plan.ready = self._record_event()
+        return plan
+
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+        """Run a ``CudaAttentionPlan`` on one layer: launches only (no
+        upload, no allocation, no host sync), so a step of runs can be
+        captured in a CUDA graph.
+
+        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device
+            arrays (a misaligned one goes through an aligned temporary)
+        key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
+            head_dim)`` device views of the pool's storage (bits of the
+            plan's kind), rows contiguous
+        lowprec : as for ``paged_attention``
+
+        The plan's partials buffer belongs to it: runs of one plan are
+        issued on one stream at a time (as the layers of a step are).
+        """
+        if not isinstance(plan, CudaAttentionPlan):
+            raise TypeError(f"plan must come from this backend's attention_plan, got "
+                            f"{type(plan).__name__}")
+        want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
+        want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
+        for arg, a, want in (("q", q, want_q), ("out", out, want_q),
+                             ("key_cache", key_cache, want_kv),
+                             ("value_cache", value_cache, want_kv)):
+            if tuple(a.shape) != want:
+                raise ValueError(f"{arg} must have the planned shape {want}, got "
+                                 f"{tuple(a.shape)}")
+        scales = self._attention_scales(plan.kind, key_cache, lowprec)
+        if plan.num_tokens == 0:
             return
         for arg, a in (("key_cache", key_cache), ("value_cache", value_cache)):
             if self._misaligned(a):  # a misaligned load faults on the GPU
@@ -1115,33 +1178,44 @@ class CudaBackend(Backend):
                     f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
                     f"{self._ptr(a):#x} and strides {a.strides}")
         self._deliverable(out)
-        items, nsplit, merge_rows = ak.plan(query_start_loc, seq_lens, num_heads, kv_heads,
-                                            sliding_window)
-        self._check_rows(len(items), "paged_attention (work items)")
+        ak = attention_kernels
         with self._ctx():
+            self._wait_event(plan.ready)
             q = self._aligned_input(q)
             target = out if out.flags.c_contiguous and not self._misaligned(out) \
                 else self.xp.empty(out.shape, out.dtype)
-            d_items = self._upload(items)
-            d_nsplit = self._upload(nsplit)
-            tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
-            lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
-            qsl = self._upload(np.ascontiguousarray(query_start_loc, np.int64))
-            partials = (self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)), np.float32)
-                        if len(merge_rows) else None)
             cs = self._estrides(key_cache, (0, 1, 2))
-            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(kind, dim), len(items),
-                              ak.THREADS,
-                              [target, partials, q, key_cache, value_cache, tables, lens, qsl,
-                               d_items, d_nsplit, num_heads, tables.shape[1], bs,
-                               cs[0], cs[1], cs[2], float(scale), int(sliding_window),
-                               float(soft_cap), *scales])
-            if len(merge_rows):
-                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(dim), len(merge_rows),
-                                  ak.MERGE_THREADS,
-                                  [target, partials, self._upload(merge_rows), d_nsplit,
-                                   num_heads])
+            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(plan.kind, plan.head_dim),
+                              plan.items.shape[0], ak.THREADS,
+                              [target, plan.partials, q, key_cache, value_cache, plan.tables,
+                               plan.lens, plan.qsl, plan.items, plan.nsplit, plan.num_heads,
+                               plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
+                               plan.scale, plan.sliding_window, plan.soft_cap, *scales])
+            if plan.merge_rows is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
+                                  plan.merge_rows.shape[0], ak.MERGE_THREADS,
+                                  [target, plan.partials, plan.merge_rows, plan.nsplit,
+                                   plan.num_heads])
             self._deliver_bits(target, out)
+
+    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+        """``kvcore.paged_attention`` on this device: ``attention_run`` of a
+        fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
+        int8 pages only, as the CPU kernel takes it: ``(key_scales,
+        value_scales, k_scale, v_scale)``; int8: float32 device arrays
+        ``(num_blocks, kv_heads, block_size)`` (the pool's scale planes of
+        the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
+        positive scales).  A stored value reads as ``element * scale``.
+        """
+        # the scales are checked before anything is planned or uploaded
+        self._attention_scales(kind, key_cache, lowprec)
+        plan = self.attention_plan(
+            block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
+            num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
+            num_blocks=key_cache.shape[0], kind=kind, scale=scale,
+            sliding_window=sliding_window, soft_cap=soft_cap)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
 
     def _attention_scales(self, kind, key_cache, lowprec):
         """The scale arguments of kva_attention_split for pages of ``kind``
@@ -1198,6 +1272,24 @@ class CudaBackend(Backend):
         """Wait for everything issued on this device's current stream."""
         with self._ctx():
             self._cp.cuda.get_current_stream().synchronize()
+
+
+class CudaAttentionPlan:
+    """``CudaBackend.attention_plan``'s result: the shape of a step's
+    attention and its device metadata (item table, split counts, block
+    tables, lengths, query starts, merge rows, the partials buffer)."""
+
+    __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
+                 "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
+                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready")
+
+    def __init__(self, **shape):
+        for name in self.__slots__:
+            setattr(self, name, shape.get(name))
+
+    def __repr__(self):
+        return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "
+                f"over {self.num_kv_heads} KV heads x {self.head_dim}, kind {self.kind}>")
 
 
 class SlotOwners:
