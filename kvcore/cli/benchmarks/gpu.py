@@ -242,10 +242,14 @@ def _attention(be, cp, cp_time, ceiling, rng, quick):
                     heads = HEADS * group
                     q = cp.asarray(rng.standard_normal((batch, heads, DIM), dtype=np.float32))
                     o = cp.empty_like(q)
+                    # planned once per step, run once per layer: the run is timed
+                    plan = be.attention_plan(
+                        tables, lens, qsl, num_heads=heads, num_kv_heads=HEADS, head_dim=DIM,
+                        block_size=BLOCK_SIZE, num_blocks=num_blocks, kind=kind,
+                        scale=DIM ** -0.5, sliding_window=0, soft_cap=0.0)
 
                     def call():
-                        be.paged_attention(q, o, pages[0], pages[1], kind, tables, lens, qsl,
-                                           DIM ** -0.5, 0, 0.0, lowprec)
+                        be.attention_run(plan, q, o, pages[0], pages[1], lowprec)
 
                     t = cp_time(call, kv_bytes)
                     rows.append({"op": "decode", "page": page, "batch": batch,
@@ -268,7 +272,57 @@ def _attention(be, cp, cp_time, ceiling, rng, quick):
     flops = 4 * PREFILL_HEADS * DIM * n * (n + 1) / 2
     rows.append({"op": "prefill", "page": "float16", "batch": 1, "context": n,
                  "group": PREFILL_HEADS // HEADS, "s": t, "tflops": flops / t / 1e12})
+    del pages
+    rows.append(_captured_step(be, cp, cp_time, rng))
     return rows
+
+
+def _captured_step(be, cp, cp_time, rng, layers=32, batch=64, context=4096, group=4):
+    """One decode step (``layers`` x (``pool.write`` of one token per
+    sequence, ``check=False``, + ``attention_run``)) captured in a CUDA graph;
+    the row times a replay (or says why the capture failed)."""
+    import kvcore
+
+    per_seq = context // BLOCK_SIZE
+    nblk = batch * per_seq + 1
+    pool = kvcore.BlockPool(nblk, BLOCK_SIZE, layers, HEADS, DIM, dtype="float16",
+                            device=be.device)
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    lens = np.full(batch, context, np.int64)
+    qsl = np.arange(batch + 1, dtype=np.int64)
+    heads = HEADS * group
+    plan = be.attention_plan(tables, lens, qsl, num_heads=heads, num_kv_heads=HEADS,
+                             head_dim=DIM, block_size=BLOCK_SIZE, num_blocks=nblk, kind=F16,
+                             scale=DIM ** -0.5, sliding_window=0, soft_cap=0.0)
+    row = {"op": "decode step (graph)", "page": "float16", "batch": batch, "context": context,
+           "group": group, "layers": layers}
+    cp.cuda.runtime.deviceSynchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            q = cp.asarray(rng.standard_normal((layers, batch, heads, DIM), dtype=np.float32))
+            k = cp.asarray(rng.standard_normal((layers, batch, HEADS, DIM), dtype=np.float32))
+            slots = cp.asarray(tables[:, -1].astype(np.int64) * BLOCK_SIZE + BLOCK_SIZE - 1)
+            outs = cp.empty_like(q)
+
+            def step():
+                for layer in range(layers):
+                    pool.write(layer, k[layer], k[layer], slots, check=False)
+                    be.attention_run(plan, q[layer], outs[layer], pool.storage[2 * layer],
+                                     pool.storage[2 * layer + 1])
+
+            step()
+            stream.synchronize()
+            stream.begin_capture()
+            step()
+            graph = stream.end_capture()
+            kv_bytes = layers * 2 * batch * context * HEADS * DIM * 2
+            row["s"] = cp_time(lambda: graph.launch(stream=stream), kv_bytes)
+            row["kv_gbps"] = kv_bytes / row["s"] / 1e9
+    except Exception as e:  # noqa: BLE001 - reported in the table, not raised
+        row["error"] = f"{type(e).__name__}: {e}"[:160]
+    stream.synchronize()
+    return row
 
 
 def report(r):
@@ -294,10 +348,16 @@ def report(r):
                   "| tokens/s | TFLOP/s |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for x in att:
+            if "error" in x:
+                lines.append(f"| {x['op']} | {x['page']} | {x['batch']} | {x['context']} "
+                             f"| {x['group']} | failed: {x['error']} | | | | |")
+                continue
             if x["op"] == "decode":
                 tail = f"{x['kv_gbps']:.0f} | {x['frac']:.0%} | {x['tokens_per_s']:.0f} | - |"
-            else:
+            elif x["op"] == "prefill":
                 tail = f"- | - | - | {x['tflops']:.2f} |"
+            else:   # the captured step: all its layers
+                tail = f"{x['kv_gbps']:.0f} | - | {x['batch'] / x['s']:.0f} | - |"
             lines.append(f"| {x['op']} | {x['page']} | {x['batch']} | {x['context']} "
                          f"| {x['group']} | {x['s'] * 1e6:.1f} | " + tail)
         if r.get("torch_bf16_tflops"):
