@@ -380,7 +380,14 @@ class CudaBackend(Backend):
         return a
 
     def _contiguous_copy(self, a):
-        """A C-contiguous copy of ``a`` (always a copy), moved as integers."""
+        """A C-contiguous copy of ``a`` (always a copy), moved as integers;
+        a misaligned ``a`` as bytes (an element copy would make the
+        misaligned loads that fault on a GPU), which needs its last axis
+        contiguous (else ValueError)."""
+        if self._misaligned(a) and a.ndim:
+            self._deliverable(a, "an input")
+            b = self.xp.array(a.view(np.uint8), order="C", copy=True)
+            return b.view(a.dtype)
         b = a.view(_bits_dtype(a.dtype))
         return self.xp.array(b, order="C", copy=True).view(a.dtype)
 
@@ -678,7 +685,8 @@ class CudaBackend(Backend):
                                       if n > 1))
 
     def _aligned_input(self, a):
-        """``a``, or an aligned C-contiguous copy of it when it is misaligned."""
+        """``a``, or an aligned C-contiguous copy of it when it is misaligned
+        (see ``_contiguous_copy``)."""
         return self._contiguous_copy(a) if self._misaligned(a) else a
 
     def _deliver_bits(self, tmp, out):
