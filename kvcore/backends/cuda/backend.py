@@ -7,14 +7,17 @@ CuPy itself; the guard in ``kvcore/backends/cuda/__init__.py`` hands the module 
 
 Streams and graphs: every kernel and copy is issued on CuPy's current stream
 of the backend's device (``cupy.cuda.get_current_stream()``) and nothing
-here waits for the device, except ``to_host``, ``synchronize`` and
-``copy_blocks_between`` into pageable host memory (where CUDA itself
-blocks).  A step can therefore be captured into a CUDA graph, provided the
-index arrays (slots, block tables, ids, lengths) are passed as device
-arrays: a NumPy index array is copied up from host memory, which a graph
-capture does not allow.  ``write_slots_kv`` with ``check=True`` waits for
-its range check's verdict (one 8-byte read); with ``check=False`` it does
-not.
+here waits for the device, except ``to_host``, ``synchronize``, ``zeros``
+(a pool's fill is complete before any stream uses the pool) and
+``copy_blocks_between`` to or from pageable host memory (the host array
+may be reused on return).  A step can therefore be captured into a CUDA
+graph, provided the index arrays (slots, block tables, ids, lengths) are
+passed as device arrays: a NumPy index array is copied up from host memory
+(through a pinned staging buffer), which a graph capture does not allow.
+Attention is planned once per step (``attention_plan``: the metadata goes
+up once) and run per layer (``attention_run``: launches only).
+``write_slots_kv`` with ``check=True`` waits for its range check's verdict
+(one 8-byte read); with ``check=False`` it does not.
 
 Arguments reaching these methods have been validated by the caller, except
 where a method says it checks.  Kernels are compiled with NVRTC on first
