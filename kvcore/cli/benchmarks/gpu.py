@@ -376,4 +376,11 @@ def rows(r):
         if "torch_s" in x:
             out.append(("", "", f"{x['torch_gbps']:.0f} GB/s (torch)",
                         f"{x['torch_s'] / x['kvcore_s']:.1f}x"))
+    for x in r.get("attention") or ():
+        if "error" in x or x["op"] != "decode":
+            continue   # the decode grid here; prefill and the graph row in report()
+        label = (f"GPU attention decode {x['page']} b{x['batch']} ctx{x['context']} "
+                 f"g{x['group']}")
+        out.append((label, f"{x['kv_gbps']:.0f} GB/s K/V", "device-to-device copy",
+                    f"{x['frac']:.2f} of"))
     return out
