@@ -613,9 +613,12 @@ class BlockPool:
 
         For offloading: ``dst_pool`` may live on another device (a CPU pool
         as host memory for a GPU pool, and back).  Both pools must have the
-        same block geometry and dtype.  Reference counts and the prefix cache
-        of neither pool change: the caller owns the ids on both sides (e.g.
-        a sequence's ``block_table`` here and blocks it took there).
+        same block geometry and dtype.  Reference counts do not change: the
+        caller owns the ids on both sides (e.g. a sequence's ``block_table``
+        here and blocks it took there).  A destination block in
+        ``dst_pool``'s prefix cache leaves it (counted as an eviction, its
+        old KV spilled to the prefix stores first): the cache never hands
+        back the new contents under the old prefix.
 
         ``dst_pool`` may be this pool.  Every destination receives its
         source's contents as they were before the call, even where a source
@@ -659,6 +662,7 @@ class BlockPool:
                 self._layer_scales, dst_pool._layer_scales):
             raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
                              f"{self.kv_scales}; got {dst_pool.kv_scales}")
+        dst_pool._before_overwrite(dst)
         # a GPU on either side drives the copy (it can read and write host memory)
         backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
         # the blocks' data, and their int8 scales (same block ids) with them
@@ -876,6 +880,19 @@ class BlockPool:
 
     def _device_ids(self, ids):
         return self._backend.from_host(ids.astype(np.intp))
+
+    def _before_overwrite(self, block_ids):
+        """Blocks ``block_ids`` (checked int32) are about to be overwritten
+        in place (``copy_blocks_to``): those in the prefix cache leave it,
+        as evictions, their KV spilled to the prefix stores first, so that
+        neither the cache nor a store hands the new contents back under
+        the old prefix."""
+        if not self._caching:
+            return
+        with self._lock:
+            if self._core.uncache(block_ids) and self._core.num_evict_log \
+                    and self._stores is not None:
+                self._stores.spill()
 
     def _take_blocks(self, n, out):
         """Take ``n`` free blocks into int32 ``out`` (reference count 1):

@@ -265,3 +265,21 @@ def test_store_warnings_name_the_exception(exc, shows):
         pool.flush_to_stores()
     msg = str(record[0].message)
     assert shows in msg and "error: ;" not in msg, msg
+
+
+# ------------------------------------------------------------ copy_blocks_to over cached blocks
+@pytest.mark.parametrize("with_store", [False, True])
+def test_copy_blocks_to_over_a_cached_block_never_hands_back_the_new_kv(with_store):
+    pool = make_pool(6, stores=[kvcore.HostStore(1 << 20)] if with_store else None)
+    prompt = np.arange(100, 109, dtype=np.int32)
+    run(pool, prompt)                                   # blocks of 2 full blocks cached
+    cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
+    assert len(cached) == 2
+    other = make_pool(6)
+    other.key_cache(0)[:] = 7.0
+    other.copy_blocks_to(pool, [0, 1], cached)          # overwrite both in place
+    assert pool.num_cached_blocks == 0
+    assert pool.stats()["evictions"] == 2
+    pool.check()
+    # a miss without a store; with one, the original KV comes back from it
+    check_hit(pool, np.concatenate([prompt, [1]]), 2 if with_store else 0)
