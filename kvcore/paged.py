@@ -192,8 +192,9 @@ class PagedKVCache:
             # loads).  load never raises; the warnings it collected are
             # issued before anything is final, and one raised as an error
             # (-W error) undoes the call: nothing registered, nothing counted
-            loaded = stores.load(self, hit, self._core._take_held_spill())
+            held = self._core._take_held_spill()
             try:
+                loaded = stores.load(self, hit, held)
                 stores.emit_warnings()
             except BaseException:
                 self._core._unallocate()

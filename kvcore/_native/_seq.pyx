@@ -196,7 +196,10 @@ cdef class PoolBinding:
         self.copy_blocks = copy_blocks
         # a pool with prefix stores: called (lock held) right after blocks
         # were taken whenever that evicted cached blocks, so that their KV
-        # is copied out before anything overwrites it
+        # is copied out before anything overwrites it: on_evict() spills
+        # them, on_evict(True) returns them copied out, for allocate to put
+        # after its store lookup (SeqCore._take_held_spill).  Every
+        # sequence reads it from the binding it holds, forks included.
         self.on_evict = on_evict
 
 
