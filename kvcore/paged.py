@@ -186,14 +186,22 @@ class PagedKVCache:
             hit = self._allocate_failed(token_ids, hit)
         stores = self._pool._stores
         if stores is not None:
-            # the pool's prefix stores may hold the blocks after the hit;
-            # extend never raises, but the warnings it issues may (-W error):
-            # then the allocation is undone, so the sequence is as before
+            # the pool's prefix stores may hold the blocks after the hit:
+            # looked up and copied into the fresh blocks first, then what
+            # this call evicted is spilled (so it cannot push out what it
+            # loads).  load never raises; the warnings it collected are
+            # issued before anything is final, and one raised as an error
+            # (-W error) undoes the call: nothing registered, nothing counted
+            held = self._core._take_held_spill()
             try:
-                hit = stores.extend(self, hit)
+                loaded = stores.load(self, hit, held)
+                stores.emit_warnings()
             except BaseException:
                 self._core._unallocate()
                 raise
+            if loaded:
+                hit = self._core._adopt_loaded(len(loaded))
+                stores.count_loaded(loaded)
         return hit
 
     def _allocate_failed(self, token_ids, status):
@@ -514,18 +522,24 @@ class PagedKVCache:
                              f"this sequence's pool ({core._block_size}, {core._caching}), got "
                              f"({pool.block_size}, {pool.enable_prefix_caching})")
         twin = PagedKVCache(pool, self._core._max_seq_len, self._core._salt)
-        n = self._core._num_held
-        table = np.empty(max(n, 16), np.int32)
-        if n:
-            if not pool._take_blocks(n, table):
-                raise OutOfBlocksError(
-                    f"copy_to needs {n} blocks, {pool.num_free_blocks} of {pool.num_blocks} "
-                    "are free in the destination pool")
-            try:
-                self._pool.copy_blocks_to(pool, self._core._table[:n], table[:n])
-            except BaseException:
-                pool._release_blocks(table[:n])
-                raise
+        try:
+            n = self._core._num_held
+            table = np.empty(max(n, 16), np.int32)
+            if n:
+                if not pool._take_blocks(n, table):
+                    raise OutOfBlocksError(
+                        f"copy_to needs {n} blocks, {pool.num_free_blocks} of {pool.num_blocks} "
+                        "are free in the destination pool")
+                try:
+                    self._pool.copy_blocks_to(pool, self._core._table[:n], table[:n])
+                except BaseException:
+                    pool._release_blocks(table[:n])
+                    raise
+        except BaseException:
+            # the twin holds the salt's root in the destination: give it
+            # back now, not when the traceback (which holds the twin) dies
+            twin.free()
+            raise
         # the twin registers from block 0 in its pool
         twin._core._adopt(self._core, table, n)
         return twin

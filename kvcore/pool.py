@@ -1,5 +1,6 @@
 """BlockPool: one pool of KV blocks shared by many sequences."""
 import functools
+import numbers
 import threading
 
 import numpy as np
@@ -155,8 +156,9 @@ class BlockPool:
                                  "prefix cache's evicted blocks)")
             from .stores._tiers import StoreTiers
             self._stores = StoreTiers(self, stores)
-            # evicted cached blocks are logged, and spilled (self._stores.spill)
-            # right after each operation that evicted some
+            # evicted cached blocks are logged, and spilled (self._stores.on_evict,
+            # the binding's hook every sequence calls) right after each
+            # operation that evicted some, before anything writes them
             self._core.log_evictions = True
         self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
         # what every sequence on this pool binds to (PagedKVCache): the
@@ -168,7 +170,7 @@ class BlockPool:
             # (the storage, not the pool: no reference cycle keeps a dropped
             # pool's memory alive)
             functools.partial(_copy_blocks, self._backend, self._storage, self._scales),
-            None if self._stores is None else self._stores.spill)
+            None if self._stores is None else self._stores.on_evict)
         # salt -> root of its chain in the prefix cache (negative, so it can
         # never equal a block's serial): block 0 of a salted sequence only
         # ever matches block 0 of the same salt, exactly, not via a hash.
@@ -611,9 +613,12 @@ class BlockPool:
 
         For offloading: ``dst_pool`` may live on another device (a CPU pool
         as host memory for a GPU pool, and back).  Both pools must have the
-        same block geometry and dtype.  Reference counts and the prefix cache
-        of neither pool change: the caller owns the ids on both sides (e.g.
-        a sequence's ``block_table`` here and blocks it took there).
+        same block geometry and dtype.  Reference counts do not change: the
+        caller owns the ids on both sides (e.g. a sequence's ``block_table``
+        here and blocks it took there).  A destination block in
+        ``dst_pool``'s prefix cache leaves it (counted as an eviction, its
+        old KV spilled to the prefix stores first): the cache never hands
+        back the new contents under the old prefix.
 
         ``dst_pool`` may be this pool.  Every destination receives its
         source's contents as they were before the call, even where a source
@@ -657,6 +662,7 @@ class BlockPool:
                 self._layer_scales, dst_pool._layer_scales):
             raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
                              f"{self.kv_scales}; got {dst_pool.kv_scales}")
+        dst_pool._before_overwrite(dst)
         # a GPU on either side drives the copy (it can read and write host memory)
         backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
         # the blocks' data, and their int8 scales (same block ids) with them
@@ -875,6 +881,19 @@ class BlockPool:
     def _device_ids(self, ids):
         return self._backend.from_host(ids.astype(np.intp))
 
+    def _before_overwrite(self, block_ids):
+        """Blocks ``block_ids`` (checked int32) are about to be overwritten
+        in place (``copy_blocks_to``): those in the prefix cache leave it,
+        as evictions, their KV spilled to the prefix stores first, so that
+        neither the cache nor a store hands the new contents back under
+        the old prefix."""
+        if not self._caching:
+            return
+        with self._lock:
+            if self._core.uncache(block_ids) and self._core.num_evict_log \
+                    and self._stores is not None:
+                self._stores.spill()
+
     def _take_blocks(self, n, out):
         """Take ``n`` free blocks into int32 ``out`` (reference count 1):
         True, or False when fewer are free (nothing taken)."""
@@ -1008,6 +1027,7 @@ def _layer_scales(kv_scales, kind, num_layers):
         return None
     if kv_scales is None:
         return np.ones((num_layers, 2), np.float32)
+    _check_scale_types(kv_scales)
     try:
         a = np.array(kv_scales, dtype=np.float64)
     except (TypeError, ValueError):
@@ -1025,3 +1045,39 @@ def _layer_scales(kv_scales, kind, num_layers):
                          f"{a[l, i]!r} for layer {l}'s {'kv'[i]}_scale")
     return f
 
+
+
+def _check_scale_types(kv_scales):
+    """TypeError unless every scale in ``kv_scales`` is a real number: numpy
+    would read "0.5" and True as 0.5 and 1.0, hiding a caller's mistake."""
+    if isinstance(kv_scales, (str, bytes)):
+        raise TypeError(f"kv_scales must be a sequence of (k_scale, v_scale) float pairs, "
+                        f"got {type(kv_scales).__name__} {kv_scales!r}")
+    if isinstance(kv_scales, np.ndarray):
+        if kv_scales.dtype.kind not in "iuf":
+            raise TypeError(f"kv_scales must hold real numbers, got an array of dtype "
+                            f"{kv_scales.dtype}")
+        return
+    try:
+        pairs = list(kv_scales)
+    except TypeError:
+        return  # not a sequence: the conversion reports it
+    for layer, pair in enumerate(pairs):
+        if isinstance(pair, (str, bytes)):
+            raise TypeError(f"kv_scales[{layer}] must be a (k_scale, v_scale) pair of floats, "
+                            f"got {type(pair).__name__} {pair!r}")
+        if isinstance(pair, np.ndarray):
+            if pair.dtype.kind not in "iuf":
+                raise TypeError(f"kv_scales[{layer}] must hold real numbers, got an array "
+                                f"of dtype {pair.dtype}")
+            continue
+        try:
+            items = list(pair)
+        except TypeError:
+            continue  # the shape check reports it
+        for i, x in enumerate(items):
+            # (a 0-d tensor or array has __float__ too; str, bytes and complex do not)
+            if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating)) \
+                    or not isinstance(x, numbers.Real) and not hasattr(type(x), "__float__"):
+                raise TypeError(f"kv_scales[{layer}][{i}] ({'kv'[i] if i < 2 else '?'}_scale) "
+                                f"must be a real number, got {type(x).__name__} {x!r}")

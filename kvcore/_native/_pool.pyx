@@ -818,6 +818,32 @@ cdef class PoolCore:
             self._push_uncached(b)
         return True
 
+    def uncache(self, cnp.ndarray blocks):
+        """Take blocks ``blocks`` (int32, checked ids) out of the prefix
+        cache, as evictions (logged while ``log_evictions`` is set, so that
+        the caller spills their KV first): for a copy that is about to
+        overwrite them in place.  A free one moves to the uncached free
+        list.  Returns how many were cached."""
+        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks), k = 0
+        cdef const block_id_t* b = _i32(blocks, n, False)
+        cdef block_id_t x
+        self._check_ids(b, n)
+        for i in range(n):
+            x = b[i]
+            if not self.cached[x]:
+                continue
+            if self.ref[x] == 0:
+                self._unlink(x)
+            self._index_remove(x)
+            self.evictions += 1
+            if self.log_evictions and self.num_evict_log < self.num_blocks:
+                self.evict_log[self.num_evict_log] = x
+                self.num_evict_log += 1
+            if self.ref[x] == 0:
+                self._push_uncached(x)
+            k += 1
+        return k
+
     def take_evicted(self):
         """The cached blocks evicted since the last call (kept only while
         ``log_evictions`` is set), with what they were registered with:

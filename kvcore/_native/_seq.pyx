@@ -196,7 +196,10 @@ cdef class PoolBinding:
         self.copy_blocks = copy_blocks
         # a pool with prefix stores: called (lock held) right after blocks
         # were taken whenever that evicted cached blocks, so that their KV
-        # is copied out before anything overwrites it
+        # is copied out before anything overwrites it: on_evict() spills
+        # them, on_evict(True) returns them copied out, for allocate to put
+        # after its store lookup (SeqCore._take_held_spill).  Every
+        # sequence reads it from the binding it holds, forks included.
         self.on_evict = on_evict
 
 
@@ -261,10 +264,13 @@ cdef class SeqCore:
     holds one and is its public face.  It knows block ids, counts, token
     ids and hashes; the bytes are written by the pool's row writer and
     block copy, handed in through a ``PoolBinding``."""
+    # What the pool lends (core, lock, writer, block copy, spill hook):
+    # read from the binding, never copied field by field, so that every
+    # sequence however made (bind, fork) spills its evictions the same way
+    cdef PoolBinding binding
     cdef PoolCore _core
     cdef RowWriter writer                       # None: no direct appends
     cdef object copy_blocks                     # the pool's block copy (copy-on-write)
-    cdef object on_evict                        # None, or the pool's spill (prefix stores)
     cdef object lock_acquire, lock_release      # the pool's lock
     cdef readonly Py_ssize_t _block_size
     cdef Py_ssize_t num_layers
@@ -286,6 +292,7 @@ cdef class SeqCore:
     cdef Py_ssize_t exclusive_lo, exclusive_hi
     cdef Py_ssize_t slot_lo, slot_hi
     cdef cnp.ndarray slot_val
+    cdef object held_spill                      # see _allocate, _take_held_spill
     # what the last failed call saw, for the caller's error message
     cdef readonly Py_ssize_t _failed_free_blocks, _failed_copy_on_write, _failed_layer
 
@@ -339,15 +346,7 @@ cdef class SeqCore:
         The sequence starts NEW.  (A SeqCore never bound stays UNINIT: the
         core of a PagedKVCache whose ``__init__`` never ran.)"""
         cdef Py_ssize_t* pending
-        self._core = binding.core
-        self.lock_acquire = binding.lock_acquire
-        self.lock_release = binding.lock_release
-        self.writer = binding.writer
-        self.copy_blocks = binding.copy_blocks
-        self.on_evict = binding.on_evict
-        self._block_size = binding.block_size
-        self.num_layers = binding.num_layers
-        self._caching = binding.caching
+        self._use_binding(binding)
         self._max_seq_len = max_seq_len
         self.max_len = -1 if max_seq_len is None else _count(max_seq_len)
         self._salt = salt
@@ -362,6 +361,20 @@ cdef class SeqCore:
         # gives it back); the unsalted chain's root, -1, is not counted
         self.root_serial = root_serial
         self._state = S_NEW
+        return 0
+
+    cdef int _use_binding(self, PoolBinding binding) except -1:
+        """Take everything the pool lends from ``binding`` (the one place
+        these fields are set: ``_bind`` and ``_fork_into`` both come here)."""
+        self.binding = binding
+        self._core = binding.core
+        self.lock_acquire = binding.lock_acquire
+        self.lock_release = binding.lock_release
+        self.writer = binding.writer
+        self.copy_blocks = binding.copy_blocks
+        self._block_size = binding.block_size
+        self.num_layers = binding.num_layers
+        self._caching = binding.caching
         return 0
 
     cdef void _reset_state(self) noexcept:
@@ -526,8 +539,12 @@ cdef class SeqCore:
             if hits < 0:
                 self._failed_free_blocks = core.num_uncached_free + core.num_lru_free
                 return ST_SHORT
-            if core.num_evict_log and self.on_evict is not None:
-                self.on_evict()
+            if core.num_evict_log and self.binding.on_evict is not None:
+                # copied out now (before anything writes the blocks), put
+                # into the stores by the caller after its store lookup: a
+                # spill first could push out the very entries the lookup
+                # (and probe) counts on
+                self.held_spill = self.binding.on_evict(True)
             if self._caching:
                 core.prefix_queries += n
                 core.prefix_hits += hits * bs
@@ -542,6 +559,13 @@ cdef class SeqCore:
         self._invalidate()
         self._state = S_LIVE
         return hits * bs
+
+    def _take_held_spill(self):
+        """What the last ``_allocate`` evicted, copied out for the pool's
+        prefix stores and not yet put there (None: nothing); the caller
+        puts it (once: this clears it)."""
+        held, self.held_spill = self.held_spill, None
+        return held
 
     def _adopt_loaded(self, Py_ssize_t m):
         """Right after ``_allocate``: the ``m`` blocks following the prefix
@@ -605,8 +629,8 @@ cdef class SeqCore:
                 new = _empty(need, cnp.NPY_INT32)
                 fresh = <block_id_t*>_ptr(new)
                 core.c_take(need, fresh)
-                if core.num_evict_log and self.on_evict is not None:
-                    self.on_evict()
+                if core.num_evict_log and self.binding.on_evict is not None:
+                    self.binding.on_evict()
                 if ncow:
                     table = <block_id_t*>_ptr(self._table)
                     old = _empty(ncow, cnp.NPY_INT32)
@@ -830,17 +854,10 @@ cdef class SeqCore:
         memcpy(pending, self.pending, self.num_layers * sizeof(Py_ssize_t))
         free(child.pending)
         child.pending = pending
-        child._core = self._core
-        child.writer = self.writer
-        child.copy_blocks = self.copy_blocks
-        child.lock_acquire = self.lock_acquire
-        child.lock_release = self.lock_release
-        child._block_size = self._block_size
-        child.num_layers = self.num_layers
+        child._use_binding(self.binding)
         child._max_seq_len = self._max_seq_len
         child.max_len = self.max_len
         child._salt = self._salt
-        child._caching = self._caching
         child.root0 = self.root0
         child.root1 = self.root1
         child._take_buffers(self)
@@ -924,14 +941,24 @@ cdef class SeqCore:
         return 0
 
     def _unallocate(self):
-        """Undo an allocate whose caller failed after it (e.g. a store warning
-        raised as an error): every block back, the sequence empty and new
-        again, its salt kept."""
+        """Undo an ``_allocate`` whose caller failed right after it (before
+        ``_adopt_loaded``; e.g. a store warning raised as an error): every
+        block back, the call's prefix-cache counts taken back, the sequence
+        empty and new again, its salt kept."""
+        cdef PoolCore core = self._core
         if self._state != S_LIVE:
             return
-        if self._num_held:
-            self._release_tail(0)
+        self.lock_acquire()
+        try:
+            if self._num_held:
+                core.c_release(<block_id_t*>_ptr(self._table), self._num_held)
+            if self._caching:
+                core.prefix_queries -= self._num_tokens
+                core.prefix_hits -= self._num_computed
+        finally:
+            self.lock_release()
         self._reset_state()
+        self.held_spill = None
         self._state = S_NEW
 
     def _free(self):

@@ -85,6 +85,19 @@ def _describe(store):
     except Exception:
         return f"<{type(store).__name__}>"
 
+def _explain(exc):
+    """The exception's type and message (its repr when the message is
+    empty, as a bare MemoryError's is); a failed verification
+    (``_format.Invalid``) is named by its condition already."""
+    try:
+        msg = str(exc)
+        if isinstance(exc, _format.Invalid):
+            return msg
+        return f"{type(exc).__name__}: {msg}" if msg else repr(exc)
+    except Exception:  # a third-party exception whose __str__ or __repr__ fails
+        return f"<{type(exc).__name__}>"
+
+
 class StoreTiers:
     """The stores of one pool, in order, and the pool's traffic with them."""
 
@@ -134,7 +147,8 @@ class StoreTiers:
             if cond not in self._warned[i]:
                 self._warned[i][cond] = op
                 self._pending.append(
-                    f"prefix store {i} ({_describe(self.stores[i])}): {cond}: {exc}; "
+                    f"prefix store {i} ({_describe(self.stores[i])}): {cond}: "
+                    f"{_explain(exc)}; "
                     f"treated as a miss "
                     f"(warned once per condition)")
 
@@ -191,7 +205,31 @@ class StoreTiers:
             self._fail(0, e, op="spill")
             return 0
 
-    def _spill(self, cached):
+    def on_evict(self, hold=False):
+        """The pool's eviction hook (``PoolBinding.on_evict``; the pool's
+        lock is held, the evicted blocks are not written yet): spill them
+        now, or with ``hold`` copy them out and return the entries for
+        :meth:`put_held` (allocate's store lookup goes first, so that its
+        own spill cannot push out the entries it is about to load)."""
+        if not hold:
+            return self.spill()
+        try:
+            return self._spill(None, hold=True)
+        except Exception as e:
+            self._fail(0, e, op="spill")
+            return None
+
+    def put_held(self, items):
+        """Put entries :meth:`on_evict` held into the first store; never raises."""
+        if not items:
+            return 0
+        try:
+            return self._put(0, items)
+        except Exception as e:  # pragma: no cover - _put catches store errors
+            self._fail(0, e, op="spill")
+            return 0
+
+    def _spill(self, cached, hold=False):
         pool = self._pool()
         if pool is None:
             return 0
@@ -220,8 +258,8 @@ class StoreTiers:
                                              payload, key)))
         except Exception as e:
             self._fail(0, e, op="export")
-            return 0
-        return self._put(0, items)
+            return None if hold else 0
+        return items if hold else self._put(0, items)
 
     def _spill_identities(self, pool, blocks, parents, tokens):
         """The identity digest of each of ``blocks`` (cached, or evicted just
@@ -389,26 +427,31 @@ class StoreTiers:
             return 0
         return sum(e - s for _, s, e in segs)
 
-    def extend(self, seq, hit):
-        """After ``seq.allocate`` hit ``hit`` tokens in the pool: load the
-        following blocks found in the stores; returns the new hit.  Never
-        raises (except from the warnings it issues)."""
+    def load(self, seq, hit, held=None):
+        """After ``seq.allocate`` hit ``hit`` tokens in the pool: copy the
+        following blocks found in the stores into the sequence's fresh
+        blocks, then put ``held`` (what that allocate evicted, see
+        :meth:`on_evict`).  Returns [(store, entry size)] of the blocks
+        loaded, in order, for the caller to adopt
+        (``SeqCore._adopt_loaded``) and count (:meth:`count_loaded`) once
+        the call is sure to succeed: nothing is registered or counted as a
+        hit here.  Never raises; the warnings are left for the caller."""
         try:
-            return self._extend(seq, hit)
+            return self._load(seq, hit)
         except Exception as e:  # a bug must not reach allocate's caller
             self._fail(0, e, op="load")
-            return seq._core._num_computed
+            return []
         finally:
-            self.emit_warnings()
+            self.put_held(held)
 
-    def _extend(self, seq, hit):
+    def _load(self, seq, hit):
         pool = self._pool()
         core = seq._core
         bs = self._block_size
         n = core._num_tokens
         first, stop = hit // bs, (n - 1) // bs
         if pool is None or first >= stop or not self.stores:
-            return hit
+            return []
         from ..hashing import root_words
         hw = core._hash_words()
         hb = np.ascontiguousarray(hw, "<u8").tobytes()
@@ -417,7 +460,7 @@ class StoreTiers:
         tokens = core._token_ids()
         segments = self._run(hb, first, stop, count=True)
         if not segments:
-            return hit
+            return []
         # what a hit entry must carry: the identity digest of the query's
         # own prefix (one BLAKE2b per block, up to the last block found)
         idents = hashing.identity_chain(tokens, bs, core._salt, segments[-1][2])
@@ -471,16 +514,17 @@ class StoreTiers:
                     owners.append((i, size))
             if not complete:
                 break
-        if not owners:
-            return hit
-        new_hit = core._adopt_loaded(len(owners))
+        return owners
+
+    def count_loaded(self, owners):
+        """The blocks :meth:`load` loaded were adopted: count them as hits."""
+        bs = self._block_size
         with self._lock:
             for i, size in owners:
                 st = self._stats[i]
                 st["hits"] += 1
                 st["hit_tokens"] += bs
                 st["bytes_out"] += size
-        return new_hit
 
     def stats(self):
         with self._lock:
