@@ -38,6 +38,43 @@ static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
     return nt;
 }
 
+#ifndef KVA_PREFETCH_AHEAD
+/* Key positions ahead of the tile in use whose K and V rows are prefetched
+ * whole: past the caches the rows come from scattered 4 KB pages (a block
+ * of one kv head), and the hardware prefetchers stop at page boundaries. */
+#define KVA_PREFETCH_AHEAD 64
+#endif
+
+#if KVA_PREFETCH_AHEAD > 0
+/* Every line of the K and V rows of positions [from, to) of the item's kv
+ * head, a block's run of rows at a time. */
+static void prefetch_positions(const kva_args *a, const int32_t *table, const char *kbase,
+                               const char *vbase, int64_t from, int64_t to, size_t row_bytes)
+{
+    int64_t blk = from / a->block_size, off = from - blk * a->block_size;
+    while (from < to) {
+        const int64_t n = a->block_size - off < to - from ? a->block_size - off : to - from;
+        const ptrdiff_t o = (ptrdiff_t)table[blk] * a->block_stride + (ptrdiff_t)off * a->row_stride;
+        const char *k = kbase + o, *v = vbase + o;
+        if ((size_t)a->row_stride == row_bytes) { /* the run is contiguous */
+            const size_t bytes = (size_t)n * row_bytes;
+            for (size_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch(k + b, 0, 3);
+                __builtin_prefetch(v + b, 0, 3);
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                for (size_t b = 0; b < row_bytes; b += 64) {
+                    __builtin_prefetch(k + i * a->row_stride + b, 0, 3);
+                    __builtin_prefetch(v + i * a->row_stride + b, 0, 3);
+                }
+        }
+        from += n;
+        blk++;
+        off = 0;
+    }
+}
+#else
 /* Touch the first two rows of every contiguous run of rows (a block's
  * positions): the hardware prefetcher follows a run once it has started,
  * but not the jump from one block to the next. */
@@ -51,6 +88,7 @@ static inline void prefetch_rows(const char *const *rows, int n, size_t row_byte
         }
     }
 }
+#endif
 
 /* An fp8 layer scale; 0 (a zero-initialised kva_args) means none. */
 static inline float layer_scale(float s)
@@ -136,17 +174,33 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, krow, vrow);
+    int64_t prefetched = it->k0; /* the rows before this position are prefetched */
+    (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += KVA_KEY_TILE) {
         const int nt = (int)(it->k1 - t0 < KVA_KEY_TILE ? it->k1 - t0 : KVA_KEY_TILE);
         const int ntp = (nt + 7) & ~7;
         const int64_t t1 = t0 + KVA_KEY_TILE;
         const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
                                       : 0;
+#if KVA_PREFETCH_AHEAD > 0
+        /* The rows of a tile are scattered over blocks: start the rows of
+         * the next KVA_PREFETCH_AHEAD positions (whole blocks' runs) while
+         * this tile is computed. */
+        (void)nnext;
+        {
+            const int64_t want = t1 + KVA_PREFETCH_AHEAD < it->k1 ? t1 + KVA_PREFETCH_AHEAD : it->k1;
+            if (prefetched < want) {
+                prefetch_positions(a, table, kbase, vbase, prefetched, want, row_bytes);
+                prefetched = want;
+            }
+        }
+#else
         /* The rows of a tile are scattered over blocks: start this tile's V
          * and the next tile's K and V while this tile's scores are computed. */
         prefetch_rows(vrow, nt, row_bytes);
         prefetch_rows(nkrow, nnext, row_bytes);
         prefetch_rows(nvrow, nnext, row_bytes);
+#endif
         if (widen) {
             kern->widen(krow, ntp, D, ws->kf); /* padding rows included */
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
