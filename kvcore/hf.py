@@ -237,6 +237,7 @@ class PagedCache(Cache):
         self._pad = np.zeros(0, np.int64)       # column of each row's position 0
         self._length = 0                        # columns seen by transformers
         self._tokens_known = False              # generate() feeds token ids
+        self._may_expand = False                # generate(): the first forward may expand rows
         self._step = None
         self._kvcore_forward = False            # this forward's attention reads pages
         self._pending_mask = None               # padding mask of a first forward
@@ -279,6 +280,9 @@ class PagedCache(Cache):
         # computes the rest of the batch in its first forward
         self._length = int(min(p + s.num_computed for p, s in zip(self._pad, seqs)))
         self._tokens_known = True
+        # transformers expands the prompt rows (beams, num_return_sequences)
+        # after generate() set the cache up: its first forward may do that
+        self._may_expand = True
 
     def _check_empty(self, what):
         if self._seqs:
@@ -312,15 +316,22 @@ class PagedCache(Cache):
         self._length = 0
 
     def _expand_rows(self, batch):
-        """generate() expands the batch (beams, num_return_sequences) after
-        the cache was set up: each row becomes ``batch // rows`` forks."""
+        """Match the rows to a forward of ``batch`` rows.
+
+        Only the first forward of a :func:`generate` call may have more rows
+        than the cache (transformers expands the prompts for beams and
+        ``num_return_sequences`` after the cache was set up): each row then
+        becomes ``batch // rows`` forks.  Any other mismatch is an error: a
+        forward of another batch would otherwise be written into rows that
+        hold other sequences' KV.
+        """
         rows = len(self._seqs)
-        if batch == rows:
-            return
-        if rows == 0 or batch % rows:
-            raise ValueError(f"the forward has batch size {batch}, but this cache holds {rows} "
-                             "rows (a new batch needs a new PagedCache)")
-        self.batch_repeat_interleave(batch // rows)
+        if batch != rows:
+            if not self._may_expand or rows == 0 or batch % rows:
+                raise ValueError(f"the forward has batch size {batch}, but this cache holds "
+                                 f"{rows} rows (a new batch needs a new PagedCache)")
+            self.batch_repeat_interleave(batch // rows)
+        self._may_expand = False
 
     # -------------------------------------------------------------- hooks
     def _pre_forward(self, module, args, kwargs):
@@ -329,6 +340,12 @@ class PagedCache(Cache):
         ids = kwargs.get("input_ids")
         if ids is None and args:
             ids = args[0]
+        if kwargs.get("use_cache") is False:
+            # transformers then re-feeds the whole sequence every step: the
+            # cache would store it again as new positions
+            raise ValueError("a forward with use_cache=False cannot run on a kvcore PagedCache "
+                             "(it re-feeds every column, which the cache would store as new "
+                             "positions)")
         if not self._tokens_known:
             return None
         if ids is None or not isinstance(ids, torch.Tensor) or ids.ndim != 2:
@@ -336,6 +353,7 @@ class PagedCache(Cache):
             return None
         self._expand_rows(ids.shape[0])
         q = ids.shape[1]
+        self._check_positions(kwargs.get("position_ids"), q)
         rows = ids.tolist()
         for i, seq in enumerate(self._seqs):
             first = self._length - int(self._pad[i])   # position of column 0 of this forward
@@ -346,6 +364,25 @@ class PagedCache(Cache):
             if known < first + q:
                 seq.extend_tokens(rows[i][known - first:])
         return None
+
+    def _check_positions(self, position_ids, q):
+        """Raise ValueError unless a forward's ``position_ids`` (when given as
+        ``(batch, q)``) continue each row where the cache ends: columns that
+        do not follow the cache's length must never be stored as new
+        positions (nor their ids recorded for the prefix cache)."""
+        if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 \
+                or tuple(position_ids.shape) != (len(self._seqs), q):
+            return
+        want = self._length + np.arange(q)[None, :] - self._pad[:, None]
+        real = want >= 0                      # padding columns have no position to check
+        got = position_ids.detach().cpu().numpy()
+        if not np.array_equal(got[real], want[real]):
+            row = int(np.argmax((real & (got != want)).any(axis=1)))
+            col = int(np.argmax(real[row] & (got[row] != want[row])))
+            raise ValueError(
+                f"the forward's position_ids do not continue the cache: row {row} column {col} "
+                f"has position {int(got[row, col])}, the cache expects {int(want[row, col])} "
+                f"(it holds {self._length} columns)")
 
     # -------------------------------------------------------------- steps
     def _begin_step(self, batch, q):
@@ -742,6 +779,14 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
     for key in ("past_key_values", "cache"):
         if generate_kwargs.get(key) is not None:
             raise ValueError(f"kvcore.hf.generate makes its own cache; do not pass {key}=")
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    use_cache = generate_kwargs.get("use_cache", getattr(config, "use_cache", True))
+    if use_cache is False:
+        # without a cache transformers re-feeds the whole sequence each step,
+        # and the pool would store it again as new positions
+        raise ValueError("kvcore.hf.generate needs use_cache=True (got use_cache=False, from "
+                         f"{'use_cache=' if 'use_cache' in generate_kwargs else 'the generation config'}); "
+                         "for generation without a KV cache call model.generate directly")
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a 2-D torch tensor (batch, length) with at least "
                          f"one column, got {getattr(input_ids, 'shape', type(input_ids).__name__)}")

@@ -402,6 +402,54 @@ def test_generate_rejects_bad_arguments():
     assert pool.num_used_blocks == 0
 
 
+def test_a_forward_of_another_batch_size_is_refused():
+    """Issue 19 item 15: a forward whose batch is a multiple of the cache's
+    rows was silently repeat-interleaved into them."""
+    model = model_for("llama")
+    pool = pool_for(model.config, 32, dtype="float32", block_size=4)
+    ids, _ = _prompts([10, 10])
+    cache = PagedCache(pool)
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))
+        used = pool.num_used_blocks
+        for batch in (4, 1, 3):
+            step = torch.full((batch, 1), 7)
+            with pytest.raises(ValueError, match=f"batch size {batch}, but this cache holds 2 rows"):
+                model(step, **_kw(model, cache))
+            assert len(cache.rows) == 2 and cache.get_seq_length() == 10
+            assert pool.num_used_blocks == used
+        # the cache still works for its own batch
+        dyn = transformers.DynamicCache()
+        model(ids, **_kw(model, dyn))
+        step = torch.tensor([[7], [8]])
+        assert torch.equal(model(step, **_kw(model, cache)).logits,
+                           model(step, **_kw(model, dyn)).logits)
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["keyword", "generation_config"])
+def test_generate_refuses_use_cache_false_and_caches_nothing(how):
+    """Issue 19 item 16: with use_cache=False transformers re-feeds the whole
+    sequence each step, and the pool cached it as new positions; a later
+    request hit those blocks and generated other tokens."""
+    model = model_for("llama")
+    ids = _prompts([37])[0]
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    if how == "keyword":
+        kw = dict(use_cache=False)
+    else:
+        kw = dict(generation_config=transformers.GenerationConfig(
+            use_cache=False, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
+    with pytest.raises(ValueError, match="use_cache=True.*use_cache=False"):
+        kvcore.hf.generate(model, ids, pool, max_new_tokens=6, do_sample=False, **kw)
+    assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 0
+    # a correct request afterwards is DynamicCache's
+    out = kvcore.hf.generate(model, ids, pool, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, _dynamic(model, ids, torch.ones_like(ids), max_new_tokens=6,
+                                     do_sample=False))
+
+
 def test_out_of_blocks_leaves_the_pool_whole():
     model = model_for("llama")
     pool = pool_for(model.config, 2, dtype="float32", block_size=4)
