@@ -38,6 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         f"({e})") from e
 
 from .attention import paged_attention
+from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
 from .paged import PagedKVCache
 from .pool import BlockPool
 
@@ -516,6 +517,19 @@ class PagedCache(Cache):
                 seq.commit(int(step.counts[i]))
             self._length = step.start + step.q
         if self._kvcore_forward:
+            attn_kwargs = kwargs.get("kwargs")
+            if isinstance(attn_kwargs, dict):
+                # transformers hands update() the keyword arguments of this
+                # layer's attention call (its paged path fills them the same
+                # way): the attention gets the cache and the step's tables
+                # as arguments, no side channel
+                self._attention_plan(step)
+                attn_kwargs.update(cache=self, block_table=step.tables,
+                                   cu_seq_lens_q=step.query_start, kvcore_step=step,
+                                   kvcore_layer=layer_idx)
+                return key_states, value_states
+            # transformers versions whose attention does not pass kwargs=
+            # to Cache.update: the step rides on the key tensor
             k_ref = key_states.detach()
             k_ref._kvcore = (self, step, layer_idx)
             return k_ref, value_states
@@ -669,6 +683,12 @@ def _left_pads(mask, arg):
 
 
 # ------------------------------------------------------------------ attention
+# a 16-bit model's queries: (widen to float32, narrow back) with kvcore's
+# conversions
+_NARROW = {torch.float16: (from_float16, to_float16),
+           torch.bfloat16: (from_bfloat16, to_bfloat16)}
+
+
 def _kvcore_mask(*args, **kwargs):
     """Mask function of ``attn_implementation="kvcore"``: a PagedCache needs
     no mask (the kernel is causal over each row's own positions); it gets the
@@ -691,24 +711,33 @@ def _kvcore_mask(*args, **kwargs):
 
 
 def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     sliding_window=None, softcap=None, **kwargs):
+                     sliding_window=None, softcap=None, cache=None, block_table=None,
+                     cu_seq_lens_q=None, kvcore_step=None, kvcore_layer=None, **kwargs):
     """``attn_implementation="kvcore"``: attention over the pages of a
     :class:`PagedCache` with :func:`kvcore.paged_attention`.
 
     ``query`` ``(batch, num_heads, q, head_dim)``; returns ``(batch, q,
-    num_heads, head_dim)`` in ``query.dtype`` (and no weights).  Keys that do
-    not come from a PagedCache (another cache, or none) go to sdpa.
+    num_heads, head_dim)`` in ``query.dtype`` (and no weights).
+    ``PagedCache.update`` fills ``cache``, ``block_table`` and
+    ``cu_seq_lens_q`` (transformers' names for a paged attention's
+    arguments), ``kvcore_step`` and ``kvcore_layer`` in the keyword arguments
+    transformers passes to both; without them (another cache, or none) the
+    call goes to sdpa.
     """
-    ref = getattr(key, "_kvcore", None)
-    if ref is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, sliding_window=sliding_window,
-                                      softcap=softcap, **kwargs)
+    if kvcore_step is None or not isinstance(cache, PagedCache):
+        ref = getattr(key, "_kvcore", None)      # (see PagedCache.update)
+        if ref is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling,
+                                          sliding_window=sliding_window, softcap=softcap,
+                                          **kwargs)
+        cache, kvcore_step, kvcore_layer = ref
+        cache._attention_plan(kvcore_step)
+        block_table, cu_seq_lens_q = kvcore_step.tables, kvcore_step.query_start
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='kvcore' has no attention dropout; "
                                   "use model.eval() or another attention for training")
-    cache, step, layer = ref
-    cache._attention_plan(step)
+    step, layer = kvcore_step, kvcore_layer
     batch, heads, q, dim = query.shape
     if q == 1:
         rows = query.detach().reshape(batch, heads, dim)
@@ -721,15 +750,28 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     flat = out.view(batch * q, heads, dim)
     if step.query_rows is not None:
         rows = rows[step.query_rows]
-        part = torch.empty((rows.shape[0], heads, dim), dtype=query.dtype)
-        paged_attention(rows, cache.pool, layer, step.tables, step.seq_lens, step.query_start,
-                        scale=scaling, sliding_window=sliding_window, logits_soft_cap=softcap,
-                        out=part)
-        flat[step.query_rows] = part
-    else:
-        paged_attention(rows, cache.pool, layer, step.tables, step.seq_lens, step.query_start,
-                        scale=scaling, sliding_window=sliding_window, logits_soft_cap=softcap,
-                        out=flat)
+    # the kernel takes float32 queries and writes float32: a 16-bit model's
+    # rows are widened and narrowed here with kvcore's SIMD conversions (the
+    # generic NumPy/ml_dtypes casts cost ~30x more per element)
+    wide = _NARROW.get(query.dtype)
+    if wide is not None:
+        q32 = torch.empty(rows.shape, dtype=torch.float32)
+        wide[0](rows, out=q32)
+        rows = q32
+    target = flat if step.query_rows is None and wide is None else \
+        torch.empty(rows.shape, dtype=torch.float32 if wide is not None else query.dtype)
+    paged_attention(rows, cache.pool, layer, block_table, step.seq_lens, cu_seq_lens_q,
+                    scale=scaling, sliding_window=sliding_window, logits_soft_cap=softcap,
+                    out=target)
+    if target is not flat:
+        if wide is not None:
+            part = flat if step.query_rows is None else \
+                torch.empty(rows.shape, dtype=query.dtype)
+            wide[1](target, out=part)
+        else:
+            part = target
+        if part is not flat:
+            flat[step.query_rows] = part
     return out, None
 
 

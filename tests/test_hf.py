@@ -182,6 +182,39 @@ def test_kvcore_attention_without_paged_cache_falls_back_to_sdpa():
     assert torch.equal(got, want)
 
 
+def test_kvcore_attention_gets_the_cache_and_tables_as_keyword_arguments():
+    """Issue 22 item 2: the step reaches the attention as keyword arguments
+    (transformers' paged names: cache, block_table, cu_seq_lens_q), not as
+    an attribute hung on the key tensor."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((kwargs.get("cache"), kwargs.get("block_table"), kwargs.get("cu_seq_lens_q"),
+                     kwargs.get("kvcore_layer"), key.__dict__.copy()))
+        return kvcore.hf.kvcore_attention(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("kvcore_spy", spy)
+    transformers.AttentionMaskInterface.register("kvcore_spy",
+                                                 ALL_MASK_ATTENTION_FUNCTIONS["kvcore"])
+    model = _tiny("llama", "kvcore_spy")
+    ids, mask = _prompts([20, 7])
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    with PagedCache(pool) as cache:
+        got = model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=3,
+                             do_sample=False)
+        assert len(seen) == 3 * 2                      # steps x layers
+        for i, (c, table, qsl, layer, attrs) in enumerate(seen):
+            assert c is cache and layer == i % 2 and attrs == {}
+            assert table.shape[0] == 2 and qsl.tolist()[0] == 0
+        # the first step's queries: each row's real columns, padding none
+        assert seen[0][2].tolist() == [0, 20, 27]
+        assert seen[-1][2].tolist() == [0, 1, 2]
+    assert torch.equal(got, _dynamic(model_for("llama"), ids, mask, max_new_tokens=3,
+                                     do_sample=False))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
 def test_beam_search_matches_dynamic_cache(attn):
     ids, mask = _prompts([23, 9])
@@ -315,6 +348,31 @@ def test_low_precision_storage_logit_error_bounded(dtype, bound, attn):
           f"greedy token agreement {agree:.0%}")
     assert 0 < worst < bound
     assert agree >= 0.5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_16bit_model_with_16bit_pages_matches_dynamic_cache(dtype, batch):
+    """Issue 22 item 2: a bfloat16 / float16 model with pages of its dtype
+    and the kvcore attention (queries and outputs in the model's dtype)
+    gives DynamicCache's tokens with the same model; the KV written is the
+    model's own, so only the attention's float32 sums differ from sdpa's."""
+    model = _tiny("llama", "kvcore").to(getattr(torch, dtype))
+    ids, mask = _prompts(BATCHES[batch])
+    model.set_attn_implementation("sdpa")
+    want = _dynamic(model, ids, mask, max_new_tokens=12, do_sample=False)
+    model.set_attn_implementation("kvcore")
+    pool = pool_for(model.config, 256, dtype=dtype, block_size=16)
+    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
+                             do_sample=False)
+    agree = float((got[:, -12:] == want[:, -12:]).float().mean())
+    print(f"{dtype} model, {dtype} pages, {batch}: greedy token agreement {agree:.0%}")
+    assert torch.equal(got[:, :-11], want[:, :-11])        # the first new token of every row
+    assert agree >= 0.75
+    # the same call again, served from the pool's prefix cache
+    again = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
+                               do_sample=False)
+    assert torch.equal(again, got)
 
 
 # ------------------------------------------------------------------ prefix reuse
