@@ -42,13 +42,17 @@ from .convert import from_bfloat16, from_float16, to_bfloat16, to_float16
 from .paged import PagedKVCache
 from .pool import BlockPool
 
-__all__ = ["pool_for", "PagedCache", "generate", "ATTN_IMPLEMENTATION"]
+__all__ = ["pool_for", "PagedCache", "generate", "calibrate_kv_scales", "ATTN_IMPLEMENTATION"]
 
 #: the name registered with transformers' attention and mask registries
 ATTN_IMPLEMENTATION = "kvcore"
 
-# the attention scores and the write path understand these storage dtypes
+# storage dtypes that sdpa/eager can read from the pages (an indexed copy);
+# the low-precision ones only the kvcore attention reads (it dequantizes)
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_LOW_PRECISION = ("float8_e4m3fn", "float8_e5m2", "int8")
+# the largest finite value of each fp8 format (OCP FP8 spec)
+_FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
 # ------------------------------------------------------------------ shapes
@@ -97,7 +101,7 @@ def model_kv_shape(config):
 
 
 def pool_for(config, num_blocks, dtype="float16", block_size=16, device="cpu",
-             enable_prefix_caching=True):
+             enable_prefix_caching=True, kv_scales=None):
     """A :class:`kvcore.BlockPool` shaped for the model of ``config``.
 
     Parameters
@@ -106,11 +110,82 @@ def pool_for(config, num_blocks, dtype="float16", block_size=16, device="cpu",
         A decoder-only model's config (``model.config``).
     num_blocks, block_size, dtype, device, enable_prefix_caching
         As for :class:`kvcore.BlockPool`.  Each block holds ``block_size``
-        positions of every layer, K and V.
+        positions of every layer, K and V.  ``"float8_e4m3fn"``,
+        ``"float8_e5m2"`` and ``"int8"`` pools need
+        ``attn_implementation="kvcore"`` (the kernel reads them).
+    kv_scales : list of (k_scale, v_scale), optional
+        fp8 pools: one pair per layer, e.g. from
+        :func:`calibrate_kv_scales` (default 1.0, which real activations
+        rarely fit).
     """
     layers, kv_heads, head_dim = model_kv_shape(config)
     return BlockPool(num_blocks, block_size, layers, kv_heads, head_dim, dtype=dtype,
-                     device=device, enable_prefix_caching=enable_prefix_caching)
+                     device=device, enable_prefix_caching=enable_prefix_caching,
+                     kv_scales=kv_scales)
+
+
+def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m3fn"):
+    """Per-layer K/V scales for an fp8 pool, measured on a sample.
+
+    One forward of ``input_ids`` (with a ``DynamicCache``); for each layer
+    ``k_scale = max|K| / fp8_max`` and ``v_scale = max|V| / fp8_max`` over
+    the sample's real tokens (padding excluded), so that the sample's largest
+    value is stored as the format's largest finite one and nothing it holds
+    saturates.  Pass the result to ``pool_for(..., kv_scales=...)``.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+    input_ids : torch.LongTensor ``(batch, length)``
+        A sample of the text the pool will serve (a few hundred tokens or more).
+    attention_mask : torch.Tensor ``(batch, length)``, optional
+        1 for tokens, 0 for (left) padding.
+    dtype : {"float8_e4m3fn", "float8_e5m2"}
+        The pool's storage dtype (its largest finite value sets the scale).
+
+    Returns
+    -------
+    list of (float, float)
+        ``(k_scale, v_scale)`` per layer (1.0 for a layer whose sample is all zero).
+
+    Notes
+    -----
+    One scale per layer: real K activations have outlier channels, which a
+    per-layer scale stretches over the whole format (the perplexity
+    benchmark, ``bench/bench_hf.py --perplexity``, measures what that costs).
+    int8 pools need no calibration (a scale per token and head, computed
+    on write).
+    """
+    if dtype not in _FP8_MAX:
+        raise ValueError(f"dtype must be one of {sorted(_FP8_MAX)} (int8 pools scale each "
+                         f"token themselves), got {dtype!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a 2-D torch tensor (batch, length) with at least "
+                         f"one column, got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    _left_pads(attention_mask, "attention_mask")
+    layers = model_kv_shape(model.config)[0]
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask, use_cache=True,
+              **{cache_keyword(model): cache})
+    real = attention_mask.bool()[:, None, :, None]         # (batch, 1, length, 1)
+    top = _FP8_MAX[dtype]
+    scales = []
+    for i in range(layers):
+        layer = cache.layers[i]
+        pair = []
+        for t in (layer.keys, layer.values):
+            m = float(t.detach().float().abs().masked_fill(~real, 0).max())
+            pair.append(m / top if m > 0 and np.isfinite(m / top) and m / top > 0 else 1.0)
+        scales.append(tuple(pair))
+    return scales
 
 
 def check_pool(pool, config):
@@ -229,9 +304,10 @@ class PagedCache(Cache):
             raise NotImplementedError(
                 f"kvcore.hf.PagedCache on a {pool.device!r} pool is not implemented yet "
                 "(CPU pools only)")
-        if pool.dtype not in _TORCH_STORAGE:
-            raise ValueError(f"pool.dtype must be one of {sorted(_TORCH_STORAGE)} for "
-                             f"kvcore.hf, got {pool.dtype!r}")
+        if pool.dtype not in _TORCH_STORAGE and pool.dtype not in _LOW_PRECISION:
+            raise ValueError(f"pool.dtype must be one of "
+                             f"{sorted(_TORCH_STORAGE) + list(_LOW_PRECISION)} for kvcore.hf, "
+                             f"got {pool.dtype!r}")
         self.pool = pool
         self.salt = salt
         self._seqs = []                         # one PagedKVCache per batch row
@@ -489,6 +565,10 @@ class PagedCache(Cache):
                 f"the model's K/V have {heads} heads of dimension {dim}, the pool "
                 f"{pool.num_kv_heads} of dimension {pool.head_dim}: build the pool with "
                 "kvcore.hf.pool_for(model.config, ...)")
+        if not self._kvcore_forward and pool.dtype not in _TORCH_STORAGE:
+            raise ValueError(f"a {pool.dtype} pool is read by attn_implementation='kvcore' only "
+                             "(this forward's attention reads whole K/V tensors): "
+                             "model.set_attn_implementation('kvcore')")
         step = self._step
         if layer_idx == 0 or step is None or step.layers_done == pool.num_layers:
             if step is not None and 0 < step.layers_done < pool.num_layers:
