@@ -144,6 +144,35 @@ def _real(value, arg):
     return v
 
 
+# The kernels compute in float32: ``scale`` and the soft cap ``c`` become
+# C floats, the scores are scaled by ``scale * log2(e)`` (or capped as
+# ``c * log2(e) * tanh(s * (1 / c))``).  A value is accepted only when all of
+# these are finite, normal float32 numbers, so nothing overflows to inf or
+# flushes to 0 (a cap of 0 would read as "no cap").
+_LOG2E = np.float32(1.4426950408889634)
+_F32_TINY = float(np.finfo(np.float32).tiny)          # 2**-126, the smallest normal
+_F32_SCALED_MAX = float(np.float32(np.finfo(np.float32).max) / _LOG2E)
+
+
+def _float32_real(value, arg, allow_zero):
+    """``value`` (already a finite Python float) as the float32 the kernels
+    use, checked to be usable there: finite, and 0 or of a magnitude in
+    ``[2**-126, FLT_MAX / log2(e)]`` (``allow_zero``: whether 0 is valid)."""
+    with np.errstate(over="ignore", under="ignore"):
+        f = np.float32(value)
+        scaled = f * _LOG2E
+        inverse = np.float32(1.0) / f if f != 0 else np.float32(0)
+    if value == 0 and allow_zero:
+        return 0.0
+    if not (np.isfinite(f) and np.isfinite(scaled) and np.isfinite(inverse)
+            and abs(float(f)) >= _F32_TINY and abs(float(scaled)) >= _F32_TINY):
+        zero = "0 or " if allow_zero else ""
+        raise ValueError(f"{arg} must be {zero}a value whose magnitude lies in "
+                         f"[{_F32_TINY:.8g}, {_F32_SCALED_MAX:.8g}] (the kernels compute in "
+                         f"float32), got {value!r}")
+    return float(f)
+
+
 def _query_array(q, num_kv_heads, head_dim):
     """(float32 C-contiguous q, shape) after checking dtype and shape."""
     qa = _host_view(q, "q")
@@ -164,9 +193,17 @@ def _query_array(q, num_kv_heads, head_dim):
     return qa
 
 
-def _out_view(out, shape, what, storage):
+def _owned(store):
+    """Every array a pool or a KVCache owns (its storage, and its scales when
+    it has them): what an ``out=`` must not overlap."""
+    arrays = (store._storage, store._scales, store._layer_scales)
+    return tuple(a for a in arrays if a is not None and not isinstance(a, (list, tuple)))
+
+
+def _out_view(out, shape, what, owned):
     """A NumPy view of ``out`` after checking shape, dtype, writeability and
-    that it does not overlap the cache's storage."""
+    that it does not overlap anything in ``owned`` (the storage and scales
+    of the pool or cache)."""
     view = _host_view(out, "out")
     if tuple(view.shape) != shape:
         raise ValueError(f"out must have shape {shape} {what}, got {tuple(view.shape)}")
@@ -174,8 +211,8 @@ def _out_view(out, shape, what, storage):
         raise TypeError(f"out must be float32, float16 or bfloat16, got {view.dtype}")
     if not view.flags.writeable:
         raise ValueError("out must be writeable, got a read-only array")
-    if np.may_share_memory(view, storage):
-        raise ValueError("out must not overlap the KV cache's storage")
+    if any(np.may_share_memory(view, a) for a in owned):
+        raise ValueError("out must not overlap the KV cache's storage or scales")
     return view
 
 
@@ -250,9 +287,9 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
         return _device_attention(q, pool._backend, pool.key_cache(layer), pool.value_cache(layer),
                                  _dtypes.storage_kind(pool.dtype), block_tables, seq_lens,
                                  query_start_loc, scale, sliding_window, logits_soft_cap, out,
-                                 _lowprec_args(pool, layer))
+                                 _lowprec_args(pool, layer), _owned(pool))
     return _attention(q, pool.key_cache(layer), pool.value_cache(layer),
-                      _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens,
+                      _dtypes.storage_kind(pool.dtype), _owned(pool), block_tables, seq_lens,
                       query_start_loc, scale, sliding_window, logits_soft_cap, out,
                       _lowprec_args(pool, layer))
 
@@ -322,10 +359,12 @@ def _index_args(num_tokens, head_dim, block_tables, seq_lens, query_start_loc, s
     if scale is None:
         scale_v = 1.0 / math.sqrt(head_dim)
     else:
-        scale_v = _real(scale, "scale")
+        scale_v = _float32_real(_real(scale, "scale"), "scale", allow_zero=True)
     # 0 tells the kernel "off"
     window = _positive_or_off(sliding_window, "sliding_window", index_int, "a positive integer")
     cap_v = _positive_or_off(logits_soft_cap, "logits_soft_cap", _real, "positive")
+    if cap_v:
+        cap_v = _float32_real(cap_v, "logits_soft_cap", allow_zero=False)
     return tables, lens, qsl, scale_v, window, cap_v
 
 
@@ -333,7 +372,7 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
                query_start_loc, scale, sliding_window, logits_soft_cap, out, lowprec=None):
     """Check everything, then run the kernel.  key_cache/value_cache:
     ``(num_blocks, num_kv_heads, block_size, head_dim)`` with contiguous
-    rows, views of ``storage`` (which ``out`` must not overlap)."""
+    rows, views of ``storage`` (a tuple of what ``out`` must not overlap)."""
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     qa = _query_array(q, num_kv_heads, head_dim)
     num_tokens, num_heads, _ = qa.shape
@@ -368,7 +407,7 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
 
 def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_lens,
                       query_start_loc, scale, sliding_window, logits_soft_cap, out,
-                      lowprec=None):
+                      lowprec=None, owned=()):
     """``paged_attention`` on a device pool: the same checks, on the host
     (device index arrays are copied down, a synchronisation), before any
     work; then the backend's kernels.  ``q`` and ``out`` are device arrays
@@ -398,8 +437,7 @@ def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_len
         y, bf16 = _arrays.unwrap(out, "out")
         okind = _dtypes.BF16 if bf16 else _dtypes.array_kind(be.check_out(y, "out"), "out")
         obits, result = _arrays.out_array(be, out, "out", shape, okind)
-        if not (be.direct_out(obits, key_cache) and be.direct_out(obits, value_cache)):
-            raise ValueError("out must not overlap the KV cache's storage")
+        _check_device_out(be, obits, owned + (key_cache, value_cache))
     # q as float32, C-contiguous, on the device (a conversion kernel when needed)
     if qkind == _dtypes.F32 and qd.flags.c_contiguous and be._ptr(qd) % 4 == 0:
         q32 = qd
@@ -416,6 +454,21 @@ def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_len
     if not direct:
         be.convert(target, _dtypes.F32, obits, okind)
     return result
+
+
+def _check_device_out(be, obits, owned):
+    """``out=`` on a device: apart from everything in ``owned`` (the pool's or
+    cache's storage and scales), and every element naturally aligned (the
+    kernels that fill it, direct or by conversion, store whole elements;
+    a misaligned store faults on a GPU)."""
+    for a in owned:
+        if not be.direct_out(obits, a):
+            raise ValueError("out must not overlap the KV cache's storage or scales")
+    item = obits.itemsize
+    if obits.size and (be._ptr(obits) % item or any(st % item for st in obits.strides)):
+        raise ValueError(f"out must be aligned to its {item}-byte elements on {be.device} "
+                         f"(address and strides multiples of {item}), got address "
+                         f"{be._ptr(obits):#x} and strides {tuple(obits.strides)}")
 
 
 def _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens):
@@ -513,8 +566,7 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
             y, bf16 = _arrays.unwrap(out, "out")
             okind = _dtypes.BF16 if bf16 else _dtypes.array_kind(be.check_out(y, "out"), "out")
             obits, result = _arrays.out_array(be, out, "out", shape, okind)
-            if not (be.direct_out(obits, k) and be.direct_out(obits, v)):
-                raise ValueError("out must not overlap the KV cache's storage")
+            _check_device_out(be, obits, _owned(cache))
         rows = _device_attention((q_rows, qkind), be, k, v, kind, tables, lens, qsl, scale,
                                  sliding_window, logits_soft_cap, None,
                                  _lowprec_args(cache, layer))
@@ -523,7 +575,7 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
             return be.xp.ascontiguousarray(res)
         be.convert(res, _dtypes.F32, obits, okind)
         return result
-    storage = k.base if k.base is not None else k   # every layer's K and V
+    storage = _owned(cache)   # every layer's K and V, and the scales
     if out is not None:
         view = _out_view(out, shape, "(batch_size, num_heads, n, head_dim)", storage)
     # one "block" per batch row, block_size = max_seq_len

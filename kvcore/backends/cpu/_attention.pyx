@@ -236,9 +236,10 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
     """One pass over the integer arguments of paged_attention, in the order
     the errors are reported.  Returns ``(status, a, b)``; status 0 is fine.
 
-    Only the block-table entries the kernel will read are checked: those
-    from the first position visible to the sequence's first query
-    (sliding_window 0: none) to its last position."""
+    Every block-table entry the kernel can read is checked: those from the
+    first position any query of the sequence can see (0 without a sliding
+    window; with one, the window of the first query, at position seq_len -
+    n) to the last position.  A sequence without queries is not read."""
     cdef Py_ssize_t S = seq_lens.shape[0], B = block_tables.shape[1], s, b
     cdef int64_t cap = B * block_size, n, first, end_blk
     cdef int32_t blk
@@ -262,9 +263,10 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
         n = query_start_loc[s + 1] - query_start_loc[s]
         if n == 0:
             continue
-        first = seq_lens[s] - n
+        # (the kernel's key range: kv_attention.c key_range)
+        first = 0
         if sliding_window > 0:
-            first = first + 1 - sliding_window
+            first = seq_lens[s] - n + 1 - sliding_window
             if first < 0:
                 first = 0
         end_blk = (seq_lens[s] + block_size - 1) // block_size
@@ -275,3 +277,4 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
                 eb[0] = b
                 return BAD_BLOCK_ID
     return CHECK_OK
+
