@@ -67,6 +67,13 @@ cdef extern from "kv_attention.h" nogil:
     int kva_exp2_neg(int level, const float *x, float *y, Py_ssize_t n)
     int kva_softcap(int level, const float *x, float *y, Py_ssize_t n, float a, float b)
     int64_t kva_num_items(const kva_args *args)
+    ctypedef struct kva_plan:
+        pass
+    kva_plan *kva_plan_create(const kva_args *args, int *status)
+    int kva_plan_run(const kva_plan *plan, const kva_args *args)
+    void kva_plan_free(kva_plan *plan)
+    int64_t kva_plan_num_items(const kva_plan *plan)
+    int kva_plan_num_threads(const kva_plan *plan)
 
 
 cdef int _fill(kva_args *a, const float[:, :, ::1] q, float[:, :, ::1] out,
@@ -150,6 +157,128 @@ def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
     if status != KVA_OK:
         raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
     return CHECK_OK, 0, 0
+
+
+cdef class Plan:
+    """A C attention plan (kva_plan_create): the snapshot of the index
+    arrays, the work list and every work buffer; ``run`` per layer.  Made by
+    ``make_plan``, which checks the index arrays first.  One run at a time
+    (a second concurrent ``run`` raises RuntimeError)."""
+    cdef kva_plan *plan
+    cdef readonly int kind, num_heads, num_kv_heads, head_dim
+    cdef readonly int64_t block_size, num_blocks, num_tokens
+    cdef bint running
+
+    def __dealloc__(self):
+        kva_plan_free(self.plan)
+
+    @property
+    def num_items(self):
+        """Work items of a run."""
+        return kva_plan_num_items(self.plan)
+
+    @property
+    def num_threads(self):
+        """Threads a run uses (at most the planned num_threads)."""
+        return kva_plan_num_threads(self.plan)
+
+    def run(self, const float[:, :, ::1] q, float[:, :, ::1] out, cnp.ndarray key_cache,
+            cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
+            double v_scale=1.0):
+        """out[...] = attention of q over the caches, as planned.  The caches:
+        (num_blocks or more, num_kv_heads, block_size, head_dim) of the
+        planned kind, rows contiguous, both with the same strides."""
+        cdef int isz = 4 if self.kind == 0 else 1 if self.kind >= 3 else 2
+        want_q = (self.num_tokens, self.num_heads, self.head_dim)
+        if (q.shape[0], q.shape[1], q.shape[2]) != want_q \
+                or (out.shape[0], out.shape[1], out.shape[2]) != want_q:
+            raise ValueError(f"internal: q and out must have shape {want_q}")
+        for c in (key_cache, value_cache):
+            if c.ndim != 4 or c.shape[0] < self.num_blocks or c.shape[1] != self.num_kv_heads \
+                    or c.shape[2] != self.block_size or c.shape[3] != self.head_dim \
+                    or c.itemsize != isz or c.strides[3] != isz:
+                raise ValueError("internal: the caches do not match the plan")
+        if any(key_cache.strides[i] != value_cache.strides[i] for i in range(4)):
+            raise ValueError("internal: key_cache and value_cache must have the same strides")
+        cdef kva_args a
+        a.q = &q[0, 0, 0] if q.shape[0] else NULL
+        a.out = &out[0, 0, 0] if out.shape[0] else NULL
+        a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
+        a.value_cache = <const char *>cnp.PyArray_DATA(value_cache)
+        a.kind = self.kind
+        a.block_stride = key_cache.strides[0]
+        a.head_stride = key_cache.strides[1]
+        a.row_stride = key_cache.strides[2]
+        a.block_size = self.block_size
+        a.num_heads = self.num_heads
+        a.num_kv_heads = self.num_kv_heads
+        a.head_dim = self.head_dim
+        a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
+        a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
+        a.k_scale = <float>k_scale
+        a.v_scale = <float>v_scale
+        if self.running:
+            raise RuntimeError("this attention plan is already running (one run at a time)")
+        self.running = True
+        cdef int status
+        try:
+            with nogil:
+                status = kva_plan_run(self.plan, &a)
+        finally:
+            self.running = False
+        if status != KVA_OK:
+            raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
+
+
+def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
+              const int64_t[::1] query_start_loc, *, int num_heads, int num_kv_heads,
+              int head_dim, int64_t block_size, int64_t num_blocks, int kind, double scale,
+              int64_t sliding_window, double soft_cap, int num_threads):
+    """A Plan over these index arrays (copied), for num_tokens =
+    query_start_loc[-1] query rows.  The integer arguments are checked first
+    (see _check_tables): returns ``(status, a, b, None)`` on a failure, else
+    ``(0, 0, 0, plan)``."""
+    cdef Py_ssize_t ea = 0, eb = 0
+    if seq_lens.shape[0] + 1 != query_start_loc.shape[0] \
+            or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError("internal: block_tables, seq_lens and query_start_loc disagree")
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads or head_dim <= 0 \
+            or block_size <= 0 or num_blocks < 0 or not 0 <= kind <= 5:
+        raise ValueError("internal: bad plan shape")
+    cdef int64_t num_tokens = query_start_loc[seq_lens.shape[0]]
+    cdef int check = _check_tables(block_tables, seq_lens, query_start_loc, num_tokens,
+                                   num_blocks, block_size, sliding_window, &ea, &eb)
+    if check != CHECK_OK:
+        return check, ea, eb, None
+    cdef kva_args a
+    a.kind = kind
+    a.block_size = block_size
+    a.num_heads = num_heads
+    a.num_kv_heads = num_kv_heads
+    a.head_dim = head_dim
+    a.block_tables = &block_tables[0, 0] if block_tables.shape[0] and block_tables.shape[1] \
+        else NULL
+    a.block_table_stride = block_tables.shape[1]
+    a.seq_lens = &seq_lens[0] if seq_lens.shape[0] else NULL
+    a.query_start_loc = &query_start_loc[0]
+    a.num_seqs = seq_lens.shape[0]
+    a.scale = <float>scale
+    a.sliding_window = sliding_window
+    a.soft_cap = <float>soft_cap
+    a.num_threads = num_threads
+    cdef int status = KVA_OK
+    cdef kva_plan *plan
+    with nogil:
+        plan = kva_plan_create(&a, &status)
+    if plan == NULL:
+        if status == KVA_ENOMEM:
+            raise MemoryError("attention plan could not allocate its work buffers")
+        raise RuntimeError(f"kv_attention rejected the plan (status {status})")
+    cdef Plan p = Plan.__new__(Plan)
+    p.plan = plan
+    p.kind, p.num_heads, p.num_kv_heads, p.head_dim = kind, num_heads, num_kv_heads, head_dim
+    p.block_size, p.num_blocks, p.num_tokens = block_size, num_blocks, num_tokens
+    return CHECK_OK, 0, 0, p
 
 
 def num_items(const float[:, :, ::1] q, float[:, :, ::1] out,
