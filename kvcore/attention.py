@@ -641,7 +641,11 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
     plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc, scale,
                                sliding_window, logits_soft_cap, checked[0].shape[0])
-    return plan._run(q, layer, out, checked)
+    # the run's own fast path when the backend has one (fewer Python-level
+    # checks than the general run, the same results)
+    plan._bindable = True
+    plan._plan_for(checked[0].shape[1])
+    return plan.run(q, layer, out)
 
 
 def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,

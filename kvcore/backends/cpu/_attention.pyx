@@ -159,77 +159,6 @@ def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
     return CHECK_OK, 0, 0
 
 
-cdef class Plan:
-    """A C attention plan (kva_plan_create): the snapshot of the index
-    arrays, the work list and every work buffer; ``run`` per layer.  Made by
-    ``make_plan``, which checks the index arrays first.  One run at a time
-    (a second concurrent ``run`` raises RuntimeError)."""
-    cdef kva_plan *plan
-    cdef readonly int kind, num_heads, num_kv_heads, head_dim
-    cdef readonly int64_t block_size, num_blocks, num_tokens
-    cdef bint running
-
-    def __dealloc__(self):
-        kva_plan_free(self.plan)
-
-    @property
-    def num_items(self):
-        """Work items of a run."""
-        return kva_plan_num_items(self.plan)
-
-    @property
-    def num_threads(self):
-        """Threads a run uses (at most the planned num_threads)."""
-        return kva_plan_num_threads(self.plan)
-
-    def run(self, const float[:, :, ::1] q, float[:, :, ::1] out, cnp.ndarray key_cache,
-            cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
-            double v_scale=1.0):
-        """out[...] = attention of q over the caches, as planned.  The caches:
-        (num_blocks or more, num_kv_heads, block_size, head_dim) of the
-        planned kind, rows contiguous, both with the same strides."""
-        cdef int isz = 4 if self.kind == 0 else 1 if self.kind >= 3 else 2
-        want_q = (self.num_tokens, self.num_heads, self.head_dim)
-        if (q.shape[0], q.shape[1], q.shape[2]) != want_q \
-                or (out.shape[0], out.shape[1], out.shape[2]) != want_q:
-            raise ValueError(f"internal: q and out must have shape {want_q}")
-        for c in (key_cache, value_cache):
-            if c.ndim != 4 or c.shape[0] < self.num_blocks or c.shape[1] != self.num_kv_heads \
-                    or c.shape[2] != self.block_size or c.shape[3] != self.head_dim \
-                    or c.itemsize != isz or c.strides[3] != isz:
-                raise ValueError("internal: the caches do not match the plan")
-        if any(key_cache.strides[i] != value_cache.strides[i] for i in range(4)):
-            raise ValueError("internal: key_cache and value_cache must have the same strides")
-        cdef kva_args a
-        a.q = &q[0, 0, 0] if q.shape[0] else NULL
-        a.out = &out[0, 0, 0] if out.shape[0] else NULL
-        a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
-        a.value_cache = <const char *>cnp.PyArray_DATA(value_cache)
-        a.kind = self.kind
-        a.block_stride = key_cache.strides[0]
-        a.head_stride = key_cache.strides[1]
-        a.row_stride = key_cache.strides[2]
-        a.block_size = self.block_size
-        a.num_heads = self.num_heads
-        a.num_kv_heads = self.num_kv_heads
-        a.head_dim = self.head_dim
-        a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
-        a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
-        a.k_scale = <float>k_scale
-        a.v_scale = <float>v_scale
-        if self.running:
-            raise RuntimeError("this attention plan is already running (one run at a time)")
-        self.running = True
-        cdef int status
-        try:
-            with nogil:
-                status = kva_plan_run(self.plan, &a)
-        finally:
-            self.running = False
-        if status != KVA_OK:
-            raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
-
-
 def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
               const int64_t[::1] query_start_loc, *, int num_heads, int num_kv_heads,
               int head_dim, int64_t block_size, int64_t num_blocks, int kind, double scale,
@@ -250,34 +179,9 @@ def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                                    num_blocks, block_size, sliding_window, &ea, &eb)
     if check != CHECK_OK:
         return check, ea, eb, None
-    cdef kva_args a
-    a.kind = kind
-    a.block_size = block_size
-    a.num_heads = num_heads
-    a.num_kv_heads = num_kv_heads
-    a.head_dim = head_dim
-    a.block_tables = &block_tables[0, 0] if block_tables.shape[0] and block_tables.shape[1] \
-        else NULL
-    a.block_table_stride = block_tables.shape[1]
-    a.seq_lens = &seq_lens[0] if seq_lens.shape[0] else NULL
-    a.query_start_loc = &query_start_loc[0]
-    a.num_seqs = seq_lens.shape[0]
-    a.scale = <float>scale
-    a.sliding_window = sliding_window
-    a.soft_cap = <float>soft_cap
-    a.num_threads = num_threads
-    cdef int status = KVA_OK
-    cdef kva_plan *plan
-    with nogil:
-        plan = kva_plan_create(&a, &status)
-    if plan == NULL:
-        if status == KVA_ENOMEM:
-            raise MemoryError("attention plan could not allocate its work buffers")
-        raise RuntimeError(f"kv_attention rejected the plan (status {status})")
-    cdef Plan p = Plan.__new__(Plan)
-    p.plan = plan
-    p.kind, p.num_heads, p.num_kv_heads, p.head_dim = kind, num_heads, num_kv_heads, head_dim
-    p.block_size, p.num_blocks, p.num_tokens = block_size, num_blocks, num_tokens
+    cdef Plan p = Plan(block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
+                       head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
+                       num_threads)
     return CHECK_OK, 0, 0, p
 
 
@@ -461,16 +365,23 @@ def address(cnp.ndarray a):
 cdef class Plan
 
 
+cdef inline bint _plane_ok(Plan p, cnp.ndarray c) noexcept:
+    cdef Py_ssize_t item = 4 if p.kind == 0 else 1 if p.kind >= 3 else 2
+    return cnp.PyArray_NDIM(c) == 4 and cnp.PyArray_DIM(c, 0) >= p.num_blocks \
+        and cnp.PyArray_DIM(c, 1) == p.num_kv_heads and cnp.PyArray_DIM(c, 2) == p.block_size \
+        and cnp.PyArray_DIM(c, 3) == p.head_dim and cnp.PyArray_ITEMSIZE(c) == item \
+        and cnp.PyArray_STRIDE(c, 3) == item
+
+
 cdef inline bint _planes_match(Plan p, cnp.ndarray k, cnp.ndarray v) noexcept:
-    """k and v: (num_blocks, num_kv_heads, block_size, head_dim) of the plan,
-    the same strides."""
-    if not (_dims_are(k, 4, p.num_blocks, p.num_kv_heads, p.block_size, p.head_dim)
-            and _dims_are(v, 4, p.num_blocks, p.num_kv_heads, p.block_size, p.head_dim)):
+    """k and v: (num_blocks or more, num_kv_heads, block_size, head_dim) of
+    the plan's storage kind, rows contiguous, the same strides."""
+    if not (_plane_ok(p, k) and _plane_ok(p, v)):
         return False
     for i in range(4):
         if cnp.PyArray_STRIDE(k, i) != cnp.PyArray_STRIDE(v, i):
             return False
-    return cnp.PyArray_ITEMSIZE(k) == cnp.PyArray_ITEMSIZE(v)
+    return True
 
 
 cdef class Plan:
@@ -489,6 +400,7 @@ cdef class Plan:
     plan raises RuntimeError (the work buffers will belong to the plan).
     """
     cdef kva_args args
+    cdef kva_plan *plan
     cdef readonly object block_tables, seq_lens, query_start_loc
     cdef readonly Py_ssize_t num_tokens, num_heads, num_kv_heads, head_dim
     cdef readonly int64_t block_size, num_blocks
@@ -559,6 +471,26 @@ cdef class Plan:
         a.value_scales = NULL
         a.k_scale = 1.0
         a.v_scale = 1.0
+        cdef int status = KVA_OK
+        with nogil:
+            self.plan = kva_plan_create(a, &status)
+        if self.plan == NULL:
+            if status == KVA_ENOMEM:
+                raise MemoryError("attention plan could not allocate its work buffers")
+            raise RuntimeError(f"kv_attention rejected the plan (status {status})")
+
+    def __dealloc__(self):
+        kva_plan_free(self.plan)
+
+    @property
+    def num_items(self):
+        """Work items of a run."""
+        return kva_plan_num_items(self.plan)
+
+    @property
+    def num_threads_used(self):
+        """Threads a run uses (at most the planned num_threads)."""
+        return kva_plan_num_threads(self.plan)
 
     cdef int _go(self, kva_args *a) except -1:
         """Runs the kernel on ``a`` (the plan's fields plus the data fields),
@@ -570,7 +502,7 @@ cdef class Plan:
         self.busy = True
         try:
             with nogil:
-                status = kva_paged_attention(a)
+                status = kva_plan_run(self.plan, a)
         finally:
             self.busy = False
         if status == KVA_ENOMEM:
@@ -592,7 +524,7 @@ cdef class Plan:
                 raise ValueError("internal: q and out must be C-contiguous float32 "
                                  f"{(self.num_tokens, self.num_heads, self.head_dim)}")
         if not _planes_match(self, key_cache, value_cache):
-            raise ValueError("internal: key_cache / value_cache do not match the plan")
+            raise ValueError("internal: the caches do not match the plan")
         cdef kva_args a = self.args
         a.q = <const float *>cnp.PyArray_DATA(q) if self.num_tokens else NULL
         a.out = <float *>cnp.PyArray_DATA(out) if self.num_tokens else NULL
