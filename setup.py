@@ -72,9 +72,11 @@ def ext(folder, name, *c_sources, compile_args=(), link_args=()):
     )
 
 
-# Attention over the pages: C kernels with run-time SIMD dispatch; pthreads
-# for the worker pool.
+# Attention over the pages: C kernels with run-time SIMD dispatch, one file
+# per role (kv_attn_internal.h lists them); pthreads for the worker pool.
 PTHREAD = [] if sys.platform == "win32" else ["-pthread"]
+ATTENTION_C = ["kv_attention.c", "kv_attn_schedule.c", "kv_attn_tile.c", "kv_attn_threads.c",
+               "kv_attn_scalar.c", "kv_attn_avx2.c", "kv_attn_neon.c"]
 extensions = [
     ext(NATIVE, "_typedefs"),
     ext(NATIVE, "_pool", "kv_hash.c"),
@@ -82,7 +84,7 @@ extensions = [
     ext(CPU_BACKEND, "_convert", "kv_half.c", "kv_fp8.c"),
     ext(CPU_BACKEND, "_kernels"),
     ext(CPU_BACKEND, "_checksum", "kv_checksum.c"),
-    ext(CPU_BACKEND, "_attention", "kv_attention.c", compile_args=PTHREAD, link_args=PTHREAD),
+    ext(CPU_BACKEND, "_attention", *ATTENTION_C, compile_args=PTHREAD, link_args=PTHREAD),
 ]
 
 

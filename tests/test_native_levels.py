@@ -2,7 +2,9 @@
 supports gives the scalar path's bits (tests/c/kv_half_check.c,
 tests/c/kv_fp8_check.c), natively, and for AArch64's NEON path under
 qemu-aarch64 when a cross compiler and qemu are installed
-(apt: gcc-aarch64-linux-gnu qemu-user)."""
+(apt: gcc-aarch64-linux-gnu qemu-user).  The attention plan on its own
+(tests/c/kv_attention_plan_check.c): created once, run per layer, the same
+bits as kva_paged_attention at every level."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,13 +24,20 @@ CHECKS = {
     "kv_fp8": (ROOT / "tests" / "c" / "kv_fp8_check.c", ("kv_fp8.c", "kv_half.c")),
 }
 
+# the attention plan: its driver and the attention kernel's sources
+PLAN_CHECK = ROOT / "tests" / "c" / "kv_attention_plan_check.c"
+
 needs_source = pytest.mark.skipif(not (NATIVE / "kv_half.c").exists(),
                                   reason="needs the source tree")
 
 
+def _attention_sources():
+    return tuple(sorted(p.name for p in NATIVE.glob("kv_att*.c")))
+
+
 def _build_and_run(cc, check, out, extra=(), runner=()):
-    driver, sources = CHECKS[check]
-    subprocess.run([cc, "-O2", *extra, f"-I{NATIVE}", str(driver),
+    driver, sources = CHECKS[check] if check in CHECKS else (PLAN_CHECK, _attention_sources())
+    subprocess.run([cc, "-O2", "-pthread", *extra, f"-I{NATIVE}", str(driver),
                     *[str(NATIVE / c) for c in sources], "-o", str(out), "-lm"],
                    check=True, capture_output=True, text=True)
     return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
@@ -54,3 +63,23 @@ def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
     run = _build_and_run(cc, check, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "level neon" in run.stdout and "0 mismatches" in run.stdout
+
+
+@needs_source
+def test_attention_plan_runs_match_one_call_attention(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    run = _build_and_run(cc, "plan", tmp_path / "plan_check")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "plan level scalar: 60 runs, 0 failures" in run.stdout
+    assert "levels, 0 failures" in run.stdout
+
+
+@needs_source
+def test_attention_plan_under_qemu(tmp_path):
+    cc, qemu = aarch64_tools()
+    run = _build_and_run(cc, "plan", tmp_path / "plan_a64", extra=("-static",), runner=(qemu,))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "plan level neon: 60 runs, 0 failures" in run.stdout
+    assert "2 levels, 0 failures" in run.stdout

@@ -73,8 +73,39 @@ typedef struct {
     float k_scale, v_scale;
 } kva_args;
 
-/* Run attention; returns KVA_OK, KVA_ENOMEM (nothing written) or KVA_EINVAL. */
+/* Run attention; returns KVA_OK, KVA_ENOMEM (nothing written) or KVA_EINVAL.
+ * The same as kva_plan_create + kva_plan_run + kva_plan_free. */
 int kva_paged_attention(const kva_args *args);
+
+/* Plan once, run many (one plan per step, one run per layer).
+ *
+ * kva_plan_create: validate-free (the caller already checked every index
+ * argument).  Reads from args ONLY the shape/index/scalar fields: kind,
+ * block_size, num_heads, num_kv_heads, head_dim, block_tables,
+ * block_table_stride, seq_lens, query_start_loc, num_seqs, scale,
+ * sliding_window, soft_cap, num_threads.  Copies the index arrays (the
+ * caller may change or free its arrays afterwards), builds the work list
+ * (the split of the work into items, the thread count) and allocates every
+ * work buffer a run needs.  Returns NULL with *status set (KVA_ENOMEM, or
+ * KVA_EINVAL for inconsistent shape fields) on failure.
+ *
+ * kva_plan_run: reads from args ONLY the data fields: q, out, key_cache,
+ * value_cache, block_stride, head_stride, row_stride, key_scales,
+ * value_scales, k_scale, v_scale (the shape fields must equal the planned
+ * ones, else KVA_EINVAL; the plan's snapshot of the index arrays is used,
+ * never args' pointers).  Allocates nothing.  Same bits as
+ * kva_paged_attention(args) for every thread count.  One run at a time per
+ * plan (the work buffers belong to the plan); different plans may run
+ * concurrently.
+ *
+ * kva_plan_free: NULL is a no-op. */
+typedef struct kva_plan kva_plan;
+kva_plan *kva_plan_create(const kva_args *args, int *status);
+int kva_plan_run(const kva_plan *plan, const kva_args *args);
+void kva_plan_free(kva_plan *plan);
+/* Work items and threads of a plan (tests, the benchmark's notes). */
+int64_t kva_plan_num_items(const kva_plan *plan);
+int kva_plan_num_threads(const kva_plan *plan);
 
 /* Kernel level: the best this CPU supports unless set. */
 int kva_best_level(void);

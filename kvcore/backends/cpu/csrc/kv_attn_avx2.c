@@ -1,0 +1,409 @@
+/*
+ * kv_attn_avx2.c: the AVX2 + FMA + F16C kernels of the attention (x86-64).
+ *
+ * This file is compiled without any -m flags, like the rest: every function
+ * carries __attribute__((target("avx2,fma,f16c"))) and ends in _avx2, and
+ * the tables are used only after the CPU said it has the instructions
+ * (kv_simd.h); tests/test_attention.py checks the machine code for it.
+ */
+#include "kv_attn_internal.h"
+
+#include <math.h>
+#include <string.h>
+
+#if KVA_HAVE_AVX2
+#include <immintrin.h>
+
+#define KVA_TARGET __attribute__((target("avx2,fma,f16c")))
+#define KVA_INLINE static inline __attribute__((always_inline)) KVA_TARGET
+
+/* 8 fp8 e4m3fn elements at p, widened to float32 and divided by 2^8: each
+ * byte, sign-extended to 16 bits and shifted left by 7, is a half with the
+ * byte's sign, exponent and mantissa (bit 14, the sign's copy, cleared);
+ * e4m3's exponent bias 7 is the half's 15 less 8, so the half is the value
+ * times 2^-8, subnormals included (F16C widens it exactly).  The 2^8 rides
+ * on q and on the P.V weights (kva_kernels.unit: exact products).  No
+ * NaN: S.1111.111 would read as +-480; a tile holding one takes
+ * load8_e4m3_nan_avx2. */
+KVA_INLINE __m256 load8_e4m3_avx2(const char *p)
+{
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80)));
+}
+
+/* The same with NaN: S.1111.111 gets the half's all-ones exponent. */
+KVA_INLINE __m256 load8_e4m3_nan_avx2(const char *p)
+{
+    __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16((short)0xBF80));
+    __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(h, _mm_set1_epi16((short)0x8000)),
+                                  _mm_set1_epi16((short)0xBF80));
+    h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
+    return _mm256_cvtph_ps(h);
+}
+
+/* Whether any of rows[0..n-1] (D bytes each, D % 8 == 0) holds an e4m3fn
+ * NaN code (0x7F or 0xFF): the unsigned max of every byte with its sign
+ * bit set is 0xFF exactly then. */
+KVA_INLINE int rows_have_e4m3_nan_avx2(const char *const *rows, int n, int D)
+{
+    const __m256i sign = _mm256_set1_epi8((char)0x80);
+    __m256i mx = _mm256_setzero_si256();
+    __m128i mx8 = _mm_setzero_si128();
+    for (int i = 0; i < n; i++) {
+        const char *p = rows[i];
+        int d = 0;
+        for (; d + 32 <= D; d += 32)
+            mx = _mm256_max_epu8(mx, _mm256_or_si256(_mm256_loadu_si256((const __m256i *)(p + d)),
+                                                     sign));
+        /* the sign bit set before the max, as above (0x7F against 0x80
+         * must give 0xFF, not 0x80) */
+        for (; d < D; d += 8)
+            mx8 = _mm_max_epu8(mx8, _mm_or_si128(_mm_loadl_epi64((const __m128i *)(p + d)),
+                                                 _mm256_castsi256_si128(sign)));
+    }
+    mx8 = _mm_max_epu8(mx8, _mm_max_epu8(_mm256_castsi256_si128(mx),
+                                         _mm256_extracti128_si256(mx, 1)));
+    return _mm_movemask_epi8(_mm_cmpeq_epi8(mx8, _mm_set1_epi8((char)0xFF))) != 0;
+}
+
+/* An internal kind of the AVX2 kernels: e4m3fn read with its NaN blend. */
+#define KVA_F8E4M3_NAN 6
+
+/* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift;
+ * e4m3fn: divided by 2^8; e5m2: the high byte of a half; int8: the code,
+ * unscaled). */
+KVA_INLINE __m256 load8_avx2(const char *p, int kind)
+{
+    if (kind == KVA_F32)
+        return _mm256_loadu_ps((const float *)p);
+    if (kind == KVA_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (kind == KVA_F8E4M3)
+        return load8_e4m3_avx2(p);
+    if (kind == KVA_F8E4M3_NAN)
+        return load8_e4m3_nan_avx2(p);
+    if (kind == KVA_F8E5M2)
+        return _mm256_cvtph_ps(
+            _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+    if (kind == KVA_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Lane a of the result is the sum of the lanes of v[a] (a fixed order). */
+KVA_INLINE __m256 hsum8x8_avx2(const __m256 *v)
+{
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]);
+    __m256 t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]);
+    __m256 t3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1); /* [0 1 2 3 | 0 1 2 3] halves */
+    __m256 u1 = _mm256_hadd_ps(t2, t3); /* [4 5 6 7 | 4 5 6 7] halves */
+    __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+    __m256 hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+KVA_INLINE float hsum_avx2(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+KVA_INLINE float hmax_avx2(__m256 v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/*
+ * 2^x for x <= 0: x = n + f with n = round(x), |f| <= 1/2; 2^f by a degree-6
+ * polynomial (relative-error minimax fit on [-1/2, 1/2], coefficients
+ * rounded to float32), evaluated with FMAs, times 2^n built in the exponent
+ * field.  Checked over every float32 f in [-1/2, 1/2]: at most 0.95 ulp
+ * from the correctly rounded 2^f, so at most 0.95 ulp for every result of
+ * 2^-126 and above.  Below about 2^-126.5 the result is +0 (n = -127 makes
+ * the exponent field 0); -inf gives +0, NaN stays NaN.
+ */
+KVA_INLINE __m256 exp2_neg_avx2(__m256 x)
+{
+    x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x); /* NaN passes (second operand) */
+    x = _mm256_min_ps(_mm256_set1_ps(0.0f), x);
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.534581243e-04f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339993090e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618489072e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550328642e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264625e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471825e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                  23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/*
+ * tanh(x): for |x| < 0.3 its odd Taylor polynomial to x^13 (the next term
+ * is below 1e-9 relative there); otherwise sign(x) (1 - e) / (1 + e) with
+ * e = exp(-2|x|) <= 0.55, where no cancellation occurs.
+ */
+KVA_INLINE __m256 tanh_avx2(__m256 x)
+{
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    __m256 ax = _mm256_andnot_ps(sign_mask, x);
+    __m256 x2 = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps((float)(21844.0 / 6081075.0));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps((float)(-1382.0 / 155925.0)));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps((float)(62.0 / 2835.0)));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps((float)(-17.0 / 315.0)));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps((float)(2.0 / 15.0)));
+    p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps((float)(-1.0 / 3.0)));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, x2), x, x);
+    __m256 e = exp2_neg_avx2(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f * KVA_LOG2E)));
+    __m256 one = _mm256_set1_ps(1.0f);
+    __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    big = _mm256_or_ps(big, _mm256_and_ps(x, sign_mask));
+    __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.3f), _CMP_LT_OQ);
+    return _mm256_blendv_ps(big, small, is_small);
+}
+
+/* RB query rows x KB keys of the score tile: RB * KB == 8 accumulators. */
+KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, int kind, int RB,
+                               int KB, int r, int i, float *S)
+{
+    const int isz = kva_isz(kind);
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int a = 0; a < 8; a++)
+        acc[a] = _mm256_setzero_ps();
+    const float *q0 = Qs + (size_t)r * D;
+    for (int d = 0; d < D; d += 8) {
+        __m256 kv[8];
+#pragma GCC unroll 8
+        for (int kb = 0; kb < KB; kb++)
+            kv[kb] = load8_avx2(krow[i + kb] + (size_t)d * isz, kind);
+#pragma GCC unroll 8
+        for (int rb = 0; rb < RB; rb++) {
+            __m256 qv = _mm256_loadu_ps(q0 + (size_t)rb * D + d);
+            /* one load per q vector, reused for the KB keys (GCC would
+             * otherwise fold a load into every FMA) */
+            __asm__("" : "+x"(qv));
+#pragma GCC unroll 8
+            for (int kb = 0; kb < KB; kb++)
+                acc[rb * KB + kb] = _mm256_fmadd_ps(qv, kv[kb], acc[rb * KB + kb]);
+        }
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, hsum8x8_avx2(acc));
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; rb++)
+#pragma GCC unroll 8
+        for (int kb = 0; kb < KB; kb++)
+            S[(r + rb) * KVA_KEY_TILE + i + kb] = sums[rb * KB + kb];
+}
+
+KVA_INLINE void scores_avx2(int kind, const float *Qs, int M, int D, const char *const *krow,
+                            int ntp, float *S)
+{
+    int r = 0;
+    for (; r + 4 <= M; r += 4)
+        for (int i = 0; i < ntp; i += 2)
+            dot_block_avx2(Qs, D, krow, kind, 4, 2, r, i, S);
+    if (r + 2 <= M) {
+        for (int i = 0; i < ntp; i += 4)
+            dot_block_avx2(Qs, D, krow, kind, 2, 4, r, i, S);
+        r += 2;
+    }
+    if (r < M)
+        for (int i = 0; i < ntp; i += 8)
+            dot_block_avx2(Qs, D, krow, kind, 1, 8, r, i, S);
+}
+
+/* RB rows x DB vectors of 8 dims of the accumulator, over nt keys. */
+KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, int nt, int kind,
+                              int RB, int DB, int r, int d, float *acc, const float *alpha)
+{
+    const int isz = kva_isz(kind);
+    __m256 a[16];
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; rb++) {
+        __m256 al = _mm256_set1_ps(alpha[r + rb]);
+#pragma GCC unroll 8
+        for (int db = 0; db < DB; db++)
+            a[rb * DB + db] =
+                _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)(r + rb) * D + d + db * 8), al);
+    }
+    const size_t off = (size_t)d * isz;
+    for (int i = 0; i < nt; i++) {
+        __m256 v[16];
+#pragma GCC unroll 8
+        for (int db = 0; db < DB; db++)
+            v[db] = load8_avx2(vrow[i] + off + (size_t)db * 8 * isz, kind);
+#pragma GCC unroll 8
+        for (int rb = 0; rb < RB; rb++) {
+            __m256 p = _mm256_broadcast_ss(P + (r + rb) * KVA_KEY_TILE + i);
+#pragma GCC unroll 8
+            for (int db = 0; db < DB; db++)
+                a[rb * DB + db] = _mm256_fmadd_ps(p, v[db], a[rb * DB + db]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; rb++)
+#pragma GCC unroll 8
+        for (int db = 0; db < DB; db++)
+            _mm256_storeu_ps(acc + (size_t)(r + rb) * D + d + db * 8, a[rb * DB + db]);
+}
+
+KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
+                        float *acc, const float *alpha)
+{
+    int r = 0, d;
+    for (; r + 4 <= M; r += 4) {
+        for (d = 0; d + 16 <= D; d += 16)
+            pv_block_avx2(P, D, vrow, nt, kind, 4, 2, r, d, acc, alpha);
+        for (; d < D; d += 8)
+            pv_block_avx2(P, D, vrow, nt, kind, 4, 1, r, d, acc, alpha);
+    }
+    if (r + 2 <= M) {
+        for (d = 0; d + 32 <= D; d += 32)
+            pv_block_avx2(P, D, vrow, nt, kind, 2, 4, r, d, acc, alpha);
+        for (; d < D; d += 8)
+            pv_block_avx2(P, D, vrow, nt, kind, 2, 1, r, d, acc, alpha);
+        r += 2;
+    }
+    if (r < M) {
+        for (d = 0; d + 64 <= D; d += 64)
+            pv_block_avx2(P, D, vrow, nt, kind, 1, 8, r, d, acc, alpha);
+        for (; d < D; d += 8)
+            pv_block_avx2(P, D, vrow, nt, kind, 1, 1, r, d, acc, alpha);
+    }
+}
+
+KVA_INLINE void widen_avx2(int kind, const char *const *rows, int n, int D, float *dst)
+{
+    const int isz = kva_isz(kind);
+    for (int i = 0; i < n; i++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + (size_t)i * D + d, load8_avx2(rows[i] + (size_t)d * isz, kind));
+}
+
+#define KVA_AVX2_KIND(name, kind)                                                            \
+    KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
+                                               float *dst)                                    \
+    {                                                                                         \
+        widen_avx2(kind, rows, n, D, dst);                                                    \
+    }                                                                                         \
+    KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
+                                                const char *const *krow, int ntp, float *S,   \
+                                                float *t)                                     \
+    {                                                                                         \
+        (void)t;                                                                              \
+        scores_avx2(kind, Qs, M, D, krow, ntp, S);                                            \
+    }                                                                                         \
+    KVA_TARGET static void pv_##name##_avx2(const float *P, int M, int D,                     \
+                                            const char *const *vrow, int nt, float *acc,      \
+                                            const float *alpha, float *t)                     \
+    {                                                                                         \
+        (void)t;                                                                              \
+        pv_avx2(kind, P, M, D, vrow, nt, acc, alpha);                                         \
+    }
+KVA_AVX2_KIND(f32, KVA_F32)
+KVA_AVX2_KIND(f16, KVA_F16)
+KVA_AVX2_KIND(bf16, KVA_BF16)
+KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
+KVA_AVX2_KIND(i8, KVA_I8)
+
+/* e4m3fn: the tile's rows are searched for NaN codes once (a few byte
+ * compares per row); only a tile that holds one pays for the NaN blend of
+ * every 8 elements. */
+KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst)
+{
+    if (rows_have_e4m3_nan_avx2(rows, n, D))
+        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst);
+    else
+        widen_avx2(KVA_F8E4M3, rows, n, D, dst);
+}
+
+KVA_TARGET static void scores_e4m3_avx2(const float *Qs, int M, int D, const char *const *krow,
+                                        int ntp, float *S, float *t)
+{
+    (void)t;
+    if (rows_have_e4m3_nan_avx2(krow, ntp, D))
+        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S);
+    else
+        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S);
+}
+
+KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *const *vrow, int nt,
+                                    float *acc, const float *alpha, float *t)
+{
+    (void)t;
+    if (rows_have_e4m3_nan_avx2(vrow, nt, D))
+        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha);
+    else
+        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha);
+}
+
+KVA_TARGET static float row_max_avx2(const float *s, int ntp)
+{
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < ntp; i += 8)
+        m = _mm256_max_ps(m, _mm256_loadu_ps(s + i));
+    return hmax_avx2(m);
+}
+
+KVA_TARGET static float row_exp_sum_avx2(float *s, int ntp, float mx)
+{
+    __m256 m = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    for (int i = 0; i < ntp; i += 8) {
+        __m256 e = exp2_neg_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+        _mm256_storeu_ps(s + i, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum_avx2(sum);
+}
+
+KVA_TARGET static void softcap_avx2(float *s, ptrdiff_t n, float a, float b)
+{
+    __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(vb, tanh_avx2(_mm256_mul_ps(va, _mm256_loadu_ps(s + i)))));
+    if (i < n) {
+        float t[8] = {0};
+        memcpy(t, s + i, (size_t)(n - i) * 4);
+        _mm256_storeu_ps(t, _mm256_mul_ps(vb, tanh_avx2(_mm256_mul_ps(va, _mm256_loadu_ps(t)))));
+        memcpy(s + i, t, (size_t)(n - i) * 4);
+    }
+}
+
+KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
+{
+    ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, exp2_neg_avx2(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        float t[8] = {0};
+        memcpy(t, x + i, (size_t)(n - i) * 4);
+        _mm256_storeu_ps(t, exp2_neg_avx2(_mm256_loadu_ps(t)));
+        memcpy(y + i, t, (size_t)(n - i) * 4);
+    }
+}
+
+const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
+    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f},
+    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f},
+    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f},
+    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f}, /* its loaders: value / 2^8 */
+    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f},
+    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f},
+};
+const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
+#endif /* KVA_HAVE_AVX2 */

@@ -1,0 +1,206 @@
+/*
+ * kv_attn_internal.h: what the files of the attention kernel share (not
+ * part of kvcore's C API; kv_attention.h is).
+ *
+ * The kernel is split by role (one file, one role):
+ *   kv_attention.c      the public entry: argument check, levels, the plan
+ *                       (create / run / free), kva_paged_attention
+ *   kv_attn_schedule.c  work items, key splits, the thread count, the
+ *                       workspace layout and the merge of split partials
+ *   kv_attn_tile.c      one work item: the key-tile loop (scores, mask,
+ *                       online softmax, P.V), with the software prefetch
+ *   kv_attn_threads.c   the worker pool
+ *   kv_attn_scalar.c    the portable kernels (every kind)
+ *   kv_attn_avx2.c      AVX2 + FMA + F16C kernels (x86-64; every function
+ *                       carries __attribute__((target)) and ends in _avx2)
+ *   kv_attn_neon.c      AArch64 Advanced SIMD kernels
+ *
+ * Build notes: no file is compiled with -m flags, so the wheel runs on every
+ * x86-64 (and aarch64) CPU; the AVX2 bodies are reached only after the
+ * CPU said it has the instructions (kv_simd.h).
+ *
+ * Shape of the computation (FlashAttention-2 style, on a CPU):
+ *   - An item is (sequence, kv head, tile of query tokens, split of keys).
+ *     Its rows are every (query token, query head of the kv head's group):
+ *     a GQA group shares each K and V row, which is read once per item.
+ *   - Keys are walked in tiles of KVA_KEY_TILE positions.  Per tile:
+ *     scores = Q K^T (register-blocked dot products, K widened in
+ *     registers), soft cap, causal / window mask, online softmax in base 2
+ *     (the scale carries log2(e)), then acc = acc * alpha + P V.
+ *   - Decode-like items (one query tile) with a long key range are split
+ *     into KVA_SPLIT_KEYS-position pieces (flash-decoding); the last piece
+ *     to finish merges the partial (max, sum, acc) triples in split order.
+ */
+#ifndef KV_ATTN_INTERNAL_H
+#define KV_ATTN_INTERNAL_H
+
+#include "kv_attention.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define KVA_X86 1
+#else
+#define KVA_X86 0
+#endif
+#if KVA_X86 && defined(__GNUC__)
+#define KVA_HAVE_AVX2 1
+#else
+#define KVA_HAVE_AVX2 0
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define KVA_HAVE_NEON 1
+#else
+#define KVA_HAVE_NEON 0
+#endif
+
+/* Query rows per item (query tokens x heads of a group; at least one token). */
+#define KVA_ROWS 64
+/* Key positions per tile (a multiple of 8). */
+#define KVA_KEY_TILE 32
+/* Key positions per split of a decode-like item. */
+#define KVA_SPLIT_KEYS 1024
+/* Least work (query rows x keys x head_dim) worth a thread of its own:
+ * about 100 us of one core's time, several times what waking a worker
+ * costs on a loaded machine. */
+#define KVA_WORK_PER_THREAD ((int64_t)1 << 19)
+/* Items of more rows than this widen each K/V tile to float32 once (the
+ * micro-kernels work on 4 rows at a time, and would widen it per block). */
+#define KVA_WIDEN_ROWS 4
+
+#define KVA_LOG2E 1.4426950408889634f
+
+/* Bytes per stored element of a kind. */
+static inline int kva_isz(int kind)
+{
+    return kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
+}
+
+/* ------------------------------------------------------------------ */
+/* Kernel tables (one per level, kv_attn_<level>.c)                    */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    /* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i] for r < M, i < ntp (ntp % 8 == 0).
+     * tmp: KVA_KEY_TILE * D floats of scratch. */
+    void (*scores)(const float *Qs, int M, int D, const char *const *krow, int ntp, float *S,
+                   float *tmp);
+    /* acc[r] = acc[r] * alpha[r] + sum_{i < nt} P[r * KVA_KEY_TILE + i] V[i]. */
+    void (*pv)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
+               const float *alpha, float *tmp);
+    /* dst[i * D + d] = row i widened to float32, for i < n. */
+    void (*widen)(const char *const *rows, int n, int D, float *dst);
+    /* The elements these kernels read are the stored values divided by
+     * unit (a power of two): the caller multiplies q and the P.V weights
+     * by it, so every product is exactly the one over the values. */
+    float unit;
+} kva_kernels;
+
+typedef struct {
+    float (*row_max)(const float *s, int ntp);
+    /* s[i] = exp2(s[i] - mx) for i < ntp; returns the sum. */
+    float (*row_exp_sum)(float *s, int ntp, float mx);
+    /* s[i] = b * tanh(a * s[i]) for i < n. */
+    void (*softcap)(float *s, ptrdiff_t n, float a, float b);
+    void (*exp2_neg)(const float *x, float *y, ptrdiff_t n);
+} kva_math;
+
+/* Tables indexed by kind (KVA_F32 .. KVA_I8). */
+#define KVA_NUM_KINDS 6
+extern const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS];
+extern const kva_math kva_math_scalar;
+/* The scalar soft cap (tanhf; the NEON level uses it too). */
+void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b);
+#if KVA_HAVE_AVX2
+extern const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS];
+extern const kva_math kva_math_avx2;
+#endif
+#if KVA_HAVE_NEON
+/* f32, f16, bf16 only: the other kinds run the scalar kernels */
+#define KVA_NUM_NEON_KINDS 3
+extern const kva_kernels kva_kernels_neon[KVA_NUM_NEON_KINDS];
+extern const kva_math kva_math_neon;
+#endif
+
+/* ------------------------------------------------------------------ */
+/* Worker pool (kv_attn_threads.c)                                     */
+/* ------------------------------------------------------------------ */
+
+typedef void (*kva_job_fn)(void *ctx, int thread_index);
+/* Run fn(ctx, 0 .. n-1) on n threads, n <= nthreads (the caller is thread
+ * 0; fewer when workers cannot be started). */
+void kva_pool_run(kva_job_fn fn, void *ctx, int nthreads);
+
+/* ------------------------------------------------------------------ */
+/* Work items and jobs (kv_attn_schedule.c, kv_attn_tile.c)            */
+/* ------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t seq;
+    int64_t q0, q1;      /* query tokens of the sequence, [q0, q1) */
+    int64_t k0, k1;      /* key positions, [k0, k1) */
+    int64_t cost;        /* rows x keys, for the schedule */
+    int64_t group;       /* merge group (nsplit > 1), else -1 */
+    int64_t slot;        /* partial slot (nsplit > 1; a group's slots are consecutive), else -1 */
+    int64_t order;       /* position in the natural order (ties of the schedule) */
+    int32_t kv_head;
+    int32_t split, nsplit;
+} kva_item;
+
+typedef struct {
+    const kva_args *a;
+    const kva_kernels *kern;
+    const kva_kernels *kern_f32; /* for tiles widened once (items of many rows) */
+    const kva_math *math;
+    const kva_item *items;
+    int64_t num_items;
+    int64_t next;        /* atomic: next item to take */
+    int *group_done;     /* atomic counters, one per merge group */
+    float *partials;     /* per split item: m[Mmax], l[Mmax], acc[Mmax * D] */
+    size_t partial_floats;
+    char *workspace;     /* per thread */
+    size_t workspace_bytes;
+    int tokens_per_tile, max_rows;
+    int split_rows;      /* rows of a partial slot: the most rows of a split item */
+} kva_job;
+
+/* Per-thread workspace layout (floats unless noted). */
+typedef struct {
+    float *Qs, *S, *acc, *m, *l, *alpha, *tmp;
+    int64_t *lo, *hi;
+    int *first, *last;           /* visible keys of each row in this tile */
+    const char **krow, **vrow;   /* this tile's rows */
+    const char **nkrow, **nvrow; /* the next tile's */
+    float *kf, *vf;              /* a tile widened to float32 */
+    const char **kfrow, **vfrow; /* its rows */
+} kva_ws;
+
+static inline int64_t kva_group_size(const kva_args *a) { return a->num_heads / a->num_kv_heads; }
+
+static inline int64_t kva_seq_queries(const kva_args *a, int64_t s)
+{
+    return a->query_start_loc[s + 1] - a->query_start_loc[s];
+}
+
+static inline size_t kva_align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Query tokens per item. */
+int64_t kva_tokens_per_tile(const kva_args *a);
+/* Items of the call, in a fixed order (fills `items` when given). */
+int64_t kva_make_items(const kva_args *a, kva_item *items, int64_t *num_groups,
+                       int64_t *num_slots, int64_t *split_rows);
+/* Threads worth waking for these items (at most `want`, at least 1). */
+int kva_thread_count(const kva_item *items, int64_t n, int head_dim, int want);
+/* Sort the items costliest first (the schedule only: not the bits). */
+void kva_schedule(kva_item *items, int64_t n);
+/* Bytes of one thread's workspace; fills ws when base is given. */
+size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws);
+/* Merge the partials of every split of `it`'s group, in split order. */
+void kva_merge_group(const kva_job *job, const kva_item *it, int M);
+/* One item (kv_attn_tile.c). */
+void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws);
+/* A thread of a job: takes items until none is left. */
+void kva_job_thread(void *ctx, int thread_index);
+
+#endif

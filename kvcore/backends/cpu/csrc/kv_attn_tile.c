@@ -1,0 +1,254 @@
+/*
+ * kv_attn_tile.c: one work item of the attention.  Its query rows are
+ * loaded once (times the scale, in base 2); its keys are walked in tiles of
+ * KVA_KEY_TILE positions: scores through the level's kernels, soft cap,
+ * causal / window mask, online softmax, then acc = acc * alpha + P V.
+ * The rows of a tile are gathered from the block table (scattered 4 KB
+ * pages), and the next tile's rows are prefetched while this one runs.
+ */
+#include "kv_attn_internal.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Row addresses of positions t0 .. min(t0 + KVA_KEY_TILE, k1) - 1, padded to
+ * a multiple of 8 with the last row (its scores are masked); returns the
+ * number of real rows. */
+static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
+                     const char *vbase, int64_t t0, int64_t k1, const char **krow,
+                     const char **vrow)
+{
+    const int nt = (int)(k1 - t0 < KVA_KEY_TILE ? k1 - t0 : KVA_KEY_TILE);
+    const int ntp = (nt + 7) & ~7;
+    int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
+    for (int i = 0; i < nt; i++) {
+        if (off == a->block_size) {
+            blk++;
+            off = 0;
+        }
+        ptrdiff_t o = (ptrdiff_t)table[blk] * a->block_stride + (ptrdiff_t)off * a->row_stride;
+        krow[i] = kbase + o;
+        vrow[i] = vbase + o;
+        off++;
+    }
+    for (int i = nt; i < ntp; i++) {
+        krow[i] = krow[nt - 1];
+        vrow[i] = vrow[nt - 1];
+    }
+    return nt;
+}
+
+/* Touch the first two rows of every contiguous run of rows (a block's
+ * positions): the hardware prefetcher follows a run once it has started,
+ * but not the jump from one block to the next. */
+static inline void prefetch_rows(const char *const *rows, int n, size_t row_bytes)
+{
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || rows[i] != rows[i - 1] + row_bytes) {
+            const char *end = rows[i] + 2 * row_bytes;
+            for (const char *p = rows[i]; p < end; p += 64)
+                __builtin_prefetch(p, 0, 3);
+        }
+    }
+}
+
+/* An fp8 layer scale; 0 (a zero-initialised kva_args) means none. */
+static inline float layer_scale(float s)
+{
+    return s == 0.0f ? 1.0f : s;
+}
+
+/* Low precision: the scales of keys t0..t0+nt-1 of kv head g (ks, vs),
+ * and the scores of the tile's M rows times the keys' scales. */
+static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t t0, int nt,
+                        float *ks, float *vs, float *S, int M)
+{
+    if (a->key_scales != NULL) {
+        /* position t0 + i: block blk, offset off (one division per tile) */
+        int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
+        size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size + (size_t)off;
+        for (int i = 0; i < nt; i++, off++, at++) {
+            if (off == a->block_size) {
+                blk++;
+                off = 0;
+                at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size;
+            }
+            ks[i] = a->key_scales[at];
+            vs[i] = a->value_scales[at];
+        }
+    } else {
+        for (int i = 0; i < nt; i++) {
+            ks[i] = layer_scale(a->k_scale);
+            vs[i] = layer_scale(a->v_scale);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < nt; i++)
+            S[r * KVA_KEY_TILE + i] *= ks[i];
+}
+
+void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
+{
+    const kva_args *a = job->a;
+    const int D = a->head_dim, G = (int)kva_group_size(a), g = it->kv_head;
+    const int64_t s = it->seq, nq = kva_seq_queries(a, s), len = a->seq_lens[s];
+    const int64_t row0 = a->query_start_loc[s] + it->q0;
+    const int M = (int)((it->q1 - it->q0) * G);
+    const int capped = a->soft_cap > 0.0f;
+    /* base-2 softmax: log2(e) rides on q unless the cap needs the natural score */
+    const float qscale = capped ? a->scale : a->scale * KVA_LOG2E;
+    const int32_t *table = a->block_tables + (size_t)s * a->block_table_stride;
+    const char *kbase = a->key_cache + (ptrdiff_t)g * a->head_stride;
+    const char *vbase = a->value_cache + (ptrdiff_t)g * a->head_stride;
+    const kva_kernels *kern = job->kern, *kern_f32 = job->kern_f32;
+    const kva_math *math = job->math;
+    /* the kernels read the elements divided by unit: q carries it */
+    const float unit = kern->unit;
+    const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32;
+    if (widen) {
+        for (int i = 0; i < KVA_KEY_TILE; i++) {
+            ws->kfrow[i] = (const char *)(ws->kf + (size_t)i * D);
+            ws->vfrow[i] = (const char *)(ws->vf + (size_t)i * D);
+        }
+    }
+
+    for (int r = 0; r < M; r++) {
+        int64_t j = it->q0 + r / G, h = r % G;
+        const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
+        float *dst = ws->Qs + (size_t)r * D;
+        for (int d = 0; d < D; d++)
+            dst[d] = src[d] * qscale * unit; /* (times a power of two: exact) */
+        int64_t pos = len - nq + j;
+        ws->hi[r] = pos + 1;
+        ws->lo[r] = a->sliding_window > 0 && pos + 1 > a->sliding_window
+                        ? pos + 1 - a->sliding_window : 0;
+        ws->m[r] = -INFINITY;
+        ws->l[r] = 0.0f;
+    }
+    memset(ws->acc, 0, (size_t)M * D * sizeof(float));
+
+    const size_t row_bytes = (size_t)D * kva_isz(a->kind);
+    /* low precision: row i of a tile reads as its elements times ks[i]
+     * (keys) / vs[i] (values), applied to its scores and its weights */
+    const int scaled = a->key_scales != NULL || layer_scale(a->k_scale) != 1.0f ||
+                       layer_scale(a->v_scale) != 1.0f;
+    float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
+    const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
+    if (it->k0 < it->k1)
+        tile_rows(a, table, kbase, vbase, it->k0, it->k1, krow, vrow);
+    for (int64_t t0 = it->k0; t0 < it->k1; t0 += KVA_KEY_TILE) {
+        const int nt = (int)(it->k1 - t0 < KVA_KEY_TILE ? it->k1 - t0 : KVA_KEY_TILE);
+        const int ntp = (nt + 7) & ~7;
+        const int64_t t1 = t0 + KVA_KEY_TILE;
+        const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
+                                      : 0;
+        /* The rows of a tile are scattered over blocks: start this tile's V
+         * and the next tile's K and V while this tile's scores are computed. */
+        prefetch_rows(vrow, nt, row_bytes);
+        prefetch_rows(nkrow, nnext, row_bytes);
+        prefetch_rows(nvrow, nnext, row_bytes);
+        if (widen) {
+            kern->widen(krow, ntp, D, ws->kf); /* padding rows included */
+            kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
+        } else {
+            kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp);
+        }
+        if (scaled)
+            tile_scales(a, table, g, t0, nt, ks, vs, ws->S, M);
+        for (int r = 0; r < M; r++) {
+            float *srow = ws->S + r * KVA_KEY_TILE;
+            if (capped)
+                math->softcap(srow, ntp, 1.0f / a->soft_cap, a->soft_cap * KVA_LOG2E);
+            /* visible keys of row r in this tile: [first, last) */
+            int64_t first = ws->lo[r] - t0, last = ws->hi[r] - t0;
+            if (first < 0)
+                first = 0;
+            if (last > nt)
+                last = nt;
+            if (last <= first) { /* nothing visible: no change to this row */
+                ws->first[r] = ws->last[r] = 0;
+                ws->alpha[r] = 1.0f;
+                memset(srow, 0, (size_t)ntp * sizeof(float));
+                continue;
+            }
+            ws->first[r] = (int)first;
+            ws->last[r] = (int)last;
+            for (int64_t i = 0; i < first; i++)
+                srow[i] = -INFINITY;
+            for (int64_t i = last; i < ntp; i++)
+                srow[i] = -INFINITY;
+            float mx = math->row_max(srow, ntp);
+            float mnew = ws->m[r] > mx ? ws->m[r] : mx;
+            ws->alpha[r] = ws->m[r] == -INFINITY ? 0.0f : exp2f(ws->m[r] - mnew);
+            float sum = math->row_exp_sum(srow, ntp, mnew);
+            ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
+            ws->m[r] = mnew;
+            if (scaled) /* the visible keys' weights times their values' scales */
+                for (int64_t i = first; i < last; i++)
+                    srow[i] *= vs[i];
+            if (unit != 1.0f) /* the values are read divided by unit: the weights
+                                 carry it, so each product is the exact p * v
+                                 (subnormal ones included) */
+                for (int64_t i = first; i < last; i++)
+                    srow[i] *= unit;
+        }
+        /* P V over each row's visible keys only (a masked key's weight is
+         * 0, but 0 * a stored NaN or inf is NaN): runs of rows with the same
+         * visible keys (every row of a decode item) in one call. */
+        const kva_kernels *pk = kern;
+        const char *const *prow = vrow;
+        if (widen) {
+            kern->widen(vrow, nt, D, ws->vf);
+            pk = kern_f32;
+            prow = ws->vfrow;
+        }
+        for (int r = 0, r1; r < M; r = r1) {
+            const int first = ws->first[r], last = ws->last[r];
+            for (r1 = r + 1; r1 < M && ws->first[r1] == first && ws->last[r1] == last; r1++)
+                ;
+            if (last > first)
+                pk->pv(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
+                       last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp);
+        }
+        const char **swap = krow;
+        krow = nkrow;
+        nkrow = swap;
+        swap = vrow;
+        vrow = nvrow;
+        nvrow = swap;
+    }
+
+    if (it->nsplit == 1) {
+        for (int r = 0; r < M; r++) {
+            int64_t j = r / G, h = r % G;
+            float *o = a->out + ((size_t)(row0 + j) * a->num_heads + (size_t)g * G + h) * D;
+            const float *acc = ws->acc + (size_t)r * D;
+            const float l = ws->l[r];
+            for (int d = 0; d < D; d++)
+                o[d] = acc[d] / l;
+        }
+        return;
+    }
+    float *p = job->partials + (size_t)it->slot * job->partial_floats;
+    memcpy(p, ws->m, (size_t)M * sizeof(float));
+    memcpy(p + job->split_rows, ws->l, (size_t)M * sizeof(float));
+    memcpy(p + 2 * (size_t)job->split_rows, ws->acc, (size_t)M * D * sizeof(float));
+    /* The split that finishes last merges, in split order (acq_rel: every
+     * other split's partial is visible to it). */
+    if (__atomic_add_fetch(&job->group_done[it->group], 1, __ATOMIC_ACQ_REL) == it->nsplit)
+        kva_merge_group(job, it, M);
+}
+
+void kva_job_thread(void *ctx, int thread_index)
+{
+    kva_job *job = (kva_job *)ctx;
+    kva_ws ws;
+    kva_workspace_layout(job->max_rows, job->a->head_dim,
+                     job->workspace + (size_t)thread_index * job->workspace_bytes, &ws);
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->num_items)
+            break;
+        kva_run_item(job, &job->items[i], &ws);
+    }
+}

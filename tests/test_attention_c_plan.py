@@ -1,0 +1,146 @@
+"""The C attention plan through its thin Cython wrapper
+(kvcore.backends.cpu._attention.make_plan / Plan.run): planned once, run per
+layer, every run bit for bit equal to the one-call paged_attention, at every
+SIMD level and thread count; the plan keeps its own copy of the index
+arrays; inconsistent calls raise instead of reading out of bounds."""
+import threading
+
+import numpy as np
+import pytest
+
+from kvcore.backends.cpu import _attention
+
+LEVELS = _attention.available_simd_levels()
+KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    previous = _attention.set_simd_level(request.param)
+    try:
+        yield request.param
+    finally:
+        _attention.set_simd_level(previous)
+
+
+def _batch(rng, contexts, queries, max_blocks, num_blocks, block_size):
+    # shuffled pages (sequences may share some, as prefix caching does)
+    tables = rng.integers(0, num_blocks, (len(contexts), max_blocks)).astype(np.int32)
+    seq_lens = np.array(contexts, np.int64)
+    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
+    return np.ascontiguousarray(tables), seq_lens, qsl
+
+
+def _caches(rng, dtype, layers, num_blocks, nkv, block_size, head_dim):
+    shape = (layers, num_blocks, nkv, block_size, head_dim)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if dtype == "float32":
+        return x, x.copy()
+    if dtype == "float16":
+        return x.astype(np.float16), (x * 0.5).astype(np.float16)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 by truncation
+    return bits, bits[:, ::-1].copy()
+
+
+def _make(tables, seq_lens, qsl, num_blocks, kind, threads, window=0, cap=0.0):
+    status, a, b, plan = _attention.make_plan(
+        tables, seq_lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        num_blocks=num_blocks, kind=kind, scale=0.125, sliding_window=window, soft_cap=cap,
+        num_threads=threads)
+    assert (status, a, b) == (0, 0, 0)
+    return plan
+
+
+@pytest.mark.parametrize("dtype", sorted(KINDS))
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("window, cap", [(0, 0.0), (70, 20.0)])
+def test_plan_runs_are_paged_attention_bit_for_bit(level, dtype, threads, window, cap):
+    rng = np.random.default_rng(7)
+    layers, num_blocks = 4, 96
+    contexts, queries = [1, 1500, 40, 130], [1, 1, 40, 3]   # decode (split), prefill, chunk
+    tables, seq_lens, qsl = _batch(rng, contexts, queries, 100, num_blocks, 16)
+    kc, vc = _caches(rng, dtype, layers, num_blocks, 2, 16, 64)
+    plan = _make(tables, seq_lens, qsl, num_blocks, KINDS[dtype], threads, window, cap)
+    assert plan.num_items > 0 and 1 <= plan.num_threads <= threads
+    T = int(qsl[-1])
+    for layer in range(layers):
+        q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+        got = np.full_like(q, np.nan)
+        plan.run(q, got, kc[layer], vc[layer])
+        want = np.empty_like(q)
+        assert _attention.paged_attention(q, want, kc[layer], vc[layer], KINDS[dtype], tables,
+                                          seq_lens, qsl, 0.125, window, cap, 1) == (0, 0, 0)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_plan_keeps_its_own_copy_of_the_index_arrays():
+    rng = np.random.default_rng(3)
+    tables, seq_lens, qsl = _batch(rng, [300, 17], [1, 17], 20, 64, 16)
+    kc, vc = _caches(rng, "float16", 1, 64, 2, 16, 64)
+    q = rng.standard_normal((18, 8, 64)).astype(np.float32)
+    want = np.empty_like(q)
+    _attention.paged_attention(q, want, kc[0], vc[0], 1, tables, seq_lens, qsl, 0.125, 0, 0.0, 1)
+    plan = _make(tables, seq_lens, qsl, 64, 1, 2)
+    tables[:] = 10**6        # would read far past the pool
+    seq_lens[:] = 0
+    qsl[:] = 0
+    del tables, seq_lens, qsl
+    got = np.empty_like(q)
+    plan.run(q, got, kc[0], vc[0])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_plan_checks_block_ids_once():
+    rng = np.random.default_rng(4)
+    tables, seq_lens, qsl = _batch(rng, [40], [1], 4, 8, 16)
+    tables[0, 2] = 8  # one past the pool, and read
+    status, a, b, plan = _attention.make_plan(
+        tables, seq_lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+        num_blocks=8, kind=1, scale=0.125, sliding_window=0, soft_cap=0.0, num_threads=1)
+    assert plan is None and _attention.STATUS_NAMES[status] == "BAD_BLOCK_ID" and (a, b) == (0, 2)
+
+
+def test_run_refuses_arrays_that_do_not_match_the_plan():
+    rng = np.random.default_rng(5)
+    tables, seq_lens, qsl = _batch(rng, [40, 9], [1, 2], 4, 16, 16)
+    kc, vc = _caches(rng, "float16", 1, 16, 2, 16, 64)
+    plan = _make(tables, seq_lens, qsl, 16, 1, 1)
+    q = np.zeros((3, 8, 64), np.float32)
+    with pytest.raises(ValueError, match="q and out"):
+        plan.run(q[:2], np.empty_like(q[:2]), kc[0], vc[0])
+    with pytest.raises(ValueError, match="caches"):
+        plan.run(q, np.empty_like(q), kc[0, :15], vc[0, :15])   # fewer blocks than planned
+    with pytest.raises(ValueError, match="caches"):
+        plan.run(q, np.empty_like(q), kc[0].astype(np.float32), vc[0].astype(np.float32))
+    out = np.full_like(q, np.nan)
+    plan.run(q, out, kc[0], vc[0])  # still usable
+    assert np.isfinite(out).all()
+
+
+def test_plan_runs_from_several_threads_at_once():
+    # one plan per thread (a plan's buffers are its own): same results
+    rng = np.random.default_rng(6)
+    tables, seq_lens, qsl = _batch(rng, [1200, 33], [1, 4], 80, 200, 16)
+    kc, vc = _caches(rng, "bfloat16", 1, 200, 2, 16, 64)
+    q = rng.standard_normal((5, 8, 64)).astype(np.float32)
+    want = np.empty_like(q)
+    _make(tables, seq_lens, qsl, 200, 2, 1).run(q, want, kc[0], vc[0])
+    results, errors = [], []
+
+    def work():
+        try:
+            p = _make(tables, seq_lens, qsl, 200, 2, 2)
+            for _ in range(5):
+                out = np.empty_like(q)
+                p.run(q, out, kc[0], vc[0])
+                results.append(out)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+    ts = [threading.Thread(target=work) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors and len(results) == 15
+    for r in results:
+        np.testing.assert_array_equal(r, want)
