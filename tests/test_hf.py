@@ -207,6 +207,29 @@ def test_kvcore_attention_gets_the_cache_and_tables_as_keyword_arguments():
                                      do_sample=False))
 
 
+def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
+    """Issue 22 item 2: the step's first layer plans, every layer runs."""
+    made, runs = [], []
+
+    class CountingPlan(kvcore.AttentionPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def run(self, q, layer, out=None):
+            runs.append((len(made), layer))
+            return super().run(q, layer, out)
+
+    monkeypatch.setattr(kvcore.hf, "AttentionPlan", CountingPlan)
+    model = model_for("llama", "kvcore")
+    ids, mask = _prompts(BATCHES["b4"])
+    got = _paged(model, ids, mask, max_new_tokens=4, do_sample=False)
+    assert len(made) == 4                                      # one per step
+    assert runs == [(s, layer) for s in range(1, 5) for layer in (0, 1)]
+    assert torch.equal(got, _dynamic(model_for("llama"), ids, mask, max_new_tokens=4,
+                                     do_sample=False))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
 def test_beam_search_matches_dynamic_cache(attn):
     ids, mask = _prompts([23, 9])
@@ -527,7 +550,8 @@ def test_a_forward_of_another_batch_size_is_refused():
         used = pool.num_used_blocks
         for batch in (4, 1, 3):
             step = torch.full((batch, 1), 7)
-            with pytest.raises(ValueError, match=f"batch size {batch}, but this cache holds 2 rows"):
+            with pytest.raises(ValueError,
+                               match=f"batch size {batch}, but this cache holds 2 rows"):
                 model(step, **_kw(model, cache))
             assert len(cache.rows) == 2 and cache.get_seq_length() == 10
             assert pool.num_used_blocks == used

@@ -334,3 +334,109 @@ def report(r):
     for what, v, met in goals(r):
         lines.append(f"  {'met    ' if met else 'NOT met'} {what}: {v:.3f}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ KV dtype quality
+PERPLEXITY_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+CHAT_PROMPTS = ("What is the capital of France?",
+                "Write a Python function that returns the factorial of n.",
+                "Give me three tips for staying focused while studying.",
+                "Explain in two sentences why the sky is blue.")
+
+
+def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib=512,
+               dtypes=PERPLEXITY_DTYPES, new=12):
+    """Perplexity of ``model`` (float32) over the first ``tokens`` tokens of
+    ``text`` with the KV stored in each of ``dtypes`` (teacher-forced in
+    chunks of ``chunk`` tokens through a ``PagedCache`` and the kvcore
+    attention, so every chunk reads the earlier ones from the pages), and
+    the greedy agreement with float32 pages over a few chat prompts
+    (``new`` tokens each).  fp8 pools get per-layer scales calibrated on
+    the ``calib`` tokens that follow the measured ones.  Returns a dict."""
+    import math
+
+    import torch
+    import transformers
+
+    import kvcore
+    import kvcore.hf
+
+    path = gguf_path(model)
+    threads = (torch.get_num_threads(), kvcore.get_num_threads())
+    torch.set_num_threads(1)
+    kvcore.set_num_threads(1)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        m = _model(model, "float32")
+        m.set_attn_implementation("kvcore")
+        with open(text, encoding="utf-8") as f:
+            ids = tok(f.read(), return_tensors="pt")["input_ids"]
+        if ids.shape[1] < tokens + calib:
+            raise ValueError(f"{text} has {ids.shape[1]} tokens, the measurement needs "
+                             f"{tokens} + {calib} for calibration")
+        sample, calib_ids = ids[:, :tokens], ids[:, tokens:tokens + calib]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"] for q in CHAT_PROMPTS]
+        blocks = (tokens + 16) // 16 + 4
+        result = {"model": model, "text": text, "tokens": tokens, "chunk": chunk, "dtypes": {}}
+        greedy_ref = None
+        with torch.no_grad():
+            for dtype in dtypes:
+                scales = kvcore.hf.calibrate_kv_scales(m, calib_ids, dtype=dtype) \
+                    if dtype.startswith("float8") else None
+                pool = kvcore.hf.pool_for(m.config, blocks, dtype=dtype, kv_scales=scales)
+                nll, count = 0.0, 0
+                t0 = time.perf_counter()
+                with kvcore.hf.PagedCache(pool) as cache:
+                    for lo in range(0, tokens, chunk):
+                        part = sample[:, lo:lo + chunk]
+                        logits = m(part, **{kvcore.hf.cache_keyword(m): cache}).logits[0]
+                        target = sample[0, lo + 1:lo + 1 + part.shape[1]]
+                        logp = torch.log_softmax(logits[:len(target)].float(), dim=-1)
+                        nll -= float(logp.gather(1, target[:, None]).sum())
+                        count += len(target)
+                seconds = time.perf_counter() - t0
+                gen_pool = kvcore.hf.pool_for(m.config, 256, dtype=dtype, kv_scales=scales)
+                outs = [kvcore.hf.generate(m, p, gen_pool, max_new_tokens=new,
+                                           do_sample=False)[0, p.shape[1]:] for p in prompts]
+                if greedy_ref is None:
+                    greedy_ref = outs
+                same = sum(int(torch.equal(a, b)) for a, b in zip(outs, greedy_ref))
+                tok_agree = sum(int((a[:min(len(a), len(b))] == b[:min(len(a), len(b))]).sum())
+                                for a, b in zip(outs, greedy_ref))
+                result["dtypes"][dtype] = {
+                    "perplexity": math.exp(nll / count), "bytes_per_token": pool.bytes_per_token,
+                    "seconds": seconds, "greedy_identical": same, "greedy_prompts": len(prompts),
+                    "greedy_tokens_same": tok_agree,
+                    "greedy_tokens": sum(len(b) for b in greedy_ref)}
+        base = result["dtypes"].get("float32")
+        for d in result["dtypes"].values():
+            d["vs_float32"] = d["perplexity"] / base["perplexity"] - 1 if base else float("nan")
+            d["bytes_vs_float32"] = d["bytes_per_token"] / base["bytes_per_token"] \
+                if base else float("nan")
+        return result
+    finally:
+        torch.set_num_threads(threads[0])
+        kvcore.set_num_threads(threads[1])
+
+
+def perplexity_report(r):
+    from ._timing import table
+
+    rows = []
+    for dtype, d in r["dtypes"].items():
+        rows.append((dtype, f"{d['perplexity']:.4f}", f"{d['vs_float32']:+.2%}",
+                     f"{d['bytes_per_token']} ({d['bytes_vs_float32']:.3f})",
+                     f"{d['greedy_identical']}/{d['greedy_prompts']} "
+                     f"({d['greedy_tokens_same']}/{d['greedy_tokens']} tokens)"))
+    head = (f"KV dtype ({r['model']}, {r['tokens']} tokens of {r['text']})", "perplexity",
+            "vs float32", "KV bytes/token (of float32)", "greedy = float32 pages")
+    lines = [table(rows, head), "goals:"]
+    for dtype, bound in (("int8", 0.01), ("float8_e4m3fn", 0.03)):
+        if dtype in r["dtypes"]:
+            v = r["dtypes"][dtype]["vs_float32"]
+            lines.append(f"  {'met    ' if v <= bound else 'NOT met'} {dtype} perplexity "
+                         f"within +{bound:.0%} of float32 pages: {v:+.2%}")
+    return "\n".join(lines)
