@@ -587,6 +587,36 @@ def test_generate_refuses_use_cache_false_and_caches_nothing(how):
                                      do_sample=False))
 
 
+def test_generate_refuses_positions_that_do_not_continue_the_cache():
+    """Issue 19 item 16, the second guard: a forward whose position_ids do
+    not follow the cache's columns (here shifted by another pre-hook of the
+    model) is refused before its K/V or token ids are recorded."""
+    model = _tiny("llama")
+    calls = []
+
+    def shift(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 2 and kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"] + 3
+        return args, kwargs
+
+    hook = model.register_forward_pre_hook(shift, with_kwargs=True)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    ids = _prompts([21])[0]
+    try:
+        with pytest.raises(ValueError, match="position_ids do not continue the cache: row 0 "
+                                             "column 0 has position 24, the cache expects 21"):
+            kvcore.hf.generate(model, ids, pool, max_new_tokens=4, do_sample=False)
+    finally:
+        hook.remove()
+    assert pool.num_used_blocks == 0
+    # only the prompt's blocks were cached (the shifted step recorded nothing)
+    assert pool.num_cached_blocks == 21 // 4
+    out = kvcore.hf.generate(model, ids, pool, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, _dynamic(model, ids, torch.ones_like(ids), max_new_tokens=4,
+                                     do_sample=False))
+
+
 def test_out_of_blocks_leaves_the_pool_whole():
     model = model_for("llama")
     pool = pool_for(model.config, 2, dtype="float32", block_size=4)
