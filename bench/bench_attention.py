@@ -1,8 +1,128 @@
 """Attention over the pages against torch SDPA, gather + NumPy and a
-streaming read (see kvcore/cli/benchmarks/attention.py):
-python bench/bench_attention.py [--quick] [--json FILE]"""
+streaming read (see kvcore/cli/benchmarks/attention.py), plus the per-layer
+overhead of ``AttentionPlan.run`` for a batch-1 decode (context 4096):
+python bench/bench_attention.py [--quick] [--json FILE] [--only-plan]
+
+The overhead is measured against the backend plan's own run (the C plan
+over arrays already checked: ``Backend.attention_run``), in interleaved
+pairs on the same kernel, so the kernel's time cancels: ``plan.run`` minus
+that is what the public per-layer call adds.  ``paged_attention`` (plan +
+run in one call) is timed the same way.  Each is printed as median
+[min-max] over the pairs, in microseconds."""
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import kvcore
 from kvcore.cli.benchmarks import attention
 from kvcore.cli.benchmarks._timing import script_main
 
+CONTEXT = 4096
+
+
+def _pairs(first, second, n):
+    """Per-pair time differences ``second - first`` and the times of
+    ``first``, each pair run back to back (alternating order)."""
+    diffs, base = [], []
+    for i in range(n):
+        order = (first, second) if i % 2 == 0 else (second, first)
+        t = []
+        for f in order:
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+        a, b = (t[0], t[1]) if i % 2 == 0 else (t[1], t[0])
+        diffs.append(b - a)
+        base.append(a)
+    return diffs, base
+
+
+def _stats(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def plan_overhead(quick=False, seed=0, context=CONTEXT):
+    """``plan.run`` and ``paged_attention`` against the backend's run of
+    the same plan, batch-1 decode over ``context`` positions (float16
+    pages, attention.py's head shape), one thread; and the same over a
+    16-position context, where the kernel is short and the overhead shows
+    with less noise."""
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim, bs = (attention.NUM_HEADS, attention.NUM_KV_HEADS,
+                                attention.HEAD_DIM, attention.BLOCK_SIZE)
+    before = kvcore.get_num_threads()
+    kvcore.set_num_threads(1)
+    res = {}
+    try:
+        for ctx in (context, 16):
+            nblk = -(-ctx // bs)
+            pool = kvcore.BlockPool(nblk + 1, bs, 2, kv_heads, dim, dtype=attention.DTYPE)
+            pool.storage[...] = rng.standard_normal(pool.storage.shape).astype(np.float16)
+            tables = rng.permutation(nblk + 1)[:nblk][None].astype(np.int32)
+            lens = np.array([ctx], np.int64)
+            q = rng.standard_normal((1, heads, dim)).astype(np.float32)
+            out = np.empty_like(q)
+            plan = kvcore.AttentionPlan(pool, tables, lens, num_heads=heads)
+            # the backend plan the public one runs, called as attention_run is
+            be = pool._backend
+            inner = be.attention_plan(tables, lens, np.array([0, 1], np.int64), num_heads=heads,
+                                      num_kv_heads=kv_heads, head_dim=dim, block_size=bs,
+                                      num_blocks=nblk + 1, kind=pool._kind,
+                                      scale=1 / np.sqrt(dim), sliding_window=0, soft_cap=0.0,
+                                      num_threads=1)
+            k, v = pool.key_cache(1), pool.value_cache(1)
+
+            def raw():
+                be.attention_run(inner, q, out, k, v)
+
+            def run():
+                plan.run(q, 1, out)
+
+            def paged():
+                kvcore.paged_attention(q, pool, 1, tables, lens, out=out)
+
+            n = 60 if quick else 400
+            for f in (raw, run, paged):
+                f()
+            d_run, base = _pairs(raw, run, n)
+            d_paged, _ = _pairs(raw, paged, n if ctx == 16 else n // 4)
+            res[f"ctx{ctx}"] = {"kernel_us": _stats([b * 1e6 for b in base]),
+                                "run_overhead_us": _stats([d * 1e6 for d in d_run]),
+                                "paged_overhead_us": _stats([d * 1e6 for d in d_paged])}
+    finally:
+        kvcore.set_num_threads(before)
+    return res
+
+
+def _spread(s):
+    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def plan_report(res):
+    lines = ["AttentionPlan.run per layer, batch-1 decode, one thread: time beyond the backend's "
+             "run of the same plan (us, median [min-max] over interleaved pairs)"]
+    for name, r in res.items():
+        lines.append(f"  {name:9s} kernel {_spread(r['kernel_us'])}  plan.run +"
+                     f"{_spread(r['run_overhead_us'])}  paged_attention +"
+                     f"{_spread(r['paged_overhead_us'])}")
+    return "\n".join(lines)
+
+
+def run(quick=False, seed=0):
+    res = attention.run(quick=quick, seed=seed)
+    res["plan_overhead"] = plan_overhead(quick, seed)
+    return res
+
+
+def report(res):
+    return attention.report(res) + "\n\n" + plan_report(res["plan_overhead"])
+
+
 if __name__ == "__main__":
-    script_main(attention.run, attention.report, __doc__)
+    if "--only-plan" in sys.argv:
+        sys.argv.remove("--only-plan")
+        script_main(plan_overhead, plan_report, __doc__)
+    else:
+        script_main(run, report, __doc__)

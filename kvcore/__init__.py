@@ -7,7 +7,7 @@ caches, and round-to-nearest-even float16/bfloat16/fp8 conversion, at C speed
 from .backends.cpu import simd_levels
 from .backends.cuda import CudaUnavailableError, cuda_available
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
-from .attention import get_num_threads, paged_attention, set_num_threads
+from .attention import AttentionPlan, get_num_threads, paged_attention, set_num_threads
 from .contiguous import KVCache
 from .convert import (from_bfloat16, from_float8_e4m3fn, from_float8_e5m2, from_float16,
                       to_bfloat16, to_float8_e4m3fn, to_float8_e5m2, to_float16)
@@ -25,6 +25,6 @@ __all__ = [
     "to_float8_e4m3fn", "to_float8_e5m2", "from_float8_e4m3fn", "from_float8_e5m2",
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
     "padded_block_tables", "csr_block_tables", "CudaUnavailableError", "cuda_available",
-    "paged_attention", "set_num_threads", "get_num_threads", "simd_levels",
+    "AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads", "simd_levels",
     "HostStore", "DiskStore", "RedisStore", "PrefixStore", "StoreWarning",
 ]

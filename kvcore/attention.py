@@ -1,10 +1,14 @@
-"""Attention over the pages: ``kvcore.paged_attention`` and its thread count.
+"""Attention over the pages: ``kvcore.AttentionPlan``, ``kvcore.paged_attention``
+and the thread count.
 
 Every argument is checked here, before any work, and each error names the
-argument, what was expected and what was given; the C kernels
-(``kvcore/backends/cpu``) then read K/V where they lie in the pool, in the
-storage dtype, without the GIL.  ``PagedKVCache.attention`` and
-``KVCache.attention`` are checked conveniences over the same kernel.
+argument, what was expected and what was given; then the backend of the
+pool's device runs it (``Backend.attention_plan`` / ``attention_run``: on
+the CPU the C kernels, which read K/V where they lie in the storage dtype,
+without the GIL).  A plan checks the index arguments of a step once and
+owns a snapshot of them; each layer's ``run`` checks only ``q``, the layer
+and ``out``.  ``paged_attention``, ``PagedKVCache.attention`` and
+``KVCache.attention`` are a plan and one run.
 """
 import math
 import os
@@ -15,10 +19,10 @@ import numpy as np
 from . import _arrays
 from . import dtypes as _dtypes
 from ._validate import index_int, layer_index
-from .backends.cpu import _attention as _kernel
+from .backends import CPU as _HOST, backend_of_array
 from .pool import BlockPool
 
-__all__ = ["paged_attention", "set_num_threads", "get_num_threads"]
+__all__ = ["AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads"]
 
 MAX_THREADS = 1024
 
@@ -40,7 +44,8 @@ def _default_num_threads():
 
 
 def set_num_threads(n):
-    """Threads ``paged_attention`` may use on the CPU (process-wide).
+    """Threads attention may use on the CPU (process-wide; a plan takes the
+    count when it is made).
 
     Parameters
     ----------
@@ -73,49 +78,14 @@ def get_num_threads():
 
 
 # ------------------------------------------------------------------ inputs
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
-def _host_view(x, arg):
-    """A NumPy view of ``x`` (no copy where the memory allows): NumPy
-    arrays, torch CPU tensors (bfloat16 as ml_dtypes.bfloat16, tensors that
-    require grad read as their data), anything np.asarray takes."""
-    if isinstance(x, np.ndarray):
-        return x
-    if _is_torch(x):
-        if x.device.type != "cpu":
-            raise TypeError(f"{arg} is a torch tensor on {x.device}, but this pool is on the "
-                            "CPU; pass a CPU tensor or use a CUDA pool")
-        t = x.detach()
-        if str(t.dtype) == "torch.bfloat16":
-            if _dtypes.BF16_NUMPY is None:  # pragma: no cover - ml_dtypes is a dependency of tests
-                raise TypeError(f"{arg} is a torch.bfloat16 tensor; install ml_dtypes to pass it")
-            import torch
-
-            return t.view(torch.int16).numpy().view(_dtypes.BF16_NUMPY)
-        return t.numpy()
-    if hasattr(x, "__cuda_array_interface__") or \
-            type(x).__module__.split(".")[0] in ("cupy", "cupyx"):
-        raise TypeError(f"{arg} is a CUDA array ({type(x).__module__}.{type(x).__name__}) but "
-                        "this pool is on the CPU; pass a NumPy array or use a CUDA pool")
-    if hasattr(x, "__dlpack_device__") and x.__dlpack_device__()[0] != 1:  # kDLCPU
-        raise TypeError(f"{arg} lives on DLPack device type {x.__dlpack_device__()[0]}, "
-                        "not the CPU")
-    try:
-        return np.asarray(x)
-    except Exception as e:
-        raise TypeError(f"{arg} must be an array, got {type(x).__name__}: {e}") from None
-
-
-def _int_array(x, arg, ndim):
+def _int_array(be, x, arg, ndim):
     if isinstance(x, (list, tuple)):
         try:
             a = np.asarray(x)
         except ValueError as e:   # ragged nested lists
             raise ValueError(f"{arg} must be a {ndim}-D integer array, got {e}") from None
     else:
-        a = _host_view(x, arg)
+        a = _arrays.index_array(be, x, arg)
     if a.ndim != ndim:
         raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(a.shape)}")
     if a.size and a.dtype.kind not in "iu":
@@ -144,117 +114,40 @@ def _real(value, arg):
     return v
 
 
-def _query_array(q, num_kv_heads, head_dim):
-    """(float32 C-contiguous q, shape) after checking dtype and shape."""
-    qa = _host_view(q, "q")
-    if qa.ndim != 3:
-        raise ValueError(f"q must be 3-D (num_query_tokens, num_heads, head_dim), "
-                         f"got shape {tuple(qa.shape)}")
-    n, heads, dim = qa.shape
-    if dim != head_dim:
-        raise ValueError(f"q.shape[2] must be the pool's head_dim={head_dim}, got {dim}")
-    if heads == 0 or heads % num_kv_heads:
-        raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of the pool's "
-                         f"num_kv_heads={num_kv_heads}, got {heads}")
-    kind = _dtypes.float_kind(qa.dtype)
-    if kind is None:
-        hint = " (a uint16 array is never guessed to be bfloat16: pass ml_dtypes.bfloat16)" \
-            if qa.dtype == np.uint16 else ""
-        raise TypeError(f"q must be float32, float16 or bfloat16, got {qa.dtype}{hint}")
-    return qa
+# The kernels compute in float32: ``scale`` and the soft cap ``c`` become
+# C floats, the scores are scaled by ``scale * log2(e)`` (or capped as
+# ``c * log2(e) * tanh(s * (1 / c))``).  A value is accepted only when all of
+# these are finite, normal float32 numbers, so nothing overflows to inf or
+# flushes to 0 (a cap of 0 would read as "no cap").
+_LOG2E = np.float32(1.4426950408889634)
+_F32_TINY = float(np.finfo(np.float32).tiny)          # 2**-126, the smallest normal
+_F32_SCALED_MAX = float(np.float32(np.finfo(np.float32).max) / _LOG2E)
 
 
-def _out_view(out, shape, what, storage):
-    """A NumPy view of ``out`` after checking shape, dtype, writeability and
-    that it does not overlap the cache's storage."""
-    view = _host_view(out, "out")
-    if tuple(view.shape) != shape:
-        raise ValueError(f"out must have shape {shape} {what}, got {tuple(view.shape)}")
-    if _dtypes.float_kind(view.dtype) is None:
-        raise TypeError(f"out must be float32, float16 or bfloat16, got {view.dtype}")
-    if not view.flags.writeable:
-        raise ValueError("out must be writeable, got a read-only array")
-    if np.may_share_memory(view, storage):
-        raise ValueError("out must not overlap the KV cache's storage")
-    return view
+def _float32_real(value, arg, allow_zero):
+    """``value`` (already a finite Python float) as the float32 the kernels
+    use, checked to be usable there: finite, and 0 or of a magnitude in
+    ``[2**-126, FLT_MAX / log2(e)]`` (``allow_zero``: whether 0 is valid)."""
+    with np.errstate(over="ignore", under="ignore"):
+        f = np.float32(value)
+        scaled = f * _LOG2E
+        inverse = np.float32(1.0) / f if f != 0 else np.float32(0)
+    if value == 0 and allow_zero:
+        return 0.0
+    if not (np.isfinite(f) and np.isfinite(scaled) and np.isfinite(inverse)
+            and abs(float(f)) >= _F32_TINY and abs(float(scaled)) >= _F32_TINY):
+        zero = "0 or " if allow_zero else ""
+        raise ValueError(f"{arg} must be {zero}a value whose magnitude lies in "
+                         f"[{_F32_TINY:.8g}, {_F32_SCALED_MAX:.8g}] (the kernels compute in "
+                         f"float32), got {value!r}")
+    return float(f)
 
 
-def _fill_out(view, result):
-    """view[...] = result (float32), narrowing with round to nearest even."""
-    if view.dtype == np.float32:
-        view[...] = result
-    else:
-        from .convert import to_bfloat16, to_float16
-
-        result = np.ascontiguousarray(result)
-        if view.dtype == np.float16:
-            to_float16(result, out=view)
-        else:
-            to_bfloat16(result, out=view)
-
-
-# ------------------------------------------------------------------ the call
-def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None, scale=None,
-                    sliding_window=None, logits_soft_cap=None, out=None):
-    """Attention of ``q`` over the K/V of ``pool``'s ``layer``, read where it lies.
-
-    Varlen queries with block tables (the FlashAttention / vLLM convention):
-    prefill, chunked prefill, decode and mixed batches in one call.
-
-    Parameters
-    ----------
-    q : array ``(num_query_tokens, num_heads, head_dim)``
-        float32, float16 or bfloat16 (ml_dtypes, or a torch tensor).
-        ``num_heads`` is a multiple of ``pool.num_kv_heads``: query head
-        ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
-    pool : BlockPool
-    layer : int
-    block_tables : integer array ``(num_seqs, max_blocks)``
-        Row ``s``: the blocks of sequence ``s`` in position order
-        (:func:`kvcore.padded_block_tables`).  Entries past a sequence's
-        length (or before its sliding window) are not read.
-    seq_lens : integer array ``(num_seqs,)``
-        KV length of each sequence, its query tokens included.
-    query_start_loc : integer array ``(num_seqs + 1,)``, optional
-        Cumulative query counts: sequence ``s`` owns query rows
-        ``query_start_loc[s] .. query_start_loc[s+1]-1``.  Default: one
-        query per sequence (decode).
-    scale : float, optional
-        Multiplies ``q . k``; default ``1 / sqrt(head_dim)``.
-    sliding_window : int, optional
-        Each query sees only the last ``sliding_window`` positions up to and
-        including its own.
-    logits_soft_cap : float, optional
-        ``c``: scores become ``c * tanh(score / c)`` before the softmax (Gemma 2).
-    out : array ``(num_query_tokens, num_heads, head_dim)``, optional
-        Writable float32 (or float16 / bfloat16) array or torch tensor;
-        filled and returned.
-
-    Returns
-    -------
-    numpy.ndarray (float32) or ``out``
-        Query ``j`` of a sequence with ``m`` queries sits at position
-        ``seq_lens[s] - m + j`` and attends to positions ``0..`` that
-        position (causal).  Accumulated in float32 with an online softmax.
-
-    Notes
-    -----
-    Raw like ``BlockPool.gather``: the caller vouches that the positions
-    were written.  Runs on :func:`get_num_threads` threads without the GIL;
-    the bits do not depend on the thread count.
-    """
-    if not isinstance(pool, BlockPool):
-        raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
-    layer = layer_index(layer, pool.num_layers)
-    if pool.device != "cpu":
-        return _device_attention(q, pool._backend, pool.key_cache(layer), pool.value_cache(layer),
-                                 _dtypes.storage_kind(pool.dtype), block_tables, seq_lens,
-                                 query_start_loc, scale, sliding_window, logits_soft_cap, out,
-                                 _lowprec_args(pool, layer))
-    return _attention(q, pool.key_cache(layer), pool.value_cache(layer),
-                      _dtypes.storage_kind(pool.dtype), pool.storage, block_tables, seq_lens,
-                      query_start_loc, scale, sliding_window, logits_soft_cap, out,
-                      _lowprec_args(pool, layer))
+def _owned(store):
+    """Every array a pool or a KVCache owns (its storage, and its scales when
+    it has them): what an ``out=`` must not overlap."""
+    arrays = (store._storage, store._scales, store._layer_scales)
+    return tuple(a for a in arrays if a is not None and not isinstance(a, (list, tuple)))
 
 
 def _lowprec_args(store, layer):
@@ -289,154 +182,505 @@ def _int32_table(t):
     return np.ascontiguousarray(t, dtype=np.int32)
 
 
-def _index_args(num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale,
-                sliding_window, logits_soft_cap, to_host=None):
+def _index_args(be, num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale,
+                sliding_window, logits_soft_cap):
     """The checked host forms of the integer and scalar arguments:
-    ``(tables, lens, qsl, scale, window, cap)`` (window and cap 0 when off).
-    ``to_host`` reads device index arrays (CUDA pools)."""
-    if to_host is not None:
-        block_tables = to_host(block_tables, "block_tables")
-        seq_lens = to_host(seq_lens, "seq_lens")
-        if query_start_loc is not None:
-            query_start_loc = to_host(query_start_loc, "query_start_loc")
-    tables = _int_array(block_tables, "block_tables", 2)
+    ``(tables, lens, qsl, num_tokens, scale, window, cap)`` (window and cap
+    0 when off).  ``num_tokens`` None: the plan's query count is
+    ``query_start_loc[-1]`` (one per sequence without it).  Device index
+    arrays are copied down (a synchronisation, once per plan)."""
+    tables = _int_array(be, block_tables, "block_tables", 2)
     num_seqs, max_blocks = tables.shape
-    lens_in = _int_array(seq_lens, "seq_lens", 1)
+    lens_in = _int_array(be, seq_lens, "seq_lens", 1)
     if lens_in.shape[0] != num_seqs:
         raise ValueError(f"seq_lens must have one entry per row of block_tables ({num_seqs}), "
                          f"got shape {tuple(lens_in.shape)}")
     lens = _int64(lens_in, "seq_lens")
     if query_start_loc is None:
-        if num_tokens != num_seqs:
+        if num_tokens is not None and num_tokens != num_seqs:
             raise ValueError(
                 f"without query_start_loc there is one query per sequence: q.shape[0] must be "
                 f"num_seqs={num_seqs}, got {num_tokens}")
         qsl = np.arange(num_seqs + 1, dtype=np.int64)
     else:
-        qsl_in = _int_array(query_start_loc, "query_start_loc", 1)
+        qsl_in = _int_array(be, query_start_loc, "query_start_loc", 1)
         if qsl_in.shape[0] != num_seqs + 1:
             raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
                              f"got shape {tuple(qsl_in.shape)}")
         qsl = _int64(qsl_in, "query_start_loc")
+    if num_tokens is None:
+        num_tokens = max(0, int(qsl[-1]))
 
     if scale is None:
         scale_v = 1.0 / math.sqrt(head_dim)
     else:
-        scale_v = _real(scale, "scale")
+        scale_v = _float32_real(_real(scale, "scale"), "scale", allow_zero=True)
     # 0 tells the kernel "off"
     window = _positive_or_off(sliding_window, "sliding_window", index_int, "a positive integer")
     cap_v = _positive_or_off(logits_soft_cap, "logits_soft_cap", _real, "positive")
-    return tables, lens, qsl, scale_v, window, cap_v
+    if cap_v:
+        cap_v = _float32_real(cap_v, "logits_soft_cap", allow_zero=False)
+    return tables, lens, qsl, num_tokens, scale_v, window, cap_v
+
+
+def _query_input(be, q, num_kv_heads, head_dim, what="the pool's "):
+    """``(bits, kind)`` of ``q`` on ``be``'s device after checking its shape
+    ``(num_query_tokens, num_heads, head_dim)`` and dtype (bfloat16 as its
+    uint16 bits)."""
+    y, bf16 = _arrays.unwrap(q, "q")
+    qa = be.asarray(y, "q")
+    if qa.ndim != 3:
+        raise ValueError(f"q must be 3-D (num_query_tokens, num_heads, head_dim), "
+                         f"got shape {tuple(qa.shape)}")
+    n, heads, dim = qa.shape
+    if dim != head_dim:
+        raise ValueError(f"q.shape[2] must be {what}head_dim={head_dim}, got {dim}")
+    if heads == 0 or heads % num_kv_heads:
+        raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of {what}"
+                         f"num_kv_heads={num_kv_heads}, got {heads}")
+    return _float_bits(qa, bf16, "q")
+
+
+def _float_bits(a, bf16, arg):
+    """``(bits, kind)`` of a float array (a torch bfloat16 tensor's bits: ``bf16``)."""
+    if bf16:
+        return (a if a.dtype == np.uint16 else a.view(np.uint16)), _dtypes.BF16
+    kind = _dtypes.float_kind(a.dtype)
+    if kind is None:
+        hint = " (a uint16 array is never guessed to be bfloat16: pass ml_dtypes.bfloat16)" \
+            if a.dtype == np.uint16 else ""
+        raise TypeError(f"{arg} must be float32, float16 or bfloat16, got {a.dtype}{hint}")
+    return _dtypes.as_bits(a), kind
+
+
+def _out_input(be, out, shape, owned):
+    """``(bits, result, kind)`` for ``out=``: checked writeable, of ``shape``
+    and a float dtype, apart from everything in ``owned`` (the storage and
+    scales of the pool or cache), and aligned where the device needs it."""
+    y, bf16 = _arrays.unwrap(out, "out")
+    okind = _dtypes.BF16 if bf16 else _dtypes.float_kind(be.check_out(y, "out").dtype)
+    if okind is None:
+        raise TypeError(f"out must be float32, float16 or bfloat16, got {y.dtype}")
+    obits, result = _arrays.out_array(be, out, "out", shape, okind)
+    for a in owned:
+        if be.overlaps(obits, a):
+            raise ValueError("out must not overlap the KV cache's storage or scales")
+    item = obits.itemsize
+    if not be.writes_misaligned and obits.size and (
+            be._ptr(obits) % item or any(st % item for st in obits.strides)):
+        # (issue 23: a misaligned store faults on a GPU, direct or converted)
+        raise ValueError(f"out must be aligned to its {item}-byte elements on {be.device} "
+                         f"(address and strides multiples of {item}), got address "
+                         f"{be._ptr(obits):#x} and strides {tuple(obits.strides)}")
+    return obits, result, okind
+
+
+# ------------------------------------------------------------------ sources
+class _Source:
+    """What a plan reads: ``planes(layer)`` = ``(key_cache, value_cache,
+    lowprec)`` of a layer (``(num_blocks, num_kv_heads, block_size,
+    head_dim)`` views, rows contiguous), the backend of their device and
+    everything an ``out=`` must not overlap."""
+
+    __slots__ = ("backend", "kind", "num_layers", "num_blocks", "num_kv_heads", "block_size",
+                 "head_dim", "planes", "owned", "what", "scale_planes")
+
+    def __init__(self, backend, kind, num_layers, shape, planes, owned, what,
+                 scale_planes=None):
+        self.backend, self.kind, self.num_layers = backend, kind, num_layers
+        self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = shape
+        self.planes, self.owned, self.what = planes, owned, what
+        self.scale_planes = scale_planes      # int8: layer -> (key_scales, value_scales)
+
+
+def _pool_source(pool):
+    if pool._kind in _dtypes.LOWPREC_KINDS:
+        def planes(layer):
+            return pool.key_cache(layer), pool.value_cache(layer), _lowprec_args(pool, layer)
+    else:
+        storage = pool.storage
+
+        def planes(layer):
+            return storage[2 * layer], storage[2 * layer + 1], None
+
+    k = pool.key_cache(0)
+    scales = (lambda l: (pool.key_scales(l), pool.value_scales(l))) \
+        if pool.scales is not None else None
+    return _Source(pool._backend, pool._kind, pool.num_layers, tuple(k.shape), planes,
+                   _owned(pool), "the pool's ", scales)
+
+
+def _cache_source(cache):
+    """A KVCache as a plan source: one "block" per batch row (block_size =
+    max_seq_len)."""
+    def planes(layer):
+        return cache.key_cache(layer), cache.value_cache(layer), _lowprec_args(cache, layer)
+
+    k = cache.key_cache(0)
+    kind = _dtypes.storage_kind(cache.dtype)
+    scales = (lambda l: (cache.key_scales(l), cache.value_scales(l))) \
+        if kind == _dtypes.I8 else None
+    return _Source(cache._backend, kind, cache.num_layers, tuple(k.shape), planes,
+                   _owned(cache), "", scales)
+
+
+def _planes_source(planes_in):
+    """An engine's own ``(key_cache, value_cache)`` planes of the pool layout."""
+    if not isinstance(planes_in, (tuple, list)) or len(planes_in) != 2:
+        raise TypeError("pool_or_planes must be a kvcore.BlockPool or a pair (key_cache, "
+                        f"value_cache), got {type(planes_in).__name__}")
+    arrays = []
+    for arg, x in zip(("key_cache", "value_cache"), planes_in):
+        y, bf16 = _arrays.unwrap(x, arg)
+        be = backend_of_array(y)
+        a = be.asarray(y, arg)
+        if not bf16 and a.dtype.kind in "iub" or _dtypes.lowprec_kind(a.dtype) is not None:
+            raise TypeError(
+                f"{arg} has dtype {a.dtype}: planes are read as float32, float16 or bfloat16 "
+                "(ml_dtypes); low-precision (fp8 / int8) pages need their scales: keep them in "
+                "a kvcore.BlockPool and plan over the pool")
+        bits, kind = _float_bits(a, bf16, arg)
+        arrays.append((be, bits, kind))
+    (be, k, kind), (be_v, v, kind_v) = arrays
+    if be_v is not be:
+        raise ValueError("key_cache and value_cache must live on the same device")
+    if kind != kind_v or k.shape != v.shape or k.strides != v.strides:
+        raise ValueError(f"key_cache and value_cache must have the same dtype, shape and "
+                         f"strides, got {k.dtype} {tuple(k.shape)} {k.strides} and {v.dtype} "
+                         f"{tuple(v.shape)} {v.strides}")
+    if k.ndim not in (4, 5) or 0 in k.shape[-4:]:
+        raise ValueError(f"key_cache must be ([num_layers,] num_blocks, num_kv_heads, "
+                         f"block_size, head_dim) with no empty axis, got {tuple(k.shape)}")
+    if k.strides[-1] != k.itemsize:
+        raise ValueError(f"key_cache rows must be contiguous (last stride {k.itemsize}), got "
+                         f"strides {k.strides}")
+    if not be.writes_misaligned and any(st % k.itemsize for st in k.strides) or \
+            be._ptr(k) % k.itemsize or be._ptr(v) % k.itemsize:
+        raise ValueError("key_cache and value_cache must be aligned to their elements")
+    layered = k.ndim == 5
+    num_layers = k.shape[0] if layered else 1
+
+    def planes(layer):
+        return (k[layer], v[layer], None) if layered else (k, v, None)
+
+    return _Source(be, kind, num_layers, tuple(k.shape[-4:]), planes, (k, v), "the planes' ")
+
+
+def _source(pool_or_planes):
+    if isinstance(pool_or_planes, BlockPool):
+        return _pool_source(pool_or_planes)
+    if isinstance(pool_or_planes, (tuple, list)):
+        return _planes_source(pool_or_planes)
+    raise TypeError("pool_or_planes must be a kvcore.BlockPool or a pair (key_cache, "
+                    f"value_cache) of arrays, got {type(pool_or_planes).__name__}")
+
+
+# ------------------------------------------------------------------ the plan
+class AttentionPlan:
+    """Attention of one step, planned once and run per layer.
+
+    Parameters
+    ----------
+    pool_or_planes : BlockPool or (key_cache, value_cache)
+        The KV to attend over: a pool (any dtype, any device), or an
+        engine's own planes of the pool layout, ``(num_layers, num_blocks,
+        num_kv_heads, block_size, head_dim)`` or ``(num_blocks,
+        num_kv_heads, block_size, head_dim)`` float32 / float16 / bfloat16
+        arrays (NumPy, torch, CuPy) with contiguous rows.  fp8 and int8
+        pages need their scales: plan over a ``BlockPool`` for those.
+    block_tables, seq_lens, query_start_loc
+        As :func:`paged_attention`; checked here, once (every block id a run
+        can read must lie in ``0..num_blocks - 1``), and copied: changing
+        the arrays afterwards changes nothing.
+    scale, sliding_window, logits_soft_cap
+        As :func:`paged_attention`.
+    num_threads : int, optional
+        CPU threads of each run (default :func:`get_num_threads` now).
+    num_heads : int, optional
+        Query heads; the plan is then built now, else at the first run
+        (for that run's ``q.shape[1]``).
+
+    Notes
+    -----
+    ``run`` checks only ``q``, ``layer`` and ``out`` and allocates nothing
+    when ``out`` is a float32 C-contiguous array.  One run at a time per
+    plan: a run that finds another in progress on the same plan raises
+    RuntimeError (use one plan per thread; the results have the same bits
+    for every thread count).  The plan holds the pool's arrays, never reads
+    past them, and does not see later changes to the block tables of the
+    sequences: plan again when a step's tables change.
+    """
+
+    def __init__(self, pool_or_planes, block_tables, seq_lens, query_start_loc=None, *,
+                 scale=None, sliding_window=None, logits_soft_cap=None, num_threads=None,
+                 num_heads=None):
+        src = _source(pool_or_planes)
+        if num_threads is None:
+            threads = get_num_threads()
+        else:
+            threads = index_int(num_threads, "num_threads")
+            if not 1 <= threads <= MAX_THREADS:
+                raise ValueError(f"num_threads must be in 1..{MAX_THREADS} or None, got "
+                                 f"{threads}")
+        if num_heads is not None:
+            num_heads = index_int(num_heads, "num_heads")
+            if num_heads <= 0 or num_heads % src.num_kv_heads:
+                raise ValueError(f"num_heads must be a positive multiple of {src.what}"
+                                 f"num_kv_heads={src.num_kv_heads}, got {num_heads}")
+        self._setup(src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                    logits_soft_cap, threads, None)
+        self._bindable = True
+        if num_heads is not None:
+            self._plan_for(num_heads)
+
+    @classmethod
+    def _make(cls, src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+              logits_soft_cap, num_tokens):
+        """A plan over a checked source for ``num_tokens`` queries (the
+        one-call paths, whose errors name ``q.shape[0]``)."""
+        self = cls.__new__(cls)
+        self._setup(src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                    logits_soft_cap, get_num_threads(), num_tokens)
+        self._bindable = False      # (run once: no fast path to set up)
+        return self
+
+    def _setup(self, src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+               logits_soft_cap, threads, num_tokens):
+        be = src.backend
+        tables, lens, qsl, num_tokens, scale_v, window, cap_v = _index_args(
+            be, num_tokens, src.head_dim, block_tables, seq_lens, query_start_loc, scale,
+            sliding_window, logits_soft_cap)
+        tables32 = _int32_table(tables)
+        status, a, b = _HOST.check_attention_tables(tables32, lens, qsl, num_tokens,
+                                                    src.num_blocks, src.block_size, window)
+        if status is not None:
+            _raise_table_error(status, a, b, tables, lens, qsl, src.block_size, src.num_blocks,
+                               num_tokens)
+        self._src = src
+        self._tables, self._lens, self._qsl = tables32, lens, qsl
+        self._num_tokens = num_tokens
+        self._scale, self._window, self._cap, self._threads = scale_v, window, cap_v, threads
+        self._plans = {}
+        self._fast = None
+        self._lock = threading.Lock()
+
+    @property
+    def num_query_tokens(self):
+        """The ``q.shape[0]`` every run takes."""
+        return self._num_tokens
+
+    @property
+    def num_layers(self):
+        """Layers a run may name (``0..num_layers - 1``)."""
+        return self._src.num_layers
+
+    def _plan_for(self, num_heads):
+        """The backend plan for ``num_heads`` query heads (made once; the
+        first one made also gets the backend's fast path, when it has one)."""
+        plan = self._plans.get(num_heads)
+        if plan is not None:
+            return plan
+        src = self._src
+        plan = src.backend.attention_plan(
+            self._tables, self._lens, self._qsl, num_heads=num_heads,
+            num_kv_heads=src.num_kv_heads, head_dim=src.head_dim, block_size=src.block_size,
+            num_blocks=src.num_blocks, kind=src.kind, scale=self._scale,
+            sliding_window=self._window, soft_cap=self._cap, num_threads=self._threads)
+        self._plans[num_heads] = plan
+        if self._bindable and len(self._plans) == 1:
+            self._fast = self._bind(plan)
+        return plan
+
+    def _bind(self, plan):
+        """``plan.bind(...)``'s fast run (host backends with one), or None.
+
+        Layer ``l``'s planes lie ``l`` layer strides past layer 0's (the
+        pool's storage, 5-D planes and a KVCache's storage all stack their
+        layers): the backend measures the stride from layer 0 and the last
+        layer."""
+        bind = getattr(plan, "bind", None)
+        if bind is None:
+            return None
+        src = self._src
+        last = src.num_layers - 1
+        k0, v0, low0 = src.planes(0)
+        kl, vl, lowl = src.planes(last)
+        extra = {}
+        if low0 is not None and low0[0] is not None:        # int8 scale planes
+            extra = dict(key_scales0=low0[0], value_scales0=low0[1], key_scales_last=lowl[0],
+                         value_scales_last=lowl[1])
+        elif low0 is not None:                               # fp8 layer scales
+            extra = dict(layer_scales=np.array([src.planes(l)[2][2:]
+                                                for l in range(src.num_layers)], np.float32))
+        owned = tuple(a for a in src.owned if isinstance(a, np.ndarray))
+        return bind(k0, v0, kl, vl, src.num_layers, owned=owned, **extra)
+
+    def run(self, q, layer, out=None):
+        """Attention of ``q`` over layer ``layer``, as planned.
+
+        Parameters
+        ----------
+        q : array ``(num_query_tokens, num_heads, head_dim)``
+            float32, float16 or bfloat16, on the pool's device.
+        layer : int
+        out : array, optional
+            As :func:`paged_attention`'s ``out``; a float32 C-contiguous
+            one is written in place with no allocation.
+
+        Returns
+        -------
+        float32 array (or ``out``)
+        """
+        fast = self._fast
+        if fast is not None:
+            result = fast(q, layer, out)
+            if result is not NotImplemented:
+                return result
+        return self._run(q, layer, out)
+
+    def _run(self, q, layer, out, checked_q=None):
+        """The general run: any input the public API takes, every error named."""
+        src = self._src
+        be = src.backend
+        layer = layer_index(layer, src.num_layers)
+        if checked_q is None:
+            qbits, qkind = _query_input(be, q, src.num_kv_heads, src.head_dim, src.what)
+        else:
+            qbits, qkind = checked_q
+        num_tokens, num_heads, _ = qbits.shape
+        if num_tokens != self._num_tokens:
+            raise ValueError(f"q.shape[0] must be the plan's num_query_tokens="
+                             f"{self._num_tokens}, got {num_tokens}")
+        plan = self._plan_for(num_heads)
+        shape = tuple(qbits.shape)
+        if out is not None:
+            obits, result, okind = _out_input(be, out, shape, src.owned)
+        # q as float32, C-contiguous (float16 and bfloat16 widen exactly)
+        if qkind == _dtypes.F32 and qbits.flags.c_contiguous and be._ptr(qbits) % 4 == 0:
+            q32 = qbits
+        else:
+            q32 = be.empty(shape, "float32")
+            be.convert(qbits, qkind, q32, _dtypes.F32)
+        direct = out is not None and okind == _dtypes.F32 and obits.flags.c_contiguous \
+            and be._ptr(obits) % 4 == 0 and not be.overlaps(obits, q32)
+        target = obits if direct else be.empty(shape, "float32")
+        key_cache, value_cache, lowprec = src.planes(layer)
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("this AttentionPlan is already running (one run at a time per "
+                               "plan: use one plan per thread)")
+        try:
+            be.attention_run(plan, q32, target, key_cache, value_cache, lowprec)
+        finally:
+            self._lock.release()
+        if out is None:
+            return target
+        if not direct:
+            be.convert(target, _dtypes.F32, obits, okind)
+        return result
+
+
+# ------------------------------------------------------------------ the call
+def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None, scale=None,
+                    sliding_window=None, logits_soft_cap=None, out=None):
+    """Attention of ``q`` over the K/V of ``pool``'s ``layer``, read where it lies.
+
+    Varlen queries with block tables (the FlashAttention / vLLM convention):
+    prefill, chunked prefill, decode and mixed batches in one call.  The
+    same as ``AttentionPlan(pool, block_tables, seq_lens, query_start_loc,
+    ...).run(q, layer, out)``: a step over many layers plans once
+    (:class:`AttentionPlan`).
+
+    Parameters
+    ----------
+    q : array ``(num_query_tokens, num_heads, head_dim)``
+        float32, float16 or bfloat16 (ml_dtypes, or a torch tensor).
+        ``num_heads`` is a multiple of ``pool.num_kv_heads``: query head
+        ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    pool : BlockPool
+    layer : int
+    block_tables : integer array ``(num_seqs, max_blocks)``
+        Row ``s``: the blocks of sequence ``s`` in position order
+        (:func:`kvcore.padded_block_tables`).  Entries past a sequence's
+        length (or before its sliding window) are not read.
+    seq_lens : integer array ``(num_seqs,)``
+        KV length of each sequence, its query tokens included.
+    query_start_loc : integer array ``(num_seqs + 1,)``, optional
+        Sequence ``s`` owns query rows ``query_start_loc[s] ..
+        query_start_loc[s + 1] - 1`` (0 first, ``num_query_tokens`` last);
+        default one query per sequence (decode).
+    scale : float, optional
+        Default ``1 / sqrt(head_dim)``; 0 or a magnitude in ``[2**-126,
+        FLT_MAX / log2(e)]`` (the kernels compute in float32).
+    sliding_window : int, optional
+        Each query sees only the last ``sliding_window`` positions up to and
+        including its own.
+    logits_soft_cap : float, optional
+        ``c``: scores become ``c * tanh(score / c)`` before the softmax
+        (Gemma 2); ``c`` in ``[2**-126, FLT_MAX / log2(e)]``.
+    out : array ``(num_query_tokens, num_heads, head_dim)``, optional
+        Writable float32 (or float16 / bfloat16) array or torch tensor,
+        apart from the pool's storage and scales; filled and returned.
+
+    Returns
+    -------
+    numpy.ndarray (float32) or ``out``
+        Query ``j`` of a sequence with ``m`` queries sits at position
+        ``seq_lens[s] - m + j`` and attends to positions ``0..`` that
+        position (causal).  Accumulated in float32 with an online softmax.
+
+    Notes
+    -----
+    Raw like ``BlockPool.gather``: the caller vouches that the positions
+    were written.  Runs on :func:`get_num_threads` threads without the GIL;
+    the bits do not depend on the thread count.
+    """
+    if not isinstance(pool, BlockPool):
+        raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+    layer = layer_index(layer, pool.num_layers)
+    src = _pool_source(pool)
+    checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
+    plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc, scale,
+                               sliding_window, logits_soft_cap, checked[0].shape[0])
+    # the run's own fast path when the backend has one (fewer Python-level
+    # checks than the general run, the same results)
+    plan._bindable = True
+    plan._plan_for(checked[0].shape[1])
+    return plan.run(q, layer, out)
 
 
 def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
                query_start_loc, scale, sliding_window, logits_soft_cap, out, lowprec=None):
-    """Check everything, then run the kernel.  key_cache/value_cache:
-    ``(num_blocks, num_kv_heads, block_size, head_dim)`` with contiguous
-    rows, views of ``storage`` (which ``out`` must not overlap)."""
-    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
-    qa = _query_array(q, num_kv_heads, head_dim)
-    num_tokens, num_heads, _ = qa.shape
-    tables, lens, qsl, scale_v, window, cap_v = _index_args(
-        num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        logits_soft_cap)
-
-    tables32 = _int32_table(tables)
-    shape = (num_tokens, num_heads, head_dim)
-    if out is not None:
-        view = _out_view(out, shape, "(num_query_tokens, num_heads, head_dim)", storage)
-        direct = (view.dtype == np.float32 and view.flags.c_contiguous and view.flags.aligned
-                  and not np.may_share_memory(view, qa))
-    # q as float32, C-contiguous (float16 and bfloat16 widen exactly)
-    q32 = qa if qa.dtype == np.float32 and qa.flags.c_contiguous and qa.flags.aligned else \
-        np.array(qa, dtype=np.float32, order="C")
-    if out is None:
-        result = target = np.empty(shape, np.float32)
-    else:
-        result = out
-        target = view if direct else np.empty(shape, np.float32)
-    # the integer arguments are checked in the same native call, before any work
-    status, a, b = _kernel.paged_attention(q32, target, key_cache, value_cache, kind, tables32,
-                                           lens, qsl, scale_v, window, cap_v, get_num_threads(),
-                                           *(lowprec or ()))
-    if status:
-        _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens)
-    if out is not None and not direct:
-        _fill_out(view, target)
-    return result
-
-
-def _device_attention(q, be, key_cache, value_cache, kind, block_tables, seq_lens,
-                      query_start_loc, scale, sliding_window, logits_soft_cap, out,
-                      lowprec=None):
-    """``paged_attention`` on a device pool: the same checks, on the host
-    (device index arrays are copied down, a synchronisation), before any
-    work; then the backend's kernels.  ``q`` and ``out`` are device arrays
-    (``q`` may be a pair ``(bits, kind)`` already read); ``lowprec`` the
-    scales of fp8 / int8 pages (:func:`_lowprec_args`)."""
-    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
-    qd, qkind = q if isinstance(q, tuple) else _arrays.float_input(be, q, "q")
-    if qd.ndim != 3:
-        raise ValueError(f"q must be 3-D (num_query_tokens, num_heads, head_dim), "
-                         f"got shape {tuple(qd.shape)}")
-    num_tokens, num_heads, dim = qd.shape
-    if dim != head_dim:
-        raise ValueError(f"q.shape[2] must be the pool's head_dim={head_dim}, got {dim}")
-    if num_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of the pool's "
-                         f"num_kv_heads={num_kv_heads}, got {num_heads}")
-    tables, lens, qsl, scale_v, window, cap_v = _index_args(
-        num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-        logits_soft_cap, to_host=lambda x, arg: _arrays.index_array(be, x, arg))
-    tables32 = _int32_table(tables)
-    status, a, b = _kernel.check_tables(tables32, lens, qsl, num_tokens, num_blocks, block_size,
-                                        window)
-    if status:
-        _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens)
-    shape = (num_tokens, num_heads, head_dim)
-    if out is not None:
-        y, bf16 = _arrays.unwrap(out, "out")
-        okind = _dtypes.BF16 if bf16 else _dtypes.array_kind(be.check_out(y, "out"), "out")
-        obits, result = _arrays.out_array(be, out, "out", shape, okind)
-        if not (be.direct_out(obits, key_cache) and be.direct_out(obits, value_cache)):
-            raise ValueError("out must not overlap the KV cache's storage")
-    # q as float32, C-contiguous, on the device (a conversion kernel when needed)
-    if qkind == _dtypes.F32 and qd.flags.c_contiguous and be._ptr(qd) % 4 == 0:
-        q32 = qd
-    else:
-        q32 = be.empty(shape, "float32")
-        be.convert(qd, qkind, q32, _dtypes.F32)
-    direct = out is not None and okind == _dtypes.F32 and obits.flags.c_contiguous \
-        and be._ptr(obits) % 4 == 0 and be.direct_out(obits, q32)
-    target = obits if direct else be.empty(shape, "float32")
-    be.paged_attention(q32, target, key_cache, value_cache, kind, tables32, lens, qsl, scale_v,
-                       window, cap_v, lowprec)
-    if out is None:
-        return target
-    if not direct:
-        be.convert(target, _dtypes.F32, obits, okind)
-    return result
+    """``paged_attention`` over raw planes ``(num_blocks, num_kv_heads,
+    block_size, head_dim)`` of storage ``kind`` (``lowprec`` their scales,
+    as ``Backend.attention_run`` takes them; ``out`` may not overlap
+    ``storage``).  Checked like ``paged_attention``; tests compare the CUDA
+    emulation with it (tests/_cuda_cases.py)."""
+    src = _Source(backend_of_array(key_cache), kind, 1, tuple(key_cache.shape),
+                  lambda layer: (key_cache, value_cache, lowprec), (storage,), "the pool's ")
+    checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
+    plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc, scale,
+                               sliding_window, logits_soft_cap, checked[0].shape[0])
+    return plan._run(q, 0, out, checked)
 
 
 def _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens):
-    name = _kernel.STATUS_NAMES.get(status)
-    if name == "BAD_SEQ_LEN":
+    if status == "BAD_SEQ_LEN":
         cap = tables.shape[1] * block_size
         raise ValueError(f"seq_lens must lie in 0..{cap} (block_tables.shape[1] * block_size "
                          f"= {tables.shape[1]} * {block_size}), got {int(lens[a])} at index {a}")
-    if name == "BAD_FIRST_START":
+    if status == "BAD_FIRST_START":
         raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
-    if name == "DECREASING_START":
+    if status == "DECREASING_START":
         raise ValueError(f"query_start_loc must be non-decreasing, got {int(qsl[a])} then "
                          f"{int(qsl[a + 1])} at index {a}")
-    if name == "BAD_LAST_START":
+    if status == "BAD_LAST_START":
         raise ValueError(f"query_start_loc[-1] must be q.shape[0]={num_tokens} (the number of "
                          f"query tokens), got {int(qsl[-1])}")
-    if name == "SHORT_SEQ":
+    if status == "SHORT_SEQ":
         raise ValueError(f"seq_lens[{a}] = {int(lens[a])} is less than the "
                          f"{int(qsl[a + 1] - qsl[a])} query tokens of sequence {a}: seq_lens "
                          "counts the queries too")
-    if name == "BAD_BLOCK_ID":
+    if status == "BAD_BLOCK_ID":
         raise IndexError(f"block_tables[{a}, {b}] must be a block id in 0..{num_blocks - 1} "
                          f"(position {b * block_size} of sequence {a} is read), got "
                          f"{int(tables[a, b])}")
@@ -450,7 +694,8 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     num_computed + n - 1`` of ``seq``, causal over the sequence."""
     pool = seq.pool
     layer = layer_index(layer, pool.num_layers)
-    qa = _host_view(q, "q")
+    y, _ = _arrays.unwrap(q, "q")
+    qa = pool._backend.asarray(y, "q")
     if qa.ndim != 3:
         raise ValueError(f"q must be 3-D (n, num_heads, head_dim), got shape {tuple(qa.shape)}")
     n = qa.shape[0]
@@ -474,17 +719,15 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
                     out=None):
     """``KVCache.attention``: ``q`` ``(batch, num_heads, n, head_dim)`` are the
     queries of the layer's last ``n`` written positions; returns
-    ``(batch, num_heads, n, head_dim)`` float32 (or ``out``)."""
+    ``(batch, num_heads, n, head_dim)`` float32 (or ``out``).  A plan over
+    the cache (one "block" per batch row, block_size = max_seq_len) and one
+    run."""
     k = cache.key_cache(layer)    # checks layer
-    v = cache.value_cache(layer)
     length = cache.layer_len(layer)
     batch, num_kv_heads, max_len, head_dim = k.shape
-    device = cache.device != "cpu"
-    if device:
-        be = cache._backend
-        qa, qkind = _arrays.float_input(be, q, "q")
-    else:
-        qa = _host_view(q, "q")
+    be = cache._backend
+    y, bf16 = _arrays.unwrap(q, "q")
+    qa = be.asarray(y, "q")
     if qa.ndim != 4:
         raise ValueError(f"q must be 4-D (batch_size, num_heads, n, head_dim) = ({batch}, "
                          f"num_heads, n, {head_dim}), got shape {tuple(qa.shape)}")
@@ -501,38 +744,21 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
     if num_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of "
                          f"num_kv_heads={num_kv_heads}, got {num_heads}")
+    qbits, qkind = _float_bits(qa, bf16, "q")
     shape = (batch, num_heads, n, head_dim)
-    kind = _dtypes.storage_kind(cache.dtype)
+    src = _cache_source(cache)
+    if out is not None:
+        obits, result, okind = _out_input(be, out, shape, src.owned)
     tables = np.arange(batch).reshape(batch, 1)   # one "block" per batch row
     lens = np.full(batch, length, np.int64)
     qsl = np.arange(0, batch * n + 1, n)
-    if device:
-        q_rows = be.xp.ascontiguousarray(qa.transpose(0, 2, 1, 3)).reshape(
-            batch * n, num_heads, head_dim)
-        if out is not None:
-            y, bf16 = _arrays.unwrap(out, "out")
-            okind = _dtypes.BF16 if bf16 else _dtypes.array_kind(be.check_out(y, "out"), "out")
-            obits, result = _arrays.out_array(be, out, "out", shape, okind)
-            if not (be.direct_out(obits, k) and be.direct_out(obits, v)):
-                raise ValueError("out must not overlap the KV cache's storage")
-        rows = _device_attention((q_rows, qkind), be, k, v, kind, tables, lens, qsl, scale,
-                                 sliding_window, logits_soft_cap, None,
-                                 _lowprec_args(cache, layer))
-        res = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
-        if out is None:
-            return be.xp.ascontiguousarray(res)
-        be.convert(res, _dtypes.F32, obits, okind)
-        return result
-    storage = k.base if k.base is not None else k   # every layer's K and V
-    if out is not None:
-        view = _out_view(out, shape, "(batch_size, num_heads, n, head_dim)", storage)
-    # one "block" per batch row, block_size = max_seq_len
-    q_rows = np.ascontiguousarray(qa.transpose(0, 2, 1, 3)).reshape(batch * n, num_heads,
-                                                                    head_dim)
-    rows = _attention(q_rows, k, v, kind, storage, tables, lens, qsl, scale, sliding_window,
-                      logits_soft_cap, None, _lowprec_args(cache, layer))
-    result = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
+    q_rows = be.xp.ascontiguousarray(qbits.transpose(0, 2, 1, 3)).reshape(
+        batch * n, num_heads, head_dim)
+    plan = AttentionPlan._make(src, tables, lens, qsl, scale, sliding_window, logits_soft_cap,
+                               batch * n)
+    rows = plan._run(None, layer, None, (q_rows, qkind))
+    res = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
     if out is None:
-        return np.ascontiguousarray(result)
-    _fill_out(view, result)
-    return out
+        return be.xp.ascontiguousarray(res)
+    be.convert(res, _dtypes.F32, obits, okind)
+    return result

@@ -12,6 +12,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 if os.environ.get("KVCORE_REQUIRE_HF", "") not in ("", "0"):
@@ -133,17 +134,8 @@ def test_mismatched_pool_raises_clear_errors():
                        max_new_tokens=2)
     with pytest.raises(TypeError, match="pool must be a kvcore.BlockPool"):
         PagedCache("pool")
-    with pytest.raises(ValueError, match="float16"):
-        PagedCache(kvcore.BlockPool(4, 4, 2, 2, 16, dtype="int8")) \
-            if "int8" in _dtypes_supported() else PagedCache(_FakeDtypePool())
-
-
-def _dtypes_supported():
-    try:
-        kvcore.BlockPool(1, 1, 1, 1, 1, dtype="int8")
-        return {"int8"}
-    except (ValueError, TypeError):
-        return set()
+    with pytest.raises(ValueError, match=r"pool.dtype must be one of \[.*'int8'\].*'float64'"):
+        PagedCache(_FakeDtypePool())
 
 
 class _FakeDtypePool(kvcore.BlockPool):
@@ -152,7 +144,7 @@ class _FakeDtypePool(kvcore.BlockPool):
 
     @property
     def dtype(self):
-        return "float8_e4m3fn"
+        return "float64"
 
 
 # ------------------------------------------------------------------ tokens identical
@@ -180,6 +172,62 @@ def test_kvcore_attention_without_paged_cache_falls_back_to_sdpa():
     want = _dynamic(model_for("qwen2"), ids, mask, max_new_tokens=6, do_sample=False)
     got = _dynamic(model_for("qwen2", "kvcore"), ids, mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_kvcore_attention_gets_the_cache_and_tables_as_keyword_arguments():
+    """Issue 22 item 2: the step reaches the attention as keyword arguments
+    (transformers' paged names: cache, block_table, cu_seq_lens_q), not as
+    an attribute hung on the key tensor."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((kwargs.get("cache"), kwargs.get("block_table"), kwargs.get("cu_seq_lens_q"),
+                     kwargs.get("kvcore_layer"), key.__dict__.copy()))
+        return kvcore.hf.kvcore_attention(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("kvcore_spy", spy)
+    transformers.AttentionMaskInterface.register("kvcore_spy",
+                                                 ALL_MASK_ATTENTION_FUNCTIONS["kvcore"])
+    model = _tiny("llama", "kvcore_spy")
+    ids, mask = _prompts([20, 7])
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    with PagedCache(pool) as cache:
+        got = model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=3,
+                             do_sample=False)
+        assert len(seen) == 3 * 2                      # steps x layers
+        for i, (c, table, qsl, layer, attrs) in enumerate(seen):
+            assert c is cache and layer == i % 2 and attrs == {}
+            assert table.shape[0] == 2 and qsl.tolist()[0] == 0
+        # the first step's queries: each row's real columns, padding none
+        assert seen[0][2].tolist() == [0, 20, 27]
+        assert seen[-1][2].tolist() == [0, 1, 2]
+    assert torch.equal(got, _dynamic(model_for("llama"), ids, mask, max_new_tokens=3,
+                                     do_sample=False))
+
+
+def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
+    """Issue 22 item 2: the step's first layer plans, every layer runs."""
+    made, runs = [], []
+
+    class CountingPlan(kvcore.AttentionPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def run(self, q, layer, out=None):
+            runs.append((len(made), layer))
+            return super().run(q, layer, out)
+
+    monkeypatch.setattr(kvcore.hf, "AttentionPlan", CountingPlan)
+    model = model_for("llama", "kvcore")
+    ids, mask = _prompts(BATCHES["b4"])
+    got = _paged(model, ids, mask, max_new_tokens=4, do_sample=False)
+    assert len(made) == 4                                      # one per step
+    assert runs == [(s, layer) for s in range(1, 5) for layer in (0, 1)]
+    assert torch.equal(got, _dynamic(model_for("llama"), ids, mask, max_new_tokens=4,
+                                     do_sample=False))
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
@@ -317,6 +365,94 @@ def test_low_precision_storage_logit_error_bounded(dtype, bound, attn):
     assert agree >= 0.5
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_16bit_model_with_16bit_pages_matches_dynamic_cache(dtype, batch):
+    """Issue 22 item 2: a bfloat16 / float16 model with pages of its dtype
+    and the kvcore attention (queries and outputs in the model's dtype)
+    gives DynamicCache's tokens with the same model; the KV written is the
+    model's own, so only the attention's float32 sums differ from sdpa's."""
+    model = _tiny("llama", "kvcore").to(getattr(torch, dtype))
+    ids, mask = _prompts(BATCHES[batch])
+    model.set_attn_implementation("sdpa")
+    want = _dynamic(model, ids, mask, max_new_tokens=12, do_sample=False)
+    model.set_attn_implementation("kvcore")
+    pool = pool_for(model.config, 256, dtype=dtype, block_size=16)
+    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
+                             do_sample=False)
+    agree = float((got[:, -12:] == want[:, -12:]).float().mean())
+    print(f"{dtype} model, {dtype} pages, {batch}: greedy token agreement {agree:.0%}")
+    assert torch.equal(got[:, :-11], want[:, :-11])        # the first new token of every row
+    assert agree >= 0.75
+    # the same call again, served from the pool's prefix cache
+    again = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
+                               do_sample=False)
+    assert torch.equal(again, got)
+
+
+# ------------------------------------------------------------------ fp8 / int8 pages
+def test_calibrate_kv_scales_fits_the_sample():
+    model = model_for("llama")
+    ids, mask = _prompts(BATCHES["b4"])
+    scales = kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask)
+    dyn = transformers.DynamicCache()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, **_kw(model, dyn))
+    assert len(scales) == 2
+    real = mask.bool()[:, None, :, None]
+    for (k, v), layer in zip(scales, dyn.layers):
+        # the largest real |K| / |V| maps onto e4m3fn's largest finite value, 448
+        assert k == pytest.approx(float(layer.keys.abs().masked_fill(~real, 0).max()) / 448)
+        assert v == pytest.approx(float(layer.values.abs().masked_fill(~real, 0).max()) / 448)
+    e5m2 = kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, dtype="float8_e5m2")
+    assert e5m2[0][0] == pytest.approx(scales[0][0] * 448 / 57344)
+    pool = pool_for(model.config, 8, dtype="float8_e4m3fn", kv_scales=scales)
+    assert np.allclose(np.asarray(pool.kv_scales), np.asarray(scales, np.float32))
+    with pytest.raises(ValueError, match="dtype must be one of .*int8 pools scale"):
+        kvcore.hf.calibrate_kv_scales(model, ids, dtype="int8")
+    with pytest.raises(ValueError, match="input_ids must be a 2-D torch tensor"):
+        kvcore.hf.calibrate_kv_scales(model, [[5, 6]])
+    with pytest.raises(ValueError, match="left padding"):
+        kvcore.hf.calibrate_kv_scales(model, ids[:1, :3], attention_mask=torch.tensor([[1, 0, 1]]))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_low_precision_pools_generate_through_the_kvcore_attention(dtype):
+    """Issue 22 item 2: fp8 (calibrated per-layer scales) and int8 pools in
+    kvcore.hf.  Teacher-forced logits stay close to DynamicCache's (bounded
+    relative to their range; greedy agreement printed), prefix reuse works,
+    and sdpa, which cannot read the codes, is refused before anything is
+    written."""
+    model = model_for("llama", "kvcore")
+    ref = model_for("llama")
+    ids, mask = _prompts(BATCHES["b4"])
+    scales = kvcore.hf.calibrate_kv_scales(ref, ids, attention_mask=mask, dtype=dtype) \
+        if dtype != "int8" else None
+    pool = pool_for(model.config, 256, dtype=dtype, kv_scales=scales)
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask, **_kw(model, PagedCache(pool))).logits
+        b = ref(ids, attention_mask=mask, **_kw(ref, transformers.DynamicCache())).logits
+    real = mask.bool()
+    err = float((a - b).abs()[real].max() / (b[real].max() - b[real].min()))
+    want = _dynamic(ref, ids, mask, max_new_tokens=12, do_sample=False)
+    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
+                             do_sample=False)
+    agree = float((got[:, -12:] == want[:, -12:]).float().mean())
+    print(f"{dtype} pages: max relative logit error {err:.2e}, greedy agreement {agree:.0%}")
+    assert 0 < err < {"int8": 0.02, "float8_e4m3fn": 0.05, "float8_e5m2": 0.1}[dtype]
+    h = pool.stats()["prefix_hits"]
+    again = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
+                               do_sample=False)
+    assert pool.stats()["prefix_hits"] > h and again.shape == got.shape
+    # sdpa reads whole K/V tensors: refused, the pool untouched
+    used = pool.num_used_blocks
+    with pytest.raises(ValueError, match=f"a {dtype} pool is read by attn_implementation="
+                                         "'kvcore' only"):
+        ref.generate(ids, attention_mask=mask, **_kw(ref, PagedCache(pool)), max_new_tokens=2)
+    assert pool.num_used_blocks == used
+    pool.check()
+
+
 # ------------------------------------------------------------------ prefix reuse
 def _hits(pool):
     return pool.stats()["prefix_hits"]
@@ -402,6 +538,85 @@ def test_generate_rejects_bad_arguments():
     assert pool.num_used_blocks == 0
 
 
+def test_a_forward_of_another_batch_size_is_refused():
+    """Issue 19 item 15: a forward whose batch is a multiple of the cache's
+    rows was silently repeat-interleaved into them."""
+    model = model_for("llama")
+    pool = pool_for(model.config, 32, dtype="float32", block_size=4)
+    ids, _ = _prompts([10, 10])
+    cache = PagedCache(pool)
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))
+        used = pool.num_used_blocks
+        for batch in (4, 1, 3):
+            step = torch.full((batch, 1), 7)
+            with pytest.raises(ValueError,
+                               match=f"batch size {batch}, but this cache holds 2 rows"):
+                model(step, **_kw(model, cache))
+            assert len(cache.rows) == 2 and cache.get_seq_length() == 10
+            assert pool.num_used_blocks == used
+        # the cache still works for its own batch
+        dyn = transformers.DynamicCache()
+        model(ids, **_kw(model, dyn))
+        step = torch.tensor([[7], [8]])
+        assert torch.equal(model(step, **_kw(model, cache)).logits,
+                           model(step, **_kw(model, dyn)).logits)
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["keyword", "generation_config"])
+def test_generate_refuses_use_cache_false_and_caches_nothing(how):
+    """Issue 19 item 16: with use_cache=False transformers re-feeds the whole
+    sequence each step, and the pool cached it as new positions; a later
+    request hit those blocks and generated other tokens."""
+    model = model_for("llama")
+    ids = _prompts([37])[0]
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    if how == "keyword":
+        kw = dict(use_cache=False)
+    else:
+        kw = dict(generation_config=transformers.GenerationConfig(
+            use_cache=False, max_new_tokens=6, do_sample=False, pad_token_id=PAD))
+    with pytest.raises(ValueError, match="use_cache=True.*use_cache=False"):
+        kvcore.hf.generate(model, ids, pool, max_new_tokens=6, do_sample=False, **kw)
+    assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 0
+    # a correct request afterwards is DynamicCache's
+    out = kvcore.hf.generate(model, ids, pool, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, _dynamic(model, ids, torch.ones_like(ids), max_new_tokens=6,
+                                     do_sample=False))
+
+
+def test_generate_refuses_positions_that_do_not_continue_the_cache():
+    """Issue 19 item 16, the second guard: a forward whose position_ids do
+    not follow the cache's columns (here shifted by another pre-hook of the
+    model) is refused before its K/V or token ids are recorded."""
+    model = _tiny("llama")
+    calls = []
+
+    def shift(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 2 and kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = kwargs["position_ids"] + 3
+        return args, kwargs
+
+    hook = model.register_forward_pre_hook(shift, with_kwargs=True)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    ids = _prompts([21])[0]
+    try:
+        with pytest.raises(ValueError, match="position_ids do not continue the cache: row 0 "
+                                             "column 0 has position 24, the cache expects 21"):
+            kvcore.hf.generate(model, ids, pool, max_new_tokens=4, do_sample=False)
+    finally:
+        hook.remove()
+    assert pool.num_used_blocks == 0
+    # only the prompt's blocks were cached (the shifted step recorded nothing)
+    assert pool.num_cached_blocks == 21 // 4
+    out = kvcore.hf.generate(model, ids, pool, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, _dynamic(model, ids, torch.ones_like(ids), max_new_tokens=4,
+                                     do_sample=False))
+
+
 def test_out_of_blocks_leaves_the_pool_whole():
     model = model_for("llama")
     pool = pool_for(model.config, 2, dtype="float32", block_size=4)
@@ -437,3 +652,9 @@ def test_benchmark_runs_and_reports_goals():
     assert r["ttft"]["hit_tokens"] == 48
     text = bench.report(r)
     assert "goals:" in text and "time to first token" in text
+    assert "tiny (float32 model), float16 pages" in text
+    with pytest.raises(FileNotFoundError, match="--model must be smollm2 or the path of a "
+                                                 "\\.gguf file, got 'nope.gguf'"):
+        bench.run(prompt=48, new=4, repeat=1, model="nope.gguf")
+    with pytest.raises(ValueError, match="model_dtype must be one of"):
+        bench.run(prompt=48, new=4, repeat=1, model_dtype="float16")

@@ -146,3 +146,13 @@ def test_imports_are_read_from_python_and_cython(tmp_path):
     assert "kvcore._native._pool" in imports(seq)
     pool = PKG / "pool.py"
     assert {"kvcore.backends", "kvcore._native._pool"} <= imports(pool)
+
+
+def test_attention_imports_no_backend_internals():
+    """kvcore/attention.py validates and delegates to the pool's backend
+    (Backend.attention_plan / attention_run): it imports the backends
+    package, never a backend's modules."""
+    got = imports(PKG / "attention.py")
+    assert "kvcore.backends" in got          # (the reader sees its imports)
+    inside = sorted(t for t in got if t.startswith("kvcore.backends."))
+    assert not inside, f"kvcore/attention.py imports backend internals: {inside}"

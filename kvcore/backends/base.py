@@ -26,7 +26,8 @@ import numpy as np
 
 from .. import dtypes
 
-__all__ = ["Backend", "REFERENCE", "is_cuda_array"]
+__all__ = ["Backend", "REFERENCE", "is_cuda_array", "paged_attention_reference",
+           "stored_values"]
 
 _DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
@@ -239,6 +240,129 @@ def int8_decode(codes, scales):
 def _float_rows(bits, kind):
     """float32 rows of an input of float ``kind`` (storage bits)."""
     return _f32(bits, kind)
+
+
+# ---------------------------------------------------------------- attention
+# The float64 reference of paged attention: one sequence and one KV head at
+# a time, the context gathered through the block table, the causal window
+# spelled out position by position.  Written to be obviously correct, not
+# fast; ``Backend.paged_attention`` runs it and every kernel is held to it.
+
+def stored_values(cache, kind=None, scales=None):
+    """The stored elements of a cache as float64.
+
+    ``cache`` is float32, float16, ml_dtypes.bfloat16, or uint16 holding
+    bfloat16 bits (then ``kind`` must be "bfloat16"); or low precision:
+    uint8 fp8 bits with ``kind`` "float8_e4m3fn" / "float8_e5m2" (``scales``
+    the layer's float scale, default 1), int8 codes with ``kind="int8"``
+    (``scales`` one float32 per row: ``cache.shape[:-1]``).  A low-precision
+    value is the float32 ``element * scale`` the pool reads back.
+    """
+    a = np.asarray(cache)
+    if kind in ("float8_e4m3fn", "float8_e5m2"):
+        return fp8_decode(a, dtypes.NAME_KIND[kind],
+                          1.0 if scales is None else scales).astype(np.float64)
+    if kind == "int8":
+        return int8_decode(a, scales).astype(np.float64)
+    if a.dtype == np.uint16:
+        if kind != "bfloat16":
+            raise TypeError("a uint16 cache holds bfloat16 bits only when kind='bfloat16'")
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
+                              query_start_loc=None, scale=None, sliding_window=None,
+                              logits_soft_cap=None, kind=None, key_scales=None,
+                              value_scales=None):
+    """Attention over a paged cache, in float64.
+
+    Parameters
+    ----------
+    q : array ``(num_query_tokens, num_heads, head_dim)``
+    key_cache, value_cache : arrays ``(num_blocks, num_kv_heads, block_size, head_dim)``
+        The stored values (float32, float16, bfloat16; uint16 bits with
+        ``kind="bfloat16"``; fp8 bits or int8 codes with their ``kind``).
+    key_scales, value_scales : optional
+        Low precision (see :func:`stored_values`): an fp8 layer's float
+        scales, or an int8 layer's scale planes ``(num_blocks, num_kv_heads,
+        block_size)``.
+    block_tables : integer array ``(num_seqs, max_blocks)``
+    seq_lens : integer array ``(num_seqs,)``
+        KV length of each sequence, its query tokens included.
+    query_start_loc : integer array ``(num_seqs + 1,)``, optional
+        Sequence s owns query rows ``query_start_loc[s] .. query_start_loc[s+1]-1``;
+        default one query per sequence.
+    scale : float, optional
+        Default ``1 / sqrt(head_dim)``.
+    sliding_window : int, optional
+        Each query sees only the last ``sliding_window`` positions up to its own.
+    logits_soft_cap : float, optional
+        Scores become ``c * tanh(score / c)`` before the softmax.
+
+    Returns
+    -------
+    float64 array ``(num_query_tokens, num_heads, head_dim)``
+    """
+    q = stored_values(q, kind if np.asarray(q).dtype == np.uint16 else None)
+    k_all = stored_values(key_cache, kind, key_scales)
+    v_all = stored_values(value_cache, kind, value_scales)
+    block_tables = np.asarray(block_tables)
+    seq_lens = np.asarray(seq_lens)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_all.shape
+    group = num_heads // num_kv_heads
+    if query_start_loc is None:
+        query_start_loc = np.arange(len(seq_lens) + 1)
+    query_start_loc = np.asarray(query_start_loc)
+    if scale is None:
+        scale = 1.0 / np.sqrt(head_dim)
+    out = np.zeros((num_tokens, num_heads, head_dim), np.float64)
+    for s in range(len(seq_lens)):
+        length = int(seq_lens[s])
+        first, stop = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        m = stop - first
+        if m == 0:
+            continue
+        positions = np.arange(length)
+        blocks = block_tables[s, positions // block_size]
+        offsets = positions % block_size
+        for g in range(num_kv_heads):
+            k = k_all[blocks, g, offsets]          # (length, head_dim)
+            v = v_all[blocks, g, offsets]
+            for j in range(m):
+                pos = length - m + j               # this query's position
+                visible = positions <= pos
+                if sliding_window is not None:
+                    visible &= positions > pos - sliding_window
+                heads = slice(g * group, (g + 1) * group)
+                scores = q[first + j, heads] @ k[visible].T * scale   # (group, n_visible)
+                if logits_soft_cap is not None:
+                    scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
+                scores -= scores.max(axis=1, keepdims=True)
+                weights = np.exp(scores)
+                weights /= weights.sum(axis=1, keepdims=True)
+                out[first + j, heads] = weights @ v[visible]
+    return out
+
+
+class _AttentionPlan:
+    """``Backend.attention_plan``'s plan: owned copies of the checked index
+    arrays and the scalars (what ``attention_run`` passes on)."""
+
+    def __init__(self, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
+                 head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
+                 num_threads):
+        self.block_tables = np.array(block_tables, np.int32, order="C", copy=True)
+        self.seq_lens = np.array(seq_lens, np.int64, copy=True)
+        self.query_start_loc = np.array(query_start_loc, np.int64, copy=True)
+        for a in (self.block_tables, self.seq_lens, self.query_start_loc):
+            a.flags.writeable = False
+        self.num_tokens = int(self.query_start_loc[-1])
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.num_blocks, self.kind = block_size, num_blocks, kind
+        self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.num_threads = num_threads
 
 
 class Backend:
@@ -493,6 +617,113 @@ class Backend:
         n = src.shape[2]
         _bits_view(dst)[:, :, start:start + n, :] = convert_bits(_bits_view(src), src_kind,
                                                                  dst_kind)
+
+    # ------------------------------------------------------------ attention
+    def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
+                       num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
+                       sliding_window, soft_cap, num_threads):
+        """A plan for :meth:`attention_run`: host NumPy arrays in, already
+        checked by the public layer (every block id a run can read lies in
+        ``0..num_blocks - 1``): ``block_tables`` int32 ``(num_seqs,
+        max_blocks)``, ``seq_lens`` int64 ``(num_seqs,)``,
+        ``query_start_loc`` int64 ``(num_seqs + 1,)``; ``scale`` float,
+        ``sliding_window`` int and ``soft_cap`` float (0: off).  The plan
+        owns copies of the arrays (a device backend: uploaded once)."""
+        return _AttentionPlan(block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
+                              head_dim, block_size, num_blocks, kind, scale, sliding_window,
+                              soft_cap, num_threads)
+
+    def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
+                               num_blocks, block_size, sliding_window):
+        """The index check of an attention call, on host arrays (int32
+        ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``).
+
+        Returns ``(status, a, b)``: status None when every argument is fine,
+        else the first failure in this order, ``a`` / ``b`` where it is:
+        ``"BAD_SEQ_LEN"`` (``seq_lens[a]`` outside ``0..max_blocks *
+        block_size``), ``"BAD_FIRST_START"`` (``query_start_loc[0] != 0``),
+        ``"DECREASING_START"`` (``query_start_loc[a + 1] <
+        query_start_loc[a]``), ``"BAD_LAST_START"`` (``query_start_loc[-1]
+        != num_tokens``), ``"SHORT_SEQ"`` (``seq_lens[a]`` below sequence
+        ``a``'s query count), ``"BAD_BLOCK_ID"`` (``block_tables[a, b]``
+        outside ``0..num_blocks - 1`` and read).  Read: every block a query
+        of the sequence can see, from position 0 (with a window: the first
+        query's window start) to ``seq_lens[a] - 1``; a sequence without
+        queries is not read."""
+        tables = np.asarray(block_tables)
+        lens = np.asarray(seq_lens, np.int64)
+        qsl = np.asarray(query_start_loc, np.int64)
+        num_seqs, max_blocks = tables.shape
+        bad = (lens < 0) | (lens > max_blocks * block_size)
+        if bad.any():
+            return "BAD_SEQ_LEN", int(np.argmax(bad)), 0
+        if qsl[0] != 0:
+            return "BAD_FIRST_START", 0, 0
+        counts = np.diff(qsl)
+        if (counts < 0).any():
+            return "DECREASING_START", int(np.argmax(counts < 0)), 0
+        if qsl[-1] != num_tokens:
+            return "BAD_LAST_START", 0, 0
+        if (lens < counts).any():
+            return "SHORT_SEQ", int(np.argmax(lens < counts)), 0
+        first = np.zeros(num_seqs, np.int64)
+        if sliding_window > 0:
+            first = np.maximum(lens - counts + 1 - sliding_window, 0)
+        b = np.arange(max_blocks)
+        read = (counts[:, None] > 0) & (b >= (first // block_size)[:, None]) \
+            & (b < (-(-lens // block_size))[:, None])
+        bad = read & ((tables < 0) | (tables >= num_blocks))
+        if bad.any():
+            s, blk = divmod(int(np.argmax(bad)), max_blocks)
+            return "BAD_BLOCK_ID", s, blk
+        return None, 0, 0
+
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+        """``out[...]`` = the planned attention of ``q``.
+
+        ``q`` float32 C-contiguous ``(num_tokens, num_heads, head_dim)``;
+        ``out`` the same, written; ``key_cache`` / ``value_cache``
+        ``(num_blocks, num_kv_heads, block_size, head_dim)`` in the storage
+        dtype; ``lowprec`` None or ``(key_scales, value_scales, k_scale,
+        v_scale)`` (int8: the layer's scale planes and 1.0, 1.0; fp8: None,
+        None and the layer's scales).  Here: :meth:`paged_attention` with
+        the plan's arrays (a backend that overrides only that one runs it)."""
+        self.paged_attention(q, out, key_cache, value_cache, plan.kind, plan.block_tables,
+                             plan.seq_lens, plan.query_start_loc, plan.scale,
+                             plan.sliding_window, plan.soft_cap, lowprec)
+
+    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+        """``out[...]`` = attention (arguments as :meth:`attention_plan` and
+        :meth:`attention_run`); here in float64 (:func:`paged_attention_reference`)
+        rounded once to float32."""
+        name = dtypes.KIND_NAME[kind]
+        key_scales = value_scales = None
+        if lowprec is not None:
+            key_scales, value_scales, k_scale, v_scale = lowprec
+            if key_scales is None:          # fp8: one scale per layer
+                key_scales, value_scales = k_scale, v_scale
+        out[...] = paged_attention_reference(
+            q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale=float(np.float32(scale)), sliding_window=int(sliding_window) or None,
+            logits_soft_cap=float(np.float32(soft_cap)) or None, kind=name,
+            key_scales=key_scales, value_scales=value_scales)
+
+    # ------------------------------------------------------------ memory
+    def _ptr(self, a):
+        """The address of ``a``'s first element."""
+        return a.ctypes.data
+
+    def overlaps(self, a, b):
+        """Whether the memory spans of ``a`` and ``b`` may meet (a bounds check)."""
+        return bool(self.xp.may_share_memory(a, b))
+
+    @property
+    def writes_misaligned(self):
+        """Whether an output may sit off its elements' alignment (host
+        memory: NumPy copies through an aligned temporary; a device's
+        kernels store whole elements, and a misaligned store faults)."""
+        return self.xp is np
 
 
 REFERENCE = Backend()

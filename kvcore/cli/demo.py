@@ -16,7 +16,8 @@ What it does, on built-in defaults (nothing is downloaded):
   ``seq.reserve(n)`` per request, builds one slot mapping from
   ``seq.slot_mapping``, writes each layer once with ``pool.write`` (and
   declares it with ``seq.mark_written``), runs each layer's attention for
-  the whole batch in one ``kvcore.paged_attention`` call over the pages
+  the whole batch in one ``AttentionPlan.run`` call over the pages (one
+  ``kvcore.AttentionPlan`` per step, for every layer)
   (``kvcore.padded_block_tables`` gives the tables; ``--attention gather``
   instead reads each request's history with ``pool.gather(...,
   dtype="float32")`` and runs the model's NumPy attention on the copy), then
@@ -269,8 +270,8 @@ class _BatchedEngine(_Engine):
 
 class _PagedEngine(_BatchedEngine):
     """kvcore: one BlockPool, one PagedKVCache per request, batched pool.write;
-    attention over the pages in one ``paged_attention`` call per layer
-    (``attention="paged"``) or per request over a gathered float32 copy
+    attention over the pages with one ``AttentionPlan`` per step, run once
+    per layer (``attention="paged"``) or per request over a gathered float32 copy
     (``attention="gather"``)."""
 
     label = "kvcore paged"
@@ -341,6 +342,10 @@ class _PagedEngine(_BatchedEngine):
             qsl = np.zeros(len(batch) + 1, np.int64)
             np.cumsum([n for _, n in batch], out=qsl[1:])
             self._qsl = self._to_dev(qsl) if self._to_dev is not None else qsl
+            # one plan per step, run by every layer (the tables are checked once)
+            self._plan = kvcore.AttentionPlan(
+                self.pool, self._block_tables, self._seq_lens, self._qsl,
+                scale=1.0 / np.sqrt(self.model.config.head_dim))
         self._track()
 
     def step(self, batch):
@@ -356,8 +361,7 @@ class _PagedEngine(_BatchedEngine):
             return super()._attend(layer, q, pos, batch, bounds)
         if self._to_dev is not None:
             q = self._to_dev(q)
-        out = kvcore.paged_attention(q, self.pool, layer, self._block_tables, self._seq_lens,
-                                     self._qsl, scale=1.0 / np.sqrt(self.model.config.head_dim))
+        out = self._plan.run(q, layer)
         return self._to_host(out) if self._to_host is not None else out
 
     def _store(self, layer, k, v, batch, bounds):

@@ -9,6 +9,8 @@ status; Python raises.
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
 
+import numpy as np
+
 cnp.import_array()
 
 # Status codes of the argument check (kvcore/attention.py turns them into errors).
@@ -158,77 +160,6 @@ def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
     return CHECK_OK, 0, 0
 
 
-cdef class Plan:
-    """A C attention plan (kva_plan_create): the snapshot of the index
-    arrays, the work list and every work buffer; ``run`` per layer.  Made by
-    ``make_plan``, which checks the index arrays first.  One run at a time
-    (a second concurrent ``run`` raises RuntimeError)."""
-    cdef kva_plan *plan
-    cdef readonly int kind, num_heads, num_kv_heads, head_dim
-    cdef readonly int64_t block_size, num_blocks, num_tokens
-    cdef bint running
-
-    def __dealloc__(self):
-        kva_plan_free(self.plan)
-
-    @property
-    def num_items(self):
-        """Work items of a run."""
-        return kva_plan_num_items(self.plan)
-
-    @property
-    def num_threads(self):
-        """Threads a run uses (at most the planned num_threads)."""
-        return kva_plan_num_threads(self.plan)
-
-    def run(self, const float[:, :, ::1] q, float[:, :, ::1] out, cnp.ndarray key_cache,
-            cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
-            double v_scale=1.0):
-        """out[...] = attention of q over the caches, as planned.  The caches:
-        (num_blocks or more, num_kv_heads, block_size, head_dim) of the
-        planned kind, rows contiguous, both with the same strides."""
-        cdef int isz = 4 if self.kind == 0 else 1 if self.kind >= 3 else 2
-        want_q = (self.num_tokens, self.num_heads, self.head_dim)
-        if (q.shape[0], q.shape[1], q.shape[2]) != want_q \
-                or (out.shape[0], out.shape[1], out.shape[2]) != want_q:
-            raise ValueError(f"internal: q and out must have shape {want_q}")
-        for c in (key_cache, value_cache):
-            if c.ndim != 4 or c.shape[0] < self.num_blocks or c.shape[1] != self.num_kv_heads \
-                    or c.shape[2] != self.block_size or c.shape[3] != self.head_dim \
-                    or c.itemsize != isz or c.strides[3] != isz:
-                raise ValueError("internal: the caches do not match the plan")
-        if any(key_cache.strides[i] != value_cache.strides[i] for i in range(4)):
-            raise ValueError("internal: key_cache and value_cache must have the same strides")
-        cdef kva_args a
-        a.q = &q[0, 0, 0] if q.shape[0] else NULL
-        a.out = &out[0, 0, 0] if out.shape[0] else NULL
-        a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
-        a.value_cache = <const char *>cnp.PyArray_DATA(value_cache)
-        a.kind = self.kind
-        a.block_stride = key_cache.strides[0]
-        a.head_stride = key_cache.strides[1]
-        a.row_stride = key_cache.strides[2]
-        a.block_size = self.block_size
-        a.num_heads = self.num_heads
-        a.num_kv_heads = self.num_kv_heads
-        a.head_dim = self.head_dim
-        a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
-        a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
-        a.k_scale = <float>k_scale
-        a.v_scale = <float>v_scale
-        if self.running:
-            raise RuntimeError("this attention plan is already running (one run at a time)")
-        self.running = True
-        cdef int status
-        try:
-            with nogil:
-                status = kva_plan_run(self.plan, &a)
-        finally:
-            self.running = False
-        if status != KVA_OK:
-            raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
-
-
 def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
               const int64_t[::1] query_start_loc, *, int num_heads, int num_kv_heads,
               int head_dim, int64_t block_size, int64_t num_blocks, int kind, double scale,
@@ -249,34 +180,9 @@ def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                                    num_blocks, block_size, sliding_window, &ea, &eb)
     if check != CHECK_OK:
         return check, ea, eb, None
-    cdef kva_args a
-    a.kind = kind
-    a.block_size = block_size
-    a.num_heads = num_heads
-    a.num_kv_heads = num_kv_heads
-    a.head_dim = head_dim
-    a.block_tables = &block_tables[0, 0] if block_tables.shape[0] and block_tables.shape[1] \
-        else NULL
-    a.block_table_stride = block_tables.shape[1]
-    a.seq_lens = &seq_lens[0] if seq_lens.shape[0] else NULL
-    a.query_start_loc = &query_start_loc[0]
-    a.num_seqs = seq_lens.shape[0]
-    a.scale = <float>scale
-    a.sliding_window = sliding_window
-    a.soft_cap = <float>soft_cap
-    a.num_threads = num_threads
-    cdef int status = KVA_OK
-    cdef kva_plan *plan
-    with nogil:
-        plan = kva_plan_create(&a, &status)
-    if plan == NULL:
-        if status == KVA_ENOMEM:
-            raise MemoryError("attention plan could not allocate its work buffers")
-        raise RuntimeError(f"kv_attention rejected the plan (status {status})")
-    cdef Plan p = Plan.__new__(Plan)
-    p.plan = plan
-    p.kind, p.num_heads, p.num_kv_heads, p.head_dim = kind, num_heads, num_kv_heads, head_dim
-    p.block_size, p.num_blocks, p.num_tokens = block_size, num_blocks, num_tokens
+    cdef Plan p = Plan(block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
+                       head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
+                       num_threads)
     return CHECK_OK, 0, 0, p
 
 
@@ -366,9 +272,10 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
     """One pass over the integer arguments of paged_attention, in the order
     the errors are reported.  Returns ``(status, a, b)``; status 0 is fine.
 
-    Only the block-table entries the kernel will read are checked: those
-    from the first position visible to the sequence's first query
-    (sliding_window 0: none) to its last position."""
+    Every block-table entry the kernel can read is checked: those from the
+    first position any query of the sequence can see (0 without a sliding
+    window; with one, the window of the first query, at position seq_len -
+    n) to the last position.  A sequence without queries is not read."""
     cdef Py_ssize_t S = seq_lens.shape[0], B = block_tables.shape[1], s, b
     cdef int64_t cap = B * block_size, n, first, end_blk
     cdef int32_t blk
@@ -392,9 +299,10 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
         n = query_start_loc[s + 1] - query_start_loc[s]
         if n == 0:
             continue
-        first = seq_lens[s] - n
+        # (the kernel's key range: kv_attention.c key_range)
+        first = 0
         if sliding_window > 0:
-            first = first + 1 - sliding_window
+            first = seq_lens[s] - n + 1 - sliding_window
             if first < 0:
                 first = 0
         end_blk = (seq_lens[s] + block_size - 1) // block_size
@@ -405,3 +313,358 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
                 eb[0] = b
                 return BAD_BLOCK_ID
     return CHECK_OK
+
+
+# ------------------------------------------------------------------ plan / run
+cdef inline int _span_of(cnp.ndarray a, const char **lo, const char **hi) noexcept:
+    """The byte span [lo, hi) of ``a``'s elements (0 for an empty array)."""
+    cdef const char *l = <const char *>cnp.PyArray_DATA(a)
+    cdef const char *h = l
+    cdef int i
+    cdef Py_ssize_t n, s
+    if cnp.PyArray_SIZE(a) == 0:
+        lo[0] = hi[0] = l
+        return 0
+    for i in range(cnp.PyArray_NDIM(a)):
+        n = cnp.PyArray_DIM(a, i)
+        s = cnp.PyArray_STRIDE(a, i)
+        if s > 0:
+            h += (n - 1) * s
+        else:
+            l += (n - 1) * s
+    lo[0] = l
+    hi[0] = h + cnp.PyArray_ITEMSIZE(a)
+    return 1
+
+
+cdef inline bint _dims_are(cnp.ndarray a, int nd, Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2,
+                          Py_ssize_t d3=0) noexcept:
+    cdef Py_ssize_t want[4]
+    want[0], want[1], want[2], want[3] = d0, d1, d2, d3
+    if cnp.PyArray_NDIM(a) != nd:
+        return False
+    for i in range(nd):
+        if cnp.PyArray_DIM(a, i) != want[i]:
+            return False
+    return True
+
+
+cdef inline bint _layer_stride(cnp.ndarray first, cnp.ndarray last, Py_ssize_t steps,
+                               Py_ssize_t *stride) noexcept:
+    cdef Py_ssize_t d = <const char *>cnp.PyArray_DATA(last) - <const char *>cnp.PyArray_DATA(first)
+    if d % steps:
+        return False
+    stride[0] = d // steps
+    return True
+
+
+def address(cnp.ndarray a):
+    """The address of ``a``'s first element (cheaper than ``a.ctypes.data``)."""
+    return <size_t>cnp.PyArray_DATA(a)
+
+
+cdef class Plan
+
+
+cdef inline bint _plane_ok(Plan p, cnp.ndarray c) noexcept:
+    cdef Py_ssize_t item = 4 if p.kind == 0 else 1 if p.kind >= 3 else 2
+    return cnp.PyArray_NDIM(c) == 4 and cnp.PyArray_DIM(c, 0) >= p.num_blocks \
+        and cnp.PyArray_DIM(c, 1) == p.num_kv_heads and cnp.PyArray_DIM(c, 2) == p.block_size \
+        and cnp.PyArray_DIM(c, 3) == p.head_dim and cnp.PyArray_ITEMSIZE(c) == item \
+        and cnp.PyArray_STRIDE(c, 3) == item
+
+
+cdef inline bint _planes_match(Plan p, cnp.ndarray k, cnp.ndarray v) noexcept:
+    """k and v: (num_blocks or more, num_kv_heads, block_size, head_dim) of
+    the plan's storage kind, rows contiguous, the same strides."""
+    if not (_plane_ok(p, k) and _plane_ok(p, v)):
+        return False
+    for i in range(4):
+        if cnp.PyArray_STRIDE(k, i) != cnp.PyArray_STRIDE(v, i):
+            return False
+    return True
+
+
+cdef class Plan:
+    """The CPU backend's attention plan: owned, checked copies of the index
+    arguments and the shape/scalar fields of the C arguments, for one
+    geometry (num_heads, num_kv_heads, head_dim, block_size, num_blocks).
+
+    ``run`` (the backend's ``attention_run``) takes already-checked arrays;
+    ``bind`` + ``run_layer`` are ``kvcore.AttentionPlan.run``'s fast path:
+    the layers' planes are bound once (base pointers and a layer stride),
+    and a call with a float32 C-contiguous ``q`` and ``out`` (or None) is
+    checked and run here, with no Python-level work; anything else returns
+    NotImplemented and the caller takes the general path.
+
+    One run at a time: a run that finds another in progress on the same
+    plan raises RuntimeError (the work buffers will belong to the plan).
+    """
+    cdef kva_args args
+    cdef kva_plan *plan
+    cdef readonly object block_tables, seq_lens, query_start_loc
+    cdef readonly Py_ssize_t num_tokens, num_heads, num_kv_heads, head_dim
+    cdef readonly int64_t block_size, num_blocks
+    cdef readonly int kind, num_threads
+    cdef readonly double scale, soft_cap
+    cdef readonly int64_t sliding_window
+    cdef bint busy
+    # the bound layers (bind)
+    cdef bint bound
+    cdef Py_ssize_t num_layers
+    cdef const char *key_base
+    cdef const char *value_base
+    cdef Py_ssize_t key_layer_stride, value_layer_stride
+    cdef const char *key_scales_base
+    cdef const char *value_scales_base
+    cdef Py_ssize_t key_scales_layer_stride, value_scales_layer_stride
+    cdef object layer_scales          # float32 (num_layers, 2) C-contiguous, or None
+    cdef const float *layer_scales_ptr
+    cdef const char *owned_lo[8]
+    cdef const char *owned_hi[8]
+    cdef int num_owned
+    cdef object keep                  # references to everything bound
+
+    def __cinit__(self, block_tables, seq_lens, query_start_loc, Py_ssize_t num_heads,
+                  Py_ssize_t num_kv_heads, Py_ssize_t head_dim, int64_t block_size,
+                  int64_t num_blocks, int kind, double scale, int64_t sliding_window,
+                  double soft_cap, int num_threads):
+        # owned copies: the caller may change or drop its arrays afterwards
+        cdef cnp.ndarray t = cnp.PyArray_FROM_OTF(block_tables, cnp.NPY_INT32,
+                                                  cnp.NPY_ARRAY_C_CONTIGUOUS
+                                                  | cnp.NPY_ARRAY_ALIGNED
+                                                  | cnp.NPY_ARRAY_ENSURECOPY)
+        cdef cnp.ndarray l = cnp.PyArray_FROM_OTF(seq_lens, cnp.NPY_INT64,
+                                                  cnp.NPY_ARRAY_C_CONTIGUOUS
+                                                  | cnp.NPY_ARRAY_ALIGNED
+                                                  | cnp.NPY_ARRAY_ENSURECOPY)
+        cdef cnp.ndarray s = cnp.PyArray_FROM_OTF(query_start_loc, cnp.NPY_INT64,
+                                                  cnp.NPY_ARRAY_C_CONTIGUOUS
+                                                  | cnp.NPY_ARRAY_ALIGNED
+                                                  | cnp.NPY_ARRAY_ENSURECOPY)
+        if t.ndim != 2 or l.ndim != 1 or s.ndim != 1 or l.shape[0] != t.shape[0] \
+                or s.shape[0] != t.shape[0] + 1:
+            raise ValueError("internal: plan index arrays of the wrong shapes")
+        for arr in (t, l, s):
+            arr.flags.writeable = False
+        self.block_tables, self.seq_lens, self.query_start_loc = t, l, s
+        self.num_tokens = <Py_ssize_t>(<const int64_t *>cnp.PyArray_DATA(s))[s.shape[0] - 1]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.num_blocks, self.kind = block_size, num_blocks, kind
+        self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.num_threads = num_threads
+        cdef kva_args *a = &self.args
+        a.kind = kind
+        a.block_size = block_size
+        a.num_heads = <int>num_heads
+        a.num_kv_heads = <int>num_kv_heads
+        a.head_dim = <int>head_dim
+        a.block_tables = <const int32_t *>cnp.PyArray_DATA(t) if t.size else NULL
+        a.block_table_stride = t.shape[1]
+        a.seq_lens = <const int64_t *>cnp.PyArray_DATA(l) if l.size else NULL
+        a.query_start_loc = <const int64_t *>cnp.PyArray_DATA(s)
+        a.num_seqs = l.shape[0]
+        a.scale = <float>scale
+        a.sliding_window = sliding_window
+        a.soft_cap = <float>soft_cap
+        a.num_threads = num_threads
+        a.key_scales = NULL
+        a.value_scales = NULL
+        a.k_scale = 1.0
+        a.v_scale = 1.0
+        cdef int status = KVA_OK
+        with nogil:
+            self.plan = kva_plan_create(a, &status)
+        if self.plan == NULL:
+            if status == KVA_ENOMEM:
+                raise MemoryError("attention plan could not allocate its work buffers")
+            raise RuntimeError(f"kv_attention rejected the plan (status {status})")
+
+    def __dealloc__(self):
+        kva_plan_free(self.plan)
+
+    @property
+    def num_items(self):
+        """Work items of a run."""
+        return kva_plan_num_items(self.plan)
+
+    @property
+    def num_threads_used(self):
+        """Threads a run uses (at most the planned num_threads)."""
+        return kva_plan_num_threads(self.plan)
+
+    cdef int _go(self, kva_args *a) except -1:
+        """Runs the kernel on ``a`` (the plan's fields plus the data fields),
+        one run at a time."""
+        cdef int status
+        if self.busy:
+            raise RuntimeError("this AttentionPlan is already running (one run at a time per "
+                               "plan: use one plan per thread)")
+        self.busy = True
+        try:
+            with nogil:
+                status = kva_plan_run(self.plan, a)
+        finally:
+            self.busy = False
+        if status == KVA_ENOMEM:
+            raise MemoryError("paged_attention could not allocate its work buffers")
+        if status != KVA_OK:
+            raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
+        return 0
+
+    def run(self, cnp.ndarray q, cnp.ndarray out, cnp.ndarray key_cache,
+            cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
+            double v_scale=1.0):
+        """out[...] = attention of q (float32 C-contiguous, the plan's shape)
+        over key_cache / value_cache ((num_blocks, num_kv_heads, block_size,
+        head_dim), rows contiguous, the same strides), checked by the caller."""
+        for x in (q, out):
+            if cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
+                    or not cnp.PyArray_ISALIGNED(x) \
+                    or not _dims_are(x, 3, self.num_tokens, self.num_heads, self.head_dim):
+                raise ValueError("internal: q and out must be C-contiguous float32 "
+                                 f"{(self.num_tokens, self.num_heads, self.head_dim)}")
+        if not _planes_match(self, key_cache, value_cache):
+            raise ValueError("internal: the caches do not match the plan")
+        cdef kva_args a = self.args
+        a.q = <const float *>cnp.PyArray_DATA(q) if self.num_tokens else NULL
+        a.out = <float *>cnp.PyArray_DATA(out) if self.num_tokens else NULL
+        a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
+        a.value_cache = <const char *>cnp.PyArray_DATA(value_cache)
+        a.block_stride = key_cache.strides[0]
+        a.head_stride = key_cache.strides[1]
+        a.row_stride = key_cache.strides[2]
+        a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
+        a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
+        a.k_scale = <float>k_scale
+        a.v_scale = <float>v_scale
+        self._go(&a)
+
+    def bind(self, cnp.ndarray key0, cnp.ndarray value0, cnp.ndarray key_last,
+             cnp.ndarray value_last, Py_ssize_t num_layers, key_scales0=None,
+             value_scales0=None, key_scales_last=None, value_scales_last=None,
+             layer_scales=None, owned=()):
+        """Binds the layers ``run_layer`` reads: the planes of layer 0 and of
+        the last layer (``num_layers - 1``); layer ``l``'s planes lie ``l``
+        layer strides past layer 0's (the stride measured here; a layout
+        where it is not a whole number of bytes per layer is not bound).
+        int8: the scale planes of the same two layers; fp8:
+        ``layer_scales`` float32 ``(num_layers, 2)``.  ``owned``: up to 8
+        arrays an ``out`` must not overlap.  Returns ``run_layer``, or None
+        when the layers cannot be bound."""
+        cdef Py_ssize_t key_layer_stride, value_layer_stride
+        cdef Py_ssize_t steps = num_layers - 1 if num_layers > 1 else 1
+        if not _layer_stride(key0, key_last, steps, &key_layer_stride) \
+                or not _layer_stride(value0, value_last, steps, &value_layer_stride):
+            return None
+        cdef Py_ssize_t key_scales_layer_stride = 0, value_scales_layer_stride = 0
+        if key_scales0 is not None:
+            if not _layer_stride(key_scales0, key_scales_last, steps, &key_scales_layer_stride) \
+                    or not _layer_stride(value_scales0, value_scales_last, steps,
+                                         &value_scales_layer_stride):
+                return None
+        if len(owned) > 8:
+            raise ValueError("internal: at most 8 owned arrays")
+        if not (_planes_match(self, key0, value0) and _planes_match(self, key_last, value_last)):
+            raise ValueError("internal: the bound planes do not match the plan")
+        for o in (key_last, value_last):
+            if cnp.PyArray_STRIDE(<cnp.ndarray>o, 0) != cnp.PyArray_STRIDE(key0, 0) \
+                    or cnp.PyArray_STRIDE(<cnp.ndarray>o, 1) != cnp.PyArray_STRIDE(key0, 1) \
+                    or cnp.PyArray_STRIDE(<cnp.ndarray>o, 2) != cnp.PyArray_STRIDE(key0, 2):
+                raise ValueError("internal: every layer's planes must have one layout")
+        _scale_plane(key_scales_last, key0, "key_scales")
+        _scale_plane(value_scales_last, key0, "value_scales")
+        self.args.key_cache = <const char *>cnp.PyArray_DATA(key0)
+        self.args.value_cache = <const char *>cnp.PyArray_DATA(value0)
+        self.args.block_stride = key0.strides[0]
+        self.args.head_stride = key0.strides[1]
+        self.args.row_stride = key0.strides[2]
+        self.key_base = <const char *>cnp.PyArray_DATA(key0)
+        self.value_base = <const char *>cnp.PyArray_DATA(value0)
+        self.key_layer_stride, self.value_layer_stride = key_layer_stride, value_layer_stride
+        self.num_layers = num_layers
+        self.key_scales_base = <const char *>_scale_plane(key_scales0, key0, "key_scales")
+        self.value_scales_base = <const char *>_scale_plane(value_scales0, key0, "value_scales")
+        self.key_scales_layer_stride = key_scales_layer_stride
+        self.value_scales_layer_stride = value_scales_layer_stride
+        cdef cnp.ndarray ls
+        self.layer_scales_ptr = NULL
+        if layer_scales is not None:
+            ls = <cnp.ndarray>layer_scales
+            if cnp.PyArray_TYPE(ls) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(ls) \
+                    or not _dims_are(ls, 2, num_layers, 2, 0):
+                raise ValueError("internal: layer_scales must be float32 (num_layers, 2)")
+            self.layer_scales_ptr = <const float *>cnp.PyArray_DATA(ls)
+        self.num_owned = 0
+        cdef const char *lo
+        cdef const char *hi
+        for o in owned:
+            if _span_of(<cnp.ndarray?>o, &lo, &hi):
+                self.owned_lo[self.num_owned] = lo
+                self.owned_hi[self.num_owned] = hi
+                self.num_owned += 1
+        self.keep = (key0, value0, key_last, value_last, key_scales0, value_scales0,
+                     key_scales_last, value_scales_last, layer_scales, tuple(owned))
+        self.bound = True
+        return self.run_layer
+
+    def run_layer(self, q, layer, out=None):
+        """``kvcore.AttentionPlan.run``'s fast path (see the class notes):
+        the result, or NotImplemented when the general path must decide."""
+        if not self.bound or type(q) is not np.ndarray or type(layer) is not int:
+            return NotImplemented
+        cdef cnp.ndarray qa = <cnp.ndarray>q
+        if cnp.PyArray_TYPE(qa) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(qa) != 3 \
+                or not cnp.PyArray_IS_C_CONTIGUOUS(qa) or not cnp.PyArray_ISALIGNED(qa) \
+                or cnp.PyArray_DIM(qa, 0) != self.num_tokens \
+                or cnp.PyArray_DIM(qa, 1) != self.num_heads \
+                or cnp.PyArray_DIM(qa, 2) != self.head_dim:
+            return NotImplemented
+        cdef Py_ssize_t l
+        try:
+            l = layer
+        except OverflowError:
+            return NotImplemented
+        if l < 0 or l >= self.num_layers:
+            return NotImplemented
+        cdef cnp.ndarray oa
+        cdef const char *qlo
+        cdef const char *qhi
+        cdef const char *olo
+        cdef const char *ohi
+        cdef int i
+        if out is None:
+            oa = cnp.PyArray_EMPTY(3, cnp.PyArray_DIMS(qa), cnp.NPY_FLOAT32, 0)
+        else:
+            if type(out) is not np.ndarray:
+                return NotImplemented
+            oa = <cnp.ndarray>out
+            if cnp.PyArray_TYPE(oa) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(oa) != 3 \
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(oa) or not cnp.PyArray_ISALIGNED(oa) \
+                    or not cnp.PyArray_ISWRITEABLE(oa) \
+                    or cnp.PyArray_DIM(oa, 0) != self.num_tokens \
+                    or cnp.PyArray_DIM(oa, 1) != self.num_heads \
+                    or cnp.PyArray_DIM(oa, 2) != self.head_dim:
+                return NotImplemented
+            if _span_of(oa, &olo, &ohi):
+                if _span_of(qa, &qlo, &qhi) and olo < qhi and qlo < ohi:
+                    return NotImplemented
+                for i in range(self.num_owned):
+                    if olo < self.owned_hi[i] and self.owned_lo[i] < ohi:
+                        return NotImplemented
+        cdef kva_args a = self.args
+        if self.num_tokens:
+            a.q = <const float *>cnp.PyArray_DATA(qa)
+            a.out = <float *>cnp.PyArray_DATA(oa)
+        a.key_cache = self.key_base + l * self.key_layer_stride
+        a.value_cache = self.value_base + l * self.value_layer_stride
+        if self.key_scales_base != NULL:
+            a.key_scales = <const float *>(self.key_scales_base
+                                           + l * self.key_scales_layer_stride)
+            a.value_scales = <const float *>(self.value_scales_base
+                                             + l * self.value_scales_layer_stride)
+        if self.layer_scales_ptr != NULL:
+            a.k_scale = self.layer_scales_ptr[2 * l]
+            a.v_scale = self.layer_scales_ptr[2 * l + 1]
+        self._go(&a)
+        return oa

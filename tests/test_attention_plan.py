@@ -1,0 +1,411 @@
+"""kvcore.AttentionPlan (plan once per step, run per layer) and attention as
+a Backend op: one test body over the float64 reference, the CPU backend at
+every SIMD level this CPU has, and the CUDA backend under host emulation."""
+import threading
+import time
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore import dtypes
+from kvcore.backends import CPU, Backend
+from kvcore.backends.cpu import _attention
+from kvcore.backends.reference import paged_attention_reference
+
+try:
+    from test_cuda_host_emulation import DevArray, _get, _put, emu_lib, emulated_cuda  # noqa: F401
+except ImportError:  # pragma: no cover - run as a package
+    from .test_cuda_host_emulation import DevArray, _get, _put, emu_lib, emulated_cuda  # noqa: F401
+
+TOL = 1e-5
+LEVELS = _attention.available_simd_levels()
+
+
+def rel_err(got, want):
+    return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
+
+
+def _alias(array, shape):
+    """A float32 view of the first bytes of ``array`` (C-contiguous)."""
+    n = int(np.prod(shape)) * 4
+    return array.reshape(-1).view(np.uint8)[:n].view(np.float32).reshape(shape)
+
+
+def _pool(dtype="float16", layers=3, num_blocks=20, block_size=8, kv_heads=2, head_dim=64,
+          seed=0, device="cpu"):
+    pool = kvcore.BlockPool(num_blocks, block_size, layers, kv_heads, head_dim, dtype=dtype,
+                            device=device)
+    rng = np.random.default_rng(seed)
+    n = num_blocks * block_size
+    put = _put if device != "cpu" else (lambda a: a)
+    for layer in range(layers):
+        k = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32)
+        v = rng.standard_normal((n, kv_heads, head_dim)).astype(np.float32)
+        pool.write(layer, put(k), put(v), np.arange(n))
+    return pool
+
+
+def _batch(seed=1, heads=8, head_dim=64):
+    """A mixed batch: a decode, a chunk of 5 over cached pages, a prefill of 9."""
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(20)
+    tables = np.array([ids[0:6], ids[6:12], ids[12:18]], np.int32)
+    lens = np.array([41, 30, 9], np.int64)
+    qsl = np.array([0, 1, 6, 15], np.int64)
+    q = rng.standard_normal((15, heads, head_dim)).astype(np.float32)
+    return tables, lens, qsl, q
+
+
+# ------------------------------------------------------------------ plan / run
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("kw", [{}, dict(sliding_window=7), dict(logits_soft_cap=4.0)])
+def test_plan_runs_every_layer_as_paged_attention(dtype, kw):
+    pool = _pool(dtype)
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl, **kw)
+    assert plan.num_query_tokens == 15 and plan.num_layers == 3
+    out = np.empty(q.shape, np.float32)
+    for layer in range(3):
+        want = kvcore.paged_attention(q, pool, layer, tables, lens, qsl, **kw)
+        np.testing.assert_array_equal(plan.run(q, layer), want)
+        assert plan.run(q, layer, out=out) is out
+        np.testing.assert_array_equal(out, want)
+        # the general path (a strided q, a float16 out) gives the same values
+        strided = np.repeat(q, 2, axis=2)[:, :, ::2]
+        out16 = np.zeros(q.shape, np.float16)
+        assert plan.run(strided, layer, out=out16) is out16
+        np.testing.assert_array_equal(out16, want.astype(np.float16))
+
+
+def test_plan_snapshots_its_index_arguments():
+    pool = _pool()
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=8)
+    want = kvcore.paged_attention(q, pool, 1, tables, lens, qsl)
+    tables[:] = 10**6          # would be refused (and read out of bounds) if used
+    lens[:] = 0
+    qsl[:] = 0
+    np.testing.assert_array_equal(plan.run(q, 1), want)
+    del tables, lens, qsl
+    np.testing.assert_array_equal(plan.run(q, 1), want)
+
+
+def test_plan_checks_every_read_block_once():
+    pool = _pool()
+    tables, lens, qsl, q = _batch()
+    for s in range(3):
+        for b in range(-(-int(lens[s]) // 8)):
+            t = tables.copy()
+            t[s, b] = 10**6
+            with pytest.raises(IndexError, match=rf"block_tables\[{s}, {b}\] must be a block id "
+                                                 r"in 0\.\.19"):
+                kvcore.AttentionPlan(pool, t, lens, qsl)
+    with pytest.raises(ValueError, match=r"query_start_loc must be non-decreasing"):
+        kvcore.AttentionPlan(pool, tables, lens, [0, 6, 1, 15])
+    with pytest.raises(ValueError, match=r"scale must be 0 or"):
+        kvcore.AttentionPlan(pool, tables, lens, qsl, scale=1e39)
+    with pytest.raises(ValueError, match=r"num_threads must be in 1..1024"):
+        kvcore.AttentionPlan(pool, tables, lens, qsl, num_threads=0)
+    with pytest.raises(ValueError, match=r"num_heads must be a positive multiple of the pool's "
+                                         r"num_kv_heads=2, got 3"):
+        kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=3)
+    with pytest.raises(TypeError, match=r"pool_or_planes must be a kvcore.BlockPool or a pair"):
+        kvcore.AttentionPlan("pool", tables, lens, qsl)
+
+
+RUN_BAD = [
+    (dict(q=np.zeros((14, 8, 64), np.float32)), ValueError,
+     r"q.shape\[0\] must be the plan's num_query_tokens=15, got 14"),
+    (dict(q=np.zeros((15, 8, 32), np.float32)), ValueError, r"head_dim=64, got 32"),
+    (dict(q=np.zeros((15, 7, 64), np.float32)), ValueError, r"multiple of the pool's "
+                                                           r"num_kv_heads=2, got 7"),
+    (dict(q=np.zeros((15, 8, 64), np.float64)), TypeError, r"q must be float32.*got float64"),
+    (dict(layer=3), IndexError, r"layer must be in 0..2, got 3"),
+    (dict(layer=-1), IndexError, r"layer must be in 0..2, got -1"),
+    (dict(layer=1.0), TypeError, r"layer must be an integer"),
+    (dict(out=np.zeros((15, 8, 63), np.float32)), ValueError, r"out must have shape"),
+    (dict(out=np.zeros((15, 8, 64), np.float64)), TypeError, r"out must be float32"),
+    (dict(out="read-only"), ValueError, r"out must be writeable"),
+    (dict(out="storage"), ValueError, r"out must not overlap the KV cache's storage"),
+]
+
+
+@pytest.mark.parametrize("change,exc,pattern", RUN_BAD, ids=[str(i) for i in range(len(RUN_BAD))])
+def test_run_checks_q_layer_and_out(change, exc, pattern):
+    pool = _pool()
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=8)
+    args = dict(q=q, layer=0, out=None)
+    args.update(change)
+    if isinstance(args["out"], str) and args["out"] == "read-only":
+        args["out"] = np.zeros(q.shape, np.float32)
+        args["out"].flags.writeable = False
+    elif isinstance(args["out"], str):
+        args["out"] = _alias(pool.storage, q.shape)
+    before = pool.storage.copy()
+    with pytest.raises(exc, match=pattern):
+        plan.run(**args)
+    np.testing.assert_array_equal(pool.storage, before)
+    # the plan still runs after a refused call
+    np.testing.assert_array_equal(plan.run(q, 0), kvcore.paged_attention(q, pool, 0, tables,
+                                                                         lens, qsl))
+
+
+def test_run_out_may_not_overlap_the_scales_or_q():
+    pool = _pool("int8")
+    tables, lens, qsl, q = _batch()
+    q = np.ascontiguousarray(q[:, :2])              # as many floats as the scale planes
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=2)
+    before = pool.scales.copy()
+    for scales in (pool.scales.reshape(q.shape),    # the fast path's check
+                   np.lib.stride_tricks.as_strided(pool.key_scales(1), q.shape, (0, 0, 4))):
+        with pytest.raises(ValueError, match="out must not overlap the KV cache's storage or "
+                                             "scales"):
+            plan.run(q, 2, out=scales)
+    np.testing.assert_array_equal(pool.scales, before)
+    # out = q itself: computed into a temporary, then copied
+    want = plan.run(q, 2).copy()
+    qq = q.copy()
+    assert plan.run(qq, 2, out=qq) is qq
+    np.testing.assert_array_equal(qq, want)
+
+
+def test_run_with_out_allocates_nothing():
+    pool = _pool("float16")
+    tables, lens, qsl, _ = _batch(heads=32)
+    q = np.random.default_rng(2).standard_normal((15, 32, 64)).astype(np.float32)
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=32)
+    out = np.empty(q.shape, np.float32)
+    plan.run(q, 0, out=out)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for layer in range(3):
+            plan.run(q, layer, out=out)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        plan.run(q, 0)                                    # allocates its result
+        peak_alloc = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024, peak
+    assert peak_alloc >= q.nbytes                          # (the measure can fail)
+
+
+def test_num_heads_is_planned_at_the_first_run_and_per_head_count():
+    pool = _pool()
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl)
+    q16 = np.concatenate([q, q[:, ::-1]], axis=1)
+    for qq in (q, q16, q):
+        np.testing.assert_array_equal(plan.run(qq, 2),
+                                      kvcore.paged_attention(qq, pool, 2, tables, lens, qsl))
+
+
+def test_query_dtypes_and_torch_tensors():
+    torch = pytest.importorskip("torch")
+    pool = _pool("bfloat16")
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, torch.from_numpy(tables), torch.from_numpy(lens),
+                                torch.from_numpy(qsl))
+    qb = q.astype(ml_dtypes.bfloat16)
+    want = kvcore.paged_attention(qb, pool, 1, tables, lens, qsl)
+    np.testing.assert_array_equal(plan.run(qb, 1), want)
+    tq = torch.from_numpy(q).to(torch.bfloat16)
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    assert plan.run(tq, 1, out=out) is out
+    np.testing.assert_array_equal(out.float().numpy(),
+                                  want.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_thread_counts_give_the_same_bits():
+    pool = _pool("float16", num_blocks=80, block_size=16)
+    rng = np.random.default_rng(7)
+    tables = rng.permutation(80)[:78].reshape(2, 39).astype(np.int32)
+    lens = np.array([620, 333], np.int64)
+    qsl = np.array([0, 1, 41], np.int64)
+    q = rng.standard_normal((41, 8, 64)).astype(np.float32)
+    runs = [kvcore.AttentionPlan(pool, tables, lens, qsl, num_threads=n).run(q, 1)
+            for n in (1, 2, 3, 8)]
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
+
+
+def test_a_second_concurrent_run_of_one_plan_raises():
+    """One run at a time per plan: a run that finds another in progress
+    raises RuntimeError (the plan's work buffers are its own); other plans
+    run concurrently."""
+    pool = _pool("float32", layers=1, num_blocks=256, block_size=16, kv_heads=1)
+    tables = np.arange(256, dtype=np.int32)[None]
+    lens = np.array([4096], np.int64)
+    qsl = np.array([0, 1024], np.int64)
+    q = np.random.default_rng(8).standard_normal((1024, 8, 64)).astype(np.float32)
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_threads=1)
+    other = kvcore.AttentionPlan(pool, tables, lens, qsl, num_threads=1)
+    want = other.run(q, 0).copy()
+    started, results, errors = threading.Event(), [], []
+
+    def long_run():
+        started.set()
+        results.append(plan.run(q, 0))
+
+    for attempt in range(5):      # the first run must be under way when the second starts
+        results.clear()
+        started.clear()
+        t = threading.Thread(target=long_run)
+        t0 = time.perf_counter()
+        t.start()
+        started.wait()
+        time.sleep(0.005)
+        try:
+            plan.run(q, 0)
+        except RuntimeError as e:
+            errors.append(e)
+        np.testing.assert_array_equal(other.run(q, 0), want)   # another plan runs meanwhile
+        t.join()
+        if errors:
+            break
+        assert time.perf_counter() - t0 < 60
+    assert errors and "already running" in str(errors[0])
+    np.testing.assert_array_equal(results[0], want)
+    np.testing.assert_array_equal(plan.run(q, 0), want)        # and the plan runs again
+
+
+# ------------------------------------------------------------------ planes
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_plan_over_an_engines_own_planes(dtype):
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((4, 20, 2, 8, 64)).astype(dtype)
+    v = rng.standard_normal((4, 20, 2, 8, 64)).astype(dtype)
+    tables, lens, qsl, q = _batch()
+    kind = {np.float32: "float32", np.float16: "float16"}.get(dtype, "bfloat16")
+    plan = kvcore.AttentionPlan((k, v), tables, lens, qsl, sliding_window=20)
+    assert plan.num_layers == 4
+    for layer in range(4):
+        want = paged_attention_reference(q, k[layer], v[layer], tables, lens, qsl,
+                                         sliding_window=20, kind=kind)
+        assert rel_err(plan.run(q, layer), want) <= TOL
+    # 4-D planes: one layer
+    plan4 = kvcore.AttentionPlan((k[2], v[2]), tables, lens, qsl, sliding_window=20)
+    np.testing.assert_array_equal(plan4.run(q, 0), plan.run(q, 2))
+    with pytest.raises(IndexError, match=r"layer must be in 0..0, got 1"):
+        plan4.run(q, 1)
+    with pytest.raises(ValueError, match="out must not overlap the KV cache's storage"):
+        plan.run(q, 0, out=_alias(k, q.shape))
+
+
+def test_planes_are_checked():
+    k = np.zeros((20, 2, 8, 64), np.float16)
+    tables, lens, qsl, q = _batch()
+    with pytest.raises(TypeError, match=r"key_cache has dtype int8: planes are read as float32, "
+                                        r"float16 or bfloat16.*kvcore.BlockPool"):
+        kvcore.AttentionPlan((k.view(np.int8)[..., :64], k.view(np.int8)[..., :64]), tables,
+                             lens, qsl)
+    with pytest.raises(TypeError, match="key_cache has dtype uint8"):
+        kvcore.AttentionPlan((k.view(np.uint8), k.view(np.uint8)), tables, lens, qsl)
+    with pytest.raises(ValueError, match="must have the same dtype, shape and strides"):
+        kvcore.AttentionPlan((k, k.astype(np.float32)), tables, lens, qsl)
+    with pytest.raises(ValueError, match=r"key_cache must be \(\[num_layers,\] num_blocks"):
+        kvcore.AttentionPlan((k[0], k[0]), tables, lens, qsl)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        kvcore.AttentionPlan((k[..., ::2], k[..., ::2]), tables, lens, qsl)
+    with pytest.raises(IndexError, match=r"block_tables\[0, \d\] must be a block id in 0\.\.9"):
+        kvcore.AttentionPlan((k[:10], k[:10]), tables, lens, qsl)
+    with pytest.raises(TypeError, match="pool_or_planes must be"):
+        kvcore.AttentionPlan((k, k, k), tables, lens, qsl)
+
+
+# ------------------------------------------------------------------ backends
+def _backends_under_test(emulated=None):
+    yield "reference", Backend(), None
+    for level in LEVELS:
+        yield f"cpu-{level}", CPU, level
+    if emulated is not None:
+        yield "cuda-emulated", emulated, None
+
+
+def _backend_case(be, level, put, get, kind_name, kw):
+    rng = np.random.default_rng(11)
+    kind = dtypes.NAME_KIND[kind_name]
+    nb, kvh, bs, d, heads = 12, 2, 8, 64, 8
+    k32 = rng.standard_normal((nb, kvh, bs, d)).astype(np.float32)
+    v32 = rng.standard_normal((nb, kvh, bs, d)).astype(np.float32)
+    kbits = CPU.empty(k32.shape, dtypes.STORAGE[kind])
+    vbits = CPU.empty(k32.shape, dtypes.STORAGE[kind])
+    CPU.convert(k32, dtypes.F32, kbits, kind)
+    CPU.convert(v32, dtypes.F32, vbits, kind)
+    tables = np.array([[3, 0, 7, 4, 9], [1, 2, 5, 6, 8]], np.int32)
+    lens = np.array([37, 11], np.int64)
+    qsl = np.array([0, 3, 4], np.int64)
+    q = rng.standard_normal((4, heads, d)).astype(np.float32)
+    want = paged_attention_reference(q, kbits, vbits, tables, lens, qsl, kind=kind_name,
+                                     sliding_window=kw.get("sliding_window"),
+                                     logits_soft_cap=kw.get("soft_cap"))
+    previous = _attention.set_simd_level(level) if level else None
+    try:
+        plan = be.attention_plan(tables, lens, qsl, num_heads=heads, num_kv_heads=kvh,
+                                 head_dim=d, block_size=bs, num_blocks=nb, kind=kind,
+                                 scale=1 / 8, sliding_window=kw.get("sliding_window", 0),
+                                 soft_cap=kw.get("soft_cap", 0.0), num_threads=2)
+        tables[:] = -1          # the plan owns its copies
+        out = put(np.zeros(q.shape, np.float32))
+        be.attention_run(plan, put(q), out, put(kbits), put(vbits))
+    finally:
+        if level:
+            _attention.set_simd_level(previous)
+    assert rel_err(get(out), want) <= TOL
+
+
+CASES = [("float32", {}), ("float16", dict(sliding_window=9)), ("bfloat16", dict(soft_cap=3.0))]
+
+
+@pytest.mark.parametrize("kind_name,kw", CASES)
+def test_every_backend_against_the_reference(kind_name, kw):
+    for name, be, level in _backends_under_test():
+        _backend_case(be, level, lambda a: a, lambda a: a, kind_name, kw)
+
+
+@pytest.mark.parametrize("kind_name,kw", CASES)
+def test_the_cuda_backend_against_the_reference(emulated_cuda, kind_name, kw):
+    _backend_case(emulated_cuda, None, _put, _get, kind_name, kw)
+
+
+def test_the_reference_backend_is_the_oracle():
+    """Backend.paged_attention (the reference) = paged_attention_reference
+    rounded once to float32, fp8 and int8 scales included."""
+    rng = np.random.default_rng(12)
+    pool = _pool("int8", layers=1, num_blocks=12)
+    tables, lens, qsl = np.array([[3, 0, 7, 4, 9]], np.int32), np.array([37]), np.array([0, 2])
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    out = np.zeros(q.shape, np.float32)
+    Backend().paged_attention(q, out, pool.key_cache(0), pool.value_cache(0), dtypes.I8,
+                              tables, lens, qsl, 0.125, 0, 0.0,
+                              (pool.key_scales(0), pool.value_scales(0), 1.0, 1.0))
+    want = paged_attention_reference(q, pool.key_cache(0), pool.value_cache(0), tables, lens,
+                                     qsl, scale=0.125, kind="int8",
+                                     key_scales=pool.key_scales(0),
+                                     value_scales=pool.value_scales(0))
+    np.testing.assert_array_equal(out, want.astype(np.float32))
+    got = kvcore.paged_attention(q, pool, 0, tables, lens, qsl, scale=0.125)
+    assert rel_err(got, want) <= TOL
+
+
+# ------------------------------------------------------------------ CUDA pools
+def test_plan_on_a_cuda_pool(emulated_cuda):
+    """The same plan API on a CUDA pool (host emulation): device index
+    arrays are read once, at the plan; runs equal paged_attention."""
+    pool = _pool("float16", layers=2, device="cuda")
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, _put(tables), _put(lens), _put(qsl), sliding_window=12)
+    for layer in (0, 1):
+        want = kvcore.paged_attention(_put(q), pool, layer, tables, lens, qsl,
+                                      sliding_window=12)
+        got = plan.run(_put(q), layer)
+        assert isinstance(got, DevArray)
+        np.testing.assert_array_equal(_get(got), _get(want))
+    with pytest.raises(TypeError, match="q is a NumPy array in host memory"):
+        plan.run(q, 0)
+    with pytest.raises(ValueError, match="out must not overlap the KV cache's storage"):
+        plan.run(_put(q), 0, out=pool.key_cache(0)[:15, 0, :8, :])
