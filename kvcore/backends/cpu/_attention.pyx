@@ -4,7 +4,10 @@ Every argument was validated by ``kvcore/attention.py`` (shapes, dtypes,
 block ids and positions in range, seq_lens >= query counts, out not
 overlapping q or the caches); this module only unpacks arrays into the C
 argument struct and runs the kernel without the GIL.  The kernel returns a
-status; Python raises.
+status; Python raises.  ``Plan`` holds a C plan (kva_plan) for
+``kvcore.AttentionPlan``; its ``run_layer`` fast path checks a run's q,
+layer and out here, but never raises for them: anything it does not take
+returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 """
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
