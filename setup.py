@@ -38,7 +38,7 @@ if DEBUG:
     extra = ["-O0", "-g"]
 else:
     # -O3 only.  Never -march=native: wheels must run on any x86-64/aarch64;
-    # SIMD lives behind run-time dispatch in kv_half.c.
+    # SIMD lives behind run-time dispatch (kv_simd.h).
     extra = ["-O3"]
 link_extra = []
 if SANITIZE:
@@ -77,14 +77,16 @@ def ext(folder, name, *c_sources, compile_args=(), link_args=()):
 PTHREAD = [] if sys.platform == "win32" else ["-pthread"]
 ATTENTION_C = ["kv_attention.c", "kv_attn_schedule.c", "kv_attn_tile.c", "kv_attn_threads.c",
                "kv_attn_scalar.c", "kv_attn_avx2.c", "kv_attn_neon.c"]
+# kv_simd.c, the one SIMD registry (levels, CPU detection, the KVCORE_SIMD
+# cap), is linked into every module with dispatched kernels.
 extensions = [
     ext(NATIVE, "_typedefs"),
     ext(NATIVE, "_pool", "kv_hash.c"),
     ext(NATIVE, "_seq"),
-    ext(CPU_BACKEND, "_convert", "kv_half.c", "kv_fp8.c"),
+    ext(CPU_BACKEND, "_convert", "kv_half.c", "kv_fp8.c", "kv_simd.c"),
     ext(CPU_BACKEND, "_kernels"),
     ext(CPU_BACKEND, "_checksum", "kv_checksum.c"),
-    ext(CPU_BACKEND, "_attention", *ATTENTION_C, compile_args=PTHREAD, link_args=PTHREAD),
+    ext(CPU_BACKEND, "_attention", *ATTENTION_C, "kv_simd.c", compile_args=PTHREAD, link_args=PTHREAD),
 ]
 
 

@@ -3,7 +3,8 @@
  * (perf record) and for the ceiling of this core:
  *
  *   cc -O3 -pthread -Ikvcore/backends/cpu/csrc bench/attention_profile.c \
- *      kvcore/backends/cpu/csrc/kv_attention.c -o /tmp/attention_profile -lm
+ *      kvcore/backends/cpu/csrc/kv_att*.c kvcore/backends/cpu/csrc/kv_simd.c \
+ *      -o /tmp/attention_profile -lm
  *   /tmp/attention_profile [kind]        (kind 0 float32, 1 float16, 2 bfloat16,
  *                                         3 fp8 e4m3fn, 4 fp8 e5m2, 5 int8)
  *

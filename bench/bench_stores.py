@@ -1,22 +1,28 @@
 """Prefix-store restore benchmark: python bench/bench_stores.py [--tokens N] [--layers N]
-[--repeat N] [--redis-server PATH] [--json FILE]
+[--repeat N] [--redis-server PATH] [--cluster-only] [--json FILE]
 
 Restores an N-token prefix (default 2048 tokens of a 32-layer, 8-KV-head,
 head_dim-128 float16 model: 128 KiB a token, 256 MiB) into an empty pool
 with ``PagedKVCache.allocate`` (lookup, fetch, verify every entry's
-checksum, copy into the pool, register) from each store, and measures in
-the same run what moving the same bytes costs without kvcore:
+identity and checksum, copy into the pool, register) from each store, and
+measures in the same run what moving the same bytes costs without kvcore
+(and, for the HostStore, what spilling the prefix into it costs):
 
 * HostStore  vs  a plain memcpy (numpy.copyto) of the same number of bytes;
 * DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
 * RedisStore on loopback  vs  one raw redis-py pipelined GET of the same keys;
+* RedisStore on a 3-master Redis Cluster on loopback (``RedisStore.cluster``)
+  vs  raw redis-py pipelined GETs of the same keys, one pipeline per master,
+  the masters in parallel (one thread each, as the store does; the same
+  pipelines one master after another are printed beside it);
 * each against recomputing the prefix with the demo model
   (kvcore.cli.model.TinyTransformer.forward_full over the N tokens; its KV
   is smaller, so this says what a hit saves, not a like-for-like speed).
 
 Every time is median [min-max] over --repeat runs; a ratio is baseline
 seconds / kvcore seconds (1.0: as fast as the baseline).  Needs redis-py
-and redis-server for the Redis row (skipped, and said so, without them).
+and redis-server for the Redis rows, and redis-cli for the cluster row
+(skipped, and said so, without them).
 """
 import argparse
 import json
@@ -117,7 +123,122 @@ def _start_redis(binary, directory):
     return proc, f"redis://127.0.0.1:{port}/0", client
 
 
-def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None):
+def _start_cluster(binary, cli, directory, masters=3):
+    """A Redis Cluster of ``masters`` masters on loopback: (procs, ports)."""
+    import socket
+
+    import redis
+
+    ports, socks = [], []
+    for _ in range(2 * masters):         # a port and a cluster bus port each
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    procs = []
+    for port, bus in zip(ports[:masters], ports[masters:]):
+        d = os.path.join(directory, f"node-{port}")
+        os.makedirs(d)
+        procs.append(subprocess.Popen(
+            [binary, "--port", str(port), "--cluster-port", str(bus), "--bind", "127.0.0.1",
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--save", "",
+             "--appendonly", "no", "--dir", d], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL))
+    ports = ports[:masters]
+    try:
+        for port in ports:
+            client = redis.Redis(host="127.0.0.1", port=port)
+            for _ in range(500):
+                try:
+                    client.ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    time.sleep(0.02)
+        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        for port in ports:
+            client = redis.Redis(host="127.0.0.1", port=port)
+            for _ in range(500):
+                if client.execute_command("CLUSTER INFO")["cluster_state"] == "ok":
+                    break
+                time.sleep(0.02)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    return procs, ports
+
+
+def _cluster_or_none(redis_server, tmp, prompt, rng, tokens, layers, heads, dim, repeat):
+    """The cluster row, or None without redis-server, redis-cli or redis-py."""
+    binary = redis_server or shutil.which("redis-server")
+    cli = shutil.which("redis-cli")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        binary = None
+    if not binary or not cli:
+        return None
+    return _cluster_row(binary, cli, os.path.join(tmp, "cluster"), prompt, rng, tokens,
+                        layers, heads, dim, repeat)
+
+
+def _cluster_row(binary, cli, directory, prompt, rng, tokens, layers, heads, dim, repeat):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import redis
+
+    procs, ports = _start_cluster(binary, cli, directory)
+    try:
+        store = kvcore.RedisStore.cluster([f"127.0.0.1:{p}" for p in ports],
+                                          namespace="bench", timeout=30)
+        pool = _pool(tokens, layers, heads, dim, [store])
+        expect = _fill(pool, prompt, rng)
+        setup, restore, check = _restore_fn(pool, prompt, expect)
+        # the same keys, where the cluster keeps them: each master's own
+        nodes = [redis.Redis(host="127.0.0.1", port=p) for p in ports]
+        owned = [n.keys(b"kvcore:bench:*") for n in nodes]
+        assert sum(map(len, owned)) == expect.shape[1]
+
+        def node_get(i):
+            pipe = nodes[i].pipeline(transaction=False)
+            for k in owned[i]:
+                pipe.get(k)
+            return pipe.execute()
+
+        # the three interleaved, sample by sample: on a shared machine the
+        # load drifts, and must not favour whichever ran last
+        kv, base, serial = [], [], []
+        with ThreadPoolExecutor(len(nodes)) as ex:
+            for i in range(repeat + 1):          # the first is a warm-up
+                for out, fn in ((kv, restore),
+                                (base, lambda: list(ex.map(node_get, range(len(nodes))))),
+                                (serial, lambda: [node_get(j) for j in range(len(nodes))])):
+                    setup()
+                    t0 = time.perf_counter()
+                    fn()
+                    if i:
+                        out.append(time.perf_counter() - t0)
+                    if fn is restore:
+                        check()
+        setup()
+        store.close()
+        del pool
+        return {"kvcore": kv, "baseline": base,
+                "baseline_name": f"pipelined GET per master ({len(ports)}), in parallel",
+                "serial": serial, "keys_per_master": [len(o) for o in owned]}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None,
+        cluster_only=False):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 500, tokens + 1, dtype=np.int32)
     nbytes = tokens * layers * heads * dim * 2 * 2
@@ -125,6 +246,13 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None):
                      "dtype": "float16", "bytes": nbytes, "block_size": BLOCK},
            "rows": {}}
     tmp = tempfile.mkdtemp(prefix="kvcore-bench-stores-")
+    if cluster_only:
+        try:
+            res["rows"]["cluster"] = _cluster_or_none(redis_server, tmp, prompt, rng, tokens,
+                                                      layers, heads, dim, repeat)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return res
     try:
         # --- host
         pool = _pool(tokens, layers, heads, dim, [kvcore.HostStore(2 * nbytes)])
@@ -138,6 +266,22 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None):
         dst = np.empty_like(src)
         base = _samples(lambda: np.copyto(dst, src), repeat)
         res["rows"]["host"] = {"kvcore": kv, "baseline": base, "baseline_name": "memcpy"}
+        # spill: the cached prefix evicted into the HostStore by a fresh
+        # prompt (export, identity digests, encode, checksum, put)
+        other = np.arange(10**6, 10**6 + tokens + 1, dtype=np.int32)
+
+        def cache_prefix():
+            setup()
+            seq = kvcore.PagedKVCache(pool)
+            assert seq.allocate(prompt) == tokens     # restored: cached again
+            seq.free()
+
+        def evict():
+            seq = kvcore.PagedKVCache(pool)
+            seq.allocate(other)
+            seq.free()
+
+        res["host_spill"] = _samples(evict, repeat, cache_prefix)
         # the same bytes scattered into the pool's blocks by NumPy, nothing
         # checked: what the block layout (a block is 2 * layers pieces, one
         # per plane, num_blocks * piece bytes apart) costs any restore
@@ -214,6 +358,10 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None):
         else:
             res["rows"]["redis"] = None
 
+        # --- redis cluster
+        res["rows"]["cluster"] = _cluster_or_none(redis_server, tmp, prompt, rng, tokens,
+                                                  layers, heads, dim, repeat)
+
         # --- recompute with the demo model
         model = TinyTransformer(ModelConfig(), seed=0)
         n = min(tokens, model.config.max_position)
@@ -234,11 +382,15 @@ def report(res):
              "-" * 100]
     for name, row in res["rows"].items():
         if row is None:
-            lines.append(f"{name:8} (skipped: needs redis-server and redis-py)")
+            lines.append(f"{name:8} (skipped: needs redis-server and redis-py"
+                         f"{', and redis-cli' if name == 'cluster' else ''})")
             continue
         ratio = statistics.median(row["baseline"]) / statistics.median(row["kvcore"])
         lines.append(f"{name:8} {_fmt(row['kvcore']):30} {_fmt(row['baseline']):30} "
                      f"{ratio:5.2f}x  {row['baseline_name']}")
+    if res.get("host_spill"):
+        lines.append(f"{'':8} (spill of the prefix into the HostStore, evicted by a fresh "
+                     f"prompt: {_fmt(res['host_spill']).strip()})")
     if "layout_copy" in res:
         lines.append(f"{'':8} (the same bytes copied into the pool's blocks by NumPy, nothing "
                      f"checked: {_fmt(res['layout_copy']).strip()}; host restore is "
@@ -247,7 +399,17 @@ def report(res):
         lines.append(f"{'':8} (the entry files read into one pre-touched buffer: "
                      f"{_fmt(res['disk_readinto']).strip()}; disk restore is "
                      f"{statistics.median(res['disk_readinto']) / statistics.median(res['rows']['disk']['kvcore']):.2f}x that)")
-    rc = res["recompute"]
+    if res["rows"].get("cluster"):
+        row = res["rows"]["cluster"]
+        lines.append(f"{'':8} (the same per-master pipelines one master after another: "
+                     f"{_fmt(row['serial']).strip()}; cluster restore is "
+                     f"{statistics.median(row['serial']) / statistics.median(row['kvcore']):.2f}x "
+                     f"that; keys per master {row['keys_per_master']})")
+    rc = res.get("recompute")
+    if rc is None:
+        lines.append("ratio = baseline median / kvcore median, one run; times median "
+                     "[min-max] of --repeat samples")
+        return "\n".join(lines)
     lines.append("")
     lines.append(f"recompute {rc['tokens']} tokens with the demo model (4 layers, 2 KV heads, "
                  f"head_dim 64, float32 math): {_fmt(rc['seconds']).strip()}")
@@ -268,6 +430,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--redis-server", metavar="PATH")
+    p.add_argument("--cluster-only", action="store_true",
+                   help="run only the Redis Cluster row")
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
     for name in ("tokens", "layers", "kv_heads", "head_dim", "repeat"):
@@ -275,7 +439,8 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if a.tokens % BLOCK:
         p.error(f"--tokens must be a multiple of {BLOCK}")
-    res = run(a.tokens, a.layers, a.kv_heads, a.head_dim, a.repeat, a.redis_server)
+    res = run(a.tokens, a.layers, a.kv_heads, a.head_dim, a.repeat, a.redis_server,
+              a.cluster_only)
     print(report(res))
     if a.json:
         with open(a.json, "w") as f:

@@ -4,6 +4,7 @@ Block pool with refcounted ownership, prefix caching, paged and contiguous
 caches, and round-to-nearest-even float16/bfloat16/fp8 conversion, at C speed
 (Cython/C kernels, GIL released) with an optional CuPy GPU path.
 """
+from .backends.cpu import simd_levels
 from .backends.cuda import CudaUnavailableError, cuda_available
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
 from .attention import AttentionPlan, get_num_threads, paged_attention, set_num_threads
@@ -24,6 +25,6 @@ __all__ = [
     "to_float8_e4m3fn", "to_float8_e5m2", "from_float8_e4m3fn", "from_float8_e5m2",
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
     "padded_block_tables", "csr_block_tables", "CudaUnavailableError", "cuda_available",
-    "AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads",
+    "AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads", "simd_levels",
     "HostStore", "DiskStore", "RedisStore", "PrefixStore", "StoreWarning",
 ]

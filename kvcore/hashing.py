@@ -1,6 +1,6 @@
 """Chained block hashes for prefix caching.
 
-Algorithm (also in README.md, "Block hashes"): SipHash-1-3 with 128-bit
+Algorithm (also in docs/api.md, "Block hashes"): SipHash-1-3 with 128-bit
 output (one compression and three finalization rounds), key = the 16 bytes
 ``b"kvcore.block.v1\\0"``.
 
@@ -13,6 +13,8 @@ Only full blocks are hashed.  The result depends on nothing but the token ids,
 the block size and the salt: not on the process, the machine, the Python
 version or ``PYTHONHASHSEED``.
 """
+import hashlib
+
 import numpy as np
 
 from ._native import _pool
@@ -66,3 +68,48 @@ def block_hashes(token_ids, block_size, salt=None):
     bs = positive_int(block_size, "block_size")
     tokens = token_array(token_ids)
     return words_to_bytes(hash_words(tokens, bs, root_words(salt_bytes(salt))))
+
+
+# ------------------------------------------------------------ identity chain
+# What a prefix store's entry is verified against.  The chained hash above is
+# SipHash-1-3 under a published key: fast, fine for the pool's own index
+# (whose hits also match the parent block itself), but not collision-
+# resistant, and store entries cross processes, machines and trust
+# boundaries.  The identity chain hashes the same bytes with BLAKE2b-256.
+IDENTITY_PERSON = b"kvcore.ident.v1"
+_ROOT_PERSON = b"kvcore.iroot.v1"
+NO_SALT_IDENTITY = bytes(32)
+_IDENTITY_BASE = hashlib.blake2b(digest_size=32, person=IDENTITY_PERSON)
+
+
+def identity_root(salt):
+    """The identity chain's root for ``salt`` (bytes or None): 32 zero bytes
+    without a salt, else BLAKE2b-256 of ``b"kvcore.salt:" + salt``."""
+    if salt is None:
+        return NO_SALT_IDENTITY
+    return hashlib.blake2b(SALT_PREFIX + salt, digest_size=32, person=_ROOT_PERSON).digest()
+
+
+def identity_next(parent, block_tokens):
+    """The identity digest of a block: BLAKE2b-256 of its parent's digest
+    (the root for block 0) and its token ids (``block_tokens``: their
+    bytes as 4-byte little-endian integers)."""
+    h = _IDENTITY_BASE.copy()    # (a copy costs a third of a keyed constructor)
+    h.update(parent)
+    h.update(block_tokens)
+    return h.digest()
+
+
+def identity_chain(tokens, block_size, salt, n_blocks):
+    """The identity digests (32 bytes each) of the first ``n_blocks`` full
+    blocks of int32 ``tokens`` under ``salt`` (bytes or None): one BLAKE2b
+    per block, chained, so that two digests are equal only if the whole
+    prefixes and salts are (collision resistance of BLAKE2b-256)."""
+    out = []
+    d = identity_root(salt)
+    raw = memoryview(np.ascontiguousarray(tokens[:n_blocks * block_size], dtype="<i4")).cast("B")
+    step = 4 * block_size
+    for i in range(n_blocks):
+        d = identity_next(d, raw[i * step:(i + 1) * step])
+        out.append(d)
+    return out

@@ -752,7 +752,8 @@ needs_source = pytest.mark.skipif(not os.path.exists(os.path.join(CSRC, "kv_atte
 
 def _build_and_run_check(cc, out, extra=(), runner=()):
     subprocess.run([cc, "-O2", "-pthread", *extra, f"-I{CSRC}", CHECK,
-                    *sorted(glob.glob(os.path.join(CSRC, "kv_att*.c"))), "-o", str(out), "-lm"],
+                    *sorted(glob.glob(os.path.join(CSRC, "kv_att*.c"))),
+                    os.path.join(CSRC, "kv_simd.c"), "-o", str(out), "-lm"],
                    check=True, capture_output=True, text=True)
     return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
 

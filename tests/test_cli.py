@@ -126,11 +126,84 @@ def test_bench_plot_without_matplotlib(monkeypatch, capsys):
     assert "matplotlib" in capsys.readouterr().err
 
 
-def test_generic_rows_for_unknown_benchmarks():
-    rows = cli._summary_rows("convert", {"f16": {"ratio_numpy": 3.0, "kvcore_s": 1.0},
-                                         "speedup": 2.0})
-    assert ("convert: f16", "", "ratio_numpy", "3.0x") in rows
-    assert any(r[3] == "2.0x" for r in rows)
+def test_every_benchmark_module_owns_its_rows():
+    import importlib
+
+    for name, _ in cli.BENCHMARKS:
+        try:
+            mod = importlib.import_module(f"kvcore.cli.benchmarks.{name}")
+        except ImportError:          # an optional benchmark (gpu without CuPy is fine)
+            continue
+        assert callable(getattr(mod, "rows", None)), f"{name} has no rows(result)"
+        assert callable(getattr(mod, "run", None)), f"{name} has no run()"
+    with pytest.raises(TypeError, match="no rows"):
+        cli._summary_rows("x", object(), {})
+
+
+FAKE_LOWPREC = {
+    "tokens": 1024, "ctx": 512,
+    "write_gelem_s": {"float16": 1.0, "float8_e4m3fn": 0.7, "float8_e5m2": 0.9, "int8": 0.8},
+    "write_ratio_vs_f16": {"float16": 1.0, "float8_e4m3fn": 0.7, "float8_e5m2": 0.9,
+                           "int8": 0.8},
+    "bytes_per_token": {"float16": 4096, "float8_e4m3fn": 2048, "float8_e5m2": 2048,
+                        "int8": 2112},
+    "bytes_ratio_vs_f16": {"float16": 1.0, "float8_e4m3fn": 0.5, "float8_e5m2": 0.5,
+                           "int8": 0.516},
+    "decode_gb_s": {"float16": 4.0, "float8_e4m3fn": 2.2, "float8_e5m2": 2.4, "int8": 2.3},
+    "decode_ratio_vs_f16": {"float16": 1.0, "float8_e4m3fn": 0.55, "float8_e5m2": 0.6,
+                            "int8": 0.57},
+    "decode_time_ratio_vs_f16": {"float16": 1.0, "float8_e4m3fn": 1.1, "float8_e5m2": 1.2,
+                                 "int8": 1.14},
+}
+
+
+def test_bench_prints_the_lowprec_rows_and_the_machine(monkeypatch, capsys):
+    # `--only lowprec` used to print no row at all
+    from kvcore.cli.benchmarks import lowprec
+
+    monkeypatch.setattr(lowprec, "run", lambda quick=False: FAKE_LOWPREC)
+    assert cli.main(["bench", "--only", "lowprec", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for dtype in ("float8_e4m3fn", "float8_e5m2", "int8"):
+        assert f"{dtype}: paged write" in out and f"{dtype}: decode" in out
+    assert "0.70x" in out and "0.516 of" in out
+    assert "CPU: " in out and "SIMD: " in out and "versions: numpy " in out
+    assert "ratio_" not in out and "_gb_s" not in out       # no raw key names
+
+
+def test_bench_attention_rows_fill_every_column():
+    from kvcore.cli.benchmarks import attention
+
+    dec = {"context": 4096, "batch": 8, "kvcore_1t_s": 0.02, "kvcore_GBps": 6.7,
+           "stream_GBps": 17.9, "fraction_of_stream": 0.37, "torch_f32_s": 0.05,
+           "torch_bf16_s": 0.027, "numpy_s": 0.08, "speedup_vs_torch_f32": 2.5,
+           "speedup_vs_torch_bf16": 1.37, "speedup_vs_numpy": 4.0}
+    pre = {"tokens": 2048, "kvcore_1t_s": 0.446, "kvcore_GFLOPps": 77.0, "torch_f32_s": 0.29,
+           "torch_bf16_s": 0.09, "speedup_vs_torch_f32": 0.65, "speedup_vs_torch_bf16": 0.2}
+    rows = attention.rows({"decode": {"ctx4096_b8": dec}, "prefill": {"n2048": pre}})
+    assert rows[0][0] == "attention decode ctx 4096 x batch 8" and rows[0][1] == "20.000 ms"
+    assert ("", "", "50.000 ms (torch SDPA float32)", "2.5x") in rows
+    assert any(r[0].startswith("attention causal prefill 2048") and r[1] for r in rows)
+    assert all(len(r) == 4 and r[2] for r in rows)
+
+
+def test_bench_eta():
+    assert cli._eta(30.0, 1, 3) == ", ETA 60 s" or cli._eta(30.0, 1, 3).startswith(", ETA 1 min")
+    assert cli._eta(10.0, 2, 4) == ", ETA 10 s"
+    assert cli._eta(0.0, 0, 3) == "" and cli._eta(5.0, 3, 3) == ""
+
+
+def test_bench_plot_draws_the_spread(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvcore.cli.benchmarks import sweep
+
+    ratios = iter([4.0, 6.0])
+    monkeypatch.setattr(sweep, "run", lambda quick=False: {
+        "points": [{"tokens": 16, "kvcore_gb_s": next(ratios), "numpy_gb_s": 1.0,
+                    "ratio_numpy": 5.0}], "config": {}})
+    png = tmp_path / "s.png"
+    assert cli.main(["bench", "--only", "sweep", "--repeat", "2", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_repeat_prints_median_and_spread(monkeypatch, tmp_path, capsys):
@@ -177,6 +250,8 @@ def test_spread_helpers():
 def test_bench_hashing_rows():
     r = {"tokens": 2048, "block_size": 16, "kvcore_array_us": 15.0, "kvcore_list_us": 49.0,
          "python_us": 300.0, "ratio_array": 20.0, "ratio_list": 300 / 49}
-    rows = cli._summary_rows("hashing", r)
+    from kvcore.cli.benchmarks import hashing
+
+    rows = hashing.rows(r)
     assert rows[0][:2] == ("block_hashes, 2048-token prompt (int32 array)", "15.0 us")
     assert rows[1][1:] == ("49.0 us", "", "6.1x")

@@ -21,8 +21,27 @@ def _examples():
             yield pytest.param(path, m.group(1), id=f"{path.name}-{i}")
 
 
+_NEEDS = re.compile(r"^# needs: ([\w, ]+)$", re.M)
+
+
+def _require(module):
+    """An optional module an example imports: torch through conftest's
+    require_torch (a failure, not a skip, under KVCORE_REQUIRE_TORCH=1)."""
+    if module == "torch":
+        from conftest import require_torch
+
+        return require_torch()
+    return pytest.importorskip(module)
+
+
 @pytest.mark.parametrize("path, code", list(_examples()))
 def test_example_runs(path, code, monkeypatch, tmp_path, capsys):
+    """Every ```python block runs; one whose first line is ``# needs: torch``
+    (an optional dependency) skips only where that module is missing."""
+    first = _NEEDS.match(code)
+    if first:
+        for module in first.group(1).replace(",", " ").split():
+            _require(module)
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"{path.name} example", "exec"), {"__name__": "__doc_example__"})
 

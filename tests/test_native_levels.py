@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 # each check: its C driver and the sources it links
 CHECKS = {
-    "kv_half": (ROOT / "tests" / "c" / "kv_half_check.c", ("kv_half.c",)),
-    "kv_fp8": (ROOT / "tests" / "c" / "kv_fp8_check.c", ("kv_fp8.c", "kv_half.c")),
+    "kv_half": (ROOT / "tests" / "c" / "kv_half_check.c", ("kv_half.c", "kv_simd.c")),
+    "kv_fp8": (ROOT / "tests" / "c" / "kv_fp8_check.c", ("kv_fp8.c", "kv_half.c", "kv_simd.c")),
 }
 
 # the attention plan: its driver and the attention kernel's sources
@@ -32,7 +32,7 @@ needs_source = pytest.mark.skipif(not (NATIVE / "kv_half.c").exists(),
 
 
 def _attention_sources():
-    return tuple(sorted(p.name for p in NATIVE.glob("kv_att*.c")))
+    return (*sorted(p.name for p in NATIVE.glob("kv_att*.c")), "kv_simd.c")
 
 
 def _build_and_run(cc, check, out, extra=(), runner=()):
@@ -83,3 +83,73 @@ def test_attention_plan_under_qemu(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "plan level neon: 60 runs, 0 failures" in run.stdout
     assert "2 levels, 0 failures" in run.stdout
+
+
+# ------------------------------------------------- one registry, one KVCORE_SIMD
+_CASE = """
+import hashlib, json, numpy as np, kvcore
+from kvcore.backends.cpu import _attention
+rng = np.random.default_rng(11)
+kc = rng.standard_normal((40, 2, 16, 64)).astype(np.float16)
+vc = rng.standard_normal((40, 2, 16, 64)).astype(np.float16)
+q = rng.standard_normal((3, 8, 64)).astype(np.float32)
+out = np.empty_like(q)
+tables = rng.integers(0, 40, (2, 20)).astype(np.int32)
+assert _attention.paged_attention(q, out, kc, vc, 1, tables, np.array([300, 2], np.int64),
+                                  np.array([0, 1, 3], np.int64), 0.125, 0, 0.0, 1) == (0, 0, 0)
+print(json.dumps([kvcore.simd_levels(), hashlib.sha256(out.tobytes()).hexdigest()]))
+"""
+
+
+def _run_case(simd=None):
+    import json
+    import os
+    import sys
+    env = dict(os.environ)
+    env.pop("KVCORE_SIMD", None)
+    if simd is not None:
+        env["KVCORE_SIMD"] = simd
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", _CASE], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_kvcore_simd_scalar_rules_simd_out_of_every_family():
+    from kvcore.backends.cpu import _attention
+    levels, digest = _run_case(" Scalar ")
+    assert levels == {"conversions": "scalar", "fp8_int8": "scalar", "attention": "scalar"}
+    best = _attention.available_simd_levels()[-1]
+    previous = _attention.set_simd_level("scalar")
+    try:
+        _, scalar_digest = _run_case("scalar")
+        assert digest == scalar_digest
+        # the same case at the best level gives other bits where there is one
+        # (so the equality above says which kernels ran)
+        if best != "scalar":
+            best_levels, best_digest = _run_case()
+            assert best_levels["attention"] == best and best_digest != digest
+    finally:
+        _attention.set_simd_level(previous)
+
+
+def test_a_cap_without_attention_kernels_runs_the_next_lower_level():
+    from kvcore.backends.cpu import _convert
+    if "f16c" not in _convert.available_simd_levels():
+        pytest.skip("this CPU has no f16c level")
+    levels, _ = _run_case("f16c")
+    assert levels == {"conversions": "f16c", "fp8_int8": "scalar", "attention": "scalar"}
+
+
+def test_simd_levels_reports_the_levels_in_use():
+    import kvcore
+    from kvcore.backends.cpu import _attention, _convert
+    assert kvcore.simd_levels() == {"conversions": _convert.get_simd_level(),
+                                    "fp8_int8": _convert.fp8_level(),
+                                    "attention": _attention.simd_level()}
+    previous = _attention.set_simd_level("scalar")
+    try:
+        assert kvcore.simd_levels()["attention"] == "scalar"
+    finally:
+        _attention.set_simd_level(previous)

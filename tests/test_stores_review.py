@@ -310,24 +310,38 @@ def test_disk_put_failing_mid_batch_hands_on_what_it_trimmed(tmp_path, monkeypat
     they ride on the exception (``dropped``), and the pool passes them, with
     the batch, to the next store."""
     disk = kvcore.DiskStore(tmp_path, 2500)
-    key = lambda i: bytes([i]) * 32                 # noqa: E731
-    disk.put([(key(1), b"a" * 1000), (key(2), b"b" * 1000)])
+    key = lambda i: entry(i, 1000)[0]               # noqa: E731
+    disk.put([entry(1, 1000), entry(2, 1000)])
     real = os.replace
     calls = []
 
-    def full_on_second(a, b):
+    def full_on_second(a, b, **kw):
         calls.append(b)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real(a, b)
+        return real(a, b, **kw)
 
     monkeypatch.setattr(os, "replace", full_on_second)
     with pytest.raises(OSError) as info:
-        disk.put([(key(3), b"c" * 1000), (key(4), b"d" * 1000)])
+        disk.put([entry(3, 1000), entry(4, 1000)])
     monkeypatch.setattr(os, "replace", real)
-    assert [k for k, _ in info.value.dropped] == [key(1)]
+    assert [(k, bytes(v)) for k, v in info.value.dropped] == [entry(1, 1000)]
     assert disk.get([key(1)]) == [None]
     assert disk.used_bytes() == 2000 and len(disk) == 2
+
+
+def entry(i, size, fp=None):
+    """(key, value) of a well-formed store entry of ``size`` bytes (an
+    entry a trim hands on: what is not one never leaves the store)."""
+    from kvcore import hashing
+    from kvcore.stores import _format
+    fp = fp or _format.fingerprint("float16", 4, 2, 2, 8, b"")
+    h = bytes([i]) * 16
+    tok = np.arange(4, dtype=np.int32) + i
+    pay = bytes([i]) * (size - _format.PREFIX_SIZE - 8 - 16)
+    value = _format.encode(fp, h, bytes(16), bytes(16),
+                           hashing.identity_chain(tok, 4, None, 1)[0], tok, pay)
+    return _format.store_key(fp, h), bytes(value)
 
 
 def test_tiers_pass_on_what_a_failing_put_dropped():
@@ -340,7 +354,7 @@ def test_tiers_pass_on_what_a_failing_put_dropped():
             items = list(items)
             e = OSError(28, "No space left on device")
             # as if a trim had removed two older entries before the failure
-            e.dropped = [(bytes([9, i]) * 16, b"older %d" % i) for i in range(2)]
+            e.dropped = [entry(90 + i, 1000) for i in range(2)]
             raise e
 
     behind = kvcore.HostStore(1 << 20)
@@ -349,5 +363,5 @@ def test_tiers_pass_on_what_a_failing_put_dropped():
         run(pool, PROMPT)
         flush_pool(pool)
     assert len(behind) == 6
-    assert behind.get([bytes([9, 1]) * 16]) == [b"older 1"]
+    assert behind.get([entry(91, 1000)[0]]) == [entry(91, 1000)[1]]
     check_hit(pool, PROMPT, 4)

@@ -852,6 +852,40 @@ cdef class PoolCore:
         """(serial, parent serial) of cached block b."""
         return (int(self.serial[b]), int(self.parent_serial[b]))
 
+    def identity_links(self, cnp.ndarray blocks):
+        """``(serial, parent_serial)`` int64 arrays: the identity chain links
+        ``blocks`` (int32) were last registered with; still set right
+        after a block is evicted, until it is registered again (prefix
+        stores: which prefix an evicted block's KV belongs to)."""
+        ids = np.asarray(blocks, np.int32)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block ids must be in 0..{self.num_blocks - 1}")
+        return np.asarray(self.serial)[ids], np.asarray(self.parent_serial)[ids]
+
+    def cached_ancestry(self, uint64_t h0, uint64_t h1, int64_t serial):
+        """The cached blocks up the identity chain from the one with chained
+        hash ``(h0, h1)`` registered as ``serial``, nearest first:
+        ``(blocks int32, serials int64, end, (e0, e1))`` where ``end`` is the
+        parent serial the walk stopped at (a salt root id < 0, or a serial
+        no cached block has now) and ``(e0, e1)`` its chained hash."""
+        cdef block_id_t b
+        cdef int64_t s = serial
+        out = []
+        while s > 0:
+            b = self.buckets[self._bucket(h0)]
+            while b != NONE:
+                if self.serial[b] == s and self.hashes[b, 0] == h0 and self.hashes[b, 1] == h1:
+                    break
+                b = self.next_in_bucket[b]
+            if b == NONE or self.parent_serial[b] >= s:   # (parents are older)
+                break
+            out.append(b)
+            s = self.parent_serial[b]
+            h0 = self.parent_hashes[b, 0]
+            h1 = self.parent_hashes[b, 1]
+        blocks = np.array(out, np.int32)
+        return blocks, np.asarray(self.serial)[blocks], s, (h0, h1)
+
     def cached_hash(self, block_id_t b):
         return (int(self.hashes[b, 0]), int(self.hashes[b, 1]))
 

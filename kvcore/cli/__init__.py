@@ -62,7 +62,11 @@ def _parser():
                         "median [min-max] over the runs (default %(default)s)")
     b.add_argument("--json", metavar="FILE", help="write every number as JSON")
     b.add_argument("--plot", metavar="FILE.png",
-                   help="draw paged-write bandwidth against tokens (needs matplotlib)")
+                   help="draw paged-write bandwidth against tokens with its [min-max] spread "
+                        "(needs matplotlib and the sweep benchmark)")
+    b.add_argument("--plot-attention", metavar="FILE.png",
+                   help="draw the attention table as a figure (needs matplotlib and the "
+                        "attention benchmark)")
     b.add_argument("--only", metavar="NAMES",
                    help="comma-separated subset of: " + ", ".join(n for n, _ in BENCHMARKS))
     b.add_argument("--details", action="store_true",
@@ -100,102 +104,82 @@ def _load(name):
         return None, f"skipped: cannot import it ({type(e).__name__}: {e})"
 
 
-def _x(r):
-    return f"{r:.1f}x"
+def _summary_rows(name, mod, res):
+    """The table lines of benchmark ``name``: its module's own ``rows(res)``.
+
+    Every benchmark module owns its rows, so nothing it measured can be
+    dropped here; a module without ``rows`` is a programming error."""
+    rows = getattr(mod, "rows", None)
+    if rows is None:
+        raise TypeError(f"kvcore.cli.benchmarks.{name} has no rows(result) function")
+    return rows(res)
 
 
-def _rows_pool(r):
-    bk, w, g = r["bookkeeping"], r["write"], r["gather"]
-    rows = [("pool bookkeeping, per request", f"{bk['kvcore_us']:.1f} us",
-             f"{bk['python_us']:.1f} us (Python, vLLM-style pool)", _x(bk["ratio"])),
-            ("paged write 4096 tok f32->f16", f"{w['kvcore_gelem_s']:.2f} Gelem/s",
-             f"{w['numpy_gelem_s']:.2f} Gelem/s (NumPy index assign)", _x(w["ratio_numpy"]))]
-    if "ratio_torch" in w:
-        rows.append(("", "", f"{w['torch_gelem_s']:.2f} Gelem/s (torch, "
-                     f"{w['torch_threads']} thread)", _x(w["ratio_torch"])))
-    rows.append(("gather 4096 tok", f"{g['kvcore_gelem_s']:.2f} Gelem/s",
-                 f"{g['numpy_gelem_s']:.2f} Gelem/s (NumPy fancy index)", _x(g["ratio_numpy"])))
-    return rows
-
-
-def _rows_hashing(r):
-    n = r["tokens"]
-    return [(f"block_hashes, {n}-token prompt (int32 array)", f"{r['kvcore_array_us']:.1f} us",
-             f"{r['python_us']:.1f} us (sha256 of pickled tuples, vLLM-style)",
-             _x(r["ratio_array"])),
-            (f"block_hashes, {n}-token prompt (list)", f"{r['kvcore_list_us']:.1f} us",
-             "", _x(r["ratio_list"]))]
-
-
-def _rows_contiguous(r):
-    rows = []
-    labels = {"decode": "KVCache decode step, 32 layers", "prompt": "KVCache prompt write 2048 tok"}
-    for key, label in labels.items():
-        w = r[key]
-        rows.append((label, f"{w['kvcore_ms']:.3f} ms",
-                     f"{w['numpy_astype_ms']:.3f} ms (NumPy slice = astype)",
-                     _x(w["speedup_vs_astype"])))
-        rows.append(("", "", f"{w['numpy_implicit_ms']:.3f} ms (NumPy slice, implicit cast)",
-                     _x(w["speedup_vs_implicit"])))
-    return rows
-
-
-def _rows_sweep(r):
-    rows = []
-    for p in r["points"]:
-        label = f"paged write {p['tokens']} tok, bandwidth"
-        rows.append((label, f"{p['kvcore_gb_s']:.2f} GB/s",
-                     f"{p['numpy_gb_s']:.2f} GB/s (NumPy)", _x(p["ratio_numpy"])))
-        if "ratio_torch" in p:
-            rows.append(("", "", f"{p['torch_gb_s']:.2f} GB/s (torch)", _x(p["ratio_torch"])))
-    return rows
-
-
-def _rows_convert(r):
-    names = {"numpy": "NumPy astype", "ml_dtypes": "ml_dtypes astype",
-             "torch": "torch copy_, 1 thread", "copy": "float32 memcpy"}
-    rows = []
-    ops = [k for k, v in r.items() if "->" in k and isinstance(v, dict)]
-    if not ops:
-        raise KeyError("no conversion in the result")   # not this layout: generic rows
-    for op in ops:
-        w = r[op]
-        first = True
-        for base, label in names.items():
-            if f"ratio_{base}" not in w:
-                continue
-            rows.append((f"convert {op}, {r['n'] * 4 >> 20} MiB f32" if first else "",
-                         f"{w['kvcore_gelem_s']:.2f} Gelem/s" if first else "",
-                         f"{w[base + '_gelem_s']:.2f} Gelem/s ({label})",
-                         _x(w[f"ratio_{base}"])))
-            first = False
-    return rows
-
-
-def _rows_generic(name, r, path=""):
-    """Rows for a benchmark whose result layout this CLI does not know:
-    every ratio/speedup number found in the (nested) result dict."""
-    rows = []
-    if isinstance(r, dict):
-        for k, v in r.items():
-            where = f"{path}.{k}" if path else k
-            if isinstance(v, dict):
-                rows += _rows_generic(name, v, where)
-            elif (k.startswith(("ratio", "speedup")) and isinstance(v, (int, float, np.number))
-                  and not isinstance(v, bool)):
-                rows.append((f"{name}: {path or k}", "", k, _x(float(v))))
-    return rows
-
-
-_ROWS = {"pool": _rows_pool, "hashing": _rows_hashing, "contiguous": _rows_contiguous,
-         "sweep": _rows_sweep, "convert": _rows_convert}
-
-
-def _summary_rows(name, res):
+def _cpu_model():
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's answer."""
     try:
-        return _ROWS[name](res) if name in _ROWS else _rows_generic(name, res)
-    except (KeyError, TypeError):   # a module whose layout changed: fall back
-        return _rows_generic(name, res)
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _simd_levels():
+    """``{kernel family: level in use}`` (``kvcore.simd_levels()`` where this
+    build has it, else the conversion and attention levels)."""
+    if hasattr(kvcore, "simd_levels"):
+        return dict(kvcore.simd_levels())
+    levels = {}
+    try:
+        from ..backends.cpu import _attention, _convert
+
+        levels["conversions"] = _convert.get_simd_level()
+        levels["attention"] = _attention.simd_level()
+    except Exception as e:  # an older native build: only the header loses it
+        levels["?"] = f"{type(e).__name__}"
+    return levels
+
+
+def _versions():
+    """``{package: version}`` of what the baselines run on."""
+    out = {"numpy": np.__version__}
+    for name in ("torch", "ml_dtypes", "transformers"):
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except Exception:
+                continue
+        out[name] = getattr(mod, "__version__", "?")
+    return out
+
+
+def _eta(done_s, runs_done, runs_total):
+    """``"ETA 1 min 20 s"`` from the time the finished runs took."""
+    if not runs_done or runs_done >= runs_total:
+        return ""
+    left = done_s / runs_done * (runs_total - runs_done)
+    return f", ETA {int(left // 60)} min {int(left % 60)} s" if left >= 60 else \
+        f", ETA {left:.0f} s"
+
+
+def _run_one(mod, quick, name):
+    """One run of a benchmark module, telling it how to report progress when
+    it takes a ``progress`` callable (long benchmarks print their steps)."""
+    import inspect
+
+    def progress(done, total, what=""):
+        print(f"    {name}: {done}/{total}{' ' + what if what else ''}", file=sys.stderr,
+              flush=True)
+
+    if "progress" in inspect.signature(mod.run).parameters:
+        return mod.run(quick=quick, progress=progress)
+    return mod.run(quick=quick)
 
 
 def _table(rows):
@@ -228,14 +212,17 @@ def bench_main(args, parser):
         names = [n for n in names if n in chosen]
     else:
         names = [n for n in names if n not in ON_REQUEST]
-    if args.plot:
-        if "sweep" not in names:
-            parser.error("--plot draws the sweep benchmark; add sweep to --only")
+    for opt, bench in ((args.plot, "sweep"), (args.plot_attention, "attention")):
+        if not opt:
+            continue
+        flag = "--plot" if bench == "sweep" else "--plot-attention"
+        if bench not in names:
+            parser.error(f"{flag} draws the {bench} benchmark; add {bench} to --only")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib, which is not installed "
-                         "(pip install matplotlib, or kvcore[bench]); run without --plot")
+            parser.error(f"{flag} needs matplotlib, which is not installed "
+                         f"(pip install matplotlib, or kvcore[bench]); run without {flag}")
 
     if args.repeat < 1:
         parser.error(f"--repeat: expected a positive integer, got {args.repeat}")
@@ -256,33 +243,37 @@ def bench_main(args, parser):
             runs[name] = []
     # Runs are interleaved (every benchmark once, then again), so that a
     # change of load on a shared machine spreads over all of them.
+    total, done, t_runs = args.repeat * len(mods), 0, 0.0
     for rep in range(args.repeat):
         for name, mod in mods.items():
-            print(f"  run {rep + 1}/{args.repeat}: {name} ({'quick' if quick else 'full'}) ...",
-                  file=sys.stderr, flush=True)
+            print(f"  run {rep + 1}/{args.repeat}: {name} ({'quick' if quick else 'full'})"
+                  f"{_eta(t_runs, done, total)} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            runs[name].append(mod.run(quick=quick))
+            runs[name].append(_run_one(mod, quick, name))
+            t_runs += time.perf_counter() - t0
+            done += 1
             print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    spreads = {}
     for name, mod in mods.items():
         med, lo, hi = (aggregate(runs[name], how) for how in ("median", "min", "max"))
         results[name] = med
-        for rm, rl, rh in zip(*(_summary_rows(name, x) for x in (med, lo, hi))):
+        spreads[name] = (lo, hi)
+        for rm, rl, rh in zip(*(_summary_rows(name, mod, x) for x in (med, lo, hi))):
             rows.append(tuple(with_spread(a, b, c) for a, b, c in zip(rm, rl, rh)))
         if args.details and hasattr(mod, "report"):
             reports.append(mod.report(med))
     elapsed = time.perf_counter() - t_all
 
-    try:
-        from ..backends.cpu import _convert
-
-        simd = _convert.get_simd_level()
-    except Exception:  # an older native build: only the header loses it
-        simd = "?"
+    simd = _simd_levels()
+    cpu = _cpu_model()
+    versions = _versions()
     spread = (f"each number the median of {args.repeat} runs, [min-max] over the runs"
               if args.repeat > 1 else "one run, no spread (use --repeat N)")
     print(f"kvcore {kvcore.__version__} benchmarks ({'quick' if quick else 'full'} mode, "
-          f"{args.repeat} run(s) in {elapsed:.0f} s; NumPy {np.__version__}, SIMD {simd}); "
-          f"speedup = baseline time / kvcore time; {spread}")
+          f"{args.repeat} run(s) in {elapsed:.0f} s); speedup = baseline time / kvcore time; "
+          f"{spread}")
+    print(f"CPU: {cpu}; SIMD: " + ", ".join(f"{k} {v}" for k, v in simd.items()))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     if rows:
         print(_table(rows))
     for n in notes:
@@ -293,16 +284,25 @@ def bench_main(args, parser):
 
     if args.json:
         out = {"kvcore": kvcore.__version__, "quick": quick, "numpy": np.__version__,
-               "simd": simd, "seconds": elapsed, "repeat": args.repeat,
+               "simd": simd, "cpu": cpu, "versions": versions, "seconds": elapsed,
+               "repeat": args.repeat,
                "results": results, "runs": runs}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=_json_default)
         print(f"wrote {args.json}", file=sys.stderr)
+    stamp = (f"kvcore {kvcore.__version__}, {'quick' if quick else 'full'} mode, "
+             f"{args.repeat} run(s); {cpu}; SIMD " + ", ".join(f"{k} {v}" for k, v in simd.items()))
     if args.plot:
         from .benchmarks import sweep
 
-        sweep.plot(results["sweep"], args.plot)
+        sweep.plot(results["sweep"], args.plot, spread=spreads["sweep"], stamp=stamp)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.plot_attention:
+        from .benchmarks import attention
+
+        attention.plot(results["attention"], args.plot_attention, spread=spreads["attention"],
+                       stamp=stamp)
+        print(f"wrote {args.plot_attention}", file=sys.stderr)
     return 0
 
 

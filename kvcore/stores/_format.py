@@ -6,24 +6,36 @@ gives them) and what identifies it.  Layout, all integers little-endian::
 
     offset size
     0      4    magic b"KVST"
-    4      2    format version (1)
+    4      2    format version (2)
     6      2    flags: bit 0 = an HMAC follows the checksum
     8      16   layout fingerprint (see :func:`fingerprint`)
     24     16   the block's chained hash (kvcore.block_hashes)
     40     16   the parent's chained hash (the salt's root for block 0)
     56     16   the salt's chain root (16 zero bytes: no salt)
-    72     4    tokens in the block (= block_size)
-    76     4    0 (reserved)
-    80     8    payload bytes
-    88     8    checksum: XXH64 of the payload, seeded with the XXH64 (seed 0)
-                of bytes 0..87 and the token ids
-    96     32   HMAC-SHA256 (only with flag bit 0) of bytes 0..95, the token
+    72     32   the block's identity digest (kvcore.hashing.identity_chain):
+                BLAKE2b-256 chained over the salt and every token id of the
+                sequence up to the end of this block
+    104    4    tokens in the block (= block_size)
+    108    4    0 (reserved)
+    112    8    payload bytes
+    120    8    checksum: XXH64 of the payload, seeded with the XXH64 (seed 0)
+                of bytes 0..119 and the token ids
+    128    32   HMAC-SHA256 (only with flag bit 0) of bytes 0..127, the token
                 ids and the payload, with the store's ``hmac_key``
     ...         token ids (int32), then the payload
 
 An entry is accepted only if every field is consistent, the fingerprint,
-hash, parent, salt root and token ids equal what the query expects, the
-checksum holds and, for a store with an ``hmac_key``, the HMAC does.
+hash, parent, salt root, identity digest and token ids equal what the
+query expects, the checksum holds and, for a store with an ``hmac_key``,
+the HMAC does.  The chained hashes only find an entry (they are the key);
+the identity digest decides whether it is the query's block: the pool's
+SipHash-1-3 chain is fast but not collision-resistant, so two prefixes
+whose chained hashes collide would otherwise share entries.
+
+Version 1 entries (no identity digest) are never used: their layout
+fingerprint names version 1, so their keys differ from version 2's and a
+version 2 pool never looks them up; one met under a version 2 key anyway
+fails as 'corrupt'.
 """
 import hashlib
 import hmac
@@ -34,13 +46,16 @@ import numpy as np
 from ..backends.cpu._checksum import xxh64
 
 MAGIC = b"KVST"
-VERSION = 1
+VERSION = 2
 FLAG_HMAC = 1
-_PREFIX = struct.Struct("<4sHH16s16s16s16sIIQ")     # bytes 0..87
+_PREFIX = struct.Struct("<4sHH16s16s16s16s32sIIQ")  # bytes 0..119
 _CHECKSUM = struct.Struct("<Q")
-PREFIX_SIZE = _PREFIX.size                          # 88
+PREFIX_SIZE = _PREFIX.size                          # 120
 MAC_SIZE = 32
 KEY_SIZE = 32
+IDENTITY_SIZE = 32
+#: bytes of an entry that :func:`entry_size` reads
+HEAD_PROBE = PREFIX_SIZE
 
 
 class Invalid(Exception):
@@ -66,9 +81,22 @@ def store_key(fp, block_hash):
     return fp + block_hash
 
 
+def entry_size(head):
+    """The size in bytes an entry's first :data:`HEAD_PROBE` bytes
+    ``head`` promise for the whole entry, or None when they are not the
+    start of an entry of this version (too short, another magic or
+    version)."""
+    if len(head) < PREFIX_SIZE:
+        return None
+    magic, version, flags, *_, ntok, _reserved, npay = _PREFIX.unpack_from(head, 0)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return PREFIX_SIZE + 8 + (MAC_SIZE if flags & FLAG_HMAC else 0) + 4 * ntok + npay
+
+
 def header_seed(prefix, tokens):
-    """The seed of an entry's payload checksum: XXH64 of its first 88
-    bytes and its token ids."""
+    """The seed of an entry's payload checksum: XXH64 of its first
+    :data:`PREFIX_SIZE` bytes and its token ids."""
     return xxh64(bytes(prefix) + bytes(memoryview(tokens).cast("B")))
 
 
@@ -79,13 +107,16 @@ def _mac(hmac_key, head, tokens, payload):
     return m.digest()
 
 
-def encode(fp, block_hash, parent, salt_root, tokens, payload, hmac_key=None):
-    """One entry's bytes (a bytearray).  ``tokens``: int32 array;
-    ``payload``: a C-contiguous array or bytes-like of the block's KV."""
+def encode(fp, block_hash, parent, salt_root, identity, tokens, payload, hmac_key=None):
+    """One entry's bytes (a bytearray).  ``identity``: the block's 32-byte
+    identity digest (kvcore.hashing.identity_chain); ``tokens``: int32
+    array; ``payload``: a C-contiguous array or bytes-like of the block's KV."""
     tok = np.ascontiguousarray(tokens, dtype="<i4")
     pay = memoryview(payload).cast("B")
+    if len(identity) != IDENTITY_SIZE:
+        raise ValueError(f"identity must be {IDENTITY_SIZE} bytes, got {len(identity)}")
     prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_HMAC if hmac_key else 0, fp, block_hash,
-                          parent, salt_root, tok.size, 0, pay.nbytes)
+                          parent, salt_root, bytes(identity), tok.size, 0, pay.nbytes)
     head = prefix + _CHECKSUM.pack(xxh64(pay, header_seed(prefix, tok)))
     if hmac_key:
         head += _mac(hmac_key, head, tok, pay)
@@ -97,7 +128,7 @@ def encode(fp, block_hash, parent, salt_root, tokens, payload, hmac_key=None):
 
 
 def parse(value, fp, hmac_key=None, verify_payload=True):
-    """``(block_hash, parent, salt_root, tokens, payload, checksum, seed)``
+    """``(block_hash, parent, salt_root, identity, tokens, payload, checksum, seed)``
     of a well-formed entry of layout ``fp`` (tokens and payload are
     memoryviews into ``value``): structure, header, fingerprint and (with
     ``hmac_key``) HMAC checked, and the payload's checksum unless
@@ -111,7 +142,7 @@ def parse(value, fp, hmac_key=None, verify_payload=True):
     n = view.nbytes
     if n < PREFIX_SIZE + 8:
         raise Invalid("corrupt", f"truncated entry ({n} bytes)")
-    (magic, version, flags, efp, ehash, eparent, esalt, ntok, _reserved,
+    (magic, version, flags, efp, ehash, eparent, esalt, eident, ntok, _reserved,
      npay) = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC or version != VERSION:
         raise Invalid("corrupt", f"not a kvcore store entry (magic {magic!r}, version {version})")
@@ -137,22 +168,25 @@ def parse(value, fp, hmac_key=None, verify_payload=True):
         want = _mac(hmac_key, view[:PREFIX_SIZE + 8], tok, pay)
         if not hmac.compare_digest(want, view[PREFIX_SIZE + 8:head]):
             raise Invalid("hmac", "HMAC mismatch")
-    return ehash, eparent, esalt, tok, pay, checksum, seed
+    return ehash, eparent, esalt, eident, tok, pay, checksum, seed
 
 
-def decode(value, fp, block_hash, parent, salt_root, tokens, payload_size, hmac_key=None,
-           verify_payload=True):
+def decode(value, fp, block_hash, parent, salt_root, identity, tokens, payload_size,
+           hmac_key=None, verify_payload=True):
     """``(payload, checksum, seed)`` (see :func:`parse`) of a valid entry
-    for the block ``block_hash`` with ``parent``, ``salt_root`` and
+    for the block ``block_hash`` with ``parent``, ``salt_root``,
+    ``identity`` (the query's identity digest of this block) and
     ``tokens`` (int32 array) of ``payload_size`` bytes; raises
     :class:`Invalid` otherwise."""
-    ehash, eparent, esalt, tok, pay, checksum, seed = parse(value, fp, hmac_key, verify_payload)
+    ehash, eparent, esalt, eident, tok, pay, checksum, seed = parse(value, fp, hmac_key,
+                                                                    verify_payload)
     expect = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
     if (ehash != block_hash or eparent != parent or esalt != salt_root
-            or pay.nbytes != payload_size or tok != expect):
+            or pay.nbytes != payload_size or tok != expect
+            or not hmac.compare_digest(eident, identity)):
         # a damaged header or token id is corruption, not another block
         if not verify_payload and xxh64(pay, seed) != checksum:
             raise Invalid("corrupt", "checksum mismatch")
-        raise Invalid("mismatch", "the entry's hash, parent, salt, token ids or size differ "
-                                  "from the query's")
+        raise Invalid("mismatch", "the entry's hash, parent, salt, identity digest, token ids "
+                                  "or size differ from the query's")
     return pay, checksum, seed

@@ -7,15 +7,29 @@
 * Lookup: after the pool's own prefix hit, the following blocks are looked
   up with one batched ``contains`` per store (store 0 first, the rest of
   the run in store 1, ...), fetched with one batched ``get`` per store,
-  verified (fingerprint, hash, parent, salt root, token ids, checksum,
-  HMAC), and the verified run is copied into the sequence's fresh blocks,
-  which then enter the pool's prefix cache.
+  verified (fingerprint, hash, parent, salt root, identity digest, token
+  ids, checksum, HMAC), and the verified run is copied into the sequence's
+  fresh blocks, which then enter the pool's prefix cache.
+* Identity: the chained hashes (SipHash-1-3) only find entries.  Whether an
+  entry is the query's block is decided by its identity digest, a BLAKE2b
+  chain over the salt and every token id up to the block's end
+  (``kvcore.hashing.identity_chain``): the query computes it from its
+  tokens; a spill computes it by following the pool's identity chain (the
+  parent serial each cached block was registered with) up to the root,
+  remembering the digests of recent serials so that it costs about one
+  BLAKE2b per block.  A block whose chain can no longer be followed (an
+  ancestor evicted and forgotten) is not spilled: it could not be told
+  from another prefix whose hashes collide with it.
+* Forwarding: what a store drops for the next store is verified first
+  (structure, checksum, HMAC): a store's bytes, e.g. a file planted in a
+  DiskStore's directory, never reach another store unchecked.
 * Faults: any exception of a store, and any entry that fails verification,
   is a miss; a ``StoreWarning`` is issued once per (store, condition) from
   the thread calling the pool.  A store that times out or cannot be
   reached is skipped for its ``retry_interval`` seconds (default 1), so a dead server costs
   one timeout per interval, not one per call.
 """
+import collections
 import errno
 import threading
 import time
@@ -25,6 +39,7 @@ import weakref
 import numpy as np
 
 from . import _format
+from .. import hashing
 from .base import PrefixStore, StoreWarning
 
 # conditions that clear once the store works again (warned anew if they recur)
@@ -101,14 +116,19 @@ class StoreTiers:
         self._pending = []
         self._down_until = [0.0] * len(stores)
         self._lock = threading.Lock()
+        # registration serial -> identity digest, most recently used last:
+        # serials are never reused, so an entry stays true; bounded (what
+        # matters are the ancestors of blocks still cached)
+        self._identities = collections.OrderedDict()
+        self._identity_cap = pool.num_blocks + 1024
 
     # ------------------------------------------------------------ faults
-    def _fail(self, i, exc, count=True, op=None):
+    def _fail(self, i, exc, count=True, op=None, skip=True):
         cond = _condition(exc)
         with self._lock:
             if count:
                 self._stats[i]["failures"] += 1
-            if cond in ("timeout", "unreachable"):
+            if skip and cond in ("timeout", "unreachable"):
                 self._down_until[i] = time.monotonic() + float(
                     getattr(self.stores[i], "retry_interval", 1.0))
             if cond not in self._warned[i]:
@@ -131,6 +151,21 @@ class StoreTiers:
             with self._lock:
                 for cond in [c for c, o in warned.items() if o == op and c in _TRANSIENT]:
                     del warned[cond]
+
+    def _done(self, i, op, count=True):
+        """Operation ``op`` of store ``i`` returned: the faults it reports
+        although it returned (``take_faults()``, e.g. a cluster node down
+        whose keys were misses) are warned of, without skipping the store
+        (its other keys work); with none, as ``_ok``."""
+        take = getattr(self.stores[i], "take_faults", None)
+        try:
+            faults = take() if callable(take) else ()
+        except Exception as e:
+            faults = [e]
+        for e in faults:
+            self._fail(i, e, count=count, op=op, skip=False)
+        if not faults and count:
+            self._ok(i, op)
 
     def _up(self, i):
         return time.monotonic() >= self._down_until[i]
@@ -167,21 +202,95 @@ class StoreTiers:
         if not blocks.size or not self.stores:
             return 0
         try:
-            payloads = pool._export_blocks(blocks)
+            idents = self._spill_identities(pool, blocks, parents, tokens)
+            keep = [j for j in range(blocks.size) if idents[j] is not None]
+            if not keep:
+                return 0
+            payloads = pool._export_blocks(blocks[keep])
             hb = hashes.astype("<u8").tobytes()
             pb = parents.astype("<u8").tobytes()
             rb = roots.astype("<u8").tobytes()
             fp, key = self._fp[0], self._hmac[0]
             items = []
-            for j in range(blocks.size):
+            for payload, j in zip(payloads, keep):
                 h = hb[16 * j:16 * j + 16]
                 items.append((_format.store_key(fp, h),
                               _format.encode(fp, h, pb[16 * j:16 * j + 16],
-                                             rb[16 * j:16 * j + 16], tokens[j], payloads[j], key)))
+                                             rb[16 * j:16 * j + 16], idents[j], tokens[j],
+                                             payload, key)))
         except Exception as e:
             self._fail(0, e, op="export")
             return 0
         return self._put(0, items)
+
+    def _spill_identities(self, pool, blocks, parents, tokens):
+        """The identity digest of each of ``blocks`` (cached, or evicted just
+        now: their registration is still recorded), or None where it cannot
+        be told any more: an ancestor neither cached, nor in this batch, nor
+        remembered, or a salt the pool forgot."""
+        core = pool._core
+        serials, parent_serials = core.identity_links(blocks)
+        serials, parent_serials = serials.tolist(), parent_serials.tolist()
+        parent_words = parents.tolist()
+        raw = np.ascontiguousarray(tokens, "<i4").tobytes()
+        step = 4 * self._block_size
+        token_bytes = [raw[j * step:(j + 1) * step] for j in range(len(serials))]
+        batch = {s: j for j, s in enumerate(serials)}
+        memo = self._identities
+        out = []
+        for j in range(len(serials)):
+            digest = memo.get(serials[j])
+            if digest is not None:
+                memo.move_to_end(serials[j])
+                out.append(digest)
+                continue
+            chain = [(serials[j], token_bytes[j])]   # (serial, token bytes), nearest first
+            below, ps, pw = serials[j], parent_serials[j], parent_words[j]
+            while digest is None:
+                if ps < 0:
+                    digest = self._root_identity(pool, ps)
+                    break
+                if ps >= below:     # serials grow along a chain: never loop
+                    break
+                digest = memo.get(ps)
+                if digest is not None:
+                    memo.move_to_end(ps)
+                    break
+                k = batch.get(ps)
+                if k is not None:   # evicted in this batch
+                    chain.append((ps, token_bytes[k]))
+                    below, ps, pw = ps, parent_serials[k], parent_words[k]
+                    continue
+                # still cached: the pool walks up its cache in one call
+                up, up_serials, end, end_words = core.cached_ancestry(pw[0], pw[1], ps)
+                if not up.size:
+                    break
+                up_tokens = core.cached_entries(up)[4].astype("<i4")
+                for us, ut in zip(up_serials.tolist(), up_tokens):
+                    digest = memo.get(us)
+                    if digest is not None:
+                        memo.move_to_end(us)
+                        break
+                    chain.append((us, ut.tobytes()))
+                if digest is None:
+                    below, ps, pw = int(up_serials[-1]), end, list(end_words)
+            if digest is not None:
+                for cs, ctok in reversed(chain):
+                    digest = hashing.identity_next(digest, ctok)
+                    memo[cs] = digest
+                while len(memo) > self._identity_cap:
+                    memo.popitem(last=False)
+            out.append(digest)
+        return out
+
+    @staticmethod
+    def _root_identity(pool, root):
+        """The identity root of salt root id ``root`` (-1: no salt), or None
+        when the pool no longer knows its salt."""
+        if root == -1:
+            return hashing.identity_root(None)
+        salt = pool._root_salts.get(root)
+        return None if salt is None else hashing.identity_root(salt)
 
     def _put(self, i, items):
         """Put ``items`` into store ``i``; what it drops goes to the next
@@ -201,7 +310,7 @@ class StoreTiers:
                     passed_over = list(getattr(e, "dropped", None) or ()) + items
                 else:
                     taken = True
-                    self._ok(i, "put")
+                    self._done(i, "put")
                     with self._lock:
                         st = self._stats[i]
                         st["puts"] += len(items)
@@ -213,21 +322,29 @@ class StoreTiers:
         return first if taken else 0
 
     def _retarget(self, i, j, items):
-        """Entries of store ``i`` re-encoded for store ``j`` where their
-        namespace or hmac_key differ (entries that fail verification are dropped)."""
+        """Entries store ``i`` dropped, verified (structure, checksum, HMAC,
+        filed under their own key) and re-encoded for store ``j`` where
+        their namespace or hmac_key differ; entries that fail are dropped
+        (a store's bytes are untrusted: a file planted in a DiskStore's
+        directory must not travel on)."""
         if j >= len(self.stores) or not items:
             return items
-        if self._fp[i] == self._fp[j] and self._hmac[i] == self._hmac[j]:
-            return items
+        same = self._fp[i] == self._fp[j] and self._hmac[i] == self._hmac[j]
         out = []
-        for _, v in items:
+        for k, v in items:
             try:
-                h, parent, salt, tok, pay, _, _ = _format.parse(v, self._fp[i], self._hmac[i])
+                h, parent, salt, ident, tok, pay, _, _ = _format.parse(v, self._fp[i],
+                                                                       self._hmac[i])
+                if bytes(k) != _format.store_key(self._fp[i], h):
+                    raise _format.Invalid("mismatch", "an entry filed under another key")
             except _format.Invalid as e:
                 self._reject(i, e)
                 continue
+            if same:
+                out.append((k, v))
+                continue
             out.append((_format.store_key(self._fp[j], h),
-                        _format.encode(self._fp[j], h, parent, salt,
+                        _format.encode(self._fp[j], h, parent, salt, ident,
                                        np.frombuffer(tok, "<i4"), pay, self._hmac[j])))
         return out
 
@@ -251,8 +368,8 @@ class StoreTiers:
                 # retry_interval, and warned of, without counting a failure)
                 self._fail(i, e, count=count, op="contains")
                 continue
+            self._done(i, "contains", count)
             if count:
-                self._ok(i, "contains")
                 with self._lock:
                     self._stats[i]["lookups"] += 1
             n = max(0, min(n, stop - at))
@@ -299,6 +416,11 @@ class StoreTiers:
         root = np.array([r0, r1], "<u8").tobytes()
         tokens = core._token_ids()
         segments = self._run(hb, first, stop, count=True)
+        if not segments:
+            return hit
+        # what a hit entry must carry: the identity digest of the query's
+        # own prefix (one BLAKE2b per block, up to the last block found)
+        idents = hashing.identity_chain(tokens, bs, core._salt, segments[-1][2])
         table = core._table
         owners = []           # (store, entry bytes) of each block loaded, in order
         for i, start, end in segments:
@@ -309,7 +431,7 @@ class StoreTiers:
             except Exception as e:
                 self._fail(i, e, op="get")
                 break
-            self._ok(i, "get")
+            self._done(i, "get")
             complete = len(values) == end - start
             blocks, pays, seeds, checks, sizes = [], [], [], [], []
             for b, v in zip(range(start, end), values):
@@ -319,7 +441,7 @@ class StoreTiers:
                 parent = hb[16 * b - 16:16 * b] if b else root
                 try:
                     pay, checksum, seed = _format.decode(
-                        v, self._fp[i], hb[16 * b:16 * b + 16], parent, root,
+                        v, self._fp[i], hb[16 * b:16 * b + 16], parent, root, idents[b],
                         tokens[b * bs:(b + 1) * bs], self._payload_size, self._hmac[i],
                         verify_payload=False)
                 except _format.Invalid as e:

@@ -16,9 +16,11 @@ one warning per condition, never into wrong data):
   Marks what it returns as recently used.
 * ``put(items) -> list``: store ``(key, value)`` pairs (a key already there
   is replaced); returns the ``(key, value)`` pairs the store dropped to stay
-  within its capacity, least recently used first, for the next tier.  A
-  ``put`` that fails after it already dropped entries sets the exception's
-  ``dropped`` attribute to them, so that they still reach the next tier.
+  within its capacity, least recently used first, for the next tier (the
+  pool verifies them first: a store's bytes are untrusted, e.g. files
+  others wrote).  A ``put`` that fails after it already dropped entries
+  sets the exception's ``dropped`` attribute to them, so that they still
+  reach the next tier.
 * ``delete(keys) -> int``: forget these keys; how many were there.
 * ``capacity_bytes`` (None: bounded elsewhere, e.g. Redis' maxmemory),
   ``used_bytes()``, ``close()``.

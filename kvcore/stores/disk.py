@@ -1,16 +1,78 @@
 """DiskStore: evicted blocks as files, surviving restarts, shared by the processes of a machine."""
+import errno
 import fcntl
 import os
+import stat
 import threading
 import time
 
 import numpy as np
 
+from . import _format
 from .base import PrefixStore
 
 _SUFFIX = ".kve"
 _LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
 _TMP = ".tmp-"
+# Every file in the directory is untrusted (other processes write there):
+# entries are opened without following a link (a planted link would make
+# this process copy any file it can read into the next tier) and without
+# blocking (a FIFO named like an entry would hang the open for ever), and
+# only regular files are read, at most the size fstat gave (a device such
+# as /dev/zero never ends).
+_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_OPEN_TMP = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+             | getattr(os, "O_CLOEXEC", 0))
+
+
+class _NotAnEntry(OSError):
+    """What a path named like an entry holds is not a regular file (a
+    link, FIFO, directory, device ...): never read, never forwarded."""
+
+
+def _open_entry(path):
+    """(fd, size) of the regular file at ``path``, opened without following
+    a link or blocking; raises FileNotFoundError, :class:`_NotAnEntry` (a
+    link, a directory or anything else that is not a regular file, also a
+    link in place of the subdirectory) or another OSError."""
+    d, name = os.path.split(path)
+    try:
+        dfd = os.open(d, _OPEN_DIR)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _NotAnEntry(e.errno, "the entry's directory is not a directory", d) from None
+        raise
+    try:
+        try:
+            fd = os.open(name, _OPEN_ENTRY, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
+                raise _NotAnEntry(e.errno, "not a regular file", path) from None
+            raise
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotAnEntry(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _read_into(fd, buf):
+    """Read into ``buf`` (a writable byte view) until it is full or the
+    file ends; returns the bytes read (never more than ``len(buf)``)."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < view.nbytes:
+        got = os.readv(fd, [view[done:]])
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 class DiskStore(PrefixStore):
@@ -37,8 +99,18 @@ class DiskStore(PrefixStore):
     after every ``put``, under an exclusive ``flock`` on ``PATH/.lock``,
     over a fresh listing of the directory, so processes sharing it keep it
     within capacity between them (the listing costs a ``stat`` per entry
-    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A torn or corrupted file is caught by the entry's checksum when
-    read, and is then a miss.
+    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A
+    torn or corrupted file is caught by the entry's checksum when read, and
+    is then a miss.
+
+    Every file in the directory is untrusted: entries are opened without
+    following links and without blocking, and only regular files are read,
+    at most the size ``fstat`` gives (and, in a trim, the size the header
+    promises).  A link, FIFO, device or socket named like an entry is a
+    miss and is removed by the next trim (a link itself, never its target);
+    a directory named like one is passed over; an entry file that cannot be
+    read is removed without being handed on, and one that cannot be removed
+    either keeps its room while the trim goes on with the others.
     """
 
     kind = "disk"
@@ -82,10 +154,13 @@ class DiskStore(PrefixStore):
         h = key.hex()
         return os.path.join(self.path, h[-2:], h + _SUFFIX)
 
-    def _listing(self, stale=None):
-        """(path, size, mtime) of every entry file now in the directory;
-        with a list ``stale``, the paths of temporary files older than
-        ``stale_tmp_seconds`` are appended to it."""
+    def _listing(self, stale=None, bad=None):
+        """(path, size, mtime) of every entry file now in the directory
+        (regular files only, never through a link); with a list ``stale``,
+        the paths of temporary files older than ``stale_tmp_seconds`` are
+        appended to it; with a list ``bad``, the paths named like an entry
+        that are not regular files (links, FIFOs, devices; directories are
+        left alone and not counted)."""
         out = []
         cutoff = time.time_ns() - int(self.stale_tmp_seconds * 1e9)
         try:
@@ -93,30 +168,39 @@ class DiskStore(PrefixStore):
         except FileNotFoundError:
             return out
         for d in subdirs:
-            if not d.is_dir(follow_symlinks=False):
-                continue
             try:
-                for f in os.scandir(d.path):
-                    if f.name.endswith(_SUFFIX):
-                        try:
-                            st = f.stat()
-                        except FileNotFoundError:
-                            continue
-                        out.append((f.path, st.st_size, st.st_mtime_ns))
-                    elif stale is not None and f.name.startswith(_TMP):
-                        try:
-                            if f.stat().st_mtime_ns < cutoff:
-                                stale.append(f.path)
-                        except FileNotFoundError:
-                            continue
-            except FileNotFoundError:
+                if not d.is_dir(follow_symlinks=False):
+                    continue
+                files = list(os.scandir(d.path))
+            except OSError:   # gone, or unreadable: nothing of ours to list
                 continue
+            for f in files:
+                try:
+                    if f.name.endswith(_SUFFIX):
+                        st = f.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            out.append((f.path, st.st_size, st.st_mtime_ns))
+                        elif bad is not None and not stat.S_ISDIR(st.st_mode):
+                            bad.append(f.path)
+                    elif stale is not None and f.name.startswith(_TMP):
+                        if f.stat(follow_symlinks=False).st_mtime_ns < cutoff:
+                            stale.append(f.path)
+                except OSError:
+                    continue
         return out
 
     def contains(self, keys):
         n = 0
+        real_dirs = {}      # subdirectory -> is a directory, not a link to one
         for k in keys:
-            if not os.path.exists(self._file(k)):
+            p = self._file(k)
+            d = os.path.dirname(p)
+            try:
+                if d not in real_dirs:
+                    real_dirs[d] = stat.S_ISDIR(os.lstat(d).st_mode)
+                if not real_dirs[d] or not stat.S_ISREG(os.lstat(p).st_mode):
+                    break
+            except OSError:
                 break
             n += 1
         return n
@@ -127,13 +211,16 @@ class DiskStore(PrefixStore):
         # truncated under it would kill the process (SIGBUS).  They are
         # read into one allocation sized from a stat of every file first:
         # one large buffer (NumPy asks the kernel for huge pages) is
-        # not paced by page faults the way many small ones are.  A short read is a truncated entry, which fails its
-        # checks like any corrupt one.
+        # not paced by page faults the way many small ones are.  A short
+        # read is a truncated entry, which fails its checks like any
+        # corrupt one.  What is not a regular file (a link, a FIFO, a
+        # directory, a device) is not an entry: None.
         paths = [self._file(k) for k in keys]
         sizes = []
         for p in paths:
             try:
-                sizes.append(os.stat(p).st_size)
+                st = os.lstat(p)
+                sizes.append(st.st_size if stat.S_ISREG(st.st_mode) else 0)
             except OSError:
                 sizes.append(0)
         arena = np.empty(sum(sizes), np.uint8)
@@ -141,23 +228,30 @@ class DiskStore(PrefixStore):
         out = []
         for p, room in zip(paths, sizes):
             try:
-                with open(p, "rb", buffering=0) as f:
-                    size = os.fstat(f.fileno()).st_size
-                    if size <= room:
-                        buf = arena[off:off + size]
-                        off += room
-                    else:   # rewritten since the stat: a buffer of its own
-                        buf = np.empty(size, np.uint8)
-                    got = f.readinto(memoryview(buf)) if size else 0
-                    if got != size:
-                        buf = buf[:got]
+                fd, size = _open_entry(p)
+            except (FileNotFoundError, _NotAnEntry):
+                out.append(None)
+                continue
+            try:
+                if size > self.capacity_bytes:
+                    # no entry of this store is that large (its put would
+                    # have handed it on): read the head only, a corrupt entry
+                    size = min(size, _format.HEAD_PROBE)
+                if size <= room:
+                    buf = arena[off:off + size]
+                    off += room
+                else:   # rewritten since the stat: a buffer of its own
+                    buf = np.empty(size, np.uint8)
+                got = _read_into(fd, buf) if size else 0
+                if got != size:
+                    buf = buf[:got]
                 try:
-                    os.utime(p)   # recency for the LRU trim
+                    os.utime(fd)   # recency for the LRU trim (the file read)
                 except OSError:
                     pass
-                out.append(buf)
-            except FileNotFoundError:
-                out.append(None)
+            finally:
+                os.close(fd)
+            out.append(buf)
         return out
 
     def put(self, items):
@@ -165,7 +259,11 @@ class DiskStore(PrefixStore):
         dropped = []
         try:
             for k, v in items:
-                grown += self._write(k, v)
+                g = self._write(k, v)
+                if g is None:        # no place of ours for it: the next tier's
+                    dropped.append((k, v))
+                    continue
+                grown += g
                 if self._used + grown > self.capacity_bytes:
                     # trim as soon as this batch would pass the bound, not
                     # after the whole batch (a big flush must never fill the disk)
@@ -190,53 +288,83 @@ class DiskStore(PrefixStore):
         return dropped
 
     def _write(self, k, v):
-        """Write entry ``k`` (temporary file, then rename); returns the
-        bytes the directory grew by."""
-        p = self._file(k)
-        d = os.path.dirname(p)
-        os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}")
+        """Write entry ``k`` (a temporary file, then a rename, both inside
+        its subdirectory opened without following a link); returns the
+        bytes the directory grew by, or None when the entry's place is not
+        one to write to (its subdirectory a link or not a directory, a
+        directory at its name): the caller hands the entry on instead."""
+        d, name = os.path.split(self._file(k))
         try:
-            with open(tmp, "wb", buffering=0) as f:
-                view = memoryview(v).cast("B")
-                done = 0
-                while done < view.nbytes:
-                    done += f.write(view[done:])
+            os.makedirs(d, exist_ok=True)
+        except FileExistsError:       # not a directory: the open below says so
+            pass
+        try:
+            dfd = os.open(d, _OPEN_DIR)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                return None
+            raise
+        tmp = f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}"
+        try:
             try:
-                old = os.stat(p).st_size
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    return None
+                old = st.st_size if stat.S_ISREG(st.st_mode) else 0
             except FileNotFoundError:
                 old = 0
-            os.replace(tmp, p)
-        except BaseException:
             try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+                # never through a link planted at the (predictable) name
+                fd = os.open(tmp, _OPEN_TMP, 0o644, dir_fd=dfd)
+            except FileExistsError:   # left by a writer of this pid and thread that died
+                os.unlink(tmp, dir_fd=dfd)
+                fd = os.open(tmp, _OPEN_TMP, 0o644, dir_fd=dfd)
+            try:
+                with open(fd, "wb", buffering=0) as f:
+                    view = memoryview(v).cast("B")
+                    done = 0
+                    while done < view.nbytes:
+                        done += f.write(view[done:])
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(dfd)
         return len(v) - old
 
     def _trim(self):
         """Remove least recently used files until within capacity; their
-        entries are returned (for the next tier)."""
+        entries are returned (for the next tier).  What is named like an
+        entry but is not a regular file is removed (a link: the link, not
+        what it points to) and never read; an entry file that cannot be
+        read (or whose size is not the one its header promises) is removed
+        without being handed on; one that cannot be removed either is
+        passed over: the trim goes on with the others."""
         dropped = []
         lock_path = os.path.join(self.path, ".lock")
         with open(lock_path, "a+b") as lock:
             self._lock_file(lock)
             try:
-                stale = []
-                files = self._listing(stale)
+                stale, bad = [], []
+                files = self._listing(stale, bad)
                 self._unlink_all(stale)
+                self._unlink_all(bad)
                 used = sum(size for _, size, _ in files)
                 files = sorted(files, key=lambda e: e[2]) if used > self.capacity_bytes else []
                 for p, size, _ in files:
                     if used <= self.capacity_bytes:
                         break
+                    value = self._take(p)
                     try:
-                        with open(p, "rb") as f:
-                            value = f.read()
                         os.unlink(p)
                     except FileNotFoundError:
                         value = None
+                    except OSError:
+                        continue       # not ours to remove: it keeps its room
                     used -= size
                     if value is not None:
                         key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
@@ -246,6 +374,27 @@ class DiskStore(PrefixStore):
         with self._lock:
             self._used = used
         return dropped
+
+    def _take(self, path):
+        """The bytes of the entry file at ``path`` for the next tier, or None
+        (gone, not a regular file, unreadable, or not of the size its
+        header promises): never more than that size is read."""
+        try:
+            fd, size = _open_entry(path)
+        except OSError:
+            return None
+        try:
+            if size > self.capacity_bytes or \
+                    _format.entry_size(os.pread(fd, _format.HEAD_PROBE, 0)) != size:
+                return None
+            value = bytearray(size)
+            if _read_into(fd, value) != size:
+                return None
+            return value
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _unlink_all(paths):
@@ -276,13 +425,17 @@ class DiskStore(PrefixStore):
         for k in keys:
             p = self._file(k)
             try:
-                size = os.stat(p).st_size
+                st = os.lstat(p)
+                if stat.S_ISDIR(st.st_mode):
+                    continue
                 os.unlink(p)
             except FileNotFoundError:
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
             n += 1
             with self._lock:
-                self._used -= size
+                self._used -= st.st_size
         return n
 
     def used_bytes(self):

@@ -1,4 +1,6 @@
-"""RedisStore: evicted blocks in a Redis server, shared by processes and machines."""
+"""RedisStore: evicted blocks in a Redis server or a Redis Cluster, shared by
+processes and machines."""
+from ._redis_cluster import FAILED as _FAILED
 from .base import PrefixStore
 
 _MAX_TTL = 2**53 / 1000       # seconds: Redis' PX (milliseconds) must fit after "now" is added
@@ -10,10 +12,13 @@ class RedisStore(PrefixStore):
 
     Parameters
     ----------
-    url : str or redis.Redis
+    url : str, list or redis.Redis
         ``redis://host:port/db`` (``rediss://`` for TLS, ``unix://`` for a
-        socket), or a ready client (``redis.Redis`` or
-        ``redis.cluster.RedisCluster``).
+        socket; with ``cluster=True``, any node of the cluster, or a list
+        of nodes as :meth:`RedisStore.cluster` takes them), or a ready
+        client (``redis.Redis``, or ``redis.cluster.RedisCluster``: then
+        the store works as with ``cluster=True``, with that client's
+        timeouts and retries).
     namespace : str or bytes, default "kvcore"
         Prefix of every key (``kvcore:{namespace}:{hex}``) and part of the
         layout fingerprint: stores of different namespaces never share
@@ -34,20 +39,30 @@ class RedisStore(PrefixStore):
         connection, then tries it again.
     capacity_bytes : int, optional
         Not enforced here (Redis bounds itself); reported by ``stats``.
+    cluster : bool, default False
+        ``url`` names a node of a Redis Cluster (see also
+        :meth:`RedisStore.cluster`): the store learns the slot map from it
+        and sends each batch as one pipeline per primary, the nodes in
+        parallel.  A node that is down, times out or is failing over costs
+        only its keys (misses, one ``StoreWarning``); the others keep
+        hitting.  Configure the servers with ``cluster-require-full-coverage
+        no``, or the whole cluster refuses every key while one shard is down.
 
     Notes
     -----
     One key per block (a plain string value), so Redis Cluster spreads the
     blocks over its shards.  ``contains`` is one pipelined round of
     ``EXISTS``, ``get`` one of ``GET``, ``put`` one of ``SET`` (with ``PX``
-    when ``ttl`` is given).  ``put`` never returns dropped entries: Redis is
-    the last tier.
+    when ``ttl`` is given).  ``put`` never returns dropped entries on one
+    server: Redis is the last tier.  On a cluster every command names one key, so no batch
+    crosses slots; a ``put`` hands what a failed node could not take to the
+    next tier, like dropped entries.
     """
 
     kind = "redis"
 
     def __init__(self, url, namespace="kvcore", ttl=None, hmac_key=None, timeout=1.0,
-                 retry_interval=1.0, capacity_bytes=None):
+                 retry_interval=1.0, capacity_bytes=None, cluster=False):
         super().__init__(capacity_bytes, namespace, hmac_key)
         try:
             import redis
@@ -66,10 +81,24 @@ class RedisStore(PrefixStore):
                 or not retry_interval >= 0:
             raise ValueError(f"retry_interval must be a number of seconds >= 0, got "
                              f"{retry_interval!r}")
+        if not isinstance(cluster, bool):
+            raise TypeError(f"cluster must be True or False, got {cluster!r}")
         self.ttl = ttl
         self.timeout = float(timeout)
         self.retry_interval = float(retry_interval)
-        if isinstance(url, str):
+        self._nodes = None           # ClusterBatches on a cluster
+        if isinstance(url, str) and cluster:
+            self.url = url
+            self._client = None
+            self._nodes = self._cluster_batches(url=_cluster_url(redis, url))
+        elif isinstance(url, (list, tuple)) and cluster:
+            import redis.cluster
+            nodes = _startup_nodes(url)
+            self.url = ",".join(f"{h}:{p}" for h, p in nodes)
+            self._client = None
+            self._nodes = self._cluster_batches(
+                startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes])
+        elif isinstance(url, str):
             self.url = url
             try:
                 self._client = redis.Redis.from_url(
@@ -81,15 +110,80 @@ class RedisStore(PrefixStore):
         elif hasattr(url, "pipeline") and hasattr(url, "get"):
             self.url = repr(url)
             self._client = url
+            if _is_cluster_client(url):
+                from ._redis_cluster import ClusterBatches
+                self._nodes = ClusterBatches(lambda: url, self.retry_interval)
+            elif cluster:
+                raise ValueError(f"cluster=True needs a URL or a redis.cluster.RedisCluster "
+                                 f"client, got a {type(url).__name__}")
         else:
-            raise TypeError(f"url must be a redis:// URL or a redis-py client, got "
-                            f"{type(url).__name__}")
+            raise TypeError(f"url must be a redis:// URL, a redis-py client or (with "
+                            f"cluster=True) a list of cluster nodes, got {type(url).__name__}")
         self._prefix = b"kvcore:" + self.namespace + b":"
+        if self._nodes is not None:
+            self.kind = "redis-cluster"
+
+    @classmethod
+    def cluster(cls, startup_nodes, **kwargs):
+        """A store on the Redis Cluster that ``startup_nodes`` belong to.
+
+        Parameters
+        ----------
+        startup_nodes : list of str or (str, int)
+            Some nodes of the cluster (``"host:port"`` or ``(host, port)``);
+            the store learns the others, and the slot map, from the first
+            that answers.  For credentials or TLS use a URL instead
+            (``RedisStore("rediss://user:password@host:port",
+            cluster=True)``) or pass a ready ``RedisCluster`` client.
+        **kwargs
+            The other arguments of :class:`RedisStore` (``namespace``,
+            ``ttl``, ``hmac_key``, ``timeout``, ``retry_interval``,
+            ``capacity_bytes``).
+
+        Returns
+        -------
+        RedisStore
+            ``RedisStore(startup_nodes, cluster=True, **kwargs)``.
+        """
+        if "cluster" in kwargs:
+            raise TypeError("RedisStore.cluster() got an unexpected keyword argument "
+                            "'cluster' (it is always a cluster)")
+        return cls(_startup_nodes(startup_nodes), cluster=True, **kwargs)
+
+    def _cluster_batches(self, **where):
+        """ClusterBatches over a RedisCluster made (on first use) from
+        ``where`` with this store's timeouts.  The batches never go through
+        the client's own retries (a dead node costs one timeout, then its
+        keys are misses for retry_interval); only making the client does:
+        it asks the first primary for COMMAND and, when that one is down,
+        needs a retry to ask another."""
+        import redis.cluster
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from ._redis_cluster import ClusterBatches
+
+        def make():
+            return redis.cluster.RedisCluster(
+                socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                retry=Retry(NoBackoff(), 3), require_full_coverage=False, **where)
+
+        return ClusterBatches(make, self.retry_interval)
 
     @property
     def client(self):
-        """The redis-py client."""
+        """The redis-py client (on a cluster, its ``RedisCluster``, made on
+        first use)."""
+        if self._nodes is not None:
+            return self._nodes.client
         return self._client
+
+    def take_faults(self):
+        """What failed in this thread's last calls although they returned
+        (on a cluster: the nodes whose keys were misses), as a list of
+        exceptions, emptied; the pool warns of them.  Always empty on one
+        server, whose failures are raised."""
+        return [] if self._nodes is None else self._nodes.take_faults()
 
     def _key(self, key):
         return self._prefix + key.hex().encode()
@@ -97,12 +191,16 @@ class RedisStore(PrefixStore):
     def contains(self, keys):
         if not keys:
             return 0
-        pipe = self._client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self._key(k))
+        if self._nodes is not None:
+            found = self._nodes.run([("EXISTS", self._key(k)) for k in keys])
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._key(k))
+            found = pipe.execute()
         n = 0
-        for found in pipe.execute():
-            if not found:
+        for f in found:
+            if f is _FAILED or not f:
                 break
             n += 1
         return n
@@ -110,6 +208,9 @@ class RedisStore(PrefixStore):
     def get(self, keys):
         if not keys:
             return []
+        if self._nodes is not None:
+            return [None if v is _FAILED else v
+                    for v in self._nodes.run([("GET", self._key(k)) for k in keys])]
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.get(self._key(k))
@@ -118,8 +219,15 @@ class RedisStore(PrefixStore):
     def put(self, items):
         if not items:
             return []
-        pipe = self._client.pipeline(transaction=False)
         px = None if self.ttl is None else max(1, int(self.ttl * 1000))
+        if self._nodes is not None:
+            expiry = () if px is None else ("PX", px)
+            # (a memoryview: the entry is sent without a copy)
+            done = self._nodes.run([("SET", self._key(k), v if isinstance(v, bytes) else
+                                     memoryview(v).cast("B")) + expiry for k, v in items])
+            # what a failed node did not take goes on, like dropped entries
+            return [item for item, ok in zip(items, done) if ok is _FAILED]
+        pipe = self._client.pipeline(transaction=False)
         for k, v in items:
             pipe.set(self._key(k), bytes(v) if not isinstance(v, bytes) else v, px=px)
         pipe.execute()
@@ -128,20 +236,91 @@ class RedisStore(PrefixStore):
     def delete(self, keys):
         if not keys:
             return 0
+        if self._nodes is not None:
+            return sum(int(n) for n in self._nodes.run([("DEL", self._key(k)) for k in keys])
+                       if n is not _FAILED)
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.delete(self._key(k))
         return sum(pipe.execute())
 
     def used_bytes(self):
-        """Bytes the server reports in use (``INFO memory``), all keys."""
-        return int(self._client.info("memory")["used_memory"])
+        """Bytes the server reports in use (``INFO memory``), all keys (on a
+        cluster: summed over the primaries that answer)."""
+        if self._nodes is None:
+            return int(self._client.info("memory")["used_memory"])
+        total = 0
+        for _name, node in self._nodes.primaries():
+            try:
+                total += int(node.info("memory")["used_memory"])
+            except Exception:  # a node down: its bytes are not counted
+                pass
+        return total
 
     def close(self):
+        if self._nodes is not None:
+            self._nodes.close()
+            return
         try:
             self._client.close()
         except Exception:  # pragma: no cover - closing a broken connection
             pass
 
     def __repr__(self):
-        return f"RedisStore({self.url!r}, namespace={self.namespace.decode(errors='replace')!r})"
+        kind = "RedisStore.cluster" if self._nodes is not None else "RedisStore"
+        return f"{kind}({self.url!r}, namespace={self.namespace.decode(errors='replace')!r})"
+
+
+def _is_cluster_client(client):
+    try:
+        import redis.cluster
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(client, redis.cluster.RedisCluster)
+
+
+def _cluster_url(redis, url):
+    """``url`` checked as the address of a cluster node (TCP, db 0)."""
+    try:
+        options = redis.connection.parse_url(url)
+    except ValueError as e:
+        raise ValueError(f"url must be a redis:// or rediss:// URL of a cluster node, got "
+                         f"{url!r}: {e}") from None
+    if "path" in options:
+        raise ValueError(f"url must be a redis:// or rediss:// URL of a cluster node (a "
+                         f"cluster is not reached through a unix socket), got {url!r}")
+    if options.get("db", 0) != 0:
+        raise ValueError(f"url must name database 0 on a cluster (Redis Cluster has only "
+                         f"one), got {url!r}")
+    if not options.get("host"):
+        raise ValueError(f"url must name a host, got {url!r}")
+    return url
+
+
+def _startup_nodes(startup_nodes):
+    """[(host, port)] from "host:port" strings or (host, port) pairs."""
+    if isinstance(startup_nodes, (str, bytes)) or not hasattr(startup_nodes, "__iter__"):
+        raise TypeError(f"startup_nodes must be a list of 'host:port' or (host, port), got "
+                        f"{type(startup_nodes).__name__}")
+    out = []
+    for i, node in enumerate(startup_nodes):
+        if isinstance(node, str):
+            host, sep, port = node.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"startup_nodes[{i}] must be 'host:port', got {node!r}")
+            port = int(port)
+        elif isinstance(node, tuple) and len(node) == 2:
+            host, port = node
+            if not isinstance(host, str) or not host or isinstance(port, bool) \
+                    or not isinstance(port, int):
+                raise ValueError(f"startup_nodes[{i}] must be (host, port) with a str and "
+                                 f"an int, got {node!r}")
+        else:
+            raise TypeError(f"startup_nodes[{i}] must be 'host:port' or (host, port), got "
+                            f"{node!r:.60}")
+        if not 0 < port < 65536:
+            raise ValueError(f"startup_nodes[{i}] has port {port}, not in 1..65535")
+        out.append((host.strip("[]"), port))
+    if not out:
+        raise ValueError("startup_nodes must name at least one node of the cluster")
+    return out

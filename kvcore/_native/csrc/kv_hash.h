@@ -2,7 +2,7 @@
  * kv_hash: SipHash-c-d with 128-bit output (Aumasson & Bernstein), and the
  * chained block hash kvcore's prefix cache uses.
  *
- * Block hash (documented in README.md, "Block hashes"), with SipHash-1-3-128
+ * Block hash (documented in docs/api.md, "Block hashes"), with SipHash-1-3-128
  * (one compression and three finalization rounds, the variant CPython 3.11+
  * and Rust's standard library hash with; about twice as fast as 2-4, and
  * kvcore verifies token ids on every hit, so the hash only has to spread):

@@ -63,6 +63,7 @@ cdef extern from "kv_attention.h" nogil:
         float v_scale
     int kva_paged_attention(const kva_args *args)
     int kva_best_level()
+    int kva_default_level()
     int kva_level_supported(int level)
     int kva_current_level()
     int kva_set_level(int level)
@@ -214,10 +215,10 @@ def available_simd_levels():
 
 def set_simd_level(name):
     """Use kernel level ``name`` (process-wide); returns the previous name.
-    ``None`` restores the best level."""
+    ``None`` restores the default level (the best under KVCORE_SIMD)."""
     previous = simd_level()
     if name is None:
-        kva_set_level(kva_best_level())
+        kva_set_level(kva_default_level())
         return previous
     for l in range(KVA_NUM_LEVELS):
         if kva_level_name(l).decode() == name:

@@ -3,8 +3,6 @@
 The Python-facing validation lives in ``kvcore/convert.py``; this module only
 loops.  The C bodies are in ``kv_half.c`` (scalar + run-time dispatched SIMD).
 """
-import os
-
 cimport numpy as cnp
 from libc.stdint cimport int8_t, uint8_t, uint32_t
 
@@ -12,6 +10,7 @@ cnp.import_array()
 
 cdef extern from "kv_half.h" nogil:
     int kvh_best_level()
+    int kvh_default_level()
     int kvh_level_supported(int level)
     int kvh_current_level()
     int kvh_set_level(int level)
@@ -58,6 +57,11 @@ cdef int convert_n_stream(int src_kind, const void* src, int dst_kind, void* dst
 
 cdef void stream_fence() noexcept nogil:
     kvh_stream_fence()
+
+
+cdef extern from "kv_simd.h" nogil:
+    int kvs_cap()
+    const char* kvs_cap_text()
 
 
 cdef extern from "kv_fp8.h" nogil:
@@ -316,19 +320,21 @@ def fp8_paths():
     return {lvl: kvh_fp8_path(LEVELS.index(lvl)).decode() for lvl in available_simd_levels()}
 
 
-def _initial_level():
-    # KVCORE_SIMD caps the level (e.g. KVCORE_SIMD=scalar to rule SIMD out
-    # while debugging); it never asks for more than the CPU has.
-    best = kvh_best_level()
-    want = os.environ.get("KVCORE_SIMD", "").strip().lower()
-    if not want:
-        return best
-    if want not in LEVELS:
-        raise ImportError(f"KVCORE_SIMD must be one of {LEVELS}, got {want!r}")
-    cap = LEVELS.index(want)
-    while cap > 0 and not kvh_level_supported(cap):
-        cap -= 1
-    return min(cap, best)
+def fp8_level():
+    """Name of the fp8/int8 code path in use now."""
+    return kvh_fp8_path(kvh_current_level()).decode()
 
 
-kvh_set_level(_initial_level())
+def simd_cap_error():
+    """The error message for a KVCORE_SIMD value that names no level (the
+    registry read it once, kv_simd.h), or None when it is fine."""
+    if kvs_cap() >= 0:
+        return None
+    return f"KVCORE_SIMD must be one of {LEVELS}, got {kvs_cap_text().decode()!r}"
+
+
+# KVCORE_SIMD caps the level (e.g. KVCORE_SIMD=scalar to rule SIMD out while
+# debugging); it never asks for more than the CPU has.  The registry reads it.
+if simd_cap_error() is not None:
+    raise ImportError(simd_cap_error())
+kvh_set_level(kvh_default_level())

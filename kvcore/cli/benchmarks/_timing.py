@@ -19,6 +19,11 @@ def median_time(fn, repeat=15, number=1, warmup=2):
     return statistics.median(samples)
 
 
+def ratio_text(r):
+    """A speedup as the table prints it: ``"10.5x"``."""
+    return f"{r:.1f}x"
+
+
 def table(rows, headers):
     """A plain-text table: ``rows`` are tuples of already formatted cells."""
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]

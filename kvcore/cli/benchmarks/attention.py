@@ -32,6 +32,8 @@ import numpy as np
 
 import kvcore
 
+from ._timing import ratio_text
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = "float16"
 
@@ -326,3 +328,88 @@ def report(res):
                          f"{_spread(d, 'gather_' + key, 1, '.1f')}  "
                          f"{d[key + '_paged_vs_gather']:.2f}x")
     return "\n".join(lines)
+
+
+def rows(res):
+    """The lines of ``python -m kvcore bench``'s table: decode against a
+    stream read, torch SDPA (float32 and bfloat16) and gather + NumPy; prefill
+    against torch SDPA; the demo's attention over the pages against gather."""
+    out = []
+    for name, r in res["decode"].items():
+        label = f"attention decode ctx {r['context']} x batch {r['batch']}"
+        t = f"{r['kvcore_1t_s'] * 1e3:.3f} ms"
+        out.append((label, t, f"{r['stream_GBps']:.1f} GB/s stream read, kvcore "
+                    f"{r['kvcore_GBps']:.1f} GB/s", f"{r['fraction_of_stream']:.2f} of"))
+        for key, what in (("torch_f32", "torch SDPA float32"), ("torch_bf16", "torch SDPA "
+                                                                 "bfloat16")):
+            if f"speedup_vs_{key}" in r:
+                out.append(("", "", f"{r[key + '_s'] * 1e3:.3f} ms ({what})",
+                            ratio_text(r[f"speedup_vs_{key}"])))
+        out.append(("", "", f"{r['numpy_s'] * 1e3:.3f} ms (gather + NumPy)",
+                    ratio_text(r["speedup_vs_numpy"])))
+        if "speedup_2t_vs_1t" in r:
+            out.append(("", "", "kvcore on 2 threads", ratio_text(r["speedup_2t_vs_1t"])))
+    for name, r in res["prefill"].items():
+        label = f"attention causal prefill {r['tokens']} tok"
+        t = f"{r['kvcore_1t_s'] * 1e3:.1f} ms, {r['kvcore_GFLOPps']:.1f} GFLOP/s"
+        first = True
+        for key, what in (("torch_f32", "torch SDPA float32"), ("torch_bf16", "torch SDPA "
+                                                                 "bfloat16")):
+            if f"speedup_vs_{key}" in r:
+                out.append((label if first else "", t if first else "",
+                            f"{r[key + '_s'] * 1e3:.1f} ms ({what})",
+                            ratio_text(r[f"speedup_vs_{key}"])))
+                first = False
+        if first:
+            out.append((label, t, "(torch not installed)", ""))
+        if "speedup_2t_vs_1t" in r:
+            out.append(("", "", "kvcore on 2 threads", ratio_text(r["speedup_2t_vs_1t"])))
+    if "demo" in res:
+        d = res["demo"]
+        out.append(("demo loop, attention over the pages", f"{d['paged_tokens_per_s']:.1f} tok/s",
+                     f"{d['gather_tokens_per_s']:.1f} tok/s (gather + NumPy)",
+                     f"{d['tokens_per_s_paged_vs_gather']:.2f}x"))
+    return out
+
+
+def plot(res, path, spread=None, stamp=None):
+    """Draw the decode and prefill times of kvcore and its baselines as
+    grouped bars (log scale) into ``path``, with the [min-max] ``spread``
+    (``(min_result, max_result)``) as error bars; ``stamp`` names the mode,
+    CPU and SIMD level.  Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [("decode", k) for k in res["decode"]] + [("prefill", k) for k in res["prefill"]]
+    series = (("kvcore_1t_s", "kvcore"), ("torch_f32_s", "torch SDPA f32"),
+              ("torch_bf16_s", "torch SDPA bf16"), ("numpy_s", "gather + NumPy"))
+    lo = spread[0] if spread else res
+    hi = spread[1] if spread else res
+    fig, ax = plt.subplots(figsize=(9.0, 4.8))
+    width = 0.8 / len(series)
+    for i, (key, label) in enumerate(series):
+        xs, med, err_lo, err_hi = [], [], [], []
+        for j, (part, name) in enumerate(cases):
+            r = res[part][name]
+            if key not in r:
+                continue
+            xs.append(j + (i - (len(series) - 1) / 2) * width)
+            med.append(r[key] * 1e3)
+            err_lo.append((r[key] - lo[part][name][key]) * 1e3)
+            err_hi.append((hi[part][name][key] - r[key]) * 1e3)
+        if xs:
+            ax.bar(xs, med, width, yerr=[err_lo, err_hi], capsize=2, label=label)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([f"{part}\n{name}" for part, name in cases], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per call (median, [min-max])")
+    ax.set_title("paged_attention, 32 q / 8 KV heads, head_dim 128, float16 pages, one thread"
+                 + (f"\n{stamp}" if stamp else ""), fontsize=9)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 import kvcore
+from ._timing import ratio_text
 
 LAYERS, HEADS, DIM = 32, 8, 128
 DECODE_BATCH, DECODE_MAX_SEQ = 8, 128
@@ -174,3 +175,18 @@ def report(res):
                      f"{r['numpy_implicit_ms']:>11.3f}ms{r['speedup_vs_astype']:>9.1f}x"
                      f"{r['speedup_vs_implicit']:>11.1f}x")
     return "\n".join(lines)
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table for this benchmark:
+    ``(benchmark, kvcore, baseline, speedup)`` cells, formatted."""
+    rows = []
+    labels = {"decode": "KVCache decode step, 32 layers", "prompt": "KVCache prompt write 2048 tok"}
+    for key, label in labels.items():
+        w = r[key]
+        rows.append((label, f"{w['kvcore_ms']:.3f} ms",
+                     f"{w['numpy_astype_ms']:.3f} ms (NumPy slice = astype)",
+                     ratio_text(w["speedup_vs_astype"])))
+        rows.append(("", "", f"{w['numpy_implicit_ms']:.3f} ms (NumPy slice, implicit cast)",
+                     ratio_text(w["speedup_vs_implicit"])))
+    return rows

@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from ._timing import ratio_text
+
 try:
     import ml_dtypes
 except ImportError:  # optional: the bf16 baseline is skipped without it
@@ -208,3 +210,26 @@ def report(res):
         c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
     line = fmt(headers)
     return "\n".join(head + [line, "-" * len(line)] + [fmt(r).rstrip() for r in rows])
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table for this benchmark:
+    ``(benchmark, kvcore, baseline, speedup)`` cells, formatted."""
+    names = {"numpy": "NumPy astype", "ml_dtypes": "ml_dtypes astype",
+             "torch": "torch copy_, 1 thread", "copy": "float32 memcpy"}
+    rows = []
+    ops = [k for k, v in r.items() if "->" in k and isinstance(v, dict)]
+    if not ops:
+        raise KeyError("no conversion in the result")
+    for op in ops:
+        w = r[op]
+        first = True
+        for base, label in names.items():
+            if f"ratio_{base}" not in w:
+                continue
+            rows.append((f"convert {op}, {r['n'] * 4 >> 20} MiB f32" if first else "",
+                         f"{w['kvcore_gelem_s']:.2f} Gelem/s" if first else "",
+                         f"{w[base + '_gelem_s']:.2f} Gelem/s ({label})",
+                         ratio_text(w[f"ratio_{base}"])))
+            first = False
+    return rows

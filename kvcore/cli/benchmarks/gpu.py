@@ -203,3 +203,17 @@ def report(r):
             s += f"{'-':>10}{'-':>8}{'-':>9}"
         lines.append(s)
     return "\n".join(lines)
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table: each kernel's GB/s
+    against the device-to-device copy ceiling and torch."""
+    out = [(f"GPU copy ceiling ({r['device']})", f"{r['ceiling_gbps']:.0f} GB/s", "", "")]
+    for x in r["rows"]:
+        label = f"GPU {x['op']} {x['tokens']} tok"
+        out.append((label, f"{x['kvcore_gbps']:.0f} GB/s", "device-to-device copy",
+                    f"{x['kvcore_frac']:.2f} of"))
+        if "torch_s" in x:
+            out.append(("", "", f"{x['torch_gbps']:.0f} GB/s (torch)",
+                        f"{x['torch_s'] / x['kvcore_s']:.1f}x"))
+    return out

@@ -12,7 +12,7 @@ import numpy as np
 import kvcore
 
 from ._pyref_pool import hash_block_tokens
-from ._timing import median_time, table
+from ._timing import median_time, table, ratio_text
 
 TOKENS = 2048
 BS = 16
@@ -52,3 +52,14 @@ def report(r):
     ]
     return table(rows, (f"block_hashes, {r['tokens']} tokens (us)", "kvcore",
                         "python sha256/pickle", "speedup"))
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table for this benchmark:
+    ``(benchmark, kvcore, baseline, speedup)`` cells, formatted."""
+    n = r["tokens"]
+    return [(f"block_hashes, {n}-token prompt (int32 array)", f"{r['kvcore_array_us']:.1f} us",
+             f"{r['python_us']:.1f} us (sha256 of pickled tuples, vLLM-style)",
+             ratio_text(r["ratio_array"])),
+            (f"block_hashes, {n}-token prompt (list)", f"{r['kvcore_list_us']:.1f} us",
+             "", ratio_text(r["ratio_list"]))]

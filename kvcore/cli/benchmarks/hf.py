@@ -254,3 +254,26 @@ def report(r):
     for what, v, met in goals(r):
         lines.append(f"  {'met    ' if met else 'NOT met'} {what}: {v:.3f}")
     return "\n".join(lines)
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table: ``generate`` with a
+    float16 ``PagedCache`` against ``DynamicCache`` + sdpa, and the cached
+    prefix's time to first token."""
+    out = []
+    for b in ("batch1", "batch4"):
+        x = r[b]
+        out += [(f"hf generate {r['prompt']}+{r['new']}, {b}, whole call",
+                 f"{x['kvcore_tok_s']:.1f} tok/s", f"{x['dynamic_tok_s']:.1f} tok/s "
+                 "(DynamicCache)", f"{x['ratio_tok_s']:.2f}x"),
+                ("  time to first token (cold)", f"{x['kvcore_prefill_s']:.2f} s",
+                 f"{x['dynamic_prefill_s']:.2f} s", f"{x['ratio_prefill']:.2f}x"),
+                ("  decode steps", f"{x['kvcore_decode_tok_s']:.1f} tok/s",
+                 f"{x['dynamic_decode_tok_s']:.1f} tok/s", f"{x['ratio_decode_tok_s']:.2f}x"),
+                ("  KV bytes held", f"{x['kvcore_kv_bytes'] / 2**20:.2f} MiB",
+                 f"{x['dynamic_kv_bytes'] / 2**20:.2f} MiB", f"{x['kv_bytes_fraction']:.3f} of")]
+    t = r["ttft"]
+    out.append((f"hf time to first token, {t['hit_tokens']} tokens cached",
+                f"{t['warm_s'] * 1e3:.1f} ms", f"{t['cold_s'] * 1e3:.1f} ms (cold)",
+                f"{t['ratio_cold_warm']:.1f}x"))
+    return out

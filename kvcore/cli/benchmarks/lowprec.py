@@ -83,3 +83,28 @@ def report(r):
         f"paged write f32->dtype, {r['tokens']} tok (Gelem/s)", "vs f16 write",
         f"bytes/token (h{HEADS} d{DIM})", "vs f16",
         f"decode attn {SEQS}x{r['ctx']} (GB/s KV)", "GB/s vs f16", "speed vs f16"))
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table: for each low-precision
+    storage dtype, its paged write, bytes per token and decode against float16
+    pages in the same run."""
+    out = []
+    for d in DTYPES:
+        if d == "float16":
+            continue
+        out += [
+            (f"{d}: paged write f32->{d}, {r['tokens']} tok",
+             f"{r['write_gelem_s'][d]:.2f} Gelem/s",
+             f"{r['write_gelem_s']['float16']:.2f} Gelem/s (float16 pages)",
+             f"{r['write_ratio_vs_f16'][d]:.2f}x"),
+            (f"{d}: bytes per token (h{HEADS} d{DIM})", str(r["bytes_per_token"][d]),
+             f"{r['bytes_per_token']['float16']} (float16 pages)",
+             f"{r['bytes_ratio_vs_f16'][d]:.3f} of"),
+            (f"{d}: decode {SEQS}x{r['ctx']}, GB/s of KV", f"{r['decode_gb_s'][d]:.2f} GB/s",
+             f"{r['decode_gb_s']['float16']:.2f} GB/s (float16 pages)",
+             f"{r['decode_ratio_vs_f16'][d]:.2f}x"),
+            (f"{d}: decode {SEQS}x{r['ctx']}, time per step", "", "float16 pages",
+             f"{r['decode_time_ratio_vs_f16'][d]:.2f}x"),
+        ]
+    return out

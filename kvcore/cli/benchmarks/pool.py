@@ -14,7 +14,7 @@ import kvcore
 
 from . import sweep
 from ._pyref_pool import PyBlockPool
-from ._timing import median_time, table
+from ._timing import median_time, table, ratio_text
 
 BS = 16
 PROMPT = 2048
@@ -132,3 +132,19 @@ def report(r):
     rows.append(("gather 4096 tok (Gelem/s)", f"{g['kvcore_gelem_s']:.2f}",
                  f"numpy {g['numpy_gelem_s']:.2f}", f"{g['ratio_numpy']:.1f}x", ""))
     return table(rows, ("pool benchmark", "kvcore", "baseline", "speedup", ""))
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table for this benchmark:
+    ``(benchmark, kvcore, baseline, speedup)`` cells, formatted."""
+    bk, w, g = r["bookkeeping"], r["write"], r["gather"]
+    rows = [("pool bookkeeping, per request", f"{bk['kvcore_us']:.1f} us",
+             f"{bk['python_us']:.1f} us (Python, vLLM-style pool)", ratio_text(bk["ratio"])),
+            ("paged write 4096 tok f32->f16", f"{w['kvcore_gelem_s']:.2f} Gelem/s",
+             f"{w['numpy_gelem_s']:.2f} Gelem/s (NumPy index assign)", ratio_text(w["ratio_numpy"]))]
+    if "ratio_torch" in w:
+        rows.append(("", "", f"{w['torch_gelem_s']:.2f} Gelem/s (torch, "
+                     f"{w['torch_threads']} thread)", ratio_text(w["ratio_torch"])))
+    rows.append(("gather 4096 tok", f"{g['kvcore_gelem_s']:.2f} Gelem/s",
+                 f"{g['numpy_gelem_s']:.2f} Gelem/s (NumPy fancy index)", ratio_text(g["ratio_numpy"])))
+    return rows

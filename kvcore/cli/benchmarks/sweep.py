@@ -21,7 +21,7 @@ import numpy as np
 
 import kvcore
 
-from ._timing import median_time, table
+from ._timing import median_time, table, ratio_text
 
 HEADS = 8
 DIM = 128
@@ -124,10 +124,13 @@ def report(res):
             + table(rows, head))
 
 
-def plot(res, path):
+def plot(res, path, spread=None, stamp=None):
     """Draw bandwidth against tokens (log x) into ``path``.
 
-    Raises ImportError when matplotlib is not installed.
+    ``spread``: ``(min_result, max_result)`` of repeated runs, drawn as error
+    bars around the medians in ``res``; ``stamp``: a line naming the mode,
+    CPU and SIMD level, printed under the title.  Raises ImportError when
+    matplotlib is not installed.
     """
     import matplotlib
 
@@ -136,18 +139,39 @@ def plot(res, path):
 
     pts = res["points"]
     xs = [p["tokens"] for p in pts]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(xs, [p["kvcore_gb_s"] for p in pts], "o-", label="kvcore pool.write")
-    ax.plot(xs, [p["numpy_gb_s"] for p in pts], "s--", label="NumPy fancy-index assignment")
+    lo = spread[0]["points"] if spread else pts
+    hi = spread[1]["points"] if spread else pts
+    fig, ax = plt.subplots(figsize=(7.0, 4.6))
+    series = [("kvcore_gb_s", "o-", "kvcore pool.write"),
+              ("numpy_gb_s", "s--", "NumPy fancy-index assignment")]
     if "torch_gb_s" in pts[0]:
-        ax.plot(xs, [p["torch_gb_s"] for p in pts], "^:", label="torch index_put (1 thread)")
+        series.append(("torch_gb_s", "^:", "torch index_put (1 thread)"))
+    for key, style, label in series:
+        med = [p[key] for p in pts]
+        err = [[m - a[key] for m, a in zip(med, lo)], [b[key] - m for m, b in zip(med, hi)]]
+        ax.errorbar(xs, med, yerr=err, fmt=style, capsize=3, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("tokens written per call")
     ax.set_ylabel("GB/s (K+V float32 read + float16 written)")
-    ax.set_title("Paged KV write, 8 KV heads x 128 dims, block size 16")
+    ax.set_title("Paged KV write, 8 KV heads x 128 dims, block size 16"
+                 + (f"\n{stamp}" if stamp else ""), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def rows(r):
+    """The lines of ``python -m kvcore bench``'s table for this benchmark:
+    ``(benchmark, kvcore, baseline, speedup)`` cells, formatted."""
+    out = []
+    for p in r["points"]:
+        label = f"paged write {p['tokens']} tok, bandwidth"
+        out.append((label, f"{p['kvcore_gb_s']:.2f} GB/s",
+                    f"{p['numpy_gb_s']:.2f} GB/s (NumPy)", ratio_text(p["ratio_numpy"])))
+        if "ratio_torch" in p:
+            out.append(("", "", f"{p['torch_gb_s']:.2f} GB/s (torch)",
+                        ratio_text(p["ratio_torch"])))
+    return out

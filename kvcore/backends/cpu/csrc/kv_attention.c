@@ -11,6 +11,7 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #include "kv_attn_internal.h"
+#include "kv_simd.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -19,47 +20,52 @@
 /* Levels                                                              */
 /* ------------------------------------------------------------------ */
 
-static const char *const level_names[KVA_NUM_LEVELS] = {"scalar", "avx2", "neon"};
-static int current_level = -1; /* -1: not chosen yet (the best is taken) */
+/* The attention's levels are levels of the registry (kv_simd.h): names,
+ * detection and the KVCORE_SIMD cap come from there.  The registry level
+ * each attention level is: */
+static const int registry_level[KVA_NUM_LEVELS] = {KVS_SCALAR, KVS_AVX2, KVS_NEON};
+static int current_level = -1; /* -1: not chosen yet (the default is taken) */
 
 int kva_level_supported(int level)
 {
-    if (level == KVA_SCALAR)
-        return 1;
-#if KVA_HAVE_AVX2
-    if (level == KVA_AVX2)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-#endif
-#if KVA_HAVE_NEON
-    if (level == KVA_NEON)
-        return 1;
-#endif
-    return 0;
+    if (level < 0 || level >= KVA_NUM_LEVELS)
+        return 0;
+    /* the kernels of a level exist only where they were compiled */
+    if ((level == KVA_AVX2 && !KVA_HAVE_AVX2) || (level == KVA_NEON && !KVA_HAVE_NEON))
+        return 0;
+    return kvs_level_supported(registry_level[level]);
 }
 
 int kva_best_level(void)
 {
-    static int best = -1;
-    if (best < 0) {
-        int b = KVA_SCALAR;
-        for (int l = 1; l < KVA_NUM_LEVELS; l++)
-            if (kva_level_supported(l))
-                b = l;
-        best = b;
-    }
+    int best = KVA_SCALAR;
+    for (int l = 1; l < KVA_NUM_LEVELS; l++)
+        if (kva_level_supported(l))
+            best = l;
+    return best;
+}
+
+int kva_default_level(void)
+{
+    /* the best attention level at or under the registry's default (a cap
+     * of f16c, which has no attention kernels, runs the scalar ones) */
+    const int cap = kvs_default_level();
+    int best = KVA_SCALAR;
+    for (int l = 1; l < KVA_NUM_LEVELS; l++)
+        if (kva_level_supported(l) && registry_level[l] <= cap)
+            best = l;
     return best;
 }
 
 int kva_current_level(void)
 {
     int l = __atomic_load_n(&current_level, __ATOMIC_RELAXED);
-    return l < 0 ? kva_best_level() : l;
+    return l < 0 ? kva_default_level() : l;
 }
 
 int kva_set_level(int level)
 {
-    if (level < 0 || level >= KVA_NUM_LEVELS || !kva_level_supported(level))
+    if (!kva_level_supported(level))
         return -1;
     __atomic_store_n(&current_level, level, __ATOMIC_RELAXED);
     return 0;
@@ -67,7 +73,7 @@ int kva_set_level(int level)
 
 const char *kva_level_name(int level)
 {
-    return level >= 0 && level < KVA_NUM_LEVELS ? level_names[level] : NULL;
+    return level >= 0 && level < KVA_NUM_LEVELS ? kvs_level_name(registry_level[level]) : NULL;
 }
 
 static const kva_math *math_for(int level)

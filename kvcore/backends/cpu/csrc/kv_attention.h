@@ -107,8 +107,10 @@ void kva_plan_free(kva_plan *plan);
 int64_t kva_plan_num_items(const kva_plan *plan);
 int kva_plan_num_threads(const kva_plan *plan);
 
-/* Kernel level: the best this CPU supports unless set. */
-int kva_best_level(void);
+/* Kernel level: the default (the best this CPU supports at or under the
+ * KVCORE_SIMD cap, kv_simd.h) unless set.  The names are the registry's. */
+int kva_best_level(void);    /* the best this CPU supports (no cap) */
+int kva_default_level(void); /* the best under the KVCORE_SIMD cap */
 int kva_level_supported(int level);
 int kva_current_level(void);
 int kva_set_level(int level);          /* 0, or -1 (unchanged) if unsupported */

@@ -7,6 +7,7 @@
  * __builtin_cpu_supports() said yes.
  */
 #include "kv_half.h"
+#include "kv_simd.h"
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
@@ -438,45 +439,16 @@ static const kvh_table kvh_tables[KVH_NUM_LEVELS] = {
 #endif
 };
 
-static const char *kvh_names[KVH_NUM_LEVELS] = {"scalar", "f16c", "avx2", "neon"};
-
-/* -1 until the first call detects the CPU.  Detection is idempotent, so a
- * race between two first callers only repeats the same work. */
-static int kvh_best = -1;
+/* Levels, names, detection and the KVCORE_SIMD cap: the registry (kv_simd.h),
+ * whose numbering kv_half.h's levels share. */
 static const kvh_table *kvh_active = &kvh_tables[KVH_SCALAR];
 static int kvh_level = KVH_SCALAR;
 
-int kvh_level_supported(int level)
-{
-    if (level == KVH_SCALAR)
-        return 1;
-#if KVH_X86
-    __builtin_cpu_init();
-    switch (level) {
-    case KVH_F16C:
-        return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") &&
-               __builtin_cpu_supports("sse4.1");
-    case KVH_AVX2:
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    default:
-        return 0;
-    }
-#else
-    return level == KVH_NEON && KVH_NEON_ON;
-#endif
-}
+int kvh_level_supported(int level) { return kvs_level_supported(level); }
 
-int kvh_best_level(void)
-{
-    if (kvh_best < 0) {
-        int best = KVH_SCALAR;
-        for (int l = 1; l < KVH_NUM_LEVELS; l++)
-            if (kvh_level_supported(l))
-                best = l;
-        kvh_best = best;
-    }
-    return kvh_best;
-}
+int kvh_best_level(void) { return kvs_best_level(); }
+
+int kvh_default_level(void) { return kvs_default_level(); }
 
 int kvh_current_level(void) { return kvh_level; }
 
@@ -489,12 +461,7 @@ int kvh_set_level(int level)
     return 0;
 }
 
-const char *kvh_level_name(int level)
-{
-    if (level < 0 || level >= KVH_NUM_LEVELS)
-        return NULL;
-    return kvh_names[level];
-}
+const char *kvh_level_name(int level) { return kvs_level_name(level); }
 
 void kvh_f32_to_f16(const float *src, uint16_t *dst, ptrdiff_t n) { kvh_active->to_f16(src, dst, n, 0); }
 void kvh_f32_to_bf16(const float *src, uint16_t *dst, ptrdiff_t n) { kvh_active->to_bf16(src, dst, n, 0); }

@@ -24,10 +24,11 @@ extern "C" {
 /* Element kinds shared by every kernel in kvcore (KVH_F32, KVH_F16, KVH_BF16). */
 #include "kv_kinds.h"
 
-/* SIMD levels, lowest first.  A level is usable only if the CPU has it.
- * There is no AVX-512 level: on an AVX-512 CPU (AMD EPYC) the 512-bit
- * versions measured slower than AVX2 (f32->f16 at 64 MB: 4.3 vs 5.9
- * Gelem/s), so AVX-512 CPUs use the AVX2 path. */
+/* SIMD levels, lowest first: the levels of the registry (kv_simd.h, the
+ * same numbers).  A level is usable only if the CPU has it.  There is no
+ * AVX-512 level: on an AVX-512 CPU (AMD EPYC) the 512-bit versions
+ * measured slower than AVX2 (f32->f16 at 64 MB: 4.3 vs 5.9 Gelem/s), so
+ * AVX-512 CPUs use the AVX2 path. */
 enum {
     KVH_SCALAR = 0, KVH_F16C = 1, KVH_AVX2 = 2, /* x86-64 */
     KVH_NEON = 3,                               /* aarch64 */
@@ -38,6 +39,8 @@ enum {
 int kvh_best_level(void);
 /* 1 if `level` can run on this CPU. */
 int kvh_level_supported(int level);
+/* The level to start at: the best one under the KVCORE_SIMD cap. */
+int kvh_default_level(void);
 /* The level in use now. */
 int kvh_current_level(void);
 /* Switch to `level`; returns 0, or -1 (nothing changed) if unsupported. */

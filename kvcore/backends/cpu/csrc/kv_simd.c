@@ -1,0 +1,128 @@
+/*
+ * kv_simd.c: see kv_simd.h.  Detection and the cap are computed at the
+ * first call and cached; both are idempotent, so a race between two first
+ * callers only repeats the same work.
+ */
+#include "kv_simd.h"
+
+#include <ctype.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define KVS_X86 1
+#else
+#define KVS_X86 0
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define KVS_NEON_ON 1
+#else
+#define KVS_NEON_ON 0
+#endif
+
+static const char *const kvs_names[KVS_NUM_LEVELS] = {"scalar", "f16c", "avx2", "neon"};
+
+const char *kvs_level_name(int level)
+{
+    return level >= 0 && level < KVS_NUM_LEVELS ? kvs_names[level] : NULL;
+}
+
+static int detect(int level)
+{
+    if (level == KVS_SCALAR)
+        return 1;
+#if KVS_X86 && defined(__GNUC__)
+    __builtin_cpu_init();
+    switch (level) {
+    case KVS_F16C:
+        return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") &&
+               __builtin_cpu_supports("sse4.1");
+    case KVS_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    default:
+        return 0;
+    }
+#else
+    return level == KVS_NEON && KVS_NEON_ON;
+#endif
+}
+
+/* bit l: level l is supported; -1 until detected */
+static int kvs_supported_mask = -1;
+
+int kvs_level_supported(int level)
+{
+    if (level < 0 || level >= KVS_NUM_LEVELS)
+        return 0;
+    int mask = __atomic_load_n(&kvs_supported_mask, __ATOMIC_RELAXED);
+    if (mask < 0) {
+        mask = 0;
+        for (int l = 0; l < KVS_NUM_LEVELS; l++)
+            if (detect(l))
+                mask |= 1 << l;
+        __atomic_store_n(&kvs_supported_mask, mask, __ATOMIC_RELAXED);
+    }
+    return (mask >> level) & 1;
+}
+
+int kvs_best_level(void)
+{
+    int best = KVS_SCALAR;
+    for (int l = 1; l < KVS_NUM_LEVELS; l++)
+        if (kvs_level_supported(l))
+            best = l;
+    return best;
+}
+
+static char kvs_text[64];
+static int kvs_cap_value = -2; /* -2: not read yet */
+
+int kvs_cap(void)
+{
+    int cap = __atomic_load_n(&kvs_cap_value, __ATOMIC_ACQUIRE);
+    if (cap != -2)
+        return cap;
+    const char *env = getenv("KVCORE_SIMD");
+    char text[64];
+    size_t n = 0;
+    if (env != NULL) {
+        while (*env && isspace((unsigned char)*env))
+            env++;
+        size_t len = strlen(env);
+        while (len > 0 && isspace((unsigned char)env[len - 1]))
+            len--;
+        for (; n < len && n < sizeof text - 1; n++)
+            text[n] = (char)tolower((unsigned char)env[n]);
+        /* a value longer than the buffer names no level */
+        cap = len >= sizeof text ? -1 : KVS_NUM_LEVELS - 1;
+    } else {
+        cap = KVS_NUM_LEVELS - 1;
+    }
+    text[n] = '\0';
+    if (n > 0 && cap >= 0) {
+        cap = -1;
+        for (int l = 0; l < KVS_NUM_LEVELS; l++)
+            if (strcmp(text, kvs_names[l]) == 0)
+                cap = l;
+    }
+    memcpy(kvs_text, text, n + 1);
+    __atomic_store_n(&kvs_cap_value, cap, __ATOMIC_RELEASE);
+    return cap;
+}
+
+const char *kvs_cap_text(void)
+{
+    kvs_cap();
+    return kvs_text;
+}
+
+int kvs_default_level(void)
+{
+    int cap = kvs_cap();
+    if (cap < 0)
+        return KVS_SCALAR;
+    while (cap > 0 && !kvs_level_supported(cap))
+        cap--;
+    return cap;
+}
