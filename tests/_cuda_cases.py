@@ -364,6 +364,13 @@ def _owner(dev, num_slots):
     return dev.be.slot_owner_table(num_slots)
 
 
+def _released(dev, owner):
+    """Every owner table of ``owner`` is back to -1 (ready for the next
+    write), and there is at least one."""
+    tables = owner.tables()
+    return bool(tables) and all((dev.get(t) == -1).all() for t in tables)
+
+
 def _pool_planes(rng, num_blocks, heads, block_size, head_dim, dk):
     """A two-plane (K, V) storage on the host, random bits."""
     return rand_bits(rng, (2, num_blocks, heads, block_size, head_dim), dk)
@@ -394,7 +401,7 @@ def test_write_slots_kv_repeated_slots_keep_the_last_token(dev, sk, dk):
         dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), slots_arg, sk, dk, owner,
                               True)
         assert_bits_equal(dev.get(d), want)
-        assert (dev.get(owner) == -1).all()  # released for the next write
+        assert _released(dev, owner)  # released for the next write
 
 
 def test_write_slots_kv_reads_v_before_writing_k(dev):
@@ -431,7 +438,7 @@ def test_write_slots_kv_checks_device_slots_on_the_device(dev):
             dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, F16,
                                   owner, True)
         assert_bits_equal(dev.get(d), storage)        # nothing written
-        assert (dev.get(owner) == -1).all()
+        assert _released(dev, owner)
         # unchecked (the CUDA-graph call): no error, the bad token is skipped,
         # the others land, nothing outside the pool is touched
         want = storage.copy()
@@ -442,7 +449,7 @@ def test_write_slots_kv_checks_device_slots_on_the_device(dev):
         dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, F16,
                               owner, False)
         assert_bits_equal(dev.get(d), want)
-        assert (dev.get(owner) == -1).all()
+        assert _released(dev, owner)
 
 
 def test_device_slots_reads_metadata_only(dev):
@@ -1071,7 +1078,7 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
         assert_bits_equal(dev.get(d), want)
         if scales is not None:
             assert_bits_equal(dev.get(d_s), want_s)
-        assert (dev.get(owner) == -1).all()
+        assert _released(dev, owner)
     bad = slots.copy()
     bad[2] = num_slots
     d = dev.put(storage)
@@ -1083,7 +1090,7 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
     assert_bits_equal(dev.get(d), storage)
     if scales is not None:
         assert_bits_equal(dev.get(d_s), scales)
-    assert (dev.get(owner) == -1).all()
+    assert _released(dev, owner)
 
 
 @pytest.mark.parametrize("block_size", (8, 16))
@@ -1240,6 +1247,107 @@ def test_copy_blocks_of_one_byte_storage(dev, qk, geometry):
         other = dev.put(_filled(a.shape, a.dtype))
         dev.be.copy_blocks_between(dev.put(a), src, other, dst)
         assert_bits_equal(dev.get(other)[:, dst], a[:, src])
+
+
+# ------------------------------- issue 23, item 5: misaligned out= views
+
+def _misaligned_zeros(dev, shape, dtype):
+    """A C-contiguous device array of zeros whose data starts one byte past
+    an aligned address (as a DLPack import or a byte-offset view can be)."""
+    dtype = np.dtype(dtype)
+    buf = dev.put(np.zeros(int(np.prod(shape)) * dtype.itemsize + 1, np.uint8))
+    a = buf[1:].view(dtype).reshape(shape)
+    assert dev.be._ptr(a) % dtype.itemsize, "not misaligned"
+    return a
+
+
+def test_misaligned_outputs_are_written_through_an_aligned_temporary(dev):
+    """A misaligned store faults on the GPU and leaves the CUDA context
+    unusable: every read kernel that writes an ``out=`` gets an aligned
+    temporary instead (its bytes then copied), with the CPU's bits."""
+    rng = np.random.default_rng(230)
+    heads, block_size, head_dim, nb = 2, 8, 64, 5
+    storage = rand_bits(rng, (nb, heads, block_size, head_dim), F16)
+    table = np.array([3, 0, 4], np.int32)
+    d_cache = dev.put(storage)
+    for dk in (F32, F16):
+        want = np.zeros((heads, 19, head_dim), STORAGE[dk])
+        CPU.gather(storage, table, 2, 21, want, F16, dk)
+        out = _misaligned_zeros(dev, want.shape, want.dtype)
+        dev.be.gather(d_cache, table, 2, 21, out, F16, dk)
+        assert_bits_equal(dev.get(out), want)
+    # gather_batch (padding +0)
+    lens = np.array([13, 24], np.int32)
+    tables = np.array([[3, 0, 4], [1, 2, 0]], np.int32)
+    want = np.zeros((2, heads, 24, head_dim), np.float32)
+    for s, n in enumerate(lens):
+        CPU.gather(storage, tables[s], 0, int(n), want[s, :, :n], F16, F32)
+    out = _misaligned_zeros(dev, want.shape, np.float32)
+    dev.be.gather_batch(d_cache, tables, lens, out, F16, F32)
+    assert_bits_equal(dev.get(out), want)
+    # fp8 pages widened
+    codes = _q_storage(rng, storage.shape, F8E4M3)
+    want = np.zeros((heads, 19, head_dim), np.float32)
+    CPU.gather_q(codes, None, table, 2, 21, want, F8E4M3, F32, 0.5)
+    out = _misaligned_zeros(dev, want.shape, np.float32)
+    dev.be.gather_q(dev.put(codes), None, table, 2, 21, out, F8E4M3, F32, 0.5)
+    assert_bits_equal(dev.get(out), want)
+    # convert: misaligned destination, misaligned source
+    x = rand_bits(rng, (37, 8), F32)
+    want = cpu_convert(x, F32, F16)
+    out = _misaligned_zeros(dev, want.shape, np.float16)
+    dev.be.convert(dev.put(x), F32, out, F16)
+    assert_bits_equal(dev.get(out), want)
+    src = _misaligned_zeros(dev, x.shape, np.float32)
+    src.view(np.uint8)[...] = dev.put(x).view(np.uint8)
+    out = dev.put(np.zeros_like(want))
+    dev.be.convert(src, F32, out, F16)
+    assert_bits_equal(dev.get(out), want)
+    # a paged write from misaligned K rows (copied as bytes first)
+    cache = rand_bits(rng, (nb, heads, block_size, head_dim), F16)
+    k = rand_bits(rng, (6, heads, head_dim), F32)
+    slots = np.array([3, 17, -1, 30, 8, 0], np.int64)
+    want = cache.copy()
+    CPU.write_slots(want, k, slots, F32, F16)
+    src = _misaligned_zeros(dev, k.shape, np.float32)
+    src.view(np.uint8)[...] = dev.put(k).view(np.uint8)
+    d = dev.put(cache)
+    dev.be.write_slots(d, src, slots, F32, F16)
+    assert_bits_equal(dev.get(d), want)
+
+
+def test_a_misaligned_out_with_a_strided_last_axis_is_a_value_error(dev):
+    rng = np.random.default_rng(231)
+    storage = rand_bits(rng, (3, 2, 8, 16), F16)
+    out = _misaligned_zeros(dev, (2, 5, 32), np.float32)[..., ::2]
+    before = dev.get(out).copy()
+    with pytest.raises(ValueError, match=r"out must be aligned to its itemsize \(4 bytes\)"):
+        dev.be.gather(dev.put(storage), np.array([1, 0], np.int32), 0, 5, out, F16, F32)
+    assert_bits_equal(dev.get(out), before)
+
+
+def test_paged_attention_into_a_misaligned_out(dev):
+    """attention.cu's stores and q loads: a misaligned ``out`` (and ``q``)
+    gives the bits of aligned ones; misaligned pages are a ValueError."""
+    rng = np.random.default_rng(232)
+    heads, kv_heads, bs, dim, nb = 4, 2, 8, 64, 6
+    kc, vc = (dev.put(rng.standard_normal((nb, kv_heads, bs, dim)).astype(np.float16))
+              for _ in range(2))
+    q_host = rng.standard_normal((3, heads, dim)).astype(np.float32)
+    tables = np.array([[4, 1, 5], [0, 2, 3]], np.int32)
+    lens = np.array([20, 9], np.int64)
+    qsl = np.array([0, 2, 3], np.int64)
+    args = (F16, tables, lens, qsl, dim ** -0.5, 0, 0.0)
+    want = dev.put(np.zeros((3, heads, dim), np.float32))
+    dev.be.paged_attention(dev.put(q_host), want, kc, vc, *args)
+    out = _misaligned_zeros(dev, (3, heads, dim), np.float32)
+    q = _misaligned_zeros(dev, (3, heads, dim), np.float32)
+    q.view(np.uint8)[...] = dev.put(q_host).view(np.uint8)
+    dev.be.paged_attention(q, out, kc, vc, *args)
+    assert_bits_equal(dev.get(out), dev.get(want))
+    bad = _misaligned_zeros(dev, (nb, kv_heads, bs, dim), np.float16)
+    with pytest.raises(ValueError, match="key_cache must be aligned to its itemsize"):
+        dev.be.paged_attention(dev.put(q_host), out, bad, vc, *args)
 
 
 __all__ = [name for name in dir() if name.startswith("test_")] + [

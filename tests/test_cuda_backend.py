@@ -260,7 +260,8 @@ def test_pool_write_with_device_slots_captures_into_a_graph(be):
     heads, bs, dim = 2, 16, 128
     pool = kvcore.BlockPool(6, bs, 1, heads, dim, dtype="bfloat16", device=be.device)
     ref = kvcore.BlockPool(6, bs, 1, heads, dim, dtype="bfloat16")
-    cupy.cuda.runtime.deviceSynchronize()  # the pool was zeroed on the legacy stream
+    # no deviceSynchronize() here: the pool's fill is complete when it is
+    # handed out, so a write on a non-blocking stream cannot race it (issue 23)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         k = cupy.asarray(rand_bits(rng, (4, heads, dim), F32))
@@ -322,3 +323,143 @@ def test_kvcache_update_takes_ml_dtypes_bfloat16(be):
     gpu.update(0, be.from_host(x), cupy.asarray(x.view(np.uint16)).view(bf16))
     for a, b in zip(cpu.get(0), gpu.get(0)):
         assert_bits_equal(cupy.asnumpy(b), a)
+
+
+# ------------------------------------- issue 23: streams, host memory, ftz
+
+def test_layers_written_on_two_streams_at_once_keep_their_k_and_v(be):
+    """Two layers written with the same slots on two non-blocking streams:
+    each write claims and releases in its own layer's owner table, so
+    neither release can reset the other's claims (which dropped K/V)."""
+    rng = np.random.default_rng(230)
+    heads, bs, dim, n = 8, 16, 128, 4096
+    pool = kvcore.BlockPool(n // bs + 4, bs, 2, heads, dim, dtype="float16", device=be.device)
+    ref = kvcore.BlockPool(n // bs + 4, bs, 2, heads, dim, dtype="float16")
+    slots = rng.permutation(pool.num_blocks * bs)[:n].astype(np.int64)
+    kv = [(rand_bits(rng, (n, heads, dim), F16), rand_bits(rng, (n, heads, dim), F16))
+          for _ in range(2)]
+    d_kv = [(cupy.asarray(k), cupy.asarray(v)) for k, v in kv]
+    d_slots = cupy.asarray(slots)
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    cupy.cuda.runtime.deviceSynchronize()   # inputs in place before either stream starts
+    for _ in range(20):
+        for layer, stream in enumerate(streams):
+            with stream:
+                pool.write(layer, *d_kv[layer], d_slots, check=False)
+    for stream in streams:
+        stream.synchronize()
+    for layer in range(2):
+        ref.write(layer, *kv[layer], slots)
+    assert_bits_equal(cupy.asnumpy(pool.storage), ref.storage)
+
+
+def test_an_upload_from_a_temporary_is_not_disturbed_by_its_reuse(be):
+    """Host arrays copied up are staged through pinned memory (CuPy issue
+    #6785): overwriting (or freeing) the host array right after the call
+    does not change what arrives."""
+    rng = np.random.default_rng(231)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        busy = cupy.zeros(1 << 26, cupy.float32)
+        outs, wants = [], []
+        for _ in range(8):
+            busy *= 1.0001          # keep the stream busy so the copies queue up
+            h = rand_bits(rng, (1 << 16,), F32)
+            wants.append(h.copy())
+            outs.append(be.from_host(h))
+            h[...] = 0
+    stream.synchronize()
+    for got, want in zip(outs, wants):
+        assert_bits_equal(cupy.asnumpy(got), want)
+
+
+def test_copy_blocks_to_pageable_host_memory_is_complete_on_return(be):
+    rng = np.random.default_rng(232)
+    dev_storage = rand_bits(rng, (4, 64, 8, 16, 128), F16)
+    d = cupy.asarray(dev_storage)
+    h = np.zeros((4, 64, 8, 16, 128), np.float16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        busy = cupy.zeros(1 << 26, cupy.float32)
+        busy *= 1.0001
+        be.copy_blocks_between(d, np.arange(64)[::-1].copy(), h, np.arange(64))
+        got = h.copy()   # read at once, no synchronize()
+    assert_bits_equal(got, dev_storage[:, ::-1])
+
+
+@pytest.mark.parametrize("kind", [F32, BF16])
+def test_attention_keeps_subnormal_values_as_the_cpu_does(be, kind):
+    """CuPy compiles with -ftz=true; attention.cu uses the PTX without .ftz,
+    so subnormal V (and K) elements are not read as 0 (issue 23, item 4)."""
+    heads, bs, dim, nb = 2, 16, 64, 4
+    tiny = np.float32(2.0 ** -130)                     # subnormal in float32 and bf16
+    rng = np.random.default_rng(233)
+    vals = (rng.integers(1, 8, size=(2, nb, heads, bs, dim)) * tiny).astype(np.float32)
+    pages = vals if kind == F32 else (vals.view(np.uint32) >> 16).astype(np.uint16)
+    q = rng.standard_normal((1, heads, dim)).astype(np.float32)
+    tables = np.array([[2, 0, 3]], np.int32)
+    lens, qsl = np.array([40], np.int64), np.array([0, 1], np.int64)
+    from kvcore.backends.reference import paged_attention_reference
+
+    want = np.asarray(paged_attention_reference(
+        q, pages[0], pages[1], tables, lens, qsl, scale=0.125,
+        kind="float32" if kind == F32 else "bfloat16"), np.float64)
+    assert (want != 0).all()
+    out = cupy.zeros(q.shape, cupy.float32)
+    be.paged_attention(cupy.asarray(q), out, cupy.asarray(pages[0]), cupy.asarray(pages[1]),
+                       kind, tables, lens, qsl, 0.125, 0, 0.0)
+    got = cupy.asnumpy(out)
+    assert (got != 0).all()
+    # the contract's 1e-5 relative (max abs error / max abs value); a value
+    # flushed to zero is off by all of it
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_32_layer_decode_step_captures_into_a_graph_and_replays_the_same_bits(be):
+    """Issue 23, item 6: with the attention plan made once (its metadata on
+    the device), a decode step of 32 layers of ``pool.write(check=False)``
+    and ``attention_run`` copies nothing and syncs nothing: it captures into
+    a CUDA graph, and a replay gives the bits of the step run directly."""
+    rng = np.random.default_rng(234)
+    layers, heads, kv_heads, bs, dim, batch, ctx = 32, 8, 2, 16, 128, 4, 100
+    per_seq = -(-ctx // bs)
+    nblk = batch * per_seq + 1
+    pool = kvcore.BlockPool(nblk, bs, layers, kv_heads, dim, dtype="float16", device=be.device)
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    lens = np.full(batch, ctx, np.int64)
+    qsl = np.arange(batch + 1, dtype=np.int64)
+    hist = rng.standard_normal((batch * per_seq * bs, kv_heads, dim)).astype(np.float32)
+    for layer in range(layers):   # the context before this step
+        pool.write(layer, cupy.asarray(hist), cupy.asarray(hist[::-1].copy()),
+                   np.arange(len(hist)))
+    plan = be.attention_plan(tables, lens, qsl, num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=dim, block_size=bs, num_blocks=nblk, kind=F16,
+                             scale=dim ** -0.5, sliding_window=0, soft_cap=0.0)
+    cupy.cuda.runtime.deviceSynchronize()   # the setup above ran on the legacy stream
+    slots_h = tables[:, (ctx - 1) // bs].astype(np.int64) * bs + (ctx - 1) % bs
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q = cupy.asarray(rng.standard_normal((layers, batch, heads, dim)).astype(np.float32))
+        k = cupy.asarray(rng.standard_normal((layers, batch, kv_heads, dim)).astype(np.float32))
+        v = cupy.asarray(rng.standard_normal((layers, batch, kv_heads, dim)).astype(np.float32))
+        slots = cupy.asarray(slots_h)
+        outs = cupy.zeros((layers, batch, heads, dim), cupy.float32)
+
+        def step():
+            for layer in range(layers):
+                pool.write(layer, k[layer], v[layer], slots, check=False)
+                be.attention_run(plan, q[layer], outs[layer], pool.storage[2 * layer],
+                                 pool.storage[2 * layer + 1])
+
+        step()   # warm-up: compiles the kernels, makes each layer's owner table
+        stream.synchronize()
+        want, want_storage = cupy.asnumpy(outs), cupy.asnumpy(pool.storage)
+        outs.fill(0)
+        stream.begin_capture()
+        step()
+        graph = stream.end_capture()
+        graph.launch(stream=stream)
+    stream.synchronize()
+    assert (want != 0).any()
+    assert_bits_equal(cupy.asnumpy(outs), want)
+    assert_bits_equal(cupy.asnumpy(pool.storage), want_storage)

@@ -11,6 +11,7 @@ import sys
 import types
 import warnings
 
+import numpy as np
 import pytest
 
 import kvcore
@@ -71,6 +72,43 @@ def test_cupy_without_a_gpu(fresh_guard, count, error, match):
     assert kc.cuda_available() is False
     with pytest.raises(kc.CudaUnavailableError, match=match):
         kc.get_cuda_backend("cuda")
+
+
+@pytest.mark.parametrize("version", ["13.0.0", "13.6.0", "14.0.2", "12.3.0"])
+def test_a_cupy_older_than_14_1_is_refused_saying_why(fresh_guard, version):
+    """CuPy 13.x cannot find pip's NVRTC and 13.0-14.0.x skip their kernel
+    cache for kvcore's modules (issue 23, item 1): refused at the first
+    device='cuda', with the version, the minimum and the fix."""
+    cp = _fake_cupy(1)
+    cp.__version__ = version
+    fresh_guard.setitem(sys.modules, "cupy", cp)
+    assert kc.cuda_available() is False
+    for _ in range(2):  # the verdict is cached, and raised again each time
+        with pytest.raises(kc.CudaUnavailableError,
+                           match=rf"CuPy {version} is too old: kvcore needs CuPy >= 14\.1") as e:
+            kc.get_cuda_backend("cuda")
+        assert "pip install" in str(e.value) and "device='cpu'" in str(e.value)
+
+
+@pytest.mark.parametrize("version", ["14.1.0", "14.2.0", "15.0.0a1", "99.0-fake", "dev"])
+def test_cupy_14_1_and_later_are_accepted(fresh_guard, version):
+    cp = _fake_cupy(1)
+    cp.__version__ = version
+    fresh_guard.setitem(sys.modules, "cupy", cp)
+    assert kc.get_cuda_backend("cuda").device == "cuda:0"
+
+
+def test_the_extras_ask_for_the_cupy_the_guard_accepts():
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    need = ".".join(map(str, kc.CUPY_MIN_VERSION))
+    for extra in ("cuda12", "cuda13"):
+        cupy = [r for r in extras[extra] if r.startswith("cupy-")]
+        assert cupy and all(r.endswith(f">={need}") for r in cupy), (extra, cupy)
 
 
 def test_one_backend_per_device(fresh_guard):
@@ -289,3 +327,70 @@ def test_attention_modules_hold_one_page_kind_each():
     # every instantiation is in exactly one module
     every = [n for _, names in ak.modules() for n in names]
     assert sorted(every) == sorted(ak.attention_names())
+
+
+# --------------------------------- uploads staged through pinned memory
+
+class _FakeEvent:
+    def __init__(self):
+        self.done = False
+
+
+class _FakeStream:
+    ptr = 0
+
+    def __init__(self):
+        self.events = []
+
+    def record(self):
+        self.events.append(_FakeEvent())
+        return self.events[-1]
+
+
+def _staging_cupy():
+    """A stand-in CuPy recording what ``ndarray.set`` is handed."""
+    stream = _FakeStream()
+    pinned, sets = [], []
+
+    class Dev:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+
+        def set(self, arr, stream=None):
+            sets.append((arr, stream))
+
+    def alloc_pinned_memory(nbytes):
+        pinned.append(bytearray(nbytes))
+        return pinned[-1]
+
+    cuda = types.SimpleNamespace(Device=lambda i: ("device", i),
+                                 get_current_stream=lambda: stream,
+                                 alloc_pinned_memory=alloc_pinned_memory)
+    cp = types.SimpleNamespace(cuda=cuda, ndarray=Dev, empty=Dev, __version__="14.2.0")
+    return cp, stream, pinned, sets
+
+
+def test_uploads_are_staged_through_pinned_memory_kept_until_the_copy_is_done():
+    """Issue 23, item 3 (CuPy issue #6785): ``ndarray.set`` from pageable
+    host memory may still read it after the call returns.  Every upload
+    copies into a pinned buffer, hands that to ``set`` on the current
+    stream, and holds it until the copy's event completes."""
+    from kvcore.backends.cuda.backend import CudaBackend
+
+    cp, stream, pinned, sets = _staging_cupy()
+    be = CudaBackend(cp, 0)
+    h = np.arange(12, dtype=np.int64).reshape(3, 4)
+    d = be._upload(h)
+    assert (d.shape, d.dtype) == ((3, 4), np.int64)
+    (arr, on), = sets
+    assert on is stream and len(pinned) == 1
+    assert np.shares_memory(arr, np.frombuffer(pinned[0], np.uint8))  # the pinned copy
+    assert not np.shares_memory(arr, h)
+    np.testing.assert_array_equal(arr, h)
+    h[...] = -1                               # reusing the source changes nothing staged
+    np.testing.assert_array_equal(arr, np.arange(12).reshape(3, 4))
+    # held while its copy is in flight, let go once the event is done
+    assert [b for _, b in be._staged] == [pinned[0]]
+    stream.events[0].done = True
+    be._upload(np.zeros(2, np.int32))
+    assert [b for _, b in be._staged] == [pinned[1]]

@@ -165,6 +165,12 @@ class HostCupy:
 
     @staticmethod
     def array(a, order="K", copy=True):
+        # CuPy's copy kernel loads whole elements: off their alignment that
+        # faults on a GPU (x86 does not mind), so the emulation refuses it
+        if isinstance(a, DevArray) and a.size and a.itemsize > 1:
+            assert a.ctypes.data % a.itemsize == 0 and all(
+                st % a.itemsize == 0 for n, st in zip(a.shape, a.strides) if n > 1), (
+                f"an element copy of a misaligned {a.dtype} array")
         return np.array(a, order=order, copy=copy).view(DevArray)
 
     @staticmethod
@@ -256,6 +262,18 @@ class EmulatedBackend(CudaBackend):
         self.launches = []
         self.uploads = []
         self.downloads = []
+        self.fences = []      # what was issued before each stream synchronisation
+        self.launch_args = []  # the argument list of every launch, as given
+
+    def _fence(self):
+        self.fences.append(len(self.launches))
+
+    def _is_pinned(self, h):
+        return False
+
+    def _record_event(self):
+        return None   # one host thread: every launch is complete on return
+
 
     def _ctx(self):
         return contextlib.nullcontext()
@@ -297,10 +315,14 @@ class EmulatedBackend(CudaBackend):
                 if file != _sources.COPY_FILE or a.dtype == np.int32:
                     assert a.itemsize == code, (
                         f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
+                # a GPU faults on an access off its size's alignment (x86 does not)
+                assert a.ctypes.data % code == 0, (
+                    f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
                 v = ctypes.c_void_p(a.ctypes.data)
             keep.append(v)
             params[k] = ctypes.addressof(v)
         self.launches.append((name, rows, chunks))
+        self.launch_args.append((name, list(args)))
         if rows <= 0 or chunks <= 0:
             return
         self._lib.run(name, rows, chunks, params)
@@ -327,6 +349,8 @@ class EmulatedBackend(CudaBackend):
                 assert isinstance(a, DevArray), (name, k, type(a))
                 assert a.itemsize == code, (
                     f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
+                assert a.ctypes.data % code == 0, (
+                    f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
                 v = ctypes.c_void_p(a.ctypes.data)
             keep.append(v)
             params[k] = ctypes.addressof(v)
@@ -1004,3 +1028,154 @@ def test_paged_attention_over_lowprec_pages_checks_the_scales(emulated_cuda, dty
     assert be.launches == []
     be.paged_attention(*args, lowprec=good)
     assert len(be.launches) == 1
+
+
+# ------------------------------ issue 23: streams, host copies (emulated)
+
+def test_a_cuda_pool_is_filled_before_any_stream_uses_it(emulated_cuda):
+    """Issue 23, item 2: the zero fill of a pool's storage (and int8 scales)
+    is waited for before the pool is handed out, so a write issued on
+    another stream cannot run before it (or be overwritten by it)."""
+    import kvcore
+
+    for dtype in ("float16", "int8"):
+        del emulated_cuda.fences[:]
+        pool = kvcore.BlockPool(8, 4, 2, 2, 16, dtype=dtype, device="cuda")
+        planes = 2 if dtype == "int8" else 1   # storage (+ scales)
+        assert len(emulated_cuda.fences) >= planes, dtype
+        assert not _get(pool.storage).any()
+
+
+def _claim_tables(be):
+    """The owner-table address of every kv_claim_slots launch so far."""
+    return [args[0].ctypes.data for name, args in be.launch_args if name == "kv_claim_slots"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn", "int8"])
+def test_each_layer_writes_through_its_own_slot_owner_table(emulated_cuda, dtype):
+    """Issue 23, item 2: two layers written on two streams must not share
+    the claim/release state (one write's release would reset the entries
+    the other's kernels read, dropping its K/V).  Each layer claims in a
+    table of its own, the same table every time (a CUDA graph keeps its
+    address), filled on the stream of its first write (nothing copied up);
+    the data is the CPU pool's."""
+    import kvcore
+
+    kw = {"kv_scales": [(0.5, 2.0)] * 3} if dtype.startswith("float8") else {}
+    cpu = kvcore.BlockPool(8, 4, 3, 2, 16, dtype=dtype, **kw)
+    gpu = kvcore.BlockPool(8, 4, 3, 2, 16, dtype=dtype, device="cuda", **kw)
+    rng = np.random.default_rng(23)
+    slots = np.array([3, 7, 3, -1, 30], np.int64)
+    for layer in (0, 2, 1, 0, 2):
+        k = rng.standard_normal((5, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((5, 2, 16)).astype(np.float32)
+        cpu.write(layer, k, v, slots)
+        gpu.write(layer, _put(k), _put(v), _put(slots) if layer == 1 else slots)
+    tables = _claim_tables(emulated_cuda)
+    assert len(tables) == 5
+    assert len({tables[0], tables[1], tables[2]}) == 3      # one table per layer
+    assert tables[3] == tables[0] and tables[4] == tables[1]  # and always the same
+    _same(gpu.storage, cpu.storage)
+    if dtype == "int8":
+        _same(gpu.scales, cpu.scales)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_copies_between_a_gpu_and_pageable_host_memory_wait(emu_lib, pinned):
+    """Issue 23, item 3: copy_blocks_between into (or out of) pageable host
+    memory waits for its copies before returning, so the host array may be
+    read or reused at once; pinned memory stays asynchronous."""
+    be = EmulatedBackend(emu_lib)
+    be._is_pinned = lambda h: pinned
+    rng = np.random.default_rng(24)
+    bits = rand_bits(rng, (2, 6, 2, 4, 8), F16)
+    host = np.zeros((2, 6, 2, 4, 8), np.float16)
+    dev_storage = _put(bits)
+    for src, dst in ((dev_storage, host), (host, dev_storage)):
+        del be.fences[:]
+        be.copy_blocks_between(src, np.array([1, 2, 5]), dst, np.array([0, 1, 3]))
+        assert len(be.fences) == (0 if pinned else 1)
+        if dst is host:
+            assert_bits_equal(host[:, [0, 1, 3]], bits[:, [1, 2, 5]])
+    assert_bits_equal(_get(dev_storage)[:, [0, 1, 3]], host[:, [1, 2, 5]])
+
+
+# --------------------- issue 23, item 6: attention plan once, run per layer
+
+@pytest.mark.parametrize("kind_name", ["float16", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("split_keys", [None, 8])   # 8: several splits, merge rows
+def test_attention_plan_uploads_once_and_runs_each_layer_with_launches_only(
+        emu_lib, monkeypatch, kind_name, split_keys):
+    """CudaBackend.attention_plan puts the step's metadata on the device
+    once; attention_run then only launches (nothing copied up or down, no
+    host sync: what a CUDA graph captures) and gives, layer after layer,
+    the bits of paged_attention, which is run(plan(...)), within the
+    contract's 1e-5 of the float64 reference."""
+    from kvcore import dtypes
+    from kvcore.backends.base import fp8_encode
+    from kvcore.backends.cuda import attention_kernels
+    from kvcore.backends.reference import paged_attention_reference
+
+    if split_keys is not None:
+        monkeypatch.setattr(attention_kernels, "SPLIT_KEYS", split_keys)
+    be = EmulatedBackend(emu_lib)
+    kind = dtypes.storage_kind(kind_name)
+    rng = np.random.default_rng([60, kind, split_keys or 0])
+    tables, lens, qsl, q = _attention_batch(rng)
+    num_blocks, kv_heads, bs, dim = 10, 2, 8, 64
+    layers, lowprec = [], None
+    for _ in range(3):
+        vals = rng.standard_normal((2, num_blocks, kv_heads, bs, dim)).astype(np.float32)
+        if kind == F16:
+            pages = vals.astype(np.float16)
+        elif kind == BF16:
+            pages = (vals.view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            pages = np.stack([fp8_encode(vals[i], kind, 0.5) for i in (0, 1)])
+            lowprec = (None, None, 0.5, 0.5)
+        layers.append((pages, _put(pages[0]), _put(pages[1])))
+    plan = be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=kv_heads,
+                             head_dim=dim, block_size=bs, num_blocks=num_blocks, kind=kind,
+                             scale=0.125, sliding_window=30, soft_cap=0.0, num_threads=1)
+    assert len(be.uploads) == (6 if split_keys else 5)
+    dq = _put(q)
+    outs = []
+    be.uploads.clear()
+    for _, k, v in layers:
+        out = _put(np.zeros(q.shape, np.float32))
+        be.attention_run(plan, dq, out, k, v, lowprec)
+        outs.append(_get(out))
+    assert be.uploads == [] and be.downloads == []
+    merges = [n for n, _, _ in be.launches if n.startswith("kva_attention_merge")]
+    assert len(merges) == (3 if split_keys else 0)
+    for (pages, k, v), got in zip(layers, outs):
+        once = _put(np.zeros(q.shape, np.float32))
+        be.paged_attention(dq, once, k, v, kind, tables, lens, qsl, 0.125, 30, 0.0, lowprec)
+        assert_bits_equal(got, _get(once))
+        ref_kw = {} if lowprec is None else {"key_scales": 0.5, "value_scales": 0.5}
+        want = np.asarray(paged_attention_reference(
+            q, pages[0], pages[1], tables, lens, qsl, scale=0.125, sliding_window=30,
+            kind=kind_name, **ref_kw))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_attention_run_checks_what_it_is_given_against_the_plan(emu_lib):
+    be = EmulatedBackend(emu_lib)
+    rng = np.random.default_rng(61)
+    tables, lens, qsl, q = _attention_batch(rng)
+    plan = be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=8, num_blocks=10, kind=F16, scale=0.125,
+                             sliding_window=0, soft_cap=0.0, num_threads=1)
+    k = _put(np.zeros((10, 2, 8, 64), np.float16))
+    out = _put(np.zeros(q.shape, np.float32))
+    with pytest.raises(ValueError, match=r"q must have the planned shape \(4, 8, 64\)"):
+        be.attention_run(plan, _put(q[:3]), out, k, k)
+    with pytest.raises(ValueError, match=r"key_cache must have the planned shape"):
+        be.attention_run(plan, _put(q), out, k[:9], k)
+    with pytest.raises(TypeError, match="plan must come from this backend's attention_plan"):
+        be.attention_run(object(), _put(q), out, k, k)
+    with pytest.raises(ValueError, match="head_dim in"):
+        be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=2, head_dim=48,
+                          block_size=8, num_blocks=10, kind=F16, scale=0.125,
+                          sliding_window=0, soft_cap=0.0, num_threads=1)
+    assert not _get(out).any()   # nothing ran

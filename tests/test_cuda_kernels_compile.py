@@ -227,16 +227,27 @@ def test_nvrtc_compiles_every_module_as_the_backend_does(nvrtc):
         assert all(v.startswith("_Z") for v in lowered.values())
 
 
+def _attention_harness():
+    """attention.cu as NVRTC compiles it, with every instantiation referenced."""
+    refs = "\n".join(f"void *const kva_instance_{i} = (void *)&{name};"
+                     for i, name in enumerate(attention_kernels.attention_names()))
+    return attention_kernels.source() + "\n\n/* instantiations kvcore uses */\n" + refs + "\n"
+
+
 @needs_nvcc
-@pytest.mark.parametrize("file", [f for f in _sources.FILES if f != "attention.cu"])
+@pytest.mark.parametrize("file", [*_sources.FILES, attention_kernels.ATTENTION_FILE.name])
 def test_no_flush_to_zero_under_cupys_ftz_option(file, tmp_path):
     """CuPy compiles every kernel with -ftz=true.  The data kernels promise
     the CPU's bits, subnormals included (an int8 row of tiny values, an fp8
-    write with a tiny scale): compiled with that option, none of their
-    instructions may carry .ftz.  (Attention accumulates in float32 within a
-    tolerance; flushing there is allowed.)"""
+    write with a tiny scale), and attention reads what they stored (a
+    subnormal bf16 / f32 element, an fp8 code times a subnormal scale, an
+    int8 code times its 2^-149 row scale) as the CPU does: compiled with
+    that option, none of their instructions may carry .ftz (issue 23,
+    item 4)."""
     src = tmp_path / f"all_{file}"
-    src.write_text(_harness(file), encoding="utf-8")
+    text = _attention_harness() if file == attention_kernels.ATTENTION_FILE.name \
+        else _harness(file)
+    src.write_text(text, encoding="utf-8")
     _nvcc([f"-arch={ARCH}", *NVCC_FLAGS, "-ftz=true", "-ptx", str(src),
            "-o", str(tmp_path / "k.ptx")], tmp_path)
     ptx = (tmp_path / "k.ptx").read_text()

@@ -28,6 +28,29 @@ _device_count = None     # cached after the first successful query
 
 _DEVICE = re.compile(r"^cuda(?::(\d+))?$")
 
+# The oldest CuPy kvcore runs on.  CuPy 13.x opens NVRTC by library name only,
+# so it does not find the libnvrtc that cuda-toolkit[nvrtc] (kvcore's cuda12 /
+# cuda13 extras) installs into site-packages: the first kernel would fail.
+# CuPy 13.0-14.0.x also skip the on-disk kernel cache for kvcore's modules,
+# so every process would recompile every kernel.  (pyproject.toml's extras
+# ask for the same.)
+CUPY_MIN_VERSION = (14, 1)
+
+
+def cupy_version_problem(version):
+    """Why CuPy ``version`` (its ``__version__``) cannot run kvcore, or None.
+
+    A version string that does not start with ``MAJOR.MINOR`` is let
+    through (a development build names itself as it likes)."""
+    m = re.match(r"\s*(\d+)\.(\d+)", str(version))
+    if m is None or (int(m.group(1)), int(m.group(2))) >= CUPY_MIN_VERSION:
+        return None
+    need = ".".join(map(str, CUPY_MIN_VERSION))
+    return (f"CuPy {version} is too old: kvcore needs CuPy >= {need} (older CuPy does not "
+            "find the NVRTC that pip installs, and skips its kernel cache for kvcore's "
+            f"kernels); pip install -U 'cupy-cuda12x>={need}' (or cupy-cuda13x), or "
+            "'kvcore[cuda12]' / 'kvcore[cuda13]'")
+
 
 def _import_cupy(device):
     """The CuPy module, or CudaUnavailableError naming what went wrong."""
@@ -38,9 +61,15 @@ def _import_cupy(device):
         except Exception as e:  # ImportError, or a CuPy whose CUDA libraries fail to load
             _cupy_error = e
         else:
-            _cupy = cupy
+            problem = cupy_version_problem(getattr(cupy, "__version__", ""))
+            if problem is None:
+                _cupy = cupy
+            else:
+                _cupy_error = CudaUnavailableError(problem)
     if _cupy is None:
         e = _cupy_error
+        if isinstance(e, CudaUnavailableError):  # a CuPy too old
+            raise CudaUnavailableError(f"device={device!r}: {e}; or use device='cpu'")
         if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
             why = "CuPy is not installed"
         else:

@@ -36,7 +36,7 @@ COPY_WORDS = (16, 4, 2, 1)
 
 # slots.cu: plain (non-template) kernels around BlockPool.write.
 SLOTS_FILE = "slots.cu"
-SLOTS_KERNELS = ("kv_claim_slots", "kv_release_slots")
+SLOTS_KERNELS = ("kv_claim_slots", "kv_release_slots", "kv_reset_owner")
 # What kv_claim_slots leaves in *bad when every slot is in range.
 NO_BAD = 2**63 - 1
 

@@ -7,14 +7,17 @@ CuPy itself; the guard in ``kvcore/backends/cuda/__init__.py`` hands the module 
 
 Streams and graphs: every kernel and copy is issued on CuPy's current stream
 of the backend's device (``cupy.cuda.get_current_stream()``) and nothing
-here waits for the device, except ``to_host``, ``synchronize`` and
-``copy_blocks_between`` into pageable host memory (where CUDA itself
-blocks).  A step can therefore be captured into a CUDA graph, provided the
-index arrays (slots, block tables, ids, lengths) are passed as device
-arrays: a NumPy index array is copied up from host memory, which a graph
-capture does not allow.  ``write_slots_kv`` with ``check=True`` waits for
-its range check's verdict (one 8-byte read); with ``check=False`` it does
-not.
+here waits for the device, except ``to_host``, ``synchronize``, ``zeros``
+(a pool's fill is complete before any stream uses the pool) and
+``copy_blocks_between`` to or from pageable host memory (the host array
+may be reused on return).  A step can therefore be captured into a CUDA
+graph, provided the index arrays (slots, block tables, ids, lengths) are
+passed as device arrays: a NumPy index array is copied up from host memory
+(through a pinned staging buffer), which a graph capture does not allow.
+Attention is planned once per step (``attention_plan``: the metadata goes
+up once) and run per layer (``attention_run``: launches only).
+``write_slots_kv`` with ``check=True`` waits for its range check's verdict
+(one 8-byte read); with ``check=False`` it does not.
 
 Arguments reaching these methods have been validated by the caller, except
 where a method says it checks.  Kernels are compiled with NVRTC on first
@@ -89,6 +92,7 @@ class CudaBackend(Backend):
         self._functions = {}
         self._modules = {}
         self._lock = threading.Lock()
+        self._staged = []   # (event, pinned buffer) of uploads in flight
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -116,14 +120,59 @@ class CudaBackend(Backend):
     def _stream_ptr(self):
         return self._cp.cuda.get_current_stream().ptr
 
+    def _fence(self):
+        """Wait for everything issued on the current stream: where work must
+        be complete before another stream may use its result (a pool's
+        fill) or before host memory it reads or writes may be touched (a
+        copy to or from pageable memory)."""
+        self._cp.cuda.get_current_stream().synchronize()
+
+    def _record_event(self):
+        """An event recorded on the current stream (what was issued so far)."""
+        return self._cp.cuda.get_current_stream().record()
+
+    def _wait_event(self, event):
+        """Order the current stream's next work after ``event``: nothing to
+        do once it has completed (a query, not a wait: no host sync, and a
+        CUDA graph capture sees no cross-stream dependency), else a
+        device-side wait."""
+        if event is not None and not event.done:
+            self._cp.cuda.get_current_stream().wait_event(event)
+
+    def _is_pinned(self, h):
+        """Whether host array ``h`` lies in page-locked (pinned) memory."""
+        try:
+            attrs = self._cp.cuda.runtime.pointerGetAttributes(h.ctypes.data)
+        except Exception:  # not known to CUDA: pageable
+            return False
+        return getattr(attrs, "type", 0) == 1  # cudaMemoryTypeHost
+
     def _upload(self, h):
         """A device copy of C-contiguous host array ``h``, issued on the
-        current stream."""
+        current stream.
+
+        Staged through pinned memory: an asynchronous copy from pageable
+        memory (``ndarray.set`` of a temporary, CuPy issue #6785) may read
+        the host buffer after it was freed or reused.  The pinned buffer is
+        kept until the copy's event has completed."""
         cp = self._cp
         d = cp.empty(h.shape, h.dtype)
         if h.size:
-            d.set(h, stream=cp.cuda.get_current_stream())
+            stream = cp.cuda.get_current_stream()
+            mem = cp.cuda.alloc_pinned_memory(h.nbytes)
+            staged = np.ndarray(h.shape, h.dtype, buffer=mem)
+            staged[...] = h
+            d.set(staged, stream=stream)
+            self._keep_until_done(stream.record(), mem)
         return d
+
+    def _keep_until_done(self, event, buffer):
+        """Hold ``buffer`` until ``event`` has completed (uploads' pinned
+        staging); the buffers of completed events are let go here."""
+        with self._lock:
+            pending = [(e, b) for e, b in self._staged if not e.done]
+            pending.append((event, buffer))
+            self._staged = pending
 
     def _download(self, d):
         """A NumPy copy of device array ``d``; waits for the current stream."""
@@ -279,8 +328,14 @@ class CudaBackend(Backend):
             return self.xp.empty(shape, _device_dtype(dtype))
 
     def zeros(self, shape, dtype):
+        """Zero-filled device memory (a pool's storage and scales), the fill
+        complete on return: the pool may be used from any stream, and a
+        fill left in flight on this stream would race a write issued on
+        another."""
         with self._ctx():
-            return self.xp.zeros(shape, _device_dtype(dtype))
+            a = self.xp.zeros(shape, _device_dtype(dtype))
+            self._fence()
+            return a
 
     def to_host(self, a):
         """``a`` as a NumPy array, for index arguments read on the host.
@@ -328,7 +383,14 @@ class CudaBackend(Backend):
         return a
 
     def _contiguous_copy(self, a):
-        """A C-contiguous copy of ``a`` (always a copy), moved as integers."""
+        """A C-contiguous copy of ``a`` (always a copy), moved as integers;
+        a misaligned ``a`` as bytes (an element copy would make the
+        misaligned loads that fault on a GPU), which needs its last axis
+        contiguous (else ValueError)."""
+        if self._misaligned(a) and a.ndim:
+            self._deliverable(a, "an input")
+            b = self.xp.array(a.view(np.uint8), order="C", copy=True)
+            return b.view(a.dtype)
         b = a.view(_bits_dtype(a.dtype))
         return self.xp.array(b, order="C", copy=True).view(a.dtype)
 
@@ -393,14 +455,19 @@ class CudaBackend(Backend):
         and ``d`` (same shape): ``s`` read from a copy when it overlaps ``d``
         or is strided, a strided ``d`` filled through a temporary."""
         xp = self.xp
-        if self._overlaps(s, d):  # read from a copy
-            s = s.copy()
+        self._deliverable(d, "dst")
+        if self._overlaps(s, d) or self._misaligned(s):  # read from a copy
+            s = self._contiguous_copy(s)
         elif not s.flags.c_contiguous:
             s = xp.ascontiguousarray(s)
-        tmp = d if d.flags.c_contiguous else xp.empty(d.shape, d.dtype)
+        tmp = d if d.flags.c_contiguous and not self._misaligned(d) \
+            else xp.empty(d.shape, d.dtype)
         launch(s, tmp)
         if tmp is not d:
-            d[...] = tmp
+            if self._misaligned(d):
+                d.view(np.uint8)[...] = tmp.view(np.uint8)
+            else:
+                d[...] = tmp
 
     def convert(self, src, src_kind, dst, dst_kind):
         """dst[...] = src converted; same shape, any strides (overlap allowed)."""
@@ -469,12 +536,24 @@ class CudaBackend(Backend):
     # ------------------------------------------------- BlockPool.write
     def slot_owner_table(self, num_slots):
         """The scratch ``write_slots_kv`` needs for a pool of ``num_slots``
-        slots: one int32 per slot, -1 (unclaimed) between writes.  Kept by
-        the pool for its lifetime (a CUDA graph holds its address)."""
+        slots: a ``SlotOwners``, which holds one owner table (one int32 per
+        slot, -1 between writes) per K plane written, so writes of
+        different layers issued on different streams never share one.
+        Kept by the pool for its lifetime (a CUDA graph holds the tables'
+        addresses)."""
+        return SlotOwners(self, num_slots)
+
+    def _new_owner_table(self, num_slots):
+        """One owner table, all -1, filled by a kernel on the current stream
+        (the stream of the layer's first write, which its claim pass
+        follows): nothing is copied up, so even a layer's first write can
+        be captured in a CUDA graph (where CuPy can allocate; a warm-up
+        write of every layer before capturing avoids the question)."""
         with self._ctx():
-            # uploaded rather than filled: a CuPy fill would compile a kernel
-            # (NVRTC) just to build a pool
-            return self._upload(np.full(num_slots, -1, np.int32))
+            table = self.xp.empty(num_slots, np.int32)
+            self._launch(_sources.SLOTS_FILE, None, None, "kv_reset_owner", num_slots, 1,
+                         [table])
+            return table
 
     def device_slots(self, slots, n):
         """``slots`` as a C-contiguous int64 array on this device when they
@@ -521,35 +600,37 @@ class CudaBackend(Backend):
             the host check; without ``check`` nothing waits or is read back
             (a CUDA graph can capture the call), and an out-of-range slot
             is skipped by the kernels (never written) but not reported.
-        owner : the pool's ``slot_owner_table``
+        owner : the pool's ``slot_owner_table`` (a ``SlotOwners``)
         check : bool
         """
         if k.shape[0] == 0:
             return
 
-        def write(d_slots):
+        def write(d_slots, table):
             if k.shape[1] and k.shape[2]:
                 v_ = v
                 if self._overlaps(v_, k_cache):  # read v before the keys change
                     v_ = self._contiguous_copy(v_)
-                self._write_plane(k_cache, k, d_slots, owner, src_kind, dst_kind)
-                self._write_plane(v_cache, v_, d_slots, owner, src_kind, dst_kind)
+                self._write_plane(k_cache, k, d_slots, table, src_kind, dst_kind)
+                self._write_plane(v_cache, v_, d_slots, table, src_kind, dst_kind)
 
-        self._claimed_write(slots, k.shape[0], owner, check, write)
+        self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
 
-    def _claimed_write(self, slots, n, owner, check, write):
-        """Run ``write(device_slots)`` between the claim and the release
-        passes of slots.cu (``write_slots_kv``'s protocol): with ``check``
-        and slots on the device, wait for the claim pass's range verdict
-        first and raise IndexError (nothing written) on a bad slot."""
-        num_slots = owner.shape[0]
+    def _claimed_write(self, plane, slots, n, owner, check, write):
+        """Run ``write(device_slots, table)`` between the claim and the
+        release passes of slots.cu (``write_slots_kv``'s protocol), in the
+        owner table of K plane ``plane``: with ``check`` and slots on the
+        device, wait for the claim pass's range verdict first and raise
+        IndexError (nothing written) on a bad slot."""
+        table = owner.table(plane)
+        num_slots = owner.num_slots
         with self._ctx():
             d_slots = self._index_array(slots, np.int64)
             bad = None
             if check and self._is_device(slots):
                 bad = self._upload(np.array([_sources.NO_BAD], np.int64))
             self._launch(_sources.SLOTS_FILE, None, None, "kv_claim_slots", n, 1,
-                         [owner, bad, d_slots, num_slots])
+                         [table, bad, d_slots, num_slots])
             try:
                 if bad is not None:
                     first = int(self._download(bad)[0])
@@ -558,10 +639,10 @@ class CudaBackend(Backend):
                         raise IndexError(
                             f"slots must be -1 (skip) or in 0..{num_slots - 1} "
                             f"(num_blocks * block_size - 1), got {value} at index {first}")
-                write(d_slots)
+                write(d_slots, table)
             finally:
                 self._launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
-                             [owner, d_slots, num_slots])
+                             [table, d_slots, num_slots])
 
     # ------------------------------------------- fp8 / int8 storage (lowprec.cu)
     @staticmethod
@@ -579,14 +660,46 @@ class CudaBackend(Backend):
 
     def _row_target(self, out):
         """``out``, or a C-contiguous temporary when its last axis is not
-        contiguous (the read kernels write one element per thread along it)."""
-        if out.ndim and out.shape[-1] > 1 and out.strides[-1] != out.itemsize or any(
-                st % out.itemsize for st in out.strides):
+        contiguous (the read kernels write one element per thread along it)
+        or it is not aligned to its itemsize (a misaligned store faults on
+        the GPU, leaving the CUDA context unusable)."""
+        inner = self._deliverable(out)
+        if self._misaligned(out):
             return self.xp.empty(out.shape, out.dtype)
-        return out
+        return out if inner else self.xp.empty(out.shape, out.dtype)
+
+    def _deliverable(self, out, arg="out"):
+        """Whether ``out``'s last axis is contiguous; a misaligned ``out``
+        must have it (``_deliver_bits`` then copies it as bytes), else
+        ValueError."""
+        inner = not out.ndim or out.shape[-1] <= 1 or out.strides[-1] == out.itemsize
+        if not inner and self._misaligned(out):
+            raise ValueError(
+                f"{arg} must be aligned to its itemsize ({out.itemsize} bytes) or have its "
+                f"last axis contiguous, got address {self._ptr(out):#x} and strides "
+                f"{out.strides}")
+        return inner
+
+    def _misaligned(self, a):
+        """Whether an element of ``a`` can lie off its itemsize's alignment
+        (the base pointer or a stride not a multiple of the itemsize)."""
+        return a.size > 0 and (self._ptr(a) % a.itemsize != 0
+                               or any(st % a.itemsize for n, st in zip(a.shape, a.strides)
+                                      if n > 1))
+
+    def _aligned_input(self, a):
+        """``a``, or an aligned C-contiguous copy of it when it is misaligned
+        (see ``_contiguous_copy``)."""
+        return self._contiguous_copy(a) if self._misaligned(a) else a
 
     def _deliver_bits(self, tmp, out):
-        if tmp is not out:
+        """out[...] = tmp (a ``_row_target``), as bits; a misaligned ``out``
+        as bytes (an element copy would make the misaligned stores)."""
+        if tmp is out:
+            return
+        if self._misaligned(out):
+            out.view(np.uint8)[...] = tmp.view(np.uint8)
+        else:
             out.view(_bits_dtype(out.dtype))[...] = tmp.view(_bits_dtype(tmp.dtype))
 
     def _write_plane_q(self, cache, scales, src, slots, owner, src_kind, dst_kind, scale):
@@ -624,18 +737,18 @@ class CudaBackend(Backend):
         if k.shape[0] == 0:
             return
 
-        def write(d_slots):
+        def write(d_slots, table):
             if k.shape[1] and k.shape[2]:
                 v_ = v
                 if self._overlaps(v_, k_cache) or (k_scales is not None
                                                   and self._overlaps(v_, k_scales)):
                     v_ = self._contiguous_copy(v_)   # read v before the keys change
-                self._write_plane_q(k_cache, k_scales, k, d_slots, owner, src_kind, dst_kind,
+                self._write_plane_q(k_cache, k_scales, k, d_slots, table, src_kind, dst_kind,
                                     k_scale)
-                self._write_plane_q(v_cache, v_scales, v_, d_slots, owner, src_kind, dst_kind,
+                self._write_plane_q(v_cache, v_scales, v_, d_slots, table, src_kind, dst_kind,
                                     v_scale)
 
-        self._claimed_write(slots, k.shape[0], owner, check, write)
+        self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
 
     def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
         """``gather`` of an fp8 / int8 plane, widened to float ``dst_kind``
@@ -712,8 +825,9 @@ class CudaBackend(Backend):
         with self._ctx():
             dim = src.shape[-1]
             s = xp.ascontiguousarray(src)
-            sc = None if scales is None else xp.ascontiguousarray(scales)
-            tmp = dst if dst.flags.c_contiguous and self._ptr(dst) % dst.itemsize == 0 \
+            sc = None if scales is None else xp.ascontiguousarray(self._aligned_input(scales))
+            self._deliverable(dst, "dst")
+            tmp = dst if dst.flags.c_contiguous and not self._misaligned(dst) \
                 else xp.empty(dst.shape, dst.dtype)
             rows = src.size // dim
             self._check_rows(rows, "dequantize")
@@ -735,17 +849,20 @@ class CudaBackend(Backend):
             return
         with self._ctx():
             table = self._index_array(block_table, np.int32)
+            cache = self._aligned_input(cache)
+            tmp = self._row_target(out)
             cs = self._estrides(cache, (0, 1, 2))
-            os_ = self._estrides(out, (0, 1))
-            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (out, (0, 1))])
+            os_ = self._estrides(tmp, (0, 1))
+            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
             rows = heads * n
             self._check_rows(rows, "gather (heads x positions)")
             self._check_rows(end, "gather (end position)")
             self._launch("paged.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
                          rows, dim // v,
-                         [out, cache, table, start, n, bs, cs[0], cs[1], cs[2],
+                         [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
                           os_[0], os_[1]])
+            self._deliver_bits(tmp, out)
 
     def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
         """A batch of sequences into one padded output.
@@ -794,16 +911,19 @@ class CudaBackend(Backend):
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
+            cache = self._aligned_input(cache)
+            tmp = self._row_target(out)
             cs = self._estrides(cache, (0, 1, 2))
-            os_ = self._estrides(out, (0, 1, 2))
-            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (out, (0, 1, 2))])
+            os_ = self._estrides(tmp, (0, 1, 2))
+            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
             rows = batch * heads * max_len
             self._check_rows(rows, "gather_batch")
             self._launch("paged.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
                          rows, dim // v,
-                         [out, cache, tables, lens, heads, max_len, tables.shape[1], bs,
+                         [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
                           cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
+            self._deliver_bits(tmp, out)
 
     def copy_blocks(self, storage, src, dst):
         """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
@@ -841,9 +961,10 @@ class CudaBackend(Backend):
         copy across all planes each, on the current stream.  With pinned
         host memory (``cupyx.empty_pinned``) they are asynchronous: call
         ``synchronize()`` before reading or reusing the host array.  With
-        pageable memory CUDA completes a device-to-host copy before
-        returning.  Ids on the device are read back to the host for a host
-        copy (a sync point); host ids are checked to be in range.
+        pageable memory this call waits for the copies (either way), so
+        the host array may be read or reused on return.  Ids on the device
+        are read back to the host for a host copy (a sync point); host ids
+        are checked to be in range.
         """
         n = len(src_ids)
         if len(dst_ids) != n:
@@ -958,6 +1079,12 @@ class CudaBackend(Backend):
                         rt.memcpyAsync(dp + p * d_plane + do, sp + p * s_plane + so, width,
                                        kind, stream)
                 i = j
+            # Pageable host memory: the caller may read (device -> host) or
+            # reuse (host -> device) it as soon as this returns, and CUDA does
+            # not promise an asynchronous copy is done with it by then.
+            # Pinned memory stays asynchronous (synchronize() before use).
+            if not self._is_pinned(dst_st if not to_device else src_st):
+                self._fence()
 
     def write_contiguous(self, dst, src, start, src_kind, dst_kind):
         """dst[b, h, start + t, :] = src[b, h, t, :] converted.
@@ -979,55 +1106,127 @@ class CudaBackend(Backend):
                          rows, dim // v,
                          [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
 
-    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
-        """``kvcore.paged_attention`` on this device (``kernels/attention.cu``).
+    # ------------------------------------------------------------- attention
+    def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
+                       num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
+                       sliding_window, soft_cap, num_threads=None):
+        """Plan attention calls of one step (``kernels/attention.cu``): the
+        work split and every index array, uploaded once, living on the
+        device.
 
-        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device arrays
-        key_cache, value_cache : ``(num_blocks, kv_heads, block_size, head_dim)``
-            device views of the pool's storage (bits of ``kind``), rows contiguous
-        block_tables, seq_lens, query_start_loc : host int32 / int64 / int64
-            arrays, already checked (kvcore/attention.py)
-        sliding_window, soft_cap : 0 when off
-        lowprec : fp8 / int8 pages only (None for float pages), as the CPU
-            kernel takes it: ``(key_scales, value_scales, k_scale, v_scale)``;
-            int8: float32 device arrays ``(num_blocks, kv_heads, block_size)``
-            (the pool's scale planes of the layer) and 1.0, 1.0; fp8: None,
-            None and the layer's finite positive scales.  A stored value
-            reads as ``element * scale`` (the pool's rule).
+        block_tables, seq_lens, query_start_loc : host int32 / int64 /
+            int64 arrays, already checked by the public layer (every block
+            id a run can read in ``0..num_blocks-1``)
+        scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
+        num_threads : ignored (the GPU's split is sized by the plan)
+
+        Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
+        are issued on the current stream and an event records their end: a
+        run on another stream waits for it (on the device), so the plan may
+        be made on one stream and run on others.
         """
-        scales = self._attention_scales(kind, key_cache, lowprec)
         ak = attention_kernels
-        num_tokens, num_heads, dim = q.shape
-        kv_heads, bs = key_cache.shape[1], key_cache.shape[2]
+        dim = int(head_dim)
         if dim not in ak.HEAD_DIMS:
             raise ValueError(f"the CUDA attention kernels take head_dim in {ak.HEAD_DIMS}, "
                              f"got {dim}")
+        qsl_h = np.ascontiguousarray(query_start_loc, np.int64)
+        num_tokens = int(qsl_h[-1]) if qsl_h.size else 0
+        plan = CudaAttentionPlan(
+            num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+            head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
+            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
         if num_tokens == 0:
-            return
-        items, nsplit, merge_rows = ak.plan(query_start_loc, seq_lens, num_heads, kv_heads,
-                                            sliding_window)
+            return plan
+        items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
+                                            plan.sliding_window)
         self._check_rows(len(items), "paged_attention (work items)")
         with self._ctx():
-            d_items = self._upload(items)
-            d_nsplit = self._upload(nsplit)
-            tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
-            lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
-            qsl = self._upload(np.ascontiguousarray(query_start_loc, np.int64))
-            partials = (self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)), np.float32)
-                        if len(merge_rows) else None)
-            cs = self._estrides(key_cache, (0, 1, 2))
-            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(kind, dim), len(items),
-                              ak.THREADS,
-                              [out, partials, q, key_cache, value_cache, tables, lens, qsl,
-                               d_items, d_nsplit, num_heads, tables.shape[1], bs,
-                               cs[0], cs[1], cs[2], float(scale), int(sliding_window),
-                               float(soft_cap), *scales])
+            plan.items = self._upload(items)
+            plan.nsplit = self._upload(nsplit)
+            plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
+            plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
+            plan.qsl = self._upload(qsl_h)
             if len(merge_rows):
-                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(dim), len(merge_rows),
-                                  ak.MERGE_THREADS,
-                                  [out, partials, self._upload(merge_rows), d_nsplit,
-                                   num_heads])
+                plan.merge_rows = self._upload(merge_rows)
+                plan.partials = self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)),
+                                              np.float32)
+            plan.ready = self._record_event()
+        return plan
+
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+        """Run a ``CudaAttentionPlan`` on one layer: launches only (no
+        upload, no allocation, no host sync), so a step of runs can be
+        captured in a CUDA graph.
+
+        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device
+            arrays (a misaligned one goes through an aligned temporary)
+        key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
+            head_dim)`` device views of the pool's storage (bits of the
+            plan's kind), rows contiguous
+        lowprec : as for ``paged_attention``
+
+        The plan's partials buffer belongs to it: runs of one plan are
+        issued on one stream at a time (as the layers of a step are).
+        """
+        if not isinstance(plan, CudaAttentionPlan):
+            raise TypeError(f"plan must come from this backend's attention_plan, got "
+                            f"{type(plan).__name__}")
+        want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
+        want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
+        for arg, a, want in (("q", q, want_q), ("out", out, want_q),
+                             ("key_cache", key_cache, want_kv),
+                             ("value_cache", value_cache, want_kv)):
+            if tuple(a.shape) != want:
+                raise ValueError(f"{arg} must have the planned shape {want}, got "
+                                 f"{tuple(a.shape)}")
+        scales = self._attention_scales(plan.kind, key_cache, lowprec)
+        if plan.num_tokens == 0:
+            return
+        for arg, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if self._misaligned(a):  # a misaligned load faults on the GPU
+                raise ValueError(
+                    f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
+                    f"{self._ptr(a):#x} and strides {a.strides}")
+        self._deliverable(out)
+        ak = attention_kernels
+        with self._ctx():
+            self._wait_event(plan.ready)
+            q = self._aligned_input(q)
+            target = out if out.flags.c_contiguous and not self._misaligned(out) \
+                else self.xp.empty(out.shape, out.dtype)
+            cs = self._estrides(key_cache, (0, 1, 2))
+            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(plan.kind, plan.head_dim),
+                              plan.items.shape[0], ak.THREADS,
+                              [target, plan.partials, q, key_cache, value_cache, plan.tables,
+                               plan.lens, plan.qsl, plan.items, plan.nsplit, plan.num_heads,
+                               plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
+                               plan.scale, plan.sliding_window, plan.soft_cap, *scales])
+            if plan.merge_rows is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
+                                  plan.merge_rows.shape[0], ak.MERGE_THREADS,
+                                  [target, plan.partials, plan.merge_rows, plan.nsplit,
+                                   plan.num_heads])
+            self._deliver_bits(target, out)
+
+    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+        """``kvcore.paged_attention`` on this device: ``attention_run`` of a
+        fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
+        int8 pages only, as the CPU kernel takes it: ``(key_scales,
+        value_scales, k_scale, v_scale)``; int8: float32 device arrays
+        ``(num_blocks, kv_heads, block_size)`` (the pool's scale planes of
+        the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
+        positive scales).  A stored value reads as ``element * scale``.
+        """
+        # the scales are checked before anything is planned or uploaded
+        self._attention_scales(kind, key_cache, lowprec)
+        plan = self.attention_plan(
+            block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
+            num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
+            num_blocks=key_cache.shape[0], kind=kind, scale=scale,
+            sliding_window=sliding_window, soft_cap=soft_cap)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
 
     def _attention_scales(self, kind, key_cache, lowprec):
         """The scale arguments of kva_attention_split for pages of ``kind``
@@ -1084,6 +1283,59 @@ class CudaBackend(Backend):
         """Wait for everything issued on this device's current stream."""
         with self._ctx():
             self._cp.cuda.get_current_stream().synchronize()
+
+
+class CudaAttentionPlan:
+    """``CudaBackend.attention_plan``'s result: the shape of a step's
+    attention and its device metadata (item table, split counts, block
+    tables, lengths, query starts, merge rows, the partials buffer)."""
+
+    __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
+                 "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
+                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready")
+
+    def __init__(self, **shape):
+        for name in self.__slots__:
+            setattr(self, name, shape.get(name))
+
+    def __repr__(self):
+        return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "
+                f"over {self.num_kv_heads} KV heads x {self.head_dim}, kind {self.kind}>")
+
+
+class SlotOwners:
+    """A pool's slot-owner state for ``write_slots_kv`` (slots.cu): one owner
+    table per K plane the pool writes, made on the plane's first write.
+
+    One table per layer, not one per pool: the claim and release passes of
+    a write are ordered on its stream only, so two layers written on two
+    streams sharing a table would let one write's release reset the entries
+    the other write's kernels are about to read, dropping that layer's K/V
+    without an error.  Writes of one layer on several streams at once must
+    still name different slots (they would race on the data anyway).
+    """
+
+    def __init__(self, backend, num_slots):
+        self._backend = backend
+        self.num_slots = int(num_slots)
+        self._tables = {}
+        self._lock = threading.Lock()
+
+    def table(self, plane):
+        """The owner table of K plane ``plane`` (keyed by its address)."""
+        key = self._backend._ptr(plane)
+        t = self._tables.get(key)
+        if t is None:
+            with self._lock:
+                t = self._tables.get(key)
+                if t is None:
+                    t = self._tables[key] = self._backend._new_owner_table(self.num_slots)
+        return t
+
+    def tables(self):
+        """Every table made so far (mainly for tests: each is all -1 between
+        writes)."""
+        return list(self._tables.values())
 
 
 def _dlpack_device_type(x):

@@ -15,7 +15,19 @@ minutes on an H100/H200, compilation included) measures:
   ``cache[blocks, :, offsets, :] = src.to(torch.float16)``;
 * gather of one 4096- and one 65536-token float16 sequence by a random block
   table into (heads, n, dim) (``CudaBackend.gather``), beside torch's
-  ``cache.index_select(0, table)`` made head-major.
+  ``cache.index_select(0, table)`` made head-major;
+* attention decode (``CudaBackend.paged_attention``, one query per
+  sequence) at batch {1, 64} x context {4096, 32768} x query heads per KV
+  head {1, 4, 8} x pages {float16, float8_e4m3fn}, 8 KV heads x 128 dims:
+  GB/s of K/V read (each page byte once) and its fraction of the copy
+  ceiling, and tokens/s (batch / time per call, one layer);
+* chunked prefill: 8192 query tokens over their own 8192-token context
+  (causal), 32 query heads over 8 KV heads, float16 pages, in TFLOP/s
+  (4 * heads * dim per visible (query, key) pair), beside torch's bf16
+  8192^3 matrix product (the tensor-core rate of the same machine).
+
+The whole run, quick or not, takes well under the 8 minutes ``.ci/gpu``
+allows it on an H200 (compilation included).
 
 Storage is laid out as a pool's: (num_layers * 2, num_blocks, heads,
 block_size, dim), the per-layer K plane being what the kernels receive.
@@ -37,6 +49,11 @@ from kvcore.dtypes import F16, F32
 HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 128, 16, 8192
 WRITE_TOKENS = (1, 64, 4096, 65536)
 GATHER_TOKENS = (4096, 65536)
+# attention decode grid (issue 23's goals are stated on it)
+DECODE_BATCH = (1, 64)
+DECODE_CONTEXT = (4096, 32768)
+DECODE_GROUP = (1, 4, 8)
+PREFILL_TOKENS, PREFILL_HEADS = 8192, 32
 
 
 def _torch_cuda():
@@ -74,8 +91,9 @@ def _copy_seconds(cp, cp_time, nbytes):
     return cp_time(lambda: cp.copyto(b, a), nbytes)
 
 
-def run(quick=False):
-    """Measure; returns a dict (see ``report``).
+def run(quick=False, attention=True):
+    """Measure; returns a dict (see ``report``); ``attention=False`` leaves
+    out the attention rows.
 
     Raises CudaUnavailableError without CuPy or a GPU.
     """
@@ -181,27 +199,169 @@ def run(quick=False):
 
                 t_t = torch_time(torch_gather, nbytes)
             row("gather f16", n, nbytes, t_kv, t_t)
+        del storage, key_cache, t_cache
+        if attention:
+            out["attention"] = _attention(be, cp, cp_time, ceiling, rng, quick)
+            if torch is not None:
+                n = 4096 if quick else 8192
+                a = torch.randn((n, n), dtype=torch.bfloat16, device=f"cuda:{be.device_id}")
+                t = torch_time(lambda: a @ a, 1 << 30)
+                out["torch_bf16_tflops"] = 2 * n ** 3 / t / 1e12
         be.synchronize()
     return out
 
 
+def _attention(be, cp, cp_time, ceiling, rng, quick):
+    """The attention rows of ``run``: decode over the grid, then prefill."""
+    from kvcore import dtypes
+
+    rows = []
+    max_tokens = max(DECODE_BATCH) * max(DECODE_CONTEXT)
+    num_blocks = max_tokens // BLOCK_SIZE + 1
+    for page in ("float16", "float8_e4m3fn"):
+        kind = dtypes.storage_kind(page)
+        shape = (num_blocks, HEADS, BLOCK_SIZE, DIM)
+        if kind == F16:
+            pages = [cp.asarray(rng.standard_normal(shape[1:], dtype=np.float32)
+                                .astype(np.float16)) for _ in range(2)]
+            pages = [cp.broadcast_to(p, shape).copy() for p in pages]
+            lowprec = None
+        else:   # random codes without the NaN ones (0x7f / 0xff)
+            pages = [cp.random.randint(0, 0x7f, size=shape, dtype=cp.uint8) for _ in range(2)]
+            lowprec = (None, None, 1.0, 1.0)
+        itemsize = pages[0].itemsize
+        for batch in DECODE_BATCH:
+            for context in DECODE_CONTEXT:
+                per_seq = context // BLOCK_SIZE
+                tables = rng.permutation(num_blocks)[:batch * per_seq].astype(np.int32)
+                tables = tables.reshape(batch, per_seq)
+                lens = np.full(batch, context, np.int64)
+                qsl = np.arange(batch + 1, dtype=np.int64)
+                kv_bytes = 2 * batch * context * HEADS * DIM * itemsize
+                for group in DECODE_GROUP:
+                    heads = HEADS * group
+                    q = cp.asarray(rng.standard_normal((batch, heads, DIM), dtype=np.float32))
+                    o = cp.empty_like(q)
+                    # planned once per step, run once per layer: the run is timed
+                    plan = be.attention_plan(
+                        tables, lens, qsl, num_heads=heads, num_kv_heads=HEADS, head_dim=DIM,
+                        block_size=BLOCK_SIZE, num_blocks=num_blocks, kind=kind,
+                        scale=DIM ** -0.5, sliding_window=0, soft_cap=0.0)
+
+                    def call():
+                        be.attention_run(plan, q, o, pages[0], pages[1], lowprec)
+
+                    t = cp_time(call, kv_bytes)
+                    rows.append({"op": "decode", "page": page, "batch": batch,
+                                 "context": context, "group": group, "s": t,
+                                 "kv_gbps": kv_bytes / t / 1e9,
+                                 "frac": kv_bytes / t / 1e9 / ceiling,
+                                 "tokens_per_s": batch / t})
+        del pages
+    # chunked prefill: one sequence, every query token of it (causal)
+    n = PREFILL_TOKENS // (2 if quick else 1)
+    shape = (n // BLOCK_SIZE, HEADS, BLOCK_SIZE, DIM)
+    pages = [cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(np.float16))
+             for _ in range(2)]
+    table = np.arange(n // BLOCK_SIZE, dtype=np.int32)[None]
+    q = cp.asarray(rng.standard_normal((n, PREFILL_HEADS, DIM), dtype=np.float32))
+    o = cp.empty_like(q)
+    t = cp_time(lambda: be.paged_attention(q, o, pages[0], pages[1], F16, table,
+                                           np.array([n], np.int64), np.array([0, n], np.int64),
+                                           DIM ** -0.5, 0, 0.0), 1 << 30)
+    flops = 4 * PREFILL_HEADS * DIM * n * (n + 1) / 2
+    rows.append({"op": "prefill", "page": "float16", "batch": 1, "context": n,
+                 "group": PREFILL_HEADS // HEADS, "s": t, "tflops": flops / t / 1e12})
+    del pages
+    rows.append(_captured_step(be, cp, cp_time, rng))
+    return rows
+
+
+def _captured_step(be, cp, cp_time, rng, layers=32, batch=64, context=4096, group=4):
+    """One decode step (``layers`` x (``pool.write`` of one token per
+    sequence, ``check=False``, + ``attention_run``)) captured in a CUDA graph;
+    the row times a replay (or says why the capture failed)."""
+    import kvcore
+
+    per_seq = context // BLOCK_SIZE
+    nblk = batch * per_seq + 1
+    pool = kvcore.BlockPool(nblk, BLOCK_SIZE, layers, HEADS, DIM, dtype="float16",
+                            device=be.device)
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    lens = np.full(batch, context, np.int64)
+    qsl = np.arange(batch + 1, dtype=np.int64)
+    heads = HEADS * group
+    plan = be.attention_plan(tables, lens, qsl, num_heads=heads, num_kv_heads=HEADS,
+                             head_dim=DIM, block_size=BLOCK_SIZE, num_blocks=nblk, kind=F16,
+                             scale=DIM ** -0.5, sliding_window=0, soft_cap=0.0)
+    row = {"op": "decode step (graph)", "page": "float16", "batch": batch, "context": context,
+           "group": group, "layers": layers}
+    cp.cuda.runtime.deviceSynchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            q = cp.asarray(rng.standard_normal((layers, batch, heads, DIM), dtype=np.float32))
+            k = cp.asarray(rng.standard_normal((layers, batch, HEADS, DIM), dtype=np.float32))
+            slots = cp.asarray(tables[:, -1].astype(np.int64) * BLOCK_SIZE + BLOCK_SIZE - 1)
+            outs = cp.empty_like(q)
+
+            def step():
+                for layer in range(layers):
+                    pool.write(layer, k[layer], k[layer], slots, check=False)
+                    be.attention_run(plan, q[layer], outs[layer], pool.storage[2 * layer],
+                                     pool.storage[2 * layer + 1])
+
+            step()
+            stream.synchronize()
+            stream.begin_capture()
+            step()
+            graph = stream.end_capture()
+            kv_bytes = layers * 2 * batch * context * HEADS * DIM * 2
+            row["s"] = cp_time(lambda: graph.launch(stream=stream), kv_bytes)
+            row["kv_gbps"] = kv_bytes / row["s"] / 1e9
+    except Exception as e:  # noqa: BLE001 - reported in the table, not raised
+        row["error"] = f"{type(e).__name__}: {e}"[:160]
+    stream.synchronize()
+    return row
+
+
 def report(r):
-    """A short plain-text table of ``run``'s result."""
-    lines = [f"{r['device']}  (CuPy {r['cupy']}, torch {r['torch'] or 'not measured'}); "
-             f"{r['heads']} KV heads x {r['dim']} dims, block size {r['block_size']}",
+    """Markdown tables of ``run``'s result (to paste into a note)."""
+    lines = [f"{r['device']} (CuPy {r['cupy']}, torch {r['torch'] or 'not measured'}); "
+             f"{r['heads']} KV heads x {r['dim']} dims, block size {r['block_size']}; "
              f"ceiling: device-to-device copy {r['ceiling_gbps']:.0f} GB/s "
-             "(bytes read + written)", ""]
-    head = (f"{'op':<16}{'tokens':>7}{'MB':>9}{'kvcore us':>11}{'GB/s':>8}{'of ceil':>9}"
-            f"{'torch us':>10}{'GB/s':>8}{'of ceil':>9}")
-    lines += [head, "-" * len(head)]
+             "(bytes read + written)", "",
+             "| op | tokens | MB | kvcore us | GB/s | of ceiling | torch us | GB/s | of ceiling |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for x in r["rows"]:
-        s = (f"{x['op']:<16}{x['tokens']:>7}{x['bytes'] / 1e6:>9.2f}{x['kvcore_s'] * 1e6:>11.1f}"
-             f"{x['kvcore_gbps']:>8.0f}{x['kvcore_frac']:>9.0%}")
+        s = (f"| {x['op']} | {x['tokens']} | {x['bytes'] / 1e6:.2f} | {x['kvcore_s'] * 1e6:.1f} "
+             f"| {x['kvcore_gbps']:.0f} | {x['kvcore_frac']:.0%} |")
         if "torch_s" in x:
-            s += f"{x['torch_s'] * 1e6:>10.1f}{x['torch_gbps']:>8.0f}{x['torch_frac']:>9.0%}"
+            s += f" {x['torch_s'] * 1e6:.1f} | {x['torch_gbps']:.0f} | {x['torch_frac']:.0%} |"
         else:
-            s += f"{'-':>10}{'-':>8}{'-':>9}"
+            s += " - | - | - |"
         lines.append(s)
+    att = r.get("attention")
+    if att:
+        lines += ["", "Attention (one layer; decode: one query per sequence; GB/s of K/V read)",
+                  "", "| op | pages | batch | context | group | us | K/V GB/s | of ceiling "
+                  "| tokens/s | TFLOP/s |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for x in att:
+            if "error" in x:
+                lines.append(f"| {x['op']} | {x['page']} | {x['batch']} | {x['context']} "
+                             f"| {x['group']} | failed: {x['error']} | | | | |")
+                continue
+            if x["op"] == "decode":
+                tail = f"{x['kv_gbps']:.0f} | {x['frac']:.0%} | {x['tokens_per_s']:.0f} | - |"
+            elif x["op"] == "prefill":
+                tail = f"- | - | - | {x['tflops']:.2f} |"
+            else:   # the captured step: all its layers
+                tail = f"{x['kv_gbps']:.0f} | - | {x['batch'] / x['s']:.0f} | - |"
+            lines.append(f"| {x['op']} | {x['page']} | {x['batch']} | {x['context']} "
+                         f"| {x['group']} | {x['s'] * 1e6:.1f} | " + tail)
+        if r.get("torch_bf16_tflops"):
+            lines.append(f"\ntorch bf16 matrix product: {r['torch_bf16_tflops']:.0f} TFLOP/s")
     return "\n".join(lines)
 
 
@@ -216,4 +376,11 @@ def rows(r):
         if "torch_s" in x:
             out.append(("", "", f"{x['torch_gbps']:.0f} GB/s (torch)",
                         f"{x['torch_s'] / x['kvcore_s']:.1f}x"))
+    for x in r.get("attention") or ():
+        if "error" in x or x["op"] != "decode":
+            continue   # the decode grid here; prefill and the graph row in report()
+        label = (f"GPU attention decode {x['page']} b{x['batch']} ctx{x['context']} "
+                 f"g{x['group']}")
+        out.append((label, f"{x['kv_gbps']:.0f} GB/s K/V", "device-to-device copy",
+                    f"{x['frac']:.2f} of"))
     return out

@@ -55,6 +55,95 @@
 typedef long long kva_i64;
 typedef unsigned short kva_u16;
 
+/* The float32 operations of this file, with subnormals kept.  CuPy compiles
+ * every kernel with -ftz=true, which would flush subnormal operands and
+ * results of every float instruction to zero: subnormal bf16 / f32 K/V, an
+ * fp8 code times a subnormal layer scale, an int8 code times the 2^-149 row
+ * scale would read as 0 on the GPU where the CPU keeps them.  On the device
+ * these are the PTX instructions without .ftz (tests/test_cuda_kernels_compile.py
+ * checks that no .ftz instruction is left in this file's kernels); on the
+ * host (the tests' emulation) the plain C++ operations, which keep
+ * subnormals.  add / mul / fma / div are IEEE round-to-nearest (and never
+ * contracted); ex2.approx.f32 is the same 2-ulp instruction exp2f uses,
+ * subnormal results included. */
+#if defined(__CUDA_ARCH__)
+#define KVA_BINARY(NAME, PTX)                                                  \
+    __device__ __forceinline__ float NAME(float a, float b)                    \
+    {                                                                          \
+        float r;                                                               \
+        asm(PTX " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                    \
+        return r;                                                              \
+    }
+KVA_BINARY(kva_add, "add.rn.f32")
+KVA_BINARY(kva_sub, "sub.rn.f32")
+KVA_BINARY(kva_mul, "mul.rn.f32")
+KVA_BINARY(kva_div, "div.rn.f32")
+KVA_BINARY(kva_max, "max.f32") /* a NaN operand gives the other one (fmaxf) */
+#undef KVA_BINARY
+__device__ __forceinline__ float kva_fma(float a, float b, float c)
+{
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+__device__ __forceinline__ float kva_exp2(float a)
+{
+    float r;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+#else
+__device__ __forceinline__ float kva_add(float a, float b) { return a + b; }
+__device__ __forceinline__ float kva_sub(float a, float b) { return a - b; }
+__device__ __forceinline__ float kva_mul(float a, float b) { return a * b; }
+__device__ __forceinline__ float kva_div(float a, float b) { return a / b; }
+__device__ __forceinline__ float kva_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float kva_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ float kva_exp2(float a) { return exp2f(a); }
+#endif
+
+/* x == +-0, read from the bits (a float compare would flush a subnormal). */
+__device__ __forceinline__ bool kva_is_zero(float x)
+{
+    union { unsigned u; float f; } c;
+    c.f = x;
+    return (c.u << 1) == 0;
+}
+
+/* tanh(x) from the operations above (CUDA's tanhf flushes under -ftz):
+ * |x| < 0.3 its odd Taylor series to x^11 (the next term is below 2^-28
+ * of the result), else 1 - 2 / (2^(2|x| log2 e) + 1) (within a few ulp),
+ * the sign restored; NaN stays NaN, +-inf gives +-1.  The host emulation
+ * uses the C library's tanhf. */
+__device__ __forceinline__ float kva_tanh(float x)
+{
+#if defined(__CUDA_ARCH__)
+    union { unsigned u; float f; } c;
+    c.f = x;
+    const unsigned sign = c.u & 0x80000000u;
+    c.u ^= sign; /* |x| */
+    const float a = c.f;
+    float t;
+    if (c.u < 0x3e99999au) { /* |x| < 0.3f, compared as bits (NaN goes on) */
+        const float a2 = kva_mul(a, a);
+        float p = -1382.0f / 155925.0f;
+        p = kva_fma(p, a2, 62.0f / 2835.0f);
+        p = kva_fma(p, a2, -17.0f / 315.0f);
+        p = kva_fma(p, a2, 2.0f / 15.0f);
+        p = kva_fma(p, a2, -1.0f / 3.0f);
+        t = kva_fma(kva_mul(p, a2), a, a);
+    } else {
+        const float e = kva_exp2(kva_mul(a, 2.0f * 1.4426950408889634f));
+        t = kva_sub(1.0f, kva_div(2.0f, kva_add(e, 1.0f)));
+    }
+    c.f = t;
+    c.u |= sign;
+    return c.f;
+#else
+    return tanhf(x);
+#endif
+}
+
 template <int KIND> struct KvaStorage { typedef kva_u16 type; };
 template <> struct KvaStorage<KV_F32> { typedef float type; };
 template <> struct KvaStorage<KV_F8E4M3> { typedef kv_u8 type; };
@@ -90,7 +179,7 @@ __device__ __forceinline__ float kva_warp_sum(float x)
 {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
-        x += __shfl_xor_sync(0xffffffffu, x, o);
+        x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
 
@@ -120,12 +209,12 @@ kva_attention_split(float *out, float *partials, const float *q,
     const kva_i64 s = it[0], row = it[1], g = it[2], h0 = it[3];
     const int nh = (int)it[4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool capped = soft_cap > 0.0f;
-    const float qscale = capped ? scale : scale * KVA_LOG2E;
+    const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
+    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
 
     for (int i = threadIdx.x; i < KVA_HEADS * D; i += blockDim.x) {
         int h = i / D, d = i - h * D;
-        q_s[h][d] = h < nh ? q[(row * num_heads + h0 + h) * D + d] * qscale : 0.0f;
+        q_s[h][d] = h < nh ? kva_mul(q[(row * num_heads + h0 + h) * D + d], qscale) : 0.0f;
     }
     __syncthreads();
 
@@ -166,8 +255,8 @@ kva_attention_split(float *out, float *partials, const float *q,
             vv[i] = d < D ? kva_widen<KIND>(value_cache + base + d) : 0.0f;
             if constexpr (KVA_SCALED(KIND)) {
                 if (d < D) { /* the stored value: element * scale */
-                    kv[i] *= ks;
-                    vv[i] *= vs;
+                    kv[i] = kva_mul(kv[i], ks);
+                    vv[i] = kva_mul(vv[i], vs);
                 }
             }
         }
@@ -180,19 +269,19 @@ kva_attention_split(float *out, float *partials, const float *q,
             for (int i = 0; i < NPL; i++) {
                 int d = lane + 32 * i;
                 if (d < D)
-                    part = fmaf(q_s[h][d], kv[i], part);
+                    part = kva_fma(q_s[h][d], kv[i], part);
             }
             float score = kva_warp_sum(part);
             if (capped)
-                score = soft_cap * KVA_LOG2E * tanhf(score / soft_cap);
-            float mnew = fmaxf(m[h], score);
-            float alpha = exp2f(m[h] - mnew); /* m = -inf: 0 */
-            float p = exp2f(score - mnew);
-            l[h] = l[h] * alpha + p;
+                score = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(score, soft_cap)));
+            float mnew = kva_max(m[h], score);
+            float alpha = kva_exp2(kva_sub(m[h], mnew)); /* m = -inf: 0 */
+            float p = kva_exp2(kva_sub(score, mnew));
+            l[h] = kva_fma(l[h], alpha, p);
             m[h] = mnew;
 #pragma unroll
             for (int i = 0; i < NPL; i++)
-                acc[h][i] = fmaf(p, vv[i], acc[h][i] * alpha);
+                acc[h][i] = kva_fma(p, vv[i], kva_mul(acc[h][i], alpha));
         }
     }
 
@@ -216,18 +305,18 @@ kva_attention_split(float *out, float *partials, const float *q,
         int h = i / D, d = i - h * D;
         float mx = KVA_NEG_INF;
         for (int w = 0; w < KVA_WARPS; w++)
-            mx = fmaxf(mx, part_s[w][h][0]);
+            mx = kva_max(mx, part_s[w][h][0]);
         float total = 0.0f, a = 0.0f;
         for (int w = 0; w < KVA_WARPS; w++) {
             float mw = part_s[w][h][0];
-            if (part_s[w][h][1] == 0.0f) /* a warp without keys (a NaN sum is kept) */
+            if (kva_is_zero(part_s[w][h][1])) /* a warp without keys (a NaN sum is kept) */
                 continue;
-            float wgt = exp2f(mw - mx);
-            total += wgt * part_s[w][h][1];
-            a += wgt * part_s[w][h][2 + d];
+            float wgt = kva_exp2(kva_sub(mw, mx));
+            total = kva_fma(wgt, part_s[w][h][1], total);
+            a = kva_fma(wgt, part_s[w][h][2 + d], a);
         }
         if (single) {
-            out[(row * num_heads + h0 + h) * D + d] = a / total;
+            out[(row * num_heads + h0 + h) * D + d] = kva_div(a, total);
         } else {
             float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
             p[2 + d] = a;
@@ -253,16 +342,16 @@ __global__ void kva_attention_merge(float *out, const float *partials, const kva
         kva_i64 h = i / D, d = i - h * D;
         float mx = KVA_NEG_INF;
         for (int sp = 0; sp < n; sp++)
-            mx = fmaxf(mx, partials[(first + sp) * KVA_HEADS * (D + 2) + h * (D + 2)]);
+            mx = kva_max(mx, partials[(first + sp) * KVA_HEADS * (D + 2) + h * (D + 2)]);
         float total = 0.0f, a = 0.0f;
         for (int sp = 0; sp < n; sp++) {
             const float *p = partials + (first + sp) * KVA_HEADS * (D + 2) + h * (D + 2);
-            if (p[1] == 0.0f) /* a split without keys (a NaN sum is kept) */
+            if (kva_is_zero(p[1])) /* a split without keys (a NaN sum is kept) */
                 continue;
-            float wgt = exp2f(p[0] - mx);
-            total += wgt * p[1];
-            a += wgt * p[2 + d];
+            float wgt = kva_exp2(kva_sub(p[0], mx));
+            total = kva_fma(wgt, p[1], total);
+            a = kva_fma(wgt, p[2 + d], a);
         }
-        out[(row * num_heads + h0 + h) * D + d] = a / total;
+        out[(row * num_heads + h0 + h) * D + d] = kva_div(a, total);
     }
 }

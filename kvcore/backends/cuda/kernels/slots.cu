@@ -12,7 +12,10 @@
  *
  * all on one stream, so each pass sees the previous one's stores.  Between
  * writes the table is all -1; a write touches only its own slots' entries,
- * so writes of disjoint slots may run on different streams.
+ * so writes of disjoint slots may run on different streams.  Each layer has
+ * a table of its own (backend.py's SlotOwners), made by kv_reset_owner on
+ * the stream of the layer's first write: writes of different layers on
+ * different streams never share one.
  *
  * The claim pass is also the range check of slots that live on the device:
  * the smallest token index whose slot is outside -1..num_slots-1 lands in
@@ -46,7 +49,19 @@ KV_HD void kv_release_slots_item(kv_i64 row, kv_i64 chunk, kv_i32 *owner,
         owner[slot] = -1;
 }
 
+/* owner[row] = -1: a new table (rows = its slots). */
+KV_HD void kv_reset_owner_item(kv_i64 row, kv_i64 chunk, kv_i32 *owner)
+{
+    (void)chunk;
+    owner[row] = -1;
+}
+
 #ifndef KVCORE_HOST_EMULATION
+__global__ void kv_reset_owner(kv_i64 rows, kv_i64 chunks, kv_i32 *owner)
+{
+    KV_ROW_LOOP(rows, chunks, kv_reset_owner_item(row, chunk, owner));
+}
+
 __global__ void kv_claim_slots(kv_i64 rows, kv_i64 chunks, kv_i32 *owner, kv_i64 *bad,
                                const kv_i64 *slots, kv_i64 num_slots)
 {
