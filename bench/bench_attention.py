@@ -16,6 +16,8 @@ import time
 import numpy as np
 
 import kvcore
+from kvcore import dtypes
+from kvcore.backends import CPU
 from kvcore.cli.benchmarks import attention
 from kvcore.cli.benchmarks._timing import script_main
 
@@ -66,10 +68,10 @@ def plan_overhead(quick=False, seed=0, context=CONTEXT):
             out = np.empty_like(q)
             plan = kvcore.AttentionPlan(pool, tables, lens, num_heads=heads)
             # the backend plan the public one runs, called as attention_run is
-            be = pool._backend
+            be = CPU
             inner = be.attention_plan(tables, lens, np.array([0, 1], np.int64), num_heads=heads,
                                       num_kv_heads=kv_heads, head_dim=dim, block_size=bs,
-                                      num_blocks=nblk + 1, kind=pool._kind,
+                                      num_blocks=nblk + 1, kind=dtypes.storage_kind(pool.dtype),
                                       scale=1 / np.sqrt(dim), sliding_window=0, soft_cap=0.0,
                                       num_threads=1)
             k, v = pool.key_cache(1), pool.value_cache(1)

@@ -409,3 +409,20 @@ def test_plan_on_a_cuda_pool(emulated_cuda):
         plan.run(q, 0)
     with pytest.raises(ValueError, match="out must not overlap the KV cache's storage"):
         plan.run(_put(q), 0, out=pool.key_cache(0)[:15, 0, :8, :])
+
+
+def test_the_fast_path_binds_only_layers_of_one_buffer():
+    """_attention.Plan.bind measures the layer stride from layer 0 and the
+    last layer: planes that are not views of one array are not bound (the
+    layers between could lie anywhere), and run_layer then declines."""
+    tables, lens, qsl, q = _batch()
+    plan = CPU.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64,
+                              block_size=8, num_blocks=20, kind=dtypes.F16, scale=0.125,
+                              sliding_window=0, soft_cap=0.0, num_threads=1)
+    storage = np.zeros((3, 20, 2, 8, 64), np.float16)
+    other = np.zeros((20, 2, 8, 64), np.float16)
+    assert plan.bind(storage[0], storage[0], other, other, 3) is None
+    assert plan.run_layer(q, 0) is NotImplemented
+    run = plan.bind(storage[0], storage[0], storage[2], storage[2], 3)
+    assert run is not None and run(q, 2).shape == q.shape
+    assert run(q, 3) is NotImplemented and run(q.astype(np.float16), 0) is NotImplemented

@@ -53,10 +53,10 @@ def _batch(contexts, queries, width):
     return tables, np.asarray(contexts, np.int64), qsl
 
 
-def _pool(device="cpu", dtype="float16"):
-    pool = kvcore.BlockPool(NUM_BLOCKS, BS, 1, 2, 16, dtype=dtype, device=device)
+def _pool(device="cpu", dtype="float16", head_dim=16):
+    pool = kvcore.BlockPool(NUM_BLOCKS, BS, 1, 2, head_dim, dtype=dtype, device=device)
     rng = np.random.default_rng(5)
-    vals = rng.standard_normal((NUM_BLOCKS * BS, 2, 16)).astype(np.float32)
+    vals = rng.standard_normal((NUM_BLOCKS * BS, 2, head_dim)).astype(np.float32)
     put = _put if device != "cpu" else (lambda a: a)
     pool.write(0, put(vals), put(vals[::-1].copy()), np.arange(NUM_BLOCKS * BS))
     return pool
@@ -120,12 +120,12 @@ def test_the_issue_19_table():
 
 
 # ------------------------------------------------------------------ out=
-def _int8_pool(device="cpu"):
-    pool = kvcore.BlockPool(8, 4, 2, 2, 16, dtype="int8", device=device)
+def _int8_pool(device="cpu", head_dim=16):
+    pool = kvcore.BlockPool(8, 4, 2, 2, head_dim, dtype="int8", device=device)
     put = _put if device != "cpu" else (lambda a: a)
     rng = np.random.default_rng(3)
     for layer in (0, 1):
-        vals = rng.standard_normal((32, 2, 16)).astype(np.float32)
+        vals = rng.standard_normal((32, 2, head_dim)).astype(np.float32)
         pool.write(layer, put(vals), put(vals), np.arange(32))
     return pool
 
@@ -156,31 +156,30 @@ def test_kvcache_out_viewing_the_scales_is_refused():
 
 
 def test_cuda_out_viewing_the_scale_planes_is_refused(emulated_cuda):
-    pool = _int8_pool("cuda")
+    pool = _int8_pool("cuda", head_dim=64)     # (a head_dim the CUDA kernels take)
     before = _get(pool.scales).copy()
     emulated_cuda.launches.clear()
-    out = pool.scales.reshape(-1)[:32].reshape(1, 2, 16)
+    out = pool.scales.reshape(-1)[:128].reshape(1, 2, 64)     # every scale of the pool
     with pytest.raises(ValueError, match="out must not overlap the KV cache's storage or scales"):
-        kvcore.paged_attention(_put(np.ones((1, 2, 16), np.float32)), pool, 1, [[0, 1]], [6],
+        kvcore.paged_attention(_put(np.ones((1, 2, 64), np.float32)), pool, 1, [[0, 1]], [6],
                                out=out)
     assert emulated_cuda.launches == []
     np.testing.assert_array_equal(_get(pool.scales), before)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_cuda_misaligned_out_is_refused(emulated_cuda, dtype):
+def test_cuda_misaligned_out_is_filled(emulated_cuda, dtype):
     """Issue 23 item 5: a view of device memory off its element alignment
-    would be written with misaligned stores (a fault on a GPU), on the
-    direct path and through the conversion alike."""
-    pool = _pool("cuda")
+    is filled through an aligned temporary (a misaligned store faults on a
+    GPU), on the direct path (float32) and through the conversion alike."""
+    pool = _pool("cuda", head_dim=64)
     item = np.dtype(dtype).itemsize
-    raw = _put(np.zeros(4 * 16 * item + 1, np.uint8))
-    out = raw[1:].view(dtype).reshape(1, 4, 16)
-    emulated_cuda.launches.clear()
-    with pytest.raises(ValueError, match=rf"out must be aligned to its {item}-byte elements"):
-        kvcore.paged_attention(_put(np.ones((1, 4, 16), np.float32)), pool, 0, [[0, 1]], [6],
-                               out=out)
-    assert emulated_cuda.launches == []
+    raw = _put(np.zeros(4 * 64 * item + 1, np.uint8))
+    out = raw[1:].view(dtype).reshape(1, 4, 64)
+    q = _put(np.random.default_rng(6).standard_normal((1, 4, 64)).astype(np.float32))
+    want = kvcore.paged_attention(q, pool, 0, [[0, 1]], [6], out=_put(np.zeros((1, 4, 64), dtype)))
+    assert kvcore.paged_attention(q, pool, 0, [[0, 1]], [6], out=out) is out
+    np.testing.assert_array_equal(_get(out), _get(want))
 
 
 # ------------------------------------------------------------------ scalars

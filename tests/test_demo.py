@@ -144,26 +144,33 @@ def test_bad_options():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_demo_attends_over_the_pages_by_default(monkeypatch, dtype):
-    """Issue 11: the kvcore loop runs one paged_attention call per layer per
-    step over the pages (no gather); --attention gather keeps the old path."""
-    calls = {"attention": [], "gather": 0}
-    real_attention, real_gather = kvcore.paged_attention, kvcore.BlockPool.gather
+    """Issue 11: the kvcore loop attends over the pages (no gather), the
+    whole batch in one call per layer; issue 20: one AttentionPlan per step,
+    run once per layer.  --attention gather keeps the old path."""
+    calls = {"attention": [], "plans": [], "gather": 0}
+    real_plan, real_gather = kvcore.AttentionPlan, kvcore.BlockPool.gather
 
-    def attention(q, pool, layer, tables, lens, qsl=None, **kw):
-        calls["attention"].append(len(lens))
-        return real_attention(q, pool, layer, tables, lens, qsl, **kw)
+    class Plan(real_plan):
+        def __init__(self, pool, tables, lens, qsl=None, **kw):
+            calls["plans"].append(len(lens))
+            self.num_seqs = len(lens)
+            super().__init__(pool, tables, lens, qsl, **kw)
+
+        def run(self, q, layer, out=None):
+            calls["attention"].append(self.num_seqs)
+            return super().run(q, layer, out)
 
     def gather(self, *a, **kw):
         calls["gather"] += 1
         return real_gather(self, *a, **kw)
 
-    monkeypatch.setattr(kvcore, "paged_attention", attention)
+    monkeypatch.setattr(kvcore, "AttentionPlan", Plan)
     monkeypatch.setattr(kvcore.BlockPool, "gather", gather)
     res = demo.run_demo(dtype=dtype, **SMALL)
     assert res["ok"], res["message"]
     assert res["options"]["attention"] == "paged"
     assert calls["gather"] == 0
-    assert calls["attention"] and len(calls["attention"]) % 4 == 0   # once per layer per step
+    assert calls["plans"] and len(calls["attention"]) == 4 * len(calls["plans"])  # per layer
     assert max(calls["attention"]) > 1                                # a batch in one call
     assert "tokens/s, kvcore paged (paged)" in res["table"]
     calls["attention"].clear()

@@ -718,12 +718,5 @@ class Backend:
         """Whether the memory spans of ``a`` and ``b`` may meet (a bounds check)."""
         return bool(self.xp.may_share_memory(a, b))
 
-    @property
-    def writes_misaligned(self):
-        """Whether an output may sit off its elements' alignment (host
-        memory: NumPy copies through an aligned temporary; a device's
-        kernels store whole elements, and a misaligned store faults)."""
-        return self.xp is np
-
 
 REFERENCE = Backend()

@@ -4,7 +4,10 @@ Every argument was validated by ``kvcore/attention.py`` (shapes, dtypes,
 block ids and positions in range, seq_lens >= query counts, out not
 overlapping q or the caches); this module only unpacks arrays into the C
 argument struct and runs the kernel without the GIL.  The kernel returns a
-status; Python raises.
+status; Python raises.  ``Plan`` holds a C plan (kva_plan) for
+``kvcore.AttentionPlan``; its ``run_layer`` fast path checks a run's q,
+layer and out here, but never raises for them: anything it does not take
+returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 """
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
@@ -358,6 +361,29 @@ cdef inline bint _layer_stride(cnp.ndarray first, cnp.ndarray last, Py_ssize_t s
     return True
 
 
+cdef bint _one_buffer(cnp.ndarray first, cnp.ndarray last):
+    """Whether ``first`` and ``last`` are views of one NumPy array whose
+    memory holds both (so every plane between them, at a whole number of
+    layer strides, lies in that memory too)."""
+    cdef object root_a = first, root_b = last
+    while isinstance(root_a.base, np.ndarray):
+        root_a = root_a.base
+    while isinstance(root_b.base, np.ndarray):
+        root_b = root_b.base
+    if root_a is not root_b:
+        return False
+    cdef const char *rlo
+    cdef const char *rhi
+    cdef const char *lo
+    cdef const char *hi
+    _span_of(<cnp.ndarray>root_a, &rlo, &rhi)
+    for a in (first, last):
+        _span_of(<cnp.ndarray>a, &lo, &hi)
+        if lo < rlo or hi > rhi:
+            return False
+    return True
+
+
 def address(cnp.ndarray a):
     """The address of ``a``'s first element (cheaper than ``a.ctypes.data``)."""
     return <size_t>cnp.PyArray_DATA(a)
@@ -554,6 +580,11 @@ cdef class Plan:
         when the layers cannot be bound."""
         cdef Py_ssize_t key_layer_stride, value_layer_stride
         cdef Py_ssize_t steps = num_layers - 1 if num_layers > 1 else 1
+        if num_layers < 1 or not (_one_buffer(key0, key_last) and _one_buffer(value0, value_last)):
+            return None
+        if key_scales0 is not None and not (_one_buffer(key_scales0, key_scales_last)
+                                            and _one_buffer(value_scales0, value_scales_last)):
+            return None
         if not _layer_stride(key0, key_last, steps, &key_layer_stride) \
                 or not _layer_stride(value0, value_last, steps, &value_layer_stride):
             return None

@@ -1,6 +1,7 @@
 """The CPU backend: ``Backend``'s interface over the Cython/C kernels of this
-folder (``_convert``, ``_kernels``, ``_attention``).  The array helpers are ``Backend``'s (NumPy arrays in
-host memory); every kernel here gives the bits of ``Backend``'s reference.
+folder (``_convert``, ``_kernels``, ``_attention``).  The array helpers are
+``Backend``'s (NumPy arrays in host memory); every kernel here gives the bits
+of ``Backend``'s reference.
 
 Arguments reaching these methods have been validated by the caller: shapes,
 kinds, slot and block ranges, index arrays int32/int64, C-contiguous and
