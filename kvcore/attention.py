@@ -277,14 +277,15 @@ class _Source:
     everything an ``out=`` must not overlap."""
 
     __slots__ = ("backend", "kind", "num_layers", "num_blocks", "num_kv_heads", "block_size",
-                 "head_dim", "planes", "owned", "what", "scale_planes")
+                 "head_dim", "planes", "owned", "what", "scale_planes", "guard")
 
     def __init__(self, backend, kind, num_layers, shape, planes, owned, what,
-                 scale_planes=None):
+                 scale_planes=None, guard=None):
         self.backend, self.kind, self.num_layers = backend, kind, num_layers
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = shape
         self.planes, self.owned, self.what = planes, owned, what
         self.scale_planes = scale_planes      # int8: layer -> (key_scales, value_scales)
+        self.guard = guard                    # None, or raises if the planes' memory moved
 
 
 def _pool_source(pool):
@@ -342,7 +343,7 @@ def _planes_source(planes_in):
         raise ValueError(f"key_cache and value_cache must have the same dtype, shape and "
                          f"strides, got {k.dtype} {tuple(k.shape)} {k.strides} and {v.dtype} "
                          f"{tuple(v.shape)} {v.strides}")
-    if k.ndim not in (4, 5) or 0 in k.shape[-4:]:
+    if k.ndim not in (4, 5) or 0 in k.shape:
         raise ValueError(f"key_cache must be ([num_layers,] num_blocks, num_kv_heads, "
                          f"block_size, head_dim) with no empty axis, got {tuple(k.shape)}")
     if k.strides[-1] != k.itemsize:
@@ -357,7 +358,26 @@ def _planes_source(planes_in):
     def planes(layer):
         return (k[layer], v[layer], None) if layered else (k, v, None)
 
-    return _Source(be, kind, num_layers, tuple(k.shape[-4:]), planes, (k, v), "the planes' ")
+    return _Source(be, kind, num_layers, tuple(k.shape[-4:]), planes, (k, v), "the planes' ",
+                   guard=_moved_guard(planes_in))
+
+
+def _moved_guard(planes_in):
+    """For torch tensor planes: a check that their memory is still where the
+    plan's views point (``resize_`` or ``set_`` on a tensor frees or moves its
+    storage under any view of it); None for arrays that cannot move."""
+    tensors = [(arg, x, x.data_ptr()) for arg, x in zip(("key_cache", "value_cache"), planes_in)
+               if type(x).__module__.split(".")[0] == "torch"]
+    if not tensors:
+        return None
+
+    def guard():
+        for arg, x, ptr in tensors:
+            if x.data_ptr() != ptr:
+                raise RuntimeError(f"{arg}'s memory moved since the plan was made (the torch "
+                                   "tensor was resized or given other storage): make a new "
+                                   "AttentionPlan over the tensors as they are now")
+    return guard
 
 
 def _source(pool_or_planes):
@@ -444,7 +464,12 @@ class AttentionPlan:
         tables, lens, qsl, num_tokens, scale_v, window, cap_v = _index_args(
             be, num_tokens, src.head_dim, block_tables, seq_lens, query_start_loc, scale,
             sliding_window, logits_soft_cap)
-        tables32 = _int32_table(tables)
+        # The plan's own copies, made before the check: a caller changing its
+        # arrays afterwards (or meanwhile, on another thread) changes nothing,
+        # and every later backend plan is built from what was checked.
+        tables32 = np.array(_int32_table(tables), dtype=np.int32, order="C", copy=True)
+        lens = np.array(lens, dtype=np.int64, copy=True)
+        qsl = np.array(qsl, dtype=np.int64, copy=True)
         status, a, b = _HOST.check_attention_tables(tables32, lens, qsl, num_tokens,
                                                     src.num_blocks, src.block_size, window)
         if status is not None:
@@ -525,6 +550,8 @@ class AttentionPlan:
         -------
         float32 array (or ``out``)
         """
+        if self._src.guard is not None:
+            self._src.guard()
         fast = self._fast
         if fast is not None:
             result = fast(q, layer, out)

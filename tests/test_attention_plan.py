@@ -426,3 +426,69 @@ def test_the_fast_path_binds_only_layers_of_one_buffer():
     run = plan.bind(storage[0], storage[0], storage[2], storage[2], 3)
     assert run is not None and run(q, 2).shape == q.shape
     assert run(q, 3) is NotImplemented and run(q.astype(np.float16), 0) is NotImplemented
+
+
+# ------------------------------------------------------------ review regressions
+def _small_pool():
+    pool = kvcore.BlockPool(num_blocks=4, block_size=16, num_layers=2, num_kv_heads=1,
+                            head_dim=8, dtype="float32")
+    pool.storage[...] = np.random.default_rng(5).standard_normal(pool.storage.shape)
+    return pool
+
+
+@pytest.mark.parametrize("change", ["table_past_the_pool", "table_to_another_block",
+                                    "seq_len_past_the_table"])
+def test_changing_the_callers_arrays_after_planning_changes_nothing(change):
+    # The C plan used to be built at the first run (or per new head count)
+    # from the caller's own arrays, unchecked: an out-of-bounds read.
+    pool = _small_pool()
+    bt = np.array([[0, 1]], np.int32)
+    sl = np.array([20], np.int64)
+    q = np.random.default_rng(6).standard_normal((1, 2, 8)).astype(np.float32)
+    want = kvcore.paged_attention(q, pool, 1, bt.copy(), sl.copy())
+    plan = kvcore.AttentionPlan(pool, bt, sl)          # no num_heads: planned at the run
+    if change == "table_past_the_pool":
+        bt[0, 0] = 10**8
+    elif change == "table_to_another_block":
+        bt[0, 0] = 2
+    else:
+        sl[0] = 10**9
+    np.testing.assert_array_equal(plan.run(q, 1), want)
+    np.testing.assert_array_equal(plan.run(q[:, :1].copy(), 1),
+                                  kvcore.paged_attention(q[:, :1].copy(), pool, 1,
+                                                         [[0, 1]], [20]))
+
+
+@pytest.mark.parametrize("which", ["q", "out"])
+def test_byte_swapped_q_or_out_is_refused(which):
+    pool = _small_pool()
+    plan = kvcore.AttentionPlan(pool, [[0, 1]], [20], num_heads=2)
+    q = np.ones((1, 2, 8), np.float32)
+    out = np.zeros((1, 2, 8), np.float32)
+    if which == "q":
+        q = q.astype(">f4")
+    else:
+        out = out.astype(">f4")
+    with pytest.raises(TypeError, match=which):
+        plan.run(q, 0, out=out)
+    with pytest.raises(TypeError, match=which):
+        kvcore.paged_attention(q, pool, 0, [[0, 1]], [20], out=out)
+
+
+def test_planes_with_no_layer_are_refused():
+    k = np.zeros((0, 4, 1, 16, 8), np.float32)
+    with pytest.raises(ValueError, match="key_cache"):
+        kvcore.AttentionPlan((k, k.copy()), [[0]], [5])
+
+
+def test_torch_planes_resized_after_planning_are_refused(torch):
+    k = torch.randn(2, 4, 1, 16, 8)
+    v = torch.randn(2, 4, 1, 16, 8)
+    q = np.ones((1, 2, 8), np.float32)
+    plan = kvcore.AttentionPlan((k, v), [[0, 1]], [20], num_heads=2)
+    before = plan.run(q, 1)
+    k.resize_(200, 4, 1, 16, 8)
+    with pytest.raises(RuntimeError, match="key_cache's memory moved"):
+        plan.run(q, 1)
+    np.testing.assert_array_equal(
+        kvcore.AttentionPlan((k[:2], v), [[0, 1]], [20]).run(q, 1).shape, before.shape)

@@ -124,7 +124,7 @@ cdef const float* _scale_plane(object scales, cnp.ndarray cache, str what) excep
     s = <cnp.ndarray>scales
     want = (cache.shape[0], cache.shape[1], cache.shape[2])
     if cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(s) \
-            or not cnp.PyArray_ISALIGNED(s) or s.ndim != 3 \
+            or not cnp.PyArray_ISALIGNED(s) or not cnp.PyArray_ISNOTSWAPPED(s) or s.ndim != 3 \
             or (s.shape[0], s.shape[1], s.shape[2]) != want:
         raise ValueError(f"internal: {what} must be C-contiguous float32 of shape {want}")
     return <const float*>cnp.PyArray_DATA(s)
@@ -546,7 +546,7 @@ cdef class Plan:
         head_dim), rows contiguous, the same strides), checked by the caller."""
         for x in (q, out):
             if cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
-                    or not cnp.PyArray_ISALIGNED(x) \
+                    or not cnp.PyArray_ISALIGNED(x) or not cnp.PyArray_ISNOTSWAPPED(x) \
                     or not _dims_are(x, 3, self.num_tokens, self.num_heads, self.head_dim):
                 raise ValueError("internal: q and out must be C-contiguous float32 "
                                  f"{(self.num_tokens, self.num_heads, self.head_dim)}")
@@ -645,8 +645,10 @@ cdef class Plan:
         if not self.bound or type(q) is not np.ndarray or type(layer) is not int:
             return NotImplemented
         cdef cnp.ndarray qa = <cnp.ndarray>q
+        # (a byte-swapped float32 has the float32 type number too)
         if cnp.PyArray_TYPE(qa) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(qa) != 3 \
                 or not cnp.PyArray_IS_C_CONTIGUOUS(qa) or not cnp.PyArray_ISALIGNED(qa) \
+                or not cnp.PyArray_ISNOTSWAPPED(qa) \
                 or cnp.PyArray_DIM(qa, 0) != self.num_tokens \
                 or cnp.PyArray_DIM(qa, 1) != self.num_heads \
                 or cnp.PyArray_DIM(qa, 2) != self.head_dim:
@@ -672,6 +674,7 @@ cdef class Plan:
             oa = <cnp.ndarray>out
             if cnp.PyArray_TYPE(oa) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(oa) != 3 \
                     or not cnp.PyArray_IS_C_CONTIGUOUS(oa) or not cnp.PyArray_ISALIGNED(oa) \
+                    or not cnp.PyArray_ISNOTSWAPPED(oa) \
                     or not cnp.PyArray_ISWRITEABLE(oa) \
                     or cnp.PyArray_DIM(oa, 0) != self.num_tokens \
                     or cnp.PyArray_DIM(oa, 1) != self.num_heads \
