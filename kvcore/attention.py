@@ -93,6 +93,11 @@ def _int_array(be, x, arg, ndim):
     return a
 
 
+# Bounds the C kernels' integer fields hold (int64 positions, int head counts).
+_MAX_WINDOW = 2**62
+_MAX_HEADS = 2**16
+
+
 def _positive_or_off(value, arg, convert, what):
     """``value`` converted and checked > 0, or 0 (off) for None."""
     if value is None:
@@ -217,6 +222,8 @@ def _index_args(be, num_tokens, head_dim, block_tables, seq_lens, query_start_lo
         scale_v = _float32_real(_real(scale, "scale"), "scale", allow_zero=True)
     # 0 tells the kernel "off"
     window = _positive_or_off(sliding_window, "sliding_window", index_int, "a positive integer")
+    if window > _MAX_WINDOW:   # the kernels hold it in int64 position arithmetic
+        raise ValueError(f"sliding_window must be in 1..2**62 or None, got {window}")
     cap_v = _positive_or_off(logits_soft_cap, "logits_soft_cap", _real, "positive")
     if cap_v:
         cap_v = _float32_real(cap_v, "logits_soft_cap", allow_zero=False)
@@ -438,9 +445,10 @@ class AttentionPlan:
                                  f"{threads}")
         if num_heads is not None:
             num_heads = index_int(num_heads, "num_heads")
-            if num_heads <= 0 or num_heads % src.num_kv_heads:
+            if not 0 < num_heads <= _MAX_HEADS or num_heads % src.num_kv_heads:
                 raise ValueError(f"num_heads must be a positive multiple of {src.what}"
-                                 f"num_kv_heads={src.num_kv_heads}, got {num_heads}")
+                                 f"num_kv_heads={src.num_kv_heads} up to {_MAX_HEADS}, got "
+                                 f"{num_heads}")
         self._setup(src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
                     logits_soft_cap, threads, None)
         self._bindable = True

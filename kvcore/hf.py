@@ -408,7 +408,7 @@ class PagedCache(Cache):
         ids = kwargs.get("input_ids")
         if ids is None and args:
             ids = args[0]
-        if kwargs.get("use_cache") is False:
+        if kwargs.get("use_cache") is not None and not _truthy(kwargs["use_cache"]):
             # transformers then re-feeds the whole sequence every step: the
             # cache would store it again as new positions
             raise ValueError("a forward with use_cache=False cannot run on a kvcore PagedCache "
@@ -864,6 +864,15 @@ def cache_keyword(model):
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _truthy(value):
+    """``bool(value)``, False for anything that has no truth value (a tensor
+    of several elements): such a use_cache turns no cache on."""
+    try:
+        return bool(value)
+    except Exception:
+        return False
+
+
 def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_kwargs):
     """``model.generate`` with prefix reuse across calls through ``pool``.
 
@@ -898,13 +907,14 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
             raise ValueError(f"kvcore.hf.generate makes its own cache; do not pass {key}=")
     config = generate_kwargs.get("generation_config") or model.generation_config
     use_cache = generate_kwargs.get("use_cache", getattr(config, "use_cache", True))
-    if use_cache is False:
+    if not _truthy(use_cache):
         # without a cache transformers re-feeds the whole sequence each step,
-        # and the pool would store it again as new positions
+        # and the pool would store it again as new positions (None, 0, a
+        # false numpy or torch scalar turn the cache off as False does)
         source = "use_cache=" if "use_cache" in generate_kwargs else "the generation config"
-        raise ValueError(f"kvcore.hf.generate needs use_cache=True (got use_cache=False, from "
-                         f"{source}); for generation without a KV cache call model.generate "
-                         "directly")
+        raise ValueError(f"kvcore.hf.generate needs use_cache=True (got use_cache="
+                         f"{use_cache!r}, from {source}); for generation without a KV cache "
+                         "call model.generate directly")
     attention_mask, pads = _prompt_batch(input_ids, attention_mask)
     ids = input_ids.detach().cpu().numpy()
     cache = PagedCache(pool, salt=salt)

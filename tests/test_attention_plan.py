@@ -110,7 +110,7 @@ def test_plan_checks_every_read_block_once():
     with pytest.raises(ValueError, match=r"num_threads must be in 1..1024"):
         kvcore.AttentionPlan(pool, tables, lens, qsl, num_threads=0)
     with pytest.raises(ValueError, match=r"num_heads must be a positive multiple of the pool's "
-                                         r"num_kv_heads=2, got 3"):
+                                         r"num_kv_heads=2 up to 65536, got 3"):
         kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=3)
     with pytest.raises(TypeError, match=r"pool_or_planes must be a kvcore.BlockPool or a pair"):
         kvcore.AttentionPlan("pool", tables, lens, qsl)

@@ -210,3 +210,13 @@ def test_scalars_at_the_float32_limits_are_accepted():
                dict(logits_soft_cap=tiny * 2), dict(logits_soft_cap=1e38)):
         out = kvcore.paged_attention(q, pool, 0, [[0, 1]], [6], **kw)
         assert np.isfinite(out).all(), kw
+
+
+def test_huge_window_and_head_counts_are_refused_by_name():
+    pool = kvcore.BlockPool(4, 4, 1, 1, 8, dtype="float32")
+    q = np.ones((1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="sliding_window must be in 1..2\\*\\*62"):
+        kvcore.paged_attention(q, pool, 0, [[0, 1]], [6], sliding_window=2**63)
+    for heads in (2**31, 2**33 + 2):
+        with pytest.raises(ValueError, match="num_heads must be a positive multiple"):
+            kvcore.AttentionPlan(pool, [[0, 1]], [6], num_heads=heads)

@@ -587,6 +587,20 @@ def test_generate_refuses_use_cache_false_and_caches_nothing(how):
                                      do_sample=False))
 
 
+@pytest.mark.parametrize("value", [0, None, "np.False_", "torch.False"])
+def test_generate_names_every_false_use_cache(value):
+    """use_cache values that turn the cache off as False does get the same
+    named refusal (they used to be caught only by the position guard)."""
+    value = {"np.False_": np.False_, "torch.False": torch.tensor(False)}.get(value, value)
+    model = model_for("llama")
+    ids = _prompts([9])[0]
+    pool = pool_for(model.config, 16, dtype="float32", block_size=4)
+    with pytest.raises(ValueError, match="needs use_cache=True"):
+        kvcore.hf.generate(model, ids, pool, max_new_tokens=2, do_sample=False,
+                           use_cache=value)
+    assert pool.num_used_blocks == 0 and pool.num_cached_blocks == 0
+
+
 def test_generate_refuses_positions_that_do_not_continue_the_cache():
     """Issue 19 item 16, the second guard: a forward whose position_ids do
     not follow the cache's columns (here shifted by another pre-hook of the
