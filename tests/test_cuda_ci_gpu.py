@@ -17,7 +17,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu"
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+pytestmark = [pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),
+              pytest.mark.skipif(not (ROOT / ".ci").is_dir(),
+                                 reason="needs the source tree (.ci/ is not in the sdist)")]
 
 
 def _run(tmp_path, **env):

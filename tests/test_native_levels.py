@@ -109,8 +109,13 @@ def _run_case(simd=None):
     env.pop("KVCORE_SIMD", None)
     if simd is not None:
         env["KVCORE_SIMD"] = simd
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # the kvcore this process tests (the source tree's in-place build, or the
+    # installed wheel when the suite runs from an sdist)
+    import kvcore
+    where = str(Path(kvcore.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [where, env.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, "-c", _CASE], env=env, capture_output=True, text=True,
+                       cwd=where,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
