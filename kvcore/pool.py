@@ -1047,29 +1047,30 @@ def _layer_scales(kv_scales, kind, num_layers):
 
 
 
+def _text_or_array(value, name, expected):
+    """TypeError for text where ``expected`` is wanted; True for a NumPy array
+    of real numbers (checked whole), False for anything else."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iuf":
+            raise TypeError(f"{name} must hold real numbers, got an array of dtype "
+                            f"{value.dtype}")
+        return True
+    return False
+
+
 def _check_scale_types(kv_scales):
     """TypeError unless every scale in ``kv_scales`` is a real number: numpy
     would read "0.5" and True as 0.5 and 1.0, hiding a caller's mistake."""
-    if isinstance(kv_scales, (str, bytes)):
-        raise TypeError(f"kv_scales must be a sequence of (k_scale, v_scale) float pairs, "
-                        f"got {type(kv_scales).__name__} {kv_scales!r}")
-    if isinstance(kv_scales, np.ndarray):
-        if kv_scales.dtype.kind not in "iuf":
-            raise TypeError(f"kv_scales must hold real numbers, got an array of dtype "
-                            f"{kv_scales.dtype}")
+    if _text_or_array(kv_scales, "kv_scales", "a sequence of (k_scale, v_scale) float pairs"):
         return
     try:
         pairs = list(kv_scales)
     except TypeError:
         return  # not a sequence: the conversion reports it
     for layer, pair in enumerate(pairs):
-        if isinstance(pair, (str, bytes)):
-            raise TypeError(f"kv_scales[{layer}] must be a (k_scale, v_scale) pair of floats, "
-                            f"got {type(pair).__name__} {pair!r}")
-        if isinstance(pair, np.ndarray):
-            if pair.dtype.kind not in "iuf":
-                raise TypeError(f"kv_scales[{layer}] must hold real numbers, got an array "
-                                f"of dtype {pair.dtype}")
+        if _text_or_array(pair, f"kv_scales[{layer}]", "a (k_scale, v_scale) pair of floats"):
             continue
         try:
             items = list(pair)
