@@ -383,9 +383,9 @@ def test_bad_arguments():
 def test_import_blocks_checks_sizes_before_writing():
     pool = make_pool()
     before = pool.storage.copy()
-    good = pool._export_blocks([0])[0]
+    good = pool.export_blocks([0])[0]
     with pytest.raises(ValueError, match=r"payloads\[1\] must hold"):
-        pool._import_blocks([1, 2], [good, good[:-1]])
+        pool.import_blocks([1, 2], [good, good[:-1]])
     assert np.array_equal(pool.storage, before)
 
 
@@ -394,9 +394,9 @@ def test_export_import_round_trip_every_dtype():
         pool = make_pool(dtype=dtype)
         rng = np.random.default_rng(1)
         pool.storage[...] = rng.integers(0, 2**15, pool.storage.shape).astype(pool.storage.dtype)
-        payloads = pool._export_blocks([3, 5])
+        payloads = pool.export_blocks([3, 5])
         assert all(p.nbytes == pool.bytes_per_block for p in payloads)
-        pool._import_blocks([0, 1], payloads)
+        pool.import_blocks([0, 1], payloads)
         assert np.array_equal(pool.storage[:, 0], pool.storage[:, 3])
         assert np.array_equal(pool.storage[:, 1], pool.storage[:, 5])
 
