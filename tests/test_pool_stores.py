@@ -3,6 +3,8 @@ copy_to) spills what it evicts before overwriting it; allocate keeps the
 promise probe made, and a failed allocate (a StoreWarning raised as an
 error) changes nothing; a failed copy_to leaves nothing in the destination;
 kv_scales takes real numbers only; every store warning names its exception."""
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -11,9 +13,11 @@ import pytest
 import kvcore
 
 try:
-    from _stores_support import FailingStore, check_hit, expected_kv, make_pool, run
+    from _stores_support import (FailingStore, check_hit, expected_kv, flush_pool, make_pool,
+                                 run)
 except ImportError:  # pragma: no cover - run as a package
-    from ._stores_support import FailingStore, check_hit, expected_kv, make_pool, run
+    from ._stores_support import (FailingStore, check_hit, expected_kv, flush_pool, make_pool,
+                                  run)
 
 
 def _entry_size():
@@ -283,3 +287,49 @@ def test_copy_blocks_to_over_a_cached_block_never_hands_back_the_new_kv(with_sto
     pool.check()
     # a miss without a store; with one, the original KV comes back from it
     check_hit(pool, np.concatenate([prompt, [1]]), 2 if with_store else 0)
+
+
+class _GatedStore(kvcore.HostStore):
+    """A store that does I/O (as far as the pool knows) whose put waits
+    for ``gate``: a slow disk or Redis."""
+
+    in_memory = False
+
+    def __init__(self, capacity_bytes):
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+        self.putting = threading.Event()
+
+    def put(self, items):
+        self.putting.set()
+        assert self.gate.wait(30)
+        return super().put(items)
+
+
+def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correct():
+    """Back-pressure: a store slower than the evictions fills its queue; the
+    oldest queued spills are dropped (spills_dropped), the threads using the
+    pool never wait, and what is found later is exact."""
+    store = _GatedStore(1 << 22)
+    store.max_pending_bytes = 1500          # about two entries
+    pool = make_pool(num_blocks=8, stores=[store])
+    prompts = [np.arange(100 * j, 100 * j + 9, dtype=np.int32) for j in range(10)]
+    t0 = time.perf_counter()
+    for p in prompts:
+        run(pool, p)
+    assert time.perf_counter() - t0 < 10    # (the put is stuck: nobody waited on it)
+    assert store.putting.is_set()
+    dropped = pool.stats()["stores"][0]["spills_dropped"]
+    assert dropped > 0
+    store.gate.set()
+    pool.flush_to_stores()
+    st = pool.stats()["stores"][0]
+    assert st["spills_dropped"] == dropped and st["failures"] == 0
+    flush_pool(pool)
+    found = 0
+    for p in prompts:
+        hit = pool.probe(p)["hit_tokens"] // pool.block_size
+        check_hit(pool, p, hit)             # whatever is found is bit exact
+        found += hit
+    assert 0 < found < 2 * len(prompts)     # some spills were dropped, others kept
+    pool.check()
