@@ -47,6 +47,7 @@ import kvcore
 from kvcore.cli.model import ModelConfig, TinyTransformer
 
 BLOCK = 16
+PREFETCH_STEP = 16      # kvcore.stores._tiers.PREFETCH_STEP: blocks a prefetch holds at once
 
 
 def _samples(fn, repeat, setup=None):
@@ -65,9 +66,9 @@ def _fmt(s):
     return f"{statistics.median(s) * 1e3:8.1f} ms [{min(s) * 1e3:.1f}-{max(s) * 1e3:.1f}]"
 
 
-def _pool(tokens, layers, heads, dim, stores):
-    return kvcore.BlockPool(tokens // BLOCK + 2, BLOCK, layers, heads, dim, dtype="float16",
-                            stores=stores)
+def _pool(tokens, layers, heads, dim, stores, spare=0):
+    return kvcore.BlockPool(tokens // BLOCK + 2 + spare, BLOCK, layers, heads, dim,
+                            dtype="float16", stores=stores)
 
 
 def _fill(pool, prompt, rng):
@@ -172,7 +173,8 @@ def _redis_or_none(redis_server, tmp, prompt, rng, tokens, layers, heads, dim, r
     proc, url, client = _start_redis(binary, tmp)
     try:
         store = kvcore.RedisStore(url, namespace="bench", timeout=30)
-        pool = _pool(tokens, layers, heads, dim, [store])
+        # (spare blocks: an allocate while a prefetch still holds the step it loads)
+        pool = _pool(tokens, layers, heads, dim, [store], spare=PREFETCH_STEP + 1)
         expect = _fill(pool, prompt, rng)
         setup, restore, check = _restore_fn(pool, prompt, expect)
         kv = _samples(restore, repeat, setup)

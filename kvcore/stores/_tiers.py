@@ -62,7 +62,7 @@ from .base import PrefixStore, StoreWarning
 MAX_PENDING_BYTES = PrefixStore.max_pending_bytes
 #: blocks a prefetch loads per step (between steps it may be cancelled, and
 #: an allocate of the prompt finds the blocks of the steps done)
-PREFETCH_STEP = 32
+PREFETCH_STEP = 16
 
 # conditions that clear once the store works again (warned anew if they recur)
 _TRANSIENT = {"timeout", "unreachable", "I/O error", "disk full", "permission denied", "error"}
@@ -626,6 +626,8 @@ class StoreTiers:
         r0, r1 = hashing.root_words(salt)
         root = np.array([r0, r1], "<u8").tobytes()
         tokens = seq.token_ids
+        if self._prefetches:
+            self._overtake(hb[:16], salt)
         segments = self._run(hb, first, stop, count=True)
         if not segments:
             return []
@@ -703,9 +705,23 @@ class StoreTiers:
         """``BlockPool.prefetch`` (arguments checked): a handle, the loading
         queued for the prefetch worker."""
         handle = Prefetch()
+        if tokens.shape[0] > self._block_size:
+            handle._key = (hashing.block_hashes(tokens[:self._block_size], self._block_size,
+                                                salt)[0], salt)
         self._prefetches.add(handle)
         self._fetcher.submit(lambda: self._prefetch(handle, tokens, salt))
         return handle
+
+    def _overtake(self, first_hash, salt):
+        """An allocate is loading a prompt itself: a prefetch of the same
+        prompt (same first block, same salt) still running stops after its
+        current step, so that the two do not fetch the same blocks twice
+        (what the prefetch loaded stays cached).  A false match costs only
+        a cancelled prefetch."""
+        for h in list(self._prefetches):
+            if h._key == (first_hash, salt) and not h.done() \
+                    and not on_worker_thread():
+                h.cancel()
 
     def _prefetch(self, handle, tokens, salt):
         """The prefetch worker's job: find the run of the prompt's blocks the

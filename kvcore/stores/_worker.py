@@ -92,6 +92,7 @@ class Prefetch:
         self._cancelled = threading.Event()
         self._started = False
         self._lock = threading.Lock()
+        self._key = None     # (first block's hash, salt): which prompt it loads
         self.blocks_ready = 0
 
     @classmethod
