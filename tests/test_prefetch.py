@@ -87,8 +87,20 @@ def test_allocate_during_a_prefetch_takes_what_arrived_and_loads_the_rest():
     t.join(30)
     assert got == [None]
     assert h.wait(30)
+    assert h.cancelled()        # the allocate overtook it: no second load of the same blocks
     pool.check()
     assert pool.num_used_blocks == 0
+
+
+def test_an_allocate_of_another_prompt_leaves_a_running_prefetch_alone():
+    pool, store = stored_pool(num_blocks=24)
+    store.gate.clear()
+    h = pool.prefetch(PROMPT)
+    assert store.entered.wait(30)
+    run(pool, np.arange(300, 341, dtype=np.int32))   # (its lookup finds nothing)
+    store.gate.set()
+    assert h.wait(30) and not h.cancelled() and h.blocks_ready == 10
+    pool.check()
 
 
 def test_cancel_mid_load_is_safe_and_leaves_a_consistent_pool():
