@@ -450,6 +450,12 @@ def report(res):
         lines.append(f"{'':8} (the entry files read into one pre-touched buffer: "
                      f"{_fmt(res['disk_readinto']).strip()}; disk restore is "
                      f"{statistics.median(res['disk_readinto']) / statistics.median(res['rows']['disk']['kvcore']):.2f}x that)")
+    if res["rows"].get("cluster"):
+        row = res["rows"]["cluster"]
+        lines.append(f"{'':8} (the same per-master pipelines one master after another: "
+                     f"{_fmt(row['serial']).strip()}; cluster restore is "
+                     f"{statistics.median(row['serial']) / statistics.median(row['kvcore']):.2f}x "
+                     f"that; keys per master {row['keys_per_master']})")
     pf = res.get("prefetch")
     if pf:
         alone = statistics.median(pf["alone"])
@@ -462,12 +468,6 @@ def report(res):
                      f"{statistics.median(pf['when_ready']) / alone:.2f}x of that (after "
                      f"{statistics.median(pf['steps']):.0f} steps [{min(pf['steps'])}-"
                      f"{max(pf['steps'])}])")
-    if res["rows"].get("cluster"):
-        row = res["rows"]["cluster"]
-        lines.append(f"{'':8} (the same per-master pipelines one master after another: "
-                     f"{_fmt(row['serial']).strip()}; cluster restore is "
-                     f"{statistics.median(row['serial']) / statistics.median(row['kvcore']):.2f}x "
-                     f"that; keys per master {row['keys_per_master']})")
     rc = res.get("recompute")
     if rc is None:
         lines.append("ratio = baseline median / kvcore median, one run; times median "

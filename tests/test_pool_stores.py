@@ -333,3 +333,46 @@ def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correc
         found += hit
     assert 0 < found < 2 * len(prompts)     # some spills were dropped, others kept
     pool.check()
+
+
+class _GatedGetStore(kvcore.HostStore):
+    """A store that does I/O (as far as the pool knows) whose get waits for ``gate``."""
+
+    in_memory = False
+
+    def __init__(self, capacity_bytes):
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def get(self, keys):
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().get(keys)
+
+
+def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
+    """One thread's allocate stuck in a store's get: other threads allocate,
+    append, commit and free on the same pool meanwhile, and the stuck
+    allocate then completes bit exact."""
+    store = _GatedGetStore(1 << 22)
+    pool = make_pool(num_blocks=24, stores=[store])
+    prompt = np.arange(1, 18, dtype=np.int32)
+    run(pool, prompt)
+    flush_pool(pool)
+    store.gate.clear()
+    done = []
+    t = threading.Thread(target=lambda: done.append(check_hit(pool, prompt, 4)))
+    t.start()
+    assert store.entered.wait(30)
+    t0 = time.perf_counter()
+    for j in range(5):
+        run(pool, np.arange(1000 + 10 * j, 1003 + 10 * j, dtype=np.int32))   # no lookup
+    took = time.perf_counter() - t0
+    assert t.is_alive()                     # still inside get
+    store.gate.set()
+    t.join(30)
+    assert done == [None]
+    assert took < 5, took                   # (it would wait for the gate: 30 s)
+    pool.check()
