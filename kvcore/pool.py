@@ -70,7 +70,11 @@ class BlockPool:
         the first store, each store drops its least recently used entries
         into the next, and ``allocate``/``probe`` extend the pool's own hit
         with the run of following blocks found there (docs/stores.md).
-        Needs ``enable_prefix_caching``.
+        Writes to a store that does I/O (disk, network) run on a background
+        store worker, never under the pool's lock (:meth:`flush_to_stores`
+        and :meth:`close` drain it); :meth:`prefetch` loads a prompt's
+        stored blocks ahead of its ``allocate``.  Needs
+        ``enable_prefix_caching``.
     kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
         fp8 pools only: per-layer float32 scales (default 1.0): a value x is
         stored as ``fp8(x / scale)``, saturated to the largest finite fp8
