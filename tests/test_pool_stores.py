@@ -376,3 +376,38 @@ def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
     assert done == [None]
     assert took < 5, took                   # (it would wait for the gate: 30 s)
     pool.check()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_drains_its_own_spills(tmp_path):
+    """A pool whose store worker ran in the parent keeps spilling in a child
+    made by fork (the parent's thread is not there): the child's spills
+    reach the store, and flush_to_stores returns instead of hanging."""
+    import os
+
+    store = kvcore.DiskStore(tmp_path, 1 << 22)
+    pool = make_pool(num_blocks=8, stores=[store])
+    for j in range(4):
+        run(pool, np.arange(100 * j, 100 * j + 9, dtype=np.int32))   # spills via the worker
+    pid = os.fork()
+    if pid == 0:                            # the child: report through the exit status
+        code = 1
+        try:
+            prompt = np.arange(5000, 5009, dtype=np.int32)
+            run(pool, prompt)
+            flush_pool(pool)                # evicts it into the store, waits for the worker
+            code = 0 if pool.probe(prompt)["store_hit_tokens"] == 8 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    pool.check()

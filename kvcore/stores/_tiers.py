@@ -45,6 +45,7 @@
 """
 import collections
 import errno
+import os
 import threading
 import time
 import warnings
@@ -165,6 +166,7 @@ class StoreTiers:
         self._queued_bytes = [0] * len(stores)
         self._overlay = [{} for _ in stores]
         self._draining = False
+        self._pid = os.getpid()
         self._spiller = Worker("kvcore-store-spill")
         self._fetcher = Worker("kvcore-store-prefetch")
         self._prefetches = weakref.WeakSet()
@@ -423,6 +425,12 @@ class StoreTiers:
         queued for it go (counted: ``spills_dropped``)."""
         size = sum(len(v) for _, v in items)
         cap = getattr(self.stores[i], "max_pending_bytes", MAX_PENDING_BYTES)
+        if self._pid != os.getpid():
+            # a forked child: the parent's worker (and a drain it ran) is
+            # not here; the queue is drained by the child's own
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._draining = False
         with self._lock:
             self._overlay[i].update(items)
             self._queue.append((i, items, size))

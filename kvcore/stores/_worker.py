@@ -11,6 +11,7 @@ behind.  A job never raises: what it cannot do becomes a miss and a
 from the caller's thread, never from a worker).
 """
 import collections
+import os
 import threading
 
 _IDLE_EXIT = 2.0
@@ -30,8 +31,20 @@ class Worker:
         self._jobs = collections.deque()
         self._running = False
         self._thread = None
+        self._pid = os.getpid()
+
+    def _after_fork(self):
+        """In a child process (``fork``) the parent's thread is gone and its
+        condition may have been held at the fork: start afresh (the jobs
+        still queued run on the child's own thread)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._cond = threading.Condition()
+            self._thread = None
+            self._running = False
 
     def submit(self, job):
+        self._after_fork()
         with self._cond:
             self._jobs.append(job)
             if self._thread is None:
@@ -44,8 +57,11 @@ class Worker:
     def wait_idle(self, timeout=None):
         """Wait until every job submitted so far has run (True), or
         ``timeout`` seconds passed (False).  On the worker itself: True."""
+        self._after_fork()
         if threading.current_thread() is self._thread:
             return True
+        if self._jobs and self._thread is None:   # (queued before a fork)
+            self.submit(lambda: None)
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and not self._running, timeout)
 
