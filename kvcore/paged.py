@@ -240,19 +240,24 @@ class PagedKVCache:
             self._reserve_failed(n, status)
 
     def _reserve_failed(self, n, status):
-        # one status per call (docs/architecture.md, "Statuses"): the core
-        # changed nothing and said why; an argument it could not take as is
-        # is validated here and the core is asked once more
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
             status = self._core._reserve(n)
-            if not status:
-                return
-        if status == _seq.STATE:
-            raise self._core._state_error("reserve")
+        if self._settled(status, "reserve"):
+            return
         if status == _seq.TOO_LONG:
             self._check_len(self._core._num_computed + n, "reserve")
         self._out_of_blocks(self._core._num_computed + n)
+
+    def _settled(self, status, what):
+        # One status per call (docs/architecture.md, "Statuses"): a core op
+        # that answered a status changed nothing and said why.  The callers
+        # above validated an argument the core could not take as is
+        # (UNCHECKED) and asked once more; this is that answer: True when it
+        # succeeded, the state error raised, else False (raise from it).
+        if status == _seq.STATE:
+            raise self._core._state_error(what)
+        return status == 0
 
     def _out_of_blocks(self, target):
         # after SHORT from SeqCore._reserve/_ensure_to (it left
@@ -318,10 +323,8 @@ class PagedKVCache:
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
             status = self._core._commit(n)
-            if not status:
-                return
-        if status == _seq.STATE:
-            raise self._core._state_error("commit")
+        if self._settled(status, "commit"):
+            return
         nc = self._core._num_computed
         target = nc + n
         if status == _seq.TOO_LONG:
@@ -346,10 +349,8 @@ class PagedKVCache:
     def _append_token_failed(self, token_id, status):
         if status == _seq.UNCHECKED:
             status = self._core._append_token(_validate.token_id(token_id))
-            if not status:
-                return
-        if status == _seq.STATE:
-            raise self._core._state_error("append_token")
+        if self._settled(status, "append_token"):
+            return
         n = self._core._num_tokens
         raise CacheFullError(
             f"append_token would make {n + 1} tokens, past "
@@ -396,10 +397,8 @@ class PagedKVCache:
             layer = layer_index(layer, self._pool.num_layers)
             n = nonneg_int(n, "n")
             status = self._core._mark_written(layer, n)
-            if not status:
-                return
-        if status == _seq.STATE:
-            raise self._core._state_error("mark_written")
+        if self._settled(status, "mark_written"):
+            return
         target = self._core._num_computed + n
         if status == _seq.TOO_LONG:
             self._check_len(target, "mark_written")
