@@ -20,7 +20,6 @@ And at every allocate: the hit equals what ``probe`` promised just before
 a prefix some sequence of that salt committed, and a failed call changes
 nothing.  Bounded: a few seeds of a few hundred operations each.
 """
-import hashlib
 import warnings
 
 import numpy as np
@@ -29,9 +28,9 @@ import pytest
 import kvcore
 
 try:
-    from _helpers import cached_hash_bytes, pool_snapshot
+    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import cached_hash_bytes, pool_snapshot
+    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot
 
 LAYERS, HEADS, DIM = 2, 1, 2
 BASES = tuple(np.random.default_rng(7).integers(0, 9, (6, 16)).tolist())
@@ -40,28 +39,8 @@ MAX_SEQS = 4
 MAX_LEN = 18         # decided tokens per sequence (the pools are tiny)
 STEPS = 170
 
-_KV = {}
-
-
-def kv_value(salt, prefix):
-    """(LAYERS, 2, HEADS, DIM) K/V of the last position of ``prefix``:
-    multiples of 1/8 in [-128, 128), exact in float16 and float32."""
-    key = (salt, tuple(prefix))
-    v = _KV.get(key)
-    if v is None:
-        d = hashlib.blake2b(repr(key).encode(), digest_size=2 * LAYERS * 2 * HEADS * DIM)
-        u = np.frombuffer(d.digest(), np.uint16)
-        v = ((u % 2048).astype(np.float32) / np.float32(8) - np.float32(128)).reshape(
-            LAYERS, 2, HEADS, DIM)
-        _KV[key] = v
-    return v
-
-
-def expected(salt, tokens, start, end):
-    """(LAYERS, 2, HEADS, end - start, DIM) of positions start..end-1."""
-    if end <= start:
-        return np.zeros((LAYERS, 2, HEADS, 0, DIM), np.float32)
-    return np.stack([kv_value(salt, tokens[:p + 1]) for p in range(start, end)], axis=3)
+ORACLE = PrefixKV(LAYERS, HEADS, DIM, half_exact=True)
+kv_value, expected = ORACLE.value, ORACLE.expected
 
 
 class Model:
