@@ -152,15 +152,6 @@ def test_disk_store_capacity_is_honoured_across_instances(tmp_path):
     assert len(a) == 6
 
 
-def _corrupt_one(path, offset):
-    files = sorted(p for p in path.rglob("*.kve"))
-    assert files
-    data = bytearray(files[0].read_bytes())
-    data[offset] ^= 0x40
-    files[0].write_bytes(bytes(data))
-    return files[0]
-
-
 @pytest.mark.parametrize("where", ["payload", "tokens", "header", "truncate"])
 def test_corrupt_entry_on_disk_is_a_miss_with_one_warning(tmp_path, where):
     disk = kvcore.DiskStore(tmp_path, 1 << 22)
