@@ -277,3 +277,23 @@ def test_blas_threads_without_threadpoolctl(monkeypatch):
     res = demo.run_demo(**SMALL)
     assert res["ok"] and res["blas_threads"] is None
     assert "BLAS threads" not in res["table"].splitlines()[0]
+
+
+def test_store_namespace_names_the_weights(tmp_path):
+    """Prefix stores hold K/V, which depend on the weights: the demo's store
+    namespace names them (the tiny model's seed, a model file), since the
+    store's fingerprint only tells layouts apart."""
+    class Model:
+        weights_id = "a.gguf:123:A"
+
+    o = demo._options(dict(store=f"disk:{tmp_path / 's'}", **SMALL))
+    tiny0 = demo._stores(o, demo.TinyTransformer(seed=0))[0].namespace
+    tiny1 = demo._stores(dict(o, seed=1), demo.TinyTransformer(seed=1))[0].namespace
+    real = demo._stores(o, Model())[0].namespace
+    assert len({tiny0, tiny1, real}) == 3 and b"a.gguf:123:A" in real
+    store = o["store"]
+    first = demo.run_demo(store=store, **SMALL)
+    assert first["ok"], first["message"]
+    again = demo.run_demo(store=store, **SMALL)   # the same model finds its own prefixes
+    assert again["ok"], again["message"]
+    assert sum(x["hit_tokens"] for x in again["pool_stats"]["stores"]) > 0

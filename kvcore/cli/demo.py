@@ -653,27 +653,32 @@ def _options(options):
     return o
 
 
-def _stores(o):
-    """The pool's prefix stores for ``--store`` (None: no store)."""
+def _stores(o, model):
+    """The pool's prefix stores for ``--store`` (None: no store).  The
+    namespace names the weights (the tiny model's seed, the model file):
+    the store's fingerprint tells layouts apart, not two models of one
+    layout, whose K/V for the same tokens differ."""
     if o["store"] is None:
         return None
+    namespace = f"kvcore-demo:{getattr(model, 'weights_id', None) or 'tiny-seed%d' % o['seed']}"
     kind, _, where = o["store"].partition(":")
     if kind == "disk":
-        return [kvcore.DiskStore(where, 4 << 30, namespace="kvcore-demo")]
-    return [kvcore.RedisStore(where, namespace="kvcore-demo")]
+        return [kvcore.DiskStore(where, 4 << 30, namespace=namespace)]
+    return [kvcore.RedisStore(where, namespace=namespace)]
 
 
-def _make_pool(o, cfg, num_blocks):
+def _make_pool(o, model, num_blocks):
     if o["device"] == "cuda":
         try:
             import cupy  # noqa: F401
         except ImportError:
             raise DemoError("--device cuda needs CuPy (pip install cupy-cuda12x, or "
                             "kvcore[cuda]) and an NVIDIA GPU") from None
+    cfg = model.config
     try:
         return kvcore.BlockPool(num_blocks, o["block_size"], cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, dtype=o["dtype"], device=o["device"],
-                                stores=_stores(o))
+                                stores=_stores(o, model))
     except (ImportError, RuntimeError) as e:
         if o["device"] == "cuda":
             raise DemoError(f"--device cuda is not usable here: {e}") from None
@@ -761,7 +766,7 @@ def _setup(o):
     if num_blocks < need_one:
         raise DemoError(f"num-blocks={num_blocks} cannot hold the longest request "
                         f"({max_seq_len} tokens = {need_one} blocks of {bs})")
-    pool = _make_pool(o, cfg, num_blocks)
+    pool = _make_pool(o, model, num_blocks)
     return _Setup(model, tokenizer, reqs, pool, num_blocks, max_seq_len)
 
 

@@ -237,6 +237,8 @@ def load_gguf(path):
     model.name = str(_field(reader, "general.name", path.stem))
     model.tied_embeddings = "output.weight" not in w
     model.quant_types = sorted({t.tensor_type.name for t in reader.tensors})
+    # names these weights for prefix stores (another file's K/V never match)
+    model.weights_id = f"{path.name}:{path.stat().st_size}:{model.name}"
     return model, tokenizer
 
 
