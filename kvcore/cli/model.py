@@ -385,10 +385,10 @@ class LlamaDecoder:
         numpy.ndarray
             float32 logits, shape ``(vocab_size,)``: the prediction of token ``n``.
         """
-        x = self._final_stream(token_ids)
-        if not x.shape[0]:
+        ids = self._check_tokens(token_ids)
+        if not ids.size:
             raise ValueError("token_ids: expected at least one token, got none")
-        return self.logits(x[-1:])[0]
+        return self.logits(self._final_stream(ids)[-1:])[0]
 
     def _final_stream(self, token_ids) -> np.ndarray:
         """Residual stream after the last block, no cache."""
