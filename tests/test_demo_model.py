@@ -46,7 +46,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def numpy_model():
     """(LlamaDecoder, GGUFTokenizer), loaded once through the demo's cache."""
-    return demo._load_gguf(str(GGUF.resolve()))
+    return demo._model(demo._options({"model": "smollm2"}))
 
 
 @pytest.fixture(scope="module")

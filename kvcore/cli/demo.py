@@ -57,9 +57,8 @@ import contextlib
 import functools
 import os
 import sys
-from collections import namedtuple
 import time
-from collections import deque
+from collections import deque, namedtuple
 
 import numpy as np
 
@@ -89,7 +88,7 @@ DEFAULTS = {
 MODEL_DEFAULTS = {"requests": 4, "new_tokens": 24}
 
 F32_TOLERANCE = 1e-4
-# A real model's logits are larger (SmolLM2-135M: |logit| up to ~30) and run
+# A real model's logits are larger (SmolLM2-135M: |logit| up to ~35) and run
 # through 30 layers: float32 pages against the full recompute differ by the
 # reordered float32 sums of the batched/chunked steps, not by storage.
 MODEL_F32_TOLERANCE = 1e-3
@@ -660,7 +659,8 @@ def _stores(o, model):
     layout, whose K/V for the same tokens differ."""
     if o["store"] is None:
         return None
-    namespace = f"kvcore-demo:{getattr(model, 'weights_id', None) or 'tiny-seed%d' % o['seed']}"
+    weights = getattr(model, "weights_id", None) or f"tiny-seed{o['seed']}"
+    namespace = f"kvcore-demo:{weights}"
     kind, _, where = o["store"].partition(":")
     if kind == "disk":
         return [kvcore.DiskStore(where, 4 << 30, namespace=namespace)]
@@ -729,9 +729,10 @@ _Setup = namedtuple("_Setup", "model tokenizer reqs pool num_blocks max_seq_len"
 
 
 @functools.lru_cache(maxsize=1)
-def _load_gguf(path):
+def _load_gguf(path, stamp=None):
     """(model, tokenizer) of a GGUF file, kept for the next run of the same
-    file (the load and dequantization are most of a short run's time)."""
+    file (the load and dequantization are most of a short run's time);
+    ``stamp`` (size, mtime) makes a rewritten file load again."""
     from .llama import load_gguf
 
     return load_gguf(path)
@@ -744,7 +745,9 @@ def _model(o):
     from .llama import ModelFileError, find_model
 
     try:
-        return _load_gguf(str(find_model(o["model"]).resolve()))
+        path = find_model(o["model"]).resolve()
+        st = path.stat()
+        return _load_gguf(str(path), (st.st_size, st.st_mtime_ns))
     except ModelFileError as e:
         raise DemoError(str(e)) from None
 
