@@ -1,0 +1,133 @@
+"""kvcore's XXH3-64 (kv_xxh3.c: the checksum of prefix-store entries of
+format version 3) is the real XXH3-64, bit for bit, at every SIMD level
+this CPU has; the copy that computes it copies exactly; the batch copy
+gives the same bits on every thread count."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvcore.backends.cpu import _checksum
+
+SCALAR, AVX2 = 0, 2
+# the levels with kernels of their own that this CPU runs (a level it
+# cannot run falls back to the default one, so dedupe by what runs)
+LEVELS = sorted({_checksum.xxh3_level(SCALAR), _checksum.xxh3_level(AVX2)})
+SEEDS = [0, 1, 0x9E3779B185EBCA87, 2**64 - 1]
+RNG = np.random.default_rng(20261201)
+DATA = RNG.integers(0, 256, 1 << 21, dtype=np.uint8).tobytes()
+
+
+def want(data, seed):
+    return xxhash.xxh3_64_intdigest(bytes(data), seed=seed)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_xxh3_every_length_to_4096(level, seed):
+    # every branch of the short paths (0, 1-3, 4-8, 9-16, 17-128, 129-240),
+    # and the long one across stripe (64), buffer (256) and block (1024) ends
+    bad = [n for n in range(4097)
+           if _checksum.xxh3_64(DATA[:n], seed, level) != want(DATA[:n], seed)]
+    assert bad == []
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n", [8191, 8192, 8193, 65536, 65537, 1 << 20, (1 << 21) - 63])
+@pytest.mark.parametrize("start", [0, 1, 7, 33, 63])
+def test_xxh3_large_and_unaligned(level, n, start):
+    view = memoryview(DATA)[start:start + n]
+    for seed in (0, 2**64 - 1):
+        assert _checksum.xxh3_64(view, seed, level) == want(view, seed)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("n", [0, 5, 240, 241, 256, 257, 1024, 1025, 5000, 70001])
+def test_xxh3_streaming_any_split_gives_the_one_shot_digest(level, n):
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        cuts = np.sort(rng.integers(0, n + 1, rng.integers(0, 12)))
+        pieces = [DATA[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+        assert _checksum.xxh3_64_pieces(pieces, 99, level) == want(DATA[:n], 99)
+
+
+def test_xxh3_kvcore_simd_caps_the_level():
+    code = "from kvcore.backends.cpu import _checksum as c; print(c.xxh3_level())"
+    env = dict(os.environ, KVCORE_SIMD="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == str(SCALAR)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("chunks, chunk, stride", [(1, 0, 0), (1, 5, 5), (3, 7, 11),
+                                                   (64, 4096, 8192), (4, 20000, 20000),
+                                                   (2, 8193, 9000), (40, 100, 130)])
+def test_copy_xxh3_copies_and_hashes_the_source(level, chunks, chunk, stride):
+    src = np.frombuffer(DATA[3:3 + chunks * chunk], np.uint8)
+    dst = np.full(max(stride * chunks, 1), 0xA5, np.uint8)
+    before = dst.copy()
+    h = _checksum.copy_xxh3(src, dst, chunks, chunk, stride, 99, level)
+    assert h == want(src, 99)
+    for i in range(chunks):
+        assert np.array_equal(dst[i * stride:i * stride + chunk], src[i * chunk:(i + 1) * chunk])
+        # nothing between the chunks is touched
+        assert np.array_equal(dst[i * stride + chunk:(i + 1) * stride],
+                              before[i * stride + chunk:(i + 1) * stride])
+
+
+def test_copy_xxh3_refuses_sizes_that_do_not_fit():
+    with pytest.raises(ValueError, match="src holds"):
+        _checksum.copy_xxh3(b"abc", bytearray(10), 1, 4, 4)
+    with pytest.raises(ValueError, match="dst is too small"):
+        _checksum.copy_xxh3(b"abcdefgh", bytearray(10), 2, 4, 8)
+
+
+def _interleaved(n, chunks, chunk, fill=7):
+    # sources laid out like a pool's blocks: source j's chunk i at
+    # offsets[j] + i * stride (stride = n sources * chunk)
+    stride = n * chunk
+    order = list(RNG.permutation(n))
+    dst = np.full(max(stride * chunks, 1), fill, np.uint8)
+    return dst, [k * chunk for k in order], stride
+
+
+@pytest.mark.parametrize("chunks, chunk", [(1, 0), (1, 5), (3, 7), (4, 40), (2, 8193),
+                                           (64, 4096)])
+def test_copy_xxh3_many_equals_one_copy_per_source(chunks, chunk):
+    n = 5
+    srcs = [DATA[j * 1000:j * 1000 + chunks * chunk] for j in range(n)]
+    dst, offsets, stride = _interleaved(n, chunks, chunk)
+    want_dst = dst.copy()
+    digests = _checksum.copy_xxh3_many(srcs, [(dst, offsets, chunks, chunk, stride)],
+                                       list(range(10, 10 + n)))
+    for j in range(n):
+        assert digests[j] == want(srcs[j], 10 + j)
+        _checksum.copy_xxh3(srcs[j], want_dst[offsets[j]:], chunks, chunk, stride, 0)
+    assert np.array_equal(dst, want_dst)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_copy_xxh3_many_same_bits_on_every_thread_count(level):
+    # 24 sources of 256 KiB + a scales part: 6 MiB, enough to use 5 threads
+    n, chunks, chunk, extra = 24, 64, 4096, 96
+    srcs = [RNG.integers(0, 256, chunks * chunk + extra, dtype=np.uint8) for _ in range(n)]
+    seeds = [int(s) for s in RNG.integers(0, 2**63, n)]
+    results = []
+    _, offsets, stride = _interleaved(n, chunks, chunk)
+    for threads in (1, 2, 3, 5, 8, 64):
+        dst = np.full(stride * chunks, 7, np.uint8)
+        scales = np.zeros(n * extra, np.uint8)
+        digests = _checksum.copy_xxh3_many(
+            srcs, [(dst, offsets, chunks, chunk, stride),
+                   (scales, [j * extra for j in range(n)], 1, extra, extra)],
+            seeds, threads, level)
+        results.append((digests, dst, scales))
+    for digests, dst, scales in results:
+        assert digests == [want(s, seed) for s, seed in zip(srcs, seeds)]
+        assert np.array_equal(dst, results[0][1]) and np.array_equal(scales, results[0][2])
+    for j in range(n):
+        assert np.array_equal(results[0][2][j * extra:(j + 1) * extra], srcs[j][-extra:])
