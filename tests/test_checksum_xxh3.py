@@ -131,3 +131,24 @@ def test_copy_xxh3_many_same_bits_on_every_thread_count(level):
         assert np.array_equal(dst, results[0][1]) and np.array_equal(scales, results[0][2])
     for j in range(n):
         assert np.array_equal(results[0][2][j * extra:(j + 1) * extra], srcs[j][-extra:])
+
+
+@pytest.mark.parametrize("misalign", [0, 8, 3])
+def test_copy_xxh3_many_large_batch_same_bits(misalign):
+    # 34 MiB: past the size from which the copy uses non-temporal stores
+    # (16-byte aligned destinations); a misaligned one takes plain stores
+    n, chunks, chunk = 17, 64, 32768
+    srcs = [RNG.integers(0, 256, chunks * chunk, dtype=np.uint8) for _ in range(n)]
+    seeds = list(range(n))
+    base = np.zeros(n * chunks * chunk + 64, np.uint8)
+    dst = base[misalign:misalign + n * chunks * chunk]
+    _, offsets, stride = _interleaved(n, chunks, chunk)
+    for threads in (1, 3):
+        dst[:] = 0
+        digests = _checksum.copy_xxh3_many(srcs, [(dst, offsets, chunks, chunk, stride)],
+                                           seeds, threads)
+        assert digests == [want(s, seed) for s, seed in zip(srcs, seeds)]
+        got = dst.reshape(chunks, n, chunk)
+        for j, off in enumerate(offsets):
+            src = srcs[j].reshape(chunks, chunk)
+            assert np.array_equal(got[:, off // chunk], src)

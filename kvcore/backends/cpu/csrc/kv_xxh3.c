@@ -205,6 +205,7 @@ void kv_xxh3_init(kv_xxh3_state* s, uint64_t seed, int level) {
     s->buffered = 0;
     s->stripes_in_block = 0;
     s->level = kv_xxh3_level(level);
+    s->stream = 0;
     /* long inputs hash with the default secret derived from the seed */
     for (int i = 0; i < KV_XXH3_SECRET_SIZE; i += 16) {
         wr64(s->secret + i, rd64(default_secret + i) + seed);
@@ -212,11 +213,25 @@ void kv_xxh3_init(kv_xxh3_state* s, uint64_t seed, int level) {
     }
 }
 
-/* accumulate n whole stripes at p (copied to d unless NULL), scrambling at
- * every block's end */
+void kv_xxh3_set_stream(kv_xxh3_state* s, int on) { s->stream = on; }
+
+void kv_xxh3_stream_fence(void) {
+#ifdef KV_XXH3_HAVE_AVX2
+    kv_xxh3_stream_fence_avx2();
+#endif
+}
+
+/* accumulate n whole stripes at p (copied to d unless NULL, with
+ * non-temporal stores if stream), scrambling at every block's end */
 static void consume(uint64_t* acc, size_t* in_block, const unsigned char* secret, int level,
-                    const unsigned char* p, unsigned char* d, size_t n) {
+                    const unsigned char* p, unsigned char* d, size_t n, int stream) {
     stripes_fn stripes = stripes_of(level);
+#ifdef KV_XXH3_HAVE_AVX2
+    if (stream && d && level == KVS_AVX2 && (uintptr_t)d % 16 == 0)
+        stripes = kv_xxh3_stripes_stream_avx2;
+#else
+    (void)stream;
+#endif
     while (n) {
         size_t k = STRIPES_PER_BLOCK - *in_block;
         if (k > n)
@@ -258,14 +273,14 @@ static void update_copy(kv_xxh3_state* s, const unsigned char* p, unsigned char*
         p += take;
         n -= take;
         size_t k = (s->buffered + take) / STRIPE;
-        consume(s->acc, &s->stripes_in_block, s->secret, s->level, s->buf, NULL, k);
+        consume(s->acc, &s->stripes_in_block, s->secret, s->level, s->buf, NULL, k, 0);
         memcpy(s->last, s->buf + (k - 1) * STRIPE, STRIPE);
         s->buffered = 0;
     }
     /* n >= 1: every stripe but the one holding the last byte */
     size_t k = (n - 1) / STRIPE;
     if (k) {
-        consume(s->acc, &s->stripes_in_block, s->secret, s->level, p, d, k);
+        consume(s->acc, &s->stripes_in_block, s->secret, s->level, p, d, k, s->stream);
         memcpy(s->last, p + (k - 1) * STRIPE, STRIPE);
         p += k * STRIPE;
         if (d)
@@ -290,7 +305,7 @@ uint64_t kv_xxh3_digest(const kv_xxh3_state* s) {
     size_t in_block = s->stripes_in_block;
     memcpy(acc, s->acc, sizeof acc);
     size_t n = s->buffered;   /* 1 .. KV_XXH3_BUFFER */
-    consume(acc, &in_block, s->secret, s->level, s->buf, NULL, (n - 1) / STRIPE);
+    consume(acc, &in_block, s->secret, s->level, s->buf, NULL, (n - 1) / STRIPE, 0);
     unsigned char last[STRIPE];
     if (n >= STRIPE) {
         memcpy(last, s->buf + n - STRIPE, STRIPE);

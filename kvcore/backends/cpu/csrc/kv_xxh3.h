@@ -28,6 +28,7 @@ typedef struct {
     size_t buffered;                   /* bytes in buf, not yet accumulated */
     size_t stripes_in_block;           /* stripes accumulated since the last scramble */
     int level;                         /* kv_simd.h level of the kernels */
+    int stream;                        /* copies: non-temporal stores where the kernel has them */
     unsigned char secret[KV_XXH3_SECRET_SIZE];   /* the default one derived from seed */
     unsigned char buf[KV_XXH3_BUFFER];
     unsigned char last[64];            /* the last 64 accumulated bytes */
@@ -36,6 +37,12 @@ typedef struct {
 /* level: a kv_simd.h level (KVS_*); one this build or CPU cannot run, or a
  * negative one, means kvs_default_level(). */
 void kv_xxh3_init(kv_xxh3_state* s, uint64_t seed, int level);
+/* Copies into s (kv_copy_xxh3) bypass the caches (non-temporal stores,
+ * AVX2 level only; the same bytes and digest either way): for copies far
+ * larger than the caches, whose destination is not read soon.  The caller
+ * runs kv_xxh3_stream_fence() before another thread reads the copy. */
+void kv_xxh3_set_stream(kv_xxh3_state* s, int on);
+void kv_xxh3_stream_fence(void);
 void kv_xxh3_update(kv_xxh3_state* s, const void* data, size_t n);
 uint64_t kv_xxh3_digest(const kv_xxh3_state* s);
 /* the level kv_xxh3_init(.., level) runs */

@@ -11,6 +11,9 @@
 #define KV_XXH3_THREADS 0
 #endif
 
+/* from this many bytes a batch is copied with non-temporal stores: far
+ * beyond the caches, a plain store reads each destination line first */
+#define STREAM_BYTES (32u << 20)
 /* below this many bytes a thread is not worth starting */
 #define BYTES_PER_THREAD (1u << 20)
 #define MAX_THREADS 64
@@ -22,7 +25,7 @@ typedef struct {
     const uint64_t* seeds;
     uint64_t* digests;
     size_t lo, hi;
-    int level;
+    int level, stream;
 } run;
 
 static void do_run(const run* r) {
@@ -30,6 +33,7 @@ static void do_run(const run* r) {
         kv_xxh3_state st;
         const unsigned char* src = r->srcs[j];
         kv_xxh3_init(&st, r->seeds[j], r->level);
+        kv_xxh3_set_stream(&st, r->stream);
         for (size_t k = 0; k < r->n_parts; k++) {
             const kv_copy_part* p = &r->parts[k];
             if (p->n_chunks && p->chunk_bytes) {
@@ -40,6 +44,8 @@ static void do_run(const run* r) {
         }
         r->digests[j] = kv_xxh3_digest(&st);
     }
+    if (r->stream)
+        kv_xxh3_stream_fence();
 }
 
 #if KV_XXH3_THREADS
@@ -67,7 +73,7 @@ void kv_copy_xxh3_many(const unsigned char* const* srcs, size_t n_srcs,
     run runs[MAX_THREADS];
     for (size_t i = 0; i < t; i++) {
         run r = {srcs, parts, n_parts, seeds, digests, n_srcs * i / t, n_srcs * (i + 1) / t,
-                 level};
+                 level, total >= STREAM_BYTES};
         runs[i] = r;
     }
 #if KV_XXH3_THREADS
