@@ -6,17 +6,25 @@ import sys
 import time
 
 
+def samples(fn, repeat=15, number=1, warmup=2, setup=None):
+    """Seconds per call of ``fn()``: a list of ``repeat`` samples of
+    ``number`` calls each, after ``warmup`` untimed calls; ``setup()`` (not
+    timed) runs before every sample and warm-up call when given."""
+    out = []
+    for i in range(warmup + repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        for _ in range(number if i >= warmup else 1):
+            fn()
+        if i >= warmup:
+            out.append((time.perf_counter() - t0) / number)
+    return out
+
+
 def median_time(fn, repeat=15, number=1, warmup=2):
     """Median seconds per call of ``fn()`` over ``repeat`` samples of ``number`` calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(samples)
+    return statistics.median(samples(fn, repeat, number, warmup))
 
 
 def ratio_text(r):
