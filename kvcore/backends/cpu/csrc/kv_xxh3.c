@@ -249,6 +249,18 @@ static void consume(uint64_t* acc, size_t* in_block, const unsigned char* secret
     }
 }
 
+/* memcpy(d, p, n) for the bytes of a copy that skip the stripe kernel */
+static inline void put(const kv_xxh3_state* s, unsigned char* d, const unsigned char* p,
+                       size_t n) {
+#ifdef KV_XXH3_HAVE_AVX2
+    if (s->stream && s->level == KVS_AVX2 && (uintptr_t)d % 16 == 0 && n % 16 == 0) {
+        kv_xxh3_stream_copy_sse2(d, p, n);
+        return;
+    }
+#endif
+    memcpy(d, p, n);
+}
+
 /* kv_xxh3_update that also copies the n bytes to d (unless NULL).  A
  * stripe is accumulated only once a byte after it is known: the input's
  * last stripe is finished apart at the digest. */
@@ -257,7 +269,7 @@ static void update_copy(kv_xxh3_state* s, const unsigned char* p, unsigned char*
     if (s->buffered + n <= KV_XXH3_BUFFER) {
         memcpy(s->buf + s->buffered, p, n);
         if (d)
-            memcpy(d, p, n);
+            put(s, d, p, n);
         s->buffered += n;
         return;
     }
@@ -267,7 +279,7 @@ static void update_copy(kv_xxh3_state* s, const unsigned char* p, unsigned char*
         size_t take = (STRIPE - s->buffered % STRIPE) % STRIPE;
         memcpy(s->buf + s->buffered, p, take);
         if (d) {
-            memcpy(d, p, take);
+            put(s, d, p, take);
             d += take;
         }
         p += take;
@@ -289,7 +301,7 @@ static void update_copy(kv_xxh3_state* s, const unsigned char* p, unsigned char*
     }
     memcpy(s->buf, p, n);
     if (d)
-        memcpy(d, p, n);
+        put(s, d, p, n);
     s->buffered = n;
 }
 

@@ -21,6 +21,7 @@ void kv_xxh3_stripes_avx2(uint64_t* acc, const unsigned char* src, unsigned char
 void kv_xxh3_scramble_avx2(uint64_t* acc, const unsigned char* secret);
 void kv_xxh3_stripes_stream_avx2(uint64_t* acc, const unsigned char* src, unsigned char* dst,
                                  size_t n_stripes, const unsigned char* secret);
+void kv_xxh3_stream_copy_sse2(unsigned char* d, const unsigned char* p, size_t n);
 /* orders the non-temporal stores before what follows (another thread's reads) */
 void kv_xxh3_stream_fence_avx2(void);
 #endif
