@@ -152,3 +152,84 @@ def test_copy_xxh3_many_large_batch_same_bits(misalign):
         for j, off in enumerate(offsets):
             src = srcs[j].reshape(chunks, chunk)
             assert np.array_equal(got[:, off // chunk], src)
+
+
+# ------------------------------------------------------ the C on its own
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
+C_SOURCES = ("kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_many.c", "kv_simd.c")
+
+
+def _check_c_output(out):
+    data = bytes((i * 131 + 7) & 255 for i in range(5000 + 4 * 70000))
+    lines = out.splitlines()
+    assert lines[-1] == "0 mismatches"
+    checked = 0
+    for line in lines[:-1]:
+        if line.startswith("copy "):
+            _, j, seed, digest = line.split()
+            j = int(j)
+            assert int(digest) == want(data[j * 70000:(j + 1) * 70000], int(seed))
+        else:
+            n, seed, digest = map(int, line.split())
+            assert int(digest) == want(data[:n], seed), (n, seed)
+        checked += 1
+    assert checked > 4 * 1100
+
+
+def _build(cc, out, extra=()):
+    if not (CSRC / "kv_xxh3.c").exists():
+        pytest.skip("needs the source tree")
+    subprocess.run([cc, "-O2", "-pthread", "-std=c99", "-Wall", "-Werror", *extra, f"-I{CSRC}",
+                    str(ROOT / "tests" / "c" / "kv_xxh3_check.c"),
+                    *[str(CSRC / c) for c in C_SOURCES], "-o", str(out)],
+                   check=True, capture_output=True, text=True)
+
+
+def test_c_xxh3_natively(tmp_path):
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    _build(cc, tmp_path / "check")
+    for simd in ("", "scalar"):
+        run = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ, KVCORE_SIMD=simd))
+        assert run.returncode == 0, run.stderr
+        _check_c_output(run.stdout)
+
+
+def test_c_xxh3_on_aarch64_under_qemu(tmp_path):
+    try:
+        from _helpers import aarch64_tools
+    except ImportError:  # pragma: no cover - run as a package
+        from ._helpers import aarch64_tools
+    cc, qemu = aarch64_tools()
+    _build(cc, tmp_path / "check", ["-static"])
+    run = subprocess.run([qemu, str(tmp_path / "check")], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    _check_c_output(run.stdout)
+
+
+def test_only_the_avx2_kernels_use_avx():
+    import glob
+    import platform
+    import re
+    import shutil
+
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None:
+        pytest.skip("needs x86-64 and objdump")
+    try:
+        from _helpers import functions_in
+    except ImportError:  # pragma: no cover - run as a package
+        from ._helpers import functions_in
+    so = glob.glob(str(ROOT / "kvcore" / "backends" / "cpu" / "_checksum*.so"))
+    if not so:
+        pytest.skip("the _checksum extension is not built in place")
+    fns = functions_in(so[0])
+    avx = {fn for fn, insns in fns.items()
+           if any(i.split()[0].startswith("v") or "ymm" in i for i in insns)}
+    assert {"kv_xxh3_stripes_avx2", "kv_xxh3_stripes_stream_avx2"} <= avx
+    assert all(re.search(r"_avx2(\.\w+)?$", fn.split("@")[0]) for fn in avx), sorted(avx)
