@@ -1,7 +1,8 @@
 """kvcore's XXH3-64 (kv_xxh3.c: the checksum of prefix-store entries of
 format version 3) is the real XXH3-64, bit for bit, at every SIMD level
 this CPU has; the copy that computes it copies exactly; the batch copy
-gives the same bits on every thread count."""
+gives the same bits on every thread count (the single copies:
+tests/test_stores_checksum.py)."""
 import os
 import subprocess
 import sys
@@ -60,30 +61,6 @@ def test_xxh3_kvcore_simd_caps_the_level():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == str(SCALAR)
-
-
-@pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("chunks, chunk, stride", [(1, 0, 0), (1, 5, 5), (3, 7, 11),
-                                                   (64, 4096, 8192), (4, 20000, 20000),
-                                                   (2, 8193, 9000), (40, 100, 130)])
-def test_copy_xxh3_copies_and_hashes_the_source(level, chunks, chunk, stride):
-    src = np.frombuffer(DATA[3:3 + chunks * chunk], np.uint8)
-    dst = np.full(max(stride * chunks, 1), 0xA5, np.uint8)
-    before = dst.copy()
-    h = _checksum.copy_xxh3(src, dst, chunks, chunk, stride, 99, level)
-    assert h == want(src, 99)
-    for i in range(chunks):
-        assert np.array_equal(dst[i * stride:i * stride + chunk], src[i * chunk:(i + 1) * chunk])
-        # nothing between the chunks is touched
-        assert np.array_equal(dst[i * stride + chunk:(i + 1) * stride],
-                              before[i * stride + chunk:(i + 1) * stride])
-
-
-def test_copy_xxh3_refuses_sizes_that_do_not_fit():
-    with pytest.raises(ValueError, match="src holds"):
-        _checksum.copy_xxh3(b"abc", bytearray(10), 1, 4, 4)
-    with pytest.raises(ValueError, match="dst is too small"):
-        _checksum.copy_xxh3(b"abcdefgh", bytearray(10), 2, 4, 8)
 
 
 def _interleaved(n, chunks, chunk, fill=7):
@@ -157,15 +134,15 @@ def test_copy_xxh3_many_large_batch_same_bits(misalign):
 # ------------------------------------------------------ the C on its own
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
-C_SOURCES = ("kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_many.c", "kv_simd.c")
+C_SOURCES = ("kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_neon.c", "kv_xxh3_many.c", "kv_simd.c")
 
 
-def _check_c_output(out):
+def _check_c_output(out, level):
     data = bytes((i * 131 + 7) & 255 for i in range(5000 + 4 * 70000))
     lines = out.splitlines()
-    assert lines[-1] == "0 mismatches"
+    assert lines[-2:] == [f"level {level}", "0 mismatches"]
     checked = 0
-    for line in lines[:-1]:
+    for line in lines[:-2]:
         if line.startswith("copy "):
             _, j, seed, digest = line.split()
             j = int(j)
@@ -193,11 +170,12 @@ def test_c_xxh3_natively(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     _build(cc, tmp_path / "check")
-    for simd in ("", "scalar"):
+    names = {0: "scalar", 2: "avx2"}
+    for simd, level in (("", names.get(_checksum.xxh3_level(), "?")), ("scalar", "scalar")):
         run = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True,
                              timeout=300, env=dict(os.environ, KVCORE_SIMD=simd))
         assert run.returncode == 0, run.stderr
-        _check_c_output(run.stdout)
+        _check_c_output(run.stdout, level)
 
 
 def test_c_xxh3_on_aarch64_under_qemu(tmp_path):
@@ -207,10 +185,12 @@ def test_c_xxh3_on_aarch64_under_qemu(tmp_path):
         from ._helpers import aarch64_tools
     cc, qemu = aarch64_tools()
     _build(cc, tmp_path / "check", ["-static"])
-    run = subprocess.run([qemu, str(tmp_path / "check")], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr
-    _check_c_output(run.stdout)
+    # the NEON kernels (the default on AArch64), then the scalar ones
+    for simd, level in (("", "neon"), ("scalar", "scalar")):
+        run = subprocess.run([qemu, str(tmp_path / "check")], capture_output=True, text=True,
+                             timeout=600, env=dict(os.environ, KVCORE_SIMD=simd))
+        assert run.returncode == 0, run.stderr
+        _check_c_output(run.stdout, level)
 
 
 def test_only_the_avx2_kernels_use_avx():

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_simd.h"
 #include "kv_xxh3.h"
 
 static const uint64_t seeds[] = {0, 1, 0x9E3779B185EBCA87ULL, ~0ULL};
@@ -47,6 +48,7 @@ int main(void) {
                 bad++;
         printf("copy %d %llu %llu\n", j, (unsigned long long)sd[j], (unsigned long long)d1[j]);
     }
+    printf("level %s\n", kvs_level_name(kv_xxh3_level(-1)));
     printf("%d mismatches\n", bad);
     free(dst);
     free(data);

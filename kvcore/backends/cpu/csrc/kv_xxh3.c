@@ -174,25 +174,36 @@ int kv_xxh3_level(int level) {
     if (level >= KVS_AVX2 && level != KVS_NEON)
         return KVS_AVX2;
 #endif
-    /* no kernels of f16c or neon: the next lower level with kernels */
+#ifdef KV_XXH3_HAVE_NEON
+    if (level == KVS_NEON)
+        return KVS_NEON;
+#endif
+    /* no kernels of f16c: the next lower level with kernels */
     return KVS_SCALAR;
 }
 
-static inline stripes_fn stripes_of(int level) {
+/* the kernels of a level kv_xxh3_level returned */
+typedef struct {
+    stripes_fn stripes;
+    scramble_fn scramble;
+} kernels;
+
+static inline kernels kernels_of(int level) {
+    kernels k = {kv_xxh3_stripes_scalar, kv_xxh3_scramble_scalar};
 #ifdef KV_XXH3_HAVE_AVX2
-    if (level == KVS_AVX2)
-        return kv_xxh3_stripes_avx2;
+    if (level == KVS_AVX2) {
+        k.stripes = kv_xxh3_stripes_avx2;
+        k.scramble = kv_xxh3_scramble_avx2;
+    }
+#endif
+#ifdef KV_XXH3_HAVE_NEON
+    if (level == KVS_NEON) {
+        k.stripes = kv_xxh3_stripes_neon;
+        k.scramble = kv_xxh3_scramble_neon;
+    }
 #endif
     (void)level;
-    return kv_xxh3_stripes_scalar;
-}
-static inline scramble_fn scramble_of(int level) {
-#ifdef KV_XXH3_HAVE_AVX2
-    if (level == KVS_AVX2)
-        return kv_xxh3_scramble_avx2;
-#endif
-    (void)level;
-    return kv_xxh3_scramble_scalar;
+    return k;
 }
 
 /* ------------------------------------------------------------- streaming */
@@ -225,7 +236,8 @@ void kv_xxh3_stream_fence(void) {
  * non-temporal stores if stream), scrambling at every block's end */
 static void consume(uint64_t* acc, size_t* in_block, const unsigned char* secret, int level,
                     const unsigned char* p, unsigned char* d, size_t n, int stream) {
-    stripes_fn stripes = stripes_of(level);
+    kernels kern = kernels_of(level);
+    stripes_fn stripes = kern.stripes;
 #ifdef KV_XXH3_HAVE_AVX2
     if (stream && d && level == KVS_AVX2 && (uintptr_t)d % 16 == 0)
         stripes = kv_xxh3_stripes_stream_avx2;
@@ -243,7 +255,7 @@ static void consume(uint64_t* acc, size_t* in_block, const unsigned char* secret
         n -= k;
         *in_block += k;
         if (*in_block == STRIPES_PER_BLOCK) {
-            scramble_of(level)(acc, secret + KV_XXH3_SECRET_SIZE - STRIPE);
+            kern.scramble(acc, secret + KV_XXH3_SECRET_SIZE - STRIPE);
             *in_block = 0;
         }
     }

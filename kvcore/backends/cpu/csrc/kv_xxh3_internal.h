@@ -26,4 +26,11 @@ void kv_xxh3_stream_copy_sse2(unsigned char* d, const unsigned char* p, size_t n
 void kv_xxh3_stream_fence_avx2(void);
 #endif
 
+#if defined(__aarch64__) || defined(_M_ARM64)
+#define KV_XXH3_HAVE_NEON 1
+void kv_xxh3_stripes_neon(uint64_t* acc, const unsigned char* src, unsigned char* dst,
+                          size_t n_stripes, const unsigned char* secret);
+void kv_xxh3_scramble_neon(uint64_t* acc, const unsigned char* secret);
+#endif
+
 #endif
