@@ -14,7 +14,8 @@ void kv_xxh3_stripes_scalar(uint64_t* acc, const unsigned char* src, unsigned ch
                             size_t n_stripes, const unsigned char* secret);
 void kv_xxh3_scramble_scalar(uint64_t* acc, const unsigned char* secret);
 
-#if defined(__x86_64__) || defined(_M_X64)
+/* GCC/Clang only: the AVX2 kernels are compiled by target attributes */
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
 #define KV_XXH3_HAVE_AVX2 1
 void kv_xxh3_stripes_avx2(uint64_t* acc, const unsigned char* src, unsigned char* dst,
                           size_t n_stripes, const unsigned char* secret);
@@ -26,7 +27,7 @@ void kv_xxh3_stream_copy_sse2(unsigned char* d, const unsigned char* p, size_t n
 void kv_xxh3_stream_fence_avx2(void);
 #endif
 
-#if defined(__aarch64__) || defined(_M_ARM64)
+#if defined(__aarch64__) && defined(__ARM_NEON)
 #define KV_XXH3_HAVE_NEON 1
 void kv_xxh3_stripes_neon(uint64_t* acc, const unsigned char* src, unsigned char* dst,
                           size_t n_stripes, const unsigned char* secret);

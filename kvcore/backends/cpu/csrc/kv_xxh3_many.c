@@ -59,6 +59,9 @@ void kv_copy_xxh3_many(const unsigned char* const* srcs, size_t n_srcs,
                       const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
                       uint64_t* digests, int level, int n_threads) {
     size_t bytes = 0;
+    /* resolved here, once: the threads then never race on the first read
+     * of KVCORE_SIMD */
+    level = kv_xxh3_level(level);
     for (size_t k = 0; k < n_parts; k++)
         bytes += parts[k].n_chunks * parts[k].chunk_bytes;
     size_t total = bytes * n_srcs, t = n_threads > 0 ? (size_t)n_threads : 1;
