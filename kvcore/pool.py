@@ -955,10 +955,11 @@ class BlockPool:
         shape = (self._storage.shape[0],) + tuple(self._storage.shape[2:])
         dt = np.dtype(self._storage.dtype)
         arrays = []
+        per_block = self.bytes_per_block      # (a computed property: once, not per block)
         for i, p in enumerate(payloads):
             a = np.frombuffer(p, dtype=np.uint8)
-            if a.nbytes != self.bytes_per_block:
-                raise ValueError(f"payloads[{i}] must hold {self.bytes_per_block} bytes (one "
+            if a.nbytes != per_block:
+                raise ValueError(f"payloads[{i}] must hold {per_block} bytes (one "
                                  f"block), got {a.nbytes}")
             arrays.append(a)
         from .backends.cpu import _checksum
