@@ -1,10 +1,9 @@
 """Prefix-store restore benchmark (see kvcore/cli/benchmarks/stores.py):
 python bench/bench_stores.py [--quick] [--tokens N] [--layers N] [--kv-heads N]
-[--head-dim N] [--samples N] [--redis-server PATH] [--only ROWS] [--repeat N] [--json FILE]"""
+[--head-dim N] [--samples N] [--redis-server PATH] [--decode-step-ms MS] [--only ROWS]
+[--repeat N] [--json FILE]"""
 from kvcore.cli.benchmarks import stores
 from kvcore.cli.benchmarks._timing import script_main
-
-ROWS = ("checksum", "host", "disk", "redis", "cluster", "recompute")
 
 
 def options(p):
@@ -14,7 +13,10 @@ def options(p):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--samples", type=int, help="timed samples a row (default 5; --quick 3)")
     p.add_argument("--redis-server", metavar="PATH")
-    p.add_argument("--only", metavar="ROWS", help="comma-separated subset of: " + ", ".join(ROWS))
+    p.add_argument("--decode-step-ms", type=float, default=20.0,
+                   help="the decode step the prefetch rows sleep per step (default 20)")
+    p.add_argument("--only", metavar="ROWS",
+                   help="comma-separated subset of: " + ", ".join(stores.ROWS))
 
 
 def run_kwargs(a, p):
@@ -24,14 +26,17 @@ def run_kwargs(a, p):
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
     if a.tokens is not None and a.tokens % stores.BLOCK:
         p.error(f"--tokens must be a multiple of {stores.BLOCK}, got {a.tokens}")
+    if not a.decode_step_ms > 0:
+        p.error(f"--decode-step-ms must be positive, got {a.decode_step_ms}")
     only = None
     if a.only:
         only = [s.strip() for s in a.only.split(",") if s.strip()]
-        bad = [s for s in only if s not in ROWS]
+        bad = [s for s in only if s not in stores.ROWS]
         if bad:
-            p.error(f"--only: unknown rows {bad}; choose from {', '.join(ROWS)}")
+            p.error(f"--only: unknown rows {bad}; choose from {', '.join(stores.ROWS)}")
     return {"tokens": a.tokens, "layers": a.layers, "heads": a.kv_heads, "dim": a.head_dim,
-            "n_samples": a.samples, "redis_server": a.redis_server, "only": only}
+            "n_samples": a.samples, "redis_server": a.redis_server, "only": only,
+            "decode_step_ms": a.decode_step_ms}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ the same run:
   vs  raw redis-py pipelined GETs of the same keys, one pipeline per master,
   the masters in parallel (one thread each, as the store does; the same
   pipelines one master after another are printed beside it);
+* prefetch (Redis): how long ``allocate`` waits after ``pool.prefetch`` of
+  the prompt was started earlier, while the engine ran decode steps
+  (``decode_step_ms`` of sleep each): allocated one step after the
+  prefetch started (it takes what arrived and loads the rest), and
+  allocated at the first step at which the prefetch is done (the scheduler
+  pattern of docs/stores.md), against the same allocate without prefetch;
 * each against recomputing the prefix with the demo model
   (kvcore.cli.model.TinyTransformer.forward_full; its KV is smaller, so this
   says what a hit saves, not a like-for-like speed).
@@ -38,6 +44,7 @@ import kvcore
 from ._timing import ratio_text, samples, table
 
 BLOCK = 16
+PREFETCH_STEP = 16      # kvcore.stores._tiers.PREFETCH_STEP: blocks a prefetch holds at once
 
 
 def _stat(s):
@@ -55,9 +62,9 @@ def _gbs(nbytes, st):
             f"{nbytes / st['min_s'] / 1e9:.2f}]")
 
 
-def _pool(tokens, layers, heads, dim, stores):
-    return kvcore.BlockPool(tokens // BLOCK + 2, BLOCK, layers, heads, dim, dtype="float16",
-                            stores=stores)
+def _pool(tokens, layers, heads, dim, stores, spare=0):
+    return kvcore.BlockPool(tokens // BLOCK + 2 + spare, BLOCK, layers, heads, dim,
+                            dtype="float16", stores=stores)
 
 
 def _fill(pool, prompt, rng):
@@ -95,6 +102,56 @@ def _restore_fn(pool, prompt, expect):
         assert np.array_equal(got, expect), "restored KV differs"
 
     return setup, restore, check
+
+
+def _spill_samples(pool, prompt, setup, repeat):
+    """Seconds an allocate of a fresh prompt takes that evicts the cached
+    prefix into the pool's stores (what the allocating thread pays)."""
+    other = np.arange(10**6, 10**6 + len(prompt), dtype=np.int32)
+
+    def cache_prefix():
+        setup()
+        pool.flush_to_stores()   # (the previous sample's spill written, off the clock)
+        seq = kvcore.PagedKVCache(pool)
+        assert seq.allocate(prompt) == len(prompt) - 1    # restored: cached again
+        seq.free()
+
+    def evict():
+        seq = kvcore.PagedKVCache(pool)
+        seq.allocate(other)
+        seq.free()
+
+    out = _stat(samples(evict, repeat, warmup=1, before=cache_prefix))
+    pool.flush_to_stores()
+    return out
+
+
+def _prefetch_rows(pool, prompt, setup, restore, check, step, repeat):
+    """allocate after a prefetch started one decode step earlier, and once
+    it is done (polled once per step), against allocate alone (seconds)."""
+    one_step, when_ready, steps, alone = [], [], [], []
+    for i in range(repeat + 1):          # the first is a warm-up; the three interleaved
+        for out in (alone, one_step, when_ready):
+            setup()
+            h = None if out is alone else pool.prefetch(prompt)
+            n = 0
+            while h is not None:
+                time.sleep(step)         # the engine's decode step
+                n += 1
+                if out is one_step or h.done():
+                    break
+            t = samples(restore, repeat=1, warmup=0)
+            check()
+            if h is not None:
+                assert h.wait(60)
+            if i:
+                out += t
+                if out is when_ready:
+                    steps.append(n)
+    setup()
+    return {"alone": _stat(alone), "one_step": _stat(one_step),
+            "when_ready": _stat(when_ready), "steps_median": statistics.median(steps),
+            "steps_min": min(steps), "steps_max": max(steps), "step_ms": step * 1e3}
 
 
 def _row(kv, base, name):
@@ -225,7 +282,7 @@ def _host_rows(res, tokens, layers, heads, dim, nbytes, prompt, rng, repeat):
     pool = _pool(tokens, layers, heads, dim, [kvcore.HostStore(2 * nbytes)])
     expect = _fill(pool, prompt, rng)
     setup, restore, check = _restore_fn(pool, prompt, expect)
-    kv = samples(restore, repeat, warmup=1, setup=setup)
+    kv = samples(restore, repeat, warmup=1, before=setup)
     check()
     setup()
     src = np.ones(nbytes, np.uint8)
@@ -234,20 +291,7 @@ def _host_rows(res, tokens, layers, heads, dim, nbytes, prompt, rng, repeat):
     res["rows"]["host"] = _row(kv, base, "memcpy")
     # spill: the cached prefix evicted into the HostStore by a fresh prompt
     # (export, identity digests, encode, checksum, put)
-    other = np.arange(10**6, 10**6 + tokens + 1, dtype=np.int32)
-
-    def cache_prefix():
-        setup()
-        seq = kvcore.PagedKVCache(pool)
-        assert seq.allocate(prompt) == tokens     # restored: cached again
-        seq.free()
-
-    def evict():
-        seq = kvcore.PagedKVCache(pool)
-        seq.allocate(other)
-        seq.free()
-
-    res["host_spill"] = _stat(samples(evict, repeat, warmup=1, setup=cache_prefix))
+    res["host_spill"] = _spill_samples(pool, prompt, setup, repeat)
     # the same bytes scattered into the pool's blocks by NumPy, nothing
     # checked: what the block layout (a block is 2 * layers pieces, one per
     # plane, num_blocks * piece bytes apart) costs any restore
@@ -266,8 +310,12 @@ def _disk_rows(res, tmp, tokens, layers, heads, dim, nbytes, prompt, rng, repeat
     pool = _pool(tokens, layers, heads, dim, [kvcore.DiskStore(d, 2 * nbytes)])
     expect = _fill(pool, prompt, rng)
     setup, restore, check = _restore_fn(pool, prompt, expect)
-    kv = samples(restore, repeat, warmup=1, setup=setup)
+    kv = samples(restore, repeat, warmup=1, before=setup)
     check()
+    setup()
+    # the allocating thread's share of a spill into a DiskStore (the files
+    # are written by the store worker, drained between samples)
+    res["disk_spill"] = _spill_samples(pool, prompt, setup, repeat)
     setup()
     files = sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
                    if f.endswith(".kve"))
@@ -287,14 +335,16 @@ def _disk_rows(res, tmp, tokens, layers, heads, dim, nbytes, prompt, rng, repeat
     res["disk_readinto"] = _stat(samples(readinto, repeat, warmup=1))
 
 
-def _redis_row(binary, tmp, tokens, layers, heads, dim, prompt, rng, repeat):
+def _redis_row(res, binary, tmp, tokens, layers, heads, dim, prompt, rng, repeat,
+               decode_step_ms, with_prefetch):
     proc, url, client = _start_redis(binary, tmp)
     try:
         store = kvcore.RedisStore(url, namespace="bench", timeout=30)
-        pool = _pool(tokens, layers, heads, dim, [store])
+        # (spare blocks: an allocate while a prefetch still holds the step it loads)
+        pool = _pool(tokens, layers, heads, dim, [store], spare=PREFETCH_STEP + 1)
         expect = _fill(pool, prompt, rng)
         setup, restore, check = _restore_fn(pool, prompt, expect)
-        kv = samples(restore, repeat, warmup=1, setup=setup)
+        kv = samples(restore, repeat, warmup=1, before=setup)
         check()
         setup()
         keys = client.keys(b"kvcore:bench:*")
@@ -306,6 +356,10 @@ def _redis_row(binary, tmp, tokens, layers, heads, dim, prompt, rng, repeat):
             pipe.execute()
 
         base = samples(raw, repeat, warmup=1)
+        if with_prefetch:
+            res["prefetch"] = _prefetch_rows(pool, prompt, setup, restore, check,
+                                             decode_step_ms / 1e3, repeat)
+        pool.close()
         store.close()
         return _row(kv, base, "redis-py pipelined GET")
     finally:
@@ -344,7 +398,7 @@ def _cluster_row(binary, cli, directory, prompt, rng, tokens, layers, heads, dim
                 for out, fn in ((kv, restore),
                                 (base, lambda: list(ex.map(node_get, range(len(nodes))))),
                                 (serial, lambda: [node_get(j) for j in range(len(nodes))])):
-                    s = samples(fn, repeat=1, warmup=0, setup=setup)
+                    s = samples(fn, repeat=1, warmup=0, before=setup)
                     if i:
                         out += s
                     if fn is restore:
@@ -361,16 +415,19 @@ def _cluster_row(binary, cli, directory, prompt, rng, tokens, layers, heads, dim
             proc.wait()
 
 
+ROWS = ("checksum", "host", "disk", "redis", "prefetch", "cluster", "recompute")
+
+
 def run(quick=False, tokens=None, layers=32, heads=8, dim=128, n_samples=None,
-        redis_server=None, only=None):
+        redis_server=None, only=None, decode_step_ms=20.0):
     """One run: a dict of numbers (see the module's docstring), every row
-    timed ``n_samples`` times after a warm-up.  ``only``: a subset of ``{"checksum", "host", "disk", "redis", "cluster",
-    "recompute"}`` (default: all)."""
+    timed ``n_samples`` times after a warm-up.  ``only``: a subset of
+    :data:`ROWS` (default: all; "prefetch" runs the Redis row too)."""
     tokens = tokens or (512 if quick else 2048)
     repeat = n_samples or (3 if quick else 5)
     if tokens % BLOCK:
         raise ValueError(f"tokens must be a multiple of {BLOCK}, got {tokens}")
-    only = set(only or ("checksum", "host", "disk", "redis", "cluster", "recompute"))
+    only = set(only or ROWS)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 500, tokens + 1, dtype=np.int32)
     nbytes = tokens * layers * heads * dim * 2 * 2
@@ -385,10 +442,11 @@ def run(quick=False, tokens=None, layers=32, heads=8, dim=128, n_samples=None,
             _host_rows(res, tokens, layers, heads, dim, nbytes, prompt, rng, repeat)
         if "disk" in only:
             _disk_rows(res, tmp, tokens, layers, heads, dim, nbytes, prompt, rng, repeat)
-        if "redis" in only:
+        if only & {"redis", "prefetch"}:
             tools = _redis_tools(redis_server)
             res["rows"]["redis"] = (
-                _redis_row(tools[0], tmp, tokens, layers, heads, dim, prompt, rng, repeat)
+                _redis_row(res, tools[0], tmp, tokens, layers, heads, dim, prompt, rng, repeat,
+                           decode_step_ms, "prefetch" in only)
                 if tools else {"skipped": "needs redis-server and redis-py"})
         if "cluster" in only:
             tools = _redis_tools(redis_server, need_cli=True)
@@ -436,6 +494,11 @@ def rows(r):
         out.append((f"restore a {what} from {name}", _ms(row["kvcore"]),
                     f"{_ms(row['baseline'])} ({row['baseline_name']})",
                     f"{row['ratio']:.2f}x"))
+    pf = r.get("prefetch")
+    if pf:
+        out.append((f"allocate one decode step after prefetch (Redis, {what})",
+                    _ms(pf["one_step"]), f"{_ms(pf['alone'])} (allocate without prefetch)",
+                    f"{pf['alone']['median_s'] / pf['one_step']['median_s']:.2f}x"))
     return out
 
 
@@ -493,6 +556,20 @@ def report(r):
                      f"{_ms(cl['serial'])}; cluster restore is "
                      f"{cl['serial']['median_s'] / cl['kvcore']['median_s']:.2f}x that; keys "
                      f"per master {cl['keys_per_master']})")
+    if r.get("disk_spill"):
+        lines.append(f"  (spill of the prefix into the DiskStore on the allocating thread, the "
+                     f"files written by the store worker: {_ms(r['disk_spill'])})")
+    pf = r.get("prefetch")
+    if pf:
+        alone = pf["alone"]["median_s"]
+        lines.append(f"prefetch (Redis; decode step {pf['step_ms']:.0f} ms of sleep): allocate "
+                     f"without prefetch {_ms(pf['alone'])}")
+        lines.append(f"  allocate one step after prefetch() {_ms(pf['one_step'])} = "
+                     f"{pf['one_step']['median_s'] / alone:.2f}x of that")
+        lines.append(f"  allocate at the first step the prefetch is done "
+                     f"{_ms(pf['when_ready'])} = {pf['when_ready']['median_s'] / alone:.2f}x of "
+                     f"that (after {pf['steps_median']:.0f} steps [{pf['steps_min']}-"
+                     f"{pf['steps_max']}])")
     rc = r.get("recompute")
     if rc:
         lines.append("")
