@@ -35,7 +35,7 @@ whose chained hashes collide would otherwise share entries.
 The checksum guards against damaged bytes only (the identity digest
 decides which block an entry is, an HMAC who wrote it): XXH3-64
 (kv_xxh3.c, SIMD) runs at memory speed, fused with the copy into the
-pool's blocks (``BlockPool._import_blocks``), so restores are bound by the
+pool's blocks (``BlockPool.import_blocks``), so restores are bound by the
 medium, not by the hash.
 
 Older versions are clean misses, never read: the layout fingerprint names
@@ -105,7 +105,7 @@ def entry_size(head):
 
 def payload_checksum(payload, seed):
     """The checksum of this version: XXH3-64 of the bytes-like ``payload``
-    with ``seed`` (what ``BlockPool._import_blocks(..., seeds=)`` computes
+    with ``seed`` (what ``BlockPool.import_blocks(..., seeds=)`` computes
     while copying)."""
     return xxh3_64(payload, seed)
 

@@ -1,5 +1,5 @@
 """The checksums of prefix-store entries, and the block copy that computes
-them on the way into a pool's storage (kvcore/stores, BlockPool._import_blocks):
+them on the way into a pool's storage (kvcore/stores, BlockPool.import_blocks):
 XXH3-64 (entry format version 3, kv_xxh3.c, SIMD by run-time dispatch) and
 XXH64 (format version 2, kv_checksum.c).  Callers validate sizes; these
 functions only check what would be unsafe.
