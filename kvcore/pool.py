@@ -1085,8 +1085,9 @@ class BlockPool:
         """Write ``payloads`` (bytes-like, as :meth:`export_blocks` gives
         them) into blocks ``block_ids``.  Checks every payload's size before
         writing anything (ValueError).  With ``seeds`` (one int per block),
-        returns the XXH64 of each payload with its seed, computed while
-        copying (prefix stores verify entries so); else None."""
+        returns the XXH3-64 of each payload with its seed (the entries'
+        checksum, kvcore/stores/_format.py), computed while copying (prefix
+        stores verify entries so); else None."""
         ids = np.asarray(block_ids, np.int64).tolist()
         if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
             raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
@@ -1094,10 +1095,11 @@ class BlockPool:
         shape = (self._storage.shape[0],) + tuple(self._storage.shape[2:])
         dt = np.dtype(self._storage.dtype)
         arrays = []
+        per_block = self.bytes_per_block      # (a computed property: once, not per block)
         for i, p in enumerate(payloads):
             a = np.frombuffer(p, dtype=np.uint8)
-            if a.nbytes != self.bytes_per_block:
-                raise ValueError(f"payloads[{i}] must hold {self.bytes_per_block} bytes (one "
+            if a.nbytes != per_block:
+                raise ValueError(f"payloads[{i}] must hold {per_block} bytes (one "
                                  f"block), got {a.nbytes}")
             arrays.append(a)
         from .backends.cpu import _checksum
@@ -1106,7 +1108,8 @@ class BlockPool:
             # the storage is one C-contiguous array: plane p of block b
             # starts at byte (p * num_blocks + b) * chunk; int8 scales
             # (after the codes in a payload) likewise in their array.  All
-            # blocks in one native call, the GIL released.
+            # blocks in one native call, the GIL released, split over the
+            # CPU threads (kvcore.set_num_threads; the same bits for any count).
             parts = []
             for arr in (self._storage, self._scales):
                 if arr is None:
@@ -1115,14 +1118,15 @@ class BlockPool:
                 chunk = arr.nbytes // (planes * self._num_blocks)   # one block of one plane
                 parts.append((arr.reshape(-1).view(np.uint8), [b * chunk for b in ids], planes,
                               chunk, self._num_blocks * chunk))
-            return _checksum.copy_xxh64_many(arrays, parts, seeds)
+            from .attention import get_num_threads
+            return _checksum.copy_xxh3_many(arrays, parts, seeds, get_num_threads())
 
         # plain copies (int8: the codes, then the scales that follow them)
         kv_bytes = int(np.prod(shape)) * dt.itemsize
         digests = None if seeds is None else []
         for i, (b, a) in enumerate(zip(ids, arrays)):
             if digests is not None:
-                digests.append(_checksum.xxh64(a, seeds[i]))
+                digests.append(_checksum.xxh3_64(a, seeds[i]))
             self._storage[:, b] = self._backend.from_host(a[:kv_bytes].view(dt).reshape(shape))
             if self._scales is not None:
                 self._scales[:, b] = self._backend.from_host(

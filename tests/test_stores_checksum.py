@@ -1,5 +1,6 @@
-"""kvcore's XXH64 (kv_checksum.c: the prefix-store entries' checksum) is the
-real XXH64, bit for bit, and the copy that computes it copies exactly."""
+"""kvcore's XXH64 (kv_checksum.c: the checksum of entry format 2) is the
+real XXH64, bit for bit, and the copies that compute it and XXH3-64
+(kv_xxh3.c, format 3; tests/test_checksum_xxh3.py) copy exactly."""
 import os
 
 import numpy as np
@@ -17,15 +18,28 @@ def test_xxh64_matches_the_xxhash_package(n, seed):
     assert _checksum.xxh64(data, seed) == xxhash.xxh64_intdigest(data, seed)
 
 
+# the fused copies of both entry formats' checksums (XXH3-64 at the scalar
+# level and at the default one)
+COPIES = {
+    "xxh64": (_checksum.copy_xxh64, xxhash.xxh64_intdigest),
+    "xxh3-scalar": (lambda *a: _checksum.copy_xxh3(*a, level=0),
+                    lambda d, seed: xxhash.xxh3_64_intdigest(d, seed=seed)),
+    "xxh3": (_checksum.copy_xxh3, lambda d, seed: xxhash.xxh3_64_intdigest(d, seed=seed)),
+}
+
+
+@pytest.mark.parametrize("algo", sorted(COPIES))
 @pytest.mark.parametrize("chunks, chunk, stride", [(1, 0, 0), (1, 5, 5), (3, 7, 11),
                                                    (64, 32768, 65536), (4, 20000, 20000),
-                                                   (2, 8193, 9000)])
-def test_copy_xxh64_copies_and_hashes_the_source(chunks, chunk, stride):
+                                                   (2, 8193, 9000), (64, 4096, 8192),
+                                                   (40, 100, 130)])
+def test_copy_copies_and_hashes_the_source(algo, chunks, chunk, stride):
+    copy, ref = COPIES[algo]
     src = np.frombuffer(os.urandom(chunks * chunk), np.uint8)
-    dst = np.zeros(max(stride * chunks, 1), np.uint8)
+    dst = np.full(max(stride * chunks, 1), 0xA5, np.uint8)
     before = dst.copy()
-    h = _checksum.copy_xxh64(src, dst, chunks, chunk, stride, 99)
-    assert h == xxhash.xxh64_intdigest(src.tobytes(), 99)
+    h = copy(src, dst, chunks, chunk, stride, 99)
+    assert h == ref(src.tobytes(), 99)
     for i in range(chunks):
         assert np.array_equal(dst[i * stride:i * stride + chunk], src[i * chunk:(i + 1) * chunk])
         # nothing between the chunks is touched
@@ -33,11 +47,13 @@ def test_copy_xxh64_copies_and_hashes_the_source(chunks, chunk, stride):
                               before[i * stride + chunk:(i + 1) * stride])
 
 
-def test_copy_xxh64_refuses_sizes_that_do_not_fit():
+@pytest.mark.parametrize("algo", sorted(COPIES))
+def test_copy_refuses_sizes_that_do_not_fit(algo):
+    copy, _ = COPIES[algo]
     with pytest.raises(ValueError, match="src holds"):
-        _checksum.copy_xxh64(b"abc", bytearray(10), 1, 4, 4)
+        copy(b"abc", bytearray(10), 1, 4, 4, 0)
     with pytest.raises(ValueError, match="dst is too small"):
-        _checksum.copy_xxh64(b"abcdefgh", bytearray(10), 2, 4, 8)
+        copy(b"abcdefgh", bytearray(10), 2, 4, 8, 0)
 
 
 @pytest.mark.parametrize("chunks, chunk", [(1, 0), (1, 5), (3, 7), (4, 40), (2, 8193)])

@@ -29,10 +29,12 @@ BENCHMARKS = (
     ("attention", "paged_attention against torch SDPA and gather + NumPy"),
     ("lowprec", "fp8/int8 pools against float16: paged write, bytes/token, decode"),
     ("hf", "kvcore.hf against transformers' DynamicCache + sdpa (minutes; only with --only)"),
+    ("stores", "prefix-store restores and the checksum against memcpy, fromfile, raw Redis "
+               "GETs (a minute; only with --only)"),
 )
 OPTIONAL = {"convert", "gpu", "hf"}
 # run only when --only names them (they take minutes, or need extras)
-ON_REQUEST = {"hf"}
+ON_REQUEST = {"hf", "stores"}
 
 
 def _parser():

@@ -6,7 +6,7 @@ gives them) and what identifies it.  Layout, all integers little-endian::
 
     offset size
     0      4    magic b"KVST"
-    4      2    format version (2)
+    4      2    format version (3)
     6      2    flags: bit 0 = an HMAC follows the checksum
     8      16   layout fingerprint (see :func:`fingerprint`)
     24     16   the block's chained hash (kvcore.block_hashes)
@@ -18,8 +18,8 @@ gives them) and what identifies it.  Layout, all integers little-endian::
     104    4    tokens in the block (= block_size)
     108    4    0 (reserved)
     112    8    payload bytes
-    120    8    checksum: XXH64 of the payload, seeded with the XXH64 (seed 0)
-                of bytes 0..119 and the token ids
+    120    8    checksum: XXH3-64 of the payload, seeded with the XXH3-64
+                (seed 0) of bytes 0..119 and the token ids
     128    32   HMAC-SHA256 (only with flag bit 0) of bytes 0..127, the token
                 ids and the payload, with the store's ``hmac_key``
     ...         token ids (int32), then the payload
@@ -32,10 +32,19 @@ the identity digest decides whether it is the query's block: the pool's
 SipHash-1-3 chain is fast but not collision-resistant, so two prefixes
 whose chained hashes collide would otherwise share entries.
 
-Version 1 entries (no identity digest) are never used: their layout
-fingerprint names version 1, so their keys differ from version 2's and a
-version 2 pool never looks them up; one met under a version 2 key anyway
-fails as 'corrupt'.
+The checksum guards against damaged bytes only (the identity digest
+decides which block an entry is, an HMAC who wrote it): XXH3-64
+(kv_xxh3.c, SIMD) runs at memory speed, fused with the copy into the
+pool's blocks (``BlockPool.import_blocks``), so restores are bound by the
+medium, not by the hash.
+
+Older versions are clean misses, never read: the layout fingerprint names
+the version, so their keys differ from this version's and a pool never
+looks them up (no warning; they age out of the stores by LRU).  Version 1
+had no identity digest; version 2 is this layout with an XXH64 checksum.
+An entry of another version met under this version's key anyway (a file
+planted or damaged) fails as 'corrupt', and :func:`entry_size` refuses it,
+so it never travels to the next tier.
 """
 import hashlib
 import hmac
@@ -43,10 +52,10 @@ import struct
 
 import numpy as np
 
-from ..backends.cpu._checksum import xxh64
+from ..backends.cpu._checksum import xxh3_64
 
 MAGIC = b"KVST"
-VERSION = 2
+VERSION = 3
 FLAG_HMAC = 1
 _PREFIX = struct.Struct("<4sHH16s16s16s16s32sIIQ")  # bytes 0..119
 _CHECKSUM = struct.Struct("<Q")
@@ -94,10 +103,17 @@ def entry_size(head):
     return PREFIX_SIZE + 8 + (MAC_SIZE if flags & FLAG_HMAC else 0) + 4 * ntok + npay
 
 
+def payload_checksum(payload, seed):
+    """The checksum of this version: XXH3-64 of the bytes-like ``payload``
+    with ``seed`` (what ``BlockPool.import_blocks(..., seeds=)`` computes
+    while copying)."""
+    return xxh3_64(payload, seed)
+
+
 def header_seed(prefix, tokens):
-    """The seed of an entry's payload checksum: XXH64 of its first
-    :data:`PREFIX_SIZE` bytes and its token ids."""
-    return xxh64(bytes(prefix) + bytes(memoryview(tokens).cast("B")))
+    """The seed of an entry's payload checksum: the checksum (seed 0) of its
+    first :data:`PREFIX_SIZE` bytes and its token ids."""
+    return payload_checksum(bytes(prefix) + bytes(memoryview(tokens).cast("B")), 0)
 
 
 def _mac(hmac_key, head, tokens, payload):
@@ -117,7 +133,7 @@ def encode(fp, block_hash, parent, salt_root, identity, tokens, payload, hmac_ke
         raise ValueError(f"identity must be {IDENTITY_SIZE} bytes, got {len(identity)}")
     prefix = _PREFIX.pack(MAGIC, VERSION, FLAG_HMAC if hmac_key else 0, fp, block_hash,
                           parent, salt_root, bytes(identity), tok.size, 0, pay.nbytes)
-    head = prefix + _CHECKSUM.pack(xxh64(pay, header_seed(prefix, tok)))
+    head = prefix + _CHECKSUM.pack(payload_checksum(pay, header_seed(prefix, tok)))
     if hmac_key:
         head += _mac(hmac_key, head, tok, pay)
     out = bytearray(len(head) + tok.nbytes + pay.nbytes)
@@ -133,8 +149,8 @@ def parse(value, fp, hmac_key=None, verify_payload=True):
     memoryviews into ``value``): structure, header, fingerprint and (with
     ``hmac_key``) HMAC checked, and the payload's checksum unless
     ``verify_payload`` is False (the caller then checks ``checksum``
-    against the XXH64 of the payload with ``seed``, e.g. while copying
-    it); raises :class:`Invalid` otherwise."""
+    against :func:`payload_checksum` of the payload with ``seed``, e.g.
+    while copying it); raises :class:`Invalid` otherwise."""
     try:
         view = memoryview(value).cast("B")
     except TypeError as e:
@@ -154,11 +170,11 @@ def parse(value, fp, hmac_key=None, verify_payload=True):
     pay = view[head + 4 * ntok:]
     (checksum,) = _CHECKSUM.unpack_from(view, PREFIX_SIZE)
     seed = header_seed(view[:PREFIX_SIZE], tok)
-    if verify_payload and xxh64(pay, seed) != checksum:
+    if verify_payload and payload_checksum(pay, seed) != checksum:
         raise Invalid("corrupt", "checksum mismatch")
     if efp != fp:
         # a damaged fingerprint is corruption, not another layout
-        if not verify_payload and xxh64(pay, seed) != checksum:
+        if not verify_payload and payload_checksum(pay, seed) != checksum:
             raise Invalid("corrupt", "checksum mismatch")
         raise Invalid("fingerprint", "the entry's layout fingerprint (dtype, block size, "
                                      "layers, heads, head_dim, namespace) differs from the pool's")
@@ -185,7 +201,7 @@ def decode(value, fp, block_hash, parent, salt_root, identity, tokens, payload_s
             or pay.nbytes != payload_size or tok != expect
             or not hmac.compare_digest(eident, identity)):
         # a damaged header or token id is corruption, not another block
-        if not verify_payload and xxh64(pay, seed) != checksum:
+        if not verify_payload and payload_checksum(pay, seed) != checksum:
             raise Invalid("corrupt", "checksum mismatch")
         raise Invalid("mismatch", "the entry's hash, parent, salt, identity digest, token ids "
                                   "or size differ from the query's")

@@ -1,6 +1,12 @@
-"""XXH64 of prefix-store entries, and the block copy that computes it on the
-way into a pool's storage (kvcore/stores, BlockPool._import_blocks).
-Callers validate sizes; these functions only check what would be unsafe."""
+"""The checksums of prefix-store entries, and the block copy that computes
+them on the way into a pool's storage (kvcore/stores, BlockPool.import_blocks):
+XXH3-64 (entry format version 3, kv_xxh3.c, SIMD by run-time dispatch) and
+XXH64 (format version 2, kv_checksum.c).  Callers validate sizes; these
+functions only check what would be unsafe.
+
+``level`` arguments (tests, benchmarks): a kv_simd.h level number; -1 (the
+default) or one this CPU cannot run means the default level
+(``KVCORE_SIMD`` respected)."""
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc
 
@@ -20,6 +26,19 @@ cdef extern from "kv_checksum.h" nogil:
                             const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
                             uint64_t* digests)
 
+cdef extern from "kv_xxh3.h" nogil:
+    ctypedef struct kv_xxh3_state:
+        pass
+    void kv_xxh3_init(kv_xxh3_state* s, uint64_t seed, int level)
+    void kv_xxh3_update(kv_xxh3_state* s, const void* data, size_t n)
+    uint64_t kv_xxh3_digest(const kv_xxh3_state* s)
+    int kv_xxh3_level(int level)
+    void kv_copy_xxh3(kv_xxh3_state* s, const unsigned char* src, unsigned char* dst,
+                      size_t n_chunks, size_t chunk_bytes, size_t dst_stride)
+    void kv_copy_xxh3_many(const unsigned char* const* srcs, size_t n_srcs,
+                           const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
+                           uint64_t* digests, int level, int n_threads)
+
 
 def xxh64(data, uint64_t seed=0):
     """XXH64 of the bytes-like ``data`` (any contiguous buffer)."""
@@ -35,6 +54,16 @@ def xxh64(data, uint64_t seed=0):
     return h
 
 
+cdef _check_chunks(size_t src_bytes, size_t dst_bytes, size_t n_chunks, size_t chunk_bytes,
+                   size_t dst_stride):
+    if src_bytes != n_chunks * chunk_bytes:
+        raise ValueError(f"internal: src holds {src_bytes} bytes, expected "
+                         f"{n_chunks * chunk_bytes}")
+    if n_chunks and (chunk_bytes > dst_stride and n_chunks > 1
+                     or dst_bytes < (n_chunks - 1) * dst_stride + chunk_bytes):
+        raise ValueError("internal: dst is too small for the chunks")
+
+
 def copy_xxh64(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
                uint64_t seed=0):
     """Copy ``n_chunks`` chunks of ``chunk_bytes`` from bytes-like ``src``
@@ -45,17 +74,61 @@ def copy_xxh64(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
     cdef unsigned char[::1] d = memoryview(dst).cast("B")
     cdef kv_xxh64_state st
     cdef uint64_t h
-    if <size_t>s.shape[0] != n_chunks * chunk_bytes:
-        raise ValueError(f"internal: src holds {s.shape[0]} bytes, expected "
-                         f"{n_chunks * chunk_bytes}")
-    if n_chunks and (chunk_bytes > dst_stride and n_chunks > 1
-                     or <size_t>d.shape[0] < (n_chunks - 1) * dst_stride + chunk_bytes):
-        raise ValueError("internal: dst is too small for the chunks")
+    _check_chunks(s.shape[0], d.shape[0], n_chunks, chunk_bytes, dst_stride)
     with nogil:
         kv_xxh64_init(&st, seed)
         if n_chunks and chunk_bytes:
             kv_copy_xxh64(&st, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
         h = kv_xxh64_digest(&st)
+    return h
+
+
+def xxh3_64(data, uint64_t seed=0, int level=-1):
+    """XXH3-64 of the bytes-like ``data`` (any contiguous buffer) with ``seed``."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef kv_xxh3_state s
+    cdef uint64_t h
+    cdef size_t n = view.shape[0]
+    with nogil:
+        kv_xxh3_init(&s, seed, level)
+        if n:
+            kv_xxh3_update(&s, &view[0], n)
+        h = kv_xxh3_digest(&s)
+    return h
+
+
+def xxh3_64_pieces(pieces, uint64_t seed=0, int level=-1):
+    """XXH3-64 of the bytes-likes ``pieces`` one after the other, fed to
+    the streaming state one piece at a time (tests: every split gives the
+    one-shot digest)."""
+    cdef kv_xxh3_state s
+    cdef const unsigned char[::1] view
+    kv_xxh3_init(&s, seed, level)
+    for p in pieces:
+        view = memoryview(p).cast("B")
+        if view.shape[0]:
+            kv_xxh3_update(&s, &view[0], view.shape[0])
+    return kv_xxh3_digest(&s)
+
+
+def xxh3_level(int level=-1):
+    """The kv_simd.h level whose kernels :func:`xxh3_64` runs for ``level``."""
+    return kv_xxh3_level(level)
+
+
+def copy_xxh3(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
+              uint64_t seed=0, int level=-1):
+    """:func:`copy_xxh64` with XXH3-64."""
+    cdef const unsigned char[::1] s = memoryview(src).cast("B")
+    cdef unsigned char[::1] d = memoryview(dst).cast("B")
+    cdef kv_xxh3_state st
+    cdef uint64_t h
+    _check_chunks(s.shape[0], d.shape[0], n_chunks, chunk_bytes, dst_stride)
+    with nogil:
+        kv_xxh3_init(&st, seed, level)
+        if n_chunks and chunk_bytes:
+            kv_copy_xxh3(&st, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
+        h = kv_xxh3_digest(&st)
     return h
 
 
@@ -67,6 +140,16 @@ def copy_xxh64_many(srcs, parts, seeds):
     byte ``dst_offsets[j] + i * dst_stride`` of that part's ``dst``.
     Returns the list of the sources' XXH64 digests with ``seeds[j]``.  All
     of it in one call with the GIL released."""
+    return _copy_many(srcs, parts, seeds, 0, -1, 1)
+
+
+def copy_xxh3_many(srcs, parts, seeds, int num_threads=1, int level=-1):
+    """:func:`copy_xxh64_many` with XXH3-64, on up to ``num_threads``
+    threads (the digests and the copied bytes do not depend on it)."""
+    return _copy_many(srcs, parts, seeds, 1, level, num_threads)
+
+
+cdef _copy_many(srcs, parts, seeds, int xxh3, int level, int num_threads):
     cdef size_t n = len(srcs), k, j, need = 0, span, size
     cdef size_t n_parts = len(parts)
     cdef unsigned char[::1] d
@@ -113,7 +196,10 @@ def copy_xxh64_many(srcs, parts, seeds):
             ptrs[j] = &s[0] if need else NULL
             sd[j] = seeds[j]
         with nogil:
-            kv_copy_xxh64_many(ptrs, n, cparts, n_parts, sd, out)
+            if xxh3:
+                kv_copy_xxh3_many(ptrs, n, cparts, n_parts, sd, out, level, num_threads)
+            else:
+                kv_copy_xxh64_many(ptrs, n, cparts, n_parts, sd, out)
         return [out[j] for j in range(n)]
     finally:
         free(ptrs); free(cparts); free(offs); free(sd); free(out)
