@@ -45,6 +45,24 @@ SHIM = r'''
 struct kvemu_dim3 { unsigned x, y, z; };
 static kvemu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
+static inline unsigned __umulhi(unsigned a, unsigned b)
+{
+    return (unsigned)(((unsigned long long)a * b) >> 32);
+}
+
+/* kva_copy16 (cp.async / a 16-byte load and store on the device): a
+ * synchronous copy here (the kernel waits for its copies before reading
+ * them, so a synchronous copy is what it sees), counting the copies whose
+ * source or destination is off 16 bytes (a fault on the GPU). */
+static long long kvemu_misaligned16 = 0, kvemu_copies16 = 0;
+static inline void kvemu_copy16(void *dst, const void *src)
+{
+    if (((uintptr_t)dst | (uintptr_t)src) % 16)
+        ++kvemu_misaligned16;
+    ++kvemu_copies16;
+    memcpy(dst, src, 16);
+}
+
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -195,6 +213,20 @@ template <typename T> static int kvemu_code()
         return 0;
 }
 
+extern "C" long long kvemu_take_misaligned16(void)
+{
+    long long n = kvemu_misaligned16;
+    kvemu_misaligned16 = 0;
+    return n;
+}
+
+extern "C" long long kvemu_take_copies16(void)
+{
+    long long n = kvemu_copies16;
+    kvemu_copies16 = 0;
+    return n;
+}
+
 template <typename... A> static int kvemu_sig(void (*)(A...), int *out)
 {
     int codes[] = {kvemu_code<A>()..., 0};
@@ -231,6 +263,8 @@ class AttentionEmulation:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
         self._lib = ctypes.CDLL(str(lib))
+        for f in (self._lib.kvemu_take_misaligned16, self._lib.kvemu_take_copies16):
+            f.restype = ctypes.c_longlong
         self._sigs, self._fns = {}, {}
 
     def signature(self, name):
@@ -244,11 +278,20 @@ class AttentionEmulation:
 
     def launch(self, name, grid, block, params):
         """Run ``name`` over ``grid`` blocks of ``block`` threads; ``params``
-        a ctypes array of pointers to the arguments.  False on a deadlock."""
+        a ctypes array of pointers to the arguments.  False on a deadlock;
+        raises on a 16-byte copy off its alignment (a fault on the GPU)."""
         fn = self._fns.get(name)
         if fn is None:
             fn = getattr(self._lib, f"kvattn_{self.names.index(name)}")
             fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
             fn.restype = ctypes.c_int
             self._fns[name] = fn
-        return fn(grid, block, params) == 0
+        ok = fn(grid, block, params) == 0
+        bad = self._lib.kvemu_take_misaligned16()
+        if bad:
+            raise AssertionError(f"{name}: {bad} 16-byte copies were not 16-byte aligned")
+        return ok
+
+    def take_copies16(self):
+        """The 16-byte copies (kva_copy16) since the last call."""
+        return int(self._lib.kvemu_take_copies16())

@@ -93,6 +93,7 @@ class CudaBackend(Backend):
         self._modules = {}
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
+        self._sms = None    # asked on first use
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -110,6 +111,15 @@ class CudaBackend(Backend):
 
     def _ptr(self, a):
         return a.data.ptr
+
+    # multiprocessors of the device, asked once (attention's splits are
+    # sized from it); 0: unknown (the tests' emulation), fixed-size splits
+    _sms = 0
+
+    def _sm_count(self):
+        if self._sms is None:
+            self._sms = int(self._device.attributes["MultiProcessorCount"])
+        return self._sms or None
 
     def _is_device(self, a):
         return isinstance(a, self._cp.ndarray)
@@ -1139,7 +1149,7 @@ class CudaBackend(Backend):
         if num_tokens == 0:
             return plan
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                            plan.sliding_window)
+                                            plan.sliding_window, num_sms=self._sm_count())
         self._check_rows(len(items), "paged_attention (work items)")
         with self._ctx():
             plan.items = self._upload(items)
@@ -1196,7 +1206,10 @@ class CudaBackend(Backend):
             target = out if out.flags.c_contiguous and not self._misaligned(out) \
                 else self.xp.empty(out.shape, out.dtype)
             cs = self._estrides(key_cache, (0, 1, 2))
-            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(plan.kind, plan.head_dim),
+            tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
+                                [c * key_cache.itemsize for c in cs], plan.block_size)
+            split = ak.split_name if tiled else ak.scalar_name
+            self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
                               plan.items.shape[0], ak.THREADS,
                               [target, plan.partials, q, key_cache, value_cache, plan.tables,
                                plan.lens, plan.qsl, plan.items, plan.nsplit, plan.num_heads,
