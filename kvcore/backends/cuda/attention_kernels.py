@@ -136,22 +136,19 @@ def _visible(query_start_loc, seq_lens, sliding_window):
 def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
                    num_sms):
     """Keys per split for a call on a device of ``num_sms``
-    multiprocessors: the call's items (one per (row, kv head, chunk,
-    split)) aim at ``BLOCKS_PER_SM * num_sms`` blocks; a call with that many
-    units already is not split (a split only adds a merge).  A multiple of
-    ``SPLIT_ALIGN``, at least ``MIN_SPLIT_KEYS``."""
+    multiprocessors: the call's units (row, kv head, chunk) are split so
+    their items (one thread block each) come to at most ``BLOCKS_PER_SM *
+    num_sms``, as many as fit at once: the longest row in
+    ``target // units`` pieces (a call of that many units or more is not
+    split: a split only adds a merge).  A multiple of ``SPLIT_ALIGN``, at
+    least ``MIN_SPLIT_KEYS``."""
     _, lo, hi = _visible(query_start_loc, seq_lens, sliding_window)
     if hi.size == 0:
         return MIN_SPLIT_KEYS
-    per_unit = num_kv_heads * -(-(num_heads // num_kv_heads) // CHUNK_HEADS)
-    target = BLOCKS_PER_SM * int(num_sms)
-    keys = hi - lo
-    longest = int(keys.max())
-    if hi.size * per_unit >= target:
-        want = longest
-    else:   # spread the keys of every unit over the target's blocks
-        want = -(-int(keys.sum()) * per_unit // target)
-    want = max(MIN_SPLIT_KEYS, min(want, longest))
+    units = hi.size * num_kv_heads * -(-(num_heads // num_kv_heads) // CHUNK_HEADS)
+    pieces = max(1, BLOCKS_PER_SM * int(num_sms) // units)
+    longest = int((hi - lo).max())
+    want = max(MIN_SPLIT_KEYS, -(-longest // pieces))
     return -(-want // SPLIT_ALIGN) * SPLIT_ALIGN
 
 
