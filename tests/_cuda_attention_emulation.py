@@ -65,6 +65,7 @@ static inline void kvemu_copy16(void *dst, const void *src)
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 
 static inline float kvemu_half_to_float(unsigned short h)
 {
@@ -181,6 +182,47 @@ static inline float __shfl_xor_sync(unsigned, float x, int o)
     float y = kvemu::shfl_buf[(t & ~31u) | ((t & 31u) ^ (unsigned)o)];
     kvemu::wait(1 + (int)w, 32);
     return y;
+}
+
+/* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: d += A B for the warp,
+ * from the PTX ISA's fragment layouts (attention.cu, kva_attention_prefill,
+ * lists them).  Each lane posts its A (4 x 32 bits) and B (2 x 32 bits)
+ * registers, then computes its 4 elements of D: the 16 products summed
+ * exactly (double, then one rounding to float added to d), where the
+ * hardware sums in float32 (its order and intermediate rounding
+ * unspecified): the tests' tolerance covers the difference. */
+static unsigned kvemu_mma_a[1024][4], kvemu_mma_b[1024][2];
+
+static inline double kvemu_mma_in(unsigned reg, unsigned k, bool bf16)
+{
+    unsigned short h = (unsigned short)(reg >> (16 * (k % 2)));
+    return bf16 ? (double)__uint_as_float((unsigned)h << 16) : (double)kvemu_half_to_float(h);
+}
+
+static inline void kvemu_mma16816(bool bf16, float *d, const unsigned *a, const unsigned *b)
+{
+    unsigned t = threadIdx.x, w = t / 32, base = t & ~31u, lane = t & 31u;
+    for (int i = 0; i < 4; i++)
+        kvemu_mma_a[t][i] = a[i];
+    kvemu_mma_b[t][0] = b[0];
+    kvemu_mma_b[t][1] = b[1];
+    kvemu::wait(1 + (int)w, 32);
+    float r[4];
+    for (unsigned i = 0; i < 4; i++) {
+        unsigned row = lane / 4 + (i >= 2 ? 8 : 0), col = (lane % 4) * 2 + (i & 1);
+        double sum = 0.0;
+        for (unsigned k = 0; k < 16; k++) {
+            /* A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8) */
+            unsigned ra = kvemu_mma_a[base + 4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+            /* B (k, col): lane 4 col + (k % 8) / 2, register k >= 8 */
+            unsigned rb = kvemu_mma_b[base + 4 * col + (k % 8) / 2][k >= 8];
+            sum += kvemu_mma_in(ra, k, bf16) * kvemu_mma_in(rb, k, bf16);
+        }
+        r[i] = (float)((double)d[i] + sum);
+    }
+    kvemu::wait(1 + (int)w, 32);
+    for (int i = 0; i < 4; i++)
+        d[i] = r[i];
 }
 '''
 

@@ -175,3 +175,112 @@ def test_tile_keys_match_the_kernel():
             row = d * dtypes.ITEMSIZE[kind]
             assert row % 16 == 0 and d % 16 == 0
             assert ak.tile_keys(kind, d) == min(64, ak.TILE_BYTES // row)
+
+
+# ------------------------------------------------ tensor-core prefill
+# kva_attention_prefill feeds q * scale and the softmax weights P to the
+# mma as float16 / bfloat16 (rounded to nearest even), products summed in
+# float32: against the float64 reference its error (max abs error / max
+# abs value, as above) is held to PREFILL_TOL (docs/gpu.md), where the
+# float32 kernels are held to 1e-5.
+PREFILL_TOL = {F16: 1e-3, BF16: 8e-3}
+
+
+def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
+                  block_size=16, window=None, cap=None):
+    """One call with the tensor-core path on: (got, want, error)."""
+    import ml_dtypes
+
+    from kvcore.backends.reference import paged_attention_reference
+
+    dev.be._tensor_cores = True
+    need = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(need) + 2
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    vals = rng.standard_normal((2, *shape)).astype(np.float32)
+    if kind == F16:
+        k, v = vals.astype(np.float16)
+    else:
+        k, v = vals.astype(ml_dtypes.bfloat16).view(np.uint16)
+    perm = rng.permutation(num_blocks)
+    tables = np.full((len(contexts), max(need)), 0, np.int32)
+    a = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[a:a + n]
+        a += n
+    lens = np.array(contexts, np.int64)
+    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    out = dev.be.empty(q.shape, "float32")
+    dev.be.paged_attention(dev.put(q), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
+                           scale, window or 0, cap or 0.0)
+    got = dev.get(out)
+    want = paged_attention_reference(
+        q, k, v, tables, lens, qsl, scale=scale, sliding_window=window, logits_soft_cap=cap,
+        kind="bfloat16" if kind == BF16 else None)
+    return got, want, np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("group", (1, 4, 8))
+def test_prefill_kernel_matches_reference(dev, emu, kind, head_dim, group):
+    """A chunked prefill (70 queries over 25 past keys, pages of 7 tokens),
+    a whole prefill of 64, and a decode row in one call: the prefill rows
+    on tensor cores, the decode row on the tiled kernel."""
+    rng = np.random.default_rng(500 + 10 * kind + head_dim + group)
+    got, want, err = _prefill_case(dev, rng, kind, head_dim, 2 * group, 2,
+                                   contexts=[95, 64, 40], queries=[70, 64, 1], block_size=7)
+    names = [n for n, _, _ in dev.be.launches]
+    assert names == [ak.split_name(kind, head_dim), ak.prefill_name(kind, head_dim)], names
+    assert err <= PREFILL_TOL[kind], err
+    # the decode row went through the float32 path: the contract's 1e-5
+    row = np.abs(got[-1] - want[-1]).max() / np.abs(want[-1]).max()
+    assert row <= 1e-5, row
+
+
+@pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
+def test_prefill_kernel_window_soft_cap_and_odd_groups(dev, kind):
+    rng = np.random.default_rng(kind)
+    for window, cap, nh, nkv in ((20, None, 12, 1), (None, 5.0, 6, 2), (33, 2.0, 3, 3)):
+        _, _, err = _prefill_case(dev, rng, kind, 96, nh, nkv, contexts=[150], queries=[100],
+                                  block_size=16, window=window, cap=cap)
+        assert err <= PREFILL_TOL[kind], (window, cap, nh, nkv, err)
+        assert [n for n, _, _ in dev.be.launches][-1] == ak.prefill_name(kind, 96)
+
+
+def test_prefill_kernel_off_16_bytes(emu):
+    """Pages off 16 bytes: the prefill kernel copies element by element."""
+    emu.take_copies16()
+    be = EmulatedBackend(_AttentionOnly(emu))
+    dev = DeviceUnderTest(be, _shifted_put(2), _get, 1)
+    _, _, err = _prefill_case(dev, np.random.default_rng(4), F16, 64, 4, 2, contexts=[80],
+                              queries=[66], block_size=5)
+    assert [n for n, _, _ in be.launches] == [ak.prefill_name(F16, 64)]
+    assert err <= PREFILL_TOL[F16] and emu.take_copies16() == 0
+
+
+def test_short_query_runs_stay_off_tensor_cores(dev):
+    """Under PREFILL_MIN_QUERIES queries a sequence keeps the float32 path
+    (the contract's 1e-5): decode and short chunks are not rounded."""
+    got, want, err = _prefill_case(dev, np.random.default_rng(6), BF16, 64, 8, 2,
+                                   contexts=[90, 30], queries=[ak.PREFILL_MIN_QUERIES - 1, 3])
+    assert [n for n, _, _ in dev.be.launches] == [ak.split_name(BF16, 64)]
+    assert err <= 1e-5
+
+
+def test_prefill_plan_covers_each_prefill_row_and_head_once():
+    qsl = np.array([0, 70, 71, 71 + 130])
+    for nh, nkv in ((8, 8), (32, 8), (24, 2)):
+        items, mask = ak.prefill_plan(qsl, nh, nkv)
+        G = nh // nkv
+        assert mask.tolist() == [True] * 70 + [False] + [True] * 130
+        seen = set()
+        for s, r0, rows, g in items.tolist():
+            assert 0 < rows <= ak.PREFILL_PAIRS // G and qsl[s] <= r0 and r0 + rows <= qsl[s + 1]
+            seen |= {(r, h) for r in range(r0, r0 + rows) for h in range(g * G, (g + 1) * G)}
+        assert seen == {(r, h) for r in np.flatnonzero(mask) for h in range(nh)}
+        # the rest goes to the split kernel
+        split_items, _, _ = ak.plan(qsl, [70, 1, 130], nh, nkv, 0, rows=~mask)
+        assert set(split_items[:, 1].tolist()) == {70}

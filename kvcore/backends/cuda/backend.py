@@ -94,6 +94,7 @@ class CudaBackend(Backend):
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
         self._sms = None    # asked on first use
+        self._tensor_cores = int(self._device.compute_capability) >= 80
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -120,6 +121,10 @@ class CudaBackend(Backend):
         if self._sms is None:
             self._sms = int(self._device.attributes["MultiProcessorCount"])
         return self._sms or None
+
+    # mma.sync (sm_80+): attention's prefill rows run on tensor cores;
+    # False where unknown (the tests' emulation turns it on to test it)
+    _tensor_cores = False
 
     def _is_device(self, a):
         return isinstance(a, self._cp.ndarray)
@@ -1148,12 +1153,21 @@ class CudaBackend(Backend):
             scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
         if num_tokens == 0:
             return plan
+        rows = prefill = None   # prefill rows go to the tensor-core kernel
+        if self._tensor_cores and ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads):
+            prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
+            rows = ~mask if len(prefill) else None
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                            plan.sliding_window, num_sms=self._sm_count())
+                                            plan.sliding_window, num_sms=self._sm_count(),
+                                            rows=rows)
         self._check_rows(len(items), "paged_attention (work items)")
         with self._ctx():
-            plan.items = self._upload(items)
-            plan.nsplit = self._upload(nsplit)
+            if len(items):
+                plan.items = self._upload(items)
+                plan.nsplit = self._upload(nsplit)
+            if prefill is not None and len(prefill):
+                self._check_rows(len(prefill), "paged_attention (prefill items)")
+                plan.prefill = self._upload(prefill)
             plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
             plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
             plan.qsl = self._upload(qsl_h)
@@ -1209,12 +1223,23 @@ class CudaBackend(Backend):
             tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
                                 [c * key_cache.itemsize for c in cs], plan.block_size)
             split = ak.split_name if tiled else ak.scalar_name
-            self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
-                              plan.items.shape[0], ak.THREADS,
-                              [target, plan.partials, q, key_cache, value_cache, plan.tables,
-                               plan.lens, plan.qsl, plan.items, plan.nsplit, plan.num_heads,
-                               plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
-                               plan.scale, plan.sliding_window, plan.soft_cap, *scales])
+            if plan.items is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
+                                  plan.items.shape[0], ak.THREADS,
+                                  [target, plan.partials, q, key_cache, value_cache,
+                                   plan.tables, plan.lens, plan.qsl, plan.items, plan.nsplit,
+                                   plan.num_heads, plan.tables.shape[1], plan.block_size,
+                                   cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
+                                   plan.soft_cap, *scales])
+            if plan.prefill is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name,
+                                  ak.prefill_name(plan.kind, plan.head_dim),
+                                  plan.prefill.shape[0], ak.THREADS,
+                                  [target, q, key_cache, value_cache, plan.tables, plan.lens,
+                                   plan.qsl, plan.prefill, plan.num_heads,
+                                   plan.num_heads // plan.num_kv_heads, plan.tables.shape[1],
+                                   plan.block_size, cs[0], cs[1], cs[2], plan.scale,
+                                   plan.sliding_window, plan.soft_cap, int(tiled)])
             if plan.merge_rows is not None:
                 self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
                                   plan.merge_rows.shape[0], ak.MERGE_THREADS,
@@ -1305,7 +1330,8 @@ class CudaAttentionPlan:
 
     __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
-                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready")
+                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
+                 "prefill")
 
     def __init__(self, **shape):
         for name in self.__slots__:

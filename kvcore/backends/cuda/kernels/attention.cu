@@ -672,6 +672,270 @@ kva_attention_split(float *out, float *partials, const float *q,
     }
 }
 
+/* ------------------------------------------------------------------------
+ * kva_attention_prefill: tensor cores for prefill and chunked prefill over
+ * float16 / bfloat16 pages (mma.sync.m16n8k16, f32 accumulators; sm_80+:
+ * the host runs it only there, and only for sequences of at least
+ * attention_kernels.PREFILL_MIN_QUERIES queries; head_dim <= 128).
+ *
+ * One thread block (4 warps) per item (seq, first query row, rows, kv
+ * head): its (query row, query head of the group) pairs, pair p = (row
+ * first + p / G, head kv * G + p % G), 16 per warp: a warp's pairs are the
+ * rows of its m16 tiles.  Keys go in tiles of 16 (K and V rows copied 16
+ * bytes at a time into shared memory): S = Q K^T as 2 n8 tiles of D / 16
+ * k-steps, masked (causal, window), soft-capped, an online softmax per
+ * pair in base 2 (the row max over the 4 lanes of a quad), then O += P V as
+ * D / 8 n8 tiles with P's accumulators reused as the A fragments.
+ * Precision: q * scale and P enter the mma as f16 / bf16 (rounded to
+ * nearest even: kv_half.cuh's conversions), products are summed in f32;
+ * see docs/gpu.md for the tolerance.  No split, no atomics: the result
+ * does not depend on scheduling.
+ *
+ * Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"): with
+ * g = lane / 4, c = lane % 4: A (16 x 16, row major) a0 = (g, 2c..2c+1),
+ * a1 = (g+8, 2c..), a2 = (g, 2c+8..), a3 = (g+8, 2c+8..); B (16 x 8,
+ * column) b0 = (k 2c..2c+1, n g), b1 = (k 2c+8.., n g); C / D (16 x 8)
+ * d0, d1 = (g, 2c..2c+1), d2, d3 = (g+8, 2c..); the lower element of a
+ * pair in the lower 16 bits.  The host emulation does the same arithmetic
+ * from these layouts (tests/_cuda_attention_emulation.py).
+ * ---------------------------------------------------------------------- */
+
+#define KVA_PREFILL_PAIRS 64 /* (query, head) pairs per block: 4 warps x m16 */
+
+template <int KIND>
+__device__ __forceinline__ void kva_mma16816(float *d, const unsigned *a, const unsigned *b)
+{
+#if defined(KVCORE_HOST_EMULATION)
+    kvemu_mma16816(KIND == KV_BF16, d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (KIND == KV_BF16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+    /* below sm_80 nothing: the host never runs this kernel there */
+}
+
+/* Two floats as the mma's input type, the first in the lower half. */
+template <int KIND> __device__ __forceinline__ unsigned kva_pack2(float lo, float hi)
+{
+    if constexpr (KIND == KV_BF16)
+        return (unsigned)kv_f32_to_bf16(__float_as_uint(lo)) |
+               ((unsigned)kv_f32_to_bf16(__float_as_uint(hi)) << 16);
+    else
+        return (unsigned)kv_f32_to_f16(__float_as_uint(lo)) |
+               ((unsigned)kv_f32_to_f16(__float_as_uint(hi)) << 16);
+}
+
+__device__ __forceinline__ float kva_quad_max(float x)
+{
+    x = kva_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return kva_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float kva_quad_sum(float x)
+{
+    x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return kva_add(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+template <int D> struct alignas(16) KvaPrefillSmem {
+    kva_u16 k[16][D], v[16][D];
+    kva_i64 off[16];
+};
+
+/* items: [n][4] = (sequence, first query row, rows, kv head). */
+template <int KIND, int D>
+__global__ void __launch_bounds__(KVA_WARPS * 32)
+kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
+                      const kva_u16 *value_cache, const int *block_tables,
+                      const kva_i64 *seq_lens, const kva_i64 *query_start_loc,
+                      const kva_i64 *items, kva_i64 num_heads, kva_i64 group,
+                      kva_i64 table_stride, kva_i64 block_size, kva_i64 c_block,
+                      kva_i64 c_head, kva_i64 c_tok, float scale, kva_i64 window,
+                      float soft_cap, kva_i64 vec16)
+{
+    static_assert(KIND == KV_F16 || KIND == KV_BF16, "f16 / bf16 pages");
+    constexpr int KS = D / 16, NT = D / 8, VPR = D * 2 / 16;
+    __shared__ KvaPrefillSmem<D> sm;
+
+    const kva_i64 *it = items + (kva_i64)blockIdx.x * 4;
+    const kva_i64 s = it[0], row0 = it[1], nrows = it[2], g = it[3];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, c = lane & 3;
+    const bool capped = !kva_is_zero(soft_cap);
+    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const kva_i64 q0 = query_start_loc[s], nq = query_start_loc[s + 1] - q0;
+    const kva_i64 pos0 = seq_lens[s] - nq + (row0 - q0); /* position of the first row */
+
+    /* this thread's two pairs: rows gq and gq + 8 of its warp's tile */
+    kva_i64 prow[2], phead[2], ppos[2], plo[2];
+    bool pvalid[2];
+    for (int r = 0; r < 2; r++) {
+        const kva_i64 p = warp * 16 + gq + 8 * r;
+        const kva_i64 j = p / group;
+        pvalid[r] = j < nrows;
+        prow[r] = row0 + j;
+        phead[r] = g * group + (p - j * group);
+        ppos[r] = pos0 + j;
+        plo[r] = window > 0 && ppos[r] + 1 > window ? ppos[r] + 1 - window : 0;
+    }
+    const kva_i64 klo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const kva_i64 khi = pos0 + nrows; /* the last row's position + 1 */
+
+    /* Q as A fragments: k-step ks holds dims 16 ks + 2c, +1 and + 8 */
+    unsigned qa[KS][4];
+#pragma unroll
+    for (int k = 0; k < KS; k++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = i & 1, d = 16 * k + 2 * c + (i >> 1) * 8;
+            float x0 = 0.0f, x1 = 0.0f;
+            if (pvalid[r]) {
+                const float *src = q + (prow[r] * num_heads + phead[r]) * D + d;
+                x0 = kva_mul(src[0], qscale);
+                x1 = kva_mul(src[1], qscale);
+            }
+            qa[k][i] = kva_pack2<KIND>(x0, x1);
+        }
+    }
+    float m[2] = {KVA_NEG_INF, KVA_NEG_INF}, l[2] = {0.0f, 0.0f};
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    const int *table = block_tables + s * table_stride;
+    const KvaDiv bdiv = kva_div_init((unsigned)block_size);
+    kva_i64 pblk = klo / block_size; /* once per block */
+    unsigned poff = (unsigned)(klo - pblk * block_size);
+
+    for (kva_i64 t0 = klo; t0 < khi; t0 += 16) {
+        const int n = khi - t0 >= 16 ? 16 : (int)(khi - t0);
+        if (tid < n) { /* the key's row: its page read from the table */
+            const unsigned rel = poff + (unsigned)tid;
+            const unsigned j = kva_udiv(rel, bdiv);
+            sm.off[tid] = (kva_i64)table[pblk + j] * c_block + g * c_head +
+                          (kva_i64)(rel - j * bdiv.d) * c_tok;
+        }
+        __syncthreads();
+        for (int v = tid; v < 16 * VPR; v += blockDim.x) {
+            const int kk = v / VPR, cc = v - kk * VPR;
+            char *dk = (char *)&sm.k[kk][0] + 16 * cc, *dv = (char *)&sm.v[kk][0] + 16 * cc;
+            if (kk < n && vec16) {
+                kva_copy16(dk, (const char *)(key_cache + sm.off[kk]) + 16 * cc);
+                kva_copy16(dv, (const char *)(value_cache + sm.off[kk]) + 16 * cc);
+            } else if (kk < n) { /* pages off 16 bytes: element by element */
+                for (int e = 0; e < 8; e++) {
+                    sm.k[kk][8 * cc + e] = key_cache[sm.off[kk] + 8 * cc + e];
+                    sm.v[kk][8 * cc + e] = value_cache[sm.off[kk] + 8 * cc + e];
+                }
+            } else { /* zeros past the last key (0 * a stale NaN would be NaN) */
+                *(KvaVec16 *)dk = KvaVec16{0, 0, 0, 0};
+                *(KvaVec16 *)dv = KvaVec16{0, 0, 0, 0};
+            }
+        }
+        kva_copy_commit();
+        kva_copy_wait<0>();
+        __syncthreads();
+        {   /* the next tile's first key */
+            const unsigned next = poff + 16u;
+            const unsigned adv = kva_udiv(next, bdiv);
+            pblk += adv;
+            poff = next - adv * bdiv.d;
+        }
+
+        /* S = Q K^T: keys 8 nt + g of the tile as columns */
+        float sc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < KS; k++) {
+                unsigned b[2];
+                const kva_u16 *kr = &sm.k[8 * nt + gq][16 * k + 2 * c];
+                b[0] = (unsigned)kr[0] | ((unsigned)kr[1] << 16);
+                b[1] = (unsigned)kr[8] | ((unsigned)kr[9] << 16);
+                kva_mma16816<KIND>(sc[nt], qa[k], b);
+            }
+        }
+        /* mask, cap, online softmax: element i of tile nt is pair i / 2,
+         * key t0 + 8 nt + 2c + i % 2 */
+        float p[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = KVA_NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const kva_i64 key = t0 + 8 * nt + 2 * c + e;
+                    float x = sc[nt][2 * r + e];
+                    if (capped)
+                        x = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(x, soft_cap)));
+                    const bool vis = pvalid[r] && key >= plo[r] && key <= ppos[r];
+                    sc[nt][2 * r + e] = vis ? x : KVA_NEG_INF;
+                    mx = kva_max(mx, sc[nt][2 * r + e]);
+                }
+            }
+            mx = kva_quad_max(mx);
+            const float mnew = kva_max(m[r], mx);
+            /* no visible key yet: subtract 0 (every p is exp2(-inf) = 0) */
+            const float mu = mnew == KVA_NEG_INF ? 0.0f : mnew;
+            const float alpha = kva_exp2(kva_sub(m[r], mu));
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    p[nt][2 * r + e] = kva_exp2(kva_sub(sc[nt][2 * r + e], mu));
+                    rs = kva_add(rs, p[nt][2 * r + e]);
+                }
+            }
+            l[r] = kva_fma(l[r], alpha, rs); /* this lane's columns (summed over the quad at the end) */
+            m[r] = mnew;
+#pragma unroll
+            for (int nn = 0; nn < NT; nn++) {
+                acc[nn][2 * r] = kva_mul(acc[nn][2 * r], alpha);
+                acc[nn][2 * r + 1] = kva_mul(acc[nn][2 * r + 1], alpha);
+            }
+        }
+        /* O += P V: P's accumulators are the A fragment (keys as k) */
+        unsigned pa[4];
+        pa[0] = kva_pack2<KIND>(p[0][0], p[0][1]);
+        pa[1] = kva_pack2<KIND>(p[0][2], p[0][3]);
+        pa[2] = kva_pack2<KIND>(p[1][0], p[1][1]);
+        pa[3] = kva_pack2<KIND>(p[1][2], p[1][3]);
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+            const int dim = 8 * nn + gq;
+            unsigned b[2];
+            b[0] = (unsigned)sm.v[2 * c][dim] | ((unsigned)sm.v[2 * c + 1][dim] << 16);
+            b[1] = (unsigned)sm.v[2 * c + 8][dim] | ((unsigned)sm.v[2 * c + 9][dim] << 16);
+            kva_mma16816<KIND>(acc[nn], pa, b);
+        }
+        __syncthreads(); /* the tile's buffers may be refilled */
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float total = kva_quad_sum(l[r]);
+        if (!pvalid[r])
+            continue;
+        float *o = out + (prow[r] * num_heads + phead[r]) * D;
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+            o[8 * nn + 2 * c] = kva_div(acc[nn][2 * r], total);
+            o[8 * nn + 2 * c + 1] = kva_div(acc[nn][2 * r + 1], total);
+        }
+    }
+}
+
 /* rows: [num_rows][4] = (query row, first head, heads, first item); the
  * splits of a row are consecutive items first_item .. first_item + n - 1,
  * n = nsplit[first_item].  One thread block per row, threads over dims. */
