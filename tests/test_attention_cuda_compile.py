@@ -136,18 +136,24 @@ def test_nvcc_compiles_every_instantiation(tmp_path):
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     entries = re.findall(r"\.entry\s+(\S+?)\(", ptx)
     assert len(entries) == len(names), entries
-    for kernel in ("kva_attention_split", "kva_attention_split_scalar", "kva_attention_merge"):
+    for kernel in ("kva_attention_split", "kva_attention_split_scalar", "kva_attention_prefill",
+                   "kva_attention_merge"):
         mangled = f"{len(kernel)}{kernel}I"   # the name's Itanium mangling, then its template
         assert sum(mangled in e for e in entries) == sum(n.startswith(kernel + "<")
                                                          for n in names), kernel
 
 
 @needs_nvcc
-def test_tiled_kernel_resources_on_sm_90(tmp_path):
-    """ptxas -v for every tiled instantiation: no spills, no stack, at most
-    128 registers (4 blocks of 128 threads per SM need at most 128) and at
-    most 40 KB of static shared memory (it is static: under 48 KB)."""
+def test_tiled_and_prefill_kernel_resources_on_sm_90(tmp_path):
+    """ptxas -v for every tiled and prefill instantiation: no spills, no
+    stack, at most 40 KB of static shared memory (static: under 48 KB);
+    the tiled kernel at most 128 registers (4 blocks of 128 threads per SM,
+    BLOCKS_PER_SM), the prefill one at most 168 (3 blocks per SM).
+    Measured (nvcc 13.0, sm_90): tiled 48-80 registers, 19.3-35.3 KB; prefill
+    96-163 registers, 4.1-8.1 KB."""
     names = [cuda.split_name(k, d) for k in cuda.KINDS for d in cuda.HEAD_DIMS]
+    names += [cuda.prefill_name(k, d) for k in cuda.PREFILL_KINDS
+              for d in cuda.PREFILL_HEAD_DIMS]
     src = tmp_path / "attention_tiled.cu"
     src.write_text(cuda.source() + "\nvoid *kv_instances[] = {\n"
                    + ",\n".join(f"    (void *)&{n}" for n in names) + "\n};\n",
@@ -162,7 +168,8 @@ def test_tiled_kernel_resources_on_sm_90(tmp_path):
     assert len(used) == len(names), r.stderr[-2000:]
     for entry, stack, st, ld, regs, smem in used:
         assert (int(stack), int(st), int(ld)) == (0, 0, 0), entry
-        assert int(regs) <= 128 and int(smem) <= 40 * 1024, (entry, regs, smem)
+        most = 168 if "prefill" in entry else 128
+        assert int(regs) <= most and int(smem) <= 40 * 1024, (entry, regs, smem)
 
 
 @needs_nvcc
