@@ -93,8 +93,7 @@ class CudaBackend(Backend):
         self._modules = {}
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
-        self._sms = None    # asked on first use
-        self._tensor_cores = int(self._device.compute_capability) >= 80
+        self._sms = self._tensor_cores = None    # asked of the device on first use
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -125,6 +124,11 @@ class CudaBackend(Backend):
     # mma.sync (sm_80+): attention's prefill rows run on tensor cores;
     # False where unknown (the tests' emulation turns it on to test it)
     _tensor_cores = False
+
+    def _has_mma(self):
+        if self._tensor_cores is None:
+            self._tensor_cores = int(self._device.compute_capability) >= 80
+        return self._tensor_cores
 
     def _is_device(self, a):
         return isinstance(a, self._cp.ndarray)
@@ -1154,7 +1158,7 @@ class CudaBackend(Backend):
         if num_tokens == 0:
             return plan
         rows = prefill = None   # prefill rows go to the tensor-core kernel
-        if self._tensor_cores and ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads):
+        if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
             prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
             rows = ~mask if len(prefill) else None
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
