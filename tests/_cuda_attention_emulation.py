@@ -213,7 +213,8 @@ static inline void kvemu_mma16816(bool bf16, float *d, const unsigned *a, const 
         double sum = 0.0;
         for (unsigned k = 0; k < 16; k++) {
             /* A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8) */
-            unsigned ra = kvemu_mma_a[base + 4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+            unsigned ra =
+                kvemu_mma_a[base + 4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
             /* B (k, col): lane 4 col + (k % 8) / 2, register k >= 8 */
             unsigned rb = kvemu_mma_b[base + 4 * col + (k % 8) / 2][k >= 8];
             sum += kvemu_mma_in(ra, k, bf16) * kvemu_mma_in(rb, k, bf16);

@@ -24,7 +24,13 @@
  * the queries that see it NaN, as on the CPU: warps and splits are merged
  * skipping only the empty ones (l == 0), never a NaN partial.
  *
- * kva_attention_split: one thread block per work item, an item being
+ * Three kernels (attention_kernels.py picks them per call):
+ * kva_attention_split (the tiled decode kernel, below the scalar one: every
+ * kind, pages 16-byte aligned), kva_attention_split_scalar (any pages) and
+ * kva_attention_prefill (tensor cores, f16 / bf16 pages, sequences of many
+ * queries).
+ *
+ * kva_attention_split_scalar: one thread block per work item, an item being
  * (query row, kv head, chunk of up to KVA_HEADS query heads of its group,
  * split of the keys).  The host builds the item table (7 int64 per item:
  * seq, query row, kv head, first head of the chunk, heads in the chunk,
@@ -40,7 +46,8 @@
  * Host emulation (tests/_cuda_attention_emulation.py): compiled by the host
  * C++ compiler with KVCORE_HOST_EMULATION defined after a shim that runs
  * each block's threads as cooperative fibers (__syncthreads a block
- * barrier, __shfl_xor_sync a warp exchange), so the tests run this code
+ * barrier, __shfl_xor_sync a warp exchange, kva_copy16 a synchronous
+ * copy, the mma from its fragment layouts), so the tests run this code
  * without a GPU.
  */
 
@@ -898,7 +905,8 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
                     rs = kva_add(rs, p[nt][2 * r + e]);
                 }
             }
-            l[r] = kva_fma(l[r], alpha, rs); /* this lane's columns (summed over the quad at the end) */
+            /* this lane's columns only (summed over the quad at the end) */
+            l[r] = kva_fma(l[r], alpha, rs);
             m[r] = mnew;
 #pragma unroll
             for (int nn = 0; nn < NT; nn++) {
