@@ -894,7 +894,7 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
             mx = kva_quad_max(mx);
             const float mnew = kva_max(m[r], mx);
             /* no visible key yet: subtract 0 (every p is exp2(-inf) = 0) */
-            const float mu = mnew == KVA_NEG_INF ? 0.0f : mnew;
+            const float mu = __float_as_uint(mnew) == 0xff800000u ? 0.0f : mnew; /* bits: no .ftz */
             const float alpha = kva_exp2(kva_sub(m[r], mu));
             float rs = 0.0f;
 #pragma unroll
