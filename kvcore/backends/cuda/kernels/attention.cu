@@ -690,7 +690,8 @@ kva_attention_split(float *out, float *partials, const float *q,
  * first + p / G, head kv * G + p % G), 16 per warp: a warp's pairs are the
  * rows of its m16 tiles.  Keys go in tiles of 16 (K and V rows copied 16
  * bytes at a time into shared memory): S = Q K^T as 2 n8 tiles of D / 16
- * k-steps, masked (causal, window), soft-capped, an online softmax per
+ * k-steps (tile i+1's copies in flight meanwhile: two buffers, cp.async
+ * on sm_80+), masked (causal, window), soft-capped, an online softmax per
  * pair in base 2 (the row max over the 4 lanes of a quad), then O += P V as
  * D / 8 n8 tiles with P's accumulators reused as the A fragments.
  * Precision: q * scale and P enter the mma as f16 / bf16 (rounded to
@@ -753,8 +754,8 @@ __device__ __forceinline__ float kva_quad_sum(float x)
 }
 
 template <int D> struct alignas(16) KvaPrefillSmem {
-    kva_u16 k[16][D], v[16][D];
-    kva_i64 off[16];
+    kva_u16 k[2][16][D], v[2][16][D]; /* two tiles: one in flight, one reduced */
+    kva_i64 off[2][16];
 };
 
 /* items: [n][4] = (sequence, first query row, rows, kv head). */
@@ -823,40 +824,61 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
     kva_i64 pblk = klo / block_size; /* once per block */
     unsigned poff = (unsigned)(klo - pblk * block_size);
 
-    for (kva_i64 t0 = klo; t0 < khi; t0 += 16) {
-        const int n = khi - t0 >= 16 ? 16 : (int)(khi - t0);
-        if (tid < n) { /* the key's row: its page read from the table */
+    /* tile i's keys: t0 = klo + 16 i; its buffer i & 1 */
+    auto tile_n = [&](kva_i64 t0) -> int {
+        return t0 >= khi ? 0 : khi - t0 >= 16 ? 16 : (int)(khi - t0);
+    };
+    auto plan_tile = [&](int bi, kva_i64 t0) { /* each key's row (a table read per key) */
+        const int n = tile_n(t0);
+        if (tid < n) {
             const unsigned rel = poff + (unsigned)tid;
             const unsigned j = kva_udiv(rel, bdiv);
-            sm.off[tid] = (kva_i64)table[pblk + j] * c_block + g * c_head +
-                          (kva_i64)(rel - j * bdiv.d) * c_tok;
+            sm.off[bi][tid] = (kva_i64)table[pblk + j] * c_block + g * c_head +
+                              (kva_i64)(rel - j * bdiv.d) * c_tok;
         }
-        __syncthreads();
-        for (int v = tid; v < 16 * VPR; v += blockDim.x) {
-            const int kk = v / VPR, cc = v - kk * VPR;
-            char *dk = (char *)&sm.k[kk][0] + 16 * cc, *dv = (char *)&sm.v[kk][0] + 16 * cc;
-            if (kk < n && vec16) {
-                kva_copy16(dk, (const char *)(key_cache + sm.off[kk]) + 16 * cc);
-                kva_copy16(dv, (const char *)(value_cache + sm.off[kk]) + 16 * cc);
-            } else if (kk < n) { /* pages off 16 bytes: element by element */
-                for (int e = 0; e < 8; e++) {
-                    sm.k[kk][8 * cc + e] = key_cache[sm.off[kk] + 8 * cc + e];
-                    sm.v[kk][8 * cc + e] = value_cache[sm.off[kk] + 8 * cc + e];
+        const unsigned next = poff + 16u; /* every thread: the next tile's first key */
+        const unsigned adv = kva_udiv(next, bdiv);
+        pblk += adv;
+        poff = next - adv * bdiv.d;
+    };
+    auto issue_tile = [&](int bi, kva_i64 t0) {
+        const int n = tile_n(t0);
+        if (n > 0) {
+            for (int v = tid; v < 16 * VPR; v += blockDim.x) {
+                const int kk = v / VPR, cc = v - kk * VPR;
+                char *dk = (char *)&sm.k[bi][kk][0] + 16 * cc;
+                char *dv = (char *)&sm.v[bi][kk][0] + 16 * cc;
+                if (kk < n && vec16) {
+                    kva_copy16(dk, (const char *)(key_cache + sm.off[bi][kk]) + 16 * cc);
+                    kva_copy16(dv, (const char *)(value_cache + sm.off[bi][kk]) + 16 * cc);
+                } else if (kk < n) { /* pages off 16 bytes: element by element */
+                    for (int e = 0; e < 8; e++) {
+                        sm.k[bi][kk][8 * cc + e] = key_cache[sm.off[bi][kk] + 8 * cc + e];
+                        sm.v[bi][kk][8 * cc + e] = value_cache[sm.off[bi][kk] + 8 * cc + e];
+                    }
+                } else { /* zeros past the last key (0 * a stale NaN would be NaN) */
+                    *(KvaVec16 *)dk = KvaVec16{0, 0, 0, 0};
+                    *(KvaVec16 *)dv = KvaVec16{0, 0, 0, 0};
                 }
-            } else { /* zeros past the last key (0 * a stale NaN would be NaN) */
-                *(KvaVec16 *)dk = KvaVec16{0, 0, 0, 0};
-                *(KvaVec16 *)dv = KvaVec16{0, 0, 0, 0};
             }
         }
         kva_copy_commit();
-        kva_copy_wait<0>();
+    };
+
+    plan_tile(0, klo);
+    __syncthreads();
+    issue_tile(0, klo);
+    for (kva_i64 t0 = klo; t0 < khi; t0 += 16) {
+        const int cur = (int)(((t0 - klo) >> 4) & 1);
+        /* tile i+1: its offsets (off[b^1] was last read two barriers ago),
+         * then its copies into buffer b^1 (last read by tile i-1's
+         * products, before the barrier that ended them) while tile i is
+         * reduced */
+        plan_tile(cur ^ 1, t0 + 16);
         __syncthreads();
-        {   /* the next tile's first key */
-            const unsigned next = poff + 16u;
-            const unsigned adv = kva_udiv(next, bdiv);
-            pblk += adv;
-            poff = next - adv * bdiv.d;
-        }
+        issue_tile(cur ^ 1, t0 + 16);
+        kva_copy_wait<1>(); /* this thread's copies of tile i have landed */
+        __syncthreads();    /* ... and every thread's */
 
         /* S = Q K^T: keys 8 nt + g of the tile as columns */
         float sc[2][4];
@@ -866,7 +888,7 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
 #pragma unroll
             for (int k = 0; k < KS; k++) {
                 unsigned b[2];
-                const kva_u16 *kr = &sm.k[8 * nt + gq][16 * k + 2 * c];
+                const kva_u16 *kr = &sm.k[cur][8 * nt + gq][16 * k + 2 * c];
                 b[0] = (unsigned)kr[0] | ((unsigned)kr[1] << 16);
                 b[1] = (unsigned)kr[8] | ((unsigned)kr[9] << 16);
                 kva_mma16816<KIND>(sc[nt], qa[k], b);
@@ -923,9 +945,10 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
 #pragma unroll
         for (int nn = 0; nn < NT; nn++) {
             const int dim = 8 * nn + gq;
+            const kva_u16(*vt)[D] = sm.v[cur];
             unsigned b[2];
-            b[0] = (unsigned)sm.v[2 * c][dim] | ((unsigned)sm.v[2 * c + 1][dim] << 16);
-            b[1] = (unsigned)sm.v[2 * c + 8][dim] | ((unsigned)sm.v[2 * c + 9][dim] << 16);
+            b[0] = (unsigned)vt[2 * c][dim] | ((unsigned)vt[2 * c + 1][dim] << 16);
+            b[1] = (unsigned)vt[2 * c + 8][dim] | ((unsigned)vt[2 * c + 9][dim] << 16);
             kva_mma16816<KIND>(acc[nn], pa, b);
         }
         __syncthreads(); /* the tile's buffers may be refilled */
