@@ -45,8 +45,27 @@ SHIM = r'''
 struct kvemu_dim3 { unsigned x, y, z; };
 static kvemu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
+static inline unsigned __umulhi(unsigned a, unsigned b)
+{
+    return (unsigned)(((unsigned long long)a * b) >> 32);
+}
+
+/* kva_copy16 (cp.async / a 16-byte load and store on the device): a
+ * synchronous copy here (the kernel waits for its copies before reading
+ * them, so a synchronous copy is what it sees), counting the copies whose
+ * source or destination is off 16 bytes (a fault on the GPU). */
+static long long kvemu_misaligned16 = 0, kvemu_copies16 = 0;
+static inline void kvemu_copy16(void *dst, const void *src)
+{
+    if (((uintptr_t)dst | (uintptr_t)src) % 16)
+        ++kvemu_misaligned16;
+    ++kvemu_copies16;
+    memcpy(dst, src, 16);
+}
+
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 
 static inline float kvemu_half_to_float(unsigned short h)
 {
@@ -164,6 +183,48 @@ static inline float __shfl_xor_sync(unsigned, float x, int o)
     kvemu::wait(1 + (int)w, 32);
     return y;
 }
+
+/* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: d += A B for the warp,
+ * from the PTX ISA's fragment layouts (attention.cu, kva_attention_prefill,
+ * lists them).  Each lane posts its A (4 x 32 bits) and B (2 x 32 bits)
+ * registers, then computes its 4 elements of D: the 16 products summed
+ * exactly (double, then one rounding to float added to d), where the
+ * hardware sums in float32 (its order and intermediate rounding
+ * unspecified): the tests' tolerance covers the difference. */
+static unsigned kvemu_mma_a[1024][4], kvemu_mma_b[1024][2];
+
+static inline double kvemu_mma_in(unsigned reg, unsigned k, bool bf16)
+{
+    unsigned short h = (unsigned short)(reg >> (16 * (k % 2)));
+    return bf16 ? (double)__uint_as_float((unsigned)h << 16) : (double)kvemu_half_to_float(h);
+}
+
+static inline void kvemu_mma16816(bool bf16, float *d, const unsigned *a, const unsigned *b)
+{
+    unsigned t = threadIdx.x, w = t / 32, base = t & ~31u, lane = t & 31u;
+    for (int i = 0; i < 4; i++)
+        kvemu_mma_a[t][i] = a[i];
+    kvemu_mma_b[t][0] = b[0];
+    kvemu_mma_b[t][1] = b[1];
+    kvemu::wait(1 + (int)w, 32);
+    float r[4];
+    for (unsigned i = 0; i < 4; i++) {
+        unsigned row = lane / 4 + (i >= 2 ? 8 : 0), col = (lane % 4) * 2 + (i & 1);
+        double sum = 0.0;
+        for (unsigned k = 0; k < 16; k++) {
+            /* A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8) */
+            unsigned ra =
+                kvemu_mma_a[base + 4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+            /* B (k, col): lane 4 col + (k % 8) / 2, register k >= 8 */
+            unsigned rb = kvemu_mma_b[base + 4 * col + (k % 8) / 2][k >= 8];
+            sum += kvemu_mma_in(ra, k, bf16) * kvemu_mma_in(rb, k, bf16);
+        }
+        r[i] = (float)((double)d[i] + sum);
+    }
+    kvemu::wait(1 + (int)w, 32);
+    for (int i = 0; i < 4; i++)
+        d[i] = r[i];
+}
 '''
 
 HARNESS = r'''
@@ -193,6 +254,20 @@ template <typename T> static int kvemu_code()
         return -1;
     else
         return 0;
+}
+
+extern "C" long long kvemu_take_misaligned16(void)
+{
+    long long n = kvemu_misaligned16;
+    kvemu_misaligned16 = 0;
+    return n;
+}
+
+extern "C" long long kvemu_take_copies16(void)
+{
+    long long n = kvemu_copies16;
+    kvemu_copies16 = 0;
+    return n;
 }
 
 template <typename... A> static int kvemu_sig(void (*)(A...), int *out)
@@ -231,6 +306,8 @@ class AttentionEmulation:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
         self._lib = ctypes.CDLL(str(lib))
+        for f in (self._lib.kvemu_take_misaligned16, self._lib.kvemu_take_copies16):
+            f.restype = ctypes.c_longlong
         self._sigs, self._fns = {}, {}
 
     def signature(self, name):
@@ -244,11 +321,20 @@ class AttentionEmulation:
 
     def launch(self, name, grid, block, params):
         """Run ``name`` over ``grid`` blocks of ``block`` threads; ``params``
-        a ctypes array of pointers to the arguments.  False on a deadlock."""
+        a ctypes array of pointers to the arguments.  False on a deadlock;
+        raises on a 16-byte copy off its alignment (a fault on the GPU)."""
         fn = self._fns.get(name)
         if fn is None:
             fn = getattr(self._lib, f"kvattn_{self.names.index(name)}")
             fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
             fn.restype = ctypes.c_int
             self._fns[name] = fn
-        return fn(grid, block, params) == 0
+        ok = fn(grid, block, params) == 0
+        bad = self._lib.kvemu_take_misaligned16()
+        if bad:
+            raise AssertionError(f"{name}: {bad} 16-byte copies were not 16-byte aligned")
+        return ok
+
+    def take_copies16(self):
+        """The 16-byte copies (kva_copy16) since the last call."""
+        return int(self._lib.kvemu_take_copies16())

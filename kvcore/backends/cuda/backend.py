@@ -93,6 +93,7 @@ class CudaBackend(Backend):
         self._modules = {}
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
+        self._sms = self._tensor_cores = None    # asked of the device on first use
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -110,6 +111,24 @@ class CudaBackend(Backend):
 
     def _ptr(self, a):
         return a.data.ptr
+
+    # multiprocessors of the device, asked once (attention's splits are
+    # sized from it); 0: unknown (the tests' emulation), fixed-size splits
+    _sms = 0
+
+    def _sm_count(self):
+        if self._sms is None:
+            self._sms = int(self._device.attributes["MultiProcessorCount"])
+        return self._sms or None
+
+    # mma.sync (sm_80+): attention's prefill rows run on tensor cores;
+    # False where unknown (the tests' emulation turns it on to test it)
+    _tensor_cores = False
+
+    def _has_mma(self):
+        if self._tensor_cores is None:
+            self._tensor_cores = int(self._device.compute_capability) >= 80
+        return self._tensor_cores
 
     def _is_device(self, a):
         return isinstance(a, self._cp.ndarray)
@@ -1138,12 +1157,21 @@ class CudaBackend(Backend):
             scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
         if num_tokens == 0:
             return plan
+        rows = prefill = None   # prefill rows go to the tensor-core kernel
+        if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
+            prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
+            rows = ~mask if len(prefill) else None
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                            plan.sliding_window)
+                                            plan.sliding_window, num_sms=self._sm_count(),
+                                            rows=rows)
         self._check_rows(len(items), "paged_attention (work items)")
         with self._ctx():
-            plan.items = self._upload(items)
-            plan.nsplit = self._upload(nsplit)
+            if len(items):
+                plan.items = self._upload(items)
+                plan.nsplit = self._upload(nsplit)
+            if prefill is not None and len(prefill):
+                self._check_rows(len(prefill), "paged_attention (prefill items)")
+                plan.prefill = self._upload(prefill)
             plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
             plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
             plan.qsl = self._upload(qsl_h)
@@ -1196,12 +1224,26 @@ class CudaBackend(Backend):
             target = out if out.flags.c_contiguous and not self._misaligned(out) \
                 else self.xp.empty(out.shape, out.dtype)
             cs = self._estrides(key_cache, (0, 1, 2))
-            self._launch_grid(ak.ATTENTION_FILE.name, ak.split_name(plan.kind, plan.head_dim),
-                              plan.items.shape[0], ak.THREADS,
-                              [target, plan.partials, q, key_cache, value_cache, plan.tables,
-                               plan.lens, plan.qsl, plan.items, plan.nsplit, plan.num_heads,
-                               plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
-                               plan.scale, plan.sliding_window, plan.soft_cap, *scales])
+            tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
+                                [c * key_cache.itemsize for c in cs], plan.block_size)
+            split = ak.split_name if tiled else ak.scalar_name
+            if plan.items is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
+                                  plan.items.shape[0], ak.THREADS,
+                                  [target, plan.partials, q, key_cache, value_cache,
+                                   plan.tables, plan.lens, plan.qsl, plan.items, plan.nsplit,
+                                   plan.num_heads, plan.tables.shape[1], plan.block_size,
+                                   cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
+                                   plan.soft_cap, *scales])
+            if plan.prefill is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name,
+                                  ak.prefill_name(plan.kind, plan.head_dim),
+                                  plan.prefill.shape[0], ak.THREADS,
+                                  [target, q, key_cache, value_cache, plan.tables, plan.lens,
+                                   plan.qsl, plan.prefill, plan.num_heads,
+                                   plan.num_heads // plan.num_kv_heads, plan.tables.shape[1],
+                                   plan.block_size, cs[0], cs[1], cs[2], plan.scale,
+                                   plan.sliding_window, plan.soft_cap, int(tiled)])
             if plan.merge_rows is not None:
                 self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
                                   plan.merge_rows.shape[0], ak.MERGE_THREADS,
@@ -1292,7 +1334,8 @@ class CudaAttentionPlan:
 
     __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
-                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready")
+                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
+                 "prefill")
 
     def __init__(self, **shape):
         for name in self.__slots__:

@@ -24,7 +24,13 @@
  * the queries that see it NaN, as on the CPU: warps and splits are merged
  * skipping only the empty ones (l == 0), never a NaN partial.
  *
- * kva_attention_split: one thread block per work item, an item being
+ * Three kernels (attention_kernels.py picks them per call):
+ * kva_attention_split (the tiled decode kernel, below the scalar one: every
+ * kind, pages 16-byte aligned), kva_attention_split_scalar (any pages) and
+ * kva_attention_prefill (tensor cores, f16 / bf16 pages, sequences of many
+ * queries).
+ *
+ * kva_attention_split_scalar: one thread block per work item, an item being
  * (query row, kv head, chunk of up to KVA_HEADS query heads of its group,
  * split of the keys).  The host builds the item table (7 int64 per item:
  * seq, query row, kv head, first head of the chunk, heads in the chunk,
@@ -40,7 +46,8 @@
  * Host emulation (tests/_cuda_attention_emulation.py): compiled by the host
  * C++ compiler with KVCORE_HOST_EMULATION defined after a shim that runs
  * each block's threads as cooperative fibers (__syncthreads a block
- * barrier, __shfl_xor_sync a warp exchange), so the tests run this code
+ * barrier, __shfl_xor_sync a warp exchange, kva_copy16 a synchronous
+ * copy, the mma from its fragment layouts), so the tests run this code
  * without a GPU.
  */
 
@@ -170,6 +177,20 @@ __device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type
         return __uint_as_float((unsigned)(*p) << 16);
     } else if constexpr (KIND == KV_I8) {
         return (float)*p; /* the code (the caller multiplies by its row scale) */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(KVCORE_HOST_EMULATION)
+    } else if constexpr (KIND == KV_F8E4M3) {
+        /* the hardware conversion (sm_89+): every e4m3 value is an f16
+         * value, so e4m3 -> f16 -> f32 is exact, as kv_fp8_to_f32_one (the
+         * NaN codes give a NaN, of another payload: the result is NaN either
+         * way).  The code goes in both bytes, so either half is its value. */
+        const unsigned short two = (unsigned short)(*p | (*p << 8));
+        unsigned h2;
+        float f;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+        asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }"
+            : "=f"(f) : "r"(h2));
+        return f;
+#endif
     } else {
         return __uint_as_float(kv_fp8_to_f32_one<KIND - KV_F8E4M3>(*p));
     }
@@ -189,7 +210,7 @@ __device__ __forceinline__ float kva_warp_sum(float x)
  * k_scale / v_scale: fp8 layer scales (1 otherwise; unused for int8). */
 template <int KIND, int D>
 __global__ void __launch_bounds__(KVA_WARPS * 32)
-kva_attention_split(float *out, float *partials, const float *q,
+kva_attention_split_scalar(float *out, float *partials, const float *q,
                     const typename KvaStorage<KIND>::type *key_cache,
                     const typename KvaStorage<KIND>::type *value_cache,
                     const int *block_tables, const kva_i64 *seq_lens,
@@ -324,6 +345,624 @@ kva_attention_split(float *out, float *partials, const float *q,
                 p[0] = mx;
                 p[1] = total;
             }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * kva_attention_split: the tiled kernel (16-byte copies, K/V tiles double
+ * buffered through shared memory, the chunk's query heads in parallel).
+ * Same items, arguments and partials as kva_attention_split_scalar, which
+ * the host runs instead when the pages are not 16-byte aligned (the base
+ * pointers and the block / head / token strides in bytes; see
+ * attention_kernels.tiled_ok).
+ *
+ * The item's keys lo .. hi-1 are cut into tiles of KvaTile::KEYS keys
+ * (KVA_TILE_BYTES of K and as many of V per tile).  Per tile, the block
+ * table is read once per page the tile touches (s_page), then each key's
+ * row offset is formed with a 32-bit multiply-high division by block_size
+ * (KvaDiv: its magic number is computed once per block; no 64-bit
+ * division per key), and the K and V rows are copied 16 bytes at a time
+ * into one of two shared buffers: tile i+1 is in flight (cp.async on
+ * sm_80+, a plain 16-byte load and store below) while tile i is reduced.
+ *
+ * The reduction: 8 rows of 16 lanes; each lane holds D / 16 dimensions of
+ * one query head; the chunk's heads (nh <= 8) get 8 / NHC rows each (NHC:
+ * nh rounded up to a power of two), row r walking the tile's keys
+ * r % (8 / NHC), + 8 / NHC, ... with its own online softmax (scores summed
+ * over the 16 lanes by 4 shuffles).  The rows of a head are merged in row
+ * order at the end, then written as by the scalar kernel: the result does
+ * not depend on scheduling (same bits on replay).
+ * ---------------------------------------------------------------------- */
+
+#define KVA_TILE_BYTES 8192 /* bytes of K (and of V) per tile and buffer */
+#define KVA_ROWS 8          /* rows of 16 lanes per block (KVA_WARPS * 2) */
+
+/* n / d for 32-bit n by a 32-bit multiply-high (Granlund & Montgomery,
+ * "Division by invariant integers using multiplication", 1994: with
+ * l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, n / d =
+ * (mulhi(m, n) + n) >> l for every n < 2^32); d >= 1. */
+struct KvaDiv {
+    unsigned d, m, l;
+};
+
+__device__ __forceinline__ KvaDiv kva_div_init(unsigned d)
+{
+    KvaDiv r;
+    unsigned l = 0;
+    while (l < 32 && (1ull << l) < d)
+        ++l;
+    r.d = d;
+    r.l = l;
+    r.m = (unsigned)(((1ull << 32) * ((1ull << l) - d)) / d + 1); /* once per block */
+    return r;
+}
+
+__device__ __forceinline__ unsigned kva_udiv(unsigned n, KvaDiv v)
+{
+    return (unsigned)(((unsigned long long)__umulhi(v.m, n) + n) >> v.l);
+}
+
+/* One 16-byte copy global -> shared: cp.async on sm_80+ (completed by
+ * kva_copy_wait), else a plain 16-byte load and store. */
+struct alignas(16) KvaVec16 {
+    unsigned a, b, c, d;
+};
+
+__device__ __forceinline__ void kva_copy16(void *dst_shared, const void *src)
+{
+#if defined(KVCORE_HOST_EMULATION)
+    kvemu_copy16(dst_shared, src); /* the tests' emulation: checks the alignment */
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+                 : "=r"(s) : "l"(dst_shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+#else
+    *(KvaVec16 *)dst_shared = *(const KvaVec16 *)src;
+#endif
+}
+
+__device__ __forceinline__ void kva_copy_commit()
+{
+#if !defined(KVCORE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+/* Wait until at most N committed groups of this thread are in flight. */
+template <int N> __device__ __forceinline__ void kva_copy_wait()
+{
+#if !defined(KVCORE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ float kva_row_sum(float x) /* over a row's 16 lanes */
+{
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1)
+        x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+template <int KIND, int D> struct KvaTile {
+    typedef typename KvaStorage<KIND>::type T;
+    static constexpr int ROW = D * (int)sizeof(T);  /* bytes of a key's row */
+    static constexpr int VPR = ROW / 16;            /* 16-byte vectors per row */
+    static constexpr int KEYS = KVA_TILE_BYTES / ROW > 64 ? 64 : KVA_TILE_BYTES / ROW;
+    static constexpr int DPL = D / 16;              /* dimensions per lane */
+    static_assert(ROW % 16 == 0 && D % 16 == 0, "rows of whole 16-byte vectors");
+    struct alignas(16) Smem {
+        union {
+            struct {
+                T k[2][KEYS][D];
+                T v[2][KEYS][D];
+            } t;
+            float part[KVA_ROWS][D + 2]; /* after the last tile */
+        } u;
+        kva_i64 off[2][KEYS];  /* element offset of each key's row */
+        kva_i64 soff[2][KEYS]; /* int8: offset of each key's row scale */
+        float ks[2][KEYS], vs[2][KEYS];
+        int page[KEYS + 1];    /* block ids of the pages of the tile being planned */
+    };
+};
+
+template <int KIND, int D>
+__global__ void __launch_bounds__(KVA_WARPS * 32)
+kva_attention_split(float *out, float *partials, const float *q,
+                    const typename KvaStorage<KIND>::type *key_cache,
+                    const typename KvaStorage<KIND>::type *value_cache,
+                    const int *block_tables, const kva_i64 *seq_lens,
+                    const kva_i64 *query_start_loc, const kva_i64 *items,
+                    const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
+                    kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
+                    float scale, kva_i64 window, float soft_cap,
+                    const float *key_scales, const float *value_scales,
+                    kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
+                    float k_scale, float v_scale)
+{
+    typedef KvaTile<KIND, D> Tl;
+    typedef typename Tl::T T;
+    constexpr int KEYS = Tl::KEYS, VPR = Tl::VPR, DPL = Tl::DPL;
+    __shared__ typename Tl::Smem sm;
+
+    const kva_i64 *it = items + (kva_i64)blockIdx.x * 7;
+    const kva_i64 s = it[0], row = it[1], g = it[2], h0 = it[3];
+    const int nh = (int)it[4];
+    const int tid = threadIdx.x, r = tid >> 4, lane = tid & 15;
+    const int nhc = nh <= 1 ? 1 : nh <= 2 ? 2 : nh <= 4 ? 4 : 8;
+    const int kr = KVA_ROWS / nhc;       /* rows per head */
+    const int hr = r / kr, phase = r - hr * kr;
+    const bool active = hr < nh;
+    const bool capped = !kva_is_zero(soft_cap);
+    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+
+    const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
+    const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
+    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    kva_i64 hi = pos + 1;
+    if (it[5] > lo)
+        lo = it[5];
+    if (it[6] < hi)
+        hi = it[6];
+    const kva_i64 nkeys = hi > lo ? hi - lo : 0;
+    const kva_i64 ntiles = (nkeys + KEYS - 1) / KEYS;
+
+    float qv[DPL], acc[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+        qv[i] = active ? kva_mul(q[(row * num_heads + h0 + hr) * D + lane * DPL + i], qscale)
+                       : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = KVA_NEG_INF, l = 0.0f;
+
+    const int *table = block_tables + s * table_stride;
+    const KvaDiv bdiv = kva_div_init((unsigned)block_size); /* < 2^31: the host checked */
+    /* the page (pblk) and offset in it (poff) of the next tile to plan */
+    kva_i64 pblk = lo / block_size; /* once per block */
+    unsigned poff = (unsigned)(lo - pblk * block_size);
+    kva_i64 planned = 0; /* tiles planned so far */
+
+    auto tile_keys = [&](kva_i64 i) -> int {
+        kva_i64 left = nkeys - i * KEYS;
+        return left <= 0 ? 0 : left >= KEYS ? KEYS : (int)left;
+    };
+    /* plan step 1: the block ids of the next tile's pages (one table read
+     * per page); step 2 (after a barrier): each key's row offsets */
+    auto plan_pages = [&]() {
+        const int n = tile_keys(planned);
+        if (n > 0) {
+            const int npages = (int)kva_udiv(poff + (unsigned)(n - 1), bdiv) + 1;
+            for (int j = tid; j < npages; j += blockDim.x)
+                sm.page[j] = table[pblk + j];
+        }
+    };
+    auto plan_keys = [&](int b) {
+        const int n = tile_keys(planned);
+        for (int kk = tid; kk < n; kk += blockDim.x) {
+            const unsigned rel = poff + (unsigned)kk;
+            const unsigned j = kva_udiv(rel, bdiv);
+            const kva_i64 o = rel - j * bdiv.d;
+            const kva_i64 pg = sm.page[j];
+            sm.off[b][kk] = pg * c_block + g * c_head + o * c_tok;
+            if constexpr (KIND == KV_I8)
+                sm.soff[b][kk] = pg * s_block + g * s_head + o * s_tok;
+        }
+        /* every thread advances to the next tile's first key */
+        const unsigned next = poff + (unsigned)KEYS;
+        const unsigned adv = kva_udiv(next, bdiv);
+        pblk += adv;
+        poff = next - adv * bdiv.d;
+        ++planned;
+    };
+    auto issue = [&](kva_i64 i, int b) {
+        const int n = tile_keys(i);
+        for (int v = tid; v < n * VPR; v += blockDim.x) {
+            const int kk = v / VPR, c = v - kk * VPR;
+            const kva_i64 at = sm.off[b][kk];
+            kva_copy16((char *)&sm.u.t.k[b][kk][0] + 16 * c,
+                       (const char *)(key_cache + at) + 16 * c);
+            kva_copy16((char *)&sm.u.t.v[b][kk][0] + 16 * c,
+                       (const char *)(value_cache + at) + 16 * c);
+        }
+        if constexpr (KIND == KV_I8) {
+            for (int kk = tid; kk < n; kk += blockDim.x) {
+                sm.ks[b][kk] = key_scales[sm.soff[b][kk]];
+                sm.vs[b][kk] = value_scales[sm.soff[b][kk]];
+            }
+        }
+        kva_copy_commit();
+    };
+
+    /* prologue: tile 0 in flight, tile 1's offsets ready */
+    plan_pages();
+    __syncthreads();
+    plan_keys(0);
+    __syncthreads();
+    issue(0, 0);
+    plan_pages();
+    __syncthreads();
+    plan_keys(1);
+    __syncthreads();
+
+    for (kva_i64 i = 0; i < ntiles; i++) {
+        const int b = (int)(i & 1), n = tile_keys(i);
+        issue(i + 1, b ^ 1);   /* reads off[b^1]; writes buffer b^1, free since the last barrier */
+        plan_pages();          /* tile i+2's pages (page[] was last read before the last barrier) */
+        kva_copy_wait<1>();    /* this thread's copies of tile i have landed */
+        __syncthreads();       /* ... and every thread's */
+        plan_keys(b);          /* tile i+2's offsets into off[b] (issue(i) read it long ago) */
+        float ks = k_scale, vs = v_scale;
+        const int iters = (n + kr - 1) / kr; /* the same in every row: the shuffles agree */
+        for (int j = 0; j < iters; j++) {
+            const int kk = phase + j * kr;
+            const bool valid = active && kk < n;
+            if constexpr (KIND == KV_I8) {
+                if (valid) {
+                    ks = sm.ks[b][kk];
+                    vs = sm.vs[b][kk];
+                }
+            }
+            float part = 0.0f;
+            if (valid) {
+                const T *kp = &sm.u.t.k[b][kk][lane * DPL];
+#pragma unroll
+                for (int d = 0; d < DPL; d++) {
+                    float x = kva_widen<KIND>(kp + d);
+                    if constexpr (KVA_SCALED(KIND))
+                        x = kva_mul(x, ks); /* the stored value: element * scale */
+                    part = kva_fma(qv[d], x, part);
+                }
+            }
+            float score = kva_row_sum(part);
+            if (valid) {
+                if (capped)
+                    score = kva_mul(kva_mul(soft_cap, KVA_LOG2E),
+                                    kva_tanh(kva_div(score, soft_cap)));
+                const float mnew = kva_max(m, score);
+                const float alpha = kva_exp2(kva_sub(m, mnew)); /* m = -inf: 0 */
+                const float p = kva_exp2(kva_sub(score, mnew));
+                l = kva_fma(l, alpha, p);
+                m = mnew;
+                const T *vp = &sm.u.t.v[b][kk][lane * DPL];
+#pragma unroll
+                for (int d = 0; d < DPL; d++) {
+                    float x = kva_widen<KIND>(vp + d);
+                    if constexpr (KVA_SCALED(KIND))
+                        x = kva_mul(x, vs);
+                    acc[d] = kva_fma(p, x, kva_mul(acc[d], alpha));
+                }
+            }
+        }
+        __syncthreads(); /* buffer b and off[b] may be reused */
+    }
+    kva_copy_wait<0>();
+    __syncthreads();
+
+    /* merge the rows of each head in row order */
+    if (active) {
+#pragma unroll
+        for (int d = 0; d < DPL; d++)
+            sm.u.part[r][2 + lane * DPL + d] = acc[d];
+        if (lane == 0) {
+            sm.u.part[r][0] = m;
+            sm.u.part[r][1] = l;
+        }
+    }
+    __syncthreads();
+    const bool single = nsplit[blockIdx.x] == 1;
+    for (int i = tid; i < nh * D; i += blockDim.x) {
+        const int h = i / D, d = i - h * D;
+        float mx = KVA_NEG_INF;
+        for (int w = h * kr; w < (h + 1) * kr; w++)
+            mx = kva_max(mx, sm.u.part[w][0]);
+        float total = 0.0f, a = 0.0f;
+        for (int w = h * kr; w < (h + 1) * kr; w++) {
+            if (kva_is_zero(sm.u.part[w][1])) /* a row without keys (a NaN sum is kept) */
+                continue;
+            const float wgt = kva_exp2(kva_sub(sm.u.part[w][0], mx));
+            total = kva_fma(wgt, sm.u.part[w][1], total);
+            a = kva_fma(wgt, sm.u.part[w][2 + d], a);
+        }
+        if (single) {
+            out[(row * num_heads + h0 + h) * D + d] = kva_div(a, total);
+        } else {
+            float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
+            p[2 + d] = a;
+            if (d == 0) {
+                p[0] = mx;
+                p[1] = total;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------
+ * kva_attention_prefill: tensor cores for prefill and chunked prefill over
+ * float16 / bfloat16 pages (mma.sync.m16n8k16, f32 accumulators; sm_80+:
+ * the host runs it only there, and only for sequences of at least
+ * attention_kernels.PREFILL_MIN_QUERIES queries; head_dim <= 128).
+ *
+ * One thread block (4 warps) per item (seq, first query row, rows, kv
+ * head): its (query row, query head of the group) pairs, pair p = (row
+ * first + p / G, head kv * G + p % G), 16 per warp: a warp's pairs are the
+ * rows of its m16 tiles.  Keys go in tiles of 16 (K and V rows copied 16
+ * bytes at a time into shared memory): S = Q K^T as 2 n8 tiles of D / 16
+ * k-steps (tile i+1's copies in flight meanwhile: two buffers, cp.async
+ * on sm_80+), masked (causal, window), soft-capped, an online softmax per
+ * pair in base 2 (the row max over the 4 lanes of a quad), then O += P V as
+ * D / 8 n8 tiles with P's accumulators reused as the A fragments.
+ * Precision: q * scale and P enter the mma as f16 / bf16 (rounded to
+ * nearest even: kv_half.cuh's conversions), products are summed in f32;
+ * see docs/gpu.md for the tolerance.  No split, no atomics: the result
+ * does not depend on scheduling.
+ *
+ * Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"): with
+ * g = lane / 4, c = lane % 4: A (16 x 16, row major) a0 = (g, 2c..2c+1),
+ * a1 = (g+8, 2c..), a2 = (g, 2c+8..), a3 = (g+8, 2c+8..); B (16 x 8,
+ * column) b0 = (k 2c..2c+1, n g), b1 = (k 2c+8.., n g); C / D (16 x 8)
+ * d0, d1 = (g, 2c..2c+1), d2, d3 = (g+8, 2c..); the lower element of a
+ * pair in the lower 16 bits.  The host emulation does the same arithmetic
+ * from these layouts (tests/_cuda_attention_emulation.py).
+ * ---------------------------------------------------------------------- */
+
+#define KVA_PREFILL_PAIRS 64 /* (query, head) pairs per block: 4 warps x m16 */
+
+template <int KIND>
+__device__ __forceinline__ void kva_mma16816(float *d, const unsigned *a, const unsigned *b)
+{
+#if defined(KVCORE_HOST_EMULATION)
+    kvemu_mma16816(KIND == KV_BF16, d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (KIND == KV_BF16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+    /* below sm_80 nothing: the host never runs this kernel there */
+}
+
+/* Two floats as the mma's input type, the first in the lower half. */
+template <int KIND> __device__ __forceinline__ unsigned kva_pack2(float lo, float hi)
+{
+    if constexpr (KIND == KV_BF16)
+        return (unsigned)kv_f32_to_bf16(__float_as_uint(lo)) |
+               ((unsigned)kv_f32_to_bf16(__float_as_uint(hi)) << 16);
+    else
+        return (unsigned)kv_f32_to_f16(__float_as_uint(lo)) |
+               ((unsigned)kv_f32_to_f16(__float_as_uint(hi)) << 16);
+}
+
+__device__ __forceinline__ float kva_quad_max(float x)
+{
+    x = kva_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return kva_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float kva_quad_sum(float x)
+{
+    x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return kva_add(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+template <int D> struct alignas(16) KvaPrefillSmem {
+    kva_u16 k[2][16][D], v[2][16][D]; /* two tiles: one in flight, one reduced */
+    kva_i64 off[2][16];
+};
+
+/* items: [n][4] = (sequence, first query row, rows, kv head). */
+template <int KIND, int D>
+__global__ void __launch_bounds__(KVA_WARPS * 32)
+kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
+                      const kva_u16 *value_cache, const int *block_tables,
+                      const kva_i64 *seq_lens, const kva_i64 *query_start_loc,
+                      const kva_i64 *items, kva_i64 num_heads, kva_i64 group,
+                      kva_i64 table_stride, kva_i64 block_size, kva_i64 c_block,
+                      kva_i64 c_head, kva_i64 c_tok, float scale, kva_i64 window,
+                      float soft_cap, kva_i64 vec16)
+{
+    static_assert(KIND == KV_F16 || KIND == KV_BF16, "f16 / bf16 pages");
+    constexpr int KS = D / 16, NT = D / 8, VPR = D * 2 / 16;
+    __shared__ KvaPrefillSmem<D> sm;
+
+    const kva_i64 *it = items + (kva_i64)blockIdx.x * 4;
+    const kva_i64 s = it[0], row0 = it[1], nrows = it[2], g = it[3];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, c = lane & 3;
+    const bool capped = !kva_is_zero(soft_cap);
+    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const kva_i64 q0 = query_start_loc[s], nq = query_start_loc[s + 1] - q0;
+    const kva_i64 pos0 = seq_lens[s] - nq + (row0 - q0); /* position of the first row */
+
+    /* this thread's two pairs: rows gq and gq + 8 of its warp's tile */
+    kva_i64 prow[2], phead[2], ppos[2], plo[2];
+    bool pvalid[2];
+    for (int r = 0; r < 2; r++) {
+        const kva_i64 p = warp * 16 + gq + 8 * r;
+        const kva_i64 j = p / group;
+        pvalid[r] = j < nrows;
+        prow[r] = row0 + j;
+        phead[r] = g * group + (p - j * group);
+        ppos[r] = pos0 + j;
+        plo[r] = window > 0 && ppos[r] + 1 > window ? ppos[r] + 1 - window : 0;
+    }
+    const kva_i64 klo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const kva_i64 khi = pos0 + nrows; /* the last row's position + 1 */
+
+    /* Q as A fragments: k-step ks holds dims 16 ks + 2c, +1 and + 8 */
+    unsigned qa[KS][4];
+#pragma unroll
+    for (int k = 0; k < KS; k++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = i & 1, d = 16 * k + 2 * c + (i >> 1) * 8;
+            float x0 = 0.0f, x1 = 0.0f;
+            if (pvalid[r]) {
+                const float *src = q + (prow[r] * num_heads + phead[r]) * D + d;
+                x0 = kva_mul(src[0], qscale);
+                x1 = kva_mul(src[1], qscale);
+            }
+            qa[k][i] = kva_pack2<KIND>(x0, x1);
+        }
+    }
+    float m[2] = {KVA_NEG_INF, KVA_NEG_INF}, l[2] = {0.0f, 0.0f};
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+        acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    const int *table = block_tables + s * table_stride;
+    const KvaDiv bdiv = kva_div_init((unsigned)block_size);
+    kva_i64 pblk = klo / block_size; /* once per block */
+    unsigned poff = (unsigned)(klo - pblk * block_size);
+
+    /* tile i's keys: t0 = klo + 16 i; its buffer i & 1 */
+    auto tile_n = [&](kva_i64 t0) -> int {
+        return t0 >= khi ? 0 : khi - t0 >= 16 ? 16 : (int)(khi - t0);
+    };
+    auto plan_tile = [&](int bi, kva_i64 t0) { /* each key's row (a table read per key) */
+        const int n = tile_n(t0);
+        if (tid < n) {
+            const unsigned rel = poff + (unsigned)tid;
+            const unsigned j = kva_udiv(rel, bdiv);
+            sm.off[bi][tid] = (kva_i64)table[pblk + j] * c_block + g * c_head +
+                              (kva_i64)(rel - j * bdiv.d) * c_tok;
+        }
+        const unsigned next = poff + 16u; /* every thread: the next tile's first key */
+        const unsigned adv = kva_udiv(next, bdiv);
+        pblk += adv;
+        poff = next - adv * bdiv.d;
+    };
+    auto issue_tile = [&](int bi, kva_i64 t0) {
+        const int n = tile_n(t0);
+        if (n > 0) {
+            for (int v = tid; v < 16 * VPR; v += blockDim.x) {
+                const int kk = v / VPR, cc = v - kk * VPR;
+                char *dk = (char *)&sm.k[bi][kk][0] + 16 * cc;
+                char *dv = (char *)&sm.v[bi][kk][0] + 16 * cc;
+                if (kk < n && vec16) {
+                    kva_copy16(dk, (const char *)(key_cache + sm.off[bi][kk]) + 16 * cc);
+                    kva_copy16(dv, (const char *)(value_cache + sm.off[bi][kk]) + 16 * cc);
+                } else if (kk < n) { /* pages off 16 bytes: element by element */
+                    for (int e = 0; e < 8; e++) {
+                        sm.k[bi][kk][8 * cc + e] = key_cache[sm.off[bi][kk] + 8 * cc + e];
+                        sm.v[bi][kk][8 * cc + e] = value_cache[sm.off[bi][kk] + 8 * cc + e];
+                    }
+                } else { /* zeros past the last key (0 * a stale NaN would be NaN) */
+                    *(KvaVec16 *)dk = KvaVec16{0, 0, 0, 0};
+                    *(KvaVec16 *)dv = KvaVec16{0, 0, 0, 0};
+                }
+            }
+        }
+        kva_copy_commit();
+    };
+
+    plan_tile(0, klo);
+    __syncthreads();
+    issue_tile(0, klo);
+    for (kva_i64 t0 = klo; t0 < khi; t0 += 16) {
+        const int cur = (int)(((t0 - klo) >> 4) & 1);
+        /* tile i+1: its offsets (off[b^1] was last read two barriers ago),
+         * then its copies into buffer b^1 (last read by tile i-1's
+         * products, before the barrier that ended them) while tile i is
+         * reduced */
+        plan_tile(cur ^ 1, t0 + 16);
+        __syncthreads();
+        issue_tile(cur ^ 1, t0 + 16);
+        kva_copy_wait<1>(); /* this thread's copies of tile i have landed */
+        __syncthreads();    /* ... and every thread's */
+
+        /* S = Q K^T: keys 8 nt + g of the tile as columns */
+        float sc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < KS; k++) {
+                unsigned b[2];
+                const kva_u16 *kr = &sm.k[cur][8 * nt + gq][16 * k + 2 * c];
+                b[0] = (unsigned)kr[0] | ((unsigned)kr[1] << 16);
+                b[1] = (unsigned)kr[8] | ((unsigned)kr[9] << 16);
+                kva_mma16816<KIND>(sc[nt], qa[k], b);
+            }
+        }
+        /* mask, cap, online softmax: element i of tile nt is pair i / 2,
+         * key t0 + 8 nt + 2c + i % 2 */
+        float p[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = KVA_NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const kva_i64 key = t0 + 8 * nt + 2 * c + e;
+                    float x = sc[nt][2 * r + e];
+                    if (capped)
+                        x = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(x, soft_cap)));
+                    const bool vis = pvalid[r] && key >= plo[r] && key <= ppos[r];
+                    sc[nt][2 * r + e] = vis ? x : KVA_NEG_INF;
+                    mx = kva_max(mx, sc[nt][2 * r + e]);
+                }
+            }
+            mx = kva_quad_max(mx);
+            const float mnew = kva_max(m[r], mx);
+            /* no visible key yet: subtract 0 (every p is exp2(-inf) = 0) */
+            const float mu = __float_as_uint(mnew) == 0xff800000u ? 0.0f : mnew; /* bits: no .ftz */
+            const float alpha = kva_exp2(kva_sub(m[r], mu));
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    p[nt][2 * r + e] = kva_exp2(kva_sub(sc[nt][2 * r + e], mu));
+                    rs = kva_add(rs, p[nt][2 * r + e]);
+                }
+            }
+            /* this lane's columns only (summed over the quad at the end) */
+            l[r] = kva_fma(l[r], alpha, rs);
+            m[r] = mnew;
+#pragma unroll
+            for (int nn = 0; nn < NT; nn++) {
+                acc[nn][2 * r] = kva_mul(acc[nn][2 * r], alpha);
+                acc[nn][2 * r + 1] = kva_mul(acc[nn][2 * r + 1], alpha);
+            }
+        }
+        /* O += P V: P's accumulators are the A fragment (keys as k) */
+        unsigned pa[4];
+        pa[0] = kva_pack2<KIND>(p[0][0], p[0][1]);
+        pa[1] = kva_pack2<KIND>(p[0][2], p[0][3]);
+        pa[2] = kva_pack2<KIND>(p[1][0], p[1][1]);
+        pa[3] = kva_pack2<KIND>(p[1][2], p[1][3]);
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+            const int dim = 8 * nn + gq;
+            const kva_u16(*vt)[D] = sm.v[cur];
+            unsigned b[2];
+            b[0] = (unsigned)vt[2 * c][dim] | ((unsigned)vt[2 * c + 1][dim] << 16);
+            b[1] = (unsigned)vt[2 * c + 8][dim] | ((unsigned)vt[2 * c + 9][dim] << 16);
+            kva_mma16816<KIND>(acc[nn], pa, b);
+        }
+        __syncthreads(); /* the tile's buffers may be refilled */
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float total = kva_quad_sum(l[r]);
+        if (!pvalid[r])
+            continue;
+        float *o = out + (prow[r] * num_heads + phead[r]) * D;
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+            o[8 * nn + 2 * c] = kva_div(acc[nn][2 * r], total);
+            o[8 * nn + 2 * c + 1] = kva_div(acc[nn][2 * r + 1], total);
         }
     }
 }

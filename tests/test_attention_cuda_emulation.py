@@ -1,0 +1,286 @@
+"""The tiled CUDA attention kernel (kernels/attention.cu, ``kva_attention_split``)
+under the host emulation (tests/_cuda_attention_emulation.py: the file
+compiled for the host, a launch run block by block with its threads as
+fibers), through ``CudaBackend.paged_attention``, against the float64
+reference (the contract's 1e-5 relative, as in _cuda_cases.py): every page
+kind, head_dim 64 and 128 (and 80, 96, 256), groups 1, 4 and 8, ragged
+lengths, block sizes that are not powers of two (the kernel's multiply-high
+division), splits (fixed and sized from the multiprocessor count), sliding
+window, soft cap; the scalar kernel where the pages are not 16-byte
+aligned; every visible key's K and V rows copied exactly once, 16 bytes at
+a time, per item.
+"""
+import numpy as np
+import pytest
+
+from kvcore import dtypes
+from kvcore.backends.cuda import attention_kernels as ak
+from kvcore.dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_attention_emulation import CXX, AttentionEmulation
+    from ._cuda_cases import DeviceUnderTest, _attention_case
+    from .test_cuda_host_emulation import EmulatedBackend, _get, _put
+except ImportError:
+    from _cuda_attention_emulation import CXX, AttentionEmulation
+    from _cuda_cases import DeviceUnderTest, _attention_case
+    from test_cuda_host_emulation import EmulatedBackend, _get, _put
+
+ALL_KINDS = (F32, F16, BF16, F8E4M3, F8E5M2, I8)
+KIND_IDS = ["f32", "f16", "bf16", "e4m3", "e5m2", "i8"]
+
+
+class _AttentionOnly:
+    """The part of the emulation library attention launches need."""
+
+    def __init__(self, emu):
+        self._emu = emu
+
+    def attention(self):
+        return self._emu
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    if CXX is None:
+        pytest.skip("needs a C++17 compiler")
+    return AttentionEmulation(tmp_path_factory.mktemp("attention_emulation"))
+
+
+@pytest.fixture
+def dev(emu):
+    emu.take_copies16()
+    return DeviceUnderTest(EmulatedBackend(_AttentionOnly(emu)), _put, _get, 1)
+
+
+def _expected_copies(kind, head_dim, num_heads, num_kv_heads, contexts, queries, window,
+                     split_keys=None, num_sms=None):
+    """16-byte copies of one call of the tiled kernel: each item's keys,
+    K and V rows, once."""
+    qsl = np.concatenate([[0], np.cumsum(queries)])
+    items, _, _ = ak.plan(qsl, np.array(contexts), num_heads, num_kv_heads, window or 0,
+                          split_keys=split_keys, num_sms=num_sms)
+    per_row = head_dim * dtypes.ITEMSIZE[kind] // 16
+    return int((items[:, 6] - items[:, 5]).sum()) * per_row * 2
+
+
+def _split_names(dev):
+    return [n for n, _, _ in dev.be.launches if n.startswith("kva_attention_split")]
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("group", (1, 4, 8))
+def test_tiled_kernel_matches_reference(dev, emu, kind, head_dim, group, monkeypatch):
+    """Decode rows and a prefill chunk of ragged sequences over pages of 5
+    tokens (tiles cross pages mid-way), split in 48-key pieces (merged)."""
+    rng = np.random.default_rng(1000 * kind + head_dim + group)
+    contexts, queries = [1, 37, 130, 9], [1, 1, 3, 2]
+    _attention_case(dev, rng, kind, head_dim, 2 * group, 2, contexts=contexts,
+                    queries=queries, block_size=5, split_keys=48, monkeypatch=monkeypatch)
+    assert _split_names(dev) == [ak.split_name(kind, head_dim)]
+    assert any(n.startswith("kva_attention_merge") for n, _, _ in dev.be.launches)
+    assert emu.take_copies16() == _expected_copies(kind, head_dim, 2 * group, 2, contexts,
+                                                   queries, None, split_keys=48)
+
+
+@pytest.mark.parametrize("kind", (F16, BF16, F8E4M3, I8), ids=["f16", "bf16", "e4m3", "i8"])
+def test_tiled_kernel_window_and_soft_cap(dev, kind, monkeypatch):
+    rng = np.random.default_rng(70 + kind)
+    for window, cap in ((20, None), (None, 5.0), (33, 2.0)):
+        _attention_case(dev, rng, kind, 96, 8, 2, contexts=[150, 40], queries=[4, 1],
+                        block_size=16, window=window, cap=cap, split_keys=64,
+                        monkeypatch=monkeypatch)
+    assert set(_split_names(dev)) == {ak.split_name(kind, 96)}
+
+
+@pytest.mark.parametrize("block_size", (1, 3, 7, 64, 100))
+def test_tiled_kernel_block_sizes(dev, emu, block_size):
+    """Pages smaller than a tile (many pages per tile), larger, not a power
+    of two: the per-tile page walk and the multiply-high division."""
+    rng = np.random.default_rng(block_size)
+    contexts, queries = [150, 2, 65], [2, 1, 1]
+    _attention_case(dev, rng, F16, 64, 4, 1, contexts=contexts, queries=queries,
+                    block_size=block_size)
+    assert _split_names(dev) == [ak.split_name(F16, 64)]
+    assert emu.take_copies16() == _expected_copies(F16, 64, 4, 1, contexts, queries, None)
+
+
+@pytest.mark.parametrize("head_dim,kind", [(80, F16), (256, F32), (256, F8E5M2)])
+def test_tiled_kernel_other_head_dims(dev, head_dim, kind):
+    rng = np.random.default_rng(head_dim)
+    _attention_case(dev, rng, kind, head_dim, 12, 4, contexts=[70, 13], queries=[2, 3],
+                    block_size=8)
+    assert _split_names(dev) == [ak.split_name(kind, head_dim)]
+
+
+def test_splits_sized_from_the_multiprocessor_count(dev, emu):
+    """A one-sequence decode on a device of 4 multiprocessors is split so
+    its items fill them (the plan's split_keys_for), merged, and matches."""
+    dev.be._sms = 4
+    rng = np.random.default_rng(5)
+    a = _attention_case(dev, rng, F16, 64, 4, 2, contexts=[600], queries=[1])
+    names = [n for n, _, _ in dev.be.launches]
+    assert names == [ak.split_name(F16, 64), ak.merge_name(64)], names
+    grid = dev.be.launches[0][1]
+    assert grid == 2 * -(-600 // ak.split_keys_for([0, 1], [600], 4, 2, 0, 4))
+    assert 2 < grid <= ak.BLOCKS_PER_SM * 4 + 2   # split, about the target
+    assert emu.take_copies16() == _expected_copies(F16, 64, 4, 2, [600], [1], None, num_sms=4)
+    # the same call again: the same bits (a fixed merge order, no atomics)
+    b = _attention_case(dev, np.random.default_rng(5), F16, 64, 4, 2, contexts=[600],
+                        queries=[1])
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def _shifted_put(shift):
+    """``put`` that places 4-d arrays (the pages) ``shift`` bytes past a
+    16-byte boundary (element-aligned, not 16-byte aligned)."""
+    def put(a):
+        a = np.ascontiguousarray(a)
+        if a.ndim != 4:
+            return _put(a)
+        buf = _put(np.zeros(a.nbytes + 32, np.uint8))
+        start = (-buf.ctypes.data) % 16 + shift
+        d = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+        d[...] = a
+        return d
+    return put
+
+
+@pytest.mark.parametrize("kind", (F32, F16, F8E4M3), ids=["f32", "f16", "e4m3"])
+def test_pages_off_16_bytes_take_the_scalar_kernel(emu, kind):
+    """Pages that are element-aligned but not 16-byte aligned run the
+    scalar kernel (the tiled one's 16-byte copies would fault)."""
+    emu.take_copies16()
+    be = EmulatedBackend(_AttentionOnly(emu))
+    dev = DeviceUnderTest(be, _shifted_put(dtypes.ITEMSIZE[kind]), _get, 1)
+    rng = np.random.default_rng(3)
+    _attention_case(dev, rng, kind, 64, 8, 2, contexts=[40, 7], queries=[1, 2],
+                    block_size=8)
+    assert _split_names(dev) == [ak.scalar_name(kind, 64)]
+    assert emu.take_copies16() == 0
+
+
+def test_tiled_ok():
+    assert ak.tiled_ok((0x1000, 0x2000), (4096, 1024, 128), 16)
+    assert not ak.tiled_ok((0x1002, 0x2000), (4096, 1024, 128), 16)
+    assert not ak.tiled_ok((0x1000, 0x2008), (4096, 1024, 128), 16)
+    assert not ak.tiled_ok((0x1000, 0x2000), (4096, 1024, 136), 16)
+    assert not ak.tiled_ok((0x1000, 0x2000), (4096, 1024, 128), 2 ** 31)
+
+
+def test_tile_keys_match_the_kernel():
+    for kind in ALL_KINDS:
+        for d in ak.HEAD_DIMS:
+            row = d * dtypes.ITEMSIZE[kind]
+            assert row % 16 == 0 and d % 16 == 0
+            assert ak.tile_keys(kind, d) == min(64, ak.TILE_BYTES // row)
+
+
+# ------------------------------------------------ tensor-core prefill
+# kva_attention_prefill feeds q * scale and the softmax weights P to the
+# mma as float16 / bfloat16 (rounded to nearest even), products summed in
+# float32: against the float64 reference its error (max abs error / max
+# abs value, as above) is held to PREFILL_TOL (docs/gpu.md), where the
+# float32 kernels are held to 1e-5.
+PREFILL_TOL = {F16: 1e-3, BF16: 8e-3}
+
+
+def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
+                  block_size=16, window=None, cap=None):
+    """One call with the tensor-core path on: (got, want, error)."""
+    import ml_dtypes
+
+    from kvcore.backends.reference import paged_attention_reference
+
+    dev.be._tensor_cores = True
+    need = [-(-c // block_size) for c in contexts]
+    num_blocks = sum(need) + 2
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    vals = rng.standard_normal((2, *shape)).astype(np.float32)
+    if kind == F16:
+        k, v = vals.astype(np.float16)
+    else:
+        k, v = vals.astype(ml_dtypes.bfloat16).view(np.uint16)
+    perm = rng.permutation(num_blocks)
+    tables = np.full((len(contexts), max(need)), 0, np.int32)
+    a = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[a:a + n]
+        a += n
+    lens = np.array(contexts, np.int64)
+    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
+    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    scale = 1.0 / np.sqrt(head_dim)
+    out = dev.be.empty(q.shape, "float32")
+    dev.be.paged_attention(dev.put(q), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
+                           scale, window or 0, cap or 0.0)
+    got = dev.get(out)
+    want = paged_attention_reference(
+        q, k, v, tables, lens, qsl, scale=scale, sliding_window=window, logits_soft_cap=cap,
+        kind="bfloat16" if kind == BF16 else None)
+    return got, want, np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("group", (1, 4, 8))
+def test_prefill_kernel_matches_reference(dev, emu, kind, head_dim, group):
+    """A chunked prefill (70 queries over 25 past keys, pages of 7 tokens),
+    a whole prefill of 64, and a decode row in one call: the prefill rows
+    on tensor cores, the decode row on the tiled kernel."""
+    rng = np.random.default_rng(500 + 10 * kind + head_dim + group)
+    got, want, err = _prefill_case(dev, rng, kind, head_dim, 2 * group, 2,
+                                   contexts=[95, 64, 40], queries=[70, 64, 1], block_size=7)
+    names = [n for n, _, _ in dev.be.launches]
+    assert names == [ak.split_name(kind, head_dim), ak.prefill_name(kind, head_dim)], names
+    assert err <= PREFILL_TOL[kind], err
+    # the decode row went through the float32 path: the contract's 1e-5
+    row = np.abs(got[-1] - want[-1]).max() / np.abs(want[-1]).max()
+    assert row <= 1e-5, row
+
+
+@pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
+def test_prefill_kernel_window_soft_cap_and_odd_groups(dev, kind):
+    rng = np.random.default_rng(kind)
+    for window, cap, nh, nkv in ((20, None, 12, 1), (None, 5.0, 6, 2), (33, 2.0, 3, 3)):
+        _, _, err = _prefill_case(dev, rng, kind, 96, nh, nkv, contexts=[150], queries=[100],
+                                  block_size=16, window=window, cap=cap)
+        assert err <= PREFILL_TOL[kind], (window, cap, nh, nkv, err)
+        assert [n for n, _, _ in dev.be.launches][-1] == ak.prefill_name(kind, 96)
+
+
+def test_prefill_kernel_off_16_bytes(emu):
+    """Pages off 16 bytes: the prefill kernel copies element by element."""
+    emu.take_copies16()
+    be = EmulatedBackend(_AttentionOnly(emu))
+    dev = DeviceUnderTest(be, _shifted_put(2), _get, 1)
+    _, _, err = _prefill_case(dev, np.random.default_rng(4), F16, 64, 4, 2, contexts=[80],
+                              queries=[66], block_size=5)
+    assert [n for n, _, _ in be.launches] == [ak.prefill_name(F16, 64)]
+    assert err <= PREFILL_TOL[F16] and emu.take_copies16() == 0
+
+
+def test_short_query_runs_stay_off_tensor_cores(dev):
+    """Under PREFILL_MIN_QUERIES queries a sequence keeps the float32 path
+    (the contract's 1e-5): decode and short chunks are not rounded."""
+    got, want, err = _prefill_case(dev, np.random.default_rng(6), BF16, 64, 8, 2,
+                                   contexts=[90, 30], queries=[ak.PREFILL_MIN_QUERIES - 1, 3])
+    assert [n for n, _, _ in dev.be.launches] == [ak.split_name(BF16, 64)]
+    assert err <= 1e-5
+
+
+def test_prefill_plan_covers_each_prefill_row_and_head_once():
+    qsl = np.array([0, 70, 71, 71 + 130])
+    for nh, nkv in ((8, 8), (32, 8), (24, 2)):
+        items, mask = ak.prefill_plan(qsl, nh, nkv)
+        G = nh // nkv
+        assert mask.tolist() == [True] * 70 + [False] + [True] * 130
+        seen = set()
+        for s, r0, rows, g in items.tolist():
+            assert 0 < rows <= ak.PREFILL_PAIRS // G and qsl[s] <= r0 and r0 + rows <= qsl[s + 1]
+            seen |= {(r, h) for r in range(r0, r0 + rows) for h in range(g * G, (g + 1) * G)}
+        assert seen == {(r, h) for r in np.flatnonzero(mask) for h in range(nh)}
+        # the rest goes to the split kernel
+        split_items, _, _ = ak.plan(qsl, [70, 1, 130], nh, nkv, 0, rows=~mask)
+        assert set(split_items[:, 1].tolist()) == {70}

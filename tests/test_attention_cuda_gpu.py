@@ -1,0 +1,85 @@
+"""The attention kernels on a real GPU (skipped without CuPy and a visible
+GPU, failed when both are there but the backend does not start): the tiled
+decode kernel with the device's own split sizing, the tensor-core prefill
+kernel (mma.sync, sm_80+) against the float64 reference with the tolerance
+of docs/gpu.md, and a plan replayed with the same bits.  The same kernels
+run without a GPU in test_attention_cuda_emulation.py."""
+import numpy as np
+import pytest
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_env import cuda_backend_or_skip
+except ImportError:
+    from _cuda_env import cuda_backend_or_skip
+
+cuda_backend_or_skip(allow_module_level=True)
+
+import cupy  # noqa: E402
+
+from kvcore.backends.cuda import attention_kernels as ak  # noqa: E402
+from kvcore.backends.cuda import get_cuda_backend  # noqa: E402
+from kvcore.dtypes import BF16, F16, F8E4M3, I8  # noqa: E402
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_cases import DeviceUnderTest, _attention_case  # noqa: E402
+    from .test_attention_cuda_emulation import PREFILL_TOL, _prefill_case  # noqa: E402
+except ImportError:
+    from _cuda_cases import DeviceUnderTest, _attention_case  # noqa: E402
+    from test_attention_cuda_emulation import PREFILL_TOL, _prefill_case  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _put(a):
+    return cupy.asarray(np.ascontiguousarray(a))
+
+
+@pytest.fixture
+def dev():
+    be = get_cuda_backend("cuda")
+    return DeviceUnderTest(be, _put, cupy.asnumpy, 1)
+
+
+@pytest.mark.parametrize("kind", (F16, F8E4M3, I8), ids=["f16", "e4m3", "i8"])
+@pytest.mark.parametrize("group", (1, 4, 8))
+def test_tiled_decode_on_the_gpu(dev, kind, group):
+    """Long ragged decode rows, split by the device's SM count, merged."""
+    rng = np.random.default_rng(kind * 10 + group)
+    assert dev.be._sm_count() > 0
+    _attention_case(dev, rng, kind, 128, 2 * group, 2, contexts=[3000, 17, 700, 1],
+                    queries=[1, 1, 1, 1], block_size=16)
+
+
+@pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_prefill_on_tensor_cores(dev, kind, head_dim):
+    if not dev.be._has_mma():
+        pytest.fail("kvcore's tensor-core prefill needs sm_80+; this GPU is older")
+    rng = np.random.default_rng(kind + head_dim)
+    got, want, err = _prefill_case(dev, rng, kind, head_dim, 32, 8, contexts=[700, 300],
+                                   queries=[500, 1], block_size=16)
+    assert err <= PREFILL_TOL[kind], err
+    row = np.abs(got[-1] - want[-1]).max() / np.abs(want[-1]).max()
+    assert row <= 1e-5, row
+
+
+def test_a_plan_replays_with_the_same_bits(dev):
+    be = dev.be
+    rng = np.random.default_rng(2)
+    nb, heads, bs, d = 600, 8, 16, 128
+    k = _put(rng.standard_normal((nb, heads, bs, d)).astype(np.float16))
+    v = _put(rng.standard_normal((nb, heads, bs, d)).astype(np.float16))
+    tables = rng.permutation(nb)[:64].astype(np.int32).reshape(1, 64)
+    lens = np.full(1, 64 * bs - 3, np.int64)
+    qsl = np.arange(2, dtype=np.int64)
+    plan = be.attention_plan(tables, lens, qsl, num_heads=32, num_kv_heads=heads, head_dim=d,
+                             block_size=bs, num_blocks=nb, kind=F16, scale=d ** -0.5,
+                             sliding_window=0, soft_cap=0.0)
+    assert plan.merge_rows is not None   # split on this device: the merge order matters
+    q = _put(rng.standard_normal((1, 32, d)).astype(np.float32))
+    a, b = cupy.empty_like(q), cupy.full_like(q, np.nan)
+    be.attention_run(plan, q, a, k, v)
+    be.attention_run(plan, q, b, k, v)
+    np.testing.assert_array_equal(cupy.asnumpy(a).view(np.uint32),
+                                  cupy.asnumpy(b).view(np.uint32))
+    assert ak.split_keys_for(qsl, lens, 32, heads, 0, be._sm_count()) < 64 * bs
