@@ -81,7 +81,6 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
-    lowprec = True    # fp8 / int8 pools and caches (lowprec.cu)
 
     def __init__(self, cupy, device_id):
         self._cp = cupy
@@ -501,32 +500,44 @@ class CudaBackend(Backend):
             self._flat(src.view(np.uint32) if narrow else src,
                        dst if narrow else dst.view(np.uint32), launch)
 
-    def write_slots(self, cache, src, slots, src_kind, dst_kind):
-        """cache[b, h, off, :] = src[i, h, :] converted, for slot s = slots[i]
-        >= 0, b = s // block_size, off = s % block_size (vLLM's
+    def write_slots(self, cache, src, slots, src_kind, codec):
+        """cache[b, h, off, :] = src[i, h, :] stored by ``codec``, for slot
+        s = slots[i] >= 0, b = s // block_size, off = s % block_size (vLLM's
         reshape_and_cache).  cache: (num_blocks, heads, block_size, dim);
         src: (n, heads, dim); slots: int64, host or device, distinct (a
         sequence's own positions; ``write_slots_kv`` takes repeats).  A slot
-        past the cache is skipped by the kernel, never written."""
+        past the cache is skipped by the kernel, never written.  An int8
+        row's max-abs takes one thread per (token, head) row; fp8 one per
+        element."""
         n = src.shape[0]
         if n == 0 or src.shape[1] == 0 or src.shape[2] == 0:
             return
         with self._ctx():
             self._write_plane(cache, src, self._index_array(slots, np.int64), None,
-                              src_kind, dst_kind)
+                              src_kind, codec)
 
-    def _write_plane(self, cache, src, slots, owner, src_kind, dst_kind):
-        """One kv_write_slots launch; ``slots`` a device int64 array, ``owner``
+    def _write_plane(self, cache, src, slots, owner, src_kind, codec):
+        """One kv_write_slots (float, paged.cu) or kv_write_slots_q (fp8 /
+        int8, lowprec.cu) launch; ``slots`` a device int64 array, ``owner``
         the claimed owner table or None."""
         n, heads, dim = src.shape
-        if self._overlaps(src, cache):  # e.g. a view of the pool itself
-            src = self._contiguous_copy(src)
+        dst_kind, plane = codec.kind, codec.scale_plane
+        if self._overlaps(src, cache) or (plane is not None and self._overlaps(src, plane)):
+            src = self._contiguous_copy(src)   # e.g. a view of the pool itself
         src = self.inner_contiguous(src)
         ss = self._estrides(src, (0, 1))
         cs = self._estrides(cache, (0, 1, 2))
-        v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
         rows = n * heads
         self._check_rows(rows, "write_slots")
+        if codec.lowprec:
+            scs = self._scale_strides(plane, (0, 1, 2))
+            self._q_launch(src_kind, dst_kind, "kv_write_slots_q", rows,
+                           1 if dst_kind == dtypes.I8 else dim,
+                           [cache, plane, src, slots, owner, cache.shape[0] * cache.shape[2],
+                            heads, cache.shape[2], dim, ss[0], ss[1], cs[0], cs[1], cs[2],
+                            scs[0], scs[1], scs[2], self._scale_bits(codec.layer_scale)])
+            return
+        v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
         self._launch("paged.cu", src_kind, dst_kind,
                      _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v),
                      rows, dim // v,
@@ -582,11 +593,12 @@ class CudaBackend(Backend):
         with self._ctx():
             return self._index_array(a, np.int64)
 
-    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner,
-                       check):
+    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, k_codec, v_codec,
+                       owner, check):
         """``BlockPool.write`` for one layer: K and V of n tokens into their
-        slots; of several tokens naming one slot, the last one's values land
-        (as the CPU backend's in-order loop gives).
+        slots (stored by ``k_codec`` / ``v_codec``); of several tokens naming
+        one slot, the last one's values (and int8 scales) land (as the CPU
+        backend's in-order loop gives).
 
         Parameters
         ----------
@@ -609,10 +621,12 @@ class CudaBackend(Backend):
         def write(d_slots, table):
             if k.shape[1] and k.shape[2]:
                 v_ = v
-                if self._overlaps(v_, k_cache):  # read v before the keys change
-                    v_ = self._contiguous_copy(v_)
-                self._write_plane(k_cache, k, d_slots, table, src_kind, dst_kind)
-                self._write_plane(v_cache, v_, d_slots, table, src_kind, dst_kind)
+                k_plane = k_codec.scale_plane
+                if self._overlaps(v_, k_cache) or (k_plane is not None
+                                                  and self._overlaps(v_, k_plane)):
+                    v_ = self._contiguous_copy(v_)   # read v before the keys change
+                self._write_plane(k_cache, k, d_slots, table, src_kind, k_codec)
+                self._write_plane(v_cache, v_, d_slots, table, src_kind, v_codec)
 
         self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
 
@@ -702,174 +716,49 @@ class CudaBackend(Backend):
         else:
             out.view(_bits_dtype(out.dtype))[...] = tmp.view(_bits_dtype(tmp.dtype))
 
-    def _write_plane_q(self, cache, scales, src, slots, owner, src_kind, dst_kind, scale):
-        """One kv_write_slots_q launch (``_write_plane`` for fp8 / int8)."""
-        n, heads, dim = src.shape
-        if self._overlaps(src, cache) or (scales is not None and self._overlaps(src, scales)):
-            src = self._contiguous_copy(src)
-        src = self.inner_contiguous(src)
-        ss = self._estrides(src, (0, 1))
-        cs = self._estrides(cache, (0, 1, 2))
-        scs = self._scale_strides(scales, (0, 1, 2))
-        rows = n * heads
-        self._check_rows(rows, "write_slots")
-        self._q_launch(src_kind, dst_kind, "kv_write_slots_q", rows,
-                       1 if dst_kind == dtypes.I8 else dim,
-                       [cache, scales, src, slots, owner, cache.shape[0] * cache.shape[2], heads,
-                        cache.shape[2], dim, ss[0], ss[1], cs[0], cs[1], cs[2],
-                        scs[0], scs[1], scs[2], self._scale_bits(scale)])
-
-    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
-        """``write_slots`` into an fp8 or int8 plane (distinct slots, host or
-        device; a slot past the cache is skipped).  An int8 row's max-abs
-        takes one thread per (token, head) row; fp8 one per element."""
-        if src.shape[0] == 0 or src.shape[1] == 0 or src.shape[2] == 0:
-            return
-        with self._ctx():
-            self._write_plane_q(cache, scales, src, self._index_array(slots, np.int64), None,
-                                src_kind, dst_kind, scale)
-
-    def write_slots_kv_q(self, k_cache, v_cache, k_scales, v_scales, k, v, slots, src_kind,
-                         dst_kind, k_scale, v_scale, owner, check):
-        """``write_slots_kv`` into fp8 / int8 planes: repeated slots (the last
-        token's K, V and int8 scales land) and device slots (``check``) as
-        there."""
-        if k.shape[0] == 0:
-            return
-
-        def write(d_slots, table):
-            if k.shape[1] and k.shape[2]:
-                v_ = v
-                if self._overlaps(v_, k_cache) or (k_scales is not None
-                                                  and self._overlaps(v_, k_scales)):
-                    v_ = self._contiguous_copy(v_)   # read v before the keys change
-                self._write_plane_q(k_cache, k_scales, k, d_slots, table, src_kind, dst_kind,
-                                    k_scale)
-                self._write_plane_q(v_cache, v_scales, v_, d_slots, table, src_kind, dst_kind,
-                                    v_scale)
-
-        self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
-
-    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
-        """``gather`` of an fp8 / int8 plane, widened to float ``dst_kind``
-        (``fp8 * scale``, ``code * scales[block, head, offset]``)."""
-        n = end - start
-        heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
-        if n <= 0 or heads == 0 or dim == 0:
-            return
-        with self._ctx():
-            table = self._index_array(block_table, np.int32)
-            tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
-            scs = self._scale_strides(scales, (0, 1, 2))
-            os_ = self._estrides(tmp, (0, 1))
-            rows = heads * n
-            self._check_rows(rows, "gather (heads x positions)")
-            self._check_rows(end, "gather (end position)")
-            self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
-                           [tmp, cache, scales, table, start, n, bs, cs[0], cs[1], cs[2],
-                            scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
-            self._deliver_bits(tmp, out)
-
-    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
-                       scale):
-        """``gather_batch`` of an fp8 / int8 plane, widened (padding +0);
-        block tables and lengths checked by the caller."""
-        batch, heads, max_len, dim = out.shape
-        bs = cache.shape[2]
-        if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
-            return
-        with self._ctx():
-            tables = self._index_array(block_tables, np.int32)
-            lens = self._index_array(lengths, np.int32)
-            tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
-            scs = self._scale_strides(scales, (0, 1, 2))
-            os_ = self._estrides(tmp, (0, 1, 2))
-            rows = batch * heads * max_len
-            self._check_rows(rows, "gather_batch")
-            self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
-                           [tmp, cache, scales, tables, lens, heads, max_len, tables.shape[1], bs,
-                            cs[0], cs[1], cs[2], scs[0], scs[1], scs[2],
-                            os_[0], os_[1], os_[2], self._scale_bits(scale)])
-            self._deliver_bits(tmp, out)
-
-    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
-        """``write_contiguous`` into an fp8 / int8 cache (int8 scales
-        ``(batch, heads, max_seq_len)`` written beside the codes)."""
-        batch, heads, n, dim = src.shape
-        if batch == 0 or heads == 0 or n == 0 or dim == 0:
-            return
-        with self._ctx():
-            if self._overlaps(src, dst) or (scales is not None and self._overlaps(src, scales)):
-                src = self._contiguous_copy(src)
-            src = self.inner_contiguous(src)
-            ss = self._estrides(src, (0, 1, 2))
-            ds = self._estrides(dst, (0, 1, 2))
-            scs = self._scale_strides(scales, (0, 1, 2))
-            rows = batch * heads * n
-            self._check_rows(rows, "write_contiguous")
-            self._q_launch(src_kind, dst_kind, "kv_write_contiguous_q", rows,
-                           1 if dst_kind == dtypes.I8 else dim,
-                           [dst, scales, src, heads, n, start, dim, ss[0], ss[1], ss[2],
-                            ds[0], ds[1], ds[2], scs[0], scs[1], scs[2],
-                            self._scale_bits(scale)])
-
-    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
-        """``dst[...] = src`` widened, any shape ``(..., dim)`` (int8 scales
-        of shape ``src.shape[:-1]``); through contiguous copies of the codes
-        and scales when they are views."""
-        if src.size == 0:
-            return
-        xp = self.xp
-        with self._ctx():
-            dim = src.shape[-1]
-            s = xp.ascontiguousarray(src)
-            sc = None if scales is None else xp.ascontiguousarray(self._aligned_input(scales))
-            self._deliverable(dst, "dst")
-            tmp = dst if dst.flags.c_contiguous and not self._misaligned(dst) \
-                else xp.empty(dst.shape, dst.dtype)
-            rows = src.size // dim
-            self._check_rows(rows, "dequantize")
-            self._q_launch(dst_kind, src_kind, "kv_dequantize", rows, dim,
-                           [tmp.view(_bits_dtype(tmp.dtype)), s, sc, dim,
-                            self._scale_bits(scale)])
-            self._deliver_bits(tmp, dst)
-
-    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+    def gather(self, cache, block_table, start, end, out, codec, dst_kind):
         """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
-        converted, for t in start..end-1.  out: (heads, end - start, dim)
-        with its last axis contiguous; block_table int32, host or device."""
-        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
-            self.gather_q(cache, None, block_table, start, end, out, src_kind, src_kind, 1.0)
-            return
+        read through ``codec`` as ``dst_kind``, for t in start..end-1 (fp8 /
+        int8 widened: ``fp8 * layer_scale``, ``code * scale_plane[block,
+        head, offset]``; their own kind: the codes, raw).  out: (heads, end -
+        start, dim) with its last axis contiguous; block_table int32, host
+        or device."""
         n = end - start
         heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
         if n <= 0 or heads == 0 or dim == 0:
             return
+        src_kind = codec.kind
         with self._ctx():
             table = self._index_array(block_table, np.int32)
-            cache = self._aligned_input(cache)
             tmp = self._row_target(out)
             cs = self._estrides(cache, (0, 1, 2))
             os_ = self._estrides(tmp, (0, 1))
-            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
             rows = heads * n
             self._check_rows(rows, "gather (heads x positions)")
             self._check_rows(end, "gather (end position)")
-            self._launch("paged.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
-                          os_[0], os_[1]])
+            if codec.lowprec:
+                plane, scale = self._read_scales(codec, dst_kind)
+                scs = self._scale_strides(plane, (0, 1, 2))
+                self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
+                               [tmp, cache, plane, table, start, n, bs, cs[0], cs[1], cs[2],
+                                scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
+            else:
+                cache = self._aligned_input(cache)
+                cs = self._estrides(cache, (0, 1, 2))
+                v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
+                self._launch("paged.cu", src_kind, dst_kind,
+                             _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
+                             rows, dim // v,
+                             [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
+                              os_[0], os_[1]])
             self._deliver_bits(tmp, out)
 
-    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+    def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
         """A batch of sequences into one padded output.
 
-        out[s, h, t, :] = cache[block_tables[s, t // bs], h, t % bs, :]
-        converted, for t < lengths[s]; positions lengths[s] <= t < max_len
-        are set to +0.
+        out[s, h, t, :] = cache[block_tables[s, t // bs], h, t % bs, :] read
+        as ``gather`` reads it, for t < lengths[s]; positions lengths[s] <= t
+        < max_len are set to +0.
 
         Parameters
         ----------
@@ -877,53 +766,80 @@ class CudaBackend(Backend):
         block_tables : int32 [batch, max_blocks], host or device
             Row s lists sequence s's blocks in position order (padding
             entries past its length are never read).
-        lengths : integer [batch], host or device
-            Positions of each sequence to read.  Checked when on the host
-            (0 <= lengths[s] <= min(max_len, max_blocks * block_size));
-            device lengths are trusted.
+        lengths : int32 [batch], host or device
+            Positions of each sequence to read, checked by the caller
+            (0 <= lengths[s] <= min(max_len, max_blocks * block_size)).
         out : (batch, heads, max_len, dim) device array, last axis contiguous
         """
         batch, heads, max_len, dim = out.shape
         bs = cache.shape[2]
         if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
             return
-        if not self._is_device(block_tables):
-            block_tables = np.asarray(block_tables)
-        if getattr(block_tables, "ndim", 0) != 2 or block_tables.shape[0] != batch:
-            raise ValueError(
-                f"block_tables must have shape ({batch}, max_blocks) (one row per sequence "
-                f"of out), got {getattr(block_tables, 'shape', None)}")
-        if not self._is_device(lengths):
-            lengths = np.asarray(lengths)
-            if lengths.shape != (batch,):
-                raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
-            limit = min(max_len, block_tables.shape[1] * bs)
-            if batch and (lengths.min() < 0 or lengths.max() > limit):
-                raise ValueError(
-                    f"lengths must lie in 0..{limit} (out holds {max_len} positions, the "
-                    f"tables {block_tables.shape[1]} blocks of {bs}), got "
-                    f"{int(lengths.min())}..{int(lengths.max())}")
-        elif lengths.shape != (batch,):
-            raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
-        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
-            self.gather_batch_q(cache, None, block_tables, lengths, out, src_kind, src_kind, 1.0)
-            return
+        src_kind = codec.kind
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
-            cache = self._aligned_input(cache)
             tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
             os_ = self._estrides(tmp, (0, 1, 2))
-            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
             rows = batch * heads * max_len
             self._check_rows(rows, "gather_batch")
-            self._launch("paged.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
-                          cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
+            if codec.lowprec:
+                plane, scale = self._read_scales(codec, dst_kind)
+                cs = self._estrides(cache, (0, 1, 2))
+                scs = self._scale_strides(plane, (0, 1, 2))
+                self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
+                               [tmp, cache, plane, tables, lens, heads, max_len,
+                                tables.shape[1], bs, cs[0], cs[1], cs[2], scs[0], scs[1],
+                                scs[2], os_[0], os_[1], os_[2], self._scale_bits(scale)])
+            else:
+                cache = self._aligned_input(cache)
+                cs = self._estrides(cache, (0, 1, 2))
+                v = self._vector(src_kind, dst_kind, dim,
+                                 [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
+                self._launch("paged.cu", src_kind, dst_kind,
+                             _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
+                             rows, dim // v,
+                             [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
+                              cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
             self._deliver_bits(tmp, out)
+
+    @staticmethod
+    def _read_scales(codec, dst_kind):
+        """``(scale_plane, layer_scale)`` a low-precision read passes its
+        kernel: none for a raw read of the codes (FK == QK copies bytes)."""
+        if dst_kind == codec.kind:
+            return None, 1.0
+        return codec.scale_plane, codec.layer_scale
+
+    def dequantize(self, src, codec, dst, dst_kind):
+        """``dst[...] = src`` read through ``codec`` as ``dst_kind``, any
+        shape ``(..., dim)`` (an int8 scale plane of shape
+        ``src.shape[:-1]``); through contiguous copies of the codes and
+        scales when they are views.  A float codec converts; a raw read of
+        codes copies them."""
+        if not codec.lowprec:
+            self.convert(src, codec.kind, dst, dst_kind)
+            return
+        if dst_kind == codec.kind:
+            dst[...] = src
+            return
+        if src.size == 0:
+            return
+        xp = self.xp
+        with self._ctx():
+            dim = src.shape[-1]
+            s = xp.ascontiguousarray(src)
+            plane = codec.scale_plane
+            sc = None if plane is None else xp.ascontiguousarray(self._aligned_input(plane))
+            self._deliverable(dst, "dst")
+            tmp = dst if dst.flags.c_contiguous and not self._misaligned(dst) \
+                else xp.empty(dst.shape, dst.dtype)
+            rows = src.size // dim
+            self._check_rows(rows, "dequantize")
+            self._q_launch(dst_kind, codec.kind, "kv_dequantize", rows, dim,
+                           [tmp.view(_bits_dtype(tmp.dtype)), s, sc, dim,
+                            self._scale_bits(codec.layer_scale)])
+            self._deliver_bits(tmp, dst)
 
     def copy_blocks(self, storage, src, dst):
         """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
@@ -1086,21 +1002,31 @@ class CudaBackend(Backend):
             if not self._is_pinned(dst_st if not to_device else src_st):
                 self._fence()
 
-    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
-        """dst[b, h, start + t, :] = src[b, h, t, :] converted.
+    def write_contiguous(self, dst, src, start, src_kind, codec):
+        """dst[b, h, start + t, :] = src[b, h, t, :] stored by ``codec`` (int8
+        scales to the ``(batch, heads, max_seq_len)`` scale plane).
         dst: (batch, heads, max_seq_len, dim); src: (batch, heads, n, dim)."""
         batch, heads, n, dim = src.shape
         if batch == 0 or heads == 0 or n == 0 or dim == 0:
             return
+        dst_kind, plane = codec.kind, codec.scale_plane
         with self._ctx():
-            if self._overlaps(src, dst):  # e.g. a view of the cache itself
-                src = self._contiguous_copy(src)
+            if self._overlaps(src, dst) or (plane is not None and self._overlaps(src, plane)):
+                src = self._contiguous_copy(src)   # e.g. a view of the cache itself
             src = self.inner_contiguous(src)
             ss = self._estrides(src, (0, 1, 2))
             ds = self._estrides(dst, (0, 1, 2))
-            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
             rows = batch * heads * n
             self._check_rows(rows, "write_contiguous")
+            if codec.lowprec:
+                scs = self._scale_strides(plane, (0, 1, 2))
+                self._q_launch(src_kind, dst_kind, "kv_write_contiguous_q", rows,
+                               1 if dst_kind == dtypes.I8 else dim,
+                               [dst, plane, src, heads, n, start, dim, ss[0], ss[1], ss[2],
+                                ds[0], ds[1], ds[2], scs[0], scs[1], scs[2],
+                                self._scale_bits(codec.layer_scale)])
+                return
+            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
             self._launch("contiguous.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
                          rows, dim // v,
