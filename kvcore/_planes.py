@@ -12,9 +12,9 @@ import numbers
 import numpy as np
 
 from . import dtypes
-from .backends.codec import Codec, codec_of
+from .backends import Codec, codec_of
 
-__all__ = ["Planes", "check_layer_scales", "outs_share_memory"]
+__all__ = ["Planes", "check_layer_scales", "kv_scale_pairs", "outs_share_memory"]
 
 
 class Planes:

@@ -11,10 +11,9 @@ the device's backend; reads are views.  Positions that were never written
 import numpy as np
 
 from . import _arrays, dtypes
-from .backends import get_backend
+from .backends import Codec, get_backend
 from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
-from .backends.codec import Codec
 from ._planes import Planes, check_layer_scales, kv_scale_pairs, outs_share_memory
 from ._validate import index_int, positive_int
 

@@ -352,8 +352,10 @@ def test_write_slots_all_skipped_and_empty(dev):
     rng = np.random.default_rng(4)
     cache = rand_bits(rng, (3, 2, 8, 64), F16)
     d = dev.put(cache)
-    dev.be.write_slots(d, dev.put(rand_bits(rng, (5, 2, 64), F32)), np.full(5, -1, np.int64), F32, Codec(F16))
-    dev.be.write_slots(d, dev.put(np.zeros((0, 2, 64), np.float32)), np.zeros(0, np.int64), F32, Codec(F16))
+    dev.be.write_slots(d, dev.put(rand_bits(rng, (5, 2, 64), F32)), np.full(5, -1, np.int64), F32,
+                       Codec(F16))
+    dev.be.write_slots(d, dev.put(np.zeros((0, 2, 64), np.float32)), np.zeros(0, np.int64), F32,
+                       Codec(F16))
     assert_bits_equal(dev.get(d), cache)
 
 
@@ -397,7 +399,8 @@ def test_write_slots_kv_repeated_slots_keep_the_last_token(dev, sk, dk):
     owner = _owner(dev, num_blocks * block_size)
     for slots_arg in (slots, dev.put(slots)):  # host slots, device slots
         d = dev.put(storage)
-        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), slots_arg, sk, Codec(dk), Codec(dk), owner, True)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), slots_arg, sk, Codec(dk),
+                              Codec(dk), owner, True)
         assert_bits_equal(dev.get(d), want)
         assert _released(dev, owner)  # released for the next write
 
@@ -414,7 +417,8 @@ def test_write_slots_kv_reads_v_before_writing_k(dev):
     CPU.write_slots(want[0], k, slots, F16, Codec(F16))
     CPU.write_slots(want[1], old_rows, slots, F16, Codec(F16))
     d = dev.put(storage)
-    dev.be.write_slots_kv(d[0], d[1], dev.put(k), d[0][:, :, 1, :], slots, F16, Codec(F16), Codec(F16), _owner(dev, 24), True)
+    dev.be.write_slots_kv(d[0], d[1], dev.put(k), d[0][:, :, 1, :], slots, F16, Codec(F16),
+                          Codec(F16), _owner(dev, 24), True)
     assert_bits_equal(dev.get(d), want)
 
 
@@ -432,7 +436,8 @@ def test_write_slots_kv_checks_device_slots_on_the_device(dev):
         slots[at] = bad_value
         d = dev.put(storage)
         with pytest.raises(IndexError, match=rf"got {bad_value} at index {at}"):
-            dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, Codec(F16), Codec(F16), owner, True)
+            dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32,
+                                  Codec(F16), Codec(F16), owner, True)
         assert_bits_equal(dev.get(d), storage)        # nothing written
         assert _released(dev, owner)
         # unchecked (the CUDA-graph call): no error, the bad token is skipped,
@@ -442,7 +447,8 @@ def test_write_slots_kv_checks_device_slots_on_the_device(dev):
         skip[at] = -1
         CPU.write_slots_kv(want[0], want[1], k, v, skip, F32, Codec(F16), Codec(F16), None, False)
         d = dev.put(storage)
-        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, Codec(F16), Codec(F16), owner, False)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, Codec(F16),
+                              Codec(F16), owner, False)
         assert_bits_equal(dev.get(d), want)
         assert _released(dev, owner)
 
@@ -1037,7 +1043,8 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
     want_s = None if scales is None else scales.copy()
     ws = (None, None) if want_s is None else (want_s[0], want_s[1])
     vb = cpu_convert(v, BF16, F32)
-    CPU.write_slots_kv(want[0], want[1], k, vb, slots, F32, Codec(qk, 0.5, ws[0]), Codec(qk, 2.0, ws[1]), None, False)
+    CPU.write_slots_kv(want[0], want[1], k, vb, slots, F32, Codec(qk, 0.5, ws[0]),
+                       Codec(qk, 2.0, ws[1]), None, False)
     # the last writer's rows, spelled out with the reference
     for slot in (5, 9, 31):
         last = np.flatnonzero(slots == slot)[-1]
@@ -1053,7 +1060,8 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
         d = dev.put(storage)
         d_s = None if scales is None else dev.put(scales)
         dsc = (None, None) if d_s is None else (d_s[0], d_s[1])
-        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(vb), slots_arg, F32, Codec(qk, 0.5, dsc[0]), Codec(qk, 2.0, dsc[1]), owner, True)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(vb), slots_arg, F32,
+                              Codec(qk, 0.5, dsc[0]), Codec(qk, 2.0, dsc[1]), owner, True)
         assert_bits_equal(dev.get(d), want)
         if scales is not None:
             assert_bits_equal(dev.get(d_s), want_s)
@@ -1064,7 +1072,8 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
     d_s = None if scales is None else dev.put(scales)
     dsc = (None, None) if d_s is None else (d_s[0], d_s[1])
     with pytest.raises(IndexError, match=rf"got {num_slots} at index 2"):
-        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(vb), dev.put(bad), F32, Codec(qk, 0.5, dsc[0]), Codec(qk, 2.0, dsc[1]), owner, True)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(vb), dev.put(bad), F32,
+                              Codec(qk, 0.5, dsc[0]), Codec(qk, 2.0, dsc[1]), owner, True)
     assert_bits_equal(dev.get(d), storage)
     if scales is not None:
         assert_bits_equal(dev.get(d_s), scales)
@@ -1090,12 +1099,15 @@ def test_gather_q_matches_cpu(dev, qk, dk, block_size):
         for k, (start, end) in enumerate([(0, total), (1, total - 1), (3, 4),
                                           (block_size - 1, block_size + 1)]):
             want = np.zeros((heads, end - start, head_dim), STORAGE[dk])
-            CPU.gather(storage[1 - k % 2], table, start, end, want, Codec(qk, scale, None if scales is None else scales[1 - k % 2]), dk)
+            CPU.gather(storage[1 - k % 2], table, start, end, want,
+                       Codec(qk, scale, None if scales is None else scales[1 - k % 2]), dk)
             ref = np.zeros_like(want)
-            REFERENCE.gather(storage[1 - k % 2], table, start, end, ref, Codec(qk, scale, None if scales is None else scales[1 - k % 2]), dk)
+            REFERENCE.gather(storage[1 - k % 2], table, start, end, ref,
+                             Codec(qk, scale, None if scales is None else scales[1 - k % 2]), dk)
             assert_bits_equal(want, ref)
             got = dev.put(_filled(want.shape, want.dtype, 0))
-            dev.be.gather(d_storage[1 - k % 2], table if k % 2 else d_table, start, end, got, Codec(qk, scale, None if scales is None else d_scales[1 - k % 2]), dk)
+            dev.be.gather(d_storage[1 - k % 2], table if k % 2 else d_table, start, end, got,
+                          Codec(qk, scale, None if scales is None else d_scales[1 - k % 2]), dk)
             assert_bits_equal(dev.get(got), want)
 
 
@@ -1111,7 +1123,8 @@ def test_gather_q_into_strided_out(dev, qk):
     for big_shape, view in (((heads, 40, head_dim + 4), lambda b: b[..., :head_dim]),
                             ((heads, 40, head_dim, 2), lambda b: b[..., 0])):
         big = dev.put(_filled(big_shape, np.float32))
-        dev.be.gather(dev.put(cache), table, 5, 45, view(big), Codec(qk, 0.5, None if scales is None else dev.put(scales)), F32)
+        dev.be.gather(dev.put(cache), table, 5, 45, view(big),
+                      Codec(qk, 0.5, None if scales is None else dev.put(scales)), F32)
         host = dev.get(big)
         assert_bits_equal(np.ascontiguousarray(view(host)), want)
 
@@ -1161,7 +1174,8 @@ def test_write_contiguous_q_matches_cpu(dev, qk, sk):
             src_d = dev.put(raw).transpose(0, 2, 1, 3)
         ref, ref_s = want.copy(), None if want_s is None else want_s.copy()
         CPU.write_contiguous(want, np.ascontiguousarray(src), start, sk, Codec(qk, 0.25, want_s))
-        REFERENCE.write_contiguous(ref, np.ascontiguousarray(src), start, sk, Codec(qk, 0.25, ref_s))
+        REFERENCE.write_contiguous(ref, np.ascontiguousarray(src), start, sk,
+                                   Codec(qk, 0.25, ref_s))
         assert_bits_equal(want, ref)
         dev.be.write_contiguous(d, src_d, start, sk, Codec(qk, 0.25, d_s))
         assert_bits_equal(dev.get(d), want)
@@ -1188,11 +1202,14 @@ def test_dequantize_matches_cpu(dev, qk, dk):
         REFERENCE.dequantize(src, Codec(qk, 1.5, sc), ref, dk)
         assert_bits_equal(want, ref)
         got = dev.put(_filled(want.shape, want.dtype))
-        dev.be.dequantize(d_c[:, :, start:end], Codec(qk, 1.5, None if d_s is None else d_s[:, :, start:end]), got, dk)
+        dev.be.dequantize(d_c[:, :, start:end],
+                          Codec(qk, 1.5, None if d_s is None else d_s[:, :, start:end]), got, dk)
         assert_bits_equal(dev.get(got), want)
         # into a strided out
         big = dev.put(_filled(want.shape[:-1] + (70,), want.dtype))
-        dev.be.dequantize(d_c[:, :, start:end], Codec(qk, 1.5, None if d_s is None else d_s[:, :, start:end]), big[..., 3:67], dk)
+        dev.be.dequantize(d_c[:, :, start:end],
+                          Codec(qk, 1.5, None if d_s is None else d_s[:, :, start:end]), big[...,
+                          3:67], dk)
         host = dev.get(big)
         assert_bits_equal(np.ascontiguousarray(host[..., 3:67]), want)
         assert (_bits_view(host[..., :3]) == _bits_view(_filled((1,), want.dtype))[0]).all()

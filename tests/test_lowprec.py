@@ -167,7 +167,8 @@ def test_write_slots_q_and_gather_q_match_the_reference(src_kind, dst_kind, scal
         outs = []
         for be in (REFERENCE, CPU):
             out = np.full((3, h, 23, d), 7, dtypes.STORAGE[out_kind])
-            be.gather_batch(caches[0], tables, lens, out, Codec(dst_kind, scale, scales[0]), out_kind)
+            be.gather_batch(caches[0], tables, lens, out, Codec(dst_kind, scale, scales[0]),
+                            out_kind)
             outs.append(out)
         same(outs[1], outs[0])
 

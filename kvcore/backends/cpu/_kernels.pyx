@@ -727,8 +727,9 @@ cdef object _write_positions_lowprec(cnp.ndarray storage, Py_ssize_t layer, cnp.
 cdef object _gather_lowprec(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
                       Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind,
                       int dst_kind, float scale):
-    """gather of a low-precision plane, widened to float ``dst_kind``.  cache C-contiguous; out (heads, end - start, dim)
-    C-contiguous, aligned; scales: int8's scale plane, else None."""
+    """gather of a low-precision plane, widened to float ``dst_kind``.
+    cache C-contiguous; out (heads, end - start, dim) C-contiguous, aligned;
+    scales: int8's scale plane, else None."""
     cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
     cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
     cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]

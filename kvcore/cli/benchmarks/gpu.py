@@ -171,7 +171,8 @@ def run(quick=False, attention=True):
             for sk, src, label in ((F32, src32, "write f32->f16"), (F16, src16, "write f16->f16")):
                 elems = n * HEADS * DIM
                 nbytes = elems * (src.itemsize + 2) + n * 8
-                t_kv = cp_time(lambda: be.write_slots(key_cache, src, slots, sk, Codec(F16)), nbytes)
+                t_kv = cp_time(lambda: be.write_slots(key_cache, src, slots, sk, Codec(F16)),
+                               nbytes)
                 t_t = None
                 if torch is not None:
                     ts = t32 if sk == F32 else t16
