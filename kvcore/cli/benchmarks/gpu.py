@@ -43,9 +43,9 @@ import statistics
 
 import numpy as np
 
+from kvcore.backends import codec_of
 from kvcore.backends.cuda import CudaUnavailableError, get_cuda_backend  # noqa: F401
 from kvcore.dtypes import F16, F32
-from kvcore.backends.codec import Codec
 
 HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 128, 16, 8192
 WRITE_TOKENS = (1, 64, 4096, 65536)
@@ -171,7 +171,7 @@ def run(quick=False, attention=True):
             for sk, src, label in ((F32, src32, "write f32->f16"), (F16, src16, "write f16->f16")):
                 elems = n * HEADS * DIM
                 nbytes = elems * (src.itemsize + 2) + n * 8
-                t_kv = cp_time(lambda: be.write_slots(key_cache, src, slots, sk, Codec(F16)),
+                t_kv = cp_time(lambda: be.write_slots(key_cache, src, slots, sk, codec_of(F16)),
                                nbytes)
                 t_t = None
                 if torch is not None:
@@ -190,7 +190,8 @@ def run(quick=False, attention=True):
             table = cp.asarray(table_h)
             dst = cp.empty((HEADS, n, DIM), cp.float16)
             nbytes = 2 * n * HEADS * DIM * 2 + nblk * 4
-            t_kv = cp_time(lambda: be.gather(key_cache, table, 0, n, dst, Codec(F16), F16), nbytes)
+            t_kv = cp_time(lambda: be.gather(key_cache, table, 0, n, dst, codec_of(F16), F16),
+                           nbytes)
             t_t = None
             if torch is not None:
                 tt = torch.as_tensor(table_h.astype(np.int64), device=t_cache.device)
