@@ -732,13 +732,13 @@ class CudaBackend(CudaAttention, Backend):
         with self._ctx():
             table = self._index_array(block_table, np.int32)
             tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
             os_ = self._estrides(tmp, (0, 1))
             rows = heads * n
             self._check_rows(rows, "gather (heads x positions)")
             self._check_rows(end, "gather (end position)")
             if codec.lowprec:
                 plane, scale = self._read_scales(codec, dst_kind)
+                cs = self._estrides(cache, (0, 1, 2))
                 scs = self._scale_strides(plane, (0, 1, 2))
                 self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
                                [tmp, cache, plane, table, start, n, bs, cs[0], cs[1], cs[2],
