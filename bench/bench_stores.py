@@ -1,5 +1,6 @@
 """Prefix-store restore benchmark: python bench/bench_stores.py [--tokens N] [--layers N]
-[--repeat N] [--redis-server PATH] [--cluster-only] [--json FILE]
+[--repeat N] [--redis-server PATH] [--cluster-only] [--prefetch-only]
+[--decode-step-ms MS] [--json FILE]
 
 Restores an N-token prefix (default 2048 tokens of a 32-layer, 8-KV-head,
 head_dim-128 float16 model: 128 KiB a token, 256 MiB) into an empty pool
@@ -15,6 +16,12 @@ measures in the same run what moving the same bytes costs without kvcore
   vs  raw redis-py pipelined GETs of the same keys, one pipeline per master,
   the masters in parallel (one thread each, as the store does; the same
   pipelines one master after another are printed beside it);
+* prefetch (Redis): how long ``allocate`` waits after ``pool.prefetch`` of
+  the prompt was started earlier, while the engine ran decode steps
+  (``--decode-step-ms`` of sleep each): allocated one step after the
+  prefetch started (it takes what arrived and loads the rest), and
+  allocated at the first step at which the prefetch is done (the scheduler
+  pattern of docs/stores.md), against the same allocate without prefetch;
 * each against recomputing the prefix with the demo model
   (kvcore.cli.model.TinyTransformer.forward_full over the N tokens; its KV
   is smaller, so this says what a hit saves, not a like-for-like speed).
@@ -40,6 +47,7 @@ import kvcore
 from kvcore.cli.model import ModelConfig, TinyTransformer
 
 BLOCK = 16
+PREFETCH_STEP = 16      # kvcore.stores._tiers.PREFETCH_STEP: blocks a prefetch holds at once
 
 
 def _samples(fn, repeat, setup=None):
@@ -58,9 +66,9 @@ def _fmt(s):
     return f"{statistics.median(s) * 1e3:8.1f} ms [{min(s) * 1e3:.1f}-{max(s) * 1e3:.1f}]"
 
 
-def _pool(tokens, layers, heads, dim, stores):
-    return kvcore.BlockPool(tokens // BLOCK + 2, BLOCK, layers, heads, dim, dtype="float16",
-                            stores=stores)
+def _pool(tokens, layers, heads, dim, stores, spare=0):
+    return kvcore.BlockPool(tokens // BLOCK + 2 + spare, BLOCK, layers, heads, dim,
+                            dtype="float16", stores=stores)
 
 
 def _fill(pool, prompt, rng):
@@ -77,6 +85,28 @@ def _fill(pool, prompt, rng):
     written = pool.flush_to_stores()
     assert written == (n - 1) // BLOCK, written
     return pool.storage[:, table[:written]].copy()
+
+
+def _spill_samples(pool, prompt, setup, repeat):
+    """Seconds an allocate of a fresh prompt takes that evicts the cached
+    prefix into the pool's stores (what the allocating thread pays)."""
+    other = np.arange(10**6, 10**6 + len(prompt), dtype=np.int32)
+
+    def cache_prefix():
+        setup()
+        pool.flush_to_stores()   # (the previous sample's spill written, off the clock)
+        seq = kvcore.PagedKVCache(pool)
+        assert seq.allocate(prompt) == len(prompt) - 1    # restored: cached again
+        seq.free()
+
+    def evict():
+        seq = kvcore.PagedKVCache(pool)
+        seq.allocate(other)
+        seq.free()
+
+    out = _samples(evict, repeat, cache_prefix)
+    pool.flush_to_stores()
+    return out
 
 
 def _restore_fn(pool, prompt, expect):
@@ -102,6 +132,35 @@ def _restore_fn(pool, prompt, expect):
     return setup, restore, check
 
 
+def _prefetch_rows(pool, prompt, setup, restore, check, step, repeat):
+    """allocate after a prefetch started one decode step earlier, and once
+    it is done (polled once per step), against allocate alone (seconds)."""
+    one_step, when_ready, steps, alone = [], [], [], []
+    for i in range(repeat + 1):          # the first is a warm-up; the three interleaved
+        for out in (alone, one_step, when_ready):
+            setup()
+            h = None if out is alone else pool.prefetch(prompt)
+            n = 0
+            while h is not None:
+                time.sleep(step)         # the engine's decode step
+                n += 1
+                if out is one_step or h.done():
+                    break
+            t0 = time.perf_counter()
+            restore()
+            t = time.perf_counter() - t0
+            check()
+            if h is not None:
+                assert h.wait(60)
+            if i:
+                out.append(t)
+                if out is when_ready:
+                    steps.append(n)
+    setup()
+    return {"alone": alone, "one_step": one_step, "when_ready": when_ready,
+            "steps": steps, "step_ms": step * 1e3}
+
+
 def _start_redis(binary, directory):
     import socket
 
@@ -121,6 +180,46 @@ def _start_redis(binary, directory):
         except redis.exceptions.ConnectionError:
             time.sleep(0.02)
     return proc, f"redis://127.0.0.1:{port}/0", client
+
+
+def _redis_or_none(redis_server, tmp, prompt, rng, tokens, layers, heads, dim, repeat, res,
+                   decode_step_ms):
+    """The Redis row (and res["prefetch"]), or None without redis-server or redis-py."""
+    binary = redis_server or shutil.which("redis-server")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return None
+    if not binary:
+        return None
+    proc, url, client = _start_redis(binary, tmp)
+    try:
+        store = kvcore.RedisStore(url, namespace="bench", timeout=30)
+        # (spare blocks: an allocate while a prefetch still holds the step it loads)
+        pool = _pool(tokens, layers, heads, dim, [store], spare=PREFETCH_STEP + 1)
+        expect = _fill(pool, prompt, rng)
+        setup, restore, check = _restore_fn(pool, prompt, expect)
+        kv = _samples(restore, repeat, setup)
+        check()
+        setup()
+        keys = client.keys(b"kvcore:bench:*")
+
+        def raw():
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            pipe.execute()
+
+        base = _samples(raw, repeat)
+        res["prefetch"] = _prefetch_rows(pool, prompt, setup, restore, check,
+                                         decode_step_ms / 1e3, repeat)
+        pool.close()
+        store.close()
+        del pool
+        return {"kvcore": kv, "baseline": base, "baseline_name": "redis-py pipelined GET"}
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _start_cluster(binary, cli, directory, masters=3):
@@ -238,7 +337,7 @@ def _cluster_row(binary, cli, directory, prompt, rng, tokens, layers, heads, dim
 
 
 def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None,
-        cluster_only=False):
+        cluster_only=False, prefetch_only=False, decode_step_ms=20.0):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 500, tokens + 1, dtype=np.int32)
     nbytes = tokens * layers * heads * dim * 2 * 2
@@ -254,6 +353,11 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None,
             shutil.rmtree(tmp, ignore_errors=True)
         return res
     try:
+        if prefetch_only:
+            res["rows"]["redis"] = _redis_or_none(redis_server, tmp, prompt, rng, tokens,
+                                                  layers, heads, dim, repeat, res,
+                                                  decode_step_ms)
+            return res
         # --- host
         pool = _pool(tokens, layers, heads, dim, [kvcore.HostStore(2 * nbytes)])
         expect = _fill(pool, prompt, rng)
@@ -268,20 +372,7 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None,
         res["rows"]["host"] = {"kvcore": kv, "baseline": base, "baseline_name": "memcpy"}
         # spill: the cached prefix evicted into the HostStore by a fresh
         # prompt (export, identity digests, encode, checksum, put)
-        other = np.arange(10**6, 10**6 + tokens + 1, dtype=np.int32)
-
-        def cache_prefix():
-            setup()
-            seq = kvcore.PagedKVCache(pool)
-            assert seq.allocate(prompt) == tokens     # restored: cached again
-            seq.free()
-
-        def evict():
-            seq = kvcore.PagedKVCache(pool)
-            seq.allocate(other)
-            seq.free()
-
-        res["host_spill"] = _samples(evict, repeat, cache_prefix)
+        res["host_spill"] = _spill_samples(pool, prompt, setup, repeat)
         # the same bytes scattered into the pool's blocks by NumPy, nothing
         # checked: what the block layout (a block is 2 * layers pieces, one
         # per plane, num_blocks * piece bytes apart) costs any restore
@@ -302,6 +393,10 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None,
         setup, restore, check = _restore_fn(pool, prompt, expect)
         kv = _samples(restore, repeat, setup)
         check()
+        setup()
+        # the allocating thread's share of a spill into a DiskStore (the
+        # files are written by the store worker, drained between samples)
+        res["disk_spill"] = _spill_samples(pool, prompt, setup, repeat)
         setup()
         files = sorted(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
                        if f.endswith(".kve"))
@@ -324,39 +419,8 @@ def run(tokens=2048, layers=32, heads=8, dim=128, repeat=5, redis_server=None,
         del pool
 
         # --- redis
-        binary = redis_server or shutil.which("redis-server")
-        try:
-            import redis  # noqa: F401
-        except ImportError:
-            binary = None
-        if binary:
-            proc, url, client = _start_redis(binary, tmp)
-            try:
-                store = kvcore.RedisStore(url, namespace="bench", timeout=30)
-                pool = _pool(tokens, layers, heads, dim, [store])
-                expect = _fill(pool, prompt, rng)
-                setup, restore, check = _restore_fn(pool, prompt, expect)
-                kv = _samples(restore, repeat, setup)
-                check()
-                setup()
-                keys = client.keys(b"kvcore:bench:*")
-
-                def raw():
-                    pipe = client.pipeline(transaction=False)
-                    for k in keys:
-                        pipe.get(k)
-                    pipe.execute()
-
-                base = _samples(raw, repeat)
-                res["rows"]["redis"] = {"kvcore": kv, "baseline": base,
-                                        "baseline_name": "redis-py pipelined GET"}
-                store.close()
-                del pool
-            finally:
-                proc.kill()
-                proc.wait()
-        else:
-            res["rows"]["redis"] = None
+        res["rows"]["redis"] = _redis_or_none(redis_server, tmp, prompt, rng, tokens, layers,
+                                              heads, dim, repeat, res, decode_step_ms)
 
         # --- redis cluster
         res["rows"]["cluster"] = _cluster_or_none(redis_server, tmp, prompt, rng, tokens,
@@ -395,6 +459,10 @@ def report(res):
         lines.append(f"{'':8} (the same bytes copied into the pool's blocks by NumPy, nothing "
                      f"checked: {_fmt(res['layout_copy']).strip()}; host restore is "
                      f"{statistics.median(res['layout_copy']) / statistics.median(res['rows']['host']['kvcore']):.2f}x that)")
+    if res.get("disk_spill"):
+        lines.append(f"{'':8} (spill of the prefix into the DiskStore on the allocating thread, "
+                     f"the files written by the store worker: "
+                     f"{_fmt(res['disk_spill']).strip()})")
     if res.get("disk_readinto") and res["rows"].get("disk"):
         lines.append(f"{'':8} (the entry files read into one pre-touched buffer: "
                      f"{_fmt(res['disk_readinto']).strip()}; disk restore is "
@@ -405,6 +473,18 @@ def report(res):
                      f"{_fmt(row['serial']).strip()}; cluster restore is "
                      f"{statistics.median(row['serial']) / statistics.median(row['kvcore']):.2f}x "
                      f"that; keys per master {row['keys_per_master']})")
+    pf = res.get("prefetch")
+    if pf:
+        alone = statistics.median(pf["alone"])
+        lines.append(f"prefetch (Redis; decode step {pf['step_ms']:.0f} ms of sleep): allocate "
+                     f"without prefetch {_fmt(pf['alone']).strip()}")
+        lines.append(f"{'':8} allocate one step after prefetch() {_fmt(pf['one_step']).strip()}"
+                     f" = {statistics.median(pf['one_step']) / alone:.2f}x of that")
+        lines.append(f"{'':8} allocate at the first step the prefetch is done "
+                     f"{_fmt(pf['when_ready']).strip()} = "
+                     f"{statistics.median(pf['when_ready']) / alone:.2f}x of that (after "
+                     f"{statistics.median(pf['steps']):.0f} steps [{min(pf['steps'])}-"
+                     f"{max(pf['steps'])}])")
     rc = res.get("recompute")
     if rc is None:
         lines.append("ratio = baseline median / kvcore median, one run; times median "
@@ -432,6 +512,10 @@ def main(argv=None):
     p.add_argument("--redis-server", metavar="PATH")
     p.add_argument("--cluster-only", action="store_true",
                    help="run only the Redis Cluster row")
+    p.add_argument("--prefetch-only", action="store_true",
+                   help="run only the Redis row and the prefetch rows")
+    p.add_argument("--decode-step-ms", type=float, default=20.0,
+                   help="the decode step the prefetch rows sleep per step (default 20)")
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
     for name in ("tokens", "layers", "kv_heads", "head_dim", "repeat"):
@@ -439,8 +523,10 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if a.tokens % BLOCK:
         p.error(f"--tokens must be a multiple of {BLOCK}")
+    if not a.decode_step_ms > 0:
+        p.error("--decode-step-ms must be a positive number")
     res = run(a.tokens, a.layers, a.kv_heads, a.head_dim, a.repeat, a.redis_server,
-              a.cluster_only)
+              a.cluster_only, a.prefetch_only, a.decode_step_ms)
     print(report(res))
     if a.json:
         with open(a.json, "w") as f:

@@ -20,6 +20,7 @@ columns; row ``i`` keeps its first real token at column ``pad[i]``, and its
 sequence position ``p`` is column ``p + pad[i]``.  Pad columns hold no KV
 in the pool, so rows with different padding share prefix blocks.
 """
+import contextlib
 import os
 import threading
 import weakref
@@ -41,7 +42,8 @@ from .attention import AttentionPlan
 from .paged import PagedKVCache
 from .pool import BlockPool
 
-__all__ = ["pool_for", "PagedCache", "generate", "calibrate_kv_scales", "ATTN_IMPLEMENTATION"]
+__all__ = ["pool_for", "PagedCache", "generate", "calibrate_kv_scales", "use_torch_allocator",
+           "ATTN_IMPLEMENTATION"]
 
 #: the name registered with transformers' attention and mask registries
 ATTN_IMPLEMENTATION = "kvcore"
@@ -116,11 +118,88 @@ def pool_for(config, num_blocks, dtype="float16", block_size=16, device="cpu",
         fp8 pools: one pair per layer, e.g. from
         :func:`calibrate_kv_scales` (default 1.0, which real activations
         rarely fit).
+
+    A CUDA pool (``device="cuda"`` or ``"cuda:N"``) is allocated, like every
+    later CuPy allocation of the process, from torch's caching allocator
+    (:func:`use_torch_allocator`), so kvcore and the model share one pool of
+    device memory.  Never run on a GPU yet: see docs/hf.md.
     """
     layers, kv_heads, head_dim = model_kv_shape(config)
+    if str(device).startswith("cuda"):
+        use_torch_allocator()
     return BlockPool(num_blocks, block_size, layers, kv_heads, head_dim, dtype=dtype,
                      device=device, enable_prefix_caching=enable_prefix_caching,
                      kv_scales=kv_scales)
+
+
+_ALLOCATOR_SET = []
+
+
+def use_torch_allocator():
+    """Make CuPy (and so kvcore's CUDA pools, caches and temporaries)
+    allocate device memory from torch's caching allocator, on torch's
+    current stream, instead of CuPy's own memory pool.
+
+    Process-wide (``cupy.cuda.set_allocator``); idempotent.  Without it the
+    two pools each keep freed memory for themselves and a model plus a
+    large KV pool can run out of memory that one of them holds unused.
+    Needs CuPy and a CUDA build of torch.
+    """
+    if _ALLOCATOR_SET:
+        return
+    import cupy
+
+    def malloc(size):
+        device = cupy.cuda.Device().id
+        stream = torch.cuda.current_stream(device)
+        ptr = torch.cuda.caching_allocator_alloc(size, device, stream)
+        # the owner gives the block back to torch when CuPy lets go of it
+        mem = cupy.cuda.UnownedMemory(ptr, size, _TorchBlock(ptr), device)
+        return cupy.cuda.MemoryPointer(mem, 0)
+
+    cupy.cuda.set_allocator(malloc)
+    _ALLOCATOR_SET.append(malloc)
+
+
+class _TorchBlock:
+    """A block of torch's caching allocator, freed when CuPy drops it."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __del__(self):
+        torch.cuda.caching_allocator_delete(self.ptr)
+
+
+class _TorchSide:
+    """A pool as torch sees it: the device of its pages, and the stream
+    kvcore's kernels run on (torch's current stream, on a CUDA pool)."""
+
+    def __init__(self, pool):
+        self.device = torch.device(pool.device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            import cupy
+            self._cupy = cupy
+
+    def pages(self, a, bfloat16):
+        """A torch view (no copy) of a plane of the pool's storage."""
+        t = torch.from_dlpack(a) if self.cuda else torch.from_numpy(a)
+        return t.view(torch.bfloat16) if bfloat16 else t   # bfloat16: raw bits
+
+    def tensor(self, a):
+        """A host NumPy array as a tensor on the pages' device."""
+        t = torch.from_numpy(a)
+        return t.to(self.device, non_blocking=True) if self.cuda else t
+
+    def stream(self):
+        """Run the enclosed kvcore calls on torch's current stream (CUDA
+        pools): the model's kernels and kvcore's are then ordered, with no
+        synchronisation between them."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        s = torch.cuda.current_stream(self.device)
+        return self._cupy.cuda.ExternalStream(s.cuda_stream, self.device.index or 0)
 
 
 def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m3fn"):
@@ -291,10 +370,6 @@ class PagedCache(Cache):
     def __init__(self, pool, salt=None):
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
-        if pool.device != "cpu":
-            raise NotImplementedError(
-                f"kvcore.hf.PagedCache on a {pool.device!r} pool is not implemented yet "
-                "(CPU pools only)")
         if pool.dtype not in _TORCH_STORAGE and pool.dtype not in _LOW_PRECISION:
             raise ValueError(f"pool.dtype must be one of "
                              f"{sorted(_TORCH_STORAGE) + list(_LOW_PRECISION)} for kvcore.hf, "
@@ -309,16 +384,14 @@ class PagedCache(Cache):
         self._step = None
         self._kvcore_forward = False            # this forward's attention reads pages
         self._pending_mask = None               # padding mask of a first forward
+        self._torch = _TorchSide(pool)
         # torch views of the pool's storage, per layer: (num_blocks, heads, block, dim)
-        self._k_pages = [self._torch_pages(pool.key_cache(i)) for i in range(pool.num_layers)]
-        self._v_pages = [self._torch_pages(pool.value_cache(i)) for i in range(pool.num_layers)]
+        bf16 = pool.dtype == "bfloat16"
+        self._k_pages = [self._torch.pages(pool.key_cache(i), bf16)
+                         for i in range(pool.num_layers)]
+        self._v_pages = [self._torch.pages(pool.value_cache(i), bf16)
+                         for i in range(pool.num_layers)]
         super().__init__(layers=[_PagedLayer(self, i) for i in range(pool.num_layers)])
-
-    def _torch_pages(self, a):
-        t = torch.from_numpy(a)
-        if self.pool.dtype == "bfloat16":  # raw bits, as uint16
-            t = t.view(torch.bfloat16)
-        return t
 
     # -------------------------------------------------------------- rows
     def _new_row(self, token_ids):
@@ -509,7 +582,7 @@ class PagedCache(Cache):
             else:
                 col = np.arange(step.q)
                 keep = col[None, :] >= (step.q - m)[:, None]
-                step.query_rows = torch.from_numpy(np.flatnonzero(keep.reshape(-1)))
+                step.query_rows = self._torch.tensor(np.flatnonzero(keep.reshape(-1)))
         return step
 
     def _length_after(self, step):
@@ -529,9 +602,10 @@ class PagedCache(Cache):
                 k = min(need, t.shape[0])
                 tables[i, :k] = t[:k]
             blocks = np.take_along_axis(tables, pos // bs, axis=1)
-            step.gather_index = (torch.from_numpy(blocks)[:, None, :],
-                                 torch.arange(self.pool.num_kv_heads)[None, :, None],
-                                 torch.from_numpy(pos % bs)[:, None, :])
+            step.gather_index = (
+                self._torch.tensor(blocks)[:, None, :],
+                torch.arange(self.pool.num_kv_heads, device=self._torch.device)[None, :, None],
+                self._torch.tensor(pos % bs)[:, None, :])
         return step.gather_index
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -543,6 +617,10 @@ class PagedCache(Cache):
         when the model's attention is ``"kvcore"``, the new K/V marked for
         :func:`kvcore_attention`, which reads the pages itself.
         """
+        with self._torch.stream():
+            return self._update(key_states, value_states, layer_idx, kwargs)
+
+    def _update(self, key_states, value_states, layer_idx, kwargs):
         pool = self.pool
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < pool.num_layers:
             raise IndexError(f"layer_idx must be in 0..{pool.num_layers - 1} (the pool's layers), "
@@ -675,6 +753,10 @@ class PagedCache(Cache):
 
     def _select_rows(self, index):
         """Rows become ``old[index[r]]`` (copy-on-write forks)."""
+        with self._torch.stream():
+            self._select(index)
+
+    def _select(self, index):
         index = np.asarray(index.detach().cpu() if isinstance(index, torch.Tensor) else index,
                            dtype=np.int64).reshape(-1)
         rows = len(self._seqs)
@@ -824,9 +906,9 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     else:
         rows = query.detach().transpose(1, 2).reshape(batch * q, heads, dim)
     if step.query_rows is None:
-        out = torch.empty((batch, q, heads, dim), dtype=query.dtype)
+        out = torch.empty((batch, q, heads, dim), dtype=query.dtype, device=query.device)
     else:   # padding columns of a first forward: zeros
-        out = torch.zeros((batch, q, heads, dim), dtype=query.dtype)
+        out = torch.zeros((batch, q, heads, dim), dtype=query.dtype, device=query.device)
     flat = out.view(batch * q, heads, dim)
     if step.query_rows is not None:
         rows = rows[step.query_rows]
@@ -834,19 +916,21 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # made at the step's first layer: the tables are checked and the work
     # split once, and each layer only runs it
     key = (scaling, sliding_window, softcap)
-    plan = step.plans.get(key)
-    if plan is None:
-        plan = step.plans[key] = AttentionPlan(
-            cache.pool, block_table, step.seq_lens, cu_seq_lens_q, scale=scaling,
-            sliding_window=sliding_window, logits_soft_cap=softcap, num_heads=heads)
-    # queries and outputs stay in the model's dtype: the plan widens a
-    # 16-bit model's rows and narrows the result with kvcore's conversions
-    if step.query_rows is None:
-        plan.run(rows, layer, out=flat)
-    else:
-        part = torch.empty((rows.shape[0], heads, dim), dtype=query.dtype)
-        plan.run(rows, layer, out=part)
-        flat[step.query_rows] = part
+    with cache._torch.stream():
+        plan = step.plans.get(key)
+        if plan is None:
+            plan = step.plans[key] = AttentionPlan(
+                cache.pool, block_table, step.seq_lens, cu_seq_lens_q, scale=scaling,
+                sliding_window=sliding_window, logits_soft_cap=softcap, num_heads=heads)
+        # queries and outputs stay in the model's dtype: the plan widens a
+        # 16-bit model's rows and narrows the result with kvcore's conversions
+        if step.query_rows is None:
+            plan.run(rows, layer, out=flat)
+        else:
+            part = torch.empty((rows.shape[0], heads, dim), dtype=query.dtype,
+                               device=query.device)
+            plan.run(rows, layer, out=part)
+            flat[step.query_rows] = part
     return out, None
 
 

@@ -10,9 +10,9 @@ import numpy as np
 from ._errors import CacheFullError, OutOfBlocksError
 from ._native import _pool, _seq
 from ._native._seq import SeqCore
-from . import hashing
+from . import _validate, hashing
 from ._validate import (index_int, layer_index, nonneg_int, positive_int, salt_bytes,
-                        token_array, token_id)
+                        token_array)
 from .pool import BlockPool
 
 __all__ = ["PagedKVCache"]
@@ -236,15 +236,28 @@ class PagedKVCache:
         OutOfBlocksError (nothing changed) or CacheFullError.
         """
         status = self._core._reserve(n)
-        if status == _seq.STATE:
-            raise self._core._state_error("reserve")
+        if status:
+            self._reserve_failed(n, status)
+
+    def _reserve_failed(self, n, status):
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
             status = self._core._reserve(n)
+        if self._settled(status, "reserve"):
+            return
         if status == _seq.TOO_LONG:
             self._check_len(self._core._num_computed + n, "reserve")
-        if status:
-            self._out_of_blocks(self._core._num_computed + n)
+        self._out_of_blocks(self._core._num_computed + n)
+
+    def _settled(self, status, what):
+        # One status per call (docs/architecture.md, "Statuses"): a core op
+        # that answered a status changed nothing and said why.  The callers
+        # above validated an argument the core could not take as is
+        # (UNCHECKED) and asked once more; this is that answer: True when it
+        # succeeded, the state error raised, else False (raise from it).
+        if status == _seq.STATE:
+            raise self._core._state_error(what)
+        return status == 0
 
     def _out_of_blocks(self, target):
         # after SHORT from SeqCore._reserve/_ensure_to (it left
@@ -302,44 +315,46 @@ class PagedKVCache:
         CacheFullError
             They lie past ``max_seq_len``; nothing changed.
         """
-        if self._core._commit(n):
-            self._commit_failed(n)
-
-    def _commit_failed(self, n):
         status = self._core._commit(n)
-        if status == _seq.STATE:
-            raise self._core._state_error("commit")
+        if status:
+            self._commit_failed(n, status)
+
+    def _commit_failed(self, n, status):
         if status == _seq.UNCHECKED:
             n = nonneg_int(n, "n")
             status = self._core._commit(n)
-        if status:
-            nc = self._core._num_computed
-            target = nc + n
-            if status == _seq.TOO_LONG:
-                self._check_len(target, "commit")
-            if status == _seq.UNWRITTEN:
-                layer = self._core._failed_layer
-                raise ValueError(
-                    f"commit({n}) needs positions {nc}..{target - 1} written in every layer, "
-                    f"but layer {layer} has written {self._core._written(layer) - nc} of them; "
-                    "write them with append, or pool.write + mark_written, first")
+        if self._settled(status, "commit"):
+            return
+        nc = self._core._num_computed
+        target = nc + n
+        if status == _seq.TOO_LONG:
+            self._check_len(target, "commit")
+        if status == _seq.UNWRITTEN:
+            layer = self._core._failed_layer
             raise ValueError(
-                f"commit({n}) would commit positions up to {target - 1}, but only "
-                f"{self._core._num_held * self._core._block_size} positions are reserved; "
-                "append or reserve first")
+                f"commit({n}) needs positions {nc}..{target - 1} written in every layer, "
+                f"but layer {layer} has written {self._core._written(layer) - nc} of them; "
+                "write them with append, or pool.write + mark_written, first")
+        raise ValueError(
+            f"commit({n}) would commit positions up to {target - 1}, but only "
+            f"{self._core._num_held * self._core._block_size} positions are reserved; "
+            "append or reserve first")
 
     def append_token(self, token_id):
         """Add a generated token to the sequence's token ids."""
         status = self._core._append_token(token_id)
-        if status == _seq.STATE:
-            raise self._core._state_error("append_token")
-        if status == _seq.UNCHECKED:
-            status = self._core._append_token(_check_token(token_id))
         if status:
-            n = self._core._num_tokens
-            raise CacheFullError(
-                f"append_token would make {n + 1} tokens, past "
-                f"max_seq_len={self._core._max_seq_len}")
+            self._append_token_failed(token_id, status)
+
+    def _append_token_failed(self, token_id, status):
+        if status == _seq.UNCHECKED:
+            status = self._core._append_token(_validate.token_id(token_id))
+        if self._settled(status, "append_token"):
+            return
+        n = self._core._num_tokens
+        raise CacheFullError(
+            f"append_token would make {n + 1} tokens, past "
+            f"max_seq_len={self._core._max_seq_len}")
 
     def extend_tokens(self, token_ids):
         """``append_token`` for each of ``token_ids`` (validated first)."""
@@ -378,19 +393,19 @@ class PagedKVCache:
             self._mark_written_failed(layer, n, status)
 
     def _mark_written_failed(self, layer, n, status):
-        if status == _seq.STATE:
-            raise self._core._state_error("mark_written")
-        layer = layer_index(layer, self._pool.num_layers)
-        n = nonneg_int(n, "n")
-        status = self._core._mark_written(layer, n)
+        if status == _seq.UNCHECKED:
+            layer = layer_index(layer, self._pool.num_layers)
+            n = nonneg_int(n, "n")
+            status = self._core._mark_written(layer, n)
+        if self._settled(status, "mark_written"):
+            return
         target = self._core._num_computed + n
         if status == _seq.TOO_LONG:
             self._check_len(target, "mark_written")
-        if status:
-            raise ValueError(
-                f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
-                f"{self._core._num_held * self._core._block_size} positions are reserved; "
-                "reserve first")
+        raise ValueError(
+            f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
+            f"{self._core._num_held * self._core._block_size} positions are reserved; "
+            "reserve first")
 
     # ------------------------------------------------------------ reads
     def gather(self, layer, start=0, end=None, dtype=None, out=None):
@@ -577,6 +592,3 @@ class PagedKVCache:
         return (f"PagedKVCache(num_tokens={core._num_tokens}, num_computed={core._num_computed}, "
                 f"blocks={self._core._num_held}, max_seq_len={self._core._max_seq_len})")
 
-
-def _check_token(value):
-    return token_id(value)

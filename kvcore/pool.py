@@ -70,7 +70,11 @@ class BlockPool:
         the first store, each store drops its least recently used entries
         into the next, and ``allocate``/``probe`` extend the pool's own hit
         with the run of following blocks found there (docs/stores.md).
-        Needs ``enable_prefix_caching``.
+        Writes to a store that does I/O (disk, network) run on a background
+        store worker, never under the pool's lock (:meth:`flush_to_stores`
+        and :meth:`close` drain it); :meth:`prefetch` loads a prompt's
+        stored blocks ahead of its ``allocate``.  Needs
+        ``enable_prefix_caching``.
     kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
         fp8 pools only: per-layer float32 scales (default 1.0): a value x is
         stored as ``fp8(x / scale)``, saturated to the largest finite fp8
@@ -388,19 +392,154 @@ class BlockPool:
             self._forget_dead_salts()
             return True
 
-    def flush_to_stores(self):
-        """Write every block of the prefix cache to the first prefix store,
-        keeping it cached: for a graceful shutdown, so that the next process
-        on the same ``DiskStore`` or ``RedisStore`` finds this one's
-        prefixes.  Returns how many blocks were written (0 without stores,
-        or when the store failed: a ``StoreWarning`` says why)."""
+    def flush_to_stores(self, timeout=None):
+        """Push everything on its way to the prefix stores and write every
+        block of the prefix cache to the first store, keeping it cached.
+
+        Spills below an in-memory first store (``DiskStore``,
+        ``RedisStore``, a cluster) are written by a background worker; this
+        waits until it has written what was queued, then writes the cached
+        blocks on the calling thread (the pool's lock is held only while
+        their bytes are copied out).  For a graceful shutdown, so that the
+        next process on the same ``DiskStore`` or ``RedisStore`` finds this
+        one's prefixes, and before reading a store's contents.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Most seconds to wait for the worker (None: as long as it takes).
+
+        Returns
+        -------
+        int
+            How many cached blocks were written (0 without stores, or when
+            the stores failed: a ``StoreWarning`` says why).
+        """
         if self._stores is None:
             return 0
-        with self._lock:
-            cached = np.flatnonzero([self._core.is_cached(b) for b in range(self._num_blocks)])
-            n = self._stores.spill(cached.astype(np.int32)) if cached.size else 0
+        n = self._stores.flush(timeout)
         self._stores.emit_warnings()
         return n
+
+    def close(self):
+        """Finish the background work of the prefix stores: cancel the
+        prefetches in flight (:meth:`prefetch`), push every queued spill to
+        its store and stop the worker threads.  Idempotent; the pool stays
+        usable (a later spill or prefetch starts a worker again).  Without
+        stores, does nothing."""
+        if self._stores is not None:
+            self._stores.close()
+            self._stores.emit_warnings()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def prefetch(self, token_ids, salt=None):
+        """Start loading the prefix-store blocks of prompt ``token_ids`` into
+        the pool in the background, for a later ``allocate`` of it.
+
+        The longest run of the prompt's blocks after the pool's own prefix
+        hit that the stores hold is fetched, verified and copied into free
+        blocks by the store worker, which then leaves them in the prefix
+        cache (cached, evictable: a prefetch that is never used costs
+        nothing but the blocks' LRU place).  ``PagedKVCache(pool,
+        salt=salt).allocate(token_ids)`` afterwards hits what has arrived
+        and loads or computes the rest.  See docs/stores.md.
+
+        Parameters
+        ----------
+        token_ids : array_like of int
+            The prompt, as ``allocate`` takes it (at least one token).
+        salt : str or bytes, optional
+            The salt the sequence will have.
+
+        Returns
+        -------
+        kvcore.stores.Prefetch
+            ``done()``, ``wait(timeout=None)``, ``blocks_ready`` (leading
+            blocks of the prompt in the pool so far) and ``cancel()``.
+            Without stores it is done at once.
+        """
+        from ._validate import salt_bytes, token_array
+        from .stores._worker import Prefetch
+
+        tokens = token_array(token_ids)
+        if tokens.shape[0] == 0:
+            raise ValueError("token_ids must hold at least one token, got an empty sequence")
+        sb = salt_bytes(salt)
+        if self._stores is None:
+            return Prefetch.finished(self.probe(tokens, salt)["hit_tokens"] // self._block_size)
+        return self._stores.prefetch(tokens, sb)
+
+    # ------------------------------------------------------------ store interface
+    # What a tier below the prefix cache needs of the pool; kvcore.stores
+    # uses nothing else (docs/stores.md, "The pool's store interface").
+
+    @property
+    def lock(self):
+        """The pool's re-entrant lock: every pool operation holds it.  A prefix
+        tier holds it while it copies cached blocks out (so that none is
+        evicted and rewritten meanwhile), and never while it does I/O."""
+        return self._lock
+
+    def take_evicted_blocks(self):
+        """The cached blocks evicted since the last call, for the prefix
+        stores (logged only on a pool with stores; the log is then empty).
+
+        Returns
+        -------
+        tuple
+            ``(block_ids int32 (n,), hashes uint64 (n, 2), parent_hashes,
+            chain_roots, token_ids int32 (n, block_size))``: what each was
+            registered with.  Its KV is still in the block until the caller
+            releases the pool's lock (the stores copy it out at once, under
+            the lock, with :meth:`export_blocks`).
+        """
+        with self._lock:
+            return self._core.take_evicted()
+
+    def cached_block_ids(self):
+        """The ids of the blocks in the prefix cache now (int32, ascending)."""
+        with self._lock:
+            return np.flatnonzero([self._core.is_cached(b)
+                                   for b in range(self._num_blocks)]).astype(np.int32)
+
+    def cached_block_entries(self, block_ids):
+        """:meth:`take_evicted_blocks`' tuple for cached blocks ``block_ids``
+        (each must be cached: ValueError otherwise), evicting nothing."""
+        ids = np.asarray(block_ids, np.int32).reshape(-1)
+        with self._lock:
+            return self._core.cached_entries(ids)
+
+    def block_identity_links(self, block_ids):
+        """``(serial, parent_serial)`` int64 arrays: the identity-chain link
+        each block was last registered with (kept after an eviction until
+        the block is registered again), so a store can tell which prefix an
+        evicted block's KV belongs to.  A parent serial < 0 is a salt root
+        (:meth:`salt_of_root`)."""
+        ids = np.asarray(block_ids, np.int32).reshape(-1)
+        with self._lock:
+            return self._core.identity_links(ids)
+
+    def cached_ancestry(self, hash_words, serial):
+        """The cached blocks up the identity chain from the one with chained
+        hash ``hash_words`` (lo, hi) registered as ``serial``, nearest
+        first: ``(block_ids int32, serials int64, end, end_words)``, where
+        ``end`` is the parent serial the walk stopped at and ``end_words``
+        its chained hash."""
+        lo, hi = (int(w) for w in hash_words)
+        with self._lock:
+            return self._core.cached_ancestry(lo, hi, int(serial))
+
+    def salt_of_root(self, root):
+        """The salt (bytes) of salt root ``root`` (a parent serial < 0; -1,
+        the unsalted root, gives None), or None when the pool has forgotten
+        it (no sequence or cached block holds it any more)."""
+        with self._lock:
+            return self._root_salts.get(int(root))
 
     def check(self):
         """Verify the bookkeeping's internal invariants (raises AssertionError)."""
@@ -849,7 +988,7 @@ class BlockPool:
         with self._lock:
             if self._core.uncache(block_ids) and self._core.num_evict_log \
                     and self._stores is not None:
-                self._stores.spill()
+                self._stores.spill()   # copies out now; disk/network I/O on the worker
 
     def _take_blocks(self, n, out):
         """Take ``n`` free blocks into int32 ``out`` (reference count 1):
@@ -874,15 +1013,16 @@ class BlockPool:
         backend.write_slots(k_plane, k, slots, src_kind, k_codec)
         backend.write_slots(v_plane, v, slots, src_kind, v_codec)
 
-    def _export_blocks(self, block_ids):
+    def export_blocks(self, block_ids):
         """The contents of blocks ``block_ids`` as host bytes: one
         C-contiguous ``numpy.uint8`` array of :attr:`bytes_per_block` bytes
         per block: the block's planes in storage order
         (``[2 * layer + (0: K, 1: V)][kv_head][token][dim]`` in the storage
         dtype), then, for int8 pools, its float32 scales in the same order
         (``[2 * layer + (0: K, 1: V)][kv_head][token]``).  The one place block
-        contents leave the pool (prefix stores); :meth:`_import_blocks` is its
-        inverse."""
+        contents leave the pool (prefix stores); :meth:`import_blocks` is its
+        inverse.  The caller makes sure nobody writes the blocks meanwhile
+        (the stores hold the pool's lock, or own the blocks)."""
         out = []
         host = self._backend.to_host
         for b in np.asarray(block_ids, np.int64).tolist():
@@ -893,8 +1033,8 @@ class BlockPool:
             out.append(a)
         return out
 
-    def _import_blocks(self, block_ids, payloads, seeds=None):
-        """Write ``payloads`` (bytes-like, as :meth:`_export_blocks` gives
+    def import_blocks(self, block_ids, payloads, seeds=None):
+        """Write ``payloads`` (bytes-like, as :meth:`export_blocks` gives
         them) into blocks ``block_ids``.  Checks every payload's size before
         writing anything (ValueError).  With ``seeds`` (one int per block),
         returns the XXH64 of each payload with its seed, computed while

@@ -1,8 +1,10 @@
 """Helpers shared by the tests (not fixtures: plain functions)."""
+import hashlib
 import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 
@@ -54,3 +56,41 @@ def aarch64_tools():
     if cc is None or qemu is None:
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
     return cc, qemu
+
+
+class PrefixKV:
+    """K/V as a function of (salt, prefix): what a model would compute for
+    the last position of ``prefix``, so that any block's expected contents
+    are known from its tokens alone (the oracle of the model-based tests).
+
+    ``half_exact``: multiples of 1/8 in [-128, 128) (exact in float16 and
+    float32), else finer float32 values."""
+
+    def __init__(self, layers, heads, dim, half_exact=False):
+        self.shape = (layers, 2, heads, dim)
+        self.half_exact = half_exact
+        self._memo = {}
+
+    def value(self, salt, prefix):
+        """``(layers, 2, heads, dim)`` float32 K/V of the last position of ``prefix``."""
+        key = (salt, tuple(prefix))
+        v = self._memo.get(key)
+        if v is None:
+            n = int(np.prod(self.shape))
+            if self.half_exact:
+                d = hashlib.blake2b(repr(key).encode(), digest_size=2 * n)
+                u = np.frombuffer(d.digest(), np.uint16)
+                v = (u % 2048).astype(np.float32) / np.float32(8) - np.float32(128)
+            else:
+                d = hashlib.blake2b(repr(key).encode(), digest_size=4 * n)
+                u = np.frombuffer(d.digest(), np.uint32)
+                v = (u % 200003).astype(np.float32) / np.float32(1024) - np.float32(97)
+            v = self._memo[key] = v.reshape(self.shape)
+        return v
+
+    def expected(self, salt, tokens, start, end):
+        """``(layers, 2, heads, end - start, dim)`` of positions start..end-1."""
+        if end <= start:
+            layers, two, heads, dim = self.shape
+            return np.zeros((layers, two, heads, 0, dim), np.float32)
+        return np.stack([self.value(salt, tokens[:p + 1]) for p in range(start, end)], axis=3)

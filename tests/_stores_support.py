@@ -87,6 +87,68 @@ def flush_pool(pool, n_tokens=None):
     seq.allocate(np.arange(10**6, 10**6 + n, dtype=np.int32))
     seq.free()
     pool.reset_prefix_cache()
+    pool.flush_to_stores()   # (nothing is cached now: waits for the spills to be written)
+
+
+class DelayProxy:
+    """A TCP proxy on loopback in front of ``port`` that holds every reply
+    for ``delay`` seconds (settable while it runs): a slow Redis."""
+
+    def __init__(self, port, delay=0.0):
+        import threading
+        self.port_to = port
+        self.delay = delay
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        self._conns = []
+        self._threading = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self):
+        while not self._closed:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.port_to))
+            self._conns += [client, server]
+            for a, b, slow in ((client, server, False), (server, client, True)):
+                self._threading.Thread(target=self._pump, args=(a, b, slow),
+                                       daemon=True).start()
+
+    def _pump(self, src, dst, slow):
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if slow and self.delay:
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self._closed = True
+        self._sock.close()
+        for c in self._conns:
+            try:
+                c.close()
+            except OSError:
+                pass
 
 
 class FailingStore(kvcore.HostStore):

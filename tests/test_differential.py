@@ -3,8 +3,8 @@ against a model of what every sequence wrote.
 
 Two tiny pools (same geometry) hold sequences made by allocate, fork and
 copy_to; the first pool spills into a HostStore and a DiskStore, the second
-into another DiskStore on the same directory, each with room for only a few
-entries, so evictions, spills, store LRU drops and store hits happen all the
+into another DiskStore on the same directory (or both into one Redis
+Cluster, unbounded), each store with room for only a few entries, so evictions, spills, store LRU drops and store hits happen all the
 time.  KV is a deterministic function of (salt, token ids up to the
 position, layer), exactly representable in float16, so the model knows
 what every position of every sequence, every cached block and every hit
@@ -20,7 +20,6 @@ And at every allocate: the hit equals what ``probe`` promised just before
 a prefix some sequence of that salt committed, and a failed call changes
 nothing.  Bounded: a few seeds of a few hundred operations each.
 """
-import hashlib
 import warnings
 
 import numpy as np
@@ -29,9 +28,11 @@ import pytest
 import kvcore
 
 try:
-    from _helpers import cached_hash_bytes, pool_snapshot
+    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot
+    from test_stores_redis_cluster import LocalCluster
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import cached_hash_bytes, pool_snapshot
+    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot
+    from .test_stores_redis_cluster import LocalCluster
 
 LAYERS, HEADS, DIM = 2, 1, 2
 BASES = tuple(np.random.default_rng(7).integers(0, 9, (6, 16)).tolist())
@@ -40,28 +41,8 @@ MAX_SEQS = 4
 MAX_LEN = 18         # decided tokens per sequence (the pools are tiny)
 STEPS = 170
 
-_KV = {}
-
-
-def kv_value(salt, prefix):
-    """(LAYERS, 2, HEADS, DIM) K/V of the last position of ``prefix``:
-    multiples of 1/8 in [-128, 128), exact in float16 and float32."""
-    key = (salt, tuple(prefix))
-    v = _KV.get(key)
-    if v is None:
-        d = hashlib.blake2b(repr(key).encode(), digest_size=2 * LAYERS * 2 * HEADS * DIM)
-        u = np.frombuffer(d.digest(), np.uint16)
-        v = ((u % 2048).astype(np.float32) / np.float32(8) - np.float32(128)).reshape(
-            LAYERS, 2, HEADS, DIM)
-        _KV[key] = v
-    return v
-
-
-def expected(salt, tokens, start, end):
-    """(LAYERS, 2, HEADS, end - start, DIM) of positions start..end-1."""
-    if end <= start:
-        return np.zeros((LAYERS, 2, HEADS, 0, DIM), np.float32)
-    return np.stack([kv_value(salt, tokens[:p + 1]) for p in range(start, end)], axis=3)
+ORACLE = PrefixKV(LAYERS, HEADS, DIM, half_exact=True)
+kv_value, expected = ORACLE.value, ORACLE.expected
 
 
 class Model:
@@ -92,7 +73,9 @@ def _entry_size(bs, dtype):
 
 
 class World:
-    def __init__(self, seed, dtype, path):
+    def __init__(self, seed, dtype, path, shared=None):
+        """``shared(size)``: a store both pools spill into below their own
+        (``size``: one entry's bytes); default: a DiskStore on ``path``."""
         self.rng = np.random.default_rng(seed)
         rng = self.rng
         self.bs = bs = int(rng.choice([2, 3, 4]))
@@ -101,11 +84,14 @@ class World:
         host = kvcore.HostStore(int(rng.integers(2, 6)) * size + size // 2)
         disk_a = kvcore.DiskStore(path, int(rng.integers(3, 7)) * size + size // 2)
         disk_b = kvcore.DiskStore(path, int(rng.integers(3, 7)) * size + size // 2)
+        tiers_a, tiers_b = [host, disk_a], [disk_b]
+        if shared is not None:
+            tiers_a, tiers_b = [host, shared(size)], [shared(size)]
         self.pools = [
             kvcore.BlockPool(int(rng.integers(7, 12)), bs, LAYERS, HEADS, DIM, dtype=dtype,
-                             stores=[host, disk_a]),
+                             stores=tiers_a),
             kvcore.BlockPool(int(rng.integers(6, 10)), bs, LAYERS, HEADS, DIM, dtype=dtype,
-                             stores=[disk_b]),
+                             stores=tiers_b),
         ]
         self.models = []
         self.prefixes = {}      # block hash -> (salt, token ids through that block)
@@ -343,8 +329,22 @@ class World:
 # 170 steps happen to load nothing from its stores)
 @pytest.mark.parametrize("seed", [0, 1, 2, 4, 5, 6])
 def test_pools_with_tiny_stores_match_the_model(seed, tmp_path):
-    dtype = ("float32", "float16")[seed % 2]
-    world = World(seed, dtype, tmp_path / "disk")
+    run_world(World(seed, ("float32", "float16")[seed % 2], tmp_path / "disk"))
+
+
+def test_pools_sharing_a_redis_cluster_tier_match_the_model(tmp_path):
+    """The same, with the pools' shared tier a Redis Cluster (3 masters on
+    loopback; each pool a client of its own) instead of a directory."""
+    cluster = LocalCluster(tmp_path / "cluster").start()
+    try:
+        for seed in (0, 1):
+            shared = lambda size, seed=seed: cluster.store(namespace=f"diff{seed}")
+            run_world(World(seed, ("float32", "float16")[seed % 2], tmp_path / "disk", shared))
+    finally:
+        cluster.stop()
+
+
+def run_world(world):
     with warnings.catch_warnings():
         # a healthy store never warns
         warnings.simplefilter("error")

@@ -20,7 +20,6 @@ except ImportError:  # pragma: no cover
 
 needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
 
-STORAGE_NP = {"float32": np.float32, "float16": np.float16}
 
 
 def _filled_pool(dtype="float32", num_blocks=6, block_size=4, num_layers=2, heads=2, dim=8,

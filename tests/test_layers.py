@@ -158,6 +158,46 @@ def test_attention_imports_no_backend_internals():
     assert not inside, f"kvcore/attention.py imports backend internals: {inside}"
 
 
+# a prefix tier reaches the pool only through its store interface
+# (BlockPool.take_evicted_blocks, export_blocks, ...) and a sequence through
+# its public members: no core, and no underscore field of a pool, a
+# sequence or their cores (comments and docstrings included: a docstring
+# naming a private field is a hint that somebody reads it)
+_PRIVATE_REACH = re.compile(
+    r"\b(?:pool|seq|sequence|core|binding|BlockPool|PagedKVCache|SeqCore|PoolCore)\._\w+"
+    r"|\b(?!self\b)\w+\._(?:core|table|salt|num_tokens|num_held|num_computed|hash_words"
+    r"|token_ids|adopt_loaded|take_held_spill|root_salts|salt_roots|storage|scales|backend"
+    r"|binding|stores|lock|export_blocks|import_blocks)\b")
+
+
+def private_reaches(text):
+    return _PRIVATE_REACH.findall(text)
+
+
+def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
+    offenders = {}
+    for path in sorted((PKG / "stores").glob("*.py")):
+        hits = private_reaches(path.read_text(encoding="utf-8"))
+        if hits:
+            offenders[path.name] = sorted(set(hits))
+    assert not offenders, f"kvcore/stores reaches into private fields: {offenders}"
+
+
+@pytest.mark.parametrize("line, bad", [
+    ("blocks = pool._core.take_evicted()", True),
+    ("hw = seq._core._hash_words()", True),
+    ("table = core._table", True),
+    ("salt = pool._root_salts.get(root)", True),
+    ("rows = other_pool._storage[0]", True),
+    ("x = self._stats[i]", False),
+    ("with self._lock:", False),
+    ("v = _format.encode(fp)", False),
+    ("pays = pool.export_blocks(ids)", False),
+])
+def test_the_private_reach_rule_can_fail(line, bad):
+    assert bool(private_reaches(line)) is bad
+
+
 # A def (or cpdef) of a Python-visible name ending in _q, in a .pyx file
 _PYX_TWIN = re.compile(r"^\s*c?p?def\s+(?:\w+\s+)?([A-Za-z]\w*_q)\s*\(", re.M)
 

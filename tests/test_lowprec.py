@@ -414,19 +414,19 @@ def test_export_import_blocks_round_trip(dtype):
     tokens = list(range(3, 13))
     seq.allocate(tokens)
     fill(seq, tokens, 0, len(tokens))
-    payloads = pool._export_blocks(seq.block_table)
+    payloads = pool.export_blocks(seq.block_table)
     assert all(p.nbytes == pool.bytes_per_block for p in payloads)
     other = pool_of(dtype)
     ids = np.array([7, 2, 9], np.int32)
     seeds = [11, 12, 13]
-    digests = other._import_blocks(ids, payloads, seeds=seeds)
+    digests = other.import_blocks(ids, payloads, seeds=seeds)
     from kvcore.backends.cpu import _checksum
     assert digests == [_checksum.xxh64(p, s) for p, s in zip(payloads, seeds)]
     model.check_blocks(other, ids, tokens, len(tokens))
     with pytest.raises(ValueError, match="payloads"):
-        other._import_blocks(ids[:2], payloads)
+        other.import_blocks(ids[:2], payloads)
     with pytest.raises(ValueError, match="payloads"):
-        other._import_blocks(ids[:1], [payloads[0][:-4]])
+        other.import_blocks(ids[:1], [payloads[0][:-4]])
 
 
 @pytest.mark.parametrize("dtype", LOWPREC)
@@ -936,7 +936,7 @@ def test_prefix_store_entry_with_a_corrupt_int8_scale_is_a_miss(tmp_path):
     a.commit(len(tokens))
     second = a.block_table[1]
     want = a.gather(0, 0, 8, dtype="float32")
-    payload = a_pool._export_blocks([second])[0].tobytes()
+    payload = a_pool.export_blocks([second])[0].tobytes()
     a.free()
     a_pool.flush_to_stores()
     files = [p for p in tmp_path.rglob("*.kve") if payload in p.read_bytes()]

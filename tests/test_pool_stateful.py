@@ -12,7 +12,6 @@ checked against the values it must hold.  After every step:
 * every sequence reads back exactly the KV it wrote or inherited;
 * every cached block holds the KV of the prefix its hash names.
 """
-import hashlib
 
 import numpy as np
 from hypothesis import HealthCheck, event, settings
@@ -22,9 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import kvcore
 
 try:
-    from _helpers import cached_hash_bytes, pool_snapshot
+    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import cached_hash_bytes, pool_snapshot
+    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot
 
 LAYERS, HEADS, DIM = 2, 1, 2
 ALPHABET = st.integers(0, 3)         # small, so different paths meet again
@@ -38,27 +37,17 @@ def salt_key(salt):
     return salt.encode() if isinstance(salt, str) else salt
 
 
-_KV = {}
+ORACLE = PrefixKV(LAYERS, HEADS, DIM)
 
 
 def kv_value(salt, prefix):
     """(LAYERS, 2, HEADS, DIM) float32 K/V of the last position of ``prefix``."""
-    key = (salt_key(salt), tuple(prefix))
-    v = _KV.get(key)
-    if v is None:
-        d = hashlib.blake2b(repr(key).encode(), digest_size=4 * LAYERS * 2 * HEADS * DIM)
-        u = np.frombuffer(d.digest(), np.uint32)
-        v = ((u % 200003).astype(np.float32) / np.float32(1024) - np.float32(97)).reshape(
-            LAYERS, 2, HEADS, DIM)
-        _KV[key] = v
-    return v
+    return ORACLE.value(salt_key(salt), prefix)
 
 
 def expected(salt, tokens, start, end):
     """(LAYERS, 2, HEADS, end - start, DIM) of positions start..end-1."""
-    if end <= start:
-        return np.zeros((LAYERS, 2, HEADS, 0, DIM), np.float32)
-    return np.stack([kv_value(salt, tokens[:p + 1]) for p in range(start, end)], axis=3)
+    return ORACLE.expected(salt_key(salt), tokens, start, end)
 
 
 class Model:

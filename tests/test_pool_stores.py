@@ -3,6 +3,8 @@ copy_to) spills what it evicts before overwriting it; allocate keeps the
 promise probe made, and a failed allocate (a StoreWarning raised as an
 error) changes nothing; a failed copy_to leaves nothing in the destination;
 kv_scales takes real numbers only; every store warning names its exception."""
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -11,9 +13,11 @@ import pytest
 import kvcore
 
 try:
-    from _stores_support import FailingStore, check_hit, expected_kv, make_pool, run
+    from _stores_support import (FailingStore, check_hit, expected_kv, flush_pool, make_pool,
+                                 run)
 except ImportError:  # pragma: no cover - run as a package
-    from ._stores_support import FailingStore, check_hit, expected_kv, make_pool, run
+    from ._stores_support import (FailingStore, check_hit, expected_kv, flush_pool, make_pool,
+                                  run)
 
 
 def _entry_size():
@@ -283,3 +287,127 @@ def test_copy_blocks_to_over_a_cached_block_never_hands_back_the_new_kv(with_sto
     pool.check()
     # a miss without a store; with one, the original KV comes back from it
     check_hit(pool, np.concatenate([prompt, [1]]), 2 if with_store else 0)
+
+
+class _GatedStore(kvcore.HostStore):
+    """A store that does I/O (as far as the pool knows) whose put waits
+    for ``gate``: a slow disk or Redis."""
+
+    in_memory = False
+
+    def __init__(self, capacity_bytes):
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+        self.putting = threading.Event()
+
+    def put(self, items):
+        self.putting.set()
+        assert self.gate.wait(30)
+        return super().put(items)
+
+
+def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correct():
+    """Back-pressure: a store slower than the evictions fills its queue; the
+    oldest queued spills are dropped (spills_dropped), the threads using the
+    pool never wait, and what is found later is exact."""
+    store = _GatedStore(1 << 22)
+    store.max_pending_bytes = 1500          # about two entries
+    pool = make_pool(num_blocks=8, stores=[store])
+    prompts = [np.arange(100 * j, 100 * j + 9, dtype=np.int32) for j in range(10)]
+    t0 = time.perf_counter()
+    for p in prompts:
+        run(pool, p)
+    assert time.perf_counter() - t0 < 10    # (the put is stuck: nobody waited on it)
+    assert store.putting.is_set()
+    dropped = pool.stats()["stores"][0]["spills_dropped"]
+    assert dropped > 0
+    store.gate.set()
+    pool.flush_to_stores()
+    st = pool.stats()["stores"][0]
+    assert st["spills_dropped"] == dropped and st["failures"] == 0
+    flush_pool(pool)
+    found = 0
+    for p in prompts:
+        hit = pool.probe(p)["hit_tokens"] // pool.block_size
+        check_hit(pool, p, hit)             # whatever is found is bit exact
+        found += hit
+    assert 0 < found < 2 * len(prompts)     # some spills were dropped, others kept
+    pool.check()
+
+
+class _GatedGetStore(kvcore.HostStore):
+    """A store that does I/O (as far as the pool knows) whose get waits for ``gate``."""
+
+    in_memory = False
+
+    def __init__(self, capacity_bytes):
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def get(self, keys):
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().get(keys)
+
+
+def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
+    """One thread's allocate stuck in a store's get: other threads allocate,
+    append, commit and free on the same pool meanwhile, and the stuck
+    allocate then completes bit exact."""
+    store = _GatedGetStore(1 << 22)
+    pool = make_pool(num_blocks=24, stores=[store])
+    prompt = np.arange(1, 18, dtype=np.int32)
+    run(pool, prompt)
+    flush_pool(pool)
+    store.gate.clear()
+    done = []
+    t = threading.Thread(target=lambda: done.append(check_hit(pool, prompt, 4)))
+    t.start()
+    assert store.entered.wait(30)
+    t0 = time.perf_counter()
+    for j in range(5):
+        run(pool, np.arange(1000 + 10 * j, 1003 + 10 * j, dtype=np.int32))   # no lookup
+    took = time.perf_counter() - t0
+    assert t.is_alive()                     # still inside get
+    store.gate.set()
+    t.join(30)
+    assert done == [None]
+    assert took < 5, took                   # (it would wait for the gate: 30 s)
+    pool.check()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_drains_its_own_spills(tmp_path):
+    """A pool whose store worker ran in the parent keeps spilling in a child
+    made by fork (the parent's thread is not there): the child's spills
+    reach the store, and flush_to_stores returns instead of hanging."""
+    import os
+
+    store = kvcore.DiskStore(tmp_path, 1 << 22)
+    pool = make_pool(num_blocks=8, stores=[store])
+    for j in range(4):
+        run(pool, np.arange(100 * j, 100 * j + 9, dtype=np.int32))   # spills via the worker
+    pid = os.fork()
+    if pid == 0:                            # the child: report through the exit status
+        code = 1
+        try:
+            prompt = np.arange(5000, 5009, dtype=np.int32)
+            run(pool, prompt)
+            flush_pool(pool)                # evicts it into the store, waits for the worker
+            code = 0 if pool.probe(prompt)["store_hit_tokens"] == 8 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    pool.check()

@@ -152,15 +152,6 @@ def test_disk_store_capacity_is_honoured_across_instances(tmp_path):
     assert len(a) == 6
 
 
-def _corrupt_one(path, offset):
-    files = sorted(p for p in path.rglob("*.kve"))
-    assert files
-    data = bytearray(files[0].read_bytes())
-    data[offset] ^= 0x40
-    files[0].write_bytes(bytes(data))
-    return files[0]
-
-
 @pytest.mark.parametrize("where", ["payload", "tokens", "header", "truncate"])
 def test_corrupt_entry_on_disk_is_a_miss_with_one_warning(tmp_path, where):
     disk = kvcore.DiskStore(tmp_path, 1 << 22)
@@ -383,9 +374,9 @@ def test_bad_arguments():
 def test_import_blocks_checks_sizes_before_writing():
     pool = make_pool()
     before = pool.storage.copy()
-    good = pool._export_blocks([0])[0]
+    good = pool.export_blocks([0])[0]
     with pytest.raises(ValueError, match=r"payloads\[1\] must hold"):
-        pool._import_blocks([1, 2], [good, good[:-1]])
+        pool.import_blocks([1, 2], [good, good[:-1]])
     assert np.array_equal(pool.storage, before)
 
 
@@ -394,9 +385,9 @@ def test_export_import_round_trip_every_dtype():
         pool = make_pool(dtype=dtype)
         rng = np.random.default_rng(1)
         pool.storage[...] = rng.integers(0, 2**15, pool.storage.shape).astype(pool.storage.dtype)
-        payloads = pool._export_blocks([3, 5])
+        payloads = pool.export_blocks([3, 5])
         assert all(p.nbytes == pool.bytes_per_block for p in payloads)
-        pool._import_blocks([0, 1], payloads)
+        pool.import_blocks([0, 1], payloads)
         assert np.array_equal(pool.storage[:, 0], pool.storage[:, 3])
         assert np.array_equal(pool.storage[:, 1], pool.storage[:, 5])
 

@@ -236,3 +236,57 @@ def test_redis_store_arguments(server):
     client = server.client()
     store = kvcore.RedisStore(client, namespace="c")
     assert store.client is client
+
+
+def test_a_slow_redis_does_not_slow_another_threads_allocate_and_append(server):
+    """A Redis that answers after 2 s: the spills to it run on the pool's
+    store worker, so a second thread's allocate/reserve/append on the same
+    pool (whose own evictions spill too) takes milliseconds, not seconds
+    (before: every spill put ran under the pool's lock)."""
+    import threading
+
+    from _stores_support import DelayProxy
+
+    proxy = DelayProxy(server.port)
+    try:
+        store = kvcore.RedisStore(proxy.url, namespace="slow", timeout=8.0)
+        pool = make_pool(num_blocks=16, stores=[store])
+        prompts = [np.arange(100 * j + 1, 100 * j + 17, dtype=np.int32) for j in range(4)]
+        for p in prompts:
+            run(pool, p)            # 16 cached blocks, nothing else free
+        assert pool.num_cached_blocks == 16
+        a = kvcore.PagedKVCache(pool)
+        a.allocate(np.array([7, 7, 7], np.int32))     # (no full block: no lookup)
+        proxy.delay = 2.0
+        started = threading.Event()
+
+        def grow():
+            started.set()
+            a.reserve(12)           # evicts cached blocks: a spill to the slow Redis
+
+        t = threading.Thread(target=grow)
+        t.start()
+        started.wait()
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        for j in range(4):
+            b = kvcore.PagedKVCache(pool)
+            b.allocate(np.array([9, 9, 1000 + j], np.int32))   # evicts: spills
+            b.reserve(8)
+            k, v = (np.ones((8, pool.num_kv_heads, pool.head_dim), np.float32),) * 2
+            for layer in range(pool.num_layers):
+                b.append(layer, k, v)
+            b.commit(8)
+            b.free()
+        took = time.perf_counter() - t0
+        t.join(30)
+        assert took < 1.0, f"the second thread took {took:.2f} s behind a 2 s Redis"
+        proxy.delay = 0.0
+        a.free()
+        pool.close()                # the queued spills reach Redis
+        st = pool.stats()["stores"][0]
+        assert st["failures"] == 0 and st["spills_dropped"] == 0 and st["puts"] > 0
+        pool.check()
+        check_hit(pool, prompts[0], 3)   # evicted first, found in Redis, bit exact
+    finally:
+        proxy.close()

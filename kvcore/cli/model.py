@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ModelConfig", "TinyTransformer", "NumpyContiguousCache"]
+__all__ = ["ModelConfig", "LlamaDecoder", "TinyTransformer", "NumpyContiguousCache"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class ModelConfig:
     max_position : int
         Largest number of positions the model accepts (positions
         ``0 .. max_position - 1``).
+    rope_scaling : float
+        Linear RoPE scaling factor (position interpolation): the angle of
+        position ``p`` is that of ``p / rope_scaling``; 1.0 is plain RoPE.
     """
 
     vocab_size: int = 512
@@ -68,6 +71,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     max_position: int = 4096
+    rope_scaling: float = 1.0
 
     @property
     def hidden(self) -> int:
@@ -89,6 +93,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
                 f"got {self.num_kv_heads}")
+        if not (isinstance(self.rope_scaling, (int, float, np.floating))
+                and self.rope_scaling > 0):
+            raise ValueError(f"ModelConfig.rope_scaling: expected a positive number, "
+                             f"got {self.rope_scaling!r}")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim: expected an even number, got {self.head_dim}")
 
@@ -105,64 +113,43 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x)))
 
 
-class TinyTransformer:
-    """A small random-weight Llama-style decoder.
+class LlamaDecoder:
+    """A Llama-style decoder in float32 NumPy, from given weights.
+
+    The arithmetic of :class:`TinyTransformer` (random weights) and of a real
+    Llama-family checkpoint (:func:`kvcore.cli.llama.load_gguf`): RMSNorm,
+    rotary embeddings in the rotate-half layout, grouped-query attention,
+    SwiGLU.  Every matrix is ``(fan_in, fan_out)``: a projection is ``x @ w``.
 
     Parameters
     ----------
-    config : ModelConfig, optional
-        Model shape; the default is 4 layers, 8 query heads, 2 KV heads,
-        head_dim 64, vocabulary 512.
-    seed : int, optional
-        Seed for :func:`numpy.random.default_rng`; the same seed always gives
-        the same weights.
-
-    Notes
-    -----
-    Every weight matrix is drawn from N(0, 1/fan_in), so a projection of a
-    unit-RMS vector stays unit-RMS. The two residual branches of each block
-    are further scaled by ``1/sqrt(2 * num_layers)`` so the residual stream
-    does not grow with depth. The LM head is separate from the embedding:
-    with a tied head a random model mostly predicts its own input token, and
-    greedy decoding would stall on one id.
+    config : ModelConfig
+        Model shape.
+    embedding : numpy.ndarray, float32, shape (vocab_size, hidden)
+    layers : list of dict
+        One dict per block with ``attn_norm``, ``wq``, ``wk``, ``wv``, ``wo``,
+        ``mlp_norm``, ``w_gate``, ``w_up``, ``w_down``.
+    final_norm : numpy.ndarray, float32, shape (hidden,)
+    lm_head : numpy.ndarray, float32, shape (hidden, vocab_size)
+        May be a view of ``embedding.T`` (tied embeddings).
     """
 
-    def __init__(self, config: ModelConfig | None = None, seed: int = 0) -> None:
-        self.config = cfg = config if config is not None else ModelConfig()
-        rng = np.random.default_rng(seed)
-        f32 = np.float32
-
-        def dense(fan_in: int, fan_out: int, gain: float = 1.0) -> np.ndarray:
-            w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
-            return w * f32(gain / np.sqrt(fan_in))
-
-        hidden = cfg.hidden
-        branch_gain = 1.0 / np.sqrt(2.0 * cfg.num_layers)
-        # Unit-variance embeddings: the residual stream starts at RMS ~1.
-        self.embedding = rng.standard_normal((cfg.vocab_size, hidden), dtype=np.float32)
-        self.layers = []
-        for _ in range(cfg.num_layers):
-            self.layers.append({
-                "attn_norm": np.ones(hidden, dtype=f32),
-                "wq": dense(hidden, hidden),
-                "wk": dense(hidden, cfg.kv_dim),
-                "wv": dense(hidden, cfg.kv_dim),
-                "wo": dense(hidden, hidden, branch_gain),
-                "mlp_norm": np.ones(hidden, dtype=f32),
-                "w_gate": dense(hidden, cfg.ffn_hidden),
-                "w_up": dense(hidden, cfg.ffn_hidden),
-                "w_down": dense(cfg.ffn_hidden, hidden, branch_gain),
-            })
-        self.final_norm = np.ones(hidden, dtype=f32)
-        # Gain 4 spreads the logits (std ~4) so the softmax is not flat and the
-        # greedy choice is not decided by rounding noise.
-        self.lm_head = dense(hidden, cfg.vocab_size, gain=4.0)
-
+    def __init__(self, config: ModelConfig, embedding: np.ndarray, layers: list,
+                 final_norm: np.ndarray, lm_head: np.ndarray) -> None:
+        self.config = cfg = config
+        self.embedding = embedding
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"layers: expected {cfg.num_layers} blocks, got {len(layers)}")
         # RoPE tables for every position, computed once in float64 so large
-        # positions keep their accuracy, then stored as float32.
+        # positions keep their accuracy, then stored as float32.  Linear
+        # scaling (position interpolation) divides the positions by its factor.
         half = cfg.head_dim // 2
         inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
-        angles = np.arange(cfg.max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+        positions = np.arange(cfg.max_position, dtype=np.float64) / cfg.rope_scaling
+        angles = positions[:, None] * inv_freq[None, :]
         self._rope_cos = np.cos(angles).astype(np.float32)
         self._rope_sin = np.sin(angles).astype(np.float32)
 
@@ -383,6 +370,28 @@ class TinyTransformer:
         numpy.ndarray
             float32 logits, shape ``(n, vocab_size)``; row ``i`` predicts token ``i + 1``.
         """
+        return self.logits(self._final_stream(token_ids))
+
+    def forward_last(self, token_ids) -> np.ndarray:
+        """The last row of :meth:`forward_full`, without the LM head of the
+        other rows (with a real vocabulary the head is the largest matmul).
+
+        Parameters
+        ----------
+        token_ids : array_like of int, shape (n,), n >= 1
+
+        Returns
+        -------
+        numpy.ndarray
+            float32 logits, shape ``(vocab_size,)``: the prediction of token ``n``.
+        """
+        ids = self._check_tokens(token_ids)
+        if not ids.size:
+            raise ValueError("token_ids: expected at least one token, got none")
+        return self.logits(self._final_stream(ids)[-1:])[0]
+
+    def _final_stream(self, token_ids) -> np.ndarray:
+        """Residual stream after the last block, no cache."""
         x = self.embed(token_ids)
         n = x.shape[0]
         pos = np.arange(n, dtype=np.int64)
@@ -390,7 +399,7 @@ class TinyTransformer:
             q, k, v = self.layer_qkv(layer, x, pos)
             attn = self.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos, n)
             x = self.layer_finish(layer, x, attn)
-        return self.logits(x)
+        return x
 
     def forward_with_cache(self, token_ids, cache: "NumpyContiguousCache") -> np.ndarray:
         """Run new tokens through a :class:`NumpyContiguousCache`.
@@ -418,6 +427,61 @@ class TinyTransformer:
             k_all, v_all = cache.get(layer)
             x = self.layer_finish(layer, x, self.attention(q, k_all, v_all, pos, k_all.shape[1]))
         return self.logits(x)
+
+
+class TinyTransformer(LlamaDecoder):
+    """A small random-weight Llama-style decoder.
+
+    Parameters
+    ----------
+    config : ModelConfig, optional
+        Model shape; the default is 4 layers, 8 query heads, 2 KV heads,
+        head_dim 64, vocabulary 512.
+    seed : int, optional
+        Seed for :func:`numpy.random.default_rng`; the same seed always gives
+        the same weights.
+
+    Notes
+    -----
+    Every weight matrix is drawn from N(0, 1/fan_in), so a projection of a
+    unit-RMS vector stays unit-RMS. The two residual branches of each block
+    are further scaled by ``1/sqrt(2 * num_layers)`` so the residual stream
+    does not grow with depth. The LM head is separate from the embedding:
+    with a tied head a random model mostly predicts its own input token, and
+    greedy decoding would stall on one id.
+    """
+
+    def __init__(self, config: ModelConfig | None = None, seed: int = 0) -> None:
+        cfg = config if config is not None else ModelConfig()
+        rng = np.random.default_rng(seed)
+        f32 = np.float32
+
+        def dense(fan_in: int, fan_out: int, gain: float = 1.0) -> np.ndarray:
+            w = rng.standard_normal((fan_in, fan_out), dtype=np.float32)
+            return w * f32(gain / np.sqrt(fan_in))
+
+        hidden = cfg.hidden
+        branch_gain = 1.0 / np.sqrt(2.0 * cfg.num_layers)
+        # Unit-variance embeddings: the residual stream starts at RMS ~1.
+        embedding = rng.standard_normal((cfg.vocab_size, hidden), dtype=np.float32)
+        layers = []
+        for _ in range(cfg.num_layers):
+            layers.append({
+                "attn_norm": np.ones(hidden, dtype=f32),
+                "wq": dense(hidden, hidden),
+                "wk": dense(hidden, cfg.kv_dim),
+                "wv": dense(hidden, cfg.kv_dim),
+                "wo": dense(hidden, hidden, branch_gain),
+                "mlp_norm": np.ones(hidden, dtype=f32),
+                "w_gate": dense(hidden, cfg.ffn_hidden),
+                "w_up": dense(hidden, cfg.ffn_hidden),
+                "w_down": dense(cfg.ffn_hidden, hidden, branch_gain),
+            })
+        final_norm = np.ones(hidden, dtype=f32)
+        # Gain 4 spreads the logits (std ~4) so the softmax is not flat and the
+        # greedy choice is not decided by rounding noise.
+        lm_head = dense(hidden, cfg.vocab_size, gain=4.0)
+        super().__init__(cfg, embedding, layers, final_norm, lm_head)
 
 
 class NumpyContiguousCache:

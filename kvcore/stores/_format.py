@@ -1,7 +1,7 @@
 """The bytes of a prefix-store entry, and their verification.
 
 An entry is one full block of one sequence: its KV (every layer, K and V,
-in the pool's storage dtype, the block's bytes as ``BlockPool._export_blocks``
+in the pool's storage dtype, the block's bytes as ``BlockPool.export_blocks``
 gives them) and what identifies it.  Layout, all integers little-endian::
 
     offset size

@@ -25,6 +25,13 @@ one warning per condition, never into wrong data):
 * ``capacity_bytes`` (None: bounded elsewhere, e.g. Redis' maxmemory),
   ``used_bytes()``, ``close()``.
 
+``in_memory`` (class attribute, default False): True for a store whose
+methods never wait on a disk or a network (``HostStore``).  The pool puts
+its spills into such a store under its lock, right when it evicts; spills
+for every other store go through the pool's store worker, off the lock,
+queued up to ``max_pending_bytes`` per store (the oldest are dropped past
+it, counted as ``spills_dropped`` in the pool's stats).
+
 ``namespace`` (bytes) enters the layout fingerprint, so entries of another
 namespace are never found; ``hmac_key`` (bytes or None) makes the pool sign
 what it stores there and accept only entries whose HMAC holds.
@@ -43,6 +50,11 @@ class PrefixStore:
     #: seconds a pool leaves the store alone after it timed out or could
     #: not be reached (then tries it again)
     retry_interval = 1.0
+    #: whether the methods only touch this process's memory (then the pool
+    #: writes spills into it under its lock, not on its store worker)
+    in_memory = False
+    #: bytes of spills a pool queues for this store before it drops the oldest
+    max_pending_bytes = 256 << 20
 
     def __init__(self, capacity_bytes=None, namespace="", hmac_key=None):
         if capacity_bytes is not None:

@@ -22,6 +22,7 @@ class HostStore(PrefixStore):
     """
 
     kind = "host"
+    in_memory = True
 
     def __init__(self, capacity_bytes, namespace="", hmac_key=None):
         if capacity_bytes is None:

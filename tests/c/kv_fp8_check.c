@@ -22,15 +22,8 @@
 
 #include "kv_fp8.h"
 #include "kv_half.h"
+#include "kv_check_util.h"
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
-static uint32_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)rng_state;
-}
 
 static int fails = 0;
 static const float scales[] = {1.0f, 0.37f, 0.25f, 64.0f, 0x1p-126f, 0x1p126f, -2.0f};
@@ -221,8 +214,10 @@ static void check_i8_ties(int level)
 
 static void check_level(int level)
 {
-    static uint32_t x[1 << 16];
-    size_t n = 0, total = 0;
+    static kvc_batch b;
+    b.check = check_narrow;
+    b.level = level;
+    b.n = b.total = 0;
     static const uint32_t highs[] = {0x000000, 0x7ff000, 0x400000, 0x200000, 0x100000, 0x080000,
                                      0x2aa000, 0x555000, 0x7ef000, 0x0ff000};
     check_widen(level);
@@ -232,27 +227,12 @@ static void check_level(int level)
     for (uint32_t sign = 0; sign < 2; sign++)
         for (uint32_t e = 0; e < 256; e++)
             for (size_t hsel = 0; hsel < sizeof highs / sizeof highs[0]; hsel++)
-                for (uint32_t lo = 0; lo < 4096; lo++) {
-                    x[n++] = (sign << 31) | (e << 23) | highs[hsel] | lo;
-                    if (n == (1 << 16)) {
-                        check_narrow(level, x, n);
-                        total += n;
-                        n = 0;
-                    }
-                }
-    for (int r = 0; r < (1 << 20); r++) {
-        x[n++] = rnd();
-        if (n == (1 << 16)) {
-            check_narrow(level, x, n);
-            total += n;
-            n = 0;
-        }
-    }
-    check_narrow(level, x, n);
-    total += n;
-    for (size_t len = 0; len < 68; len++)
-        for (size_t off = 0; off < 4; off++)
-            check_narrow(level, x + off, len);
+                for (uint32_t lo = 0; lo < 4096; lo++)
+                    kvc_push(&b, (sign << 31) | (e << 23) | highs[hsel] | lo);
+    for (int r = 0; r < (1 << 20); r++)
+        kvc_push(&b, rnd());
+    /* then every tail length, at every misalignment of the output */
+    size_t total = kvc_finish(&b);
     printf("level %s: %zu float32 patterns, 256 codes, 2000 int8 rows, 600 row batches\n",
            kvh_level_name(level),
            total);

@@ -15,15 +15,8 @@
 #include <string.h>
 
 #include "kv_half.h"
+#include "kv_check_util.h"
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
-static uint32_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)rng_state;
-}
 
 static int fails = 0;
 
@@ -74,48 +67,28 @@ static void check_widen(int level)
 
 static void check_level(int level)
 {
-    static uint32_t x[1 << 16];
-    size_t n = 0, total = 0;
+    static kvc_batch b;
+    b.check = check_narrow;
+    b.level = level;
+    b.n = b.total = 0;
     static const uint32_t highs[] = {0x000000, 0x7fe000, 0x400000, 0x2aa000, 0x554000, 0x7f0000,
                                      0x010000, 0x3fe000};
     check_widen(level);
     for (uint32_t sign = 0; sign < 2; sign++)
         for (uint32_t e = 0; e < 256; e++)
             for (size_t hsel = 0; hsel < sizeof highs / sizeof highs[0]; hsel++)
-                for (uint32_t lo = 0; lo < 8192; lo++) {
-                    x[n++] = (sign << 31) | (e << 23) | highs[hsel] | lo;
-                    if (n == (1 << 16)) {
-                        check_narrow(level, x, n);
-                        total += n;
-                        n = 0;
-                    }
-                }
+                for (uint32_t lo = 0; lo < 8192; lo++)
+                    kvc_push(&b, (sign << 31) | (e << 23) | highs[hsel] | lo);
     /* bf16 ties: low 16 bits around 0x8000 under random high parts */
     for (int r = 0; r < 4096; r++) {
         uint32_t hi = rnd() & 0xffff0000u;
-        for (uint32_t lo = 0x7ff0; lo < 0x8010; lo++) {
-            x[n++] = hi | lo;
-            if (n == (1 << 16)) {
-                check_narrow(level, x, n);
-                total += n;
-                n = 0;
-            }
-        }
+        for (uint32_t lo = 0x7ff0; lo < 0x8010; lo++)
+            kvc_push(&b, hi | lo);
     }
-    for (int r = 0; r < (1 << 20); r++) {
-        x[n++] = rnd();
-        if (n == (1 << 16)) {
-            check_narrow(level, x, n);
-            total += n;
-            n = 0;
-        }
-    }
-    check_narrow(level, x, n);
-    total += n;
-    /* every tail length, at every misalignment of the output */
-    for (size_t len = 0; len < 68; len++)
-        for (size_t off = 0; off < 4; off++)
-            check_narrow(level, x + off, len);
+    for (int r = 0; r < (1 << 20); r++)
+        kvc_push(&b, rnd());
+    /* then every tail length, at every misalignment of the output */
+    size_t total = kvc_finish(&b);
     printf("level %s: %zu float32 patterns, 131072 half patterns\n", kvh_level_name(level), total);
 }
 

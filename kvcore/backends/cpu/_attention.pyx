@@ -1,11 +1,13 @@
 """Thin wrapper over kv_attention.c: paged attention on the CPU.
 
-Every argument was validated by ``kvcore/attention.py`` (shapes, dtypes,
-block ids and positions in range, seq_lens >= query counts, out not
-overlapping q or the caches); this module only unpacks arrays into the C
-argument struct and runs the kernel without the GIL.  The kernel returns a
-status; Python raises.  ``Plan`` holds a C plan (kva_plan) for
-``kvcore.AttentionPlan``; its ``run_layer`` fast path checks a run's q,
+``kvcore/attention.py`` validated the shapes, dtypes and aliasing of every
+argument (q, out, the caches, the scale planes).  The index arguments are
+checked here, once per plan, by ``_check_tables``: every block id a run can
+read in 0..num_blocks-1, positions in range, seq_lens >= the query counts
+(the caller turns its status into an error).  This module only unpacks
+arrays into the C argument struct and runs the kernel without the GIL.  The
+kernel returns a status; Python raises.  ``Plan`` holds a C plan (kva_plan)
+for ``kvcore.AttentionPlan``; its ``run_layer`` fast path checks a run's q,
 layer and out here, but never raises for them: anything it does not take
 returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 """
@@ -70,7 +72,6 @@ cdef extern from "kv_attention.h" nogil:
     const char *kva_level_name(int level)
     int kva_exp2_neg(int level, const float *x, float *y, Py_ssize_t n)
     int kva_softcap(int level, const float *x, float *y, Py_ssize_t n, float a, float b)
-    int64_t kva_num_items(const kva_args *args)
     ctypedef struct kva_plan:
         pass
     kva_plan *kva_plan_create(const kva_args *args, int *status)
@@ -187,20 +188,6 @@ def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                        head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
                        num_threads)
     return CHECK_OK, 0, 0, p
-
-
-def num_items(const float[:, :, ::1] q, float[:, :, ::1] out,
-              cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
-              const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
-              const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
-              double soft_cap, int num_threads, key_scales=None, value_scales=None,
-              double k_scale=1.0, double v_scale=1.0):
-    """Work items paged_attention would split these arguments into."""
-    cdef kva_args a
-    _fill(&a, q, out, key_cache, value_cache, kind, block_tables, seq_lens, query_start_loc,
-          scale, sliding_window, soft_cap, num_threads, key_scales, value_scales, k_scale,
-          v_scale)
-    return kva_num_items(&a)
 
 
 def simd_level():

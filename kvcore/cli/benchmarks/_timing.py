@@ -6,17 +6,52 @@ import sys
 import time
 
 
-def median_time(fn, repeat=15, number=1, warmup=2):
-    """Median seconds per call of ``fn()`` over ``repeat`` samples of ``number`` calls."""
+def samples(fn, repeat=15, number=1, warmup=2, budget=None, repeat_max=None, before=None,
+            clock=None):
+    """Seconds per call of ``fn()``: a list of at least ``repeat`` samples,
+    each the mean of ``number`` back-to-back calls, after ``warmup`` calls.
+
+    With ``budget`` (seconds), sampling goes on past ``repeat`` while the
+    samples taken so far sum to less than it, up to ``repeat_max`` samples.
+    ``before()``, when given, runs untimed before each sample (and each
+    warm-up call).  ``clock`` is a pair ``(start, stop)`` of functions where
+    ``stop(start())`` is the elapsed seconds (a device's events); the
+    default is ``time.perf_counter``.  The one timing loop of the
+    benchmarks: every median they print is taken over these samples."""
+    if clock is None:
+        start, stop = time.perf_counter, lambda t0: time.perf_counter() - t0
+    else:
+        start, stop = clock
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    out, spent = [], 0.0
+    cap = max(repeat, repeat_max or repeat)
+    while len(out) < repeat or (budget is not None and spent < budget and len(out) < cap):
+        if before is not None:
+            before()
+        t0 = start()
         for _ in range(number):
             fn()
-        samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(samples)
+        dt = stop(t0) / number
+        out.append(dt)
+        spent += dt * number
+    return out
+
+
+def median_time(fn, repeat=15, number=1, warmup=2, **kw):
+    """Median seconds per call of ``fn()`` (see :func:`samples`)."""
+    return statistics.median(samples(fn, repeat, number, warmup, **kw))
+
+
+def timed(r, key, fn, **kw):
+    """:func:`samples` of ``fn`` into a result dict: ``r[key]`` gets the
+    median, ``r[key + "_range"]`` the ``[min, max]``.  Returns the median."""
+    s = samples(fn, **kw)
+    r[key] = statistics.median(s)
+    r[key + "_range"] = [min(s), max(s)]
+    return r[key]
 
 
 def ratio_text(r):

@@ -26,34 +26,22 @@ columns are left out with a note.
 import math
 import os
 import statistics
-import time
 
 import numpy as np
 
 import kvcore
 
-from ._timing import ratio_text
+from ._timing import ratio_text, timed
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = "float16"
 
 
-def _time(r, key, fn, budget=1.0, repeat_min=3, repeat_max=50):
-    """Seconds per call of ``fn()`` over repeats (after one warm-up call; at
-    least ``repeat_min`` repeats, then until ``budget`` seconds are spent):
-    ``r[key]`` gets the median, ``r[key + "_range"]`` the ``[min, max]``.
-    Returns the median."""
-    fn()
-    samples, spent = [], 0.0
-    while len(samples) < repeat_min or (spent < budget and len(samples) < repeat_max):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        samples.append(dt)
-        spent += dt
-    r[key] = statistics.median(samples)
-    r[key + "_range"] = [min(samples), max(samples)]
-    return r[key]
+def _time(r, key, fn, budget=1.0):
+    """Seconds per call of ``fn()`` (one warm-up call, at least 3 repeats,
+    then until ``budget`` seconds are spent, at most 50): ``r[key]`` gets the
+    median, ``r[key + "_range"]`` the ``[min, max]``.  Returns the median."""
+    return timed(r, key, fn, repeat=3, warmup=1, budget=budget, repeat_max=50)
 
 
 def _torch():

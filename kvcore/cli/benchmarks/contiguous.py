@@ -16,13 +16,11 @@ the same shape, as the NumPy seed does:
 Each timed repetition is one whole step (all layers); reported figures are
 medians.  Run ``python bench/bench_contiguous.py [--quick]``.
 """
-import statistics
-import time
 
 import numpy as np
 
 import kvcore
-from ._timing import ratio_text
+from ._timing import median_time, ratio_text
 
 LAYERS, HEADS, DIM = 32, 8, 128
 DECODE_BATCH, DECODE_MAX_SEQ = 8, 128
@@ -32,16 +30,7 @@ PROMPT_BATCH, PROMPT_LEN = 1, 2048
 def _median_ms(fn, reps, before=None):
     """Median wall time of ``fn()`` over ``reps`` runs after one warm-up run
     (which also faults in the pages of freshly allocated buffers)."""
-    times = []
-    for i in range(reps + 1):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if i:
-            times.append(dt)
-    return statistics.median(times) * 1e3
+    return median_time(fn, repeat=reps, warmup=1, before=before) * 1e3
 
 
 def _decode(reps):

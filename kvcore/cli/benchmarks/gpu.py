@@ -39,13 +39,14 @@ which also moves each byte twice.
 ``run(quick=False) -> dict`` measures and ``report(dict) -> str`` formats;
 ``main`` is this script.
 """
-import statistics
 
 import numpy as np
 
 from kvcore.backends import codec_of
 from kvcore.backends.cuda import CudaUnavailableError, get_cuda_backend  # noqa: F401
 from kvcore.dtypes import F16, F32
+
+from ._timing import median_time
 
 HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 128, 16, 8192
 WRITE_TOKENS = (1, 64, 4096, 65536)
@@ -68,16 +69,8 @@ def _torch_cuda():
 def _median_seconds(fn, record, elapsed_ms, repeat, calls):
     """Median seconds per call of ``fn`` over ``repeat`` batches of ``calls``
     calls, each batch timed by a pair of CUDA events."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        start = record()
-        for _ in range(calls):
-            fn()
-        stop = record()
-        samples.append(elapsed_ms(start, stop) / 1e3 / calls)
-    return statistics.median(samples)
+    return median_time(fn, repeat=repeat, number=calls, warmup=3,
+                       clock=(record, lambda start: elapsed_ms(start, record()) / 1e3))
 
 
 def _calls_for(nbytes):

@@ -33,6 +33,8 @@ import copy
 import statistics
 import time
 
+from ._timing import median_time
+
 HIDDEN, LAYERS, HEADS, KV_HEADS = 256, 4, 8, 2
 VOCAB = 1000
 MODEL_DTYPES = ("float32", "bfloat16")
@@ -94,16 +96,6 @@ def _model(model=None, dtype="float32"):
         m.generation_config.pad_token_id = 0
         _loaded[key] = m
     return _loaded[key]
-
-
-def _median_time(fn, repeat):
-    fn()                                   # warm-up
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 class _Clock:
@@ -254,15 +246,15 @@ def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dty
             kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
 
         model.set_attn_implementation("kvcore")
-        t_cold = _median_time(cold, repeat)
+        t_cold = median_time(cold, repeat=repeat, warmup=1)
         kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
         hits0 = pool.stats()["prefix_hits"]
-        t_warm = _median_time(warm, max(repeat, 3))
+        t_warm = median_time(warm, repeat=max(repeat, 3), warmup=1)
         hits = (pool.stats()["prefix_hits"] - hits0) // (max(repeat, 3) + 1)
         model.set_attn_implementation("sdpa")
-        t_dyn = _median_time(lambda: model.generate(
+        t_dyn = median_time(lambda: model.generate(
             request(), **{key: transformers.DynamicCache()}, max_new_tokens=1, do_sample=False),
-            repeat)
+            repeat=repeat, warmup=1)
         result["ttft"] = {"cold_s": t_cold, "warm_s": t_warm, "dynamic_s": t_dyn,
                           "hit_tokens": hits, "ratio_cold_warm": t_cold / t_warm,
                           "ratio_dynamic_warm": t_dyn / t_warm,

@@ -1,0 +1,168 @@
+"""The store worker of a pool: a background thread for prefix-store I/O, and
+the handle of a prefetch.
+
+A pool with stores below an in-memory first tier pushes spills down on one
+worker thread (``StoreTiers``) and runs prefetches on a second (so that a
+prefetch does not queue behind a slow Redis put).  A worker runs its jobs
+in order; its thread starts with the first job and ends after
+``_IDLE_EXIT`` idle seconds, so a pool that is dropped leaves no thread
+behind.  A job never raises: what it cannot do becomes a miss and a
+``StoreWarning`` recorded for the pool's caller (the warnings are issued
+from the caller's thread, never from a worker).
+"""
+import collections
+import os
+import threading
+
+_IDLE_EXIT = 2.0
+
+
+def on_worker_thread():
+    """True on a store worker's thread (whose warnings wait for a caller)."""
+    return getattr(threading.current_thread(), "kvcore_store_worker", False)
+
+
+class Worker:
+    """One daemon thread running submitted callables in order."""
+
+    def __init__(self, name):
+        self._name = name
+        self._cond = threading.Condition()
+        self._jobs = collections.deque()
+        self._running = False
+        self._thread = None
+        self._pid = os.getpid()
+
+    def _after_fork(self):
+        """In a child process (``fork``) the parent's thread is gone and its
+        condition may have been held at the fork: start afresh (the jobs
+        still queued run on the child's own thread)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._cond = threading.Condition()
+            self._thread = None
+            self._running = False
+
+    def submit(self, job):
+        self._after_fork()
+        with self._cond:
+            self._jobs.append(job)
+            if self._thread is None:
+                t = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                t.kvcore_store_worker = True
+                self._thread = t
+                t.start()
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout=None):
+        """Wait until every job submitted so far has run (True), or
+        ``timeout`` seconds passed (False).  On the worker itself: True."""
+        self._after_fork()
+        if threading.current_thread() is self._thread:
+            return True
+        if self._jobs and self._thread is None:   # (queued before a fork)
+            self.submit(lambda: None)
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._running, timeout)
+
+    def stop(self, timeout=None):
+        """Run what is queued, then end the thread (a later submit starts a new one)."""
+        done = self.wait_idle(timeout)
+        with self._cond:
+            t = self._thread
+            self._cond.notify_all()
+        if t is not None and t is not threading.current_thread() and done:
+            t.join(_IDLE_EXIT + 1.0)
+        return done
+
+    def _loop(self):
+        while True:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+                if not self._jobs:
+                    self._cond.wait_for(lambda: self._jobs, _IDLE_EXIT)
+                if not self._jobs:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                job = self._jobs.popleft()
+                self._running = True
+            try:
+                job()
+            except Exception:  # pragma: no cover - jobs catch their own errors
+                pass
+
+
+class Prefetch:
+    """The handle ``BlockPool.prefetch`` returns.
+
+    ``blocks_ready`` counts the leading blocks of the prompt that are in
+    the pool's prefix cache so far (the pool's own hit, then what the
+    prefetch loaded), i.e. what an ``allocate`` of the prompt now would
+    hit, unless the pool evicts some of them meanwhile.
+    """
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._started = False
+        self._lock = threading.Lock()
+        self._key = None     # (first block's hash, salt): which prompt it loads
+        self.blocks_ready = 0
+
+    @classmethod
+    def finished(cls, blocks_ready):
+        h = cls()
+        h.blocks_ready = int(blocks_ready)
+        h._done.set()
+        return h
+
+    def done(self):
+        """True once the prefetch finished (loaded its run, or stopped:
+        cancelled, pool full, a store failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout=None):
+        """Wait until the prefetch is done, at most ``timeout`` seconds (None:
+        no limit).  Returns :meth:`done`."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be None or a number of seconds, got "
+                                f"{type(timeout).__name__}")
+            if not timeout >= 0:
+                raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        return self._done.wait(timeout)
+
+    def cancel(self):
+        """Stop the prefetch: not started, it never runs; running, it stops
+        after the batch of blocks it is copying (those stay in the prefix
+        cache, verified).  Safe at any point and idempotent.  Returns True
+        unless it had already finished."""
+        with self._lock:
+            was_done = self._done.is_set()
+            self._cancelled.set()
+            if not self._started:
+                self._done.set()
+        return not was_done
+
+    def cancelled(self):
+        """True after :meth:`cancel`."""
+        return self._cancelled.is_set()
+
+    def _begin(self):
+        """The worker starts it: False when it was cancelled first."""
+        with self._lock:
+            if self._cancelled.is_set():
+                return False
+            self._started = True
+            return True
+
+    def _finish(self):
+        self._done.set()
+
+    def __repr__(self):
+        state = "done" if self.done() else "running"
+        if self.cancelled():
+            state += ", cancelled"
+        return f"<kvcore Prefetch {state}, blocks_ready={self.blocks_ready}>"
