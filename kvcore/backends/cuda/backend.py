@@ -31,6 +31,7 @@ from ... import dtypes
 from ..base import Backend
 from . import CudaUnavailableError, _sources, attention_kernels
 from .attention import CudaAttention, CudaAttentionPlan  # noqa: F401 (re-exported)
+from .copies import CudaBlockCopies
 
 # DLPack device types (dlpack.h).
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
@@ -43,21 +44,6 @@ _ROW_LIMIT = 2**31 - 1
 # Threads per block and a cap on the grid (the kernels grid-stride over rows).
 _BLOCK_THREADS = 256
 _MAX_GRID = 1 << 20
-# cudaMemcpy2D rejects pitches above the device's maximum pitch (2**31 - 1
-# on current GPUs); larger plane strides take one copy per plane.
-_MAX_PITCH = 2**31 - 1
-
-
-def _bits_dtype(dtype):
-    """The unsigned integer dtype with the same itemsize as float ``dtype``.
-
-    Every copy this module makes goes through these views, so no float
-    instruction (which might quiet a NaN) ever touches the data."""
-    if dtype == np.float32:
-        return np.dtype(np.uint32)
-    if dtype == np.float16 or (dtypes.BF16_NUMPY is not None and dtype == dtypes.BF16_NUMPY):
-        return np.dtype(np.uint16)
-    return dtype
 
 
 def launch_shape(rows, chunks):
@@ -70,7 +56,7 @@ def launch_shape(rows, chunks):
     return (grid, 1, 1), (bx, by, 1)
 
 
-class CudaBackend(CudaAttention, Backend):
+class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
 
     Parameters
@@ -391,7 +377,7 @@ class CudaBackend(CudaAttention, Backend):
             self._deliverable(a, "an input")
             b = self.xp.array(a.view(np.uint8), order="C", copy=True)
             return b.view(a.dtype)
-        b = a.view(_bits_dtype(a.dtype))
+        b = a.view(_sources.bits_dtype(a.dtype))
         return self.xp.array(b, order="C", copy=True).view(a.dtype)
 
     # ------------------------------------------------------------- helpers
@@ -484,7 +470,7 @@ class CudaBackend(CudaAttention, Backend):
                          -(-n // v), 1, [tmp, s, n])
 
         with self._ctx():
-            self._flat(src.view(_bits_dtype(src.dtype)), dst.view(_bits_dtype(dst.dtype)), launch)
+            self._flat(src.view(_sources.bits_dtype(src.dtype)), dst.view(_sources.bits_dtype(dst.dtype)), launch)
 
     def convert_fp8(self, src, dst, fmt, narrow, saturate=False):
         """float32 -> fp8 codes (``narrow``) or back; same shape, any strides
@@ -715,7 +701,7 @@ class CudaBackend(CudaAttention, Backend):
         if self._misaligned(out):
             out.view(np.uint8)[...] = tmp.view(np.uint8)
         else:
-            out.view(_bits_dtype(out.dtype))[...] = tmp.view(_bits_dtype(tmp.dtype))
+            out.view(_sources.bits_dtype(out.dtype))[...] = tmp.view(_sources.bits_dtype(tmp.dtype))
 
     def gather(self, cache, block_table, start, end, out, codec, dst_kind):
         """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
@@ -838,170 +824,9 @@ class CudaBackend(CudaAttention, Backend):
             rows = src.size // dim
             self._check_rows(rows, "dequantize")
             self._q_launch(dst_kind, codec.kind, "kv_dequantize", rows, dim,
-                           [tmp.view(_bits_dtype(tmp.dtype)), s, sc, dim,
+                           [tmp.view(_sources.bits_dtype(tmp.dtype)), s, sc, dim,
                             self._scale_bits(codec.layer_scale)])
             self._deliver_bits(tmp, dst)
-
-    def copy_blocks(self, storage, src, dst):
-        """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
-        plane.  storage: (planes, num_blocks, heads, block_size, dim).
-
-        The pairs are copied in parallel when the ids allow it (distinct
-        ``dst`` ids, none of them a ``src`` id: copy-on-write, which copies
-        into fresh blocks).  Host ids that chain (a block copied on after it
-        was written) are copied pair by pair, in order, as the CPU backend
-        does; device ids are not inspected (that would need a sync) and must
-        not chain."""
-        n = len(src)
-        if n == 0:
-            return
-        with self._ctx():
-            if not (self._is_device(src) or self._is_device(dst)):
-                hs, hd = np.asarray(src), np.asarray(dst)
-                if len(np.unique(hd)) != n or np.intersect1d(hs, hd).size:
-                    for i in range(n):
-                        self._copy_blocks_kernel(
-                            storage, self._index_array(hs[i:i + 1], np.int32),
-                            storage, self._index_array(hd[i:i + 1], np.int32), 1)
-                    return
-            s = self._index_array(src, np.int32)
-            d = self._index_array(dst, np.int32)
-            self._copy_blocks_kernel(storage, s, storage, d, n)
-
-    def copy_blocks_between(self, src_storage, src_ids, dst_storage, dst_ids):
-        """dst_storage[:, dst_ids[i]] = src_storage[:, src_ids[i]]: two pools
-        of the same geometry and dtype.
-
-        Either side may be a NumPy array (host memory), for offloading
-        blocks to the host and bringing them back; device <-> device runs one
-        kernel.  Host copies are issued per run of consecutive ids, one 2-D
-        copy across all planes each, on the current stream.  With pinned
-        host memory (``cupyx.empty_pinned``) they are asynchronous: call
-        ``synchronize()`` before reading or reusing the host array.  With
-        pageable memory this call waits for the copies (either way), so
-        the host array may be read or reused on return.  Ids on the device
-        are read back to the host for a host copy (a sync point); host ids
-        are checked to be in range.
-        """
-        n = len(src_ids)
-        if len(dst_ids) != n:
-            raise ValueError(
-                f"src_ids and dst_ids must have the same length, got {n} and {len(dst_ids)}")
-        if (src_storage.shape[0] != dst_storage.shape[0]
-                or src_storage.shape[2:] != dst_storage.shape[2:]):
-            raise ValueError(
-                "src_storage and dst_storage must have the same geometry (planes, -, heads, "
-                f"block_size, dim), got {src_storage.shape} and {dst_storage.shape}")
-        if _bits_dtype(src_storage.dtype) != _bits_dtype(dst_storage.dtype):
-            raise TypeError(
-                "src_storage and dst_storage must have the same dtype, got "
-                f"{src_storage.dtype} and {dst_storage.dtype}")
-        if n == 0:
-            return
-        on_dev = self._is_device(src_storage), self._is_device(dst_storage)
-        if on_dev == (True, True):
-            for a, arg in ((src_storage, "src_storage"), (dst_storage, "dst_storage")):
-                if self._device_id_of(a) != self.device_id:
-                    raise ValueError(
-                        f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs "
-                        f"on {self.device}")
-            with self._ctx():
-                s = self._index_array(src_ids, np.int32)
-                d = self._index_array(dst_ids, np.int32)
-                self._copy_blocks_kernel(src_storage, s, dst_storage, d, n)
-        elif on_dev == (False, False):
-            from ..cpu import _kernels
-
-            _kernels.copy_blocks_between(
-                src_storage, np.ascontiguousarray(self._host_ids(src_ids), dtype=np.int32),
-                dst_storage, np.ascontiguousarray(self._host_ids(dst_ids), dtype=np.int32))
-        else:
-            self._copy_host_device(src_storage, src_ids, dst_storage, dst_ids, on_dev[1])
-
-    def _host_ids(self, ids):
-        return np.asarray(self.to_host(ids))
-
-    @staticmethod
-    def _block_bytes(storage, arg):
-        """Bytes of one block; checks that each block is one contiguous run."""
-        shape, strides = storage.shape[2:], storage.strides[2:]
-        expect = storage.itemsize
-        for n, st in zip(reversed(shape), reversed(strides)):
-            if n > 1 and st != expect:
-                raise ValueError(
-                    f"{arg} must hold each block contiguously (axes 2.. C-contiguous), "
-                    f"got strides {storage.strides} for shape {storage.shape}")
-            expect *= n
-        return expect
-
-    def _copy_blocks_kernel(self, src_st, s_ids, dst_st, d_ids, n):
-        block_bytes = self._block_bytes(src_st, "src_storage")
-        self._block_bytes(dst_st, "dst_storage")
-        planes = src_st.shape[0]
-        if planes == 0 or block_bytes == 0:
-            return
-        ptrs = (self._ptr(src_st), self._ptr(dst_st))
-        strides = (src_st.strides[0], src_st.strides[1], dst_st.strides[0], dst_st.strides[1])
-        for wb in _sources.COPY_WORDS:
-            if block_bytes % wb == 0 and all(p % wb == 0 for p in ptrs) and all(
-                    st % wb == 0 for st in strides):
-                break
-        else:  # pragma: no cover - 1-byte words copy anything
-            raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in words")
-        rows = planes * n
-        self._check_rows(rows, "copy_blocks")
-        self._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
-                     rows, block_bytes // wb,
-                     [dst_st, src_st, s_ids, d_ids, n,
-                      strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
-
-    def _copy_host_device(self, src_st, src_ids, dst_st, dst_ids, to_device):
-        rt = self._cp.cuda.runtime
-        s = self._host_ids(src_ids).astype(np.int64, copy=False).ravel()
-        d = self._host_ids(dst_ids).astype(np.int64, copy=False).ravel()
-        for ids, st, arg in ((s, src_st, "src_ids"), (d, dst_st, "dst_ids")):
-            if ids.size and (ids.min() < 0 or ids.max() >= st.shape[1]):
-                raise IndexError(
-                    f"{arg} must lie in 0..{st.shape[1] - 1}, got "
-                    f"{int(ids.min())}..{int(ids.max())}")
-        if not to_device and not dst_st.flags.writeable:
-            raise ValueError("dst_storage must be writeable, got a read-only array")
-        block_bytes = self._block_bytes(src_st, "src_storage")
-        self._block_bytes(dst_st, "dst_storage")
-        planes = src_st.shape[0]
-        if planes == 0 or block_bytes == 0:
-            return
-        if to_device:
-            sp, dp, kind = src_st.ctypes.data, self._ptr(dst_st), rt.memcpyHostToDevice
-        else:
-            sp, dp, kind = self._ptr(src_st), dst_st.ctypes.data, rt.memcpyDeviceToHost
-        s_plane, s_block = src_st.strides[0], src_st.strides[1]
-        d_plane, d_block = dst_st.strides[0], dst_st.strides[1]
-        adjacent = s_block == block_bytes and d_block == block_bytes
-        with self._ctx():
-            stream = self._stream_ptr()
-            i, n = 0, s.size
-            while i < n:
-                j = i + 1
-                while (adjacent and j < n and s[j] == s[j - 1] + 1 and d[j] == d[j - 1] + 1):
-                    j += 1
-                width = (j - i) * block_bytes
-                so, do = int(s[i]) * s_block, int(d[i]) * d_block
-                if (planes > 1 and width <= s_plane <= _MAX_PITCH
-                        and width <= d_plane <= _MAX_PITCH):
-                    rt.memcpy2DAsync(dp + do, d_plane, sp + so, s_plane, width, planes,
-                                     kind, stream)
-                else:
-                    for p in range(planes):
-                        rt.memcpyAsync(dp + p * d_plane + do, sp + p * s_plane + so, width,
-                                       kind, stream)
-                i = j
-            # Pageable host memory: the caller may read (device -> host) or
-            # reuse (host -> device) it as soon as this returns, and CUDA does
-            # not promise an asynchronous copy is done with it by then.
-            # Pinned memory stays asynchronous (synchronize() before use).
-            if not self._is_pinned(dst_st if not to_device else src_st):
-                self._fence()
 
     def write_contiguous(self, dst, src, start, src_kind, codec):
         """dst[b, h, start + t, :] = src[b, h, t, :] stored by ``codec`` (int8
