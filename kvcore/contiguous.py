@@ -11,9 +11,10 @@ the device's backend; reads are views.  Positions that were never written
 import numpy as np
 
 from . import _arrays, dtypes
-from .backends import get_backend
+from .backends import Codec, get_backend
 from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
+from ._planes import Planes, check_layer_scales, kv_scale_pairs, outs_share_memory
 from ._validate import index_int, positive_int
 
 __all__ = ["KVCache"]
@@ -90,12 +91,8 @@ class KVCache:
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         batch_size = positive_int(batch_size, "batch_size")
         kind = dtypes.storage_kind(dtype, "dtype")
-        from .pool import _layer_scales
-        layer_scales = _layer_scales(kv_scales, kind, num_layers)
+        layer_scales = check_layer_scales(kv_scales, kind, num_layers)
         backend = get_backend(device)
-        if kind in dtypes.LOWPREC_KINDS and not getattr(backend, "lowprec", False):
-            raise ValueError(f"dtype={KIND_NAME[kind]!r} is not supported on "
-                             f"device={device!r}; use float32, float16 or bfloat16 there")
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
         storage = self._allocate(backend, shape, kind)
         scales = backend.zeros(shape[:5], np.float32) if kind == dtypes.I8 else None
@@ -128,8 +125,9 @@ class KVCache:
         L, _, B, H, S, D = storage.shape
         self._num_layers, self._batch_size = L, B
         self._num_kv_heads, self._max_seq_len, self._head_dim = H, S, D
-        # Per-layer (K, V) views, made once: update/get are hot paths.
-        self._planes = [(storage[i, 0], storage[i, 1]) for i in range(L)]
+        # Per-layer (K, V) views and codecs, made once: update/get are hot paths.
+        self._planes = Planes(backend, storage, kind, scales, layer_scales,
+                              owned=(storage, scales))
         self._lengths = lengths
 
     def _check_layer(self, layer):
@@ -231,52 +229,35 @@ class KVCache:
         if n == 0:
             return
         backend = self._backend
-        dst_k, dst_v = self._planes[layer]
+        planes = self._planes
+        dst_k, dst_v = planes.views[layer]
+        k_codec, v_codec = planes.codecs[layer]
         # The kernel copies without staging; an input that is a view of this
         # cache (e.g. from get(), of either plane of any layer) must be read
         # as it was: both are staged before anything is written.
-        k = self._apart(k)
-        v = self._apart(v)
-        if self._kind in dtypes.LOWPREC_KINDS:
-            for i, x, kind in ((0, k, k_kind), (1, v, v_kind)):
-                backend.write_contiguous_q(self._planes[layer][i], self._scale_plane(layer, i),
-                                           x, start, kind, self._kind,
-                                           self._plane_scale(layer, i))
-        else:
-            backend.write_contiguous(dst_k, k, start, k_kind, self._kind)
-            backend.write_contiguous(dst_v, v, start, v_kind, self._kind)
+        k = planes.apart(k)
+        v = planes.apart(v)
+        backend.write_contiguous(dst_k, k, start, k_kind, k_codec)
+        backend.write_contiguous(dst_v, v, start, v_kind, v_codec)
         if end > length:
             self._lengths[layer] = end
-
-    def _apart(self, a):
-        """``a``, or a copy of it if its memory span meets the storage's."""
-        a = self._backend.apart(a, self._storage)
-        return a if self._scales is None else self._backend.apart(a, self._scales)
-
-    def _scale_plane(self, layer, i):
-        return None if self._scales is None else self._scales[layer, i]
-
-    def _plane_scale(self, layer, i):
-        return 1.0 if self._layer_scales is None else float(self._layer_scales[layer, i])
 
     @property
     def kv_scales(self):
         """fp8 caches: the per-layer ``(k_scale, v_scale)`` pairs; None otherwise."""
-        if self._layer_scales is None:
-            return None
-        return [(float(k), float(v)) for k, v in self._layer_scales]
+        return kv_scale_pairs(self._layer_scales)
 
     def key_scales(self, layer):
         """int8 caches: layer ``layer``'s whole key scale buffer, float32
         ``(batch, heads, max_seq_len)`` (like :meth:`key_cache`); ValueError
         otherwise."""
-        return self._scales_of(layer, 0)
+        return self._scale_plane(layer, 0)
 
     def value_scales(self, layer):
         """int8 caches: layer ``layer``'s value scales; see :meth:`key_scales`."""
-        return self._scales_of(layer, 1)
+        return self._scale_plane(layer, 1)
 
-    def _scales_of(self, layer, i):
+    def _scale_plane(self, layer, i):
         layer = self._check_layer(layer)
         if self._scales is None:
             raise ValueError(f"only int8 caches keep per-position scales; this cache's dtype "
@@ -287,7 +268,7 @@ class KVCache:
         """int8 caches: the scales of the codes ``get(layer, start, end)``
         returns, ``(k_scales, v_scales)`` views ``(batch, heads, end -
         start)`` float32 (value = code * scale).  Checked like :meth:`get`."""
-        k_sc, v_sc = self._scales_of(layer, 0), self._scales_of(layer, 1)
+        k_sc, v_sc = self._scale_plane(layer, 0), self._scale_plane(layer, 1)
         start, end = self._range(self._check_layer(layer), start, end)
         return k_sc[:, :, start:end], v_sc[:, :, start:end]
 
@@ -355,7 +336,7 @@ class KVCache:
             raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float "
                              f"dtype ('float32', 'float16', 'bfloat16'), got "
                              f"{KIND_NAME[out_kind]!r}")
-        k_plane, v_plane = self._planes[layer]
+        k_plane, v_plane = self._planes.views[layer]
         k = k_plane[:, :, start:end]
         v = v_plane[:, :, start:end]
         if out_kind is None and out is None:
@@ -372,21 +353,15 @@ class KVCache:
             dsts = [_arrays.out_array(backend, o, f"out[{i}]", k.shape, out_kind)
                     for i, o in enumerate(out)]
             kb, vb = dsts[0][0], dsts[1][0]
-            xp = backend.xp
-            if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
+            if outs_share_memory(backend, kb, vb):
                 raise ValueError("out[0] and out[1] must not share memory")
             if any(backend.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
                 # an out that is a view of this cache: read both before writing either
                 k, v = k.copy(), v.copy()
-        for i, (src, (dst, _)) in enumerate(zip((k, v), dsts)):
-            if self._kind in dtypes.LOWPREC_KINDS and out_kind != self._kind:
-                sc = self._scale_plane(layer, i)
-                backend.dequantize(src, None if sc is None else sc[:, :, start:end], self._kind,
-                                   dst, out_kind, self._plane_scale(layer, i))
-            elif self._kind in dtypes.LOWPREC_KINDS:
-                dst[...] = src
-            else:
-                backend.convert(src, self._kind, dst, out_kind)
+        for src, (dst, _), codec in zip((k, v), dsts, self._planes.codecs[layer]):
+            if codec.scale_plane is not None:      # int8: the range's own scales
+                codec = Codec(codec.kind, codec.layer_scale, codec.scale_plane[:, :, start:end])
+            backend.dequantize(src, codec, dst, out_kind)
         return dsts[0][1], dsts[1][1]
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
@@ -411,11 +386,11 @@ class KVCache:
         :meth:`layer_len` hold arbitrary bytes; writing through this view
         bypasses the cache's bookkeeping.
         """
-        return self._planes[self._check_layer(layer)][0]
+        return self._planes.views[self._check_layer(layer)][0]
 
     def value_cache(self, layer):
         """The whole V buffer of ``layer``; see :meth:`key_cache`."""
-        return self._planes[self._check_layer(layer)][1]
+        return self._planes.views[self._check_layer(layer)][1]
 
     def layer_len(self, layer):
         """Positions written in ``layer`` (what ``get(layer)`` returns)."""
@@ -494,8 +469,6 @@ class KVCache:
         """
         backend = get_backend(device)
         dev = backend.normalize_device(device)
-        if self._kind in dtypes.LOWPREC_KINDS and not getattr(backend, "lowprec", False):
-            raise ValueError(f"dtype={self.dtype!r} is not supported on device={dev!r}")
         src = self._storage
         dst = self._allocate(backend, src.shape, self._kind)
         scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)

@@ -446,7 +446,7 @@ class PagedKVCache:
         if end > written:
             raise ValueError(f"positions {written}..{end - 1} of layer {layer} were never "
                              f"written (the layer holds {written} positions)")
-        return pool._gather_table(layer, self._core._table, start, end, dtype, out)
+        return pool._gather(layer, self._core._table, start, end, dtype, out)
 
     def gather_scales(self, layer, start=0, end=None):
         """int8 pools: the scales of the codes ``gather(layer, start, end)``

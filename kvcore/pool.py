@@ -1,6 +1,5 @@
 """BlockPool: one pool of KV blocks shared by many sequences."""
 import functools
-import numbers
 import threading
 
 import numpy as np
@@ -8,6 +7,7 @@ import numpy as np
 from . import _arrays, dtypes
 from .backends import get_backend
 from ._native import _pool, _seq
+from ._planes import Planes, check_layer_scales, kv_scale_pairs, outs_share_memory
 from ._validate import index_int, layer_index, positive_int
 
 __all__ = ["BlockPool"]
@@ -135,12 +135,9 @@ class BlockPool:
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
-        self._layer_scales = _layer_scales(kv_scales, self._kind, self._num_layers)
+        self._layer_scales = check_layer_scales(kv_scales, self._kind, self._num_layers)
         self._backend = get_backend(device)
         self._device = self._backend.normalize_device(device)
-        if self._kind in dtypes.LOWPREC_KINDS and not getattr(self._backend, "lowprec", False):
-            raise ValueError(f"dtype={dtypes.KIND_NAME[self._kind]!r} is not supported on "
-                             f"device={self._device!r}; use float32, float16 or bfloat16 there")
         self._num_blocks = num_blocks
         self._caching = bool(enable_prefix_caching)
         self._storage = self._backend.zeros(
@@ -150,6 +147,8 @@ class BlockPool:
         # by the same block ids as the storage (None for other dtypes)
         self._scales = (self._backend.zeros(self._storage.shape[:4], np.float32)
                         if self._kind == dtypes.I8 else None)
+        self._planes = _pool_planes(self._backend, self._storage, self._kind, self._scales,
+                                    self._layer_scales)
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
@@ -241,9 +240,7 @@ class BlockPool:
     def kv_scales(self):
         """fp8 pools: the per-layer ``(k_scale, v_scale)`` pairs (floats);
         None for other dtypes."""
-        if self._layer_scales is None:
-            return None
-        return [(float(k), float(v)) for k, v in self._layer_scales]
+        return kv_scale_pairs(self._layer_scales)
 
     @property
     def bytes_per_token(self):
@@ -625,14 +622,10 @@ class BlockPool:
             slots, check = self._slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
-        if self._kind in dtypes.LOWPREC_KINDS:
-            backend.write_slots_kv_q(self._storage[2 * layer], self._storage[2 * layer + 1],
-                                     self._plane_scales(layer, 0), self._plane_scales(layer, 1),
-                                     k, v, slots, src_kind, self._kind, self._plane_scale(layer, 0),
-                                     self._plane_scale(layer, 1), self._slot_owner, bool(check))
-            return
-        backend.write_slots_kv(self._storage[2 * layer], self._storage[2 * layer + 1], k, v, slots,
-                          src_kind, self._kind, self._slot_owner, bool(check))
+        k_plane, v_plane = self._planes.views[layer]
+        k_codec, v_codec = self._planes.codecs[layer]
+        backend.write_slots_kv(k_plane, v_plane, k, v, slots, src_kind, k_codec, v_codec,
+                               self._slot_owner, bool(check))
 
     def gather(self, layer, block_table, start, end, dtype=None, out=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
@@ -716,14 +709,9 @@ class BlockPool:
         n32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
         outs = self._outs(out, shape, dst_kind)
         tmps = self._targets(outs, out, shape, dst_kind)
-        for i in (0, 1):
-            if self._kind in dtypes.LOWPREC_KINDS and dst_kind != self._kind:
-                backend.gather_batch_q(self._storage[2 * layer + i], self._plane_scales(layer, i),
-                                       t32, n32, tmps[i], self._kind, dst_kind,
-                                       self._plane_scale(layer, i))
-            else:
-                backend.gather_batch(self._storage[2 * layer + i], t32, n32, tmps[i],
-                                     self._kind, dst_kind)
+        for plane, codec, tmp in zip(self._planes.views[layer], self._planes.codecs[layer],
+                                     tmps):
+            backend.gather_batch(plane, t32, n32, tmp, codec, dst_kind)
         return self._deliver(outs, tmps)
 
     def gather_scales(self, layer, block_table, start, end):
@@ -860,13 +848,7 @@ class BlockPool:
         if sv != src_kind:
             raise TypeError(f"k and v must have the same dtype, got "
                             f"{dtypes.KIND_NAME[src_kind]} and {dtypes.KIND_NAME[sv]}")
-        return self._apart(k), self._apart(v), src_kind
-
-    def _apart(self, a):
-        """``a``, or a copy of it if its memory span meets the storage's (or
-        the int8 scales')."""
-        a = self._backend.apart(a, self._storage)
-        return a if self._scales is None else self._backend.apart(a, self._scales)
+        return self._planes.apart(k), self._planes.apart(v), src_kind
 
     def _direct(self, out):
         """Whether a gather may write into ``out`` (bits) in place."""
@@ -884,9 +866,7 @@ class BlockPool:
             raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
                             + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
         pair = [_arrays.out_array(backend, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
-        kb, vb = pair[0][0], pair[1][0]
-        xp = backend.xp
-        if xp.may_share_memory(kb, vb) and (xp is not np or np.shares_memory(kb, vb)):
+        if outs_share_memory(backend, pair[0][0], pair[1][0]):
             raise ValueError("out[0] and out[1] must not share memory (k and v are "
                              "different arrays)")
         return pair
@@ -948,21 +928,6 @@ class BlockPool:
                              f"('float32', 'float16', 'bfloat16'), got {dtypes.KIND_NAME[kind]!r}")
         return kind
 
-    def _plane_scales(self, layer, i):
-        """int8: the scale plane of layer ``layer``'s keys (i=0) or values (1)."""
-        return None if self._scales is None else self._scales[2 * layer + i]
-
-    def _plane_scale(self, layer, i):
-        """fp8: the layer's key (i=0) or value (1) scale as a float (1.0 otherwise)."""
-        return 1.0 if self._layer_scales is None else float(self._layer_scales[layer, i])
-
-    def _write_q(self, layer, k, v, slots, src_kind):
-        """K and V (validated) into the slots of a low-precision ``layer``."""
-        backend = self._backend
-        for i, x in ((0, k), (1, v)):
-            backend.write_slots_q(self._storage[2 * layer + i], self._plane_scales(layer, i), x,
-                                  slots, src_kind, self._kind, self._plane_scale(layer, i))
-
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
         ``table`` (int32, aligned), into ``out`` when given."""
@@ -975,14 +940,9 @@ class BlockPool:
         tmps = self._targets(outs, out, shape, dst_kind)
         # on a GPU: one upload of the blocks the range needs, for K and V
         table = backend.from_host(table[:-(-end // self._block_size)])
-        for i in (0, 1):
-            if self._kind in dtypes.LOWPREC_KINDS and dst_kind != self._kind:
-                backend.gather_q(self._storage[2 * layer + i], self._plane_scales(layer, i),
-                                 table, start, end, tmps[i], self._kind, dst_kind,
-                                 self._plane_scale(layer, i))
-            else:
-                backend.gather(self._storage[2 * layer + i], table, start, end, tmps[i],
-                               self._kind, dst_kind)
+        for plane, codec, tmp in zip(self._planes.views[layer], self._planes.codecs[layer],
+                                     tmps):
+            backend.gather(plane, table, start, end, tmp, codec, dst_kind)
         return self._deliver(outs, tmps)
 
     def _targets(self, outs, out, shape, kind):
@@ -1017,9 +977,6 @@ class BlockPool:
         _copy_blocks(self._backend, self._storage, self._scales, np.asarray(src, np.int32),
                      np.asarray(dst, np.int32))
 
-    def _device_ids(self, ids):
-        return self._backend.from_host(ids.astype(np.intp))
-
     def _before_overwrite(self, block_ids):
         """Blocks ``block_ids`` (checked int32) are about to be overwritten
         in place (``copy_blocks_to``): those in the prefix cache leave it,
@@ -1050,16 +1007,11 @@ class BlockPool:
     def _write_positions(self, layer, k, v, slots, src_kind):
         """K and V (validated by :meth:`_kv_input`) to the slots of a
         sequence's own positions in (validated) ``layer``."""
-        if self._kind in dtypes.LOWPREC_KINDS:
-            self._write_q(layer, k, v, slots, src_kind)
-            return
         backend = self._backend
-        backend.write_slots(self._storage[2 * layer], k, slots, src_kind, self._kind)
-        backend.write_slots(self._storage[2 * layer + 1], v, slots, src_kind, self._kind)
-
-    def _gather_table(self, layer, table, start, end, dtype, out):
-        """:meth:`gather` of a sequence's own (checked) table."""
-        return self._gather(layer, table, start, end, dtype, out)
+        k_plane, v_plane = self._planes.views[layer]
+        k_codec, v_codec = self._planes.codecs[layer]
+        backend.write_slots(k_plane, k, slots, src_kind, k_codec)
+        backend.write_slots(v_plane, v, slots, src_kind, v_codec)
 
     def export_blocks(self, block_ids):
         """The contents of blocks ``block_ids`` as host bytes: one
@@ -1161,68 +1113,9 @@ def _copy_blocks(backend, storage, scales, src, dst):
         backend.copy_blocks(scales, src, dst)
 
 
-def _layer_scales(kv_scales, kind, num_layers):
-    """fp8: ``kv_scales`` checked, as a float32 ``(num_layers, 2)`` array
-    (default all 1.0); None for other dtypes (where kv_scales must be None)."""
-    if kind not in dtypes.FP8_KINDS:
-        if kv_scales is not None:
-            raise ValueError(f"kv_scales applies to fp8 pools (float8_e4m3fn, float8_e5m2) "
-                             f"only, got kv_scales for dtype {dtypes.KIND_NAME[kind]!r}")
-        return None
-    if kv_scales is None:
-        return np.ones((num_layers, 2), np.float32)
-    _check_scale_types(kv_scales)
-    try:
-        a = np.array(kv_scales, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"kv_scales must be a sequence of num_layers (k_scale, v_scale) "
-                        f"float pairs, got {kv_scales!r}") from None
-    if a.shape != (num_layers, 2):
-        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
-                         f"(shape ({num_layers}, 2)), got shape {a.shape}")
-    with np.errstate(over="ignore"):
-        f = a.astype(np.float32)
-    bad = ~(np.isfinite(f) & (f > 0))
-    if bad.any():
-        l, i = np.argwhere(bad)[0]
-        raise ValueError(f"kv_scales must be finite positive float32 values, got "
-                         f"{a[l, i]!r} for layer {l}'s {'kv'[i]}_scale")
-    return f
-
-
-
-def _text_or_array(value, name, expected):
-    """TypeError for text where ``expected`` is wanted; True for a NumPy array
-    of real numbers (checked whole), False for anything else."""
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "iuf":
-            raise TypeError(f"{name} must hold real numbers, got an array of dtype "
-                            f"{value.dtype}")
-        return True
-    return False
-
-
-def _check_scale_types(kv_scales):
-    """TypeError unless every scale in ``kv_scales`` is a real number: numpy
-    would read "0.5" and True as 0.5 and 1.0, hiding a caller's mistake."""
-    if _text_or_array(kv_scales, "kv_scales", "a sequence of (k_scale, v_scale) float pairs"):
-        return
-    try:
-        pairs = list(kv_scales)
-    except TypeError:
-        return  # not a sequence: the conversion reports it
-    for layer, pair in enumerate(pairs):
-        if _text_or_array(pair, f"kv_scales[{layer}]", "a (k_scale, v_scale) pair of floats"):
-            continue
-        try:
-            items = list(pair)
-        except TypeError:
-            continue  # the shape check reports it
-        for i, x in enumerate(items):
-            # (a 0-d tensor or array has __float__ too; str, bytes and complex do not)
-            if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating)) \
-                    or not isinstance(x, numbers.Real) and not hasattr(type(x), "__float__"):
-                raise TypeError(f"kv_scales[{layer}][{i}] ({'kv'[i] if i < 2 else '?'}_scale) "
-                                f"must be a real number, got {type(x).__name__} {x!r}")
+def _pool_planes(backend, storage, kind, scales, layer_scales):
+    """The ``Planes`` of a pool's storage (plane ``2 * l + i``: layer l's
+    keys, i = 0, or values, i = 1) and int8 scales (the same planes)."""
+    split = lambda a: None if a is None else a.reshape((a.shape[0] // 2, 2) + a.shape[1:])
+    return Planes(backend, split(storage), kind, split(scales), layer_scales,
+                  owned=(storage, scales))

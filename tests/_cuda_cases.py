@@ -17,6 +17,7 @@ from kvcore import dtypes
 from kvcore.backends import CPU
 from kvcore.backends.base import REFERENCE
 from kvcore.dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8, STORAGE
+from kvcore.backends.codec import Codec
 
 KINDS = (F32, F16, BF16)
 PAIRS = [(s, d) for s in KINDS for d in KINDS]
@@ -286,10 +287,10 @@ def test_write_slots_matches_cpu(dev, sk, dk, head_dim, block_size):
     src = rand_bits(rng, (n, heads, head_dim), sk)
     slots = _slots(rng, num_blocks, block_size, n)
     want = storage.copy()
-    CPU.write_slots(want[1], src, slots, sk, dk)
+    CPU.write_slots(want[1], src, slots, sk, Codec(dk))
     for slots_arg in (slots, dev.put(slots)):  # host slots, device slots
         d = dev.put(storage)
-        dev.be.write_slots(d[1], dev.put(src), slots_arg, sk, dk)
+        dev.be.write_slots(d[1], dev.put(src), slots_arg, sk, Codec(dk))
         assert_bits_equal(dev.get(d), want)
 
 
@@ -319,9 +320,9 @@ def test_write_slots_source_layouts(dev, sk, dk, layout):
     cache = rand_bits(rng, (num_blocks, heads, block_size, head_dim), dk)
     slots = _slots(rng, num_blocks, block_size, n)
     want = cache.copy()
-    CPU.write_slots(want, src, slots, sk, dk)
+    CPU.write_slots(want, src, slots, sk, Codec(dk))
     d = dev.put(cache)
-    dev.be.write_slots(d, src_d, slots, sk, dk)
+    dev.be.write_slots(d, src_d, slots, sk, Codec(dk))
     assert_bits_equal(dev.get(d), want)
 
 
@@ -334,16 +335,16 @@ def test_write_slots_from_a_view_of_the_cache_itself(dev):
     slots = (np.arange(num_blocks, dtype=np.int64) + 1) % num_blocks * block_size
     slots[::2] = (np.arange(0, num_blocks, 2) - 1) % num_blocks * block_size
     want = cache.copy()
-    CPU.write_slots(want, want[:, :, 0, :], slots, F16, F16)
+    CPU.write_slots(want, want[:, :, 0, :], slots, F16, Codec(F16))
     d = dev.put(cache)
-    dev.be.write_slots(d, d[:, :, 0, :], slots, F16, F16)
+    dev.be.write_slots(d, d[:, :, 0, :], slots, F16, Codec(F16))
     assert_bits_equal(dev.get(d), want)
     # a C-contiguous source that is the pool's own memory, read as tokens
     flat_want = cache.copy()
     src = flat_want.reshape(-1, heads, head_dim)[:num_blocks]
-    CPU.write_slots(flat_want, src, slots, F16, F16)
+    CPU.write_slots(flat_want, src, slots, F16, Codec(F16))
     d = dev.put(cache)
-    dev.be.write_slots(d, d.reshape(-1, heads, head_dim)[:num_blocks], slots, F16, F16)
+    dev.be.write_slots(d, d.reshape(-1, heads, head_dim)[:num_blocks], slots, F16, Codec(F16))
     assert_bits_equal(dev.get(d), flat_want)
 
 
@@ -351,10 +352,10 @@ def test_write_slots_all_skipped_and_empty(dev):
     rng = np.random.default_rng(4)
     cache = rand_bits(rng, (3, 2, 8, 64), F16)
     d = dev.put(cache)
-    dev.be.write_slots(d, dev.put(rand_bits(rng, (5, 2, 64), F32)),
-                       np.full(5, -1, np.int64), F32, F16)
-    dev.be.write_slots(d, dev.put(np.zeros((0, 2, 64), np.float32)),
-                       np.zeros(0, np.int64), F32, F16)
+    dev.be.write_slots(d, dev.put(rand_bits(rng, (5, 2, 64), F32)), np.full(5, -1, np.int64), F32,
+                       Codec(F16))
+    dev.be.write_slots(d, dev.put(np.zeros((0, 2, 64), np.float32)), np.zeros(0, np.int64), F32,
+                       Codec(F16))
     assert_bits_equal(dev.get(d), cache)
 
 
@@ -388,7 +389,7 @@ def test_write_slots_kv_repeated_slots_keep_the_last_token(dev, sk, dk):
     k = rand_bits(rng, (len(slots), heads, head_dim), sk)
     v = rand_bits(rng, (len(slots), heads, head_dim), sk)
     want = storage.copy()
-    CPU.write_slots_kv(want[0], want[1], k, v, slots, sk, dk, None, False)
+    CPU.write_slots_kv(want[0], want[1], k, v, slots, sk, Codec(dk), Codec(dk), None, False)
     # the CPU result is the last writer's, spelled out independently
     for slot in (5, 9, 31):
         last = np.flatnonzero(slots == slot)[-1]
@@ -398,8 +399,8 @@ def test_write_slots_kv_repeated_slots_keep_the_last_token(dev, sk, dk):
     owner = _owner(dev, num_blocks * block_size)
     for slots_arg in (slots, dev.put(slots)):  # host slots, device slots
         d = dev.put(storage)
-        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), slots_arg, sk, dk, owner,
-                              True)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), slots_arg, sk, Codec(dk),
+                              Codec(dk), owner, True)
         assert_bits_equal(dev.get(d), want)
         assert _released(dev, owner)  # released for the next write
 
@@ -413,11 +414,11 @@ def test_write_slots_kv_reads_v_before_writing_k(dev):
     k = rand_bits(rng, (3, 2, 64), F16)
     want = storage.copy()
     old_rows = storage[0][:, :, 1, :].copy()     # what v reads: K's offset-1 rows, before
-    CPU.write_slots(want[0], k, slots, F16, F16)
-    CPU.write_slots(want[1], old_rows, slots, F16, F16)
+    CPU.write_slots(want[0], k, slots, F16, Codec(F16))
+    CPU.write_slots(want[1], old_rows, slots, F16, Codec(F16))
     d = dev.put(storage)
-    dev.be.write_slots_kv(d[0], d[1], dev.put(k), d[0][:, :, 1, :], slots, F16, F16,
-                          _owner(dev, 24), True)
+    dev.be.write_slots_kv(d[0], d[1], dev.put(k), d[0][:, :, 1, :], slots, F16, Codec(F16),
+                          Codec(F16), _owner(dev, 24), True)
     assert_bits_equal(dev.get(d), want)
 
 
@@ -435,8 +436,8 @@ def test_write_slots_kv_checks_device_slots_on_the_device(dev):
         slots[at] = bad_value
         d = dev.put(storage)
         with pytest.raises(IndexError, match=rf"got {bad_value} at index {at}"):
-            dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, F16,
-                                  owner, True)
+            dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32,
+                                  Codec(F16), Codec(F16), owner, True)
         assert_bits_equal(dev.get(d), storage)        # nothing written
         assert _released(dev, owner)
         # unchecked (the CUDA-graph call): no error, the bad token is skipped,
@@ -444,10 +445,10 @@ def test_write_slots_kv_checks_device_slots_on_the_device(dev):
         want = storage.copy()
         skip = slots.copy()
         skip[at] = -1
-        CPU.write_slots_kv(want[0], want[1], k, v, skip, F32, F16, None, False)
+        CPU.write_slots_kv(want[0], want[1], k, v, skip, F32, Codec(F16), Codec(F16), None, False)
         d = dev.put(storage)
-        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, F16,
-                              owner, False)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(v), dev.put(slots), F32, Codec(F16),
+                              Codec(F16), owner, False)
         assert_bits_equal(dev.get(d), want)
         assert _released(dev, owner)
 
@@ -564,9 +565,9 @@ def test_gather_matches_cpu(dev, sk, dk, head_dim, block_size):
     for k, (start, end) in enumerate(ranges):
         want = np.zeros((heads, end - start, head_dim), STORAGE[dk])
         if end > start:
-            CPU.gather(storage[1], table, start, end, want, sk, dk)
+            CPU.gather(storage[1], table, start, end, want, Codec(sk), dk)
         got = dev.put(_filled(want.shape, want.dtype, 0))
-        dev.be.gather(d_storage[1], table if k % 2 else d_table, start, end, got, sk, dk)
+        dev.be.gather(d_storage[1], table if k % 2 else d_table, start, end, got, Codec(sk), dk)
         assert_bits_equal(dev.get(got), want)
 
 
@@ -576,9 +577,9 @@ def test_gather_into_strided_out(dev):
     cache = rand_bits(rng, (4, heads, block_size, head_dim), F16)
     table = np.array([2, 0, 3], np.int32)
     want = np.zeros((heads, 40, head_dim), np.float32)
-    CPU.gather(cache, table, 5, 45, want, F16, F32)
+    CPU.gather(cache, table, 5, 45, want, Codec(F16), F32)
     big = dev.put(_filled((heads, 40, head_dim + 4), np.float32))
-    dev.be.gather(dev.put(cache), table, 5, 45, big[..., :head_dim], F16, F32)
+    dev.be.gather(dev.put(cache), table, 5, 45, big[..., :head_dim], Codec(F16), F32)
     host = dev.get(big)
     assert_bits_equal(host[..., :head_dim], want)
     assert (host[..., head_dim:].view(np.uint32) == 0xFFFFFFFF).all()
@@ -602,28 +603,14 @@ def test_gather_batch_matches_cpu(dev, sk, dk, head_dim):
     for s, n in enumerate(lens):
         if n:
             tmp = np.empty((heads, int(n), head_dim), STORAGE[dk])
-            CPU.gather(storage[1], np.ascontiguousarray(tables[s]), 0, int(n), tmp, sk, dk)
+            CPU.gather(storage[1], np.ascontiguousarray(tables[s]), 0, int(n), tmp, Codec(sk), dk)
             want[s, :, :n] = tmp
     d_storage = dev.put(storage)
     for tables_arg, lens_arg in ((tables, lens), (dev.put(tables), dev.put(lens)),
                                  (tables, lens.astype(np.int64))):
         got = dev.put(_filled(want.shape, want.dtype))  # padding must be overwritten with +0
-        dev.be.gather_batch(d_storage[1], tables_arg, lens_arg, got, sk, dk)
+        dev.be.gather_batch(d_storage[1], tables_arg, lens_arg, got, Codec(sk), dk)
         assert_bits_equal(dev.get(got), want)
-
-
-def test_gather_batch_checks_host_lengths(dev):
-    cache = dev.put(np.zeros((4, 2, 8, 64), np.float16))
-    out = dev.put(np.zeros((2, 2, 20, 64), np.float16))
-    tables = np.zeros((2, 2), np.int32)
-    with pytest.raises(ValueError, match="lengths"):
-        dev.be.gather_batch(cache, tables, np.array([3, 17]), out, F16, F16)  # > 2 blocks of 8
-    with pytest.raises(ValueError, match="lengths"):
-        dev.be.gather_batch(cache, tables, np.array([3, -1]), out, F16, F16)
-    with pytest.raises(ValueError, match="lengths"):
-        dev.be.gather_batch(cache, tables, np.array([3]), out, F16, F16)
-    with pytest.raises(ValueError, match="block_tables"):
-        dev.be.gather_batch(cache, tables[:1], np.array([3, 4]), out, F16, F16)
 
 
 # ------------------------------------------------------------ block copies
@@ -695,8 +682,8 @@ def test_write_contiguous_matches_cpu(dev, sk, dk, head_dim):
             raw = rand_bits(rng, (batch, n, heads, head_dim), sk)
             src = raw.transpose(0, 2, 1, 3)
             src_d = dev.put(raw).transpose(0, 2, 1, 3)
-        CPU.write_contiguous(want, src, start, sk, dk)
-        dev.be.write_contiguous(d, src_d, start, sk, dk)
+        CPU.write_contiguous(want, src, start, sk, Codec(dk))
+        dev.be.write_contiguous(d, src_d, start, sk, Codec(dk))
         assert_bits_equal(dev.get(d), want)
 
 
@@ -706,8 +693,8 @@ def test_write_contiguous_from_a_view_of_itself(dev):
     want = cache.copy()
     d = dev.put(cache)
     for lo, start in ((2, 5), (5, 2)):  # shifted later, shifted earlier
-        CPU.write_contiguous(want, want[:, :, lo:lo + 7, :], start, F32, F32)
-        dev.be.write_contiguous(d, d[:, :, lo:lo + 7, :], start, F32, F32)
+        CPU.write_contiguous(want, want[:, :, lo:lo + 7, :], start, F32, Codec(F32))
+        dev.be.write_contiguous(d, d[:, :, lo:lo + 7, :], start, F32, Codec(F32))
         assert_bits_equal(dev.get(d), want)
 
 
@@ -1007,14 +994,14 @@ def test_write_slots_q_matches_cpu(dev, qk, sk, head_dim):
     src = lp_values(rng, (n, heads, head_dim), sk)
     for scale in ((1.0,) if qk == I8 else (1.0, 0.37, 3.0)):
         want_c, want_s = cache.copy(), None if scales is None else scales.copy()
-        CPU.write_slots_q(want_c, want_s, src, slots, sk, qk, scale)
+        CPU.write_slots(want_c, src, slots, sk, Codec(qk, scale, want_s))
         ref_c, ref_s = cache.copy(), None if scales is None else scales.copy()
-        REFERENCE.write_slots_q(ref_c, ref_s, src, slots, sk, qk, scale)
+        REFERENCE.write_slots(ref_c, src, slots, sk, Codec(qk, scale, ref_s))
         assert_bits_equal(want_c, ref_c)
         for slots_arg in (slots, dev.put(slots)):
             d_c = dev.put(cache)
             d_s = None if scales is None else dev.put(scales)
-            dev.be.write_slots_q(d_c, d_s, dev.put(src), slots_arg, sk, qk, scale)
+            dev.be.write_slots(d_c, dev.put(src), slots_arg, sk, Codec(qk, scale, d_s))
             assert_bits_equal(dev.get(d_c), want_c)
             if scales is not None:
                 assert_bits_equal(dev.get(d_s), want_s)
@@ -1031,9 +1018,9 @@ def test_write_slots_q_from_strided_rows(dev, qk):
     src = raw.transpose(1, 0, 2)
     slots = np.arange(9, dtype=np.int64) + 7
     want_c, want_s = cache.copy(), None if scales is None else scales.copy()
-    CPU.write_slots_q(want_c, want_s, np.ascontiguousarray(src), slots, F16, qk, 0.5)
+    CPU.write_slots(want_c, np.ascontiguousarray(src), slots, F16, Codec(qk, 0.5, want_s))
     d_c, d_s = dev.put(cache), None if scales is None else dev.put(scales)
-    dev.be.write_slots_q(d_c, d_s, dev.put(raw).transpose(1, 0, 2), slots, F16, qk, 0.5)
+    dev.be.write_slots(d_c, dev.put(raw).transpose(1, 0, 2), slots, F16, Codec(qk, 0.5, d_s))
     assert_bits_equal(dev.get(d_c), want_c)
     if scales is not None:
         assert_bits_equal(dev.get(d_s), want_s)
@@ -1056,15 +1043,15 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
     want_s = None if scales is None else scales.copy()
     ws = (None, None) if want_s is None else (want_s[0], want_s[1])
     vb = cpu_convert(v, BF16, F32)
-    CPU.write_slots_kv_q(want[0], want[1], ws[0], ws[1], k, vb, slots, F32, qk, 0.5, 2.0,
-                         None, False)
+    CPU.write_slots_kv(want[0], want[1], k, vb, slots, F32, Codec(qk, 0.5, ws[0]),
+                       Codec(qk, 2.0, ws[1]), None, False)
     # the last writer's rows, spelled out with the reference
     for slot in (5, 9, 31):
         last = np.flatnonzero(slots == slot)[-1]
         b, off = divmod(slot, block_size)
         one = np.zeros((num_blocks, heads, block_size, head_dim), STORAGE[qk])
         one_s = None if scales is None else np.zeros((num_blocks, heads, block_size), np.float32)
-        REFERENCE.write_slots_q(one, one_s, k[last:last + 1], np.array([slot]), F32, qk, 0.5)
+        REFERENCE.write_slots(one, k[last:last + 1], np.array([slot]), F32, Codec(qk, 0.5, one_s))
         assert_bits_equal(want[0][b, :, off], one[b, :, off])
         if scales is not None:
             assert_bits_equal(want_s[0][b, :, off], one_s[b, :, off])
@@ -1073,8 +1060,8 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
         d = dev.put(storage)
         d_s = None if scales is None else dev.put(scales)
         dsc = (None, None) if d_s is None else (d_s[0], d_s[1])
-        dev.be.write_slots_kv_q(d[0], d[1], dsc[0], dsc[1], dev.put(k), dev.put(vb), slots_arg,
-                                F32, qk, 0.5, 2.0, owner, True)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(vb), slots_arg, F32,
+                              Codec(qk, 0.5, dsc[0]), Codec(qk, 2.0, dsc[1]), owner, True)
         assert_bits_equal(dev.get(d), want)
         if scales is not None:
             assert_bits_equal(dev.get(d_s), want_s)
@@ -1085,8 +1072,8 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
     d_s = None if scales is None else dev.put(scales)
     dsc = (None, None) if d_s is None else (d_s[0], d_s[1])
     with pytest.raises(IndexError, match=rf"got {num_slots} at index 2"):
-        dev.be.write_slots_kv_q(d[0], d[1], dsc[0], dsc[1], dev.put(k), dev.put(vb),
-                                dev.put(bad), F32, qk, 0.5, 2.0, owner, True)
+        dev.be.write_slots_kv(d[0], d[1], dev.put(k), dev.put(vb), dev.put(bad), F32,
+                              Codec(qk, 0.5, dsc[0]), Codec(qk, 2.0, dsc[1]), owner, True)
     assert_bits_equal(dev.get(d), storage)
     if scales is not None:
         assert_bits_equal(dev.get(d_s), scales)
@@ -1112,16 +1099,15 @@ def test_gather_q_matches_cpu(dev, qk, dk, block_size):
         for k, (start, end) in enumerate([(0, total), (1, total - 1), (3, 4),
                                           (block_size - 1, block_size + 1)]):
             want = np.zeros((heads, end - start, head_dim), STORAGE[dk])
-            CPU.gather_q(storage[1 - k % 2], None if scales is None else scales[1 - k % 2],
-                         table, start, end, want, qk, dk, scale)
+            CPU.gather(storage[1 - k % 2], table, start, end, want,
+                       Codec(qk, scale, None if scales is None else scales[1 - k % 2]), dk)
             ref = np.zeros_like(want)
-            REFERENCE.gather_q(storage[1 - k % 2], None if scales is None else scales[1 - k % 2],
-                               table, start, end, ref, qk, dk, scale)
+            REFERENCE.gather(storage[1 - k % 2], table, start, end, ref,
+                             Codec(qk, scale, None if scales is None else scales[1 - k % 2]), dk)
             assert_bits_equal(want, ref)
             got = dev.put(_filled(want.shape, want.dtype, 0))
-            dev.be.gather_q(d_storage[1 - k % 2],
-                            None if scales is None else d_scales[1 - k % 2],
-                            table if k % 2 else d_table, start, end, got, qk, dk, scale)
+            dev.be.gather(d_storage[1 - k % 2], table if k % 2 else d_table, start, end, got,
+                          Codec(qk, scale, None if scales is None else d_scales[1 - k % 2]), dk)
             assert_bits_equal(dev.get(got), want)
 
 
@@ -1133,12 +1119,12 @@ def test_gather_q_into_strided_out(dev, qk):
     scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
     table = np.array([2, 0, 3], np.int32)
     want = np.zeros((heads, 40, head_dim), np.float32)
-    CPU.gather_q(cache, scales, table, 5, 45, want, qk, F32, 0.5)
+    CPU.gather(cache, table, 5, 45, want, Codec(qk, 0.5, scales), F32)
     for big_shape, view in (((heads, 40, head_dim + 4), lambda b: b[..., :head_dim]),
                             ((heads, 40, head_dim, 2), lambda b: b[..., 0])):
         big = dev.put(_filled(big_shape, np.float32))
-        dev.be.gather_q(dev.put(cache), None if scales is None else dev.put(scales), table,
-                        5, 45, view(big), qk, F32, 0.5)
+        dev.be.gather(dev.put(cache), table, 5, 45, view(big),
+                      Codec(qk, 0.5, None if scales is None else dev.put(scales)), F32)
         host = dev.get(big)
         assert_bits_equal(np.ascontiguousarray(view(host)), want)
 
@@ -1157,15 +1143,15 @@ def test_gather_batch_q_matches_cpu(dev, qk, dk):
         tables[s, :-(-int(n) // block_size)] = np.roll(perm, 3 * s)[:-(-int(n) // block_size)]
     want = np.zeros((len(lens), heads, max_len, head_dim), STORAGE[dk])
     sc1 = None if scales is None else scales[1]
-    CPU.gather_batch_q(storage[1], sc1, tables, lens, want, qk, dk, 0.75)
+    CPU.gather_batch(storage[1], tables, lens, want, Codec(qk, 0.75, sc1), dk)
     ref = np.zeros_like(want)
-    REFERENCE.gather_batch_q(storage[1], sc1, tables, lens, ref, qk, dk, 0.75)
+    REFERENCE.gather_batch(storage[1], tables, lens, ref, Codec(qk, 0.75, sc1), dk)
     assert_bits_equal(want, ref)
     d_storage = dev.put(storage)
     d_sc1 = None if scales is None else dev.put(scales)[1]
     for tables_arg, lens_arg in ((tables, lens), (dev.put(tables), dev.put(lens))):
         got = dev.put(_filled(want.shape, want.dtype))  # padding overwritten with +0
-        dev.be.gather_batch_q(d_storage[1], d_sc1, tables_arg, lens_arg, got, qk, dk, 0.75)
+        dev.be.gather_batch(d_storage[1], tables_arg, lens_arg, got, Codec(qk, 0.75, d_sc1), dk)
         assert_bits_equal(dev.get(got), want)
 
 
@@ -1187,10 +1173,11 @@ def test_write_contiguous_q_matches_cpu(dev, qk, sk):
             src = raw.transpose(0, 2, 1, 3)
             src_d = dev.put(raw).transpose(0, 2, 1, 3)
         ref, ref_s = want.copy(), None if want_s is None else want_s.copy()
-        CPU.write_contiguous_q(want, want_s, np.ascontiguousarray(src), start, sk, qk, 0.25)
-        REFERENCE.write_contiguous_q(ref, ref_s, np.ascontiguousarray(src), start, sk, qk, 0.25)
+        CPU.write_contiguous(want, np.ascontiguousarray(src), start, sk, Codec(qk, 0.25, want_s))
+        REFERENCE.write_contiguous(ref, np.ascontiguousarray(src), start, sk,
+                                   Codec(qk, 0.25, ref_s))
         assert_bits_equal(want, ref)
-        dev.be.write_contiguous_q(d, d_s, src_d, start, sk, qk, 0.25)
+        dev.be.write_contiguous(d, src_d, start, sk, Codec(qk, 0.25, d_s))
         assert_bits_equal(dev.get(d), want)
         if scales is not None:
             assert_bits_equal(want_s, ref_s)
@@ -1210,18 +1197,19 @@ def test_dequantize_matches_cpu(dev, qk, dk):
         src = cache[:, :, start:end]
         sc = None if scales is None else scales[:, :, start:end]
         want = np.zeros(src.shape, STORAGE[dk])
-        CPU.dequantize(src, sc, qk, want, dk, 1.5)
+        CPU.dequantize(src, Codec(qk, 1.5, sc), want, dk)
         ref = np.zeros_like(want)
-        REFERENCE.dequantize(src, sc, qk, ref, dk, 1.5)
+        REFERENCE.dequantize(src, Codec(qk, 1.5, sc), ref, dk)
         assert_bits_equal(want, ref)
         got = dev.put(_filled(want.shape, want.dtype))
-        dev.be.dequantize(d_c[:, :, start:end], None if d_s is None else d_s[:, :, start:end],
-                          qk, got, dk, 1.5)
+        dev.be.dequantize(d_c[:, :, start:end],
+                          Codec(qk, 1.5, None if d_s is None else d_s[:, :, start:end]), got, dk)
         assert_bits_equal(dev.get(got), want)
         # into a strided out
         big = dev.put(_filled(want.shape[:-1] + (70,), want.dtype))
-        dev.be.dequantize(d_c[:, :, start:end], None if d_s is None else d_s[:, :, start:end],
-                          qk, big[..., 3:67], dk, 1.5)
+        dev.be.dequantize(d_c[:, :, start:end],
+                          Codec(qk, 1.5, None if d_s is None else d_s[:, :, start:end]), big[...,
+                          3:67], dk)
         host = dev.get(big)
         assert_bits_equal(np.ascontiguousarray(host[..., 3:67]), want)
         assert (_bits_view(host[..., :3]) == _bits_view(_filled((1,), want.dtype))[0]).all()
@@ -1272,25 +1260,25 @@ def test_misaligned_outputs_are_written_through_an_aligned_temporary(dev):
     d_cache = dev.put(storage)
     for dk in (F32, F16):
         want = np.zeros((heads, 19, head_dim), STORAGE[dk])
-        CPU.gather(storage, table, 2, 21, want, F16, dk)
+        CPU.gather(storage, table, 2, 21, want, Codec(F16), dk)
         out = _misaligned_zeros(dev, want.shape, want.dtype)
-        dev.be.gather(d_cache, table, 2, 21, out, F16, dk)
+        dev.be.gather(d_cache, table, 2, 21, out, Codec(F16), dk)
         assert_bits_equal(dev.get(out), want)
     # gather_batch (padding +0)
     lens = np.array([13, 24], np.int32)
     tables = np.array([[3, 0, 4], [1, 2, 0]], np.int32)
     want = np.zeros((2, heads, 24, head_dim), np.float32)
     for s, n in enumerate(lens):
-        CPU.gather(storage, tables[s], 0, int(n), want[s, :, :n], F16, F32)
+        CPU.gather(storage, tables[s], 0, int(n), want[s, :, :n], Codec(F16), F32)
     out = _misaligned_zeros(dev, want.shape, np.float32)
-    dev.be.gather_batch(d_cache, tables, lens, out, F16, F32)
+    dev.be.gather_batch(d_cache, tables, lens, out, Codec(F16), F32)
     assert_bits_equal(dev.get(out), want)
     # fp8 pages widened
     codes = _q_storage(rng, storage.shape, F8E4M3)
     want = np.zeros((heads, 19, head_dim), np.float32)
-    CPU.gather_q(codes, None, table, 2, 21, want, F8E4M3, F32, 0.5)
+    CPU.gather(codes, table, 2, 21, want, Codec(F8E4M3, 0.5), F32)
     out = _misaligned_zeros(dev, want.shape, np.float32)
-    dev.be.gather_q(dev.put(codes), None, table, 2, 21, out, F8E4M3, F32, 0.5)
+    dev.be.gather(dev.put(codes), table, 2, 21, out, Codec(F8E4M3, 0.5), F32)
     assert_bits_equal(dev.get(out), want)
     # convert: misaligned destination, misaligned source
     x = rand_bits(rng, (37, 8), F32)
@@ -1308,11 +1296,11 @@ def test_misaligned_outputs_are_written_through_an_aligned_temporary(dev):
     k = rand_bits(rng, (6, heads, head_dim), F32)
     slots = np.array([3, 17, -1, 30, 8, 0], np.int64)
     want = cache.copy()
-    CPU.write_slots(want, k, slots, F32, F16)
+    CPU.write_slots(want, k, slots, F32, Codec(F16))
     src = _misaligned_zeros(dev, k.shape, np.float32)
     src.view(np.uint8)[...] = dev.put(k).view(np.uint8)
     d = dev.put(cache)
-    dev.be.write_slots(d, src, slots, F32, F16)
+    dev.be.write_slots(d, src, slots, F32, Codec(F16))
     assert_bits_equal(dev.get(d), want)
 
 
@@ -1322,7 +1310,7 @@ def test_a_misaligned_out_with_a_strided_last_axis_is_a_value_error(dev):
     out = _misaligned_zeros(dev, (2, 5, 32), np.float32)[..., ::2]
     before = dev.get(out).copy()
     with pytest.raises(ValueError, match=r"out must be aligned to its itemsize \(4 bytes\)"):
-        dev.be.gather(dev.put(storage), np.array([1, 0], np.int32), 0, 5, out, F16, F32)
+        dev.be.gather(dev.put(storage), np.array([1, 0], np.int32), 0, 5, out, Codec(F16), F32)
     assert_bits_equal(dev.get(out), before)
 
 

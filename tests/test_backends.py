@@ -12,6 +12,7 @@ import pytest
 from kvcore import dtypes
 from kvcore.backends import CPU
 from kvcore.backends.base import REFERENCE, convert_bits
+from kvcore.backends.codec import Codec
 
 try:
     from _cuda_env import cuda_backend_or_skip
@@ -90,7 +91,7 @@ def test_write_slots(backend, src_kind, dst_kind):
     src = bits((9, 3, 16), src_kind, rng)
     slots = rng.permutation(24)[:9].astype(np.int64)
     slots[[2, 5]] = -1                                   # skipped tokens
-    run_both(backend, "write_slots", [cache, src, slots, src_kind, dst_kind], [0])
+    run_both(backend, "write_slots", [cache, src, slots, src_kind, Codec(dst_kind)], [0])
 
 
 @pytest.mark.parametrize("src_kind, dst_kind", PAIRS, ids=PAIR_IDS)
@@ -101,7 +102,8 @@ def test_write_slots_kv_repeated_slot_keeps_the_last_token(backend, src_kind, ds
     slots = np.array([3, 9, 3, -1, 15], np.int64)
     owner = backend.slot_owner_table(16)
     run_both(backend, "write_slots_kv",
-             [k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner, False], [0, 1])
+             [k_cache, v_cache, k, v, slots, src_kind, Codec(dst_kind), Codec(dst_kind), owner,
+              False], [0, 1])
 
 
 @pytest.mark.parametrize("src_kind, dst_kind", PAIRS, ids=PAIR_IDS)
@@ -112,7 +114,7 @@ def test_write_positions(backend, src_kind, dst_kind, start, n):
     k, v = bits((n, 2, 16), src_kind, rng), bits((n, 2, 16), src_kind, rng)
     table = np.array([7, 2, 5, 0, 6], np.int32)
     run_both(backend, "write_positions",
-             [storage, 1, k, v, table, start, src_kind, dst_kind], [0])
+             [storage, 1, k, v, table, start, src_kind, Codec(dst_kind), Codec(dst_kind)], [0])
 
 
 @pytest.mark.parametrize("src_kind, dst_kind", PAIRS, ids=PAIR_IDS)
@@ -122,7 +124,7 @@ def test_gather(backend, src_kind, dst_kind, start, end):
     cache = bits((8, 3, 4, 16), src_kind, rng)
     table = np.array([6, 1, 4, 0, 7], np.int32)
     out = bits((3, end - start, 16), dst_kind, rng)
-    run_both(backend, "gather", [cache, table, start, end, out, src_kind, dst_kind], [4])
+    run_both(backend, "gather", [cache, table, start, end, out, Codec(src_kind), dst_kind], [4])
 
 
 @pytest.mark.parametrize("src_kind, dst_kind", PAIRS, ids=PAIR_IDS)
@@ -132,7 +134,8 @@ def test_gather_batch(backend, src_kind, dst_kind):
     tables = np.array([[3, 1, 0], [7, 0, 0], [2, 5, 6]], np.int32)
     lengths = np.array([9, 0, 12], np.int32)
     out = bits((3, 2, 12, 16), dst_kind, rng)
-    run_both(backend, "gather_batch", [cache, tables, lengths, out, src_kind, dst_kind], [3])
+    run_both(backend, "gather_batch", [cache, tables, lengths, out, Codec(src_kind), dst_kind],
+             [3])
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[dtypes.KIND_NAME[k] for k in KINDS])
@@ -157,7 +160,7 @@ def test_write_contiguous(backend, src_kind, dst_kind, start, n):
     rng = np.random.default_rng(9)
     dst = bits((2, 3, 16, 8), dst_kind, rng)
     src = bits((2, 3, n, 8), src_kind, rng)
-    run_both(backend, "write_contiguous", [dst, src, start, src_kind, dst_kind], [0])
+    run_both(backend, "write_contiguous", [dst, src, start, src_kind, Codec(dst_kind)], [0])
 
 
 # ------------------------------------------------------------ the oracle itself

@@ -29,6 +29,7 @@ import kvcore  # noqa: E402
 from kvcore.backends import CPU, get_backend  # noqa: E402
 from kvcore.backends.cuda import _sources, attention_kernels  # noqa: E402
 from kvcore.dtypes import BF16, F16, F32  # noqa: E402
+from kvcore.backends.codec import Codec  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_cases import *  # noqa: F401,F403,E402
@@ -165,12 +166,12 @@ def test_kernels_run_on_the_current_stream_and_capture_into_a_graph(be):
         slots, table = cupy.asarray(slots_h), cupy.asarray(table_h)
         out = cupy.zeros((heads, 48, dim), cupy.float32)
         # warm-up outside the capture: compiles and loads the modules
-        be.write_slots(cache, src, slots, F32, F16)
-        be.gather(cache, table, 0, 48, out, F16, F32)
+        be.write_slots(cache, src, slots, F32, Codec(F16))
+        be.gather(cache, table, 0, 48, out, Codec(F16), F32)
         stream.synchronize()
         stream.begin_capture()
-        be.write_slots(cache, src, slots, F32, F16)
-        be.gather(cache, table, 0, 48, out, F16, F32)
+        be.write_slots(cache, src, slots, F32, Codec(F16))
+        be.gather(cache, table, 0, 48, out, Codec(F16), F32)
         graph = stream.end_capture()
         new_src = rand_bits(rng, (5, heads, dim), F32)
         src.set(new_src, stream=stream)
@@ -178,9 +179,9 @@ def test_kernels_run_on_the_current_stream_and_capture_into_a_graph(be):
         graph.launch(stream=stream)
     stream.synchronize()
     want_cache = np.zeros((4, heads, bs, dim), np.float16)
-    CPU.write_slots(want_cache, new_src, slots_h, F32, F16)
+    CPU.write_slots(want_cache, new_src, slots_h, F32, Codec(F16))
     want_out = np.zeros((heads, 48, dim), np.float32)
-    CPU.gather(want_cache, table_h, 0, 48, want_out, F16, F32)
+    CPU.gather(want_cache, table_h, 0, 48, want_out, Codec(F16), F32)
     assert_bits_equal(cupy.asnumpy(cache), want_cache)
     assert_bits_equal(cupy.asnumpy(out), want_out)
 

@@ -30,6 +30,7 @@ import pytest
 from kvcore.backends.cuda import _sources
 from kvcore.backends.cuda.backend import CudaBackend, launch_shape
 from kvcore.dtypes import BF16, F16, F32
+from kvcore.backends.codec import Codec
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_attention_emulation import AttentionEmulation
@@ -394,7 +395,7 @@ def test_vector_path_is_chosen_when_possible(dev, sk, dk, dim, offset, want_v):
     flat = _put(np.zeros(src.size + offset, src.dtype))
     flat[offset:] = src.ravel()
     cache = _put(rand_bits(rng, (3, 2, 8, dim), dk))
-    dev.be.write_slots(cache, flat[offset:].reshape(src.shape), np.arange(5), sk, dk)
+    dev.be.write_slots(cache, flat[offset:].reshape(src.shape), np.arange(5), sk, Codec(dk))
     name, rows, chunks = dev.be.launches[-1]
     assert name == _sources.kernel_name("kv_write_slots", sk, dk, want_v)
     assert (rows, chunks) == (10, dim // want_v)
@@ -453,6 +454,20 @@ def _pools(dtype="float16", num_blocks=8, block_size=4, layers=2, heads=2, head_
 def _same(a, b):
     assert_bits_equal(_get(a) if isinstance(a, DevArray) else np.asarray(a),
                       _get(b) if isinstance(b, DevArray) else np.asarray(b))
+
+
+def test_cuda_pool_gather_batch_checks_tables_and_lengths(emulated_cuda):
+    """The public layer checks gather_batch's lengths and tables on every
+    device (the CUDA backend trusts them: no second check there)."""
+    _, pool = _pools()                       # blocks of 4: two blocks hold 8
+    tables = np.zeros((2, 2), np.int32)
+    for lengths in ([3, 9], [3, -1]):
+        with pytest.raises(ValueError, match=r"lengths must lie in 0\.\.8"):
+            pool.gather_batch(0, tables, lengths)
+    with pytest.raises(ValueError, match="lengths must be 1-D with one entry per row"):
+        pool.gather_batch(0, tables, [3])
+    with pytest.raises(ValueError, match="block_tables must be 2-D"):
+        pool.gather_batch(0, tables[0], [3, 4])
 
 
 @pytest.mark.parametrize("storage", ["float32", "float16", "bfloat16"])

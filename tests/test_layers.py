@@ -196,3 +196,42 @@ def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
 ])
 def test_the_private_reach_rule_can_fail(line, bad):
     assert bool(private_reaches(line)) is bad
+
+
+# A def (or cpdef) of a Python-visible name ending in _q, in a .pyx file
+_PYX_TWIN = re.compile(r"^\s*c?p?def\s+(?:\w+\s+)?([A-Za-z]\w*_q)\s*\(", re.M)
+
+
+def public_twins(path):
+    """Python-visible functions and methods of ``path`` whose name ends in
+    ``_q``: a low-precision twin of a data op (one op per verb: the storage
+    format is an argument, docs/architecture.md)."""
+    if path.suffix == ".py":
+        tree = ast.parse(path.read_text())
+        nodes = list(tree.body) + [n for c in tree.body if isinstance(c, ast.ClassDef)
+                                   for n in c.body]
+        return sorted(f"{path.name}:{n.name}" for n in nodes
+                      if isinstance(n, ast.FunctionDef) and n.name.endswith("_q")
+                      and not n.name.startswith("_"))
+    text = path.read_text()
+    return sorted(f"{path.name}:{m.group(1)}" for m in _PYX_TWIN.finditer(text)
+                  if not re.match(r"\s*cdef\s", m.group(0)))
+
+
+def test_no_backend_op_has_a_low_precision_twin():
+    files = sorted(p for p in (PKG / "backends").rglob("*") if p.suffix in (".py", ".pyx"))
+    assert any(p.name == "base.py" for p in files)
+    bad = [t for p in files for t in public_twins(p)]
+    assert not bad, f"backend ops with a _q twin (take a Codec instead): {bad}"
+
+
+def test_the_twin_check_can_fail(tmp_path):
+    py = tmp_path / "b.py"
+    py.write_text("class B:\n    def gather_q(self):\n        pass\n\n    def _claim_q(self):\n"
+                  "        pass\n\n\ndef write_q():\n    pass\n")
+    assert public_twins(py) == ["b.py:gather_q", "b.py:write_q"]
+    pyx = tmp_path / "k.pyx"
+    pyx.write_text("def write_slots_q(a):\n    pass\ncdef object _x_q(a):\n    pass\n"
+                   "cdef void loop_q(int a) noexcept nogil:\n    pass\n"
+                   "cpdef int gather_q(int a):\n    return a\n")
+    assert public_twins(pyx) == ["k.pyx:gather_q", "k.pyx:write_slots_q"]

@@ -21,6 +21,7 @@ from kvcore.backends.base import (REFERENCE, fp8_decode, fp8_encode, int8_decode
                                   int8_encode)
 from kvcore.backends.cpu import _attention as _kernel
 from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.codec import Codec
 
 LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
 FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -147,7 +148,7 @@ def test_write_slots_q_and_gather_q_match_the_reference(src_kind, dst_kind, scal
     for be in (REFERENCE, CPU):
         cache = np.zeros((nb, h, bs, d), dtypes.STORAGE[dst_kind])
         sc = np.zeros((nb, h, bs), np.float32) if dst_kind == dtypes.I8 else None
-        be.write_slots_q(cache, sc, x, slots, src_kind, dst_kind, scale)
+        be.write_slots(cache, x, slots, src_kind, Codec(dst_kind, scale, sc))
         caches.append(cache)
         scales.append(sc)
     same(caches[1], caches[0])
@@ -158,7 +159,7 @@ def test_write_slots_q_and_gather_q_match_the_reference(src_kind, dst_kind, scal
         outs = []
         for be in (REFERENCE, CPU):
             out = np.empty((h, 19, d), dtypes.STORAGE[out_kind])
-            be.gather_q(caches[0], scales[0], table, 3, 22, out, dst_kind, out_kind, scale)
+            be.gather(caches[0], table, 3, 22, out, Codec(dst_kind, scale, scales[0]), out_kind)
             outs.append(out)
         same(outs[1], outs[0])
         lens = np.array([5, 0, 23], np.int32)
@@ -166,7 +167,8 @@ def test_write_slots_q_and_gather_q_match_the_reference(src_kind, dst_kind, scal
         outs = []
         for be in (REFERENCE, CPU):
             out = np.full((3, h, 23, d), 7, dtypes.STORAGE[out_kind])
-            be.gather_batch_q(caches[0], scales[0], tables, lens, out, dst_kind, out_kind, scale)
+            be.gather_batch(caches[0], tables, lens, out, Codec(dst_kind, scale, scales[0]),
+                            out_kind)
             outs.append(out)
         same(outs[1], outs[0])
 
@@ -191,7 +193,7 @@ def test_large_paged_writes_match_the_reference(dst_kind, scale):
         raw = np.zeros(nb * h * bs * d + 16, np.uint8)
         cache = raw[16:].view(dtypes.STORAGE[dst_kind]).reshape(nb, h, bs, d)
         sc = np.zeros((nb, h, bs), np.float32) if dst_kind == dtypes.I8 else None
-        be.write_slots_q(cache, sc, x, slots, dtypes.F32, dst_kind, scale)
+        be.write_slots(cache, x, slots, dtypes.F32, Codec(dst_kind, scale, sc))
         caches.append(cache)
         scales.append(sc)
     same(caches[1], caches[0])
@@ -230,7 +232,7 @@ def test_write_contiguous_q_and_dequantize_match_the_reference(src_kind, dst_kin
     for be in (REFERENCE, CPU):
         dst = np.zeros((2, 3, 9, 16), dtypes.STORAGE[dst_kind])
         sc = np.zeros((2, 3, 9), np.float32) if dst_kind == dtypes.I8 else None
-        be.write_contiguous_q(dst, sc, x.transpose(0, 1, 2, 3), 2, src_kind, dst_kind, 2.5)
+        be.write_contiguous(dst, x.transpose(0, 1, 2, 3), 2, src_kind, Codec(dst_kind, 2.5, sc))
         got.append((dst, sc))
     same(got[1][0], got[0][0])
     if dst_kind == dtypes.I8:
@@ -239,7 +241,7 @@ def test_write_contiguous_q_and_dequantize_match_the_reference(src_kind, dst_kin
         outs = []
         for be in (REFERENCE, CPU):
             out = np.empty((2, 3, 9, 16), dtypes.STORAGE[out_kind])
-            be.dequantize(got[0][0], got[0][1], dst_kind, out, out_kind, 2.5)
+            be.dequantize(got[0][0], Codec(dst_kind, 2.5, got[0][1]), out, out_kind)
             outs.append(out)
         same(outs[1], outs[0])
 

@@ -6,13 +6,17 @@ positions, gather, copy blocks, write a contiguous cache (``base.Backend``
 lists them, with a plain NumPy reference implementation that is the oracle
 of the tests).  ``cpu`` runs Cython/C kernels; ``cuda`` runs CuPy RawKernels
 from ``.cu`` files.  A backend never sees a pool or a sequence, only arrays
-and block ids.  The public classes pick a backend once, from ``device=``,
-and never branch on the device elsewhere.
+and block ids.  Every data op takes the ``Codec`` of the plane it touches
+(the storage kind, an fp8 layer scale, an int8 scale plane) and dispatches
+on it inside: one op per verb.  The public classes pick a backend once,
+from ``device=``, and never branch on the device elsewhere.
 """
 from .base import Backend, is_cuda_array
+from .codec import Codec, codec_of
 from .cpu.backend import CPU, CPUBackend
 
-__all__ = ["Backend", "CPUBackend", "CPU", "get_backend", "backend_of_array"]
+__all__ = ["Backend", "CPUBackend", "CPU", "Codec", "codec_of", "get_backend",
+           "backend_of_array"]
 
 
 def get_backend(device):

@@ -237,9 +237,31 @@ def int8_decode(codes, scales):
     return np.asarray(codes, np.int8).astype(np.float32) * np.asarray(scales, np.float32)[..., None]
 
 
-def _float_rows(bits, kind):
-    """float32 rows of an input of float ``kind`` (storage bits)."""
-    return _f32(bits, kind)
+def _encode(src, src_kind, codec):
+    """``(elements, row_scales)`` of float input ``src`` (storage bits of
+    ``src_kind``, rows along the last axis) stored by ``codec``: storage bits
+    of a float kind, fp8 bits, or int8 codes and their per-row scales (None
+    but for int8)."""
+    bits = _bits_view(src)
+    if codec.kind == dtypes.I8:
+        return int8_encode(_f32(bits, src_kind))
+    if codec.kind in dtypes.FP8_KINDS:
+        return fp8_encode(_f32(bits, src_kind), codec.kind, codec.layer_scale), None
+    return convert_bits(bits, src_kind, codec.kind), None
+
+
+def _decode(elements, codec, row_scales, dst_kind):
+    """Storage bits of ``dst_kind`` of stored ``elements`` (``codec``'s kind;
+    int8: one scale per row in ``row_scales``): widened when ``codec`` is
+    low precision and ``dst_kind`` a float kind, else converted (the same
+    low-precision kind: the codes, copied)."""
+    if codec.lowprec and dst_kind != codec.kind:
+        if codec.kind == dtypes.I8:
+            vals = int8_decode(elements, row_scales)
+        else:
+            vals = fp8_decode(elements, codec.kind, codec.layer_scale)
+        return convert_bits(vals.view(np.uint32), dtypes.F32, dst_kind)
+    return convert_bits(_bits_view(elements), codec.kind, dst_kind)
 
 
 # ---------------------------------------------------------------- attention
@@ -374,7 +396,6 @@ class Backend:
 
     name = "reference"
     xp = np
-    lowprec = True   # fp8 / int8 pools (write_slots_q, gather_q, ...) supported
 
     def normalize_device(self, device):
         return "cpu"
@@ -459,8 +480,9 @@ class Backend:
     def row_writer(self, storage, kind, scales=None, layer_scales=None):
         """A C-level writer of a sequence's appended rows into ``storage``
         (a ``kvcore._native._typedefs.RowWriter``), or None: appends then
-        go through ``write_slots``.  ``scales``: an int8 pool's scale array;
-        ``layer_scales``: an fp8 pool's float32 ``(num_layers, 2)`` scales."""
+        go through ``write_positions``.  ``scales``: an int8 pool's scale
+        array; ``layer_scales``: an fp8 pool's float32 ``(num_layers, 2)``
+        scales (the codecs of every plane at once)."""
         return None
 
     # ------------------------------------------------------------- kernels
@@ -478,126 +500,75 @@ class Backend:
         else:
             dst.view(np.uint32)[...] = f32_bits_from_fp8(src.view(np.uint8), fmt)
 
-    def write_slots(self, cache, src, slots, src_kind, dst_kind):
-        """``cache[s // bs, :, s % bs, :] = src[i]`` for every slot
-        ``s = slots[i] >= 0``, in token order (of several tokens naming one
-        slot the last one lands); -1 skips a token.
+    # Every data op takes the ``Codec`` of the plane it writes or reads
+    # (``kvcore.backends.codec``): float kinds convert, fp8 and int8 encode
+    # and decode through float32; a backend dispatches on ``codec.kind``.
+
+    def write_slots(self, cache, src, slots, src_kind, codec):
+        """``cache[s // bs, :, s % bs, :] = src[i]`` encoded by ``codec`` for
+        every slot ``s = slots[i] >= 0``, in token order (of several tokens
+        naming one slot the last one lands); -1 skips a token.
+
+        Float kinds: converted (RNE); fp8: ``fp8(x / codec.layer_scale)``
+        saturated; int8: the codes, and each (token, head) row's scale to
+        ``codec.scale_plane[s // bs, :, s % bs]``.
 
         cache: a paged plane ``(num_blocks, heads, block_size, dim)``;
         src: ``(n, heads, dim)``; slots: int64 ``(n,)``."""
         bs = cache.shape[2]
-        rows = convert_bits(_bits_view(src), src_kind, dst_kind)
-        out = _bits_view(cache)
+        rows, row_scales = _encode(src, src_kind, codec)
+        dst = cache if codec.lowprec else _bits_view(cache)
         for i, s in enumerate(np.asarray(slots).tolist()):
             if s >= 0:
-                out[s // bs, :, s % bs, :] = rows[i]
+                dst[s // bs, :, s % bs, :] = rows[i]
+                if row_scales is not None:
+                    codec.scale_plane[s // bs, :, s % bs] = row_scales[i]
 
-    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
-        """``write_slots`` into a low-precision plane: ``dst_kind`` fp8 (stored
-        ``fp8(x / scale)`` saturated; ``scales`` None) or int8 (``scales``: the
-        plane's float32 scales ``(num_blocks, heads, block_size)``, one per
-        token and head, written beside the codes; ``scale`` unused)."""
-        bs = cache.shape[2]
-        x = _float_rows(_bits_view(src), src_kind)
-        if dst_kind == dtypes.I8:
-            rows, sc = int8_encode(x)
-        else:
-            rows, sc = fp8_encode(x, dst_kind, scale), None
-        for i, s in enumerate(np.asarray(slots).tolist()):
-            if s >= 0:
-                cache[s // bs, :, s % bs, :] = rows[i]
-                if sc is not None:
-                    scales[s // bs, :, s % bs] = sc[i]
+    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, k_codec, v_codec,
+                       owner, check):
+        """Keys into ``k_cache`` (``k_codec``) and values into ``v_cache``
+        (``v_codec``): ``write_slots`` for each.  ``owner`` and ``check``
+        matter only for slots in GPU memory (see the CUDA backend)."""
+        self.write_slots(k_cache, k, slots, src_kind, k_codec)
+        self.write_slots(v_cache, v, slots, src_kind, v_codec)
 
-    def write_slots_kv_q(self, k_cache, v_cache, k_scales, v_scales, k, v, slots, src_kind,
-                         dst_kind, k_scale, v_scale, owner, check):
-        """``write_slots_kv`` for low-precision planes: ``write_slots_q`` of
-        the keys (``k_scales`` / ``k_scale``), then of the values."""
-        self.write_slots_q(k_cache, k_scales, k, slots, src_kind, dst_kind, k_scale)
-        self.write_slots_q(v_cache, v_scales, v, slots, src_kind, dst_kind, v_scale)
-
-    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
-        """``gather`` of a low-precision plane widened to float ``dst_kind``:
-        ``fp8 * scale``, or ``code * scales[block, head, offset]`` for int8."""
-        bs = cache.shape[2]
-        pos = np.arange(start, end, dtype=np.int64)
-        blocks = np.asarray(block_table, np.int64)[pos // bs]
-        rows = cache[blocks, :, pos % bs, :]                      # (n, heads, dim)
-        if src_kind == dtypes.I8:
-            vals = int8_decode(rows, scales[blocks, :, pos % bs])
-        else:
-            vals = fp8_decode(rows, src_kind, scale)
-        _bits_view(out)[...] = convert_bits(vals.view(np.uint32), dtypes.F32,
-                                            dst_kind).transpose(1, 0, 2)
-
-    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
-                       scale):
-        """``gather_batch`` through ``gather_q`` (padding +0)."""
-        out[...] = 0
-        for s in range(out.shape[0]):
-            n = int(lengths[s])
-            if n:
-                self.gather_q(cache, scales, block_tables[s], 0, n, out[s, :, :n], src_kind,
-                              dst_kind, scale)
-
-    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
-        """``write_contiguous`` into a low-precision cache; int8 scales:
-        ``(batch, heads, max_seq_len)`` float32."""
-        n = src.shape[2]
-        x = _float_rows(_bits_view(src), src_kind)
-        if dst_kind == dtypes.I8:
-            codes, sc = int8_encode(x)
-            dst[:, :, start:start + n, :] = codes
-            scales[:, :, start:start + n] = sc
-        else:
-            dst[:, :, start:start + n, :] = fp8_encode(x, dst_kind, scale)
-
-    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
-        """``dst[...] = src`` widened (any shape ``(..., dim)``; int8
-        ``scales`` of shape ``src.shape[:-1]``)."""
-        if src_kind == dtypes.I8:
-            vals = int8_decode(src, scales)
-        else:
-            vals = fp8_decode(src, src_kind, scale)
-        _bits_view(dst)[...] = convert_bits(vals.view(np.uint32), dtypes.F32, dst_kind)
-
-    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner, check):
-        """Keys into ``k_cache`` and values into ``v_cache`` (``write_slots``
-        for each).  ``owner`` and ``check`` matter only for slots in GPU
-        memory (see the CUDA backend)."""
-        self.write_slots(k_cache, k, slots, src_kind, dst_kind)
-        self.write_slots(v_cache, v, slots, src_kind, dst_kind)
-
-    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, dst_kind):
+    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, k_codec,
+                        v_codec):
         """Rows ``i`` of ``k`` and ``v`` ``(n, heads, dim)`` to positions
         ``start + i`` of the sequence whose blocks are ``block_table`` (int32),
         in layer ``layer``'s planes of ``storage`` (keys ``2 * layer``,
-        values ``2 * layer + 1``).  What ``PagedKVCache.append`` writes."""
+        values ``2 * layer + 1``, stored by ``k_codec`` / ``v_codec``).  What
+        ``PagedKVCache.append`` writes."""
         bs = storage.shape[3]
         pos = start + np.arange(k.shape[0], dtype=np.int64)
         table = np.asarray(self.to_host(block_table), np.int64)
         slots = table[pos // bs] * bs + pos % bs        # host slots: every backend takes them
-        self.write_slots(storage[2 * layer], k, slots, src_kind, dst_kind)
-        self.write_slots(storage[2 * layer + 1], v, slots, src_kind, dst_kind)
+        self.write_slots(storage[2 * layer], k, slots, src_kind, k_codec)
+        self.write_slots(storage[2 * layer + 1], v, slots, src_kind, v_codec)
 
-    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+    def gather(self, cache, block_table, start, end, out, codec, dst_kind):
         """``out[:, t - start, :] = cache[block_table[t // bs], :, t % bs, :]``
-        for ``t`` in ``start..end-1``, converted; out: ``(heads, end - start, dim)``."""
+        for ``t`` in ``start..end-1``, read through ``codec`` as ``dst_kind``
+        (a float kind, or the codec's own kind: the stored codes, raw); out:
+        ``(heads, end - start, dim)``.  fp8 reads ``fp8 * layer_scale``, int8
+        ``code * scale_plane[block, head, offset]``."""
         bs = cache.shape[2]
         pos = np.arange(start, end, dtype=np.int64)
         blocks = np.asarray(block_table, np.int64)[pos // bs]
-        rows = _bits_view(cache)[blocks, :, pos % bs, :]          # (n, heads, dim)
-        _bits_view(out)[...] = convert_bits(rows, src_kind, dst_kind).transpose(1, 0, 2)
+        rows = cache[blocks, :, pos % bs, :]                      # (n, heads, dim)
+        row_scales = None if codec.scale_plane is None else \
+            codec.scale_plane[blocks, :, pos % bs]
+        _bits_view(out)[...] = _decode(rows, codec, row_scales, dst_kind).transpose(1, 0, 2)
 
-    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+    def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
         """``out[s, :, :lengths[s]]`` = sequence ``s``'s positions (block
-        table row ``s``); the padding past each length is +0.
-        out: ``(batch, heads, max_len, dim)``."""
+        table row ``s``), read as ``gather`` reads them; the padding past
+        each length is +0.  out: ``(batch, heads, max_len, dim)``."""
         out[...] = 0
         for s in range(out.shape[0]):
             n = int(lengths[s])
             if n:
-                self.gather(cache, block_tables[s], 0, n, out[s, :, :n], src_kind, dst_kind)
+                self.gather(cache, block_tables[s], 0, n, out[s, :, :n], codec, dst_kind)
 
     def copy_blocks(self, storage, src, dst):
         """``storage[:, dst[i]] = storage[:, src[i]]`` for each ``i`` in
@@ -611,12 +582,26 @@ class Backend:
         for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
             dst_storage[:, d] = src_storage[:, s]
 
-    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
-        """``dst[b, h, start + t, :] = src[b, h, t, :]`` converted.
-        dst: ``(batch, heads, max_seq_len, dim)``; src: ``(batch, heads, n, dim)``."""
+    def write_contiguous(self, dst, src, start, src_kind, codec):
+        """``dst[b, h, start + t, :] = src[b, h, t, :]`` encoded by ``codec``
+        (as ``write_slots``; int8 row scales to ``codec.scale_plane[b, h,
+        start + t]``).  dst: ``(batch, heads, max_seq_len, dim)``; src:
+        ``(batch, heads, n, dim)``; an int8 scale plane ``(batch, heads,
+        max_seq_len)``."""
         n = src.shape[2]
-        _bits_view(dst)[:, :, start:start + n, :] = convert_bits(_bits_view(src), src_kind,
-                                                                 dst_kind)
+        rows, row_scales = _encode(src, src_kind, codec)
+        out = dst if codec.lowprec else _bits_view(dst)
+        out[:, :, start:start + n, :] = rows
+        if row_scales is not None:
+            codec.scale_plane[:, :, start:start + n] = row_scales
+
+    def dequantize(self, src, codec, dst, dst_kind):
+        """``dst[...] = src`` read through ``codec`` as ``dst_kind``: any shape
+        ``(..., dim)``, the same for both; an int8 ``codec.scale_plane``
+        holds one scale per row of ``src`` (shape ``src.shape[:-1]``).  A
+        float codec converts; the codec's own low-precision kind copies the
+        codes."""
+        _bits_view(dst)[...] = _decode(src, codec, codec.scale_plane, dst_kind)
 
     # ------------------------------------------------------------ attention
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,

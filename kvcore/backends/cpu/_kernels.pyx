@@ -226,9 +226,9 @@ cdef inline void _plane_of(cnp.ndarray storage, Py_ssize_t layer, _Plane* out) n
     out.keys = _ptr(storage) + 2 * layer * out.plane
 
 
-def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
-                    const block_id_t[::1] block_table, Py_ssize_t start, int src_kind,
-                    int dst_kind):
+cdef object _write_positions_float(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k,
+                                  cnp.ndarray v, const block_id_t[::1] block_table,
+                                  Py_ssize_t start, int src_kind, int dst_kind):
     """Rows i of k and v (n, heads, dim) to positions start + i of the
     sequence whose blocks are ``block_table``, in layer ``layer``'s planes of
     ``storage`` (see Backend.write_positions).  k, v: C-contiguous, aligned,
@@ -406,8 +406,8 @@ cdef class PositionWriter(RowWriter):
         return 0
 
 
-def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
-                int src_kind, int dst_kind):
+cdef object _write_slots_float(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
+                               int src_kind, int dst_kind):
     """cache[b, h, off, :] = src[i, h, :] for slot s = slots[i] >= 0,
     b = s // block_size, off = s % block_size.
 
@@ -440,9 +440,9 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
             stream_fence()
 
 
-def gather(cnp.ndarray cache, const block_id_t[::1] block_table,
-           Py_ssize_t start, Py_ssize_t end, cnp.ndarray out,
-           int src_kind, int dst_kind):
+cdef object _gather_float(cnp.ndarray cache, const block_id_t[::1] block_table,
+                          Py_ssize_t start, Py_ssize_t end, cnp.ndarray out,
+                          int src_kind, int dst_kind):
     """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
     for t in start..end-1.
 
@@ -517,8 +517,8 @@ def copy_blocks_between(cnp.ndarray src_storage, const block_id_t[::1] src,
     _copy_blocks(src_storage, src, dst_storage, dst)
 
 
-def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
-                     int src_kind, int dst_kind):
+cdef object _write_contiguous_float(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start,
+                                    int src_kind, int dst_kind):
     """dst[b, h, start + t, :] = src[b, h, t, :].
 
     dst: (batch, heads, max_seq_len, dim), C-contiguous.
@@ -623,9 +623,9 @@ cdef inline float* _scale_ptr(object scales) except? NULL:
     return <float*>cnp.PyArray_DATA(a)
 
 
-def write_slots_q(cnp.ndarray cache, object scales, cnp.ndarray src, const slot_t[::1] slots,
-                  int src_kind, int dst_kind, float scale):
-    """write_slots into a low-precision plane (Backend.write_slots_q).
+cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray src,
+                           const slot_t[::1] slots, int src_kind, int dst_kind, float scale):
+    """write_slots into a low-precision plane.
 
     cache: (num_blocks, heads, block_size, dim) C-contiguous (1-byte codes);
     scales: int8 only, the plane's (num_blocks, heads, block_size) float32,
@@ -692,28 +692,26 @@ cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ss
         stream_fence()
 
 
-def write_positions_q(cnp.ndarray storage, object scales, Py_ssize_t layer, cnp.ndarray k,
-                      cnp.ndarray v, const block_id_t[::1] block_table, Py_ssize_t start,
-                      int src_kind, int dst_kind, float k_scale, float v_scale):
-    """write_positions into a low-precision pool's storage; ``scales`` the
-    int8 pool's whole scale array (planes, num_blocks, heads, block_size),
-    else None."""
+cdef object _write_positions_lowprec(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k,
+                               cnp.ndarray v, const block_id_t[::1] block_table,
+                               Py_ssize_t start, int src_kind, int dst_kind, float k_scale,
+                               float v_scale, object k_scale_plane, object v_scale_plane):
+    """write_positions into a low-precision pool's storage; the scale
+    planes: int8 only, the layer's key and value scales (num_blocks, heads,
+    block_size), else None."""
     cdef _Plane plane
     cdef Py_ssize_t n = k.shape[0], heads = k.shape[1], dim = k.shape[2]
-    cdef float* sc = _scale_ptr(scales)
-    cdef float* k_sc = NULL
-    cdef float* v_sc = NULL
-    cdef Py_ssize_t per_plane = storage.shape[1] * heads * storage.shape[3]
+    cdef float* k_sc = _scale_ptr(k_scale_plane)
+    cdef float* v_sc = _scale_ptr(v_scale_plane)
     cdef float* buf
     _aligned_array(k, "k")
     _aligned_array(v, "v")
     if n == 0:
         return
     _aligned(&block_table[0], sizeof(block_id_t), "block_table")
+    if dst_kind == KVH_I8 and (k_sc == NULL or v_sc == NULL):
+        raise ValueError("internal: an int8 plane needs its scales")
     _plane_of(storage, layer, &plane)
-    if sc != NULL:
-        k_sc = sc + 2 * layer * per_plane
-        v_sc = k_sc + per_plane
     cdef const char* kp = _ptr(k)
     cdef const char* vp = _ptr(v)
     buf = _scratch(dim)
@@ -726,12 +724,12 @@ def write_positions_q(cnp.ndarray storage, object scales, Py_ssize_t layer, cnp.
         free(buf)
 
 
-def gather_q(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
-             Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind, int dst_kind,
-             float scale):
-    """gather of a low-precision plane, widened to float ``dst_kind``
-    (Backend.gather_q).  cache C-contiguous; out (heads, end - start, dim)
-    C-contiguous, aligned; scales: int8's scale plane, else None."""
+cdef object _gather_lowprec(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
+                      Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind,
+                      int dst_kind, float scale):
+    """gather of a low-precision plane, widened to float ``dst_kind``.
+    cache C-contiguous; out (heads, end - start, dim) C-contiguous, aligned;
+    scales: int8's scale plane, else None."""
     cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
     cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
     cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]
@@ -765,8 +763,8 @@ def gather_q(cnp.ndarray cache, object scales, const block_id_t[::1] block_table
         free(buf)
 
 
-def write_contiguous_q(cnp.ndarray dst, object scales, cnp.ndarray src, Py_ssize_t start,
-                       int src_kind, int dst_kind, float scale):
+cdef object _write_contiguous_lowprec(cnp.ndarray dst, object scales, cnp.ndarray src,
+                                Py_ssize_t start, int src_kind, int dst_kind, float scale):
     """dst[b, h, start + t, :] = src[b, h, t, :] into a low-precision
     contiguous cache (dst C-contiguous; int8 scales (batch, heads,
     max_seq_len) float32 C-contiguous, else None)."""
@@ -815,3 +813,77 @@ def dequantize(cnp.ndarray src, object scales, int src_kind, cnp.ndarray dst, in
                             dst_kind, dp + r * drow, scale, buf)
     finally:
         free(buf)
+
+
+# ------------------------------------------------------------ one entry per op
+# Each op dispatches on the storage kind to its float loop (convert_n while
+# copying) or its low-precision loop (through float32, fp8 scale, int8 scale
+# plane): the Python side (backend.py) calls one name whatever the format.
+
+cdef inline bint _lowprec(int kind) noexcept:
+    return kind == KVH_F8E4M3 or kind == KVH_F8E5M2 or kind == KVH_I8
+
+
+def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots, int src_kind,
+                int dst_kind, float scale=1.0, object scale_plane=None):
+    """cache[b, h, off, :] = src[i, h, :] stored as ``dst_kind`` for slot
+    s = slots[i] >= 0, b = s // block_size, off = s % block_size
+    (Backend.write_slots).
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    src: (n, heads, dim), last axis contiguous, any other strides.
+    fp8: stored fp8(x / scale); int8: ``scale_plane`` the plane's
+    (num_blocks, heads, block_size) float32 scales, C-contiguous.
+    """
+    if _lowprec(dst_kind):
+        _write_slots_lowprec(cache, scale_plane, src, slots, src_kind, dst_kind, scale)
+    else:
+        _write_slots_float(cache, src, slots, src_kind, dst_kind)
+
+
+def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
+                    const block_id_t[::1] block_table, Py_ssize_t start, int src_kind,
+                    int dst_kind, float k_scale=1.0, float v_scale=1.0,
+                    object k_scale_plane=None, object v_scale_plane=None):
+    """Rows i of k and v (n, heads, dim) to positions start + i of the
+    sequence whose blocks are ``block_table``, in layer ``layer``'s planes of
+    ``storage`` (see Backend.write_positions).  k, v: C-contiguous, aligned,
+    apart from storage; storage C-contiguous.  fp8: the layer's k / v
+    scales; int8: its key and value scale planes."""
+    if _lowprec(dst_kind):
+        _write_positions_lowprec(storage, layer, k, v, block_table, start, src_kind, dst_kind,
+                                 k_scale, v_scale, k_scale_plane, v_scale_plane)
+    else:
+        _write_positions_float(storage, layer, k, v, block_table, start, src_kind, dst_kind)
+
+
+def gather(cnp.ndarray cache, const block_id_t[::1] block_table, Py_ssize_t start,
+           Py_ssize_t end, cnp.ndarray out, int src_kind, int dst_kind, float scale=1.0,
+           object scale_plane=None):
+    """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
+    for t in start..end-1, read as ``dst_kind`` (Backend.gather): a
+    low-precision plane widened to a float kind (fp8 * scale, code *
+    scale_plane[block, head, offset]), or its codes copied raw.
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    out: (heads, end - start, dim), C-contiguous, aligned.
+    """
+    if _lowprec(src_kind) and dst_kind != src_kind:
+        _gather_lowprec(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, scale)
+    else:
+        _gather_float(cache, block_table, start, end, out, src_kind, dst_kind)
+
+
+def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start, int src_kind,
+                     int dst_kind, float scale=1.0, object scale_plane=None):
+    """dst[b, h, start + t, :] = src[b, h, t, :] stored as ``dst_kind``.
+
+    dst: (batch, heads, max_seq_len, dim), C-contiguous.
+    src: (batch, heads, n, dim), last axis contiguous, any other strides.
+    fp8: stored fp8(x / scale); int8: ``scale_plane`` (batch, heads,
+    max_seq_len) float32, C-contiguous.
+    """
+    if _lowprec(dst_kind):
+        _write_contiguous_lowprec(dst, scale_plane, src, start, src_kind, dst_kind, scale)
+    else:
+        _write_contiguous_float(dst, src, start, src_kind, dst_kind)

@@ -65,20 +65,25 @@ class CPUBackend(Backend):
         f = out.flags
         return f.c_contiguous and f.aligned and not _kernels.overlaps(out, storage)
 
-    def write_slots(self, cache, src, slots, src_kind, dst_kind):
-        """src is read as it was, also when it is a view of ``cache`` (a
-        caller that writes both planes of a layer stages its inputs with
-        ``apart`` against the whole storage first)."""
+    def write_slots(self, cache, src, slots, src_kind, codec):
+        """src is read as it was, also when it is a view of ``cache`` or of
+        the codec's scale plane (a caller that writes both planes of a layer
+        stages its inputs with ``apart`` against the whole storage first)."""
         src = _kernels.apart(src, cache)
+        plane = codec.scale_plane
+        if plane is not None:
+            src = _kernels.apart(src, plane)
         flags = src.flags
         if not (flags.c_contiguous and flags.aligned):
             src = self.inner_contiguous(src)
-        _kernels.write_slots(cache, src, slots, src_kind, dst_kind)
+        _kernels.write_slots(cache, src, slots, src_kind, codec.kind, codec.layer_scale, plane)
 
-    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, dst_kind):
+    def write_positions(self, storage, layer, k, v, block_table, start, src_kind, k_codec,
+                        v_codec):
         """K and V in one kernel call (storage C-contiguous; k, v apart from it)."""
         _kernels.write_positions(storage, layer, self._rows(k), self._rows(v), block_table,
-                                 start, src_kind, dst_kind)
+                                 start, src_kind, k_codec.kind, k_codec.layer_scale,
+                                 v_codec.layer_scale, k_codec.scale_plane, v_codec.scale_plane)
 
     @staticmethod
     def _rows(a):
@@ -93,71 +98,55 @@ class CPUBackend(Backend):
             return _kernels.PositionWriter(storage, kind, scales, layer_scales)
         return None
 
-    # ------------------------------------------------- low-precision storage
-    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
-        src = _kernels.apart(src, cache)
-        if scales is not None:
-            src = _kernels.apart(src, scales)
-        if not (src.flags.c_contiguous and src.flags.aligned):
-            src = self.inner_contiguous(src)
-        _kernels.write_slots_q(cache, scales, src, slots, src_kind, dst_kind, scale)
-
-    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
-        _kernels.gather_q(cache, scales, block_table, start, end, out, src_kind, dst_kind, scale)
-
-    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
-                       scale):
-        out[...] = 0
-        for s in range(out.shape[0]):
-            n = int(lengths[s])
-            if n:
-                # (rows of a head back to back, as gather_q writes them)
-                _kernels.gather_q(cache, scales, _aligned_ids(block_tables[s]), 0, n,
-                                  out[s, :, :n] if n < out.shape[2] else out[s], src_kind,
-                                  dst_kind, scale)
-
-    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
-        assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
-        src = _kernels.apart(src, dst)
-        _kernels.write_contiguous_q(dst, scales, self.inner_contiguous(src), start, src_kind,
-                                    dst_kind, scale)
-
-    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
-        d = src.shape[-1]
-        s2 = np.ascontiguousarray(src).reshape(-1, d)
-        sc = None if scales is None else np.ascontiguousarray(scales, np.float32).reshape(-1)
-        if dst.flags.c_contiguous and dst.flags.aligned:
-            _kernels.dequantize(s2, sc, src_kind, dst.reshape(-1, d), dst_kind, scale)
-        else:
-            tmp = np.empty(dst.shape, dst.dtype)
-            _kernels.dequantize(s2, sc, src_kind, tmp.reshape(-1, d), dst_kind, scale)
-            dst[...] = tmp
-
-    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+    def gather(self, cache, block_table, start, end, out, codec, dst_kind):
         """out: (heads, end - start, dim), C-contiguous, aligned, apart from
         cache; block_table: int32, C-contiguous, aligned."""
-        _kernels.gather(cache, block_table, start, end, out, src_kind, dst_kind)
+        _kernels.gather(cache, block_table, start, end, out, codec.kind, dst_kind,
+                        codec.layer_scale, codec.scale_plane)
 
-    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+    def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
         out[...] = 0
+        kind, scale, plane = codec.kind, codec.layer_scale, codec.scale_plane
         for s in range(out.shape[0]):
             n = int(lengths[s])
             if n:
+                # (rows of a head back to back, as gather writes them)
                 _kernels.gather(cache, _aligned_ids(block_tables[s]), 0, n,
-                                out[s, :, :n] if n < out.shape[2] else out[s], src_kind,
-                                dst_kind)
+                                out[s, :, :n] if n < out.shape[2] else out[s], kind, dst_kind,
+                                scale, plane)
+
+    def write_contiguous(self, dst, src, start, src_kind, codec):
+        # the kernel writes rows of dst back to back: dst must be C-contiguous
+        assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
+        src = _kernels.apart(src, dst)  # e.g. a view of the cache itself
+        _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, codec.kind,
+                                  codec.layer_scale, codec.scale_plane)
+
+    def dequantize(self, src, codec, dst, dst_kind):
+        if not codec.lowprec:
+            self.convert(src, codec.kind, dst, dst_kind)
+            return
+        if dst_kind == codec.kind:      # the codes, raw
+            dst[...] = src
+            return
+        d = src.shape[-1]
+        s2 = np.ascontiguousarray(src).reshape(-1, d)
+        plane = codec.scale_plane
+        sc = None if plane is None else np.ascontiguousarray(plane, np.float32).reshape(-1)
+        if dst.flags.c_contiguous and dst.flags.aligned:
+            _kernels.dequantize(s2, sc, codec.kind, dst.reshape(-1, d), dst_kind,
+                                codec.layer_scale)
+        else:
+            tmp = np.empty(dst.shape, dst.dtype)
+            _kernels.dequantize(s2, sc, codec.kind, tmp.reshape(-1, d), dst_kind,
+                                codec.layer_scale)
+            dst[...] = tmp
 
     def copy_blocks(self, storage, src, dst):
         _kernels.copy_blocks(storage, src, dst)
 
     def copy_blocks_between(self, src_storage, src, dst_storage, dst):
         _kernels.copy_blocks_between(src_storage, src, dst_storage, dst)
-
-    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
-        # the kernel writes rows of dst back to back: dst must be C-contiguous
-        assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
-        src = _kernels.apart(src, dst)  # e.g. a view of the cache itself
-        _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, dst_kind)
 
     # ------------------------------------------------- attention
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,

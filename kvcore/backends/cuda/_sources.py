@@ -14,11 +14,14 @@ single module too.
 import re
 from pathlib import Path
 
+import numpy as np
+
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 HEADER = "kv_half.cuh"
 
 # Element kinds: kvcore.dtypes's (kv_kinds.h's numbering; kv_half.cuh's
 # KV_* carry the same values, checked by tests/test_kinds.py).
+from ... import dtypes  # noqa: E402
 from ...dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8  # noqa: E402
 KINDS = (F32, F16, BF16)
 LOWPREC_KINDS = (F8E4M3, F8E5M2, I8)
@@ -175,3 +178,15 @@ def _paste(body, name, pasted):
         pos = m.end()
     out.append(body[pos:])
     return "".join(out)
+
+
+def bits_dtype(dtype):
+    """The unsigned integer dtype with the same itemsize as float ``dtype``.
+
+    Every copy the CUDA backend makes goes through these views, so no float
+    instruction (which might quiet a NaN) ever touches the data."""
+    if dtype == np.float32:
+        return np.dtype(np.uint32)
+    if dtype == np.float16 or (dtypes.BF16_NUMPY is not None and dtype == dtypes.BF16_NUMPY):
+        return np.dtype(np.uint16)
+    return dtype

@@ -30,6 +30,8 @@ import numpy as np
 from ... import dtypes
 from ..base import Backend
 from . import CudaUnavailableError, _sources, attention_kernels
+from .attention import CudaAttention, CudaAttentionPlan  # noqa: F401 (re-exported)
+from .copies import CudaBlockCopies
 
 # DLPack device types (dlpack.h).
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
@@ -42,21 +44,6 @@ _ROW_LIMIT = 2**31 - 1
 # Threads per block and a cap on the grid (the kernels grid-stride over rows).
 _BLOCK_THREADS = 256
 _MAX_GRID = 1 << 20
-# cudaMemcpy2D rejects pitches above the device's maximum pitch (2**31 - 1
-# on current GPUs); larger plane strides take one copy per plane.
-_MAX_PITCH = 2**31 - 1
-
-
-def _bits_dtype(dtype):
-    """The unsigned integer dtype with the same itemsize as float ``dtype``.
-
-    Every copy this module makes goes through these views, so no float
-    instruction (which might quiet a NaN) ever touches the data."""
-    if dtype == np.float32:
-        return np.dtype(np.uint32)
-    if dtype == np.float16 or (dtypes.BF16_NUMPY is not None and dtype == dtypes.BF16_NUMPY):
-        return np.dtype(np.uint16)
-    return dtype
 
 
 def launch_shape(rows, chunks):
@@ -69,7 +56,7 @@ def launch_shape(rows, chunks):
     return (grid, 1, 1), (bx, by, 1)
 
 
-class CudaBackend(Backend):
+class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
 
     Parameters
@@ -81,7 +68,6 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
-    lowprec = True    # fp8 / int8 pools and caches (lowprec.cu)
 
     def __init__(self, cupy, device_id):
         self._cp = cupy
@@ -410,7 +396,7 @@ class CudaBackend(Backend):
             self._deliverable(a, "an input")
             b = self.xp.array(a.view(np.uint8), order="C", copy=True)
             return b.view(a.dtype)
-        b = a.view(_bits_dtype(a.dtype))
+        b = a.view(_sources.bits_dtype(a.dtype))
         return self.xp.array(b, order="C", copy=True).view(a.dtype)
 
     # ------------------------------------------------------------- helpers
@@ -503,7 +489,7 @@ class CudaBackend(Backend):
                          -(-n // v), 1, [tmp, s, n])
 
         with self._ctx():
-            self._flat(src.view(_bits_dtype(src.dtype)), dst.view(_bits_dtype(dst.dtype)), launch)
+            self._flat(src.view(_sources.bits_dtype(src.dtype)), dst.view(_sources.bits_dtype(dst.dtype)), launch)
 
     def convert_fp8(self, src, dst, fmt, narrow, saturate=False):
         """float32 -> fp8 codes (``narrow``) or back; same shape, any strides
@@ -520,32 +506,44 @@ class CudaBackend(Backend):
             self._flat(src.view(np.uint32) if narrow else src,
                        dst if narrow else dst.view(np.uint32), launch)
 
-    def write_slots(self, cache, src, slots, src_kind, dst_kind):
-        """cache[b, h, off, :] = src[i, h, :] converted, for slot s = slots[i]
-        >= 0, b = s // block_size, off = s % block_size (vLLM's
+    def write_slots(self, cache, src, slots, src_kind, codec):
+        """cache[b, h, off, :] = src[i, h, :] stored by ``codec``, for slot
+        s = slots[i] >= 0, b = s // block_size, off = s % block_size (vLLM's
         reshape_and_cache).  cache: (num_blocks, heads, block_size, dim);
         src: (n, heads, dim); slots: int64, host or device, distinct (a
         sequence's own positions; ``write_slots_kv`` takes repeats).  A slot
-        past the cache is skipped by the kernel, never written."""
+        past the cache is skipped by the kernel, never written.  An int8
+        row's max-abs takes one thread per (token, head) row; fp8 one per
+        element."""
         n = src.shape[0]
         if n == 0 or src.shape[1] == 0 or src.shape[2] == 0:
             return
         with self._ctx():
             self._write_plane(cache, src, self._index_array(slots, np.int64), None,
-                              src_kind, dst_kind)
+                              src_kind, codec)
 
-    def _write_plane(self, cache, src, slots, owner, src_kind, dst_kind):
-        """One kv_write_slots launch; ``slots`` a device int64 array, ``owner``
+    def _write_plane(self, cache, src, slots, owner, src_kind, codec):
+        """One kv_write_slots (float, paged.cu) or kv_write_slots_q (fp8 /
+        int8, lowprec.cu) launch; ``slots`` a device int64 array, ``owner``
         the claimed owner table or None."""
         n, heads, dim = src.shape
-        if self._overlaps(src, cache):  # e.g. a view of the pool itself
-            src = self._contiguous_copy(src)
+        dst_kind, plane = codec.kind, codec.scale_plane
+        if self._overlaps(src, cache) or (plane is not None and self._overlaps(src, plane)):
+            src = self._contiguous_copy(src)   # e.g. a view of the pool itself
         src = self.inner_contiguous(src)
         ss = self._estrides(src, (0, 1))
         cs = self._estrides(cache, (0, 1, 2))
-        v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
         rows = n * heads
         self._check_rows(rows, "write_slots")
+        if codec.lowprec:
+            scs = self._scale_strides(plane, (0, 1, 2))
+            self._q_launch(src_kind, dst_kind, "kv_write_slots_q", rows,
+                           1 if dst_kind == dtypes.I8 else dim,
+                           [cache, plane, src, slots, owner, cache.shape[0] * cache.shape[2],
+                            heads, cache.shape[2], dim, ss[0], ss[1], cs[0], cs[1], cs[2],
+                            scs[0], scs[1], scs[2], self._scale_bits(codec.layer_scale)])
+            return
+        v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
         self._launch("paged.cu", src_kind, dst_kind,
                      _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v),
                      rows, dim // v,
@@ -601,11 +599,12 @@ class CudaBackend(Backend):
         with self._ctx():
             return self._index_array(a, np.int64)
 
-    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, dst_kind, owner,
-                       check):
+    def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, k_codec, v_codec,
+                       owner, check):
         """``BlockPool.write`` for one layer: K and V of n tokens into their
-        slots; of several tokens naming one slot, the last one's values land
-        (as the CPU backend's in-order loop gives).
+        slots (stored by ``k_codec`` / ``v_codec``); of several tokens naming
+        one slot, the last one's values (and int8 scales) land (as the CPU
+        backend's in-order loop gives).
 
         Parameters
         ----------
@@ -628,10 +627,12 @@ class CudaBackend(Backend):
         def write(d_slots, table):
             if k.shape[1] and k.shape[2]:
                 v_ = v
-                if self._overlaps(v_, k_cache):  # read v before the keys change
-                    v_ = self._contiguous_copy(v_)
-                self._write_plane(k_cache, k, d_slots, table, src_kind, dst_kind)
-                self._write_plane(v_cache, v_, d_slots, table, src_kind, dst_kind)
+                k_plane = k_codec.scale_plane
+                if self._overlaps(v_, k_cache) or (k_plane is not None
+                                                  and self._overlaps(v_, k_plane)):
+                    v_ = self._contiguous_copy(v_)   # read v before the keys change
+                self._write_plane(k_cache, k, d_slots, table, src_kind, k_codec)
+                self._write_plane(v_cache, v_, d_slots, table, src_kind, v_codec)
 
         self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
 
@@ -719,176 +720,51 @@ class CudaBackend(Backend):
         if self._misaligned(out):
             out.view(np.uint8)[...] = tmp.view(np.uint8)
         else:
-            out.view(_bits_dtype(out.dtype))[...] = tmp.view(_bits_dtype(tmp.dtype))
+            out.view(_sources.bits_dtype(out.dtype))[...] = tmp.view(_sources.bits_dtype(tmp.dtype))
 
-    def _write_plane_q(self, cache, scales, src, slots, owner, src_kind, dst_kind, scale):
-        """One kv_write_slots_q launch (``_write_plane`` for fp8 / int8)."""
-        n, heads, dim = src.shape
-        if self._overlaps(src, cache) or (scales is not None and self._overlaps(src, scales)):
-            src = self._contiguous_copy(src)
-        src = self.inner_contiguous(src)
-        ss = self._estrides(src, (0, 1))
-        cs = self._estrides(cache, (0, 1, 2))
-        scs = self._scale_strides(scales, (0, 1, 2))
-        rows = n * heads
-        self._check_rows(rows, "write_slots")
-        self._q_launch(src_kind, dst_kind, "kv_write_slots_q", rows,
-                       1 if dst_kind == dtypes.I8 else dim,
-                       [cache, scales, src, slots, owner, cache.shape[0] * cache.shape[2], heads,
-                        cache.shape[2], dim, ss[0], ss[1], cs[0], cs[1], cs[2],
-                        scs[0], scs[1], scs[2], self._scale_bits(scale)])
-
-    def write_slots_q(self, cache, scales, src, slots, src_kind, dst_kind, scale):
-        """``write_slots`` into an fp8 or int8 plane (distinct slots, host or
-        device; a slot past the cache is skipped).  An int8 row's max-abs
-        takes one thread per (token, head) row; fp8 one per element."""
-        if src.shape[0] == 0 or src.shape[1] == 0 or src.shape[2] == 0:
-            return
-        with self._ctx():
-            self._write_plane_q(cache, scales, src, self._index_array(slots, np.int64), None,
-                                src_kind, dst_kind, scale)
-
-    def write_slots_kv_q(self, k_cache, v_cache, k_scales, v_scales, k, v, slots, src_kind,
-                         dst_kind, k_scale, v_scale, owner, check):
-        """``write_slots_kv`` into fp8 / int8 planes: repeated slots (the last
-        token's K, V and int8 scales land) and device slots (``check``) as
-        there."""
-        if k.shape[0] == 0:
-            return
-
-        def write(d_slots, table):
-            if k.shape[1] and k.shape[2]:
-                v_ = v
-                if self._overlaps(v_, k_cache) or (k_scales is not None
-                                                  and self._overlaps(v_, k_scales)):
-                    v_ = self._contiguous_copy(v_)   # read v before the keys change
-                self._write_plane_q(k_cache, k_scales, k, d_slots, table, src_kind, dst_kind,
-                                    k_scale)
-                self._write_plane_q(v_cache, v_scales, v_, d_slots, table, src_kind, dst_kind,
-                                    v_scale)
-
-        self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
-
-    def gather_q(self, cache, scales, block_table, start, end, out, src_kind, dst_kind, scale):
-        """``gather`` of an fp8 / int8 plane, widened to float ``dst_kind``
-        (``fp8 * scale``, ``code * scales[block, head, offset]``)."""
-        n = end - start
-        heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
-        if n <= 0 or heads == 0 or dim == 0:
-            return
-        with self._ctx():
-            table = self._index_array(block_table, np.int32)
-            tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
-            scs = self._scale_strides(scales, (0, 1, 2))
-            os_ = self._estrides(tmp, (0, 1))
-            rows = heads * n
-            self._check_rows(rows, "gather (heads x positions)")
-            self._check_rows(end, "gather (end position)")
-            self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
-                           [tmp, cache, scales, table, start, n, bs, cs[0], cs[1], cs[2],
-                            scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
-            self._deliver_bits(tmp, out)
-
-    def gather_batch_q(self, cache, scales, block_tables, lengths, out, src_kind, dst_kind,
-                       scale):
-        """``gather_batch`` of an fp8 / int8 plane, widened (padding +0);
-        block tables and lengths checked by the caller."""
-        batch, heads, max_len, dim = out.shape
-        bs = cache.shape[2]
-        if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
-            return
-        with self._ctx():
-            tables = self._index_array(block_tables, np.int32)
-            lens = self._index_array(lengths, np.int32)
-            tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
-            scs = self._scale_strides(scales, (0, 1, 2))
-            os_ = self._estrides(tmp, (0, 1, 2))
-            rows = batch * heads * max_len
-            self._check_rows(rows, "gather_batch")
-            self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
-                           [tmp, cache, scales, tables, lens, heads, max_len, tables.shape[1], bs,
-                            cs[0], cs[1], cs[2], scs[0], scs[1], scs[2],
-                            os_[0], os_[1], os_[2], self._scale_bits(scale)])
-            self._deliver_bits(tmp, out)
-
-    def write_contiguous_q(self, dst, scales, src, start, src_kind, dst_kind, scale):
-        """``write_contiguous`` into an fp8 / int8 cache (int8 scales
-        ``(batch, heads, max_seq_len)`` written beside the codes)."""
-        batch, heads, n, dim = src.shape
-        if batch == 0 or heads == 0 or n == 0 or dim == 0:
-            return
-        with self._ctx():
-            if self._overlaps(src, dst) or (scales is not None and self._overlaps(src, scales)):
-                src = self._contiguous_copy(src)
-            src = self.inner_contiguous(src)
-            ss = self._estrides(src, (0, 1, 2))
-            ds = self._estrides(dst, (0, 1, 2))
-            scs = self._scale_strides(scales, (0, 1, 2))
-            rows = batch * heads * n
-            self._check_rows(rows, "write_contiguous")
-            self._q_launch(src_kind, dst_kind, "kv_write_contiguous_q", rows,
-                           1 if dst_kind == dtypes.I8 else dim,
-                           [dst, scales, src, heads, n, start, dim, ss[0], ss[1], ss[2],
-                            ds[0], ds[1], ds[2], scs[0], scs[1], scs[2],
-                            self._scale_bits(scale)])
-
-    def dequantize(self, src, scales, src_kind, dst, dst_kind, scale):
-        """``dst[...] = src`` widened, any shape ``(..., dim)`` (int8 scales
-        of shape ``src.shape[:-1]``); through contiguous copies of the codes
-        and scales when they are views."""
-        if src.size == 0:
-            return
-        xp = self.xp
-        with self._ctx():
-            dim = src.shape[-1]
-            s = xp.ascontiguousarray(src)
-            sc = None if scales is None else xp.ascontiguousarray(self._aligned_input(scales))
-            self._deliverable(dst, "dst")
-            tmp = dst if dst.flags.c_contiguous and not self._misaligned(dst) \
-                else xp.empty(dst.shape, dst.dtype)
-            rows = src.size // dim
-            self._check_rows(rows, "dequantize")
-            self._q_launch(dst_kind, src_kind, "kv_dequantize", rows, dim,
-                           [tmp.view(_bits_dtype(tmp.dtype)), s, sc, dim,
-                            self._scale_bits(scale)])
-            self._deliver_bits(tmp, dst)
-
-    def gather(self, cache, block_table, start, end, out, src_kind, dst_kind):
+    def gather(self, cache, block_table, start, end, out, codec, dst_kind):
         """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
-        converted, for t in start..end-1.  out: (heads, end - start, dim)
-        with its last axis contiguous; block_table int32, host or device."""
-        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
-            self.gather_q(cache, None, block_table, start, end, out, src_kind, src_kind, 1.0)
-            return
+        read through ``codec`` as ``dst_kind``, for t in start..end-1 (fp8 /
+        int8 widened: ``fp8 * layer_scale``, ``code * scale_plane[block,
+        head, offset]``; their own kind: the codes, raw).  out: (heads, end -
+        start, dim) with its last axis contiguous; block_table int32, host
+        or device."""
         n = end - start
         heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
         if n <= 0 or heads == 0 or dim == 0:
             return
+        src_kind = codec.kind
         with self._ctx():
             table = self._index_array(block_table, np.int32)
-            cache = self._aligned_input(cache)
             tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
             os_ = self._estrides(tmp, (0, 1))
-            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
             rows = heads * n
             self._check_rows(rows, "gather (heads x positions)")
             self._check_rows(end, "gather (end position)")
-            self._launch("paged.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
-                          os_[0], os_[1]])
+            if codec.lowprec:
+                plane, scale = self._read_scales(codec, dst_kind)
+                cs = self._estrides(cache, (0, 1, 2))
+                scs = self._scale_strides(plane, (0, 1, 2))
+                self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
+                               [tmp, cache, plane, table, start, n, bs, cs[0], cs[1], cs[2],
+                                scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
+            else:
+                cache = self._aligned_input(cache)
+                cs = self._estrides(cache, (0, 1, 2))
+                v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
+                self._launch("paged.cu", src_kind, dst_kind,
+                             _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
+                             rows, dim // v,
+                             [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
+                              os_[0], os_[1]])
             self._deliver_bits(tmp, out)
 
-    def gather_batch(self, cache, block_tables, lengths, out, src_kind, dst_kind):
+    def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
         """A batch of sequences into one padded output.
 
-        out[s, h, t, :] = cache[block_tables[s, t // bs], h, t % bs, :]
-        converted, for t < lengths[s]; positions lengths[s] <= t < max_len
-        are set to +0.
+        out[s, h, t, :] = cache[block_tables[s, t // bs], h, t % bs, :] read
+        as ``gather`` reads it, for t < lengths[s]; positions lengths[s] <= t
+        < max_len are set to +0.
 
         Parameters
         ----------
@@ -896,454 +772,115 @@ class CudaBackend(Backend):
         block_tables : int32 [batch, max_blocks], host or device
             Row s lists sequence s's blocks in position order (padding
             entries past its length are never read).
-        lengths : integer [batch], host or device
-            Positions of each sequence to read.  Checked when on the host
-            (0 <= lengths[s] <= min(max_len, max_blocks * block_size));
-            device lengths are trusted.
+        lengths : int32 [batch], host or device
+            Positions of each sequence to read, checked by the caller
+            (0 <= lengths[s] <= min(max_len, max_blocks * block_size)).
         out : (batch, heads, max_len, dim) device array, last axis contiguous
         """
         batch, heads, max_len, dim = out.shape
         bs = cache.shape[2]
         if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
             return
-        if not self._is_device(block_tables):
-            block_tables = np.asarray(block_tables)
-        if getattr(block_tables, "ndim", 0) != 2 or block_tables.shape[0] != batch:
-            raise ValueError(
-                f"block_tables must have shape ({batch}, max_blocks) (one row per sequence "
-                f"of out), got {getattr(block_tables, 'shape', None)}")
-        if not self._is_device(lengths):
-            lengths = np.asarray(lengths)
-            if lengths.shape != (batch,):
-                raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
-            limit = min(max_len, block_tables.shape[1] * bs)
-            if batch and (lengths.min() < 0 or lengths.max() > limit):
-                raise ValueError(
-                    f"lengths must lie in 0..{limit} (out holds {max_len} positions, the "
-                    f"tables {block_tables.shape[1]} blocks of {bs}), got "
-                    f"{int(lengths.min())}..{int(lengths.max())}")
-        elif lengths.shape != (batch,):
-            raise ValueError(f"lengths must have shape ({batch},), got {lengths.shape}")
-        if src_kind in dtypes.LOWPREC_KINDS:   # fp8 / int8 codes, raw
-            self.gather_batch_q(cache, None, block_tables, lengths, out, src_kind, src_kind, 1.0)
-            return
+        src_kind = codec.kind
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
-            cache = self._aligned_input(cache)
             tmp = self._row_target(out)
-            cs = self._estrides(cache, (0, 1, 2))
             os_ = self._estrides(tmp, (0, 1, 2))
-            v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
             rows = batch * heads * max_len
             self._check_rows(rows, "gather_batch")
-            self._launch("paged.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
-                          cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
+            if codec.lowprec:
+                plane, scale = self._read_scales(codec, dst_kind)
+                cs = self._estrides(cache, (0, 1, 2))
+                scs = self._scale_strides(plane, (0, 1, 2))
+                self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
+                               [tmp, cache, plane, tables, lens, heads, max_len,
+                                tables.shape[1], bs, cs[0], cs[1], cs[2], scs[0], scs[1],
+                                scs[2], os_[0], os_[1], os_[2], self._scale_bits(scale)])
+            else:
+                cache = self._aligned_input(cache)
+                cs = self._estrides(cache, (0, 1, 2))
+                v = self._vector(src_kind, dst_kind, dim,
+                                 [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
+                self._launch("paged.cu", src_kind, dst_kind,
+                             _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
+                             rows, dim // v,
+                             [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
+                              cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
             self._deliver_bits(tmp, out)
 
-    def copy_blocks(self, storage, src, dst):
-        """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
-        plane.  storage: (planes, num_blocks, heads, block_size, dim).
-
-        The pairs are copied in parallel when the ids allow it (distinct
-        ``dst`` ids, none of them a ``src`` id: copy-on-write, which copies
-        into fresh blocks).  Host ids that chain (a block copied on after it
-        was written) are copied pair by pair, in order, as the CPU backend
-        does; device ids are not inspected (that would need a sync) and must
-        not chain."""
-        n = len(src)
-        if n == 0:
-            return
-        with self._ctx():
-            if not (self._is_device(src) or self._is_device(dst)):
-                hs, hd = np.asarray(src), np.asarray(dst)
-                if len(np.unique(hd)) != n or np.intersect1d(hs, hd).size:
-                    for i in range(n):
-                        self._copy_blocks_kernel(
-                            storage, self._index_array(hs[i:i + 1], np.int32),
-                            storage, self._index_array(hd[i:i + 1], np.int32), 1)
-                    return
-            s = self._index_array(src, np.int32)
-            d = self._index_array(dst, np.int32)
-            self._copy_blocks_kernel(storage, s, storage, d, n)
-
-    def copy_blocks_between(self, src_storage, src_ids, dst_storage, dst_ids):
-        """dst_storage[:, dst_ids[i]] = src_storage[:, src_ids[i]]: two pools
-        of the same geometry and dtype.
-
-        Either side may be a NumPy array (host memory), for offloading
-        blocks to the host and bringing them back; device <-> device runs one
-        kernel.  Host copies are issued per run of consecutive ids, one 2-D
-        copy across all planes each, on the current stream.  With pinned
-        host memory (``cupyx.empty_pinned``) they are asynchronous: call
-        ``synchronize()`` before reading or reusing the host array.  With
-        pageable memory this call waits for the copies (either way), so
-        the host array may be read or reused on return.  Ids on the device
-        are read back to the host for a host copy (a sync point); host ids
-        are checked to be in range.
-        """
-        n = len(src_ids)
-        if len(dst_ids) != n:
-            raise ValueError(
-                f"src_ids and dst_ids must have the same length, got {n} and {len(dst_ids)}")
-        if (src_storage.shape[0] != dst_storage.shape[0]
-                or src_storage.shape[2:] != dst_storage.shape[2:]):
-            raise ValueError(
-                "src_storage and dst_storage must have the same geometry (planes, -, heads, "
-                f"block_size, dim), got {src_storage.shape} and {dst_storage.shape}")
-        if _bits_dtype(src_storage.dtype) != _bits_dtype(dst_storage.dtype):
-            raise TypeError(
-                "src_storage and dst_storage must have the same dtype, got "
-                f"{src_storage.dtype} and {dst_storage.dtype}")
-        if n == 0:
-            return
-        on_dev = self._is_device(src_storage), self._is_device(dst_storage)
-        if on_dev == (True, True):
-            for a, arg in ((src_storage, "src_storage"), (dst_storage, "dst_storage")):
-                if self._device_id_of(a) != self.device_id:
-                    raise ValueError(
-                        f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs "
-                        f"on {self.device}")
-            with self._ctx():
-                s = self._index_array(src_ids, np.int32)
-                d = self._index_array(dst_ids, np.int32)
-                self._copy_blocks_kernel(src_storage, s, dst_storage, d, n)
-        elif on_dev == (False, False):
-            from ..cpu import _kernels
-
-            _kernels.copy_blocks_between(
-                src_storage, np.ascontiguousarray(self._host_ids(src_ids), dtype=np.int32),
-                dst_storage, np.ascontiguousarray(self._host_ids(dst_ids), dtype=np.int32))
-        else:
-            self._copy_host_device(src_storage, src_ids, dst_storage, dst_ids, on_dev[1])
-
-    def _host_ids(self, ids):
-        return np.asarray(self.to_host(ids))
-
     @staticmethod
-    def _block_bytes(storage, arg):
-        """Bytes of one block; checks that each block is one contiguous run."""
-        shape, strides = storage.shape[2:], storage.strides[2:]
-        expect = storage.itemsize
-        for n, st in zip(reversed(shape), reversed(strides)):
-            if n > 1 and st != expect:
-                raise ValueError(
-                    f"{arg} must hold each block contiguously (axes 2.. C-contiguous), "
-                    f"got strides {storage.strides} for shape {storage.shape}")
-            expect *= n
-        return expect
+    def _read_scales(codec, dst_kind):
+        """``(scale_plane, layer_scale)`` a low-precision read passes its
+        kernel: none for a raw read of the codes (FK == QK copies bytes)."""
+        if dst_kind == codec.kind:
+            return None, 1.0
+        return codec.scale_plane, codec.layer_scale
 
-    def _copy_blocks_kernel(self, src_st, s_ids, dst_st, d_ids, n):
-        block_bytes = self._block_bytes(src_st, "src_storage")
-        self._block_bytes(dst_st, "dst_storage")
-        planes = src_st.shape[0]
-        if planes == 0 or block_bytes == 0:
+    def dequantize(self, src, codec, dst, dst_kind):
+        """``dst[...] = src`` read through ``codec`` as ``dst_kind``, any
+        shape ``(..., dim)`` (an int8 scale plane of shape
+        ``src.shape[:-1]``); through contiguous copies of the codes and
+        scales when they are views.  A float codec converts; a raw read of
+        codes copies them."""
+        if not codec.lowprec:
+            self.convert(src, codec.kind, dst, dst_kind)
             return
-        ptrs = (self._ptr(src_st), self._ptr(dst_st))
-        strides = (src_st.strides[0], src_st.strides[1], dst_st.strides[0], dst_st.strides[1])
-        for wb in _sources.COPY_WORDS:
-            if block_bytes % wb == 0 and all(p % wb == 0 for p in ptrs) and all(
-                    st % wb == 0 for st in strides):
-                break
-        else:  # pragma: no cover - 1-byte words copy anything
-            raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in words")
-        rows = planes * n
-        self._check_rows(rows, "copy_blocks")
-        self._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
-                     rows, block_bytes // wb,
-                     [dst_st, src_st, s_ids, d_ids, n,
-                      strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
-
-    def _copy_host_device(self, src_st, src_ids, dst_st, dst_ids, to_device):
-        rt = self._cp.cuda.runtime
-        s = self._host_ids(src_ids).astype(np.int64, copy=False).ravel()
-        d = self._host_ids(dst_ids).astype(np.int64, copy=False).ravel()
-        for ids, st, arg in ((s, src_st, "src_ids"), (d, dst_st, "dst_ids")):
-            if ids.size and (ids.min() < 0 or ids.max() >= st.shape[1]):
-                raise IndexError(
-                    f"{arg} must lie in 0..{st.shape[1] - 1}, got "
-                    f"{int(ids.min())}..{int(ids.max())}")
-        if not to_device and not dst_st.flags.writeable:
-            raise ValueError("dst_storage must be writeable, got a read-only array")
-        block_bytes = self._block_bytes(src_st, "src_storage")
-        self._block_bytes(dst_st, "dst_storage")
-        planes = src_st.shape[0]
-        if planes == 0 or block_bytes == 0:
+        if dst_kind == codec.kind:
+            dst[...] = src
             return
-        if to_device:
-            sp, dp, kind = src_st.ctypes.data, self._ptr(dst_st), rt.memcpyHostToDevice
-        else:
-            sp, dp, kind = self._ptr(src_st), dst_st.ctypes.data, rt.memcpyDeviceToHost
-        s_plane, s_block = src_st.strides[0], src_st.strides[1]
-        d_plane, d_block = dst_st.strides[0], dst_st.strides[1]
-        adjacent = s_block == block_bytes and d_block == block_bytes
+        if src.size == 0:
+            return
+        xp = self.xp
         with self._ctx():
-            stream = self._stream_ptr()
-            i, n = 0, s.size
-            while i < n:
-                j = i + 1
-                while (adjacent and j < n and s[j] == s[j - 1] + 1 and d[j] == d[j - 1] + 1):
-                    j += 1
-                width = (j - i) * block_bytes
-                so, do = int(s[i]) * s_block, int(d[i]) * d_block
-                if (planes > 1 and width <= s_plane <= _MAX_PITCH
-                        and width <= d_plane <= _MAX_PITCH):
-                    rt.memcpy2DAsync(dp + do, d_plane, sp + so, s_plane, width, planes,
-                                     kind, stream)
-                else:
-                    for p in range(planes):
-                        rt.memcpyAsync(dp + p * d_plane + do, sp + p * s_plane + so, width,
-                                       kind, stream)
-                i = j
-            # Pageable host memory: the caller may read (device -> host) or
-            # reuse (host -> device) it as soon as this returns, and CUDA does
-            # not promise an asynchronous copy is done with it by then.
-            # Pinned memory stays asynchronous (synchronize() before use).
-            if not self._is_pinned(dst_st if not to_device else src_st):
-                self._fence()
+            dim = src.shape[-1]
+            s = xp.ascontiguousarray(src)
+            plane = codec.scale_plane
+            sc = None if plane is None else xp.ascontiguousarray(self._aligned_input(plane))
+            self._deliverable(dst, "dst")
+            tmp = dst if dst.flags.c_contiguous and not self._misaligned(dst) \
+                else xp.empty(dst.shape, dst.dtype)
+            rows = src.size // dim
+            self._check_rows(rows, "dequantize")
+            self._q_launch(dst_kind, codec.kind, "kv_dequantize", rows, dim,
+                           [tmp.view(_sources.bits_dtype(tmp.dtype)), s, sc, dim,
+                            self._scale_bits(codec.layer_scale)])
+            self._deliver_bits(tmp, dst)
 
-    def write_contiguous(self, dst, src, start, src_kind, dst_kind):
-        """dst[b, h, start + t, :] = src[b, h, t, :] converted.
+    def write_contiguous(self, dst, src, start, src_kind, codec):
+        """dst[b, h, start + t, :] = src[b, h, t, :] stored by ``codec`` (int8
+        scales to the ``(batch, heads, max_seq_len)`` scale plane).
         dst: (batch, heads, max_seq_len, dim); src: (batch, heads, n, dim)."""
         batch, heads, n, dim = src.shape
         if batch == 0 or heads == 0 or n == 0 or dim == 0:
             return
+        dst_kind, plane = codec.kind, codec.scale_plane
         with self._ctx():
-            if self._overlaps(src, dst):  # e.g. a view of the cache itself
-                src = self._contiguous_copy(src)
+            if self._overlaps(src, dst) or (plane is not None and self._overlaps(src, plane)):
+                src = self._contiguous_copy(src)   # e.g. a view of the cache itself
             src = self.inner_contiguous(src)
             ss = self._estrides(src, (0, 1, 2))
             ds = self._estrides(dst, (0, 1, 2))
-            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
             rows = batch * heads * n
             self._check_rows(rows, "write_contiguous")
+            if codec.lowprec:
+                scs = self._scale_strides(plane, (0, 1, 2))
+                self._q_launch(src_kind, dst_kind, "kv_write_contiguous_q", rows,
+                               1 if dst_kind == dtypes.I8 else dim,
+                               [dst, plane, src, heads, n, start, dim, ss[0], ss[1], ss[2],
+                                ds[0], ds[1], ds[2], scs[0], scs[1], scs[2],
+                                self._scale_bits(codec.layer_scale)])
+                return
+            v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
             self._launch("contiguous.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
                          rows, dim // v,
                          [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
 
-    # ------------------------------------------------------------- attention
-    def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
-                       num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
-                       sliding_window, soft_cap, num_threads=None):
-        """Plan attention calls of one step (``kernels/attention.cu``): the
-        work split and every index array, uploaded once, living on the
-        device.
-
-        block_tables, seq_lens, query_start_loc : host int32 / int64 /
-            int64 arrays, already checked by the public layer (every block
-            id a run can read in ``0..num_blocks-1``)
-        scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
-        num_threads : ignored (the GPU's split is sized by the plan)
-
-        Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
-        are issued on the current stream and an event records their end: a
-        run on another stream waits for it (on the device), so the plan may
-        be made on one stream and run on others.
-        """
-        ak = attention_kernels
-        dim = int(head_dim)
-        if dim not in ak.HEAD_DIMS:
-            raise ValueError(f"the CUDA attention kernels take head_dim in {ak.HEAD_DIMS}, "
-                             f"got {dim}")
-        qsl_h = np.ascontiguousarray(query_start_loc, np.int64)
-        num_tokens = int(qsl_h[-1]) if qsl_h.size else 0
-        plan = CudaAttentionPlan(
-            num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
-            head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
-            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
-        if num_tokens == 0:
-            return plan
-        rows = prefill = None   # prefill rows go to the tensor-core kernel
-        if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
-            prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
-            rows = ~mask if len(prefill) else None
-        items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                            plan.sliding_window, num_sms=self._sm_count(),
-                                            rows=rows)
-        self._check_rows(len(items), "paged_attention (work items)")
-        with self._ctx():
-            if len(items):
-                plan.items = self._upload(items)
-                plan.nsplit = self._upload(nsplit)
-            if prefill is not None and len(prefill):
-                self._check_rows(len(prefill), "paged_attention (prefill items)")
-                plan.prefill = self._upload(prefill)
-            plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
-            plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
-            plan.qsl = self._upload(qsl_h)
-            if len(merge_rows):
-                plan.merge_rows = self._upload(merge_rows)
-                plan.partials = self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)),
-                                              np.float32)
-            plan.ready = self._record_event()
-        return plan
-
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
-        """Run a ``CudaAttentionPlan`` on one layer: launches only (no
-        upload, no allocation, no host sync), so a step of runs can be
-        captured in a CUDA graph.
-
-        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device
-            arrays (a misaligned one goes through an aligned temporary)
-        key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
-            head_dim)`` device views of the pool's storage (bits of the
-            plan's kind), rows contiguous
-        lowprec : as for ``paged_attention``
-
-        The plan's partials buffer belongs to it: runs of one plan are
-        issued on one stream at a time (as the layers of a step are).
-        """
-        if not isinstance(plan, CudaAttentionPlan):
-            raise TypeError(f"plan must come from this backend's attention_plan, got "
-                            f"{type(plan).__name__}")
-        want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
-        want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
-        for arg, a, want in (("q", q, want_q), ("out", out, want_q),
-                             ("key_cache", key_cache, want_kv),
-                             ("value_cache", value_cache, want_kv)):
-            if tuple(a.shape) != want:
-                raise ValueError(f"{arg} must have the planned shape {want}, got "
-                                 f"{tuple(a.shape)}")
-        scales = self._attention_scales(plan.kind, key_cache, lowprec)
-        if plan.num_tokens == 0:
-            return
-        for arg, a in (("key_cache", key_cache), ("value_cache", value_cache)):
-            if self._misaligned(a):  # a misaligned load faults on the GPU
-                raise ValueError(
-                    f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
-                    f"{self._ptr(a):#x} and strides {a.strides}")
-        self._deliverable(out)
-        ak = attention_kernels
-        with self._ctx():
-            self._wait_event(plan.ready)
-            q = self._aligned_input(q)
-            target = out if out.flags.c_contiguous and not self._misaligned(out) \
-                else self.xp.empty(out.shape, out.dtype)
-            cs = self._estrides(key_cache, (0, 1, 2))
-            tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
-                                [c * key_cache.itemsize for c in cs], plan.block_size)
-            split = ak.split_name if tiled else ak.scalar_name
-            if plan.items is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
-                                  plan.items.shape[0], ak.THREADS,
-                                  [target, plan.partials, q, key_cache, value_cache,
-                                   plan.tables, plan.lens, plan.qsl, plan.items, plan.nsplit,
-                                   plan.num_heads, plan.tables.shape[1], plan.block_size,
-                                   cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
-                                   plan.soft_cap, *scales])
-            if plan.prefill is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name,
-                                  ak.prefill_name(plan.kind, plan.head_dim),
-                                  plan.prefill.shape[0], ak.THREADS,
-                                  [target, q, key_cache, value_cache, plan.tables, plan.lens,
-                                   plan.qsl, plan.prefill, plan.num_heads,
-                                   plan.num_heads // plan.num_kv_heads, plan.tables.shape[1],
-                                   plan.block_size, cs[0], cs[1], cs[2], plan.scale,
-                                   plan.sliding_window, plan.soft_cap, int(tiled)])
-            if plan.merge_rows is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
-                                  plan.merge_rows.shape[0], ak.MERGE_THREADS,
-                                  [target, plan.partials, plan.merge_rows, plan.nsplit,
-                                   plan.num_heads])
-            self._deliver_bits(target, out)
-
-    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
-        """``kvcore.paged_attention`` on this device: ``attention_run`` of a
-        fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
-        int8 pages only, as the CPU kernel takes it: ``(key_scales,
-        value_scales, k_scale, v_scale)``; int8: float32 device arrays
-        ``(num_blocks, kv_heads, block_size)`` (the pool's scale planes of
-        the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
-        positive scales).  A stored value reads as ``element * scale``.
-        """
-        # the scales are checked before anything is planned or uploaded
-        self._attention_scales(kind, key_cache, lowprec)
-        plan = self.attention_plan(
-            block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
-            num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
-            num_blocks=key_cache.shape[0], kind=kind, scale=scale,
-            sliding_window=sliding_window, soft_cap=soft_cap)
-        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
-
-    def _attention_scales(self, kind, key_cache, lowprec):
-        """The scale arguments of kva_attention_split for pages of ``kind``
-        (``key_scales, value_scales, s_block, s_head, s_tok, k_scale,
-        v_scale``), every one checked here, before any launch."""
-        name = dtypes.KIND_NAME.get(kind, kind)
-        if kind not in dtypes.LOWPREC_KINDS:
-            if lowprec is not None:
-                raise ValueError(f"lowprec must be None for {name} pages (scales belong to "
-                                 f"fp8 / int8 pages), got {type(lowprec).__name__}")
-            return [None, None, 0, 0, 0, 1.0, 1.0]
-        if not isinstance(lowprec, tuple) or len(lowprec) != 4:
-            raise TypeError(f"{name} pages need lowprec = (key_scales, value_scales, k_scale, "
-                            f"v_scale), got {lowprec!r:.80}")
-        key_scales, value_scales, k_scale, v_scale = lowprec
-        layer = []
-        for arg, v in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{arg} must be a real number, got {type(v).__name__}")
-            with np.errstate(over="ignore"):
-                f = np.float32(v)   # the kernel's float (as the CPU kernel's)
-            if not (np.isfinite(f) and f > 0):
-                raise ValueError(f"{arg} must be finite and positive (as a float32), got {v!r}")
-            layer.append(float(f))
-        if kind != dtypes.I8:
-            if key_scales is not None or value_scales is not None:
-                raise ValueError(f"{name} pages have per-layer scales (k_scale, v_scale): "
-                                 "key_scales and value_scales must be None")
-            return [None, None, 0, 0, 0, *layer]
-        if layer != [1.0, 1.0]:
-            raise ValueError(f"int8 pages carry their scales per row: k_scale and v_scale "
-                             f"must be 1.0, got {k_scale!r}, {v_scale!r}")
-        want = tuple(key_cache.shape[:3])
-        strides = []
-        for arg, a in (("key_scales", key_scales), ("value_scales", value_scales)):
-            if not self._is_device(a):
-                raise TypeError(f"{arg} must be a float32 array on {self.device} (the pool's "
-                                f"scale plane), got {type(a).__name__}")
-            if self._device_id_of(a) != self.device_id:
-                raise ValueError(f"{arg} is on cuda:{self._device_id_of(a)} but this "
-                                 f"operation runs on {self.device}")
-            if a.dtype != np.float32 or tuple(a.shape) != want:
-                raise ValueError(f"{arg} must be float32 of shape {want} (num_blocks, "
-                                 f"num_kv_heads, block_size), got {a.dtype} {tuple(a.shape)}")
-            if a.size and self._ptr(a) % 4:
-                raise ValueError(f"{arg} must be 4-byte aligned")
-            strides.append(self._estrides(a, (0, 1, 2)))
-        if strides[0] != strides[1]:
-            raise ValueError(f"key_scales and value_scales must have the same layout, got "
-                             f"element strides {strides[0]} and {strides[1]}")
-        return [key_scales, value_scales, *strides[0], 1.0, 1.0]
-
     def synchronize(self):
         """Wait for everything issued on this device's current stream."""
         with self._ctx():
             self._cp.cuda.get_current_stream().synchronize()
-
-
-class CudaAttentionPlan:
-    """``CudaBackend.attention_plan``'s result: the shape of a step's
-    attention and its device metadata (item table, split counts, block
-    tables, lengths, query starts, merge rows, the partials buffer)."""
-
-    __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
-                 "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
-                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
-                 "prefill")
-
-    def __init__(self, **shape):
-        for name in self.__slots__:
-            setattr(self, name, shape.get(name))
-
-    def __repr__(self):
-        return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "
-                f"over {self.num_kv_heads} KV heads x {self.head_dim}, kind {self.kind}>")
 
 
 class SlotOwners:

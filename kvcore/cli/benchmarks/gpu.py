@@ -42,6 +42,7 @@ which also moves each byte twice.
 
 import numpy as np
 
+from kvcore.backends import codec_of
 from kvcore.backends.cuda import CudaUnavailableError, get_cuda_backend  # noqa: F401
 from kvcore.dtypes import F16, F32
 
@@ -163,7 +164,8 @@ def run(quick=False, attention=True):
             for sk, src, label in ((F32, src32, "write f32->f16"), (F16, src16, "write f16->f16")):
                 elems = n * HEADS * DIM
                 nbytes = elems * (src.itemsize + 2) + n * 8
-                t_kv = cp_time(lambda: be.write_slots(key_cache, src, slots, sk, F16), nbytes)
+                t_kv = cp_time(lambda: be.write_slots(key_cache, src, slots, sk, codec_of(F16)),
+                               nbytes)
                 t_t = None
                 if torch is not None:
                     ts = t32 if sk == F32 else t16
@@ -181,7 +183,8 @@ def run(quick=False, attention=True):
             table = cp.asarray(table_h)
             dst = cp.empty((HEADS, n, DIM), cp.float16)
             nbytes = 2 * n * HEADS * DIM * 2 + nblk * 4
-            t_kv = cp_time(lambda: be.gather(key_cache, table, 0, n, dst, F16, F16), nbytes)
+            t_kv = cp_time(lambda: be.gather(key_cache, table, 0, n, dst, codec_of(F16), F16),
+                           nbytes)
             t_t = None
             if torch is not None:
                 tt = torch.as_tensor(table_h.astype(np.int64), device=t_cache.device)

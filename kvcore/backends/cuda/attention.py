@@ -1,0 +1,232 @@
+"""The attention ops of the CUDA backend: plans and runs of
+``kernels/attention.cu`` (through ``attention_kernels``).
+
+``CudaAttention`` is mixed into ``CudaBackend`` (``backend.py``, the data
+ops): it holds no state of its own and uses the backend's device hooks
+(``_ctx``, ``_upload``, ``_launch_grid``, ``_record_event``, ...), so the
+host emulation of the tests, which overrides those hooks, runs it as it
+runs the data ops.
+"""
+import numpy as np
+
+from ... import dtypes
+from . import attention_kernels
+
+
+class CudaAttention:
+    """``attention_plan``, ``attention_run`` and ``paged_attention`` of
+    ``CudaBackend`` (see ``kvcore.backends.base.Backend`` for the contract)."""
+
+    def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
+                       num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
+                       sliding_window, soft_cap, num_threads=None):
+        """Plan attention calls of one step (``kernels/attention.cu``): the
+        work split and every index array, uploaded once, living on the
+        device.
+
+        block_tables, seq_lens, query_start_loc : host int32 / int64 /
+            int64 arrays, already checked by the public layer (every block
+            id a run can read in ``0..num_blocks-1``)
+        scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
+        num_threads : ignored (the GPU's split is sized by the plan)
+
+        Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
+        are issued on the current stream and an event records their end: a
+        run on another stream waits for it (on the device), so the plan may
+        be made on one stream and run on others.
+        """
+        ak = attention_kernels
+        dim = int(head_dim)
+        if dim not in ak.HEAD_DIMS:
+            raise ValueError(f"the CUDA attention kernels take head_dim in {ak.HEAD_DIMS}, "
+                             f"got {dim}")
+        qsl_h = np.ascontiguousarray(query_start_loc, np.int64)
+        num_tokens = int(qsl_h[-1]) if qsl_h.size else 0
+        plan = CudaAttentionPlan(
+            num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
+            head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
+            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
+        if num_tokens == 0:
+            return plan
+        rows = prefill = None   # prefill rows go to the tensor-core kernel
+        if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
+            prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
+            rows = ~mask if len(prefill) else None
+        items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
+                                            plan.sliding_window, num_sms=self._sm_count(),
+                                            rows=rows)
+        self._check_rows(len(items), "paged_attention (work items)")
+        with self._ctx():
+            if len(items):
+                plan.items = self._upload(items)
+                plan.nsplit = self._upload(nsplit)
+            if prefill is not None and len(prefill):
+                self._check_rows(len(prefill), "paged_attention (prefill items)")
+                plan.prefill = self._upload(prefill)
+            plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
+            plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
+            plan.qsl = self._upload(qsl_h)
+            if len(merge_rows):
+                plan.merge_rows = self._upload(merge_rows)
+                plan.partials = self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)),
+                                              np.float32)
+            plan.ready = self._record_event()
+        return plan
+
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+        """Run a ``CudaAttentionPlan`` on one layer: launches only (no
+        upload, no allocation, no host sync), so a step of runs can be
+        captured in a CUDA graph.
+
+        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device
+            arrays (a misaligned one goes through an aligned temporary)
+        key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
+            head_dim)`` device views of the pool's storage (bits of the
+            plan's kind), rows contiguous
+        lowprec : as for ``paged_attention``
+
+        The plan's partials buffer belongs to it: runs of one plan are
+        issued on one stream at a time (as the layers of a step are).
+        """
+        if not isinstance(plan, CudaAttentionPlan):
+            raise TypeError(f"plan must come from this backend's attention_plan, got "
+                            f"{type(plan).__name__}")
+        want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
+        want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
+        for arg, a, want in (("q", q, want_q), ("out", out, want_q),
+                             ("key_cache", key_cache, want_kv),
+                             ("value_cache", value_cache, want_kv)):
+            if tuple(a.shape) != want:
+                raise ValueError(f"{arg} must have the planned shape {want}, got "
+                                 f"{tuple(a.shape)}")
+        scales = self._attention_scales(plan.kind, key_cache, lowprec)
+        if plan.num_tokens == 0:
+            return
+        for arg, a in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if self._misaligned(a):  # a misaligned load faults on the GPU
+                raise ValueError(
+                    f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
+                    f"{self._ptr(a):#x} and strides {a.strides}")
+        self._deliverable(out)
+        ak = attention_kernels
+        with self._ctx():
+            self._wait_event(plan.ready)
+            q = self._aligned_input(q)
+            target = out if out.flags.c_contiguous and not self._misaligned(out) \
+                else self.xp.empty(out.shape, out.dtype)
+            cs = self._estrides(key_cache, (0, 1, 2))
+            tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
+                                [c * key_cache.itemsize for c in cs], plan.block_size)
+            split = ak.split_name if tiled else ak.scalar_name
+            if plan.items is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
+                                  plan.items.shape[0], ak.THREADS,
+                                  [target, plan.partials, q, key_cache, value_cache,
+                                   plan.tables, plan.lens, plan.qsl, plan.items, plan.nsplit,
+                                   plan.num_heads, plan.tables.shape[1], plan.block_size,
+                                   cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
+                                   plan.soft_cap, *scales])
+            if plan.prefill is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name,
+                                  ak.prefill_name(plan.kind, plan.head_dim),
+                                  plan.prefill.shape[0], ak.THREADS,
+                                  [target, q, key_cache, value_cache, plan.tables, plan.lens,
+                                   plan.qsl, plan.prefill, plan.num_heads,
+                                   plan.num_heads // plan.num_kv_heads, plan.tables.shape[1],
+                                   plan.block_size, cs[0], cs[1], cs[2], plan.scale,
+                                   plan.sliding_window, plan.soft_cap, int(tiled)])
+            if plan.merge_rows is not None:
+                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
+                                  plan.merge_rows.shape[0], ak.MERGE_THREADS,
+                                  [target, plan.partials, plan.merge_rows, plan.nsplit,
+                                   plan.num_heads])
+            self._deliver_bits(target, out)
+
+    def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+        """``kvcore.paged_attention`` on this device: ``attention_run`` of a
+        fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
+        int8 pages only, as the CPU kernel takes it: ``(key_scales,
+        value_scales, k_scale, v_scale)``; int8: float32 device arrays
+        ``(num_blocks, kv_heads, block_size)`` (the pool's scale planes of
+        the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
+        positive scales).  A stored value reads as ``element * scale``.
+        """
+        # the scales are checked before anything is planned or uploaded
+        self._attention_scales(kind, key_cache, lowprec)
+        plan = self.attention_plan(
+            block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
+            num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
+            num_blocks=key_cache.shape[0], kind=kind, scale=scale,
+            sliding_window=sliding_window, soft_cap=soft_cap)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
+
+    def _attention_scales(self, kind, key_cache, lowprec):
+        """The scale arguments of kva_attention_split for pages of ``kind``
+        (``key_scales, value_scales, s_block, s_head, s_tok, k_scale,
+        v_scale``), every one checked here, before any launch."""
+        name = dtypes.KIND_NAME.get(kind, kind)
+        if kind not in dtypes.LOWPREC_KINDS:
+            if lowprec is not None:
+                raise ValueError(f"lowprec must be None for {name} pages (scales belong to "
+                                 f"fp8 / int8 pages), got {type(lowprec).__name__}")
+            return [None, None, 0, 0, 0, 1.0, 1.0]
+        if not isinstance(lowprec, tuple) or len(lowprec) != 4:
+            raise TypeError(f"{name} pages need lowprec = (key_scales, value_scales, k_scale, "
+                            f"v_scale), got {lowprec!r:.80}")
+        key_scales, value_scales, k_scale, v_scale = lowprec
+        layer = []
+        for arg, v in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{arg} must be a real number, got {type(v).__name__}")
+            with np.errstate(over="ignore"):
+                f = np.float32(v)   # the kernel's float (as the CPU kernel's)
+            if not (np.isfinite(f) and f > 0):
+                raise ValueError(f"{arg} must be finite and positive (as a float32), got {v!r}")
+            layer.append(float(f))
+        if kind != dtypes.I8:
+            if key_scales is not None or value_scales is not None:
+                raise ValueError(f"{name} pages have per-layer scales (k_scale, v_scale): "
+                                 "key_scales and value_scales must be None")
+            return [None, None, 0, 0, 0, *layer]
+        if layer != [1.0, 1.0]:
+            raise ValueError(f"int8 pages carry their scales per row: k_scale and v_scale "
+                             f"must be 1.0, got {k_scale!r}, {v_scale!r}")
+        want = tuple(key_cache.shape[:3])
+        strides = []
+        for arg, a in (("key_scales", key_scales), ("value_scales", value_scales)):
+            if not self._is_device(a):
+                raise TypeError(f"{arg} must be a float32 array on {self.device} (the pool's "
+                                f"scale plane), got {type(a).__name__}")
+            if self._device_id_of(a) != self.device_id:
+                raise ValueError(f"{arg} is on cuda:{self._device_id_of(a)} but this "
+                                 f"operation runs on {self.device}")
+            if a.dtype != np.float32 or tuple(a.shape) != want:
+                raise ValueError(f"{arg} must be float32 of shape {want} (num_blocks, "
+                                 f"num_kv_heads, block_size), got {a.dtype} {tuple(a.shape)}")
+            if a.size and self._ptr(a) % 4:
+                raise ValueError(f"{arg} must be 4-byte aligned")
+            strides.append(self._estrides(a, (0, 1, 2)))
+        if strides[0] != strides[1]:
+            raise ValueError(f"key_scales and value_scales must have the same layout, got "
+                             f"element strides {strides[0]} and {strides[1]}")
+        return [key_scales, value_scales, *strides[0], 1.0, 1.0]
+
+
+class CudaAttentionPlan:
+    """``CudaBackend.attention_plan``'s result: the shape of a step's
+    attention and its device metadata (item table, split counts, block
+    tables, lengths, query starts, merge rows, the partials buffer)."""
+
+    __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
+                 "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
+                 "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
+                 "prefill")
+
+    def __init__(self, **shape):
+        for name in self.__slots__:
+            setattr(self, name, shape.get(name))
+
+    def __repr__(self):
+        return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "
+                f"over {self.num_kv_heads} KV heads x {self.head_dim}, kind {self.kind}>")
