@@ -71,9 +71,9 @@ static int detect(int level)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
     case KVS_AVX512:
-        return detect(KVS_AVX2) && __builtin_cpu_supports("avx512f") &&
-               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512dq") && os_saves(KVS_XCR0_ZMM);
+        return detect(KVS_AVX2) && os_saves(KVS_XCR0_ZMM) &&
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     default:
         return 0;
     }
