@@ -76,6 +76,15 @@ def test_attention_check_runs_the_emulated_avx512_level(tmp_path, emulated_objec
     assert "level scalar: 24 cases, 0 failures" in run.stdout
 
 
+@needs_source
+def test_attention_plan_at_the_emulated_avx512_level(tmp_path, emulated_objects):
+    """kv_attention_plan_check.c: a plan run per layer gives
+    kva_paged_attention's bits at the emulated avx512 level too."""
+    run = _build_and_run(_cc(), "plan", tmp_path / "plan_check", objects=emulated_objects)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "plan level avx512: 60 runs, 0 failures" in run.stdout, run.stdout
+
+
 def test_kvcore_simd_avx512_is_a_cap():
     """KVCORE_SIMD=avx512 is accepted; without AVX-512 the attention falls
     back to the best level the CPU has, and the conversions (which have no
