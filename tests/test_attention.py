@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 
 try:
-    from _helpers import aarch64_tools, functions_in, simd_level_params
+    from _helpers import aarch64_tools, functions_in
+    from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import aarch64_tools, functions_in, simd_level_params
+    from ._helpers import aarch64_tools, functions_in
+    from ._simd_levels import simd_level_params
 
 import kvcore
 from kvcore.backends.cpu import _attention

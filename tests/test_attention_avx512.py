@@ -114,11 +114,11 @@ def test_avx512_detection_agrees_with_the_kernel_s_cpu_flags():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("an x86-64 check")
     try:
-        from _helpers import _cpu_flags
+        from _simd_levels import cpu_flags
     except ImportError:  # pragma: no cover - run as a package
-        from ._helpers import _cpu_flags
+        from ._simd_levels import cpu_flags
     from kvcore.backends.cpu import _attention
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags")
     has = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags

@@ -11,9 +11,9 @@ import pytest
 from kvcore.backends.cpu import _attention
 
 try:
-    from _helpers import simd_level_params
+    from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import simd_level_params
+    from ._simd_levels import simd_level_params
 
 LEVELS = _attention.available_simd_levels()
 KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}

@@ -23,9 +23,9 @@ from kvcore.backends.cpu import _attention as _kernel
 from kvcore.backends.reference import paged_attention_reference
 
 try:
-    from _helpers import simd_level_params
+    from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import simd_level_params
+    from ._simd_levels import simd_level_params
 
 LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
 FP8 = ("float8_e4m3fn", "float8_e5m2")
