@@ -20,8 +20,10 @@ import pytest
 
 try:
     from _helpers import aarch64_tools, functions_in
+    from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
     from ._helpers import aarch64_tools, functions_in
+    from ._simd_levels import simd_level_params
 
 import kvcore
 from kvcore.backends.cpu import _attention
@@ -30,6 +32,8 @@ from kvcore.backends.reference import paged_attention_reference
 TOL = 1e-5
 DTYPES = ["float32", "float16", "bfloat16"]
 LEVELS = _attention.available_simd_levels()
+# every level of this architecture: the ones the CPU lacks skip, naming the feature
+LEVEL_PARAMS = simd_level_params(LEVELS, _attention.simd_level_names())
 
 
 # ------------------------------------------------------------------ helpers
@@ -86,7 +90,7 @@ def run_case(rng, dtype, contexts, queries, num_heads, num_kv_heads, head_dim, b
     return out, want
 
 
-@pytest.fixture(params=LEVELS)
+@pytest.fixture(params=LEVEL_PARAMS)
 def level(request):
     previous = _attention.set_simd_level(request.param)
     try:
@@ -680,7 +684,7 @@ def test_kv_cache_attention_errors():
 
 
 # ------------------------------------------------------------------ the math kernels
-@pytest.mark.parametrize("lvl", LEVELS)
+@pytest.mark.parametrize("lvl", LEVEL_PARAMS)
 def test_exp2_accuracy(lvl):
     """2**x for x <= 0: within 1 ulp of the float64 value down to 2**-126,
     +0 below about 2**-126.5, 0 for -inf, NaN for NaN."""
@@ -701,7 +705,7 @@ def test_exp2_accuracy(lvl):
     assert out[0] == 0 and np.isnan(out[1]) and (out[2:] == 0).all()
 
 
-@pytest.mark.parametrize("lvl", LEVELS)
+@pytest.mark.parametrize("lvl", LEVEL_PARAMS)
 def test_softcap_accuracy(lvl):
     rng = np.random.default_rng(61)
     x = np.concatenate([rng.standard_normal(300_000) * 3, rng.standard_normal(100_000) * 0.2,
@@ -733,13 +737,19 @@ def test_only_avx2_functions_use_avx():
     for fn, insns in fns.items():
         name = fn.split("@")[0].split(".")[0]
         uses = next((i for i in insns if i.split()[0].startswith("v") or "ymm" in i), None)
-        if name.endswith("_avx2"):
+        if name.endswith(("_avx2", "_avx512")):
             if uses:
                 simd.add(name)
         elif uses:
             bad[fn] = uses
     assert not bad, f"baseline functions use AVX: {bad}"
     assert {"scores_f16_avx2", "pv_f16_avx2", "scores_bf16_avx2", "row_exp_sum_avx2"} <= simd
+    assert {"scores_f16_avx512", "pv_i8_avx512", "row_exp_sum_avx512"} <= simd
+    # the AVX-512 kernels use 512-bit registers, the AVX2 ones never do
+    zmm = {fn.split("@")[0].split(".")[0] for fn, insns in fns.items()
+           if any("zmm" in i for i in insns)}
+    assert {"scores_f16_avx512", "pv_bf16_avx512", "exp2_neg_n_avx512"} <= zmm
+    assert all(name.endswith("_avx512") for name in zmm), zmm
 
 
 # ------------------------------------------------------------------ the C file on its own

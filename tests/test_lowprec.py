@@ -23,6 +23,11 @@ from kvcore.backends.cpu import _attention as _kernel
 from kvcore.backends.reference import paged_attention_reference
 from kvcore.backends.codec import Codec
 
+try:
+    from _simd_levels import simd_level_params
+except ImportError:  # pragma: no cover - run as a package
+    from ._simd_levels import simd_level_params
+
 LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 FLOAT_KINDS = (dtypes.F32, dtypes.F16, dtypes.BF16)
@@ -556,7 +561,8 @@ def test_bad_input_names_the_argument_and_changes_nothing():
 
 
 # -------------------------------------------------------------- attention
-@pytest.fixture(params=_kernel.available_simd_levels())
+@pytest.fixture(params=simd_level_params(_kernel.available_simd_levels(),
+                                         _kernel.simd_level_names()))
 def simd_level(request):
     previous = _kernel.set_simd_level(request.param)
     yield request.param

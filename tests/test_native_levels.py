@@ -35,10 +35,16 @@ def _attention_sources():
     return (*sorted(p.name for p in NATIVE.glob("kv_att*.c")), "kv_simd.c")
 
 
-def _build_and_run(cc, check, out, extra=(), runner=()):
-    driver, sources = CHECKS[check] if check in CHECKS else (PLAN_CHECK, _attention_sources())
+def _build_and_run(cc, check, out, extra=(), runner=(), objects=()):
+    """Build a C check and run it.  check: a name of CHECKS, "plan", or the
+    path of an attention driver; objects: prebuilt objects standing in for
+    the sources of the same name (kv_simd.o for kv_simd.c)."""
+    driver, sources = (CHECKS[check] if check in CHECKS else
+                       (PLAN_CHECK if check == "plan" else Path(check), _attention_sources()))
+    prebuilt = {Path(o).stem + ".c" for o in objects}
     subprocess.run([cc, "-O2", "-pthread", *extra, f"-I{NATIVE}", str(driver),
-                    *[str(NATIVE / c) for c in sources], "-o", str(out), "-lm"],
+                    *[str(NATIVE / c) for c in sources if c not in prebuilt], *map(str, objects),
+                    "-o", str(out), "-lm"],
                    check=True, capture_output=True, text=True)
     return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
 

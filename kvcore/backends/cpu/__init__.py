@@ -16,7 +16,7 @@ def simd_levels():
     -------
     dict
         ``{"conversions": ..., "fp8_int8": ..., "attention": ...}``: level
-        names (``"scalar"``, ``"f16c"``, ``"avx2"`` or ``"neon"``) of the
+        names (``"scalar"``, ``"f16c"``, ``"avx2"``, ``"avx512"`` or ``"neon"``) of the
         float16/bfloat16 conversions, the fp8/int8 conversions and the
         attention kernels.
 

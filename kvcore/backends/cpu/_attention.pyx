@@ -195,6 +195,12 @@ def simd_level():
     return kva_level_name(kva_current_level()).decode()
 
 
+def simd_level_names():
+    """Names of every kernel level of the registry this build knows (the
+    CPU may lack some)."""
+    return [kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS)]
+
+
 def available_simd_levels():
     """Names of the kernel levels this CPU can run, lowest first."""
     return [kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS) if kva_level_supported(l)]

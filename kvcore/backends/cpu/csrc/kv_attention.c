@@ -23,7 +23,7 @@
 /* The attention's levels are levels of the registry (kv_simd.h): names,
  * detection and the KVCORE_SIMD cap come from there.  The registry level
  * each attention level is: */
-static const int registry_level[KVA_NUM_LEVELS] = {KVS_SCALAR, KVS_AVX2, KVS_NEON};
+static const int registry_level[KVA_NUM_LEVELS] = {KVS_SCALAR, KVS_AVX2, KVS_NEON, KVS_AVX512};
 static int current_level = -1; /* -1: not chosen yet (the default is taken) */
 
 int kva_level_supported(int level)
@@ -31,7 +31,8 @@ int kva_level_supported(int level)
     if (level < 0 || level >= KVA_NUM_LEVELS)
         return 0;
     /* the kernels of a level exist only where they were compiled */
-    if ((level == KVA_AVX2 && !KVA_HAVE_AVX2) || (level == KVA_NEON && !KVA_HAVE_NEON))
+    if ((level == KVA_AVX2 && !KVA_HAVE_AVX2) || (level == KVA_NEON && !KVA_HAVE_NEON) ||
+        (level == KVA_AVX512 && !KVA_HAVE_AVX512))
         return 0;
     return kvs_level_supported(registry_level[level]);
 }
@@ -78,6 +79,10 @@ const char *kva_level_name(int level)
 
 static const kva_math *math_for(int level)
 {
+#if KVA_HAVE_AVX512
+    if (level == KVA_AVX512)
+        return &kva_math_avx512;
+#endif
 #if KVA_HAVE_AVX2
     if (level == KVA_AVX2)
         return &kva_math_avx2;
@@ -91,6 +96,10 @@ static const kva_math *math_for(int level)
 
 static const kva_kernels *kernels_for(int level, int kind)
 {
+#if KVA_HAVE_AVX512
+    if (level == KVA_AVX512)
+        return &kva_kernels_avx512[kind];
+#endif
 #if KVA_HAVE_AVX2
     if (level == KVA_AVX2)
         return &kva_kernels_avx2[kind];
@@ -276,7 +285,8 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     a.k_scale = args->k_scale;
     a.v_scale = args->v_scale;
     int level = kva_current_level();
-    /* the AVX2 (NEON) kernels work on whole vectors of 8 (4) dims */
+    /* the AVX2 (NEON) kernels work on whole vectors of 8 (4) dims; the
+     * AVX-512 ones on vectors of 16 and one of 8 */
     if (a.head_dim % 8)
         level = KVA_SCALAR;
     kva_job job;

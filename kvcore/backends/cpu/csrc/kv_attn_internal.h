@@ -13,6 +13,8 @@
  *   kv_attn_scalar.c    the portable kernels (every kind)
  *   kv_attn_avx2.c      AVX2 + FMA + F16C kernels (x86-64; every function
  *                       carries __attribute__((target)) and ends in _avx2)
+ *   kv_attn_avx512.c    AVX-512 F/BW/VL/DQ kernels (x86-64; every function
+ *                       carries KVA_AVX512_TARGET and ends in _avx512)
  *   kv_attn_neon.c      AArch64 Advanced SIMD kernels
  *
  * Build notes: no file is compiled with -m flags, so the wheel runs on every
@@ -48,6 +50,13 @@
 #define KVA_HAVE_AVX2 1
 #else
 #define KVA_HAVE_AVX2 0
+#endif
+/* AVX-512 kernels: x86-64 with GCC or Clang, or any CPU when the test
+ * build compiles them against SIMDe (KVA_AVX512_SIMDE). */
+#if KVA_HAVE_AVX2 || defined(KVA_AVX512_SIMDE)
+#define KVA_HAVE_AVX512 1
+#else
+#define KVA_HAVE_AVX512 0
 #endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #define KVA_HAVE_NEON 1
@@ -115,6 +124,10 @@ void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b);
 #if KVA_HAVE_AVX2
 extern const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx2;
+#endif
+#if KVA_HAVE_AVX512
+extern const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS];
+extern const kva_math kva_math_avx512;
 #endif
 #if KVA_HAVE_NEON
 /* f32, f16, bf16 only: the other kinds run the scalar kernels */

@@ -444,11 +444,24 @@ static const kvh_table kvh_tables[KVH_NUM_LEVELS] = {
 static const kvh_table *kvh_active = &kvh_tables[KVH_SCALAR];
 static int kvh_level = KVH_SCALAR;
 
-int kvh_level_supported(int level) { return kvs_level_supported(level); }
+int kvh_level_supported(int level)
+{
+    return level >= 0 && level < KVH_NUM_LEVELS && kvs_level_supported(level);
+}
 
-int kvh_best_level(void) { return kvs_best_level(); }
+/* The best level of this family at or under registry level `l`: the
+ * registry's levels above KVH_NUM_LEVELS - 1 (avx512) have no conversion
+ * kernels, and run the next lower level this CPU has (avx2). */
+static int kvh_level_at_most(int l)
+{
+    while (l > 0 && !kvh_level_supported(l))
+        l--;
+    return l;
+}
 
-int kvh_default_level(void) { return kvs_default_level(); }
+int kvh_best_level(void) { return kvh_level_at_most(kvs_best_level()); }
+
+int kvh_default_level(void) { return kvh_level_at_most(kvs_default_level()); }
 
 int kvh_current_level(void) { return kvh_level; }
 

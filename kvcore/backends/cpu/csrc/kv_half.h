@@ -25,10 +25,10 @@ extern "C" {
 #include "kv_kinds.h"
 
 /* SIMD levels, lowest first: the levels of the registry (kv_simd.h, the
- * same numbers).  A level is usable only if the CPU has it.  There is no
- * AVX-512 level: on an AVX-512 CPU (AMD EPYC) the 512-bit versions
- * measured slower than AVX2 (f32->f16 at 64 MB: 4.3 vs 5.9 Gelem/s), so
- * AVX-512 CPUs use the AVX2 path. */
+ * same numbers).  A level is usable only if the CPU has it.  The
+ * registry's avx512 level has no conversion kernels: on an AVX-512 CPU (AMD
+ * EPYC) the 512-bit versions measured slower than AVX2 (f32->f16 at 64 MB:
+ * 4.3 vs 5.9 Gelem/s), so AVX-512 CPUs use the AVX2 path. */
 enum {
     KVH_SCALAR = 0, KVH_F16C = 1, KVH_AVX2 = 2, /* x86-64 */
     KVH_NEON = 3,                               /* aarch64 */

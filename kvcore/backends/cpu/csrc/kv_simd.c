@@ -20,17 +20,47 @@
 #define KVS_NEON_ON 0
 #endif
 
-static const char *const kvs_names[KVS_NUM_LEVELS] = {"scalar", "f16c", "avx2", "neon"};
+#define KVS_NAME_ENTRY(id, name) name,
+static const char *const kvs_names[KVS_NUM_LEVELS] = {KVS_LEVELS(KVS_NAME_ENTRY)};
+#undef KVS_NAME_ENTRY
 
 const char *kvs_level_name(int level)
 {
     return level >= 0 && level < KVS_NUM_LEVELS ? kvs_names[level] : NULL;
 }
 
+#if KVS_X86 && defined(__GNUC__)
+#include <cpuid.h>
+
+/* XCR0 bits: 1 SSE, 2 AVX (ymm upper halves), 5 opmask, 6 ZMM_Hi256 (zmm0-15
+ * upper halves), 7 Hi16_ZMM (zmm16-31). */
+#define KVS_XCR0_ZMM 0xE6u
+
+/* Whether the OS saves and restores every state component of `mask` on a
+ * context switch (XCR0 holds them all).  __builtin_cpu_supports reports the
+ * CPU's instructions; whether the OS enabled their registers is XCR0's. */
+static int os_saves(unsigned mask)
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE))
+        return 0; /* no XGETBV: the OS enabled no extended state */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0)); /* XCR0 */
+    (void)hi;
+    return (lo & mask) == mask;
+}
+#endif
+
 static int detect(int level)
 {
     if (level == KVS_SCALAR)
         return 1;
+#ifdef KVS_TEST_EMULATE
+    /* test builds only (tests/test_attention_avx512.py): the level whose
+     * kernels were compiled against SIMDe, runnable on any CPU */
+    if (level == KVS_TEST_EMULATE)
+        return 1;
+#endif
 #if KVS_X86 && defined(__GNUC__)
     __builtin_cpu_init();
     switch (level) {
@@ -40,6 +70,10 @@ static int detect(int level)
     case KVS_AVX2:
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
+    case KVS_AVX512:
+        return detect(KVS_AVX2) && os_saves(KVS_XCR0_ZMM) &&
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     default:
         return 0;
     }

@@ -8,15 +8,18 @@
  * (a family without kernels of a level runs the next lower one it has: the
  * attention has no f16c kernels, so a cap of f16c runs its scalar ones).
  *
- * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2"
- * (x86-64) or "neon" (AArch64), surrounding spaces and case ignored: the
- * highest level any family uses by default (never more than the CPU has).
- * Unset or empty: no cap.  Another value is an error the Python layer
- * reports (kvs_cap() < 0); C callers then get the scalar kernels.
+ * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2",
+ * "avx512" (x86-64) or "neon" (AArch64), surrounding spaces and case
+ * ignored: the highest level any family uses by default (never more than
+ * the CPU has).  Unset or empty: no cap.  Another value is an error the
+ * Python layer reports (kvs_cap() < 0); C callers then get the scalar
+ * kernels.
  *
- * There is no AVX-512 level: no CPU this is developed on can execute it,
- * and on an AVX-512 CPU (AMD EPYC) the 512-bit conversions measured slower
- * than AVX2; AVX-512 CPUs use the AVX2 kernels.
+ * avx512 (AVX-512 F + BW + VL + DQ, with the OS saving the zmm state) has
+ * attention kernels only: the conversions run their avx2 ones there (on an
+ * AVX-512 CPU, AMD EPYC, the 512-bit conversions measured slower than
+ * AVX2).  The kernels of the avx512 level were checked under SIMDe
+ * emulation only (tests/test_attention_avx512.py), never executed natively.
  *
  * Each extension module links its own copy of this file: the detection and
  * the cap are the same in all of them (the same CPU, the same environment).
@@ -28,14 +31,25 @@
 extern "C" {
 #endif
 
-/* Levels, lowest first.  avx2 means AVX2 + FMA + F16C. */
-enum {
-    KVS_SCALAR = 0, KVS_F16C = 1, KVS_AVX2 = 2, /* x86-64 */
-    KVS_NEON = 3,                               /* aarch64 */
-    KVS_NUM_LEVELS = 4
-};
+/* Levels, lowest first: X(enum suffix, name).  avx2 means AVX2 + FMA +
+ * F16C.  The cap falls back by number (a level the CPU lacks runs the next
+ * lower one it has), so the x86 levels above avx2 come after neon: a cap of
+ * "neon" on x86-64 keeps avx2, as before avx512 existed, and a cap of
+ * "avx512" on AArch64 keeps neon.  A new level is one X entry here plus its
+ * case in kv_simd.c's detect(). */
+#define KVS_LEVELS(X)                                                      \
+    X(SCALAR, "scalar")                                                    \
+    X(F16C, "f16c")     /* x86-64 */                                       \
+    X(AVX2, "avx2")     /* x86-64 */                                       \
+    X(NEON, "neon")     /* aarch64 */                                      \
+    X(AVX512, "avx512") /* x86-64: AVX-512 F + BW + VL + DQ */
 
-/* Name of a level ("scalar", "f16c", "avx2", "neon"), NULL if out of range. */
+#define KVS_ENUM_ENTRY(id, name) KVS_##id,
+enum { KVS_LEVELS(KVS_ENUM_ENTRY) KVS_NUM_LEVELS };
+#undef KVS_ENUM_ENTRY
+
+/* Name of a level ("scalar", "f16c", "avx2", "neon", "avx512"), NULL if out
+ * of range. */
 const char *kvs_level_name(int level);
 /* 1 if this CPU (and this build) can run `level`. */
 int kvs_level_supported(int level);
