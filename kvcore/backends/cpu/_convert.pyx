@@ -62,6 +62,8 @@ cdef void stream_fence() noexcept nogil:
 cdef extern from "kv_simd.h" nogil:
     int kvs_cap()
     const char* kvs_cap_text()
+    const char* kvs_level_name(int level)
+    int KVS_NUM_LEVELS
 
 
 cdef extern from "kv_fp8.h" nogil:
@@ -330,7 +332,9 @@ def simd_cap_error():
     registry read it once, kv_simd.h), or None when it is fine."""
     if kvs_cap() >= 0:
         return None
-    return f"KVCORE_SIMD must be one of {LEVELS}, got {kvs_cap_text().decode()!r}"
+    # the registry's names: a level of another family (amx) is a valid cap
+    names = tuple(kvs_level_name(i).decode() for i in range(KVS_NUM_LEVELS))
+    return f"KVCORE_SIMD must be one of {names}, got {kvs_cap_text().decode()!r}"
 
 
 # KVCORE_SIMD caps the level (e.g. KVCORE_SIMD=scalar to rule SIMD out while

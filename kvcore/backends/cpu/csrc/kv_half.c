@@ -446,9 +446,19 @@ static int kvh_level = KVH_SCALAR;
 
 int kvh_level_supported(int level) { return kvs_level_supported(level); }
 
-int kvh_best_level(void) { return kvs_best_level(); }
+/* Registry levels past the conversions' own (amx: attention tiles only)
+ * run the highest level of this family the CPU has under them. */
+static int own_level(int level)
+{
+    if (level >= KVH_NUM_LEVELS)
+        for (level = KVH_NUM_LEVELS - 1; level > 0 && !kvh_level_supported(level); level--)
+            ;
+    return level;
+}
 
-int kvh_default_level(void) { return kvs_default_level(); }
+int kvh_best_level(void) { return own_level(kvs_best_level()); }
+
+int kvh_default_level(void) { return own_level(kvs_default_level()); }
 
 int kvh_current_level(void) { return kvh_level; }
 

@@ -9,6 +9,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #define KVS_X86 1
 #else
@@ -20,12 +28,53 @@
 #define KVS_NEON_ON 0
 #endif
 
-static const char *const kvs_names[KVS_NUM_LEVELS] = {"scalar", "f16c", "avx2", "neon"};
+static const char *const kvs_names[KVS_NUM_LEVELS] = {"scalar", "f16c", "avx2", "neon", "amx"};
 
 const char *kvs_level_name(int level)
 {
     return level >= 0 && level < KVS_NUM_LEVELS ? kvs_names[level] : NULL;
 }
+
+#if KVS_X86 && defined(__GNUC__)
+/* AMX-TILE + AMX-BF16 + AVX-512 F/BW/VL/DQ in the CPU, their register state
+ * enabled by the OS, and (Linux) this process granted the tile data. */
+static int detect_amx(void)
+{
+#ifdef KVS_TEST_ASSUME_AMX
+    /* test builds only (tests/c): the tile instructions are emulated */
+    return 1;
+#else
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) /* OSXSAVE */
+        return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return 0;
+    const unsigned avx512 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
+    const unsigned amx = (1u << 22) | (1u << 24);                             /* BF16 TILE */
+    if ((b & avx512) != avx512 || (d & amx) != amx)
+        return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    /* SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM; XTILECFG, XTILEDATA */
+    const unsigned xcr0 = (1u << 1) | (1u << 2) | (7u << 5) | (3u << 17);
+    if ((lo & xcr0) != xcr0)
+        return 0;
+#ifdef __linux__
+    /* Linux 5.16+ hands out the 8 KB tile state on request only; an older
+     * kernel (EINVAL) or a refusal (EPERM) leaves the level unsupported.
+     * The grant is per process and idempotent: a repeated detection (two
+     * first callers, or another extension module's copy of this file)
+     * only asks again. */
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                18 /* XFEATURE_XTILEDATA */) != 0)
+        return 0;
+    return 1;
+#else
+    return 0; /* no way here to know the OS grants the tile data */
+#endif
+#endif
+}
+#endif
 
 static int detect(int level)
 {
@@ -40,6 +89,8 @@ static int detect(int level)
     case KVS_AVX2:
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
+    case KVS_AMX:
+        return detect_amx();
     default:
         return 0;
     }

@@ -8,8 +8,8 @@
  * (a family without kernels of a level runs the next lower one it has: the
  * attention has no f16c kernels, so a cap of f16c runs its scalar ones).
  *
- * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2"
- * (x86-64) or "neon" (AArch64), surrounding spaces and case ignored: the
+ * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2",
+ * "amx" (x86-64) or "neon" (AArch64), surrounding spaces and case ignored: the
  * highest level any family uses by default (never more than the CPU has).
  * Unset or empty: no cap.  Another value is an error the Python layer
  * reports (kvs_cap() < 0); C callers then get the scalar kernels.
@@ -28,14 +28,20 @@
 extern "C" {
 #endif
 
-/* Levels, lowest first.  avx2 means AVX2 + FMA + F16C. */
+/* Levels, lowest first.  avx2 means AVX2 + FMA + F16C.  amx means AMX-TILE +
+ * AMX-BF16 + AVX-512 F/BW/VL/DQ, with the OS saving the tile state (XCR0
+ * bits 17-18) and, on Linux, granting this process the tile data
+ * (ARCH_REQ_XCOMP_PERM, asked once at detection; a kernel that refuses it
+ * leaves the level unsupported).  It sits after neon only until the avx512
+ * level lands (then it goes right above avx512; the numbers are not API). */
 enum {
     KVS_SCALAR = 0, KVS_F16C = 1, KVS_AVX2 = 2, /* x86-64 */
     KVS_NEON = 3,                               /* aarch64 */
-    KVS_NUM_LEVELS = 4
+    KVS_AMX = 4,                                /* x86-64 */
+    KVS_NUM_LEVELS = 5
 };
 
-/* Name of a level ("scalar", "f16c", "avx2", "neon"), NULL if out of range. */
+/* Name of a level ("scalar", "f16c", "avx2", "neon", "amx"), NULL if out of range. */
 const char *kvs_level_name(int level);
 /* 1 if this CPU (and this build) can run `level`. */
 int kvs_level_supported(int level);
