@@ -54,3 +54,47 @@ def aarch64_tools():
     if cc is None or qemu is None:
         pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64")
     return cc, qemu
+
+
+# The attention's kernel levels this build knows on this architecture, and
+# what a CPU that cannot run one lacks (a per-level test skips with it).
+_ATTENTION_LEVEL_NEEDS = {
+    "x86_64": {"avx2": ("avx2", "fma", "f16c"),
+               "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq")},
+    "aarch64": {"neon": ("asimd",)},
+}
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def attention_level_params(available):
+    """pytest params for every attention level of this architecture: the
+    ones in ``available`` run, the others skip naming what is missing
+    ("CPU lacks amx-bf16", or the kernel's refusal of the tile state)."""
+    import platform
+    arch = platform.machine().lower().replace("amd64", "x86_64").replace("arm64", "aarch64")
+    flags = _cpu_flags()
+    params = []
+    for name in ["scalar", *_ATTENTION_LEVEL_NEEDS.get(arch, {})]:
+        if name in available:
+            params.append(pytest.param(name, id=name))
+            continue
+        missing = [f for f in _ATTENTION_LEVEL_NEEDS[arch][name] if f not in flags]
+        if missing:
+            reason = "CPU lacks " + ", ".join(f.replace("_", "-") for f in missing)
+        elif name == "amx":
+            reason = ("the OS did not grant the AMX tile state "
+                      "(XCR0 bits 17-18, or ARCH_REQ_XCOMP_PERM refused)")
+        else:
+            reason = f"this build has no {name} kernels"
+        params.append(pytest.param(name, id=name, marks=pytest.mark.skip(reason=reason)))
+    return params

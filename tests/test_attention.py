@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 try:
-    from _helpers import aarch64_tools, functions_in
+    from _helpers import aarch64_tools, attention_level_params, functions_in
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import aarch64_tools, functions_in
+    from ._helpers import aarch64_tools, attention_level_params, functions_in
 
 import kvcore
 from kvcore.backends.cpu import _attention
@@ -86,7 +86,7 @@ def run_case(rng, dtype, contexts, queries, num_heads, num_kv_heads, head_dim, b
     return out, want
 
 
-@pytest.fixture(params=LEVELS)
+@pytest.fixture(params=attention_level_params(LEVELS))
 def level(request):
     previous = _attention.set_simd_level(request.param)
     try:
@@ -680,7 +680,7 @@ def test_kv_cache_attention_errors():
 
 
 # ------------------------------------------------------------------ the math kernels
-@pytest.mark.parametrize("lvl", LEVELS)
+@pytest.mark.parametrize("lvl", attention_level_params(LEVELS))
 def test_exp2_accuracy(lvl):
     """2**x for x <= 0: within 1 ulp of the float64 value down to 2**-126,
     +0 below about 2**-126.5, 0 for -inf, NaN for NaN."""
@@ -701,7 +701,7 @@ def test_exp2_accuracy(lvl):
     assert out[0] == 0 and np.isnan(out[1]) and (out[2:] == 0).all()
 
 
-@pytest.mark.parametrize("lvl", LEVELS)
+@pytest.mark.parametrize("lvl", attention_level_params(LEVELS))
 def test_softcap_accuracy(lvl):
     rng = np.random.default_rng(61)
     x = np.concatenate([rng.standard_normal(300_000) * 3, rng.standard_normal(100_000) * 0.2,
@@ -724,8 +724,9 @@ NATIVE = os.path.dirname(_attention.__file__)
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump")
                     is None, reason="needs x86-64 and objdump")
 def test_only_avx2_functions_use_avx():
-    """A wheel must run on any x86-64: only the *_avx2 functions (reached
-    after __builtin_cpu_supports) may use AVX; and they do."""
+    """A wheel must run on any x86-64: only the *_avx2 and *_amx functions
+    (reached after the CPU said it has the instructions) may use AVX; and
+    they do."""
     so = glob.glob(os.path.join(NATIVE, "_attention*.so"))
     assert so, "the _attention extension is not built"
     fns = functions_in(so[0])
@@ -733,13 +734,14 @@ def test_only_avx2_functions_use_avx():
     for fn, insns in fns.items():
         name = fn.split("@")[0].split(".")[0]
         uses = next((i for i in insns if i.split()[0].startswith("v") or "ymm" in i), None)
-        if name.endswith("_avx2"):
+        if name.endswith(("_avx2", "_amx")):
             if uses:
                 simd.add(name)
         elif uses:
             bad[fn] = uses
     assert not bad, f"baseline functions use AVX: {bad}"
     assert {"scores_f16_avx2", "pv_f16_avx2", "scores_bf16_avx2", "row_exp_sum_avx2"} <= simd
+    assert {"scores_f16_amx", "pv_bf16_amx", "row_exp_sum_amx"} <= simd
 
 
 # ------------------------------------------------------------------ the C file on its own

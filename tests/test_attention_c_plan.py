@@ -10,11 +10,16 @@ import pytest
 
 from kvcore.backends.cpu import _attention
 
+try:
+    from _helpers import attention_level_params
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import attention_level_params
+
 LEVELS = _attention.available_simd_levels()
 KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
-@pytest.fixture(params=LEVELS)
+@pytest.fixture(params=attention_level_params(LEVELS))
 def level(request):
     previous = _attention.set_simd_level(request.param)
     try:

@@ -65,7 +65,7 @@ static __thread struct {
 /* TDPBF16PS executed, all threads (read by the test driver). */
 long amx_emu_tdpbf16ps_count;
 
-static void amx_emu_fault(const char *what)
+static inline void amx_emu_fault(const char *what)
 {
     fprintf(stderr, "amx emulation: fault: %s\n", what);
     abort();
@@ -91,13 +91,13 @@ static inline void amx_emu_zero_upper_rows(amx_emu_tile *r, int first)
 }
 
 /* TILERELEASE: back to the init state (no configuration, tiles zero). */
-static void amx_emu_tilerelease(void)
+static inline void amx_emu_tilerelease(void)
 {
     memset(&amx_emu, 0, sizeof amx_emu);
 }
 
 /* LDTILECFG m512 */
-static void amx_emu_ldtilecfg(const void *mem)
+static inline void amx_emu_ldtilecfg(const void *mem)
 {
     const uint8_t *b = (const uint8_t *)mem;
     if (b[0] == 0) { /* palette 0: the init state */
@@ -132,7 +132,7 @@ static void amx_emu_ldtilecfg(const void *mem)
 }
 
 /* TILELOADD tdest, [base + stride * row] */
-static void amx_emu_tileloadd(int t, const void *base, long stride)
+static inline void amx_emu_tileloadd(int t, const void *base, long stride)
 {
     amx_emu_tile *r = amx_emu_reg(t);
     const uint8_t *p = (const uint8_t *)base;
@@ -145,7 +145,7 @@ static void amx_emu_tileloadd(int t, const void *base, long stride)
 }
 
 /* TILESTORED [base + stride * row], tsrc */
-static void amx_emu_tilestored(int t, void *base, long stride)
+static inline void amx_emu_tilestored(int t, void *base, long stride)
 {
     amx_emu_tile *r = amx_emu_reg(t);
     uint8_t *p = (uint8_t *)base;
@@ -155,7 +155,7 @@ static void amx_emu_tilestored(int t, void *base, long stride)
 }
 
 /* TILEZERO tdest */
-static void amx_emu_tilezero(int t)
+static inline void amx_emu_tilezero(int t)
 {
     amx_emu_tile *r = amx_emu_reg(t);
     memset(r->data, 0, sizeof r->data);
@@ -200,7 +200,7 @@ static inline float amx_emu_fma(float x, float y, float t)
 
 /* TDPBF16PS tsrcdest, tsrc1, tsrc2: C (m x n) += A (m x k) B (k x n), the
  * elements of A and B pairs of bf16. */
-static void amx_emu_tdpbf16ps(int d, int a, int b)
+static inline void amx_emu_tdpbf16ps(int d, int a, int b)
 {
     amx_emu_tile *C = amx_emu_reg(d), *A = amx_emu_reg(a), *B = amx_emu_reg(b);
     if (d == a || d == b || a == b)

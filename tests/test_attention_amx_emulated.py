@@ -1,0 +1,95 @@
+"""The amx level of the attention (kv_attn_amx.c: AMX-BF16 tiles for
+prefill items) on any CPU, under a tile emulation written from Intel's
+published pseudocode (tests/c/amx_tile_emulation.h) with the AVX-512
+intrinsics from SIMDe (PyPI ``simde-py``, in the test extra):
+
+- the emulation itself against the pseudocode's facts (even/odd
+  accumulators, DAZ, FTZ, round to nearest even, rows x colsb moves);
+- the amx level against a double-precision attention within 1e-5 (every
+  page kind, head_dims 32-256, GQA, ragged tails, causal, sliding window,
+  soft cap, chunked prefill over cached context, 3 threads = 1 thread's
+  bits), and that the tiles ran exactly where they should;
+- KVCORE_SIMD=amx is a valid cap (the best level under it is used).
+
+No AMX CPU was at hand: the tile code has run only under this emulation."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
+TESTS_C = ROOT / "tests" / "c"
+
+needs_source = pytest.mark.skipif(not (CSRC / "kv_attention.c").exists(),
+                                  reason="needs the source tree")
+
+
+def _simde_include():
+    """SIMDe's include folder: simde-py's (>= 0.8.2), else the system's."""
+    try:
+        import simde_py
+        return simde_py.get_include()
+    except ImportError:
+        if Path("/usr/include/simde/x86/avx512.h").exists():
+            return "/usr/include"
+    pytest.skip("needs SIMDe (pip install simde-py, in kvcore's test extra)")
+
+
+def _cc():
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    return cc
+
+
+def _build(out, driver, sources=()):
+    # -DKVA_AMX_TARGET= : no target attribute (the emulation runs anywhere);
+    # -DKVS_TEST_ASSUME_AMX : kv_simd.c reports the amx level supported;
+    # -Wno-psabi : SIMDe's 512-bit vector types passed without AVX-512
+    cmd = [_cc(), "-O2", "-pthread", "-Wall", "-Werror", "-Wno-psabi",
+           "-DKVA_AMX_EMULATION", "-DKVA_AMX_TARGET=", "-DKVS_TEST_ASSUME_AMX",
+           f"-I{_simde_include()}", f"-I{TESTS_C}", f"-I{CSRC}", str(driver),
+           *[str(s) for s in sources], "-o", str(out), "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+@needs_source
+def test_tile_emulation_follows_the_pseudocode(tmp_path):
+    exe = _build(tmp_path / "emu", TESTS_C / "amx_tile_emulation_check.c")
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "emulation: 0 failures" in run.stdout
+
+
+@needs_source
+def test_amx_level_under_the_tile_emulation(tmp_path):
+    sources = [*sorted(CSRC.glob("kv_att*.c")), CSRC / "kv_simd.c"]
+    exe = _build(tmp_path / "amx", TESTS_C / "kv_attention_amx_check.c", sources)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("amx: "))
+    cases, failures, tdp = line.split()[1], line.split()[3], line.split()[5]
+    assert int(cases) > 90 and failures == "0" and int(tdp) > 0, line
+
+
+def test_kvcore_simd_amx_is_a_valid_cap():
+    import kvcore
+    from kvcore.backends.cpu import _attention, _convert
+    env = dict(os.environ, KVCORE_SIMD=" AMX ")
+    where = str(Path(kvcore.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [where, env.get("PYTHONPATH")]))
+    code = "import json, kvcore; print(json.dumps(kvcore.simd_levels()))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=where, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import json
+    levels = json.loads(r.stdout)
+    # amx caps nothing below it: each family runs the best it has here
+    assert levels["attention"] == _attention.available_simd_levels()[-1]
+    assert levels["conversions"] == _convert.best_simd_level()
