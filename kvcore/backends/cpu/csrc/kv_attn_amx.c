@@ -47,6 +47,10 @@
 #include <immintrin.h>
 #endif
 
+/* The tiles hold a whole key tile: P's 32 keys are one A tile's 64 bytes,
+ * and tmp (KVA_KEY_TILE * D floats) holds two terms of a repacked K or V. */
+_Static_assert(KVA_KEY_TILE == 32, "kv_attn_amx.c assumes key tiles of 32 positions");
+
 #ifndef KVA_AMX_TARGET
 #define KVA_AMX_TARGET \
     __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
