@@ -9,7 +9,9 @@ intrinsics from SIMDe (PyPI ``simde-py``, in the test extra):
   page kind, head_dims 32-256, GQA, ragged tails, causal, sliding window,
   soft cap, chunked prefill over cached context, 3 threads = 1 thread's
   bits), and that the tiles ran exactly where they should;
-- KVCORE_SIMD=amx is a valid cap (the best level under it is used).
+- KVCORE_SIMD=amx is a valid cap (the best level under it is used);
+- the detection on a made-up CPU/OS: the tile permission requested once,
+  a refusal or an old kernel a clean fallback.
 
 No AMX CPU was at hand: the tile code has run only under this emulation."""
 import os
@@ -93,3 +95,31 @@ def test_kvcore_simd_amx_is_a_valid_cap():
     # amx caps nothing below it: each family runs the best it has here
     assert levels["attention"] == _attention.available_simd_levels()[-1]
     assert levels["conversions"] == _convert.best_simd_level()
+
+
+@needs_source
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64",
+                    reason="the amx detection is x86-64 Linux's (CPUID, XGETBV, arch_prctl)")
+@pytest.mark.parametrize("scenario, amx, requests", [
+    ("granted", 1, 1), ("refused", 0, 1), ("oldkernel", 0, 1), ("noxcr0", 0, 0), ("nobf16", 0, 0)])
+def test_amx_detection_asks_the_os_once_and_falls_back(tmp_path, scenario, amx, requests):
+    """kv_simd.c on a made-up CPU/OS (tests/c/kv_simd_fake_cpu.h): the tile
+    permission is requested once, only when the CPU and XCR0 allow AMX; a
+    refusal (EPERM) or an old kernel (EINVAL) leaves amx unsupported; and
+    the conversions never run a registry level past their own (avx2)."""
+    cc = _cc()
+    obj = tmp_path / "kv_simd.o"
+    for cmd in ([cc, "-O2", "-Wall", "-Werror", "-include", str(TESTS_C / "kv_simd_fake_cpu.h"),
+                 f"-I{CSRC}", "-c", str(CSRC / "kv_simd.c"), "-o", str(obj)],
+                [cc, "-O2", "-Wall", "-Werror", f"-I{CSRC}",
+                 str(TESTS_C / "kv_simd_amx_detect_check.c"), str(CSRC / "kv_half.c"), str(obj),
+                 "-o", str(tmp_path / "detect")]):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+    run = subprocess.run([str(tmp_path / "detect"), scenario], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    from kvcore.backends.cpu import _convert
+    conv = _convert.best_simd_level()   # this CPU's: the fake changes only amx
+    assert run.stdout.strip() == (f"{scenario}: amx {amx}, requests {requests}, "
+                                  f"conversions {conv}, best {conv}")

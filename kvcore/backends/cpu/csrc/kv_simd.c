@@ -11,6 +11,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
+#include <immintrin.h>
 #endif
 #if defined(__x86_64__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -36,6 +37,12 @@ const char *kvs_level_name(int level)
 }
 
 #if KVS_X86 && defined(__GNUC__)
+/* XCR0: the register state the OS saves (only after CPUID said OSXSAVE) */
+__attribute__((target("xsave"))) static unsigned long long xcr0(void)
+{
+    return _xgetbv(0);
+}
+
 /* AMX-TILE + AMX-BF16 + AVX-512 F/BW/VL/DQ in the CPU, their register state
  * enabled by the OS, and (Linux) this process granted the tile data. */
 static int detect_amx(void)
@@ -53,11 +60,9 @@ static int detect_amx(void)
     const unsigned amx = (1u << 22) | (1u << 24);                             /* BF16 TILE */
     if ((b & avx512) != avx512 || (d & amx) != amx)
         return 0;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     /* SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM; XTILECFG, XTILEDATA */
-    const unsigned xcr0 = (1u << 1) | (1u << 2) | (7u << 5) | (3u << 17);
-    if ((lo & xcr0) != xcr0)
+    const unsigned long long state = (1u << 1) | (1u << 2) | (7u << 5) | (3u << 17);
+    if ((xcr0() & state) != state)
         return 0;
 #ifdef __linux__
     /* Linux 5.16+ hands out the 8 KB tile state on request only; an older
