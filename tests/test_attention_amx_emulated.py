@@ -71,6 +71,13 @@ def test_tile_emulation_follows_the_pseudocode(tmp_path):
 
 @needs_source
 def test_amx_level_under_the_tile_emulation(tmp_path):
+    import platform
+    from kvcore.backends.cpu import _attention
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the amx level exists on x86-64 only")
+    if "avx2" not in _attention.available_simd_levels():
+        # the level's decode items and float32 pages run the AVX2 kernels natively
+        pytest.skip("CPU lacks avx2 (the amx level's other kernels)")
     sources = [*sorted(CSRC.glob("kv_att*.c")), CSRC / "kv_simd.c"]
     exe = _build(tmp_path / "amx", TESTS_C / "kv_attention_amx_check.c", sources)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=900)
