@@ -37,11 +37,13 @@ const char *kvs_level_name(int level)
 }
 
 #if KVS_X86 && defined(__GNUC__)
+#ifndef KVS_TEST_ASSUME_AMX
 /* XCR0: the register state the OS saves (only after CPUID said OSXSAVE) */
 __attribute__((target("xsave"))) static unsigned long long xcr0(void)
 {
     return _xgetbv(0);
 }
+#endif
 
 /* AMX-TILE + AMX-BF16 + AVX-512 F/BW/VL/DQ in the CPU, their register state
  * enabled by the OS, and (Linux) this process granted the tile data. */
