@@ -16,7 +16,9 @@
  *
  * There is no AVX-512 level: no CPU this is developed on can execute it,
  * and on an AVX-512 CPU (AMD EPYC) the 512-bit conversions measured slower
- * than AVX2; AVX-512 CPUs use the AVX2 kernels.
+ * than AVX2; AVX-512 CPUs use the AVX2 kernels.  The amx level (AMX tiles
+ * for the attention's prefill, which also needs AVX-512) is the one
+ * exception; the conversions run avx2 there.
  *
  * Each extension module links its own copy of this file: the detection and
  * the cap are the same in all of them (the same CPU, the same environment).
