@@ -76,7 +76,8 @@ def ext(folder, name, *c_sources, compile_args=(), link_args=()):
 # per role (kv_attn_internal.h lists them); pthreads for the worker pool.
 PTHREAD = [] if sys.platform == "win32" else ["-pthread"]
 ATTENTION_C = ["kv_attention.c", "kv_attn_schedule.c", "kv_attn_tile.c", "kv_attn_threads.c",
-               "kv_attn_scalar.c", "kv_attn_avx2.c", "kv_attn_avx512.c", "kv_attn_neon.c"]
+               "kv_attn_scalar.c", "kv_attn_avx2.c", "kv_attn_avx512.c", "kv_attn_neon.c",
+               "kv_attn_amx.c"]
 # kv_simd.c, the one SIMD registry (levels, CPU detection, the KVCORE_SIMD
 # cap), is linked into every module with dispatched kernels.
 extensions = [

@@ -7,10 +7,13 @@ import pytest
 
 
 # The CPU features each x86-64 kernel level needs (kv_simd.c's detection;
-# avx512 also needs the OS to save the zmm state, XCR0).
+# avx512 also needs the OS to save the zmm state, XCR0; amx the tile state
+# too, and Linux's grant of it: ARCH_REQ_XCOMP_PERM).
 _X86_LEVEL_FEATURES = {"f16c": ("avx", "f16c", "sse4_1"), "avx2": ("avx2", "fma", "f16c"),
                        "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                  "avx512dq")}
+                                  "avx512dq"),
+                       "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                               "avx512dq", "amx_tile", "amx_bf16")}
 
 
 def cpu_flags():
@@ -41,7 +44,7 @@ def simd_level_params(available, levels):
             continue
         missing = [f for f in _X86_LEVEL_FEATURES.get(level, (level,)) if f not in flags]
         reason = (f"CPU lacks {', '.join(missing)}" if missing else
-                  f"the OS does not enable {level}'s registers, or this build has no "
-                  f"{level} kernels")
+                  f"the OS does not enable {level}'s registers (for amx: or refused "
+                  f"ARCH_REQ_XCOMP_PERM), or this build has no {level} kernels")
         params.append(pytest.param(level, marks=pytest.mark.skip(reason=reason)))
     return params

@@ -728,8 +728,9 @@ NATIVE = os.path.dirname(_attention.__file__)
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump")
                     is None, reason="needs x86-64 and objdump")
 def test_only_avx2_functions_use_avx():
-    """A wheel must run on any x86-64: only the *_avx2 functions (reached
-    after __builtin_cpu_supports) may use AVX; and they do."""
+    """A wheel must run on any x86-64: only the *_avx2, *_avx512 and *_amx functions
+    (reached after the CPU said it has the instructions) may use AVX; and
+    they do."""
     so = glob.glob(os.path.join(NATIVE, "_attention*.so"))
     assert so, "the _attention extension is not built"
     fns = functions_in(so[0])
@@ -737,7 +738,7 @@ def test_only_avx2_functions_use_avx():
     for fn, insns in fns.items():
         name = fn.split("@")[0].split(".")[0]
         uses = next((i for i in insns if i.split()[0].startswith("v") or "ymm" in i), None)
-        if name.endswith(("_avx2", "_avx512")):
+        if name.endswith(("_avx2", "_avx512", "_amx")):
             if uses:
                 simd.add(name)
         elif uses:
@@ -745,11 +746,12 @@ def test_only_avx2_functions_use_avx():
     assert not bad, f"baseline functions use AVX: {bad}"
     assert {"scores_f16_avx2", "pv_f16_avx2", "scores_bf16_avx2", "row_exp_sum_avx2"} <= simd
     assert {"scores_f16_avx512", "pv_i8_avx512", "row_exp_sum_avx512"} <= simd
-    # the AVX-512 kernels use 512-bit registers, the AVX2 ones never do
+    assert {"scores_f16_amx", "pv_bf16_amx", "row_exp_sum_amx"} <= simd
+    # the AVX-512 and AMX kernels use 512-bit registers, the AVX2 ones never do
     zmm = {fn.split("@")[0].split(".")[0] for fn, insns in fns.items()
            if any("zmm" in i for i in insns)}
     assert {"scores_f16_avx512", "pv_bf16_avx512", "exp2_neg_n_avx512"} <= zmm
-    assert all(name.endswith("_avx512") for name in zmm), zmm
+    assert all(name.endswith(("_avx512", "_amx")) for name in zmm), zmm
 
 
 # ------------------------------------------------------------------ the C file on its own

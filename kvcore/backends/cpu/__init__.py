@@ -16,9 +16,9 @@ def simd_levels():
     -------
     dict
         ``{"conversions": ..., "fp8_int8": ..., "attention": ...}``: level
-        names (``"scalar"``, ``"f16c"``, ``"avx2"``, ``"avx512"`` or ``"neon"``) of the
-        float16/bfloat16 conversions, the fp8/int8 conversions and the
-        attention kernels.
+        names (``"scalar"``, ``"f16c"``, ``"avx2"``, ``"avx512"``, ``"neon"``, or
+        ``"amx"`` for the attention only) of the float16/bfloat16 conversions, the
+        fp8/int8 conversions and the attention kernels.
 
     Examples
     --------

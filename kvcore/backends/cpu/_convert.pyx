@@ -332,6 +332,7 @@ def simd_cap_error():
     registry read it once, kv_simd.h), or None when it is fine."""
     if kvs_cap() >= 0:
         return None
+    # the registry's names: a level of another family (amx) is a valid cap
     names = tuple(kvs_level_name(i).decode() for i in range(KVS_NUM_LEVELS))
     return f"KVCORE_SIMD must be one of {names}, got {kvs_cap_text().decode()!r}"
 

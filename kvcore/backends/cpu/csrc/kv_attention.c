@@ -23,7 +23,8 @@
 /* The attention's levels are levels of the registry (kv_simd.h): names,
  * detection and the KVCORE_SIMD cap come from there.  The registry level
  * each attention level is: */
-static const int registry_level[KVA_NUM_LEVELS] = {KVS_SCALAR, KVS_AVX2, KVS_NEON, KVS_AVX512};
+static const int registry_level[KVA_NUM_LEVELS] = {KVS_SCALAR, KVS_AVX2, KVS_NEON, KVS_AVX512,
+                                                   KVS_AMX};
 static int current_level = -1; /* -1: not chosen yet (the default is taken) */
 
 int kva_level_supported(int level)
@@ -32,7 +33,7 @@ int kva_level_supported(int level)
         return 0;
     /* the kernels of a level exist only where they were compiled */
     if ((level == KVA_AVX2 && !KVA_HAVE_AVX2) || (level == KVA_NEON && !KVA_HAVE_NEON) ||
-        (level == KVA_AVX512 && !KVA_HAVE_AVX512))
+        (level == KVA_AVX512 && !KVA_HAVE_AVX512) || (level == KVA_AMX && !KVA_HAVE_AMX))
         return 0;
     return kvs_level_supported(registry_level[level]);
 }
@@ -83,6 +84,10 @@ static const kva_math *math_for(int level)
     if (level == KVA_AVX512)
         return &kva_math_avx512;
 #endif
+#if KVA_HAVE_AMX
+    if (level == KVA_AMX)
+        return &kva_math_amx;
+#endif
 #if KVA_HAVE_AVX2
     if (level == KVA_AVX2)
         return &kva_math_avx2;
@@ -97,7 +102,8 @@ static const kva_math *math_for(int level)
 static const kva_kernels *kernels_for(int level, int kind)
 {
 #if KVA_HAVE_AVX512
-    if (level == KVA_AVX512)
+    /* the amx level: the AVX-512 kernels for all but its tiles */
+    if (level == KVA_AVX512 || level == KVA_AMX)
         return &kva_kernels_avx512[kind];
 #endif
 #if KVA_HAVE_AVX2
@@ -294,6 +300,11 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     job.a = &a;
     job.kern = kernels_for(level, a.kind);
     job.kern_f32 = kernels_for(level, KVA_F32);
+#if KVA_HAVE_AMX
+    /* the tiles take 32 dims (64 bytes of bf16) per step */
+    if (level == KVA_AMX && a.head_dim % 32 == 0 && kva_kernels_amx[a.kind].scores != NULL)
+        job.kern_tiles = &kva_kernels_amx[a.kind];
+#endif
     job.math = math_for(level);
     job.items = p->items;
     job.num_items = p->num_items;

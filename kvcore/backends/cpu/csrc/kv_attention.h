@@ -38,7 +38,11 @@ enum { KVA_F32 = 0, KVA_F16 = 1, KVA_BF16 = 2 };
 enum { KVA_F8E4M3 = 3, KVA_F8E5M2 = 4, KVA_I8 = 5 };
 
 /* Instruction-set levels of the kernels. */
-enum { KVA_SCALAR = 0, KVA_AVX2 = 1, KVA_NEON = 2, KVA_AVX512 = 3, KVA_NUM_LEVELS = 4 };
+/* KVA_AMX: AMX-BF16 tiles for the items of many query rows (prefill) of
+ * float16 / bfloat16 / fp8 / int8 pages whose head_dim is a multiple of 32;
+ * everything else at that level runs the AVX-512 kernels. */
+enum { KVA_SCALAR = 0, KVA_AVX2 = 1, KVA_NEON = 2, KVA_AVX512 = 3, KVA_AMX = 4,
+       KVA_NUM_LEVELS = 5 };
 
 /* Status codes. */
 enum { KVA_OK = 0, KVA_ENOMEM = -1, KVA_EINVAL = -2 };
@@ -114,7 +118,7 @@ int kva_default_level(void); /* the best under the KVCORE_SIMD cap */
 int kva_level_supported(int level);
 int kva_current_level(void);
 int kva_set_level(int level);          /* 0, or -1 (unchanged) if unsupported */
-const char *kva_level_name(int level); /* "scalar", "avx2", ...; NULL if out of range */
+const char *kva_level_name(int level); /* "scalar", "avx2", "neon", "avx512", "amx"; NULL if out of range */
 
 /* exp2 of x <= 0 as the SIMD kernels compute it, for the accuracy test
  * (level KVA_AVX2 needs the CPU to support it; returns -1 otherwise). */

@@ -16,6 +16,8 @@
  *   kv_attn_avx512.c    AVX-512 F/BW/VL/DQ kernels (x86-64; every function
  *                       carries KVA_AVX512_TARGET and ends in _avx512)
  *   kv_attn_neon.c      AArch64 Advanced SIMD kernels
+ *   kv_attn_amx.c       AMX-BF16 tile kernels for items of many rows, and
+ *                       AVX-512 math (functions end in _amx)
  *
  * Build notes: no file is compiled with -m flags, so the wheel runs on every
  * x86-64 (and aarch64) CPU; the AVX2 bodies are reached only after the
@@ -58,6 +60,13 @@
 #else
 #define KVA_HAVE_AVX512 0
 #endif
+/* The AMX intrinsics and target names: GCC 11, clang 12. */
+#if KVA_HAVE_AVX2 && ((defined(__clang__) && __clang_major__ >= 12) || \
+                      (!defined(__clang__) && __GNUC__ >= 11))
+#define KVA_HAVE_AMX 1
+#else
+#define KVA_HAVE_AMX 0
+#endif
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #define KVA_HAVE_NEON 1
 #else
@@ -77,6 +86,9 @@
 /* Items of more rows than this widen each K/V tile to float32 once (the
  * micro-kernels work on 4 rows at a time, and would widen it per block). */
 #define KVA_WIDEN_ROWS 4
+/* Items of at least this many rows (a matrix tile's) run the level's tile
+ * kernels where it has them (kva_job.kern_tiles). */
+#define KVA_TILE_ROWS 16
 
 #define KVA_LOG2E 1.4426950408889634f
 
@@ -129,6 +141,13 @@ extern const kva_math kva_math_avx2;
 extern const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx512;
 #endif
+#if KVA_HAVE_AMX
+/* Tile kernels over the stored rows (unit 1, no widen); the f32 entry is
+ * all NULL (float32 pages keep the AVX-512 kernels: bf16 terms of a float32
+ * element need three tiles per operand, and the AVX-512 path is exact). */
+extern const kva_kernels kva_kernels_amx[KVA_NUM_KINDS];
+extern const kva_math kva_math_amx;
+#endif
 #if KVA_HAVE_NEON
 /* f32, f16, bf16 only: the other kinds run the scalar kernels */
 #define KVA_NUM_NEON_KINDS 3
@@ -165,6 +184,8 @@ typedef struct {
     const kva_args *a;
     const kva_kernels *kern;
     const kva_kernels *kern_f32; /* for tiles widened once (items of many rows) */
+    const kva_kernels *kern_tiles; /* items of >= KVA_TILE_ROWS rows: matrix
+                                      tiles over the stored rows; NULL: none */
     const kva_math *math;
     const kva_item *items;
     int64_t num_items;

@@ -140,9 +140,14 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const char *vbase = a->value_cache + (ptrdiff_t)g * a->head_stride;
     const kva_kernels *kern = job->kern, *kern_f32 = job->kern_f32;
     const kva_math *math = job->math;
+    /* items of a tile's rows or more: the level's tile kernels, where it has
+     * them, read the stored rows themselves (no widening) */
+    const int tiles = M >= KVA_TILE_ROWS && job->kern_tiles != NULL;
+    if (tiles)
+        kern = job->kern_tiles;
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
-    const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32;
+    const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32 && !tiles;
     if (widen) {
         for (int i = 0; i < KVA_KEY_TILE; i++) {
             ws->kfrow[i] = (const char *)(ws->kf + (size_t)i * D);

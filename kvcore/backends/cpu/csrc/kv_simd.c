@@ -9,6 +9,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #define KVS_X86 1
 #else
@@ -30,8 +39,6 @@ const char *kvs_level_name(int level)
 }
 
 #if KVS_X86 && defined(__GNUC__)
-#include <cpuid.h>
-
 /* XCR0 bits: 1 SSE, 2 AVX (ymm upper halves), 5 opmask, 6 ZMM_Hi256 (zmm0-15
  * upper halves), 7 Hi16_ZMM (zmm16-31). */
 #define KVS_XCR0_ZMM 0xE6u
@@ -48,6 +55,51 @@ static int os_saves(unsigned mask)
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0)); /* XCR0 */
     (void)hi;
     return (lo & mask) == mask;
+}
+
+#ifndef KVS_TEST_ASSUME_AMX
+/* XCR0: the register state the OS saves (only after CPUID said OSXSAVE) */
+__attribute__((target("xsave"))) static unsigned long long xcr0(void)
+{
+    return _xgetbv(0);
+}
+#endif
+
+/* AMX-TILE + AMX-BF16 + AVX-512 F/BW/VL/DQ in the CPU, their register state
+ * enabled by the OS, and (Linux) this process granted the tile data. */
+static int detect_amx(void)
+{
+#ifdef KVS_TEST_ASSUME_AMX
+    /* test builds only (tests/c): the tile instructions are emulated */
+    return 1;
+#else
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) /* OSXSAVE */
+        return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return 0;
+    const unsigned avx512 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
+    const unsigned amx = (1u << 22) | (1u << 24);                             /* BF16 TILE */
+    if ((b & avx512) != avx512 || (d & amx) != amx)
+        return 0;
+    /* SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM; XTILECFG, XTILEDATA */
+    const unsigned long long state = (1u << 1) | (1u << 2) | (7u << 5) | (3u << 17);
+    if ((xcr0() & state) != state)
+        return 0;
+#ifdef __linux__
+    /* Linux 5.16+ hands out the 8 KB tile state on request only; an older
+     * kernel (EINVAL) or a refusal (EPERM) leaves the level unsupported.
+     * The grant is per process and idempotent: a repeated detection (two
+     * first callers, or another extension module's copy of this file)
+     * only asks again. */
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                18 /* XFEATURE_XTILEDATA */) != 0)
+        return 0;
+    return 1;
+#else
+    return 0; /* no way here to know the OS grants the tile data */
+#endif
+#endif
 }
 #endif
 
@@ -74,6 +126,8 @@ static int detect(int level)
         return detect(KVS_AVX2) && os_saves(KVS_XCR0_ZMM) &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case KVS_AMX:
+        return detect_amx();
     default:
         return 0;
     }

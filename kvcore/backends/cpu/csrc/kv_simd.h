@@ -9,17 +9,20 @@
  * attention has no f16c kernels, so a cap of f16c runs its scalar ones).
  *
  * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2",
- * "avx512" (x86-64) or "neon" (AArch64), surrounding spaces and case
- * ignored: the highest level any family uses by default (never more than
- * the CPU has).  Unset or empty: no cap.  Another value is an error the
- * Python layer reports (kvs_cap() < 0); C callers then get the scalar
+ * "avx512", "amx" (x86-64) or "neon" (AArch64), surrounding spaces and
+ * case ignored: the highest level any family uses by default (never more
+ * than the CPU has).  Unset or empty: no cap.  Another value is an error
+ * the Python layer reports (kvs_cap() < 0); C callers then get the scalar
  * kernels.
  *
  * avx512 (AVX-512 F + BW + VL + DQ, with the OS saving the zmm state) has
  * attention kernels only: the conversions run their avx2 ones there (on an
  * AVX-512 CPU, AMD EPYC, the 512-bit conversions measured slower than
- * AVX2).  The kernels of the avx512 level were checked under SIMDe
- * emulation only (tests/test_attention_avx512.py), never executed natively.
+ * AVX2).  amx (AMX-TILE + AMX-BF16 on top of avx512) adds tiles for the
+ * attention's prefill items.  The kernels of both levels were checked under
+ * emulation only (SIMDe; a tile emulation written from Intel's pseudocode:
+ * tests/test_attention_avx512.py, tests/test_attention_amx_emulated.py),
+ * never executed natively.
  *
  * Each extension module links its own copy of this file: the detection and
  * the cap are the same in all of them (the same CPU, the same environment).
@@ -35,21 +38,26 @@ extern "C" {
  * F16C.  The cap falls back by number (a level the CPU lacks runs the next
  * lower one it has), so the x86 levels above avx2 come after neon: a cap of
  * "neon" on x86-64 keeps avx2, as before avx512 existed, and a cap of
- * "avx512" on AArch64 keeps neon.  A new level is one X entry here plus its
- * case in kv_simd.c's detect(). */
+ * "avx512" on AArch64 keeps neon.  amx means AMX-TILE + AMX-BF16 + the
+ * avx512 set, with the OS saving the tile state (XCR0 bits 17-18) and, on
+ * Linux, granting this process the tile data (ARCH_REQ_XCOMP_PERM, asked
+ * once at detection; a kernel that refuses it leaves the level
+ * unsupported).  A new level is one X entry here plus its case in
+ * kv_simd.c's detect(). */
 #define KVS_LEVELS(X)                                                      \
     X(SCALAR, "scalar")                                                    \
     X(F16C, "f16c")     /* x86-64 */                                       \
     X(AVX2, "avx2")     /* x86-64 */                                       \
     X(NEON, "neon")     /* aarch64 */                                      \
-    X(AVX512, "avx512") /* x86-64: AVX-512 F + BW + VL + DQ */
+    X(AVX512, "avx512") /* x86-64: AVX-512 F + BW + VL + DQ */             \
+    X(AMX, "amx")       /* x86-64: AMX-TILE + AMX-BF16 + avx512 */
 
 #define KVS_ENUM_ENTRY(id, name) KVS_##id,
 enum { KVS_LEVELS(KVS_ENUM_ENTRY) KVS_NUM_LEVELS };
 #undef KVS_ENUM_ENTRY
 
-/* Name of a level ("scalar", "f16c", "avx2", "neon", "avx512"), NULL if out
- * of range. */
+/* Name of a level ("scalar", "f16c", "avx2", "neon", "avx512", "amx"), NULL
+ * if out of range. */
 const char *kvs_level_name(int level);
 /* 1 if this CPU (and this build) can run `level`. */
 int kvs_level_supported(int level);
