@@ -15,3 +15,6 @@ _.batch_select_indices
 _.log_evictions
 # read by transformers' generate (a GenerationConfig field)
 _.eos_token_id
+# set on a tokenizers.Tokenizer (kvcore/cli/llama.py): read by the library
+_.pre_tokenizer
+_.decoder

@@ -61,7 +61,6 @@ _PREFIX = struct.Struct("<4sHH16s16s16s16s32sIIQ")  # bytes 0..119
 _CHECKSUM = struct.Struct("<Q")
 PREFIX_SIZE = _PREFIX.size                          # 120
 MAC_SIZE = 32
-KEY_SIZE = 32
 IDENTITY_SIZE = 32
 #: bytes of an entry that :func:`entry_size` reads
 HEAD_PROBE = PREFIX_SIZE
