@@ -1005,7 +1005,7 @@ def _table(r):
 class _Given(argparse.Action):
     """Store the value and note in ``namespace.given`` that it was typed."""
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ARG002
+    def __call__(self, parser, namespace, values, option_string=None):
         del parser, option_string   # (argparse's signature)
         setattr(namespace, self.dest, values)
         namespace.given = getattr(namespace, "given", set()) | {self.dest}
