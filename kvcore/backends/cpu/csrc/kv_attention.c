@@ -81,12 +81,9 @@ const char *kva_level_name(int level)
 static const kva_math *math_for(int level)
 {
 #if KVA_HAVE_AVX512
-    if (level == KVA_AVX512)
+    /* the amx level's math is the avx512 level's */
+    if (level == KVA_AVX512 || level == KVA_AMX)
         return &kva_math_avx512;
-#endif
-#if KVA_HAVE_AMX
-    if (level == KVA_AMX)
-        return &kva_math_amx;
 #endif
 #if KVA_HAVE_AVX2
     if (level == KVA_AVX2)

@@ -316,136 +316,15 @@ KVA_AMX_KIND(e4m3, KVA_F8E4M3)
 KVA_AMX_KIND(e5m2, KVA_F8E5M2)
 KVA_AMX_KIND(i8, KVA_I8)
 
-/* ------------------------------------------------------------------ */
-/* The level's math: AVX-512, the AVX2 level's approximations 16 wide  */
-/* ------------------------------------------------------------------ */
-
-/* 2^x for x <= 0 (kv_attn_avx2.c's exp2_neg_avx2 explains the fit): at
- * most 0.95 ulp for every result of 2^-126 and above; below about 2^-126.5
- * +0; -inf gives +0, NaN stays NaN. */
-KVA_INLINE __m512 exp2_neg_amx(__m512 x)
-{
-    x = _mm512_max_ps(_mm512_set1_ps(-127.0f), x); /* NaN passes (second operand) */
-    x = _mm512_min_ps(_mm512_set1_ps(0.0f), x);
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.534581243e-04f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339993090e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618489072e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550328642e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264625e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471825e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
-                                  23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-/* tanh: an odd Taylor polynomial below 0.3, (1 - e) / (1 + e) with
- * e = 2^(-2|x| log2 e) above (as tanh_avx2). */
-KVA_INLINE __m512 tanh_amx(__m512 x)
-{
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    __m512 ax = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(x)));
-    __m512 x2 = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps((float)(21844.0 / 6081075.0));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps((float)(-1382.0 / 155925.0)));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps((float)(62.0 / 2835.0)));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps((float)(-17.0 / 315.0)));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps((float)(2.0 / 15.0)));
-    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps((float)(-1.0 / 3.0)));
-    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, x2), x, x);
-    __m512 e = exp2_neg_amx(_mm512_mul_ps(ax, _mm512_set1_ps(-2.0f * KVA_LOG2E)));
-    __m512 one = _mm512_set1_ps(1.0f);
-    __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-    big = _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_castps_si512(big), _mm512_and_si512(_mm512_castps_si512(x), sign)));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.3f), _CMP_LT_OQ), big,
-                                small);
-}
-
-/* Lanes i < n of x (the rest `fill`), without reading past x + n. */
-KVA_INLINE __m512 load_part_amx(const float *x, ptrdiff_t n, float fill)
-{
-    float t[16];
-    for (int i = 0; i < 16; i++)
-        t[i] = i < n ? x[i] : fill;
-    return _mm512_loadu_ps(t);
-}
-
-KVA_INLINE void store_part_amx(float *y, ptrdiff_t n, __m512 v)
-{
-    float t[16];
-    _mm512_storeu_ps(t, v);
-    memcpy(y, t, (size_t)n * sizeof(float));
-}
-
-/* The sum of the lanes, in a fixed order. */
-KVA_INLINE float hsum_amx(__m512 v)
-{
-    float t[16];
-    _mm512_storeu_ps(t, v);
-    for (int w = 8; w > 0; w /= 2)
-        for (int i = 0; i < w; i++)
-            t[i] += t[i + w];
-    return t[0];
-}
-
-KVA_AMX_TARGET static float row_max_amx(const float *s, int ntp)
-{
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    int i = 0;
-    for (; i + 16 <= ntp; i += 16)
-        m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
-    if (i < ntp)
-        m = _mm512_max_ps(m, load_part_amx(s + i, ntp - i, -INFINITY));
-    return _mm512_reduce_max_ps(m);
-}
-
-KVA_AMX_TARGET static float row_exp_sum_amx(float *s, int ntp, float mx)
-{
-    __m512 m = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= ntp; i += 16) {
-        __m512 e = exp2_neg_amx(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-        _mm512_storeu_ps(s + i, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    if (i < ntp) { /* the filler -inf gives 0 */
-        __m512 e = exp2_neg_amx(_mm512_sub_ps(load_part_amx(s + i, ntp - i, -INFINITY), m));
-        store_part_amx(s + i, ntp - i, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return hsum_amx(sum);
-}
-
-KVA_AMX_TARGET static void softcap_amx(float *s, ptrdiff_t n, float a, float b)
-{
-    __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
-    ptrdiff_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(s + i, _mm512_mul_ps(vb, tanh_amx(_mm512_mul_ps(va, _mm512_loadu_ps(s + i)))));
-    if (i < n)
-        store_part_amx(s + i, n - i,
-                       _mm512_mul_ps(vb, tanh_amx(_mm512_mul_ps(va, load_part_amx(s + i, n - i, 0.0f)))));
-}
-
-KVA_AMX_TARGET static void exp2_neg_n_amx(const float *x, float *y, ptrdiff_t n)
-{
-    ptrdiff_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, exp2_neg_amx(_mm512_loadu_ps(x + i)));
-    if (i < n)
-        store_part_amx(y + i, n - i, exp2_neg_amx(load_part_amx(x + i, n - i, 0.0f)));
-}
+/* The level's math (row max, exp2, soft cap) is the avx512 level's:
+ * kv_attention.c's math_for. */
 
 const kva_kernels kva_kernels_amx[KVA_NUM_KINDS] = {
-    {NULL, NULL, NULL, 1.0f}, /* float32: the AVX2 kernels */
+    {NULL, NULL, NULL, 1.0f}, /* float32: the avx512 kernels */
     {scores_f16_amx, pv_f16_amx, NULL, 1.0f},
     {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f},
     {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f},
     {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f},
     {scores_i8_amx, pv_i8_amx, NULL, 1.0f},
 };
-const kva_math kva_math_amx = {row_max_amx, row_exp_sum_amx, softcap_amx, exp2_neg_n_amx};
 #endif /* KVA_HAVE_AMX */

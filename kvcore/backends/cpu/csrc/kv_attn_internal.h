@@ -146,7 +146,6 @@ extern const kva_math kva_math_avx512;
  * all NULL (float32 pages keep the AVX-512 kernels: bf16 terms of a float32
  * element need three tiles per operand, and the AVX-512 path is exact). */
 extern const kva_kernels kva_kernels_amx[KVA_NUM_KINDS];
-extern const kva_math kva_math_amx;
 #endif
 #if KVA_HAVE_NEON
 /* f32, f16, bf16 only: the other kinds run the scalar kernels */
