@@ -1,4 +1,5 @@
 """Helpers shared by the tests (not fixtures: plain functions)."""
+import copy
 import hashlib
 import re
 import shutil
@@ -94,3 +95,22 @@ class PrefixKV:
             layers, two, heads, dim = self.shape
             return np.zeros((layers, two, heads, 0, dim), np.float32)
         return np.stack([self.value(salt, tokens[:p + 1]) for p in range(start, end)], axis=3)
+
+
+_GGUF_MODELS = {}
+
+
+def gguf_causal_lm(torch, transformers, path):
+    """``(model, tokenizer)`` of the GGUF file ``path`` through transformers,
+    the model in float32 and eval mode.  The file is read once per process
+    (about two minutes for SmolLM2 on a small machine); each call gets its
+    own deep copy of the model, so no test sees another's changes to it."""
+    key = str(path)
+    if key not in _GGUF_MODELS:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32)
+        model.eval()
+        _GGUF_MODELS[key] = (model, tokenizer)
+    model, tokenizer = _GGUF_MODELS[key]
+    return copy.deepcopy(model), tokenizer

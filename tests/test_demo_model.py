@@ -29,6 +29,11 @@ else:
 from kvcore.cli import demo, llama  # noqa: E402
 
 try:
+    from _helpers import gguf_causal_lm  # noqa: E402
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import gguf_causal_lm  # noqa: E402
+
+try:
     GGUF = llama.find_model("smollm2")
 except llama.ModelFileError as e:
     if REQUIRE:
@@ -61,10 +66,7 @@ def hf_model():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
-        model.eval()
+        model, tok = gguf_causal_lm(torch, transformers, GGUF)
         yield torch, model, tok
     finally:
         torch.set_num_threads(threads)

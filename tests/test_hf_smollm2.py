@@ -54,6 +54,11 @@ if GGUF is None:
 import kvcore  # noqa: E402
 import kvcore.hf  # noqa: E402
 
+try:
+    from _helpers import gguf_causal_lm  # noqa: E402
+except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import gguf_causal_lm  # noqa: E402
+
 SYSTEM = "You are a helpful assistant. Answer briefly."
 PROMPTS = [
     "What is the capital of France?",
@@ -74,10 +79,7 @@ def smol():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
-        model.eval()
+        model, tokenizer = gguf_causal_lm(torch, transformers, GGUF)
         yield model, tokenizer
     finally:
         torch.set_num_threads(threads)
