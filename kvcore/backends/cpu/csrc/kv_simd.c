@@ -3,6 +3,11 @@
  * first call and cached; both are idempotent, so a race between two first
  * callers only repeats the same work.
  */
+/* syscall() (the AMX permission request) is declared by glibc's unistd.h
+ * only outside strict ISO C; some C checks build this file with -std=c99 */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE
+#endif
 #include "kv_simd.h"
 
 #include <ctype.h>
