@@ -261,8 +261,8 @@ class PagedKVCache:
         return status == 0
 
     def _out_of_blocks(self, target):
-        # after SHORT from SeqCore._reserve/_ensure_to (it left
-        # _failed_copy_on_write, _failed_free_blocks)
+        # after SHORT from SeqCore.reserve/ensure_to (it left
+        # failed_copy_on_write, failed_free_blocks)
         num_copied = self._seq.failed_copy_on_write
         need = max(0, -(-target // self._seq.block_size) - self._seq.num_held) + num_copied
         raise OutOfBlocksError(
