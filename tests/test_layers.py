@@ -165,7 +165,7 @@ def test_attention_imports_no_backend_internals():
 # naming a private field is a hint that somebody reads it)
 _PRIVATE_REACH = re.compile(
     r"\b(?:pool|seq|sequence|core|binding|BlockPool|PagedKVCache|SeqCore|PoolCore)\._\w+"
-    r"|\b(?!self\b)\w+\._(?:core|table|salt|num_tokens|num_held|num_computed|hash_words"
+    r"|\b(?!self\b)\w+\._(?:core|seq|table|salt|num_tokens|num_held|num_computed|hash_words"
     r"|token_ids|adopt_loaded|take_held_spill|root_salts|salt_roots|storage|scales|backend"
     r"|binding|stores|lock|export_blocks|import_blocks)\b")
 
@@ -189,7 +189,8 @@ def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
 
 @pytest.mark.parametrize("line, bad", [
     ("blocks = pool._core.take_evicted()", True),
-    ("hw = seq._core._hash_words()", True),
+    ("hw = seq._seq.hash_words()", True),
+    ("n = s._seq.num_tokens", True),
     ("table = core._table", True),
     ("salt = pool._root_salts.get(root)", True),
     ("rows = other_pool._storage[0]", True),
