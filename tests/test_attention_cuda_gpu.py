@@ -21,23 +21,18 @@ from kvcore.backends.cuda import get_cuda_backend  # noqa: E402
 from kvcore.dtypes import BF16, F16, F8E4M3, I8  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
-    from ._cuda_cases import DeviceUnderTest, _attention_case  # noqa: E402
+    from ._cuda_cases import _attention_case, cupy_device_under_test, cupy_put as _put  # noqa
     from .test_attention_cuda_emulation import PREFILL_TOL, _prefill_case  # noqa: E402
 except ImportError:
-    from _cuda_cases import DeviceUnderTest, _attention_case  # noqa: E402
+    from _cuda_cases import _attention_case, cupy_device_under_test, cupy_put as _put  # noqa
     from test_attention_cuda_emulation import PREFILL_TOL, _prefill_case  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 
-def _put(a):
-    return cupy.asarray(np.ascontiguousarray(a))
-
-
 @pytest.fixture
 def dev():
-    be = get_cuda_backend("cuda")
-    return DeviceUnderTest(be, _put, cupy.asnumpy, 1)
+    return cupy_device_under_test(get_cuda_backend("cuda"), 1)
 
 
 @pytest.mark.parametrize("kind", (F16, F8E4M3, I8), ids=["f16", "e4m3", "i8"])
