@@ -46,12 +46,9 @@
 template <int SK, int DK, int V>
 KV_HD void kv_write_slots_item(kv_i64 row, kv_i64 chunk, KV_WRITE_SLOTS_PARAMS)
 {
-    kv_u32 r = (kv_u32)row, nh = (kv_u32)heads;
-    kv_u32 t = r / nh, h = r - t * nh;
-    kv_i64 slot = slots[t];
-    if (slot < 0 || slot >= num_slots)
-        return;
-    if (owner != 0 && owner[slot] != (kv_i32)t)
+    kv_u32 t, h;
+    kv_i64 slot = kv_slot_of_row(row, heads, slots, owner, num_slots, &t, &h);
+    if (slot < 0)
         return;
     kv_i64 b, off;
     if (slot <= 0x7fffffffLL) {
