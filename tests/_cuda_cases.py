@@ -43,6 +43,21 @@ class DeviceUnderTest:
         self.foreign = tuple(foreign)
 
 
+def cupy_put(a):
+    """A CuPy copy of NumPy array ``a`` on the current GPU (the GPU runners'
+    ``put``)."""
+    import cupy   # only the GPU runners call it, after their CuPy check
+
+    return cupy.asarray(np.ascontiguousarray(a))
+
+
+def cupy_device_under_test(be, n_random, foreign=()):
+    """The ``DeviceUnderTest`` of a GPU runner: CuPy copies in and out."""
+    import cupy
+
+    return DeviceUnderTest(be, cupy_put, cupy.asnumpy, n_random, foreign)
+
+
 # ------------------------------------------------------------------ data
 
 def _bits_view(a):

@@ -7,37 +7,31 @@ run without a GPU in test_attention_cuda_emulation.py."""
 import numpy as np
 import pytest
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from ._cuda_env import cuda_backend_or_skip
-except ImportError:
-    from _cuda_env import cuda_backend_or_skip
+from kvcore.backends.cuda import attention_kernels as ak
+from kvcore.backends.cuda import get_cuda_backend
+from kvcore.dtypes import BF16, F16, F8E4M3, I8
 
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_cases import _attention_case, cupy_device_under_test, cupy_put as _put
+    from ._cuda_env import cuda_backend_or_skip
+    from .test_attention_cuda_emulation import PREFILL_TOL, _prefill_case
+except ImportError:
+    from _cuda_cases import _attention_case, cupy_device_under_test, cupy_put as _put
+    from _cuda_env import cuda_backend_or_skip
+    from test_attention_cuda_emulation import PREFILL_TOL, _prefill_case
+
+# Skips the module only without CuPy or without a GPU (none of the imports
+# above needs either); fails it when both are there but the backend does not work.
 cuda_backend_or_skip(allow_module_level=True)
 
 import cupy  # noqa: E402
 
-from kvcore.backends.cuda import attention_kernels as ak  # noqa: E402
-from kvcore.backends.cuda import get_cuda_backend  # noqa: E402
-from kvcore.dtypes import BF16, F16, F8E4M3, I8  # noqa: E402
-
-try:  # tests/ as a package or as a plain directory on sys.path
-    from ._cuda_cases import DeviceUnderTest, _attention_case  # noqa: E402
-    from .test_attention_cuda_emulation import PREFILL_TOL, _prefill_case  # noqa: E402
-except ImportError:
-    from _cuda_cases import DeviceUnderTest, _attention_case  # noqa: E402
-    from test_attention_cuda_emulation import PREFILL_TOL, _prefill_case  # noqa: E402
-
 pytestmark = pytest.mark.cuda
-
-
-def _put(a):
-    return cupy.asarray(np.ascontiguousarray(a))
 
 
 @pytest.fixture
 def dev():
-    be = get_cuda_backend("cuda")
-    return DeviceUnderTest(be, _put, cupy.asnumpy, 1)
+    return cupy_device_under_test(get_cuda_backend("cuda"), 1)
 
 
 @pytest.mark.parametrize("kind", (F16, F8E4M3, I8), ids=["f16", "e4m3", "i8"])

@@ -33,16 +33,14 @@ from kvcore.backends.codec import Codec  # noqa: E402
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_cases import *  # noqa: F401,F403,E402
-    from ._cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits  # noqa: E402
+    from ._cuda_cases import assert_bits_equal, cupy_device_under_test, rand_bits  # noqa
+    from ._cuda_cases import cupy_put as _put  # noqa: E402
 except ImportError:
     from _cuda_cases import *  # noqa: F401,F403,E402
-    from _cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits  # noqa: E402
+    from _cuda_cases import assert_bits_equal, cupy_device_under_test, rand_bits  # noqa
+    from _cuda_cases import cupy_put as _put  # noqa: E402
 
 pytestmark = pytest.mark.cuda
-
-
-def _put(a):
-    return cupy.asarray(np.ascontiguousarray(a))
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +50,8 @@ def be():
 
 @pytest.fixture
 def dev(be):
-    return DeviceUnderTest(be, _put, cupy.asnumpy, 1 << 22,
-                           foreign=[lambda a: _CAIOnly(_put(a)), lambda a: _DLPackOnly(_put(a))])
+    return cupy_device_under_test(
+        be, 1 << 22, foreign=[lambda a: _CAIOnly(_put(a)), lambda a: _DLPackOnly(_put(a))])
 
 
 # ------------------------------------------------------------ the backend

@@ -248,6 +248,38 @@ def build_emulation(tmpdir):
     return EmulationLibrary(lib, names)
 
 
+def _kernel_params(name, sig, args, any_width=False):
+    """``(keep, params)``: the ctypes parameter block of a launch of kernel
+    ``name`` (signature ``sig``: 0 an integer, -1 a float, else a pointer to
+    elements of that many bytes) with ``args``, each checked as the GPU
+    would take it; ``keep`` holds the values alive.  ``any_width``: pointer
+    arguments other than int32 ids may be words of any width (copy kernels)."""
+    assert len(sig) == len(args), (
+        f"{name}: kernel takes {len(sig)} arguments, given {len(args)}")
+    keep, params = [], (ctypes.c_void_p * max(1, len(args)))()
+    for k, (code, a) in enumerate(zip(sig, args)):
+        if code == 0:
+            assert isinstance(a, (int, np.integer)) and not isinstance(a, bool), (name, k, a)
+            v = ctypes.c_longlong(int(a))
+        elif code == -1:
+            assert isinstance(a, float), (name, k, a)
+            v = ctypes.c_float(a)
+        elif a is None:  # a null pointer
+            v = ctypes.c_void_p(None)
+        else:
+            assert isinstance(a, DevArray), (name, k, type(a))
+            if not any_width or a.dtype == np.int32:
+                assert a.itemsize == code, (
+                    f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
+            # a GPU faults on an access off its size's alignment (x86 does not)
+            assert a.ctypes.data % code == 0, (
+                f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
+            v = ctypes.c_void_p(a.ctypes.data)
+        keep.append(v)
+        params[k] = ctypes.addressof(v)
+    return keep, params
+
+
 class EmulatedBackend(CudaBackend):
     """CudaBackend whose launches run the kernels' item functions on the host.
 
@@ -300,28 +332,9 @@ class EmulatedBackend(CudaBackend):
 
     def _launch(self, file, sk, dk, name, rows, chunks, args):
         assert name in _sources.module_names(file, sk, dk), (file, sk, dk, name)
-        sig = self._lib.signature(name)
-        assert len(sig) == len(args), (
-            f"{name}: kernel takes {len(sig)} arguments, given {len(args)}")
-        keep, params = [], (ctypes.c_void_p * max(1, len(args)))()
-        for k, (code, a) in enumerate(zip(sig, args)):
-            if code == 0:
-                assert isinstance(a, (int, np.integer)) and not isinstance(a, bool), (name, k, a)
-                v = ctypes.c_longlong(int(a))
-            elif a is None:  # a null pointer
-                v = ctypes.c_void_p(None)
-            else:
-                assert isinstance(a, DevArray), (name, k, type(a))
-                # copy kernels see storage as words of any width; ids are int32
-                if file != _sources.COPY_FILE or a.dtype == np.int32:
-                    assert a.itemsize == code, (
-                        f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
-                # a GPU faults on an access off its size's alignment (x86 does not)
-                assert a.ctypes.data % code == 0, (
-                    f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
-                v = ctypes.c_void_p(a.ctypes.data)
-            keep.append(v)
-            params[k] = ctypes.addressof(v)
+        # copy kernels see storage as words of any width; ids are int32
+        keep, params = _kernel_params(name, self._lib.signature(name), args,
+                                      any_width=file == _sources.COPY_FILE)
         self.launches.append((name, rows, chunks))
         self.launch_args.append((name, list(args)))
         if rows <= 0 or chunks <= 0:
@@ -333,28 +346,7 @@ class EmulatedBackend(CudaBackend):
     def _launch_grid(self, file, name, grid, block, args):
         lib = self._lib.attention()
         assert file == "attention.cu" and name in lib.names, (file, name)
-        sig = lib.signature(name)
-        assert len(sig) == len(args), (
-            f"{name}: kernel takes {len(sig)} arguments, given {len(args)}")
-        keep, params = [], (ctypes.c_void_p * max(1, len(args)))()
-        for k, (code, a) in enumerate(zip(sig, args)):
-            if code == 0:
-                assert isinstance(a, (int, np.integer)) and not isinstance(a, bool), (name, k, a)
-                v = ctypes.c_longlong(int(a))
-            elif code == -1:
-                assert isinstance(a, float), (name, k, a)
-                v = ctypes.c_float(a)
-            elif a is None:
-                v = ctypes.c_void_p(None)
-            else:
-                assert isinstance(a, DevArray), (name, k, type(a))
-                assert a.itemsize == code, (
-                    f"{name}: argument {k} is {a.dtype}, kernel wants {code}-byte elements")
-                assert a.ctypes.data % code == 0, (
-                    f"{name}: argument {k} at {a.ctypes.data:#x} is not {code}-byte aligned")
-                v = ctypes.c_void_p(a.ctypes.data)
-            keep.append(v)
-            params[k] = ctypes.addressof(v)
+        keep, params = _kernel_params(name, lib.signature(name), args)
         self.launches.append((name, grid, block))
         if grid <= 0:
             return

@@ -344,4 +344,21 @@ KV_HD void kv_atomic_min_nonneg_i64(kv_i64 *p, kv_i64 v)
         for (kv_i64 chunk = threadIdx.x; chunk < (CHUNKS); chunk += blockDim.x)       \
             __VA_ARGS__
 
+/* The slot a paged write's row (= t * heads + h) writes, with its token t
+ * and head h; -1 where it writes none: a slot outside 0..num_slots-1 (-1 by
+ * definition, or refused by the host or the claim pass), or, with an owner
+ * table (slots.cu; null when the slots are known to be distinct), a slot
+ * another token owns.  Shared by paged.cu and lowprec.cu. */
+KV_HD kv_i64 kv_slot_of_row(kv_i64 row, kv_i64 heads, const kv_i64 *slots, const kv_i32 *owner,
+                            kv_i64 num_slots, kv_u32 *t, kv_u32 *h)
+{
+    kv_u32 r = (kv_u32)row, nh = (kv_u32)heads;
+    *t = r / nh;
+    *h = r - *t * nh;
+    kv_i64 slot = slots[*t];
+    if (slot < 0 || slot >= num_slots || (owner != 0 && owner[slot] != (kv_i32)*t))
+        return -1;
+    return slot;
+}
+
 #endif /* KVCORE_KV_HALF_CUH */

@@ -188,12 +188,9 @@ KV_HD void kv_write_slots_q_item(kv_i64 row, kv_i64 chunk, typename KvQ<QK>::typ
                                  kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
                                  kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok, kv_i64 scale)
 {
-    kv_u32 r = (kv_u32)row, nh = (kv_u32)heads;
-    kv_u32 t = r / nh, h = r - t * nh;
-    kv_i64 slot = slots[t];
-    if (slot < 0 || slot >= num_slots)
-        return;
-    if (owner != 0 && owner[slot] != (kv_i32)t)
+    kv_u32 t, h;
+    kv_i64 slot = kv_slot_of_row(row, heads, slots, owner, num_slots, &t, &h);
+    if (slot < 0)
         return;
     kv_i64 b = slot / block_size, off = slot - b * block_size;
     kv_lp_encode<FK, QK>(src + t * src_tok + h * src_head,

@@ -11,6 +11,30 @@
  */
 #include "kv_half.cuh"
 
+/* The parameters each kernel passes on to its item, written once. */
+#define KV_WRITE_SLOTS_PARAMS                                                             \
+    typename KvStorage<DK>::type *cache, const typename KvStorage<SK>::type *src,         \
+        const kv_i64 *slots, const kv_i32 *owner, kv_i64 num_slots, kv_i64 heads,         \
+        kv_i64 block_size, kv_i64 src_tok, kv_i64 src_head,                               \
+        kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok
+#define KV_WRITE_SLOTS_ARGS                                                               \
+    cache, src, slots, owner, num_slots, heads, block_size, src_tok, src_head,            \
+        c_block, c_head, c_tok
+#define KV_GATHER_PARAMS                                                                  \
+    typename KvStorage<DK>::type *out, const typename KvStorage<SK>::type *cache,         \
+        const kv_i32 *table, kv_i64 start, kv_i64 n, kv_i64 block_size,                   \
+        kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok, kv_i64 o_head, kv_i64 o_tok
+#define KV_GATHER_ARGS                                                                    \
+    out, cache, table, start, n, block_size, c_block, c_head, c_tok, o_head, o_tok
+#define KV_GATHER_BATCH_PARAMS                                                            \
+    typename KvStorage<DK>::type *out, const typename KvStorage<SK>::type *cache,         \
+        const kv_i32 *tables, const kv_i32 *lens, kv_i64 heads, kv_i64 max_len,           \
+        kv_i64 table_stride, kv_i64 block_size, kv_i64 c_block, kv_i64 c_head,            \
+        kv_i64 c_tok, kv_i64 o_seq, kv_i64 o_head, kv_i64 o_tok
+#define KV_GATHER_BATCH_ARGS                                                              \
+    out, cache, tables, lens, heads, max_len, table_stride, block_size,                   \
+        c_block, c_head, c_tok, o_seq, o_head, o_tok
+
 /* cache[b, h, off, :] = convert(src[t, h, :]) for slots[t] = b * block_size
  * + off.  rows = n * heads (row = t * heads + h).  A slot outside
  * 0..num_slots-1 is skipped: -1 by definition, any other value because the
@@ -20,20 +44,11 @@
  * known to be distinct) a token writes only a slot it owns, so of several
  * tokens naming one slot the last one's values land, as on the CPU. */
 template <int SK, int DK, int V>
-KV_HD void kv_write_slots_item(kv_i64 row, kv_i64 chunk,
-                               typename KvStorage<DK>::type *cache,
-                               const typename KvStorage<SK>::type *src,
-                               const kv_i64 *slots, const kv_i32 *owner,
-                               kv_i64 num_slots, kv_i64 heads, kv_i64 block_size,
-                               kv_i64 src_tok, kv_i64 src_head,
-                               kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok)
+KV_HD void kv_write_slots_item(kv_i64 row, kv_i64 chunk, KV_WRITE_SLOTS_PARAMS)
 {
-    kv_u32 r = (kv_u32)row, nh = (kv_u32)heads;
-    kv_u32 t = r / nh, h = r - t * nh;
-    kv_i64 slot = slots[t];
-    if (slot < 0 || slot >= num_slots)
-        return;
-    if (owner != 0 && owner[slot] != (kv_i32)t)
+    kv_u32 t, h;
+    kv_i64 slot = kv_slot_of_row(row, heads, slots, owner, num_slots, &t, &h);
+    if (slot < 0)
         return;
     kv_i64 b, off;
     if (slot <= 0x7fffffffLL) {
@@ -52,12 +67,7 @@ KV_HD void kv_write_slots_item(kv_i64 row, kv_i64 chunk,
  * t in [0, n).  rows = heads * n (row = h * n + t): neighbouring rows are
  * neighbouring positions, contiguous on both sides within a block. */
 template <int SK, int DK, int V>
-KV_HD void kv_gather_item(kv_i64 row, kv_i64 chunk,
-                          typename KvStorage<DK>::type *out,
-                          const typename KvStorage<SK>::type *cache,
-                          const kv_i32 *table, kv_i64 start, kv_i64 n, kv_i64 block_size,
-                          kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                          kv_i64 o_head, kv_i64 o_tok)
+KV_HD void kv_gather_item(kv_i64 row, kv_i64 chunk, KV_GATHER_PARAMS)
 {
     kv_u32 r = (kv_u32)row, nn = (kv_u32)n;
     kv_u32 h = r / nn, t = r - h * nn;
@@ -75,14 +85,7 @@ KV_HD void kv_gather_item(kv_i64 row, kv_i64 chunk,
  * tables is [batch, table_stride] int32; rows = batch * heads * max_len
  * (row = (s * heads + h) * max_len + t). */
 template <int SK, int DK, int V>
-KV_HD void kv_gather_batch_item(kv_i64 row, kv_i64 chunk,
-                                typename KvStorage<DK>::type *out,
-                                const typename KvStorage<SK>::type *cache,
-                                const kv_i32 *tables, const kv_i32 *lens,
-                                kv_i64 heads, kv_i64 max_len, kv_i64 table_stride,
-                                kv_i64 block_size,
-                                kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                                kv_i64 o_seq, kv_i64 o_head, kv_i64 o_tok)
+KV_HD void kv_gather_batch_item(kv_i64 row, kv_i64 chunk, KV_GATHER_BATCH_PARAMS)
 {
     kv_u32 r = (kv_u32)row, L = (kv_u32)max_len, nh = (kv_u32)heads;
     kv_u32 sh = r / L, t = r - sh * L;
@@ -99,48 +102,20 @@ KV_HD void kv_gather_batch_item(kv_i64 row, kv_i64 chunk,
 
 #ifndef KVCORE_HOST_EMULATION
 template <int SK, int DK, int V>
-__global__ void kv_write_slots(kv_i64 rows, kv_i64 chunks,
-                               typename KvStorage<DK>::type *cache,
-                               const typename KvStorage<SK>::type *src,
-                               const kv_i64 *slots, const kv_i32 *owner,
-                               kv_i64 num_slots, kv_i64 heads, kv_i64 block_size,
-                               kv_i64 src_tok, kv_i64 src_head,
-                               kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok)
+__global__ void kv_write_slots(kv_i64 rows, kv_i64 chunks, KV_WRITE_SLOTS_PARAMS)
 {
-    KV_ROW_LOOP(rows, chunks,
-                kv_write_slots_item<SK, DK, V>(row, chunk, cache, src, slots, owner,
-                                               num_slots, heads, block_size,
-                                               src_tok, src_head, c_block, c_head, c_tok));
+    KV_ROW_LOOP(rows, chunks, kv_write_slots_item<SK, DK, V>(row, chunk, KV_WRITE_SLOTS_ARGS));
 }
 
 template <int SK, int DK, int V>
-__global__ void kv_gather(kv_i64 rows, kv_i64 chunks,
-                          typename KvStorage<DK>::type *out,
-                          const typename KvStorage<SK>::type *cache,
-                          const kv_i32 *table, kv_i64 start, kv_i64 n, kv_i64 block_size,
-                          kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                          kv_i64 o_head, kv_i64 o_tok)
+__global__ void kv_gather(kv_i64 rows, kv_i64 chunks, KV_GATHER_PARAMS)
 {
-    KV_ROW_LOOP(rows, chunks,
-                kv_gather_item<SK, DK, V>(row, chunk, out, cache, table, start, n,
-                                          block_size, c_block, c_head, c_tok,
-                                          o_head, o_tok));
+    KV_ROW_LOOP(rows, chunks, kv_gather_item<SK, DK, V>(row, chunk, KV_GATHER_ARGS));
 }
 
 template <int SK, int DK, int V>
-__global__ void kv_gather_batch(kv_i64 rows, kv_i64 chunks,
-                                typename KvStorage<DK>::type *out,
-                                const typename KvStorage<SK>::type *cache,
-                                const kv_i32 *tables, const kv_i32 *lens,
-                                kv_i64 heads, kv_i64 max_len, kv_i64 table_stride,
-                                kv_i64 block_size,
-                                kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                                kv_i64 o_seq, kv_i64 o_head, kv_i64 o_tok)
+__global__ void kv_gather_batch(kv_i64 rows, kv_i64 chunks, KV_GATHER_BATCH_PARAMS)
 {
-    KV_ROW_LOOP(rows, chunks,
-                kv_gather_batch_item<SK, DK, V>(row, chunk, out, cache, tables, lens,
-                                                heads, max_len, table_stride, block_size,
-                                                c_block, c_head, c_tok,
-                                                o_seq, o_head, o_tok));
+    KV_ROW_LOOP(rows, chunks, kv_gather_batch_item<SK, DK, V>(row, chunk, KV_GATHER_BATCH_ARGS));
 }
 #endif /* KVCORE_HOST_EMULATION */
