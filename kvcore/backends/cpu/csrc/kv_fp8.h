@@ -87,19 +87,21 @@ static inline float kv_fp8_float(uint32_t u)
  * magnitudes of float32 bits >= too_big (a power of two far past the
  * largest) are clamped before the shift arithmetic.  Inlined with constant
  * formats, each of the two below compiles to its own straight code. */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
 static inline uint8_t kv_f32_to_fp8_one(uint32_t bits, int saturate, int mbits, int bias,
                                         uint32_t too_big, uint32_t nan, uint32_t overflow)
 {
     uint32_t s = (bits >> 24) & 0x80u;
     uint32_t a = bits & 0x7FFFFFFFu;
-    uint32_t over = saturate ? overflow - 1u : overflow;
     if (a > 0x7F800000u)
         return (uint8_t)(s | nan);
     if (a == 0x7F800000u)
-        return (uint8_t)(s | over);
+        return (uint8_t)(s | (saturate ? overflow - 1u : overflow));
     uint32_t code = a >= too_big ? 0x80u : kv_fp8_magnitude(a, mbits, bias);
     if (code >= overflow)
-        code = over;
+        code = saturate ? overflow - 1u : overflow;
     return (uint8_t)(s | code);
 }
 
