@@ -13,9 +13,9 @@
  * exactly where they should: TDPBF16PS executed for every kind but float32
  * when head_dim is a multiple of 32, none otherwise.
  *
- * The helpers (random pages, the element decoders, the first check's cases
- * and its 2^x check) come from kv_attention_check.c, run here at the amx
- * level.  Prints "amx: N cases, 0 failures, T TDPBF16PS".
+ * The helpers (random pages, the element decoders, the double-precision
+ * reference, the first check's cases and its 2^x check) come from
+ * kv_attention_check.c, run here at the amx level.  Prints "amx: N cases, 0 failures, T TDPBF16PS".
  */
 #define main kv_attention_check_main
 #include "kv_attention_check.c"
