@@ -116,20 +116,7 @@ static void decode(int ctx, int kind)
     static float q[H * D], out[H * D];
     for (int i = 0; i < H * D; i++)
         q[i] = (rand() % 2001 - 1000) / 1000.0f;
-    kva_args a;
-    memset(&a, 0, sizeof a);
-    a.q = q;
-    a.out = out;
-    a.key_cache = k;
-    a.value_cache = v;
-    a.kind = kind;
-    a.block_stride = (ptrdiff_t)KVH * BS * D * isz;
-    a.head_stride = (ptrdiff_t)BS * D * isz;
-    a.row_stride = (ptrdiff_t)D * isz;
-    a.block_size = BS;
-    a.num_heads = H;
-    a.num_kv_heads = KVH;
-    a.head_dim = D;
+    kva_args a = kva_args_dense(q, out, k, v, kind, BS, H, KVH, D);
     a.block_tables = table;
     a.block_table_stride = nblk;
     a.seq_lens = &len;

@@ -13,9 +13,9 @@
  * exactly where they should: TDPBF16PS executed for every kind but float32
  * when head_dim is a multiple of 32, none otherwise.
  *
- * The helpers (random pages, the element decoders, the first check's cases
- * and its 2^x check) come from kv_attention_check.c, run here at the amx
- * level.  Prints "amx: N cases, 0 failures, T TDPBF16PS".
+ * The helpers (random pages, the element decoders, the double-precision
+ * reference, the first check's cases and its 2^x check) come from
+ * kv_attention_check.c, run here at the amx level.  Prints "amx: N cases, 0 failures, T TDPBF16PS".
  */
 #define main kv_attention_check_main
 #include "kv_attention_check.c"
@@ -30,58 +30,6 @@ typedef struct {
     int64_t lens[3], nq[3];
 } amx_case;
 
-static double ref_out(const amx_case *c, const float *q, const char *kc, const char *vc,
-                      const float *ksc, const float *vsc, const int32_t *tables, int max_blocks,
-                      const int64_t *qsl, const float *out, double *maxval)
-{
-    const int D = c->D, nh = c->nh, nkv = c->nkv, G = nh / nkv, bs = c->bs;
-    const double scale = 1.0 / sqrt((double)D);
-    double maxerr = 0;
-    double *w = malloc(sizeof(double) * (size_t)c->lens[0] * 4 + 4096);
-    for (int s = 0; s < c->nseq; s++) {
-        for (int64_t j = 0; j < c->nq[s]; j++) {
-            int64_t pos = c->lens[s] - c->nq[s] + j;
-            int64_t lo = c->window && pos + 1 > c->window ? pos + 1 - c->window : 0;
-            for (int h = 0; h < nh; h++) {
-                const int g = h / G;
-                const float *qq = q + ((qsl[s] + j) * nh + h) * D;
-                double mx = -INFINITY, sum = 0;
-                for (int64_t t = lo; t <= pos; t++) {
-                    size_t base = ((size_t)tables[s * max_blocks + t / bs] * nkv + g) * bs * D +
-                                  (size_t)(t % bs) * D;
-                    double dot = 0;
-                    for (int d = 0; d < D; d++)
-                        dot += (double)qq[d] * stored(kc, c->kind, base + d);
-                    dot *= scale * (double)ksc[base / D];
-                    if (c->cap > 0)
-                        dot = c->cap * tanh(dot / c->cap);
-                    w[t - lo] = dot;
-                    if (dot > mx)
-                        mx = dot;
-                }
-                for (int64_t t = lo; t <= pos; t++)
-                    sum += (w[t - lo] = exp(w[t - lo] - mx));
-                for (int d = 0; d < D; d++) {
-                    double o = 0;
-                    for (int64_t t = lo; t <= pos; t++) {
-                        size_t base = ((size_t)tables[s * max_blocks + t / bs] * nkv + g) * bs * D +
-                                      (size_t)(t % bs) * D;
-                        o += w[t - lo] * stored(vc, c->kind, base + d) * vsc[base / D];
-                    }
-                    o /= sum;
-                    double got = out[((qsl[s] + j) * nh + h) * D + d];
-                    if (!(fabs(got - o) <= maxerr))
-                        maxerr = fabs(got - o); /* NaN sticks */
-                    if (fabs(o) > *maxval)
-                        *maxval = fabs(o);
-                }
-            }
-        }
-    }
-    free(w);
-    return maxerr;
-}
-
 static int amx_run_case(const amx_case *c)
 {
     const int kind = c->kind, D = c->D, nh = c->nh, nkv = c->nkv, bs = c->bs;
@@ -95,33 +43,10 @@ static int amx_run_case(const amx_case *c)
         total_blocks += nb;
     }
     const int num_blocks = total_blocks + 3;
-    const size_t isz = kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
-    const size_t elems = (size_t)num_blocks * nkv * bs * D, rows = elems / D;
-    char *kc = malloc(elems * isz), *vc = malloc(elems * isz);
-    float *ksc = malloc(sizeof(float) * rows), *vsc = malloc(sizeof(float) * rows);
-    for (size_t r = 0; r < rows; r++) {
-        ksc[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 0.5f : 1.0f;
-        vsc[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 2.0f : 1.0f;
-    }
-    for (size_t i = 0; i < elems; i++) {
-        float k = urand(), v = urand();
-        if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
-            ((uint8_t *)kc)[i] = fp8_code(kind);
-            ((uint8_t *)vc)[i] = fp8_code(kind);
-        } else if (kind == KVA_I8) {
-            ((uint8_t *)kc)[i] = (uint8_t)rnd();
-            ((uint8_t *)vc)[i] = (uint8_t)rnd();
-        } else if (kind == KVA_F32) {
-            ((float *)kc)[i] = k;
-            ((float *)vc)[i] = v;
-        } else if (kind == KVA_F16) {
-            ((uint16_t *)kc)[i] = to_f16(k);
-            ((uint16_t *)vc)[i] = to_f16(v);
-        } else {
-            ((uint16_t *)kc)[i] = to_bf16(k);
-            ((uint16_t *)vc)[i] = to_bf16(v);
-        }
-    }
+    const size_t isz = (size_t)kva_isz(kind), elems = (size_t)num_blocks * nkv * bs * D;
+    char *kc, *vc;
+    float *ksc, *vsc;
+    fill_pages(kind, elems, D, &kc, &vc, &ksc, &vsc);
     int32_t *tables = malloc(sizeof(int32_t) * c->nseq * max_blocks);
     for (int s = 0, next = 0; s < c->nseq; s++)
         for (int b = 0; b < max_blocks; b++) /* scattered pages */
@@ -137,13 +62,7 @@ static int amx_run_case(const amx_case *c)
                   (ptrdiff_t)(nkv * bs * D * isz), (ptrdiff_t)(bs * D * isz), (ptrdiff_t)(D * isz),
                   bs, nh, nkv, D, tables, max_blocks, c->lens, qsl, c->nseq,
                   1.0f / sqrtf((float)D), c->window, c->cap, 3};
-    if (kind == KVA_I8) {
-        a.key_scales = ksc;
-        a.value_scales = vsc;
-    } else if (kind >= KVA_F8E4M3) {
-        a.k_scale = 0.5f;
-        a.v_scale = 2.0f;
-    }
+    set_scales(&a, ksc, vsc);
     int fail = 0;
     const long before = __atomic_load_n(&amx_emu_tdpbf16ps_count, __ATOMIC_RELAXED);
     if (kva_paged_attention(&a) != KVA_OK)
@@ -154,7 +73,7 @@ static int amx_run_case(const amx_case *c)
     if (kva_paged_attention(&a) != KVA_OK)
         fail = 1;
     double maxval = 0;
-    const double err = ref_out(c, q, kc, vc, ksc, vsc, tables, max_blocks, qsl, out, &maxval);
+    const double err = ref_error(&a, out, ksc, vsc, &maxval);
     const double rel = err / maxval;
     const int want_tiles = kind != KVA_F32 && D % 32 == 0;
     const char *why = NULL;
@@ -182,7 +101,7 @@ static int amx_run_case(const amx_case *c)
 
 int main(void)
 {
-    if (!kva_level_supported(KVA_AMX) || kva_set_level(KVA_AMX) != 0) {
+    if (!kvc_use_level(KVA_AMX)) {
         printf("the amx level is not built in (KVS_TEST_ASSUME_AMX?)\n");
         return 2;
     }

@@ -7,22 +7,12 @@
  * AArch64, under qemu.  Prints one line per level and "0 failures" when
  * every case is within 1e-5 (max abs error / max abs value).
  */
-#include "kv_attention.h"
+#include "kv_attention_cases.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static uint64_t rng_state = 88172645463325252ull;
-static uint32_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-static float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f * 2.0f - 1.0f; }
 
 static uint16_t to_f16(float f) /* round to nearest even, normal range only here */
 {
@@ -95,6 +85,111 @@ static double stored(const void *cache, int kind, size_t i)
     return from_bf16(((const uint16_t *)cache)[i]);
 }
 
+/* Random pages of `kind` (elems elements each of K and V, in *kc / *vc)
+ * and the scale of each row of D elements (*ksc / *vsc): int8's own, fp8's
+ * layer's (0.5 and 2), 1 for the rest.  The caller frees the four. */
+static void fill_pages(int kind, size_t elems, int D, char **kc, char **vc, float **ksc,
+                       float **vsc)
+{
+    const size_t isz = (size_t)kva_isz(kind), rows = elems / D;
+    char *k8 = *kc = malloc(elems * isz), *v8 = *vc = malloc(elems * isz);
+    float *ks = *ksc = malloc(sizeof(float) * rows), *vs = *vsc = malloc(sizeof(float) * rows);
+    for (size_t r = 0; r < rows; r++) {
+        ks[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 0.5f : 1.0f;
+        vs[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 2.0f : 1.0f;
+    }
+    for (size_t i = 0; i < elems; i++) {
+        float k = urand(), v = urand();
+        if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
+            ((uint8_t *)k8)[i] = fp8_code(kind);
+            ((uint8_t *)v8)[i] = fp8_code(kind);
+        } else if (kind == KVA_I8) {
+            ((uint8_t *)k8)[i] = (uint8_t)rnd();
+            ((uint8_t *)v8)[i] = (uint8_t)rnd();
+        } else if (kind == KVA_F32) {
+            ((float *)k8)[i] = k;
+            ((float *)v8)[i] = v;
+        } else if (kind == KVA_F16) {
+            ((uint16_t *)k8)[i] = to_f16(k);
+            ((uint16_t *)v8)[i] = to_f16(v);
+        } else {
+            ((uint16_t *)k8)[i] = to_bf16(k);
+            ((uint16_t *)v8)[i] = to_bf16(v);
+        }
+    }
+}
+
+/* The scales of a kind into a's fields (fill_pages' values). */
+static void set_scales(kva_args *a, const float *ksc, const float *vsc)
+{
+    if (a->kind == KVA_I8) {
+        a->key_scales = ksc;
+        a->value_scales = vsc;
+    } else if (a->kind >= KVA_F8E4M3) {
+        a->k_scale = 0.5f;
+        a->v_scale = 2.0f;
+    }
+}
+
+/* The largest |out - attention(a)| of a plain double-precision attention
+ * over a's arguments (a NaN sticks), rows scaled by ksc / vsc; the largest
+ * |attention(a)| into *maxval. */
+static double ref_error(const kva_args *a, const float *out, const float *ksc, const float *vsc,
+                        double *maxval)
+{
+    const int D = a->head_dim, nh = a->num_heads, nkv = a->num_kv_heads, G = nh / nkv;
+    const int64_t bs = a->block_size, window = a->sliding_window;
+    const int32_t *tables = a->block_tables;
+    const ptrdiff_t mb = a->block_table_stride;
+    int64_t longest = 1;
+    for (int64_t s = 0; s < a->num_seqs; s++)
+        longest = a->seq_lens[s] > longest ? a->seq_lens[s] : longest;
+    double maxerr = 0;
+    double *w = malloc(sizeof(double) * (size_t)longest);
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        const int64_t q0 = a->query_start_loc[s], nq = a->query_start_loc[s + 1] - q0;
+        for (int64_t j = 0; j < nq; j++) {
+            int64_t pos = a->seq_lens[s] - nq + j, lo = window && pos + 1 > window ? pos + 1 - window : 0;
+            for (int h = 0; h < nh; h++) {
+                int g = h / G;
+                const float *qq = a->q + ((q0 + j) * nh + h) * D;
+                double mx = -INFINITY, sum = 0;
+                for (int64_t t = lo; t <= pos; t++) {
+                    size_t base = ((size_t)tables[s * mb + t / bs] * nkv + g) * bs * D +
+                                  (size_t)(t % bs) * D;
+                    double dot = 0;
+                    for (int d = 0; d < D; d++)
+                        dot += (double)qq[d] * stored(a->key_cache, a->kind, base + d);
+                    dot *= a->scale * (double)ksc[base / D];
+                    if (a->soft_cap > 0)
+                        dot = a->soft_cap * tanh(dot / a->soft_cap);
+                    w[t - lo] = dot;
+                    if (dot > mx)
+                        mx = dot;
+                }
+                for (int64_t t = lo; t <= pos; t++)
+                    sum += (w[t - lo] = exp(w[t - lo] - mx));
+                for (int d = 0; d < D; d++) {
+                    double o = 0;
+                    for (int64_t t = lo; t <= pos; t++) {
+                        size_t base = ((size_t)tables[s * mb + t / bs] * nkv + g) * bs * D +
+                                      (size_t)(t % bs) * D;
+                        o += w[t - lo] * stored(a->value_cache, a->kind, base + d) * vsc[base / D];
+                    }
+                    o /= sum;
+                    double got = out[((q0 + j) * nh + h) * D + d];
+                    if (!(fabs(got - o) <= maxerr))
+                        maxerr = fabs(got - o); /* NaN sticks */
+                    if (fabs(o) > *maxval)
+                        *maxval = fabs(o);
+                }
+            }
+        }
+    }
+    free(w);
+    return maxerr;
+}
+
 static int run_case(int kind, int threads, int window, float cap, int nh, int nkv, int D, int bs)
 {
     enum { S = 3 };
@@ -112,35 +207,11 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
         total_blocks += nb;
     }
     int num_blocks = total_blocks + 2;
-    size_t isz = kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
+    size_t isz = (size_t)kva_isz(kind);
     size_t cache_elems = (size_t)num_blocks * nkv * bs * D;
-    char *kc = malloc(cache_elems * isz), *vc = malloc(cache_elems * isz);
-    /* the scale of each row (element i's: row i / D): int8's own, fp8's layer's */
-    size_t rows = cache_elems / D;
-    float *ksc = malloc(sizeof(float) * rows), *vsc = malloc(sizeof(float) * rows);
-    for (size_t r = 0; r < rows; r++) {
-        ksc[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 0.5f : 1.0f;
-        vsc[r] = kind == KVA_I8 ? (1.5f + urand()) / 127.0f : kind >= KVA_F8E4M3 ? 2.0f : 1.0f;
-    }
-    for (size_t i = 0; i < cache_elems; i++) {
-        float k = urand(), v = urand();
-        if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
-            ((uint8_t *)kc)[i] = fp8_code(kind);
-            ((uint8_t *)vc)[i] = fp8_code(kind);
-        } else if (kind == KVA_I8) {
-            ((uint8_t *)kc)[i] = (uint8_t)rnd();
-            ((uint8_t *)vc)[i] = (uint8_t)rnd();
-        } else if (kind == KVA_F32) {
-            ((float *)kc)[i] = k;
-            ((float *)vc)[i] = v;
-        } else if (kind == KVA_F16) {
-            ((uint16_t *)kc)[i] = to_f16(k);
-            ((uint16_t *)vc)[i] = to_f16(v);
-        } else {
-            ((uint16_t *)kc)[i] = to_bf16(k);
-            ((uint16_t *)vc)[i] = to_bf16(v);
-        }
-    }
+    char *kc, *vc;
+    float *ksc, *vsc;
+    fill_pages(kind, cache_elems, D, &kc, &vc, &ksc, &vsc);
     /* a shuffled permutation of the block ids */
     int *perm = malloc(sizeof(int) * num_blocks);
     for (int i = 0; i < num_blocks; i++)
@@ -162,61 +233,12 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
     kva_args a = {q, out, kc, vc, kind,
                   (ptrdiff_t)(nkv * bs * D * isz), (ptrdiff_t)(bs * D * isz), (ptrdiff_t)(D * isz),
                   bs, nh, nkv, D, tables, max_blocks, lens, qsl, S, scale, window, cap, threads};
-    if (kind == KVA_I8) {
-        a.key_scales = ksc;
-        a.value_scales = vsc;
-    } else if (kind >= KVA_F8E4M3) {
-        a.k_scale = 0.5f;
-        a.v_scale = 2.0f;
-    }
+    set_scales(&a, ksc, vsc);
     if (kva_paged_attention(&a) != KVA_OK) {
         printf("kernel failed\n");
         return 1;
     }
-    /* reference */
-    double maxerr = 0, maxval = 0;
-    int G = nh / nkv;
-    double *w = malloc(sizeof(double) * 2000);
-    for (int s = 0; s < S; s++) {
-        for (int64_t j = 0; j < nq[s]; j++) {
-            int64_t pos = lens[s] - nq[s] + j, lo = window && pos + 1 > window ? pos + 1 - window : 0;
-            for (int h = 0; h < nh; h++) {
-                int g = h / G;
-                const float *qq = q + ((qsl[s] + j) * nh + h) * D;
-                double mx = -INFINITY, sum = 0;
-                for (int64_t t = lo; t <= pos; t++) {
-                    size_t base = ((size_t)tables[s * max_blocks + t / bs] * nkv + g) * bs * D +
-                                  (size_t)(t % bs) * D;
-                    double dot = 0;
-                    for (int d = 0; d < D; d++)
-                        dot += (double)qq[d] * stored(kc, kind, base + d);
-                    dot *= scale * (double)ksc[base / D];
-                    if (cap > 0)
-                        dot = cap * tanh(dot / cap);
-                    w[t - lo] = dot;
-                    if (dot > mx)
-                        mx = dot;
-                }
-                for (int64_t t = lo; t <= pos; t++)
-                    sum += (w[t - lo] = exp(w[t - lo] - mx));
-                for (int d = 0; d < D; d++) {
-                    double o = 0;
-                    for (int64_t t = lo; t <= pos; t++) {
-                        size_t base = ((size_t)tables[s * max_blocks + t / bs] * nkv + g) * bs * D +
-                                      (size_t)(t % bs) * D;
-                        o += w[t - lo] * stored(vc, kind, base + d) * vsc[base / D];
-                    }
-                    o /= sum;
-                    double got = out[((qsl[s] + j) * nh + h) * D + d];
-                    if (fabs(got - o) > maxerr)
-                        maxerr = fabs(got - o);
-                    if (fabs(o) > maxval)
-                        maxval = fabs(o);
-                }
-            }
-        }
-    }
-    free(w);
+    double maxval = 0, maxerr = ref_error(&a, out, ksc, vsc, &maxval);
     free(ksc);
     free(vsc);
     free(kc);
@@ -262,9 +284,8 @@ int main(void)
 {
     int failures = 0, levels = 0;
     for (int level = 0; level < KVA_NUM_LEVELS; level++) {
-        if (!kva_level_supported(level))
+        if (!kvc_use_level(level))
             continue;
-        kva_set_level(level);
         levels++;
         int cases = 0, before = failures;
         for (int kind = 0; kind <= KVA_I8; kind++) {

@@ -9,21 +9,11 @@
  * the runs must not see it.  Built and run by tests/test_native_levels.py
  * natively and under qemu-aarch64.  Prints "0 failures" when all agree.
  */
-#include "kv_attention.h"
+#include "kv_attention_cases.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static uint32_t rnd(void)
-{
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-static float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f * 2.0f - 1.0f; }
 
 /* Random page bytes of a kind that decode to finite values. */
 static void fill_pages(char *p, size_t n_elems, int kind)
@@ -48,12 +38,28 @@ static void fill_pages(char *p, size_t n_elems, int kind)
     }
 }
 
-static int isz_of(int kind) { return kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2; }
+enum { MAXB = 24 }; /* block table entries per sequence */
+
+/* What kva_plan_create reads: the index arrays (block tables of MAXB
+ * entries a row), the scalars (scale 1/8) and the thread count. */
+static void set_index(kva_args *a, const int32_t *tables, const int64_t *seq_lens,
+                      const int64_t *qsl, int64_t num_seqs, int window, float cap, int threads)
+{
+    a->block_tables = tables;
+    a->block_table_stride = MAXB;
+    a->seq_lens = seq_lens;
+    a->query_start_loc = qsl;
+    a->num_seqs = num_seqs;
+    a->scale = 0.125f;
+    a->sliding_window = window;
+    a->soft_cap = cap;
+    a->num_threads = threads;
+}
 
 /* One step: S sequences (some decode, some prefill chunks), L layers. */
 static int run_step(int kind, int threads, int window, float cap, int *cases)
 {
-    enum { S = 4, L = 3, BS = 16, NKV = 2, NH = 8, D = 64, MAXB = 24, NB = 80 };
+    enum { S = 4, L = 3, BS = 16, NKV = 2, NH = 8, D = 64, NB = 80 };
     const int lens[S] = {1, 300, 37, 129}, queries[S] = {1, 1, 37, 5};
     int64_t *seq_lens = malloc(S * sizeof(int64_t));
     int64_t *qsl = malloc((S + 1) * sizeof(int64_t));
@@ -72,24 +78,9 @@ static int run_step(int kind, int threads, int window, float cap, int *cases)
     memcpy(keep_tables, tables, sizeof keep_tables);
     const int T = (int)qsl[S];
     const size_t page_elems = (size_t)NB * NKV * BS * D;
-    const int isz = isz_of(kind);
-
-    kva_args shape;
-    memset(&shape, 0, sizeof shape);
-    shape.kind = kind;
-    shape.block_size = BS;
-    shape.num_heads = NH;
-    shape.num_kv_heads = NKV;
-    shape.head_dim = D;
-    shape.block_tables = tables;
-    shape.block_table_stride = MAXB;
-    shape.seq_lens = seq_lens;
-    shape.query_start_loc = qsl;
-    shape.num_seqs = S;
-    shape.scale = 0.125f;
-    shape.sliding_window = window;
-    shape.soft_cap = cap;
-    shape.num_threads = threads;
+    const int isz = kva_isz(kind);
+    kva_args shape = kva_args_dense(NULL, NULL, NULL, NULL, kind, BS, NH, NKV, D);
+    set_index(&shape, tables, seq_lens, qsl, S, window, cap, threads);
     int status = -99;
     kva_plan *plan = kva_plan_create(&shape, &status);
     if (plan == NULL || status != KVA_OK) {
@@ -124,20 +115,7 @@ static int run_step(int kind, int threads, int window, float cap, int *cases)
                 vs[i] = (1.0f + urand()) / 127.0f;
             }
         }
-        kva_args data;
-        memset(&data, 0, sizeof data);
-        data.q = q;
-        data.out = out_plan;
-        data.key_cache = kc;
-        data.value_cache = vc;
-        data.kind = kind;
-        data.block_stride = (ptrdiff_t)NKV * BS * D * isz;
-        data.head_stride = (ptrdiff_t)BS * D * isz;
-        data.row_stride = (ptrdiff_t)D * isz;
-        data.block_size = BS;
-        data.num_heads = NH;
-        data.num_kv_heads = NKV;
-        data.head_dim = D;
+        kva_args data = kva_args_dense(q, out_plan, kc, vc, kind, BS, NH, NKV, D);
         data.key_scales = ks;
         data.value_scales = vs;
         data.k_scale = kind == KVA_F8E4M3 ? 0.5f : 1.0f;
@@ -151,15 +129,7 @@ static int run_step(int kind, int threads, int window, float cap, int *cases)
         int rc = kva_plan_run(plan, &data);
         /* the reference: the one-call API over the arguments as planned */
         kva_args full = data;
-        full.block_tables = keep_tables;
-        full.block_table_stride = MAXB;
-        full.seq_lens = keep_lens;
-        full.query_start_loc = keep_qsl;
-        full.num_seqs = S;
-        full.scale = shape.scale;
-        full.sliding_window = window;
-        full.soft_cap = cap;
-        full.num_threads = 1;
+        set_index(&full, keep_tables, keep_lens, keep_qsl, S, window, cap, 1);
         full.out = out_ref;
         int rc2 = kva_paged_attention(&full);
         (*cases)++;
@@ -174,13 +144,7 @@ static int run_step(int kind, int threads, int window, float cap, int *cases)
         free(kc), free(vc), free(q), free(out_plan), free(out_ref), free(ks), free(vs);
     }
     /* a run whose shape differs from the plan's is refused */
-    kva_args wrong;
-    memset(&wrong, 0, sizeof wrong);
-    wrong.kind = kind;
-    wrong.block_size = BS;
-    wrong.num_heads = NH;
-    wrong.num_kv_heads = NKV;
-    wrong.head_dim = D + 8;
+    kva_args wrong = kva_args_dense(NULL, NULL, NULL, NULL, kind, BS, NH, NKV, D + 8);
     if (kva_plan_run(plan, &wrong) != KVA_EINVAL) {
         printf("a run of another head_dim was not refused\n");
         failures++;
@@ -194,9 +158,8 @@ int main(void)
     static const int kinds[] = {KVA_F32, KVA_F16, KVA_BF16, KVA_F8E4M3, KVA_I8};
     int failures = 0, levels = 0;
     for (int level = 0; level < KVA_NUM_LEVELS; level++) {
-        if (!kva_level_supported(level))
+        if (!kvc_use_level(level))
             continue;
-        kva_set_level(level);
         levels++;
         int cases = 0, f = 0;
         for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)

@@ -234,7 +234,7 @@ static float *run_bits(int kind, int threads, int D, int nh, int nkv, uint64_t s
 
 int main(void)
 {
-    if (!kva_level_supported(KVA_AVX512) || kva_set_level(KVA_AVX512) != 0) {
+    if (!kvc_use_level(KVA_AVX512)) {
         printf("the avx512 level is not there\n");
         return 2;
     }

@@ -77,6 +77,37 @@ typedef struct {
     float k_scale, v_scale;
 } kva_args;
 
+/* Bytes per stored element of a kind. */
+static inline int kva_isz(int kind)
+{
+    return kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
+}
+
+/* A kva_args, zero but for q, out, the caches and the shape of dense pages
+ * of `kind` laid out (block, kv head, position, dim): kind, the three
+ * strides, block_size, the head counts and head_dim (for C callers: tests,
+ * benchmarks). */
+static inline kva_args kva_args_dense(const float *q, float *out, const void *key_cache,
+                                      const void *value_cache, int kind, int block_size,
+                                      int num_heads, int num_kv_heads, int head_dim)
+{
+    kva_args a = {0};
+    const ptrdiff_t row = (ptrdiff_t)head_dim * kva_isz(kind);
+    a.q = q;
+    a.out = out;
+    a.key_cache = (const char *)key_cache;
+    a.value_cache = (const char *)value_cache;
+    a.kind = kind;
+    a.block_stride = (ptrdiff_t)num_kv_heads * block_size * row;
+    a.head_stride = (ptrdiff_t)block_size * row;
+    a.row_stride = row;
+    a.block_size = block_size;
+    a.num_heads = num_heads;
+    a.num_kv_heads = num_kv_heads;
+    a.head_dim = head_dim;
+    return a;
+}
+
 /* Run attention; returns KVA_OK, KVA_ENOMEM (nothing written) or KVA_EINVAL.
  * The same as kva_plan_create + kva_plan_run + kva_plan_free. */
 int kva_paged_attention(const kva_args *args);

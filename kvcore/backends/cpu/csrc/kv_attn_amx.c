@@ -168,6 +168,34 @@ KVA_INLINE void a_terms_amx(const float *x, int ld, int mb, int rows, int cols, 
     }
 }
 
+/* Tile C += the A terms in tiles 2-4 (hi, mid, lo) times the B tile at
+ * bhi (loaded into tile 5; float16's: also its low term, at blo into tile
+ * 6, when two_terms), in this order, which fixes the bits: hi x lo_b and
+ * mid x lo_b first, then lo, mid and hi x hi_b.  A macro: the tile
+ * instructions take their tile numbers as immediates. */
+#define KVA_AMX_PRODUCTS(C, bhi, blo, two_terms)                                               \
+    do {                                                                                      \
+        _tile_loadd(5, (bhi), 64);                                                            \
+        if (two_terms) {                                                                      \
+            _tile_loadd(6, (blo), 64);                                                        \
+            _tile_dpbf16ps(C, 3, 6);                                                          \
+            _tile_dpbf16ps(C, 2, 6);                                                          \
+        }                                                                                     \
+        _tile_dpbf16ps(C, 4, 5);                                                              \
+        _tile_dpbf16ps(C, 3, 5);                                                              \
+        _tile_dpbf16ps(C, 2, 5);                                                              \
+    } while (0)
+
+/* A tiles 2-4: the hi, mid and lo bf16 terms of rows mb.. of x
+ * (a_terms_amx, into a). */
+KVA_INLINE void a_tiles_amx(const float *x, int ld, int mb, int rows, int cols, uint16_t *a)
+{
+    a_terms_amx(x, ld, mb, rows, cols, a);
+    _tile_loadd(2, a, 64);
+    _tile_loadd(3, a + 512, 64);
+    _tile_loadd(4, a + 1024, 64);
+}
+
 /* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i]. */
 KVA_INLINE void scores_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
                            int ntp, float *S, float *tmp)
@@ -203,32 +231,12 @@ KVA_INLINE void scores_amx(int kind, const float *Qs, int M, int D, const char *
         _tile_zero(0);
         _tile_zero(1);
         for (int c = 0; c < nc; c++) {
-            a_terms_amx(Qs + 32 * c, D, mb, rows, 32, a);
-            _tile_loadd(2, a, 64);        /* q hi */
-            _tile_loadd(3, a + 512, 64);  /* q mid */
-            _tile_loadd(4, a + 1024, 64); /* q lo */
+            a_tiles_amx(Qs + 32 * c, D, mb, rows, 32, a); /* q */
             const uint32_t *b = kb + (size_t)c * nnb * 256;
             const size_t term = (size_t)nc * nnb * 256;
-            _tile_loadd(5, b, 64); /* k hi, keys 0-15 */
-            if (nk == 2) {
-                _tile_loadd(6, b + term, 64); /* k lo */
-                _tile_dpbf16ps(0, 3, 6);
-                _tile_dpbf16ps(0, 2, 6);
-            }
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(0, 3, 5);
-            _tile_dpbf16ps(0, 2, 5);
-            if (nnb == 2) { /* keys 16-31 */
-                _tile_loadd(5, b + 256, 64);
-                if (nk == 2) {
-                    _tile_loadd(6, b + term + 256, 64);
-                    _tile_dpbf16ps(1, 3, 6);
-                    _tile_dpbf16ps(1, 2, 6);
-                }
-                _tile_dpbf16ps(1, 4, 5);
-                _tile_dpbf16ps(1, 3, 5);
-                _tile_dpbf16ps(1, 2, 5);
-            }
+            KVA_AMX_PRODUCTS(0, b, b + term, nk == 2); /* keys 0-15 */
+            if (nnb == 2)
+                KVA_AMX_PRODUCTS(1, b + 256, b + term + 256, nk == 2); /* keys 16-31 */
         }
         _tile_stored(0, cbuf, 128);
         if (nnb == 2)
@@ -265,10 +273,7 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
     float cbuf[16 * 16];
     for (int mb = 0; mb < M; mb += 16) {
         const int rows = M - mb < 16 ? M - mb : 16;
-        a_terms_amx(P, KVA_KEY_TILE, mb, rows, nt, a);
-        _tile_loadd(2, a, 64);        /* p hi */
-        _tile_loadd(3, a + 512, 64);  /* p mid */
-        _tile_loadd(4, a + 1024, 64); /* p lo */
+        a_tiles_amx(P, KVA_KEY_TILE, mb, rows, nt, a); /* p */
         for (int j = 0; j < nd; j++) {
             for (int m = 0; m < 16; m++) {
                 __m512 c = _mm512_setzero_ps();
@@ -278,15 +283,7 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                 _mm512_storeu_ps(cbuf + m * 16, c);
             }
             _tile_loadd(0, cbuf, 64);
-            _tile_loadd(5, vb + (size_t)j * 256, 64); /* v hi */
-            if (nk == 2) {
-                _tile_loadd(6, vb + ((size_t)nd + j) * 256, 64); /* v lo */
-                _tile_dpbf16ps(0, 3, 6);
-                _tile_dpbf16ps(0, 2, 6);
-            }
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(0, 3, 5);
-            _tile_dpbf16ps(0, 2, 5);
+            KVA_AMX_PRODUCTS(0, vb + (size_t)j * 256, vb + ((size_t)nd + j) * 256, nk == 2);
             _tile_stored(0, cbuf, 64);
             for (int m = 0; m < rows; m++)
                 _mm512_storeu_ps(acc + (size_t)(mb + m) * D + 16 * j,

@@ -92,12 +92,6 @@
 
 #define KVA_LOG2E 1.4426950408889634f
 
-/* Bytes per stored element of a kind. */
-static inline int kva_isz(int kind)
-{
-    return kind == KVA_F32 ? 4 : kind >= KVA_F8E4M3 ? 1 : 2;
-}
-
 /* ------------------------------------------------------------------ */
 /* Kernel tables (one per level, kv_attn_<level>.c)                    */
 /* ------------------------------------------------------------------ */

@@ -80,35 +80,43 @@ static inline float kv_fp8_float(uint32_t u)
     return x;
 }
 
-/* float32 bits -> e4m3fn bits. */
-static inline uint8_t kv_f32_to_e4m3_one(uint32_t bits, int saturate)
+/* float32 bits -> the bits of an fp8 format of mbits mantissa bits and
+ * exponent bias `bias`: `nan` is its NaN code, `overflow` the code just past
+ * its largest finite one (what an overflow gives unless saturated, the
+ * largest finite code then: both formats put that code at overflow - 1);
+ * magnitudes of float32 bits >= too_big (a power of two far past the
+ * largest) are clamped before the shift arithmetic.  Inlined with constant
+ * formats, each of the two below compiles to its own straight code. */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+static inline uint8_t kv_f32_to_fp8_one(uint32_t bits, int saturate, int mbits, int bias,
+                                        uint32_t too_big, uint32_t nan, uint32_t overflow)
 {
     uint32_t s = (bits >> 24) & 0x80u;
     uint32_t a = bits & 0x7FFFFFFFu;
     if (a > 0x7F800000u)
-        return (uint8_t)(s | 0x7Fu);           /* NaN */
+        return (uint8_t)(s | nan);
     if (a == 0x7F800000u)
-        return (uint8_t)(s | (saturate ? 0x7Eu : 0x7Fu));
-    /* anything >= 2^9 is far past 448: clamp before the shift arithmetic */
-    uint32_t code = a >= 0x44000000u ? 0x80u : kv_fp8_magnitude(a, 3, 7);
-    if (code >= 0x7Fu)
-        code = saturate ? 0x7Eu : 0x7Fu;
+        return (uint8_t)(s | (saturate ? overflow - 1u : overflow));
+    uint32_t code = a >= too_big ? 0x80u : kv_fp8_magnitude(a, mbits, bias);
+    if (code >= overflow)
+        code = saturate ? overflow - 1u : overflow;
     return (uint8_t)(s | code);
 }
 
-/* float32 bits -> e5m2 bits. */
+/* float32 bits -> e4m3fn bits (no infinity: an overflow is the NaN code
+ * 0x7F, or 448 = 0x7E saturated; 2^9 is far past 448). */
+static inline uint8_t kv_f32_to_e4m3_one(uint32_t bits, int saturate)
+{
+    return kv_f32_to_fp8_one(bits, saturate, 3, 7, 0x44000000u, 0x7Fu, 0x7Fu);
+}
+
+/* float32 bits -> e5m2 bits (NaN 0x7E; an overflow is infinity 0x7C, or
+ * 57344 = 0x7B saturated; 2^17 is far past 57344). */
 static inline uint8_t kv_f32_to_e5m2_one(uint32_t bits, int saturate)
 {
-    uint32_t s = (bits >> 24) & 0x80u;
-    uint32_t a = bits & 0x7FFFFFFFu;
-    if (a > 0x7F800000u)
-        return (uint8_t)(s | 0x7Eu);           /* NaN */
-    if (a == 0x7F800000u)
-        return (uint8_t)(s | (saturate ? 0x7Bu : 0x7Cu));
-    uint32_t code = a >= 0x48000000u ? 0x80u : kv_fp8_magnitude(a, 2, 15);
-    if (code >= 0x7Cu)
-        code = saturate ? 0x7Bu : 0x7Cu;
-    return (uint8_t)(s | code);
+    return kv_f32_to_fp8_one(bits, saturate, 2, 15, 0x48000000u, 0x7Eu, 0x7Cu);
 }
 
 /* e4m3fn bits -> float32 bits (exact). */

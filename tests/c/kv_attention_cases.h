@@ -1,0 +1,23 @@
+/*
+ * What the stand-alone attention checks of tests/c share: their
+ * pseudo-random sequence (kv_check_util.h's generator) and level loop.
+ */
+#ifndef KV_ATTENTION_CASES_H
+#define KV_ATTENTION_CASES_H
+
+#include "kv_attention.h"
+
+/* the attention checks' sequence: another start, 32 bits from bit 16 */
+#define KVC_SEED 88172645463325252ull
+#define KVC_RND_SHIFT 16
+#include "kv_check_util.h"
+
+static inline float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f * 2.0f - 1.0f; }
+
+/* The level, if this CPU runs it, made current: whether it was. */
+static inline int kvc_use_level(int level)
+{
+    return kva_level_supported(level) && kva_set_level(level) == 0;
+}
+
+#endif
