@@ -18,7 +18,7 @@ import numpy as np
 
 from . import dtypes
 from .dtypes import BF16
-from .backends.cpu import _kernels
+from .backends import tensor_view
 
 __all__ = ["unwrap", "host_view", "float_input", "out_array", "index_array", "aligned"]
 
@@ -79,8 +79,8 @@ def unwrap(x, arg):
 
 # A NumPy view of a C-contiguous CPU torch tensor (bfloat16 as uint16 bits),
 # or None for anything else: the cheap adapter the direct append path and
-# ``unwrap`` try first (see _kernels.tensor_view).
-host_view = _kernels.tensor_view
+# ``unwrap`` try first (see kvcore.backends.tensor_view).
+host_view = tensor_view
 
 
 def float_input(be, x, arg, src_dtype=None):

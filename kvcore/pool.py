@@ -791,7 +791,7 @@ class BlockPool:
                              f"{self.kv_scales}; got {dst_pool.kv_scales}")
         dst_pool._before_overwrite(dst)
         # a GPU on either side drives the copy (it can read and write host memory)
-        backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
+        backend = self._backend.copier_for(dst_pool._backend)
         # the blocks' data, and their int8 scales (same block ids) with them
         arrays = [(self._storage, dst_pool.storage)]
         if self._scales is not None:
@@ -1044,47 +1044,18 @@ class BlockPool:
         if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
             raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
                              f"got {len(payloads)}")
-        shape = (self._storage.shape[0],) + tuple(self._storage.shape[2:])
-        dt = np.dtype(self._storage.dtype)
-        arrays = []
+        pays = []
         per_block = self.bytes_per_block      # (a computed property: once, not per block)
         for i, p in enumerate(payloads):
             a = np.frombuffer(p, dtype=np.uint8)
             if a.nbytes != per_block:
                 raise ValueError(f"payloads[{i}] must hold {per_block} bytes (one "
                                  f"block), got {a.nbytes}")
-            arrays.append(a)
-        from .backends.cpu import _checksum
-
-        if seeds is not None and self._backend.name == "cpu":
-            # the storage is one C-contiguous array: plane p of block b
-            # starts at byte (p * num_blocks + b) * chunk; int8 scales
-            # (after the codes in a payload) likewise in their array.  All
-            # blocks in one native call, the GIL released, split over the
-            # CPU threads (kvcore.set_num_threads; the same bits for any count).
-            parts = []
-            for arr in (self._storage, self._scales):
-                if arr is None:
-                    continue
-                planes = arr.shape[0]
-                chunk = arr.nbytes // (planes * self._num_blocks)   # one block of one plane
-                parts.append((arr.reshape(-1).view(np.uint8), [b * chunk for b in ids], planes,
-                              chunk, self._num_blocks * chunk))
-            from .attention import get_num_threads
-            return _checksum.copy_xxh3_many(arrays, parts, seeds, get_num_threads())
-
-        # plain copies (int8: the codes, then the scales that follow them)
-        kv_bytes = int(np.prod(shape)) * dt.itemsize
-        digests = None if seeds is None else []
-        for i, (b, a) in enumerate(zip(ids, arrays)):
-            if digests is not None:
-                digests.append(_checksum.xxh3_64(a, seeds[i]))
-            self._storage[:, b] = self._backend.from_host(a[:kv_bytes].view(dt).reshape(shape))
-            if self._scales is not None:
-                self._scales[:, b] = self._backend.from_host(
-                    a[kv_bytes:].view(np.float32).reshape(self._scales.shape[:1]
-                                                          + self._scales.shape[2:]))
-        return digests
+            pays.append(a)
+        from .attention import get_num_threads
+        # (int8: the codes, then the scales that follow them in a payload)
+        planes = [a for a in (self._storage, self._scales) if a is not None]
+        return self._backend.write_block_bytes(planes, ids, pays, seeds, get_num_threads())
 
     def _device_array(self, a):
         """Host array ``a`` on this pool's device."""
