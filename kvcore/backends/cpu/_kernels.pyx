@@ -388,40 +388,6 @@ cdef class PositionWriter(RowWriter):
         return 0
 
 
-cdef object _write_slots_float(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
-                               int src_kind, int dst_kind):
-    """cache[b, h, off, :] = src[i, h, :] for slot s = slots[i] >= 0,
-    b = s // block_size, off = s % block_size.
-
-    cache: (num_blocks, heads, block_size, dim), C-contiguous.
-    src: (n, heads, dim), last axis contiguous, any other strides.
-    """
-    cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
-    cdef Py_ssize_t bs = cache.shape[2]
-    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
-    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
-    cdef char* sp = _ptr(src)
-    cdef char* cp = _ptr(cache)
-    cdef Py_ssize_t i, b, off
-    cdef slot_t s
-    cdef bint stream = _streamed(n * H * D, dst_kind)
-    _aligned_array(src, "src")
-    _aligned_array(cache, "cache")
-    if n:
-        _aligned(&slots[0], sizeof(slot_t), "slots")
-    with nogil:
-        for i in range(n):
-            s = slots[i]
-            if s < 0:
-                continue
-            b = s // bs
-            off = s - b * bs
-            _write_token(src_kind, sp + i * s0, s1, dst_kind, cp + b * c_block + off * c_tok,
-                         c_head, H, D, stream)
-        if stream:
-            stream_fence()
-
-
 cdef int _copy_blocks(cnp.ndarray src_storage, const block_id_t[::1] src,
                      cnp.ndarray dst_storage, const block_id_t[::1] dst) except -1:
     """dst_storage[:, dst[i]] = src_storage[:, src[i]] for each i in order,
@@ -563,13 +529,17 @@ cdef inline float* _scale_ptr(object scales) except? NULL:
     return <float*>cnp.PyArray_DATA(a)
 
 
-cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray src,
-                           const slot_t[::1] slots, int src_kind, int dst_kind, float scale):
-    """write_slots into a low-precision plane.
+cdef object _write_slots(cnp.ndarray cache, object scales, cnp.ndarray src,
+                         const slot_t[::1] slots, int src_kind, int dst_kind, float scale):
+    """cache[b, h, off, :] = src[i, h, :] stored as ``dst_kind`` for slot
+    s = slots[i] >= 0, b = s // block_size, off = s % block_size: float kinds
+    converted, low-precision ones encoded (fp8(x / scale); int8 with each
+    row's scale to ``scales``, the plane's (num_blocks, heads, block_size)
+    float32, C-contiguous, else None).
 
-    cache: (num_blocks, heads, block_size, dim) C-contiguous (1-byte codes);
-    scales: int8 only, the plane's (num_blocks, heads, block_size) float32,
-    C-contiguous (else None); src: (n, heads, dim), last axis contiguous."""
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    src: (n, heads, dim), last axis contiguous, any other strides.
+    """
     cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
     cdef Py_ssize_t bs = cache.shape[2]
     cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
@@ -579,14 +549,18 @@ cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray s
     cdef float* sc = _scale_ptr(scales)
     cdef Py_ssize_t i, b, off
     cdef slot_t s
-    cdef float* buf
-    cdef bint stream = n * H * D >= STREAM_MIN_BYTES    # 1-byte codes
+    cdef float* buf = NULL
+    cdef bint encode = _lowprec(dst_kind)
+    # (low-precision codes are one byte each)
+    cdef bint stream = (n * H * D >= STREAM_MIN_BYTES) if encode else _streamed(n * H * D, dst_kind)
     _aligned_array(src, "src")
+    _aligned_array(cache, "cache")
     if n:
         _aligned(&slots[0], sizeof(slot_t), "slots")
     if dst_kind == KVH_I8 and sc == NULL:
         raise ValueError("internal: an int8 plane needs its scales")
-    buf = _scratch(D)
+    if encode:
+        buf = _scratch(D)
     try:
         with nogil:
             for i in range(n):
@@ -595,9 +569,14 @@ cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray s
                     continue
                 b = s // bs
                 off = s - b * bs
-                _store_rows_q(src_kind, sp + i * s0, s1, dst_kind,
-                              cp + b * c_block + off * c_tok, c_head, H, D, scale,
-                              (sc + b * H * bs + off) if sc != NULL else NULL, bs, buf, stream)
+                if encode:
+                    _store_rows_q(src_kind, sp + i * s0, s1, dst_kind,
+                                  cp + b * c_block + off * c_tok, c_head, H, D, scale,
+                                  (sc + b * H * bs + off) if sc != NULL else NULL, bs, buf,
+                                  stream)
+                else:
+                    _write_token(src_kind, sp + i * s0, s1, dst_kind,
+                                 cp + b * c_block + off * c_tok, c_head, H, D, stream)
             if stream:
                 stream_fence()
     finally:
@@ -796,10 +775,7 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots, int
     fp8: stored fp8(x / scale); int8: ``scale_plane`` the plane's
     (num_blocks, heads, block_size) float32 scales, C-contiguous.
     """
-    if _lowprec(dst_kind):
-        _write_slots_lowprec(cache, scale_plane, src, slots, src_kind, dst_kind, scale)
-    else:
-        _write_slots_float(cache, src, slots, src_kind, dst_kind)
+    _write_slots(cache, scale_plane, src, slots, src_kind, dst_kind, scale)
 
 
 def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
