@@ -605,13 +605,16 @@ class Backend:
         from .cpu._checksum import xxh3_64
 
         digests = None if seeds is None else [xxh3_64(p, s) for p, s in zip(payloads, seeds)]
+        # (where each array's bytes lie in a payload: the same for every block)
+        parts, at = [], 0
+        for a in arrays:
+            shape = (a.shape[0],) + tuple(a.shape[2:])
+            n = a.nbytes // a.shape[1]
+            parts.append((a, at, at + n, a.dtype, shape))
+            at += n
         for b, p in zip(block_ids, payloads):
-            at = 0
-            for a in arrays:
-                shape = (a.shape[0],) + tuple(a.shape[2:])
-                n = int(np.prod(shape)) * a.dtype.itemsize
-                a[:, b] = self.from_host(p[at:at + n].view(a.dtype).reshape(shape))
-                at += n
+            for a, lo, hi, dt, shape in parts:
+                a[:, b] = self.from_host(p[lo:hi].view(dt).reshape(shape))
         return digests
 
     def write_contiguous(self, dst, src, start, src_kind, codec):
