@@ -1,14 +1,15 @@
 """PagedKVCache: one sequence's view of a BlockPool.
 
 The bookkeeping state and the loops over it live in ``_native/_seq.pyx``: a
-``PagedKVCache`` holds a ``SeqCore`` (``self._core``), validates arguments
+``PagedKVCache`` holds a ``SeqCore`` (``self._seq``), validates arguments
 and raises; the bytes go through the pool's private interface to its
 backend.
 """
 import numpy as np
 
 from ._errors import CacheFullError, OutOfBlocksError
-from ._native import _pool, _seq
+from ._native import _pool
+from ._native import _seq as _native_seq
 from ._native._seq import SeqCore
 from . import _validate, hashing
 from ._validate import (index_int, layer_index, nonneg_int, positive_int, salt_bytes,
@@ -18,7 +19,7 @@ from .pool import BlockPool
 __all__ = ["PagedKVCache"]
 
 
-# The core of a PagedKVCache whose __init__ never ran: every member raises
+# The SeqCore of a PagedKVCache whose __init__ never ran: every member raises
 # RuntimeError through it (see PagedKVCache.__getattr__).
 _UNBOUND = SeqCore()
 
@@ -79,8 +80,8 @@ class PagedKVCache:
 
     # until __init__ binds them (an object made with __new__, or by a
     # subclass whose __init__ skips ours), every member raises RuntimeError
-    # through the unbound core
-    _core = _UNBOUND
+    # through the unbound SeqCore
+    _seq = _UNBOUND
     _pool = None
 
     def __init__(self, pool, max_seq_len=None, salt=None):
@@ -90,76 +91,76 @@ class PagedKVCache:
             max_seq_len = positive_int(max_seq_len, "max_seq_len")
         if salt is not None:
             salt = salt_bytes(salt)
-        old = self._core
+        old = self._seq
         if old is not _UNBOUND:  # __init__ again: what the old binding held goes back
-            old._free()
+            old.free()
         if salt is None:
             # the pool's identity chain roots an unsalted sequence at -1
-            core = _seq.bind(pool._binding, max_seq_len, None, 0, 0, -1)
+            seq = _native_seq.bind(pool._binding, max_seq_len, None, 0, 0, -1)
         else:
             r0, r1 = hashing.root_words(salt)
-            core = _seq.bind(pool._binding, max_seq_len, salt, r0, r1,
-                             pool._acquire_salt_root(salt))
+            seq = _native_seq.bind(pool._binding, max_seq_len, salt, r0, r1,
+                                   pool._acquire_salt_root(salt))
         self._pool = pool
-        self._core = core
+        self._seq = seq
 
     # ------------------------------------------------------------ state
     @property
     def pool(self):
         """The :class:`BlockPool` this sequence lives in."""
-        if self._core._state == _seq.UNINIT:
-            raise self._core._state_error("pool")
+        if self._seq.state == _native_seq.UNINIT:
+            raise self._seq.state_error("pool")
         return self._pool
 
-    max_seq_len = _seq.CoreField(
+    max_seq_len = _native_seq.CoreField(
         "max_seq_len", "Positions past which writes raise CacheFullError (None: no limit).")
 
-    salt = _seq.CoreField("salt", """The salt as bytes (None: unsalted).""")
+    salt = _native_seq.CoreField("salt", """The salt as bytes (None: unsalted).""")
 
-    closed = _seq.CoreField("closed", """True once :meth:`free` was called.""")
+    closed = _native_seq.CoreField("closed", """True once :meth:`free` was called.""")
 
-    num_tokens = _seq.CoreField(
+    num_tokens = _native_seq.CoreField(
         "num_tokens", "Token ids known: the prompt plus every ``append_token``.")
 
-    num_computed = _seq.CoreField(
+    num_computed = _native_seq.CoreField(
         "num_computed", "Positions whose KV is written and committed.")
 
-    num_blocks = _seq.CoreField("num_blocks", """Blocks this sequence holds.""")
+    num_blocks = _native_seq.CoreField("num_blocks", """Blocks this sequence holds.""")
 
-    capacity = _seq.CoreField("capacity", """Positions the held blocks can store.""")
+    capacity = _native_seq.CoreField("capacity", """Positions the held blocks can store.""")
 
-    block_table = _seq.CoreField(
+    block_table = _native_seq.CoreField(
         "block_table", "numpy.int32 array of this sequence's block ids in position order (a copy).")
 
-    token_ids = _seq.CoreField(
+    token_ids = _native_seq.CoreField(
         "token_ids", "numpy.int32 array of the known token ids (a copy).")
 
     def _max_written(self):
         """Positions readable in the layer that has written most (committed
         plus appended this step): what a batch's attention spans by default
         (``kvcore.tables``)."""
-        return self._core._num_computed + max(self._core._pending, default=0)
+        return self._seq.max_written()
 
     def _table_head(self, n):
         """The first ``n`` entries of the block table (a view, for
         ``kvcore.tables`` to copy from; ``n`` at most ``num_blocks``)."""
-        return self._core._table[:n]
+        return self._seq.table[:n]
 
     def _require(self, what, new_ok=False):
         """Raise unless the sequence is live (or new, with ``new_ok``)."""
-        state = self._core._state
-        if state != _seq.LIVE and not (new_ok and state == _seq.NEW):
-            raise self._core._state_error(what)
+        state = self._seq.state
+        if state != _native_seq.LIVE and not (new_ok and state == _native_seq.NEW):
+            raise self._seq.state_error(what)
 
     def num_written(self, layer):
         """Positions readable in ``layer``: committed plus appended this step."""
         self._require("num_written", new_ok=True)
-        return self._core._written(layer_index(layer, self._pool.num_layers))
+        return self._seq.written(layer_index(layer, self._pool.num_layers))
 
     def block_hashes(self):
         """16-byte chained hashes of this sequence's full, known blocks."""
         self._require("block_hashes", new_ok=True)
-        return hashing.words_to_bytes(self._core._hash_words())
+        return hashing.words_to_bytes(self._seq.hash_words())
 
     # ------------------------------------------------------------ setup
     def allocate(self, token_ids):
@@ -181,7 +182,7 @@ class PagedKVCache:
         """
         # A valid int32 array is taken as is; anything else (a list, another
         # dtype, a bad id) and every error go through _allocate_failed.
-        hit = self._core._allocate(token_ids)
+        hit = self._seq.allocate(token_ids)
         if hit < 0:
             hit = self._allocate_failed(token_ids, hit)
         stores = self._pool._stores
@@ -192,38 +193,38 @@ class PagedKVCache:
             # loads).  load never raises; the warnings it collected are
             # issued before anything is final, and one raised as an error
             # (-W error) undoes the call: nothing registered, nothing counted
-            held = self._core._take_held_spill()
+            held = self._seq.take_held_spill()
             try:
                 loaded = stores.load(self, hit, held)
                 stores.emit_warnings()
             except BaseException:
-                self._core._unallocate()
+                self._seq.unallocate()
                 raise
             if loaded:
-                hit = self._core._adopt_loaded(len(loaded))
+                hit = self._seq.adopt_loaded(len(loaded))
                 stores.count_loaded(loaded)
         return hit
 
     def _allocate_failed(self, token_ids, status):
-        if status == _seq.STATE:
-            raise self._core._state_error("allocate")
-        if status == _seq.BUSY:
+        if status == _native_seq.STATE:
+            raise self._seq.state_error("allocate")
+        if status == _native_seq.BUSY:
             raise ValueError("allocate() takes an empty sequence; this one already holds "
-                             f"{self._core._num_tokens} tokens and {self._core._num_held} blocks "
+                             f"{self._seq.num_tokens} tokens and {self._seq.num_held} blocks "
                              "(call free() first)")
         tokens = token_array(token_ids)
-        if status == _seq.UNCHECKED:
-            status = self._core._allocate(tokens)
+        if status == _native_seq.UNCHECKED:
+            status = self._seq.allocate(tokens)
             if status >= 0:
                 return status
         n = tokens.shape[0]
-        if status == _seq.EMPTY:
+        if status == _native_seq.EMPTY:
             raise ValueError("token_ids must hold at least one token, got an empty sequence")
-        if status == _seq.TOO_LONG:
+        if status == _native_seq.TOO_LONG:
             self._check_len(n, "allocate")
         raise OutOfBlocksError(
-            f"allocate needs {-(-n // self._core._block_size)} blocks for {n} tokens, "
-            f"{self._core._failed_free_blocks} "
+            f"allocate needs {-(-n // self._seq.block_size)} blocks for {n} tokens, "
+            f"{self._seq.failed_free_blocks} "
             f"of {self._pool.num_blocks} are free")
 
     # ------------------------------------------------------------ writes
@@ -235,19 +236,19 @@ class PagedKVCache:
         ``slot_mapping`` + ``pool.write`` is safe afterwards.  Raises
         OutOfBlocksError (nothing changed) or CacheFullError.
         """
-        status = self._core._reserve(n)
+        status = self._seq.reserve(n)
         if status:
             self._reserve_failed(n, status)
 
     def _reserve_failed(self, n, status):
-        if status == _seq.UNCHECKED:
+        if status == _native_seq.UNCHECKED:
             n = nonneg_int(n, "n")
-            status = self._core._reserve(n)
+            status = self._seq.reserve(n)
         if self._settled(status, "reserve"):
             return
-        if status == _seq.TOO_LONG:
-            self._check_len(self._core._num_computed + n, "reserve")
-        self._out_of_blocks(self._core._num_computed + n)
+        if status == _native_seq.TOO_LONG:
+            self._check_len(self._seq.num_computed + n, "reserve")
+        self._out_of_blocks(self._seq.num_computed + n)
 
     def _settled(self, status, what):
         # One status per call (docs/architecture.md, "Statuses"): a core op
@@ -255,18 +256,18 @@ class PagedKVCache:
         # above validated an argument the core could not take as is
         # (UNCHECKED) and asked once more; this is that answer: True when it
         # succeeded, the state error raised, else False (raise from it).
-        if status == _seq.STATE:
-            raise self._core._state_error(what)
+        if status == _native_seq.STATE:
+            raise self._seq.state_error(what)
         return status == 0
 
     def _out_of_blocks(self, target):
-        # after SHORT from SeqCore._reserve/_ensure_to (it left
-        # _failed_copy_on_write, _failed_free_blocks)
-        num_copied = self._core._failed_copy_on_write
-        need = max(0, -(-target // self._core._block_size) - self._core._num_held) + num_copied
+        # after SHORT from SeqCore.reserve/ensure_to (it left
+        # failed_copy_on_write, failed_free_blocks)
+        num_copied = self._seq.failed_copy_on_write
+        need = max(0, -(-target // self._seq.block_size) - self._seq.num_held) + num_copied
         raise OutOfBlocksError(
-            f"{need} more blocks needed for positions {self._core._num_computed}.."
-            f"{target - 1} ({num_copied} copy-on-write), {self._core._failed_free_blocks} of "
+            f"{need} more blocks needed for positions {self._seq.num_computed}.."
+            f"{target - 1} ({num_copied} copy-on-write), {self._seq.failed_free_blocks} of "
             f"{self._pool.num_blocks} are free")
 
     def append(self, layer, k, v, src_dtype=None):
@@ -280,7 +281,7 @@ class PagedKVCache:
         """
         # the usual call (CPU pool, NumPy float32/float16 arrays) is done in
         # one native call; anything else, errors included, takes the path below
-        if src_dtype is None and self._core._append_direct(layer, k, v):
+        if src_dtype is None and self._seq.append_direct(layer, k, v):
             return
         self._require("append")
         pool = self._pool
@@ -289,13 +290,13 @@ class PagedKVCache:
         n = k.shape[0]
         if n == 0:
             raise ValueError("k and v must hold at least one token, got n=0")
-        target = self._core._num_computed + n
+        target = self._seq.num_computed + n
         self._check_len(target, "append")
-        if self._core._ensure_to(target):
+        if self._seq.ensure_to(target):
             self._out_of_blocks(target)
-        pool._write_positions(layer, k, v, self._core._step_slots(self._core._num_computed,
+        pool._write_positions(layer, k, v, self._seq.step_slots(self._seq.num_computed,
                                                                    target), sk)
-        self._core._note_append(layer, n)
+        self._seq.note_append(layer, n)
 
     def commit(self, n):
         """Finish a step for all layers: ``num_computed += n``.
@@ -315,67 +316,67 @@ class PagedKVCache:
         CacheFullError
             They lie past ``max_seq_len``; nothing changed.
         """
-        status = self._core._commit(n)
+        status = self._seq.commit(n)
         if status:
             self._commit_failed(n, status)
 
     def _commit_failed(self, n, status):
-        if status == _seq.UNCHECKED:
+        if status == _native_seq.UNCHECKED:
             n = nonneg_int(n, "n")
-            status = self._core._commit(n)
+            status = self._seq.commit(n)
         if self._settled(status, "commit"):
             return
-        nc = self._core._num_computed
+        nc = self._seq.num_computed
         target = nc + n
-        if status == _seq.TOO_LONG:
+        if status == _native_seq.TOO_LONG:
             self._check_len(target, "commit")
-        if status == _seq.UNWRITTEN:
-            layer = self._core._failed_layer
+        if status == _native_seq.UNWRITTEN:
+            layer = self._seq.failed_layer
             raise ValueError(
                 f"commit({n}) needs positions {nc}..{target - 1} written in every layer, "
-                f"but layer {layer} has written {self._core._written(layer) - nc} of them; "
+                f"but layer {layer} has written {self._seq.written(layer) - nc} of them; "
                 "write them with append, or pool.write + mark_written, first")
         raise ValueError(
             f"commit({n}) would commit positions up to {target - 1}, but only "
-            f"{self._core._num_held * self._core._block_size} positions are reserved; "
+            f"{self._seq.num_held * self._seq.block_size} positions are reserved; "
             "append or reserve first")
 
     def append_token(self, token_id):
         """Add a generated token to the sequence's token ids."""
-        status = self._core._append_token(token_id)
+        status = self._seq.append_token(token_id)
         if status:
             self._append_token_failed(token_id, status)
 
     def _append_token_failed(self, token_id, status):
-        if status == _seq.UNCHECKED:
-            status = self._core._append_token(_validate.token_id(token_id))
+        if status == _native_seq.UNCHECKED:
+            status = self._seq.append_token(_validate.token_id(token_id))
         if self._settled(status, "append_token"):
             return
-        n = self._core._num_tokens
+        n = self._seq.num_tokens
         raise CacheFullError(
             f"append_token would make {n + 1} tokens, past "
-            f"max_seq_len={self._core._max_seq_len}")
+            f"max_seq_len={self._seq.max_seq_len}")
 
     def extend_tokens(self, token_ids):
         """``append_token`` for each of ``token_ids`` (validated first)."""
         self._require("extend_tokens")
         t = token_array(token_ids)
-        if self._core._extend_tokens(t):
+        if self._seq.extend_tokens(t):
             raise CacheFullError(
-                f"extend_tokens would make {self._core._num_tokens + len(t)} tokens, "
-                f"past max_seq_len={self._core._max_seq_len}")
+                f"extend_tokens would make {self._seq.num_tokens + len(t)} tokens, "
+                f"past max_seq_len={self._seq.max_seq_len}")
 
     def slot_mapping(self, start, end):
         """numpy.int64 slots of positions ``start..end-1`` (for ``BlockPool.write``)."""
         self._require("slot_mapping")
         start = index_int(start, "start")
         end = index_int(end, "end")
-        cap = self._core._num_held * self._core._block_size
+        cap = self._seq.num_held * self._seq.block_size
         if not 0 <= start <= end <= cap:
             raise ValueError(f"start and end must satisfy 0 <= start <= end <= {cap} "
                              f"(reserved positions), got start={start}, end={end}")
         out = np.empty(end - start, np.int64)
-        _pool.slots_for(self._core._table, self._core._block_size, start, end, out)
+        _pool.slots_for(self._seq.table, self._seq.block_size, start, end, out)
         return out
 
     def mark_written(self, layer, n):
@@ -388,23 +389,23 @@ class PagedKVCache:
         Declaring positions that were not written lets :meth:`commit`
         accept them: the caller answers for this declaration.
         """
-        status = self._core._mark_written(layer, n)
+        status = self._seq.mark_written(layer, n)
         if status:
             self._mark_written_failed(layer, n, status)
 
     def _mark_written_failed(self, layer, n, status):
-        if status == _seq.UNCHECKED:
+        if status == _native_seq.UNCHECKED:
             layer = layer_index(layer, self._pool.num_layers)
             n = nonneg_int(n, "n")
-            status = self._core._mark_written(layer, n)
+            status = self._seq.mark_written(layer, n)
         if self._settled(status, "mark_written"):
             return
-        target = self._core._num_computed + n
-        if status == _seq.TOO_LONG:
+        target = self._seq.num_computed + n
+        if status == _native_seq.TOO_LONG:
             self._check_len(target, "mark_written")
         raise ValueError(
             f"mark_written({layer}, {n}) reaches position {target - 1}, but only "
-            f"{self._core._num_held * self._core._block_size} positions are reserved; "
+            f"{self._seq.num_held * self._seq.block_size} positions are reserved; "
             "reserve first")
 
     # ------------------------------------------------------------ reads
@@ -437,7 +438,13 @@ class PagedKVCache:
         self._require("gather")
         pool = self._pool
         layer = layer_index(layer, pool.num_layers)
-        written = self._core._written(layer)
+        start, end = self._written_range(layer, start, end)
+        return pool._gather(layer, self._seq.table, start, end, dtype, out)
+
+    def _written_range(self, layer, start, end):
+        """``start``, ``end`` (None: the positions written) checked as a
+        range of written positions of (validated) ``layer``, as ints."""
+        written = self._seq.written(layer)
         start = index_int(start, "start")
         end = written if end is None else index_int(end, "end")
         if not 0 <= start <= end:
@@ -446,7 +453,7 @@ class PagedKVCache:
         if end > written:
             raise ValueError(f"positions {written}..{end - 1} of layer {layer} were never "
                              f"written (the layer holds {written} positions)")
-        return pool._gather(layer, self._core._table, start, end, dtype, out)
+        return start, end
 
     def gather_scales(self, layer, start=0, end=None):
         """int8 pools: the scales of the codes ``gather(layer, start, end)``
@@ -458,16 +465,8 @@ class PagedKVCache:
         layer = layer_index(layer, pool.num_layers)
         if pool.scales is None:
             pool._scale_plane(0)   # raises, naming the dtype
-        written = self._core._written(layer)
-        start = index_int(start, "start")
-        end = written if end is None else index_int(end, "end")
-        if not 0 <= start <= end:
-            raise ValueError(f"start and end must satisfy 0 <= start <= end, "
-                             f"got start={start}, end={end}")
-        if end > written:
-            raise ValueError(f"positions {written}..{end - 1} of layer {layer} were never "
-                             f"written (the layer holds {written} positions)")
-        return pool._gather_scales(layer, self._core._table, start, end)
+        start, end = self._written_range(layer, start, end)
+        return pool._gather_scales(layer, self._seq.table, start, end)
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
                   out=None):
@@ -495,10 +494,10 @@ class PagedKVCache:
         """
         self._require("truncate")
         n = nonneg_int(n, "n")
-        length = self._core._length()
+        length = self._seq.length()
         if n > length:
             raise ValueError(f"n must be at most the sequence length {length}, got {n}")
-        self._core._truncate(n)
+        self._seq.truncate(n)
 
     def fork(self):
         """A new sequence sharing every block, copy-on-write.
@@ -507,11 +506,11 @@ class PagedKVCache:
         copy; the other keeps seeing the old contents.
         """
         self._require("fork", new_ok=True)
-        core = SeqCore()
-        self._core._fork_into(core)
+        seq = SeqCore()
+        self._seq.fork_into(seq)
         child = PagedKVCache.__new__(PagedKVCache)
         child._pool = self._pool
-        child._core = core
+        child._seq = seq
         return child
 
     def copy_to(self, pool):
@@ -531,14 +530,14 @@ class PagedKVCache:
         self._require("copy_to", new_ok=True)
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
-        core = self._core
-        if pool.block_size != core._block_size or pool.enable_prefix_caching != core._caching:
+        seq = self._seq
+        if pool.block_size != seq.block_size or pool.enable_prefix_caching != seq.caching:
             raise ValueError("pool must have the same block_size and enable_prefix_caching as "
-                             f"this sequence's pool ({core._block_size}, {core._caching}), got "
+                             f"this sequence's pool ({seq.block_size}, {seq.caching}), got "
                              f"({pool.block_size}, {pool.enable_prefix_caching})")
-        twin = PagedKVCache(pool, self._core._max_seq_len, self._core._salt)
+        twin = PagedKVCache(pool, self._seq.max_seq_len, self._seq.salt)
         try:
-            n = self._core._num_held
+            n = self._seq.num_held
             table = np.empty(max(n, 16), np.int32)
             if n:
                 if not pool._take_blocks(n, table):
@@ -546,7 +545,7 @@ class PagedKVCache:
                         f"copy_to needs {n} blocks, {pool.num_free_blocks} of {pool.num_blocks} "
                         "are free in the destination pool")
                 try:
-                    self._pool.copy_blocks_to(pool, self._core._table[:n], table[:n])
+                    self._pool.copy_blocks_to(pool, self._seq.table[:n], table[:n])
                 except BaseException:
                     pool._release_blocks(table[:n])
                     raise
@@ -556,7 +555,7 @@ class PagedKVCache:
             twin.free()
             raise
         # the twin registers from block 0 in its pool
-        twin._core._adopt(self._core, table, n)
+        twin._seq.adopt(self._seq, table, n)
         return twin
 
     def free(self):
@@ -565,7 +564,7 @@ class PagedKVCache:
         A closed sequence holds nothing; every method but ``free`` raises
         (see the class notes).
         """
-        self._core._free()
+        self._seq.free()
 
     def __enter__(self):
         self._require("with", new_ok=True)
@@ -577,18 +576,18 @@ class PagedKVCache:
     # The blocks of a dropped sequence go back to the pool: SeqCore.__del__.
 
     def _check_len(self, target, what):
-        if self._core._max_seq_len is not None and target > self._core._max_seq_len:
+        if self._seq.max_seq_len is not None and target > self._seq.max_seq_len:
             raise CacheFullError(
                 f"{what} would reach position {target - 1}, past "
-                f"max_seq_len={self._core._max_seq_len}")
+                f"max_seq_len={self._seq.max_seq_len}")
 
     def __repr__(self):
         # never raises (debuggers and error messages call it)
-        if self._core._state == _seq.UNINIT:
+        if self._seq.state == _native_seq.UNINIT:
             return "PagedKVCache(<not initialised>)"
-        if self._core._state == _seq.CLOSED:
-            return f"PagedKVCache(<closed>, max_seq_len={self._core._max_seq_len})"
-        core = self._core
-        return (f"PagedKVCache(num_tokens={core._num_tokens}, num_computed={core._num_computed}, "
-                f"blocks={self._core._num_held}, max_seq_len={self._core._max_seq_len})")
+        if self._seq.state == _native_seq.CLOSED:
+            return f"PagedKVCache(<closed>, max_seq_len={self._seq.max_seq_len})"
+        seq = self._seq
+        return (f"PagedKVCache(num_tokens={seq.num_tokens}, num_computed={seq.num_computed}, "
+                f"blocks={self._seq.num_held}, max_seq_len={self._seq.max_seq_len})")
 

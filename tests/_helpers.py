@@ -1,12 +1,20 @@
 """Helpers shared by the tests (not fixtures: plain functions)."""
+import contextlib
 import copy
 import hashlib
 import re
 import shutil
 import subprocess
+import sys
+import threading
 
+import ml_dtypes
 import numpy as np
 import pytest
+
+import kvcore
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def pool_snapshot(pool, cached_tokens=False):
@@ -24,10 +32,73 @@ def pool_snapshot(pool, cached_tokens=False):
     return snap
 
 
+def storage_bits(x, storage):
+    """The storage bits kvcore must produce for host input ``x`` in a cache
+    of dtype ``storage``: widen exactly, then round to nearest even with
+    kvcore's own conversions (a bfloat16 input is bfloat16 bits as
+    ml_dtypes or uint16)."""
+    if x.dtype == np.float16:
+        if storage == "float16":
+            return x
+        wide = kvcore.from_float16(x)
+    elif x.dtype in (np.uint16, BF16):
+        if storage == "bfloat16":
+            return x.view(np.uint16)
+        wide = kvcore.from_bfloat16(x)
+    else:
+        wide = x
+    if storage == "float32":
+        return wide
+    if storage == "float16":
+        return kvcore.to_float16(wide)
+    return kvcore.to_bfloat16(wide)
+
+
+def snapshot_without_stores(pool):
+    """``pool.debug_snapshot()`` less its stores' statistics: what must
+    equal the snapshot of a like pool without stores that ran the same."""
+    snap = pool.debug_snapshot()
+    snap["stats"].pop("stores")
+    return snap
+
+
 def cached_hash_bytes(pool, block_id):
     """The 16-byte hash a cached block is registered with (as block_hashes gives it)."""
     lo, hi = pool.debug_cached_block(block_id)[1]
     return lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+
+
+def write_kv(seq, data, start, batched, after_append=None):
+    """Write ``data``, ``(layers, 2, heads, n, dim)``, as the KV of
+    positions ``start..start+n-1`` of ``seq`` in every layer, not
+    committed: ``batched``, reserve then one ``pool.write`` at the slots
+    and ``mark_written`` per layer; else one ``seq.append`` per layer,
+    each followed by ``after_append(layer)`` when given."""
+    n = data.shape[3]
+    if batched:
+        seq.reserve(n)
+        slots = seq.slot_mapping(start, start + n)
+        for layer in range(data.shape[0]):
+            seq.pool.write(layer, data[layer, 0].transpose(1, 0, 2),
+                           data[layer, 1].transpose(1, 0, 2), slots)
+            seq.mark_written(layer, n)
+    else:
+        for layer in range(data.shape[0]):
+            seq.append(layer, data[layer, 0].transpose(1, 0, 2),
+                       data[layer, 1].transpose(1, 0, 2))
+            if after_append is not None:
+                after_append(layer)
+
+
+@contextlib.contextmanager
+def simd_level(module, level):
+    """Run the block with ``module`` (a native module with
+    ``set_simd_level``) at kernel level ``level``, then restore its level."""
+    previous = module.set_simd_level(level)
+    try:
+        yield level
+    finally:
+        module.set_simd_level(previous)
 
 
 def functions_in(so):
@@ -47,6 +118,35 @@ def functions_in(so):
         if fn and len(parts) >= 2 and parts[1].strip():
             body[fn].append(parts[1].strip())
     return body
+
+
+def run_script_phases(script, phases):
+    """Run the Python file ``script`` once per phase (its one argument) in
+    a fresh interpreter with warnings as errors; each run must exit 0 and
+    print ``ok PHASE``."""
+    for phase in phases:
+        r = subprocess.run([sys.executable, "-W", "error", str(script), phase],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and f"ok {phase}" in r.stdout, r.stderr
+
+
+def run_in_threads(work, n):
+    """Call ``work()`` in ``n`` threads at once and wait for them all; the
+    first exception any of them raised fails the test."""
+    errors = []
+
+    def guarded():
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
 
 
 def aarch64_tools():

@@ -12,17 +12,16 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 try:
-    from _helpers import aarch64_tools, functions_in
+    from _helpers import aarch64_tools, functions_in, run_in_threads, simd_level
     from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import aarch64_tools, functions_in
+    from ._helpers import aarch64_tools, functions_in, run_in_threads, simd_level
     from ._simd_levels import simd_level_params
 
 import kvcore
@@ -92,11 +91,8 @@ def run_case(rng, dtype, contexts, queries, num_heads, num_kv_heads, head_dim, b
 
 @pytest.fixture(params=LEVEL_PARAMS)
 def level(request):
-    previous = _attention.set_simd_level(request.param)
-    try:
+    with simd_level(_attention, request.param):
         yield request.param
-    finally:
-        _attention.set_simd_level(previous)
 
 
 @pytest.fixture
@@ -399,22 +395,13 @@ def test_concurrent_callers(threads):
     tables, lens, qsl = make_batch(rng, pool, [2500, 300], [1, 20])
     q = rng.standard_normal((21, 8, 64)).astype(np.float32)
     want = kvcore.paged_attention(q, pool, 0, tables, lens, qsl)
-    errors = []
 
     def work():
-        try:
-            for _ in range(20):
-                np.testing.assert_array_equal(
-                    kvcore.paged_attention(q, pool, 0, tables, lens, qsl), want)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for _ in range(20):
+            np.testing.assert_array_equal(
+                kvcore.paged_attention(q, pool, 0, tables, lens, qsl), want)
 
-    ts = [threading.Thread(target=work) for _ in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(work, 4)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")

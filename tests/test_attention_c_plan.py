@@ -3,7 +3,6 @@
 layer, every run bit for bit equal to the one-call paged_attention, at every
 SIMD level and thread count; the plan keeps its own copy of the index
 arrays; inconsistent calls raise instead of reading out of bounds."""
-import threading
 
 import numpy as np
 import pytest
@@ -11,8 +10,10 @@ import pytest
 from kvcore.backends.cpu import _attention
 
 try:
+    from _helpers import run_in_threads, simd_level
     from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import run_in_threads, simd_level
     from ._simd_levels import simd_level_params
 
 LEVELS = _attention.available_simd_levels()
@@ -21,11 +22,8 @@ KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @pytest.fixture(params=simd_level_params(LEVELS, _attention.simd_level_names()))
 def level(request):
-    previous = _attention.set_simd_level(request.param)
-    try:
+    with simd_level(_attention, request.param):
         yield request.param
-    finally:
-        _attention.set_simd_level(previous)
 
 
 def _batch(rng, contexts, queries, max_blocks, num_blocks, block_size):
@@ -45,6 +43,16 @@ def _caches(rng, dtype, layers, num_blocks, nkv, block_size, head_dim):
         return x.astype(np.float16), (x * 0.5).astype(np.float16)
     bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 by truncation
     return bits, bits[:, ::-1].copy()
+
+
+def _one_layer(seed, contexts, queries, max_blocks, num_blocks, dtype):
+    """``(tables, seq_lens, qsl, kc, vc, q)``: a batch over one layer of
+    caches (block size 16, 2 KV heads of 64) and its queries (8 heads)."""
+    rng = np.random.default_rng(seed)
+    tables, seq_lens, qsl = _batch(rng, contexts, queries, max_blocks, num_blocks, 16)
+    kc, vc = _caches(rng, dtype, 1, num_blocks, 2, 16, 64)
+    q = rng.standard_normal((int(qsl[-1]), 8, 64)).astype(np.float32)
+    return tables, seq_lens, qsl, kc, vc, q
 
 
 def _make(tables, seq_lens, qsl, num_blocks, kind, threads, window=0, cap=0.0):
@@ -79,10 +87,7 @@ def test_plan_runs_are_paged_attention_bit_for_bit(level, dtype, threads, window
 
 
 def test_plan_keeps_its_own_copy_of_the_index_arrays():
-    rng = np.random.default_rng(3)
-    tables, seq_lens, qsl = _batch(rng, [300, 17], [1, 17], 20, 64, 16)
-    kc, vc = _caches(rng, "float16", 1, 64, 2, 16, 64)
-    q = rng.standard_normal((18, 8, 64)).astype(np.float32)
+    tables, seq_lens, qsl, kc, vc, q = _one_layer(3, [300, 17], [1, 17], 20, 64, "float16")
     want = np.empty_like(q)
     _attention.paged_attention(q, want, kc[0], vc[0], 1, tables, seq_lens, qsl, 0.125, 0, 0.0, 1)
     plan = _make(tables, seq_lens, qsl, 64, 1, 2)
@@ -124,28 +129,19 @@ def test_run_refuses_arrays_that_do_not_match_the_plan():
 
 def test_plan_runs_from_several_threads_at_once():
     # one plan per thread (a plan's buffers are its own): same results
-    rng = np.random.default_rng(6)
-    tables, seq_lens, qsl = _batch(rng, [1200, 33], [1, 4], 80, 200, 16)
-    kc, vc = _caches(rng, "bfloat16", 1, 200, 2, 16, 64)
-    q = rng.standard_normal((5, 8, 64)).astype(np.float32)
+    tables, seq_lens, qsl, kc, vc, q = _one_layer(6, [1200, 33], [1, 4], 80, 200, "bfloat16")
     want = np.empty_like(q)
     _make(tables, seq_lens, qsl, 200, 2, 1).run(q, want, kc[0], vc[0])
-    results, errors = [], []
+    results = []
 
     def work():
-        try:
-            p = _make(tables, seq_lens, qsl, 200, 2, 2)
-            for _ in range(5):
-                out = np.empty_like(q)
-                p.run(q, out, kc[0], vc[0])
-                results.append(out)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-    ts = [threading.Thread(target=work) for _ in range(3)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors and len(results) == 15
+        p = _make(tables, seq_lens, qsl, 200, 2, 2)
+        for _ in range(5):
+            out = np.empty_like(q)
+            p.run(q, out, kc[0], vc[0])
+            results.append(out)
+
+    run_in_threads(work, 3)
+    assert len(results) == 15
     for r in results:
         np.testing.assert_array_equal(r, want)

@@ -14,8 +14,10 @@ from kvcore.backends.cpu import _convert
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_env import cuda_backend_or_skip
+    from ._helpers import storage_bits
 except ImportError:
     from _cuda_env import cuda_backend_or_skip
+    from _helpers import storage_bits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 STORAGE_DTYPES = ["float32", "float16", "bfloat16"]
@@ -57,25 +59,6 @@ def rand(shape, seed, dtype=np.float32):
     if dtype == BF16:
         return kvcore.to_bfloat16(x).view(BF16)
     return x
-
-
-def expected(x, storage):
-    """What the cache must hold for host input ``x`` (bits-level reference)."""
-    if x.dtype == np.float16:
-        wide = kvcore.from_float16(x)
-    elif x.dtype in (np.uint16, BF16):
-        wide = kvcore.from_bfloat16(x)
-    else:
-        wide = x
-    if storage == "float32":
-        return wide
-    if storage == "float16":
-        if x.dtype == np.float16:
-            return x
-        return kvcore.to_float16(wide)
-    if x.dtype in (np.uint16, BF16):
-        return x.view(np.uint16)
-    return kvcore.to_bfloat16(wide)
 
 
 def assert_bits(got, want, storage):
@@ -146,12 +129,12 @@ def test_prompt_then_decode_bit_exact(device, storage, src):
         k, v = cache.get(layer)
         assert host(k).dtype == np.dtype(
             {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[storage])
-        assert_bits(k, expected(ks[layer], storage), storage)
-        assert_bits(v, expected(vs[layer], storage), storage)
+        assert_bits(k, storage_bits(ks[layer], storage), storage)
+        assert_bits(v, storage_bits(vs[layer], storage), storage)
         # sub-range
         k, v = cache.get(layer, 3, 9)
-        assert_bits(k, expected(ks[layer], storage)[:, :, 3:9], storage)
-        assert_bits(v, expected(vs[layer], storage)[:, :, 3:9], storage)
+        assert_bits(k, storage_bits(ks[layer], storage)[:, :, 3:9], storage)
+        assert_bits(v, storage_bits(vs[layer], storage)[:, :, 3:9], storage)
 
 
 @pytest.mark.parametrize("level", _convert.available_simd_levels())
@@ -168,8 +151,8 @@ def test_every_cpu_simd_level_gives_the_same_bits(storage, level):
     finally:
         _convert.set_simd_level(previous)
     k, v = cache.get(0)
-    assert_bits(k, expected(np.concatenate([x, y[:, :, :1]], 2), storage), storage)
-    assert_bits(v, expected(np.concatenate([y, x[:, :, :1]], 2), storage), storage)
+    assert_bits(k, storage_bits(np.concatenate([x, y[:, :, :1]], 2), storage), storage)
+    assert_bits(v, storage_bits(np.concatenate([y, x[:, :, :1]], 2), storage), storage)
 
 
 @pytest.mark.parametrize("storage", STORAGE_DTYPES)
@@ -191,8 +174,8 @@ def test_k_and_v_may_differ_in_dtype(device):
     v = rand((B, H, 3, D), 2, np.float16)
     cache.update(0, put(device, k), put(device, v))
     kk, vv = cache.get(0)
-    assert_bits(kk, expected(k, "bfloat16"), "bfloat16")
-    assert_bits(vv, expected(v, "bfloat16"), "bfloat16")
+    assert_bits(kk, storage_bits(k, "bfloat16"), "bfloat16")
+    assert_bits(vv, storage_bits(v, "bfloat16"), "bfloat16")
 
 
 @pytest.mark.parametrize("storage", STORAGE_DTYPES)
@@ -210,8 +193,8 @@ def test_strided_inputs(device, storage):
     one = rand((B, 1, H, D), 7).transpose(0, 2, 1, 3)  # single strided token
     cache.update(0, put(device, one), put(device, one))
     got_k, got_v = cache.get(0)
-    assert_bits(got_k, expected(np.concatenate([k, rev, one], 2), storage), storage)
-    assert_bits(got_v, expected(np.concatenate([v, fortran, one], 2), storage), storage)
+    assert_bits(got_k, storage_bits(np.concatenate([k, rev, one], 2), storage), storage)
+    assert_bits(got_v, storage_bits(np.concatenate([v, fortran, one], 2), storage), storage)
 
 
 def test_get_widened_copies(device):
@@ -236,7 +219,7 @@ def test_get_returns_views(device):
     assert host(k).base is not None
     new = rand((B, H, 1, D), 3)
     cache.update(0, put(device, new), put(device, new), start_pos=2)
-    assert_bits(k[:, :, 2:3], expected(new, "float16"), "float16")
+    assert_bits(k[:, :, 2:3], storage_bits(new, "float16"), "float16")
 
 
 # ------------------------------------------------------------------ lengths
@@ -322,12 +305,12 @@ def test_truncate(device):
         cache.get(0, 0, 6)
     y = rand((B, H, 1, D), 2)
     cache.update(0, put(device, y), put(device, y))               # appends at 5
-    assert_bits(cache.get(0, 5)[0], expected(y, "bfloat16"), "bfloat16")
+    assert_bits(cache.get(0, 5)[0], storage_bits(y, "bfloat16"), "bfloat16")
     # roll back a step that reached only some layers
     assert cache.layer_lengths == (6, 5, 5)
     cache.truncate(cache.seq_len)
     assert cache.layer_lengths == (5, 5, 5)
-    assert_bits(cache.get(0)[0], expected(x[:, :, :5], "bfloat16"), "bfloat16")
+    assert_bits(cache.get(0)[0], storage_bits(x[:, :, :5], "bfloat16"), "bfloat16")
     cache.truncate(5)                                             # == seq_len: no-op
     assert cache.seq_len == 5
     cache.truncate(0)
@@ -366,7 +349,7 @@ def test_reset(device):
     y = rand((B, H, 2, D), 2)
     cache.update(1, put(device, y), put(device, y))
     assert cache.layer_lengths == (0, 2, 0)
-    assert_bits(cache.get(1)[0], expected(y, "float16"), "float16")
+    assert_bits(cache.get(1)[0], storage_bits(y, "float16"), "float16")
 
 
 @pytest.mark.parametrize("storage", STORAGE_DTYPES)
@@ -384,19 +367,19 @@ def test_clone_is_independent(device, storage):
     assert repr(twin) == repr(cache)
     for layer in range(L):
         assert not np.shares_memory(host(twin.key_cache(layer)), host(cache.key_cache(layer)))
-    assert_bits(twin.get(0)[0], expected(x, storage), storage)
-    assert_bits(twin.get(0)[1], expected(-x, storage), storage)
-    assert_bits(twin.get(1)[0], expected(x[:, :, :3], storage), storage)
+    assert_bits(twin.get(0)[0], storage_bits(x, storage), storage)
+    assert_bits(twin.get(0)[1], storage_bits(-x, storage), storage)
+    assert_bits(twin.get(1)[0], storage_bits(x[:, :, :3], storage), storage)
     # writes to the original do not reach the clone, and back
     y = rand((B, H, 2, D), 2)
     cache.update(0, put(device, y), put(device, y), start_pos=1)
     cache.update(2, put(device, y), put(device, y))
     assert twin.layer_lengths == (6, 3, 0)
-    assert_bits(twin.get(0)[0], expected(x, storage), storage)
+    assert_bits(twin.get(0)[0], storage_bits(x, storage), storage)
     twin.update(1, put(device, y), put(device, y))
     twin.truncate(0)
     assert cache.layer_lengths == (6, 3, 2)
-    assert_bits(cache.get(1)[0], expected(x[:, :, :3], storage), storage)
+    assert_bits(cache.get(1)[0], storage_bits(x[:, :, :3], storage), storage)
 
 
 # -------------------------------------------------------------- overflow

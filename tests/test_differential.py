@@ -28,10 +28,10 @@ import pytest
 import kvcore
 
 try:
-    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot
+    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot, write_kv
     from test_stores_redis_cluster import LocalCluster
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot
+    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot, write_kv
     from .test_stores_redis_cluster import LocalCluster
 
 LAYERS, HEADS, DIM = 2, 1, 2
@@ -172,17 +172,7 @@ class World:
         before = self.state([pool])
         table = seq.block_table.tolist()
         try:
-            if batched:
-                seq.reserve(n)
-                slots = seq.slot_mapping(start, end)
-                for layer in range(LAYERS):
-                    pool.write(layer, data[layer, 0].transpose(1, 0, 2),
-                               data[layer, 1].transpose(1, 0, 2), slots)
-                    seq.mark_written(layer, n)
-            else:
-                for layer in range(LAYERS):
-                    seq.append(layer, data[layer, 0].transpose(1, 0, 2),
-                               data[layer, 1].transpose(1, 0, 2))
+            write_kv(seq, data, start, batched)
         except kvcore.OutOfBlocksError:
             self.note("write: out of blocks")
             assert self.state([pool]) == before
@@ -216,10 +206,15 @@ class World:
         self.models.append(c)
         self.note("fork")
         if rng.random() < 0.8:          # write past the fork point in one of the two
-            w = (m, c)[rng.integers(2)]
-            w.tokens = w.tokens[:max(w.known, w.computed)] + rng.integers(
-                0, 4, rng.integers(1, 6)).tolist()
-            self.compute(w, len(w.tokens) - w.computed, batched=bool(rng.integers(2)))
+            self.rewrite_tail((m, c)[rng.integers(2)], 6)
+
+    def rewrite_tail(self, m, stop):
+        """New tokens (1 to ``stop - 1`` of them) after what ``m`` knows or
+        computed, and their KV written."""
+        rng = self.rng
+        m.tokens = m.tokens[:max(m.known, m.computed)] + rng.integers(
+            0, 4, rng.integers(1, stop)).tolist()
+        self.compute(m, len(m.tokens) - m.computed, batched=bool(rng.integers(2)))
 
     def truncate(self):
         rng = self.rng
@@ -230,9 +225,7 @@ class World:
         m.known, m.computed = min(m.known, n), min(m.computed, n)
         self.note("truncate")
         if rng.random() < 0.7:          # new KV where the old was: nobody else may see it
-            m.tokens = m.tokens[:max(m.known, m.computed)] + rng.integers(
-                0, 4, rng.integers(1, 5)).tolist()
-            self.compute(m, len(m.tokens) - m.computed, batched=bool(rng.integers(2)))
+            self.rewrite_tail(m, 5)
 
     def copy_to(self):
         rng = self.rng

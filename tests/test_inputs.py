@@ -383,15 +383,15 @@ def test_torch_fast_append_path(torch):
     seq = kvcore.PagedKVCache(pool)
     seq.allocate([1, 2, 3])
     x = np.random.default_rng(9).standard_normal((3, 2, 8)).astype(np.float32)
-    assert seq._core._append_direct(0, _t(torch, x), _t(torch, -x, grad=True)) is True
+    assert seq._seq.append_direct(0, _t(torch, x), _t(torch, -x, grad=True)) is True
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))
     np.testing.assert_array_equal(v, (-x).astype(np.float16).transpose(1, 0, 2))
     # a non-contiguous tensor, or a bf16 one, takes the validated path: same result
     strided = _t(torch, x.transpose(1, 0, 2)).transpose(0, 1)     # (3, 2, 8), not contiguous
     assert not strided.is_contiguous()
-    assert seq._core._append_direct(0, strided, _t(torch, -x)) is False
-    assert seq._core._append_direct(0, _t(torch, x), _t(torch, -x, torch.bfloat16)) is False
+    assert seq._seq.append_direct(0, strided, _t(torch, -x)) is False
+    assert seq._seq.append_direct(0, _t(torch, x), _t(torch, -x, torch.bfloat16)) is False
     seq.append(0, strided, _t(torch, -x))
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))

@@ -165,7 +165,7 @@ def test_attention_imports_no_backend_internals():
 # naming a private field is a hint that somebody reads it)
 _PRIVATE_REACH = re.compile(
     r"\b(?:pool|seq|sequence|core|binding|BlockPool|PagedKVCache|SeqCore|PoolCore)\._\w+"
-    r"|\b(?!self\b)\w+\._(?:core|table|salt|num_tokens|num_held|num_computed|hash_words"
+    r"|\b(?!self\b)\w+\._(?:core|seq|table|salt|num_tokens|num_held|num_computed|hash_words"
     r"|token_ids|adopt_loaded|take_held_spill|root_salts|salt_roots|storage|scales|backend"
     r"|binding|stores|lock|export_blocks|import_blocks)\b")
 
@@ -174,18 +174,23 @@ def private_reaches(text):
     return _PRIVATE_REACH.findall(text)
 
 
+def offending_files(paths, finder):
+    """{file: what ``finder`` found in its text} for the ``paths`` where it
+    found something."""
+    found = {str(p.relative_to(ROOT)): sorted(set(finder(p.read_text(encoding="utf-8"))))
+             for p in paths}
+    return {name: hits for name, hits in found.items() if hits}
+
+
 def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
-    offenders = {}
-    for path in sorted((PKG / "stores").glob("*.py")):
-        hits = private_reaches(path.read_text(encoding="utf-8"))
-        if hits:
-            offenders[path.name] = sorted(set(hits))
+    offenders = offending_files(sorted((PKG / "stores").glob("*.py")), private_reaches)
     assert not offenders, f"kvcore/stores reaches into private fields: {offenders}"
 
 
 @pytest.mark.parametrize("line, bad", [
     ("blocks = pool._core.take_evicted()", True),
-    ("hw = seq._core._hash_words()", True),
+    ("hw = seq._seq.hash_words()", True),
+    ("n = s._seq.num_tokens", True),
     ("table = core._table", True),
     ("salt = pool._root_salts.get(root)", True),
     ("rows = other_pool._storage[0]", True),
@@ -355,3 +360,78 @@ def test_the_device_branch_rule_can_fail(tmp_path, source, n):
     p.write_text(f"def f(self, d, t, device, kind):\n" + "".join(
         f"    {line}\n" for line in source.splitlines()))
     assert len(device_branches(p)) == n
+
+
+# The bookkeeping cores' members that a layer above reads are public-named
+# (readonly fields and methods of SeqCore and PoolCore); an underscore member
+# is the core's own.  A core is reached as X._seq (a PagedKVCache's SeqCore)
+# or X._core (a BlockPool's PoolCore), made by SeqCore()/PoolCore()/bind(),
+# or held in a name assigned from one of those.
+_CORE_ATTRS = ("_seq", "_core")
+_CORE_MAKERS = ("SeqCore", "PoolCore", "bind")
+
+
+def core_private_reads(source):
+    """``X._name`` reads (and calls) of underscore members of a SeqCore or
+    PoolCore in ``source``, as ``"line: text"``."""
+    tree = ast.parse(source)
+    names = set()
+
+    def is_core(node):
+        if isinstance(node, ast.Attribute):
+            return node.attr in _CORE_ATTRS
+        if isinstance(node, ast.Name):
+            return node.id in names
+        if isinstance(node, ast.Call):
+            f = node.func
+            return (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in _CORE_MAKERS
+        return False
+
+    def pairs(target, value):
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+            for t, v in zip(target.elts, value.elts):
+                yield from pairs(t, v)
+        elif isinstance(target, ast.Name):
+            yield target.id, value
+
+    grew = True
+    while grew:  # names assigned from a core (or from such a name)
+        grew = False
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    for name, value in pairs(target, node.value):
+                        if name not in names and is_core(value):
+                            names.add(name)
+                            grew = True
+    lines = source.splitlines()
+    found = {n.lineno for n in ast.walk(tree)
+             if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+             and not n.attr.startswith("__") and n.attr not in _CORE_ATTRS and is_core(n.value)}
+    return [f"{i}: {lines[i - 1].strip()}" for i in sorted(found)]
+
+
+def test_no_layer_reads_an_underscore_member_of_a_core():
+    """SeqCore and PoolCore offer the public classes public-named readonly
+    fields and methods (docs/architecture.md, "Names"); nothing outside
+    kvcore/_native reads one of their underscore members."""
+    outside = [p for p in sources() if p.suffix == ".py" and layer_of(module_name(p)) != "native"]
+    assert any(p.name == "paged.py" for p in outside)
+    offenders = offending_files(outside, core_private_reads)
+    assert not offenders, f"underscore members of a core read from outside it: {offenders}"
+
+
+@pytest.mark.parametrize("source, bad", [
+    ("n = self._seq._num_tokens", True),
+    ("self._core._check()", True),
+    ("seq = self._seq\nx = seq._table[:4]", True),
+    ("a, core = 1, pool._core\ncore._evict()", True),
+    ("s = SeqCore()\ns._fork_into(t)", True),
+    ("s = _native_seq.bind(b, None, None, 0, 0, -1)\nprint(s._salt)", True),
+    ("n = self._seq.num_tokens", False),
+    ("self._core.check()", False),
+    ("x = seq._max_written()", False),          # a PagedKVCache's own member
+    ("s = SeqCore()\ns.__class__", False),
+])
+def test_the_core_reach_rule_can_fail(source, bad):
+    assert bool(core_private_reads(source)) is bad

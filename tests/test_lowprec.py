@@ -324,6 +324,17 @@ def fill(seq, tokens, start, end):
     seq.commit(end - start)
 
 
+def filled_pool(dtype, tokens):
+    """``(pool, model, seq)``: a ``pool_of(dtype)``, its Model, and a
+    sequence on ``tokens`` with the KV of every position written and committed."""
+    pool = pool_of(dtype)
+    model = Model(pool)
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(tokens)
+    fill(seq, tokens, 0, len(tokens))
+    return pool, model, seq
+
+
 @pytest.mark.parametrize("dtype", LOWPREC)
 @pytest.mark.parametrize("seed", range(4))
 def test_random_pool_runs_match_the_reference(dtype, seed):
@@ -394,12 +405,8 @@ def test_random_pool_runs_match_the_reference(dtype, seed):
 
 @pytest.mark.parametrize("dtype", LOWPREC)
 def test_scales_follow_blocks_within_a_pool_copy(dtype):
-    pool = pool_of(dtype)
-    model = Model(pool)
-    seq = kvcore.PagedKVCache(pool)
     tokens = list(range(1, 12))
-    seq.allocate(tokens)
-    fill(seq, tokens, 0, len(tokens))
+    pool, model, seq = filled_pool(dtype, tokens)
     table = seq.block_table
     # swap two blocks in place (staged), then swap back: the rows follow
     pool.copy_blocks_to(pool, table[:2], table[1::-1].copy())
@@ -413,12 +420,8 @@ def test_scales_follow_blocks_within_a_pool_copy(dtype):
 
 @pytest.mark.parametrize("dtype", LOWPREC)
 def test_export_import_blocks_round_trip(dtype):
-    pool = pool_of(dtype)
-    model = Model(pool)
-    seq = kvcore.PagedKVCache(pool)
     tokens = list(range(3, 13))
-    seq.allocate(tokens)
-    fill(seq, tokens, 0, len(tokens))
+    pool, model, seq = filled_pool(dtype, tokens)
     payloads = pool.export_blocks(seq.block_table)
     assert all(p.nbytes == pool.bytes_per_block for p in payloads)
     other = pool_of(dtype)

@@ -69,6 +69,16 @@ class Writer:
             np.testing.assert_array_equal(v, self.v[layer])
 
 
+def written_seq(pool, tokens, seed):
+    """``(seq, writer)``: a sequence of ``pool`` allocated on ``tokens`` and
+    the Writer that wrote and committed KV for all of them."""
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(tokens)
+    w = Writer(seq, seed)
+    w.step(len(tokens))
+    return seq, w
+
+
 # ------------------------------------------------------------------ round trips
 def test_exported():
     assert "PagedKVCache" in kvcore.__all__
@@ -143,10 +153,7 @@ def test_narrow_storage_and_widening_gather(storage):
 
 def test_gather_default_end_includes_this_steps_appends():
     pool = make_pool()
-    seq = kvcore.PagedKVCache(pool)
-    seq.allocate(list(range(6)))
-    w = Writer(seq, 7)
-    w.step(6)
+    seq, w = written_seq(pool, list(range(6)), 7)
     seq.append_token(99)
     k0 = rand((1, H, D), 1)
     seq.append(0, k0, -k0)
@@ -292,14 +299,8 @@ def test_out_of_blocks_in_allocate_changes_nothing():
 
 def test_out_of_blocks_in_append_and_reserve_changes_nothing():
     pool = make_pool(num_blocks=3, block_size=4)
-    a = kvcore.PagedKVCache(pool)
-    a.allocate(list(range(6)))
-    wa = Writer(a, 1)
-    wa.step(6)
-    b = kvcore.PagedKVCache(pool)
-    b.allocate([9])
-    wb = Writer(b, 2)
-    wb.step(1)
+    a, wa = written_seq(pool, list(range(6)), 1)
+    b, wb = written_seq(pool, [9], 2)
     # a needs 1 more block for positions 8..11: 0 free after b -> full pool
     assert pool.num_free_blocks == 0
     psnap, asnap, bsnap = pool_snapshot(pool), seq_snapshot(a), seq_snapshot(b)
@@ -322,10 +323,7 @@ def test_out_of_blocks_in_append_and_reserve_changes_nothing():
 def test_out_of_blocks_for_copy_on_write_changes_nothing():
     """A shared partial block needs a copy before a write; no block, no change."""
     pool = make_pool(num_blocks=2, block_size=4)
-    a = kvcore.PagedKVCache(pool)
-    a.allocate([1, 2, 3])
-    wa = Writer(a, 5)
-    wa.step(3)
+    a, wa = written_seq(pool, [1, 2, 3], 5)
     c = a.fork()
     b = kvcore.PagedKVCache(pool)
     b.allocate([4])
@@ -472,10 +470,7 @@ def test_allocate_twice_is_value_error():
 
 def test_fork_shares_blocks_and_copies_on_write():
     pool = make_pool(num_blocks=8, block_size=4, caching=False)
-    a = kvcore.PagedKVCache(pool)
-    a.allocate(list(range(6)))
-    wa = Writer(a, 10)
-    wa.step(6)
+    a, wa = written_seq(pool, list(range(6)), 10)
     b = a.fork()
     assert b.block_table.tolist() == a.block_table.tolist()
     assert [pool.ref_count(x) for x in a.block_table] == [2, 2]
@@ -500,10 +495,7 @@ def test_fork_shares_blocks_and_copies_on_write():
 
 def test_truncate():
     pool = make_pool(num_blocks=8, block_size=4)
-    seq = kvcore.PagedKVCache(pool)
-    seq.allocate(list(range(10)))
-    w = Writer(seq, 5)
-    w.step(10)
+    seq, w = written_seq(pool, list(range(10)), 5)
     with pytest.raises(ValueError, match="n must be at most"):
         seq.truncate(11)
     seq.truncate(10)
@@ -528,10 +520,7 @@ def test_truncate():
 def test_truncate_limit_counts_written_positions():
     """n may reach past the known tokens up to the written positions."""
     pool = make_pool(num_blocks=8, block_size=4)
-    seq = kvcore.PagedKVCache(pool)
-    seq.allocate([1, 2, 3])
-    w = Writer(seq, 1)
-    w.step(3)
+    seq, w = written_seq(pool, [1, 2, 3], 1)
     w.step(2)                       # KV for positions 3, 4 before their tokens
     assert seq.num_tokens == 3 and seq.num_computed == 5
     k = rand((1, H, D), 8)

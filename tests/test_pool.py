@@ -7,9 +7,9 @@ import pytest
 import kvcore
 
 try:
-    from _helpers import pool_snapshot
+    from _helpers import pool_snapshot, storage_bits
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import pool_snapshot
+    from ._helpers import pool_snapshot, storage_bits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -142,26 +142,6 @@ def _as_input(x32, src):
     return kvcore.to_bfloat16(x32), "bfloat16"   # uint16 bits
 
 
-def _reference(x, storage):
-    """The storage bits kvcore must produce for input ``x``: widen exactly,
-    then round to nearest even with kvcore's own conversions."""
-    if x.dtype == np.float16:
-        if storage == "float16":
-            return x
-        wide = kvcore.from_float16(x)
-    elif x.dtype in (np.uint16, BF16):
-        if storage == "bfloat16":
-            return x.view(np.uint16)
-        wide = kvcore.from_bfloat16(x)
-    else:
-        wide = x
-    if storage == "float32":
-        return wide
-    if storage == "float16":
-        return kvcore.to_float16(wide)
-    return kvcore.to_bfloat16(wide)
-
-
 @pytest.mark.parametrize("storage", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("src", ["float32", "float16", "bf16ml", "bf16bits"])
 def test_write_every_dtype_bit_exact(storage, src):
@@ -176,7 +156,7 @@ def test_write_every_dtype_bit_exact(storage, src):
     slots = np.array([15, 0, 1, 2, 3, 4, 9, 10, 11, 12, 7], np.int64)
     kwargs = {"src_dtype": kw} if kw else {}
     pool.write(1, k, v, slots, **kwargs)
-    want_k, want_v = _reference(k, storage), _reference(v, storage)
+    want_k, want_v = storage_bits(k, storage), storage_bits(v, storage)
     bits = BITS[storage]
     kc, vc = pool.key_cache(1), pool.value_cache(1)
     assert kc.dtype == STORAGE[storage]

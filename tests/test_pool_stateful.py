@@ -21,9 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import kvcore
 
 try:
-    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot
+    from _helpers import PrefixKV, cached_hash_bytes, pool_snapshot, write_kv
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot
+    from ._helpers import PrefixKV, cached_hash_bytes, pool_snapshot, write_kv
 
 LAYERS, HEADS, DIM = 2, 1, 2
 ALPHABET = st.integers(0, 3)         # small, so different paths meet again
@@ -190,24 +190,18 @@ class PoolMachine(RuleBasedStateMachine):
         start, end = m.computed, m.computed + n
         data = expected(m.salt, m.tokens, start, end)
         before = self.snapshot(self.models)
+
+        def readable_before_commit(layer):
+            # this step's positions are readable before the commit
+            k, v = seq.gather(layer)
+            assert k.shape == (HEADS, end, DIM)
+            np.testing.assert_array_equal(k[:, start:], data[layer, 0])
+            np.testing.assert_array_equal(v[:, start:], data[layer, 1])
+
         try:
-            if batched:
-                seq.reserve(n)
-                slots = seq.slot_mapping(start, end)
-                assert seq.capacity >= end
-                for layer in range(LAYERS):
-                    self.pool.write(layer, data[layer, 0].transpose(1, 0, 2),
-                                    data[layer, 1].transpose(1, 0, 2), slots)
-                    seq.mark_written(layer, n)
-            else:
-                for layer in range(LAYERS):
-                    seq.append(layer, data[layer, 0].transpose(1, 0, 2),
-                               data[layer, 1].transpose(1, 0, 2))
-                    # this step's positions are readable before the commit
-                    k, v = seq.gather(layer)
-                    assert k.shape == (HEADS, end, DIM)
-                    np.testing.assert_array_equal(k[:, start:], data[layer, 0])
-                    np.testing.assert_array_equal(v[:, start:], data[layer, 1])
+            write_kv(seq, data, start, batched, readable_before_commit)
+            # (writes into reserved slots leave the capacity as reserve made it)
+            assert not batched or seq.capacity >= end
         except kvcore.CacheFullError:
             assert seq.max_seq_len is not None and end > seq.max_seq_len
             self.assert_unchanged(before, self.models)

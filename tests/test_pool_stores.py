@@ -289,28 +289,31 @@ def test_copy_blocks_to_over_a_cached_block_never_hands_back_the_new_kv(with_sto
     check_hit(pool, np.concatenate([prompt, [1]]), 2 if with_store else 0)
 
 
-class _GatedStore(kvcore.HostStore):
-    """A store that does I/O (as far as the pool knows) whose put waits
-    for ``gate``: a slow disk or Redis."""
+class _GatedStore(FailingStore):
+    """A store that does I/O (as far as the pool knows) whose ``put`` or
+    ``get`` (``gated``) waits for ``gate``: a slow disk or Redis.
+    ``entered`` is set once a gated call has begun."""
 
     in_memory = False
 
-    def __init__(self, capacity_bytes):
+    def __init__(self, capacity_bytes, gated):
         super().__init__(capacity_bytes)
+        self.gated = gated
         self.gate = threading.Event()
-        self.putting = threading.Event()
+        self.entered = threading.Event()
 
-    def put(self, items):
-        self.putting.set()
-        assert self.gate.wait(30)
-        return super().put(items)
+    def _maybe(self, name):
+        # FailingStore's hook, called first by each of its methods
+        if name == self.gated:
+            self.entered.set()
+            assert self.gate.wait(30)
 
 
 def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correct():
     """Back-pressure: a store slower than the evictions fills its queue; the
     oldest queued spills are dropped (spills_dropped), the threads using the
     pool never wait, and what is found later is exact."""
-    store = _GatedStore(1 << 22)
+    store = _GatedStore(1 << 22, "put")
     store.max_pending_bytes = 1500          # about two entries
     pool = make_pool(num_blocks=8, stores=[store])
     prompts = [np.arange(100 * j, 100 * j + 9, dtype=np.int32) for j in range(10)]
@@ -318,7 +321,7 @@ def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correc
     for p in prompts:
         run(pool, p)
     assert time.perf_counter() - t0 < 10    # (the put is stuck: nobody waited on it)
-    assert store.putting.is_set()
+    assert store.entered.is_set()
     dropped = pool.stats()["stores"][0]["spills_dropped"]
     assert dropped > 0
     store.gate.set()
@@ -335,33 +338,18 @@ def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correc
     pool.check()
 
 
-class _GatedGetStore(kvcore.HostStore):
-    """A store that does I/O (as far as the pool knows) whose get waits for ``gate``."""
-
-    in_memory = False
-
-    def __init__(self, capacity_bytes):
-        super().__init__(capacity_bytes)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-
-    def get(self, keys):
-        self.entered.set()
-        assert self.gate.wait(30)
-        return super().get(keys)
-
-
 def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
     """One thread's allocate stuck in a store's get: other threads allocate,
     append, commit and free on the same pool meanwhile, and the stuck
     allocate then completes bit exact."""
-    store = _GatedGetStore(1 << 22)
+    store = _GatedStore(1 << 22, "get")
+    store.gate.set()                        # the setup's lookups pass
     pool = make_pool(num_blocks=24, stores=[store])
     prompt = np.arange(1, 18, dtype=np.int32)
     run(pool, prompt)
     flush_pool(pool)
     store.gate.clear()
+    store.entered.clear()
     done = []
     t = threading.Thread(target=lambda: done.append(check_hit(pool, prompt, 4)))
     t.start()

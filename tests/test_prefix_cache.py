@@ -78,6 +78,32 @@ def check_kv(seq, tokens, end=None, salt=None, start=0):
         np.testing.assert_array_equal(v, want[layer, 1])
 
 
+def filled_seq(pool, tokens, end=None, known=None):
+    """A sequence of ``pool`` allocated on ``tokens[:known]`` (all by
+    default), the model's KV for ``tokens`` at positions ``0..end-1`` (all
+    by default) computed and committed."""
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(tokens if known is None else tokens[:known])
+    fill(seq, tokens, end)
+    return seq
+
+
+def hit_seq(pool, tokens, hit, kv_tokens):
+    """A sequence of ``pool`` allocated on ``tokens``, which must hit
+    ``hit`` tokens whose KV is the model's for ``kv_tokens``."""
+    seq = kvcore.PagedKVCache(pool)
+    assert seq.allocate(tokens) == hit
+    check_kv(seq, kv_tokens, hit)
+    return seq
+
+
+def free_and_check(pool, *seqs):
+    """Free ``seqs`` in order, then check the whole pool (how a test ends)."""
+    for seq in seqs:
+        seq.free()
+    pool.check()
+
+
 def snapshot(pool):
     return pool_snapshot(pool, cached_tokens=True)
 
@@ -115,18 +141,14 @@ def test_hit_returns_the_cached_kv_and_counts_tokens():
     for i, blk in enumerate(a.block_table[:2]):
         assert cached_hash_bytes(pool, blk) == kvcore.block_hashes(ta, 4)[i]
         assert pool.debug_cached_block(blk)[0].tolist() == ta[4 * i:4 * i + 4]
-    a.free()
-    b.free()
-    pool.check()
+    free_and_check(pool, a, b)
 
 
 def test_caching_disabled_never_hits_or_caches():
     pool = make_pool(caching=False)
     assert pool.enable_prefix_caching is False
-    a = kvcore.PagedKVCache(pool)
     t = prompt(1, 9)
-    a.allocate(t)
-    fill(a, t)
+    a = filled_seq(pool, t)
     assert pool.num_cached_blocks == 0
     b = kvcore.PagedKVCache(pool)
     assert b.allocate(t) == 0
@@ -159,10 +181,8 @@ def test_only_full_committed_blocks_with_known_tokens_are_cached():
 # ------------------------------------------------------------------ allocation order
 def test_never_cached_blocks_are_used_before_any_eviction():
     pool = make_pool(num_blocks=8, block_size=4)
-    a = kvcore.PagedKVCache(pool)
     ta = prompt(100, 13)                  # 3 full blocks + 1 partial
-    a.allocate(ta)
-    fill(a, ta)
+    a = filled_seq(pool, ta)
     cached = [int(b) for b in a.block_table[:3]]
     a.free()
     assert pool.num_cached_blocks == 3 and pool.num_free_blocks == 8
@@ -195,17 +215,13 @@ def test_released_uncached_blocks_are_reused_last_in_first_out():
     a.free()
     c.allocate([3])
     assert int(c.block_table[0]) == blk_a
-    for s in (b, c):
-        s.free()
-    pool.check()
+    free_and_check(pool, b, c)
 
 
 def test_tail_of_a_released_prefix_is_evicted_before_its_head():
     pool = make_pool(num_blocks=5, block_size=4)
-    a = kvcore.PagedKVCache(pool)
     ta = prompt(100, 12)                  # 3 full blocks, all cached after commit
-    a.allocate(ta + [1])                  # 4 blocks: the last is partial
-    fill(a, ta + [1])
+    a = filled_seq(pool, ta + [1])        # 4 blocks: the last is partial
     b0, b1, b2 = (int(x) for x in a.block_table[:3])
     a.free()
     # released tail first: the tail is next to evict, the head last
@@ -229,8 +245,7 @@ def test_tail_of_a_released_prefix_is_evicted_before_its_head():
     assert c.allocate(ta + [2]) == 4
     assert int(c.block_table[0]) == b0
     check_kv(c, ta, 4)
-    c.free()
-    pool.check()
+    free_and_check(pool, c)
 
 
 def test_least_recently_released_is_evicted_first():
@@ -255,10 +270,8 @@ def test_least_recently_released_is_evicted_first():
 
 def test_a_held_cached_block_is_never_evicted():
     pool = make_pool(num_blocks=4, block_size=4)
-    a = kvcore.PagedKVCache(pool)
     ta = prompt(1, 9)
-    a.allocate(ta)
-    fill(a, ta)                           # blocks 0, 1 cached and held
+    a = filled_seq(pool, ta)              # blocks 0, 1 cached and held
     b = kvcore.PagedKVCache(pool)
     with pytest.raises(kvcore.OutOfBlocksError):
         b.allocate(prompt(50, 8))         # needs 2, only 1 free
@@ -270,18 +283,14 @@ def test_a_held_cached_block_is_never_evicted():
         kvcore.PagedKVCache(pool).allocate([1])
     check_kv(a, ta)
     assert pool.stats()["evictions"] == 0
-    a.free()
-    b.free()
-    pool.check()
+    free_and_check(pool, a, b)
 
 
 def test_failed_allocation_changes_nothing():
     """Hits on free cached blocks must not be taken when the rest is missing."""
     pool = make_pool(num_blocks=6, block_size=4)
-    a = kvcore.PagedKVCache(pool)
     ta = prompt(100, 12)
-    a.allocate(ta + [1])
-    fill(a, ta + [1])
+    a = filled_seq(pool, ta + [1])
     a.free()                                  # 3 cached free blocks, 3 never-cached
     h = kvcore.PagedKVCache(pool)
     h.allocate(prompt(900, 8))                # holds 2 never-cached blocks
@@ -301,20 +310,14 @@ def test_failed_allocation_changes_nothing():
     assert pool.num_free_blocks == 0
     assert pool.stats()["evictions"] == 0
     check_kv(b, ta, 12)
-    b.free()
-    h.free()
-    pool.check()
+    free_and_check(pool, b, h)
 
 
 def test_reset_prefix_cache():
     pool = make_pool(num_blocks=6, block_size=2)
-    a = kvcore.PagedKVCache(pool)
     t = prompt(10, 7)
-    a.allocate(t)
-    fill(a, t)
-    keep = kvcore.PagedKVCache(pool)
-    keep.allocate(prompt(50, 3))
-    fill(keep, prompt(50, 3))
+    a = filled_seq(pool, t)
+    keep = filled_seq(pool, prompt(50, 3))
     a.free()
     assert pool.num_cached_blocks == 4
     snap = snapshot(pool)
@@ -554,10 +557,8 @@ def test_block_hashes_errors():
 def test_a_fully_cached_prompt_still_recomputes_its_last_block():
     bs = 4
     pool = make_pool(num_blocks=32, block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     ta = prompt(100, 12)
-    a.allocate(ta)
-    fill(a, ta)
+    a = filled_seq(pool, ta)
     assert pool.num_cached_blocks == 3
     for n in range(1, 13):
         s = kvcore.PagedKVCache(pool)
@@ -576,19 +577,15 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_block():
     # the recomputed block duplicates a cached one: it is not registered again
     assert pool.num_cached_blocks == 3
     assert not pool.is_cached(int(b.block_table[2]))
-    b.free()
-    a.free()
-    pool.check()
+    free_and_check(pool, b, a)
 
 
 # ------------------------------------------------------------------ generated tokens
 def test_generated_tokens_appended_after_commit_make_blocks_cacheable():
     bs = 4
     pool = make_pool(block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     full = prompt(100, 3) + [7, 8, 9, 10, 11]   # 3 prompt tokens, 5 generated
-    a.allocate(full[:3])
-    fill(a, full, 3)
+    a = filled_seq(pool, full, 3, known=3)
     # KV for positions 3..7 is committed before the cache is told their tokens
     for p in range(3, 8):
         fill(a, full, p + 1)
@@ -602,40 +599,27 @@ def test_generated_tokens_appended_after_commit_make_blocks_cacheable():
     a.append_token(full[7])
     assert pool.num_cached_blocks == 2
     assert a.block_hashes() == kvcore.block_hashes(full, bs)
-    b = kvcore.PagedKVCache(pool)
-    assert b.allocate(full + [1]) == 8
-    check_kv(b, full, 8)
-    a.free()
-    b.free()
-    pool.check()
+    b = hit_seq(pool, full + [1], 8, full)
+    free_and_check(pool, a, b)
 
 
 def test_tokens_known_before_commit_make_blocks_cacheable():
     bs = 4
     pool = make_pool(block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     full = prompt(100, 3) + [20, 21, 22, 23, 24, 25]
-    a.allocate(full[:3])
-    fill(a, full, 3)
+    a = filled_seq(pool, full, 3, known=3)
     for p in range(3, 9):                  # the usual decode loop
         a.append_token(full[p])
         if p == 3:
             assert pool.num_cached_blocks == 0    # token known, KV not committed
         fill(a, full, p + 1)
         assert pool.num_cached_blocks == (p + 1) // bs
-    b = kvcore.PagedKVCache(pool)
-    assert b.allocate(full[:8] + [0]) == 8
-    check_kv(b, full, 8)
+    b = hit_seq(pool, full[:8] + [0], 8, full)
     # extend_tokens is append_token for many
-    c = kvcore.PagedKVCache(pool)
-    c.allocate(full[:1])
-    fill(c, full, 8)
+    c = filled_seq(pool, full, 8, known=1)
     c.extend_tokens(full[1:8])
     assert c.block_hashes() == kvcore.block_hashes(full[:8], bs)
-    a.free()
-    b.free()
-    c.free()
-    pool.check()
+    free_and_check(pool, a, b, c)
 
 
 # ------------------------------------------------------------------ no leaks
@@ -643,10 +627,8 @@ def test_tokens_known_before_commit_make_blocks_cacheable():
 def test_truncate_never_leaks_new_kv_into_cached_or_shared_blocks(batched):
     bs = 4
     pool = make_pool(num_blocks=32, block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     old = prompt(100, 10)
-    a.allocate(old)
-    fill(a, old)
+    a = filled_seq(pool, old)
     assert pool.num_cached_blocks == 2
     f = a.fork()                           # a sibling holding every block
     cached1 = int(a.block_table[1])
@@ -666,21 +648,15 @@ def test_truncate_never_leaks_new_kv_into_cached_or_shared_blocks(batched):
     assert int(b.block_table[1]) == cached1
     check_kv(b, old, 8)
     # ... and one on the new tokens sees the new KV
-    c = kvcore.PagedKVCache(pool)
-    assert c.allocate(new[:8] + [1]) == 8
-    check_kv(c, new, 8)
-    for s in (a, b, c, f):
-        s.free()
-    pool.check()
+    c = hit_seq(pool, new[:8] + [1], 8, new)
+    free_and_check(pool, a, b, c, f)
 
 
 def test_truncate_of_an_unshared_cached_block_copies_before_writing():
     bs = 2
     pool = make_pool(num_blocks=16, block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     old = prompt(10, 6)
-    a.allocate(old)
-    fill(a, old)
+    a = filled_seq(pool, old)
     blk = int(a.block_table[1])
     assert pool.ref_count(blk) == 1 and pool.is_cached(blk)
     a.truncate(3)
@@ -689,15 +665,11 @@ def test_truncate_of_an_unshared_cached_block_copies_before_writing():
     fill(a, new)
     assert int(a.block_table[1]) != blk
     check_kv(a, new)
-    b = kvcore.PagedKVCache(pool)
-    assert b.allocate(old[:4] + [0]) == 4
-    check_kv(b, old, 4)
+    b = hit_seq(pool, old[:4] + [0], 4, old)
     # truncating on a block boundary and regrowing needs no copy
     a.truncate(2)
     assert a.num_blocks == 1
-    a.free()
-    b.free()
-    pool.check()
+    free_and_check(pool, a, b)
 
 
 def test_truncate_then_rewrite_uncached_block_before_its_tokens_are_known():
@@ -705,34 +677,25 @@ def test_truncate_then_rewrite_uncached_block_before_its_tokens_are_known():
     block is registered with the KV that matches its tokens."""
     bs = 4
     pool = make_pool(num_blocks=16, block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     old = prompt(10, 3) + [40, 41, 42, 43, 44]
-    a.allocate(old[:3])
-    fill(a, old, 8)                    # tokens 3..7 not told to the cache
+    a = filled_seq(pool, old, 8, known=3)    # tokens 3..7 not told to the cache
     a.truncate(5)
     new = old[:5] + [50, 51, 52]
     fill(a, new, 8)
     for t in new[3:]:
         a.append_token(t)
     assert pool.num_cached_blocks == 2
-    b = kvcore.PagedKVCache(pool)
-    assert b.allocate(new + [1]) == 8
-    check_kv(b, new, 8)
+    b = hit_seq(pool, new + [1], 8, new)
     c = kvcore.PagedKVCache(pool)
     assert c.allocate(old + [1]) == 4
-    a.free()
-    b.free()
-    c.free()
-    pool.check()
+    free_and_check(pool, a, b, c)
 
 
 def test_fork_never_leaks_new_kv():
     bs = 4
     pool = make_pool(num_blocks=32, block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     base = prompt(100, 6)
-    a.allocate(base)
-    fill(a, base)
+    a = filled_seq(pool, base)
     b = a.fork()
     ta = base + [1, 2]
     tb = base + [3, 4]
@@ -752,9 +715,7 @@ def test_fork_never_leaks_new_kv():
     assert a.block_table[1] != b.block_table[1]
     assert pool.num_cached_blocks == 3
     for t in (ta, tb):
-        c = kvcore.PagedKVCache(pool)
-        assert c.allocate(t + [0]) == 8
-        check_kv(c, t, 8)
+        c = hit_seq(pool, t + [0], 8, t)
         c.free()
     # a fork of a sequence whose blocks are all cached: writes never touch them
     d = a.fork()
@@ -764,19 +725,15 @@ def test_fork_never_leaks_new_kv():
     fill(d, td)
     check_kv(a, ta)
     check_kv(d, td)
-    for s in (a, b, d):
-        s.free()
-    pool.check()
+    free_and_check(pool, a, b, d)
 
 
 # ------------------------------------------------------------------ collisions
 def test_lookup_verifies_token_ids():
     bs = 4
     pool = make_pool(block_size=bs)
-    a = kvcore.PagedKVCache(pool)
     t = prompt(100, 9)
-    a.allocate(t)
-    fill(a, t)
+    a = filled_seq(pool, t)
     core = pool._core
     hashes = hashing.hash_words(np.array(t, np.int32), bs, (0, 0))
     out = np.full(2, -1, np.int32)
@@ -790,8 +747,7 @@ def test_lookup_verifies_token_ids():
         n = core.lookup_prefix(other, hashes, 2, out)
         assert n == i // bs
         assert out[:n].tolist() == a.block_table[:n].tolist()
-    a.free()
-    pool.check()
+    free_and_check(pool, a)
 
 
 def forged_pool(block_size):
@@ -818,9 +774,7 @@ def test_a_forged_hash_collision_never_hands_back_other_kv():
     tc = ta[:4] + prompt(700, 5)
     assert c.allocate(tc) == 4
     check_kv(c, tc, 4)
-    for s in (a, b, c):
-        s.free()
-    pool.check()
+    free_and_check(pool, a, b, c)
 
 
 def test_a_full_chain_collision_never_hands_back_other_kv():
@@ -845,6 +799,4 @@ def test_a_full_chain_collision_never_hands_back_other_kv():
     # a salted sequence never reaches an unsalted chain, even with equal hashes
     e = kvcore.PagedKVCache(pool, salt="tenant")
     assert e.allocate(ta) == 0
-    for s in (a, d, e):
-        s.free()
-    pool.check()
+    free_and_check(pool, a, d, e)

@@ -18,17 +18,17 @@ L, H, D, BS = 2, 2, 4, 4
 
 
 class CountingCore:
-    """Stands in for a PagedKVCache's core and counts the calls of the
+    """Stands in for a PagedKVCache's SeqCore and counts the calls of the
     status-returning ops (everything else is passed through)."""
 
-    OPS = ("_reserve", "_commit", "_mark_written", "_append_token")
+    OPS = ("reserve", "commit", "mark_written", "append_token")
 
-    def __init__(self, core):
-        object.__setattr__(self, "core", core)
+    def __init__(self, real):
+        object.__setattr__(self, "real", real)
         object.__setattr__(self, "calls", {op: 0 for op in self.OPS})
 
     def __getattr__(self, name):
-        attr = getattr(self.core, name)
+        attr = getattr(self.real, name)
         if name not in self.OPS:
             return attr
 
@@ -38,16 +38,16 @@ class CountingCore:
         return counted
 
     def __setattr__(self, name, value):
-        setattr(self.core, name, value)
+        setattr(self.real, name, value)
 
 
 def state(seq):
     # read through the real core (some readers take it typed)
-    counting, seq._core = seq._core, seq._core.core
+    counting, seq._seq = seq._seq, seq._seq.real
     try:
         return _state(seq)
     finally:
-        seq._core = counting
+        seq._seq = counting
 
 
 def _state(seq):
@@ -60,9 +60,9 @@ def seq():
     pool = kvcore.BlockPool(4, BS, L, H, D)
     s = kvcore.PagedKVCache(pool, max_seq_len=12)
     s.allocate([1, 2, 3, 4, 5])
-    s._core = CountingCore(s._core)
+    s._seq = CountingCore(s._seq)
     yield s
-    s._core = s._core.core
+    s._seq = s._seq.real
     s.free()
 
 
@@ -72,17 +72,17 @@ def kv(n):
 
 # (call, expected exception, op, native calls): each fails once in the core
 FAILURES = [
-    (lambda s: s.reserve(100), kvcore.CacheFullError, "_reserve", 1),
-    (lambda s: s.reserve(np.int64(100)), kvcore.CacheFullError, "_reserve", 2),
-    (lambda s: s.reserve(-1), ValueError, "_reserve", 1),
-    (lambda s: s.commit(3), ValueError, "_commit", 1),              # unwritten
-    (lambda s: s.commit(np.int32(3)), ValueError, "_commit", 2),
-    (lambda s: s.commit(40), kvcore.CacheFullError, "_commit", 1),
-    (lambda s: s.mark_written(0, 20), kvcore.CacheFullError, "_mark_written", 1),
-    (lambda s: s.mark_written(0, 9), ValueError, "_mark_written", 1),  # past reserved
-    (lambda s: s.mark_written(np.int8(1), np.int16(9)), ValueError, "_mark_written", 2),
-    (lambda s: s.mark_written(L, 1), IndexError, "_mark_written", 1),  # bad layer: validated
-    (lambda s: s.append_token(-3), ValueError, "_append_token", 1),
+    (lambda s: s.reserve(100), kvcore.CacheFullError, "reserve", 1),
+    (lambda s: s.reserve(np.int64(100)), kvcore.CacheFullError, "reserve", 2),
+    (lambda s: s.reserve(-1), ValueError, "reserve", 1),
+    (lambda s: s.commit(3), ValueError, "commit", 1),              # unwritten
+    (lambda s: s.commit(np.int32(3)), ValueError, "commit", 2),
+    (lambda s: s.commit(40), kvcore.CacheFullError, "commit", 1),
+    (lambda s: s.mark_written(0, 20), kvcore.CacheFullError, "mark_written", 1),
+    (lambda s: s.mark_written(0, 9), ValueError, "mark_written", 1),  # past reserved
+    (lambda s: s.mark_written(np.int8(1), np.int16(9)), ValueError, "mark_written", 2),
+    (lambda s: s.mark_written(L, 1), IndexError, "mark_written", 1),  # bad layer: validated
+    (lambda s: s.append_token(-3), ValueError, "append_token", 1),
 ]
 
 
@@ -91,7 +91,7 @@ def test_a_failed_op_asks_the_core_once_and_changes_nothing(seq, call, exc, op, 
     before = state(seq)
     with pytest.raises(exc):
         call(seq)
-    assert seq._core.calls[op] == calls
+    assert seq._seq.calls[op] == calls
     assert state(seq) == before
     seq.pool.check()
 
@@ -99,21 +99,21 @@ def test_a_failed_op_asks_the_core_once_and_changes_nothing(seq, call, exc, op, 
 def test_append_token_past_max_seq_len_asks_once(seq):
     for t in range(7):
         seq.append_token(t)
-    seq._core.calls["_append_token"] = 0
+    seq._seq.calls["append_token"] = 0
     before = state(seq)
     with pytest.raises(kvcore.CacheFullError):
         seq.append_token(99)
-    assert seq._core.calls["_append_token"] == 1
+    assert seq._seq.calls["append_token"] == 1
     assert state(seq) == before
 
 
 @pytest.mark.parametrize("name,args", [("reserve", (1,)), ("commit", (1,)),
                                        ("mark_written", (0, 1)), ("append_token", (7,))])
 def test_a_freed_sequence_raises_its_state_error_from_the_first_status(seq, name, args):
-    core = seq._core
-    seq._core = core.core
+    core = seq._seq
+    seq._seq = core.real
     seq.free()
-    seq._core = core
+    seq._seq = core
     with pytest.raises(ValueError, match="freed|closed"):
         getattr(seq, name)(*args)
     assert sum(core.calls.values()) == 1
@@ -122,13 +122,13 @@ def test_a_freed_sequence_raises_its_state_error_from_the_first_status(seq, name
 def test_a_successful_op_asks_the_core_once(seq):
     seq.reserve(2)
     k, v = kv(2)
-    counting, seq._core = seq._core, seq._core.core
+    counting, seq._seq = seq._seq, seq._seq.real
     slots = seq.slot_mapping(seq.num_computed, seq.num_computed + 2)
-    seq._core = counting
+    seq._seq = counting
     for layer in range(L):
         seq.pool.write(layer, k, v, slots)
         seq.mark_written(layer, 2)
     seq.commit(2)
     seq.append_token(9)
-    assert seq._core.calls == {"_reserve": 1, "_commit": 1, "_mark_written": L,
-                               "_append_token": 1}
+    assert seq._seq.calls == {"reserve": 1, "commit": 1, "mark_written": L,
+                               "append_token": 1}

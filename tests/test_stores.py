@@ -13,6 +13,7 @@ import pytest
 import kvcore
 from kvcore.stores import _format
 
+from _helpers import run_script_phases, snapshot_without_stores
 from _stores_support import (FailingStore, check_hit, disk_full, expected_kv, flush_pool,
                              make_pool, peer_script, permission_denied, run)
 
@@ -131,10 +132,7 @@ def test_entry_larger_than_the_host_store_goes_to_the_next(tmp_path):
 def test_disk_store_survives_a_restart_bit_exact(tmp_path):
     script = tmp_path / "restart.py"
     script.write_text(peer_script(f"kvcore.DiskStore({str(tmp_path / 's')!r}, 1 << 24)"))
-    for phase in ("compute", "hit"):
-        r = subprocess.run([sys.executable, "-W", "error", str(script), phase],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and f"ok {phase}" in r.stdout, r.stderr
+    run_script_phases(script, ("compute", "hit"))
 
 
 def test_disk_store_capacity_is_honoured_across_instances(tmp_path):
@@ -310,9 +308,7 @@ def test_store_faults_degrade_to_misses_with_one_warning(exc, condition, fail):
     assert len(record) == 1
     assert pool.stats()["stores"][0]["failures"] >= 1
     # the pool's own state is what a pool without stores has
-    a, b = plain.debug_snapshot(), pool.debug_snapshot()
-    b["stats"].pop("stores")
-    assert a == b
+    assert plain.debug_snapshot() == snapshot_without_stores(pool)
     pool.check()
 
 

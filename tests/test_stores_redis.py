@@ -15,6 +15,7 @@ import pytest
 import kvcore
 from kvcore.stores import _format
 
+from _helpers import run_script_phases, snapshot_without_stores
 from _stores_support import RedisServer, check_hit, flush_pool, make_pool, peer_script, run
 
 PROMPT = np.arange(1, 18, dtype=np.int32)
@@ -50,10 +51,7 @@ def test_spill_and_hit_bit_exact(server):
 def test_two_processes_share_a_redis_store(server, tmp_path):
     script = tmp_path / "peer.py"
     script.write_text(peer_script(f"kvcore.RedisStore({server.url!r}, namespace='shared')"))
-    for phase in ("compute", "hit"):
-        r = subprocess.run([sys.executable, "-W", "error", str(script), phase],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and f"ok {phase}" in r.stdout, r.stderr
+    run_script_phases(script, ("compute", "hit"))
 
 
 def test_redis_killed_mid_run_then_restarted(server):
@@ -72,9 +70,7 @@ def test_redis_killed_mid_run_then_restarted(server):
             time.sleep(0.25)          # past the retry interval: the store is tried again
     assert len(record) == 1
     assert pool.stats()["stores"][0]["failures"] >= 2
-    a, b = plain.debug_snapshot(), pool.debug_snapshot()
-    b["stats"].pop("stores")
-    assert a == b
+    assert plain.debug_snapshot() == snapshot_without_stores(pool)
     # the server comes back (empty: no persistence): misses, then hits again
     server.start()
     time.sleep(0.25)

@@ -136,12 +136,18 @@ def test_identity_chain_is_blake2b_over_salt_and_tokens():
     assert d[0] == h.digest()
 
 
-def test_an_old_version_entry_is_a_clean_miss(tmp_path):
-    disk = kvcore.DiskStore(tmp_path, 1 << 22)
+def spilled_to_disk(root, capacity_bytes, block):
+    """``(disk, pool, key)``: a pool that ran ``PROMPT`` and spilled it into
+    a DiskStore at ``root``, and the store key of its block ``block``."""
+    disk = kvcore.DiskStore(root, capacity_bytes)
     pool = make_pool(stores=[disk])
     run(pool, PROMPT)
     flush_pool(pool)
-    key = _format.store_key(FP16, kvcore.block_hashes(PROMPT, 4)[0])
+    return disk, pool, _format.store_key(FP16, kvcore.block_hashes(PROMPT, 4)[block])
+
+
+def test_an_old_version_entry_is_a_clean_miss(tmp_path):
+    disk, pool, key = spilled_to_disk(tmp_path, 1 << 22, 0)
     (value,) = disk.get([key])
     old = bytearray(value)
     old[4:6] = (1).to_bytes(2, "little")        # a version 1 header
@@ -232,11 +238,7 @@ def test_a_planted_file_never_reaches_the_next_store(tmp_path, planted):
 def test_a_fifo_named_like_an_entry_never_hangs_a_lookup(tmp_path):
     """Item 6: ``get`` of an entry that is a FIFO (nobody writing) returns
     a miss at once instead of blocking in open() for ever."""
-    disk = kvcore.DiskStore(tmp_path, 1 << 22)
-    pool = make_pool(stores=[disk])
-    run(pool, PROMPT)
-    flush_pool(pool)
-    key = _format.store_key(FP16, kvcore.block_hashes(PROMPT, 4)[2])
+    disk, pool, key = spilled_to_disk(tmp_path, 1 << 22, 2)
     p = entry_path(tmp_path, key)
     p.unlink()
     os.mkfifo(p)
@@ -403,11 +405,7 @@ def test_a_file_larger_than_the_store_is_never_read_whole(tmp_path):
     """A regular file named like an entry, larger than the store's
     capacity (no entry of the store can be): a lookup reads its head only
     and calls it corrupt; the trim removes it without reading it."""
-    disk = kvcore.DiskStore(tmp_path, 1 << 16)
-    pool = make_pool(stores=[disk])
-    run(pool, PROMPT)
-    flush_pool(pool)
-    key = _format.store_key(FP16, kvcore.block_hashes(PROMPT, 4)[0])
+    disk, pool, key = spilled_to_disk(tmp_path, 1 << 16, 0)
     p = entry_path(tmp_path, key)
     with open(p, "r+b") as f:            # a sparse file of 64 MiB behind a valid head
         f.truncate(1 << 26)
