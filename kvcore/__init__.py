@@ -4,8 +4,7 @@ Block pool with refcounted ownership, prefix caching, paged and contiguous
 caches, and round-to-nearest-even float16/bfloat16/fp8 conversion, at C speed
 (Cython/C kernels, GIL released) with an optional CuPy GPU path.
 """
-from .backends.cpu import simd_levels
-from .backends.cuda import CudaUnavailableError, cuda_available
+from .backends import CudaUnavailableError, cuda_available, simd_levels
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
 from .attention import AttentionPlan, get_num_threads, paged_attention, set_num_threads
 from .contiguous import KVCache

@@ -18,9 +18,11 @@ import numpy as np
 
 from . import dtypes
 from .dtypes import BF16
-from .backends.cpu import _kernels
+from ._planes import outs_share_memory
+from .backends import tensor_view
 
-__all__ = ["unwrap", "host_view", "float_input", "out_array", "index_array", "aligned"]
+__all__ = ["unwrap", "host_view", "float_input", "out_array", "out_pair", "read_kind",
+           "index_array", "aligned"]
 
 
 def _torch_of(x):
@@ -79,8 +81,8 @@ def unwrap(x, arg):
 
 # A NumPy view of a C-contiguous CPU torch tensor (bfloat16 as uint16 bits),
 # or None for anything else: the cheap adapter the direct append path and
-# ``unwrap`` try first (see _kernels.tensor_view).
-host_view = _kernels.tensor_view
+# ``unwrap`` try first (see kvcore.backends.tensor_view).
+host_view = tensor_view
 
 
 def float_input(be, x, arg, src_dtype=None):
@@ -139,6 +141,38 @@ def out_array(be, out, arg, shape, kind):
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{arg} must have shape {tuple(shape)}, got {tuple(a.shape)}")
     return a, out
+
+
+def out_pair(be, out, shape, kind):
+    """``[(k_bits, k_result), (v_bits, v_result)]`` for a read of K and V
+    (``BlockPool.gather``, ``KVCache.get``): two fresh arrays for ``out=None``,
+    else the caller's ``out=(k_out, v_out)`` checked as :func:`out_array`
+    (shape, dtype, writable) and the two apart."""
+    if out is None:
+        return [(a, a) for a in (be.empty(shape, dtypes.STORAGE[kind]),
+                                 be.empty(shape, dtypes.STORAGE[kind]))]
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
+                        + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    pair = [out_array(be, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
+    if outs_share_memory(be, pair[0][0], pair[1][0]):
+        raise ValueError("out[0] and out[1] must not share memory (k and v are "
+                         "different arrays)")
+    return pair
+
+
+def read_kind(dtype, storage_kind):
+    """The element kind a read with ``dtype=`` returns: the storage's for
+    None, a float kind, or the storage's own low-precision kind (its codes);
+    ValueError naming ``dtype`` for another low-precision kind."""
+    if dtype is None:
+        return storage_kind
+    kind = dtypes.storage_kind(dtype, "dtype")
+    if kind in dtypes.LOWPREC_KINDS and kind != storage_kind:
+        raise ValueError(f"dtype must be the storage dtype ({dtypes.KIND_NAME[storage_kind]!r}) "
+                         f"or a float dtype ('float32', 'float16', 'bfloat16'), got "
+                         f"{dtypes.KIND_NAME[kind]!r}")
+    return kind
 
 
 def index_array(be, x, arg):

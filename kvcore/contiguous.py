@@ -14,7 +14,7 @@ from . import _arrays, dtypes
 from .backends import Codec, get_backend
 from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
-from ._planes import Planes, check_layer_scales, kv_scale_pairs, outs_share_memory
+from ._planes import Planes, check_layer_scales, kv_scale_pairs
 from ._validate import index_int, positive_int
 
 __all__ = ["KVCache"]
@@ -203,24 +203,9 @@ class KVCache:
         the cache is unchanged.
         """
         layer = self._check_layer(layer)
-        k, k_kind, n = self._check_input(k, "k", src_dtype)
-        v, v_kind, n_v = self._check_input(v, "v", src_dtype)
-        if n_v != n:
-            raise ValueError(
-                f"v must have the same number of positions as k: k.shape[2] is {n}, "
-                f"v.shape[2] is {n_v}")
+        k, k_kind, v, v_kind, n = self._check_inputs(k, v, src_dtype)
         length = self._lengths[layer]
-        if start_pos is None:
-            start = length
-        else:
-            start = index_int(start_pos, "start_pos")
-            if start < 0:
-                raise ValueError(f"start_pos must be >= 0, got {start}")
-            if start > length:
-                raise ValueError(
-                    f"start_pos must be <= {length} (the positions written in layer "
-                    f"{layer}), got {start}: writing there would leave positions "
-                    f"{length}..{start - 1} unwritten")
+        start = length if start_pos is None else self._check_start(layer, start_pos, length)
         end = start + n
         if end > self._max_seq_len:
             raise CacheFullError(
@@ -228,7 +213,36 @@ class KVCache:
                 f"{layer} needs {end} positions, max_seq_len is {self._max_seq_len}")
         if n == 0:
             return
-        backend = self._backend
+        self._write(layer, k, k_kind, v, v_kind, start)
+        if end > length:
+            self._lengths[layer] = end
+
+    def _check_inputs(self, k, v, src_dtype):
+        """``(k, k_kind, v, v_kind, n)``: both inputs checked, with as many
+        positions each."""
+        k, k_kind, n = self._check_input(k, "k", src_dtype)
+        v, v_kind, n_v = self._check_input(v, "v", src_dtype)
+        if n_v != n:
+            raise ValueError(
+                f"v must have the same number of positions as k: k.shape[2] is {n}, "
+                f"v.shape[2] is {n_v}")
+        return k, k_kind, v, v_kind, n
+
+    @staticmethod
+    def _check_start(layer, start_pos, length):
+        """A caller's ``start_pos``: at most the layer's ``length`` (no gap)."""
+        start = index_int(start_pos, "start_pos")
+        if start < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start}")
+        if start > length:
+            raise ValueError(
+                f"start_pos must be <= {length} (the positions written in layer "
+                f"{layer}), got {start}: writing there would leave positions "
+                f"{length}..{start - 1} unwritten")
+        return start
+
+    def _write(self, layer, k, k_kind, v, v_kind, start):
+        """Checked ``k`` and ``v`` into ``layer`` from position ``start``."""
         planes = self._planes
         dst_k, dst_v = planes.views[layer]
         k_codec, v_codec = planes.codecs[layer]
@@ -237,10 +251,8 @@ class KVCache:
         # as it was: both are staged before anything is written.
         k = planes.apart(k)
         v = planes.apart(v)
-        backend.write_contiguous(dst_k, k, start, k_kind, k_codec)
-        backend.write_contiguous(dst_v, v, start, v_kind, v_codec)
-        if end > length:
-            self._lengths[layer] = end
+        self._backend.write_contiguous(dst_k, k, start, k_kind, k_codec)
+        self._backend.write_contiguous(dst_v, v, start, v_kind, v_codec)
 
     @property
     def kv_scales(self):
@@ -331,33 +343,24 @@ class KVCache:
         """
         layer = self._check_layer(layer)
         start, end = self._range(layer, start, end)
-        out_kind = None if dtype is None else dtypes.storage_kind(dtype, "dtype")
-        if out_kind is not None and out_kind in dtypes.LOWPREC_KINDS and out_kind != self._kind:
-            raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float "
-                             f"dtype ('float32', 'float16', 'bfloat16'), got "
-                             f"{KIND_NAME[out_kind]!r}")
+        out_kind = None if dtype is None else _arrays.read_kind(dtype, self._kind)
         k_plane, v_plane = self._planes.views[layer]
         k = k_plane[:, :, start:end]
         v = v_plane[:, :, start:end]
         if out_kind is None and out is None:
             return k, v
-        if out_kind is None:
-            out_kind = self._kind
+        return self._read(layer, k, v, start, end, self._kind if out_kind is None else out_kind,
+                          out)
+
+    def _read(self, layer, k, v, start, end, out_kind, out):
+        """``get`` into new arrays or the caller's ``out``: views ``k``, ``v``
+        of positions ``start .. end - 1`` of ``layer`` read as ``out_kind``."""
         backend = self._backend
-        if out is None:
-            dsts = [(o, o) for o in (backend.empty(k.shape, STORAGE[out_kind]),
-                                     backend.empty(k.shape, STORAGE[out_kind]))]
-        else:
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}")
-            dsts = [_arrays.out_array(backend, o, f"out[{i}]", k.shape, out_kind)
-                    for i, o in enumerate(out)]
-            kb, vb = dsts[0][0], dsts[1][0]
-            if outs_share_memory(backend, kb, vb):
-                raise ValueError("out[0] and out[1] must not share memory")
-            if any(backend.xp.may_share_memory(d, self._storage) for d in (kb, vb)):
-                # an out that is a view of this cache: read both before writing either
-                k, v = k.copy(), v.copy()
+        dsts = _arrays.out_pair(backend, out, k.shape, out_kind)
+        if out is not None and any(backend.xp.may_share_memory(d, self._storage)
+                                   for d, _ in dsts):
+            # an out that is a view of this cache: read both before writing either
+            k, v = k.copy(), v.copy()
         for src, (dst, _), codec in zip((k, v), dsts, self._planes.codecs[layer]):
             if codec.scale_plane is not None:      # int8: the range's own scales
                 codec = Codec(codec.kind, codec.layer_scale, codec.scale_plane[:, :, start:end])
@@ -442,19 +445,7 @@ class KVCache:
         -------
         KVCache
         """
-        backend = self._backend
-        src = self._storage
-        dst = self._allocate(backend, src.shape, self._kind)
-        scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)
-        for layer, n in enumerate(self._lengths):
-            if n:
-                dst[layer, :, :, :, :n] = src[layer, :, :, :, :n]
-                if scales is not None:
-                    scales[layer, :, :, :, :n] = self._scales[layer, :, :, :, :n]
-        twin = object.__new__(type(self))
-        twin._init_from(backend, self._device, self._kind, dst, list(self._lengths), scales,
-                        self._layer_scales)
-        return twin
+        return self._copy(self._backend, self._device, lambda a: a)   # (dst is new: no overlap)
 
     def to(self, device):
         """A copy of this cache on ``device`` ("cpu", "cuda", "cuda:N").
@@ -468,19 +459,22 @@ class KVCache:
         KVCache
         """
         backend = get_backend(device)
-        dev = backend.normalize_device(device)
-        src = self._storage
-        dst = self._allocate(backend, src.shape, self._kind)
+        return self._copy(backend, backend.normalize_device(device),
+                          lambda a: backend.from_host(self._backend.to_host(a)))
+
+    def _copy(self, backend, device, move):
+        """A new cache on ``backend``'s ``device`` holding the written
+        positions of each layer, each range's data (and int8 scales) brought
+        there by ``move``."""
+        dst = self._allocate(backend, self._storage.shape, self._kind)
         scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)
         for layer, n in enumerate(self._lengths):
             if n:
-                part = self._backend.to_host(src[layer, :, :, :, :n])
-                dst[layer, :, :, :, :n] = backend.from_host(part)
+                dst[layer, :, :, :, :n] = move(self._storage[layer, :, :, :, :n])
                 if scales is not None:
-                    scales[layer, :, :, :, :n] = backend.from_host(
-                        self._backend.to_host(self._scales[layer, :, :, :, :n]))
+                    scales[layer, :, :, :, :n] = move(self._scales[layer, :, :, :, :n])
         twin = object.__new__(type(self))
-        twin._init_from(backend, dev, self._kind, dst, list(self._lengths), scales,
+        twin._init_from(backend, device, self._kind, dst, list(self._lengths), scales,
                         self._layer_scales)
         return twin
 

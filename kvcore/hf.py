@@ -125,11 +125,19 @@ def pool_for(config, num_blocks, dtype="float16", block_size=16, device="cpu",
     device memory.  Never run on a GPU yet: see docs/hf.md.
     """
     layers, kv_heads, head_dim = model_kv_shape(config)
-    if str(device).startswith("cuda"):
+    if _on_cuda(device):
         use_torch_allocator()
     return BlockPool(num_blocks, block_size, layers, kv_heads, head_dim, dtype=dtype,
                      device=device, enable_prefix_caching=enable_prefix_caching,
                      kv_scales=kv_scales)
+
+
+def _on_cuda(device):
+    """Whether ``device`` (a pool's device) is a CUDA one: the torch side of
+    a pool (torch's caching allocator, its streams, ``from_dlpack`` against
+    ``from_numpy``) differs per device, and no kvcore backend knows torch,
+    so this is the one place kvcore.hf asks."""
+    return str(device).strip().lower().startswith("cuda")
 
 
 _ALLOCATOR_SET = []
@@ -177,7 +185,7 @@ class _TorchSide:
 
     def __init__(self, pool):
         self.device = torch.device(pool.device)
-        self.cuda = self.device.type == "cuda"
+        self.cuda = _on_cuda(pool.device)
         if self.cuda:
             import cupy
             self._cupy = cupy

@@ -7,7 +7,7 @@ import numpy as np
 from . import _arrays, dtypes
 from .backends import get_backend
 from ._native import _pool, _seq
-from ._planes import Planes, check_layer_scales, kv_scale_pairs, outs_share_memory
+from ._planes import Planes, check_layer_scales, kv_scale_pairs
 from ._validate import index_int, layer_index, positive_int
 
 __all__ = ["BlockPool"]
@@ -700,14 +700,14 @@ class BlockPool:
                 j = int(np.argmax((row < 0) | (row >= self._num_blocks)))
                 raise IndexError(f"block_tables[{s}, {j}] must be in 0..{self._num_blocks - 1}, "
                                  f"got {int(row[j])}")
-        dst_kind = self._out_kind(dtype)
+        dst_kind = _arrays.read_kind(dtype, self._kind)
         backend = self._backend
         width = int(n.max()) if n.size else 0
         shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
         # on a GPU: one upload each, shared by the K and the V gather
         t32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
         n32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
-        outs = self._outs(out, shape, dst_kind)
+        outs = _arrays.out_pair(self._backend, out, shape, dst_kind)
         tmps = self._targets(outs, out, shape, dst_kind)
         for plane, codec, tmp in zip(self._planes.views[layer], self._planes.codecs[layer],
                                      tmps):
@@ -762,6 +762,30 @@ class BlockPool:
             destination id may not (ValueError: which copy would win is
             undefined).
         """
+        src, dst = self._copy_ids(dst_pool, src_block_ids, dst_block_ids)
+        if not src.size:
+            return
+        if self._layer_scales is not None and not np.array_equal(
+                self._layer_scales, dst_pool._layer_scales):
+            raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
+                             f"{self.kv_scales}; got {dst_pool.kv_scales}")
+        dst_pool._before_overwrite(dst)
+        # a GPU on either side drives the copy (it can read and write host memory)
+        backend = self._backend.copier_for(dst_pool._backend)
+        # the blocks' data, and their int8 scales (same block ids) with them
+        arrays = [(self._storage, dst_pool._storage)]
+        if self._scales is not None:
+            arrays.append((self._scales, dst_pool._scales))
+        if dst_pool is not self:
+            for mine, theirs in arrays:
+                backend.copy_blocks_between(mine, src, theirs, dst)
+        else:
+            self._copy_within(backend, [a for a, _ in arrays], src, dst)
+
+    def _copy_ids(self, dst_pool, src_block_ids, dst_block_ids):
+        """Checked int32 ``(src, dst)`` of :meth:`copy_blocks_to`: a pool of
+        this geometry and dtype, ids in range, as many on both sides, no
+        destination twice."""
         if not isinstance(dst_pool, BlockPool):
             raise TypeError(f"dst_pool must be a kvcore.BlockPool, got {type(dst_pool).__name__}")
         mine = (self._num_layers, self._num_kv_heads, self._block_size, self._head_dim, self._kind)
@@ -783,33 +807,21 @@ class BlockPool:
             raise ValueError(
                 f"dst_block_ids must not repeat a block id, got {int(uniq[i])} at indices "
                 f"{np.flatnonzero(dst == uniq[i]).tolist()}")
-        if not src.size:
-            return
-        if self._layer_scales is not None and not np.array_equal(
-                self._layer_scales, dst_pool._layer_scales):
-            raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
-                             f"{self.kv_scales}; got {dst_pool.kv_scales}")
-        dst_pool._before_overwrite(dst)
-        # a GPU on either side drives the copy (it can read and write host memory)
-        backend = self._backend if self._backend.name != "cpu" else get_backend(dst_pool.device)
-        # the blocks' data, and their int8 scales (same block ids) with them
-        arrays = [(self._storage, dst_pool.storage)]
-        if self._scales is not None:
-            arrays.append((self._scales, dst_pool._scales))
-        if dst_pool is not self:
-            for mine_a, theirs_a in arrays:
-                backend.copy_blocks_between(mine_a, src, theirs_a, dst)
-            return
+        return src, dst
+
+    def _copy_within(self, backend, arrays, src, dst):
+        """``copy_blocks_to`` this pool: every destination gets its source as
+        it was before the call.  Sources that are also destinations are read
+        before anything is written: copied out to a buffer, then in from it
+        last."""
         staged = np.isin(src, dst)
         if not staged.any():
             self._copy_blocks(src, dst)
             return
-        # Sources that are also destinations are read before anything is
-        # written: copied out to a buffer, then in from it last.
         stage_ids, where = np.unique(src[staged], return_inverse=True)
         stage_ids = stage_ids.astype(np.int32)
         bufs = []
-        for a, _ in arrays:
+        for a in arrays:
             buf = backend.empty((a.shape[0], stage_ids.size) + a.shape[2:], a.dtype)
             backend.copy_blocks_between(a, stage_ids, buf,
                                         np.arange(stage_ids.size, dtype=np.int32))
@@ -817,7 +829,7 @@ class BlockPool:
         direct = ~staged
         if direct.any():
             self._copy_blocks(src[direct], dst[direct])
-        for (a, _), buf in zip(arrays, bufs):
+        for a, buf in zip(arrays, bufs):
             backend.copy_blocks_between(buf, where.astype(np.int32).ravel(), a,
                                         np.ascontiguousarray(dst[staged]))
 
@@ -853,23 +865,6 @@ class BlockPool:
     def _direct(self, out):
         """Whether a gather may write into ``out`` (bits) in place."""
         return self._backend.direct_out(out, self._storage)
-
-    def _outs(self, out, shape, kind):
-        """``[(k_bits, k_result), (v_bits, v_result)]``: fresh arrays, or the
-        caller's ``out=(k_out, v_out)`` checked (shape, dtype, writable, the
-        two apart)."""
-        backend = self._backend
-        if out is None:
-            return [(a, a) for a in (backend.empty(shape, dtypes.STORAGE[kind]),
-                                     backend.empty(shape, dtypes.STORAGE[kind]))]
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(f"out must be a pair (k_out, v_out), got {type(out).__name__}"
-                            + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
-        pair = [_arrays.out_array(backend, o, f"out[{i}]", shape, kind) for i, o in enumerate(out)]
-        if outs_share_memory(backend, pair[0][0], pair[1][0]):
-            raise ValueError("out[0] and out[1] must not share memory (k and v are "
-                             "different arrays)")
-        return pair
 
     def _slots(self, slots, n):
         fast = _pool.checked_slots(slots, n, self._num_blocks * self._block_size)
@@ -919,22 +914,13 @@ class BlockPool:
                 f"got {int(t[i])} at index {i}")
         return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
 
-    def _out_kind(self, dtype):
-        if dtype is None:
-            return self._kind
-        kind = dtypes.storage_kind(dtype)
-        if kind in dtypes.LOWPREC_KINDS and kind != self._kind:
-            raise ValueError(f"dtype must be the storage dtype ({self.dtype!r}) or a float dtype "
-                             f"('float32', 'float16', 'bfloat16'), got {dtypes.KIND_NAME[kind]!r}")
-        return kind
-
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
         ``table`` (int32, aligned), into ``out`` when given."""
-        dst_kind = self._out_kind(dtype)
+        dst_kind = _arrays.read_kind(dtype, self._kind)
         backend = self._backend
         shape = (self._num_kv_heads, end - start, self._head_dim)
-        outs = self._outs(out, shape, dst_kind)
+        outs = _arrays.out_pair(self._backend, out, shape, dst_kind)
         if end == start:
             return outs[0][1], outs[1][1]
         tmps = self._targets(outs, out, shape, dst_kind)
@@ -1044,47 +1030,18 @@ class BlockPool:
         if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
             raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
                              f"got {len(payloads)}")
-        shape = (self._storage.shape[0],) + tuple(self._storage.shape[2:])
-        dt = np.dtype(self._storage.dtype)
-        arrays = []
+        pays = []
         per_block = self.bytes_per_block      # (a computed property: once, not per block)
         for i, p in enumerate(payloads):
             a = np.frombuffer(p, dtype=np.uint8)
             if a.nbytes != per_block:
                 raise ValueError(f"payloads[{i}] must hold {per_block} bytes (one "
                                  f"block), got {a.nbytes}")
-            arrays.append(a)
-        from .backends.cpu import _checksum
-
-        if seeds is not None and self._backend.name == "cpu":
-            # the storage is one C-contiguous array: plane p of block b
-            # starts at byte (p * num_blocks + b) * chunk; int8 scales
-            # (after the codes in a payload) likewise in their array.  All
-            # blocks in one native call, the GIL released, split over the
-            # CPU threads (kvcore.set_num_threads; the same bits for any count).
-            parts = []
-            for arr in (self._storage, self._scales):
-                if arr is None:
-                    continue
-                planes = arr.shape[0]
-                chunk = arr.nbytes // (planes * self._num_blocks)   # one block of one plane
-                parts.append((arr.reshape(-1).view(np.uint8), [b * chunk for b in ids], planes,
-                              chunk, self._num_blocks * chunk))
-            from .attention import get_num_threads
-            return _checksum.copy_xxh3_many(arrays, parts, seeds, get_num_threads())
-
-        # plain copies (int8: the codes, then the scales that follow them)
-        kv_bytes = int(np.prod(shape)) * dt.itemsize
-        digests = None if seeds is None else []
-        for i, (b, a) in enumerate(zip(ids, arrays)):
-            if digests is not None:
-                digests.append(_checksum.xxh3_64(a, seeds[i]))
-            self._storage[:, b] = self._backend.from_host(a[:kv_bytes].view(dt).reshape(shape))
-            if self._scales is not None:
-                self._scales[:, b] = self._backend.from_host(
-                    a[kv_bytes:].view(np.float32).reshape(self._scales.shape[:1]
-                                                          + self._scales.shape[2:]))
-        return digests
+            pays.append(a)
+        from .attention import get_num_threads
+        # (int8: the codes, then the scales that follow them in a payload)
+        planes = [a for a in (self._storage, self._scales) if a is not None]
+        return self._backend.write_block_bytes(planes, ids, pays, seeds, get_num_threads())
 
     def _device_array(self, a):
         """Host array ``a`` on this pool's device."""

@@ -242,6 +242,126 @@ def test_the_twin_check_can_fail(tmp_path):
     assert public_twins(pyx) == ["k.pyx:gather_q", "k.pyx:write_slots_q"]
 
 
+# ---------------------------------------------------------------- no side doors
+# The public layer (kvcore/*.py, kvcore/stores/) reaches the backends only
+# through the package kvcore.backends (get_backend, the backend object's ops
+# and what the package exports): never a device backend's package or module
+# (kvcore.backends.cpu, kvcore.backends.cuda and below), nor a private module
+# of the backends layer.
+_BACKEND_INTERNAL = re.compile(r"^kvcore\.backends\.(?:(?:cpu|cuda)(?:\.|$)|(?:\w+\.)*_\w+$)")
+
+
+def public_sources():
+    return sorted(list(PKG.glob("*.py")) + list((PKG / "stores").glob("*.py")))
+
+
+def backend_internal_imports(path):
+    return sorted(t for t in imports(path) if _BACKEND_INTERNAL.match(t))
+
+
+def test_public_modules_import_no_backend_internals():
+    files = public_sources()
+    assert {"pool.py", "_arrays.py", "_format.py", "__init__.py"} <= {p.name for p in files}
+    bad = {str(p.relative_to(ROOT)): backend_internal_imports(p) for p in files}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"public modules import backend internals (use kvcore.backends): {bad}"
+
+
+@pytest.mark.parametrize("target, bad", [
+    ("kvcore.backends", False),
+    ("kvcore.backends.codec", False),
+    ("kvcore.backends.cpu", True),
+    ("kvcore.backends.cpu._kernels", True),
+    ("kvcore.backends.cpu.backend", True),
+    ("kvcore.backends.cuda", True),
+    ("kvcore.backends.cuda.backend", True),
+    ("kvcore.backends._helpers", True),
+    ("kvcore.backends.cpuish", False),
+])
+def test_the_backend_internal_rule_can_fail(target, bad):
+    assert bool(_BACKEND_INTERNAL.match(target)) is bad
+
+
+# A public class calls the backend of its device and never branches on the
+# device name: a comparison with "cpu"/"cuda" (==, !=, in, startswith) is a
+# backend decision made in the wrong layer.  The places that must ask,
+# with why:
+DEVICE_BRANCH_ALLOWED = {
+    ("hf.py", "_on_cuda"): "the torch side of a pool: torch's allocator, streams and "
+                           "tensor constructors differ per device, and no kvcore backend "
+                           "knows torch",
+}
+_DEVICE_WORDS = ("cpu", "cuda")
+
+
+def _is_device_word(node):
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+        node.value.strip().lower() in _DEVICE_WORDS
+        or node.value.strip().lower().startswith("cuda:"))
+
+
+def _names_a_device(node):
+    if _is_device_word(node):
+        return True
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(
+        _is_device_word(e) for e in node.elts)
+
+
+def device_branches(path):
+    """``(function, line)`` of each comparison with a device name in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{where}.{child.name}" if where else child.name
+            if isinstance(child, ast.Compare) and any(
+                    _names_a_device(x) for x in [child.left, *child.comparators]):
+                found.append((inner, child.lineno))
+            elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                  and child.func.attr in ("startswith", "endswith")
+                  and any(_names_a_device(a) for a in child.args)):
+                found.append((inner, child.lineno))
+            visit(child, inner)
+
+    visit(tree, "")
+    return found
+
+
+def test_public_modules_do_not_branch_on_the_device():
+    bad, used = [], set()
+    for path in public_sources():
+        for where, line in device_branches(path):
+            key = (path.name, where.rpartition(".")[2] if where else "")
+            if key in DEVICE_BRANCH_ALLOWED:
+                used.add(key)
+            else:
+                bad.append(f"{path.relative_to(ROOT)}:{line} in {where or '<module>'}")
+    assert not bad, ("public code branches on the device name (ask the backend instead, "
+                     "or allow-list it with a reason):\n" + "\n".join(bad))
+    assert used == set(DEVICE_BRANCH_ALLOWED), \
+        f"allow-list entries that no longer branch: {set(DEVICE_BRANCH_ALLOWED) - used}"
+
+
+@pytest.mark.parametrize("source, n", [
+    ("x = 1 if self._backend.name != 'cpu' else 2", 1),
+    ("if device == 'cuda':\n    pass", 1),
+    ("ok = str(d).startswith('cuda')", 1),
+    ("ok = d in ('cpu', 'cuda:0')", 1),
+    ("ok = t.device.type == 'cuda'", 1),
+    ("raise TypeError(\"device must be 'cpu' or 'cuda'\")", 0),
+    ("x = get_backend(device)", 0),
+    ("ok = kind == 'int8'", 0),
+])
+def test_the_device_branch_rule_can_fail(tmp_path, source, n):
+    p = tmp_path / "m.py"
+    p.write_text(f"def f(self, d, t, device, kind):\n" + "".join(
+        f"    {line}\n" for line in source.splitlines()))
+    assert len(device_branches(p)) == n
+
+
 # The bookkeeping cores' members that a layer above reads are public-named
 # (readonly fields and methods of SeqCore and PoolCore); an underscore member
 # is the core's own.  A core is reached as X._seq (a PagedKVCache's SeqCore)

@@ -10,13 +10,30 @@ and block ids.  Every data op takes the ``Codec`` of the plane it touches
 (the storage kind, an fp8 layer scale, an int8 scale plane) and dispatches
 on it inside: one op per verb.  The public classes pick a backend once,
 from ``device=``, and never branch on the device elsewhere.
+
+This package is the backends layer's one door: the public layer imports
+what it needs from here (``tests/test_layers.py`` checks it never reaches
+into ``cpu``, ``cuda`` or a private module).  Besides the backends it
+exports a few host-side helpers that serve every device:
+
+* ``xxh3_64(data, seed)``: XXH3-64 of host bytes, the prefix-store entries'
+  checksum (the CPU kernel, SIMD by run-time dispatch);
+* ``tensor_view(t)``: a NumPy view of a C-contiguous CPU torch tensor, or
+  None (the cheap first try of ``kvcore._arrays``);
+* ``simd_levels()``, ``CudaUnavailableError``, ``cuda_available()``: what
+  ``kvcore`` exports about the devices.
 """
 from .base import Backend, is_cuda_array
 from .codec import Codec, codec_of
+from .cpu import simd_levels
+from .cpu._checksum import xxh3_64
+from .cpu._kernels import tensor_view
 from .cpu.backend import CPU, CPUBackend
+from .cuda import CudaUnavailableError, cuda_available
 
 __all__ = ["Backend", "CPUBackend", "CPU", "Codec", "codec_of", "get_backend",
-           "backend_of_array"]
+           "backend_of_array", "xxh3_64", "tensor_view", "simd_levels",
+           "CudaUnavailableError", "cuda_available"]
 
 
 def get_backend(device):

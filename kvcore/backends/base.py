@@ -582,6 +582,41 @@ class Backend:
         for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
             dst_storage[:, d] = src_storage[:, s]
 
+    def copier_for(self, other):
+        """The backend that runs ``copy_blocks_between`` for storages of this
+        backend and of backend ``other`` (either direction): one that reaches
+        both sides' memory.  A device backend reaches host memory as well, so
+        it drives its copies itself; a host backend leaves them to ``other``."""
+        return self
+
+    def write_block_bytes(self, arrays, block_ids, payloads, seeds=None, num_threads=1):
+        """Write host bytes into whole blocks, and checksum them on the way.
+
+        ``arrays``: storages with the blocks on axis 1 (a pool's storage,
+        then its int8 scales), C-contiguous.  ``payloads[j]`` (uint8, the
+        caller checked its size) holds ``arrays[0][:, block_ids[j]]``, then
+        ``arrays[1][:, block_ids[j]]``, ... as C-ordered bytes; it is written
+        into block ``block_ids[j]`` of each.  With ``seeds`` (one int per
+        block) returns the XXH3-64 of each payload with its seed (the prefix
+        stores' entry checksum), else None.  ``num_threads``: how many CPU
+        threads the checksum may use (the bits do not depend on it).
+        """
+        # the payloads are host bytes on every device: the CPU kernel hashes them
+        from .cpu._checksum import xxh3_64
+
+        digests = None if seeds is None else [xxh3_64(p, s) for p, s in zip(payloads, seeds)]
+        # (where each array's bytes lie in a payload: the same for every block)
+        parts, at = [], 0
+        for a in arrays:
+            shape = (a.shape[0],) + tuple(a.shape[2:])
+            n = a.nbytes // a.shape[1]
+            parts.append((a, at, at + n, a.dtype, shape))
+            at += n
+        for b, p in zip(block_ids, payloads):
+            for a, lo, hi, dt, shape in parts:
+                a[:, b] = self.from_host(p[lo:hi].view(dt).reshape(shape))
+        return digests
+
     def write_contiguous(self, dst, src, start, src_kind, codec):
         """``dst[b, h, start + t, :] = src[b, h, t, :]`` encoded by ``codec``
         (as ``write_slots``; int8 row scales to ``codec.scale_plane[b, h,

@@ -52,7 +52,7 @@ import struct
 
 import numpy as np
 
-from ..backends.cpu._checksum import xxh3_64
+from ..backends import xxh3_64
 
 MAGIC = b"KVST"
 VERSION = 3

@@ -13,6 +13,7 @@ returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 """
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
+from kvcore.backends.cpu._span cimport byte_span
 
 import numpy as np
 
@@ -312,27 +313,6 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
 
 
 # ------------------------------------------------------------------ plan / run
-cdef inline int _span_of(cnp.ndarray a, const char **lo, const char **hi) noexcept:
-    """The byte span [lo, hi) of ``a``'s elements (0 for an empty array)."""
-    cdef const char *l = <const char *>cnp.PyArray_DATA(a)
-    cdef const char *h = l
-    cdef int i
-    cdef Py_ssize_t n, s
-    if cnp.PyArray_SIZE(a) == 0:
-        lo[0] = hi[0] = l
-        return 0
-    for i in range(cnp.PyArray_NDIM(a)):
-        n = cnp.PyArray_DIM(a, i)
-        s = cnp.PyArray_STRIDE(a, i)
-        if s > 0:
-            h += (n - 1) * s
-        else:
-            l += (n - 1) * s
-    lo[0] = l
-    hi[0] = h + cnp.PyArray_ITEMSIZE(a)
-    return 1
-
-
 cdef inline bint _dims_are(cnp.ndarray a, int nd, Py_ssize_t d0, Py_ssize_t d1, Py_ssize_t d2,
                           Py_ssize_t d3=0) noexcept:
     cdef Py_ssize_t want[4]
@@ -369,9 +349,9 @@ cdef bint _one_buffer(cnp.ndarray first, cnp.ndarray last):
     cdef const char *rhi
     cdef const char *lo
     cdef const char *hi
-    _span_of(<cnp.ndarray>root_a, &rlo, &rhi)
+    byte_span(<cnp.ndarray>root_a, &rlo, &rhi)
     for a in (first, last):
-        _span_of(<cnp.ndarray>a, &lo, &hi)
+        byte_span(<cnp.ndarray>a, &lo, &hi)
         if lo < rlo or hi > rhi:
             return False
     return True
@@ -623,7 +603,7 @@ cdef class Plan:
         cdef const char *lo
         cdef const char *hi
         for o in owned:
-            if _span_of(<cnp.ndarray?>o, &lo, &hi):
+            if byte_span(<cnp.ndarray?>o, &lo, &hi):
                 self.owned_lo[self.num_owned] = lo
                 self.owned_hi[self.num_owned] = hi
                 self.num_owned += 1
@@ -673,8 +653,8 @@ cdef class Plan:
                     or cnp.PyArray_DIM(oa, 1) != self.num_heads \
                     or cnp.PyArray_DIM(oa, 2) != self.head_dim:
                 return NotImplemented
-            if _span_of(oa, &olo, &ohi):
-                if _span_of(qa, &qlo, &qhi) and olo < qhi and qlo < ohi:
+            if byte_span(oa, &olo, &ohi):
+                if byte_span(qa, &qlo, &qhi) and olo < qhi and qlo < ohi:
                     return NotImplemented
                 for i in range(self.num_owned):
                     if olo < self.owned_hi[i] and self.owned_lo[i] < ohi:

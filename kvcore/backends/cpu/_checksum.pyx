@@ -70,16 +70,30 @@ def copy_xxh64(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
     (``n_chunks * chunk_bytes`` bytes) to ``dst`` (a writable buffer whose
     chunk ``i`` starts at byte ``i * dst_stride``) and return XXH64 of
     ``src`` with ``seed``, computed while copying."""
+    return _copy_one(src, dst, n_chunks, chunk_bytes, dst_stride, seed, False, -1)
+
+
+cdef object _copy_one(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
+                      uint64_t seed, bint xxh3, int level):
+    """copy_xxh64 (``xxh3`` False) or copy_xxh3 (at ``level``)."""
     cdef const unsigned char[::1] s = memoryview(src).cast("B")
     cdef unsigned char[::1] d = memoryview(dst).cast("B")
-    cdef kv_xxh64_state st
+    cdef kv_xxh64_state st64
+    cdef kv_xxh3_state st3
     cdef uint64_t h
+    cdef bint copy = n_chunks != 0 and chunk_bytes != 0
     _check_chunks(s.shape[0], d.shape[0], n_chunks, chunk_bytes, dst_stride)
     with nogil:
-        kv_xxh64_init(&st, seed)
-        if n_chunks and chunk_bytes:
-            kv_copy_xxh64(&st, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
-        h = kv_xxh64_digest(&st)
+        if xxh3:
+            kv_xxh3_init(&st3, seed, level)
+            if copy:
+                kv_copy_xxh3(&st3, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
+            h = kv_xxh3_digest(&st3)
+        else:
+            kv_xxh64_init(&st64, seed)
+            if copy:
+                kv_copy_xxh64(&st64, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
+            h = kv_xxh64_digest(&st64)
     return h
 
 
@@ -119,17 +133,7 @@ def xxh3_level(int level=-1):
 def copy_xxh3(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
               uint64_t seed=0, int level=-1):
     """:func:`copy_xxh64` with XXH3-64."""
-    cdef const unsigned char[::1] s = memoryview(src).cast("B")
-    cdef unsigned char[::1] d = memoryview(dst).cast("B")
-    cdef kv_xxh3_state st
-    cdef uint64_t h
-    _check_chunks(s.shape[0], d.shape[0], n_chunks, chunk_bytes, dst_stride)
-    with nogil:
-        kv_xxh3_init(&st, seed, level)
-        if n_chunks and chunk_bytes:
-            kv_copy_xxh3(&st, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
-        h = kv_xxh3_digest(&st)
-    return h
+    return _copy_one(src, dst, n_chunks, chunk_bytes, dst_stride, seed, True, level)
 
 
 def copy_xxh64_many(srcs, parts, seeds):

@@ -20,6 +20,7 @@ from kvcore.backends.cpu._convert cimport (KV_FP8_E4M3, KV_FP8_E5M2, KVH_F16, KV
                                            f32_to_i8_rows, fp8_to_f32, i8_to_f32, kind_itemsize,
                                            stream_fence)
 from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, slot_t
+from kvcore.backends.cpu._span cimport byte_span
 
 cdef extern from "kv_kinds.h":
     enum:
@@ -61,34 +62,15 @@ cdef inline int _aligned_array(cnp.ndarray a, str what) except -1:
     return 0
 
 
-cdef void _span(cnp.ndarray a, char** lo, char** hi) noexcept:
-    """The bytes [lo, hi) that a non-empty ``a`` may touch."""
-    cdef char* l = _ptr(a)
-    cdef char* h = l
-    cdef int i
-    cdef cnp.npy_intp n, s
-    for i in range(cnp.PyArray_NDIM(a)):
-        n = cnp.PyArray_DIM(a, i)
-        s = cnp.PyArray_STRIDE(a, i)
-        if s > 0:
-            h += (n - 1) * s
-        else:
-            l += (n - 1) * s
-    lo[0] = l
-    hi[0] = h + cnp.PyArray_ITEMSIZE(a)
-
-
 def overlaps(cnp.ndarray a, cnp.ndarray b):
     """Whether the memory spans of ``a`` and ``b`` meet (one bounds check,
     as ``numpy.may_share_memory`` does by default; empty arrays never do)."""
-    cdef char* alo
-    cdef char* ahi
-    cdef char* blo
-    cdef char* bhi
-    if cnp.PyArray_SIZE(a) == 0 or cnp.PyArray_SIZE(b) == 0:
+    cdef const char* alo
+    cdef const char* ahi
+    cdef const char* blo
+    cdef const char* bhi
+    if not byte_span(a, &alo, &ahi) or not byte_span(b, &blo, &bhi):
         return False
-    _span(a, &alo, &ahi)
-    _span(b, &blo, &bhi)
     return alo < bhi and blo < ahi
 
 
@@ -406,82 +388,6 @@ cdef class PositionWriter(RowWriter):
         return 0
 
 
-cdef object _write_slots_float(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots,
-                               int src_kind, int dst_kind):
-    """cache[b, h, off, :] = src[i, h, :] for slot s = slots[i] >= 0,
-    b = s // block_size, off = s % block_size.
-
-    cache: (num_blocks, heads, block_size, dim), C-contiguous.
-    src: (n, heads, dim), last axis contiguous, any other strides.
-    """
-    cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
-    cdef Py_ssize_t bs = cache.shape[2]
-    cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
-    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
-    cdef char* sp = _ptr(src)
-    cdef char* cp = _ptr(cache)
-    cdef Py_ssize_t i, b, off
-    cdef slot_t s
-    cdef bint stream = _streamed(n * H * D, dst_kind)
-    _aligned_array(src, "src")
-    _aligned_array(cache, "cache")
-    if n:
-        _aligned(&slots[0], sizeof(slot_t), "slots")
-    with nogil:
-        for i in range(n):
-            s = slots[i]
-            if s < 0:
-                continue
-            b = s // bs
-            off = s - b * bs
-            _write_token(src_kind, sp + i * s0, s1, dst_kind, cp + b * c_block + off * c_tok,
-                         c_head, H, D, stream)
-        if stream:
-            stream_fence()
-
-
-cdef object _gather_float(cnp.ndarray cache, const block_id_t[::1] block_table,
-                          Py_ssize_t start, Py_ssize_t end, cnp.ndarray out,
-                          int src_kind, int dst_kind):
-    """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
-    for t in start..end-1.
-
-    cache: (num_blocks, heads, block_size, dim), C-contiguous.
-    out: (heads, end - start, dim), C-contiguous.
-    Copies one run of up to block_size tokens per (block, head).
-    """
-    cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
-    cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
-    cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]
-    cdef char* cp = _ptr(cache)
-    cdef char* op = _ptr(out)
-    cdef Py_ssize_t t = start, stop, off, run, h
-    cdef block_id_t b
-    # a low-precision plane read raw: its codes, copied
-    cdef bint raw = src_kind == dst_kind and src_kind >= KVH_F8E4M3
-    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(cache)
-    _aligned_array(out, "out")
-    _aligned_array(cache, "cache")
-    if block_table.shape[0]:
-        _aligned(&block_table[0], sizeof(block_id_t), "block_table")
-    with nogil:
-        while t < end:
-            b = block_table[t // bs]
-            off = t % bs
-            stop = t - off + bs
-            if stop > end:
-                stop = end
-            run = stop - t
-            for h in range(H):
-                if raw:
-                    memcpy(op + h * o_head + (t - start) * o_tok,
-                           cp + b * c_block + h * c_head + off * c_tok, run * D * item)
-                else:
-                    convert_n(src_kind, cp + b * c_block + h * c_head + off * c_tok,
-                              dst_kind, op + h * o_head + (t - start) * o_tok, run * D)
-            t = stop
-
-
 cdef int _copy_blocks(cnp.ndarray src_storage, const block_id_t[::1] src,
                      cnp.ndarray dst_storage, const block_id_t[::1] dst) except -1:
     """dst_storage[:, dst[i]] = src_storage[:, src[i]] for each i in order,
@@ -623,13 +529,17 @@ cdef inline float* _scale_ptr(object scales) except? NULL:
     return <float*>cnp.PyArray_DATA(a)
 
 
-cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray src,
-                           const slot_t[::1] slots, int src_kind, int dst_kind, float scale):
-    """write_slots into a low-precision plane.
+cdef object _write_slots(cnp.ndarray cache, object scales, cnp.ndarray src,
+                         const slot_t[::1] slots, int src_kind, int dst_kind, float scale):
+    """cache[b, h, off, :] = src[i, h, :] stored as ``dst_kind`` for slot
+    s = slots[i] >= 0, b = s // block_size, off = s % block_size: float kinds
+    converted, low-precision ones encoded (fp8(x / scale); int8 with each
+    row's scale to ``scales``, the plane's (num_blocks, heads, block_size)
+    float32, C-contiguous, else None).
 
-    cache: (num_blocks, heads, block_size, dim) C-contiguous (1-byte codes);
-    scales: int8 only, the plane's (num_blocks, heads, block_size) float32,
-    C-contiguous (else None); src: (n, heads, dim), last axis contiguous."""
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    src: (n, heads, dim), last axis contiguous, any other strides.
+    """
     cdef Py_ssize_t n = src.shape[0], H = src.shape[1], D = src.shape[2]
     cdef Py_ssize_t bs = cache.shape[2]
     cdef Py_ssize_t s0 = src.strides[0], s1 = src.strides[1]
@@ -639,14 +549,18 @@ cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray s
     cdef float* sc = _scale_ptr(scales)
     cdef Py_ssize_t i, b, off
     cdef slot_t s
-    cdef float* buf
-    cdef bint stream = n * H * D >= STREAM_MIN_BYTES    # 1-byte codes
+    cdef float* buf = NULL
+    cdef bint encode = _lowprec(dst_kind)
+    # (low-precision codes are one byte each)
+    cdef bint stream = (n * H * D >= STREAM_MIN_BYTES) if encode else _streamed(n * H * D, dst_kind)
     _aligned_array(src, "src")
+    _aligned_array(cache, "cache")
     if n:
         _aligned(&slots[0], sizeof(slot_t), "slots")
     if dst_kind == KVH_I8 and sc == NULL:
         raise ValueError("internal: an int8 plane needs its scales")
-    buf = _scratch(D)
+    if encode:
+        buf = _scratch(D)
     try:
         with nogil:
             for i in range(n):
@@ -655,9 +569,14 @@ cdef object _write_slots_lowprec(cnp.ndarray cache, object scales, cnp.ndarray s
                     continue
                 b = s // bs
                 off = s - b * bs
-                _store_rows_q(src_kind, sp + i * s0, s1, dst_kind,
-                              cp + b * c_block + off * c_tok, c_head, H, D, scale,
-                              (sc + b * H * bs + off) if sc != NULL else NULL, bs, buf, stream)
+                if encode:
+                    _store_rows_q(src_kind, sp + i * s0, s1, dst_kind,
+                                  cp + b * c_block + off * c_tok, c_head, H, D, scale,
+                                  (sc + b * H * bs + off) if sc != NULL else NULL, bs, buf,
+                                  stream)
+                else:
+                    _write_token(src_kind, sp + i * s0, s1, dst_kind,
+                                 cp + b * c_block + off * c_tok, c_head, H, D, stream)
             if stream:
                 stream_fence()
     finally:
@@ -724,12 +643,18 @@ cdef object _write_positions_lowprec(cnp.ndarray storage, Py_ssize_t layer, cnp.
         free(buf)
 
 
-cdef object _gather_lowprec(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
-                      Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind,
-                      int dst_kind, float scale):
-    """gather of a low-precision plane, widened to float ``dst_kind``.
-    cache C-contiguous; out (heads, end - start, dim) C-contiguous, aligned;
-    scales: int8's scale plane, else None."""
+cdef object _gather(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
+                    Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind,
+                    int dst_kind, float scale):
+    """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
+    for t in start..end-1, read as ``dst_kind``: float planes converted, a
+    low-precision plane widened (fp8 * scale, int8 code * its row's scale in
+    ``scales``, else None) or its codes copied raw.
+
+    cache: (num_blocks, heads, block_size, dim), C-contiguous.
+    out: (heads, end - start, dim), C-contiguous, aligned.
+    Moves one run of up to block_size tokens per (block, head).
+    """
     cdef Py_ssize_t H = cache.shape[1], bs = cache.shape[2], D = cache.shape[3]
     cdef Py_ssize_t c_block = cache.strides[0], c_head = cache.strides[1], c_tok = cache.strides[2]
     cdef Py_ssize_t o_head = out.strides[0], o_tok = out.strides[1]
@@ -737,14 +662,22 @@ cdef object _gather_lowprec(cnp.ndarray cache, object scales, const block_id_t[:
     cdef char* op = _ptr(out)
     cdef float* sc = _scale_ptr(scales)
     cdef Py_ssize_t t = start, stop, off, run, h
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(cache)
     cdef block_id_t b
-    cdef float* buf
+    cdef const char* src
+    cdef char* dst
+    cdef float* buf = NULL
+    cdef bint widen = _lowprec(src_kind) and dst_kind != src_kind
+    # a low-precision plane read as its own kind: its codes, copied
+    cdef bint raw = src_kind == dst_kind and _lowprec(src_kind)
     _aligned_array(out, "out")
-    if src_kind == KVH_I8 and sc == NULL:
+    _aligned_array(cache, "cache")
+    if widen and src_kind == KVH_I8 and sc == NULL:
         raise ValueError("internal: an int8 plane needs its scales")
     if block_table.shape[0]:
         _aligned(&block_table[0], sizeof(block_id_t), "block_table")
-    buf = _scratch(bs * D if dst_kind != KVH_F32 else 1)
+    if widen:
+        buf = _scratch(bs * D if dst_kind != KVH_F32 else 1)
     try:
         with nogil:
             while t < end:
@@ -755,9 +688,16 @@ cdef object _gather_lowprec(cnp.ndarray cache, object scales, const block_id_t[:
                     stop = end
                 run = stop - t
                 for h in range(H):
-                    _load_run_q(src_kind, cp + b * c_block + h * c_head + off * c_tok, run, D,
-                                (sc + (b * H + h) * bs + off) if sc != NULL else NULL,
-                                dst_kind, op + h * o_head + (t - start) * o_tok, scale, buf)
+                    src = cp + b * c_block + h * c_head + off * c_tok
+                    dst = op + h * o_head + (t - start) * o_tok
+                    if widen:
+                        _load_run_q(src_kind, src, run, D,
+                                    (sc + (b * H + h) * bs + off) if sc != NULL else NULL,
+                                    dst_kind, dst, scale, buf)
+                    elif raw:
+                        memcpy(dst, src, run * D * item)
+                    else:
+                        convert_n(src_kind, src, dst_kind, dst, run * D)
                 t = stop
     finally:
         free(buf)
@@ -835,10 +775,7 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots, int
     fp8: stored fp8(x / scale); int8: ``scale_plane`` the plane's
     (num_blocks, heads, block_size) float32 scales, C-contiguous.
     """
-    if _lowprec(dst_kind):
-        _write_slots_lowprec(cache, scale_plane, src, slots, src_kind, dst_kind, scale)
-    else:
-        _write_slots_float(cache, src, slots, src_kind, dst_kind)
+    _write_slots(cache, scale_plane, src, slots, src_kind, dst_kind, scale)
 
 
 def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
@@ -868,10 +805,7 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table, Py_ssize_t star
     cache: (num_blocks, heads, block_size, dim), C-contiguous.
     out: (heads, end - start, dim), C-contiguous, aligned.
     """
-    if _lowprec(src_kind) and dst_kind != src_kind:
-        _gather_lowprec(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, scale)
-    else:
-        _gather_float(cache, block_table, start, end, out, src_kind, dst_kind)
+    _gather(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, scale)
 
 
 def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start, int src_kind,

@@ -1,5 +1,5 @@
 """The CPU backend: ``Backend``'s interface over the Cython/C kernels of this
-folder (``_convert``, ``_kernels``, ``_attention``).  The array helpers are
+folder (``_convert``, ``_kernels``, ``_attention``, ``_checksum``).  The array helpers are
 ``Backend``'s (NumPy arrays in host memory); every kernel here gives the bits
 of ``Backend``'s reference.
 
@@ -10,7 +10,7 @@ aligned.  The kernels themselves release the GIL.
 import numpy as np
 
 from ..base import Backend
-from . import _attention, _convert, _kernels
+from . import _attention, _checksum, _convert, _kernels
 
 
 def _aligned_ids(a):
@@ -147,6 +147,25 @@ class CPUBackend(Backend):
 
     def copy_blocks_between(self, src_storage, src, dst_storage, dst):
         _kernels.copy_blocks_between(src_storage, src, dst_storage, dst)
+
+    def copier_for(self, other):
+        # host code cannot reach a device's memory; a device backend reaches ours
+        return other
+
+    def write_block_bytes(self, arrays, block_ids, payloads, seeds=None, num_threads=1):
+        """With ``seeds``: every block in one native call, the GIL released,
+        the checksums computed while copying, split over ``num_threads``
+        (the same bits for any count).  Plane ``p`` of block ``b`` starts at
+        byte ``(p * num_blocks + b) * chunk`` of a C-contiguous array."""
+        if seeds is None:
+            return super().write_block_bytes(arrays, block_ids, payloads)
+        parts = []
+        for a in arrays:
+            planes, num_blocks = a.shape[0], a.shape[1]
+            chunk = a.nbytes // (planes * num_blocks)     # one block of one plane
+            parts.append((a.reshape(-1).view(np.uint8), [b * chunk for b in block_ids],
+                          planes, chunk, num_blocks * chunk))
+        return _checksum.copy_xxh3_many(payloads, parts, seeds, num_threads)
 
     # ------------------------------------------------- attention
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
