@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
+pytestmark = pytest.mark.toolchain
+
 try:
     from test_native_levels import NATIVE, ROOT, _build_and_run, _run_case, needs_source
 except ImportError:  # pragma: no cover - run as a package

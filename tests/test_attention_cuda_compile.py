@@ -12,6 +12,9 @@ import pytest
 
 from kvcore.backends.cuda import attention_kernels as cuda
 
+# builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
+pytestmark = pytest.mark.toolchain
+
 try:  # tests/ as a package or as a plain directory on sys.path
     from .test_cuda_kernels_compile import (  # noqa: F401
         ARCH, NVCC, NVCC_FLAGS as FLAGS, _nvcc, check_modules_lowered, needs_nvcc,

@@ -17,6 +17,9 @@ from kvcore import dtypes
 from kvcore.backends.cuda import attention_kernels as ak
 from kvcore.dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8
 
+# builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
+pytestmark = pytest.mark.toolchain
+
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_attention_emulation import CXX, AttentionEmulation
     from ._cuda_cases import DeviceUnderTest, _attention_case

@@ -163,6 +163,7 @@ def _build(cc, out, extra=()):
                    check=True, capture_output=True, text=True)
 
 
+@pytest.mark.toolchain
 def test_c_xxh3_natively(tmp_path):
     import shutil
 
@@ -178,6 +179,7 @@ def test_c_xxh3_natively(tmp_path):
         _check_c_output(run.stdout, level)
 
 
+@pytest.mark.toolchain
 def test_c_xxh3_on_aarch64_under_qemu(tmp_path):
     try:
         from _helpers import aarch64_tools

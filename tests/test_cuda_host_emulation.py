@@ -32,6 +32,9 @@ from kvcore.backends.cuda.backend import CudaBackend, launch_shape
 from kvcore.dtypes import BF16, F16, F32
 from kvcore.backends.codec import Codec
 
+# builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
+pytestmark = pytest.mark.toolchain
+
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_attention_emulation import AttentionEmulation
     from ._cuda_cases import *  # noqa: F401,F403

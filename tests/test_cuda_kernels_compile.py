@@ -19,6 +19,9 @@ import pytest
 
 from kvcore.backends.cuda import _sources, attention_kernels
 
+# builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
+pytestmark = pytest.mark.toolchain
+
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
