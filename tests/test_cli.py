@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvcore
@@ -255,3 +256,19 @@ def test_bench_hashing_rows():
     rows = hashing.rows(r)
     assert rows[0][:2] == ("block_hashes, 2048-token prompt (int32 array)", "15.0 us")
     assert rows[1][1:] == ("49.0 us", "", "6.1x")
+
+
+def test_bench_attention_prefill_runs():
+    """The prefill rows time kvcore and torch with at least two repeats (the
+    timing loop's keyword once went missing and every `bench` run crashed
+    there)."""
+    from kvcore.cli.benchmarks import attention
+
+    torch, F = attention._torch()
+    r = attention.bench_prefill(32, np.random.default_rng(0), 0.0, torch, F, threads=(1,))
+    assert r["tokens"] == 32 and r["kvcore_1t_s"] > 0
+    lo, hi = r["kvcore_1t_s_range"]
+    assert lo <= r["kvcore_1t_s"] <= hi
+    if torch is not None:
+        assert r["torch_f32_s"] > 0 and r["torch_bf16_s"] > 0
+        assert r["max_rel_diff_vs_torch_f32"] < 1e-4

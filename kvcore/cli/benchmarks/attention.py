@@ -37,11 +37,12 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = "float16"
 
 
-def _time(r, key, fn, budget=1.0):
-    """Seconds per call of ``fn()`` (one warm-up call, at least 3 repeats,
-    then until ``budget`` seconds are spent, at most 50): ``r[key]`` gets the
-    median, ``r[key + "_range"]`` the ``[min, max]``.  Returns the median."""
-    return timed(r, key, fn, repeat=3, warmup=1, budget=budget, repeat_max=50)
+def _time(r, key, fn, budget=1.0, repeat_min=3):
+    """Seconds per call of ``fn()`` (one warm-up call, at least
+    ``repeat_min`` repeats, then until ``budget`` seconds are spent, at most
+    50): ``r[key]`` gets the median, ``r[key + "_range"]`` the ``[min, max]``.
+    Returns the median."""
+    return timed(r, key, fn, repeat=repeat_min, warmup=1, budget=budget, repeat_max=50)
 
 
 def _torch():
