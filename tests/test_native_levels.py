@@ -51,6 +51,7 @@ def _build_and_run(cc, check, out, extra=(), runner=(), objects=()):
 
 @needs_source
 @pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.toolchain
 def test_native_simd_levels_match_scalar(tmp_path, check):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -64,6 +65,7 @@ def test_native_simd_levels_match_scalar(tmp_path, check):
 
 @needs_source
 @pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.toolchain
 def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
     cc, qemu = aarch64_tools()
     run = _build_and_run(cc, check, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
@@ -72,6 +74,7 @@ def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
 
 
 @needs_source
+@pytest.mark.toolchain
 def test_attention_plan_runs_match_one_call_attention(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -83,6 +86,7 @@ def test_attention_plan_runs_match_one_call_attention(tmp_path):
 
 
 @needs_source
+@pytest.mark.toolchain
 def test_attention_plan_under_qemu(tmp_path):
     cc, qemu = aarch64_tools()
     run = _build_and_run(cc, "plan", tmp_path / "plan_a64", extra=("-static",), runner=(qemu,))
@@ -95,9 +99,6 @@ def test_attention_plan_under_qemu(tmp_path):
 _CASE = """
 import hashlib, json, numpy as np, kvcore
 from kvcore.backends.cpu import _attention
-
-# builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
-pytestmark = pytest.mark.toolchain
 rng = np.random.default_rng(11)
 kc = rng.standard_normal((40, 2, 16, 64)).astype(np.float16)
 vc = rng.standard_normal((40, 2, 16, 64)).astype(np.float16)
