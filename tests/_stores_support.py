@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvcore
+import kvcore.convert
 
 GEOMETRY = dict(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -59,8 +60,14 @@ def expected_kv(pool, tokens, n, salt=b""):
     out = []
     for layer in range(pool.num_layers):
         k, v = kv_for(np.asarray(tokens, np.int32), range(n), layer, pool, salt)
-        conv = {"float16": np.float16, "float32": np.float32}[pool.dtype]
-        out.append((k.astype(conv).transpose(1, 0, 2), v.astype(conv).transpose(1, 0, 2)))
+        if pool.dtype == "float8_e4m3fn":     # the codes of x / the layer's scale
+            ks, vs = pool.kv_scales[layer]
+            k, v = (kvcore.convert.to_float8_e4m3fn(x / np.float32(sc)) for x, sc in
+                    ((k, ks), (v, vs)))
+        else:
+            conv = {"float16": np.float16, "float32": np.float32}[pool.dtype]
+            k, v = k.astype(conv), v.astype(conv)
+        out.append((k.transpose(1, 0, 2), v.transpose(1, 0, 2)))
     return out
 
 

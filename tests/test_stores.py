@@ -14,8 +14,8 @@ import kvcore
 from kvcore.stores import _format
 
 from _helpers import run_script_phases, snapshot_without_stores
-from _stores_support import (FailingStore, check_hit, disk_full, expected_kv, flush_pool,
-                             make_pool, peer_script, permission_denied, run)
+from _stores_support import (GEOMETRY, FailingStore, check_hit, disk_full, expected_kv,
+                             flush_pool, make_pool, peer_script, permission_denied, run)
 
 PROMPT = np.arange(1, 18, dtype=np.int32)       # 17 tokens: 4 full blocks can hit
 
@@ -205,6 +205,36 @@ def test_fingerprint_mismatch_is_a_miss_with_a_warning(tmp_path):
         seq = kvcore.PagedKVCache(p32)
         assert seq.allocate(PROMPT) == 0
     seq.free()
+
+
+@pytest.mark.parametrize("store", ["host", "disk"])
+def test_fp8_pools_with_other_kv_scales_never_share_entries(tmp_path, store):
+    """An fp8 block's codes mean what its pool's per-layer scales make of
+    them: a pool with other scales reading them would get another KV
+    (scale 0.5 read 3.0 as 1.5), so the scales are part of the layout
+    fingerprint. Pools with the same scales still share."""
+    shared = kvcore.HostStore(1 << 22) if store == "host" else None
+
+    def fp8_pool(scales):
+        s = shared if shared is not None else kvcore.DiskStore(tmp_path, 1 << 22)
+        return kvcore.BlockPool(8, GEOMETRY["block_size"], GEOMETRY["num_layers"],
+                                GEOMETRY["num_kv_heads"], GEOMETRY["head_dim"],
+                                dtype="float8_e4m3fn", kv_scales=scales, stores=[s])
+
+    ones = [(1.0, 1.0)] * GEOMETRY["num_layers"]
+    a = fp8_pool(ones)
+    run(a, PROMPT)
+    flush_pool(a)
+    for other in ([(0.5, 1.0), (1.0, 1.0)], [(1.0, 1.0), (1.0, 2.0)]):
+        b = fp8_pool(other)
+        assert b.probe(PROMPT)["hit_tokens"] == 0, other
+        check_hit(b, PROMPT, 0)
+    check_hit(fp8_pool(ones), PROMPT, 4)
+    assert _format.fingerprint("float8_e4m3fn", 4, 2, 2, 8, b"", kv_scales=ones) != \
+        _format.fingerprint("float8_e4m3fn", 4, 2, 2, 8, b"", kv_scales=[(1.0, 1.0), (1.0, 2.0)])
+    # pools without per-layer scales keep the fingerprint they had
+    assert _format.fingerprint("float16", 4, 2, 2, 8, b"") == \
+        _format.fingerprint("float16", 4, 2, 2, 8, b"", kv_scales=None)
 
 
 def test_namespace_and_salt_isolation(tmp_path):

@@ -145,7 +145,8 @@ class StoreTiers:
         self._payload_size = pool.bytes_per_block
         self._fp = [_format.fingerprint(pool.dtype, pool.block_size, pool.num_layers,
                                         pool.num_kv_heads, pool.head_dim,
-                                        getattr(s, "namespace", b"") or b"")
+                                        getattr(s, "namespace", b"") or b"",
+                                        kv_scales=pool.kv_scales)
                     for s in stores]
         self._hmac = [getattr(s, "hmac_key", None) for s in stores]
         self._stats = [_stat_dict(getattr(s, "kind", type(s).__name__)) for s in stores]
