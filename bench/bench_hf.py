@@ -4,7 +4,7 @@ cached prefix, cache.update per decode step (see kvcore/cli/benchmarks/hf.py).
 
     python bench/bench_hf.py [--quick] [--model smollm2|PATH.gguf]
         [--model-dtype float32|bfloat16] [--prompt N] [--new N] [--calls N]
-        [--repeat N] [--json FILE]
+        [--batch 1,4] [--repeat N] [--json FILE]
     python bench/bench_hf.py --perplexity [--model smollm2|PATH.gguf] [--text FILE]
         [--tokens N]
 
@@ -29,6 +29,8 @@ def options(p):
     p.add_argument("--new", type=int, default=None, metavar="N", help="new tokens (>= 2)")
     p.add_argument("--calls", type=int, default=None, metavar="N",
                    help="timed generate calls per number (median)")
+    p.add_argument("--batch", default="1,4", metavar="B[,B...]",
+                   help="batch sizes of the generate rows (default %(default)s)")
     p.add_argument("--perplexity", action="store_true",
                    help="measure perplexity per KV dtype instead of speed (a GGUF model)")
     p.add_argument("--text", default=hf.DEFAULT_TEXT, metavar="FILE",
@@ -42,8 +44,14 @@ def run_kwargs(a, p):
         v = getattr(a, name)
         if v is not None and v < (2 if name == "new" else 1):
             p.error(f"--{name}: expected an integer >= {2 if name == 'new' else 1}, got {v}")
+    try:
+        batches = tuple(int(b) for b in a.batch.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        p.error(f"--batch: expected positive integers separated by commas, got {a.batch!r}")
     return dict(model=a.model, model_dtype=a.model_dtype, prompt=a.prompt, new=a.new,
-                calls=a.calls)
+                calls=a.calls, batches=batches)
 
 
 def main():

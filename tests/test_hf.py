@@ -453,6 +453,35 @@ def test_low_precision_pools_generate_through_the_kvcore_attention(dtype):
     pool.check()
 
 
+def test_perplexity_benchmark_emulates_fp8_scales_faithfully():
+    """The perplexity benchmark's emulated e4m3fn rows (K/V rounded in a
+    float32 pool): with per-layer scales they give the real e4m3fn pool's
+    logits; finer scales have the shapes they claim and really round."""
+    from kvcore.cli.benchmarks import hf as bench
+
+    model = model_for("llama", "kvcore")
+    g = torch.Generator().manual_seed(5)
+    calib, ids = (torch.randint(3, VOCAB, (1, n), generator=g) for n in (40, 24))
+    layer = bench._granular_scales(model, calib, "float8_e4m3fn", "layer")
+    real = kvcore.hf.calibrate_kv_scales(model, calib, dtype="float8_e4m3fn")
+    assert [float(x) for pair in layer for x in pair] == pytest.approx(
+        [x for pair in real for x in pair], rel=1e-6)
+    pools = [pool_for(model.config, 16, dtype="float8_e4m3fn", kv_scales=real),
+             pool_for(model.config, 16, dtype="float32"), pool_for(model.config, 16)]
+    with torch.no_grad():
+        fp8, emulated = (model(ids, **_kw(model, cache)).logits for cache in (
+            PagedCache(pools[0]),
+            bench._emulate_fp8(PagedCache(pools[1]), layer, "float8_e4m3fn")))
+        exact = model(ids, **_kw(model, PagedCache(pools[2]))).logits
+    assert torch.allclose(emulated, fp8, rtol=0, atol=1e-4)
+    assert not torch.allclose(emulated, exact, rtol=0, atol=1e-4)
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // 4
+    for granularity, shape in (("head", (1, heads, 1, 1)), ("channel", (1, heads, 1, dim))):
+        k, v = bench._granular_scales(model, calib, "float8_e4m3fn", granularity)[0]
+        assert k.shape == v.shape == shape and bool((k > 0).all())
+        assert float(k.max()) == pytest.approx(float(layer[0][0]), rel=1e-6)
+
+
 # ------------------------------------------------------------------ prefix reuse
 def _hits(pool):
     return pool.stats()["prefix_hits"]
@@ -652,6 +681,34 @@ def test_example_runs_and_reports_prefix_hits():
     assert hits and hits[0] > 0, run.stdout
 
 
+def test_benchmark_floor_cache_stores_nothing_and_keeps_positions():
+    """The benchmark's floor (attention and cache taken out) runs the
+    model's other work only: as many steps as a real cache, positions that
+    advance, and no K/V kept."""
+    from kvcore.cli.benchmarks import hf as bench
+
+    torch.manual_seed(0)
+    cache = bench._floor_cache()            # (also registers the floor's attention)
+    model = _tiny("llama", attn=bench.FLOOR)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    seen = []          # the positions the rotary embedding is asked for, per step
+    hook = model.model.rotary_emb.register_forward_hook(
+        lambda mod, args, kwargs, out: seen.append(
+            (args[1] if len(args) > 1 else kwargs["position_ids"])[0].tolist()),
+        with_kwargs=True)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, **{kvcore.hf.cache_keyword(model): cache}, max_new_tokens=4,
+                                 do_sample=False)
+    finally:
+        hook.remove()
+        model.set_attn_implementation("sdpa")
+    assert out.shape == (2, 13)
+    assert cache.get_seq_length() == 12
+    assert seen == [list(range(9)), [9], [10], [11]]
+    assert all(getattr(layer, "keys", None) is None for layer in cache.layers)
+
+
 def test_benchmark_runs_and_reports_goals():
     """bench/bench_hf.py's code on tiny sizes (speed is never asserted)."""
     from kvcore.cli import BENCHMARKS, ON_REQUEST
@@ -663,10 +720,17 @@ def test_benchmark_runs_and_reports_goals():
         assert r[b]["ratio_tok_s"] > 0
         # float16 pages hold half of DynamicCache's float32 bytes, rounded up to blocks
         assert 0.5 <= r[b]["kv_bytes_fraction"] < 0.75
+        assert r[b]["floor_tok_s"] > 0 and r[b]["ceiling_tok_s"] > 0
     assert r["ttft"]["hit_tokens"] == 48
     text = bench.report(r)
     assert "goals:" in text and "time to first token" in text
     assert "tiny (float32 model), float16 pages" in text
+    assert "floor: no attention, no cache" in text and "x ceiling" in text
+    r = bench.run(prompt=32, new=3, repeat=1, batches=(2,))
+    assert r["batches"] == [2] and "batch1" not in r and r["update_per_step"]["batch"] == 2
+    assert "batch2" in bench.report(r) and "batch4" not in bench.report(r)
+    with pytest.raises(ValueError, match="batches must be positive integers, got \\(0,\\)"):
+        bench.run(prompt=48, new=4, repeat=1, batches=(0,))
     with pytest.raises(FileNotFoundError, match="--model must be smollm2 or the path of a "
                                                  "\\.gguf file, got 'nope.gguf'"):
         bench.run(prompt=48, new=4, repeat=1, model="nope.gguf")
