@@ -1,7 +1,10 @@
 """Attention over the pages against torch SDPA, gather + NumPy and a
 streaming read (see kvcore/cli/benchmarks/attention.py), plus the per-layer
 overhead of ``AttentionPlan.run`` for a batch-1 decode (context 4096):
-python bench/bench_attention.py [--quick] [--json FILE] [--only-plan]
+python bench/bench_attention.py [--quick] [--json FILE] [--only-plan | --only-prefill]
+
+--only-prefill: causal prefill of 1024 and 4096 tokens only, for the default
+shape and SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
 
 The overhead is measured against the backend plan's own run (the C plan
 over arrays already checked: ``Backend.attention_run``), in interleaved
@@ -123,7 +126,10 @@ def report(res):
 
 
 if __name__ == "__main__":
-    if "--only-plan" in sys.argv:
+    if "--only-prefill" in sys.argv:
+        sys.argv.remove("--only-prefill")
+        script_main(attention.run_prefill_shapes, attention.report, __doc__)
+    elif "--only-plan" in sys.argv:
         sys.argv.remove("--only-plan")
         script_main(plan_overhead, plan_report, __doc__)
     else:

@@ -272,3 +272,18 @@ def test_bench_attention_prefill_runs():
     if torch is not None:
         assert r["torch_f32_s"] > 0 and r["torch_bf16_s"] > 0
         assert r["max_rel_diff_vs_torch_f32"] < 1e-4
+
+
+def test_bench_attention_prefill_shapes_include_smollm2():
+    """`bench_attention.py --only-prefill`: the default shape and SmolLM2's
+    (9/3 heads, head_dim 64), each checked against torch where it exists."""
+    from kvcore.cli.benchmarks import attention
+
+    res = attention.run_prefill_shapes(quick=True)
+    assert set(res["prefill"]) == {"n256", "smollm2_n256"}
+    assert res["prefill"]["smollm2_n256"]["shape"] == [9, 3, 64]
+    assert res["prefill"]["smollm2_n256"]["flops"] == 4.0 * 256 * 256 / 2 * 64 * 9
+    if res["torch"] is not None:
+        assert res["prefill"]["smollm2_n256"]["max_rel_diff_vs_torch_f32"] < 1e-4
+    text = attention.report(res)
+    assert "smollm2_n256 (9/3 heads, d=64)" in text and "decode " not in text

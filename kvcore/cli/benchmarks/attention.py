@@ -161,17 +161,25 @@ def bench_page_dtypes(ctx, rng, budget):
     return r
 
 
-def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
+#: a small real model's attention (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64)
+SMOLLM2_SHAPE = (9, 3, 64)
+
+
+def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,),
+                  shape=(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)):
+    """Causal prefill of ``n`` tokens, ``shape`` = (query heads, KV heads,
+    head_dim), against torch SDPA in float32 and bfloat16."""
+    heads, kv_heads, dim = shape
     blocks = -(-n // BLOCK_SIZE)
-    pool = kvcore.BlockPool(blocks, BLOCK_SIZE, 1, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE)
+    pool = kvcore.BlockPool(blocks, BLOCK_SIZE, 1, kv_heads, dim, dtype=DTYPE)
     _fill(pool.storage, rng)
     tables = rng.permutation(blocks).astype(np.int32).reshape(1, blocks)
     lens = np.array([n], np.int64)
     qsl = np.array([0, n], np.int64)
-    q = rng.standard_normal((n, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((n, heads, dim)).astype(np.float32)
     out = np.empty_like(q)
-    flops = 4.0 * n * n / 2 * HEAD_DIM * NUM_HEADS
-    r = {"tokens": n, "flops": flops}
+    flops = 4.0 * n * n / 2 * dim * heads
+    r = {"tokens": n, "flops": flops, "shape": list(shape)}
     for t in threads:
         _with_threads(t, torch)
         _time(r, f"kvcore_{t}t_s",
@@ -202,6 +210,32 @@ def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,)):
     if 2 in threads:
         r["speedup_2t_vs_1t"] = t1 / r["kvcore_2t_s"]
     return r
+
+
+def run_prefill_shapes(quick=False, seed=0):
+    """Causal prefill only, for the default shape and SmolLM2's
+    (``python bench/bench_attention.py --only-prefill``): 1024 and 4096
+    tokens, where a KV head's K and V leave the L2 cache."""
+    torch, F = _torch()
+    rng = np.random.default_rng(seed)
+    threads_before = kvcore.get_num_threads()
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    budget = 0.2 if quick else 1.5
+    res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                     "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},
+           "torch": torch.__version__ if torch is not None else None, "decode": {},
+           "prefill": {}}
+    try:
+        for name, shape in (("", (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)),
+                            ("smollm2_", SMOLLM2_SHAPE)):
+            for n in ([256] if quick else [1024, 4096]):
+                res["prefill"][f"{name}n{n}"] = bench_prefill(n, rng, budget, torch, F,
+                                                              shape=shape)
+    finally:
+        kvcore.set_num_threads(threads_before)
+        if torch is not None:
+            torch.set_num_threads(torch_threads)
+    return res
 
 
 def bench_demo(repeat):
@@ -281,9 +315,10 @@ def report(res):
              f"{res['shape']['dtype']} pages of {res['shape']['block_size']}; one thread unless "
              f"noted; torch {res['torch'] or 'not installed'}; times are median [min-max] of "
              "repeats, GB/s and ratios from the medians"]
-    lines.append("")
-    lines.append(f"{'decode':12s} {'kvcore ms':>23s}  GB/s  stream GB/s  of stream  x torch f32  "
-                 "x torch bf16  x gather+numpy  2 threads")
+    if res["decode"]:
+        lines.append("")
+        lines.append(f"{'decode':12s} {'kvcore ms':>23s}  GB/s  stream GB/s  of stream  "
+                     "x torch f32  x torch bf16  x gather+numpy  2 threads")
     for name, r in res["decode"].items():
         lines.append(
             f"{name:12s} {_spread(r, 'kvcore_1t_s', 1e3, '.3f'):>23s} {r['kvcore_GBps']:5.1f} "
@@ -297,11 +332,13 @@ def report(res):
         lines.append("  " + "  ".join(f"{k} {v['ns_per_row']:.0f} ns ({v['GBps']:.1f} GB/s)"
                                        for k, v in res["page_dtypes"].items()))
     lines.append("")
-    lines.append(f"{'prefill':12s} {'kvcore ms':>23s}  GFLOP/s  torch f32 GFLOP/s  x torch f32  "
+    lines.append(f"{'prefill':15s} {'kvcore ms':>23s}  GFLOP/s  torch f32 GFLOP/s  x torch f32  "
                  "x torch bf16  2 threads")
     for name, r in res["prefill"].items():
+        if "shape" in r and tuple(r["shape"]) != (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM):
+            name += " ({}/{} heads, d={})".format(*r["shape"])
         lines.append(
-            f"{name:12s} {_spread(r, 'kvcore_1t_s', 1e3, '.1f'):>23s} {r['kvcore_GFLOPps']:8.1f} "
+            f"{name:15s} {_spread(r, 'kvcore_1t_s', 1e3, '.1f'):>23s} {r['kvcore_GFLOPps']:8.1f} "
             f"{_f(r.get('torch_f32_GFLOPps'), '18.1f')} "
             f"{_f(r.get('speedup_vs_torch_f32'), '12.2f')} "
             f"{_f(r.get('speedup_vs_torch_bf16'), '13.2f')} "
