@@ -302,3 +302,21 @@ def test_fp8_pools_with_other_head_scales_never_share_entries(tmp_path, store):
     uniform = kvcore.BlockPool(4, BS, 2, H, D, dtype="float8_e4m3fn",
                                kv_scales=[((0.5,) * H, 1.0)] * 2)
     assert fp(uniform.kv_scales) == fp([(0.5, 1.0)] * 2)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_contiguous_cache_attention_per_head(dtype):
+    """KVCache.attention over per-head fp8 K/V equals attention over a float32
+    cache holding the dequantized values (decode and a 9-token prefill)."""
+    rng = np.random.default_rng(6)
+    c = kvcore.KVCache(2, H, 64, 32, batch_size=2, dtype=dtype, kv_scales=SCALES)
+    f = kvcore.KVCache(2, H, 64, 32, batch_size=2, dtype="float32")
+    for l in range(2):
+        k = np.moveaxis(rows(rng, 2 * 20, 64).reshape(2, 20, H, 64), 2, 1)
+        v = np.moveaxis(rows(rng, 2 * 20, 64).reshape(2, 20, H, 64), 2, 1) / 10
+        c.update(l, k, v)
+        f.update(l, *c.get(l, dtype="float32"))
+        for n in (1, 9):
+            q = rng.standard_normal((2, 2 * H, n, 64)).astype(np.float32) / 8
+            want = f.attention(l, q)
+            assert rel_err(c.attention(l, q), want) <= 1e-5
