@@ -14,7 +14,8 @@ import numpy as np
 from . import dtypes
 from .backends import Codec, codec_of
 
-__all__ = ["Planes", "check_layer_scales", "kv_scale_pairs", "outs_share_memory"]
+__all__ = ["Planes", "check_head_scales_backend", "check_layer_scales", "kv_scale_pairs",
+           "outs_share_memory"]
 
 
 class Planes:
@@ -30,6 +31,9 @@ class Planes:
         int8: the scale planes, one float32 per row of ``storage``.
     layer_scales : float32 array ``(num_layers, 2)`` or None
         fp8: the per-layer scales.
+    head_scales : float32 array ``(num_layers, 2, num_kv_heads)`` or None
+        fp8 with per-kv-head scales (see ``check_layer_scales``): a plane
+        whose heads' scales differ gets them in its codec.
     owned : arrays
         Everything an input must be apart from (the owner's whole storage
         and scales, whatever their shape).
@@ -37,7 +41,8 @@ class Planes:
 
     __slots__ = ("views", "codecs", "_backend", "_owned")
 
-    def __init__(self, backend, storage, kind, scales=None, layer_scales=None, owned=()):
+    def __init__(self, backend, storage, kind, scales=None, layer_scales=None, owned=(),
+                 head_scales=None):
         num_layers = storage.shape[0]
         self._backend = backend
         self._owned = tuple(a for a in owned if a is not None)
@@ -46,8 +51,8 @@ class Planes:
             self.codecs = [tuple(Codec(kind, 1.0, scales[l, i]) for i in (0, 1))
                            for l in range(num_layers)]
         elif layer_scales is not None:
-            self.codecs = [tuple(Codec(kind, float(layer_scales[l, i])) for i in (0, 1))
-                           for l in range(num_layers)]
+            self.codecs = [tuple(_fp8_codec(kind, layer_scales, head_scales, l, i)
+                                 for i in (0, 1)) for l in range(num_layers)]
         else:
             plain = codec_of(kind)
             self.codecs = [(plain, plain)] * num_layers
@@ -60,6 +65,16 @@ class Planes:
         return a
 
 
+def _fp8_codec(kind, layer_scales, head_scales, layer, i):
+    """Plane ``i`` of ``layer``'s fp8 codec: its one scale, or its per-head
+    scales when they differ."""
+    if head_scales is not None:
+        hs = head_scales[layer, i]
+        if not (hs == hs[0]).all():
+            return Codec(kind, 1.0, head_scales=np.ascontiguousarray(hs, np.float32))
+    return Codec(kind, float(layer_scales[layer, i]))
+
+
 def outs_share_memory(backend, k_out, v_out):
     """Whether a read's two ``out`` arrays share memory (exactly, on the
     host; a bounds check on a device)."""
@@ -68,40 +83,138 @@ def outs_share_memory(backend, k_out, v_out):
                 and (xp is not np or np.shares_memory(k_out, v_out)))
 
 
-def check_layer_scales(kv_scales, kind, num_layers):
-    """fp8: ``kv_scales`` checked, as a float32 ``(num_layers, 2)`` array
-    (default all 1.0); None for other dtypes (where kv_scales must be None)."""
+def check_layer_scales(kv_scales, kind, num_layers, num_kv_heads=1):
+    """fp8: ``kv_scales`` checked, as ``(layer_scales, head_scales)``:
+    float32 ``(num_layers, 2)`` (default all 1.0) and, when some layer's k or
+    v holds one scale per kv head that are not all equal, float32
+    ``(num_layers, 2, num_kv_heads)`` (every plane's scales, a single one
+    repeated), else None.  ``(None, None)`` for other dtypes (where
+    kv_scales must be None).  A plane with per-head scales has layer scale
+    1.0 (unused: its head scales win)."""
     if kind not in dtypes.FP8_KINDS:
         if kv_scales is not None:
             raise ValueError(f"kv_scales applies to fp8 pools (float8_e4m3fn, float8_e5m2) "
                              f"only, got kv_scales for dtype {dtypes.KIND_NAME[kind]!r}")
-        return None
+        return None, None
     if kv_scales is None:
-        return np.ones((num_layers, 2), np.float32)
-    _check_scale_types(kv_scales)
-    try:
-        a = np.array(kv_scales, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"kv_scales must be a sequence of num_layers (k_scale, v_scale) "
-                        f"float pairs, got {kv_scales!r}") from None
-    if a.shape != (num_layers, 2):
-        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
-                         f"(shape ({num_layers}, 2)), got shape {a.shape}")
+        return np.ones((num_layers, 2), np.float32), None
+    a = _scale_values(kv_scales, num_layers, num_kv_heads)   # float64 (L, 2, H)
     with np.errstate(over="ignore"):
         f = a.astype(np.float32)
     bad = ~(np.isfinite(f) & (f > 0))
     if bad.any():
-        l, i = np.argwhere(bad)[0]
+        l, i, h = np.argwhere(bad)[0]
+        head = f" (kv head {h})" if num_kv_heads > 1 else ""
         raise ValueError(f"kv_scales must be finite positive float32 values, got "
-                         f"{a[l, i]!r} for layer {l}'s {'kv'[i]}_scale")
-    return f
+                         f"{float(a[l, i, h])!r} for layer {l}'s {'kv'[i]}_scale{head}")
+    uniform = (f == f[:, :, :1]).all(axis=2)
+    layer = np.where(uniform, f[:, :, 0], np.float32(1.0)).astype(np.float32)
+    return layer, (None if uniform.all() else np.ascontiguousarray(f))
 
 
-def kv_scale_pairs(layer_scales):
-    """The ``kv_scales`` property: ``(k_scale, v_scale)`` float pairs, or None."""
+def check_head_scales_backend(head_scales, backend):
+    """ValueError for per-kv-head fp8 scales on a backend whose kernels
+    take one scale per layer (the CUDA one, for now)."""
+    if head_scales is not None and not getattr(backend, "per_head_fp8_scales", False):
+        raise ValueError(f"kv_scales with per-kv-head scales need device='cpu' for now "
+                         f"(the {type(backend).__name__} kernels take one scale per layer); "
+                         f"pass one float per layer's k and v instead")
+
+
+def kv_scale_pairs(layer_scales, head_scales=None):
+    """The ``kv_scales`` property: ``(k_scale, v_scale)`` per layer, each a
+    float, or a tuple of per-kv-head floats where that plane's heads differ;
+    None for other dtypes."""
     if layer_scales is None:
         return None
-    return [(float(k), float(v)) for k, v in layer_scales]
+    if head_scales is None:
+        return [(float(k), float(v)) for k, v in layer_scales]
+    return [tuple(float(s[0]) if (s == s[0]).all() else tuple(float(x) for x in s)
+                  for s in pair) for pair in head_scales]
+
+
+_PAIR = "a sequence of num_layers (k_scale, v_scale) pairs, each a float or a sequence of " \
+        "num_kv_heads floats"
+
+
+def _scale_values(kv_scales, num_layers, num_kv_heads):
+    """float64 ``(num_layers, 2, num_kv_heads)`` from ``kv_scales``: every
+    scale a real number (numpy would read "0.5" and True as 0.5 and 1.0,
+    hiding a caller's mistake), per layer a pair, each a number or
+    ``num_kv_heads`` of them."""
+    H = num_kv_heads
+    if _text_or_array(kv_scales, "kv_scales", _PAIR):
+        a = kv_scales.astype(np.float64)
+        if a.ndim == 2 and a.shape == (num_layers, 2):
+            return np.repeat(a[:, :, None], H, axis=2)
+        if a.shape == (num_layers, 2, H):
+            return a
+        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
+                         f"(shape ({num_layers}, 2) or ({num_layers}, 2, num_kv_heads={H})), "
+                         f"got shape {a.shape}")
+    try:
+        pairs = list(kv_scales)
+    except TypeError:
+        raise TypeError(f"kv_scales must be {_PAIR}, got {type(kv_scales).__name__} "
+                        f"{kv_scales!r:.80}") from None
+    if len(pairs) != num_layers:
+        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
+                         f"(shape ({num_layers}, 2)), got {len(pairs)} entries")
+    out = np.empty((num_layers, 2, H), np.float64)
+    for layer, pair in enumerate(pairs):
+        name = f"kv_scales[{layer}]"
+        if _text_or_array(pair, name, "a (k_scale, v_scale) pair"):
+            items = list(pair) if pair.ndim else None
+        else:
+            try:
+                items = list(pair)
+            except TypeError:
+                items = None
+        if items is None or len(items) != 2:
+            raise ValueError(f"{name} must be a (k_scale, v_scale) pair, got {pair!r:.80}")
+        for i, x in enumerate(items):
+            out[layer, i] = _plane_scales(x, f"{name}[{i}] ({'kv'[i]}_scale)", H)
+    return out
+
+
+def _plane_scales(x, name, num_kv_heads):
+    """One plane's scale: a real number, or ``num_kv_heads`` real numbers."""
+    if _text_or_array(x, name, "a float or a sequence of num_kv_heads floats"):
+        if x.ndim == 0:
+            return float(x)
+        if x.shape != (num_kv_heads,):
+            raise ValueError(f"{name} must be a float or num_kv_heads={num_kv_heads} floats "
+                             f"(one per kv head), got shape {x.shape}")
+        return x.astype(np.float64)
+    if _real(x):
+        return float(x)
+    if isinstance(x, (bool, np.bool_, np.complexfloating)) or not hasattr(x, "__iter__"):
+        raise TypeError(f"{name} must be a real number or num_kv_heads={num_kv_heads} of them, "
+                        f"got {type(x).__name__} {x!r}")
+    heads = list(x)
+    if len(heads) != num_kv_heads:
+        raise ValueError(f"{name} must be a float or num_kv_heads={num_kv_heads} floats (one per "
+                         f"kv head), got {len(heads)}")
+    for h, y in enumerate(heads):
+        if not _real(y):
+            raise TypeError(f"{name}[{h}] (kv head {h}) must be a real number, got "
+                            f"{type(y).__name__} {y!r}")
+    return np.array([float(y) for y in heads], np.float64)
+
+
+def _real(x):
+    """A real number (a 0-d tensor or array has __float__ too; str, bytes,
+    bool and complex are refused)."""
+    if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating, complex)):
+        return False
+    if isinstance(x, numbers.Real):
+        return True
+    if hasattr(type(x), "__float__") and not hasattr(x, "__len__"):
+        return True
+    # a 0-d tensor / array: __float__ and a len() that raises
+    if hasattr(type(x), "__float__") and getattr(x, "ndim", None) == 0:
+        return True
+    return False
 
 
 def _text_or_array(value, name, expected):
@@ -115,27 +228,3 @@ def _text_or_array(value, name, expected):
                             f"{value.dtype}")
         return True
     return False
-
-
-def _check_scale_types(kv_scales):
-    """TypeError unless every scale in ``kv_scales`` is a real number: numpy
-    would read "0.5" and True as 0.5 and 1.0, hiding a caller's mistake."""
-    if _text_or_array(kv_scales, "kv_scales", "a sequence of (k_scale, v_scale) float pairs"):
-        return
-    try:
-        pairs = list(kv_scales)
-    except TypeError:
-        return  # not a sequence: the conversion reports it
-    for layer, pair in enumerate(pairs):
-        if _text_or_array(pair, f"kv_scales[{layer}]", "a (k_scale, v_scale) pair of floats"):
-            continue
-        try:
-            items = list(pair)
-        except TypeError:
-            continue  # the shape check reports it
-        for i, x in enumerate(items):
-            # (a 0-d tensor or array has __float__ too; str, bytes and complex do not)
-            if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating)) \
-                    or not isinstance(x, numbers.Real) and not hasattr(type(x), "__float__"):
-                raise TypeError(f"kv_scales[{layer}][{i}] ({'kv'[i] if i < 2 else '?'}_scale) "
-                                f"must be a real number, got {type(x).__name__} {x!r}")

@@ -151,17 +151,22 @@ def _float32_real(value, arg, allow_zero):
 def _owned(store):
     """Every array a pool or a KVCache owns (its storage, and its scales when
     it has them): what an ``out=`` must not overlap."""
-    arrays = (store._storage, store._scales, store._layer_scales)
+    arrays = (store._storage, store._scales, store._layer_scales,
+              getattr(store, "_head_scales", None))
     return tuple(a for a in arrays if a is not None and not isinstance(a, (list, tuple)))
 
 
 def _lowprec_args(store, layer):
     """``(key_scales, value_scales, k_scale, v_scale)`` of a low-precision
     pool or cache's layer (int8: its scale planes; fp8: its layer's
-    scales), None for float storage."""
+    scales, or with per-kv-head scales, two float32 ``(num_kv_heads,)``
+    arrays), None for float storage."""
     kind = _dtypes.storage_kind(store.dtype)
     if kind == _dtypes.I8:
         return store.key_scales(layer), store.value_scales(layer), 1.0, 1.0
+    heads = getattr(store, "_head_scales", None)
+    if kind in _dtypes.FP8_KINDS and heads is not None:
+        return None, None, heads[layer, 0], heads[layer, 1]
     if kind in _dtypes.FP8_KINDS:
         k_scale, v_scale = store.kv_scales[layer]
         return None, None, k_scale, v_scale
@@ -536,6 +541,9 @@ class AttentionPlan:
         if low0 is not None and low0[0] is not None:        # int8 scale planes
             extra = dict(key_scales0=low0[0], value_scales0=low0[1], key_scales_last=lowl[0],
                          value_scales_last=lowl[1])
+        elif low0 is not None and isinstance(low0[2], np.ndarray):  # fp8 per-head scales
+            extra = dict(head_scales=np.ascontiguousarray(
+                [src.planes(l)[2][2:] for l in range(src.num_layers)], np.float32))
         elif low0 is not None:                               # fp8 layer scales
             extra = dict(layer_scales=np.array([src.planes(l)[2][2:]
                                                 for l in range(src.num_layers)], np.float32))

@@ -14,7 +14,7 @@ from . import _arrays, dtypes
 from .backends import Codec, get_backend
 from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
-from ._planes import Planes, check_layer_scales, kv_scale_pairs
+from ._planes import Planes, check_head_scales_backend, check_layer_scales, kv_scale_pairs
 from ._validate import index_int, positive_int
 
 __all__ = ["KVCache"]
@@ -91,13 +91,14 @@ class KVCache:
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         batch_size = positive_int(batch_size, "batch_size")
         kind = dtypes.storage_kind(dtype, "dtype")
-        layer_scales = check_layer_scales(kv_scales, kind, num_layers)
+        layer_scales, head_scales = check_layer_scales(kv_scales, kind, num_layers, num_kv_heads)
         backend = get_backend(device)
+        check_head_scales_backend(head_scales, backend)
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
         storage = self._allocate(backend, shape, kind)
         scales = backend.zeros(shape[:5], np.float32) if kind == dtypes.I8 else None
         self._init_from(backend, backend.normalize_device(device), kind, storage,
-                        [0] * num_layers, scales, layer_scales)
+                        [0] * num_layers, scales, layer_scales, head_scales)
 
     # ------------------------------------------------------------ internals
     @staticmethod
@@ -113,21 +114,23 @@ class KVCache:
                 f"is {nbytes} bytes ({nbytes / 2**30:.2f} GiB)") from None
 
     def _init_from(self, backend, device, kind, storage, lengths, scales=None,
-                   layer_scales=None):
+                   layer_scales=None, head_scales=None):
         self._backend = backend
         self._device = device
         self._kind = kind
         self._storage = storage
         # int8: (num_layers, 2, batch, heads, max_seq_len) float32 scales;
-        # fp8: the (num_layers, 2) float32 layer scales; else None
+        # fp8: the (num_layers, 2) float32 layer scales; else None; and
+        # with per-kv-head ones, (num_layers, 2, heads) float32 (else None)
         self._scales = scales
         self._layer_scales = layer_scales
+        self._head_scales = head_scales
         L, _, B, H, S, D = storage.shape
         self._num_layers, self._batch_size = L, B
         self._num_kv_heads, self._max_seq_len, self._head_dim = H, S, D
         # Per-layer (K, V) views and codecs, made once: update/get are hot paths.
         self._planes = Planes(backend, storage, kind, scales, layer_scales,
-                              owned=(storage, scales))
+                              owned=(storage, scales), head_scales=head_scales)
         self._lengths = lengths
 
     def _check_layer(self, layer):
@@ -256,8 +259,10 @@ class KVCache:
 
     @property
     def kv_scales(self):
-        """fp8 caches: the per-layer ``(k_scale, v_scale)`` pairs; None otherwise."""
-        return kv_scale_pairs(self._layer_scales)
+        """fp8 caches: the ``(k_scale, v_scale)`` pair of every layer, each a
+        float or a tuple of per-kv-head floats (as :attr:`BlockPool.kv_scales`);
+        None otherwise."""
+        return kv_scale_pairs(self._layer_scales, self._head_scales)
 
     def key_scales(self, layer):
         """int8 caches: layer ``layer``'s whole key scale buffer, float32
@@ -466,6 +471,7 @@ class KVCache:
         """A new cache on ``backend``'s ``device`` holding the written
         positions of each layer, each range's data (and int8 scales) brought
         there by ``move``."""
+        check_head_scales_backend(self._head_scales, backend)
         dst = self._allocate(backend, self._storage.shape, self._kind)
         scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)
         for layer, n in enumerate(self._lengths):
@@ -475,7 +481,7 @@ class KVCache:
                     scales[layer, :, :, :, :n] = move(self._scales[layer, :, :, :, :n])
         twin = object.__new__(type(self))
         twin._init_from(backend, device, self._kind, dst, list(self._lengths), scales,
-                        self._layer_scales)
+                        self._layer_scales, self._head_scales)
         return twin
 
     # ----------------------------------------------------------- properties

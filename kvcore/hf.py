@@ -117,7 +117,8 @@ def pool_for(config, num_blocks, dtype="float16", block_size=16, device="cpu",
     kv_scales : list of (k_scale, v_scale), optional
         fp8 pools: one pair per layer, e.g. from
         :func:`calibrate_kv_scales` (default 1.0, which real activations
-        rarely fit).
+        rarely fit); each of k_scale and v_scale a float or a sequence of
+        one float per KV head (``calibrate_kv_scales(..., per_head=True)``).
 
     A CUDA pool (``device="cuda"`` or ``"cuda:N"``) is allocated, like every
     later CuPy allocation of the process, from torch's caching allocator
@@ -210,8 +211,10 @@ class _TorchSide:
         return self._cupy.cuda.ExternalStream(s.cuda_stream, self.device.index or 0)
 
 
-def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m3fn"):
-    """Per-layer K/V scales for an fp8 pool, measured on a sample.
+def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m3fn",
+                        per_head=False):
+    """Per-layer (or per-layer and KV head) K/V scales for an fp8 pool,
+    measured on a sample.
 
     One forward of ``input_ids`` (with a ``DynamicCache``); for each layer
     ``k_scale = max|K| / fp8_max`` and ``v_scale = max|V| / fp8_max`` over
@@ -228,23 +231,32 @@ def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m
         1 for tokens, 0 for (left) padding.
     dtype : {"float8_e4m3fn", "float8_e5m2"}
         The pool's storage dtype (its largest finite value sets the scale).
+    per_head : bool, default False
+        One scale per KV head: ``max|K|`` / ``max|V|`` of each head over
+        the sample's real tokens, divided by the format's largest value.
 
     Returns
     -------
-    list of (float, float)
-        ``(k_scale, v_scale)`` per layer (1.0 for a layer whose sample is all zero).
+    list of (float, float), or with ``per_head`` list of (tuple, tuple)
+        ``(k_scale, v_scale)`` per layer (1.0 for a layer whose sample is all
+        zero); with ``per_head``, each of them a tuple of ``num_kv_heads``
+        floats (1.0 for an all-zero head).
 
     Notes
     -----
     One scale per layer: real K activations have outlier channels, which a
     per-layer scale stretches over the whole format (the perplexity
     benchmark, ``bench/bench_hf.py --perplexity``, measures what that costs).
+    Per-head scales fit each head's own range (heads differ widely) at no
+    cost per token: the pool holds ``2 * num_layers * num_kv_heads`` floats.
     int8 pools need no calibration (a scale per token and head, computed
     on write).
     """
     if dtype not in _FP8_MAX:
         raise ValueError(f"dtype must be one of {sorted(_FP8_MAX)} (int8 pools scale each "
                          f"token themselves), got {dtype!r}")
+    if not isinstance(per_head, (bool, np.bool_)):
+        raise TypeError(f"per_head must be a bool, got {type(per_head).__name__} {per_head!r}")
     attention_mask, _ = _prompt_batch(input_ids, attention_mask)
     layers = model_kv_shape(model.config)[0]
     from transformers import DynamicCache
@@ -259,11 +271,20 @@ def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m
     for i in range(layers):
         layer = cache.layers[i]
         pair = []
-        for t in (layer.keys, layer.values):
-            m = float(t.detach().float().abs().masked_fill(~real, 0).max())
-            pair.append(m / top if m > 0 and np.isfinite(m / top) and m / top > 0 else 1.0)
+        for t in (layer.keys, layer.values):       # (batch, kv_heads, length, dim)
+            a = t.detach().float().abs().masked_fill(~real, 0)
+            if per_head:
+                pair.append(tuple(_fp8_scale(float(m), top) for m in a.amax(dim=(0, 2, 3))))
+            else:
+                pair.append(_fp8_scale(float(a.max()), top))
         scales.append(tuple(pair))
     return scales
+
+
+def _fp8_scale(m, top):
+    """``m / top``, or 1.0 where that is not a positive finite number (an
+    all-zero sample)."""
+    return m / top if m > 0 and np.isfinite(m / top) and m / top > 0 else 1.0
 
 
 def check_pool(pool, config):

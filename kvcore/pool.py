@@ -7,7 +7,7 @@ import numpy as np
 from . import _arrays, dtypes
 from .backends import get_backend
 from ._native import _pool, _seq
-from ._planes import Planes, check_layer_scales, kv_scale_pairs
+from ._planes import Planes, check_layer_scales, check_head_scales_backend, kv_scale_pairs
 from ._validate import index_int, layer_index, positive_int
 
 __all__ = ["BlockPool"]
@@ -135,8 +135,10 @@ class BlockPool:
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
-        self._layer_scales = check_layer_scales(kv_scales, self._kind, self._num_layers)
+        self._layer_scales, self._head_scales = check_layer_scales(
+            kv_scales, self._kind, self._num_layers, self._num_kv_heads)
         self._backend = get_backend(device)
+        check_head_scales_backend(self._head_scales, self._backend)
         self._device = self._backend.normalize_device(device)
         self._num_blocks = num_blocks
         self._caching = bool(enable_prefix_caching)
@@ -148,7 +150,7 @@ class BlockPool:
         self._scales = (self._backend.zeros(self._storage.shape[:4], np.float32)
                         if self._kind == dtypes.I8 else None)
         self._planes = _pool_planes(self._backend, self._storage, self._kind, self._scales,
-                                    self._layer_scales)
+                                    self._layer_scales, self._head_scales)
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self._slot_owner = self._backend.slot_owner_table(num_blocks * self._block_size)
         self._core = _pool.PoolCore(num_blocks, self._block_size, forge_hashes)
@@ -168,8 +170,7 @@ class BlockPool:
         # backend's row writer makes an append one native call
         self._binding = _seq.PoolBinding(
             self._core, self._lock, self._block_size, self._num_layers, self._caching,
-            self._backend.row_writer(self._storage, self._kind, self._scales,
-                                     self._layer_scales),
+            self._row_writer(),
             # (the storage, not the pool: no reference cycle keeps a dropped
             # pool's memory alive)
             functools.partial(_copy_blocks, self._backend, self._storage, self._scales),
@@ -236,11 +237,21 @@ class BlockPool:
         ``2*l`` layer l's keys, ``2*l + 1`` its values); None otherwise."""
         return self._scales
 
+    def _row_writer(self):
+        if self._head_scales is None:     # (the one-scale-per-layer writer as before)
+            return self._backend.row_writer(self._storage, self._kind, self._scales,
+                                            self._layer_scales)
+        return self._backend.row_writer(self._storage, self._kind, self._scales,
+                                        self._layer_scales, head_scales=self._head_scales)
+
     @property
     def kv_scales(self):
-        """fp8 pools: the per-layer ``(k_scale, v_scale)`` pairs (floats);
+        """fp8 pools: the ``(k_scale, v_scale)`` pair of every layer, as set:
+        each a float, or a tuple of ``num_kv_heads`` floats where that layer's
+        keys (values) have per-kv-head scales that are not all equal (a
+        per-head sequence of one repeated value reads back as that float);
         None for other dtypes."""
-        return kv_scale_pairs(self._layer_scales)
+        return kv_scale_pairs(self._layer_scales, self._head_scales)
 
     @property
     def bytes_per_token(self):
@@ -765,8 +776,9 @@ class BlockPool:
         src, dst = self._copy_ids(dst_pool, src_block_ids, dst_block_ids)
         if not src.size:
             return
-        if self._layer_scales is not None and not np.array_equal(
-                self._layer_scales, dst_pool._layer_scales):
+        if self._layer_scales is not None and not (
+                np.array_equal(self._layer_scales, dst_pool._layer_scales)
+                and _same_heads(self._head_scales, dst_pool._head_scales)):
             raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
                              f"{self.kv_scales}; got {dst_pool.kv_scales}")
         dst_pool._before_overwrite(dst)
@@ -1070,9 +1082,14 @@ def _copy_blocks(backend, storage, scales, src, dst):
         backend.copy_blocks(scales, src, dst)
 
 
-def _pool_planes(backend, storage, kind, scales, layer_scales):
+def _same_heads(a, b):
+    """Whether two pools' per-kv-head fp8 scales (or both None) are equal."""
+    return (a is None) == (b is None) and (a is None or np.array_equal(a, b))
+
+
+def _pool_planes(backend, storage, kind, scales, layer_scales, head_scales=None):
     """The ``Planes`` of a pool's storage (plane ``2 * l + i``: layer l's
     keys, i = 0, or values, i = 1) and int8 scales (the same planes)."""
     split = lambda a: None if a is None else a.reshape((a.shape[0] // 2, 2) + a.shape[1:])
     return Planes(backend, split(storage), kind, split(scales), layer_scales,
-                  owned=(storage, scales))
+                  owned=(storage, scales), head_scales=head_scales)

@@ -60,10 +60,10 @@ def expected_kv(pool, tokens, n, salt=b""):
     out = []
     for layer in range(pool.num_layers):
         k, v = kv_for(np.asarray(tokens, np.int32), range(n), layer, pool, salt)
-        if pool.dtype == "float8_e4m3fn":     # the codes of x / the layer's scale
+        if pool.dtype == "float8_e4m3fn":     # the codes of x / the layer's (head's) scale
             ks, vs = pool.kv_scales[layer]
-            k, v = (kvcore.convert.to_float8_e4m3fn(x / np.float32(sc)) for x, sc in
-                    ((k, ks), (v, vs)))
+            k, v = (kvcore.convert.to_float8_e4m3fn(x / np.reshape(np.float32(sc), (-1, 1)))
+                    for x, sc in ((k, ks), (v, vs)))
         else:
             conv = {"float16": np.float16, "float32": np.float32}[pool.dtype]
             k, v = k.astype(conv), v.astype(conv)

@@ -416,6 +416,54 @@ def test_calibrate_kv_scales_fits_the_sample():
         kvcore.hf.calibrate_kv_scales(model, ids[:1, :3], attention_mask=torch.tensor([[1, 0, 1]]))
 
 
+def test_calibrate_kv_scales_per_head():
+    """per_head=True: one scale per KV head (max |K| / |V| of that head over
+    the real tokens / 448); the pool takes them, and the kvcore attention
+    over it stays close to DynamicCache's logits."""
+    model = model_for("llama")
+    ids, mask = _prompts(BATCHES["b4"])
+    scales = kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, per_head=True)
+    dyn = transformers.DynamicCache()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, **_kw(model, dyn))
+    real = mask.bool()[:, None, :, None]
+    heads = model.config.num_key_value_heads
+    for pair, layer in zip(scales, dyn.layers):
+        for got, t in zip(pair, (layer.keys, layer.values)):
+            want = t.abs().masked_fill(~real, 0).amax(dim=(0, 2, 3)) / 448
+            assert isinstance(got, tuple) and len(got) == heads
+            assert got == pytest.approx([float(w) for w in want])
+    per_layer = kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask)
+    assert [max(k) for k, _ in scales] == pytest.approx([k for k, _ in per_layer])
+    # an all-zero head gets 1.0 (head 0's keys of layer 0 zeroed in the shared
+    # tiny model, restored after)
+    with torch.no_grad():
+        w = model.model.layers[0].self_attn.k_proj
+        saved = w.weight.detach().clone(), None if w.bias is None else w.bias.detach().clone()
+        head_dim = w.weight.shape[0] // heads
+        w.weight[:head_dim] = 0
+        if w.bias is not None:
+            w.bias[:head_dim] = 0
+        try:
+            z = kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, per_head=True)
+        finally:
+            w.weight.copy_(saved[0])
+            if saved[1] is not None:
+                w.bias.copy_(saved[1])
+    assert z[0][0][0] == 1.0 and z[0][0][1] == pytest.approx(scales[0][0][1])
+    with pytest.raises(TypeError, match="per_head must be a bool"):
+        kvcore.hf.calibrate_kv_scales(model, ids, per_head="yes")
+    pool = pool_for(model.config, 256, dtype="float8_e4m3fn", kv_scales=scales)
+    assert [tuple(np.float32(x) for x in k) for k, _ in pool.kv_scales] == \
+        [tuple(np.float32(x) for x in k) for k, _ in scales]
+    paged = model_for("llama", "kvcore")
+    with torch.no_grad():
+        a = paged(ids, attention_mask=mask, **_kw(paged, PagedCache(pool))).logits
+        b = model(ids, attention_mask=mask, **_kw(model, transformers.DynamicCache())).logits
+    err = float((a - b).abs()[mask.bool()].max() / (b[mask.bool()].max() - b[mask.bool()].min()))
+    assert 0 < err < 0.05
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
 def test_low_precision_pools_generate_through_the_kvcore_attention(dtype):
     """Issue 22 item 2: fp8 (calibrated per-layer scales) and int8 pools in

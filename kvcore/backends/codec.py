@@ -32,11 +32,16 @@ class Codec:
         int8 only: the plane's float32 scales, one per row of ``head_dim``
         elements (a paged plane: ``(num_blocks, heads, block_size)``; a
         contiguous one: ``(batch, heads, max_seq_len)``), C-contiguous.
+    head_scales : array or None
+        fp8 only, one scale per kv head: float32 ``(heads,)``,
+        C-contiguous; head ``h`` (axis -3 of a plane, paged or contiguous)
+        is stored ``fp8(x / head_scales[h])`` and ``layer_scale`` is unused.
     """
 
     kind: int
     layer_scale: float = 1.0
     scale_plane: object = None
+    head_scales: object = None
 
     @property
     def lowprec(self):

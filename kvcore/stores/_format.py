@@ -80,12 +80,18 @@ def fingerprint(dtype, block_size, num_layers, num_kv_heads, head_dim, namespace
     """16 bytes naming a pool's block layout and the store's namespace:
     entries of another model, dtype, block size or namespace never match.
     ``kv_scales``: an fp8 pool's ``(k_scale, v_scale)`` per layer, which give
-    its codes their values: a pool with other scales must not read them."""
+    its codes their values: a pool with other scales must not read them
+    (each a float, or a tuple of per-kv-head floats)."""
     text = (f"kvcore.store.v{VERSION}|dtype={dtype}|block_size={block_size}|"
             f"num_layers={num_layers}|num_kv_heads={num_kv_heads}|head_dim={head_dim}|"
             f"layout=[2*layers][heads][tokens][dim]|")
     if kv_scales is not None:    # the float32 bits, exactly as the pool holds them
-        text += "kv_scales=" + np.asarray(kv_scales, "<f4").tobytes().hex() + "|"
+        if all(isinstance(s, float) for pair in kv_scales for s in pair):
+            text += "kv_scales=" + np.asarray(kv_scales, "<f4").tobytes().hex() + "|"
+        else:                    # some per-kv-head: every plane's heads, one repeated
+            heads = [[np.broadcast_to(np.asarray(s, "<f4"), (num_kv_heads,)) for s in pair]
+                     for pair in kv_scales]
+            text += "kv_head_scales=" + np.asarray(heads, "<f4").tobytes().hex() + "|"
     text = (text + "namespace=").encode() + namespace
     return hashlib.blake2b(text, digest_size=16).digest()
 

@@ -128,6 +128,10 @@ int main(void)
      * split among them) and the level's 2^x */
     for (int kind = 0; kind <= KVA_I8; kind++, cases++)
         failures += run_case(kind, 3, kind % 2 ? 37 : 0, kind == 2 ? 1.5f : 0.0f, 8, 2, 64, 16);
+    /* fp8 with one scale per kv head (the tiles' scores and weights scaled by
+     * each item's head's pair) */
+    for (int kind = KVA_F8E4M3; kind <= KVA_F8E5M2; kind++, cases++)
+        failures += run_case_scaled(kind, 3, 0, 0.0f, 8, 4, 64, 16, 1);
     failures += check_exp2(KVA_AMX);
     printf("amx: %d cases, %d failures, %ld TDPBF16PS\n", cases, failures,
            __atomic_load_n(&amx_emu_tdpbf16ps_count, __ATOMIC_RELAXED));

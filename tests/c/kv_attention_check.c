@@ -190,7 +190,10 @@ static double ref_error(const kva_args *a, const float *out, const float *ksc, c
     return maxerr;
 }
 
-static int run_case(int kind, int threads, int window, float cap, int nh, int nkv, int D, int bs)
+/* per_head (fp8 only): one scale per kv head (k_head_scales / v_head_scales,
+ * different for every head) instead of the layer's one. */
+static int run_case_scaled(int kind, int threads, int window, float cap, int nh, int nkv, int D,
+                           int bs, int per_head)
 {
     enum { S = 3 };
     /* a decode long enough to be split (> 1024 keys), a chunk, a prefill */
@@ -234,6 +237,20 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
                   (ptrdiff_t)(nkv * bs * D * isz), (ptrdiff_t)(bs * D * isz), (ptrdiff_t)(D * isz),
                   bs, nh, nkv, D, tables, max_blocks, lens, qsl, S, scale, window, cap, threads};
     set_scales(&a, ksc, vsc);
+    float khs[128], vhs[128];
+    if (per_head && kind >= KVA_F8E4M3 && kind != KVA_I8 && nkv <= 128) {
+        for (int g = 0; g < nkv; g++) {
+            khs[g] = 0.25f * (float)(1 + g);
+            vhs[g] = 4.0f / (float)(1 + 2 * g);
+        }
+        /* row r of the pages is (block, head, position): its head's scales */
+        for (size_t r = 0; r < cache_elems / (size_t)D; r++) {
+            ksc[r] = khs[(r / (size_t)bs) % (size_t)nkv];
+            vsc[r] = vhs[(r / (size_t)bs) % (size_t)nkv];
+        }
+        a.k_head_scales = khs;
+        a.v_head_scales = vhs;
+    }
     if (kva_paged_attention(&a) != KVA_OK) {
         printf("kernel failed\n");
         return 1;
@@ -254,6 +271,11 @@ static int run_case(int kind, int threads, int window, float cap, int nh, int nk
         return 1;
     }
     return 0;
+}
+
+static int run_case(int kind, int threads, int window, float cap, int nh, int nkv, int D, int bs)
+{
+    return run_case_scaled(kind, threads, window, cap, nh, nkv, D, bs, 0);
 }
 
 /* The level's 2^x (x <= 0, the softmax's exp) against double precision:
@@ -294,6 +316,12 @@ int main(void)
             failures += run_case(kind, 2, 37, 0.0f, 4, 4, 128, 32);
             failures += run_case(kind, 3, 0, 1.5f, 8, 1, 96, 16);
             cases += 4;
+        }
+        for (int kind = KVA_F8E4M3; kind <= KVA_F8E5M2; kind++) {   /* per-kv-head scales */
+            failures += run_case_scaled(kind, 1, 0, 0.0f, 8, 4, 64, 16, 1);
+            failures += run_case_scaled(kind, 3, 0, 1.5f, 6, 3, 96, 16, 1);
+            failures += run_case_scaled(kind, 2, 37, 0.0f, 4, 4, 128, 32, 1);
+            cases += 3;
         }
         failures += check_exp2(level);
         printf("level %s: %d cases, %d failures\n", kva_level_name(level), cases,

@@ -64,6 +64,8 @@ cdef extern from "kv_attention.h" nogil:
         const float *value_scales
         float k_scale
         float v_scale
+        const float *k_head_scales
+        const float *v_head_scales
     int kva_paged_attention(const kva_args *args)
     int kva_best_level()
     int kva_default_level()
@@ -114,7 +116,24 @@ cdef int _fill(kva_args *a, const float[:, :, ::1] q, float[:, :, ::1] out,
     a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
     a.k_scale = <float>k_scale
     a.v_scale = <float>v_scale
+    a.k_head_scales = NULL
+    a.v_head_scales = NULL
     return 0
+
+
+cdef const float* _head_scales(object scales, Py_ssize_t num_kv_heads) except? NULL:
+    """An fp8 plane's per-kv-head scales (num_kv_heads,), C-contiguous
+    float32; NULL for None (the plane's one scale applies)."""
+    cdef cnp.ndarray s
+    if scales is None:
+        return NULL
+    s = <cnp.ndarray?>scales
+    if cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(s) \
+            or not cnp.PyArray_ISALIGNED(s) or not cnp.PyArray_ISNOTSWAPPED(s) or s.ndim != 1 \
+            or s.shape[0] != num_kv_heads:
+        raise ValueError(f"internal: head scales must be C-contiguous float32 of shape "
+                         f"({num_kv_heads},)")
+    return <const float*>cnp.PyArray_DATA(s)
 
 
 cdef const float* _scale_plane(object scales, cnp.ndarray cache, str what) except? NULL:
@@ -419,6 +438,8 @@ cdef class Plan:
     cdef Py_ssize_t key_scales_layer_stride, value_scales_layer_stride
     cdef object layer_scales          # float32 (num_layers, 2) C-contiguous, or None
     cdef const float *layer_scales_ptr
+    cdef object head_scales           # float32 (num_layers, 2, num_kv_heads), or None
+    cdef const float *head_scales_ptr
     cdef const char *owned_lo[8]
     cdef const char *owned_hi[8]
     cdef int num_owned
@@ -471,6 +492,8 @@ cdef class Plan:
         a.value_scales = NULL
         a.k_scale = 1.0
         a.v_scale = 1.0
+        a.k_head_scales = NULL
+        a.v_head_scales = NULL
         cdef int status = KVA_OK
         with nogil:
             self.plan = kva_plan_create(a, &status)
@@ -513,10 +536,12 @@ cdef class Plan:
 
     def run(self, cnp.ndarray q, cnp.ndarray out, cnp.ndarray key_cache,
             cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
-            double v_scale=1.0):
+            double v_scale=1.0, k_head_scales=None, v_head_scales=None):
         """out[...] = attention of q (float32 C-contiguous, the plan's shape)
         over key_cache / value_cache ((num_blocks, num_kv_heads, block_size,
-        head_dim), rows contiguous, the same strides), checked by the caller."""
+        head_dim), rows contiguous, the same strides), checked by the caller.
+        fp8 with per-kv-head scales: ``k_head_scales`` / ``v_head_scales``
+        float32 ``(num_kv_heads,)`` (then k_scale / v_scale are unused)."""
         for x in (q, out):
             if cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
                     or not cnp.PyArray_ISALIGNED(x) or not cnp.PyArray_ISNOTSWAPPED(x) \
@@ -537,18 +562,22 @@ cdef class Plan:
         a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
         a.k_scale = <float>k_scale
         a.v_scale = <float>v_scale
+        a.k_head_scales = _head_scales(k_head_scales, self.num_kv_heads)
+        a.v_head_scales = _head_scales(v_head_scales, self.num_kv_heads)
         self._go(&a)
 
     def bind(self, cnp.ndarray key0, cnp.ndarray value0, cnp.ndarray key_last,
              cnp.ndarray value_last, Py_ssize_t num_layers, key_scales0=None,
              value_scales0=None, key_scales_last=None, value_scales_last=None,
-             layer_scales=None, owned=()):
+             layer_scales=None, owned=(), head_scales=None):
         """Binds the layers ``run_layer`` reads: the planes of layer 0 and of
         the last layer (``num_layers - 1``); layer ``l``'s planes lie ``l``
         layer strides past layer 0's (the stride measured here; a layout
         where it is not a whole number of bytes per layer is not bound).
         int8: the scale planes of the same two layers; fp8:
-        ``layer_scales`` float32 ``(num_layers, 2)``.  ``owned``: up to 8
+        ``layer_scales`` float32 ``(num_layers, 2)``, or with one scale per
+        kv head ``head_scales`` float32 ``(num_layers, 2, num_kv_heads)``
+        (which then wins).  ``owned``: up to 8
         arrays an ``out`` must not overlap.  Returns ``run_layer``, or None
         when the layers cannot be bound."""
         cdef Py_ssize_t key_layer_stride, value_layer_stride
@@ -599,6 +628,15 @@ cdef class Plan:
                     or not _dims_are(ls, 2, num_layers, 2, 0):
                 raise ValueError("internal: layer_scales must be float32 (num_layers, 2)")
             self.layer_scales_ptr = <const float *>cnp.PyArray_DATA(ls)
+        self.head_scales_ptr = NULL
+        if head_scales is not None:
+            ls = <cnp.ndarray>head_scales
+            if cnp.PyArray_TYPE(ls) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(ls) \
+                    or not cnp.PyArray_ISALIGNED(ls) \
+                    or not _dims_are(ls, 3, num_layers, 2, self.num_kv_heads):
+                raise ValueError("internal: head_scales must be float32 "
+                                 "(num_layers, 2, num_kv_heads)")
+            self.head_scales_ptr = <const float *>cnp.PyArray_DATA(ls)
         self.num_owned = 0
         cdef const char *lo
         cdef const char *hi
@@ -608,7 +646,8 @@ cdef class Plan:
                 self.owned_hi[self.num_owned] = hi
                 self.num_owned += 1
         self.keep = (key0, value0, key_last, value_last, key_scales0, value_scales0,
-                     key_scales_last, value_scales_last, layer_scales, tuple(owned))
+                     key_scales_last, value_scales_last, layer_scales, head_scales,
+                     tuple(owned))
         self.bound = True
         return self.run_layer
 
@@ -673,5 +712,8 @@ cdef class Plan:
         if self.layer_scales_ptr != NULL:
             a.k_scale = self.layer_scales_ptr[2 * l]
             a.v_scale = self.layer_scales_ptr[2 * l + 1]
+        if self.head_scales_ptr != NULL:
+            a.k_head_scales = self.head_scales_ptr + 2 * l * self.num_kv_heads
+            a.v_head_scales = self.head_scales_ptr + (2 * l + 1) * self.num_kv_heads
         self._go(&a)
         return oa

@@ -300,11 +300,14 @@ cdef class PositionWriter(RowWriter):
     cdef float* sc
     cdef object layer_scales
     cdef float* ls
+    cdef object head_scales  # fp8, one scale per kv head: (num_layers, 2, heads), or None
+    cdef const float* hs
     cdef float* buf
     cdef const char* slo     # the int8 scales' bytes (an input may not meet them either)
     cdef const char* shi
 
-    def __init__(self, cnp.ndarray storage, int kind, scales=None, layer_scales=None):
+    def __init__(self, cnp.ndarray storage, int kind, scales=None, layer_scales=None,
+                 head_scales=None):
         if cnp.PyArray_NDIM(storage) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(storage) \
                 or not cnp.PyArray_ISALIGNED(storage):
             raise ValueError("internal: a PositionWriter needs a C-contiguous, aligned "
@@ -330,6 +333,11 @@ cdef class PositionWriter(RowWriter):
         if layer_scales is not None:
             self.layer_scales = np.ascontiguousarray(layer_scales, np.float32)
             self.ls = <float*>cnp.PyArray_DATA(<cnp.ndarray>self.layer_scales)
+        self.head_scales = None
+        self.hs = NULL
+        if head_scales is not None:
+            self.head_scales = np.ascontiguousarray(head_scales, np.float32)
+            self.hs = _head_ptr(self.head_scales, storage.shape[0] * self.heads)
         self.buf = NULL
         if self.lowprec:
             self.buf = _scratch(self.dim)
@@ -366,6 +374,8 @@ cdef class PositionWriter(RowWriter):
         cdef Py_ssize_t per_plane = self.storage.shape[1] * self.heads * self.block_size
         cdef float* k_sc = NULL
         cdef float ks = 1.0, vs = 1.0
+        cdef const float* k_hs = NULL
+        cdef const float* v_hs = NULL
         _plane_of(self.storage, layer, &plane)
         if self.lowprec:
             if self.sc != NULL:
@@ -373,10 +383,14 @@ cdef class PositionWriter(RowWriter):
             if self.ls != NULL:
                 ks = self.ls[2 * layer]
                 vs = self.ls[2 * layer + 1]
+            if self.hs != NULL:
+                k_hs = self.hs + 2 * layer * self.heads
+                v_hs = k_hs + self.heads
             with nogil:
                 _write_positions_q(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
                                    table, self.block_size, start, &plane, ks, vs, k_sc,
-                                   (k_sc + per_plane) if k_sc != NULL else NULL, self.buf)
+                                   (k_sc + per_plane) if k_sc != NULL else NULL, self.buf,
+                                   k_hs, v_hs)
             return 0
         if n * self.heads * self.dim >= POSITIONS_NOGIL_ELEMS:
             with nogil:
@@ -467,14 +481,20 @@ cdef inline int _fp8_fmt(int kind) noexcept nogil:
 
 cdef inline void _store_rows_q(int src_kind, const char* src, Py_ssize_t src_row, int dst_kind,
                                char* dst, Py_ssize_t dst_row, Py_ssize_t rows, Py_ssize_t dim,
-                               float scale, float* sc_out, Py_ssize_t sc_row, float* buf,
-                               bint stream) noexcept nogil:
+                               float scale, const float* rs, float* sc_out, Py_ssize_t sc_row,
+                               float* buf, bint stream) noexcept nogil:
     """``rows`` rows of ``dim`` elements (``src_row`` / ``dst_row`` bytes
     apart) into low-precision ``dst_kind``; int8 writes row r's scale to
-    ``sc_out[r * sc_row]`` (sc_out: NULL for fp8).  A float16/bf16 row is
-    widened into ``buf`` (dim floats) first.  ``stream``: non-temporal
+    ``sc_out[r * sc_row]`` (sc_out: NULL for fp8).  fp8: row r is divided by
+    ``rs[r]`` (per-kv-head scales; NULL: by ``scale``).  A float16/bf16 row
+    is widened into ``buf`` (dim floats) first.  ``stream``: non-temporal
     stores where a row allows them (the caller fences)."""
     cdef Py_ssize_t r
+    if src_kind == KVH_F32 and rs != NULL and dst_kind != KVH_I8:
+        for r in range(rows):
+            f32_to_fp8_rows(_fp8_fmt(dst_kind), <const float*>(src + r * src_row), 0,
+                            <uint8_t*>(dst + r * dst_row), 0, 1, dim, rs[r], 1, stream)
+        return
     if src_kind == KVH_F32:
         if dst_kind == KVH_I8:
             f32_to_i8_rows(<const float*>src, src_row, <int8_t*>dst, dst_row, sc_out, sc_row,
@@ -490,7 +510,7 @@ cdef inline void _store_rows_q(int src_kind, const char* src, Py_ssize_t src_row
                            dim, stream)
         else:
             f32_to_fp8_rows(_fp8_fmt(dst_kind), buf, 0, <uint8_t*>(dst + r * dst_row), 0, 1, dim,
-                            scale, 1, stream)
+                            rs[r] if rs != NULL else scale, 1, stream)
 
 
 cdef inline void _load_run_q(int src_kind, const char* src, Py_ssize_t run, Py_ssize_t dim,
@@ -529,8 +549,22 @@ cdef inline float* _scale_ptr(object scales) except? NULL:
     return <float*>cnp.PyArray_DATA(a)
 
 
+cdef inline const float* _head_ptr(object head_scales, Py_ssize_t n) except? NULL:
+    """float32 data of an fp8 plane's per-kv-head scales ((n,) C-contiguous),
+    or NULL (None: the plane's one scale)."""
+    cdef cnp.ndarray a
+    if head_scales is None:
+        return NULL
+    a = <cnp.ndarray?>head_scales
+    if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(a) \
+            or not cnp.PyArray_ISALIGNED(a) or cnp.PyArray_SIZE(a) != n:
+        raise ValueError(f"internal: head scales must be C-contiguous aligned float32 ({n},)")
+    return <const float*>cnp.PyArray_DATA(a)
+
+
 cdef object _write_slots(cnp.ndarray cache, object scales, cnp.ndarray src,
-                         const slot_t[::1] slots, int src_kind, int dst_kind, float scale):
+                         const slot_t[::1] slots, int src_kind, int dst_kind, float scale,
+                         object head_scales=None):
     """cache[b, h, off, :] = src[i, h, :] stored as ``dst_kind`` for slot
     s = slots[i] >= 0, b = s // block_size, off = s % block_size: float kinds
     converted, low-precision ones encoded (fp8(x / scale); int8 with each
@@ -547,6 +581,7 @@ cdef object _write_slots(cnp.ndarray cache, object scales, cnp.ndarray src,
     cdef char* sp = _ptr(src)
     cdef char* cp = _ptr(cache)
     cdef float* sc = _scale_ptr(scales)
+    cdef const float* hs = _head_ptr(head_scales, H)
     cdef Py_ssize_t i, b, off
     cdef slot_t s
     cdef float* buf = NULL
@@ -571,7 +606,7 @@ cdef object _write_slots(cnp.ndarray cache, object scales, cnp.ndarray src,
                 off = s - b * bs
                 if encode:
                     _store_rows_q(src_kind, sp + i * s0, s1, dst_kind,
-                                  cp + b * c_block + off * c_tok, c_head, H, D, scale,
+                                  cp + b * c_block + off * c_tok, c_head, H, D, scale, hs,
                                   (sc + b * H * bs + off) if sc != NULL else NULL, bs, buf,
                                   stream)
                 else:
@@ -587,9 +622,10 @@ cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ss
                              Py_ssize_t dim, int src_kind, int dst_kind,
                              const block_id_t* table, Py_ssize_t block_size, Py_ssize_t start,
                              _Plane* dst, float k_scale, float v_scale, float* k_sc,
-                             float* v_sc, float* buf) noexcept nogil:
+                             float* v_sc, float* buf, const float* k_hs=NULL,
+                             const float* v_hs=NULL) noexcept nogil:
     """_write_positions into low-precision planes: fp8 with the layer's
-    scales, int8 writing each row's scale to the scale planes k_sc / v_sc
+    scales (or its per-kv-head ones, k_hs / v_hs, when not NULL), int8 writing each row's scale to the scale planes k_sc / v_sc
     ((num_blocks, heads, block_size) float32; NULL for fp8)."""
     cdef Py_ssize_t i, p, b, off, row = heads * dim * kind_itemsize(src_kind)
     cdef Py_ssize_t src_head = dim * kind_itemsize(src_kind)
@@ -603,9 +639,10 @@ cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ss
         d = dst.keys + b * dst.block + off * dst.token
         si = b * heads * block_size + off
         _store_rows_q(src_kind, kp + i * row, src_head, dst_kind, d, dst.head, heads, dim,
-                      k_scale, (k_sc + si) if k_sc != NULL else NULL, block_size, buf, stream)
+                      k_scale, k_hs, (k_sc + si) if k_sc != NULL else NULL, block_size, buf,
+                      stream)
         _store_rows_q(src_kind, vp + i * row, src_head, dst_kind, d + dst.plane, dst.head, heads,
-                      dim, v_scale, (v_sc + si) if v_sc != NULL else NULL, block_size, buf,
+                      dim, v_scale, v_hs, (v_sc + si) if v_sc != NULL else NULL, block_size, buf,
                       stream)
     if stream:
         stream_fence()
@@ -614,7 +651,8 @@ cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ss
 cdef object _write_positions_lowprec(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k,
                                cnp.ndarray v, const block_id_t[::1] block_table,
                                Py_ssize_t start, int src_kind, int dst_kind, float k_scale,
-                               float v_scale, object k_scale_plane, object v_scale_plane):
+                               float v_scale, object k_scale_plane, object v_scale_plane,
+                               object k_head_scales=None, object v_head_scales=None):
     """write_positions into a low-precision pool's storage; the scale
     planes: int8 only, the layer's key and value scales (num_blocks, heads,
     block_size), else None."""
@@ -622,6 +660,8 @@ cdef object _write_positions_lowprec(cnp.ndarray storage, Py_ssize_t layer, cnp.
     cdef Py_ssize_t n = k.shape[0], heads = k.shape[1], dim = k.shape[2]
     cdef float* k_sc = _scale_ptr(k_scale_plane)
     cdef float* v_sc = _scale_ptr(v_scale_plane)
+    cdef const float* k_hs = _head_ptr(k_head_scales, heads)
+    cdef const float* v_hs = _head_ptr(v_head_scales, heads)
     cdef float* buf
     _aligned_array(k, "k")
     _aligned_array(v, "v")
@@ -638,14 +678,14 @@ cdef object _write_positions_lowprec(cnp.ndarray storage, Py_ssize_t layer, cnp.
         with nogil:
             _write_positions_q(kp, vp, n, heads, dim, src_kind, dst_kind,
                                &block_table[0], storage.shape[3], start, &plane, k_scale,
-                               v_scale, k_sc, v_sc, buf)
+                               v_scale, k_sc, v_sc, buf, k_hs, v_hs)
     finally:
         free(buf)
 
 
 cdef object _gather(cnp.ndarray cache, object scales, const block_id_t[::1] block_table,
                     Py_ssize_t start, Py_ssize_t end, cnp.ndarray out, int src_kind,
-                    int dst_kind, float scale):
+                    int dst_kind, float scale, object head_scales=None):
     """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
     for t in start..end-1, read as ``dst_kind``: float planes converted, a
     low-precision plane widened (fp8 * scale, int8 code * its row's scale in
@@ -661,6 +701,7 @@ cdef object _gather(cnp.ndarray cache, object scales, const block_id_t[::1] bloc
     cdef char* cp = _ptr(cache)
     cdef char* op = _ptr(out)
     cdef float* sc = _scale_ptr(scales)
+    cdef const float* hs = _head_ptr(head_scales, H)
     cdef Py_ssize_t t = start, stop, off, run, h
     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(cache)
     cdef block_id_t b
@@ -693,7 +734,7 @@ cdef object _gather(cnp.ndarray cache, object scales, const block_id_t[::1] bloc
                     if widen:
                         _load_run_q(src_kind, src, run, D,
                                     (sc + (b * H + h) * bs + off) if sc != NULL else NULL,
-                                    dst_kind, dst, scale, buf)
+                                    dst_kind, dst, hs[h] if hs != NULL else scale, buf)
                     elif raw:
                         memcpy(dst, src, run * D * item)
                     else:
@@ -704,7 +745,8 @@ cdef object _gather(cnp.ndarray cache, object scales, const block_id_t[::1] bloc
 
 
 cdef object _write_contiguous_lowprec(cnp.ndarray dst, object scales, cnp.ndarray src,
-                                Py_ssize_t start, int src_kind, int dst_kind, float scale):
+                                Py_ssize_t start, int src_kind, int dst_kind, float scale,
+                                object head_scales=None):
     """dst[b, h, start + t, :] = src[b, h, t, :] into a low-precision
     contiguous cache (dst C-contiguous; int8 scales (batch, heads,
     max_seq_len) float32 C-contiguous, else None)."""
@@ -715,6 +757,7 @@ cdef object _write_contiguous_lowprec(cnp.ndarray dst, object scales, cnp.ndarra
     cdef char* sp = _ptr(src)
     cdef char* dp = _ptr(dst)
     cdef float* sc = _scale_ptr(scales)
+    cdef const float* hs = _head_ptr(head_scales, H)
     cdef Py_ssize_t b, h
     cdef float* buf
     cdef bint stream = B * H * n * D >= STREAM_MIN_BYTES        # 1-byte codes
@@ -725,8 +768,8 @@ cdef object _write_contiguous_lowprec(cnp.ndarray dst, object scales, cnp.ndarra
             for b in range(B):
                 for h in range(H):
                     _store_rows_q(src_kind, sp + b * s0 + h * s1, s2, dst_kind,
-                                  dp + b * d0 + h * d1 + start * d2, d2, n, D, scale,
-                                  (sc + (b * H + h) * L + start) if sc != NULL else NULL, 1,
+                                  dp + b * d0 + h * d1 + start * d2, d2, n, D,
+                                  hs[h] if hs != NULL else scale, NULL, (sc + (b * H + h) * L + start) if sc != NULL else NULL, 1,
                                   buf, stream)
             if stream:
                 stream_fence()
@@ -735,11 +778,13 @@ cdef object _write_contiguous_lowprec(cnp.ndarray dst, object scales, cnp.ndarra
 
 
 def dequantize(cnp.ndarray src, object scales, int src_kind, cnp.ndarray dst, int dst_kind,
-               float scale):
+               float scale, object row_scales=None):
     """dst = src widened: C-contiguous (rows, dim) views of the same shape
-    (int8 scales: (rows,) float32 C-contiguous)."""
+    (int8 scales: (rows,) float32 C-contiguous; fp8 with per-kv-head
+    scales: ``row_scales``, each row's, (rows,) float32 C-contiguous)."""
     cdef Py_ssize_t rows = src.shape[0], D = src.shape[1], r
     cdef float* sc = _scale_ptr(scales)
+    cdef const float* rs = _head_ptr(row_scales, rows)
     cdef float* buf
     cdef char* sp = _ptr(src)
     cdef char* dp = _ptr(dst)
@@ -750,7 +795,7 @@ def dequantize(cnp.ndarray src, object scales, int src_kind, cnp.ndarray dst, in
         with nogil:
             for r in range(rows):
                 _load_run_q(src_kind, sp + r * D, 1, D, (sc + r) if sc != NULL else NULL,
-                            dst_kind, dp + r * drow, scale, buf)
+                            dst_kind, dp + r * drow, rs[r] if rs != NULL else scale, buf)
     finally:
         free(buf)
 
@@ -765,7 +810,7 @@ cdef inline bint _lowprec(int kind) noexcept:
 
 
 def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots, int src_kind,
-                int dst_kind, float scale=1.0, object scale_plane=None):
+                int dst_kind, float scale=1.0, object scale_plane=None, object head_scales=None):
     """cache[b, h, off, :] = src[i, h, :] stored as ``dst_kind`` for slot
     s = slots[i] >= 0, b = s // block_size, off = s % block_size
     (Backend.write_slots).
@@ -775,13 +820,14 @@ def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots, int
     fp8: stored fp8(x / scale); int8: ``scale_plane`` the plane's
     (num_blocks, heads, block_size) float32 scales, C-contiguous.
     """
-    _write_slots(cache, scale_plane, src, slots, src_kind, dst_kind, scale)
+    _write_slots(cache, scale_plane, src, slots, src_kind, dst_kind, scale, head_scales)
 
 
 def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
                     const block_id_t[::1] block_table, Py_ssize_t start, int src_kind,
                     int dst_kind, float k_scale=1.0, float v_scale=1.0,
-                    object k_scale_plane=None, object v_scale_plane=None):
+                    object k_scale_plane=None, object v_scale_plane=None,
+                    object k_head_scales=None, object v_head_scales=None):
     """Rows i of k and v (n, heads, dim) to positions start + i of the
     sequence whose blocks are ``block_table``, in layer ``layer``'s planes of
     ``storage`` (see Backend.write_positions).  k, v: C-contiguous, aligned,
@@ -789,14 +835,15 @@ def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.nd
     scales; int8: its key and value scale planes."""
     if _lowprec(dst_kind):
         _write_positions_lowprec(storage, layer, k, v, block_table, start, src_kind, dst_kind,
-                                 k_scale, v_scale, k_scale_plane, v_scale_plane)
+                                 k_scale, v_scale, k_scale_plane, v_scale_plane, k_head_scales,
+                                 v_head_scales)
     else:
         _write_positions_float(storage, layer, k, v, block_table, start, src_kind, dst_kind)
 
 
 def gather(cnp.ndarray cache, const block_id_t[::1] block_table, Py_ssize_t start,
            Py_ssize_t end, cnp.ndarray out, int src_kind, int dst_kind, float scale=1.0,
-           object scale_plane=None):
+           object scale_plane=None, object head_scales=None):
     """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
     for t in start..end-1, read as ``dst_kind`` (Backend.gather): a
     low-precision plane widened to a float kind (fp8 * scale, code *
@@ -805,11 +852,13 @@ def gather(cnp.ndarray cache, const block_id_t[::1] block_table, Py_ssize_t star
     cache: (num_blocks, heads, block_size, dim), C-contiguous.
     out: (heads, end - start, dim), C-contiguous, aligned.
     """
-    _gather(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, scale)
+    _gather(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, scale,
+            head_scales)
 
 
 def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start, int src_kind,
-                     int dst_kind, float scale=1.0, object scale_plane=None):
+                     int dst_kind, float scale=1.0, object scale_plane=None,
+                     object head_scales=None):
     """dst[b, h, start + t, :] = src[b, h, t, :] stored as ``dst_kind``.
 
     dst: (batch, heads, max_seq_len, dim), C-contiguous.
@@ -818,6 +867,7 @@ def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start, int src
     max_seq_len) float32, C-contiguous.
     """
     if _lowprec(dst_kind):
-        _write_contiguous_lowprec(dst, scale_plane, src, start, src_kind, dst_kind, scale)
+        _write_contiguous_lowprec(dst, scale_plane, src, start, src_kind, dst_kind, scale,
+                                  head_scales)
     else:
         _write_contiguous_float(dst, src, start, src_kind, dst_kind)

@@ -19,6 +19,11 @@ def _aligned_ids(a):
     return a if a.flags.aligned else a.copy()
 
 
+def _head_vector(s):
+    """float32 C-contiguous per-kv-head scales for the kernel."""
+    return np.ascontiguousarray(s, np.float32)
+
+
 def _elementwise(src, dst, kernel):
     """``kernel(src, dst)`` for arrays of any alignment that may overlap:
     the kernels load and store typed elements, so a misaligned or
@@ -38,6 +43,8 @@ class CPUBackend(Backend):
     """NumPy arrays in host memory; Cython/C kernels (GIL released)."""
 
     name = "cpu"
+    # fp8 planes may hold one scale per kv head (Codec.head_scales)
+    per_head_fp8_scales = True
 
     def convert(self, src, src_kind, dst, dst_kind):
         """dst[...] = src converted; same shape, any strides, any alignment,
@@ -76,14 +83,16 @@ class CPUBackend(Backend):
         flags = src.flags
         if not (flags.c_contiguous and flags.aligned):
             src = self.inner_contiguous(src)
-        _kernels.write_slots(cache, src, slots, src_kind, codec.kind, codec.layer_scale, plane)
+        _kernels.write_slots(cache, src, slots, src_kind, codec.kind, codec.layer_scale, plane,
+                             codec.head_scales)
 
     def write_positions(self, storage, layer, k, v, block_table, start, src_kind, k_codec,
                         v_codec):
         """K and V in one kernel call (storage C-contiguous; k, v apart from it)."""
         _kernels.write_positions(storage, layer, self._rows(k), self._rows(v), block_table,
                                  start, src_kind, k_codec.kind, k_codec.layer_scale,
-                                 v_codec.layer_scale, k_codec.scale_plane, v_codec.scale_plane)
+                                 v_codec.layer_scale, k_codec.scale_plane, v_codec.scale_plane,
+                                 k_codec.head_scales, v_codec.head_scales)
 
     @staticmethod
     def _rows(a):
@@ -91,36 +100,38 @@ class CPUBackend(Backend):
             a = np.array(a, order="C", copy=True)
         return a
 
-    def row_writer(self, storage, kind, scales=None, layer_scales=None):
+    def row_writer(self, storage, kind, scales=None, layer_scales=None, head_scales=None):
         """The C-level writer a sequence's appends go through (PagedKVCache.append:
-        one native call per append); it writes with write_positions' loop."""
+        one native call per append); it writes with write_positions' loop
+        (fp8 per-kv-head scales: ``head_scales`` ``(num_layers, 2, heads)``)."""
         if isinstance(storage, np.ndarray) and storage.flags.c_contiguous:
-            return _kernels.PositionWriter(storage, kind, scales, layer_scales)
+            return _kernels.PositionWriter(storage, kind, scales, layer_scales, head_scales)
         return None
 
     def gather(self, cache, block_table, start, end, out, codec, dst_kind):
         """out: (heads, end - start, dim), C-contiguous, aligned, apart from
         cache; block_table: int32, C-contiguous, aligned."""
         _kernels.gather(cache, block_table, start, end, out, codec.kind, dst_kind,
-                        codec.layer_scale, codec.scale_plane)
+                        codec.layer_scale, codec.scale_plane, codec.head_scales)
 
     def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
         out[...] = 0
-        kind, scale, plane = codec.kind, codec.layer_scale, codec.scale_plane
+        kind, scale, plane, heads = codec.kind, codec.layer_scale, codec.scale_plane, \
+            codec.head_scales
         for s in range(out.shape[0]):
             n = int(lengths[s])
             if n:
                 # (rows of a head back to back, as gather writes them)
                 _kernels.gather(cache, _aligned_ids(block_tables[s]), 0, n,
                                 out[s, :, :n] if n < out.shape[2] else out[s], kind, dst_kind,
-                                scale, plane)
+                                scale, plane, heads)
 
     def write_contiguous(self, dst, src, start, src_kind, codec):
         # the kernel writes rows of dst back to back: dst must be C-contiguous
         assert dst.flags.c_contiguous, "write_contiguous needs a C-contiguous destination"
         src = _kernels.apart(src, dst)  # e.g. a view of the cache itself
         _kernels.write_contiguous(dst, self.inner_contiguous(src), start, src_kind, codec.kind,
-                                  codec.layer_scale, codec.scale_plane)
+                                  codec.layer_scale, codec.scale_plane, codec.head_scales)
 
     def dequantize(self, src, codec, dst, dst_kind):
         if not codec.lowprec:
@@ -133,13 +144,17 @@ class CPUBackend(Backend):
         s2 = np.ascontiguousarray(src).reshape(-1, d)
         plane = codec.scale_plane
         sc = None if plane is None else np.ascontiguousarray(plane, np.float32).reshape(-1)
+        rs = None
+        if codec.head_scales is not None:   # each row's head's scale (heads: axis -3)
+            rs = np.ascontiguousarray(np.broadcast_to(
+                codec.head_scales[:, None], src.shape[:-1]), np.float32).reshape(-1)
         if dst.flags.c_contiguous and dst.flags.aligned:
             _kernels.dequantize(s2, sc, codec.kind, dst.reshape(-1, d), dst_kind,
-                                codec.layer_scale)
+                                codec.layer_scale, rs)
         else:
             tmp = np.empty(dst.shape, dst.dtype)
             _kernels.dequantize(s2, sc, codec.kind, tmp.reshape(-1, d), dst_kind,
-                                codec.layer_scale)
+                                codec.layer_scale, rs)
             dst[...] = tmp
 
     def copy_blocks(self, storage, src, dst):
@@ -187,6 +202,11 @@ class CPUBackend(Backend):
 
     def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
         """The C kernel on the plan (GIL released; one run at a time per plan)."""
+        if lowprec is not None and isinstance(lowprec[2], np.ndarray):
+            # fp8 with per-kv-head scales: float32 (num_kv_heads,) each
+            plan.run(q, out, key_cache, value_cache, None, None, 1.0, 1.0,
+                     _head_vector(lowprec[2]), _head_vector(lowprec[3]))
+            return
         plan.run(q, out, key_cache, value_cache, *(lowprec or ()))
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,

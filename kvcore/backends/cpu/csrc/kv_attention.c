@@ -287,6 +287,8 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     a.value_scales = args->value_scales;
     a.k_scale = args->k_scale;
     a.v_scale = args->v_scale;
+    a.k_head_scales = args->k_head_scales;
+    a.v_head_scales = args->v_head_scales;
     int level = kva_current_level();
     /* the AVX2 (NEON) kernels work on whole vectors of 8 (4) dims; the
      * AVX-512 ones on vectors of 16 and one of 8 */

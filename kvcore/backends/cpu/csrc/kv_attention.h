@@ -71,10 +71,14 @@ typedef struct {
      * scale: int8, the row's scale in key_scales / value_scales (float32
      * planes (num_blocks, num_kv_heads, block_size), C-contiguous; NULL for
      * other kinds); fp8, k_scale / v_scale (the layer's; 1 or 0 -- "none" --
-     * for other kinds, so a zero-initialised kva_args needs no change). */
+     * for other kinds, so a zero-initialised kva_args needs no change).
+     * fp8 with one scale per kv head: k_head_scales / v_head_scales
+     * (num_kv_heads floats each; NULL: k_scale / v_scale for every head). */
     const float *key_scales;
     const float *value_scales;
     float k_scale, v_scale;
+    const float *k_head_scales;
+    const float *v_head_scales;
 } kva_args;
 
 /* Bytes per stored element of a kind. */

@@ -115,9 +115,12 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
             vs[i] = a->value_scales[at];
         }
     } else {
+        /* fp8: the kv head's scales (an item is one kv head: one pair) */
+        const float k = a->k_head_scales != NULL ? a->k_head_scales[g] : layer_scale(a->k_scale);
+        const float v = a->v_head_scales != NULL ? a->v_head_scales[g] : layer_scale(a->v_scale);
         for (int i = 0; i < nt; i++) {
-            ks[i] = layer_scale(a->k_scale);
-            vs[i] = layer_scale(a->v_scale);
+            ks[i] = k;
+            vs[i] = v;
         }
     }
     for (int r = 0; r < M; r++)
@@ -174,7 +177,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     /* low precision: row i of a tile reads as its elements times ks[i]
      * (keys) / vs[i] (values), applied to its scores and its weights */
     const int scaled = a->key_scales != NULL || layer_scale(a->k_scale) != 1.0f ||
-                       layer_scale(a->v_scale) != 1.0f;
+                       layer_scale(a->v_scale) != 1.0f || a->k_head_scales != NULL ||
+                       a->v_head_scales != NULL;
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
