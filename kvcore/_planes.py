@@ -7,6 +7,7 @@ plane), and the few checks both classes share: staging an input that
 overlaps what a call writes, the two ``out`` arrays of a read being apart,
 and the ``kv_scales`` argument.
 """
+import collections.abc
 import numbers
 
 import numpy as np
@@ -152,11 +153,10 @@ def _scale_values(kv_scales, num_layers, num_kv_heads):
         raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
                          f"(shape ({num_layers}, 2) or ({num_layers}, 2, num_kv_heads={H})), "
                          f"got shape {a.shape}")
-    try:
-        pairs = list(kv_scales)
-    except TypeError:
+    pairs = _listed(kv_scales, "kv_scales", _PAIR)
+    if pairs is None:
         raise TypeError(f"kv_scales must be {_PAIR}, got {type(kv_scales).__name__} "
-                        f"{kv_scales!r:.80}") from None
+                        f"{kv_scales!r:.80}")
     if len(pairs) != num_layers:
         raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
                          f"(shape ({num_layers}, 2)), got {len(pairs)} entries")
@@ -166,10 +166,7 @@ def _scale_values(kv_scales, num_layers, num_kv_heads):
         if _text_or_array(pair, name, "a (k_scale, v_scale) pair"):
             items = list(pair) if pair.ndim else None
         else:
-            try:
-                items = list(pair)
-            except TypeError:
-                items = None
+            items = _listed(pair, name, "a (k_scale, v_scale) pair")
         if items is None or len(items) != 2:
             raise ValueError(f"{name} must be a (k_scale, v_scale) pair, got {pair!r:.80}")
         for i, x in enumerate(items):
@@ -191,7 +188,10 @@ def _plane_scales(x, name, num_kv_heads):
     if isinstance(x, (bool, np.bool_, np.complexfloating)) or not hasattr(x, "__iter__"):
         raise TypeError(f"{name} must be a real number or num_kv_heads={num_kv_heads} of them, "
                         f"got {type(x).__name__} {x!r}")
-    heads = list(x)
+    heads = _listed(x, name, f"a float or num_kv_heads={num_kv_heads} floats")
+    if heads is None:
+        raise TypeError(f"{name} must be a real number or num_kv_heads={num_kv_heads} of them, "
+                        f"got {type(x).__name__} {x!r}")
     if len(heads) != num_kv_heads:
         raise ValueError(f"{name} must be a float or num_kv_heads={num_kv_heads} floats (one per "
                          f"kv head), got {len(heads)}")
@@ -202,10 +202,27 @@ def _plane_scales(x, name, num_kv_heads):
     return np.array([float(y) for y in heads], np.float64)
 
 
+def _listed(value, name, expected):
+    """``list(value)`` for an ordered sequence; TypeError naming ``name`` for
+    a set or a mapping (their order is not the caller's: a set of scales
+    would give heads or layers the wrong ones, a dict its keys), None for a
+    value that is not iterable."""
+    if isinstance(value, (set, frozenset, collections.abc.Mapping)):
+        raise TypeError(f"{name} must be {expected} in order (a list, tuple or array), got "
+                        f"{type(value).__name__} {value!r:.80}")
+    try:
+        return list(value)
+    except TypeError:
+        return None
+
+
 def _real(x):
     """A real number (a 0-d tensor or array has __float__ too; str, bytes,
-    bool and complex are refused)."""
+    bool and complex are refused, also as a tensor's dtype)."""
     if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating, complex)):
+        return False
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and ("bool" in str(dtype) or "complex" in str(dtype)):
         return False
     if isinstance(x, numbers.Real):
         return True

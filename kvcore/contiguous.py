@@ -44,13 +44,14 @@ class KVCache:
         and ``ml_dtypes.bfloat16`` too).  bfloat16 is stored, and returned,
         as ``numpy.uint16`` arrays of raw bits.  Low precision, as for
         :class:`kvcore.BlockPool`: ``"float8_e4m3fn"`` / ``"float8_e5m2"``
-        (uint8 bits, per-layer ``kv_scales``) and ``"int8"`` (one float32
+        (uint8 bits, per-layer or per-head ``kv_scales``) and ``"int8"`` (one float32
         scale per (batch row, kv head, position), see :meth:`get_scales`);
         ``get(..., dtype="float32")`` dequantizes, ``get()`` returns codes.
     device : str, default "cpu"
         ``"cpu"`` (NumPy arrays) or ``"cuda"``/``"cuda:N"`` (CuPy arrays).
     kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
-        fp8 only: the per-layer scales (default 1.0), as for BlockPool.
+        fp8 only: per-layer or per-KV-head scales (default 1.0), as for
+        BlockPool.
 
     Raises
     ------

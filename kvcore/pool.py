@@ -76,9 +76,12 @@ class BlockPool:
         stored blocks ahead of its ``allocate``.  Needs
         ``enable_prefix_caching``.
     kv_scales : sequence of num_layers (k_scale, v_scale) pairs, optional
-        fp8 pools only: per-layer float32 scales (default 1.0): a value x is
-        stored as ``fp8(x / scale)``, saturated to the largest finite fp8
-        value (+-inf included; NaN stays NaN), and read as ``fp8 * scale``.
+        fp8 pools only: float32 scales (default 1.0), each a float (the
+        layer's) or ``num_kv_heads`` floats (one per KV head, CPU pools), or
+        an array of shape ``(num_layers, 2)`` or ``(num_layers, 2,
+        num_kv_heads)``: a value x of head h is stored as ``fp8(x /
+        scale_h)``, saturated to the largest finite fp8 value (+-inf
+        included; NaN stays NaN), and read as ``fp8 * scale_h``.
 
     Notes on int8 pools
     -------------------

@@ -83,6 +83,13 @@ def rows(rng, n, dim=D):
     ([(1.0, 1.0, 1.0)], ValueError, r"kv_scales\[0\] must be a \(k_scale, v_scale\) pair"),
     (np.ones((1, 2, 2)), ValueError, r"shape \(1, 2\) or \(1, 2, num_kv_heads=3\).*\(1, 2, 2\)"),
     (5, TypeError, r"kv_scales must be a sequence of num_layers"),
+    # unordered: a set would hand heads or layers each other's scales, a dict its keys
+    ([({3.0, 1.0, 2.0}, 1.0)], TypeError, r"kv_scales\[0\]\[0\] \(k_scale\) must be .* in "
+                                           r"order .*got set"),
+    ({(0.5, 0.5)}, TypeError, r"kv_scales must be .* in order .*got set"),
+    ([frozenset({0.5, 2.0})], TypeError, r"kv_scales\[0\] must be .* in order .*got frozenset"),
+    ([({2.0: "a", 4.0: "b", 8.0: "c"}, 1.0)], TypeError, r"kv_scales\[0\]\[0\].* in order "
+                                                          r".*got dict"),
 ])
 def test_per_head_kv_scales_are_validated(bad, err, match):
     with pytest.raises(err, match=match):
@@ -320,3 +327,15 @@ def test_contiguous_cache_attention_per_head(dtype):
             q = rng.standard_normal((2, 2 * H, n, 64)).astype(np.float32) / 8
             want = f.attention(l, q)
             assert rel_err(c.attention(l, q), want) <= 1e-5
+
+
+def test_torch_bool_and_complex_scales_are_refused():
+    torch = pytest.importorskip("torch")
+    for bad, match in (([(torch.tensor([True] * H), 1.0)], r"kv head 0\) must be a real number"),
+                       ([(torch.tensor(True), 1.0)], r"k_scale\) must be a real number"),
+                       ([(torch.tensor([1 + 0j] * H), 1.0)], r"kv head 0\) must be a real number"),
+                       ([(torch.tensor(1 + 1j), 1.0)], r"k_scale\) must be a real number")):
+        with pytest.raises(TypeError, match=match):
+            pool_of("float8_e4m3fn", bad)
+    good = pool_of("float8_e4m3fn", [(torch.tensor([0.5, 1.0, 2.0]), torch.tensor(2.0))])
+    assert good.kv_scales == [((0.5, 1.0, 2.0), 2.0)]
