@@ -23,6 +23,7 @@ ratios use the medians of the same run.
 torch is optional (``pip install torch``, CPU build); without it the torch
 columns are left out with a note.
 """
+import contextlib
 import math
 import os
 import statistics
@@ -216,25 +217,12 @@ def run_prefill_shapes(quick=False, seed=0):
     """Causal prefill only, for the default shape and SmolLM2's
     (``python bench/bench_attention.py --only-prefill``): 1024 and 4096
     tokens, where a KV head's K and V leave the L2 cache."""
-    torch, F = _torch()
-    rng = np.random.default_rng(seed)
-    threads_before = kvcore.get_num_threads()
-    torch_threads = torch.get_num_threads() if torch is not None else None
-    budget = 0.2 if quick else 1.5
-    res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
-                     "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},
-           "torch": torch.__version__ if torch is not None else None, "decode": {},
-           "prefill": {}}
-    try:
+    with _session(quick, seed) as (torch, F, rng, budget, res):
         for name, shape in (("", (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)),
                             ("smollm2_", SMOLLM2_SHAPE)):
             for n in ([256] if quick else [1024, 4096]):
                 res["prefill"][f"{name}n{n}"] = bench_prefill(n, rng, budget, torch, F,
                                                               shape=shape)
-    finally:
-        kvcore.set_num_threads(threads_before)
-        if torch is not None:
-            torch.set_num_threads(torch_threads)
     return res
 
 
@@ -262,13 +250,14 @@ def bench_demo(repeat):
     return res
 
 
-def run(quick=False, seed=0):
-    """All measurements, as a dict (see the module docstring)."""
+@contextlib.contextmanager
+def _session(quick, seed):
+    """``(torch, F, rng, budget, res)`` for one benchmark run: the result
+    dict started, and kvcore's and torch's thread counts put back after."""
     torch, F = _torch()
     rng = np.random.default_rng(seed)
     threads_before = kvcore.get_num_threads()
     torch_threads = torch.get_num_threads() if torch is not None else None
-    budget = 0.2 if quick else 1.5
     res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                      "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},
            "torch": torch.__version__ if torch is not None else None,
@@ -276,6 +265,16 @@ def run(quick=False, seed=0):
            else os.cpu_count(),
            "decode": {}, "prefill": {}}
     try:
+        yield torch, F, rng, 0.2 if quick else 1.5, res
+    finally:
+        kvcore.set_num_threads(threads_before)
+        if torch is not None:
+            torch.set_num_threads(torch_threads)
+
+
+def run(quick=False, seed=0):
+    """All measurements, as a dict (see the module docstring)."""
+    with _session(quick, seed) as (torch, F, rng, budget, res):
         decode = [(512, 1), (4096, 8)] if quick else \
             [(512, 1), (512, 8), (4096, 1), (4096, 8), (16384, 1), (16384, 8)]
         for ctx, batch in decode:
@@ -289,10 +288,6 @@ def run(quick=False, seed=0):
             res["prefill"][f"n{n}"] = bench_prefill(n, rng, budget, torch, F, threads)
         _with_threads(1, torch)
         res["demo"] = bench_demo(1 if quick else 3)
-    finally:
-        kvcore.set_num_threads(threads_before)
-        if torch is not None:
-            torch.set_num_threads(torch_threads)
     return res
 
 
