@@ -527,7 +527,8 @@ def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib
     attention, so every chunk reads the earlier ones from the pages), and
     the greedy agreement with float32 pages over a few chat prompts
     (``new`` tokens each).  fp8 pools get per-layer scales calibrated on
-    the ``calib`` tokens that follow the measured ones.  For each
+    the ``calib`` tokens that follow the measured ones, and again per KV
+    head (``calibrate_kv_scales(per_head=True)``).  For each
     granularity of ``emulate`` ("layer", "head", "channel"), an e4m3fn row
     emulated in a float32 pool (K/V rounded through kvcore's conversion
     with scales calibrated at that granularity): the "layer" row checks the
@@ -561,12 +562,16 @@ def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib
         blocks = (tokens + 16) // 16 + 4
         result = {"model": model, "text": text, "tokens": tokens, "chunk": chunk, "dtypes": {}}
         greedy_ref = None
-        rows = [(dtype, dtype, None) for dtype in dtypes] + [
-            (f"float8_e4m3fn per-{g} (emulated)", "float32", g) for g in emulate]
+        # (row name, pool dtype, emulated scale granularity, per-head pool scales)
+        rows = [(dtype, dtype, None, False) for dtype in dtypes] + [
+            (f"{dtype} per-head", dtype, None, True) for dtype in dtypes
+            if dtype.startswith("float8")] + [
+            (f"float8_e4m3fn per-{g} (emulated)", "float32", g, False) for g in emulate]
         key = kvcore.hf.cache_keyword(m)
         with torch.no_grad():
-            for name, dtype, granularity in rows:
-                scales = kvcore.hf.calibrate_kv_scales(m, calib_ids, dtype=dtype) \
+            for name, dtype, granularity, per_head in rows:
+                scales = kvcore.hf.calibrate_kv_scales(m, calib_ids, dtype=dtype,
+                                                       per_head=per_head) \
                     if dtype.startswith("float8") else None
                 fake = None if granularity is None else _granular_scales(
                     m, calib_ids, "float8_e4m3fn", granularity)
@@ -629,7 +634,8 @@ def perplexity_report(r):
     head = (f"KV dtype ({r['model']}, {r['tokens']} tokens of {r['text']})", "perplexity",
             "vs float32", "KV bytes/token (of float32)", "greedy = float32 pages")
     lines = [table(rows, head), "goals:"]
-    for dtype, bound in (("int8", 0.01), ("float8_e4m3fn", 0.03)):
+    for dtype, bound in (("int8", 0.01), ("float8_e4m3fn", 0.03),
+                         ("float8_e4m3fn per-head", 0.03)):
         if dtype in r["dtypes"]:
             v = r["dtypes"][dtype]["vs_float32"]
             lines.append(f"  {'met    ' if v <= bound else 'NOT met'} {dtype} perplexity "
