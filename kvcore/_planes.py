@@ -185,10 +185,9 @@ def _plane_scales(x, name, num_kv_heads):
         return x.astype(np.float64)
     if _real(x):
         return float(x)
-    if isinstance(x, (bool, np.bool_, np.complexfloating)) or not hasattr(x, "__iter__"):
-        raise TypeError(f"{name} must be a real number or num_kv_heads={num_kv_heads} of them, "
-                        f"got {type(x).__name__} {x!r}")
-    heads = _listed(x, name, f"a float or num_kv_heads={num_kv_heads} floats")
+    heads = None if isinstance(x, (bool, np.bool_, np.complexfloating)) or \
+        not hasattr(x, "__iter__") else \
+        _listed(x, name, f"a float or num_kv_heads={num_kv_heads} floats")
     if heads is None:
         raise TypeError(f"{name} must be a real number or num_kv_heads={num_kv_heads} of them, "
                         f"got {type(x).__name__} {x!r}")
