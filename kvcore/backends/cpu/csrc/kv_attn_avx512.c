@@ -246,9 +246,120 @@ KVA_INLINE void dot_block_avx512(const float *Qs, int D, const char *const *krow
             S[(r + rb) * KVA_KEY_TILE + i + kb] = sums[rb * KB + kb];
 }
 
-KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const char *const *krow,
-                              int ntp, float *S)
+/* Transpose the 16 x 16 floats of r in place (lane j of r[i] becomes lane i
+ * of r[j]): pairs of rows interleaved, then quads of rows, then their
+ * 128-bit lanes moved twice. */
+KVA_INLINE void transpose16_avx512(__m512 *r)
 {
+    __m512 t[16], u[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4m + c], 128-bit lane q: rows 4m .. 4m + 3 of column 4q + c */
+#pragma GCC unroll 4
+    for (int m = 0; m < 16; m += 4) {
+        u[m] = _mm512_shuffle_ps(t[m], t[m + 2], 0x44);
+        u[m + 1] = _mm512_shuffle_ps(t[m], t[m + 2], 0xEE);
+        u[m + 2] = _mm512_shuffle_ps(t[m + 1], t[m + 3], 0x44);
+        u[m + 3] = _mm512_shuffle_ps(t[m + 1], t[m + 3], 0xEE);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+        __m512 w = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+        __m512 x = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        __m512 y = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_f32x4(v, x, 0x88);
+        r[4 + c] = _mm512_shuffle_f32x4(w, y, 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(v, x, 0xDD);
+        r[12 + c] = _mm512_shuffle_f32x4(w, y, 0xDD);
+    }
+}
+
+/* Kt[d * KVA_KEY_TILE + i] = element d of key row i (i < ntp, ntp % 8 == 0;
+ * the lanes past ntp of a last 8 keys are 0): the tile transposed, 16 x 16
+ * floats at a time. */
+KVA_INLINE void transpose_keys_avx512(int kind, const char *const *krow, int ntp, int D,
+                                      float *Kt)
+{
+    const int isz = kva_isz(kind);
+    for (int i0 = 0; i0 < ntp; i0 += 16) {
+        const int nb = ntp - i0 < 16 ? ntp - i0 : 16;
+        for (int d = 0; d < D; d += 16) {
+            const int half = D - d < 16;
+            __m512 r[16];
+#pragma GCC unroll 16
+            for (int k = 0; k < 16; k++)
+                r[k] = k < nb ? load16_avx512(krow[i0 + k] + (size_t)d * isz, kind, half)
+                              : _mm512_setzero_ps();
+            transpose16_avx512(r);
+            for (int k = 0; k < (half ? 8 : 16); k++)
+                _mm512_storeu_ps(Kt + (size_t)(d + k) * KVA_KEY_TILE + i0, r[k]);
+        }
+    }
+}
+
+/* S[(r + rb) * KVA_KEY_TILE + 16 v + j] for rb < RB, v < NV, j < 16: query
+ * row r + rb times the transposed keys, one dim at a time (each q element
+ * broadcast, an FMA per 16 keys: no horizontal sums). */
+KVA_INLINE void qk_rows_avx512(const float *Qs, int D, const float *Kt, int RB, int NV, int r,
+                               float *S)
+{
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int a = 0; a < RB * NV; a++)
+        acc[a] = _mm512_setzero_ps();
+    const float *q = Qs + (size_t)r * D;
+    for (int d = 0; d < D; d++) {
+        const float *k = Kt + (size_t)d * KVA_KEY_TILE;
+        const __m512 k0 = _mm512_loadu_ps(k);
+        const __m512 k1 = NV > 1 ? _mm512_loadu_ps(k + 16) : k0;
+#pragma GCC unroll 8
+        for (int rb = 0; rb < RB; rb++) {
+            const __m512 qb = _mm512_set1_ps(q[(size_t)rb * D + d]);
+            acc[rb * NV] = _mm512_fmadd_ps(qb, k0, acc[rb * NV]);
+            if (NV > 1)
+                acc[rb * NV + 1] = _mm512_fmadd_ps(qb, k1, acc[rb * NV + 1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; rb++)
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; v++)
+            _mm512_storeu_ps(S + (size_t)(r + rb) * KVA_KEY_TILE + 16 * v, acc[rb * NV + v]);
+}
+
+/* The scores of KVA_TILE_ROWS rows or more (a prefill's): the key tile
+ * transposed into tmp once (KVA_KEY_TILE * D floats), then 8 rows x 32
+ * keys of FMAs at a time.  Each score is the float32 FMA chain over d in
+ * order. */
+KVA_INLINE void scores_rows_avx512(int kind, const float *Qs, int M, int D,
+                                   const char *const *krow, int ntp, float *S, float *tmp)
+{
+    transpose_keys_avx512(kind, krow, ntp, D, tmp);
+    const int NV = ntp > 16 ? 2 : 1;
+    int r = 0;
+    for (; r + 8 <= M; r += 8)
+        if (NV == 2)
+            qk_rows_avx512(Qs, D, tmp, 8, 2, r, S);
+        else
+            qk_rows_avx512(Qs, D, tmp, 8, 1, r, S);
+    for (; r < M; r++)
+        if (NV == 2)
+            qk_rows_avx512(Qs, D, tmp, 1, 2, r, S);
+        else
+            qk_rows_avx512(Qs, D, tmp, 1, 1, r, S);
+}
+
+KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const char *const *krow,
+                              int ntp, float *S, float *tmp)
+{
+    if (M >= KVA_TILE_ROWS && tmp != NULL) {
+        scores_rows_avx512(kind, Qs, M, D, krow, ntp, S, tmp);
+        return;
+    }
     int r = 0;
     for (; r + 4 <= M; r += 4)
         for (int i = 0; i < ntp; i += 4)
@@ -349,8 +460,7 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
                                                          const char *const *krow, int ntp,    \
                                                          float *S, float *t)                  \
     {                                                                                         \
-        (void)t;                                                                              \
-        scores_avx512(kind, Qs, M, D, krow, ntp, S);                                          \
+        scores_avx512(kind, Qs, M, D, krow, ntp, S, t);                                       \
     }                                                                                         \
     KVA_AVX512_TARGET static void pv_##name##_avx512(const float *P, int M, int D,            \
                                                      const char *const *vrow, int nt,         \
@@ -380,11 +490,10 @@ KVA_AVX512_TARGET static void scores_e4m3_avx512(const float *Qs, int M, int D,
                                                  const char *const *krow, int ntp, float *S,
                                                  float *t)
 {
-    (void)t;
     if (rows_have_e4m3_nan_avx512(krow, ntp, D))
-        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S);
+        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, t);
     else
-        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S);
+        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S, t);
 }
 
 KVA_AVX512_TARGET static void pv_e4m3_avx512(const float *P, int M, int D,
