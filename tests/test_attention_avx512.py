@@ -61,8 +61,9 @@ def emulated_objects(tmp_path_factory):
 @needs_source
 def test_avx512_kernels_match_scalar_and_float64_under_simde(tmp_path, emulated_objects):
     """Every kind; head_dims 8 to 256 with and without a last vector of 8;
-    1 to 64 rows (16 and more: the scores over the transposed key tile); GQA groups of 1 to 8; ragged lengths, decode splits,
-    window, soft cap; the math table; the same bits for 1, 2 and 5 threads."""
+    1 to 64 rows (16 and more: the scores over the transposed key tile);
+    GQA groups of 1 to 8; ragged lengths, decode splits, window, soft cap;
+    the math table; the same bits for 1, 2 and 5 threads."""
     run = _build_and_run(_cc(), DRIVER, tmp_path / "avx512_check",
                          extra=("-DKVA_AVX512_SIMDE", f"-I{ROOT / 'tests' / 'c'}"),
                          objects=emulated_objects)

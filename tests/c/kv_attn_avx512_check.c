@@ -73,7 +73,7 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
     }
     float *wv = malloc(sizeof(float) * T * D), *ws = malloc(sizeof(float) * T * D);
     float *Q = malloc(sizeof(float) * M * D), *tmp = malloc(sizeof(float) * T * D);
-    float *Sv = malloc(sizeof(float) * M * T), *Ss = malloc(sizeof(float) * M * T);
+    float *Sv = malloc(sizeof(float) * M * T);
     float *accv = malloc(sizeof(float) * M * D), *acc0 = malloc(sizeof(float) * M * D);
     float *P = malloc(sizeof(float) * M * T), *alpha = malloc(sizeof(float) * M);
 
@@ -138,7 +138,6 @@ done:
     free(Q);
     free(tmp);
     free(Sv);
-    free(Ss);
     free(accv);
     free(acc0);
     free(P);

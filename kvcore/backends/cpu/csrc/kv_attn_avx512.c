@@ -24,8 +24,8 @@
  * Scores: items of fewer than KVA_TILE_ROWS query rows (decode) take blocks
  * of rows x keys dotted along head_dim with horizontal sums; items of more
  * (prefill) transpose the key tile once and broadcast q elements over 16
- * keys per FMA, which needs no horizontal sums (2x the scores' rate at
- * head_dim 64).
+ * keys per FMA, which needs no horizontal sums (causal prefill 1.7x faster
+ * at head_dim 64 on a Zen 5: docs/performance.md).
  */
 #include "kv_attn_internal.h"
 
@@ -337,33 +337,30 @@ KVA_INLINE void qk_rows_avx512(const float *Qs, int D, const float *Kt, int RB, 
             _mm512_storeu_ps(S + (size_t)(r + rb) * KVA_KEY_TILE + 16 * v, acc[rb * NV + v]);
 }
 
-/* The scores of KVA_TILE_ROWS rows or more (a prefill's): the key tile
- * transposed into tmp once (KVA_KEY_TILE * D floats), then 8 rows x 32
- * keys of FMAs at a time.  Each score is the float32 FMA chain over d in
- * order. */
-KVA_INLINE void scores_rows_avx512(int kind, const float *Qs, int M, int D,
-                                   const char *const *krow, int ntp, float *S, float *tmp)
+/* Every row of S over NV vectors of 16 transposed keys: 8 rows at a time,
+ * then one. */
+KVA_INLINE void qk_all_rows_avx512(const float *Qs, int M, int D, const float *Kt, int NV,
+                                   float *S)
 {
-    transpose_keys_avx512(kind, krow, ntp, D, tmp);
-    const int NV = ntp > 16 ? 2 : 1;
     int r = 0;
     for (; r + 8 <= M; r += 8)
-        if (NV == 2)
-            qk_rows_avx512(Qs, D, tmp, 8, 2, r, S);
-        else
-            qk_rows_avx512(Qs, D, tmp, 8, 1, r, S);
+        qk_rows_avx512(Qs, D, Kt, 8, NV, r, S);
     for (; r < M; r++)
-        if (NV == 2)
-            qk_rows_avx512(Qs, D, tmp, 1, 2, r, S);
-        else
-            qk_rows_avx512(Qs, D, tmp, 1, 1, r, S);
+        qk_rows_avx512(Qs, D, Kt, 1, NV, r, S);
 }
 
 KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const char *const *krow,
                               int ntp, float *S, float *tmp)
 {
-    if (M >= KVA_TILE_ROWS && tmp != NULL) {
-        scores_rows_avx512(kind, Qs, M, D, krow, ntp, S, tmp);
+    /* KVA_TILE_ROWS rows or more (a prefill's): the key tile transposed into
+     * tmp once (KVA_KEY_TILE * D floats), then 8 rows x 32 keys of FMAs at a
+     * time; each score is the float32 FMA chain over d in order */
+    if (M >= KVA_TILE_ROWS) {
+        transpose_keys_avx512(kind, krow, ntp, D, tmp);
+        if (ntp > 16) /* (a constant NV: the blocks unroll) */
+            qk_all_rows_avx512(Qs, M, D, tmp, 2, S);
+        else
+            qk_all_rows_avx512(Qs, M, D, tmp, 1, S);
         return;
     }
     int r = 0;
