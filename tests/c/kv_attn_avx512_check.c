@@ -84,6 +84,14 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
     for (int i = 0; i < ntp * D; i++)
         ok &= same_float(wv[i] * v->unit, ws[i]);
     check(ok, "widen", kind, D, 0, ntp, 0);
+    /* the kernels that also prefetch a next tile's rows (here the rows in
+     * reverse): the same bits */
+    const char *next[T];
+    for (int i = 0; i < T; i++)
+        next[i] = row[T - 1 - i];
+    float *again = malloc(sizeof(float) * (M > T ? M : T) * D);
+    v->widen_pf(row, ntp, D, again, next);
+    check(memcmp(again, wv, sizeof(float) * ntp * D) == 0, "widen_pf bits", kind, D, 0, ntp, 0);
     if (nan) /* the NaN blend is what is checked; no sums over NaN */
         goto done;
 
@@ -104,6 +112,13 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
                 worst = err;
         }
     check(worst <= 2e-6, "scores", kind, D, M, ntp, worst);
+    float *Sp = malloc(sizeof(float) * M * T);
+    v->scores_pf(Q, M, D, row, ntp, Sp, tmp, next);
+    ok = 1;
+    for (int r = 0; r < M; r++)
+        ok &= memcmp(Sp + r * T, Sv + r * T, sizeof(float) * ntp) == 0;
+    check(ok, "scores_pf bits", kind, D, M, ntp, 0);
+    free(Sp);
 
     /* P.V: acc = acc * alpha + P V, against float64 */
     for (int r = 0; r < M; r++) {
@@ -130,8 +145,12 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
                 worst = err;
         }
     check(worst <= 2e-6, "pv", kind, D, M, nt, worst);
+    memcpy(again, acc0, sizeof(float) * M * D);
+    v->pv_pf(P, M, D, row, nt, again, alpha, tmp, next);
+    check(memcmp(again, accv, sizeof(float) * M * D) == 0, "pv_pf bits", kind, D, M, nt, 0);
 
 done:
+    free(again);
     free(rows);
     free(wv);
     free(ws);

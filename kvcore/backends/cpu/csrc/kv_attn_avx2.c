@@ -398,12 +398,12 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f},
-    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f},
-    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f},
-    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f}, /* its loaders: value / 2^8 */
-    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f},
-    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f},
+    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f, NULL, NULL, NULL},
+    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f, NULL, NULL, NULL},
+    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f, NULL, NULL, NULL},
+    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f, NULL, NULL, NULL}, /* its loaders: value / 2^8 */
+    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f, NULL, NULL, NULL},
+    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f, NULL, NULL, NULL},
 };
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
 #endif /* KVA_HAVE_AVX2 */

@@ -101,6 +101,15 @@ KVA_INLINE void storef_avx512(float *p, __m512 v, int half)
         _mm512_storeu_ps(p, v);
 }
 
+/* The line of `next` (a row of the next tile, or NULL: none) at byte `off`,
+ * when `off` starts a line of the row (every 64 bytes from its start): the
+ * callers run it beside their load at `off` of the current row. */
+KVA_INLINE void prefetch_at_avx512(const char *next, size_t off)
+{
+    if (next != NULL && (off & 63) == 0)
+        __builtin_prefetch(next + off, 0, 3);
+}
+
 /* Whether any of rows[0..n-1] (D bytes each, D % 8 == 0) holds an e4m3fn
  * NaN code (0x7F or 0xFF): the unsigned max of every byte with its sign
  * bit set is 0xFF exactly then (the sign set before the max: 0x7F against
@@ -214,7 +223,7 @@ KVA_INLINE __m512 tanh_avx512(__m512 x)
 /* RB query rows x KB keys of the score tile: RB * KB == 8 or 16
  * accumulators of 16 lanes (of 32 registers, with KB key vectors). */
 KVA_INLINE void dot_block_avx512(const float *Qs, int D, const char *const *krow, int kind,
-                                 int RB, int KB, int r, int i, float *S)
+                                 int RB, int KB, int r, int i, float *S, const char *const *nk)
 {
     const int isz = kva_isz(kind);
     __m512 acc[16];
@@ -226,8 +235,10 @@ KVA_INLINE void dot_block_avx512(const float *Qs, int D, const char *const *krow
         const int half = D - d < 16; /* the last 8 dims of a head_dim of 16 k + 8 */
         __m512 kv[8];
 #pragma GCC unroll 8
-        for (int kb = 0; kb < KB; kb++)
+        for (int kb = 0; kb < KB; kb++) {
             kv[kb] = load16_avx512(krow[i + kb] + (size_t)d * isz, kind, half);
+            prefetch_at_avx512(nk != NULL ? nk[i + kb] : NULL, (size_t)d * isz);
+        }
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
             __m512 qv = loadf_avx512(q0 + (size_t)rb * D + d, half);
@@ -288,7 +299,7 @@ KVA_INLINE void transpose16_avx512(__m512 *r)
  * the lanes past ntp of a last 8 keys are 0): the tile transposed, 16 x 16
  * floats at a time. */
 KVA_INLINE void transpose_keys_avx512(int kind, const char *const *krow, int ntp, int D,
-                                      float *Kt)
+                                      float *Kt, const char *const *nk)
 {
     const int isz = kva_isz(kind);
     for (int i0 = 0; i0 < ntp; i0 += 16) {
@@ -297,9 +308,12 @@ KVA_INLINE void transpose_keys_avx512(int kind, const char *const *krow, int ntp
             const int half = D - d < 16;
             __m512 r[16];
 #pragma GCC unroll 16
-            for (int k = 0; k < 16; k++)
+            for (int k = 0; k < 16; k++) {
                 r[k] = k < nb ? load16_avx512(krow[i0 + k] + (size_t)d * isz, kind, half)
                               : _mm512_setzero_ps();
+                if (k < nb)
+                    prefetch_at_avx512(nk != NULL ? nk[i0 + k] : NULL, (size_t)d * isz);
+            }
             transpose16_avx512(r);
             for (int k = 0; k < (half ? 8 : 16); k++)
                 _mm512_storeu_ps(Kt + (size_t)(d + k) * KVA_KEY_TILE + i0, r[k]);
@@ -350,38 +364,44 @@ KVA_INLINE void qk_all_rows_avx512(const float *Qs, int M, int D, const float *K
 }
 
 KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const char *const *krow,
-                              int ntp, float *S, float *tmp)
+                              int ntp, float *S, float *tmp, const char *const *nk)
 {
     /* KVA_TILE_ROWS rows or more (a prefill's): the key tile transposed into
      * tmp once (KVA_KEY_TILE * D floats), then 8 rows x 32 keys of FMAs at a
      * time; each score is the float32 FMA chain over d in order */
     if (M >= KVA_TILE_ROWS) {
-        transpose_keys_avx512(kind, krow, ntp, D, tmp);
+        transpose_keys_avx512(kind, krow, ntp, D, tmp, nk);
         if (ntp > 16) /* (a constant NV: the blocks unroll) */
             qk_all_rows_avx512(Qs, M, D, tmp, 2, S);
         else
             qk_all_rows_avx512(Qs, M, D, tmp, 1, S);
         return;
     }
+    /* the first block of rows prefetches the next tile's keys (nk) */
     int r = 0;
     for (; r + 4 <= M; r += 4)
         for (int i = 0; i < ntp; i += 4)
-            dot_block_avx512(Qs, D, krow, kind, 4, 4, r, i, S);
+            dot_block_avx512(Qs, D, krow, kind, 4, 4, r, i, S, r == 0 ? nk : NULL);
+    if (M - r == 3) { /* a GQA group of 3 (SmolLM2's): one pass over the keys */
+        for (int i = 0; i < ntp; i += 4)
+            dot_block_avx512(Qs, D, krow, kind, 3, 4, r, i, S, r == 0 ? nk : NULL);
+        return;
+    }
     if (r + 2 <= M) {
         for (int i = 0; i < ntp; i += 8)
-            dot_block_avx512(Qs, D, krow, kind, 2, 8, r, i, S);
+            dot_block_avx512(Qs, D, krow, kind, 2, 8, r, i, S, r == 0 ? nk : NULL);
         r += 2;
     }
     if (r < M)
         for (int i = 0; i < ntp; i += 8)
-            dot_block_avx512(Qs, D, krow, kind, 1, 8, r, i, S);
+            dot_block_avx512(Qs, D, krow, kind, 1, 8, r, i, S, r == 0 ? nk : NULL);
 }
 
 /* RB rows x DB vectors of 16 dims of the accumulator (half: one vector of
  * 8), over nt keys. */
 KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, int nt, int kind,
                                 int RB, int DB, int half, int r, int d, float *acc,
-                                const float *alpha)
+                                const float *alpha, const char *const *nv)
 {
     const int isz = kva_isz(kind);
     __m512 a[16];
@@ -397,8 +417,10 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
     for (int i = 0; i < nt; i++) {
         __m512 v[8];
 #pragma GCC unroll 8
-        for (int db = 0; db < DB; db++)
+        for (int db = 0; db < DB; db++) {
             v[db] = load16_avx512(vrow[i] + off + (size_t)db * 16 * isz, kind, half);
+            prefetch_at_avx512(nv != NULL ? nv[i] : NULL, off + (size_t)db * 16 * isz);
+        }
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
             __m512 p = _mm512_set1_ps(P[(r + rb) * KVA_KEY_TILE + i]);
@@ -414,40 +436,55 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
             storef_avx512(acc + (size_t)(r + rb) * D + d + db * 16, a[rb * DB + db], half);
 }
 
-/* Rows r .. r + RB - 1: DB vectors at a time, then single vectors, then the
- * last 8 dims. */
+/* Rows r .. r + RB - 1: DB vectors at a time, then 4, 2 and single vectors
+ * (each a pass over the keys: as few as head_dim allows), then the last 8
+ * dims. */
 KVA_INLINE void pv_rows_avx512(const float *P, int D, const char *const *vrow, int nt, int kind,
-                               int RB, int DB, int r, float *acc, const float *alpha)
+                               int RB, int DB, int r, float *acc, const float *alpha,
+                               const char *const *nv)
 {
     int d = 0;
     for (; d + 16 * DB <= D; d += 16 * DB)
-        pv_block_avx512(P, D, vrow, nt, kind, RB, DB, 0, r, d, acc, alpha);
+        pv_block_avx512(P, D, vrow, nt, kind, RB, DB, 0, r, d, acc, alpha, nv);
+    if (DB > 4)
+        for (; d + 64 <= D; d += 64)
+            pv_block_avx512(P, D, vrow, nt, kind, RB, 4, 0, r, d, acc, alpha, nv);
+    if (DB > 2)
+        for (; d + 32 <= D; d += 32)
+            pv_block_avx512(P, D, vrow, nt, kind, RB, 2, 0, r, d, acc, alpha, nv);
     for (; d + 16 <= D; d += 16)
-        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 0, r, d, acc, alpha);
+        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 0, r, d, acc, alpha, nv);
     if (d < D)
-        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 1, r, d, acc, alpha);
+        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 1, r, d, acc, alpha, nv);
 }
 
+/* The first block of rows prefetches the next tile's values (nv). */
 KVA_INLINE void pv_avx512(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
-                          float *acc, const float *alpha)
+                          float *acc, const float *alpha, const char *const *nv)
 {
     int r = 0;
     for (; r + 4 <= M; r += 4)
-        pv_rows_avx512(P, D, vrow, nt, kind, 4, 4, r, acc, alpha);
+        pv_rows_avx512(P, D, vrow, nt, kind, 4, 4, r, acc, alpha, r == 0 ? nv : NULL);
+    if (M - r == 3) { /* a GQA group of 3: one pass over the keys */
+        pv_rows_avx512(P, D, vrow, nt, kind, 3, 4, r, acc, alpha, r == 0 ? nv : NULL);
+        return;
+    }
     if (r + 2 <= M) {
-        pv_rows_avx512(P, D, vrow, nt, kind, 2, 8, r, acc, alpha);
+        pv_rows_avx512(P, D, vrow, nt, kind, 2, 8, r, acc, alpha, r == 0 ? nv : NULL);
         r += 2;
     }
     if (r < M)
-        pv_rows_avx512(P, D, vrow, nt, kind, 1, 8, r, acc, alpha);
+        pv_rows_avx512(P, D, vrow, nt, kind, 1, 8, r, acc, alpha, r == 0 ? nv : NULL);
 }
 
-KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, float *dst)
+KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, float *dst,
+                             const char *const *next)
 {
     const int isz = kva_isz(kind);
     for (int i = 0; i < n; i++)
         for (int d = 0; d < D; d += 16) {
             const int half = D - d < 16;
+            prefetch_at_avx512(next != NULL ? next[i] : NULL, (size_t)d * isz);
             storef_avx512(dst + (size_t)i * D + d,
                           load16_avx512(rows[i] + (size_t)d * isz, kind, half), half);
         }
@@ -457,13 +494,25 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
     KVA_AVX512_TARGET static void widen_##name##_avx512(const char *const *rows, int n,       \
                                                         int D, float *dst)                    \
     {                                                                                         \
-        widen_avx512(kind, rows, n, D, dst);                                                  \
+        widen_avx512(kind, rows, n, D, dst, NULL);                                            \
+    }                                                                                         \
+    KVA_AVX512_TARGET static void widen_pf_##name##_avx512(const char *const *rows, int n,    \
+                                                           int D, float *dst,                 \
+                                                           const char *const *next)           \
+    {                                                                                         \
+        widen_avx512(kind, rows, n, D, dst, next);                                            \
     }                                                                                         \
     KVA_AVX512_TARGET static void scores_##name##_avx512(const float *Qs, int M, int D,       \
                                                          const char *const *krow, int ntp,    \
                                                          float *S, float *t)                  \
     {                                                                                         \
-        scores_avx512(kind, Qs, M, D, krow, ntp, S, t);                                       \
+        scores_avx512(kind, Qs, M, D, krow, ntp, S, t, NULL);                                 \
+    }                                                                                         \
+    KVA_AVX512_TARGET static void scores_pf_##name##_avx512(                                  \
+        const float *Qs, int M, int D, const char *const *krow, int ntp, float *S, float *t,  \
+        const char *const *next)                                                              \
+    {                                                                                         \
+        scores_avx512(kind, Qs, M, D, krow, ntp, S, t, next);                                 \
     }                                                                                         \
     KVA_AVX512_TARGET static void pv_##name##_avx512(const float *P, int M, int D,            \
                                                      const char *const *vrow, int nt,         \
@@ -471,7 +520,14 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
                                                      float *t)                                \
     {                                                                                         \
         (void)t;                                                                              \
-        pv_avx512(kind, P, M, D, vrow, nt, acc, alpha);                                       \
+        pv_avx512(kind, P, M, D, vrow, nt, acc, alpha, NULL);                                 \
+    }                                                                                         \
+    KVA_AVX512_TARGET static void pv_pf_##name##_avx512(                                      \
+        const float *P, int M, int D, const char *const *vrow, int nt, float *acc,            \
+        const float *alpha, float *t, const char *const *next)                                \
+    {                                                                                         \
+        (void)t;                                                                              \
+        pv_avx512(kind, P, M, D, vrow, nt, acc, alpha, next);                                 \
     }
 KVA_AVX512_KIND(f32, KVA_F32)
 KVA_AVX512_KIND(f16, KVA_F16)
@@ -481,33 +537,54 @@ KVA_AVX512_KIND(i8, KVA_I8)
 
 /* e4m3fn: the tile's rows are searched for NaN codes once; only a tile
  * that holds one pays for the NaN blend of every 16 elements. */
-KVA_AVX512_TARGET static void widen_e4m3_avx512(const char *const *rows, int n, int D, float *dst)
+KVA_AVX512_TARGET static void widen_pf_e4m3_avx512(const char *const *rows, int n, int D,
+                                                   float *dst, const char *const *next)
 {
     if (rows_have_e4m3_nan_avx512(rows, n, D))
-        widen_avx512(KVA_F8E4M3_NAN, rows, n, D, dst);
+        widen_avx512(KVA_F8E4M3_NAN, rows, n, D, dst, next);
     else
-        widen_avx512(KVA_F8E4M3, rows, n, D, dst);
+        widen_avx512(KVA_F8E4M3, rows, n, D, dst, next);
+}
+
+KVA_AVX512_TARGET static void widen_e4m3_avx512(const char *const *rows, int n, int D, float *dst)
+{
+    widen_pf_e4m3_avx512(rows, n, D, dst, NULL);
+}
+
+KVA_AVX512_TARGET static void scores_pf_e4m3_avx512(const float *Qs, int M, int D,
+                                                    const char *const *krow, int ntp, float *S,
+                                                    float *t, const char *const *next)
+{
+    if (rows_have_e4m3_nan_avx512(krow, ntp, D))
+        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, t, next);
+    else
+        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S, t, next);
 }
 
 KVA_AVX512_TARGET static void scores_e4m3_avx512(const float *Qs, int M, int D,
                                                  const char *const *krow, int ntp, float *S,
                                                  float *t)
 {
-    if (rows_have_e4m3_nan_avx512(krow, ntp, D))
-        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, t);
+    scores_pf_e4m3_avx512(Qs, M, D, krow, ntp, S, t, NULL);
+}
+
+KVA_AVX512_TARGET static void pv_pf_e4m3_avx512(const float *P, int M, int D,
+                                                const char *const *vrow, int nt, float *acc,
+                                                const float *alpha, float *t,
+                                                const char *const *next)
+{
+    (void)t;
+    if (rows_have_e4m3_nan_avx512(vrow, nt, D))
+        pv_avx512(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
     else
-        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S, t);
+        pv_avx512(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
 }
 
 KVA_AVX512_TARGET static void pv_e4m3_avx512(const float *P, int M, int D,
                                              const char *const *vrow, int nt, float *acc,
                                              const float *alpha, float *t)
 {
-    (void)t;
-    if (rows_have_e4m3_nan_avx512(vrow, nt, D))
-        pv_avx512(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha);
-    else
-        pv_avx512(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha);
+    pv_pf_e4m3_avx512(P, M, D, vrow, nt, acc, alpha, t, NULL);
 }
 
 /* ntp % 8 == 0: the last 8 of a count of 16 k + 8 read with -inf above. */
@@ -567,12 +644,18 @@ KVA_AVX512_TARGET static void exp2_neg_n_avx512(const float *x, float *y, ptrdif
 }
 
 const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
-    {scores_f32_avx512, pv_f32_avx512, widen_f32_avx512, 1.0f},
-    {scores_f16_avx512, pv_f16_avx512, widen_f16_avx512, 1.0f},
-    {scores_bf16_avx512, pv_bf16_avx512, widen_bf16_avx512, 1.0f},
-    {scores_e4m3_avx512, pv_e4m3_avx512, widen_e4m3_avx512, 256.0f}, /* value / 2^8 */
-    {scores_e5m2_avx512, pv_e5m2_avx512, widen_e5m2_avx512, 1.0f},
-    {scores_i8_avx512, pv_i8_avx512, widen_i8_avx512, 1.0f},
+    {scores_f32_avx512, pv_f32_avx512, widen_f32_avx512, 1.0f,
+     scores_pf_f32_avx512, pv_pf_f32_avx512, widen_pf_f32_avx512},
+    {scores_f16_avx512, pv_f16_avx512, widen_f16_avx512, 1.0f,
+     scores_pf_f16_avx512, pv_pf_f16_avx512, widen_pf_f16_avx512},
+    {scores_bf16_avx512, pv_bf16_avx512, widen_bf16_avx512, 1.0f,
+     scores_pf_bf16_avx512, pv_pf_bf16_avx512, widen_pf_bf16_avx512},
+    {scores_e4m3_avx512, pv_e4m3_avx512, widen_e4m3_avx512, 256.0f, /* value / 2^8 */
+     scores_pf_e4m3_avx512, pv_pf_e4m3_avx512, widen_pf_e4m3_avx512},
+    {scores_e5m2_avx512, pv_e5m2_avx512, widen_e5m2_avx512, 1.0f,
+     scores_pf_e5m2_avx512, pv_pf_e5m2_avx512, widen_pf_e5m2_avx512},
+    {scores_i8_avx512, pv_i8_avx512, widen_i8_avx512, 1.0f,
+     scores_pf_i8_avx512, pv_pf_i8_avx512, widen_pf_i8_avx512},
 };
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
                                   exp2_neg_n_avx512};

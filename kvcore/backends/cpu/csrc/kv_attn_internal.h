@@ -110,6 +110,20 @@ typedef struct {
      * unit (a power of two): the caller multiplies q and the P.V weights
      * by it, so every product is exactly the one over the values. */
     float unit;
+    /* Optional (NULL where a level has none): scores, pv and widen, with
+     * the same bits, which also prefetch the rows of the next tile among
+     * their own loads: next[i] is the next tile's row i (valid for every i
+     * the call reads), and each line of it is prefetched where the call
+     * loads the same line of row i.  A decode item is a short chain of
+     * FMAs per line it reads: one burst of a whole tile's prefetches stalls
+     * it (the load queue fills) and then leaves the memory idle while it
+     * computes; spread this way, a line is in flight per line computed
+     * (decode out of the caches 1.5-2x faster on a Zen 4: docs/performance.md). */
+    void (*scores_pf)(const float *Qs, int M, int D, const char *const *krow, int ntp, float *S,
+                      float *tmp, const char *const *next);
+    void (*pv_pf)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
+                  const float *alpha, float *tmp, const char *const *next);
+    void (*widen_pf)(const char *const *rows, int n, int D, float *dst, const char *const *next);
 } kva_kernels;
 
 typedef struct {

@@ -188,9 +188,9 @@ static void exp2_neg_n_neon(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_neon[KVA_NUM_NEON_KINDS] = {
-    {scores_f32_neon, pv_f32_neon, widen_f32_neon, 1.0f},
-    {scores_f16_neon, pv_f16_neon, widen_f16_neon, 1.0f},
-    {scores_bf16_neon, pv_bf16_neon, widen_bf16_neon, 1.0f},
+    {scores_f32_neon, pv_f32_neon, widen_f32_neon, 1.0f, NULL, NULL, NULL},
+    {scores_f16_neon, pv_f16_neon, widen_f16_neon, 1.0f, NULL, NULL, NULL},
+    {scores_bf16_neon, pv_bf16_neon, widen_bf16_neon, 1.0f, NULL, NULL, NULL},
 };
 /* soft cap: the scalar tanhf (rare, and exact to libm) */
 const kva_math kva_math_neon = {row_max_neon, row_exp_sum_neon, kva_softcap_scalar,

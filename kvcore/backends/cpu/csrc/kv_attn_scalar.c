@@ -154,12 +154,12 @@ static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS] = {
-    {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar, 1.0f},
-    {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar, 1.0f},
-    {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar, 1.0f},
-    {scores_e4m3_scalar, pv_e4m3_scalar, widen_e4m3_scalar, 1.0f},
-    {scores_e5m2_scalar, pv_e5m2_scalar, widen_e5m2_scalar, 1.0f},
-    {scores_i8_scalar, pv_i8_scalar, widen_i8_scalar, 1.0f},
+    {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar, 1.0f, NULL, NULL, NULL},
+    {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar, 1.0f, NULL, NULL, NULL},
+    {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar, 1.0f, NULL, NULL, NULL},
+    {scores_e4m3_scalar, pv_e4m3_scalar, widen_e4m3_scalar, 1.0f, NULL, NULL, NULL},
+    {scores_e5m2_scalar, pv_e5m2_scalar, widen_e5m2_scalar, 1.0f, NULL, NULL, NULL},
+    {scores_i8_scalar, pv_i8_scalar, widen_i8_scalar, 1.0f, NULL, NULL, NULL},
 };
 const kva_math kva_math_scalar = {row_max_scalar, row_exp_sum_scalar, kva_softcap_scalar,
                                   exp2_neg_scalar};

@@ -45,7 +45,6 @@ static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
 #define KVA_PREFETCH_AHEAD 64
 #endif
 
-#if KVA_PREFETCH_AHEAD > 0
 /* Every line of the K and V rows of positions [from, to) of the item's kv
  * head, a block's run of rows at a time. */
 static void prefetch_positions(const kva_args *a, const int32_t *table, const char *kbase,
@@ -74,7 +73,8 @@ static void prefetch_positions(const kva_args *a, const int32_t *table, const ch
         off = 0;
     }
 }
-#else
+
+#if KVA_PREFETCH_AHEAD <= 0
 /* Touch the first two rows of every contiguous run of rows (a block's
  * positions): the hardware prefetcher follows a run once it has started,
  * but not the jump from one block to the next. */
@@ -183,6 +183,17 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, krow, vrow);
+    /* decode-like items (fewer rows than a matrix tile's: a short chain of
+     * FMAs per line read) with kernels that prefetch the next tile
+     * themselves, spread over their loads (kva_kernels.scores_pf): no
+     * bursts then but the first tile's.  Prefill items are compute-bound
+     * and keep the bursts. */
+    const int spread = M < KVA_TILE_ROWS &&
+                       (widen ? kern->widen_pf != NULL : kern->scores_pf != NULL);
+    if (spread && it->k0 < it->k1)
+        prefetch_positions(a, table, kbase, vbase, it->k0,
+                           it->k1 - it->k0 < KVA_KEY_TILE ? it->k1 : it->k0 + KVA_KEY_TILE,
+                           row_bytes);
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += KVA_KEY_TILE) {
@@ -191,6 +202,20 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         const int64_t t1 = t0 + KVA_KEY_TILE;
         const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
                                       : 0;
+        /* the spread prefetch's next rows: the next tile's, padded to a
+         * whole tile with its last (NULL after the last tile) */
+        const char *const *next_k = NULL, *const *next_v = NULL;
+        if (spread && nnext > 0) {
+            for (int i = (nnext + 7) & ~7; i < KVA_KEY_TILE; i++) {
+                nkrow[i] = nkrow[nnext - 1];
+                nvrow[i] = nvrow[nnext - 1];
+            }
+            next_k = nkrow;
+            next_v = nvrow;
+        }
+        if (spread) {
+            /* nothing more: the kernels prefetch */
+        } else {
 #if KVA_PREFETCH_AHEAD > 0
         /* The rows of a tile are scattered over blocks: start the rows of
          * the next KVA_PREFETCH_AHEAD positions (whole blocks' runs) while
@@ -210,9 +235,15 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         prefetch_rows(nkrow, nnext, row_bytes);
         prefetch_rows(nvrow, nnext, row_bytes);
 #endif
+        }
         if (widen) {
-            kern->widen(krow, ntp, D, ws->kf); /* padding rows included */
+            if (next_k != NULL)
+                kern->widen_pf(krow, ntp, D, ws->kf, next_k); /* padding rows included */
+            else
+                kern->widen(krow, ntp, D, ws->kf);
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
+        } else if (next_k != NULL) {
+            kern->scores_pf(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         } else {
             kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp);
         }
@@ -261,7 +292,11 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         const kva_kernels *pk = kern;
         const char *const *prow = vrow;
         if (widen) {
-            kern->widen(vrow, nt, D, ws->vf);
+            if (next_v != NULL)
+                kern->widen_pf(vrow, nt, D, ws->vf, next_v);
+            else
+                kern->widen(vrow, nt, D, ws->vf);
+            next_v = NULL;
             pk = kern_f32;
             prow = ws->vfrow;
         }
@@ -269,9 +304,17 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             const int first = ws->first[r], last = ws->last[r];
             for (r1 = r + 1; r1 < M && ws->first[r1] == first && ws->last[r1] == last; r1++)
                 ;
-            if (last > first)
+            if (last <= first)
+                continue;
+            if (next_v != NULL) { /* the first run of rows prefetches the next values */
+                pk->pv_pf(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
+                          last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp,
+                          next_v + first);
+                next_v = NULL;
+            } else {
                 pk->pv(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
                        last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp);
+            }
         }
         const char **swap = krow;
         krow = nkrow;
