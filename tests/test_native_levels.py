@@ -75,6 +75,23 @@ def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
 
 @needs_source
 @pytest.mark.toolchain
+def test_prefetching_attention_kernels_give_the_plain_kernels_bits(tmp_path):
+    """kva_kernels.scores_pf / pv_pf / widen_pf (decode items prefetch the
+    next tile among their loads) against scores / pv / widen, bit for bit,
+    at each native level that has them (tests/c/kv_attn_prefetch_check.c)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    run = _build_and_run(cc, ROOT / "tests" / "c" / "kv_attn_prefetch_check.c",
+                         tmp_path / "prefetch_check", extra=(f"-I{ROOT / 'tests' / 'c'}",))
+    if run.returncode == 3:
+        pytest.skip("this CPU has neither avx2 nor avx512")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert " 0 mismatches" in run.stdout and "level avx2 checked" in run.stdout, run.stdout
+
+
+@needs_source
+@pytest.mark.toolchain
 def test_attention_plan_runs_match_one_call_attention(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -174,9 +174,19 @@ KVA_INLINE __m256 tanh_avx2(__m256 x)
     return _mm256_blendv_ps(big, small, is_small);
 }
 
-/* RB query rows x KB keys of the score tile: RB * KB == 8 accumulators. */
+/* The line of `next` (a row of the next tile, or NULL: none) at byte `off`,
+ * when `off` starts a line of the row: beside the load at `off` of the
+ * current row (kva_kernels.scores_pf). */
+KVA_INLINE void prefetch_at_avx2(const char *next, size_t off)
+{
+    if (next != NULL && (off & 63) == 0)
+        __builtin_prefetch(next + off, 0, 3);
+}
+
+/* RB query rows x KB keys of the score tile: RB * KB == 8 accumulators;
+ * nk: the next tile's rows to prefetch, or NULL. */
 KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, int kind, int RB,
-                               int KB, int r, int i, float *S)
+                               int KB, int r, int i, float *S, const char *const *nk)
 {
     const int isz = kva_isz(kind);
     __m256 acc[8];
@@ -187,8 +197,10 @@ KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, 
     for (int d = 0; d < D; d += 8) {
         __m256 kv[8];
 #pragma GCC unroll 8
-        for (int kb = 0; kb < KB; kb++)
+        for (int kb = 0; kb < KB; kb++) {
             kv[kb] = load8_avx2(krow[i + kb] + (size_t)d * isz, kind);
+            prefetch_at_avx2(nk != NULL ? nk[i + kb] : NULL, (size_t)d * isz);
+        }
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
             __m256 qv = _mm256_loadu_ps(q0 + (size_t)rb * D + d);
@@ -209,26 +221,28 @@ KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, 
             S[(r + rb) * KVA_KEY_TILE + i + kb] = sums[rb * KB + kb];
 }
 
+/* The first block of rows prefetches the next tile's keys (nk). */
 KVA_INLINE void scores_avx2(int kind, const float *Qs, int M, int D, const char *const *krow,
-                            int ntp, float *S)
+                            int ntp, float *S, const char *const *nk)
 {
     int r = 0;
     for (; r + 4 <= M; r += 4)
         for (int i = 0; i < ntp; i += 2)
-            dot_block_avx2(Qs, D, krow, kind, 4, 2, r, i, S);
+            dot_block_avx2(Qs, D, krow, kind, 4, 2, r, i, S, r == 0 ? nk : NULL);
     if (r + 2 <= M) {
         for (int i = 0; i < ntp; i += 4)
-            dot_block_avx2(Qs, D, krow, kind, 2, 4, r, i, S);
+            dot_block_avx2(Qs, D, krow, kind, 2, 4, r, i, S, r == 0 ? nk : NULL);
         r += 2;
     }
     if (r < M)
         for (int i = 0; i < ntp; i += 8)
-            dot_block_avx2(Qs, D, krow, kind, 1, 8, r, i, S);
+            dot_block_avx2(Qs, D, krow, kind, 1, 8, r, i, S, r == 0 ? nk : NULL);
 }
 
 /* RB rows x DB vectors of 8 dims of the accumulator, over nt keys. */
 KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, int nt, int kind,
-                              int RB, int DB, int r, int d, float *acc, const float *alpha)
+                              int RB, int DB, int r, int d, float *acc, const float *alpha,
+                              const char *const *nv)
 {
     const int isz = kva_isz(kind);
     __m256 a[16];
@@ -244,8 +258,10 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
     for (int i = 0; i < nt; i++) {
         __m256 v[16];
 #pragma GCC unroll 8
-        for (int db = 0; db < DB; db++)
+        for (int db = 0; db < DB; db++) {
             v[db] = load8_avx2(vrow[i] + off + (size_t)db * 8 * isz, kind);
+            prefetch_at_avx2(nv != NULL ? nv[i] : NULL, off + (size_t)db * 8 * isz);
+        }
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
             __m256 p = _mm256_broadcast_ss(P + (r + rb) * KVA_KEY_TILE + i);
@@ -262,57 +278,82 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
 }
 
 KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
-                        float *acc, const float *alpha)
+                        float *acc, const float *alpha, const char *const *nv)
 {
+    /* the first block of rows prefetches the next tile's values (nv) */
     int r = 0, d;
     for (; r + 4 <= M; r += 4) {
         for (d = 0; d + 16 <= D; d += 16)
-            pv_block_avx2(P, D, vrow, nt, kind, 4, 2, r, d, acc, alpha);
+            pv_block_avx2(P, D, vrow, nt, kind, 4, 2, r, d, acc, alpha, r == 0 ? nv : NULL);
         for (; d < D; d += 8)
-            pv_block_avx2(P, D, vrow, nt, kind, 4, 1, r, d, acc, alpha);
+            pv_block_avx2(P, D, vrow, nt, kind, 4, 1, r, d, acc, alpha, r == 0 ? nv : NULL);
     }
     if (r + 2 <= M) {
         for (d = 0; d + 32 <= D; d += 32)
-            pv_block_avx2(P, D, vrow, nt, kind, 2, 4, r, d, acc, alpha);
+            pv_block_avx2(P, D, vrow, nt, kind, 2, 4, r, d, acc, alpha, r == 0 ? nv : NULL);
         for (; d < D; d += 8)
-            pv_block_avx2(P, D, vrow, nt, kind, 2, 1, r, d, acc, alpha);
+            pv_block_avx2(P, D, vrow, nt, kind, 2, 1, r, d, acc, alpha, r == 0 ? nv : NULL);
         r += 2;
     }
     if (r < M) {
         for (d = 0; d + 64 <= D; d += 64)
-            pv_block_avx2(P, D, vrow, nt, kind, 1, 8, r, d, acc, alpha);
+            pv_block_avx2(P, D, vrow, nt, kind, 1, 8, r, d, acc, alpha, r == 0 ? nv : NULL);
         for (; d < D; d += 8)
-            pv_block_avx2(P, D, vrow, nt, kind, 1, 1, r, d, acc, alpha);
+            pv_block_avx2(P, D, vrow, nt, kind, 1, 1, r, d, acc, alpha, r == 0 ? nv : NULL);
     }
 }
 
-KVA_INLINE void widen_avx2(int kind, const char *const *rows, int n, int D, float *dst)
+KVA_INLINE void widen_avx2(int kind, const char *const *rows, int n, int D, float *dst,
+                           const char *const *next)
 {
     const int isz = kva_isz(kind);
     for (int i = 0; i < n; i++)
-        for (int d = 0; d < D; d += 8)
+        for (int d = 0; d < D; d += 8) {
+            prefetch_at_avx2(next != NULL ? next[i] : NULL, (size_t)d * isz);
             _mm256_storeu_ps(dst + (size_t)i * D + d, load8_avx2(rows[i] + (size_t)d * isz, kind));
+        }
 }
 
 #define KVA_AVX2_KIND(name, kind)                                                            \
     KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
                                                float *dst)                                    \
     {                                                                                         \
-        widen_avx2(kind, rows, n, D, dst);                                                    \
+        widen_avx2(kind, rows, n, D, dst, NULL);                                              \
+    }                                                                                         \
+    KVA_TARGET static void widen_pf_##name##_avx2(const char *const *rows, int n, int D,      \
+                                                  float *dst, const char *const *next)        \
+    {                                                                                         \
+        widen_avx2(kind, rows, n, D, dst, next);                                              \
     }                                                                                         \
     KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
                                                 const char *const *krow, int ntp, float *S,   \
                                                 float *t)                                     \
     {                                                                                         \
         (void)t;                                                                              \
-        scores_avx2(kind, Qs, M, D, krow, ntp, S);                                            \
+        scores_avx2(kind, Qs, M, D, krow, ntp, S, NULL);                                      \
+    }                                                                                         \
+    KVA_TARGET static void scores_pf_##name##_avx2(const float *Qs, int M, int D,             \
+                                                   const char *const *krow, int ntp,          \
+                                                   float *S, float *t,                        \
+                                                   const char *const *next)                   \
+    {                                                                                         \
+        (void)t;                                                                              \
+        scores_avx2(kind, Qs, M, D, krow, ntp, S, next);                                      \
     }                                                                                         \
     KVA_TARGET static void pv_##name##_avx2(const float *P, int M, int D,                     \
                                             const char *const *vrow, int nt, float *acc,      \
                                             const float *alpha, float *t)                     \
     {                                                                                         \
         (void)t;                                                                              \
-        pv_avx2(kind, P, M, D, vrow, nt, acc, alpha);                                         \
+        pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, NULL);                                   \
+    }                                                                                         \
+    KVA_TARGET static void pv_pf_##name##_avx2(const float *P, int M, int D,                  \
+                                               const char *const *vrow, int nt, float *acc,   \
+                                               const float *alpha, float *t,                  \
+                                               const char *const *next)                       \
+    {                                                                                         \
+        (void)t;                                                                              \
+        pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, next);                                   \
     }
 KVA_AVX2_KIND(f32, KVA_F32)
 KVA_AVX2_KIND(f16, KVA_F16)
@@ -323,32 +364,52 @@ KVA_AVX2_KIND(i8, KVA_I8)
 /* e4m3fn: the tile's rows are searched for NaN codes once (a few byte
  * compares per row); only a tile that holds one pays for the NaN blend of
  * every 8 elements. */
-KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst)
+KVA_TARGET static void widen_pf_e4m3_avx2(const char *const *rows, int n, int D, float *dst,
+                                          const char *const *next)
 {
     if (rows_have_e4m3_nan_avx2(rows, n, D))
-        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst);
+        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst, next);
     else
-        widen_avx2(KVA_F8E4M3, rows, n, D, dst);
+        widen_avx2(KVA_F8E4M3, rows, n, D, dst, next);
+}
+
+KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst)
+{
+    widen_pf_e4m3_avx2(rows, n, D, dst, NULL);
+}
+
+KVA_TARGET static void scores_pf_e4m3_avx2(const float *Qs, int M, int D,
+                                           const char *const *krow, int ntp, float *S, float *t,
+                                           const char *const *next)
+{
+    (void)t;
+    if (rows_have_e4m3_nan_avx2(krow, ntp, D))
+        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, next);
+    else
+        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S, next);
 }
 
 KVA_TARGET static void scores_e4m3_avx2(const float *Qs, int M, int D, const char *const *krow,
                                         int ntp, float *S, float *t)
 {
+    scores_pf_e4m3_avx2(Qs, M, D, krow, ntp, S, t, NULL);
+}
+
+KVA_TARGET static void pv_pf_e4m3_avx2(const float *P, int M, int D, const char *const *vrow,
+                                       int nt, float *acc, const float *alpha, float *t,
+                                       const char *const *next)
+{
     (void)t;
-    if (rows_have_e4m3_nan_avx2(krow, ntp, D))
-        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S);
+    if (rows_have_e4m3_nan_avx2(vrow, nt, D))
+        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
     else
-        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S);
+        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
 }
 
 KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *const *vrow, int nt,
                                     float *acc, const float *alpha, float *t)
 {
-    (void)t;
-    if (rows_have_e4m3_nan_avx2(vrow, nt, D))
-        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha);
-    else
-        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha);
+    pv_pf_e4m3_avx2(P, M, D, vrow, nt, acc, alpha, t, NULL);
 }
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)
@@ -398,12 +459,18 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f, NULL, NULL, NULL},
-    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f, NULL, NULL, NULL},
-    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f, NULL, NULL, NULL},
-    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f, NULL, NULL, NULL}, /* its loaders: value / 2^8 */
-    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f, NULL, NULL, NULL},
-    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f, NULL, NULL, NULL},
+    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f,
+     scores_pf_f32_avx2, pv_pf_f32_avx2, widen_pf_f32_avx2},
+    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f,
+     scores_pf_f16_avx2, pv_pf_f16_avx2, widen_pf_f16_avx2},
+    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f,
+     scores_pf_bf16_avx2, pv_pf_bf16_avx2, widen_pf_bf16_avx2},
+    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f, /* its loaders: value / 2^8 */
+     scores_pf_e4m3_avx2, pv_pf_e4m3_avx2, widen_pf_e4m3_avx2},
+    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f,
+     scores_pf_e5m2_avx2, pv_pf_e5m2_avx2, widen_pf_e5m2_avx2},
+    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f,
+     scores_pf_i8_avx2, pv_pf_i8_avx2, widen_pf_i8_avx2},
 };
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
 #endif /* KVA_HAVE_AVX2 */

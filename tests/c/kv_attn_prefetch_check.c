@@ -1,0 +1,135 @@
+/*
+ * The kernels that prefetch the next tile's rows among their own loads
+ * (kva_kernels.scores_pf / pv_pf / widen_pf) give the bits of the plain
+ * kernels, at every native level of this CPU that has them (avx2, avx512):
+ * every kind, head_dims with and without a last partial vector, 1 to 64
+ * rows, ragged key counts, next rows that are other rows of the tile.
+ * (kv_attn_avx512_check.c also checks the avx512 ones under SIMDe.)
+ * Exit status 0: all equal; 1: a mismatch; 3: no level here has them.
+ */
+#include "kv_attn_internal.h"
+#include "kv_check_util.h"
+#include "kv_simd.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int fails, checks;
+
+static const kva_kernels *table_for(int level)
+{
+#if KVA_HAVE_AVX2
+    if (level == KVS_AVX2)
+        return kva_kernels_avx2;
+#endif
+#if KVA_HAVE_AVX512
+    if (level == KVS_AVX512)
+        return kva_kernels_avx512;
+#endif
+    (void)level;
+    return NULL;
+}
+
+static float urand(void) { return (float)(rnd() % 20001) / 10000.0f - 1.0f; }
+
+/* Finite values of modest size: float32 / half / bfloat16 bits, fp8 codes
+ * without NaN, int8 codes. */
+static void fill_row(char *p, int kind, int D)
+{
+    for (int d = 0; d < D; d++) {
+        const uint32_t r = rnd();
+        switch (kind) {
+        case KVA_F32: ((float *)p)[d] = urand(); break;
+        case KVA_F16: ((uint16_t *)p)[d] = (uint16_t)(0x3000 + (r & 0x7ff) + (r & 0x8000)); break;
+        case KVA_BF16: ((uint16_t *)p)[d] = (uint16_t)(0x3e00 + (r & 0xff) + (r & 0x8000)); break;
+        case KVA_I8: p[d] = (char)r; break;
+        default: p[d] = (char)(0x20 + (r & 0x3f) + (r & 0x80)); break; /* fp8 */
+        }
+    }
+}
+
+static void check(int ok, const char *what, const char *level, int kind, int D, int M, int n)
+{
+    checks++;
+    if (!ok) {
+        fails++;
+        printf("MISMATCH %s level %s kind %d D %d M %d n %d\n", what, level, kind, D, M, n);
+    }
+}
+
+static void check_level(int level)
+{
+    enum { T = KVA_KEY_TILE };
+    const kva_kernels *tab = table_for(level);
+    const char *name = kvs_level_name(level);
+    static const int dims[] = {8, 24, 64, 72, 128, 136};
+    static const int rows_[] = {1, 2, 3, 4, 5, 8, 16, 64};
+    for (int kind = 0; kind <= KVA_I8; kind++)
+        for (size_t di = 0; di < sizeof dims / sizeof *dims; di++)
+            for (size_t ri = 0; ri < sizeof rows_ / sizeof *rows_; ri++) {
+                const kva_kernels *k = &tab[kind];
+                const int D = dims[di], M = rows_[ri], isz = kva_isz(kind);
+                const int nt = 1 + (int)(rnd() % T), ntp = (nt + 7) & ~7;
+                char *rows = malloc((size_t)T * D * isz);
+                const char *row[T], *next[T];
+                for (int i = 0; i < T; i++) {
+                    fill_row(rows + (size_t)i * D * isz, kind, D);
+                    row[i] = rows + (size_t)i * D * isz;
+                }
+                for (int i = 0; i < T; i++)
+                    next[i] = row[(i * 7 + 3) % T];
+                const size_t big = (size_t)(M > T ? M : T) * D;
+                float *a = malloc(sizeof(float) * big), *b = malloc(sizeof(float) * big);
+                float *Q = malloc(sizeof(float) * M * D), *tmp = malloc(sizeof(float) * T * D);
+                float *P = malloc(sizeof(float) * M * T), *alpha = malloc(sizeof(float) * M);
+                float *Sa = malloc(sizeof(float) * M * T), *Sb = malloc(sizeof(float) * M * T);
+                k->widen(row, ntp, D, a);
+                k->widen_pf(row, ntp, D, b, next);
+                check(memcmp(a, b, sizeof(float) * ntp * D) == 0, "widen", name, kind, D, M, ntp);
+                for (int i = 0; i < M * D; i++)
+                    Q[i] = urand();
+                memset(Sa, 0, sizeof(float) * M * T);
+                memset(Sb, 0, sizeof(float) * M * T);
+                k->scores(Q, M, D, row, ntp, Sa, tmp);
+                k->scores_pf(Q, M, D, row, ntp, Sb, tmp, next);
+                check(memcmp(Sa, Sb, sizeof(float) * M * T) == 0, "scores", name, kind, D, M, ntp);
+                for (int r = 0; r < M; r++) {
+                    alpha[r] = 0.5f + 0.5f * urand();
+                    for (int i = 0; i < T; i++)
+                        P[r * T + i] = 0.5f + 0.5f * urand();
+                }
+                for (int i = 0; i < M * D; i++)
+                    a[i] = b[i] = urand();
+                k->pv(P, M, D, row, nt, a, alpha, tmp);
+                k->pv_pf(P, M, D, row, nt, b, alpha, tmp, next);
+                check(memcmp(a, b, sizeof(float) * M * D) == 0, "pv", name, kind, D, M, nt);
+                free(rows);
+                free(a);
+                free(b);
+                free(Q);
+                free(tmp);
+                free(P);
+                free(alpha);
+                free(Sa);
+                free(Sb);
+            }
+}
+
+int main(void)
+{
+    int checked = 0;
+    for (int level = 1; level < KVS_NUM_LEVELS; level++) {
+        const kva_kernels *tab = table_for(level);
+        if (tab == NULL || !kvs_level_supported(level))
+            continue;
+        if (tab[KVA_F16].scores_pf == NULL) {
+            printf("level %s has no prefetching kernels\n", kvs_level_name(level));
+            return 1;
+        }
+        check_level(level);
+        printf("level %s checked\n", kvs_level_name(level));
+        checked++;
+    }
+    printf("%d level(s), %d checks, %d mismatches\n", checked, checks, fails);
+    return fails ? 1 : (checked ? 0 : 3);
+}
