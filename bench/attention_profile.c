@@ -5,8 +5,16 @@
  *   cc -O3 -pthread -Ikvcore/backends/cpu/csrc bench/attention_profile.c \
  *      kvcore/backends/cpu/csrc/kv_att*.c kvcore/backends/cpu/csrc/kv_simd.c \
  *      -o /tmp/attention_profile -lm
- *   /tmp/attention_profile [kind]        (kind 0 float32, 1 float16, 2 bfloat16,
- *                                         3 fp8 e4m3fn, 4 fp8 e5m2, 5 int8)
+ *   /tmp/attention_profile [kind [heads kv_heads head_dim [context ...]]]
+ *       kind 0 float32, 1 float16 (the default), 2 bfloat16, 3 fp8 e4m3fn,
+ *       4 fp8 e5m2, 5 int8; the shape 32 8 128 by default (SmolLM2's:
+ *       9 3 64); contexts 256 1024 4096 by default; with a shape given, the
+ *       K.Q loops of 2. are not run.
+ *   /tmp/attention_profile raw kv_heads head_dim context
+ *       3. what the memory gives one core for decode's access pattern: a
+ *       plain AVX-512 loop that reads the K and V chunks of every KV head
+ *       (16 float16 positions each) in the same shuffled block order and
+ *       does nothing but add them up, in GB/s.
  *
  * 1. Decode, 32 query / 8 KV heads, head_dim 128, pages of 16 positions in
  *    shuffled order, one thread, contexts 256 (in cache) to 4096 (16 MB of
@@ -67,9 +75,11 @@ static double cpu_now(void)
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+enum { BS = 16, MAX_Q = 64 * 512 };
+static int H = 32, KVH = 8, D = 128;
+
 static void decode(int ctx, int kind)
 {
-    enum { H = 32, KVH = 8, D = 128, BS = 16 };
     const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2, nblk = ctx / BS;
     const size_t bytes = (size_t)nblk * KVH * BS * D * isz;
     const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
@@ -113,7 +123,7 @@ static void decode(int ctx, int kind)
         table[j] = t;
     }
     int64_t len = ctx, qsl[2] = {0, 1};
-    static float q[H * D], out[H * D];
+    static float q[MAX_Q], out[MAX_Q];
     for (int i = 0; i < H * D; i++)
         q[i] = (rand() % 2001 - 1000) / 1000.0f;
     kva_args a = kva_args_dense(q, out, k, v, kind, BS, H, KVH, D);
@@ -330,18 +340,106 @@ static void fma_ceiling(void)
 }
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"), noinline)) static float raw_sum(const char *k, const char *v,
+                                                                  const int32_t *table, int nblk,
+                                                                  int kvh, size_t chunk)
+{
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (int g = 0; g < kvh; g++)
+        for (int b = 0; b < nblk; b++) {
+            const size_t at = (size_t)table[b] * kvh * chunk + (size_t)g * chunk;
+            for (size_t o = 0; o < chunk; o += 64) {
+                a0 = _mm512_add_ps(a0, _mm512_loadu_ps((const float *)(k + at + o)));
+                a1 = _mm512_add_ps(a1, _mm512_loadu_ps((const float *)(v + at + o)));
+            }
+        }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+static int raw_read(int kvh, int d, int ctx)
+{
+    if (!__builtin_cpu_supports("avx512f")) {
+        fprintf(stderr, "raw needs AVX-512F\n");
+        return 2;
+    }
+    const int nblk = ctx / BS;
+    const size_t chunk = (size_t)BS * d * 2, bytes = (size_t)nblk * kvh * chunk;
+    if (nblk < 1 || chunk % 64 != 0) {
+        fprintf(stderr, "raw: context >= %d, head_dim a multiple of 2\n", BS);
+        return 2;
+    }
+    const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    char *k = aligned_alloc(2u << 20, al), *v = aligned_alloc(2u << 20, al);
+    madvise(k, al, MADV_HUGEPAGE);
+    madvise(v, al, MADV_HUGEPAGE);
+    memset(k, 0, al);
+    memset(v, 0, al);
+    int32_t *table = malloc(sizeof(int32_t) * nblk);
+    for (int i = 0; i < nblk; i++)
+        table[i] = i;
+    srand(1);
+    for (int i = nblk - 1; i > 0; i--) {
+        int j = rand() % (i + 1), t = table[i];
+        table[i] = table[j];
+        table[j] = t;
+    }
+    double best = 1e30;
+    float sink = 0;
+    for (int r = 0; r < 7; r++) {
+        double t0 = cpu_now();
+        sink += raw_sum(k, v, table, nblk, kvh, chunk);
+        double t = cpu_now() - t0;
+        if (t < best)
+            best = t;
+    }
+    printf("raw read ctx %5d, %d kv heads x %zu-byte chunks: %6.2f GB/s (%g)\n", ctx, kvh, chunk,
+           2.0 * bytes / best / 1e9, (double)sink);
+    free(k);
+    free(v);
+    free(table);
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv)
 {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (argc == 5 && strcmp(argv[1], "raw") == 0)
+        return raw_read(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+#endif
     const int kind = argc > 1 ? atoi(argv[1]) : 1;
     if (kind < 0 || kind > 5) {
         fprintf(stderr, "kind must be 0 (float32), 1 (float16), 2 (bfloat16), 3 (fp8 e4m3fn), "
                         "4 (fp8 e5m2) or 5 (int8)\n");
         return 2;
     }
+    if (argc > 4) {
+        H = atoi(argv[2]);
+        KVH = atoi(argv[3]);
+        D = atoi(argv[4]);
+        if (H < 1 || KVH < 1 || H % KVH != 0 || D < 1 || (size_t)H * D > MAX_Q) {
+            fprintf(stderr, "heads, kv_heads, head_dim: heads a multiple of kv_heads, "
+                            "heads x head_dim <= %d\n", MAX_Q);
+            return 2;
+        }
+    }
+    if (argc > 5) {
+        for (int i = 5; i < argc; i++) {
+            const int ctx = atoi(argv[i]);
+            if (ctx < BS || ctx % BS != 0) {
+                fprintf(stderr, "a context is a positive multiple of %d, not %s\n", BS, argv[i]);
+                return 2;
+            }
+            decode(ctx, kind);
+        }
+        return 0;
+    }
     for (int ctx = 256; ctx <= 4096; ctx *= 4)
         decode(ctx, kind);
 #if defined(__x86_64__) && defined(__GNUC__)
-    fma_ceiling();
+    if (argc <= 2)
+        fma_ceiling();
 #endif
     return 0;
 }

@@ -118,7 +118,7 @@ typedef struct {
      * FMAs per line it reads: one burst of a whole tile's prefetches stalls
      * it (the load queue fills) and then leaves the memory idle while it
      * computes; spread this way, a line is in flight per line computed
-     * (decode out of the caches 1.5-2x faster on a Zen 4: docs/performance.md). */
+     * (decode out of the caches 1.2-1.9x faster on a Zen 4: docs/performance.md). */
     void (*scores_pf)(const float *Qs, int M, int D, const char *const *krow, int ntp, float *S,
                       float *tmp, const char *const *next);
     void (*pv_pf)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
