@@ -459,18 +459,12 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    {scores_f32_avx2, pv_f32_avx2, widen_f32_avx2, 1.0f,
-     scores_pf_f32_avx2, pv_pf_f32_avx2, widen_pf_f32_avx2},
-    {scores_f16_avx2, pv_f16_avx2, widen_f16_avx2, 1.0f,
-     scores_pf_f16_avx2, pv_pf_f16_avx2, widen_pf_f16_avx2},
-    {scores_bf16_avx2, pv_bf16_avx2, widen_bf16_avx2, 1.0f,
-     scores_pf_bf16_avx2, pv_pf_bf16_avx2, widen_pf_bf16_avx2},
-    {scores_e4m3_avx2, pv_e4m3_avx2, widen_e4m3_avx2, 256.0f, /* its loaders: value / 2^8 */
-     scores_pf_e4m3_avx2, pv_pf_e4m3_avx2, widen_pf_e4m3_avx2},
-    {scores_e5m2_avx2, pv_e5m2_avx2, widen_e5m2_avx2, 1.0f,
-     scores_pf_e5m2_avx2, pv_pf_e5m2_avx2, widen_pf_e5m2_avx2},
-    {scores_i8_avx2, pv_i8_avx2, widen_i8_avx2, 1.0f,
-     scores_pf_i8_avx2, pv_pf_i8_avx2, widen_pf_i8_avx2},
+    KVA_KERNELS_PF(f32, avx2, 1.0f),
+    KVA_KERNELS_PF(f16, avx2, 1.0f),
+    KVA_KERNELS_PF(bf16, avx2, 1.0f),
+    KVA_KERNELS_PF(e4m3, avx2, 256.0f), /* its loaders: value / 2^8 */
+    KVA_KERNELS_PF(e5m2, avx2, 1.0f),
+    KVA_KERNELS_PF(i8, avx2, 1.0f),
 };
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
 #endif /* KVA_HAVE_AVX2 */

@@ -644,18 +644,12 @@ KVA_AVX512_TARGET static void exp2_neg_n_avx512(const float *x, float *y, ptrdif
 }
 
 const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
-    {scores_f32_avx512, pv_f32_avx512, widen_f32_avx512, 1.0f,
-     scores_pf_f32_avx512, pv_pf_f32_avx512, widen_pf_f32_avx512},
-    {scores_f16_avx512, pv_f16_avx512, widen_f16_avx512, 1.0f,
-     scores_pf_f16_avx512, pv_pf_f16_avx512, widen_pf_f16_avx512},
-    {scores_bf16_avx512, pv_bf16_avx512, widen_bf16_avx512, 1.0f,
-     scores_pf_bf16_avx512, pv_pf_bf16_avx512, widen_pf_bf16_avx512},
-    {scores_e4m3_avx512, pv_e4m3_avx512, widen_e4m3_avx512, 256.0f, /* value / 2^8 */
-     scores_pf_e4m3_avx512, pv_pf_e4m3_avx512, widen_pf_e4m3_avx512},
-    {scores_e5m2_avx512, pv_e5m2_avx512, widen_e5m2_avx512, 1.0f,
-     scores_pf_e5m2_avx512, pv_pf_e5m2_avx512, widen_pf_e5m2_avx512},
-    {scores_i8_avx512, pv_i8_avx512, widen_i8_avx512, 1.0f,
-     scores_pf_i8_avx512, pv_pf_i8_avx512, widen_pf_i8_avx512},
+    KVA_KERNELS_PF(f32, avx512, 1.0f),
+    KVA_KERNELS_PF(f16, avx512, 1.0f),
+    KVA_KERNELS_PF(bf16, avx512, 1.0f),
+    KVA_KERNELS_PF(e4m3, avx512, 256.0f), /* value / 2^8 */
+    KVA_KERNELS_PF(e5m2, avx512, 1.0f),
+    KVA_KERNELS_PF(i8, avx512, 1.0f),
 };
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
                                   exp2_neg_n_avx512};

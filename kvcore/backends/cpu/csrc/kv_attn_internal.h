@@ -126,6 +126,14 @@ typedef struct {
     void (*widen_pf)(const char *const *rows, int n, int D, float *dst, const char *const *next);
 } kva_kernels;
 
+/* A table entry of a level whose functions are named <verb>_<kind>_<level>
+ * and <verb>_pf_<kind>_<level> (the prefetching variants). */
+#define KVA_KERNELS_PF(kind, level, unit)                                              \
+    {                                                                                  \
+        scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit,    \
+            scores_pf_##kind##_##level, pv_pf_##kind##_##level, widen_pf_##kind##_##level \
+    }
+
 typedef struct {
     float (*row_max)(const float *s, int ntp);
     /* s[i] = exp2(s[i] - mx) for i < ntp; returns the sum. */
