@@ -199,22 +199,45 @@ def test_multi_turn_chat_from_one_pool_reuses_prefixes(smol):
     assert pool.num_used_blocks == 0
 
 
+def _bfloat16_ulp(x):
+    """The spacing of bfloat16 numbers (8 significant bits) at magnitude |x|."""
+    return 2.0 ** (float(torch.floor(torch.log2(x.abs()))) - 7)
+
+
 def test_bfloat16_model_with_bfloat16_pages(smol):
     """A bfloat16 model (what a CPU user picks) with bfloat16 pages against
     DynamicCache with the same bfloat16 model.  The kvcore kernel sums in
     float32 where sdpa sums in bfloat16, so bitwise equality is not
-    expected: the first tokens agree and most tokens do (printed)."""
+    expected, and a greedy path may part where the reference's top two
+    logits lie within bfloat16 noise of each other (for "What is the capital
+    of France?" they are 23.75 and 23.5, two bfloat16 steps apart).  So the
+    greedy tokens must agree up to their first difference, and there the
+    reference must be a near-tie: kvcore's token within two bfloat16 steps of
+    the reference's top logit.  A wrong attention parts on a clear choice."""
     model, tokenizer = smol
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    bf16.set_attn_implementation("sdpa")
     pool = kvcore.hf.pool_for(bf16.config, 256, dtype="bfloat16", block_size=16)
-    same = total = 0
+    agreed = total = 0
     for question in PROMPTS[:2]:     # (bfloat16 runs slower than float32 on this CPU)
         ids = _chat(tokenizer, _messages(question))
-        want = _dynamic(bf16, ids, **GREEDY)[0, ids.shape[1]:]
+        ref = bf16.generate(ids, attention_mask=torch.ones_like(ids),
+                            **{kvcore.hf.cache_keyword(bf16): transformers.DynamicCache()},
+                            output_logits=True, return_dict_in_generate=True, **GREEDY)
+        want = ref.sequences[0, ids.shape[1]:]
         got = _kvcore(bf16, ids, pool, **GREEDY)[0, ids.shape[1]:]
-        assert got[0] == want[0], question
         n = min(len(got), len(want))
-        same += int((got[:n] == want[:n]).sum())
+        differ = (got[:n] != want[:n]).nonzero()
+        first = int(differ[0, 0]) if len(differ) else n
+        if first < n:
+            step = ref.logits[first][0].float()
+            top = step.max()
+            margin = float(top - step[got[first]])
+            assert margin <= 2 * _bfloat16_ulp(top), (
+                f"{question!r}: kvcore chose token {int(got[first])} at step {first} where "
+                f"DynamicCache chose {int(want[first])}, {margin} below the top logit "
+                f"{float(top)} (more than two bfloat16 steps: not a near-tie)")
+        agreed += first
         total += n
-    print(f"bfloat16 model, bfloat16 pages: {same}/{total} greedy tokens as DynamicCache")
-    assert same >= 0.5 * total
+    print(f"bfloat16 model, bfloat16 pages: {agreed}/{total} greedy tokens as DynamicCache "
+          "before the first near-tie")
