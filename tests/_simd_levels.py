@@ -1,6 +1,7 @@
-"""The SIMD kernel levels the tests parametrize over (not fixtures: plain
-functions): every level of this machine's architecture, the ones the CPU
-lacks skipped with a reason naming the missing feature."""
+"""The SIMD kernel levels the tests parametrize over: every level of this
+machine's architecture, the ones the CPU lacks skipped with a reason naming
+the missing feature (plain functions, and a fixture factory for the modules
+that run each test at every level of one native module)."""
 import platform
 
 import pytest
@@ -48,3 +49,20 @@ def simd_level_params(available, levels):
                   f"ARCH_REQ_XCOMP_PERM), or this build has no {level} kernels")
         params.append(pytest.param(level, marks=pytest.mark.skip(reason=reason)))
     return params
+
+
+def level_fixture(module):
+    """A pytest fixture, to be bound to the name ``simd_level`` in a test
+    module, that runs each test using it once per kernel level of
+    ``module`` (a native module with ``available_simd_levels``,
+    ``simd_level_names`` and ``set_simd_level``), restoring the level after
+    the test whatever happens in it.  Yields the level's name."""
+    @pytest.fixture(params=simd_level_params(module.available_simd_levels(),
+                                             module.simd_level_names()))
+    def simd_level(request):
+        previous = module.set_simd_level(request.param)
+        try:
+            yield request.param
+        finally:
+            module.set_simd_level(previous)
+    return simd_level

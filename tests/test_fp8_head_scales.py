@@ -16,9 +16,9 @@ from kvcore.stores import _format
 from _stores_support import check_hit, flush_pool, run
 
 try:
-    from _simd_levels import simd_level_params
+    from _simd_levels import level_fixture
 except ImportError:  # pragma: no cover - run as a package
-    from ._simd_levels import simd_level_params
+    from ._simd_levels import level_fixture
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 H, D, BS = 3, 16, 4
@@ -204,12 +204,7 @@ def test_uniform_head_scales_are_bit_identical_to_per_layer():
 
 
 # ------------------------------------------------------------ attention
-@pytest.fixture(params=simd_level_params(_kernel.available_simd_levels(),
-                                         _kernel.simd_level_names()))
-def simd_level(request):
-    previous = _kernel.set_simd_level(request.param)
-    yield request.param
-    _kernel.set_simd_level(previous)
+simd_level = level_fixture(_kernel)
 
 
 def reference(q, pool, layer, tables, lens, **kw):

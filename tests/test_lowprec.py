@@ -24,9 +24,9 @@ from kvcore.backends.reference import paged_attention_reference
 from kvcore.backends.codec import Codec
 
 try:
-    from _simd_levels import simd_level_params
+    from _simd_levels import level_fixture
 except ImportError:  # pragma: no cover - run as a package
-    from ._simd_levels import simd_level_params
+    from ._simd_levels import level_fixture
 
 LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
 FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -564,12 +564,7 @@ def test_bad_input_names_the_argument_and_changes_nothing():
 
 
 # -------------------------------------------------------------- attention
-@pytest.fixture(params=simd_level_params(_kernel.available_simd_levels(),
-                                         _kernel.simd_level_names()))
-def simd_level(request):
-    previous = _kernel.set_simd_level(request.param)
-    yield request.param
-    _kernel.set_simd_level(previous)
+simd_level = level_fixture(_kernel)
 
 
 def reference_kw(pool, layer):
