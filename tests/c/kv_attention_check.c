@@ -119,6 +119,25 @@ static void fill_pages(int kind, size_t elems, int D, char **kc, char **vc, floa
     }
 }
 
+/* A row of D random elements of `kind` at p (fp8: finite codes; nan: now
+ * and then an e4m3fn NaN code), for the drivers that include this file. */
+static inline void fill_row(char *p, int kind, int D, int nan)
+{
+    for (int d = 0; d < D; d++) {
+        if (kind == KVA_F32)
+            ((float *)p)[d] = urand();
+        else if (kind == KVA_F16)
+            ((uint16_t *)p)[d] = to_f16(urand());
+        else if (kind == KVA_BF16)
+            ((uint16_t *)p)[d] = to_bf16(urand());
+        else if (kind == KVA_I8)
+            ((uint8_t *)p)[d] = (uint8_t)rnd();
+        else
+            ((uint8_t *)p)[d] = nan && rnd() % 97 == 0 ? (uint8_t)(0x7F | (rnd() & 0x80))
+                                                       : fp8_code(kind);
+    }
+}
+
 /* The scales of a kind into a's fields (fill_pages' values). */
 static void set_scales(kva_args *a, const float *ksc, const float *vsc)
 {

@@ -36,25 +36,6 @@ static void check(int ok, const char *what, int kind, int D, int M, int n, doubl
     }
 }
 
-/* A random element of `kind` (fp8: finite codes; nan: now and then an
- * e4m3fn NaN code). */
-static void fill_row(char *p, int kind, int D, int nan)
-{
-    for (int d = 0; d < D; d++) {
-        if (kind == KVA_F32)
-            ((float *)p)[d] = urand();
-        else if (kind == KVA_F16)
-            ((uint16_t *)p)[d] = to_f16(urand());
-        else if (kind == KVA_BF16)
-            ((uint16_t *)p)[d] = to_bf16(urand());
-        else if (kind == KVA_I8)
-            ((uint8_t *)p)[d] = (uint8_t)rnd();
-        else
-            ((uint8_t *)p)[d] = nan && rnd() % 97 == 0 ? (uint8_t)(0x7F | (rnd() & 0x80))
-                                                       : fp8_code(kind);
-    }
-}
-
 static int same_float(float a, float b)
 {
     return a == b || (a != a && b != b);

@@ -7,8 +7,11 @@
  * (kv_attn_avx512_check.c also checks the avx512 ones under SIMDe.)
  * Exit status 0: all equal; 1: a mismatch; 3: no level here has them.
  */
+#define main kv_attention_check_main     /* for its fill_row */
+#include "kv_attention_check.c"
+#undef main
+
 #include "kv_attn_internal.h"
-#include "kv_check_util.h"
 #include "kv_simd.h"
 
 #include <stdlib.h>
@@ -28,24 +31,6 @@ static const kva_kernels *table_for(int level)
 #endif
     (void)level;
     return NULL;
-}
-
-static float urand(void) { return (float)(rnd() % 20001) / 10000.0f - 1.0f; }
-
-/* Finite values of modest size: float32 / half / bfloat16 bits, fp8 codes
- * without NaN, int8 codes. */
-static void fill_row(char *p, int kind, int D)
-{
-    for (int d = 0; d < D; d++) {
-        const uint32_t r = rnd();
-        switch (kind) {
-        case KVA_F32: ((float *)p)[d] = urand(); break;
-        case KVA_F16: ((uint16_t *)p)[d] = (uint16_t)(0x3000 + (r & 0x7ff) + (r & 0x8000)); break;
-        case KVA_BF16: ((uint16_t *)p)[d] = (uint16_t)(0x3e00 + (r & 0xff) + (r & 0x8000)); break;
-        case KVA_I8: p[d] = (char)r; break;
-        default: p[d] = (char)(0x20 + (r & 0x3f) + (r & 0x80)); break; /* fp8 */
-        }
-    }
 }
 
 static void check(int ok, const char *what, const char *level, int kind, int D, int M, int n)
@@ -73,7 +58,7 @@ static void check_level(int level)
                 char *rows = malloc((size_t)T * D * isz);
                 const char *row[T], *next[T];
                 for (int i = 0; i < T; i++) {
-                    fill_row(rows + (size_t)i * D * isz, kind, D);
+                    fill_row(rows + (size_t)i * D * isz, kind, D, 0);
                     row[i] = rows + (size_t)i * D * isz;
                 }
                 for (int i = 0; i < T; i++)
