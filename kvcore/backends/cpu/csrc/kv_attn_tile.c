@@ -213,27 +213,26 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             next_k = nkrow;
             next_v = nvrow;
         }
-        if (spread) {
-            /* nothing more: the kernels prefetch */
-        } else {
+        if (!spread) { /* (spread: the kernels prefetch) */
 #if KVA_PREFETCH_AHEAD > 0
-        /* The rows of a tile are scattered over blocks: start the rows of
-         * the next KVA_PREFETCH_AHEAD positions (whole blocks' runs) while
-         * this tile is computed. */
-        (void)nnext;
-        {
-            const int64_t want = t1 + KVA_PREFETCH_AHEAD < it->k1 ? t1 + KVA_PREFETCH_AHEAD : it->k1;
-            if (prefetched < want) {
-                prefetch_positions(a, table, kbase, vbase, prefetched, want, row_bytes);
-                prefetched = want;
+            /* The rows of a tile are scattered over blocks: start the rows of
+             * the next KVA_PREFETCH_AHEAD positions (whole blocks' runs) while
+             * this tile is computed. */
+            (void)nnext;
+            {
+                const int64_t want =
+                    t1 + KVA_PREFETCH_AHEAD < it->k1 ? t1 + KVA_PREFETCH_AHEAD : it->k1;
+                if (prefetched < want) {
+                    prefetch_positions(a, table, kbase, vbase, prefetched, want, row_bytes);
+                    prefetched = want;
+                }
             }
-        }
 #else
-        /* The rows of a tile are scattered over blocks: start this tile's V
-         * and the next tile's K and V while this tile's scores are computed. */
-        prefetch_rows(vrow, nt, row_bytes);
-        prefetch_rows(nkrow, nnext, row_bytes);
-        prefetch_rows(nvrow, nnext, row_bytes);
+            /* The rows of a tile are scattered over blocks: start this tile's V
+             * and the next tile's K and V while this tile's scores are computed. */
+            prefetch_rows(vrow, nt, row_bytes);
+            prefetch_rows(nkrow, nnext, row_bytes);
+            prefetch_rows(nvrow, nnext, row_bytes);
 #endif
         }
         if (widen) {
