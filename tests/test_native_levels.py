@@ -76,9 +76,10 @@ def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
 @needs_source
 @pytest.mark.toolchain
 def test_prefetching_attention_kernels_give_the_plain_kernels_bits(tmp_path):
-    """kva_kernels.scores_pf / pv_pf / widen_pf (decode items prefetch the
-    next tile among their loads) against scores / pv / widen, bit for bit,
-    at each native level that has them (tests/c/kv_attn_prefetch_check.c)."""
+    """kva_kernels' scores / pv / widen given the next tile's rows (decode
+    items prefetch them among their loads) against the same kernels without
+    them, bit for bit, at each native level whose kernels prefetch
+    (tests/c/kv_attn_prefetch_check.c)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")

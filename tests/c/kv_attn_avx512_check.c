@@ -59,8 +59,8 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
     float *P = malloc(sizeof(float) * M * T), *alpha = malloc(sizeof(float) * M);
 
     /* widen: the stored values (divided by unit) */
-    v->widen(row, ntp, D, wv);
-    s->widen(row, ntp, D, ws);
+    v->widen(row, ntp, D, wv, NULL);
+    s->widen(row, ntp, D, ws, NULL);
     int ok = 1;
     for (int i = 0; i < ntp * D; i++)
         ok &= same_float(wv[i] * v->unit, ws[i]);
@@ -71,15 +71,15 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
     for (int i = 0; i < T; i++)
         next[i] = row[T - 1 - i];
     float *again = malloc(sizeof(float) * (M > T ? M : T) * D);
-    v->widen_pf(row, ntp, D, again, next);
-    check(memcmp(again, wv, sizeof(float) * ntp * D) == 0, "widen_pf bits", kind, D, 0, ntp, 0);
+    v->widen(row, ntp, D, again, next);
+    check(memcmp(again, wv, sizeof(float) * ntp * D) == 0, "widen next bits", kind, D, 0, ntp, 0);
     if (nan) /* the NaN blend is what is checked; no sums over NaN */
         goto done;
 
     /* scores: against float64 sums of the widened rows */
     for (int i = 0; i < M * D; i++)
         Q[i] = urand();
-    v->scores(Q, M, D, row, ntp, Sv, tmp);
+    v->scores(Q, M, D, row, ntp, Sv, tmp, NULL);
     double worst = 0;
     for (int r = 0; r < M; r++)
         for (int i = 0; i < ntp; i++) {
@@ -94,11 +94,11 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
         }
     check(worst <= 2e-6, "scores", kind, D, M, ntp, worst);
     float *Sp = malloc(sizeof(float) * M * T);
-    v->scores_pf(Q, M, D, row, ntp, Sp, tmp, next);
+    v->scores(Q, M, D, row, ntp, Sp, tmp, next);
     ok = 1;
     for (int r = 0; r < M; r++)
         ok &= memcmp(Sp + r * T, Sv + r * T, sizeof(float) * ntp) == 0;
-    check(ok, "scores_pf bits", kind, D, M, ntp, 0);
+    check(ok, "scores next bits", kind, D, M, ntp, 0);
     free(Sp);
 
     /* P.V: acc = acc * alpha + P V, against float64 */
@@ -109,7 +109,7 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
     }
     for (int i = 0; i < M * D; i++)
         accv[i] = acc0[i] = urand();
-    v->pv(P, M, D, row, nt, accv, alpha, tmp);
+    v->pv(P, M, D, row, nt, accv, alpha, tmp, NULL);
     worst = 0;
     for (int r = 0; r < M; r++)
         for (int d = 0; d < D; d++) {
@@ -127,8 +127,8 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
         }
     check(worst <= 2e-6, "pv", kind, D, M, nt, worst);
     memcpy(again, acc0, sizeof(float) * M * D);
-    v->pv_pf(P, M, D, row, nt, again, alpha, tmp, next);
-    check(memcmp(again, accv, sizeof(float) * M * D) == 0, "pv_pf bits", kind, D, M, nt, 0);
+    v->pv(P, M, D, row, nt, again, alpha, tmp, next);
+    check(memcmp(again, accv, sizeof(float) * M * D) == 0, "pv next bits", kind, D, M, nt, 0);
 
 done:
     free(again);

@@ -1,7 +1,7 @@
 /*
  * The kernels that prefetch the next tile's rows among their own loads
- * (kva_kernels.scores_pf / pv_pf / widen_pf) give the bits of the plain
- * kernels, at every native level of this CPU that has them (avx2, avx512):
+ * (kva_kernels.prefetch: given `next` rows) give the bits they give without
+ * them, at every native level of this CPU that has them (avx2, avx512):
  * every kind, head_dims with and without a last partial vector, 1 to 64
  * rows, ragged key counts, next rows that are other rows of the tile.
  * (kv_attn_avx512_check.c also checks the avx512 ones under SIMDe.)
@@ -68,15 +68,15 @@ static void check_level(int level)
                 float *Q = malloc(sizeof(float) * M * D), *tmp = malloc(sizeof(float) * T * D);
                 float *P = malloc(sizeof(float) * M * T), *alpha = malloc(sizeof(float) * M);
                 float *Sa = malloc(sizeof(float) * M * T), *Sb = malloc(sizeof(float) * M * T);
-                k->widen(row, ntp, D, a);
-                k->widen_pf(row, ntp, D, b, next);
+                k->widen(row, ntp, D, a, NULL);
+                k->widen(row, ntp, D, b, next);
                 check(memcmp(a, b, sizeof(float) * ntp * D) == 0, "widen", name, kind, D, M, ntp);
                 for (int i = 0; i < M * D; i++)
                     Q[i] = urand();
                 memset(Sa, 0, sizeof(float) * M * T);
                 memset(Sb, 0, sizeof(float) * M * T);
-                k->scores(Q, M, D, row, ntp, Sa, tmp);
-                k->scores_pf(Q, M, D, row, ntp, Sb, tmp, next);
+                k->scores(Q, M, D, row, ntp, Sa, tmp, NULL);
+                k->scores(Q, M, D, row, ntp, Sb, tmp, next);
                 check(memcmp(Sa, Sb, sizeof(float) * M * T) == 0, "scores", name, kind, D, M, ntp);
                 for (int r = 0; r < M; r++) {
                     alpha[r] = 0.5f + 0.5f * urand();
@@ -85,8 +85,8 @@ static void check_level(int level)
                 }
                 for (int i = 0; i < M * D; i++)
                     a[i] = b[i] = urand();
-                k->pv(P, M, D, row, nt, a, alpha, tmp);
-                k->pv_pf(P, M, D, row, nt, b, alpha, tmp, next);
+                k->pv(P, M, D, row, nt, a, alpha, tmp, NULL);
+                k->pv(P, M, D, row, nt, b, alpha, tmp, next);
                 check(memcmp(a, b, sizeof(float) * M * D) == 0, "pv", name, kind, D, M, nt);
                 free(rows);
                 free(a);
@@ -107,7 +107,7 @@ int main(void)
         const kva_kernels *tab = table_for(level);
         if (tab == NULL || !kvs_level_supported(level))
             continue;
-        if (tab[KVA_F16].scores_pf == NULL) {
+        if (!tab[KVA_F16].prefetch) {
             printf("level %s has no prefetching kernels\n", kvs_level_name(level));
             return 1;
         }

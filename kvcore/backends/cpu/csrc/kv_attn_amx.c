@@ -296,14 +296,17 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
 #define KVA_AMX_KIND(name, KIND)                                                              \
     KVA_AMX_TARGET static void scores_##name##_amx(const float *Qs, int M, int D,               \
                                                    const char *const *krow, int ntp, float *S,  \
-                                                   float *tmp)                                  \
+                                                   float *tmp, const char *const *next)         \
     {                                                                                           \
+        (void)next;                                                                             \
         scores_amx(KIND, Qs, M, D, krow, ntp, S, tmp);                                          \
     }                                                                                           \
     KVA_AMX_TARGET static void pv_##name##_amx(const float *P, int M, int D,                    \
                                                const char *const *vrow, int nt, float *acc,     \
-                                               const float *alpha, float *tmp)                  \
+                                               const float *alpha, float *tmp,                  \
+                                               const char *const *next)                         \
     {                                                                                           \
+        (void)next;                                                                             \
         pv_amx(KIND, P, M, D, vrow, nt, acc, alpha, tmp);                                       \
     }
 
@@ -317,11 +320,11 @@ KVA_AMX_KIND(i8, KVA_I8)
  * kv_attention.c's math_for. */
 
 const kva_kernels kva_kernels_amx[KVA_NUM_KINDS] = {
-    {NULL, NULL, NULL, 1.0f, NULL, NULL, NULL}, /* float32: the avx512 kernels */
-    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, NULL, NULL, NULL},
-    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, NULL, NULL, NULL},
-    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, NULL, NULL, NULL},
-    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, NULL, NULL, NULL},
-    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, NULL, NULL, NULL},
+    {NULL, NULL, NULL, 1.0f, 0}, /* float32: the avx512 kernels */
+    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 0},
+    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 0},
+    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 0},
+    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 0},
+    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 0},
 };
 #endif /* KVA_HAVE_AMX */

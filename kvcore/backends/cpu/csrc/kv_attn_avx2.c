@@ -176,7 +176,7 @@ KVA_INLINE __m256 tanh_avx2(__m256 x)
 
 /* The line of `next` (a row of the next tile, or NULL: none) at byte `off`,
  * when `off` starts a line of the row: beside the load at `off` of the
- * current row (kva_kernels.scores_pf). */
+ * current row (kva_kernels: `next`). */
 KVA_INLINE void prefetch_at_avx2(const char *next, size_t off)
 {
     if (next != NULL && (off & 63) == 0)
@@ -316,41 +316,21 @@ KVA_INLINE void widen_avx2(int kind, const char *const *rows, int n, int D, floa
 
 #define KVA_AVX2_KIND(name, kind)                                                            \
     KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
-                                               float *dst)                                    \
-    {                                                                                         \
-        widen_avx2(kind, rows, n, D, dst, NULL);                                              \
-    }                                                                                         \
-    KVA_TARGET static void widen_pf_##name##_avx2(const char *const *rows, int n, int D,      \
-                                                  float *dst, const char *const *next)        \
+                                               float *dst, const char *const *next)           \
     {                                                                                         \
         widen_avx2(kind, rows, n, D, dst, next);                                              \
     }                                                                                         \
     KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
                                                 const char *const *krow, int ntp, float *S,   \
-                                                float *t)                                     \
-    {                                                                                         \
-        (void)t;                                                                              \
-        scores_avx2(kind, Qs, M, D, krow, ntp, S, NULL);                                      \
-    }                                                                                         \
-    KVA_TARGET static void scores_pf_##name##_avx2(const float *Qs, int M, int D,             \
-                                                   const char *const *krow, int ntp,          \
-                                                   float *S, float *t,                        \
-                                                   const char *const *next)                   \
+                                                float *t, const char *const *next)            \
     {                                                                                         \
         (void)t;                                                                              \
         scores_avx2(kind, Qs, M, D, krow, ntp, S, next);                                      \
     }                                                                                         \
     KVA_TARGET static void pv_##name##_avx2(const float *P, int M, int D,                     \
                                             const char *const *vrow, int nt, float *acc,      \
-                                            const float *alpha, float *t)                     \
-    {                                                                                         \
-        (void)t;                                                                              \
-        pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, NULL);                                   \
-    }                                                                                         \
-    KVA_TARGET static void pv_pf_##name##_avx2(const float *P, int M, int D,                  \
-                                               const char *const *vrow, int nt, float *acc,   \
-                                               const float *alpha, float *t,                  \
-                                               const char *const *next)                       \
+                                            const float *alpha, float *t,                     \
+                                            const char *const *next)                          \
     {                                                                                         \
         (void)t;                                                                              \
         pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, next);                                   \
@@ -364,52 +344,28 @@ KVA_AVX2_KIND(i8, KVA_I8)
 /* e4m3fn: the tile's rows are searched for NaN codes once (a few byte
  * compares per row); only a tile that holds one pays for the NaN blend of
  * every 8 elements. */
-KVA_TARGET static void widen_pf_e4m3_avx2(const char *const *rows, int n, int D, float *dst,
-                                          const char *const *next)
+KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst,
+                                       const char *const *next)
 {
-    if (rows_have_e4m3_nan_avx2(rows, n, D))
-        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst, next);
-    else
-        widen_avx2(KVA_F8E4M3, rows, n, D, dst, next);
-}
-
-KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst)
-{
-    widen_pf_e4m3_avx2(rows, n, D, dst, NULL);
-}
-
-KVA_TARGET static void scores_pf_e4m3_avx2(const float *Qs, int M, int D,
-                                           const char *const *krow, int ntp, float *S, float *t,
-                                           const char *const *next)
-{
-    (void)t;
-    if (rows_have_e4m3_nan_avx2(krow, ntp, D))
-        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, next);
-    else
-        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S, next);
+    const int kind = rows_have_e4m3_nan_avx2(rows, n, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
+    widen_avx2(kind, rows, n, D, dst, next);
 }
 
 KVA_TARGET static void scores_e4m3_avx2(const float *Qs, int M, int D, const char *const *krow,
-                                        int ntp, float *S, float *t)
-{
-    scores_pf_e4m3_avx2(Qs, M, D, krow, ntp, S, t, NULL);
-}
-
-KVA_TARGET static void pv_pf_e4m3_avx2(const float *P, int M, int D, const char *const *vrow,
-                                       int nt, float *acc, const float *alpha, float *t,
-                                       const char *const *next)
+                                        int ntp, float *S, float *t, const char *const *next)
 {
     (void)t;
-    if (rows_have_e4m3_nan_avx2(vrow, nt, D))
-        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
-    else
-        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
+    const int kind = rows_have_e4m3_nan_avx2(krow, ntp, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
+    scores_avx2(kind, Qs, M, D, krow, ntp, S, next);
 }
 
 KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *const *vrow, int nt,
-                                    float *acc, const float *alpha, float *t)
+                                    float *acc, const float *alpha, float *t,
+                                    const char *const *next)
 {
-    pv_pf_e4m3_avx2(P, M, D, vrow, nt, acc, alpha, t, NULL);
+    (void)t;
+    const int kind = rows_have_e4m3_nan_avx2(vrow, nt, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
+    pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, next);
 }
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)
@@ -459,12 +415,12 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    KVA_KERNELS_PF(f32, avx2, 1.0f),
-    KVA_KERNELS_PF(f16, avx2, 1.0f),
-    KVA_KERNELS_PF(bf16, avx2, 1.0f),
-    KVA_KERNELS_PF(e4m3, avx2, 256.0f), /* its loaders: value / 2^8 */
-    KVA_KERNELS_PF(e5m2, avx2, 1.0f),
-    KVA_KERNELS_PF(i8, avx2, 1.0f),
+    KVA_KERNELS(f32, avx2, 1.0f, 1),
+    KVA_KERNELS(f16, avx2, 1.0f, 1),
+    KVA_KERNELS(bf16, avx2, 1.0f, 1),
+    KVA_KERNELS(e4m3, avx2, 256.0f, 1), /* its loaders: value / 2^8 */
+    KVA_KERNELS(e5m2, avx2, 1.0f, 1),
+    KVA_KERNELS(i8, avx2, 1.0f, 1),
 };
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
 #endif /* KVA_HAVE_AVX2 */

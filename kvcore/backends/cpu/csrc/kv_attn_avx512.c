@@ -492,37 +492,18 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
 
 #define KVA_AVX512_KIND(name, kind)                                                          \
     KVA_AVX512_TARGET static void widen_##name##_avx512(const char *const *rows, int n,       \
-                                                        int D, float *dst)                    \
-    {                                                                                         \
-        widen_avx512(kind, rows, n, D, dst, NULL);                                            \
-    }                                                                                         \
-    KVA_AVX512_TARGET static void widen_pf_##name##_avx512(const char *const *rows, int n,    \
-                                                           int D, float *dst,                 \
-                                                           const char *const *next)           \
+                                                        int D, float *dst,                    \
+                                                        const char *const *next)              \
     {                                                                                         \
         widen_avx512(kind, rows, n, D, dst, next);                                            \
     }                                                                                         \
-    KVA_AVX512_TARGET static void scores_##name##_avx512(const float *Qs, int M, int D,       \
-                                                         const char *const *krow, int ntp,    \
-                                                         float *S, float *t)                  \
-    {                                                                                         \
-        scores_avx512(kind, Qs, M, D, krow, ntp, S, t, NULL);                                 \
-    }                                                                                         \
-    KVA_AVX512_TARGET static void scores_pf_##name##_avx512(                                  \
+    KVA_AVX512_TARGET static void scores_##name##_avx512(                                     \
         const float *Qs, int M, int D, const char *const *krow, int ntp, float *S, float *t,  \
         const char *const *next)                                                              \
     {                                                                                         \
         scores_avx512(kind, Qs, M, D, krow, ntp, S, t, next);                                 \
     }                                                                                         \
-    KVA_AVX512_TARGET static void pv_##name##_avx512(const float *P, int M, int D,            \
-                                                     const char *const *vrow, int nt,         \
-                                                     float *acc, const float *alpha,          \
-                                                     float *t)                                \
-    {                                                                                         \
-        (void)t;                                                                              \
-        pv_avx512(kind, P, M, D, vrow, nt, acc, alpha, NULL);                                 \
-    }                                                                                         \
-    KVA_AVX512_TARGET static void pv_pf_##name##_avx512(                                      \
+    KVA_AVX512_TARGET static void pv_##name##_avx512(                                         \
         const float *P, int M, int D, const char *const *vrow, int nt, float *acc,            \
         const float *alpha, float *t, const char *const *next)                                \
     {                                                                                         \
@@ -537,54 +518,29 @@ KVA_AVX512_KIND(i8, KVA_I8)
 
 /* e4m3fn: the tile's rows are searched for NaN codes once; only a tile
  * that holds one pays for the NaN blend of every 16 elements. */
-KVA_AVX512_TARGET static void widen_pf_e4m3_avx512(const char *const *rows, int n, int D,
-                                                   float *dst, const char *const *next)
+KVA_AVX512_TARGET static void widen_e4m3_avx512(const char *const *rows, int n, int D,
+                                                float *dst, const char *const *next)
 {
-    if (rows_have_e4m3_nan_avx512(rows, n, D))
-        widen_avx512(KVA_F8E4M3_NAN, rows, n, D, dst, next);
-    else
-        widen_avx512(KVA_F8E4M3, rows, n, D, dst, next);
-}
-
-KVA_AVX512_TARGET static void widen_e4m3_avx512(const char *const *rows, int n, int D, float *dst)
-{
-    widen_pf_e4m3_avx512(rows, n, D, dst, NULL);
-}
-
-KVA_AVX512_TARGET static void scores_pf_e4m3_avx512(const float *Qs, int M, int D,
-                                                    const char *const *krow, int ntp, float *S,
-                                                    float *t, const char *const *next)
-{
-    if (rows_have_e4m3_nan_avx512(krow, ntp, D))
-        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, t, next);
-    else
-        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S, t, next);
+    const int kind = rows_have_e4m3_nan_avx512(rows, n, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
+    widen_avx512(kind, rows, n, D, dst, next);
 }
 
 KVA_AVX512_TARGET static void scores_e4m3_avx512(const float *Qs, int M, int D,
                                                  const char *const *krow, int ntp, float *S,
-                                                 float *t)
+                                                 float *t, const char *const *next)
 {
-    scores_pf_e4m3_avx512(Qs, M, D, krow, ntp, S, t, NULL);
-}
-
-KVA_AVX512_TARGET static void pv_pf_e4m3_avx512(const float *P, int M, int D,
-                                                const char *const *vrow, int nt, float *acc,
-                                                const float *alpha, float *t,
-                                                const char *const *next)
-{
-    (void)t;
-    if (rows_have_e4m3_nan_avx512(vrow, nt, D))
-        pv_avx512(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
-    else
-        pv_avx512(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
+    const int kind = rows_have_e4m3_nan_avx512(krow, ntp, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
+    scores_avx512(kind, Qs, M, D, krow, ntp, S, t, next);
 }
 
 KVA_AVX512_TARGET static void pv_e4m3_avx512(const float *P, int M, int D,
                                              const char *const *vrow, int nt, float *acc,
-                                             const float *alpha, float *t)
+                                             const float *alpha, float *t,
+                                             const char *const *next)
 {
-    pv_pf_e4m3_avx512(P, M, D, vrow, nt, acc, alpha, t, NULL);
+    (void)t;
+    const int kind = rows_have_e4m3_nan_avx512(vrow, nt, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
+    pv_avx512(kind, P, M, D, vrow, nt, acc, alpha, next);
 }
 
 /* ntp % 8 == 0: the last 8 of a count of 16 k + 8 read with -inf above. */
@@ -644,12 +600,12 @@ KVA_AVX512_TARGET static void exp2_neg_n_avx512(const float *x, float *y, ptrdif
 }
 
 const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
-    KVA_KERNELS_PF(f32, avx512, 1.0f),
-    KVA_KERNELS_PF(f16, avx512, 1.0f),
-    KVA_KERNELS_PF(bf16, avx512, 1.0f),
-    KVA_KERNELS_PF(e4m3, avx512, 256.0f), /* value / 2^8 */
-    KVA_KERNELS_PF(e5m2, avx512, 1.0f),
-    KVA_KERNELS_PF(i8, avx512, 1.0f),
+    KVA_KERNELS(f32, avx512, 1.0f, 1),
+    KVA_KERNELS(f16, avx512, 1.0f, 1),
+    KVA_KERNELS(bf16, avx512, 1.0f, 1),
+    KVA_KERNELS(e4m3, avx512, 256.0f, 1), /* value / 2^8 */
+    KVA_KERNELS(e5m2, avx512, 1.0f, 1),
+    KVA_KERNELS(i8, avx512, 1.0f, 1),
 };
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
                                   exp2_neg_n_avx512};

@@ -97,42 +97,35 @@
 /* ------------------------------------------------------------------ */
 
 typedef struct {
-    /* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i] for r < M, i < ntp (ntp % 8 == 0).
-     * tmp: KVA_KEY_TILE * D floats of scratch. */
-    void (*scores)(const float *Qs, int M, int D, const char *const *krow, int ntp, float *S,
-                   float *tmp);
-    /* acc[r] = acc[r] * alpha[r] + sum_{i < nt} P[r * KVA_KEY_TILE + i] V[i]. */
-    void (*pv)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
-               const float *alpha, float *tmp);
-    /* dst[i * D + d] = row i widened to float32, for i < n. */
-    void (*widen)(const char *const *rows, int n, int D, float *dst);
-    /* The elements these kernels read are the stored values divided by
-     * unit (a power of two): the caller multiplies q and the P.V weights
-     * by it, so every product is exactly the one over the values. */
-    float unit;
-    /* Optional (NULL where a level has none): scores, pv and widen, with
-     * the same bits, which also prefetch the rows of the next tile among
-     * their own loads: next[i] is the next tile's row i (valid for every i
-     * the call reads), and each line of it is prefetched where the call
-     * loads the same line of row i.  A decode item is a short chain of
+    /* Every kernel takes `next`: NULL, or the next tile's rows (next[i]
+     * valid for every row i the call reads).  The levels whose kernels
+     * prefetch (`prefetch` set: avx2, avx512) prefetch each line of next[i]
+     * where they load the same line of row i, with the same bits as
+     * without; the others ignore it.  A decode item is a short chain of
      * FMAs per line it reads: one burst of a whole tile's prefetches stalls
      * it (the load queue fills) and then leaves the memory idle while it
      * computes; spread this way, a line is in flight per line computed
      * (decode out of the caches 1.2-1.9x faster on a Zen 4: docs/performance.md). */
-    void (*scores_pf)(const float *Qs, int M, int D, const char *const *krow, int ntp, float *S,
-                      float *tmp, const char *const *next);
-    void (*pv_pf)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
-                  const float *alpha, float *tmp, const char *const *next);
-    void (*widen_pf)(const char *const *rows, int n, int D, float *dst, const char *const *next);
+    /* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i] for r < M, i < ntp (ntp % 8 == 0).
+     * tmp: KVA_KEY_TILE * D floats of scratch. */
+    void (*scores)(const float *Qs, int M, int D, const char *const *krow, int ntp, float *S,
+                   float *tmp, const char *const *next);
+    /* acc[r] = acc[r] * alpha[r] + sum_{i < nt} P[r * KVA_KEY_TILE + i] V[i]. */
+    void (*pv)(const float *P, int M, int D, const char *const *vrow, int nt, float *acc,
+               const float *alpha, float *tmp, const char *const *next);
+    /* dst[i * D + d] = row i widened to float32, for i < n. */
+    void (*widen)(const char *const *rows, int n, int D, float *dst, const char *const *next);
+    /* The elements these kernels read are the stored values divided by
+     * unit (a power of two): the caller multiplies q and the P.V weights
+     * by it, so every product is exactly the one over the values. */
+    float unit;
+    /* Whether the kernels prefetch `next` (else the caller prefetches). */
+    int prefetch;
 } kva_kernels;
 
-/* A table entry of a level whose functions are named <verb>_<kind>_<level>
- * and <verb>_pf_<kind>_<level> (the prefetching variants). */
-#define KVA_KERNELS_PF(kind, level, unit)                                              \
-    {                                                                                  \
-        scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit,    \
-            scores_pf_##kind##_##level, pv_pf_##kind##_##level, widen_pf_##kind##_##level \
-    }
+/* A table entry of a level whose functions are named <verb>_<kind>_<level>. */
+#define KVA_KERNELS(kind, level, unit, prefetch) \
+    {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch}
 
 typedef struct {
     float (*row_max)(const float *s, int ntp);

@@ -114,23 +114,28 @@ pv_neon(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
 }
 
 #define KVA_NEON_KIND(name, kind)                                                            \
-    static void widen_##name##_neon(const char *const *rows, int n, int D, float *dst)       \
+    static void widen_##name##_neon(const char *const *rows, int n, int D, float *dst,      \
+                                    const char *const *next)                                 \
     {                                                                                         \
+        (void)next;                                                                           \
         const int isz = kind == KVA_F32 ? 4 : 2;                                              \
         for (int i = 0; i < n; i++)                                                           \
             for (int d = 0; d < D; d += 4)                                                    \
                 vst1q_f32(dst + (size_t)i * D + d, load4_neon(rows[i] + (size_t)d * isz, kind)); \
     }                                                                                         \
     static void scores_##name##_neon(const float *Qs, int M, int D, const char *const *krow,  \
-                                     int ntp, float *S, float *t)                            \
+                                     int ntp, float *S, float *t, const char *const *next)   \
     {                                                                                         \
         (void)t;                                                                              \
+        (void)next;                                                                           \
         scores_neon(kind, Qs, M, D, krow, ntp, S);                                            \
     }                                                                                         \
     static void pv_##name##_neon(const float *P, int M, int D, const char *const *vrow,       \
-                                 int nt, float *acc, const float *alpha, float *t)            \
+                                 int nt, float *acc, const float *alpha, float *t,            \
+                                 const char *const *next)                                     \
     {                                                                                         \
         (void)t;                                                                              \
+        (void)next;                                                                           \
         pv_neon(kind, P, M, D, vrow, nt, acc, alpha);                                         \
     }
 KVA_NEON_KIND(f32, KVA_F32)
@@ -188,9 +193,9 @@ static void exp2_neg_n_neon(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_neon[KVA_NUM_NEON_KINDS] = {
-    {scores_f32_neon, pv_f32_neon, widen_f32_neon, 1.0f, NULL, NULL, NULL},
-    {scores_f16_neon, pv_f16_neon, widen_f16_neon, 1.0f, NULL, NULL, NULL},
-    {scores_bf16_neon, pv_bf16_neon, widen_bf16_neon, 1.0f, NULL, NULL, NULL},
+    KVA_KERNELS(f32, neon, 1.0f, 0),
+    KVA_KERNELS(f16, neon, 1.0f, 0),
+    KVA_KERNELS(bf16, neon, 1.0f, 0),
 };
 /* soft cap: the scalar tanhf (rare, and exact to libm) */
 const kva_math kva_math_neon = {row_max_neon, row_exp_sum_neon, kva_softcap_scalar,

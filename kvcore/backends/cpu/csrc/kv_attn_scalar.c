@@ -95,19 +95,25 @@ static void pv_scalar(int kind, const float *P, int M, int D, const char *const 
 }
 
 #define KVA_SCALAR_KIND(name, kind)                                                          \
-    static void widen_##name##_scalar(const char *const *rows, int n, int D, float *dst)     \
+    static void widen_##name##_scalar(const char *const *rows, int n, int D, float *dst,    \
+                                      const char *const *next)                               \
     {                                                                                         \
+        (void)next;                                                                           \
         for (int i = 0; i < n; i++)                                                           \
             widen_row_scalar(rows[i], kind, dst + (size_t)i * D, D);                          \
     }                                                                                         \
     static void scores_##name##_scalar(const float *Qs, int M, int D,                         \
-                                       const char *const *krow, int ntp, float *S, float *t) \
+                                       const char *const *krow, int ntp, float *S, float *t, \
+                                       const char *const *next)                              \
     {                                                                                         \
+        (void)next;                                                                           \
         scores_scalar(kind, Qs, M, D, krow, ntp, S, t);                                       \
     }                                                                                         \
     static void pv_##name##_scalar(const float *P, int M, int D, const char *const *vrow,     \
-                                   int nt, float *acc, const float *alpha, float *t)          \
+                                   int nt, float *acc, const float *alpha, float *t,          \
+                                   const char *const *next)                                   \
     {                                                                                         \
+        (void)next;                                                                           \
         pv_scalar(kind, P, M, D, vrow, nt, acc, alpha, t);                                    \
     }
 KVA_SCALAR_KIND(f32, KVA_F32)
@@ -154,12 +160,9 @@ static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS] = {
-    {scores_f32_scalar, pv_f32_scalar, widen_f32_scalar, 1.0f, NULL, NULL, NULL},
-    {scores_f16_scalar, pv_f16_scalar, widen_f16_scalar, 1.0f, NULL, NULL, NULL},
-    {scores_bf16_scalar, pv_bf16_scalar, widen_bf16_scalar, 1.0f, NULL, NULL, NULL},
-    {scores_e4m3_scalar, pv_e4m3_scalar, widen_e4m3_scalar, 1.0f, NULL, NULL, NULL},
-    {scores_e5m2_scalar, pv_e5m2_scalar, widen_e5m2_scalar, 1.0f, NULL, NULL, NULL},
-    {scores_i8_scalar, pv_i8_scalar, widen_i8_scalar, 1.0f, NULL, NULL, NULL},
+    KVA_KERNELS(f32, scalar, 1.0f, 0),  KVA_KERNELS(f16, scalar, 1.0f, 0),
+    KVA_KERNELS(bf16, scalar, 1.0f, 0), KVA_KERNELS(e4m3, scalar, 1.0f, 0),
+    KVA_KERNELS(e5m2, scalar, 1.0f, 0), KVA_KERNELS(i8, scalar, 1.0f, 0),
 };
 const kva_math kva_math_scalar = {row_max_scalar, row_exp_sum_scalar, kva_softcap_scalar,
                                   exp2_neg_scalar};

@@ -185,11 +185,10 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, krow, vrow);
     /* decode-like items (fewer rows than a matrix tile's: a short chain of
      * FMAs per line read) with kernels that prefetch the next tile
-     * themselves, spread over their loads (kva_kernels.scores_pf): no
+     * themselves, spread over their loads (kva_kernels.prefetch): no
      * bursts then but the first tile's.  Prefill items are compute-bound
      * and keep the bursts. */
-    const int spread = M < KVA_TILE_ROWS &&
-                       (widen ? kern->widen_pf != NULL : kern->scores_pf != NULL);
+    const int spread = M < KVA_TILE_ROWS && kern->prefetch;
     if (spread && it->k0 < it->k1)
         prefetch_positions(a, table, kbase, vbase, it->k0,
                            it->k1 - it->k0 < KVA_KEY_TILE ? it->k1 : it->k0 + KVA_KEY_TILE,
@@ -236,15 +235,10 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
 #endif
         }
         if (widen) {
-            if (next_k != NULL)
-                kern->widen_pf(krow, ntp, D, ws->kf, next_k); /* padding rows included */
-            else
-                kern->widen(krow, ntp, D, ws->kf);
-            kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp);
-        } else if (next_k != NULL) {
-            kern->scores_pf(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
+            kern->widen(krow, ntp, D, ws->kf, next_k); /* padding rows included */
+            kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp, NULL);
         } else {
-            kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp);
+            kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         }
         if (scaled)
             tile_scales(a, table, g, t0, nt, ks, vs, ws->S, M);
@@ -291,10 +285,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         const kva_kernels *pk = kern;
         const char *const *prow = vrow;
         if (widen) {
-            if (next_v != NULL)
-                kern->widen_pf(vrow, nt, D, ws->vf, next_v);
-            else
-                kern->widen(vrow, nt, D, ws->vf);
+            kern->widen(vrow, nt, D, ws->vf, next_v);
             next_v = NULL;
             pk = kern_f32;
             prow = ws->vfrow;
@@ -305,15 +296,11 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
                 ;
             if (last <= first)
                 continue;
-            if (next_v != NULL) { /* the first run of rows prefetches the next values */
-                pk->pv_pf(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
-                          last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp,
-                          next_v + first);
-                next_v = NULL;
-            } else {
-                pk->pv(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
-                       last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp);
-            }
+            /* the first run of rows prefetches the next values */
+            pk->pv(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
+                   last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp,
+                   next_v != NULL ? next_v + first : NULL);
+            next_v = NULL;
         }
         const char **swap = krow;
         krow = nkrow;
