@@ -218,6 +218,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_ports(n):
+    """``n`` distinct free ports: all held at once while they are picked
+    (free_port() called n times may return a port twice, or one a server
+    started since then is about to bind)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class RedisServer:
     """A redis-server of its own on 127.0.0.1, data in ``directory``."""
 

@@ -16,8 +16,8 @@ import pytest
 import kvcore
 from kvcore.stores import _format
 
-from _stores_support import (check_hit, flush_pool, free_port, make_pool, peer_script,
-                             require_redis, run)
+from _stores_support import (check_hit, flush_pool, free_port, free_ports, make_pool,
+                             peer_script, require_redis, run)
 
 NODE_TIMEOUT_MS = 500        # how soon the cluster declares a dead master failed
 TIMEOUT = 0.5                # the stores' socket timeout
@@ -36,6 +36,10 @@ def require_cluster():
     return server, cli, redis
 
 
+class _PortTaken(RuntimeError):
+    """A cluster node exited as it started: its port was taken."""
+
+
 class LocalCluster:
     """A Redis Cluster of ``masters`` masters on 127.0.0.1, plus one replica
     for each master index in ``replicas_of``."""
@@ -48,10 +52,10 @@ class LocalCluster:
         self.procs = {}                   # port -> Popen
         self.bus_ports = {}               # port -> its cluster bus port
 
-    def _spawn(self, port):
+    def _spawn(self, port, bus_port):
         d = os.path.join(self.directory, str(port))
         os.makedirs(d, exist_ok=True)
-        self.bus_ports[port] = free_port()
+        self.bus_ports[port] = bus_port
         self.procs[port] = subprocess.Popen(
             [self.server, "--port", str(port), "--cluster-port", str(self.bus_ports[port]),
              "--bind", "127.0.0.1", "--protected-mode", "no", "--cluster-enabled", "yes",
@@ -60,6 +64,12 @@ class LocalCluster:
              "--cluster-replica-validity-factor", "0", "--repl-diskless-sync-delay", "0",
              "--save", "", "--appendonly", "no", "--dir", d],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _started(self, port):
+        if self.procs[port].poll() is not None:
+            raise _PortTaken(f"redis-server on {port} exited at start "
+                             f"(status {self.procs[port].returncode})")
+        return self.node(port).ping()
 
     def node(self, port):
         return self.redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
@@ -77,12 +87,26 @@ class LocalCluster:
             time.sleep(0.05)
 
     def start(self):
+        """Start the nodes and make the cluster.  A node that exits at once
+        (another process took its port between the pick and its bind) makes
+        the nodes start again on other ports, up to 3 times."""
+        for attempt in range(3):
+            try:
+                return self._start()
+            except _PortTaken:
+                if attempt == 2:
+                    raise
+
+    def _start(self):
         try:
-            self.ports = [free_port() for _ in range(self.masters + len(self.replicas_of))]
+            n = self.masters + len(self.replicas_of)
+            picked = free_ports(2 * n)          # data and bus ports, all distinct
+            self.ports = picked[:n]
+            for p, bus in zip(self.ports, picked[n:]):
+                self._spawn(p, bus)
             for p in self.ports:
-                self._spawn(p)
-            for p in self.ports:
-                self._wait(f"redis-server on {p} did not start", self.node(p).ping)
+                self._wait(f"redis-server on {p} did not start",
+                           lambda: self._started(p))
             self.master_ports = self.ports[:self.masters]
             r = subprocess.run([self.cli, "--cluster", "create"]
                                + [f"127.0.0.1:{p}" for p in self.master_ports]
