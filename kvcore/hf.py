@@ -311,7 +311,7 @@ class _Step:
     """One forward's bookkeeping, shared by every layer of the step."""
 
     __slots__ = ("q", "start", "counts", "slots", "tables", "seq_lens", "query_start",
-                 "query_rows", "gather_index", "layers_done", "plans")
+                 "query_rows", "gather_index", "layers_done", "plans", "written")
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -414,6 +414,10 @@ class PagedCache(Cache):
         self._kvcore_forward = False            # this forward's attention reads pages
         self._pending_mask = None               # padding mask of a first forward
         self._torch = _TorchSide(pool)
+        self._writer = pool._slot_writer()      # a decode step's K/V: one native call
+        self._num_layers = pool.num_layers
+        self._kv_shape = (pool.num_kv_heads, pool.head_dim)
+        self._torch_storage = pool.dtype in _TORCH_STORAGE
         # torch views of the pool's storage, per layer: (num_blocks, heads, block, dim)
         bf16 = pool.dtype == "bfloat16"
         self._k_pages = [self._torch.pages(pool.key_cache(i), bf16)
@@ -587,6 +591,7 @@ class PagedCache(Cache):
         step.slots = slots.reshape(-1)
         step.tables = None
         step.gather_index = None
+        step.written = [(seq, int(n)) for seq, n in zip(self._seqs, counts) if n]
         step.layers_done = 0
         step.plans = {}          # (scale, window, soft cap) -> AttentionPlan of this step
         self._step = step
@@ -646,25 +651,32 @@ class PagedCache(Cache):
         when the model's attention is ``"kvcore"``, the new K/V marked for
         :func:`kvcore_attention`, which reads the pages itself.
         """
+        if not self._torch.cuda:
+            return self._update(key_states, value_states, layer_idx, kwargs)
         with self._torch.stream():
             return self._update(key_states, value_states, layer_idx, kwargs)
 
     def _update(self, key_states, value_states, layer_idx, kwargs):
+        # (called once per layer and step: what it touches is kept few,
+        # since the model's weights have evicted it from the caches)
         pool = self.pool
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < pool.num_layers:
-            raise IndexError(f"layer_idx must be in 0..{pool.num_layers - 1} (the pool's layers), "
-                             f"got {layer_idx!r}")
-        if key_states.ndim != 4 or tuple(key_states.shape) != tuple(value_states.shape):
+        if type(layer_idx) is not int or not 0 <= layer_idx < self._num_layers:
+            if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
+                raise IndexError(f"layer_idx must be in 0..{pool.num_layers - 1} (the pool's "
+                                 f"layers), got {layer_idx!r}")
+            layer_idx = int(layer_idx)
+        shape = key_states.shape
+        if len(shape) != 4 or shape != value_states.shape:
             raise ValueError("key_states and value_states must both be (batch, num_kv_heads, q, "
                              f"head_dim), got {tuple(key_states.shape)} and "
                              f"{tuple(value_states.shape)}")
-        batch, heads, q, dim = key_states.shape
-        if heads != pool.num_kv_heads or dim != pool.head_dim:
+        batch, heads, q, dim = shape
+        if heads != self._kv_shape[0] or dim != self._kv_shape[1]:
             raise ValueError(
                 f"the model's K/V have {heads} heads of dimension {dim}, the pool "
                 f"{pool.num_kv_heads} of dimension {pool.head_dim}: build the pool with "
                 "kvcore.hf.pool_for(model.config, ...)")
-        if not self._kvcore_forward and pool.dtype not in _TORCH_STORAGE:
+        if not self._kvcore_forward and not self._torch_storage:
             raise ValueError(f"a {pool.dtype} pool is read by attn_implementation='kvcore' only "
                              "(this forward's attention reads whole K/V tensors): "
                              "model.set_attn_implementation('kvcore')")
@@ -677,21 +689,24 @@ class PagedCache(Cache):
         elif batch != len(self._seqs) or q != step.q:
             raise ValueError(f"layer {layer_idx} got K/V for {batch} rows x {q} columns, this "
                              f"step has {len(self._seqs)} x {step.q}")
-        # (batch, heads, q, dim) -> (batch * q, heads, dim): for q == 1 the
-        # same order without a transpose (a view when contiguous)
-        if q == 1:
-            k_rows = key_states.detach().reshape(batch, heads, dim)
-            v_rows = value_states.detach().reshape(batch, heads, dim)
-        else:
-            k_rows = key_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
-            v_rows = value_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
-        pool.write(layer_idx, k_rows, v_rows, step.slots)
-        for i, seq in enumerate(self._seqs):
-            n = int(step.counts[i])
-            if n:
-                seq.mark_written(layer_idx, n)
+        # a decode step's (batch, heads, 1, dim) K/V as they are, through the
+        # pool's writer (the slots were checked once for the step); the rest
+        # through pool.write
+        if not (q == 1 and self._writer is not None
+                and self._writer.write_slots(layer_idx, key_states, value_states, step.slots)):
+            # (batch, heads, q, dim) -> (batch * q, heads, dim): for q == 1
+            # the same order without a transpose (a view when contiguous)
+            if q == 1:
+                k_rows = key_states.detach().reshape(batch, heads, dim)
+                v_rows = value_states.detach().reshape(batch, heads, dim)
+            else:
+                k_rows = key_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+                v_rows = value_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+            pool.write(layer_idx, k_rows, v_rows, step.slots)
+        for seq, n in step.written:
+            seq.mark_written(layer_idx, n)
         step.layers_done += 1
-        if step.layers_done == pool.num_layers:
+        if step.layers_done == self._num_layers:
             for i, seq in enumerate(self._seqs):
                 seq.commit(int(step.counts[i]))
             self._length = step.start + step.q
@@ -945,22 +960,29 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # made at the step's first layer: the tables are checked and the work
     # split once, and each layer only runs it
     key = (scaling, sliding_window, softcap)
-    with cache._torch.stream():
-        plan = step.plans.get(key)
-        if plan is None:
-            plan = step.plans[key] = AttentionPlan(
-                cache.pool, block_table, step.seq_lens, cu_seq_lens_q, scale=scaling,
-                sliding_window=sliding_window, logits_soft_cap=softcap, num_heads=heads)
-        # queries and outputs stay in the model's dtype: the plan widens a
-        # 16-bit model's rows and narrows the result with kvcore's conversions
-        if step.query_rows is None:
-            plan.run(rows, layer, out=flat)
-        else:
-            part = torch.empty((rows.shape[0], heads, dim), dtype=query.dtype,
-                               device=query.device)
-            plan.run(rows, layer, out=part)
-            flat[step.query_rows] = part
+    if not cache._torch.cuda:
+        _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+    else:
+        with cache._torch.stream():
+            _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
     return out, None
+
+
+def _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat):
+    plan = step.plans.get(key)
+    if plan is None:
+        scaling, sliding_window, softcap = key
+        plan = step.plans[key] = AttentionPlan(
+            cache.pool, block_table, step.seq_lens, cu_seq_lens_q, scale=scaling,
+            sliding_window=sliding_window, logits_soft_cap=softcap, num_heads=heads)
+    # queries and outputs stay in the model's dtype: the plan widens a
+    # 16-bit model's rows and narrows the result with kvcore's conversions
+    if step.query_rows is None:
+        plan.run(rows, layer, out=flat)
+    else:
+        part = flat.new_empty((rows.shape[0],) + tuple(flat.shape[1:]))
+        plan.run(rows, layer, out=part)
+        flat[step.query_rows] = part
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvcore_attention)

@@ -171,9 +171,10 @@ class BlockPool:
         self._lock = _CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
         # what every sequence on this pool binds to (PagedKVCache): the
         # backend's row writer makes an append one native call
+        self._writer = self._row_writer()
         self._binding = _seq.PoolBinding(
             self._core, self._lock, self._block_size, self._num_layers, self._caching,
-            self._row_writer(),
+            self._writer,
             # (the storage, not the pool: no reference cycle keeps a dropped
             # pool's memory alive)
             functools.partial(_copy_blocks, self._backend, self._storage, self._scales),
@@ -239,6 +240,14 @@ class BlockPool:
         ``(num_layers * 2, num_blocks, num_kv_heads, block_size)`` (plane
         ``2*l`` layer l's keys, ``2*l + 1`` its values); None otherwise."""
         return self._scales
+
+    def _slot_writer(self):
+        """The backend's writer of this pool's rows (``write_slots(layer, k,
+        v, slots)``: True when it took the inputs as they are, else nothing
+        written), or None: what kvcore.hf writes a decode step through,
+        its slots checked once per step; anything it does not take goes to
+        :meth:`write`."""
+        return self._writer if hasattr(self._writer, "write_slots") else None
 
     def _row_writer(self):
         if self._head_scales is None:     # (the one-scale-per-layer writer as before)

@@ -220,6 +220,78 @@ def test_query_dtypes_and_torch_tensors():
                                   want.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
+def _strided(torch, t):
+    """The values of ``t`` in a tensor that is not C-contiguous (the fast
+    path takes C-contiguous ones only: this one goes the general path)."""
+    wide = torch.zeros(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype)[..., ::2]
+    wide.copy_(t)
+    return wide
+
+
+@pytest.mark.parametrize("pool_dtype", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("q_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("out_dtype", [None, "float32", "float16", "bfloat16"])
+def test_torch_tensors_run_fast_with_the_general_paths_bits(torch, pool_dtype, q_dtype,
+                                                           out_dtype):
+    """C-contiguous CPU torch q and out (float32, float16, bfloat16) run on
+    the plan's fast path, staged through float32 for 16-bit ones, and give
+    the bits the general path gives for the same values."""
+    pool = _pool(pool_dtype)
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl)
+    tq = torch.from_numpy(q).to(getattr(torch, q_dtype))
+    if out_dtype is None:
+        got = plan.run(tq, 1)
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, plan.run(_strided(torch, tq), 1))
+        return
+    odt = getattr(torch, out_dtype)
+    out = torch.full(q.shape, float("nan"), dtype=odt)
+    assert plan.run(tq, 1, out=out) is out
+    general = _strided(torch, torch.zeros(q.shape, dtype=odt))
+    plan.run(_strided(torch, tq), 1, out=general)
+    assert torch.equal(out, general)
+    want = kvcore.paged_attention(q, pool, 1, tables, lens, qsl) if q_dtype == "float32" else None
+    if want is not None:
+        np.testing.assert_array_equal(out.float().numpy(), torch.from_numpy(want).to(odt).float())
+    # a second run of the plan stages through the same buffers: nothing allocated
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        plan.run(tq, 2, out=out)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024, peak
+    plan.run(_strided(torch, tq), 2, out=general)
+    assert torch.equal(out, general)
+
+
+def test_torch_out_refusals_hold_on_the_fast_path(torch):
+    """What the general path refuses of a torch ``out`` it still refuses
+    when the tensor is one the fast path could take: one that requires grad,
+    one over the pool's storage; an ``out`` that is ``q`` itself is computed
+    aside first."""
+    pool = _pool("float32")
+    tables, lens, qsl, q = _batch()
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl)
+    want = plan.run(q, 0)
+    tq = torch.from_numpy(q.copy())
+    with pytest.raises(TypeError, match="requires grad"):
+        plan.run(tq, 0, out=torch.zeros(q.shape, requires_grad=True))
+    before = pool.storage.copy()
+    over = torch.from_numpy(pool.storage.reshape(-1)[:q.size].reshape(q.shape))
+    with pytest.raises(ValueError, match="out must not overlap"):
+        plan.run(tq, 0, out=over)
+    np.testing.assert_array_equal(pool.storage, before)
+    assert plan.run(tq, 0, out=tq) is tq
+    np.testing.assert_array_equal(tq.numpy(), want)
+    bq = torch.from_numpy(q).to(torch.bfloat16)
+    aside = bq.clone()
+    plan.run(bq, 0, out=bq)                       # 16-bit, in place
+    assert torch.equal(bq, plan.run(aside, 0, out=torch.empty_like(aside)))
+
+
 def test_thread_counts_give_the_same_bits():
     pool = _pool("float16", num_blocks=80, block_size=16)
     rng = np.random.default_rng(7)

@@ -464,6 +464,56 @@ def test_calibrate_kv_scales_per_head():
     assert 0 < err < 0.05
 
 
+STEP_POOLS = {"float32": None, "float16": None, "bfloat16": None, "int8": None,
+              "float8_e4m3fn": [((0.02, 0.05), (0.01, 0.03)), ((0.04, 0.02), (0.02, 0.02))],
+              "float8_e5m2": [(0.5, 0.25), (0.125, 1.0)]}
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", sorted(STEP_POOLS))
+def test_decode_steps_store_the_bits_pool_write_stores(dtype, model_dtype, monkeypatch):
+    """A decode step's K/V (transformers' (batch, heads, 1, dim) tensors, V a
+    transposed view) go through the pool's own writer, not pool.write, and
+    the pages then hold exactly what pool.write stores from the same K/V at
+    the same slots (every pool dtype, fp8 with per-layer and per-head scales,
+    float32 and bfloat16 models; two rows)."""
+    model = _tiny("llama", attn="kvcore", seed=3).to(getattr(torch, model_dtype))
+    pools = [pool_for(model.config, 24, dtype=dtype, block_size=4, kv_scales=STEP_POOLS[dtype])
+             for _ in range(2)]
+    cache = PagedCache(pools[0])
+    seen = []
+    inner = cache.update
+
+    def spy(k, v, layer, *args, **kwargs):
+        seen.append((layer, k.detach().clone(), v.detach().clone()))
+        return inner(k, v, layer, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "update", spy)
+    ids, _ = _prompts([9, 9], seed=4)
+    with torch.no_grad():
+        logits = model(ids, **_kw(model, cache)).logits
+        monkeypatch.setattr(pools[0], "write", lambda *a, **k: pytest.fail(
+            "a decode step's K/V went through pool.write"))
+        for _ in range(3):
+            ids = logits[:, -1:].argmax(-1)
+            logits = model(ids, **_kw(model, cache)).logits
+    monkeypatch.undo()
+    assert len(seen) == 4 * 2 and all(k.shape[2] == 1 for _, k, _ in seen[2:])
+    start = {0: 0, 1: 0}
+    for layer, k, v in seen:
+        n = k.shape[2]
+        slots = np.concatenate([row.slot_mapping(start[layer], start[layer] + n)
+                                for row in cache.rows])
+        start[layer] += n
+        pools[1].write(layer, k.transpose(1, 2).reshape(-1, *k.shape[1::2]),
+                       v.transpose(1, 2).reshape(-1, *v.shape[1::2]), slots)
+    assert start == {0: 12, 1: 12}
+    np.testing.assert_array_equal(pools[0].storage.view(np.uint8), pools[1].storage.view(np.uint8))
+    if dtype == "int8":
+        np.testing.assert_array_equal(pools[0].scales, pools[1].scales)
+    cache.free()
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
 def test_low_precision_pools_generate_through_the_kvcore_attention(dtype):
     """Issue 22 item 2: fp8 (calibrated per-layer scales) and int8 pools in

@@ -377,8 +377,8 @@ def test_torch_kv_into_every_writer(torch, storage, src, grad):
 
 
 def test_torch_fast_append_path(torch):
-    """A CPU float32/float16 torch tensor takes the direct append path (as
-    the NumPy array would), also when it requires grad."""
+    """A CPU float32/float16/bfloat16 torch tensor takes the direct append
+    path (as the NumPy array would), also when it requires grad."""
     pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
     seq = kvcore.PagedKVCache(pool)
     seq.allocate([1, 2, 3])
@@ -387,7 +387,8 @@ def test_torch_fast_append_path(torch):
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))
     np.testing.assert_array_equal(v, (-x).astype(np.float16).transpose(1, 0, 2))
-    # a non-contiguous tensor, or a bf16 one, takes the validated path: same result
+    # a non-contiguous tensor, or k and v of two dtypes, take the validated
+    # path: same result
     strided = _t(torch, x.transpose(1, 0, 2)).transpose(0, 1)     # (3, 2, 8), not contiguous
     assert not strided.is_contiguous()
     assert seq._seq.append_direct(0, strided, _t(torch, -x)) is False
@@ -395,7 +396,8 @@ def test_torch_fast_append_path(torch):
     seq.append(0, strided, _t(torch, -x))
     k, v = seq.gather(0)
     np.testing.assert_array_equal(k, x.astype(np.float16).transpose(1, 0, 2))
-    seq.append(0, _t(torch, x, torch.bfloat16), _t(torch, -x, torch.bfloat16))
+    assert seq._seq.append_direct(0, _t(torch, x, torch.bfloat16),
+                                  _t(torch, -x, torch.bfloat16)) is True
     k, v = seq.gather(0)
     want_v = kvcore.from_bfloat16(kvcore.to_bfloat16(-x)).astype(np.float16)
     np.testing.assert_array_equal(v, want_v.transpose(1, 0, 2))

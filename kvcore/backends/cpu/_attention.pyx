@@ -12,8 +12,11 @@ layer and out here, but never raises for them: anything it does not take
 returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 """
 cimport numpy as cnp
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from kvcore.backends.cpu._convert cimport KVH_BF16, KVH_F16, KVH_F32, convert_n, kind_itemsize
 from kvcore.backends.cpu._span cimport byte_span
+from kvcore.backends.cpu._kernels import tensor_meta
 
 import numpy as np
 
@@ -444,6 +447,10 @@ cdef class Plan:
     cdef const char *owned_hi[8]
     cdef int num_owned
     cdef object keep                  # references to everything bound
+    # run_layer's float32 staging of 16-bit torch q / out (num_tokens x
+    # num_heads x head_dim floats each, made at the first such run)
+    cdef float *q32
+    cdef float *out32
 
     def __cinit__(self, block_tables, seq_lens, query_start_loc, Py_ssize_t num_heads,
                   Py_ssize_t num_kv_heads, Py_ssize_t head_dim, int64_t block_size,
@@ -504,6 +511,8 @@ cdef class Plan:
 
     def __dealloc__(self):
         kva_plan_free(self.plan)
+        free(self.q32)
+        free(self.out32)
 
     @property
     def num_items(self):
@@ -515,17 +524,38 @@ cdef class Plan:
         """Threads a run uses (at most the planned num_threads)."""
         return kva_plan_num_threads(self.plan)
 
-    cdef int _go(self, kva_args *a) except -1:
+    cdef int _go(self, kva_args *a, int q_kind=KVH_F32, const char *q16=NULL,
+                 int out_kind=KVH_F32, char *out16=NULL) except -1:
         """Runs the kernel on ``a`` (the plan's fields plus the data fields),
-        one run at a time."""
+        one run at a time.  ``q_kind`` / ``out_kind`` float16 or bfloat16
+        (run_layer): ``q16`` is widened into the plan's float32 staging and
+        read from there, and the result is narrowed from it into ``out16``
+        (kvcore's conversions, as the general path's), inside the run."""
         cdef int status
+        cdef Py_ssize_t n = self.num_tokens * self.num_heads * self.head_dim
         if self.busy:
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
                                "plan: use one plan per thread)")
         self.busy = True
         try:
+            if q_kind != KVH_F32:
+                if self.q32 == NULL:
+                    self.q32 = <float *>malloc(n * sizeof(float))
+                    if self.q32 == NULL:
+                        raise MemoryError("paged_attention could not allocate its work buffers")
+                with nogil:
+                    convert_n(q_kind, q16, KVH_F32, self.q32, n)
+                a.q = self.q32
+            if out_kind != KVH_F32:
+                if self.out32 == NULL:
+                    self.out32 = <float *>malloc(n * sizeof(float))
+                    if self.out32 == NULL:
+                        raise MemoryError("paged_attention could not allocate its work buffers")
+                a.out = self.out32
             with nogil:
                 status = kva_plan_run(self.plan, a)
+                if status == KVA_OK and out_kind != KVH_F32:
+                    convert_n(KVH_F32, self.out32, out_kind, out16, n)
         finally:
             self.busy = False
         if status == KVA_ENOMEM:
@@ -651,19 +681,66 @@ cdef class Plan:
         self.bound = True
         return self.run_layer
 
+    cdef int _rows(self, object x, bint out, const char **p, const char **end) except -2:
+        """The element kind of ``x`` when run_layer takes it as it is, as
+        (num_tokens, num_heads, head_dim) rows from ``*p`` to ``*end``: a
+        native float32 NumPy array (C-contiguous, aligned; an ``out``
+        writable), or a CPU torch tensor (``tensor_meta``) of float32,
+        float16 or bfloat16, aligned, an ``out`` one that does not require
+        grad (the general path refuses those); -1 for anything else."""
+        cdef cnp.ndarray a
+        cdef int kind
+        if type(x) is np.ndarray:
+            a = <cnp.ndarray>x
+            # (a byte-swapped float32 has the float32 type number too)
+            if cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(a) != 3 \
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a) \
+                    or not cnp.PyArray_ISNOTSWAPPED(a) \
+                    or (out and not cnp.PyArray_ISWRITEABLE(a)) \
+                    or cnp.PyArray_DIM(a, 0) != self.num_tokens \
+                    or cnp.PyArray_DIM(a, 1) != self.num_heads \
+                    or cnp.PyArray_DIM(a, 2) != self.head_dim:
+                return -1
+            p[0] = <const char *>cnp.PyArray_DATA(a)
+            end[0] = p[0] + cnp.PyArray_NBYTES(a)
+            return KVH_F32
+        meta = tensor_meta(x)
+        if meta is None:
+            return -1
+        ptr, typenum, shape = meta
+        if typenum == cnp.NPY_FLOAT32:
+            kind = KVH_F32
+        elif typenum == cnp.NPY_FLOAT16:
+            kind = KVH_F16
+        elif typenum == cnp.NPY_UINT16:      # tensor_meta: torch.bfloat16's bits
+            kind = KVH_BF16
+        else:
+            return -1
+        if len(shape) != 3 or shape[0] != self.num_tokens or shape[1] != self.num_heads \
+                or shape[2] != self.head_dim or (<uintptr_t>ptr) % kind_itemsize(kind) \
+                or (out and x.requires_grad):
+            return -1
+        p[0] = <const char *><uintptr_t>ptr
+        end[0] = p[0] + self.num_tokens * self.num_heads * self.head_dim * kind_itemsize(kind)
+        return kind
+
     def run_layer(self, q, layer, out=None):
         """``kvcore.AttentionPlan.run``'s fast path (see the class notes):
-        the result, or NotImplemented when the general path must decide."""
-        if not self.bound or type(q) is not np.ndarray or type(layer) is not int:
+        the result, or NotImplemented when the general path must decide.
+        Takes float32 NumPy arrays and CPU torch tensors of float32, float16
+        or bfloat16 (16-bit ones staged through float32 with kvcore's
+        conversions, as the general path does)."""
+        cdef const char *qlo
+        cdef const char *qhi
+        cdef const char *olo
+        cdef const char *ohi
+        cdef int q_kind, out_kind = KVH_F32
+        cdef cnp.ndarray oa = None
+        cdef int i
+        if not self.bound or type(layer) is not int:
             return NotImplemented
-        cdef cnp.ndarray qa = <cnp.ndarray>q
-        # (a byte-swapped float32 has the float32 type number too)
-        if cnp.PyArray_TYPE(qa) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(qa) != 3 \
-                or not cnp.PyArray_IS_C_CONTIGUOUS(qa) or not cnp.PyArray_ISALIGNED(qa) \
-                or not cnp.PyArray_ISNOTSWAPPED(qa) \
-                or cnp.PyArray_DIM(qa, 0) != self.num_tokens \
-                or cnp.PyArray_DIM(qa, 1) != self.num_heads \
-                or cnp.PyArray_DIM(qa, 2) != self.head_dim:
+        q_kind = self._rows(q, False, &qlo, &qhi)
+        if q_kind < 0:
             return NotImplemented
         cdef Py_ssize_t l
         try:
@@ -672,36 +749,25 @@ cdef class Plan:
             return NotImplemented
         if l < 0 or l >= self.num_layers:
             return NotImplemented
-        cdef cnp.ndarray oa
-        cdef const char *qlo
-        cdef const char *qhi
-        cdef const char *olo
-        cdef const char *ohi
-        cdef int i
+        cdef cnp.npy_intp dims[3]
         if out is None:
-            oa = cnp.PyArray_EMPTY(3, cnp.PyArray_DIMS(qa), cnp.NPY_FLOAT32, 0)
+            dims[0], dims[1], dims[2] = self.num_tokens, self.num_heads, self.head_dim
+            oa = cnp.PyArray_EMPTY(3, dims, cnp.NPY_FLOAT32, 0)
+            olo = <const char *>cnp.PyArray_DATA(oa)
         else:
-            if type(out) is not np.ndarray:
+            out_kind = self._rows(out, True, &olo, &ohi)
+            if out_kind < 0:
                 return NotImplemented
-            oa = <cnp.ndarray>out
-            if cnp.PyArray_TYPE(oa) != cnp.NPY_FLOAT32 or cnp.PyArray_NDIM(oa) != 3 \
-                    or not cnp.PyArray_IS_C_CONTIGUOUS(oa) or not cnp.PyArray_ISALIGNED(oa) \
-                    or not cnp.PyArray_ISNOTSWAPPED(oa) \
-                    or not cnp.PyArray_ISWRITEABLE(oa) \
-                    or cnp.PyArray_DIM(oa, 0) != self.num_tokens \
-                    or cnp.PyArray_DIM(oa, 1) != self.num_heads \
-                    or cnp.PyArray_DIM(oa, 2) != self.head_dim:
-                return NotImplemented
-            if byte_span(oa, &olo, &ohi):
-                if byte_span(qa, &qlo, &qhi) and olo < qhi and qlo < ohi:
+            if olo < ohi:
+                if qlo < qhi and olo < qhi and qlo < ohi:
                     return NotImplemented
                 for i in range(self.num_owned):
                     if olo < self.owned_hi[i] and self.owned_lo[i] < ohi:
                         return NotImplemented
         cdef kva_args a = self.args
         if self.num_tokens:
-            a.q = <const float *>cnp.PyArray_DATA(qa)
-            a.out = <float *>cnp.PyArray_DATA(oa)
+            a.q = <const float *>qlo
+            a.out = <float *>olo
         a.key_cache = self.key_base + l * self.key_layer_stride
         a.value_cache = self.value_base + l * self.value_layer_stride
         if self.key_scales_base != NULL:
@@ -715,5 +781,8 @@ cdef class Plan:
         if self.head_scales_ptr != NULL:
             a.k_head_scales = self.head_scales_ptr + 2 * l * self.num_kv_heads
             a.v_head_scales = self.head_scales_ptr + (2 * l + 1) * self.num_kv_heads
-        self._go(&a)
-        return oa
+        if self.num_tokens:
+            self._go(&a, q_kind, qlo, out_kind, <char *>olo)
+        else:
+            self._go(&a)
+        return oa if out is None else out

@@ -15,7 +15,7 @@ from libc.string cimport memcpy
 from libc.stdint cimport int8_t, uint8_t
 from libc.stdlib cimport free, malloc
 
-from kvcore.backends.cpu._convert cimport (KV_FP8_E4M3, KV_FP8_E5M2, KVH_F16, KVH_F32,
+from kvcore.backends.cpu._convert cimport (KV_FP8_E4M3, KV_FP8_E5M2, KVH_BF16, KVH_F16, KVH_F32,
                                            convert_n, convert_n_stream, f32_to_fp8_rows,
                                            f32_to_i8_rows, fp8_to_f32, i8_to_f32, kind_itemsize,
                                            stream_fence)
@@ -178,18 +178,39 @@ cdef struct _Plane:
     Py_ssize_t plane, block, head, token
 
 
+cdef inline bint _row_slot(Py_ssize_t i, const block_id_t* table, Py_ssize_t block_size,
+                           Py_ssize_t start, const slot_t* slots, Py_ssize_t* b,
+                           Py_ssize_t* off) noexcept nogil:
+    """Where row i goes: position start + i of the sequence whose blocks are
+    ``table``, or (``slots`` not NULL) slot ``slots[i]``; False for a slot of
+    -1 (the row is skipped)."""
+    cdef Py_ssize_t p
+    if slots != NULL:
+        if slots[i] < 0:
+            return False
+        b[0] = slots[i] // block_size
+        off[0] = slots[i] % block_size
+        return True
+    p = start + i
+    b[0] = table[p // block_size]
+    off[0] = p % block_size
+    return True
+
+
 cdef void _write_positions(const char* kp, const char* vp, Py_ssize_t n, Py_ssize_t heads,
                            Py_ssize_t dim, int src_kind, int dst_kind,
                            const block_id_t* table, Py_ssize_t block_size, Py_ssize_t start,
-                           _Plane* dst) noexcept nogil:
+                           _Plane* dst, const slot_t* slots=NULL) noexcept nogil:
     """Rows i < n of C-contiguous k, v (n, heads, dim) to positions start + i
-    of the sequence whose blocks are ``table``."""
-    cdef Py_ssize_t i, p, row = heads * dim * kind_itemsize(src_kind)
+    of the sequence whose blocks are ``table`` (or to ``slots[i]``, see
+    _row_slot)."""
+    cdef Py_ssize_t i, b, off, row = heads * dim * kind_itemsize(src_kind)
     cdef char* d
     cdef bint stream = _streamed(n * heads * dim, dst_kind)
     for i in range(n):
-        p = start + i
-        d = dst.keys + table[p // block_size] * dst.block + (p % block_size) * dst.token
+        if not _row_slot(i, table, block_size, start, slots, &b, &off):
+            continue
+        d = dst.keys + b * dst.block + off * dst.token
         _write_token(src_kind, kp + i * row, dim * kind_itemsize(src_kind), dst_kind, d,
                      dst.head, heads, dim, stream)
         _write_token(src_kind, vp + i * row, dim * kind_itemsize(src_kind), dst_kind,
@@ -243,10 +264,12 @@ cdef struct _Rows:
     int kind
 
 
-cdef int _rows_of(object x, _Rows* r) except -1:
+cdef int _rows_of(object x, _Rows* r, bint one_column=False) except -1:
     """Fill ``r`` from a NumPy array or a CPU torch tensor (read in place,
-    through its pointer): 3-D, native float32 or float16, C-contiguous and
-    aligned; else r.kind = -1."""
+    through its pointer): 3-D, native float32 or float16 (a tensor also
+    bfloat16), C-contiguous and aligned; else r.kind = -1.  ``one_column``:
+    a 4-D (n, heads, 1, dim) one too (transformers' K/V of one position,
+    the same memory as (n, heads, dim))."""
     cdef cnp.ndarray a
     cdef int typenum
     r.kind = -1
@@ -256,6 +279,8 @@ cdef int _rows_of(object x, _Rows* r) except -1:
                 or not cnp.PyArray_ISNOTSWAPPED(a):
             return 0
         typenum = cnp.PyArray_TYPE(a)
+        if typenum == cnp.NPY_UINT16:     # bits of what? only a tensor says bfloat16
+            return 0
         r.p = <const char*>cnp.PyArray_DATA(a)
         r.n = cnp.PyArray_DIM(a, 0)
         r.h = cnp.PyArray_DIM(a, 1)
@@ -265,14 +290,19 @@ cdef int _rows_of(object x, _Rows* r) except -1:
         if meta is None:
             return 0
         ptr, typenum, shape = meta
-        if len(shape) != 3:
+        if len(shape) == 4 and one_column and shape[2] == 1:
+            r.n, r.h, _, r.d = shape
+        elif len(shape) == 3:
+            r.n, r.h, r.d = shape
+        else:
             return 0
         r.p = <const char*><uintptr_t>ptr
-        r.n, r.h, r.d = shape
     if typenum == cnp.NPY_FLOAT32:
         r.kind = KVH_F32
     elif typenum == cnp.NPY_FLOAT16:
         r.kind = KVH_F16
+    elif typenum == cnp.NPY_UINT16:       # tensor_meta: a torch.bfloat16 tensor's bits
+        r.kind = KVH_BF16
     else:
         return 0
     r.nbytes = r.n * r.h * r.d * kind_itemsize(r.kind)
@@ -346,11 +376,14 @@ cdef class PositionWriter(RowWriter):
         free(self.buf)
 
     cdef Py_ssize_t take(self, object k, object v, RowInput* rows) except -2:
+        return self._take(k, v, rows, False)
+
+    cdef Py_ssize_t _take(self, object k, object v, RowInput* rows, bint one_column) except -2:
         cdef _Rows kr_, vr_
         cdef _Rows* kr = &kr_
         cdef _Rows* vr = &vr_
-        _rows_of(k, kr)
-        _rows_of(v, vr)
+        _rows_of(k, kr, one_column)
+        _rows_of(v, vr, one_column)
         if kr.kind < 0 or vr.kind != kr.kind or kr.n < 1 or vr.n != kr.n \
                 or kr.h != self.heads or vr.h != self.heads or kr.d != self.dim \
                 or vr.d != self.dim:
@@ -369,6 +402,41 @@ cdef class PositionWriter(RowWriter):
 
     cdef int write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
                    Py_ssize_t start) except -1:
+        return self._write(layer, rows, table, start, NULL)
+
+    def write_slots(self, layer, k, v, slots):
+        """Row i of ``k`` and ``v`` to slot ``slots[i]`` (-1: skipped) of layer
+        ``layer``: a step's K/V through a CPU pool's own writer, with no
+        array made.  ``k``, ``v``: what ``take`` accepts, or CPU torch
+        tensors ``(n, heads, 1, dim)`` (one position per row: transformers'
+        layout of a decode step); ``slots``: int64, 1-D, C-contiguous, n
+        entries.  True when written; False (nothing written) for anything
+        else, a layer or slot out of range included: the caller then takes
+        the validated path (``BlockPool.write``), which says what is wrong."""
+        cdef RowInput rows
+        cdef cnp.ndarray s
+        cdef const slot_t* sp
+        cdef Py_ssize_t i, l, limit = self.storage.shape[1] * self.block_size
+        if type(layer) is not int or type(slots) is not np.ndarray:
+            return False
+        s = <cnp.ndarray>slots
+        if cnp.PyArray_TYPE(s) != cnp.NPY_INT64 or cnp.PyArray_NDIM(s) != 1 \
+                or not cnp.PyArray_ISCARRAY_RO(s) or not cnp.PyArray_ISNOTSWAPPED(s):
+            return False
+        l = layer
+        if l < 0 or 2 * l + 1 >= self.storage.shape[0]:
+            return False
+        if self._take(k, v, &rows, True) < 0 or rows.n != cnp.PyArray_DIM(s, 0):
+            return False
+        sp = <const slot_t*>cnp.PyArray_DATA(s)
+        for i in range(rows.n):
+            if sp[i] < -1 or sp[i] >= limit:
+                return False
+        self._write(l, &rows, NULL, 0, sp)
+        return True
+
+    cdef int _write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
+                    Py_ssize_t start, const slot_t* slots) except -1:
         cdef _Plane plane
         cdef Py_ssize_t n = rows.n
         cdef Py_ssize_t per_plane = self.storage.shape[1] * self.heads * self.block_size
@@ -390,15 +458,15 @@ cdef class PositionWriter(RowWriter):
                 _write_positions_q(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
                                    table, self.block_size, start, &plane, ks, vs, k_sc,
                                    (k_sc + per_plane) if k_sc != NULL else NULL, self.buf,
-                                   k_hs, v_hs)
+                                   k_hs, v_hs, slots)
             return 0
         if n * self.heads * self.dim >= POSITIONS_NOGIL_ELEMS:
             with nogil:
                 _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind,
-                                 self.kind, table, self.block_size, start, &plane)
+                                 self.kind, table, self.block_size, start, &plane, slots)
         else:
             _write_positions(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
-                             table, self.block_size, start, &plane)
+                             table, self.block_size, start, &plane, slots)
         return 0
 
 
@@ -623,19 +691,19 @@ cdef void _write_positions_q(const char* kp, const char* vp, Py_ssize_t n, Py_ss
                              const block_id_t* table, Py_ssize_t block_size, Py_ssize_t start,
                              _Plane* dst, float k_scale, float v_scale, float* k_sc,
                              float* v_sc, float* buf, const float* k_hs=NULL,
-                             const float* v_hs=NULL) noexcept nogil:
+                             const float* v_hs=NULL, const slot_t* slots=NULL) noexcept nogil:
     """_write_positions into low-precision planes: fp8 with the layer's
     scales (or its per-kv-head ones, k_hs / v_hs, when not NULL), int8 writing each row's scale to the scale planes k_sc / v_sc
-    ((num_blocks, heads, block_size) float32; NULL for fp8)."""
-    cdef Py_ssize_t i, p, b, off, row = heads * dim * kind_itemsize(src_kind)
+    ((num_blocks, heads, block_size) float32; NULL for fp8).  ``slots``: as
+    for _write_positions."""
+    cdef Py_ssize_t i, b, off, row = heads * dim * kind_itemsize(src_kind)
     cdef Py_ssize_t src_head = dim * kind_itemsize(src_kind)
     cdef char* d
     cdef Py_ssize_t si
     cdef bint stream = n * heads * dim >= STREAM_MIN_BYTES      # 1-byte codes
     for i in range(n):
-        p = start + i
-        b = table[p // block_size]
-        off = p % block_size
+        if not _row_slot(i, table, block_size, start, slots, &b, &off):
+            continue
         d = dst.keys + b * dst.block + off * dst.token
         si = b * heads * block_size + off
         _store_rows_q(src_kind, kp + i * row, src_head, dst_kind, d, dst.head, heads, dim,
