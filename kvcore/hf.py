@@ -282,9 +282,12 @@ def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m
 
 
 def _fp8_scale(m, top):
-    """``m / top``, or 1.0 where that is not a positive finite number (an
-    all-zero sample)."""
-    return m / top if m > 0 and np.isfinite(m / top) and m / top > 0 else 1.0
+    """``m / top`` as the pool keeps it (float32), or 1.0 where that is not
+    a positive finite number (an all-zero sample, or one so small that the
+    quotient underflows float32: a pool refuses a scale of 0)."""
+    with np.errstate(under="ignore", over="ignore"):
+        s = np.float32(m) / np.float32(top)
+    return float(s) if np.isfinite(s) and s > 0 else 1.0
 
 
 def check_pool(pool, config):

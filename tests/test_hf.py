@@ -416,6 +416,20 @@ def test_calibrate_kv_scales_fits_the_sample():
         kvcore.hf.calibrate_kv_scales(model, ids[:1, :3], attention_mask=torch.tensor([[1, 0, 1]]))
 
 
+def test_calibrated_scales_that_would_underflow_float32_become_one():
+    """A sample maximum so small that max / 448 is 0 in float32 (the pool's
+    scale dtype) gives 1.0, as an all-zero one does, never a scale the pool
+    refuses; others are the float32 quotient."""
+    tiny = float(np.float32(1e-45)) * 3                # max / 448 underflows float32
+    assert kvcore.hf._fp8_scale(tiny, 448.0) == 1.0
+    assert kvcore.hf._fp8_scale(0.0, 448.0) == 1.0
+    assert kvcore.hf._fp8_scale(float("inf"), 448.0) == 1.0
+    assert kvcore.hf._fp8_scale(3.0, 448.0) == float(np.float32(3.0) / np.float32(448.0))
+    model = model_for("llama")
+    pool_for(model.config, 4, dtype="float8_e4m3fn",
+             kv_scales=[(kvcore.hf._fp8_scale(tiny, 448.0), 1.0)] * 2)
+
+
 def test_calibrate_kv_scales_per_head():
     """per_head=True: one scale per KV head (max |K| / |V| of that head over
     the real tokens / 448); the pool takes them, and the kvcore attention
