@@ -184,7 +184,7 @@ def _plane_scales(x, name, num_kv_heads):
                              f"(one per kv head), got shape {x.shape}")
         return x.astype(np.float64)
     if _real(x):
-        return float(x)
+        return _float(x, name)
     heads = None if isinstance(x, (bool, np.bool_, np.complexfloating)) or \
         not hasattr(x, "__iter__") else \
         _listed(x, name, f"a float or num_kv_heads={num_kv_heads} floats")
@@ -198,7 +198,18 @@ def _plane_scales(x, name, num_kv_heads):
         if not _real(y):
             raise TypeError(f"{name}[{h}] (kv head {h}) must be a real number, got "
                             f"{type(y).__name__} {y!r}")
-    return np.array([float(y) for y in heads], np.float64)
+    return np.array([_float(y, f"{name}[{h}] (kv head {h})") for h, y in enumerate(heads)],
+                    np.float64)
+
+
+def _float(x, name):
+    """``float(x)`` of a real number; ValueError naming ``name`` for one no
+    float holds (an int of 400 digits)."""
+    try:
+        return float(x)
+    except (OverflowError, ValueError) as e:
+        raise ValueError(f"{name} must be a finite positive float32 value, got {x!r:.80} "
+                         f"({e})") from None
 
 
 def _listed(value, name, expected):
@@ -218,10 +229,11 @@ def _listed(value, name, expected):
 def _real(x):
     """A real number (a 0-d tensor or array has __float__ too; str, bytes,
     bool and complex are refused, also as a tensor's dtype)."""
-    if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating, complex)):
+    if isinstance(x, (bool, np.bool_, str, bytes, np.complexfloating, complex, np.flexible)):
         return False
     dtype = getattr(x, "dtype", None)
-    if dtype is not None and ("bool" in str(dtype) or "complex" in str(dtype)):
+    if dtype is not None and ("bool" in str(dtype) or "complex" in str(dtype)
+                              or getattr(dtype, "kind", "f") not in "iuf"):
         return False
     if isinstance(x, numbers.Real):
         return True

@@ -90,6 +90,15 @@ def rows(rng, n, dim=D):
     ([frozenset({0.5, 2.0})], TypeError, r"kv_scales\[0\] must be .* in order .*got frozenset"),
     ([({2.0: "a", 4.0: "b", 8.0: "c"}, 1.0)], TypeError, r"kv_scales\[0\]\[0\].* in order "
                                                           r".*got dict"),
+    # no float holds it, or it is no number: still named
+    ([(10**400, 1.0)], ValueError, r"kv_scales\[0\]\[0\] \(k_scale\) must be a finite "
+                                   r"positive float32 value, got 1000"),
+    ([((1.0, 10**400, 1.0), 1.0)], ValueError, r"kv_scales\[0\]\[0\] \(k_scale\)\[1\] \(kv "
+                                               r"head 1\) must be a finite positive"),
+    ([(np.void(b"ab"), 1.0)], TypeError, r"kv_scales\[0\]\[0\] \(k_scale\) must be a real "
+                                         r"number .*got void"),
+    ([(1.0, np.datetime64(1, "s"))], TypeError, r"kv_scales\[0\]\[1\] \(v_scale\) must be a "
+                                                r"real number .*got datetime64"),
 ])
 def test_per_head_kv_scales_are_validated(bad, err, match):
     with pytest.raises(err, match=match):
