@@ -10,6 +10,9 @@
  *       4 fp8 e5m2, 5 int8; the shape 32 8 128 by default (SmolLM2's:
  *       9 3 64); contexts 256 1024 4096 by default; with a shape given, the
  *       K.Q loops of 2. are not run.
+ *   /tmp/attention_profile prefill [kind [heads kv_heads head_dim [context ...]]]
+ *       the same for a causal prefill of the whole context (one thread):
+ *       milliseconds and GFLOP/s (QK and PV over the causal triangle).
  *   /tmp/attention_profile raw kv_heads head_dim context
  *       3. what the memory gives one core for decode's access pattern: a
  *       plain AVX-512 loop that reads the K and V chunks of every KV head
@@ -75,10 +78,12 @@ static double cpu_now(void)
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-enum { BS = 16, MAX_Q = 64 * 512 };
+enum { BS = 16, MAX_Q = 64 * 512 }; /* MAX_Q: heads x head_dim at most */
 static int H = 32, KVH = 8, D = 128;
 
-static void decode(int ctx, int kind)
+/* One call over a context of ctx positions: a decode step (nq 1) or a
+ * causal prefill of the whole context (nq ctx). */
+static void run_case(int ctx, int kind, int nq)
 {
     const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2, nblk = ctx / BS;
     const size_t bytes = (size_t)nblk * KVH * BS * D * isz;
@@ -122,9 +127,9 @@ static void decode(int ctx, int kind)
         table[i] = table[j];
         table[j] = t;
     }
-    int64_t len = ctx, qsl[2] = {0, 1};
-    static float q[MAX_Q], out[MAX_Q];
-    for (int i = 0; i < H * D; i++)
+    int64_t len = ctx, qsl[2] = {0, nq};
+    float *q = malloc(sizeof(float) * nq * H * D), *out = malloc(sizeof(float) * nq * H * D);
+    for (int i = 0; i < nq * H * D; i++)
         q[i] = (rand() % 2001 - 1000) / 1000.0f;
     kva_args a = kva_args_dense(q, out, k, v, kind, BS, H, KVH, D);
     a.block_tables = table;
@@ -142,9 +147,9 @@ static void decode(int ctx, int kind)
         a.v_scale = 0.25f;
     }
     kva_paged_attention(&a);
-    const int reps = 20000 / ctx + 5;
+    const int reps = nq > 1 ? 1 : 20000 / ctx + 5;
     double best = 1e30;
-    for (int r = 0; r < 7; r++) {
+    for (int r = 0; r < (nq > 1 ? 5 : 7); r++) {
         double t0 = cpu_now();
         for (int i = 0; i < reps; i++)
             kva_paged_attention(&a);
@@ -152,10 +157,17 @@ static void decode(int ctx, int kind)
         if (t < best)
             best = t;
     }
+    if (nq > 1) /* QK and PV over the causal triangle, 2 flops a multiply-add */
+        printf("prefill ctx %5d kind %d (%s): %8.2f ms  %6.1f GFLOP/s\n", ctx, kind,
+               kva_level_name(kva_current_level()), best * 1e3,
+               4.0 * H * D * ((double)ctx * (ctx + 1) / 2) / best / 1e9);
+    else
     printf("decode ctx %5d kind %d (%s): %8.1f us  %6.1f ns per (position, kv head)  %5.2f GB/s\n",
            ctx, kind, kva_level_name(kva_current_level()), best * 1e6,
            best * 1e9 / ((double)ctx * KVH),
            (2.0 * bytes + (kind == 5 ? 2.0 * nsc * sizeof(float) : 0.0)) / best / 1e9);
+    free(q);
+    free(out);
     free(ksc);
     free(vsc);
     free(k);
@@ -408,6 +420,11 @@ int main(int argc, char **argv)
     if (argc == 5 && strcmp(argv[1], "raw") == 0)
         return raw_read(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
 #endif
+    const int prefill = argc > 1 && strcmp(argv[1], "prefill") == 0;
+    if (prefill) { /* the same arguments after the word */
+        argv++;
+        argc--;
+    }
     const int kind = argc > 1 ? atoi(argv[1]) : 1;
     if (kind < 0 || kind > 5) {
         fprintf(stderr, "kind must be 0 (float32), 1 (float16), 2 (bfloat16), 3 (fp8 e4m3fn), "
@@ -431,12 +448,12 @@ int main(int argc, char **argv)
                 fprintf(stderr, "a context is a positive multiple of %d, not %s\n", BS, argv[i]);
                 return 2;
             }
-            decode(ctx, kind);
+            run_case(ctx, kind, prefill ? ctx : 1);
         }
         return 0;
     }
     for (int ctx = 256; ctx <= 4096; ctx *= 4)
-        decode(ctx, kind);
+        run_case(ctx, kind, prefill ? ctx : 1);
 #if defined(__x86_64__) && defined(__GNUC__)
     if (argc <= 2)
         fma_ceiling();

@@ -320,11 +320,11 @@ KVA_AMX_KIND(i8, KVA_I8)
  * kv_attention.c's math_for. */
 
 const kva_kernels kva_kernels_amx[KVA_NUM_KINDS] = {
-    {NULL, NULL, NULL, 1.0f, 0}, /* float32: the avx512 kernels */
-    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 0},
-    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 0},
-    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 0},
-    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 0},
-    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 0},
+    {NULL, NULL, NULL, 1.0f, 0, 0}, /* float32: the avx512 kernels */
+    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 0, 0},
+    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 0, 0},
+    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 0, 0},
+    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 0, 0},
+    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 0, 0},
 };
 #endif /* KVA_HAVE_AMX */

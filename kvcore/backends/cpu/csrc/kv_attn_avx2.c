@@ -415,12 +415,12 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    KVA_KERNELS(f32, avx2, 1.0f, 1),
-    KVA_KERNELS(f16, avx2, 1.0f, 1),
-    KVA_KERNELS(bf16, avx2, 1.0f, 1),
-    KVA_KERNELS(e4m3, avx2, 256.0f, 1), /* its loaders: value / 2^8 */
-    KVA_KERNELS(e5m2, avx2, 1.0f, 1),
-    KVA_KERNELS(i8, avx2, 1.0f, 1),
+    KVA_KERNELS(f32, avx2, 1.0f, 1, 0),
+    KVA_KERNELS(f16, avx2, 1.0f, 1, 0),
+    KVA_KERNELS(bf16, avx2, 1.0f, 1, 0),
+    KVA_KERNELS(e4m3, avx2, 256.0f, 1, 0), /* its loaders: value / 2^8 */
+    KVA_KERNELS(e5m2, avx2, 1.0f, 1, 0),
+    KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
 };
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
 #endif /* KVA_HAVE_AVX2 */

@@ -121,11 +121,16 @@ typedef struct {
     float unit;
     /* Whether the kernels prefetch `next` (else the caller prefetches). */
     int prefetch;
+    /* Whether scores, for KVA_TILE_ROWS rows or more, transposes the key
+     * tile once from the stored rows itself (converting as it loads): an
+     * item of that many rows then widens only its values. */
+    int transposes;
 } kva_kernels;
 
 /* A table entry of a level whose functions are named <verb>_<kind>_<level>. */
-#define KVA_KERNELS(kind, level, unit, prefetch) \
-    {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch}
+#define KVA_KERNELS(kind, level, unit, prefetch, transposes) \
+    {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch, \
+     transposes}
 
 typedef struct {
     float (*row_max)(const float *s, int ntp);

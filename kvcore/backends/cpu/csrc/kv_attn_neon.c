@@ -193,9 +193,9 @@ static void exp2_neg_n_neon(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_neon[KVA_NUM_NEON_KINDS] = {
-    KVA_KERNELS(f32, neon, 1.0f, 0),
-    KVA_KERNELS(f16, neon, 1.0f, 0),
-    KVA_KERNELS(bf16, neon, 1.0f, 0),
+    KVA_KERNELS(f32, neon, 1.0f, 0, 0),
+    KVA_KERNELS(f16, neon, 1.0f, 0, 0),
+    KVA_KERNELS(bf16, neon, 1.0f, 0, 0),
 };
 /* soft cap: the scalar tanhf (rare, and exact to libm) */
 const kva_math kva_math_neon = {row_max_neon, row_exp_sum_neon, kva_softcap_scalar,

@@ -160,9 +160,9 @@ static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS] = {
-    KVA_KERNELS(f32, scalar, 1.0f, 0),  KVA_KERNELS(f16, scalar, 1.0f, 0),
-    KVA_KERNELS(bf16, scalar, 1.0f, 0), KVA_KERNELS(e4m3, scalar, 1.0f, 0),
-    KVA_KERNELS(e5m2, scalar, 1.0f, 0), KVA_KERNELS(i8, scalar, 1.0f, 0),
+    KVA_KERNELS(f32, scalar, 1.0f, 0, 0),  KVA_KERNELS(f16, scalar, 1.0f, 0, 0),
+    KVA_KERNELS(bf16, scalar, 1.0f, 0, 0), KVA_KERNELS(e4m3, scalar, 1.0f, 0, 0),
+    KVA_KERNELS(e5m2, scalar, 1.0f, 0, 0), KVA_KERNELS(i8, scalar, 1.0f, 0, 0),
 };
 const kva_math kva_math_scalar = {row_max_scalar, row_exp_sum_scalar, kva_softcap_scalar,
                                   exp2_neg_scalar};

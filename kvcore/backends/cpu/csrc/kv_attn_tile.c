@@ -151,6 +151,9 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
     const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32 && !tiles;
+    /* keys too, unless the level's scores transpose the stored key tile
+     * themselves for this many rows (converting as they load it once) */
+    const int widen_keys = widen && !(M >= KVA_TILE_ROWS && kern->transposes);
     if (widen) {
         for (int i = 0; i < KVA_KEY_TILE; i++) {
             ws->kfrow[i] = (const char *)(ws->kf + (size_t)i * D);
@@ -234,7 +237,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             prefetch_rows(nvrow, nnext, row_bytes);
 #endif
         }
-        if (widen) {
+        if (widen_keys) {
             kern->widen(krow, ntp, D, ws->kf, next_k); /* padding rows included */
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp, NULL);
         } else {
@@ -266,7 +269,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
                 srow[i] = -INFINITY;
             float mx = math->row_max(srow, ntp);
             float mnew = ws->m[r] > mx ? ws->m[r] : mx;
-            ws->alpha[r] = ws->m[r] == -INFINITY ? 0.0f : exp2f(ws->m[r] - mnew);
+            /* (a finite maximum that did not move, as in most of a long
+             * row's tiles, rescales by exp2f(0) = 1: no call; an infinite
+             * one keeps exp2f(inf - inf), NaN, as the reference has it) */
+            ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
+                           : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
+                                                                  : exp2f(ws->m[r] - mnew);
             float sum = math->row_exp_sum(srow, ntp, mnew);
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
