@@ -113,12 +113,22 @@ def _floor_attention(module, query, key, value, attention_mask, **kwargs):
     return query.transpose(1, 2), None
 
 
+_floor_layer = []     # the floor's layer class, made (and its attention registered) once
+
+
 def _floor_cache():
     """A ``transformers`` cache that stores nothing: each layer counts its
     positions (so positions and masks advance as with a real cache) and
     hands the step's own K/V back.  Registers the floor's attention
-    (``attn_implementation=FLOOR``) on the way."""
+    (``attn_implementation=FLOOR``) at the first call."""
     import transformers
+
+    if not _floor_layer:
+        _floor_layer.append(_make_floor_layer())
+    return transformers.cache_utils.Cache(layer_class_to_replicate=_floor_layer[0])
+
+
+def _make_floor_layer():
     from transformers.cache_utils import DynamicLayer
 
     class FloorLayer(DynamicLayer):
@@ -141,7 +151,7 @@ def _floor_cache():
 
     AttentionInterface.register(FLOOR, _floor_attention)
     AttentionMaskInterface.register(FLOOR, lambda *args, **kwargs: None)
-    return transformers.cache_utils.Cache(layer_class_to_replicate=FloorLayer)
+    return FloorLayer
 
 
 class _Clock:
