@@ -664,6 +664,8 @@ class PagedCache(Cache):
         # since the model's weights have evicted it from the caches)
         pool = self.pool
         if type(layer_idx) is not int or not 0 <= layer_idx < self._num_layers:
+            if isinstance(layer_idx, bool):
+                raise TypeError(f"layer_idx must be an integer, got bool ({layer_idx!r})")
             if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
                 raise IndexError(f"layer_idx must be in 0..{pool.num_layers - 1} (the pool's "
                                  f"layers), got {layer_idx!r}")

@@ -132,6 +132,15 @@ def test_mismatched_pool_raises_clear_errors():
     with pytest.raises(IndexError, match="layer_idx must be in 0..0"):
         model.generate(ids, attention_mask=mask, **_kw(model, PagedCache(few_layers)),
                        max_new_tokens=2)
+    right = pool_for(model.config, 16)
+    cache = PagedCache(right)
+    k = torch.zeros(1, 2, 1, 16)
+    for bad, exc, msg in ((True, TypeError, "layer_idx must be an integer, got bool"),
+                          (2**64, IndexError, "layer_idx must be in 0..1"),
+                          (1.0, IndexError, "layer_idx must be in 0..1")):
+        with pytest.raises(exc, match=msg):
+            cache.update(k, k, bad)
+    assert right.num_used_blocks == 0 and not right.storage.any()
     with pytest.raises(TypeError, match="pool must be a kvcore.BlockPool"):
         PagedCache("pool")
     with pytest.raises(ValueError, match=r"pool.dtype must be one of \[.*'int8'\].*'float64'"):

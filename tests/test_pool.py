@@ -232,6 +232,37 @@ def test_out_of_range_slot_raises_before_writing(bad):
     np.testing.assert_array_equal(pool.key_cache(1)[2, :, 3], k[0])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_slot_writer_declines_what_it_cannot_write_safely(dtype):
+    """The pool's slot writer (kvcore.hf's decode lane) returns False and
+    writes nothing for a layer out of range (however large), slots out of
+    range, and slots that live in the storage or the int8 scales it would
+    rewrite while reading them; what it takes lands where pool.write puts it."""
+    pool = make_pool(num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    writer = pool._slot_writer()
+    assert writer is not None
+    k = rand((2, 2, 8), 7)
+    good = np.array([1, 6], np.int64)
+    for layer in (-1, pool.num_layers, 2**62, 2**63 - 1, 2**64, -2**64, True, 1.0):
+        assert writer.write_slots(layer, k, k, good) is False, layer
+    for slots in (np.array([1, 12], np.int64), np.array([1, -2], np.int64),
+                  np.array([1, 2**62], np.int64), np.array([1], np.int64),
+                  np.array([1, 6], np.int32), [1, 6]):
+        assert writer.write_slots(0, k, k, slots) is False, slots
+    planes = [pool.storage.view(np.uint8)]
+    if dtype == "int8":
+        planes.append(pool.scales.view(np.uint8))
+    for plane in planes:
+        plane.reshape(-1)[:16] = 0
+        inside = plane.reshape(-1)[:16].view(np.int64)     # slots 0 and 0, in range
+        assert writer.write_slots(0, k, k, inside) is False
+    assert not pool.storage.any()
+    ref = make_pool(num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    assert writer.write_slots(1, k, -k, good) is True
+    ref.write(1, k, -k, good)
+    np.testing.assert_array_equal(pool.storage.view(np.uint8), ref.storage.view(np.uint8))
+
+
 def test_write_argument_errors_name_the_argument():
     pool = make_pool(num_blocks=2, block_size=2, num_kv_heads=3, head_dim=5)
     k = rand((2, 3, 5), 1)

@@ -139,14 +139,9 @@ def fast_switching():
         sys.setswitchinterval(old)
 
 
-def test_threads_share_one_pool(fast_switching):
-    pool = kvcore.BlockPool(20, BS, L, H, D, dtype="float32")
-    counters = [dict.fromkeys(("oob", "hit_tokens", "forks", "done"), 0)
-                for _ in range(THREADS)]
-    errors = []
-    gate = threading.Barrier(THREADS)
-    threads = [threading.Thread(target=worker, args=(pool, 1000 + i, counters[i], errors, gate))
-               for i in range(THREADS)]
+def _run_threads(threads, errors):
+    """Start and join ``threads``; raise the first error one of them put in
+    ``errors``."""
     for t in threads:
         t.start()
     for t in threads:
@@ -154,6 +149,16 @@ def test_threads_share_one_pool(fast_switching):
     assert not any(t.is_alive() for t in threads)
     if errors:
         raise errors[0]
+
+
+def test_threads_share_one_pool(fast_switching):
+    pool = kvcore.BlockPool(20, BS, L, H, D, dtype="float32")
+    counters = [dict.fromkeys(("oob", "hit_tokens", "forks", "done"), 0)
+                for _ in range(THREADS)]
+    errors = []
+    gate = threading.Barrier(THREADS)
+    _run_threads([threading.Thread(target=worker, args=(pool, 1000 + i, counters[i], errors,
+                                                        gate)) for i in range(THREADS)], errors)
     total = {k: sum(c[k] for c in counters) for k in counters[0]}
     assert total["done"] > THREADS * SEQS_PER_THREAD // 4
     assert total["hit_tokens"] > 0 and total["forks"] > 0
@@ -200,3 +205,42 @@ def test_threads_allocate_and_free_the_last_blocks():
     assert sum(got) > 0
     pool.check()
     assert pool.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_threads_write_float16_rows_to_one_low_precision_pool(dtype):
+    """float16 rows written to an int8/fp8 pool through its slot writer
+    (kvcore.hf's decode lane, which takes no pool lock) are widened through
+    a scratch row without the GIL: two threads writing at once to one pool
+    store exactly what one thread stores (a scratch shared by the pool's
+    writer mixed their rows)."""
+    heads, dim, bs, rows, rounds = 4, 128, 16, 256, 40
+    blocks = 2 * rows // bs
+    shared = kvcore.BlockPool(blocks, bs, L, heads, dim, dtype=dtype)
+    alone = kvcore.BlockPool(blocks, bs, L, heads, dim, dtype=dtype)
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal((rounds, L, 2, rows, heads, dim)).astype(np.float16)
+            for _ in range(2)]
+    slots = [np.arange(i * rows, (i + 1) * rows, dtype=np.int64) for i in range(2)]
+    errors = []
+    gate = threading.Barrier(2)
+
+    def fill(pool, i, wait):
+        writer = pool._slot_writer()
+        try:
+            if wait:
+                gate.wait()
+            for r in range(rounds):
+                for layer in range(L):
+                    d = data[i][r, layer]
+                    assert writer.write_slots(layer, d[0], d[1], slots[i])
+        except BaseException as e:
+            errors.append(e)
+
+    _run_threads([threading.Thread(target=fill, args=(shared, i, True)) for i in range(2)], errors)
+    for i in range(2):
+        fill(alone, i, False)
+    assert not errors
+    np.testing.assert_array_equal(shared.storage.view(np.uint8), alone.storage.view(np.uint8))
+    if dtype == "int8":
+        np.testing.assert_array_equal(shared.scales, alone.scales)

@@ -332,7 +332,6 @@ cdef class PositionWriter(RowWriter):
     cdef float* ls
     cdef object head_scales  # fp8, one scale per kv head: (num_layers, 2, heads), or None
     cdef const float* hs
-    cdef float* buf
     cdef const char* slo     # the int8 scales' bytes (an input may not meet them either)
     cdef const char* shi
 
@@ -368,12 +367,6 @@ cdef class PositionWriter(RowWriter):
         if head_scales is not None:
             self.head_scales = np.ascontiguousarray(head_scales, np.float32)
             self.hs = _head_ptr(self.head_scales, storage.shape[0] * self.heads)
-        self.buf = NULL
-        if self.lowprec:
-            self.buf = _scratch(self.dim)
-
-    def __dealloc__(self):
-        free(self.buf)
 
     cdef Py_ssize_t take(self, object k, object v, RowInput* rows) except -2:
         return self._take(k, v, rows, False)
@@ -388,17 +381,20 @@ cdef class PositionWriter(RowWriter):
                 or kr.h != self.heads or vr.h != self.heads or kr.d != self.dim \
                 or vr.d != self.dim:
             return -1
-        if (kr.p < self.hi and self.lo < kr.p + kr.nbytes) \
-                or (vr.p < self.hi and self.lo < vr.p + vr.nbytes):
-            return -1      # a view of the storage: the validated path stages it
-        if self.slo != NULL and ((kr.p < self.shi and self.slo < kr.p + kr.nbytes)
-                                 or (vr.p < self.shi and self.slo < vr.p + vr.nbytes)):
-            return -1      # a view of the int8 scales: likewise
+        if self._overlaps(kr.p, kr.nbytes) or self._overlaps(vr.p, vr.nbytes):
+            return -1      # a view of the storage or the int8 scales: the validated path stages it
         rows.k = kr.p
         rows.v = vr.p
         rows.n = kr.n
         rows.kind = kr.kind
         return kr.n
+
+    cdef bint _overlaps(self, const char* p, Py_ssize_t nbytes) noexcept:
+        """Whether bytes [p, p + nbytes) meet the storage or the int8 scales
+        (which a write rewrites)."""
+        if p < self.hi and self.lo < p + nbytes:
+            return True
+        return self.slo != NULL and p < self.shi and self.slo < p + nbytes
 
     cdef int write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
                    Py_ssize_t start) except -1:
@@ -423,12 +419,14 @@ cdef class PositionWriter(RowWriter):
         if cnp.PyArray_TYPE(s) != cnp.NPY_INT64 or cnp.PyArray_NDIM(s) != 1 \
                 or not cnp.PyArray_ISCARRAY_RO(s) or not cnp.PyArray_ISNOTSWAPPED(s):
             return False
-        l = layer
-        if l < 0 or 2 * l + 1 >= self.storage.shape[0]:
+        if not 0 <= layer < self.storage.shape[0] // 2:
             return False
+        l = layer
         if self._take(k, v, &rows, True) < 0 or rows.n != cnp.PyArray_DIM(s, 0):
             return False
         sp = <const slot_t*>cnp.PyArray_DATA(s)
+        if self._overlaps(<const char*>sp, rows.n * <Py_ssize_t>sizeof(slot_t)):
+            return False   # slots in the storage or the scales: rewritten while read
         for i in range(rows.n):
             if sp[i] < -1 or sp[i] >= limit:
                 return False
@@ -444,8 +442,12 @@ cdef class PositionWriter(RowWriter):
         cdef float ks = 1.0, vs = 1.0
         cdef const float* k_hs = NULL
         cdef const float* v_hs = NULL
+        cdef float* buf
         _plane_of(self.storage, layer, &plane)
         if self.lowprec:
+            # a scratch row per call: writes of one pool may run at once in
+            # several threads (each without the GIL)
+            buf = _scratch(self.dim)
             if self.sc != NULL:
                 k_sc = self.sc + 2 * layer * per_plane
             if self.ls != NULL:
@@ -454,11 +456,14 @@ cdef class PositionWriter(RowWriter):
             if self.hs != NULL:
                 k_hs = self.hs + 2 * layer * self.heads
                 v_hs = k_hs + self.heads
-            with nogil:
-                _write_positions_q(rows.k, rows.v, n, self.heads, self.dim, rows.kind, self.kind,
-                                   table, self.block_size, start, &plane, ks, vs, k_sc,
-                                   (k_sc + per_plane) if k_sc != NULL else NULL, self.buf,
-                                   k_hs, v_hs, slots)
+            try:
+                with nogil:
+                    _write_positions_q(rows.k, rows.v, n, self.heads, self.dim, rows.kind,
+                                       self.kind, table, self.block_size, start, &plane, ks, vs,
+                                       k_sc, (k_sc + per_plane) if k_sc != NULL else NULL, buf,
+                                       k_hs, v_hs, slots)
+            finally:
+                free(buf)
             return 0
         if n * self.heads * self.dim >= POSITIONS_NOGIL_ELEMS:
             with nogil:
