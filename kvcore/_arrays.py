@@ -180,9 +180,11 @@ def index_array(be, x, arg):
     as a host NumPy array, without a copy where it can be: lists, tuples,
     ranges, NumPy arrays, torch tensors, ``array.array`` and anything with
     ``__array_interface__`` or the buffer protocol; device arrays through
-    the backend."""
+    the backend.  Always the caller's values in memory of its own: what is
+    checked is what is used, though another thread (or the call itself,
+    writing the storage an input is a view of) rewrites the input."""
     if isinstance(x, np.ndarray):
-        return x
+        return x.copy()
     if isinstance(x, (list, tuple)):
         return np.asarray(x)
     if isinstance(x, range):
@@ -191,8 +193,8 @@ def index_array(be, x, arg):
     if bf16:
         raise TypeError(f"{arg} must hold integers, got torch.bfloat16")
     if isinstance(y, np.ndarray):
-        return y
-    return np.asarray(be.to_host(y))
+        return y.copy()
+    return np.array(be.to_host(y), copy=True)
 
 
 def aligned(a):

@@ -537,3 +537,28 @@ def test_conversion_error_for_a_torch_tensor(torch):
 
 def test_numpy_scalars_still_convert():
     assert kvcore.to_float16(np.float32(1.5)) == np.float16(1.5)
+
+
+def test_torch_zero_tensors_are_refused_not_read(torch):
+    """A torch ZeroTensor (``torch._efficientzerotensor``: no memory, data
+    pointer 0) as k/v, q or out= is refused with a TypeError naming the
+    argument: the direct paths read or wrote address 0 (a segfault) and the
+    general path read memory that was never written."""
+    from kvcore.attention import AttentionPlan
+    pool = kvcore.BlockPool(4, 4, 1, 2, 16, dtype="float16")
+    z = torch._efficientzerotensor((2, 2, 16))
+    assert z._is_zerotensor()
+    writer = pool._slot_writer()
+    slots = np.array([1, 6], np.int64)
+    assert writer.write_slots(0, z, z, slots) is False
+    with pytest.raises(TypeError, match="^k "):
+        pool.write(0, z, z, slots)
+    assert not pool.storage.any()
+    plan = AttentionPlan(pool, np.array([[0, 1]], np.int32), np.array([2]), np.array([0, 2]),
+                         num_heads=2)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        zq = torch._efficientzerotensor((2, 2, 16), dtype=dt)
+        with pytest.raises(TypeError, match="^q "):
+            plan.run(zq, 0)
+        with pytest.raises(TypeError, match="^out "):
+            plan.run(torch.zeros((2, 2, 16), dtype=dt), 0, out=zq)

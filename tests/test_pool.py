@@ -468,3 +468,34 @@ def test_allocation_needing_all_free_blocks_plus_one_fails():
 def test_repr_mentions_geometry():
     r = repr(make_pool(num_blocks=3))
     assert "BlockPool" in r and "num_blocks=3" in r
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_write_reads_slots_once_when_they_live_in_the_storage(make_pool, dtype):
+    """pool.write's slots may be a view of the storage (or the int8 scales)
+    that the write itself rewrites: the slots used are the values the call
+    was given (a private copy, checked, then written through), not bytes the
+    write just stored there (which wrote out of the pool, or crashed)."""
+    pool = make_pool(num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    ref = make_pool(num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    k = rand((2, 2, 8), 7) * 1000
+    planes = [pool.storage.view(np.uint8).reshape(-1)]
+    if dtype == "int8":
+        planes.append(pool.scales.view(np.uint8).reshape(-1))
+    for plane in planes:
+        plane[:] = 0
+        ref.storage.view(np.uint8)[...] = 0
+        if dtype == "int8":
+            ref.scales[...] = 0
+        inside = plane[:16].view(np.int64)
+        inside[:] = (0, 1)                       # slots 0 and 1: the bytes row 0 rewrites
+        want = inside.copy()
+        ref.storage.view(np.uint8).reshape(-1)[:] = pool.storage.view(np.uint8).reshape(-1)
+        if dtype == "int8":
+            ref.scales.view(np.uint8).reshape(-1)[:] = pool.scales.view(np.uint8).reshape(-1)
+        pool.write(0, k, -k, inside)
+        ref.write(0, k, -k, want)
+        np.testing.assert_array_equal(pool.storage.view(np.uint8), ref.storage.view(np.uint8))
+        if dtype == "int8":
+            np.testing.assert_array_equal(pool.scales.view(np.uint8),
+                                          ref.scales.view(np.uint8))

@@ -5,6 +5,7 @@ the sequence must hold, and the pool must end consistent and empty."""
 import random
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -244,3 +245,60 @@ def test_threads_write_float16_rows_to_one_low_precision_pool(dtype):
     np.testing.assert_array_equal(shared.storage.view(np.uint8), alone.storage.view(np.uint8))
     if dtype == "int8":
         np.testing.assert_array_equal(shared.scales, alone.scales)
+
+
+@pytest.mark.parametrize("path", ["write_slots", "pool.write"])
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_slots_rewritten_by_another_thread_never_write_outside(dtype, path):
+    """While one thread writes rows through slots that another thread keeps
+    setting one past the end of layer 0 (which would land in the next
+    plane), every write goes where its checked slots said, or is refused:
+    the slots are copied, then checked, then written through (they were
+    checked, then read again without the GIL)."""
+    heads, dim, bs, blocks, n = 4, 128, 16, 8, 64
+    limit = blocks * bs
+    pool = kvcore.BlockPool(blocks, bs, 2, heads, dim, dtype=dtype)
+    writer = pool._slot_writer()
+    k = np.ones((n, heads, dim), np.float32)
+    v = np.full((n, heads, dim), 2, np.float32)
+    slots = np.arange(n, dtype=np.int64)
+    done = threading.Event()
+    errors = []
+
+    def flip():
+        try:
+            while not done.is_set():
+                slots[-1] = limit
+        except BaseException as e:
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=flip)
+    written = refused = 0
+    try:
+        t.start()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            slots[-1] = n - 1
+            if path == "write_slots":
+                ok = writer.write_slots(0, k, v, slots)
+            else:
+                try:
+                    pool.write(0, k, v, slots)
+                    ok = True
+                except IndexError:
+                    ok = False
+            written += ok
+            refused += not ok
+    finally:
+        done.set()
+        t.join(timeout=60)
+        sys.setswitchinterval(old)
+    assert not errors and not t.is_alive()
+    assert written + refused > 0
+    assert not pool.storage[2:].view(np.uint8).any()     # layer 1's planes never written
+    got = pool.gather(0, np.arange(blocks), 0, limit, dtype="float32")
+    for plane, want in zip(got, (1.0, 2.0)):     # layer 0: rows 0..n-1 only
+        np.testing.assert_allclose(plane[:, :n], want, rtol=0.02)
+        assert not plane[:, n:].any()

@@ -203,10 +203,12 @@ def checked_token_array(obj):
 
 
 def checked_slots(obj, Py_ssize_t n, slot_t limit):
-    """``obj`` itself if it is a 1-D C-contiguous int64 array of ``n`` slots,
-    each -1 or in 0..limit-1; None if it is another kind of input (the
-    caller takes the general path).  Raises IndexError naming the first bad
-    slot."""
+    """A private copy of ``obj`` if it is a 1-D C-contiguous int64 array of
+    ``n`` slots, each -1 or in 0..limit-1; None if it is another kind of
+    input (the caller takes the general path).  Raises IndexError naming the
+    first bad slot.  The copy is what is checked and then written through:
+    the caller's array may be rewritten meanwhile (by another thread, or by
+    the write itself when it is a view of the storage)."""
     cdef cnp.ndarray a
     cdef const slot_t* s
     cdef Py_ssize_t i, bad = -1
@@ -217,6 +219,7 @@ def checked_slots(obj, Py_ssize_t n, slot_t limit):
             or not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_SIZE(a) != n \
             or not cnp.PyArray_ISNOTSWAPPED(a) or not cnp.PyArray_ISALIGNED(a):
         return None
+    a = <cnp.ndarray>cnp.PyArray_NewCopy(a, cnp.NPY_CORDER)
     s = <const slot_t*>cnp.PyArray_DATA(a)
     with nogil:
         for i in range(n):
@@ -226,7 +229,7 @@ def checked_slots(obj, Py_ssize_t n, slot_t limit):
     if bad >= 0:
         raise IndexError(f"slots must be -1 (skip) or in 0..{limit - 1} "
                          f"(num_blocks * block_size - 1), got {s[bad]} at index {bad}")
-    return obj
+    return a
 
 
 def tokens_from_sequence(seq, token_t[::1] out):

@@ -114,9 +114,13 @@ def tensor_meta(t):
             return None
     try:
         num = _typenums.get(t.dtype)
-        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous():
+        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous() \
+                or t._is_zerotensor():      # a zero tensor has no memory (data_ptr 0)
             return None
-        return t.data_ptr(), num, t.shape
+        ptr = t.data_ptr()
+        if ptr == 0 and t.numel():
+            return None
+        return ptr, num, t.shape
     except RuntimeError:    # sparse, mkldnn, ... tensors: the general path says why
         return None
 
@@ -412,6 +416,7 @@ cdef class PositionWriter(RowWriter):
         cdef RowInput rows
         cdef cnp.ndarray s
         cdef const slot_t* sp
+        cdef slot_t* own
         cdef Py_ssize_t i, l, limit = self.storage.shape[1] * self.block_size
         if type(layer) is not int or type(slots) is not np.ndarray:
             return False
@@ -427,10 +432,19 @@ cdef class PositionWriter(RowWriter):
         sp = <const slot_t*>cnp.PyArray_DATA(s)
         if self._overlaps(<const char*>sp, rows.n * <Py_ssize_t>sizeof(slot_t)):
             return False   # slots in the storage or the scales: rewritten while read
-        for i in range(rows.n):
-            if sp[i] < -1 or sp[i] >= limit:
-                return False
-        self._write(l, &rows, NULL, 0, sp)
+        # A private copy, checked and then used: the caller's array may be
+        # rewritten by another thread while the write runs without the GIL.
+        own = <slot_t*>malloc(max(rows.n, 1) * sizeof(slot_t))
+        if own == NULL:
+            raise MemoryError()
+        try:
+            memcpy(own, sp, rows.n * sizeof(slot_t))
+            for i in range(rows.n):
+                if own[i] < -1 or own[i] >= limit:
+                    return False
+            self._write(l, &rows, NULL, 0, own)
+        finally:
+            free(own)
         return True
 
     cdef int _write(self, Py_ssize_t layer, const RowInput* rows, const block_id_t* table,
