@@ -13,6 +13,10 @@
  *   /tmp/attention_profile prefill [kind [heads kv_heads head_dim [context ...]]]
  *       the same for a causal prefill of the whole context (one thread):
  *       milliseconds and GFLOP/s (QK and PV over the causal triangle).
+ *   /tmp/attention_profile cold [kind [heads kv_heads head_dim [context ...]]]
+ *       decode as a model runs it: before each timed call a 256 MiB buffer
+ *       (the weights of the layers in between) is read, so the pages come
+ *       from DRAM with cold TLBs; median of 31 single calls, wall time.
  *   /tmp/attention_profile raw kv_heads head_dim context
  *       3. what the memory gives one core for decode's access pattern: a
  *       plain AVX-512 loop that reads the K and V chunks of every KV head
@@ -80,6 +84,35 @@ static double cpu_now(void)
 
 enum { BS = 16, MAX_Q = 64 * 512 }; /* MAX_Q: heads x head_dim at most */
 static int H = 32, KVH = 8, D = 128;
+static int cold; /* the `cold` mode: caches evicted before each timed call */
+
+static double wall_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* Read `n` bytes of `buf` (a model's weights between two layers' attention). */
+static float evict(const float *buf, size_t n)
+{
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i + 4 <= n / sizeof(float); i += 16) {
+        s0 += buf[i];
+        s1 += buf[i + 4];
+        s2 += buf[i + 8];
+        s3 += buf[i + 12];
+    }
+    return s0 + s1 + s2 + s3;
+}
+
+static int cmp_double(const void *x, const void *y)
+{
+    const double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+static void time_case(const kva_args *a, int ctx, int kind, int nq, size_t bytes, size_t nsc);
 
 /* One call over a context of ctx positions: a decode step (nq 1) or a
  * causal prefill of the whole context (nq ctx). */
@@ -147,12 +180,48 @@ static void run_case(int ctx, int kind, int nq)
         a.v_scale = 0.25f;
     }
     kva_paged_attention(&a);
+    if (cold && nq == 1) {
+        enum { N = 31 };
+        const size_t wbytes = (size_t)256 << 20;
+        float *w = malloc(wbytes);
+        for (size_t i = 0; i < wbytes / sizeof(float); i++)
+            w[i] = (float)(i & 7);
+        double ts[N];
+        float sink = 0;
+        for (int r = 0; r < N; r++) {
+            sink += evict(w, wbytes);
+            double t0 = wall_now();
+            kva_paged_attention(&a);
+            ts[r] = wall_now() - t0;
+        }
+        qsort(ts, N, sizeof(double), cmp_double);
+        printf("cold decode ctx %5d kind %d (%s): %8.1f us [%.1f-%.1f]  %5.2f GB/s (%g)\n", ctx,
+               kind, kva_level_name(kva_current_level()), ts[N / 2] * 1e6, ts[0] * 1e6,
+               ts[N - 1] * 1e6,
+               (2.0 * bytes + (kind == 5 ? 2.0 * nsc * sizeof(float) : 0.0)) / ts[N / 2] / 1e9,
+               (double)sink);
+        free(w);
+    } else
+        time_case(&a, ctx, kind, nq, bytes, nsc);
+    free(q);
+    free(out);
+    free(ksc);
+    free(vsc);
+    free(k);
+    free(v);
+    free(table);
+}
+
+/* Best of 5-7 rounds of thread CPU time: a prefill, or a decode step
+ * repeated to fill about 20000 positions a round. */
+static void time_case(const kva_args *a, int ctx, int kind, int nq, size_t bytes, size_t nsc)
+{
     const int reps = nq > 1 ? 1 : 20000 / ctx + 5;
     double best = 1e30;
     for (int r = 0; r < (nq > 1 ? 5 : 7); r++) {
         double t0 = cpu_now();
         for (int i = 0; i < reps; i++)
-            kva_paged_attention(&a);
+            kva_paged_attention(a);
         double t = (cpu_now() - t0) / reps;
         if (t < best)
             best = t;
@@ -166,13 +235,6 @@ static void run_case(int ctx, int kind, int nq)
            ctx, kind, kva_level_name(kva_current_level()), best * 1e6,
            best * 1e9 / ((double)ctx * KVH),
            (2.0 * bytes + (kind == 5 ? 2.0 * nsc * sizeof(float) : 0.0)) / best / 1e9);
-    free(q);
-    free(out);
-    free(ksc);
-    free(vsc);
-    free(k);
-    free(v);
-    free(table);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -421,7 +483,8 @@ int main(int argc, char **argv)
         return raw_read(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
 #endif
     const int prefill = argc > 1 && strcmp(argv[1], "prefill") == 0;
-    if (prefill) { /* the same arguments after the word */
+    cold = argc > 1 && strcmp(argv[1], "cold") == 0;
+    if (prefill || cold) { /* the same arguments after the word */
         argv++;
         argc--;
     }
