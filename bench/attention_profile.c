@@ -97,7 +97,7 @@ static double wall_now(void)
 static float evict(const float *buf, size_t n)
 {
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (size_t i = 0; i + 4 <= n / sizeof(float); i += 16) {
+    for (size_t i = 0; i + 16 <= n / sizeof(float); i += 16) {
         s0 += buf[i];
         s1 += buf[i + 4];
         s2 += buf[i + 8];

@@ -26,11 +26,13 @@ def _wrap(acc, name, fn):
     return timed
 
 
-def _steps(model, cache, prompt, steps, torch):
-    """Seconds per decode step after prefilling ``prompt`` into ``cache``."""
+def _steps(model, cache, prompt, steps, torch, prefilled=lambda: None):
+    """Seconds per decode step after prefilling ``prompt`` into ``cache``
+    (``prefilled()`` runs between the two)."""
     with torch.no_grad():
         out = model(prompt, past_key_values=cache, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
+        prefilled()
         t0 = time.perf_counter()
         for _ in range(steps):
             out = model(tok, past_key_values=cache, use_cache=True)
@@ -75,18 +77,9 @@ def main(argv=None):
         model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
         pool = hf.pool_for(model.config, num_blocks=(a.prompt + a.steps) // 16 + 2,
                            dtype=pages)
-        cache = hf.PagedCache(pool)
-        with torch.no_grad():      # the prefill, not timed by the parts
-            out = model(prompt, past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        for k in acc:
-            acc[k] = 0
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                out = model(tok, past_key_values=cache, use_cache=True)
-                tok = out.logits[:, -1:].argmax(-1)
-            rows["kvcore"].append((time.perf_counter() - t0) / a.steps)
+        # the parts are timed over the decode steps only, not the prefill
+        rows["kvcore"].append(_steps(model, hf.PagedCache(pool), prompt, a.steps, torch,
+                                     prefilled=lambda: acc.update(dict.fromkeys(acc, 0))))
         rows["run"].append(acc["run"] / a.steps)
         rows["run_layer"].append(acc["run"] / max(acc["run_calls"], 1))
         rows["attention"].append(acc["attention"] / a.steps)

@@ -177,12 +177,12 @@ def read_kind(dtype, storage_kind):
 
 def index_array(be, x, arg):
     """A 1-D or 2-D index input (slots, block tables, lengths, token ids)
-    as a host NumPy array, without a copy where it can be: lists, tuples,
+    as a host NumPy array of its own (aligned, C-contiguous): lists, tuples,
     ranges, NumPy arrays, torch tensors, ``array.array`` and anything with
     ``__array_interface__`` or the buffer protocol; device arrays through
-    the backend.  Always the caller's values in memory of its own: what is
-    checked is what is used, though another thread (or the call itself,
-    writing the storage an input is a view of) rewrites the input."""
+    the backend.  Always a copy, so what is checked is what is used, though
+    another thread (or the call itself, writing the storage an input is a
+    view of) rewrites the caller's input."""
     if isinstance(x, np.ndarray):
         return x.copy()
     if isinstance(x, (list, tuple)):
@@ -194,7 +194,7 @@ def index_array(be, x, arg):
         raise TypeError(f"{arg} must hold integers, got torch.bfloat16")
     if isinstance(y, np.ndarray):
         return y.copy()
-    return np.array(be.to_host(y), copy=True)
+    return np.array(be.to_host(y))
 
 
 def aligned(a):

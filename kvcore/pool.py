@@ -728,8 +728,8 @@ class BlockPool:
         width = int(n.max()) if n.size else 0
         shape = (t.shape[0], self._num_kv_heads, width, self._head_dim)
         # on a GPU: one upload each, shared by the K and the V gather
-        t32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(t, np.int32)))
-        n32 = backend.from_host(_arrays.aligned(np.ascontiguousarray(n, np.int32)))
+        t32 = backend.from_host(np.ascontiguousarray(t, np.int32))
+        n32 = backend.from_host(np.ascontiguousarray(n, np.int32))
         outs = _arrays.out_pair(self._backend, out, shape, dst_kind)
         tmps = self._targets(outs, out, shape, dst_kind)
         for plane, codec, tmp in zip(self._planes.views[layer], self._planes.codecs[layer],
@@ -909,7 +909,7 @@ class BlockPool:
                 raise IndexError(
                     f"slots must be -1 (skip) or in 0..{limit - 1} "
                     f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
-        return _arrays.aligned(np.ascontiguousarray(s, dtype=np.int64))
+        return np.ascontiguousarray(s, dtype=np.int64)
 
     def _table_range(self, block_table, start, end):
         """Checked ``(table, start, end)`` of a raw read of positions
@@ -936,7 +936,7 @@ class BlockPool:
             raise IndexError(
                 f"{arg} entries must be in 0..{self._num_blocks - 1}, "
                 f"got {int(t[i])} at index {i}")
-        return _arrays.aligned(np.ascontiguousarray(t, dtype=np.int32))
+        return np.ascontiguousarray(t, dtype=np.int32)
 
     def _gather(self, layer, table, start, end, dtype, out=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and

@@ -114,11 +114,10 @@ def tensor_meta(t):
             return None
     try:
         num = _typenums.get(t.dtype)
-        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous() \
-                or t._is_zerotensor():      # a zero tensor has no memory (data_ptr 0)
+        if num is None or not t.is_cpu or t.is_neg() or not t.is_contiguous():
             return None
         ptr = t.data_ptr()
-        if ptr == 0 and t.numel():
+        if ptr == 0 and t.numel():      # no memory (a ZeroTensor): the general path refuses it
             return None
         return ptr, num, t.shape
     except RuntimeError:    # sparse, mkldnn, ... tensors: the general path says why
