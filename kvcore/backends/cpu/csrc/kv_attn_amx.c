@@ -47,9 +47,10 @@
 #include <immintrin.h>
 #endif
 
-/* The tiles hold a whole key tile: P's 32 keys are one A tile's 64 bytes,
- * and tmp (KVA_KEY_TILE * D floats) holds two terms of a repacked K or V. */
-_Static_assert(KVA_KEY_TILE == 32, "kv_attn_amx.c assumes key tiles of 32 positions");
+/* The tiles hold 32 keys (P's 32 keys are one A tile's 64 bytes): a key
+ * tile is worked in runs of 32, and tmp (KVA_KEY_TILE * D floats) holds two
+ * terms of a run's repacked K or V. */
+_Static_assert(KVA_KEY_TILE % 32 == 0, "kv_attn_amx.c works key tiles in runs of 32 positions");
 
 #ifndef KVA_AMX_TARGET
 #define KVA_AMX_TARGET \
@@ -196,8 +197,8 @@ KVA_INLINE void a_tiles_amx(const float *x, int ld, int mb, int rows, int cols, 
     _tile_loadd(4, a + 1024, 64);
 }
 
-/* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i]. */
-KVA_INLINE void scores_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
+/* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i], for ntp <= 32 keys. */
+KVA_INLINE void scores32_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
                            int ntp, float *S, float *tmp)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nc = D / 32, nnb = ntp > 16 ? 2 : 1;
@@ -247,8 +248,9 @@ KVA_INLINE void scores_amx(int kind, const float *Qs, int M, int D, const char *
     _tile_release();
 }
 
-/* acc[r] = acc[r] * alpha[r] + sum_{i < nt} P[r * KVA_KEY_TILE + i] V[i]. */
-KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
+/* acc[r] = acc[r] * alpha[r] (alpha NULL: 1) + sum_{i < nt}
+ * P[r * KVA_KEY_TILE + i] V[i], for nt <= 32 keys. */
+KVA_INLINE void pv32_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
                        float *acc, const float *alpha, float *tmp)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nd = D / 16;
@@ -277,9 +279,11 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
         for (int j = 0; j < nd; j++) {
             for (int m = 0; m < 16; m++) {
                 __m512 c = _mm512_setzero_ps();
-                if (m < rows)
-                    c = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)(mb + m) * D + 16 * j),
-                                      _mm512_set1_ps(alpha[mb + m]));
+                if (m < rows) {
+                    c = _mm512_loadu_ps(acc + (size_t)(mb + m) * D + 16 * j);
+                    if (alpha != NULL)
+                        c = _mm512_mul_ps(c, _mm512_set1_ps(alpha[mb + m]));
+                }
                 _mm512_storeu_ps(cbuf + m * 16, c);
             }
             _tile_loadd(0, cbuf, 64);
@@ -291,6 +295,23 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
         }
     }
     _tile_release();
+}
+
+/* A key tile of ntp (nt) keys, 32 at a time: the scores of each run, and
+ * acc scaled once by alpha, then each run's P V added in key order. */
+KVA_INLINE void scores_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
+                           int ntp, float *S, float *tmp)
+{
+    for (int c = 0; c < ntp; c += 32)
+        scores32_amx(kind, Qs, M, D, krow + c, ntp - c < 32 ? ntp - c : 32, S + c, tmp);
+}
+
+KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
+                       float *acc, const float *alpha, float *tmp)
+{
+    for (int c = 0; c < nt; c += 32)
+        pv32_amx(kind, P + c, M, D, vrow + c, nt - c < 32 ? nt - c : 32, acc,
+                 c == 0 ? alpha : NULL, tmp);
 }
 
 #define KVA_AMX_KIND(name, KIND)                                                              \

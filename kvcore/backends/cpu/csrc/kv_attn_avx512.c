@@ -381,10 +381,12 @@ KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const cha
      * time; each score is the float32 FMA chain over d in order */
     if (M >= KVA_TILE_ROWS) {
         transpose_keys_avx512(kind, krow, ntp, D, tmp, nk);
-        if (ntp > 16) /* (a constant NV: the blocks unroll) */
-            qk_all_rows_avx512(Qs, M, D, tmp, 2, S);
-        else
-            qk_all_rows_avx512(Qs, M, D, tmp, 1, S);
+        for (int c = 0; c < ntp; c += 32) {
+            if (ntp - c > 16) /* (a constant NV: the blocks unroll) */
+                qk_all_rows_avx512(Qs, M, D, tmp + c, 2, S + c);
+            else
+                qk_all_rows_avx512(Qs, M, D, tmp + c, 1, S + c);
+        }
         return;
     }
     /* the first block of rows prefetches the next tile's keys (nk) */

@@ -1,7 +1,8 @@
 /*
  * kv_attn_tile.c: one work item of the attention.  Its query rows are
  * loaded once (times the scale, in base 2); its keys are walked in tiles of
- * KVA_KEY_TILE positions: scores through the level's kernels, soft cap,
+ * KVA_KEY_TILE positions (decode-like items: KVA_DECODE_KEY_TILE): scores
+ * through the level's kernels, soft cap,
  * causal / window mask, online softmax, then acc = acc * alpha + P V.
  * The rows of a tile are gathered from the block table (scattered 4 KB
  * pages), and the next tile's rows are prefetched while this one runs.
@@ -11,14 +12,14 @@
 #include <math.h>
 #include <string.h>
 
-/* Row addresses of positions t0 .. min(t0 + KVA_KEY_TILE, k1) - 1, padded to
- * a multiple of 8 with the last row (its scores are masked); returns the
+/* Row addresses of positions t0 .. min(t0 + tile, k1) - 1, padded to a
+ * multiple of 8 with the last row (its scores are masked); returns the
  * number of real rows. */
 static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
-                     const char *vbase, int64_t t0, int64_t k1, const char **krow,
+                     const char *vbase, int64_t t0, int64_t k1, int tile, const char **krow,
                      const char **vrow)
 {
-    const int nt = (int)(k1 - t0 < KVA_KEY_TILE ? k1 - t0 : KVA_KEY_TILE);
+    const int nt = (int)(k1 - t0 < tile ? k1 - t0 : tile);
     const int ntp = (nt + 7) & ~7;
     int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
     for (int i = 0; i < nt; i++) {
@@ -183,9 +184,14 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
                        layer_scale(a->v_scale) != 1.0f || a->k_head_scales != NULL ||
                        a->v_head_scales != NULL;
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
+    /* prefill items (a matrix tile's rows or more) take the wide key tile:
+     * their per-row softmax runs once per tile; decode-like items read
+     * memory and keep the narrow one, which their prefetch distance is
+     * tuned for */
+    const int tile = M >= KVA_TILE_ROWS ? KVA_KEY_TILE : KVA_DECODE_KEY_TILE;
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
-        tile_rows(a, table, kbase, vbase, it->k0, it->k1, krow, vrow);
+        tile_rows(a, table, kbase, vbase, it->k0, it->k1, tile, krow, vrow);
     /* decode-like items (fewer rows than a matrix tile's: a short chain of
      * FMAs per line read) with kernels that prefetch the next tile
      * themselves, spread over their loads (kva_kernels.prefetch): no
@@ -194,21 +200,21 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const int spread = M < KVA_TILE_ROWS && kern->prefetch;
     if (spread && it->k0 < it->k1)
         prefetch_positions(a, table, kbase, vbase, it->k0,
-                           it->k1 - it->k0 < KVA_KEY_TILE ? it->k1 : it->k0 + KVA_KEY_TILE,
+                           it->k1 - it->k0 < tile ? it->k1 : it->k0 + tile,
                            row_bytes);
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
-    for (int64_t t0 = it->k0; t0 < it->k1; t0 += KVA_KEY_TILE) {
-        const int nt = (int)(it->k1 - t0 < KVA_KEY_TILE ? it->k1 - t0 : KVA_KEY_TILE);
+    for (int64_t t0 = it->k0; t0 < it->k1; t0 += tile) {
+        const int nt = (int)(it->k1 - t0 < tile ? it->k1 - t0 : tile);
         const int ntp = (nt + 7) & ~7;
-        const int64_t t1 = t0 + KVA_KEY_TILE;
-        const int nnext = t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, nkrow, nvrow)
-                                      : 0;
+        const int64_t t1 = t0 + tile;
+        const int nnext =
+            t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, tile, nkrow, nvrow) : 0;
         /* the spread prefetch's next rows: the next tile's, padded to a
          * whole tile with its last (NULL after the last tile) */
         const char *const *next_k = NULL, *const *next_v = NULL;
         if (spread && nnext > 0) {
-            for (int i = (nnext + 7) & ~7; i < KVA_KEY_TILE; i++) {
+            for (int i = (nnext + 7) & ~7; i < tile; i++) {
                 nkrow[i] = nkrow[nnext - 1];
                 nvrow[i] = nvrow[nnext - 1];
             }
