@@ -9,7 +9,7 @@
  *      (the same values), scores and P.V (against float64 sums of the
  *      scalar-widened rows), over head_dims with and without a last vector
  *      of 8, 1 to 64 rows (16 and more: the scores over the transposed key
- *      tile), 8 to 32 keys, e4m3fn NaN codes;
+ *      tile), 1 to KVA_KEY_TILE (64) keys, e4m3fn NaN codes;
  *   2. the math table: row max (the same), exp2 sums, soft cap;
  *   3. whole attention calls at the avx512 level against the float64
  *      reference of kv_attention_check.c (its run_case: every kind, GQA,

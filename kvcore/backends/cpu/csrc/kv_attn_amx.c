@@ -32,8 +32,9 @@
  * K terms of 32 dims x 16 keys in VNNI pairs (row p: dims 2p, 2p+1 of each
  * key).  P V: tile 0 the 16 x 16 acc block, 2-4 the P terms of 16 rows x 32
  * keys, 5-6 the V terms of 32 keys x 16 dims (row p: keys 2p, 2p+1 of each
- * dim).  K and V are repacked once per call (a key tile of an item) into
- * the caller's tmp (KVA_KEY_TILE * D floats: two terms fit).
+ * dim).  A key tile is worked in runs of 32 keys; each run's K and V are
+ * repacked once into the caller's tmp (KVA_KEY_TILE * D floats: two terms
+ * of 32 keys take half of it).
  */
 #include "kv_attn_internal.h"
 

@@ -27,7 +27,8 @@
  *   - An item is (sequence, kv head, tile of query tokens, split of keys).
  *     Its rows are every (query token, query head of the kv head's group):
  *     a GQA group shares each K and V row, which is read once per item.
- *   - Keys are walked in tiles of KVA_KEY_TILE positions.  Per tile:
+ *   - Keys are walked in tiles of KVA_KEY_TILE positions (decode-like
+ *     items of fewer than KVA_TILE_ROWS rows: KVA_DECODE_KEY_TILE).  Per tile:
  *     scores = Q K^T (register-blocked dot products, K widened in
  *     registers), soft cap, causal / window mask, online softmax in base 2
  *     (the scale carries log2(e)), then acc = acc * alpha + P V.
@@ -87,6 +88,10 @@
  * AVX2 decode up to 1.4x slower on the same Zen 5); a multiple of 8, at
  * most KVA_KEY_TILE. */
 #define KVA_DECODE_KEY_TILE 32
+_Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
+                   KVA_DECODE_KEY_TILE <= KVA_KEY_TILE,
+               "key tiles: KVA_KEY_TILE a multiple of 32, the decode tile a multiple of 8 "
+               "within it");
 /* Key positions per split of a decode-like item. */
 #define KVA_SPLIT_KEYS 1024
 /* Least work (query rows x keys x head_dim) worth a thread of its own:
