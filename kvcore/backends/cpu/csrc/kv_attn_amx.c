@@ -49,9 +49,9 @@
 #endif
 
 /* The tiles hold 32 keys (P's 32 keys are one A tile's 64 bytes): a key
- * tile is worked in runs of 32, and tmp (KVA_KEY_TILE * D floats) holds two
- * terms of a run's repacked K or V. */
-_Static_assert(KVA_KEY_TILE % 32 == 0, "kv_attn_amx.c works key tiles in runs of 32 positions");
+ * tile (a multiple of 32 keys: kv_attn_internal.h asserts it) is worked in
+ * runs of 32, and tmp (KVA_KEY_TILE * D floats) holds two terms of a run's
+ * repacked K or V. */
 
 #ifndef KVA_AMX_TARGET
 #define KVA_AMX_TARGET \
@@ -200,7 +200,7 @@ KVA_INLINE void a_tiles_amx(const float *x, int ld, int mb, int rows, int cols, 
 
 /* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i], for ntp <= 32 keys. */
 KVA_INLINE void scores32_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
-                           int ntp, float *S, float *tmp)
+                             int ntp, float *S, float *tmp)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nc = D / 32, nnb = ntp > 16 ? 2 : 1;
     const size_t isz = (size_t)kva_isz(kind);
@@ -252,7 +252,7 @@ KVA_INLINE void scores32_amx(int kind, const float *Qs, int M, int D, const char
 /* acc[r] = acc[r] * alpha[r] (alpha NULL: 1) + sum_{i < nt}
  * P[r * KVA_KEY_TILE + i] V[i], for nt <= 32 keys. */
 KVA_INLINE void pv32_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
-                       float *acc, const float *alpha, float *tmp)
+                         float *acc, const float *alpha, float *tmp)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nd = D / 16;
     const size_t isz = (size_t)kva_isz(kind);

@@ -144,9 +144,11 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const char *vbase = a->value_cache + (ptrdiff_t)g * a->head_stride;
     const kva_kernels *kern = job->kern, *kern_f32 = job->kern_f32;
     const kva_math *math = job->math;
-    /* items of a tile's rows or more: the level's tile kernels, where it has
-     * them, read the stored rows themselves (no widening) */
-    const int tiles = M >= KVA_TILE_ROWS && job->kern_tiles != NULL;
+    /* a prefill-like item: a matrix tile's rows or more */
+    const int prefill = M >= KVA_TILE_ROWS;
+    /* its level's tile kernels, where it has them, read the stored rows
+     * themselves (no widening) */
+    const int tiles = prefill && job->kern_tiles != NULL;
     if (tiles)
         kern = job->kern_tiles;
     /* the kernels read the elements divided by unit: q carries it */
@@ -154,7 +156,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32 && !tiles;
     /* keys too, unless the level's scores transpose the stored key tile
      * themselves for this many rows (converting as they load it once) */
-    const int widen_keys = widen && !(M >= KVA_TILE_ROWS && kern->transposes);
+    const int widen_keys = widen && !(prefill && kern->transposes);
     if (widen) {
         for (int i = 0; i < KVA_KEY_TILE; i++) {
             ws->kfrow[i] = (const char *)(ws->kf + (size_t)i * D);
@@ -184,11 +186,10 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
                        layer_scale(a->v_scale) != 1.0f || a->k_head_scales != NULL ||
                        a->v_head_scales != NULL;
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
-    /* prefill items (a matrix tile's rows or more) take the wide key tile:
-     * their per-row softmax runs once per tile; decode-like items read
-     * memory and keep the narrow one, which their prefetch distance is
-     * tuned for */
-    const int tile = M >= KVA_TILE_ROWS ? KVA_KEY_TILE : KVA_DECODE_KEY_TILE;
+    /* prefill items take the wide key tile: their per-row softmax runs once
+     * per tile; decode-like items read memory and keep the narrow one,
+     * which their prefetch distance is tuned for */
+    const int tile = prefill ? KVA_KEY_TILE : KVA_DECODE_KEY_TILE;
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, tile, krow, vrow);
@@ -197,7 +198,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
      * themselves, spread over their loads (kva_kernels.prefetch): no
      * bursts then but the first tile's.  Prefill items are compute-bound
      * and keep the bursts. */
-    const int spread = M < KVA_TILE_ROWS && kern->prefetch;
+    const int spread = !prefill && kern->prefetch;
     if (spread && it->k0 < it->k1)
         prefetch_positions(a, table, kbase, vbase, it->k0,
                            it->k1 - it->k0 < tile ? it->k1 : it->k0 + tile,
