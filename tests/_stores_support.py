@@ -14,6 +14,7 @@ import pytest
 
 import kvcore
 import kvcore.convert
+from kvcore.backends import get_backend
 
 GEOMETRY = dict(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -47,6 +48,8 @@ def run(pool, tokens, salt=None, free=True):
     for layer in range(pool.num_layers):
         k, v = kv_for(tokens, range(hit, n), layer, pool, (salt or "").encode()
                       if isinstance(salt, str) else (salt or b""))
+        if pool.device != "cpu":   # a GPU pool takes arrays already on its device
+            k, v = (get_backend(pool.device).from_host(x) for x in (k, v))
         seq.append(layer, k, v)
     seq.commit(n - hit)
     if free:

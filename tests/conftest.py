@@ -1,9 +1,43 @@
 """Shared fixtures for kvcore's tests."""
 import os
+import sys
 
 import pytest
 
 from kvcore.backends.cpu import _convert
+
+try:  # tests/ as a package or as a plain directory on sys.path
+    from ._cuda_env import _machine as _cuda_machine
+except ImportError:
+    from _cuda_env import _machine as _cuda_machine
+
+
+@pytest.fixture(autouse=True)
+def _cuda_context_left_usable(request):
+    """After a GPU test on a machine with a GPU: the CUDA context still works.
+
+    A fault in a kernel (a misaligned or out-of-bounds access) is sticky: the
+    process's context is lost and every later GPU test in it fails for no
+    fault of its own.  So the test that left it so fails, naming the fault;
+    under pytest-xdist (.ci/gpu) its worker then exits, and xdist reports
+    the test as crashed and starts a fresh worker for the rest."""
+    yield
+    if request.node.get_closest_marker("cuda") is None or "cupy" not in sys.modules:
+        return
+    installed, (visible, _) = _cuda_machine()
+    if not (installed and visible):
+        return
+    cupy = sys.modules["cupy"]
+    try:
+        cupy.cuda.runtime.deviceSynchronize()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        msg = (f"{request.node.nodeid} left this process's CUDA context unusable ({e}); "
+               f"the GPU tests after it in this process cannot run")
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            sys.stderr.write(f"\n{msg}\n")
+            sys.stderr.flush()
+            os._exit(3)
+        pytest.fail(msg, pytrace=False)
 
 
 @pytest.fixture(params=_convert.available_simd_levels())

@@ -216,7 +216,7 @@ def test_get_returns_views(device):
     cache = make(device, num_layers=1)
     cache.update(0, put(device, rand((B, H, 4, D), 1)), put(device, rand((B, H, 4, D), 2)))
     k, v = cache.get(0)
-    assert host(k).base is not None
+    assert k.base is not None   # a view of the cache's storage (NumPy or CuPy), not a copy
     new = rand((B, H, 1, D), 3)
     cache.update(0, put(device, new), put(device, new), start_pos=2)
     assert_bits(k[:, :, 2:3], storage_bits(new, "float16"), "float16")
@@ -445,7 +445,10 @@ BAD_UPDATES = [
     ("start_pos negative", lambda: dict(start_pos=-1), ValueError, "start_pos must be >= 0, got -1"),
     ("start_pos float", lambda: dict(start_pos=1.5), TypeError, "start_pos must be an integer, got float"),
     ("k list", lambda: dict(k=[[1.0]]), TypeError,
-     "k must be float32, float16 or bfloat16, got float64"),
+     {"cpu": "k must be float32, float16 or bfloat16, got float64",
+      # a cache on a GPU takes only arrays already there: a list is refused before its dtype
+      "cuda": r"k must be a CUDA array \(a CuPy array, .*\) because this operation runs on "
+              r"cuda:0; got builtins\.list"}),
 ]
 
 
@@ -462,6 +465,8 @@ def test_bad_update_raises_and_changes_nothing(device, label, make_kwargs, exc, 
     for name in ("k", "v"):
         if isinstance(kw[name], np.ndarray):
             kw[name] = put(device, kw[name])
+    if isinstance(match, dict):
+        match = match[device]
     with pytest.raises(exc, match=match):
         cache.update(**kw)
     assert_unchanged(cache, snap)

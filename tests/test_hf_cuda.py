@@ -37,8 +37,9 @@ def device():
 
 
 def tiny(device, dtype, attn):
+    # head_dim 64 (256 / 4 heads): the CUDA attention kernels take 64, 80, 96, 128 or 256
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ import pytest
 import kvcore
 from kvcore.stores import _format
 
+from _cuda_env import cuda_backend_or_skip
 from _helpers import run_script_phases, snapshot_without_stores
 from _stores_support import (GEOMETRY, FailingStore, check_hit, disk_full, expected_kv,
                              flush_pool, make_pool, peer_script, permission_denied, run)
@@ -420,8 +421,7 @@ def test_export_import_round_trip_every_dtype():
 
 @pytest.mark.cuda
 def test_cuda_pool_to_host_store_and_back():
-    if not kvcore.cuda_available():
-        pytest.skip("needs CuPy and an NVIDIA GPU")
+    cuda_backend_or_skip()   # skips only without CuPy or a GPU
     host = kvcore.HostStore(1 << 20)
     pool = kvcore.BlockPool(8, 4, 2, 2, 8, dtype="float16", device="cuda", stores=[host])
     run(pool, PROMPT)
