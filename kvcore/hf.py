@@ -208,7 +208,23 @@ class _TorchSide:
         if not self.cuda:
             return contextlib.nullcontext()
         s = torch.cuda.current_stream(self.device)
-        return self._cupy.cuda.ExternalStream(s.cuda_stream, self.device.index or 0)
+        cuda = self._cupy.cuda
+        if hasattr(cuda.Stream, "from_external"):   # CuPy 14+ (ExternalStream is deprecated)
+            return cuda.Stream.from_external(_StreamProtocol(s))
+        return cuda.ExternalStream(s.cuda_stream, self.device.index or 0)
+
+
+class _StreamProtocol:
+    """A torch CUDA stream under the CUDA stream protocol (``__cuda_stream__``:
+    version 0 and the cudaStream_t), which CuPy's ``Stream.from_external``
+    takes; it keeps the torch stream alive while CuPy uses it."""
+    __slots__ = ("stream",)
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return 0, self.stream.cuda_stream
 
 
 def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m3fn",
