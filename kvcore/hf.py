@@ -189,7 +189,12 @@ class _TorchSide:
         self.cuda = _on_cuda(pool.device)
         if self.cuda:
             import cupy
-            self._cupy = cupy
+            cuda, index = cupy.cuda, self.device.index or 0
+            # how torch's stream becomes a CuPy stream, chosen once
+            if hasattr(cuda.Stream, "from_external"):   # CuPy 14+ (ExternalStream is deprecated)
+                self._cupy_stream = lambda s: cuda.Stream.from_external(_StreamProtocol(s))
+            else:
+                self._cupy_stream = lambda s: cuda.ExternalStream(s.cuda_stream, index)
 
     def pages(self, a, bfloat16):
         """A torch view (no copy) of a plane of the pool's storage."""
@@ -207,11 +212,7 @@ class _TorchSide:
         synchronisation between them."""
         if not self.cuda:
             return contextlib.nullcontext()
-        s = torch.cuda.current_stream(self.device)
-        cuda = self._cupy.cuda
-        if hasattr(cuda.Stream, "from_external"):   # CuPy 14+ (ExternalStream is deprecated)
-            return cuda.Stream.from_external(_StreamProtocol(s))
-        return cuda.ExternalStream(s.cuda_stream, self.device.index or 0)
+        return self._cupy_stream(torch.cuda.current_stream(self.device))
 
 
 class _StreamProtocol:

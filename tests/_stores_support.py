@@ -45,11 +45,13 @@ def run(pool, tokens, salt=None, free=True):
     seq = kvcore.PagedKVCache(pool, salt=salt)
     hit = seq.allocate(tokens)
     n = len(tokens)
+    # a GPU pool takes arrays already on its device
+    to_pool = get_backend(pool.device).from_host if pool.device != "cpu" else None
     for layer in range(pool.num_layers):
         k, v = kv_for(tokens, range(hit, n), layer, pool, (salt or "").encode()
                       if isinstance(salt, str) else (salt or b""))
-        if pool.device != "cpu":   # a GPU pool takes arrays already on its device
-            k, v = (get_backend(pool.device).from_host(x) for x in (k, v))
+        if to_pool is not None:
+            k, v = to_pool(k), to_pool(v)
         seq.append(layer, k, v)
     seq.commit(n - hit)
     if free:
