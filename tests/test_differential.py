@@ -114,6 +114,12 @@ class World:
             self.committed.add((m.salt, tuple(m.tokens[:(j + 1) * bs])))
 
     def state(self, pools):
+        for p in pools:
+            # spills to a lower store run on the pool's store worker and
+            # move that store's stats: let the queued ones finish first, so
+            # that a before/after comparison sees only the operation's doing
+            if p._stores is not None:
+                p._stores._spiller.wait_idle()
         return [pool_snapshot(p) for p in pools], [
             (m.seq.num_tokens, m.seq.num_computed, m.seq.block_table.tolist(),
              m.seq.token_ids.tolist(), [m.seq.num_written(i) for i in range(LAYERS)])
