@@ -438,11 +438,44 @@ class BlockPool:
             How many cached blocks were written (0 without stores, or when
             the stores failed: a ``StoreWarning`` says why).
         """
+        from .stores._worker import check_timeout
+
+        check_timeout(timeout)
         if self._stores is None:
             return 0
         n = self._stores.flush(timeout)
         self._stores.emit_warnings()
         return n
+
+    def wait_spills(self, timeout=None):
+        """Wait until the spills queued so far have reached their stores.
+
+        Blocks evicted into a store that does I/O (below an in-memory first
+        store, or a ``DiskStore``/``RedisStore`` first) are written by the
+        pool's store worker in the background; this waits for what is
+        queued now, and changes nothing (unlike :meth:`flush_to_stores`,
+        it writes no cached block).  Then ``stats()["stores"]`` and the
+        stores' contents show every spill so far.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Most seconds to wait (None: as long as it takes).
+
+        Returns
+        -------
+        bool
+            True once the queued spills are written (always True without
+            stores), False if ``timeout`` passed first.
+        """
+        from .stores._worker import check_timeout
+
+        check_timeout(timeout)
+        if self._stores is None:
+            return True
+        done = self._stores.wait_spills(timeout)
+        self._stores.emit_warnings()
+        return done
 
     def close(self):
         """Finish the background work of the prefix stores: cancel the

@@ -113,13 +113,16 @@ class World:
         for j in range(m.computed // bs):
             self.committed.add((m.salt, tuple(m.tokens[:(j + 1) * bs])))
 
+    def settle(self):
+        """Let every pool's queued spills finish.  They run on each pool's
+        store worker, move a lower store's stats and can push entries out of
+        a (shared) store: a promise (``probe``) or a before/after comparison
+        must see only what the operation itself does."""
+        for p in self.pools:
+            assert p.wait_spills()
+
     def state(self, pools):
-        for p in pools:
-            # spills to a lower store run on the pool's store worker and
-            # move that store's stats: let the queued ones finish first, so
-            # that a before/after comparison sees only the operation's doing
-            if p._stores is not None:
-                p._stores._spiller.wait_idle()
+        self.settle()
         return [pool_snapshot(p) for p in pools], [
             (m.seq.num_tokens, m.seq.num_computed, m.seq.block_table.tolist(),
              m.seq.token_ids.tolist(), [m.seq.num_written(i) for i in range(LAYERS)])
@@ -140,6 +143,7 @@ class World:
     def allocate(self, prompt, salt, pool):
         bs = self.bs
         seq = kvcore.PagedKVCache(pool, salt=salt)
+        self.settle()   # (a spill landing after the probe may push out what it found)
         promised = pool.probe(prompt, salt=salt)
         own = promised["hit_tokens"] - promised["store_hit_tokens"]
         # at most the run of cached hashes: fewer where the identity chain

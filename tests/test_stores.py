@@ -463,6 +463,50 @@ def test_flush_to_stores_keeps_the_cache_and_writes_every_cached_block(tmp_path)
     assert make_pool().flush_to_stores() == 0
 
 
+def test_wait_spills_waits_for_the_queued_spills_and_changes_nothing(tmp_path):
+    gate = threading.Event()
+
+    class SlowDisk(kvcore.DiskStore):
+        def put(self, items):
+            gate.wait(30)
+            return super().put(items)
+
+    disk = SlowDisk(tmp_path, 1 << 22)
+    pool = make_pool(stores=[disk])
+    assert pool.wait_spills() and pool.wait_spills(0)     # nothing queued yet
+    run(pool, PROMPT)
+    seq = kvcore.PagedKVCache(pool)       # fresh tokens evict the prompt's 4 blocks
+    seq.allocate(np.arange(10**6, 10**6 + pool.num_blocks * pool.block_size, dtype=np.int32))
+    seq.free()
+    snap = pool.debug_snapshot()
+    assert pool.wait_spills(timeout=0.05) is False        # the worker's put is held
+    assert len(disk) == 0 and pool.stats()["stores"][0]["puts"] == 0
+    gate.set()
+    assert pool.wait_spills() is True
+    assert len(disk) == 4 and pool.stats()["stores"][0]["puts"] == 4
+    after = pool.debug_snapshot()
+    after["stats"].pop("stores"), snap["stats"].pop("stores")
+    assert after == snap                  # (only the stores' counters moved)
+    check_hit(pool, PROMPT, 4)
+    assert make_pool().wait_spills() is True
+
+
+@pytest.mark.parametrize("method", ["wait_spills", "flush_to_stores"])
+@pytest.mark.parametrize("timeout, error, words", [
+    ("1", TypeError, "timeout must be None or a number of seconds, got str"),
+    (True, TypeError, "got bool"),
+    (-1, ValueError, "timeout must be a number of seconds >= 0, got -1"),
+    (float("nan"), ValueError, "got nan"),
+])
+def test_store_waits_refuse_a_bad_timeout_by_name(tmp_path, method, timeout, error, words):
+    for pool in (make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)]), make_pool()):
+        run(pool, PROMPT)
+        snap = pool.debug_snapshot()
+        with pytest.raises(error, match=words):
+            getattr(pool, method)(timeout)
+        assert pool.debug_snapshot() == snap
+
+
 def test_a_store_returning_garbage_types_is_a_miss_not_an_exception():
     class Odd(kvcore.HostStore):
         def contains(self, keys):

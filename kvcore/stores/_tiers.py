@@ -472,6 +472,10 @@ class StoreTiers:
             except Exception as e:  # pragma: no cover - _put_chain catches store errors
                 self._fail(i, e, op="put")
 
+    def wait_spills(self, timeout=None):
+        """``BlockPool.wait_spills``: True once the queued spills are written."""
+        return self._spiller.wait_idle(timeout)
+
     def flush(self, timeout=None):
         """``BlockPool.flush_to_stores``: wait for the queued spills, then
         write every cached block to the stores from this thread (the pool's

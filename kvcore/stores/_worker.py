@@ -17,6 +17,18 @@ import threading
 _IDLE_EXIT = 2.0
 
 
+def check_timeout(timeout):
+    """``timeout`` (None, or seconds >= 0) as given; TypeError/ValueError
+    naming it otherwise."""
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be None or a number of seconds, got "
+                            f"{type(timeout).__name__}")
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+    return timeout
+
+
 def on_worker_thread():
     """True on a store worker's thread (whose warnings wait for a caller)."""
     return getattr(threading.current_thread(), "kvcore_store_worker", False)
@@ -126,13 +138,7 @@ class Prefetch:
     def wait(self, timeout=None):
         """Wait until the prefetch is done, at most ``timeout`` seconds (None:
         no limit).  Returns :meth:`done`."""
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout must be None or a number of seconds, got "
-                                f"{type(timeout).__name__}")
-            if not timeout >= 0:
-                raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
-        return self._done.wait(timeout)
+        return self._done.wait(check_timeout(timeout))
 
     def cancel(self):
         """Stop the prefetch: not started, it never runs; running, it stops
