@@ -331,7 +331,8 @@ class _Step:
     """One forward's bookkeeping, shared by every layer of the step."""
 
     __slots__ = ("q", "start", "counts", "slots", "tables", "seq_lens", "query_start",
-                 "query_rows", "gather_index", "layers_done", "plans", "written")
+                 "query_rows", "gather_index", "layers_done", "plans", "written", "before",
+                 "made_rows")
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -580,10 +581,26 @@ class PagedCache(Cache):
 
     # -------------------------------------------------------------- steps
     def _begin_step(self, batch, q):
-        if not self._seqs:
+        made_rows = not self._seqs
+        if made_rows:
             self._start_rows(batch, q)
         else:
             self._expand_rows(batch)
+        step = _Step()
+        step.start = self._length
+        step.layers_done = 0
+        step.made_rows = made_rows
+        # what _rollback_step restores: each row's computed positions and known tokens
+        step.before = [(seq.num_computed, seq.num_tokens) for seq in self._seqs]
+        self._step = step
+        try:
+            return self._plan_step(step, q)
+        except BaseException:
+            self._rollback_step()
+            raise
+
+    def _plan_step(self, step, q):
+        """Reserve the step's positions in every row and map their slots."""
         self._pending_mask = None
         rows = len(self._seqs)
         start = self._length
@@ -604,18 +621,39 @@ class PagedCache(Cache):
             if n:
                 end = int(first[i]) + q
                 slots[i, q - n:] = seq.slot_mapping(end - n, end)
-        step = _Step()
         step.q = q
-        step.start = start
         step.counts = counts
         step.slots = slots.reshape(-1)
         step.tables = None
         step.gather_index = None
         step.written = [(seq, int(n)) for seq, n in zip(self._seqs, counts) if n]
-        step.layers_done = 0
         step.plans = {}          # (scale, window, soft cap) -> AttentionPlan of this step
-        self._step = step
         return step
+
+    def _rollback_step(self):
+        """Undo the step in progress, finished or not (its forward failed):
+        each row goes back to the positions it had computed and the tokens
+        it knew when the step began (what the step reserved and wrote is
+        given back); rows the step made are freed.  Never raises."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        if step.made_rows:
+            self.free()
+            return
+        for seq, (computed, known) in zip(self._seqs, step.before):
+            ids = seq.token_ids[computed:known].copy()
+            seq.truncate(computed)
+            if ids.size:
+                seq.extend_tokens(ids)
+        self._length = step.start
+
+    def _partial_step(self):
+        """The step a forward left part-way (some layers written), or None."""
+        step = self._step
+        if step is not None and 0 < step.layers_done < self._num_layers:
+            return step
+        return None
 
     def _attention_plan(self, step):
         """Block tables, KV lengths and query rows of the step, for its AttentionPlan."""
@@ -671,10 +709,26 @@ class PagedCache(Cache):
         when the model's attention is ``"kvcore"``, the new K/V marked for
         :func:`kvcore_attention`, which reads the pages itself.
         """
-        if not self._torch.cuda:
-            return self._update(key_states, value_states, layer_idx, kwargs)
-        with self._torch.stream():
-            return self._update(key_states, value_states, layer_idx, kwargs)
+        before = self._step
+        if type(layer_idx) is int and layer_idx == 0 and before is not None \
+                and self._partial_step() is before:
+            raise ValueError(
+                f"the last forward stopped after {before.layers_done} of the model's "
+                f"{self._num_layers} layers (an exception in the model, or a model that does not "
+                "update the cache at every layer): cache.crop(cache.get_seq_length()) drops "
+                "what it wrote, then the forward can run again")
+        try:
+            if not self._torch.cuda:
+                return self._update(key_states, value_states, layer_idx, kwargs)
+            with self._torch.stream():
+                return self._update(key_states, value_states, layer_idx, kwargs)
+        except BaseException:
+            # a step this call began, or one in progress, is undone: the
+            # cache is as it was after the last forward that finished
+            step = self._step
+            if step is not None and (step is not before or self._partial_step() is step):
+                self._rollback_step()
+            raise
 
     def _update(self, key_states, value_states, layer_idx, kwargs):
         # (called once per layer and step: what it touches is kept few,
@@ -703,11 +757,14 @@ class PagedCache(Cache):
                              "(this forward's attention reads whole K/V tensors): "
                              "model.set_attn_implementation('kvcore')")
         step = self._step
-        if layer_idx == 0 or step is None or step.layers_done == pool.num_layers:
-            if step is not None and 0 < step.layers_done < pool.num_layers:
-                raise ValueError(f"a new step started at layer {layer_idx} before layers "
-                                 f"{step.layers_done}..{pool.num_layers - 1} of the last one")
+        if step is None or step.layers_done == pool.num_layers:
+            if layer_idx != 0:
+                raise ValueError(f"a forward must update the cache from layer 0 on, in order; "
+                                 f"its first update was for layer {layer_idx}")
             step = self._begin_step(batch, q)
+        elif layer_idx != step.layers_done:
+            raise ValueError(f"a forward must update the cache at every layer, in order: layer "
+                             f"{layer_idx} came after layer {step.layers_done - 1}")
         elif batch != len(self._seqs) or q != step.q:
             raise ValueError(f"layer {layer_idx} got K/V for {batch} rows x {q} columns, this "
                              f"step has {len(self._seqs)} x {step.q}")
@@ -810,6 +867,8 @@ class PagedCache(Cache):
         if not 0 <= keep <= self._length:
             raise ValueError(f"crop({tokens_to_remove}) must leave 0..{self._length} columns, "
                              f"would leave {keep}")
+        if self._partial_step() is not None:
+            self._rollback_step()     # what a forward that failed part-way wrote
         if keep == self._length:
             return
         for i, seq in enumerate(self._seqs):
@@ -982,11 +1041,18 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # made at the step's first layer: the tables are checked and the work
     # split once, and each layer only runs it
     key = (scaling, sliding_window, softcap)
-    if not cache._torch.cuda:
-        _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
-    else:
-        with cache._torch.stream():
+    try:
+        if not cache._torch.cuda:
             _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+        else:
+            with cache._torch.stream():
+                _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+    except BaseException:
+        # (a plan the backend refuses, e.g. a head_dim its kernels do not
+        # take): the step's K/V are undone, the cache is as before the forward
+        if cache._step is step:
+            cache._rollback_step()
+        raise
     return out, None
 
 

@@ -325,6 +325,132 @@ def test_forward_loop_crop_and_seq_length():
     assert pool.num_used_blocks == 0
 
 
+def _cache_state(cache):
+    pool = cache.pool
+    return (cache.get_seq_length(), pool.num_free_blocks, pool.num_cached_blocks,
+            [(s.num_computed, s.num_tokens, s.token_ids.tolist(),
+              [s.num_written(i) for i in range(pool.num_layers)]) for s in cache.rows])
+
+
+def _failing(monkeypatch, module):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(module, "forward", boom)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_a_forward_that_failed_part_way_is_dropped_by_crop(attn, monkeypatch):
+    """An exception in the model after layer 0 updated the cache (layer 1
+    never does): the next forward says so without changing anything, crop
+    drops what the failed one wrote, and the forward then gives the logits
+    of a cache that never failed."""
+    model = _tiny("llama", attn)
+    ids, _ = _prompts([20])
+    step = torch.tensor([[7, 8, 9]])
+    pools = [pool_for(model.config, 32, dtype="float32", block_size=4) for _ in range(2)]
+    cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))
+        model(ids, **_kw(model, ref))
+        before = _cache_state(cache)
+        with monkeypatch.context() as m:
+            _failing(m, model.model.layers[0].mlp)
+            with pytest.raises(RuntimeError, match="boom"):
+                model(step, **_kw(model, cache))
+        failed = _cache_state(cache)
+        with pytest.raises(ValueError, match="stopped after 1 of the model's 2 layers"):
+            model(step, **_kw(model, cache))
+        assert _cache_state(cache) == failed
+        cache.crop(cache.get_seq_length())
+        assert _cache_state(cache) == before
+        assert torch.equal(model(step, **_kw(model, cache)).logits,
+                           model(step, **_kw(model, ref)).logits)
+    cache.free()
+    assert pools[0].num_used_blocks == 0 and pools[0].check()
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeypatch):
+    """kvcore's attention failing (as a backend that refuses the plan does:
+    a CUDA pool whose head_dim its kernels do not take) at the first or the
+    last layer, after the step's K/V were written: the cache is as it was
+    before the forward, at once, and the forward can run again."""
+    model = _tiny("llama", "kvcore")
+    ids, _ = _prompts([21])
+    step = torch.tensor([[7, 8, 9, 10]])
+    pools = [pool_for(model.config, 32, dtype="float16", block_size=4) for _ in range(2)]
+    cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
+    real = kvcore.hf._run_plan
+
+    def refuse(cache, step, key, table, cu, heads, rows, at, flat):
+        if at == layer:
+            raise ValueError("the CUDA attention kernels take head_dim in (64, ...)")
+        return real(cache, step, key, table, cu, heads, rows, at, flat)
+
+    with torch.no_grad():
+        for first in (True, False):      # the first forward (it makes the rows), a later one
+            before = _cache_state(cache)
+            with monkeypatch.context() as m:
+                m.setattr(kvcore.hf, "_run_plan", refuse)
+                with pytest.raises(ValueError, match="head_dim"):
+                    model(ids if first else step, **_kw(model, cache))
+            assert _cache_state(cache) == before
+            if first:
+                assert cache.rows == [] and pools[0].num_used_blocks == 0
+            pools[0].check()
+            got = model(ids if first else step, **_kw(model, cache)).logits
+            assert torch.equal(got, model(ids if first else step, **_kw(model, ref)).logits)
+    cache.free()
+    assert pools[0].num_used_blocks == 0 and pools[0].check()
+
+
+def test_updates_out_of_order_are_refused_and_the_step_undone():
+    pool = kvcore.BlockPool(16, 4, 3, 2, 8, dtype="float32")
+    cache = PagedCache(pool)
+    kv = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="from layer 0 on, in order; its first update was "
+                                         "for layer 1"):
+        cache.update(kv, kv, 1)
+    assert cache.rows == [] and pool.num_used_blocks == 0
+    for layer in range(3):
+        cache.update(kv, kv, layer)
+    assert cache.get_seq_length() == 5
+    before = _cache_state(cache)
+    cache.update(kv[:, :, :2], kv[:, :, :2], 0)
+    with pytest.raises(ValueError, match="layer 2 came after layer 0"):
+        cache.update(kv[:, :, :2], kv[:, :, :2], 2)
+    assert _cache_state(cache) == before       # the step begun at layer 0 is undone
+    cache.update(kv[:, :, :2], kv[:, :, :2], 0)
+    with pytest.raises(ValueError, match="dimension 4, the pool 2 of dimension 8"):
+        cache.update(kv[:, :, :2, :4], kv[:, :, :2, :4], 1)
+    assert _cache_state(cache) == before
+    for layer in range(3):
+        cache.update(kv[:, :, :2], kv[:, :, :2], layer)
+    assert cache.get_seq_length() == 7
+    cache.free()
+    assert pool.num_used_blocks == 0 and pool.check()
+
+
+def test_a_step_short_of_blocks_reserves_nothing():
+    """Three rows grow by a block each; the pool has two: the rows that got
+    theirs give them back, and the next, smaller step fits."""
+    model = model_for("llama")
+    pool = pool_for(model.config, 8, dtype="float32", block_size=4)
+    cache = PagedCache(pool)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))              # 3 rows x 2 blocks: 2 blocks free
+        before = _cache_state(cache)
+        with pytest.raises(kvcore.OutOfBlocksError):
+            model(torch.full((3, 2), 5), **_kw(model, cache))   # 3 rows need a block each
+        assert _cache_state(cache) == before and pool.num_free_blocks == 2
+        pool.check()
+        model(torch.full((3, 1), 5), **_kw(model, cache))      # fits in each row's block
+    assert cache.get_seq_length() == 8
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
 def test_a_dropped_cache_gives_its_blocks_back(attn):
     import gc
