@@ -432,6 +432,7 @@ class PagedCache(Cache):
         self._tokens_known = False              # generate() feeds token ids
         self._may_expand = False                # generate(): the first forward may expand rows
         self._step = None
+        self._known_before = None               # row tokens before generate's hook ran
         self._kvcore_forward = False            # this forward's attention reads pages
         self._pending_mask = None               # padding mask of a first forward
         self._torch = _TorchSide(pool)
@@ -549,6 +550,8 @@ class PagedCache(Cache):
         self._expand_rows(ids.shape[0])
         q = ids.shape[1]
         self._check_positions(kwargs.get("position_ids"), q)
+        # what a failed step restores: the ids known before this forward's
+        self._known_before = [seq.num_tokens for seq in self._seqs]
         rows = ids.tolist()
         for i, seq in enumerate(self._seqs):
             first = self._length - int(self._pad[i])   # position of column 0 of this forward
@@ -590,8 +593,13 @@ class PagedCache(Cache):
         step.start = self._length
         step.layers_done = 0
         step.made_rows = made_rows
-        # what _rollback_step restores: each row's computed positions and known tokens
-        step.before = [(seq.num_computed, seq.num_tokens) for seq in self._seqs]
+        # what _rollback_step restores: each row's computed positions and the
+        # tokens it knew before this forward (generate's hook adds its ids)
+        known = self._known_before
+        self._known_before = None
+        if known is None or len(known) != len(self._seqs):
+            known = [seq.num_tokens for seq in self._seqs]
+        step.before = [(seq.num_computed, k) for seq, k in zip(self._seqs, known)]
         self._step = step
         try:
             return self._plan_step(step, q)
@@ -717,16 +725,18 @@ class PagedCache(Cache):
                 f"{self._num_layers} layers (an exception in the model, or a model that does not "
                 "update the cache at every layer): cache.crop(cache.get_seq_length()) drops "
                 "what it wrote, then the forward can run again")
+        in_progress = before is not None and before.layers_done < self._num_layers
         try:
             if not self._torch.cuda:
                 return self._update(key_states, value_states, layer_idx, kwargs)
             with self._torch.stream():
                 return self._update(key_states, value_states, layer_idx, kwargs)
         except BaseException:
-            # a step this call began, or one in progress, is undone: the
-            # cache is as it was after the last forward that finished
+            # a step this call began, or one that was in progress (this call
+            # may have finished and committed it before failing), is undone:
+            # the cache is as it was after the last forward that finished
             step = self._step
-            if step is not None and (step is not before or self._partial_step() is step):
+            if step is not None and (step is not before or in_progress):
                 self._rollback_step()
             raise
 
@@ -1011,6 +1021,7 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     transformers passes to both; without them (another cache, or none) the
     call goes to sdpa.
     """
+    ref = None
     if kvcore_step is None or not isinstance(cache, PagedCache):
         ref = getattr(key, "_kvcore", None)      # (see PagedCache.update)
         if ref is None:
@@ -1019,12 +1030,27 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                                           sliding_window=sliding_window, softcap=softcap,
                                           **kwargs)
         cache, kvcore_step, kvcore_layer = ref
-        cache._attention_plan(kvcore_step)
-        block_table, cu_seq_lens_q = kvcore_step.tables, kvcore_step.query_start
+    try:
+        return _kvcore_attention(module, query, cache, kvcore_step, kvcore_layer, ref,
+                                 block_table, cu_seq_lens_q, dropout, scaling, sliding_window,
+                                 softcap)
+    except BaseException:
+        # (a plan the backend refuses, e.g. a head_dim its kernels do not
+        # take, or anything else here): the step's K/V are undone, the
+        # cache is as before the forward
+        if cache._step is kvcore_step:
+            cache._rollback_step()
+        raise
+
+
+def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_seq_lens_q,
+                      dropout, scaling, sliding_window, softcap):
+    if ref is not None:
+        cache._attention_plan(step)
+        block_table, cu_seq_lens_q = step.tables, step.query_start
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='kvcore' has no attention dropout; "
                                   "use model.eval() or another attention for training")
-    step, layer = kvcore_step, kvcore_layer
     batch, heads, q, dim = query.shape
     if q == 1:
         rows = query.detach().reshape(batch, heads, dim)
@@ -1041,18 +1067,11 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # made at the step's first layer: the tables are checked and the work
     # split once, and each layer only runs it
     key = (scaling, sliding_window, softcap)
-    try:
-        if not cache._torch.cuda:
+    if not cache._torch.cuda:
+        _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+    else:
+        with cache._torch.stream():
             _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
-        else:
-            with cache._torch.stream():
-                _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
-    except BaseException:
-        # (a plan the backend refuses, e.g. a head_dim its kernels do not
-        # take): the step's K/V are undone, the cache is as before the forward
-        if cache._step is step:
-            cache._rollback_step()
-        raise
     return out, None
 
 

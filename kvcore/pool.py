@@ -440,7 +440,7 @@ class BlockPool:
         """
         from .stores._worker import check_timeout
 
-        check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if self._stores is None:
             return 0
         n = self._stores.flush(timeout)
@@ -470,7 +470,7 @@ class BlockPool:
         """
         from .stores._worker import check_timeout
 
-        check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if self._stores is None:
             return True
         done = self._stores.wait_spills(timeout)

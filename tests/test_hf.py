@@ -404,6 +404,60 @@ def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeyp
     assert pools[0].num_used_blocks == 0 and pools[0].check()
 
 
+def test_an_update_failing_after_the_step_committed_is_undone(monkeypatch):
+    """sdpa: the last layer's update commits the step, then reads the
+    layer's K/V back from the pages; that read failing (out of memory)
+    undoes the whole step."""
+    model = _tiny("llama")
+    ids, _ = _prompts([20])
+    step = torch.tensor([[7, 8, 9]])
+    pools = [pool_for(model.config, 32, dtype="float32", block_size=4) for _ in range(2)]
+    cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
+    real = PagedCache._gather_plan
+
+    def out_of_memory(self, step):
+        if step.layers_done == self.pool.num_layers:
+            raise MemoryError("no memory for the pages' K/V")
+        return real(self, step)
+
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))
+        model(ids, **_kw(model, ref))
+        before = _cache_state(cache)
+        with monkeypatch.context() as m:
+            m.setattr(PagedCache, "_gather_plan", out_of_memory)
+            with pytest.raises(MemoryError):
+                model(step, **_kw(model, cache))
+        assert _cache_state(cache) == before
+        assert torch.equal(model(step, **_kw(model, cache)).logits,
+                           model(step, **_kw(model, ref)).logits)
+    cache.free()
+    assert pools[0].num_used_blocks == 0 and pools[0].check()
+
+
+def test_kvcore_attention_refusing_training_dropout_undoes_the_step():
+    model = _tiny("llama", "kvcore")
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids, _ = _prompts([20])
+    pool = pool_for(model.config, 32, dtype="float32", block_size=4)
+    cache = PagedCache(pool)
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))
+        before = _cache_state(cache)
+        model.train()
+        try:
+            with pytest.raises(NotImplementedError, match="no attention dropout"):
+                model(torch.tensor([[7, 8]]), **_kw(model, cache))
+        finally:
+            model.eval()
+        assert _cache_state(cache) == before
+        model(torch.tensor([[7, 8]]), **_kw(model, cache))
+    assert cache.get_seq_length() == 22
+    cache.free()
+
+
 def test_updates_out_of_order_are_refused_and_the_step_undone():
     pool = kvcore.BlockPool(16, 4, 3, 2, 8, dtype="float32")
     cache = PagedCache(pool)

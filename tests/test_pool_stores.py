@@ -369,6 +369,45 @@ def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_writes_the_spills_queued_at_the_fork(tmp_path):
+    """Forked while the parent's worker is inside one put with another
+    batch queued: the child's wait_spills writes the queued batch (the
+    parent's drain is not in the child) instead of saying True over it."""
+    import os
+
+    parent = os.getpid()
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowDisk(kvcore.DiskStore):
+        def put(self, items):
+            if os.getpid() == parent:
+                entered.set()
+                gate.wait(30)
+            return super().put(items)
+
+    pool = make_pool(stores=[SlowDisk(tmp_path, 1 << 22)])
+    blocks = 7 * pool.block_size + 1
+    run(pool, np.arange(1, 18, dtype=np.int32))
+    run(pool, np.arange(10**6, 10**6 + blocks, dtype=np.int32))   # spills the prompt
+    assert entered.wait(10)                                  # the worker holds batch 1
+    run(pool, np.arange(2 * 10**6, 2 * 10**6 + blocks, dtype=np.int32))   # batch 2, queued
+    pid = os.fork()
+    if pid == 0:                            # the child: report through the exit status
+        code = 1
+        try:
+            code = 0 if pool.wait_spills(20) and len(pool.stores[0]) > 0 else 2
+        finally:
+            os._exit(code)
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        gate.set()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert pool.wait_spills(20)
+    pool.check()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_a_forked_child_drains_its_own_spills(tmp_path):
     """A pool whose store worker ran in the parent keeps spilling in a child
     made by fork (the parent's thread is not there): the child's spills

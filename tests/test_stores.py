@@ -482,7 +482,7 @@ def test_wait_spills_waits_for_the_queued_spills_and_changes_nothing(tmp_path):
     assert pool.wait_spills(timeout=0.05) is False        # the worker's put is held
     assert len(disk) == 0 and pool.stats()["stores"][0]["puts"] == 0
     gate.set()
-    assert pool.wait_spills() is True
+    assert pool.wait_spills(float("inf")) is True     # (inf: no limit, as None)
     assert len(disk) == 4 and pool.stats()["stores"][0]["puts"] == 4
     after = pool.debug_snapshot()
     after["stats"].pop("stores"), snap["stats"].pop("stores")

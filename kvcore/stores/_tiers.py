@@ -426,12 +426,7 @@ class StoreTiers:
         queued for it go (counted: ``spills_dropped``)."""
         size = sum(len(v) for _, v in items)
         cap = getattr(self.stores[i], "max_pending_bytes", MAX_PENDING_BYTES)
-        if self._pid != os.getpid():
-            # a forked child: the parent's worker (and a drain it ran) is
-            # not here; the queue is drained by the child's own
-            self._pid = os.getpid()
-            self._lock = threading.Lock()
-            self._draining = False
+        self._after_fork()
         with self._lock:
             self._overlay[i].update(items)
             self._queue.append((i, items, size))
@@ -451,6 +446,17 @@ class StoreTiers:
             self._draining = True
         if start:
             self._spiller.submit(self._drain)
+
+    def _after_fork(self):
+        """In a child made by ``fork``: the parent's worker (and a drain it
+        ran) is not here, and its lock may have been held at the fork; what
+        is queued is drained by the child's own worker."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._draining = bool(self._queue)
+            if self._draining:
+                self._spiller.submit(self._drain)
 
     def _drain(self):
         """The worker's job: write the queued batches, consecutive ones for
@@ -474,6 +480,7 @@ class StoreTiers:
 
     def wait_spills(self, timeout=None):
         """``BlockPool.wait_spills``: True once the queued spills are written."""
+        self._after_fork()
         return self._spiller.wait_idle(timeout)
 
     def flush(self, timeout=None):
@@ -481,6 +488,7 @@ class StoreTiers:
         write every cached block to the stores from this thread (the pool's
         lock held only while they are copied out).  Returns how many blocks
         some store took."""
+        self._after_fork()
         self._spiller.wait_idle(timeout)
         pool = self._pool()
         if pool is None:

@@ -18,14 +18,17 @@ _IDLE_EXIT = 2.0
 
 
 def check_timeout(timeout):
-    """``timeout`` (None, or seconds >= 0) as given; TypeError/ValueError
-    naming it otherwise."""
+    """``timeout`` (None, or seconds >= 0) for a wait: None past what
+    ``threading`` can wait for (``inf`` too); TypeError/ValueError naming it
+    otherwise."""
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout must be None or a number of seconds, got "
                             f"{type(timeout).__name__}")
         if not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        if timeout >= threading.TIMEOUT_MAX:
+            return None
     return timeout
 
 
