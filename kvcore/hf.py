@@ -550,7 +550,8 @@ class PagedCache(Cache):
         self._expand_rows(ids.shape[0])
         q = ids.shape[1]
         self._check_positions(kwargs.get("position_ids"), q)
-        # what a failed step restores: the ids known before this forward's
+        # what a failed step restores: the ids each row knew before this
+        # forward's are added below
         self._known_before = [seq.num_tokens for seq in self._seqs]
         rows = ids.tolist()
         for i, seq in enumerate(self._seqs):
