@@ -488,8 +488,7 @@ class StoreTiers:
         write every cached block to the stores from this thread (the pool's
         lock held only while they are copied out).  Returns how many blocks
         some store took."""
-        self._after_fork()
-        self._spiller.wait_idle(timeout)
+        self.wait_spills(timeout)
         pool = self._pool()
         if pool is None:
             return 0
