@@ -1,7 +1,13 @@
 """Attention over the pages against torch SDPA, gather + NumPy and a
 streaming read (see kvcore/cli/benchmarks/attention.py), plus the per-layer
 overhead of ``AttentionPlan.run`` for a batch-1 decode (context 4096):
-python bench/bench_attention.py [--quick] [--json FILE] [--only-plan | --only-prefill]
+python bench/bench_attention.py [--quick] [--full] [--json FILE]
+                                [--only-plan | --only-prefill | --only-pages]
+
+--full: the out-of-cache decode rows per page dtype and thread count at
+their big sizes (hundreds of MB of pages: 8 x 16384 positions at 32/8
+heads d128, 8 x 32768 at 9/3 heads d64); without it, a few times the L3.
+--only-pages: those rows only.
 
 --only-prefill: causal prefill of 1024 and 4096 tokens only, for the default
 shape and SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
@@ -115,10 +121,20 @@ def plan_report(res):
     return "\n".join(lines)
 
 
-def run(quick=False, seed=0):
-    res = attention.run(quick=quick, seed=seed)
+def run(quick=False, seed=0, full=False):
+    res = attention.run(quick=quick, seed=seed, full=full)
     res["plan_overhead"] = plan_overhead(quick, seed)
     return res
+
+
+def run_pages(quick=False, seed=0, full=False):
+    return {"pages": attention.bench_page_rows(np.random.default_rng(seed), big=full,
+                                               rounds=5 if quick else 9)}
+
+
+def _full_option(parser):
+    parser.add_argument("--full", action="store_true",
+                        help="the out-of-cache page rows at hundreds of MB of pages")
 
 
 def report(res):
@@ -126,11 +142,15 @@ def report(res):
 
 
 if __name__ == "__main__":
+    full = {"options": _full_option, "run_kwargs": lambda a, p: {"full": a.full}}
     if "--only-prefill" in sys.argv:
         sys.argv.remove("--only-prefill")
         script_main(attention.run_prefill_shapes, attention.report, __doc__)
     elif "--only-plan" in sys.argv:
         sys.argv.remove("--only-plan")
         script_main(plan_overhead, plan_report, __doc__)
+    elif "--only-pages" in sys.argv:
+        sys.argv.remove("--only-pages")
+        script_main(run_pages, lambda r: attention.page_report(r["pages"]), __doc__, **full)
     else:
-        script_main(run, report, __doc__)
+        script_main(run, report, __doc__, **full)

@@ -101,6 +101,42 @@ def test_amx_level_under_the_tile_emulation(tmp_path):
     assert int(cases) > 90 and failures == "0" and int(tdp) > 0, line
 
 
+@needs_source
+def test_amx_is_opt_in_where_it_is_supported(tmp_path):
+    """On a CPU with the amx level (assumed here: -DKVS_TEST_ASSUME_AMX) the
+    default is the best level below it: only KVCORE_SIMD=amx (or
+    set_simd_level) selects the tiles, which have never been measured
+    faster than the avx512 kernels (they have run only under emulation)."""
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the amx level exists on x86-64 only")
+    avx512 = tmp_path / "kv_attn_avx512.o"
+    r = subprocess.run([_cc(), "-O2", "-Wall", "-Wno-psabi", "-include",
+                        str(TESTS_C / "kv_simde_shim.h"), "-DKVA_AVX512_SIMDE",
+                        "-DKVA_AVX512_TARGET=", f"-I{_simde_include()}", f"-I{CSRC}", "-c",
+                        str(CSRC / "kv_attn_avx512.c"), "-o", str(avx512)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    sources = [*sorted(p for p in CSRC.glob("kv_att*.c") if p.name != "kv_attn_avx512.c"),
+               CSRC / "kv_simd.c", avx512]
+    exe = _build(tmp_path / "amx_default", TESTS_C / "kv_attention_amx_default_check.c", sources)
+    outs = {}
+    for value in (None, "", " AMX ", "avx512"):
+        env = {k: v for k, v in os.environ.items() if k != "KVCORE_SIMD"}
+        if value is not None:
+            env["KVCORE_SIMD"] = value
+        run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        outs[value] = run.stdout.split()
+    below = outs[None][4].rstrip(",")
+    assert outs[None][-1] == "1"                       # amx supported (assumed)
+    assert below != "amx"
+    assert outs[None][1].rstrip(",") == below         # unset: not amx
+    assert outs[""][1].rstrip(",") == below           # empty: no cap, not amx
+    assert outs[" AMX "][1].rstrip(",") == "amx"      # named: amx
+    assert outs["avx512"][1].rstrip(",") == below     # a cap under it
+
+
 def test_kvcore_simd_amx_is_a_valid_cap():
     import kvcore
     from kvcore.backends.cpu import _attention, _convert
@@ -113,7 +149,8 @@ def test_kvcore_simd_amx_is_a_valid_cap():
     assert r.returncode == 0, r.stderr
     import json
     levels = json.loads(r.stdout)
-    # amx caps nothing below it: each family runs the best it has here
+    # amx caps nothing below it, and names the amx level: each family runs
+    # the best it has here
     assert levels["attention"] == _attention.available_simd_levels()[-1]
     assert levels["conversions"] == _convert.best_simd_level()
 

@@ -218,6 +218,12 @@ def simd_level():
     return kva_level_name(kva_current_level()).decode()
 
 
+def default_simd_level():
+    """Name of the level used unless one is set: the best this CPU supports
+    under KVCORE_SIMD, ``amx`` only when KVCORE_SIMD names it."""
+    return kva_level_name(kva_default_level()).decode()
+
+
 def simd_level_names():
     """Names of every kernel level of the registry this build knows (the
     CPU may lack some)."""

@@ -12,6 +12,11 @@ positions, shuffled block tables.  Every number is measured in the same run:
 - causal prefill of 512 / 2048 tokens: GFLOP/s (4 * n^2 / 2 * head_dim *
   heads flops) against torch float32 and bfloat16 SDPA;
 - one thread against two, for decode batch 8 and prefill 2048;
+- decode out of the caches per page dtype (float16, float8_e4m3fn, int8)
+  and thread count (1, 2), for 32/8 heads d128 and SmolLM2's 9/3 heads d64:
+  positions/s, GB/s of pages and the fraction of a ``numpy.sum`` stream
+  read of 256 MiB, alternated with the calls in one process (quick: a few
+  times the L3; full: hundreds of MB of pages);
 - the demo's kvcore loop (``python -m kvcore demo``'s default workload)
   with attention over the pages (``--attention paged``) against the gather
   path (``--attention gather``): tokens/s of the whole loop and of its pure
@@ -27,6 +32,7 @@ import contextlib
 import math
 import os
 import statistics
+import time
 
 import numpy as np
 
@@ -165,6 +171,112 @@ def bench_page_dtypes(ctx, rng, budget):
 #: a small real model's attention (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64)
 SMOLLM2_SHAPE = (9, 3, 64)
 
+#: out-of-cache decode rows: page dtypes, thread counts, and (name, shape,
+#: batch, context) per size; "full" are the sizes of hundreds of MB the
+#: goals are stated at (float16: 537 and 201 MB of pages), "quick" ones
+#: still several times a 32 MiB L3
+PAGE_DTYPES = ("float16", "float8_e4m3fn", "int8")
+PAGE_THREADS = (1, 2)
+PAGE_SHAPES = {
+    "quick": (("32/8 d128", (32, 8, 128), 4, 4096), ("9/3 d64", SMOLLM2_SHAPE, 4, 8192)),
+    "full": (("32/8 d128", (32, 8, 128), 8, 16384), ("9/3 d64", SMOLLM2_SHAPE, 8, 32768)),
+}
+STREAM_BYTES = 256 << 20
+
+
+def _page_pool(dtype, blocks, kv_heads, dim, rng, chunk=64):
+    """A pool of ``blocks`` blocks of ``dtype`` whose pages hold real
+    conversions of random K/V: ``chunk`` blocks written through
+    ``BlockPool.write`` (scales included), then copied over the rest."""
+    pool = kvcore.BlockPool(blocks, BLOCK_SIZE, 1, kv_heads, dim, dtype=dtype)
+    n = min(chunk, blocks)
+    tokens = n * BLOCK_SIZE
+    k = rng.standard_normal((tokens, kv_heads, dim)).astype(np.float32)
+    v = rng.standard_normal((tokens, kv_heads, dim)).astype(np.float32)
+    pool.write(0, k, v, np.arange(tokens, dtype=np.int64))
+    for plane in (pool.storage, pool.scales):
+        if plane is None:
+            continue
+        for start in range(n, blocks, n):
+            m = min(n, blocks - start)
+            plane[:, start:start + m] = plane[:, :m]
+    return pool
+
+
+def bench_page_rows(rng, big=False, rounds=7):
+    """Decode out of the caches per page dtype and thread count, for the
+    shapes of :data:`PAGE_SHAPES`: every call of every (dtype, threads) row
+    and a ``numpy.sum`` of :data:`STREAM_BYTES` (float32) alternated in
+    ``rounds`` rounds, in one process.  Per row: seconds (median and
+    [min-max]), positions/s, GB/s of pages read (K and V, int8 scales
+    included), that GB/s as a fraction of the stream read's, and the
+    positions/s against float16's at the same thread count."""
+    out = {}
+    stream = np.ones(STREAM_BYTES // 4, np.float32)
+    before = kvcore.get_num_threads()
+    try:
+        for name, (heads, kv_heads, dim), batch, ctx in PAGE_SHAPES["full" if big else "quick"]:
+            nblk = ctx // BLOCK_SIZE
+            pools = {d: _page_pool(d, nblk * batch, kv_heads, dim, rng) for d in PAGE_DTYPES}
+            tables = rng.permutation(nblk * batch).astype(np.int32).reshape(batch, nblk)
+            lens = np.full(batch, ctx, np.int64)
+            q = rng.standard_normal((batch, heads, dim)).astype(np.float32)
+            outq = np.empty_like(q)
+            times = {(d, t): [] for d in PAGE_DTYPES for t in PAGE_THREADS}
+            streams = []
+            for d, t in times:   # warm-up (and the plans' first use)
+                kvcore.set_num_threads(t)
+                kvcore.paged_attention(q, pools[d], 0, tables, lens, out=outq)
+            stream.sum()
+            for _ in range(rounds):
+                for (d, t), ts in times.items():
+                    kvcore.set_num_threads(t)
+                    t0 = time.perf_counter()
+                    kvcore.paged_attention(q, pools[d], 0, tables, lens, out=outq)
+                    ts.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                stream.sum()
+                streams.append(time.perf_counter() - t0)
+            stream_gbps = STREAM_BYTES / statistics.median(streams) / 1e9
+            rows = {}
+            for (d, t), ts in times.items():
+                med = statistics.median(ts)
+                nbytes = batch * ctx * pools[d].bytes_per_token
+                rows[f"{d}_{t}t"] = {
+                    "dtype": d, "threads": t, "s": med, "s_range": [min(ts), max(ts)],
+                    "positions_per_s": batch * ctx / med, "GBps": nbytes / med / 1e9,
+                    "fraction_of_stream": nbytes / med / 1e9 / stream_gbps,
+                    "page_bytes": nbytes}
+            for r in rows.values():
+                f16 = rows[f"float16_{r['threads']}t"]
+                r["positions_vs_float16"] = f16["s"] / r["s"]
+                one = rows[f"{r['dtype']}_1t"]
+                r["vs_1_thread"] = one["s"] / r["s"]
+            out[name] = {"shape": [heads, kv_heads, dim], "batch": batch, "context": ctx,
+                         "stream_GBps": stream_gbps,
+                         "stream_s_range": [min(streams), max(streams)], "rows": rows}
+            del pools
+    finally:
+        kvcore.set_num_threads(before)
+    return out
+
+
+def page_report(res):
+    """The lines of :func:`bench_page_rows`' table."""
+    lines = ["decode out of the caches, by page dtype and threads (positions/s, GB/s of pages, "
+             "fraction of a numpy.sum stream read in the same run, positions/s vs float16)"]
+    for name, r in res.items():
+        lines.append(f"  {name} ({r['shape'][0]}/{r['shape'][1]} heads, d{r['shape'][2]}), "
+                     f"{r['batch']} x {r['context']}, stream read {r['stream_GBps']:.1f} GB/s")
+        for row in r["rows"].values():
+            lo, hi = row["s_range"]
+            lines.append(
+                f"    {row['dtype']:14s} {row['threads']} thr  {row['s'] * 1e3:8.2f} ms "
+                f"[{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {row['positions_per_s'] / 1e6:6.2f} M pos/s "
+                f"{row['GBps']:6.1f} GB/s  {row['fraction_of_stream']:5.2f} of stream  "
+                f"{row['positions_vs_float16']:5.2f}x float16  {row['vs_1_thread']:5.2f}x 1 thr")
+    return "\n".join(lines)
+
 
 def bench_prefill(n, rng, budget, torch=None, F=None, threads=(1,),
                   shape=(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)):
@@ -272,9 +384,13 @@ def _session(quick, seed):
             torch.set_num_threads(torch_threads)
 
 
-def run(quick=False, seed=0):
-    """All measurements, as a dict (see the module docstring)."""
+def run(quick=False, seed=0, full=None):
+    """All measurements, as a dict (see the module docstring).  ``full``:
+    the out-of-cache page rows at their big sizes (default: when not
+    ``quick``, as ``python -m kvcore bench --full`` runs it)."""
     with _session(quick, seed) as (torch, F, rng, budget, res):
+        res["pages"] = bench_page_rows(rng, big=(not quick) if full is None else full,
+                                       rounds=5 if quick else 9)
         decode = [(512, 1), (4096, 8)] if quick else \
             [(512, 1), (512, 8), (4096, 1), (4096, 8), (16384, 1), (16384, 8)]
         for ctx, batch in decode:
@@ -338,6 +454,9 @@ def report(res):
             f"{_f(r.get('speedup_vs_torch_f32'), '12.2f')} "
             f"{_f(r.get('speedup_vs_torch_bf16'), '13.2f')} "
             f"{_f(r.get('speedup_2t_vs_1t'), '10.2f')}")
+    if res.get("pages"):
+        lines.append("")
+        lines.append(page_report(res["pages"]))
     if "demo" in res:
         d = res["demo"]
         lines.append("")
@@ -370,6 +489,14 @@ def rows(res):
                     ratio_text(r["speedup_vs_numpy"])))
         if "speedup_2t_vs_1t" in r:
             out.append(("", "", "kvcore on 2 threads", ratio_text(r["speedup_2t_vs_1t"])))
+    for name, r in (res.get("pages") or {}).items():
+        for row in r["rows"].values():
+            label = (f"attention decode {name} {r['batch']}x{r['context']} "
+                     f"{row['dtype']} {row['threads']}t")
+            out.append((label, f"{row['positions_per_s'] / 1e6:.2f} M pos/s",
+                        f"{row['GBps']:.1f} GB/s, {row['fraction_of_stream']:.2f} of the "
+                        f"{r['stream_GBps']:.1f} GB/s stream read",
+                        f"{row['positions_vs_float16']:.2f}x f16"))
     for name, r in res["prefill"].items():
         label = f"attention causal prefill {r['tokens']} tok"
         t = f"{r['kvcore_1t_s'] * 1e3:.1f} ms, {r['kvcore_GFLOPps']:.1f} GFLOP/s"

@@ -147,9 +147,10 @@ int64_t kva_plan_num_items(const kva_plan *plan);
 int kva_plan_num_threads(const kva_plan *plan);
 
 /* Kernel level: the default (the best this CPU supports at or under the
- * KVCORE_SIMD cap, kv_simd.h) unless set.  The names are the registry's. */
+ * KVCORE_SIMD cap, kv_simd.h; amx only when KVCORE_SIMD names it) unless
+ * set.  The names are the registry's. */
 int kva_best_level(void);    /* the best this CPU supports (no cap) */
-int kva_default_level(void); /* the best under the KVCORE_SIMD cap */
+int kva_default_level(void); /* the best under the KVCORE_SIMD cap (amx opt-in) */
 int kva_level_supported(int level);
 int kva_current_level(void);
 int kva_set_level(int level);          /* 0, or -1 (unchanged) if unsupported */

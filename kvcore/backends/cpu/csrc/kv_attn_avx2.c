@@ -67,8 +67,12 @@ KVA_INLINE int rows_have_e4m3_nan_avx2(const char *const *rows, int n, int D)
     return _mm_movemask_epi8(_mm_cmpeq_epi8(mx8, _mm_set1_epi8((char)0xFF))) != 0;
 }
 
-/* An internal kind of the AVX2 kernels: e4m3fn read with its NaN blend. */
+/* Internal kinds of the AVX2 kernels: e4m3fn read with its NaN blend;
+ * e4m3fn read without it while every 32-byte piece of the rows read is
+ * searched for NaN codes (decode calls of head_dim 64 or 128, see
+ * const_dims_avx2). */
 #define KVA_F8E4M3_NAN 6
+#define KVA_F8E4M3_CHK 7
 
 /* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift;
  * e4m3fn: divided by 2^8; e5m2: the high byte of a half; int8: the code,
@@ -90,6 +94,35 @@ KVA_INLINE __m256 load8_avx2(const char *p, int kind)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The 16 elements of an 8-bit `kind` at p widened as load8_avx2 does, into
+ * o[0] (the first 8) and o[1]: e4m3fn and e5m2 are widened to 16 bits 16 at
+ * a time (one extension, one shift, one mask for 16), then two
+ * conversions; int8 as two loads of 8. */
+KVA_INLINE void load16x2_avx2(const char *p, int kind, __m256 *o)
+{
+    if (kind == KVA_I8 || kind == KVA_F8E4M3_NAN) {
+        o[0] = load8_avx2(p, kind);
+        o[1] = load8_avx2(p + 8, kind);
+        return;
+    }
+    /* (e5m2: the shift drops the extended sign) */
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = kind == KVA_F8E5M2
+                          ? _mm256_slli_epi16(w, 8)
+                          : _mm256_and_si256(_mm256_slli_epi16(w, 7),
+                                             _mm256_set1_epi16((short)0xBF80));
+    o[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    o[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* 32 e4m3fn codes at p folded into a NaN search: the unsigned max of the
+ * bytes with their sign bit set is 0xFF exactly when one is a NaN code. */
+KVA_INLINE __m256i nan_fold_avx2(__m256i mx, const char *p)
+{
+    return _mm256_max_epu8(mx, _mm256_or_si256(_mm256_loadu_si256((const __m256i *)p),
+                                               _mm256_set1_epi8((char)0x80)));
 }
 
 /* Lane a of the result is the sum of the lanes of v[a] (a fixed order). */
@@ -183,35 +216,89 @@ KVA_INLINE void prefetch_at_avx2(const char *next, size_t off)
         __builtin_prefetch(next + off, 0, 3);
 }
 
-/* RB query rows x KB keys of the score tile: RB * KB == 8 accumulators;
- * nk: the next tile's rows to prefetch, or NULL. */
-KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, int kind, int RB,
-                               int KB, int r, int i, float *S, const char *const *nk)
+/* acc[rb * KB + kb] += q[r + rb][8 v ..] * kv[kb], for the RB rows. */
+KVA_INLINE void dot_fma_avx2(__m256 *acc, const __m256 *kv, const float *q0, int D, int RB, int KB,
+                             int v)
 {
-    const int isz = kva_isz(kind);
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; rb++) {
+        __m256 qv = _mm256_loadu_ps(q0 + (size_t)rb * D + 8 * v);
+        /* one load per q vector, reused for the KB keys (GCC would
+         * otherwise fold a load into every FMA) */
+        __asm__("" : "+x"(qv));
+#pragma GCC unroll 8
+        for (int kb = 0; kb < KB; kb++)
+            acc[rb * KB + kb] = _mm256_fmadd_ps(qv, kv[kb], acc[rb * KB + kb]);
+    }
+}
+
+/* RB query rows x KB keys of the score tile, RB * KB <= 8 accumulators,
+ * over D / 8 vectors of 8 dims; PF (a constant): each line of the next
+ * tile's rows nk[i + kb] is prefetched beside the load of the same line;
+ * CONST: D is a constant (the loop unrolls whole).  e4m3fn and e5m2 are
+ * widened 16 elements at a time where registers allow (KB <= 2).
+ * KVA_F8E4M3_CHK (head_dim a multiple of 32): returns 1 when a key holds a
+ * NaN code (the block is then computed again with the blend); else 0. */
+KVA_INLINE int dot_block_avx2(const float *Qs, int D, const char *const *krow, int kind, int RB,
+                              int KB, int r, int i, float *S, const char *const *nk, int PF,
+                              int CONST)
+{
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int isz = kva_isz(lk);
+    const int pairs = (lk == KVA_F8E4M3 || lk == KVA_F8E5M2) && KB <= 2;
+    if (RB < 1 || KB < 1 || RB * KB > 8)
+        __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
     __m256 acc[8];
+    __m256i mx = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int a = 0; a < 8; a++)
         acc[a] = _mm256_setzero_ps();
     const float *q0 = Qs + (size_t)r * D;
-    for (int d = 0; d < D; d += 8) {
-        __m256 kv[8];
+    const char *kp[8] = {NULL}, *np[8] = {NULL};
 #pragma GCC unroll 8
-        for (int kb = 0; kb < KB; kb++) {
-            kv[kb] = load8_avx2(krow[i + kb] + (size_t)d * isz, kind);
-            prefetch_at_avx2(nk != NULL ? nk[i + kb] : NULL, (size_t)d * isz);
-        }
-#pragma GCC unroll 8
-        for (int rb = 0; rb < RB; rb++) {
-            __m256 qv = _mm256_loadu_ps(q0 + (size_t)rb * D + d);
-            /* one load per q vector, reused for the KB keys (GCC would
-             * otherwise fold a load into every FMA) */
-            __asm__("" : "+x"(qv));
-#pragma GCC unroll 8
-            for (int kb = 0; kb < KB; kb++)
-                acc[rb * KB + kb] = _mm256_fmadd_ps(qv, kv[kb], acc[rb * KB + kb]);
-        }
+    for (int kb = 0; kb < KB; kb++) {
+        kp[kb] = krow[i + kb];
+        np[kb] = PF ? nk[i + kb] : NULL;
     }
+#define KVA_DOT_STEP(v, two)                                                                 \
+    do {                                                                                     \
+        const size_t off = (size_t)(v) * 8 * isz;                                            \
+        __m256 kv[8], kw[8];                                                                 \
+        _Pragma("GCC unroll 8") for (int kb = 0; kb < KB; kb++)                              \
+        {                                                                                    \
+            if (two) {                                                                       \
+                __m256 t[2];                                                                 \
+                load16x2_avx2(kp[kb] + off, lk, t);                                          \
+                kv[kb] = t[0];                                                               \
+                kw[kb] = t[1];                                                               \
+            } else {                                                                         \
+                kv[kb] = load8_avx2(kp[kb] + off, lk);                                       \
+            }                                                                                \
+            if (PF && (off & 63) == 0)                                                       \
+                __builtin_prefetch(np[kb] + off, 0, 3);                                      \
+            if (chk && (off & 31) == 0)                                                      \
+                mx = nan_fold_avx2(mx, kp[kb] + off);                                        \
+        }                                                                                    \
+        dot_fma_avx2(acc, kv, q0, D, RB, KB, (v));                                           \
+        if (two)                                                                             \
+            dot_fma_avx2(acc, kw, q0, D, RB, KB, (v) + 1);                                   \
+    } while (0)
+    const int NV = D / 8;
+    int v = 0;
+    if (CONST) {
+        if (pairs) {
+#pragma GCC unroll 8
+            for (; v + 2 <= NV; v += 2)
+                KVA_DOT_STEP(v, 1);
+        }
+#pragma GCC unroll 16
+        for (; v < NV; v++)
+            KVA_DOT_STEP(v, 0);
+    } else {
+        for (; v < NV; v++)
+            KVA_DOT_STEP(v, 0);
+    }
+#undef KVA_DOT_STEP
     float sums[8];
     _mm256_storeu_ps(sums, hsum8x8_avx2(acc));
 #pragma GCC unroll 8
@@ -219,33 +306,110 @@ KVA_INLINE void dot_block_avx2(const float *Qs, int D, const char *const *krow, 
 #pragma GCC unroll 8
         for (int kb = 0; kb < KB; kb++)
             S[(r + rb) * KVA_KEY_TILE + i + kb] = sums[rb * KB + kb];
+    return chk && _mm256_movemask_epi8(_mm256_cmpeq_epi8(mx, _mm256_set1_epi8((char)0xFF))) != 0;
 }
 
-/* The first block of rows prefetches the next tile's keys (nk). */
+/* A score block whose keys hold an e4m3fn NaN code (rare), with the blend. */
+KVA_TARGET __attribute__((noinline)) static void
+dot_block_nan_avx2(const float *Qs, int D, const char *const *krow, int RB, int KB, int r, int i,
+                   float *S)
+{
+    const int k = KVA_F8E4M3_NAN;
+    switch (RB * 16 + KB) {
+    case 1 * 16 + 8: dot_block_avx2(Qs, D, krow, k, 1, 8, r, i, S, NULL, 0, 0); break;
+    case 2 * 16 + 4: dot_block_avx2(Qs, D, krow, k, 2, 4, r, i, S, NULL, 0, 0); break;
+    case 3 * 16 + 2: dot_block_avx2(Qs, D, krow, k, 3, 2, r, i, S, NULL, 0, 0); break;
+    default: dot_block_avx2(Qs, D, krow, k, 4, 2, r, i, S, NULL, 0, 0); break;
+    }
+}
+
+/* Rows r .. r + RB - 1 over every key of the tile, KB keys a block. */
+KVA_INLINE void dot_rows_avx2(const float *Qs, int D, const char *const *krow, int ntp, int kind,
+                              int RB, int KB, int r, float *S, const char *const *nk, int PF,
+                              int CONST)
+{
+    for (int i = 0; i < ntp; i += KB)
+        if (dot_block_avx2(Qs, D, krow, kind, RB, KB, r, i, S, nk, PF, CONST))
+            dot_block_nan_avx2(Qs, D, krow, RB, KB, r, i, S);
+}
+
+/* Whether a decode call of `kind`, M rows and head_dim D runs bodies with
+ * D a constant: head_dims 64 and 128, M <= 4 (the rows of one GQA group of
+ * up to 4; the kinds but float32 widen their tiles for more rows), not
+ * float32 nor the NaN blend.  Such a call always prefetches (the last
+ * tile: its own rows, already in the cache): each body exists once. */
+static inline int const_dims_avx2(int kind, int M, int D)
+{
+    return kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 && (D == 64 || D == 128);
+}
+
+/* One GQA group's rows (M <= 4) at head_dim D (a constant), prefetching:
+ * one block of rows, so each key is widened once (3 rows: SmolLM2's). */
+KVA_INLINE void dot_group_avx2(int kind, int D, const float *Qs, int M, const char *const *krow,
+                               int ntp, float *S, const char *const *nk)
+{
+    switch (M) {
+    case 1: dot_rows_avx2(Qs, D, krow, ntp, kind, 1, 8, 0, S, nk, 1, 1); break;
+    case 2: dot_rows_avx2(Qs, D, krow, ntp, kind, 2, 4, 0, S, nk, 1, 1); break;
+    case 3: dot_rows_avx2(Qs, D, krow, ntp, kind, 3, 2, 0, S, nk, 1, 1); break;
+    default: dot_rows_avx2(Qs, D, krow, ntp, kind, 4, 2, 0, S, nk, 1, 1); break;
+    }
+}
+
+/* The first block of rows prefetches the next tile's keys (nk; the last
+ * tile: its own rows). */
 KVA_INLINE void scores_avx2(int kind, const float *Qs, int M, int D, const char *const *krow,
                             int ntp, float *S, const char *const *nk)
 {
+    const char *const *pk = nk != NULL ? nk : krow;
+    if (const_dims_avx2(kind, M, D)) {
+        if (D == 64)
+            dot_group_avx2(kind, 64, Qs, M, krow, ntp, S, pk);
+        else
+            dot_group_avx2(kind, 128, Qs, M, krow, ntp, S, pk);
+        return;
+    }
     int r = 0;
-    for (; r + 4 <= M; r += 4)
-        for (int i = 0; i < ntp; i += 2)
-            dot_block_avx2(Qs, D, krow, kind, 4, 2, r, i, S, r == 0 ? nk : NULL);
+    for (; r + 4 <= M; r += 4) {
+        if (r == 0)
+            dot_rows_avx2(Qs, D, krow, ntp, kind, 4, 2, r, S, pk, 1, 0);
+        else
+            dot_rows_avx2(Qs, D, krow, ntp, kind, 4, 2, r, S, NULL, 0, 0);
+    }
     if (r + 2 <= M) {
-        for (int i = 0; i < ntp; i += 4)
-            dot_block_avx2(Qs, D, krow, kind, 2, 4, r, i, S, r == 0 ? nk : NULL);
+        if (r == 0)
+            dot_rows_avx2(Qs, D, krow, ntp, kind, 2, 4, r, S, pk, 1, 0);
+        else
+            dot_rows_avx2(Qs, D, krow, ntp, kind, 2, 4, r, S, NULL, 0, 0);
         r += 2;
     }
-    if (r < M)
-        for (int i = 0; i < ntp; i += 8)
-            dot_block_avx2(Qs, D, krow, kind, 1, 8, r, i, S, r == 0 ? nk : NULL);
+    if (r < M) {
+        if (r == 0)
+            dot_rows_avx2(Qs, D, krow, ntp, kind, 1, 8, r, S, pk, 1, 0);
+        else
+            dot_rows_avx2(Qs, D, krow, ntp, kind, 1, 8, r, S, NULL, 0, 0);
+    }
 }
 
-/* RB rows x DB vectors of 8 dims of the accumulator, over nt keys. */
+/* RB rows x DB vectors of 8 dims of the accumulator, over nt keys; PF (a
+ * constant): the lines of the next tile's rows nv[i] are prefetched beside
+ * the loads of the same lines.  e4m3fn and e5m2 are widened 16 elements at
+ * a time (DB even).  KVA_F8E4M3_CHK (DB even): the values are read without
+ * the NaN blend while each 16-byte piece is searched, per dim, for NaN
+ * codes; a dim where one of the keys holds one becomes NaN, as the blend
+ * would make it (p times NaN is NaN, and stays NaN). */
 KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, int nt, int kind,
                               int RB, int DB, int r, int d, float *acc, const float *alpha,
-                              const char *const *nv)
+                              const char *const *nv, int PF)
 {
-    const int isz = kva_isz(kind);
-    __m256 a[16];
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int isz = kva_isz(lk);
+    const int pairs = (lk == KVA_F8E4M3 || lk == KVA_F8E5M2) && DB % 2 == 0;
+    if (RB < 1 || DB < 1 || DB > 8 || RB * DB > 8)
+        __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
+    __m256 a[8];
+    __m128i mx[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(),
+                     _mm_setzero_si128()};
 #pragma GCC unroll 8
     for (int rb = 0; rb < RB; rb++) {
         __m256 al = _mm256_set1_ps(alpha[r + rb]);
@@ -256,11 +420,22 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
     }
     const size_t off = (size_t)d * isz;
     for (int i = 0; i < nt; i++) {
-        __m256 v[16];
+        const char *row = vrow[i] + off, *next = PF ? nv[i] + off : NULL;
+        __m256 v[8];
 #pragma GCC unroll 8
         for (int db = 0; db < DB; db++) {
-            v[db] = load8_avx2(vrow[i] + off + (size_t)db * 8 * isz, kind);
-            prefetch_at_avx2(nv != NULL ? nv[i] : NULL, off + (size_t)db * 8 * isz);
+            if (pairs) {
+                if (db % 2 == 0)
+                    load16x2_avx2(row + (size_t)db * 8, lk, v + db);
+            } else {
+                v[db] = load8_avx2(row + (size_t)db * 8 * isz, lk);
+            }
+            if (PF && ((off + (size_t)db * 8 * isz) & 63) == 0)
+                __builtin_prefetch(next + (size_t)db * 8 * isz, 0, 3);
+            if (chk && db % 2 == 0)
+                mx[db / 2] = _mm_max_epu8(mx[db / 2],
+                                          _mm_or_si128(_mm_loadu_si128((const __m128i *)(row + db * 8)),
+                                                       _mm_set1_epi8((char)0x80)));
         }
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
@@ -270,6 +445,24 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
                 a[rb * DB + db] = _mm256_fmadd_ps(p, v[db], a[rb * DB + db]);
         }
     }
+    if (chk) {
+        __m128i any = _mm_setzero_si128();
+#pragma GCC unroll 4
+        for (int l = 0; l < DB / 2; l++) {
+            mx[l] = _mm_cmpeq_epi8(mx[l], _mm_set1_epi8((char)0xFF));
+            any = _mm_or_si128(any, mx[l]);
+        }
+        if (_mm_movemask_epi8(any) != 0) { /* (rare) */
+#pragma GCC unroll 8
+            for (int db = 0; db < DB; db++) {
+                const __m128i bytes = db % 2 ? _mm_srli_si128(mx[db / 2], 8) : mx[db / 2];
+                const __m256 m = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(bytes));
+#pragma GCC unroll 8
+                for (int rb = 0; rb < RB; rb++)
+                    a[rb * DB + db] = _mm256_blendv_ps(a[rb * DB + db], _mm256_set1_ps(NAN), m);
+            }
+        }
+    }
 #pragma GCC unroll 8
     for (int rb = 0; rb < RB; rb++)
 #pragma GCC unroll 8
@@ -277,29 +470,62 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
             _mm256_storeu_ps(acc + (size_t)(r + rb) * D + d + db * 8, a[rb * DB + db]);
 }
 
+/* Rows r .. r + RB - 1: DB vectors at a time, then single vectors. */
+KVA_INLINE void pv_rows_avx2(const float *P, int D, const char *const *vrow, int nt, int kind,
+                             int RB, int DB, int r, float *acc, const float *alpha,
+                             const char *const *nv, int PF)
+{
+    int d = 0;
+    for (; d + 8 * DB <= D; d += 8 * DB)
+        pv_block_avx2(P, D, vrow, nt, kind, RB, DB, r, d, acc, alpha, nv, PF);
+    for (; d < D; d += 8)
+        pv_block_avx2(P, D, vrow, nt, kind, RB, 1, r, d, acc, alpha, nv, PF);
+}
+
 KVA_INLINE void pv_avx2(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
                         float *acc, const float *alpha, const char *const *nv)
 {
+    if (const_dims_avx2(kind, M, D)) {
+        /* one block of rows (each value widened once), prefetching (the
+         * last tile: its own rows); D a constant */
+        const char *const *pn = nv != NULL ? nv : vrow;
+#define KVA_PV_GROUP(DC)                                                                     \
+    do {                                                                                     \
+        switch (M) {                                                                         \
+        case 1: pv_rows_avx2(P, DC, vrow, nt, kind, 1, 8, 0, acc, alpha, pn, 1); break;      \
+        case 2: pv_rows_avx2(P, DC, vrow, nt, kind, 2, 4, 0, acc, alpha, pn, 1); break;      \
+        case 3: pv_rows_avx2(P, DC, vrow, nt, kind, 3, 2, 0, acc, alpha, pn, 1); break;      \
+        default: pv_rows_avx2(P, DC, vrow, nt, kind, 4, 2, 0, acc, alpha, pn, 1); break;     \
+        }                                                                                    \
+    } while (0)
+        if (D == 64)
+            KVA_PV_GROUP(64);
+        else
+            KVA_PV_GROUP(128);
+#undef KVA_PV_GROUP
+        return;
+    }
     /* the first block of rows prefetches the next tile's values (nv) */
-    int r = 0, d;
+    const int PF = nv != NULL;
+    int r = 0;
     for (; r + 4 <= M; r += 4) {
-        for (d = 0; d + 16 <= D; d += 16)
-            pv_block_avx2(P, D, vrow, nt, kind, 4, 2, r, d, acc, alpha, r == 0 ? nv : NULL);
-        for (; d < D; d += 8)
-            pv_block_avx2(P, D, vrow, nt, kind, 4, 1, r, d, acc, alpha, r == 0 ? nv : NULL);
+        if (PF && r == 0)
+            pv_rows_avx2(P, D, vrow, nt, kind, 4, 2, r, acc, alpha, nv, 1);
+        else
+            pv_rows_avx2(P, D, vrow, nt, kind, 4, 2, r, acc, alpha, NULL, 0);
     }
     if (r + 2 <= M) {
-        for (d = 0; d + 32 <= D; d += 32)
-            pv_block_avx2(P, D, vrow, nt, kind, 2, 4, r, d, acc, alpha, r == 0 ? nv : NULL);
-        for (; d < D; d += 8)
-            pv_block_avx2(P, D, vrow, nt, kind, 2, 1, r, d, acc, alpha, r == 0 ? nv : NULL);
+        if (PF && r == 0)
+            pv_rows_avx2(P, D, vrow, nt, kind, 2, 4, r, acc, alpha, nv, 1);
+        else
+            pv_rows_avx2(P, D, vrow, nt, kind, 2, 4, r, acc, alpha, NULL, 0);
         r += 2;
     }
     if (r < M) {
-        for (d = 0; d + 64 <= D; d += 64)
-            pv_block_avx2(P, D, vrow, nt, kind, 1, 8, r, d, acc, alpha, r == 0 ? nv : NULL);
-        for (; d < D; d += 8)
-            pv_block_avx2(P, D, vrow, nt, kind, 1, 1, r, d, acc, alpha, r == 0 ? nv : NULL);
+        if (PF && r == 0)
+            pv_rows_avx2(P, D, vrow, nt, kind, 1, 8, r, acc, alpha, nv, 1);
+        else
+            pv_rows_avx2(P, D, vrow, nt, kind, 1, 8, r, acc, alpha, NULL, 0);
     }
 }
 
@@ -341,22 +567,31 @@ KVA_AVX2_KIND(bf16, KVA_BF16)
 KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX2_KIND(i8, KVA_I8)
 
-/* e4m3fn: the tile's rows are searched for NaN codes once (a few byte
- * compares per row); only a tile that holds one pays for the NaN blend of
- * every 8 elements. */
+/* e4m3fn: decode calls of head_dim 64 and 128 (up to 4 rows) search the
+ * bytes they read for NaN codes as they go (KVA_F8E4M3_CHK); the others
+ * search the tile's rows once (a few byte compares per row) and only a
+ * tile that holds one pays for the NaN blend of every 8 elements.  (Each
+ * body with its kind a constant: a kind chosen at run time would be a test
+ * in every load of the inner loops.) */
 KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst,
                                        const char *const *next)
 {
-    const int kind = rows_have_e4m3_nan_avx2(rows, n, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
-    widen_avx2(kind, rows, n, D, dst, next);
+    if (rows_have_e4m3_nan_avx2(rows, n, D))
+        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst, next);
+    else
+        widen_avx2(KVA_F8E4M3, rows, n, D, dst, next);
 }
 
 KVA_TARGET static void scores_e4m3_avx2(const float *Qs, int M, int D, const char *const *krow,
                                         int ntp, float *S, float *t, const char *const *next)
 {
     (void)t;
-    const int kind = rows_have_e4m3_nan_avx2(krow, ntp, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
-    scores_avx2(kind, Qs, M, D, krow, ntp, S, next);
+    if (const_dims_avx2(KVA_F8E4M3_CHK, M, D))
+        scores_avx2(KVA_F8E4M3_CHK, Qs, M, D, krow, ntp, S, next);
+    else if (rows_have_e4m3_nan_avx2(krow, ntp, D))
+        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, next);
+    else
+        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S, next);
 }
 
 KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *const *vrow, int nt,
@@ -364,8 +599,12 @@ KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *co
                                     const char *const *next)
 {
     (void)t;
-    const int kind = rows_have_e4m3_nan_avx2(vrow, nt, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
-    pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, next);
+    if (const_dims_avx2(KVA_F8E4M3_CHK, M, D))
+        pv_avx2(KVA_F8E4M3_CHK, P, M, D, vrow, nt, acc, alpha, next);
+    else if (rows_have_e4m3_nan_avx2(vrow, nt, D))
+        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
+    else
+        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
 }
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)

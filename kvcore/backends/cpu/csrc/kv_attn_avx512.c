@@ -43,10 +43,20 @@
 #ifndef KVA_AVX512_TARGET
 #define KVA_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #endif
+#ifdef KVA_AVX512_SIMDE
+/* the SIMDe test build: the compiler's own inlining (forcing it, the
+ * emulated intrinsics of every kernel shape take many minutes to compile) */
+#define KVA_INLINE static inline KVA_AVX512_TARGET
+#else
 #define KVA_INLINE static inline __attribute__((always_inline)) KVA_AVX512_TARGET
+#endif
 
-/* An internal kind of these kernels: e4m3fn read with its NaN blend. */
+/* Internal kinds of these kernels: e4m3fn read with its NaN blend; e4m3fn
+ * read without it while every 64-byte line read is searched for the NaN
+ * codes (decode blocks of head_dim 64 or 128: a block that finds one is
+ * computed again with the blend, its results not stored before). */
 #define KVA_F8E4M3_NAN 6
+#define KVA_F8E4M3_CHK 7
 
 /* The 16 (half: 8, the upper lanes 0) elements of `kind` at p, widened to
  * float32.  bf16: a 16-bit shift; e4m3fn: each byte, sign-extended to 16
@@ -84,6 +94,36 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
         h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
     }
     return _mm512_cvtph_ps(h);
+}
+
+/* The 32 elements of `kind` at p, widened to float32 as load16_avx512
+ * does, into o[0] (the first 16) and o[1]: the 8-bit kinds are widened to
+ * 16 bits 32 at a time (one sign or zero extension, one shift, one mask
+ * for 32 elements, then two conversions), 3 instructions per 16 elements
+ * for e4m3fn where load16_avx512 takes 4. */
+KVA_INLINE void load32_avx512(const char *p, int kind, __m512 *o)
+{
+    if (kind == KVA_F32 || kind == KVA_F16 || kind == KVA_BF16 || kind == KVA_I8) {
+        o[0] = load16_avx512(p, kind, 0);
+        o[1] = load16_avx512(p + 16 * kva_isz(kind), kind, 0);
+        return;
+    }
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    __m512i h;
+    if (kind == KVA_F8E5M2) { /* (the shift drops the extended sign) */
+        h = _mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 8);
+    } else {
+        h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+                             _mm512_set1_epi16((short)0xBF80));
+        if (kind == KVA_F8E4M3_NAN) {
+            const __mmask32 nan = _mm512_cmpeq_epu16_mask(
+                _mm512_or_si512(h, _mm512_set1_epi16((short)0x8000)),
+                _mm512_set1_epi16((short)0xBF80));
+            h = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(h, _mm512_set1_epi16(0x7C00)));
+        }
+    }
+    o[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    o[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
 /* 16 (half: 8, the rest 0) floats at p. */
@@ -137,18 +177,6 @@ KVA_INLINE int rows_have_e4m3_nan_avx512(const char *const *rows, int n, int D)
 KVA_INLINE __m256 fold_avx512(__m512 v)
 {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-}
-
-/* Lane a of the result is the sum of the 16 lanes of v[a] (a fixed order). */
-KVA_INLINE __m256 hsum8x16_avx512(const __m512 *v)
-{
-    __m256 t0 = _mm256_hadd_ps(fold_avx512(v[0]), fold_avx512(v[1]));
-    __m256 t1 = _mm256_hadd_ps(fold_avx512(v[2]), fold_avx512(v[3]));
-    __m256 t2 = _mm256_hadd_ps(fold_avx512(v[4]), fold_avx512(v[5]));
-    __m256 t3 = _mm256_hadd_ps(fold_avx512(v[6]), fold_avx512(v[7]));
-    __m256 u0 = _mm256_hadd_ps(t0, t1); /* [0 1 2 3 | 0 1 2 3] halves */
-    __m256 u1 = _mm256_hadd_ps(t2, t3); /* [4 5 6 7 | 4 5 6 7] halves */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 KVA_INLINE float hsum_avx512(__m512 v)
@@ -218,49 +246,6 @@ KVA_INLINE __m512 tanh_avx512(__m512 x)
     big = _mm512_or_ps(big, _mm512_and_ps(x, sign_mask));
     __mmask16 is_small = _mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.3f), _CMP_LT_OQ);
     return _mm512_mask_blend_ps(is_small, big, small);
-}
-
-/* RB query rows x KB keys of the score tile: RB * KB == 8 or 16
- * accumulators of 16 lanes (of 32 registers, with KB key vectors). */
-KVA_INLINE void dot_block_avx512(const float *Qs, int D, const char *const *krow, int kind,
-                                 int RB, int KB, int r, int i, float *S, const char *const *nk)
-{
-    const int isz = kva_isz(kind);
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int a = 0; a < 16; a++)
-        acc[a] = _mm512_setzero_ps();
-    const float *q0 = Qs + (size_t)r * D;
-    for (int d = 0; d < D; d += 16) {
-        const int half = D - d < 16; /* the last 8 dims of a head_dim of 16 k + 8 */
-        __m512 kv[8];
-#pragma GCC unroll 8
-        for (int kb = 0; kb < KB; kb++) {
-            kv[kb] = load16_avx512(krow[i + kb] + (size_t)d * isz, kind, half);
-            prefetch_at_avx512(nk != NULL ? nk[i + kb] : NULL, (size_t)d * isz);
-        }
-#pragma GCC unroll 8
-        for (int rb = 0; rb < RB; rb++) {
-            __m512 qv = loadf_avx512(q0 + (size_t)rb * D + d, half);
-#ifndef KVA_AVX512_SIMDE
-            /* one load per q vector, reused for the KB keys (GCC would
-             * otherwise fold a load into every FMA) */
-            __asm__("" : "+v"(qv));
-#endif
-#pragma GCC unroll 8
-            for (int kb = 0; kb < KB; kb++)
-                acc[rb * KB + kb] = _mm512_fmadd_ps(qv, kv[kb], acc[rb * KB + kb]);
-        }
-    }
-    float sums[16];
-    _mm256_storeu_ps(sums, hsum8x16_avx512(acc));
-    if (RB * KB > 8)
-        _mm256_storeu_ps(sums + 8, hsum8x16_avx512(acc + 8));
-#pragma GCC unroll 8
-    for (int rb = 0; rb < RB; rb++)
-#pragma GCC unroll 8
-        for (int kb = 0; kb < KB; kb++)
-            S[(r + rb) * KVA_KEY_TILE + i + kb] = sums[rb * KB + kb];
 }
 
 /* Transpose the 16 x 16 floats of r in place (lane j of r[i] becomes lane i
@@ -373,6 +358,291 @@ KVA_INLINE void qk_all_rows_avx512(const float *Qs, int M, int D, const float *K
     }
 }
 
+/* ------------------------------------------------------------------ */
+/* Decode-like items (fewer than KVA_TILE_ROWS rows): memory-bound when  */
+/* the pages come from DRAM, so every instruction that is not a load or  */
+/* an FMA is taken out of the loop over the keys: head_dim 64 and 128    */
+/* are compile-time constants (every load, prefetch and half-vector test */
+/* resolved), the kind is a constant (e4m3fn's NaN search picks one of   */
+/* two bodies, not a test per load), the prefetch of the next tile is    */
+/* its own body, and the RB x KB dot products of a block are summed      */
+/* across their lanes by one transpose-and-add tree (2.8 instructions a  */
+/* sum for 16, against 4 for the pairwise hadd of hsum8x16).             */
+/* ------------------------------------------------------------------ */
+
+/* Lane j of the result: the sum of the 16 lanes of v[j] for j < n (n a
+ * constant, at most 16; the other lanes 0).  Pairs of vectors are
+ * interleaved and added within their 128-bit lanes twice (4 sums per
+ * 128-bit lane), then the 128-bit lanes are added pairwise twice; a fixed
+ * order, so the same bits every call. */
+KVA_INLINE __m512 reduce16_avx512(const __m512 *v, int n)
+{
+    const __m512 z = _mm512_setzero_ps();
+    __m512 t[8], u[4], w[2];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        if (2 * k >= n) {
+            t[k] = z;
+            continue;
+        }
+        const __m512 a = v[2 * k], b = 2 * k + 1 < n ? v[2 * k + 1] : z;
+        /* 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] */
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) /* 128-bit lane: the lane's sums of v[4k .. 4k + 3] */
+        u[k] = 4 * k >= n ? z
+                          : _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44),
+                                          _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++) /* [u0 lanes 0+1, u0 lanes 2+3, u1 lanes 0+1, u1 lanes 2+3] */
+        w[k] = 8 * k >= n ? z
+                          : _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                                          _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* S[(r + rb) * KVA_KEY_TILE + i + kb] = lane rb * KB + kb of res. */
+KVA_INLINE void store_block_avx512(float *S, int r, int i, __m512 res, int RB, int KB)
+{
+    float *s = S + (size_t)r * KVA_KEY_TILE + i;
+    if (KB == 8) {
+        _mm256_storeu_ps(s, _mm512_castps512_ps256(res));
+        if (RB > 1)
+            _mm256_storeu_ps(s + KVA_KEY_TILE, _mm512_extractf32x8_ps(res, 1));
+    } else if (KB == 4) {
+        _mm_storeu_ps(s, _mm512_castps512_ps128(res));
+        if (RB > 1)
+            _mm_storeu_ps(s + KVA_KEY_TILE, _mm512_extractf32x4_ps(res, 1));
+        if (RB > 2)
+            _mm_storeu_ps(s + 2 * KVA_KEY_TILE, _mm512_extractf32x4_ps(res, 2));
+        if (RB > 3)
+            _mm_storeu_ps(s + 3 * KVA_KEY_TILE, _mm512_extractf32x4_ps(res, 3));
+    } else { /* KB 2, RB <= 8 */
+        float l[16];
+        _mm512_storeu_ps(l, res);
+#pragma GCC unroll 8
+        for (int rb = 0; rb < RB; rb++) {
+            s[rb * KVA_KEY_TILE] = l[2 * rb];
+            s[rb * KVA_KEY_TILE + 1] = l[2 * rb + 1];
+        }
+    }
+}
+
+/* An e4m3fn line (64 codes at p) folded into the NaN search of a block:
+ * the unsigned max of its bytes with the sign bit set is 0xFF exactly
+ * when one is a NaN code (0x7F or 0xFF). */
+KVA_INLINE __m512i nan_fold_avx512(__m512i mx, const char *p)
+{
+    return _mm512_max_epu8(mx, _mm512_or_si512(_mm512_loadu_si512((const void *)p),
+                                               _mm512_set1_epi8((char)0x80)));
+}
+
+KVA_INLINE int nan_found_avx512(__m512i mx)
+{
+    return _mm512_cmpeq_epi8_mask(mx, _mm512_set1_epi8((char)0xFF)) != 0;
+}
+
+/* acc[rb * KB + kb] += q[r + rb][16 v ..] * kv[kb], for the RB rows. */
+KVA_INLINE void dot_fma_avx512(__m512 *acc, const __m512 *kv, const float *q0, int D, int RB,
+                               int KB, int v, int half)
+{
+    if (RB < 1 || KB < 1 || KB > 8 || RB * KB > 16)
+        __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
+#pragma GCC unroll 8
+    for (int rb = 0; rb < RB; rb++) {
+        __m512 qv = loadf_avx512(q0 + (size_t)rb * D + 16 * v, half);
+#ifndef KVA_AVX512_SIMDE
+        __asm__("" : "+v"(qv)); /* one load per q vector, reused for the KB keys */
+#endif
+#pragma GCC unroll 8
+        for (int kb = 0; kb < KB; kb++)
+            acc[rb * KB + kb] = _mm512_fmadd_ps(qv, kv[kb], acc[rb * KB + kb]);
+    }
+}
+
+/* One step of dec_dot_avx512: the KB keys' vector v (pair: vectors v and
+ * v + 1, an 8-bit kind widened 32 elements at a time) into the RB x KB
+ * accumulators, with the prefetch and the NaN search of the lines it
+ * starts. */
+KVA_INLINE void dec_step_avx512(__m512 *acc, __m512i *mx, const char *const *kp,
+                                const char *const *np, const float *q0, int D, int lk, int chk,
+                                int RB, int KB, int v, int pair, int half, int PF)
+{
+    const size_t off = (size_t)v * 16 * kva_isz(lk);
+    __m512 kv[8], kw[8];
+#pragma GCC unroll 8
+    for (int kb = 0; kb < KB; kb++) {
+        if (pair) {
+            __m512 two[2];
+            load32_avx512(kp[kb] + off, lk, two);
+            kv[kb] = two[0];
+            kw[kb] = two[1];
+        } else {
+            kv[kb] = load16_avx512(kp[kb] + off, lk, half);
+        }
+        if (PF && (off & 63) == 0)
+            __builtin_prefetch(np[kb] + off, 0, 3);
+        if (chk && (off & 63) == 0)
+            *mx = nan_fold_avx512(*mx, kp[kb] + off);
+    }
+    dot_fma_avx512(acc, kv, q0, D, RB, KB, v, half);
+    if (pair)
+        dot_fma_avx512(acc, kw, q0, D, RB, KB, v + 1, 0);
+}
+
+/* RB query rows x KB keys (RB * KB <= 16) of a decode score tile, over NV
+ * vectors of 16 dims and (tail) a last one of 8; PF: each line of the next
+ * tile's rows nk[i + kb] is prefetched beside the load of the same line.
+ * CONST: NV is a constant (the loops unroll whole), else a run-time count
+ * (the loops stay loops: one body per call shape).  The 8-bit kinds are
+ * widened 32 elements at a time where the registers allow (KB <= 4 or a
+ * single row: 2 KB widened vectors beside RB * KB accumulators).
+ * KVA_F8E4M3_CHK (rows of whole lines): returns 1 when a key holds a NaN
+ * code (its scores are then to be computed again with the blend); else 0. */
+KVA_INLINE int dec_dot_avx512(const float *Qs, int D, const char *const *krow, int kind, int NV,
+                              int tail, int RB, int KB, int r, int i, float *S,
+                              const char *const *nk, int PF, int CONST)
+{
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int pairs = kva_isz(lk) == 1 && (KB <= 4 || RB == 1);
+    if (RB < 1 || KB < 1 || KB > 8 || RB * KB > 16)
+        __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
+    __m512 acc[16];
+    __m512i mx = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int a = 0; a < RB * KB; a++)
+        acc[a] = _mm512_setzero_ps();
+    const char *kp[8] = {NULL}, *np[8] = {NULL};
+#pragma GCC unroll 8
+    for (int kb = 0; kb < KB; kb++) {
+        kp[kb] = krow[i + kb];
+        np[kb] = PF ? nk[i + kb] : NULL;
+    }
+    const float *q0 = Qs + (size_t)r * D;
+    int v = 0;
+    if (CONST) {
+        if (pairs) {
+#pragma GCC unroll 4
+            for (; v + 2 <= NV; v += 2)
+                dec_step_avx512(acc, &mx, kp, np, q0, D, lk, chk, RB, KB, v, 1, 0, PF);
+        }
+#pragma GCC unroll 8
+        for (; v < NV; v++)
+            dec_step_avx512(acc, &mx, kp, np, q0, D, lk, chk, RB, KB, v, 0, 0, PF);
+    } else {
+        if (pairs)
+            for (; v + 2 <= NV; v += 2)
+                dec_step_avx512(acc, &mx, kp, np, q0, D, lk, chk, RB, KB, v, 1, 0, PF);
+        for (; v < NV; v++)
+            dec_step_avx512(acc, &mx, kp, np, q0, D, lk, chk, RB, KB, v, 0, 0, PF);
+    }
+    if (tail)
+        dec_step_avx512(acc, &mx, kp, np, q0, D, lk, chk, RB, KB, NV, 0, 1, PF);
+    /* (stored either way: an early return lets the compiler hoist the
+     * search before the FMAs, and with it every q load, which spills) */
+    store_block_avx512(S, r, i, reduce16_avx512(acc, RB * KB), RB, KB);
+    return chk && nan_found_avx512(mx);
+}
+
+/* A decode score block whose keys hold an e4m3fn NaN code (rare: out of
+ * the loop), computed with the NaN blend. */
+KVA_AVX512_TARGET __attribute__((noinline)) static void
+dec_dot_nan_avx512(const float *Qs, int D, const char *const *krow, int RB, int KB, int r, int i,
+                   float *S)
+{
+    const int NV = D / 16, tail = (D % 16) != 0, k = KVA_F8E4M3_NAN;
+    switch (RB * 16 + KB) {
+    case 1 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 1, 8, r, i, S, NULL, 0, 0); break;
+    case 2 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 2, 8, r, i, S, NULL, 0, 0); break;
+    case 3 * 16 + 4: dec_dot_avx512(Qs, D, krow, k, NV, tail, 3, 4, r, i, S, NULL, 0, 0); break;
+    default: dec_dot_avx512(Qs, D, krow, k, NV, tail, 4, 4, r, i, S, NULL, 0, 0); break;
+    }
+}
+
+/* Rows r .. r + RB - 1 over every key of the tile, KB keys a block. */
+KVA_INLINE void dec_rows_avx512(const float *Qs, int D, const char *const *krow, int ntp,
+                                int kind, int NV, int tail, int RB, int KB, int r, float *S,
+                                const char *const *nk, int PF, int CONST)
+{
+    for (int i = 0; i < ntp; i += KB)
+        if (dec_dot_avx512(Qs, D, krow, kind, NV, tail, RB, KB, r, i, S, nk, PF, CONST))
+            dec_dot_nan_avx512(Qs, D, krow, RB, KB, r, i, S);
+}
+
+/* A decode score tile, M < KVA_TILE_ROWS rows: one block of rows for M <= 4
+ * (each key widened once), else blocks of 4. */
+KVA_INLINE void dec_scores_pf_avx512(int kind, int NV, int tail, const float *Qs, int M, int D,
+                                     const char *const *krow, int ntp, float *S,
+                                     const char *const *nk)
+{
+    /* the first block of rows prefetches the next tile (the last tile: its
+     * own rows, in the cache) */
+    const char *const *pk = nk != NULL ? nk : krow;
+    int r = 0;
+    for (; M - r > 4; r += 4) {
+        if (r == 0)
+            dec_rows_avx512(Qs, D, krow, ntp, kind, NV, tail, 4, 4, r, S, pk, 1, 0);
+        else
+            dec_rows_avx512(Qs, D, krow, ntp, kind, NV, tail, 4, 4, r, S, NULL, 0, 0);
+    }
+    switch (M - r) {
+    case 1: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, tail, 1, 8, r, S, pk, 1, 0); break;
+    case 2: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, tail, 2, 8, r, S, pk, 1, 0); break;
+    case 3: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, tail, 3, 4, r, S, pk, 1, 0); break;
+    case 4: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, tail, 4, 4, r, S, pk, 1, 0); break;
+    default: break;
+    }
+}
+
+/* Whether a decode call of `kind`, M rows and head_dim D runs bodies with
+ * D a constant: head_dims 64 and 128, M <= 4 (the rows of one GQA group of
+ * up to 4; the kinds but float32 widen their tiles for more rows), not
+ * float32 (widened tiles only) nor the NaN blend (rare).  Such a call
+ * always prefetches (the last tile: its own rows, already in the cache), so
+ * each body exists once.  The SIMDe test build has none: the same bodies
+ * with a run-time head_dim, compiled in a fraction of the time. */
+#ifdef KVA_AVX512_SIMDE
+#define KVA_CONST_DIMS 0
+#else
+#define KVA_CONST_DIMS 1
+#endif
+static inline int const_dims_avx512(int kind, int M, int D)
+{
+    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 &&
+           (D == 64 || D == 128);
+}
+
+/* One GQA group's rows (M <= 4) over NV (a constant) vectors, prefetching. */
+KVA_INLINE void dec_group_avx512(int kind, int NV, const float *Qs, int M,
+                                 const char *const *krow, int ntp, float *S,
+                                 const char *const *nk)
+{
+    const int D = 16 * NV;
+    switch (M) {
+    case 1: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 1, 8, 0, S, nk, 1, 1); break;
+    case 2: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 2, 8, 0, S, nk, 1, 1); break;
+    case 3: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 3, 4, 0, S, nk, 1, 1); break;
+    default: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 4, 4, 0, S, nk, 1, 1); break;
+    }
+}
+
+KVA_INLINE void dec_scores_avx512(int kind, const float *Qs, int M, int D,
+                                  const char *const *krow, int ntp, float *S,
+                                  const char *const *nk)
+{
+    if (const_dims_avx512(kind, M, D)) {
+        const char *const *pk = nk != NULL ? nk : krow;
+        if (D == 64)
+            dec_group_avx512(kind, 4, Qs, M, krow, ntp, S, pk);
+        else
+            dec_group_avx512(kind, 8, Qs, M, krow, ntp, S, pk);
+        return;
+    }
+    dec_scores_pf_avx512(kind, D / 16, (D % 16) != 0, Qs, M, D, krow, ntp, S, nk);
+}
+
 KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const char *const *krow,
                               int ntp, float *S, float *tmp, const char *const *nk)
 {
@@ -389,34 +659,26 @@ KVA_INLINE void scores_avx512(int kind, const float *Qs, int M, int D, const cha
         }
         return;
     }
-    /* the first block of rows prefetches the next tile's keys (nk) */
-    int r = 0;
-    for (; r + 4 <= M; r += 4)
-        for (int i = 0; i < ntp; i += 4)
-            dot_block_avx512(Qs, D, krow, kind, 4, 4, r, i, S, r == 0 ? nk : NULL);
-    if (M - r == 3) { /* a GQA group of 3 (SmolLM2's): one pass over the keys */
-        for (int i = 0; i < ntp; i += 4)
-            dot_block_avx512(Qs, D, krow, kind, 3, 4, r, i, S, r == 0 ? nk : NULL);
-        return;
-    }
-    if (r + 2 <= M) {
-        for (int i = 0; i < ntp; i += 8)
-            dot_block_avx512(Qs, D, krow, kind, 2, 8, r, i, S, r == 0 ? nk : NULL);
-        r += 2;
-    }
-    if (r < M)
-        for (int i = 0; i < ntp; i += 8)
-            dot_block_avx512(Qs, D, krow, kind, 1, 8, r, i, S, r == 0 ? nk : NULL);
+    dec_scores_avx512(kind, Qs, M, D, krow, ntp, S, nk);
 }
 
 /* RB rows x DB vectors of 16 dims of the accumulator (half: one vector of
- * 8), over nt keys. */
+ * 8), over nt keys; PF (a constant): the lines of the next tile's rows
+ * nv[i] are prefetched beside the loads of the same lines.
+ * KVA_F8E4M3_CHK (DB a multiple of 4: whole lines): the values are read
+ * without the NaN blend while each line's bytes are searched, per dim, for
+ * NaN codes; a dim where one of the keys holds one becomes NaN, as the
+ * blend would make it (p times NaN is NaN, and stays NaN). */
 KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, int nt, int kind,
                                 int RB, int DB, int half, int r, int d, float *acc,
-                                const float *alpha, const char *const *nv)
+                                const float *alpha, const char *const *nv, int PF)
 {
-    const int isz = kva_isz(kind);
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int isz = kva_isz(lk);
+    if (RB < 1 || DB < 1 || DB > 8 || RB * DB > 16)
+        __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
     __m512 a[16];
+    __m512i mx[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
 #pragma GCC unroll 8
     for (int rb = 0; rb < RB; rb++) {
         __m512 al = _mm512_set1_ps(alpha[r + rb]);
@@ -427,11 +689,21 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
     }
     const size_t off = (size_t)d * isz;
     for (int i = 0; i < nt; i++) {
+        const char *row = vrow[i] + off, *next = PF ? nv[i] + off : NULL;
         __m512 v[8];
 #pragma GCC unroll 8
         for (int db = 0; db < DB; db++) {
-            v[db] = load16_avx512(vrow[i] + off + (size_t)db * 16 * isz, kind, half);
-            prefetch_at_avx512(nv != NULL ? nv[i] : NULL, off + (size_t)db * 16 * isz);
+            /* the 8-bit kinds: two vectors a load (load32_avx512) */
+            if (isz == 1 && !half && DB % 2 == 0) {
+                if (db % 2 == 0)
+                    load32_avx512(row + (size_t)db * 16, lk, v + db);
+            } else {
+                v[db] = load16_avx512(row + (size_t)db * 16 * isz, lk, half);
+            }
+            if (PF && ((off + (size_t)db * 16 * isz) & 63) == 0)
+                __builtin_prefetch(next + (size_t)db * 16 * isz, 0, 3);
+            if (chk && db % 4 == 0)
+                mx[db / 4] = nan_fold_avx512(mx[db / 4], row + (size_t)db * 16);
         }
 #pragma GCC unroll 8
         for (int rb = 0; rb < RB; rb++) {
@@ -441,6 +713,20 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
                 a[rb * DB + db] = _mm512_fmadd_ps(p, v[db], a[rb * DB + db]);
         }
     }
+    if (chk) {
+        const __mmask64 k[2] = {
+            _mm512_cmpeq_epi8_mask(mx[0], _mm512_set1_epi8((char)0xFF)),
+            DB > 4 ? _mm512_cmpeq_epi8_mask(mx[1], _mm512_set1_epi8((char)0xFF)) : 0};
+        if ((k[0] | k[1]) != 0) { /* (rare) */
+#pragma GCC unroll 8
+            for (int db = 0; db < DB; db++)
+#pragma GCC unroll 8
+                for (int rb = 0; rb < RB; rb++)
+                    a[rb * DB + db] = _mm512_mask_mov_ps(
+                        a[rb * DB + db], (__mmask16)(k[db / 4] >> (16 * (db % 4))),
+                        _mm512_set1_ps(NAN));
+        }
+    }
 #pragma GCC unroll 8
     for (int rb = 0; rb < RB; rb++)
 #pragma GCC unroll 8
@@ -448,45 +734,86 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
             storef_avx512(acc + (size_t)(r + rb) * D + d + db * 16, a[rb * DB + db], half);
 }
 
-/* Rows r .. r + RB - 1: DB vectors at a time, then 4, 2 and single vectors
- * (each a pass over the keys: as few as head_dim allows), then the last 8
- * dims. */
-KVA_INLINE void pv_rows_avx512(const float *P, int D, const char *const *vrow, int nt, int kind,
-                               int RB, int DB, int r, float *acc, const float *alpha,
-                               const char *const *nv)
+/* Rows r .. r + RB - 1 over NV vectors of 16 dims (a constant where the
+ * head_dim is) and (tail) a last one of 8: DB vectors at a time, then 4, 2
+ * and single vectors (each a pass over the keys: as few as head_dim
+ * allows), then the last 8 dims. */
+KVA_INLINE void pv_rows_avx512(const float *P, int D, int NV, int tail, const char *const *vrow,
+                               int nt, int kind, int RB, int DB, int r, float *acc,
+                               const float *alpha, const char *const *nv, int PF)
 {
-    int d = 0;
-    for (; d + 16 * DB <= D; d += 16 * DB)
-        pv_block_avx512(P, D, vrow, nt, kind, RB, DB, 0, r, d, acc, alpha, nv);
+    int v = 0;
+    for (; v + DB <= NV; v += DB)
+        pv_block_avx512(P, D, vrow, nt, kind, RB, DB, 0, r, 16 * v, acc, alpha, nv, PF);
     if (DB > 4)
-        for (; d + 64 <= D; d += 64)
-            pv_block_avx512(P, D, vrow, nt, kind, RB, 4, 0, r, d, acc, alpha, nv);
+        for (; v + 4 <= NV; v += 4)
+            pv_block_avx512(P, D, vrow, nt, kind, RB, 4, 0, r, 16 * v, acc, alpha, nv, PF);
     if (DB > 2)
-        for (; d + 32 <= D; d += 32)
-            pv_block_avx512(P, D, vrow, nt, kind, RB, 2, 0, r, d, acc, alpha, nv);
-    for (; d + 16 <= D; d += 16)
-        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 0, r, d, acc, alpha, nv);
-    if (d < D)
-        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 1, r, d, acc, alpha, nv);
+        for (; v + 2 <= NV; v += 2)
+            pv_block_avx512(P, D, vrow, nt, kind, RB, 2, 0, r, 16 * v, acc, alpha, nv, PF);
+    for (; v < NV; v++)
+        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 0, r, 16 * v, acc, alpha, nv, PF);
+    if (tail)
+        pv_block_avx512(P, D, vrow, nt, kind, RB, 1, 1, r, 16 * NV, acc, alpha, nv, PF);
 }
 
-/* The first block of rows prefetches the next tile's values (nv). */
+/* Every row: blocks of 4 rows x 4 vectors; the last 1-3 rows in one block
+ * (a GQA group of 3 walks the keys once).  The first block prefetches the
+ * next tile's values (nv), if any. */
+KVA_INLINE void pv_nv_avx512(int kind, int NV, int tail, const float *P, int M, int D,
+                             const char *const *vrow, int nt, float *acc, const float *alpha,
+                             const char *const *nv)
+{
+    const int PF = nv != NULL;
+#define KVA_PV_ROWS(RB, DB)                                                                  \
+    do {                                                                                     \
+        if (PF && r == 0)                                                                    \
+            pv_rows_avx512(P, D, NV, tail, vrow, nt, kind, RB, DB, r, acc, alpha, nv, 1);    \
+        else                                                                                 \
+            pv_rows_avx512(P, D, NV, tail, vrow, nt, kind, RB, DB, r, acc, alpha, NULL, 0);  \
+    } while (0)
+    int r = 0;
+    for (; r + 4 <= M; r += 4)
+        KVA_PV_ROWS(4, 4);
+    switch (M - r) {
+    case 3: KVA_PV_ROWS(3, 4); break;
+    case 2: KVA_PV_ROWS(2, 8); break;
+    case 1: KVA_PV_ROWS(1, 8); break;
+    default: break;
+    }
+#undef KVA_PV_ROWS
+}
+
+/* P.V of a decode call: head_dim 64 and 128 as constants where
+ * const_dims_avx512 says (prefetching; the last tile its own rows); any
+ * other call with a run-time head_dim. */
+/* One GQA group's rows (M <= 4) over NV (a constant) vectors, in one block
+ * of rows (each value widened once), prefetching. */
+KVA_INLINE void pv_group_avx512(int kind, int NV, const float *P, int M,
+                                const char *const *vrow, int nt, float *acc, const float *alpha,
+                                const char *const *nv)
+{
+    const int D = 16 * NV;
+    switch (M) {
+    case 1: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 1, 8, 0, acc, alpha, nv, 1); break;
+    case 2: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 2, 8, 0, acc, alpha, nv, 1); break;
+    case 3: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 3, 4, 0, acc, alpha, nv, 1); break;
+    default: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 4, 4, 0, acc, alpha, nv, 1); break;
+    }
+}
+
 KVA_INLINE void pv_avx512(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
                           float *acc, const float *alpha, const char *const *nv)
 {
-    int r = 0;
-    for (; r + 4 <= M; r += 4)
-        pv_rows_avx512(P, D, vrow, nt, kind, 4, 4, r, acc, alpha, r == 0 ? nv : NULL);
-    if (M - r == 3) { /* a GQA group of 3: one pass over the keys */
-        pv_rows_avx512(P, D, vrow, nt, kind, 3, 4, r, acc, alpha, r == 0 ? nv : NULL);
+    if (const_dims_avx512(kind, M, D)) {
+        const char *const *pn = nv != NULL ? nv : vrow;
+        if (D == 64)
+            pv_group_avx512(kind, 4, P, M, vrow, nt, acc, alpha, pn);
+        else
+            pv_group_avx512(kind, 8, P, M, vrow, nt, acc, alpha, pn);
         return;
     }
-    if (r + 2 <= M) {
-        pv_rows_avx512(P, D, vrow, nt, kind, 2, 8, r, acc, alpha, r == 0 ? nv : NULL);
-        r += 2;
-    }
-    if (r < M)
-        pv_rows_avx512(P, D, vrow, nt, kind, 1, 8, r, acc, alpha, r == 0 ? nv : NULL);
+    pv_nv_avx512(kind, D / 16, (D % 16) != 0, P, M, D, vrow, nt, acc, alpha, nv);
 }
 
 KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, float *dst,
@@ -530,19 +857,36 @@ KVA_AVX512_KIND(i8, KVA_I8)
 
 /* e4m3fn: the tile's rows are searched for NaN codes once; only a tile
  * that holds one pays for the NaN blend of every 16 elements. */
+/* (each body with its kind a constant: a kind chosen at run time would be
+ * a test in every load of the inner loops) */
 KVA_AVX512_TARGET static void widen_e4m3_avx512(const char *const *rows, int n, int D,
                                                 float *dst, const char *const *next)
 {
-    const int kind = rows_have_e4m3_nan_avx512(rows, n, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
-    widen_avx512(kind, rows, n, D, dst, next);
+    if (rows_have_e4m3_nan_avx512(rows, n, D))
+        widen_avx512(KVA_F8E4M3_NAN, rows, n, D, dst, next);
+    else
+        widen_avx512(KVA_F8E4M3, rows, n, D, dst, next);
+}
+
+/* Decode items of head_dim 64 and 128 (up to 4 rows) search the lines they
+ * read for NaN codes as they go (KVA_F8E4M3_CHK, in the bodies of
+ * const_dims_avx512; the SIMDe build runs them at a run-time head_dim);
+ * the others search the tile first. */
+static inline int e4m3_checks_lines(int M, int D)
+{
+    return M <= 4 && (D == 64 || D == 128);
 }
 
 KVA_AVX512_TARGET static void scores_e4m3_avx512(const float *Qs, int M, int D,
                                                  const char *const *krow, int ntp, float *S,
                                                  float *t, const char *const *next)
 {
-    const int kind = rows_have_e4m3_nan_avx512(krow, ntp, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
-    scores_avx512(kind, Qs, M, D, krow, ntp, S, t, next);
+    if (e4m3_checks_lines(M, D))
+        dec_scores_avx512(KVA_F8E4M3_CHK, Qs, M, D, krow, ntp, S, next);
+    else if (rows_have_e4m3_nan_avx512(krow, ntp, D))
+        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, t, next);
+    else
+        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S, t, next);
 }
 
 KVA_AVX512_TARGET static void pv_e4m3_avx512(const float *P, int M, int D,
@@ -551,8 +895,12 @@ KVA_AVX512_TARGET static void pv_e4m3_avx512(const float *P, int M, int D,
                                              const char *const *next)
 {
     (void)t;
-    const int kind = rows_have_e4m3_nan_avx512(vrow, nt, D) ? KVA_F8E4M3_NAN : KVA_F8E4M3;
-    pv_avx512(kind, P, M, D, vrow, nt, acc, alpha, next);
+    if (e4m3_checks_lines(M, D))
+        pv_avx512(KVA_F8E4M3_CHK, P, M, D, vrow, nt, acc, alpha, next);
+    else if (rows_have_e4m3_nan_avx512(vrow, nt, D))
+        pv_avx512(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
+    else
+        pv_avx512(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
 }
 
 /* ntp % 8 == 0: the last 8 of a count of 16 k + 8 read with -inf above. */

@@ -11,18 +11,21 @@
  * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2",
  * "avx512", "amx" (x86-64) or "neon" (AArch64), surrounding spaces and
  * case ignored: the highest level any family uses by default (never more
- * than the CPU has).  Unset or empty: no cap.  Another value is an error
- * the Python layer reports (kvs_cap() < 0); C callers then get the scalar
- * kernels.
+ * than the CPU has).  Unset or empty: no cap, except that amx is opt-in:
+ * the default stops at avx512 unless KVCORE_SIMD names amx (its tiles have
+ * run only under emulation; no CPU has measured them faster than avx512).
+ * Another value is an error the Python layer reports (kvs_cap() < 0); C
+ * callers then get the scalar kernels.
  *
  * avx512 (AVX-512 F + BW + VL + DQ, with the OS saving the zmm state) has
  * attention kernels only: the conversions run their avx2 ones there (on an
  * AVX-512 CPU, AMD EPYC, the 512-bit conversions measured slower than
  * AVX2).  amx (AMX-TILE + AMX-BF16 on top of avx512) adds tiles for the
- * attention's prefill items.  The kernels of both levels were checked under
- * emulation only (SIMDe; a tile emulation written from Intel's pseudocode:
- * tests/test_attention_avx512.py, tests/test_attention_amx_emulated.py),
- * never executed natively.
+ * attention's prefill items.  The kernels of both levels are checked under
+ * emulation (SIMDe; a tile emulation written from Intel's pseudocode:
+ * tests/test_attention_avx512.py, tests/test_attention_amx_emulated.py);
+ * the avx512 ones also natively (AMD EPYC Zen 5, Intel Ice Lake), the amx
+ * ones never natively.
  *
  * Each extension module links its own copy of this file: the detection and
  * the cap are the same in all of them (the same CPU, the same environment).
@@ -70,7 +73,7 @@ int kvs_cap(void);
  * characters), "" when unset: for the error message. */
 const char *kvs_cap_text(void);
 /* The level families use by default: the best supported one <= the cap
- * (scalar when the cap is invalid). */
+ * (scalar when the cap is invalid), amx only when the cap names it. */
 int kvs_default_level(void);
 
 #ifdef __cplusplus
