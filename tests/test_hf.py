@@ -229,7 +229,7 @@ def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
             runs.append((len(made), layer))
             return super().run(q, layer, out)
 
-    monkeypatch.setattr(kvcore.hf, "AttentionPlan", CountingPlan)
+    monkeypatch.setattr(kvcore.hf.attention, "AttentionPlan", CountingPlan)
     model = model_for("llama", "kvcore")
     ids, mask = _prompts(BATCHES["b4"])
     got = _paged(model, ids, mask, max_new_tokens=4, do_sample=False)
@@ -380,7 +380,7 @@ def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeyp
     step = torch.tensor([[7, 8, 9, 10]])
     pools = [pool_for(model.config, 32, dtype="float16", block_size=4) for _ in range(2)]
     cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
-    real = kvcore.hf._run_plan
+    real = kvcore.hf.attention._run_plan
 
     def refuse(cache, step, key, table, cu, heads, rows, at, flat):
         if at == layer:
@@ -391,7 +391,7 @@ def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeyp
         for first in (True, False):      # the first forward (it makes the rows), a later one
             before = _cache_state(cache)
             with monkeypatch.context() as m:
-                m.setattr(kvcore.hf, "_run_plan", refuse)
+                m.setattr(kvcore.hf.attention, "_run_plan", refuse)
                 with pytest.raises(ValueError, match="head_dim"):
                     model(ids if first else step, **_kw(model, cache))
             assert _cache_state(cache) == before
@@ -413,19 +413,19 @@ def test_an_update_failing_after_the_step_committed_is_undone(monkeypatch):
     step = torch.tensor([[7, 8, 9]])
     pools = [pool_for(model.config, 32, dtype="float32", block_size=4) for _ in range(2)]
     cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
-    real = PagedCache._gather_plan
+    real = kvcore.hf.step.Step.gather_index
 
-    def out_of_memory(self, step):
-        if step.layers_done == self.pool.num_layers:
+    def out_of_memory(step, cache):
+        if step.complete:
             raise MemoryError("no memory for the pages' K/V")
-        return real(self, step)
+        return real(step, cache)
 
     with torch.no_grad():
         model(ids, **_kw(model, cache))
         model(ids, **_kw(model, ref))
         before = _cache_state(cache)
         with monkeypatch.context() as m:
-            m.setattr(PagedCache, "_gather_plan", out_of_memory)
+            m.setattr(kvcore.hf.step.Step, "gather_index", out_of_memory)
             with pytest.raises(MemoryError):
                 model(step, **_kw(model, cache))
         assert _cache_state(cache) == before
@@ -610,13 +610,13 @@ def test_calibrated_scales_that_would_underflow_float32_become_one():
     scale dtype) gives 1.0, as an all-zero one does, never a scale the pool
     refuses; others are the float32 quotient."""
     tiny = float(np.float32(1e-45)) * 3                # max / 448 underflows float32
-    assert kvcore.hf._fp8_scale(tiny, 448.0) == 1.0
-    assert kvcore.hf._fp8_scale(0.0, 448.0) == 1.0
-    assert kvcore.hf._fp8_scale(float("inf"), 448.0) == 1.0
-    assert kvcore.hf._fp8_scale(3.0, 448.0) == float(np.float32(3.0) / np.float32(448.0))
+    assert kvcore.hf.calibration._fp8_scale(tiny, 448.0) == 1.0
+    assert kvcore.hf.calibration._fp8_scale(0.0, 448.0) == 1.0
+    assert kvcore.hf.calibration._fp8_scale(float("inf"), 448.0) == 1.0
+    assert kvcore.hf.calibration._fp8_scale(3.0, 448.0) == float(np.float32(3.0) / np.float32(448.0))
     model = model_for("llama")
     pool_for(model.config, 4, dtype="float8_e4m3fn",
-             kv_scales=[(kvcore.hf._fp8_scale(tiny, 448.0), 1.0)] * 2)
+             kv_scales=[(kvcore.hf.calibration._fp8_scale(tiny, 448.0), 1.0)] * 2)
 
 
 def test_calibrate_kv_scales_per_head():

@@ -252,7 +252,8 @@ _BACKEND_INTERNAL = re.compile(r"^kvcore\.backends\.(?:(?:cpu|cuda)(?:\.|$)|(?:\
 
 
 def public_sources():
-    return sorted(list(PKG.glob("*.py")) + list((PKG / "stores").glob("*.py")))
+    return sorted(list(PKG.glob("*.py")) + list((PKG / "stores").glob("*.py"))
+                  + list((PKG / "hf").glob("*.py")))
 
 
 def backend_internal_imports(path):
@@ -287,7 +288,7 @@ def test_the_backend_internal_rule_can_fail(target, bad):
 # backend decision made in the wrong layer.  The places that must ask,
 # with why:
 DEVICE_BRANCH_ALLOWED = {
-    ("hf.py", "_on_cuda"): "the torch side of a pool: torch's allocator, streams and "
+    ("torch_bridge.py", "_on_cuda"): "the torch side of a pool: torch's allocator, streams and "
                            "tensor constructors differ per device, and no kvcore backend "
                            "knows torch",
 }
