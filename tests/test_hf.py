@@ -605,6 +605,36 @@ def test_calibrate_kv_scales_fits_the_sample():
         kvcore.hf.calibrate_kv_scales(model, ids[:1, :3], attention_mask=torch.tensor([[1, 0, 1]]))
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_calibrate_kv_scales_refuses_activations_that_are_not_finite(per_head):
+    """Issue 38 item 9: NaN or inf in one layer's K or V (at a real token)
+    is refused naming the layer and the plane, never turned into scale 1.0."""
+    ids, mask = _prompts(BATCHES["b4"])
+    model = _tiny("llama")
+    with torch.no_grad():                  # layer 1's K: NaN (layer 0 stays finite)
+        model.model.layers[1].self_attn.k_proj.weight[3, :] = float("nan")
+    with pytest.raises(ValueError, match=r"K activations of layer 1 are not finite"):
+        kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, per_head=per_head)
+    model = _tiny("llama")
+    with torch.no_grad():                  # layer 0's V: inf (every later layer NaN)
+        model.model.layers[0].self_attn.v_proj.weight[0, :] = float("inf")
+    with pytest.raises(ValueError, match=r"V activations of layer 0 are not finite"):
+        kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, per_head=per_head)
+
+
+def test_an_empty_prompt_batch_is_refused_by_name():
+    """Issue 38 item 9: a batch of 0 rows is refused naming input_ids before
+    the forward (calibrate_kv_scales, generate), not inside transformers."""
+    model = model_for("llama")
+    empty = torch.zeros((0, 5), dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids must have at least one row .* \(0, 5\)"):
+        kvcore.hf.calibrate_kv_scales(model, empty)
+    pool = pool_for(model.config, 8, dtype="float32", block_size=4)
+    with pytest.raises(ValueError, match=r"input_ids must have at least one row"):
+        kvcore.hf.generate(model, empty, pool, max_new_tokens=2)
+    assert pool.num_used_blocks == 0 and pool.check()
+
+
 def test_calibrated_scales_that_would_underflow_float32_become_one():
     """A sample maximum so small that max / 448 is 0 in float32 (the pool's
     scale dtype) gives 1.0, as an all-zero one does, never a scale the pool

@@ -33,6 +33,10 @@ def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m
         One scale per KV head: ``max|K|`` / ``max|V|`` of each head over
         the sample's real tokens, divided by the format's largest value.
 
+    Raises ValueError, before the forward, for an input batch of no rows,
+    and after it when a layer's K or V is not finite (NaN or inf) at a real
+    token, naming the layer: no scale fits such a sample.
+
     Returns
     -------
     list of (float, float), or with ``per_head`` list of (tuple, tuple)
@@ -69,8 +73,13 @@ def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m
     for i in range(layers):
         layer = cache.layers[i]
         pair = []
-        for t in (layer.keys, layer.values):       # (batch, kv_heads, length, dim)
+        for name, t in (("K", layer.keys), ("V", layer.values)):  # (batch, kv_heads, length, dim)
             a = t.detach().float().abs().masked_fill(~real, 0)
+            if not bool(torch.isfinite(a).all()):
+                raise ValueError(
+                    f"the sample's {name} activations of layer {i} are not finite (NaN or inf "
+                    "at a real token): no scale can be measured from them; calibrate on a "
+                    "sample the model computes in range")
             if per_head:
                 pair.append(tuple(_fp8_scale(float(m), top) for m in a.amax(dim=(0, 2, 3))))
             else:

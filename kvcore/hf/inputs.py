@@ -18,6 +18,9 @@ def _prompt_batch(input_ids, attention_mask):
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError("input_ids must be a 2-D torch tensor (batch, length) with at least "
                          f"one column, got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must have at least one row (batch, length), got shape "
+                         f"{tuple(input_ids.shape)}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
