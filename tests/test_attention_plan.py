@@ -13,7 +13,7 @@ import kvcore
 from kvcore import dtypes
 from kvcore.backends import CPU, Backend
 from kvcore.backends.cpu import _attention
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 
 try:
     from test_cuda_host_emulation import DevArray, _get, _put, emu_lib, emulated_cuda  # noqa: F401
