@@ -138,8 +138,8 @@ def _out_input(be, out, shape, owned):
     and a float dtype, apart from everything in ``owned`` (the storage and
     scales of the pool or cache).  A misaligned one is the backend's to fill
     (through an aligned temporary: a misaligned store faults on a GPU)."""
-    y, bf16 = _arrays.unwrap(out, "out")
-    okind = _dtypes.BF16 if bf16 else _dtypes.float_kind(be.check_out(y, "out").dtype)
+    y, bf16 = _arrays.writable(be, out, "out")
+    okind = _dtypes.BF16 if bf16 else _dtypes.float_kind(y.dtype)
     if okind is None:
         raise TypeError(f"out must be float32, float16 or bfloat16, got {y.dtype}")
     obits, result = _arrays.out_array(be, out, "out", shape, okind)
@@ -165,7 +165,7 @@ class _Source:
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = shape
         self.planes, self.owned, self.what = planes, owned, what
         self.scale_planes = scale_planes      # int8: layer -> (key_scales, value_scales)
-        self.guard = guard                    # None, or raises if the planes' memory moved
+        self.guard = guard                    # None, or raises if the planes' memory went
 
 
 def _pool_source(pool):
@@ -239,25 +239,7 @@ def _planes_source(planes_in):
         return (k[layer], v[layer], None) if layered else (k, v, None)
 
     return _Source(be, kind, num_layers, tuple(k.shape[-4:]), planes, (k, v), "the planes' ",
-                   guard=_moved_guard(planes_in))
-
-
-def _moved_guard(planes_in):
-    """For torch tensor planes: a check that their memory is still where the
-    plan's views point (``resize_`` or ``set_`` on a tensor frees or moves its
-    storage under any view of it); None for arrays that cannot move."""
-    tensors = [(arg, x, x.data_ptr()) for arg, x in zip(("key_cache", "value_cache"), planes_in)
-               if type(x).__module__.split(".")[0] == "torch"]
-    if not tensors:
-        return None
-
-    def guard():
-        for arg, x, ptr in tensors:
-            if x.data_ptr() != ptr:
-                raise RuntimeError(f"{arg}'s memory moved since the plan was made (the torch "
-                                   "tensor was resized or given other storage): make a new "
-                                   "AttentionPlan over the tensors as they are now")
-    return guard
+                   guard=_arrays.memory_guard(zip(("key_cache", "value_cache"), planes_in)))
 
 
 def _heads(src, num_heads, arg):

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - run as a package
 
 import kvcore
 from kvcore.backends.cpu import _attention
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 
 TOL = 1e-5
 DTYPES = ["float32", "float16", "bfloat16"]
