@@ -165,7 +165,7 @@ class _Source:
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = shape
         self.planes, self.owned, self.what = planes, owned, what
         self.scale_planes = scale_planes      # int8: layer -> (key_scales, value_scales)
-        self.guard = guard                    # None, or raises if the planes' memory went
+        self.guard = guard                    # None, or raises once the planes' memory is gone
 
 
 def _pool_source(pool):

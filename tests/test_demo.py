@@ -1,5 +1,7 @@
 """kvcore.cli.demo: the served-model demo runs through kvcore and verifies itself."""
 import io
+import os
+import re
 
 import numpy as np
 import pytest
@@ -413,7 +415,7 @@ def _demo_in_a_process(path, limit_gib=3, timeout=120):
             f"resource.setrlimit(resource.RLIMIT_AS, ({limit_gib << 30}, {limit_gib << 30}))\n"
             "from kvcore.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
-    env = dict(__import__("os").environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                RUST_BACKTRACE="0")
     res = subprocess.run([sys.executable, "-c", code, "demo", "--model", str(path), "--requests",
                           "1", "--new-tokens", "1", "--quiet"], capture_output=True, text=True,
@@ -516,7 +518,7 @@ def test_tokenizer_merges_outside_the_vocabulary_give_the_one_line_error(tmp_pat
     path = tmp_path / "merges.gguf"
     _write_tiny_gguf(path, np.random.default_rng(2), merges=merges)
     with pytest.raises(llama.ModelFileError,
-                       match=r"tokenizer\.ggml\.merges entry \d+ \(" + __import__("re").escape(what)
+                       match=r"tokenizer\.ggml\.merges entry \d+ \(" + re.escape(what)
                        + r", which is not in the vocabulary"):
         llama.load_gguf(path)
     rc, err = _demo_in_a_process(path)
