@@ -16,7 +16,7 @@ import pytest
 
 import kvcore
 from kvcore.backends.cpu import _attention
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 
 try:
     from _helpers import simd_level
