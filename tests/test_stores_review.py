@@ -66,7 +66,7 @@ def test_disk_store_trim_waits_boundedly_for_another_process_lock(tmp_path):
         with pytest.warns(kvcore.StoreWarning, match="timeout"):
             pool.flush_to_stores()              # the store worker's put timed out
         assert pool.stats()["stores"][0]["failures"] >= 1
-        pool.check()
+        pool.debug.check()
     finally:
         holder.stdin.close()
         holder.wait(10)
@@ -263,7 +263,7 @@ def test_failing_first_store_passes_its_entries_to_the_next(exc):
     assert st[1]["puts"] == 4
     check_hit(pool, PROMPT, 4)
     assert pool.stats()["stores"][1]["hits"] == 4
-    pool.check()
+    pool.debug.check()
 
 
 def test_failing_store_in_the_middle_passes_its_drops_on():

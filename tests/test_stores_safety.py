@@ -95,7 +95,7 @@ def test_a_forged_hash_collision_never_loads_another_prefixs_entry():
     seq.free()
     # the entry is B's: B's own prefix (y0 still cached) hits it, bit exact
     check_hit(pool, b, 2)
-    pool.check()
+    pool.debug.check()
 
 
 def test_forged_collisions_with_salts_and_whole_flushes_stay_apart():
@@ -116,7 +116,7 @@ def test_forged_collisions_with_salts_and_whole_flushes_stay_apart():
         check_hit(pool, PROMPT, 0)
     # ... which its own salt hits, bit exact
     check_hit(pool, PROMPT, 1, salt="tenant-a")
-    pool.check()
+    pool.debug.check()
 
 
 def test_identity_chain_is_blake2b_over_salt_and_tokens():
@@ -232,7 +232,7 @@ def test_a_planted_file_never_reaches_the_next_store(tmp_path, planted):
         _format.parse(v, FP16)
     assert disk.used_bytes() <= disk.capacity_bytes
     check_hit(pool, PROMPT, 4)
-    pool.check()
+    pool.debug.check()
 
 
 def test_a_fifo_named_like_an_entry_never_hangs_a_lookup(tmp_path):
@@ -416,3 +416,4 @@ def test_a_file_larger_than_the_store_is_never_read_whole(tmp_path):
     disk.put([(fake_key(1), b"x")])      # a trim: the big file goes, unread
     assert not p.exists()
     assert disk.used_bytes() <= disk.capacity_bytes
+

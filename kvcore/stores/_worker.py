@@ -2,17 +2,19 @@
 the handle of a prefetch.
 
 A pool with stores below an in-memory first tier pushes spills down on one
-worker thread (``StoreTiers``) and runs prefetches on a second (so that a
-prefetch does not queue behind a slow Redis put).  A worker runs its jobs
-in order; its thread starts with the first job and ends after
-``_IDLE_EXIT`` idle seconds, so a pool that is dropped leaves no thread
-behind.  A job never raises: what it cannot do becomes a miss and a
-``StoreWarning`` recorded for the pool's caller (the warnings are issued
-from the caller's thread, never from a worker).
+worker thread and runs prefetches on a second (so that a prefetch does not
+queue behind a slow Redis put).  A worker runs its jobs in order; its thread
+starts with the first job and ends after ``_IDLE_EXIT`` idle seconds, so a
+pool that is dropped leaves no thread behind.  A
+job never raises: what it cannot do becomes a miss and a ``StoreWarning``
+recorded for the pool's caller (the warnings are issued from the caller's
+thread, never from a worker).  Across ``fork`` (kvcore._forksafe) a child
+starts with no worker thread; the jobs still queued run on its own.
 """
 import collections
-import os
 import threading
+
+from .._forksafe import WORKER, fork_guard
 
 _IDLE_EXIT = 2.0
 
@@ -46,20 +48,16 @@ class Worker:
         self._jobs = collections.deque()
         self._running = False
         self._thread = None
-        self._pid = os.getpid()
+        fork_guard(self, "_cond", WORKER)
 
-    def _after_fork(self):
-        """In a child process (``fork``) the parent's thread is gone and its
-        condition may have been held at the fork: start afresh (the jobs
-        still queued run on the child's own thread)."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._cond = threading.Condition()
-            self._thread = None
-            self._running = False
+    def _after_fork_child(self):
+        """The parent's thread is not in this child (the job it was running
+        is not either): the jobs still queued wait for the next submit or
+        wait, which start a thread of the child's own."""
+        self._thread = None
+        self._running = False
 
     def submit(self, job):
-        self._after_fork()
         with self._cond:
             self._jobs.append(job)
             if self._thread is None:
@@ -72,7 +70,6 @@ class Worker:
     def wait_idle(self, timeout=None):
         """Wait until every job submitted so far has run (True), or
         ``timeout`` seconds passed (False).  On the worker itself: True."""
-        self._after_fork()
         if threading.current_thread() is self._thread:
             return True
         if self._jobs and self._thread is None:   # (queued before a fork)
@@ -169,6 +166,17 @@ class Prefetch:
 
     def _finish(self):
         self._done.set()
+
+    def _after_fork_child(self):
+        """In a forked child: the prefetch ran (or was queued) for the
+        parent, whose worker thread is not here; it is cancelled and done
+        (its locks fresh: a thread of the parent may have held them)."""
+        self._lock = threading.Lock()
+        self._done._at_fork_reinit()
+        self._cancelled._at_fork_reinit()
+        if not self._done.is_set():
+            self._cancelled.set()
+            self._done.set()
 
     def __repr__(self):
         state = "done" if self.done() else "running"

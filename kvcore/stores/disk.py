@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from . import _format
+from .._forksafe import LEAF, fork_guard
 from .base import PrefixStore
 
 _SUFFIX = ".kve"
@@ -146,6 +147,7 @@ class DiskStore(PrefixStore):
                              f"{e.strerror or e}") from e
         self.path = os.path.abspath(path)
         self._lock = threading.Lock()
+        fork_guard(self, "_lock", LEAF)
         stale = []
         self._used = sum(size for _, size, _ in self._listing(stale))
         self._unlink_all(stale)

@@ -1,0 +1,192 @@
+"""The spill path: from the records a pool publishes to the stores' writes.
+
+The pool publishes a ``BlockRecord`` for every cached block it evicts, on
+its store port's record queue, its lock held (docs/stores.md, "The pool's
+store port").  This module reads that queue right away, on the publishing
+thread: each record is encoded as an entry for the first store
+(``_format``); an in-memory first store (``HostStore``) takes it there and
+then; everything that has to reach a store that does I/O (``DiskStore``,
+``RedisStore``, a cluster; what a store drops to stay within capacity goes
+to the next) is queued for the pool's store worker, which writes it off
+every pool lock.  Until a queued entry is written, lookups find it here
+(:meth:`SpillQueue.queued`).  The queue is bounded per store
+(``max_pending_bytes``): when a slow store lets it fill up, the oldest
+queued spills are dropped (counted as ``spills_dropped``; a dropped spill is
+a later miss, never wrong data), so the threads using the pool are never
+held up by a store.  Nothing here calls the pool.
+"""
+import collections
+import threading
+
+from . import _format
+from .._forksafe import QUEUE, fork_guard
+from ._worker import Worker
+from .base import PrefixStore
+
+#: bytes of spills queued for one store before the oldest are dropped (a
+#: store's ``max_pending_bytes`` attribute overrides it)
+MAX_PENDING_BYTES = PrefixStore.max_pending_bytes
+
+
+class SpillQueue:
+    """The spills of one pool's stores on their way down (see the module
+    docstring); ``tiers`` is the ``StoreTiers`` that writes them."""
+
+    def __init__(self, tiers, records):
+        self._tiers = tiers
+        self._records = records          # the port's record queue (batches)
+        self._lock = threading.Lock()
+        n = len(tiers.stores)
+        # (store, items, bytes) batches in order; each queued or in-flight
+        # entry is also in _overlay[store] (key -> value) for lookups
+        self._queue = collections.deque()
+        self._queued_bytes = [0] * n
+        self._overlay = [{} for _ in range(n)]
+        self._in_flight = None           # the batch the worker is writing
+        self._draining = False
+        self._worker = Worker("kvcore-store-spill")
+        fork_guard(self, "_lock", QUEUE)
+
+    # ------------------------------------------------------------ consuming
+    def take_records(self):
+        """Read the port's record queue (its publisher's thread, the pool's
+        lock maybe held): encode each batch for the first store and send it
+        down.  Never raises, never waits on a store that does I/O."""
+        tiers = self._tiers
+        while True:
+            try:
+                batch = self._records.popleft()
+            except IndexError:
+                return
+            try:
+                items = tiers.encode(batch)
+            except Exception as e:  # a bug must not break the pool operation that evicted
+                tiers.ledger.fail(0, e, op="export")
+                continue
+            self.deliver(0, items)
+
+    def deliver(self, i, items):
+        """Send ``items`` (entries for store ``i``) down the stores: put into
+        each in-memory store in turn here and now; from the first store
+        that does I/O on, queued for the worker.  Never raises."""
+        tiers = self._tiers
+        try:
+            while items and i < len(tiers.stores) and tiers.in_memory[i]:
+                items = tiers.put_one(i, items)[0]
+                i += 1
+            if items and i < len(tiers.stores):
+                self._enqueue(i, items)
+        except Exception as e:  # pragma: no cover - put_one catches store errors
+            tiers.ledger.fail(i if i < len(tiers.stores) else 0, e, op="put")
+
+    def _enqueue(self, i, items):
+        """Queue ``items`` for store ``i`` (and the worker to write them);
+        when the queue of store ``i`` passes its bound, the oldest batches
+        queued for it go (counted: ``spills_dropped``)."""
+        size = sum(len(v) for _, v in items)
+        cap = getattr(self._tiers.stores[i], "max_pending_bytes", MAX_PENDING_BYTES)
+        dropped = 0
+        with self._lock:
+            self._overlay[i].update(items)
+            self._queue.append((i, items, size))
+            self._queued_bytes[i] += size
+            while self._queued_bytes[i] > cap:
+                old = next((b for b in self._queue if b[0] == i), None)
+                if old is None or old[1] is items:
+                    break   # (the newest batch always stays, whatever its size)
+                self._queue.remove(old)
+                dropped += self._forget(old)
+            start = self._start()
+        if dropped:
+            self._tiers.ledger.count(i, spills_dropped=dropped)
+        if start:
+            self._worker.submit(self._drain)
+
+    def _forget(self, batch):
+        """Lock held: a batch taken off the queue unwritten; returns its
+        entries' count."""
+        i, items, size = batch
+        self._queued_bytes[i] -= size
+        overlay = self._overlay[i]
+        for k, v in items:
+            if overlay.get(k) is v:
+                del overlay[k]
+        return len(items)
+
+    def _start(self):
+        """Lock held: whether a drain must be started (and it is marked started)."""
+        if self._draining or not self._queue:
+            return False
+        self._draining = True
+        return True
+
+    def _drain(self):
+        """The worker's job: write the queued batches, consecutive ones for
+        the same store in one put, until the queue is empty."""
+        tiers = self._tiers
+        while True:
+            with self._lock:
+                self._in_flight = None
+                if not self._queue:
+                    self._draining = False
+                    return
+                i, items, size = self._queue.popleft()
+                items = list(items)
+                while self._queue and self._queue[0][0] == i:
+                    _, more, more_size = self._queue.popleft()
+                    items += more
+                    size += more_size
+                self._queued_bytes[i] -= size
+                self._in_flight = (i, items, 0)
+            try:
+                tiers.put_chain(i, items)
+            except Exception as e:  # pragma: no cover - put_chain catches store errors
+                tiers.ledger.fail(i, e, op="put")
+
+    # ------------------------------------------------------------ what lookups see
+    def queued(self, i):
+        """``{key: value}`` of the entries on their way to store ``i`` now (a
+        copy; empty when none)."""
+        with self._lock:
+            overlay = self._overlay[i]
+            return dict(overlay) if overlay else {}
+
+    def landed(self, i, items, passed):
+        """``put_chain`` moved ``items`` through store ``i``: they are no
+        longer on their way there; ``passed``, what store ``i`` dropped, are
+        on their way to store ``i + 1``."""
+        with self._lock:
+            if i + 1 < len(self._overlay):
+                self._overlay[i + 1].update(passed)
+            overlay = self._overlay[i]
+            for k, v in items:
+                if overlay.get(k) is v:
+                    del overlay[k]
+
+    # ------------------------------------------------------------ waiting
+    def wait(self, timeout=None):
+        """True once everything queued so far is written, False if
+        ``timeout`` seconds passed first."""
+        with self._lock:
+            start = self._start()    # (a forked child's queue: its own drain)
+        if start:
+            self._worker.submit(self._drain)
+        return self._worker.wait_idle(timeout)
+
+    def close(self, timeout=None):
+        """Write what is queued, then stop the worker thread."""
+        done = self.wait(timeout)
+        self._worker.stop(timeout)
+        return done
+
+    def _after_fork_child(self):
+        """The parent's drain (and the batch it was writing) is not in this
+        child: that batch goes back to the front of the queue, which the
+        child's own worker drains when the next spill or wait comes."""
+        self._draining = False
+        if self._in_flight is not None:
+            i, items, _ = self._in_flight
+            self._in_flight = None
+            size = sum(len(v) for _, v in items)
+            self._queue.appendleft((i, items, size))
+            self._queued_bytes[i] += size
