@@ -17,7 +17,7 @@ import numpy as np
 from . import hashing
 from ._forksafe import LEAF, fork_guard
 from .stores._tiers import StoreTiers
-from .stores._worker import Prefetch, Worker, on_worker_thread
+from .stores._worker import Prefetch, Worker, deadline_of, on_worker_thread, time_left
 
 #: blocks a prefetch loads per step (between steps it may be cancelled, and
 #: an allocate of the prompt finds the blocks of the steps done)
@@ -193,8 +193,11 @@ class PoolStores:
 
     def close(self, timeout):
         """``BlockPool.close``: cancel the prefetches, write the queued
-        spills, stop the workers."""
+        spills, stop the workers, all within ``timeout`` seconds (None: no
+        limit); True unless spills had to be dropped (or a prefetch was still
+        copying) at the deadline."""
+        deadline = deadline_of(timeout)
         for h in list(self._prefetches):
             h.cancel()
-        self._fetcher.stop(timeout)
-        return self.tiers.close(timeout)
+        fetched = self._fetcher.stop(time_left(deadline))
+        return self.tiers.close(time_left(deadline)) and fetched

@@ -17,6 +17,10 @@ from .stores._worker import Prefetch, check_timeout
 
 __all__ = ["BlockPool", "store_port"]
 
+#: most seconds leaving a ``with pool:`` block waits for the prefix stores
+#: (``close(timeout=EXIT_TIMEOUT)``: spills still queued then are dropped)
+EXIT_TIMEOUT = 10.0
+
 
 class BlockPool:
     """A pool of fixed-size KV blocks with refcounted ownership and prefix caching.
@@ -388,13 +392,32 @@ class BlockPool:
         """
         return self._wait_for_stores("wait_spills", timeout, True)
 
-    def close(self):
+    def close(self, timeout=None):
         """Finish the background work of the prefix stores: cancel the
-        prefetches in flight (:meth:`prefetch`), push every queued spill to
-        its store and stop the worker threads.  Idempotent; the pool stays
-        usable (a later spill or prefetch starts a worker again).  Without
-        stores, does nothing."""
-        self._wait_for_stores("close", None, True)
+        prefetches in flight (:meth:`prefetch`), push the queued spills to
+        their stores and stop the worker threads.
+
+        Idempotent; the pool stays usable (a later spill or prefetch starts
+        a worker again).  Without stores, does nothing.  Leaving a ``with
+        pool:`` block calls ``close(timeout=kvcore.pool.EXIT_TIMEOUT)``
+        (10 seconds).
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Most seconds to take, as for :meth:`wait_spills` (None: as long
+            as the stores take).  Spills still queued when it passes are
+            dropped (a later miss, never wrong data) and counted in
+            ``stats()["stores"][i]["spills_dropped"]``; a store call already
+            under way on the worker then finishes in the background.
+
+        Returns
+        -------
+        bool
+            True when every queued spill was written (always True without
+            stores), False when some were dropped at the deadline.
+        """
+        return self._wait_for_stores("close", timeout, True)
 
     def _wait_for_stores(self, what, timeout, without):
         """``self._stores.<what>(timeout)`` (``without`` when the pool has no
@@ -410,7 +433,7 @@ class BlockPool:
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        self.close(EXIT_TIMEOUT)
 
     def prefetch(self, token_ids, salt=None):
         """Start loading the prefix-store blocks of prompt ``token_ids`` into

@@ -149,7 +149,8 @@ def test_disk_store_capacity_is_honoured_across_instances(tmp_path):
         flush_pool(pa)
         flush_pool(pb)
         assert a.used_bytes() <= cap
-    assert len(a) == 6
+    # a trim frees room down to the low watermark (5.4 entries here), no further
+    assert len(a) in (5, 6)
 
 
 @pytest.mark.parametrize("where", ["payload", "tokens", "header", "truncate"])
@@ -492,7 +493,7 @@ def test_wait_spills_waits_for_the_queued_spills_and_changes_nothing(tmp_path):
     assert make_pool().wait_spills() is True
 
 
-@pytest.mark.parametrize("method", ["wait_spills", "flush_to_stores"])
+@pytest.mark.parametrize("method", ["wait_spills", "flush_to_stores", "close"])
 @pytest.mark.parametrize("timeout, error, words", [
     ("1", TypeError, "timeout must be None or a number of seconds, got str"),
     (True, TypeError, "got bool"),

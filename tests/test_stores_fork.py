@@ -88,7 +88,7 @@ def fork_and_check(pool, probe_tokens, handle=None):
             pool.flush_to_stores(15)
             times["flush"] = time.monotonic() - t
             t = time.monotonic()
-            pool.close()
+            assert pool.close(15), "close dropped spills"
             times["close"] = time.monotonic() - t
             if handle is not None:
                 assert handle.done(), "the parent's prefetch is not done in the child"
@@ -144,7 +144,7 @@ def test_fork_while_a_thread_holds_the_pool_lock(tmp_path, holder, gate):
         thread.join(20)
     if handle is not None:
         assert handle.wait(20)
-    pool.close()
+    assert pool.close(20)
     pool.debug.check()
     assert os.WIFEXITED(status), f"the child was killed (signal {os.WTERMSIG(status)}): " \
                                  "it hung on a lock held at the fork"
@@ -180,7 +180,7 @@ def test_forks_of_a_program_with_a_request_thread_and_a_prefetch(tmp_path):
     finally:
         stop.set()
         t.join(20)
-    pool.close()
+    assert pool.close(20)
     pool.debug.check()
 
 
@@ -211,8 +211,7 @@ def test_a_forked_child_cancels_the_parents_prefetches():
     pid = os.fork()
     if pid == 0:
         signal.alarm(CHILD_ALARM)
-        ok = h.wait(2) and h.done() and h.cancelled()
-        pool.close()
+        ok = h.wait(2) and h.done() and h.cancelled() and pool.close(5)
         os.write(w, b"1" if ok else b"0")
         os._exit(0)
     os.close(w)
@@ -222,4 +221,4 @@ def test_a_forked_child_cancels_the_parents_prefetches():
     host.gate.set()
     assert h.wait(20) and not h.cancelled()     # the parent's own goes on
     assert h.blocks_ready == 8
-    pool.close()
+    assert pool.close(20)

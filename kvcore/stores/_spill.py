@@ -20,7 +20,7 @@ import threading
 
 from . import _format
 from .._forksafe import QUEUE, fork_guard
-from ._worker import Worker
+from ._worker import Worker, deadline_of, time_left
 from .base import PrefixStore
 
 #: bytes of spills queued for one store before the oldest are dropped (a
@@ -174,9 +174,22 @@ class SpillQueue:
         return self._worker.wait_idle(timeout)
 
     def close(self, timeout=None):
-        """Write what is queued, then stop the worker thread."""
+        """Write what is queued within ``timeout`` seconds (None: however
+        long it takes), drop what is left then (counted as
+        ``spills_dropped``), and stop the worker thread.  True when nothing
+        had to be dropped; a put in progress at the deadline finishes in the
+        background."""
+        deadline = deadline_of(timeout)
         done = self.wait(timeout)
-        self._worker.stop(timeout)
+        if not done:
+            dropped = collections.Counter()
+            with self._lock:
+                while self._queue:
+                    batch = self._queue.popleft()
+                    dropped[batch[0]] += self._forget(batch)
+            for i, n in dropped.items():
+                self._tiers.ledger.count(i, spills_dropped=n)
+        self._worker.stop(time_left(deadline))
         return done
 
     def _after_fork_child(self):

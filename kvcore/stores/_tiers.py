@@ -326,5 +326,6 @@ class StoreTiers:
         return self.spills.wait(timeout)
 
     def close(self, timeout=None):
-        """Write the queued spills, stop the worker."""
+        """Write the queued spills within ``timeout`` (what is left then is
+        dropped and counted), stop the worker; True when nothing was dropped."""
         return self.spills.close(timeout)
