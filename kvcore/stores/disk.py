@@ -25,11 +25,21 @@ _OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _OPEN_TMP = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
              | getattr(os, "O_CLOEXEC", 0))
+# PATH/.lock is untrusted too: never through a link (a dangling one planted
+# there would make this process create its target), never blocking (a FIFO),
+# and only a regular file is locked (read-only is enough for flock)
+_OPEN_LOCK = (os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+              | getattr(os, "O_CLOEXEC", 0))
 
 
 class _NotAnEntry(OSError):
     """What a path named like an entry holds is not a regular file (a
     link, FIFO, directory, device ...): never read, never forwarded."""
+
+
+class DiskStoreLocked(OSError):
+    """A DiskStore could not lock or trim its directory, so it wrote nothing
+    (its directory must not outgrow ``capacity_bytes``); reads go on."""
 
 
 def _open_entry(path):
@@ -105,8 +115,13 @@ class DiskStore(PrefixStore):
     all go to the next tier unwritten.  Processes sharing the directory
     keep it within capacity between them (the listing costs a ``stat`` per
     entry file: size ``capacity_bytes`` for entries of megabytes, not
-    bytes).  A torn or corrupted file is caught by the entry's checksum
-    when read, and is then a miss.
+    bytes).  A put that cannot lock ``PATH/.lock`` (held by another process
+    past ``lock_timeout``, or not a regular file this process can open: a
+    directory, a link, a FIFO, another user's file) or cannot trim writes
+    nothing and raises :class:`DiskStoreLocked` (the pool: a miss, a
+    ``StoreWarning``, ``failures`` counted, the entries handed to the next
+    store); lookups go on.  A torn or corrupted file is caught by the
+    entry's checksum when read, and is then a miss.
 
     Every file in the directory is untrusted: entries are opened without
     following links and without blocking, and only regular files are read,
@@ -275,7 +290,8 @@ class DiskStore(PrefixStore):
         trimmed = []
         grown = 0
         try:
-            # room for the batch first (one listing, under PATH/.lock)
+            # room for the batch first (one listing, under PATH/.lock):
+            # nothing is written unless it fits
             trimmed = self._trim(fit)
             for k, v in items[keep:]:
                 g = self._write(k, v)
@@ -354,10 +370,11 @@ class DiskStore(PrefixStore):
         read; an entry file that cannot be read (or whose size is not the
         one its header promises) is removed without being handed on; one
         that cannot be removed either is passed over: the trim goes on with
-        the others."""
+        the others.  Raises :class:`DiskStoreLocked` when it cannot lock
+        the directory or make the room (nothing may be written then)."""
         dropped = []
-        with open(os.path.join(self.path, ".lock"), "a+b") as lock:
-            fd = lock.fileno()
+        fd = self._open_lock()
+        try:
             self._lock_file(fd)
             try:
                 stale, bad = [], []
@@ -385,9 +402,44 @@ class DiskStore(PrefixStore):
                             dropped.append((key, value))
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
         with self._lock:
             self._used = used
+        if used + room > self.capacity_bytes:
+            e = DiskStoreLocked(errno.ENOSPC, f"DiskStore {self.path}: {used} bytes it "
+                                f"cannot remove leave no room for {room} more within "
+                                f"capacity_bytes={self.capacity_bytes}; nothing written")
+            e.dropped = dropped
+            raise e
         return dropped
+
+    def _open_lock(self):
+        """A descriptor of ``PATH/.lock`` (created if missing), a regular
+        file opened without following a link or blocking; raises
+        :class:`DiskStoreLocked` otherwise."""
+        path = os.path.join(self.path, ".lock")
+        why = None
+        try:
+            fd = os.open(path, _OPEN_LOCK, 0o644)
+        except OSError as e:
+            why, code = e.strerror or str(e), e.errno
+            if e.errno == errno.ELOOP:
+                why = "it is a symbolic link"
+        else:
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                os.close(fd)
+                raise DiskStoreLocked(e.errno, f"DiskStore cannot lock {path}: "
+                                      f"{e.strerror}; nothing written") from None
+            if stat.S_ISREG(st.st_mode):
+                return fd
+            os.close(fd)
+            why, code = "it is not a regular file", errno.EINVAL
+        raise DiskStoreLocked(code, f"DiskStore cannot lock {path}: {why}; nothing written "
+                                    "until it can (the directory must stay within "
+                                    "capacity_bytes)")
 
     def _take(self, path):
         """The bytes of the entry file at ``path`` for the next tier, or None
