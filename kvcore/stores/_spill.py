@@ -13,10 +13,16 @@ every pool lock.  Until a queued entry is written, lookups find it here
 (``max_pending_bytes``): when a slow store lets it fill up, the oldest
 queued spills are dropped (counted as ``spills_dropped``; a dropped spill is
 a later miss, never wrong data), so the threads using the pool are never
-held up by a store.  Nothing here calls the pool.
+held up by a store.  What a store drops to stay within capacity goes to the
+next, verified first (structure, checksum, HMAC): a store's bytes, e.g. a
+file planted in a DiskStore's directory, never reach another store
+unchecked.  A store that is down or whose put fails is passed over.
+Nothing here calls the pool.
 """
 import collections
 import threading
+
+import numpy as np
 
 from . import _format
 from .._forksafe import QUEUE, fork_guard
@@ -30,13 +36,15 @@ MAX_PENDING_BYTES = PrefixStore.max_pending_bytes
 
 class SpillQueue:
     """The spills of one pool's stores on their way down (see the module
-    docstring); ``tiers`` is the ``StoreTiers`` that writes them."""
+    docstring): ``stores`` in order, each one's layout fingerprint and
+    ``hmac_key`` (``fps``, ``hmacs``), the ``ledger`` that counts."""
 
-    def __init__(self, tiers, records):
-        self._tiers = tiers
-        self._records = records          # the port's record queue (batches)
+    def __init__(self, stores, fps, hmacs, ledger):
+        self._stores, self._fp, self._hmac, self._ledger = stores, fps, hmacs, ledger
+        self._in_memory = [bool(getattr(s, "in_memory", False)) for s in stores]
+        self._records = None             # the port's record queue (batches)
         self._lock = threading.Lock()
-        n = len(tiers.stores)
+        n = len(stores)
         # (store, items, bytes) batches in order; each queued or in-flight
         # entry is also in _overlay[store] (key -> value) for lookups
         self._queue = collections.deque()
@@ -48,20 +56,24 @@ class SpillQueue:
         fork_guard(self, "_lock", QUEUE)
 
     # ------------------------------------------------------------ consuming
+    def consume(self, port):
+        """Read the records ``port`` publishes (:meth:`take_records`, woken
+        by each publish)."""
+        self._records = port.listen(self.take_records)
+
     def take_records(self):
         """Read the port's record queue (its publisher's thread, the pool's
         lock maybe held): encode each batch for the first store and send it
         down.  Never raises, never waits on a store that does I/O."""
-        tiers = self._tiers
         while True:
             try:
                 batch = self._records.popleft()
             except IndexError:
                 return
             try:
-                items = tiers.encode(batch)
+                items = self.encode(batch)
             except Exception as e:  # a bug must not break the pool operation that evicted
-                tiers.ledger.fail(0, e, op="export")
+                self._ledger.fail(0, e, op="export")
                 continue
             self.deliver(0, items)
 
@@ -69,22 +81,22 @@ class SpillQueue:
         """Send ``items`` (entries for store ``i``) down the stores: put into
         each in-memory store in turn here and now; from the first store
         that does I/O on, queued for the worker.  Never raises."""
-        tiers = self._tiers
+        n = len(self._stores)
         try:
-            while items and i < len(tiers.stores) and tiers.in_memory[i]:
-                items = tiers.put_one(i, items)[0]
+            while items and i < n and self._in_memory[i]:
+                items = self.put_one(i, items)[0]
                 i += 1
-            if items and i < len(tiers.stores):
+            if items and i < n:
                 self._enqueue(i, items)
         except Exception as e:  # pragma: no cover - put_one catches store errors
-            tiers.ledger.fail(i if i < len(tiers.stores) else 0, e, op="put")
+            self._ledger.fail(i if i < n else 0, e, op="put")
 
     def _enqueue(self, i, items):
         """Queue ``items`` for store ``i`` (and the worker to write them);
         when the queue of store ``i`` passes its bound, the oldest batches
         queued for it go (counted: ``spills_dropped``)."""
         size = sum(len(v) for _, v in items)
-        cap = getattr(self._tiers.stores[i], "max_pending_bytes", MAX_PENDING_BYTES)
+        cap = getattr(self._stores[i], "max_pending_bytes", MAX_PENDING_BYTES)
         dropped = 0
         with self._lock:
             self._overlay[i].update(items)
@@ -98,7 +110,7 @@ class SpillQueue:
                 dropped += self._forget(old)
             start = self._start()
         if dropped:
-            self._tiers.ledger.count(i, spills_dropped=dropped)
+            self._ledger.count(i, spills_dropped=dropped)
         if start:
             self._worker.submit(self._drain)
 
@@ -123,7 +135,6 @@ class SpillQueue:
     def _drain(self):
         """The worker's job: write the queued batches, consecutive ones for
         the same store in one put, until the queue is empty."""
-        tiers = self._tiers
         while True:
             with self._lock:
                 self._in_flight = None
@@ -139,9 +150,98 @@ class SpillQueue:
                 self._queued_bytes[i] -= size
                 self._in_flight = (i, items, 0)
             try:
-                tiers.put_chain(i, items)
+                self.put_chain(i, items)
             except Exception as e:  # pragma: no cover - put_chain catches store errors
-                tiers.ledger.fail(i, e, op="put")
+                self._ledger.fail(i, e, op="put")
+
+    # ------------------------------------------------------------ writing
+    def encode(self, records):
+        """``BlockRecord``\\ s as entries for store 0: [(key, value)]."""
+        fp, key = self._fp[0], self._hmac[0]
+        return [(_format.store_key(fp, r.hash),
+                 _format.encode(fp, r.hash, r.parent_hash, r.chain_root, r.identity, r.tokens,
+                                r.payload, key))
+                for r in records]
+
+    def write_now(self, records):
+        """Write ``records`` to store 0 (and what it drops to the next ...)
+        on this thread (``flush_to_stores``): how many some store took."""
+        try:
+            items = self.encode(records)
+        except Exception as e:
+            self._ledger.fail(0, e, op="export")
+            return 0
+        if not items:
+            return 0
+        try:
+            return self.put_chain(0, items)
+        except Exception as e:  # pragma: no cover - put_chain catches store errors
+            self._ledger.fail(0, e, op="put")
+            return 0
+
+    def put_one(self, i, items):
+        """Put ``items`` into store ``i``: ``(the entries for store i + 1,
+        whether store i took them)``.  A store that is down or whose put
+        fails is passed over: its items go to the next store (a full disk
+        or a dead Redis in front must not lose what the stores behind it
+        could keep)."""
+        ledger = self._ledger
+        passed_over, taken = items, False   # what goes on if store i does not take it
+        if ledger.up(i):
+            try:
+                dropped = list(self._stores[i].put(items) or ())
+            except Exception as e:
+                ledger.fail(i, e, op="put")
+                # what it dropped before failing goes on with the batch
+                passed_over = list(getattr(e, "dropped", None) or ()) + list(items)
+            else:
+                taken = True
+                ledger.done(i, "put")
+                ledger.count(i, puts=len(items), bytes_in=sum(len(v) for _, v in items),
+                             evictions=len(dropped))
+                passed_over = dropped
+        return self._retarget(i, i + 1, passed_over), taken
+
+    def put_chain(self, i, items):
+        """Put ``items`` into store ``i`` and what it drops into the next,
+        and so on, here (the worker, or a flush; no pool lock held), keeping
+        the in-flight entries visible to lookups until the store holding
+        them has them.  Returns how many of ``items`` some store took."""
+        first, taken = len(items), False
+        while items and i < len(self._stores):
+            passed, took = self.put_one(i, items)
+            taken = taken or took
+            self.landed(i, items, passed)
+            items = passed
+            i += 1
+        return first if taken else 0
+
+    def _retarget(self, i, j, items):
+        """Entries store ``i`` dropped, verified (structure, checksum, HMAC,
+        filed under their own key) and re-encoded for store ``j`` where
+        their namespace or hmac_key differ; entries that fail are dropped
+        (a store's bytes are untrusted: a file planted in a DiskStore's
+        directory must not travel on)."""
+        if j >= len(self._stores) or not items:
+            return items
+        same = self._fp[i] == self._fp[j] and self._hmac[i] == self._hmac[j]
+        out = []
+        for k, v in items:
+            try:
+                h, parent, salt, ident, tok, pay, _, _ = _format.parse(v, self._fp[i],
+                                                                       self._hmac[i])
+                if bytes(k) != _format.store_key(self._fp[i], h):
+                    raise _format.Invalid("mismatch", "an entry filed under another key")
+            except _format.Invalid as e:
+                self._ledger.reject(i, e)
+                continue
+            if same:
+                out.append((k, v))
+                continue
+            out.append((_format.store_key(self._fp[j], h),
+                        _format.encode(self._fp[j], h, parent, salt, ident,
+                                       np.frombuffer(tok, "<i4"), pay, self._hmac[j])))
+        return out
 
     # ------------------------------------------------------------ what lookups see
     def queued(self, i):
@@ -188,7 +288,7 @@ class SpillQueue:
                     batch = self._queue.popleft()
                     dropped[batch[0]] += self._forget(batch)
             for i, n in dropped.items():
-                self._tiers.ledger.count(i, spills_dropped=n)
+                self._ledger.count(i, spills_dropped=n)
         self._worker.stop(time_left(deadline))
         return done
 

@@ -1,14 +1,10 @@
 """The stores of one pool, in order (``BlockPool(..., stores=[...])``): the
 pool's block records in, verified entries out.
 
-* Spill: the pool publishes a ``BlockRecord`` for every cached block it
-  evicts on its store port's record queue; :class:`SpillQueue`
-  (``_spill``) reads it, encodes the entries (``_format``) and sends them
-  down: into an in-memory first store at once, through the store worker
-  for the stores that do I/O.  What a store drops to stay within capacity
-  goes to the next, verified first (structure, checksum, HMAC): a store's
-  bytes, e.g. a file planted in a DiskStore's directory, never reach
-  another store unchecked.
+* Spill (``_spill``): the pool publishes a ``BlockRecord`` for every
+  cached block it evicts on its store port's record queue; the spill queue
+  reads it, encodes the entries and writes them down the stores (an
+  in-memory first store at once, the others through the store worker).
 * Lookup: after the pool's own prefix hit, the pool asks :meth:`find` for
   the run of following blocks the stores hold (one batched ``contains`` per
   store: store 0 first, the rest of the run in store 1, ...), then
@@ -81,105 +77,17 @@ class StoreTiers:
                                         kv_scales=lay["kv_scales"])
                     for s in stores]
         self._hmac = [getattr(s, "hmac_key", None) for s in stores]
-        self.in_memory = [bool(getattr(s, "in_memory", False)) for s in stores]
         self.ledger = Ledger(self.stores)
-        self.spills = SpillQueue(self, port.listen(self._wake))
-
-    def _wake(self):
-        """The port published records: consume them now (see SpillQueue)."""
-        self.spills.take_records()
+        # the way down (the port's records in, the stores' writes out)
+        self.spills = SpillQueue(self.stores, self._fp, self._hmac, self.ledger)
+        self.spills.consume(port)
 
     def stats(self):
         return self.ledger.stats()
 
-    # ------------------------------------------------------------ writing
-    def encode(self, records):
-        """``BlockRecord``\\ s as entries for store 0: [(key, value)]."""
-        fp, key = self._fp[0], self._hmac[0]
-        return [(_format.store_key(fp, r.hash),
-                 _format.encode(fp, r.hash, r.parent_hash, r.chain_root, r.identity, r.tokens,
-                                r.payload, key))
-                for r in records]
-
     def write_now(self, records):
-        """Write ``records`` to store 0 (and what it drops to the next ...)
-        on this thread (``flush_to_stores``); how many some store took."""
-        try:
-            items = self.encode(records)
-        except Exception as e:
-            self.ledger.fail(0, e, op="export")
-            return 0
-        if not items:
-            return 0
-        try:
-            return self.put_chain(0, items)
-        except Exception as e:  # pragma: no cover - put_chain catches store errors
-            self.ledger.fail(0, e, op="put")
-            return 0
-
-    def put_one(self, i, items):
-        """Put ``items`` into store ``i``: ``(the entries for store i + 1,
-        whether store i took them)``.  A store that is down or whose put
-        fails is passed over: its items go to the next store (a full disk
-        or a dead Redis in front must not lose what the stores behind it
-        could keep)."""
-        ledger = self.ledger
-        passed_over, taken = items, False   # what goes on if store i does not take it
-        if ledger.up(i):
-            try:
-                dropped = list(self.stores[i].put(items) or ())
-            except Exception as e:
-                ledger.fail(i, e, op="put")
-                # what it dropped before failing goes on with the batch
-                passed_over = list(getattr(e, "dropped", None) or ()) + list(items)
-            else:
-                taken = True
-                ledger.done(i, "put")
-                ledger.count(i, puts=len(items), bytes_in=sum(len(v) for _, v in items),
-                             evictions=len(dropped))
-                passed_over = dropped
-        return self._retarget(i, i + 1, passed_over), taken
-
-    def put_chain(self, i, items):
-        """Put ``items`` into store ``i`` and what it drops into the next,
-        and so on, here (the worker, or a flush; no pool lock held), keeping
-        the in-flight entries visible to lookups until the store holding
-        them has them.  Returns how many of ``items`` some store took."""
-        first, taken = len(items), False
-        while items and i < len(self.stores):
-            passed, took = self.put_one(i, items)
-            taken = taken or took
-            self.spills.landed(i, items, passed)
-            items = passed
-            i += 1
-        return first if taken else 0
-
-    def _retarget(self, i, j, items):
-        """Entries store ``i`` dropped, verified (structure, checksum, HMAC,
-        filed under their own key) and re-encoded for store ``j`` where
-        their namespace or hmac_key differ; entries that fail are dropped
-        (a store's bytes are untrusted: a file planted in a DiskStore's
-        directory must not travel on)."""
-        if j >= len(self.stores) or not items:
-            return items
-        same = self._fp[i] == self._fp[j] and self._hmac[i] == self._hmac[j]
-        out = []
-        for k, v in items:
-            try:
-                h, parent, salt, ident, tok, pay, _, _ = _format.parse(v, self._fp[i],
-                                                                       self._hmac[i])
-                if bytes(k) != _format.store_key(self._fp[i], h):
-                    raise _format.Invalid("mismatch", "an entry filed under another key")
-            except _format.Invalid as e:
-                self.ledger.reject(i, e)
-                continue
-            if same:
-                out.append((k, v))
-                continue
-            out.append((_format.store_key(self._fp[j], h),
-                        _format.encode(self._fp[j], h, parent, salt, ident,
-                                       np.frombuffer(tok, "<i4"), pay, self._hmac[j])))
-        return out
+        """Write ``records`` down the stores on this thread (``flush_to_stores``)."""
+        return self.spills.write_now(records)
 
     # ------------------------------------------------------------ lookup
     def find(self, hash_bytes, first, stop, count=True):
