@@ -632,7 +632,7 @@ def test_an_empty_prompt_batch_is_refused_by_name():
     pool = pool_for(model.config, 8, dtype="float32", block_size=4)
     with pytest.raises(ValueError, match=r"input_ids must have at least one row"):
         kvcore.hf.generate(model, empty, pool, max_new_tokens=2)
-    assert pool.num_used_blocks == 0 and pool.check()
+    assert pool.num_used_blocks == 0 and pool.debug.check()
 
 
 def test_calibrated_scales_that_would_underflow_float32_become_one():
