@@ -340,8 +340,9 @@ class AttentionPlan:
                     scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     chunk_size=chunk_size, alibi_slopes=alibi_slopes, sinks=sinks)
         self._bindable = True
-        if self._heads is not None:
-            self._plan_for(self._heads, 0)
+        heads = self._heads if self._heads is not None else num_heads
+        if heads is not None:
+            self._plan_for(heads, 0)
 
     @classmethod
     def _make(cls, src, block_tables, seq_lens, query_start_loc, num_tokens, layer, **features):
@@ -368,6 +369,7 @@ class AttentionPlan:
             kinds = (kinds[only_layer],) * layers
         alibi = _args.head_rows(alibi_slopes, "alibi_slopes", layers)
         sink_rows = _args.head_rows(sinks, "sinks", layers)
+        fixed = None      # the query heads the slopes and sinks fix
         for arg, rows in (("alibi_slopes", alibi), ("sinks", sink_rows)):
             if rows is None:
                 continue
@@ -375,7 +377,7 @@ class AttentionPlan:
             if num_heads is not None and heads != num_heads:
                 raise ValueError(f"{arg} must have num_heads={num_heads} entries per layer (the "
                                  f"plan's query heads), got {heads}")
-            num_heads = heads
+            num_heads = fixed = heads
         be.check_attention_features(max(c for _, c in kinds), alibi is not None,
                                     sink_rows is not None)
         # The plan's own copies, made before the check: a caller changing its
@@ -394,7 +396,7 @@ class AttentionPlan:
         self._num_tokens = num_tokens
         self._scale, self._cap, self._threads = scale_v, cap_v, threads
         self._kinds = kinds                  # (window, chunk) of each layer, 0: off
-        self._heads = num_heads              # query heads fixed at plan time, or None
+        self._heads = fixed                  # query heads fixed at plan time, or None
         # host rows (the CPU fast path binds them) and the device's (runs)
         self._alibi_host, self._sinks_host = alibi, sink_rows
         self._alibi = None if alibi is None else be.from_host(alibi)
@@ -514,8 +516,8 @@ class AttentionPlan:
             raise ValueError(f"q.shape[0] must be the plan's num_query_tokens="
                              f"{self._num_tokens}, got {num_tokens}")
         if self._heads is not None and num_heads != self._heads:
-            raise ValueError(f"q.shape[1] must be the plan's num_heads={self._heads} (fixed by "
-                             f"num_heads, alibi_slopes or sinks), got {num_heads}")
+            raise ValueError(f"q.shape[1] must be the plan's num_heads={self._heads} (the "
+                             f"heads of its alibi_slopes / sinks), got {num_heads}")
         plan = self._plan_for(num_heads, layer)
         shape = tuple(qbits.shape)
         if out is not None:
