@@ -419,3 +419,23 @@ def test_cuda_backend_refuses_what_its_kernels_do_not_compute_yet():
                           soft_cap=0.0, chunk_size=16)
     with pytest.raises(ValueError, match="sinks .*not supported on CUDA"):
         be.attention_run(CudaAttentionPlan(), None, None, None, None, sinks=np.zeros(2))
+
+
+@pytest.mark.cuda
+def test_a_cuda_pool_refuses_the_features_before_any_work():
+    """On a GPU: a CUDA pool's plan refuses each feature by name at plan
+    time, and its pages are untouched."""
+    try:
+        from _cuda_env import cuda_backend_or_skip
+    except ImportError:  # pragma: no cover - run as a package
+        from ._cuda_env import cuda_backend_or_skip
+    cuda_backend_or_skip()
+    pool = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16", device="cuda")
+    before = pool.storage.get()
+    for kw, name in ((dict(chunk_size=8), "chunk_size"), (dict(sliding_window=[None, 8],
+                                                              chunk_size=[0, 8]), "chunk_size"),
+                     (dict(alibi_slopes=np.ones(4)), "alibi_slopes"),
+                     (dict(sinks=np.zeros((2, 4))), "sinks")):
+        with pytest.raises(ValueError, match=rf"{name} .*is not supported on CUDA pools yet"):
+            kvcore.AttentionPlan(pool, [[0, 1]], [20], **kw)
+    np.testing.assert_array_equal(pool.storage.get(), before)
