@@ -1,6 +1,6 @@
 # Names the dead-code check (vulture, in .ci/run) must not report: each is
 # used from outside what it scans (kvcore, tests, bench).
-# transformers calls these on a Cache (kvcore/hf.py: its Cache protocol)
+# transformers calls these on a Cache (kvcore/hf/cache.py: its Cache protocol)
 _.is_compileable
 _.is_croppable
 _.is_sliding
@@ -12,7 +12,7 @@ _.offload
 _.prefetch
 _.batch_select_indices
 # read by the native pool (kvcore/_native/_pool.pyx: a cdef public field)
-_.log_evictions
+_.publish_evictions
 # read by transformers' generate (a GenerationConfig field)
 _.eos_token_id
 # set on a tokenizers.Tokenizer (kvcore/cli/llama.py): read by the library
