@@ -128,7 +128,7 @@ def test_amx_is_opt_in_where_it_is_supported(tmp_path):
         run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
         assert run.returncode == 0, run.stdout + run.stderr
         outs[value] = run.stdout.split()
-    below = outs[None][4].rstrip(",")
+    below = outs[None][5].rstrip(",")
     assert outs[None][-1] == "1"                       # amx supported (assumed)
     assert below != "amx"
     assert outs[None][1].rstrip(",") == below         # unset: not amx
