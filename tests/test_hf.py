@@ -41,8 +41,12 @@ def _tiny(family, attn="sdpa", seed=0):
     else:
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config)
+    # the weights come from their own seeded generator state: building a
+    # model (model_for builds on first use) never moves the caller's RNG,
+    # which a seeded sampling test has just set
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
     model.set_attn_implementation(attn)
     model.eval()
     model.generation_config.eos_token_id = None   # every call runs max_new_tokens
@@ -252,10 +256,11 @@ def test_beam_search_matches_dynamic_cache(attn):
 def test_seeded_sampling_matches_dynamic_cache(attn):
     ids, mask = _prompts(BATCHES["b4"])
     kw = dict(max_new_tokens=10, do_sample=True, top_k=20, temperature=1.3)
+    base, model = model_for("qwen2"), model_for("qwen2", attn)
     torch.manual_seed(5)
-    want = _dynamic(model_for("qwen2"), ids, mask, **kw)
+    want = _dynamic(base, ids, mask, **kw)
     torch.manual_seed(5)
-    got = _paged(model_for("qwen2", attn), ids, mask, **kw)
+    got = _paged(model, ids, mask, **kw)
     assert torch.equal(got, want)
 
 
