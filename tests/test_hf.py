@@ -22,6 +22,7 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
+import _hf_zoo  # noqa: E402 (after the import skips: it needs torch and transformers)
 import kvcore
 import kvcore.hf
 from kvcore.hf import PagedCache, pool_for
@@ -66,14 +67,7 @@ def model_for(family, attn="sdpa"):
 
 def _prompts(lengths, seed=1):
     """Left-padded input_ids and attention_mask for prompts of ``lengths``."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+    return _hf_zoo.prompts(lengths, seed, vocab=VOCAB, pad=PAD)
 
 
 def _kw(model, cache):
