@@ -22,6 +22,7 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
+import _hf_zoo  # noqa: E402 (after the import skips: it needs torch and transformers)
 import kvcore
 import kvcore.hf
 from kvcore.hf import PagedCache, pool_for
@@ -41,8 +42,12 @@ def _tiny(family, attn="sdpa", seed=0):
     else:
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config)
+    # the weights come from their own seeded generator state: building a
+    # model (model_for builds on first use) never moves the caller's RNG,
+    # which a seeded sampling test has just set
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
     model.set_attn_implementation(attn)
     model.eval()
     model.generation_config.eos_token_id = None   # every call runs max_new_tokens
@@ -62,14 +67,7 @@ def model_for(family, attn="sdpa"):
 
 def _prompts(lengths, seed=1):
     """Left-padded input_ids and attention_mask for prompts of ``lengths``."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[i, width - n:] = 1
-    return ids, mask
+    return _hf_zoo.prompts(lengths, seed, vocab=VOCAB, pad=PAD)
 
 
 def _kw(model, cache):
@@ -252,10 +250,11 @@ def test_beam_search_matches_dynamic_cache(attn):
 def test_seeded_sampling_matches_dynamic_cache(attn):
     ids, mask = _prompts(BATCHES["b4"])
     kw = dict(max_new_tokens=10, do_sample=True, top_k=20, temperature=1.3)
+    base, model = model_for("qwen2"), model_for("qwen2", attn)
     torch.manual_seed(5)
-    want = _dynamic(model_for("qwen2"), ids, mask, **kw)
+    want = _dynamic(base, ids, mask, **kw)
     torch.manual_seed(5)
-    got = _paged(model_for("qwen2", attn), ids, mask, **kw)
+    got = _paged(model, ids, mask, **kw)
     assert torch.equal(got, want)
 
 

@@ -24,6 +24,10 @@ One module per job:
 ``inputs``         prompt batches and masks, ``cache_keyword``
 ``step``           ``Step``: one forward's K/V, begun, committed or rolled back
 ``cache``          ``PagedCache`` (and the per-layer face transformers iterates)
+``features``       what a model asks of its cache and attention: held, computed, or
+                   refused by name (``check_holdable``, ``AttentionSpec``)
+``handoff``        the new K/V a kvcore forward's ``update`` returns, usable by the
+                   kvcore attention only
 ``attention``      ``kvcore_attention`` and its mask function (registered here)
 ``generation``     ``generate``
 =================  =============================================================

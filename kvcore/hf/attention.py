@@ -6,6 +6,7 @@ from transformers.masking_utils import sdpa_mask
 
 from ..attention import AttentionPlan
 from .cache import PagedCache, _mask_call
+from .features import ModelAttention, check_keywords, describe
 from .inputs import _query_length
 from .step import Step
 
@@ -15,8 +16,11 @@ ATTN_IMPLEMENTATION = "kvcore"
 
 def _kvcore_mask(*args, **kwargs):
     """Mask function of ``attn_implementation="kvcore"``: a PagedCache needs
-    no mask (the kernel is causal over each row's own positions); it gets the
-    padding of a first forward instead.  Otherwise sdpa's mask."""
+    no mask (the kernel is causal over each row's own positions, with the
+    windows and chunks of the model's layers); it gets the padding of a
+    first forward instead, and the mask transformers asks for is checked to
+    restrict no more than the model's attention spec computes (before any
+    layer writes).  Otherwise sdpa's mask."""
     ref = getattr(_mask_call, "cache", None)
     cache = ref() if ref is not None else None
     _mask_call.cache = None
@@ -26,10 +30,16 @@ def _kvcore_mask(*args, **kwargs):
         else:                                  # transformers 5.0-5.x
             q_length = _query_length(kwargs.get("cache_position", 0))
         if cache._length + q_length == kwargs.get("kv_length"):
+            state = ModelAttention.of(cache, kwargs.get("config"))
+            state.check_forward(kwargs, q_length)
             cache._kvcore_forward = True
             mask = kwargs.get("attention_mask")
             if not cache._seqs and mask is not None:
                 cache._pending_mask = mask
+            if state.spec.mask_bias:
+                # (Falcon adds its ALiBi bias to this mask; the attention
+                # computes the bias from the slopes and ignores the mask)
+                return sdpa_mask(*args, **kwargs)
             return None
     return sdpa_mask(*args, **kwargs)
 
@@ -46,7 +56,10 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ``cu_seq_lens_q`` (transformers' names for a paged attention's
     arguments), ``kvcore_step`` and ``kvcore_layer`` in the keyword arguments
     transformers passes to both; without them (another cache, or none) the
-    call goes to sdpa.
+    call goes to sdpa.  ``s_aux`` (per-head attention sinks) is computed;
+    any other keyword that asks for something (a position bias, per-token
+    sinks, sparse indices...) raises ValueError naming it, and the step is
+    undone.
     """
     ref = None
     if kvcore_step is None or not isinstance(cache, PagedCache):
@@ -56,28 +69,43 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                                           dropout=dropout, scaling=scaling,
                                           sliding_window=sliding_window, softcap=softcap,
                                           **kwargs)
-        cache, kvcore_step, kvcore_layer = ref
+        cache, kvcore_step, kvcore_layer = ref[:3]
     try:
         return _kvcore_attention(module, query, cache, kvcore_step, kvcore_layer, ref,
                                  block_table, cu_seq_lens_q, dropout, scaling, sliding_window,
-                                 softcap)
+                                 softcap, attention_mask, kwargs)
     except BaseException:
         # (a plan the backend refuses, e.g. a head_dim its kernels do not
-        # take, or anything else here): the step's K/V are undone, the
-        # cache is as before the forward
+        # take, a feature the model asks for that kvcore does not compute,
+        # or anything else here): the step's K/V are undone, the cache is as
+        # before the forward
         Step.undo_failed(cache, cache._step, kvcore_step)
         raise
 
 
 def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_seq_lens_q,
-                      dropout, scaling, sliding_window, softcap):
+                      dropout, scaling, sliding_window, softcap, attention_mask, kwargs):
     if ref is not None:
         step.attention_tables(cache)
         block_table, cu_seq_lens_q = step.tables, step.query_start
     if dropout and module.training:
         raise NotImplementedError("attn_implementation='kvcore' has no attention dropout; "
                                   "use model.eval() or another attention for training")
+    state = ModelAttention.of(cache, getattr(module, "config", None))
+    spec = state.spec
+    sinks = kwargs.pop("s_aux", None)
+    check_keywords(spec, layer, kwargs)
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{spec.model_type} layer {layer}: the attention layer is not causal "
+                         "(module.is_causal=False); kvcore's attention is causal")
+    if attention_mask is not None and not spec.mask_bias:
+        raise ValueError(f"{spec.model_type} layer {layer}: the model hands its attention a mask "
+                         f"of its own ({describe(attention_mask)}), which kvcore's attention "
+                         "does not read; use attn_implementation='sdpa' or 'eager' with the "
+                         "PagedCache")
     batch, heads, q, dim = query.shape
+    window, chunk = state.layer_kind(layer, sliding_window, step.seq_lens)
+    sinks_key, sinks_rows = state.sinks_key(layer, sinks, heads)
     if q == 1:
         rows = query.detach().reshape(batch, heads, dim)
     else:
@@ -89,25 +117,32 @@ def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_se
     flat = out.view(batch * q, heads, dim)
     if step.query_rows is not None:
         rows = rows[step.query_rows]
-    # one plan per step (per scale/window/cap: layers may differ in window),
-    # made at the step's first layer: the tables are checked and the work
-    # split once, and each layer only runs it
-    key = (scaling, sliding_window, softcap)
+    # one plan per step and kind of layer (scale, window, chunk, cap,
+    # sinks), made at the first layer of that kind: the tables are checked
+    # and the work split once, and each layer only runs it
+    key = (scaling, window, chunk, softcap, sinks_key)
+    features = dict(scale=scaling, sliding_window=window or None, logits_soft_cap=softcap)
+    if chunk:
+        features["chunk_size"] = chunk
+    if spec.alibi is not None:
+        features["alibi_slopes"] = spec.alibi
+    if sinks_rows is not None:
+        features["sinks"] = sinks_rows
+    kind = (key, features)
     if not cache._torch.cuda:
-        _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+        _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer, flat)
     else:
         with cache._torch.stream():
-            _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+            _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer, flat)
     return out, None
 
 
-def _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat):
+def _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer, flat):
+    key, features = kind           # (the plan's key in the step, its keywords)
     plan = step.plans.get(key)
     if plan is None:
-        scaling, sliding_window, softcap = key
         plan = step.plans[key] = AttentionPlan(
-            cache.pool, block_table, step.seq_lens, cu_seq_lens_q, scale=scaling,
-            sliding_window=sliding_window, logits_soft_cap=softcap, num_heads=heads)
+            cache.pool, block_table, step.seq_lens, cu_seq_lens_q, num_heads=heads, **features)
     # queries and outputs stay in the model's dtype: the plan widens a
     # 16-bit model's rows and narrows the result with kvcore's conversions
     if step.query_rows is None:

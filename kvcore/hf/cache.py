@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..paged import PagedKVCache
 from ..pool import BlockPool
 from .inputs import _left_pads, _query_length, _truthy
+from .handoff import hand_off
 from .step import Step
 from .torch_bridge import _TorchSide
 
@@ -136,6 +137,8 @@ class PagedCache(Cache):
         self._known_before = None               # row tokens before generate's hook ran
         self._kvcore_forward = False            # this forward's attention reads pages
         self._pending_mask = None               # padding mask of a first forward
+        self._attention_state = None            # the model's attention spec (attention.py)
+        self._forward_columns = None            # generate's forward: (input columns, model type)
         self._torch = _TorchSide(pool)
         self._writer = pool._slot_writer()      # a decode step's K/V: one native call
         self._num_layers = pool.num_layers
@@ -251,6 +254,7 @@ class PagedCache(Cache):
         self._expand_rows(ids.shape[0])
         q = ids.shape[1]
         self._check_positions(kwargs.get("position_ids"), q)
+        self._forward_columns = (q, getattr(getattr(module, "config", None), "model_type", None))
         # what a failed step restores: the ids each row knew before this
         # forward's are added below
         self._known_before = [seq.num_tokens for seq in self._seqs]
@@ -264,6 +268,19 @@ class PagedCache(Cache):
             if known < first + q:
                 seq.extend_tokens(rows[i][known - first:])
         return None
+
+    def _check_columns(self, q):
+        """Raise ValueError when generate's forward caches ``q`` columns for
+        input_ids of another width (a model that adds positions of its own,
+        or re-feeds the whole sequence: the ids recorded for the prefix cache
+        would not be the cached positions')."""
+        columns, self._forward_columns = self._forward_columns, None
+        if columns is not None and columns[0] != q:
+            raise ValueError(
+                f"kvcore.hf cannot hold a {columns[1]!r} model: its forward caches other "
+                f"positions than its input_ids' ({q} for {columns[0]} columns: it adds "
+                "positions of its own or feeds the whole sequence again); the prefix cache "
+                "would record other tokens than the cached positions'")
 
     def _check_positions(self, position_ids, q):
         """Raise ValueError unless a forward's ``position_ids`` (when given as
@@ -344,6 +361,7 @@ class PagedCache(Cache):
             if layer_idx != 0:
                 raise ValueError(f"a forward must update the cache from layer 0 on, in order; "
                                  f"its first update was for layer {layer_idx}")
+            self._check_columns(q)
             step = Step.begin(self, batch, q)
         elif layer_idx != step.layers_done:
             raise ValueError(f"a forward must update the cache at every layer, in order: layer "
@@ -377,12 +395,13 @@ class PagedCache(Cache):
                 attn_kwargs.update(cache=self, block_table=step.tables,
                                    cu_seq_lens_q=step.query_start, kvcore_step=step,
                                    kvcore_layer=layer_idx)
-                return key_states, value_states
-            # transformers versions whose attention does not pass kwargs=
-            # to Cache.update: the step rides on the key tensor
-            k_ref = key_states.detach()
-            k_ref._kvcore = (self, step, layer_idx)
-            return k_ref, value_states
+            # only the new positions, marked: the kvcore attention reads the
+            # pages, and anything else computing on them raises (handoff.py);
+            # (transformers versions whose attention does not pass kwargs=
+            # to Cache.update find the step on the marked key)
+            return hand_off(key_states, value_states, self, step, layer_idx,
+                            self._attention_state.spec.model_type
+                            if self._attention_state is not None else "the model")
         index = step.gather_index(self)
         keys = self._k_pages[layer_idx][index]
         values = self._v_pages[layer_idx][index]

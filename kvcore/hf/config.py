@@ -2,6 +2,7 @@
 import numpy as np
 
 from ..pool import BlockPool
+from .features import check_holdable
 from .torch_bridge import _on_cuda, use_torch_allocator
 
 
@@ -72,7 +73,12 @@ def pool_for(config, num_blocks, dtype="float16", block_size=16, device="cpu",
     later CuPy allocation of the process, from torch's caching allocator
     (:func:`use_torch_allocator`), so kvcore and the model share one pool of
     device memory.  Never run on a GPU yet: see docs/hf.md.
+
+    Raises ValueError naming the model type and the feature for a model a
+    pool cannot hold (encoder-decoder, state-space or linear-attention
+    layers, K and V of different head dims, K/V shared across layers...).
     """
+    check_holdable(config)
     layers, kv_heads, head_dim = model_kv_shape(config)
     if _on_cuda(device):
         use_torch_allocator()
@@ -85,6 +91,7 @@ def check_pool(pool, config):
     """Raise ValueError unless ``pool`` has ``config``'s layers, KV heads and head_dim."""
     if not isinstance(pool, BlockPool):
         raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+    check_holdable(config)
     want = model_kv_shape(config)
     got = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
     if want != got:

@@ -1,6 +1,7 @@
 """``generate``: ``model.generate`` with prefix reuse across calls through a pool."""
 from .cache import PagedCache
 from .config import check_pool
+from .features import check_batch, check_holdable
 from .inputs import _prompt_batch, _truthy, cache_keyword
 
 
@@ -32,6 +33,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
     -------
     What ``model.generate`` returns.  Hits show in ``pool.stats()``.
     """
+    check_holdable(model.config, model)
     check_pool(pool, model.config)
     for key in ("past_key_values", "cache"):
         if generate_kwargs.get(key) is not None:
@@ -47,6 +49,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
                          f"{use_cache!r}, from {source}); for generation without a KV cache "
                          "call model.generate directly")
     attention_mask, pads = _prompt_batch(input_ids, attention_mask)
+    check_batch(model.config, pads)
     ids = input_ids.detach().cpu().numpy()
     cache = PagedCache(pool, salt=salt)
     try:

@@ -1,0 +1,67 @@
+"""The K/V that a kvcore forward's ``PagedCache.update`` returns.
+
+With ``attn_implementation="kvcore"`` the attention reads the whole context
+from the pages, so ``update`` returns only the step's new K/V, marked for
+``kvcore_attention``.  A model whose attention does not go through
+transformers' attention function, or that transforms the cached K/V before
+calling it (DiffLlama splits V), would compute on those new positions alone:
+the marked tensors refuse every torch operation but reading their shape,
+dtype and device, undo the step and raise ValueError naming the model type.
+"""
+import torch
+
+from .step import Step
+
+# what reading a marked tensor may do: its metadata, nothing of its values
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim,
+    torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_contiguous, torch.Tensor.get_device, torch.Tensor.__len__,
+}
+
+
+class PagedKV(torch.Tensor):
+    """The new K or V of one layer in a kvcore forward (see the module).
+
+    ``_kvcore`` is ``(cache, step, layer, model_type)``: what the tensor's
+    own error needs, and (transformers versions whose attention does not
+    pass ``kwargs=`` to ``Cache.update``) how the attention finds its step."""
+
+    __slots__ = ("_kvcore",)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        marked = next((a for a in _flat(args, kwargs) if isinstance(a, PagedKV)), None)
+        layer, model_type = "?", "the model"
+        if marked is not None:        # (None: held deeper in the arguments than a list)
+            cache, step, layer, model_type = marked._kvcore
+            Step.undo_failed(cache, cache._step, step)
+        name = getattr(func, "__name__", repr(func))
+        raise ValueError(
+            f"{model_type} layer {layer}: the model computes with the cached K/V itself "
+            f"({name}) instead of handing them to transformers' attention function as "
+            "they are; attn_implementation='kvcore' cannot serve it (use 'sdpa' or 'eager' "
+            "with the PagedCache). The forward was undone.")
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def hand_off(key_states, value_states, cache, step, layer, model_type):
+    """``(key, value)`` marked for the kvcore attention of ``layer``."""
+    ref = (cache, step, layer, model_type)
+    k = key_states.detach().as_subclass(PagedKV)
+    v = value_states.detach().as_subclass(PagedKV)
+    k._kvcore = ref
+    v._kvcore = ref
+    return k, v
