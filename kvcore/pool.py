@@ -249,6 +249,18 @@ class BlockPool:
         :meth:`write`."""
         return self._writer if hasattr(self._writer, "write_slots") else None
 
+    def _step_lane(self):
+        """A new step lane of this pool's backend (CUDA: a step's writes as
+        packed launches and the fixed buffers of decode steps, what
+        kvcore.hf issues per layer through; see backends/cuda/lane.py), or
+        None where the backend has none.  One per caller (a lane packs its
+        launches for itself)."""
+        make = getattr(self._backend, "step_lane", None)
+        if make is None:
+            return None
+        return make(self._planes.views, self._planes.codecs, (self._storage, self._scales),
+                    self._num_blocks * self._block_size)
+
     def _row_writer(self):
         if self._head_scales is None:     # (the one-scale-per-layer writer as before)
             return self._backend.row_writer(self._storage, self._kind, self._scales,

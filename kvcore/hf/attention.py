@@ -93,11 +93,19 @@ def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_se
     # made at the step's first layer: the tables are checked and the work
     # split once, and each layer only runs it
     key = (scaling, sliding_window, softcap)
-    if not cache._torch.cuda:
+    lane = cache._lane
+    if lane is None:
         _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
     else:
+        # a CUDA pool: the step's plan over its device buffers, run by
+        # address on torch's current stream
         with cache._torch.stream():
-            _run_plan(cache, step, key, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+            if step.query_rows is None:
+                lane.attend(step, key, layer, rows, flat)
+            else:
+                part = flat.new_empty((rows.shape[0],) + tuple(flat.shape[1:]))
+                lane.attend(step, key, layer, rows, part)
+                flat[step.query_rows] = part
     return out, None
 
 

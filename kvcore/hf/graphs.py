@@ -1,0 +1,228 @@
+"""Decode steps as CUDA graphs: ``kvcore.hf.generate(..., cuda_graph=True)``.
+
+A ``GraphRunner`` stands in for ``model.forward`` during a generate call.
+Prefill forwards (more than one query column) and anything unusual run
+eagerly.  A decode forward (one column per row) is split in two:
+
+* the host's part, done by the runner: the step is begun (positions
+  reserved, slots mapped: the cache's bookkeeping), its slots, lengths and
+  block tables go up into the batch size's ``DecodeState`` in one copy,
+  and the step's input ids and positions are copied into the graph's
+  input tensors;
+* the device's part, the whole forward of the model with kvcore's writes
+  and attention, replayed from a CUDA graph captured once per batch size
+  and decode state; then the step is committed (``Step.wrote_all``).
+
+Inside a captured step kvcore reads nothing back, allocates nothing and
+copies nothing (its launches read the decode state's buffers, the pool's
+planes and torch's activations, at addresses that do not change); the
+first decode step of a batch size runs eagerly (it makes the state's
+attention plans and warms the model up), the second is captured.  Graphs,
+decode states and their input tensors are kept per pool and model
+(``GraphSet``), so a later call with the same batch size replays at once:
+a prompt whose prefix is cached then has its first token from a replayed
+step.  The graphs hold the addresses of the model's parameters and
+buffers: a set checks them at each call and starts afresh if any moved.
+"""
+import threading
+import weakref
+
+import torch
+
+from .cache import PagedCache
+from .step import Step
+
+# Arguments a decode forward may carry into a graph: tensors copied into the
+# graph's inputs at each replay (their shapes are part of the graph's key).
+_INPUTS = ("input_ids", "position_ids", "cache_position")
+# Tensors that are read by nothing a captured step runs (kvcore's attention
+# needs no mask: the cache knows every row's padding).
+_IGNORED = ("attention_mask",)
+
+
+class _Captured:
+    """One captured decode step: the graph, its input tensors and output."""
+
+    __slots__ = ("graph", "inputs", "output")
+
+    def __init__(self, graph, inputs, output):
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+
+class GraphSet:
+    """The graphs of one model over one pool, with the decode states they
+    read (a :class:`DeviceLane`): checked out by one generate call at a
+    time."""
+
+    def __init__(self, lane):
+        self.lane = lane
+        self.graphs = {}            # (key, state) -> _Captured
+        self.warm = set()           # (key, state) that ran one eager step
+        self.pool_handle = None     # torch's memory pool shared by the captures
+        self.params = None          # (tensor, address) of the model's parameters and buffers
+        self.runner = None          # the GraphRunner of the call holding the set
+        self.busy = False
+        self.captures = self.replays = 0
+
+    def check_model(self, model):
+        """Forget every graph if a parameter or buffer of ``model`` is not
+        where the graphs read it."""
+        tensors = [t for t in list(model.parameters()) + list(model.buffers())]
+        if self.params is None or len(self.params) != len(tensors) or any(
+                t is not r or t.data_ptr() != p for t, (r, p) in zip(tensors, self.params)):
+            self.graphs.clear()
+            self.warm.clear()
+            self.params = [(t, t.data_ptr()) for t in tensors]
+
+
+_sets = weakref.WeakKeyDictionary()     # pool -> {model id: (weakref(model), GraphSet)}
+_sets_lock = threading.Lock()
+
+
+def checkout(pool, model, make_lane):
+    """The ``GraphSet`` of (``pool``, ``model``) for one call (a fresh one
+    when another call holds it); give it back with :func:`checkin`."""
+    with _sets_lock:
+        per_pool = _sets.setdefault(pool, {})
+        entry = per_pool.get(id(model))
+        if entry is None or entry[0]() is not model:
+            entry = per_pool[id(model)] = (weakref.ref(model), GraphSet(make_lane()))
+        graph_set = entry[1]
+        if graph_set.busy:
+            return GraphSet(make_lane())
+        graph_set.busy = True
+        return graph_set
+
+
+def checkin(graph_set):
+    with _sets_lock:
+        graph_set.busy = False
+
+
+def _new_graph():
+    """A CUDA graph to capture into (the tests' host emulation of the CUDA
+    backend puts a stand-in here)."""
+    return torch.cuda.CUDAGraph()
+
+
+def _capture(graph, pool_handle, run):
+    """Capture ``run()`` into ``graph`` on a side stream (torch.cuda.graph):
+    its result (the step's output, in the graph's memory).  (The tests'
+    emulation puts a stand-in here with ``_new_graph``'s.)"""
+    with torch.cuda.graph(graph, pool=pool_handle):
+        return run()
+
+
+def _graph_pool():
+    return torch.cuda.graph_pool_handle()
+
+
+class GraphRunner:
+    """``model.forward`` for one generate call with ``cuda_graph=True``."""
+
+    def __init__(self, model, forward, cache, graph_set):
+        self._forward = forward
+        self._cache = cache
+        self._set = graph_set
+        self._model = model
+        graph_set.runner = self
+
+    def __call__(self, *args, **kwargs):
+        cache = self._cache
+        key = self._decode_key(args, kwargs)
+        if key is None:
+            return self._forward(*args, **kwargs)
+        batch = key[0]
+        step = Step.begin(cache, batch, 1)
+        try:
+            state = step.device
+            gs = self._set
+            if state is None:                  # (not a decode step after all)
+                return self._forward(*args, **kwargs)
+            entry = gs.graphs.get((key, state))
+            if entry is None and (key, state) not in gs.warm:
+                # the first step of this state runs eagerly: it makes the
+                # state's attention plans (uploads) and warms the model up
+                out = self._forward(*args, **kwargs)
+                gs.warm.add((key, state))
+                return out
+            if entry is None:
+                entry = gs.graphs[(key, state)] = self._capture(kwargs)
+                gs.captures += 1
+            else:
+                for name, t in entry.inputs.items():
+                    t.copy_(kwargs[name])
+            entry.graph.replay()
+            gs.replays += 1
+            step.wrote_all(cache)
+            out = entry.output
+            for name in ("past_key_values", "cache"):   # (the capturing call's cache)
+                if getattr(out, name, None) is not None:
+                    setattr(out, name, cache)
+            return out
+        except BaseException:
+            step.rollback(cache)
+            raise
+
+    def _decode_key(self, args, kwargs):
+        """The graph key of a decode forward (batch, then each input's
+        name and shape, then the other arguments), or None: run it eagerly."""
+        cache = self._cache
+        if args or kwargs.get("inputs_embeds") is not None:
+            return None
+        ids = kwargs.get("input_ids")
+        side = cache._torch
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] != 1 \
+                or not side.holds(ids):
+            return None
+        if not cache._seqs or (cache._step is not None and not cache._step.complete):
+            return None
+        if getattr(self._model.config, "_attn_implementation", None) != "kvcore":
+            return None
+        key = [int(ids.shape[0])]
+        for name in sorted(kwargs):
+            value = kwargs[name]
+            if isinstance(value, torch.Tensor):
+                if name in _IGNORED:
+                    continue
+                if name not in _INPUTS or not side.holds(value):
+                    return None
+                key.append((name, tuple(value.shape), value.dtype))
+            elif isinstance(value, PagedCache):
+                if value is not cache:
+                    return None
+            elif name in ("output_attentions", "output_hidden_states") and value:
+                return None
+            else:
+                try:
+                    hash(value)
+                except TypeError:
+                    return None
+                key.append((name, value))
+        return tuple(key)
+
+    def _capture(self, kwargs):
+        """Capture this step's forward (the step is begun, its buffers
+        loaded): kvcore's part issues launches only (``cache._captured``)."""
+        gs = self._set
+        inputs = {name: kwargs[name].clone() for name in _INPUTS
+                  if isinstance(kwargs.get(name), torch.Tensor)}
+        call = dict(kwargs, **inputs)
+        if gs.pool_handle is None:
+            gs.pool_handle = _graph_pool()
+        graph = _new_graph()
+
+        def run():
+            # the step's forward with kvcore issuing launches only (for a
+            # stand-in graph, whose replay runs it again: on the cache of
+            # the call that holds the set then)
+            runner = gs.runner
+            now = runner._cache
+            now._captured = True
+            try:
+                return runner._forward(**{name: now if isinstance(value, PagedCache) else value
+                                          for name, value in call.items()})
+            finally:
+                now._captured = False
+
+        return _Captured(graph, inputs, _capture(graph, gs.pool_handle, run))
