@@ -174,7 +174,8 @@ def _pointer_args(be, emu_lib, name, args):
     the other arguments as they were given."""
     pointers, others = [], []
     if all(isinstance(a, int) for a in args):           # a packed launch: by signature
-        sig = emu_lib.signature(name)
+        sig = (emu_lib.attention().signature(name) if name.startswith("kva_")
+               else emu_lib.signature(name))
         for k, (code, a) in enumerate(zip(sig, args)):
             (pointers if code > 0 else others).append((k, a))
     else:
@@ -267,12 +268,14 @@ def test_a_decode_states_fixed_plan_gives_the_exact_plans_result(hf_cuda, pages,
     key = kvcore.hf.device.attention_key((0.125, window, cap), HEAD_DIM)
     plan = state.plan(key, 4)
     q = rng.standard_normal((3, 4, HEAD_DIM)).astype(np.float32)
-    for layer in range(LAYERS):
-        out = hf_cuda.empty((3, 4, HEAD_DIM), np.float32)
-        lane.attend(plan, layer, hf_cuda.from_host(q), out)
-        want = kvcore.paged_attention(hf_cuda.from_host(q), pool, layer, tables, lens,
-                                      scale=0.125, sliding_window=window, logits_soft_cap=cap)
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    for reuse in (False, True, True):    # as it is; packed (made, then reused)
+        for layer in range(LAYERS):
+            out = hf_cuda.empty((3, 4, HEAD_DIM), np.float32)
+            lane.attend(plan, layer, hf_cuda.from_host(q), out, reuse=reuse)
+            want = kvcore.paged_attention(hf_cuda.from_host(q), pool, layer, tables, lens,
+                                          scale=0.125, sliding_window=window,
+                                          logits_soft_cap=cap)
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
 class StandInGraph:

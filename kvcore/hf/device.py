@@ -20,6 +20,7 @@ import torch
 
 from .. import dtypes
 from ..attention import _float32_real, _positive_or_off, _real, index_int
+from .torch_bridge import _NUMPY
 
 # Blocks per row the first decode state of a batch size holds (at least):
 # a state is remade, twice as large, when a row outgrows it (a new plan,
@@ -54,11 +55,12 @@ class DeviceLane:
                 state = self._lane.decode_state(batch, self.capacity_for(need))
                 state.load(step.slots, step.seq_lens, step.tables)
                 step.device = state
-                step.device_slots = state.slots
+                step.device_slots = (state.slots, state.slots_ptr)
                 return
         be = self._backend
         with be._ctx():
-            step.device_slots = be.from_host(step.slots)
+            slots = be.from_host(step.slots)
+        step.device_slots = (slots, be._ptr(slots))
 
     def capacity_for(self, need):
         """Blocks per row of the decode state for rows needing ``need``:
@@ -79,8 +81,7 @@ class DeviceLane:
         v = side.kv_rows(value_states)
         if v is None:
             return False
-        n = step.slots.shape[0]
-        return self._lane.write(layer, k, v, step.device_slots, n)
+        return self._lane.write(layer, k, v, step.device_slots[1], step.slots.shape[0])
 
     def attend(self, step, key, layer, rows, out):
         """Attention of query rows ``rows`` ``(tokens, heads, dim)`` over
@@ -98,7 +99,6 @@ class DeviceLane:
                 plan = self._lane.planned(step.tables, step.seq_lens, step.query_start,
                                           checked, heads)
             plans[(key, heads)] = plan
-        side, be = self._torch, self._backend
         kinds = self._io(plan) if self._io is not None else None
         q_kind = _KIND.get(rows.dtype)
         direct = kinds is not None and q_kind in kinds[0] and q_kind in kinds[1]
@@ -108,12 +108,22 @@ class DeviceLane:
             target = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         else:
             target = out
-        self._lane.attend(plan, layer, side.device_array(q, be), side.device_array(target, be))
+        lane = self._lane
+        reuse = step.device is not None
+        packs = lane.packed(plan, layer, _NUMPY[q.dtype], _NUMPY[target.dtype]) if reuse \
+            else None
+        if packs is not None:     # a decode plan's launches, packed: addresses only
+            lane.attend_packed(packs, q.data_ptr(), target.data_ptr())
+        else:
+            side, be = self._torch, self._backend
+            lane.attend(plan, layer, side.device_array(q, be), side.device_array(target, be),
+                        reuse=reuse)
         if target is not out:
             out.copy_(target)
 
 
 _KIND = {torch.float32: dtypes.F32, torch.float16: dtypes.F16, torch.bfloat16: dtypes.BF16}
+
 
 
 def attention_key(key, head_dim):

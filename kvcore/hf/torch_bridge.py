@@ -174,7 +174,7 @@ class _CudaTensors:
         return torch.from_dlpack(a)
 
     def holds(self, t):
-        return t.is_cuda and t.device.index == self._index
+        return t.get_device() == self._index
 
     def input(self, t):
         return t

@@ -40,6 +40,9 @@ _KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulka
               8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 13: "CUDA managed",
               14: "oneAPI"}
 
+# The launches collect_launches is gathering on this thread (else None).
+_COLLECT = threading.local()
+
 # Index arithmetic inside the kernels splits rows with 32-bit division.
 _ROW_LIMIT = 2**31 - 1
 # Threads per block and a cap on the grid (the kernels grid-stride over rows).
@@ -247,7 +250,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         ``block`` threads on the current stream.  ``args``: device arrays
         (pointers), None (a null pointer), Python floats (passed as float)
         and ints (passed as long long)."""
-        if grid <= 0:
+        if grid <= 0 or self._collected(file, name, grid, block, args):
             return
         fn = self._function(file, None, None, name)
         cp = self._cp
@@ -260,6 +263,29 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     # What lane.py (a step's writes and attention issued per layer) needs of
     # the device: the tests' host emulation overrides these, as it does the
     # hooks above.
+    def collect_launches(self, call):
+        """Run ``call()`` with the grid launches it makes collected instead
+        of issued, on this thread only: the list of ``(file, name, grid,
+        block, args, smem)`` (what ``lane.py`` packs once and reissues).
+        Anything else ``call`` does happens as usual."""
+        calls = []
+        _COLLECT.calls = calls
+        try:
+            call()
+        finally:
+            _COLLECT.calls = None
+        return calls
+
+    @staticmethod
+    def _collected(file, name, grid, block, args, smem=0):
+        """Whether this thread collects launches (``collect_launches``):
+        then the launch is recorded, not issued."""
+        calls = getattr(_COLLECT, "calls", None)
+        if calls is None:
+            return False
+        calls.append((file, name, int(grid), int(block), list(args), int(smem)))
+        return True
+
     def _function_ptr(self, file, sk, dk, name):
         """The driver handle (CUfunction) of kernel ``name`` of module
         (file, sk, dk), compiled on first use: what a packed launch calls."""

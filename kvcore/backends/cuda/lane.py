@@ -105,14 +105,19 @@ class StepLane:
         self._writable = all(c.head_scales is None for pair in codecs for c in pair)
         self._aligned = all(backend._ptr(p) % 16 == 0 for pair in planes for p in pair) \
             and all(st % 16 == 0 for st in k0.strides[:3])
+        # float planes whose rows allow 16-byte runs (8 halves or 4 floats
+        # divide head_dim: vector_width is 4 or 8)
+        self._vectors = self._aligned and not codecs[0][0].lowprec and self.head_dim % 8 == 0
         self._writes = {}        # (n, src_kind, v) -> (PackedLaunch, slot indices)
+        self._attention = {}     # (plan, layer, q dtype, out dtype) -> packed launches
         self._decode = {}        # batch -> DecodeState
 
     # ------------------------------------------------------------ writes
     def write(self, layer, k, v, slots, n):
-        """Rows of ``k`` and ``v`` to slots ``slots`` (a device int64 array
-        of at least ``n`` entries) of ``layer``: two packed launches, no
-        check of the slots (the caller's bookkeeping made them).
+        """Rows of ``k`` and ``v`` to slots ``slots`` (the address of a
+        device int64 array of at least ``n`` entries) of ``layer``: two
+        packed launches, no check of the slots (the caller's bookkeeping
+        made them).
 
         ``k``, ``v``: ``(address, token_stride, head_stride, kind)`` of
         ``n`` rows of ``num_kv_heads x head_dim`` elements, strides in
@@ -131,7 +136,7 @@ class StepLane:
         if entry is None:
             entry = self._writes[key] = self._pack_write(n, k[3], key[2])
         launch, at = entry
-        slots_ptr = self.backend._ptr(slots)
+        slots_ptr = slots
         vals = launch.slots
         for (cache, scales, bits), rows in zip(self._plane_args[layer], (k, v)):
             vals[at[0]] = cache
@@ -146,26 +151,23 @@ class StepLane:
         return True
 
     def _meets_pool(self, rows, n, size):
-        ptr, tok, head = rows[0], rows[1], rows[2]
-        lo = ptr
-        hi = ptr + ((n - 1) * abs(tok) + (self.num_kv_heads - 1) * abs(head)
-                    + self.head_dim) * size
-        return any(lo < b and a < hi for a, b in self._spans)
+        lo = rows[0]
+        hi = lo + ((n - 1) * abs(rows[1]) + (self.num_kv_heads - 1) * abs(rows[2])
+                   + self.head_dim) * size
+        for a, b in self._spans:
+            if lo < b and a < hi:
+                return True
+        return False
 
     def _width(self, k, v, n, size):
         """The vector width of float writes of ``k`` and ``v`` (16-byte
         runs when every address and stride allows it, else 1)."""
-        codec = self._codecs[0][0]
-        if codec.lowprec:
+        if not self._vectors:
             return 1
-        width = _sources.vector_width(k[3], codec.kind)
-        if width == 1 or self.head_dim % width or not self._aligned:
+        if (k[0] | v[0]) % 16 or (self.num_kv_heads > 1 and (k[2] | v[2]) * size % 16) \
+                or (n > 1 and (k[1] | v[1]) * size % 16):
             return 1
-        for ptr, tok, head, _ in (k, v):
-            if ptr % 16 or (n > 1 and tok * size % 16) \
-                    or (self.num_kv_heads > 1 and head * size % 16):
-                return 1
-        return width
+        return _sources.vector_width(k[3], self._codecs[0][0].kind)
 
     def _pack_write(self, n, src_kind, width):
         """The packed launch of ``n`` rows from ``src_kind`` and the slots
@@ -225,11 +227,77 @@ class StepLane:
             block_size=self.block_size, num_blocks=self.num_blocks,
             kind=self._codecs[0][0].kind, scale=scale, sliding_window=window, soft_cap=cap)
 
-    def attend(self, plan, layer, q, out):
+    def attend(self, plan, layer, q, out, reuse=False):
         """Run ``plan`` on ``layer`` for ``q`` into ``out`` (device arrays
-        of the plan's shape, C-contiguous)."""
+        of the plan's shape, C-contiguous, aligned).  ``reuse``: the plan
+        runs again and again (a decode state's): its launches for the layer
+        are collected from ``attention_run`` once and reissued packed,
+        with only q's and out's addresses rewritten."""
+        be = self.backend
         k_plane, v_plane = self._planes[layer]
-        self.backend.attention_run(plan, q, out, k_plane, v_plane, self._lowprec(layer))
+        lowprec = self._lowprec(layer)
+        if not reuse:
+            be.attention_run(plan, q, out, k_plane, v_plane, lowprec)
+            return
+        packs = self._pack_attention(plan, q, out, k_plane, v_plane, lowprec)
+        if packs is None:          # a run that is more than launches: as it is
+            be.attention_run(plan, q, out, k_plane, v_plane, lowprec)
+            return
+        self._attention[(plan, layer, q.dtype, out.dtype)] = packs
+        self.attend_packed(packs, be._ptr(q), be._ptr(out))
+
+    def packed(self, plan, layer, q_dtype, out_dtype):
+        """The packed launches ``attend(..., reuse=True)`` made for ``plan``
+        on ``layer`` with q and out of these (NumPy) dtypes, or None."""
+        return self._attention.get((plan, layer, q_dtype, out_dtype))
+
+    def attend_packed(self, packs, q_ptr, out_ptr):
+        """Reissue ``packed`` launches for the q and out at these addresses."""
+        launch_packed = self.backend._launch_packed
+        for launch, q_at, out_at in packs:
+            slots = launch.slots
+            for i in q_at:
+                slots[i] = q_ptr
+            for i in out_at:
+                slots[i] = out_ptr
+            launch_packed(launch)
+
+    def _pack_attention(self, plan, q, out, k_plane, v_plane, lowprec):
+        """The launches ``attention_run`` makes for these arguments, packed,
+        with the slots of q's and out's address in each; None when one of
+        them takes an array other than q, out, the planes, their scales and
+        the plan's own (a temporary, whose address would not last)."""
+        be = self.backend
+        lasting = [k_plane, v_plane] + [a for a in (lowprec or ()) if be._is_device(a)]
+        lasting += [a for a in (getattr(plan, n, None) for n in type(plan).__slots__)
+                    if be._is_device(a)]
+        lasting = {id(a) for a in lasting}
+        calls = be.collect_launches(
+            lambda: be.attention_run(plan, q, out, k_plane, v_plane, lowprec))
+        packs = []
+        for file, name, grid, block, args, smem in calls:
+            launch = PackedLaunch(be, (file, None, None, name), (grid, 1, 1), (block, 1, 1),
+                                  len(args), smem=smem)
+            q_at, out_at = [], []
+            floats = launch.slots.view(np.float32)
+            for i, a in enumerate(args):
+                if a is q:
+                    q_at.append(i)
+                elif a is out:
+                    out_at.append(i)
+                elif a is None:
+                    launch.slots[i] = 0
+                elif be._is_device(a):
+                    if id(a) not in lasting:
+                        return None
+                    launch.slots[i] = be._ptr(a)
+                elif isinstance(a, (float, np.floating)):
+                    launch.slots[i] = 0
+                    floats[2 * i] = a
+                else:
+                    launch.slots[i] = int(a)
+            packs.append((launch, tuple(q_at), tuple(out_at)))
+        return packs
 
     def _lowprec(self, layer):
         kc, vc = self._codecs[layer]
@@ -291,6 +359,7 @@ class DecodeState:
         (self._h_slots, self._h_lens, self._h_qsl, self._h_tables) = views(
             self._host, lambda a, t: a.view(t))
         self._h_qsl[...] = np.arange(b + 1)
+        self.slots_ptr = be._ptr(self.slots)
         self._plans = {}
 
     def load(self, slots, seq_lens, block_tables):
