@@ -236,12 +236,13 @@ def test_a_decode_step_copies_up_once_and_launches_what_the_last_one_did(
 
 
 @pytest.mark.parametrize("pages", ["float16", "bfloat16", "float8_e4m3fn", "int8"])
-@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 30.0)])
-def test_a_decode_states_fixed_plan_gives_the_exact_plans_result(hf_cuda, pages, window, cap):
-    """A decode state's plan covers every key up to its capacity and reads
+@pytest.mark.parametrize("window,cap,q", [(None, None, 1), (5, None, 1), (None, 30.0, 1),
+                                          (None, None, 3), (4, None, 3)])
+def test_a_step_states_fixed_plan_gives_the_exact_plans_result(hf_cuda, pages, window, cap, q):
+    """A step state's plan covers every key up to its capacity and reads
     the step's lengths from the device: over rows shorter than that it gives
     what kvcore.paged_attention gives for the rows' own lengths (sliding
-    window and soft cap applied per query)."""
+    window and soft cap applied per query; q queries a row, causal)."""
     rng = np.random.default_rng(3)
     scales = [(0.5, 0.25)] * LAYERS if pages.startswith("float8") else None
     pool = cuda_pool(pages, num_blocks=24, block_size=4, kv_scales=scales)
@@ -263,17 +264,20 @@ def test_a_decode_states_fixed_plan_gives_the_exact_plans_result(hf_cuda, pages,
         tables[i, :len(t)] = t
     lens = np.array(lengths, np.int64)
     lane = pool._step_lane()
-    state = lane.decode_state(3, 8)               # 32 keys a row: more than any row has
-    state.load(np.full(3, -1, np.int64), lens, tables)
+    state = lane.step_state(3, q, 8)              # 32 keys a row: more than any row has
+    if q > 1:
+        lens = np.maximum(lens, q)
+    state.load(np.full(3 * q, -1, np.int64), lens, tables)
     key = kvcore.hf.device.attention_key((0.125, window, cap), HEAD_DIM)
     plan = state.plan(key, 4)
-    q = rng.standard_normal((3, 4, HEAD_DIM)).astype(np.float32)
+    queries = rng.standard_normal((3 * q, 4, HEAD_DIM)).astype(np.float32)
+    qsl = np.arange(4) * q
     for reuse in (False, True, True):    # as it is; packed (made, then reused)
         for layer in range(LAYERS):
-            out = hf_cuda.empty((3, 4, HEAD_DIM), np.float32)
-            lane.attend(plan, layer, hf_cuda.from_host(q), out, reuse=reuse)
-            want = kvcore.paged_attention(hf_cuda.from_host(q), pool, layer, tables, lens,
-                                          scale=0.125, sliding_window=window,
+            out = hf_cuda.empty((3 * q, 4, HEAD_DIM), np.float32)
+            lane.attend(plan, layer, hf_cuda.from_host(queries), out, reuse=reuse)
+            want = kvcore.paged_attention(hf_cuda.from_host(queries), pool, layer, tables,
+                                          lens, qsl, scale=0.125, sliding_window=window,
                                           logits_soft_cap=cap)
             np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
@@ -339,6 +343,14 @@ def test_generate_with_cuda_graph_replays_give_the_eager_tokens(
     assert torch.equal(got, want)
     assert (gs.captures, gs.replays) == (1, 7)
     assert hf_cuda.downloads == []
+    # the same prompts again: the first forward computes each row's uncached
+    # tail (a short step: 3 columns; it ran eagerly in the last call, whose
+    # prompts the call before had cached), now captured once and replayed
+    for call in range(3):
+        got = kvcore.hf.generate(model, other, pool, attention_mask=other_mask,
+                                 max_new_tokens=2, do_sample=False, cuda_graph=True)
+        assert torch.equal(got, want[:, :other.shape[1] + 2])
+    assert (gs.captures, gs.replays) == (2, 7 + 3 * 2)
     assert pool.num_used_blocks == 0
     pool.check()
 

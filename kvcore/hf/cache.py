@@ -409,16 +409,16 @@ class PagedCache(Cache):
         return keys, values
 
     def _captured_update(self, key_states, value_states, layer_idx, kwargs, step):
-        """``update`` inside a CUDA graph's capture of a decode step
+        """``update`` inside a CUDA graph's capture of a short step
         (``graphs.py``): the runner began the step and loaded its buffers,
         and commits it after the replay; here only launches are issued."""
         if step is None or step.device is None or not self._kvcore_forward:
-            raise RuntimeError("a CUDA graph captures a decode step of "
+            raise RuntimeError("a CUDA graph captures a short step of "
                                "attn_implementation='kvcore' begun by kvcore.hf.generate")
         if not self._lane.write(layer_idx, key_states, value_states, step):
             raise RuntimeError(
                 f"layer {layer_idx}'s K/V cannot be written by address (dtype "
-                f"{key_states.dtype}, strides {tuple(key_states.stride())}): this decode step "
+                f"{key_states.dtype}, strides {tuple(key_states.stride())}): this step "
                 "cannot be captured; generate without cuda_graph=True")
         attn_kwargs = kwargs.get("kwargs")
         if not isinstance(attn_kwargs, dict):

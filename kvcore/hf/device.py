@@ -1,13 +1,15 @@
 """A PagedCache's step on a CUDA pool: one copy up per step, launches per layer.
 
 ``DeviceLane`` holds the pool's step lane (``kvcore/backends/cuda/lane.py``)
-for one cache and speaks torch to it: a step's slots (and, for a decode
+for one cache and speaks torch to it: a step's slots (and, for a short
 step, its lengths and block tables) go up once, when the step is reserved
 (``begin``); each layer's K/V are written from the tensors' addresses by
 two packed launches (``write``), and its attention runs a plan that was
-made once (``attend``): for decode steps the plan of the batch size's
-``DecodeState``, whose device buffers the step refilled, so no launch of a
-layer changes from one decode step to the next (what a CUDA graph captured
+made once (``attend``).  A short step (at most ``FIXED_COLUMNS`` query
+columns a row, none of them padding: decode steps, the uncached tail of a
+prompt whose prefix hit) uses the ``StepState`` of its shape, whose device
+buffers the step refilled and whose plan was made once, so no launch of a
+layer changes from one such step to the next (what a CUDA graph captured
 at one step replays at the next, ``graphs.py``).
 
 The slots and tables come from the rows' own bookkeeping (reserved
@@ -22,10 +24,16 @@ from .. import dtypes
 from ..attention import _float32_real, _positive_or_off, _real, index_int
 from .torch_bridge import _NUMPY
 
-# Blocks per row the first decode state of a batch size holds (at least):
-# a state is remade, twice as large, when a row outgrows it (a new plan,
-# and for graphs a new capture).
+# Blocks per row the first step state of a shape holds (at least): a state
+# is remade, twice as large, when a row outgrows it (a new plan, and for
+# graphs a new capture).
 _MIN_CAPACITY = 16
+# The most query columns a row of a step with a fixed StepState has: a
+# decode step has 1, the first forward after a prefix hit at most a block
+# (the hit leaves the last block, or part of one, to compute).  Below the
+# 64 queries a row from which the CUDA backend plans prefill rows on the
+# tensor-core kernel: a fixed plan's rows then all go to the split kernel.
+FIXED_COLUMNS = 32
 
 
 class DeviceLane:
@@ -37,22 +45,22 @@ class DeviceLane:
         self._backend = step_lane.backend
         self._head_dim = head_dim
         self._io = getattr(self._backend, "attention_io_kinds", None)
-        # blocks per row decode states are made for (generate sets it from
+        # blocks per row step states are made for (generate sets it from
         # the call's longest sequence, so one state lasts the whole call)
         self.capacity = 0
 
     # ------------------------------------------------------------ steps
     def begin(self, step, cache):
-        """The step was reserved: its slots go up (and a decode step's
-        lengths and block tables, into the batch size's decode state), in
+        """The step was reserved: its slots go up (and a short step's
+        lengths and block tables, into the step state of its shape), in
         one copy, before any layer runs."""
         batch = len(cache._seqs)
         step.device = None
-        if step.q == 1:
+        if step.q <= FIXED_COLUMNS:
             step.attention_tables(cache)
             if step.query_rows is None:
                 need = step.tables.shape[1]
-                state = self._lane.decode_state(batch, self.capacity_for(need))
+                state = self._lane.step_state(batch, step.q, self.capacity_for(need))
                 state.load(step.slots, step.seq_lens, step.tables)
                 step.device = state
                 step.device_slots = (state.slots, state.slots_ptr)
@@ -63,7 +71,7 @@ class DeviceLane:
         step.device_slots = (slots, be._ptr(slots))
 
     def capacity_for(self, need):
-        """Blocks per row of the decode state for rows needing ``need``:
+        """Blocks per row of the step state for rows needing ``need``:
         ``capacity`` when it holds them, else a power of two."""
         if need <= self.capacity:
             return self.capacity
@@ -112,7 +120,7 @@ class DeviceLane:
         reuse = step.device is not None
         packs = lane.packed(plan, layer, _NUMPY[q.dtype], _NUMPY[target.dtype]) if reuse \
             else None
-        if packs is not None:     # a decode plan's launches, packed: addresses only
+        if packs is not None:     # a step state's plan's launches, packed: addresses only
             lane.attend_packed(packs, q.data_ptr(), target.data_ptr())
         else:
             side, be = self._torch, self._backend

@@ -1,27 +1,28 @@
 """Decode steps as CUDA graphs: ``kvcore.hf.generate(..., cuda_graph=True)``.
 
 A ``GraphRunner`` stands in for ``model.forward`` during a generate call.
-Prefill forwards (more than one query column) and anything unusual run
-eagerly.  A decode forward (one column per row) is split in two:
+Forwards of more than ``FIXED_COLUMNS`` query columns (prefill) and
+anything unusual run eagerly.  A short forward (a decode step, one column
+a row; or the uncached tail of a prompt whose prefix hit, at most a block)
+is split in two:
 
 * the host's part, done by the runner: the step is begun (positions
   reserved, slots mapped: the cache's bookkeeping), its slots, lengths and
-  block tables go up into the batch size's ``DecodeState`` in one copy,
-  and the step's input ids and positions are copied into the graph's
-  input tensors;
+  block tables go up into the ``StepState`` of its shape in one copy, and
+  the step's input ids and positions are copied into the graph's input
+  tensors;
 * the device's part, the whole forward of the model with kvcore's writes
-  and attention, replayed from a CUDA graph captured once per batch size
-  and decode state; then the step is committed (``Step.wrote_all``).
+  and attention, replayed from a CUDA graph captured once per shape and
+  step state; then the step is committed (``Step.wrote_all``).
 
 Inside a captured step kvcore reads nothing back, allocates nothing and
-copies nothing (its launches read the decode state's buffers, the pool's
+copies nothing (its launches read the step state's buffers, the pool's
 planes and torch's activations, at addresses that do not change); the
-first decode step of a batch size runs eagerly (it makes the state's
-attention plans and warms the model up), the second is captured.  Graphs,
-decode states and their input tensors are kept per pool and model
-(``GraphSet``), so a later call with the same batch size replays at once:
-a prompt whose prefix is cached then has its first token from a replayed
-step.  The graphs hold the addresses of the model's parameters and
+first step of a shape runs eagerly (it makes the state's attention plans
+and warms the model up), the next one is captured.  Graphs, step states
+and their input tensors are kept per pool and model (``GraphSet``), so a
+later call replays at once: a prompt whose prefix is cached then has its
+first token from a replayed step.  The graphs hold the addresses of the model's parameters and
 buffers: a set checks them at each call and starts afresh if any moved.
 """
 import threading
@@ -30,6 +31,7 @@ import weakref
 import torch
 
 from .cache import PagedCache
+from .device import FIXED_COLUMNS
 from .step import Step
 
 # Arguments a decode forward may carry into a graph: tensors copied into the
@@ -50,7 +52,7 @@ class _Captured:
 
 
 class GraphSet:
-    """The graphs of one model over one pool, with the decode states they
+    """The graphs of one model over one pool, with the step states they
     read (a :class:`DeviceLane`): checked out by one generate call at a
     time."""
 
@@ -132,18 +134,18 @@ class GraphRunner:
         key = self._decode_key(args, kwargs)
         if key is None:
             return self._forward(*args, **kwargs)
-        batch = key[0]
-        step = Step.begin(cache, batch, 1)
+        step = Step.begin(cache, key[0], key[1])
         try:
             state = step.device
             gs = self._set
-            if state is None:                  # (not a decode step after all)
+            if state is None:                  # (padding among the queries: no fixed state)
                 return self._forward(*args, **kwargs)
             entry = gs.graphs.get((key, state))
             if entry is None and (key, state) not in gs.warm:
                 # the first step of this state runs eagerly: it makes the
                 # state's attention plans (uploads) and warms the model up
-                out = self._forward(*args, **kwargs)
+                # (on a side stream, as torch's graph examples do)
+                out = self._warm_up(args, kwargs)
                 gs.warm.add((key, state))
                 return out
             if entry is None:
@@ -164,22 +166,36 @@ class GraphRunner:
             step.rollback(cache)
             raise
 
+    def _warm_up(self, args, kwargs):
+        if not self._cache._torch.cuda or not torch.cuda.is_available():
+            return self._forward(*args, **kwargs)      # (the tests' emulation)
+        here = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            out = self._forward(*args, **kwargs)
+        here.wait_stream(side)
+        return out
+
     def _decode_key(self, args, kwargs):
-        """The graph key of a decode forward (batch, then each input's
-        name and shape, then the other arguments), or None: run it eagerly."""
+        """The graph key of a short forward (batch, columns, then each
+        input's name and shape, then the other arguments), or None: run it
+        eagerly."""
         cache = self._cache
         if args or kwargs.get("inputs_embeds") is not None:
             return None
         ids = kwargs.get("input_ids")
         side = cache._torch
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] != 1 \
-                or not side.holds(ids):
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 \
+                or not 1 <= ids.shape[1] <= FIXED_COLUMNS or not side.holds(ids):
             return None
+        if not isinstance(kwargs.get("position_ids"), torch.Tensor):
+            return None     # (the model would bake positions from the host into the graph)
         if not cache._seqs or (cache._step is not None and not cache._step.complete):
             return None
         if getattr(self._model.config, "_attn_implementation", None) != "kvcore":
             return None
-        key = [int(ids.shape[0])]
+        key = [int(ids.shape[0]), int(ids.shape[1])]
         for name in sorted(kwargs):
             value = kwargs[name]
             if isinstance(value, torch.Tensor):

@@ -10,18 +10,20 @@ be captured in a CUDA graph and replayed.
 * ``StepLane``: a pool's K/V writes through packed launches, reading rows
   by address (a torch tensor's data pointer and strides: no import, no
   copy), and the device buffers of decode steps.
-* ``DecodeState``: the fixed device buffers of decode steps of one batch
-  size (slots, sequence lengths, query starts, block tables up to a
-  capacity), refilled by one host-to-device copy per step from a pinned
+* ``StepState``: the fixed device buffers of steps of one shape (batch
+  rows x q query columns: decode steps, and the short first forward after
+  a prefix hit) (slots, sequence lengths, query starts, block tables up to
+  a capacity), refilled by one host-to-device copy per step from a pinned
   staging buffer, and the attention plans that read them: their work
   items cover every key up to the capacity (the kernels clip each item to
-  the row's length, read on the device), so neither the items nor any
-  launch argument changes from one step to the next.  Everything a layer
-  launches then has the same arguments at every step of the state: what a
-  CUDA graph captured at one step replays at the next.
+  the query's own keys, from the lengths they read on the device), so
+  neither the items nor any launch argument changes from one step to the
+  next.  Everything a layer launches then has the same arguments at every
+  step of the state: what a CUDA graph captured at one step replays at
+  the next.
 
 Nothing here reads back from the device or allocates device memory per
-step or per layer; the one copy per step happens in ``DecodeState.load``,
+step or per layer; the one copy per step happens in ``StepState.load``,
 before the step's forward.  The caller vouches for what it hands in: slots
 and block tables from the pool's own bookkeeping (a sequence's reserved
 slots, its block table), K/V rows apart from the pool (``write`` checks
@@ -32,7 +34,7 @@ import numpy as np
 from ... import dtypes
 from . import _sources
 
-__all__ = ["PackedLaunch", "StepLane", "DecodeState"]
+__all__ = ["PackedLaunch", "StepLane", "StepState"]
 
 
 class PackedLaunch:
@@ -110,7 +112,7 @@ class StepLane:
         self._vectors = self._aligned and not codecs[0][0].lowprec and self.head_dim % 8 == 0
         self._writes = {}        # (n, src_kind, v) -> (PackedLaunch, slot indices)
         self._attention = {}     # (plan, layer, q dtype, out dtype) -> packed launches
-        self._decode = {}        # batch -> DecodeState
+        self._decode = {}        # (batch, q) -> StepState
 
     # ------------------------------------------------------------ writes
     def write(self, layer, k, v, slots, n):
@@ -204,22 +206,22 @@ class StepLane:
                 at[5] = 2 + [type(a) for a in args].index(type(None))
         return launch, tuple(at)
 
-    # ------------------------------------------------------------ decode steps
-    def decode_state(self, batch, capacity):
-        """The ``DecodeState`` of decode steps of ``batch`` rows whose
-        sequences fit ``capacity`` blocks, made (or outgrown: remade with
-        twice the blocks) on demand."""
-        state = self._decode.get(batch)
+    # ------------------------------------------------------------ fixed steps
+    def step_state(self, batch, q, capacity):
+        """The ``StepState`` of steps of ``batch`` rows x ``q`` query
+        columns whose sequences fit ``capacity`` blocks, made (or outgrown:
+        remade with twice the blocks) on demand."""
+        state = self._decode.get((batch, q))
         if state is None or state.capacity < capacity:
             if state is not None:
                 capacity = max(capacity, 2 * state.capacity)
-            state = self._decode[batch] = DecodeState(self, batch, capacity)
+            state = self._decode[(batch, q)] = StepState(self, batch, q, capacity)
         return state
 
     def planned(self, block_tables, seq_lens, query_start, key, num_heads):
         """A plan of one step's attention (``attention_plan`` of the
         backend over the given host arrays, from the caller's bookkeeping):
-        the general path, for steps that are not decode steps."""
+        the general path, for steps without a ``StepState``."""
         scale, window, cap = key
         return self.backend.attention_plan(
             block_tables, seq_lens, query_start, num_heads=num_heads,
@@ -230,7 +232,7 @@ class StepLane:
     def attend(self, plan, layer, q, out, reuse=False):
         """Run ``plan`` on ``layer`` for ``q`` into ``out`` (device arrays
         of the plan's shape, C-contiguous, aligned).  ``reuse``: the plan
-        runs again and again (a decode state's): its launches for the layer
+        runs again and again (a step state's): its launches for the layer
         are collected from ``attention_run`` once and reissued packed,
         with only q's and out's addresses rewritten."""
         be = self.backend
@@ -324,50 +326,49 @@ def _span(backend, a):
     return lo, hi
 
 
-class DecodeState:
-    """Device buffers of decode steps (one query per row) of ``batch``
-    rows whose sequences fit ``capacity`` blocks, at fixed addresses.
+class StepState:
+    """Device buffers of steps of ``batch`` rows x ``q`` query columns
+    (decode steps: q = 1; the first forward after a prefix hit: the
+    uncached tail, at most a block) whose sequences fit ``capacity``
+    blocks, at fixed addresses.
 
     Layout of the one device buffer (and of its pinned host mirror): slots
-    ``int64[batch]``, sequence lengths ``int64[batch]``, query starts
-    ``int64[batch + 1]`` (0, 1, ..., batch), block tables
-    ``int32[batch, capacity]``.  ``load`` refills the host mirror and
-    copies it up in one copy.  ``plan(key, heads)`` is the attention plan
-    of such steps: made once over lengths of ``capacity`` blocks, it reads
-    the buffers at run time, so its launches never change."""
+    ``int64[batch * q]``, sequence lengths ``int64[batch]``, query starts
+    ``int64[batch + 1]`` (0, q, 2q, ...), block tables ``int32[batch,
+    capacity]``.  ``load`` refills the host mirror and copies it up in one
+    copy.  ``plan(key, heads)`` is the attention plan of such steps: made
+    once over lengths of ``capacity`` blocks, it reads the buffers at run
+    time, so its launches never change."""
 
-    def __init__(self, lane, batch, capacity):
+    def __init__(self, lane, batch, q, capacity):
         be = lane.backend
-        self.lane, self.batch, self.capacity = lane, int(batch), int(capacity)
-        b, c = self.batch, self.capacity
-        nbytes = 8 * (3 * b + 1) + 4 * b * c
+        self.lane, self.batch, self.q, self.capacity = lane, int(batch), int(q), int(capacity)
+        b, n, c = self.batch, self.batch * self.q, self.capacity
+        at = np.cumsum([0, 8 * n, 8 * b, 8 * (b + 1), 4 * b * c])
         with be._ctx():
-            self._device = be.empty((nbytes,), np.uint8)
-        self._host = be._pinned(nbytes)
+            self._device = be.empty((int(at[-1]),), np.uint8)
+        self._host = be._pinned(int(at[-1]))
         self._host[...] = 0
         self._ready = None            # the last copy up (its staging is reused after it)
 
-        def views(buf, xp_view):
-            slots = xp_view(buf[:8 * b], np.int64)
-            lens = xp_view(buf[8 * b:16 * b], np.int64)
-            qsl = xp_view(buf[16 * b:8 * (3 * b + 1)], np.int64)
-            tables = xp_view(buf[8 * (3 * b + 1):], np.int32).reshape(b, c)
-            return slots, lens, qsl, tables
+        def views(buf):
+            return (buf[at[0]:at[1]].view(np.int64), buf[at[1]:at[2]].view(np.int64),
+                    buf[at[2]:at[3]].view(np.int64),
+                    buf[at[3]:at[4]].view(np.int32).reshape(b, c))
 
-        self.slots, self.lens, self.query_start, self.tables = views(
-            self._device, lambda a, t: a.view(t))
-        (self._h_slots, self._h_lens, self._h_qsl, self._h_tables) = views(
-            self._host, lambda a, t: a.view(t))
-        self._h_qsl[...] = np.arange(b + 1)
+        self.slots, self.lens, self.query_start, self.tables = views(self._device)
+        self._h_slots, self._h_lens, self._h_qsl, self._h_tables = views(self._host)
+        self._h_qsl[...] = np.arange(b + 1) * self.q
         self.slots_ptr = be._ptr(self.slots)
         self._plans = {}
 
     def load(self, slots, seq_lens, block_tables):
-        """This step's slots (``int64[batch]``), lengths (``int64[batch]``,
-        the queries included) and block tables (``[batch, k]``, ``k <=
-        capacity``; entries past a row's blocks are never read) into the
-        device buffers: one host-to-device copy on the current stream,
-        after the previous one finished reading the staging buffer."""
+        """This step's slots (``int64[batch * q]``), lengths
+        (``int64[batch]``, the queries included) and block tables
+        (``[batch, k]``, ``k <= capacity``; entries past a row's blocks are
+        never read) into the device buffers: one host-to-device copy on the
+        current stream, after the previous one finished reading the
+        staging buffer."""
         be = self.lane.backend
         be._wait_host(self._ready)
         self._h_slots[...] = slots
@@ -382,9 +383,9 @@ class DecodeState:
         """The attention plan of this state's steps for ``key`` = (scale,
         sliding window (0: none), soft cap (0: none)) and ``num_heads``
         query heads: planned once over sequences of ``capacity`` blocks
-        (the items cover every key a step can have; a sliding window is
-        applied by the kernels per query), reading this state's tables,
-        lengths and query starts."""
+        (the items cover every key a step can have; the kernels clip them
+        to each query's own keys, and apply a sliding window per query),
+        reading this state's tables, lengths and query starts."""
         plan = self._plans.get((key, num_heads))
         if plan is None:
             lane, be = self.lane, self.lane.backend
@@ -392,7 +393,8 @@ class DecodeState:
             scale, window, cap = key
             full = np.full(b, c * lane.block_size, np.int64)
             plan = lane.planned(np.zeros((b, c), np.int32), full,
-                                np.arange(b + 1, dtype=np.int64), (scale, 0, cap), num_heads)
+                                np.arange(b + 1, dtype=np.int64) * self.q, (scale, 0, cap),
+                                num_heads)
             plan.tables, plan.lens, plan.qsl = self.tables, self.lens, self.query_start
             plan.sliding_window = int(window)
             with be._ctx():
