@@ -394,3 +394,25 @@ def test_cuda_graph_is_refused_by_name_where_it_cannot_run(hf_cuda, models):
     with pytest.raises(ValueError, match="cuda_graph=True needs attn_implementation='kvcore'"):
         kvcore.hf.generate(sdpa, ids, cuda_pool(), attention_mask=mask, max_new_tokens=2,
                            cuda_graph=True)
+
+
+def test_the_gpu_benchmarks_code_on_the_cpu():
+    """bench/bench_hf.py --device cuda's code, dry-run on the CPU with a
+    2-layer model (--device cpu --tiny): every number it reports exists and
+    the KV bytes compare as blocks against positions (speed never asserted)."""
+    from kvcore.cli.benchmarks import hf_gpu
+
+    r = hf_gpu.run(device="cpu", tiny=True, batches=(1, 2), prompt=20, new=3, calls=1,
+                   compile=False)
+    for b in ("1", "2"):
+        row = r["batches"][b]
+        assert set(row) == {"dynamic", "kvcore"}      # no graphs nor compile on the CPU
+        for m in ("dynamic", "kvcore"):
+            assert row[m]["call_s"] > 0 and row[m]["ttft_s"] > 0
+            assert row[m]["host_us_per_layer"] > 0
+        assert row["kvcore"]["ttft_warm_s"] > 0
+        # 22 positions held (the last token's K/V is never computed): 2 blocks of 16
+        assert row["kvcore"]["kv_bytes"] * 22 == row["dynamic"]["kv_bytes"] * 32
+    text = hf_gpu.report(r)
+    assert "| 2 | kvcore |" in text and "| goal (issue 40) |" in text
+    assert "pool KV bytes <= 1.05x DynamicCache's" in text
