@@ -741,6 +741,9 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
             is skipped by the kernels (never written) but not reported.
         owner : the pool's ``slot_owner_table`` (a ``SlotOwners``)
         check : bool
+
+        Host slots that name no slot twice (one token, or distinct ones:
+        the usual case) need no claim pass: two launches and one upload.
         """
         if k.shape[0] == 0:
             return
@@ -755,6 +758,10 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                 self._write_plane(k_cache, k, d_slots, table, src_kind, k_codec)
                 self._write_plane(v_cache, v_, d_slots, table, src_kind, v_codec)
 
+        if not self._is_device(slots) and _distinct(slots):
+            with self._ctx():
+                write(self._index_array(slots, np.int64), None)
+            return
         self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
 
     def _claimed_write(self, plane, slots, n, owner, check, write):
@@ -1104,6 +1111,23 @@ def compile_error(e, device, file):
         text = text[:2000] + " ..."
     return CudaUnavailableError(
         f"device={device!r}: {why} (compiling {file}: {text}); {fix}; or use device='cpu'")
+
+
+# Host slot lists longer than this go through the claim pass without a
+# look for repeats (sorting them would cost more than the pass saves).
+_DISTINCT_CHECK_MAX = 1024
+
+
+def _distinct(slots):
+    """Whether host slots (checked int64) name no slot twice (-1 skips
+    may repeat)."""
+    n = slots.shape[0]
+    if n <= 1:
+        return True
+    if n > _DISTINCT_CHECK_MAX:
+        return False
+    named = np.sort(slots[slots >= 0])
+    return not named.size or bool((named[1:] != named[:-1]).all())
 
 
 def _extent(shape, strides, itemsize):
