@@ -250,9 +250,13 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         ``block`` threads on the current stream.  ``args``: device arrays
         (pointers), None (a null pointer), Python floats (passed as float)
         and ints (passed as long long)."""
-        if grid <= 0 or self._collected(file, name, grid, block, args):
+        if grid <= 0:
             return
         fn = self._function(file, None, None, name)
+        # (after everything that readies the kernel itself: a packed launch
+        # of a collected one calls the driver with nothing else)
+        if self._collected(file, name, grid, block, args):
+            return
         cp = self._cp
         kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
                       else np.float32(a) if isinstance(a, (float, np.floating))
