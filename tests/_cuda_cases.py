@@ -739,7 +739,7 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
     With ``nan_rows`` (fp8 / int8) the NaN pattern and the finite values
     are checked against the CPU kernel instead."""
     from kvcore.backends.cuda import attention_kernels
-    from kvcore.backends.reference import paged_attention_reference
+    from kvcore.backends.base import paged_attention_reference
 
     if split_keys is not None:
         monkeypatch.setattr(attention_kernels, "SPLIT_KEYS", split_keys)

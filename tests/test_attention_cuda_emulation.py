@@ -194,7 +194,7 @@ def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, q
     """One call with the tensor-core path on: (got, want, error)."""
     import ml_dtypes
 
-    from kvcore.backends.reference import paged_attention_reference
+    from kvcore.backends.base import paged_attention_reference
 
     dev.be._tensor_cores = True
     need = [-(-c // block_size) for c in contexts]

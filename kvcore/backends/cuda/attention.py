@@ -13,13 +13,28 @@ from ... import dtypes
 from . import attention_kernels
 
 
+def _unsupported(feature):
+    return ValueError(f"{feature} is not supported on CUDA pools yet (the CUDA attention "
+                      "kernels do not compute it): use a CPU pool")
+
+
 class CudaAttention:
     """``attention_plan``, ``attention_run`` and ``paged_attention`` of
     ``CudaBackend`` (see ``kvcore.backends.base.Backend`` for the contract)."""
 
+    def check_attention_features(self, chunk_size, alibi_slopes, sinks):
+        """Chunked attention, ALiBi and sinks are refused by name (the
+        kernels do not compute them yet)."""
+        if chunk_size:
+            raise _unsupported("chunk_size (chunked attention)")
+        if alibi_slopes:
+            raise _unsupported("alibi_slopes (ALiBi)")
+        if sinks:
+            raise _unsupported("sinks (attention sinks)")
+
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
                        num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
-                       sliding_window, soft_cap, num_threads=None):
+                       sliding_window, soft_cap, chunk_size=0, num_threads=None):
         """Plan attention calls of one step (``kernels/attention.cu``): the
         work split and every index array, uploaded once, living on the
         device.
@@ -28,6 +43,7 @@ class CudaAttention:
             int64 arrays, already checked by the public layer (every block
             id a run can read in ``0..num_blocks-1``)
         scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
+        chunk_size : int, 0 (chunked attention is refused: not computed yet)
         num_threads : ignored (the GPU's split is sized by the plan)
 
         Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
@@ -35,6 +51,7 @@ class CudaAttention:
         run on another stream waits for it (on the device), so the plan may
         be made on one stream and run on others.
         """
+        self.check_attention_features(chunk_size, False, False)
         ak = attention_kernels
         dim = int(head_dim)
         if dim not in ak.HEAD_DIMS:
@@ -73,7 +90,8 @@ class CudaAttention:
             plan.ready = self._record_event()
         return plan
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+                      alibi_slopes=None, sinks=None):
         """Run a ``CudaAttentionPlan`` on one layer: launches only (no
         upload, no allocation, no host sync), so a step of runs can be
         captured in a CUDA graph.
@@ -84,6 +102,7 @@ class CudaAttention:
             head_dim)`` device views of the pool's storage (bits of the
             plan's kind), rows contiguous
         lowprec : as for ``paged_attention``
+        alibi_slopes, sinks : None (refused: not computed yet)
 
         The plan's partials buffer belongs to it: runs of one plan are
         issued on one stream at a time (as the layers of a step are).
@@ -91,6 +110,7 @@ class CudaAttention:
         if not isinstance(plan, CudaAttentionPlan):
             raise TypeError(f"plan must come from this backend's attention_plan, got "
                             f"{type(plan).__name__}")
+        self.check_attention_features(0, alibi_slopes is not None, sinks is not None)
         want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
         want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
         for arg, a, want in (("q", q, want_q), ("out", out, want_q),
@@ -143,7 +163,8 @@ class CudaAttention:
             self._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        chunk_size=0, alibi_slopes=None, sinks=None):
         """``kvcore.paged_attention`` on this device: ``attention_run`` of a
         fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
         int8 pages only, as the CPU kernel takes it: ``(key_scales,
@@ -152,8 +173,9 @@ class CudaAttention:
         the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
         positive scales).  A stored value reads as ``element * scale``.
         """
-        # the scales are checked before anything is planned or uploaded
+        # the scales and features are checked before anything is planned or uploaded
         self._attention_scales(kind, key_cache, lowprec)
+        self.check_attention_features(chunk_size, alibi_slopes is not None, sinks is not None)
         plan = self.attention_plan(
             block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
             num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
