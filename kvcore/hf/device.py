@@ -21,7 +21,7 @@ import math
 import torch
 
 from .. import dtypes
-from ..attention import _float32_real, _positive_or_off, _real, index_int
+from .._attention_args import _float32_real, _one_length, _positive_or_off, _real
 from .torch_bridge import _NUMPY
 
 # Blocks per row the first step state of a shape holds (at least): a state
@@ -143,7 +143,7 @@ def attention_key(key, head_dim):
         scale = 1.0 / math.sqrt(head_dim)
     else:
         scale = _float32_real(_real(scaling, "scale"), "scale", allow_zero=True)
-    window = _positive_or_off(window, "sliding_window", index_int, "a positive integer")
+    window = _one_length(window, "sliding_window")
     cap = _positive_or_off(cap, "logits_soft_cap", _real, "positive")
     if cap:
         cap = _float32_real(cap, "logits_soft_cap", allow_zero=False)
