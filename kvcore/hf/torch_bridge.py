@@ -124,8 +124,9 @@ class _TorchSide:
                                     [st * size for st in t.stride()], dtype, t)
 
     def holds(self, t):
-        """Whether tensor ``t`` lives on the pool's device."""
-        return self._tensors.holds(t) if self.cuda else t.device.type == "cpu"
+        """Whether tensor ``t`` lives on a CUDA pool's device (False for a
+        CPU pool: only a CUDA pool's step lane and graphs ask)."""
+        return self.cuda and self._tensors.holds(t)
 
     def input(self, t):
         """A tensor as ``BlockPool.write`` takes it on this pool's device
