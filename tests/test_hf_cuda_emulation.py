@@ -355,6 +355,25 @@ def test_generate_with_cuda_graph_replays_give_the_eager_tokens(
     pool.check()
 
 
+def test_beam_search_with_cuda_graphs(hf_cuda, models, stand_in_graphs):
+    """Beam search reorders the rows (copy-on-write forks) between steps: a
+    replayed step reads the reordered rows' block tables from the buffers
+    its step refilled; the tokens are DynamicCache's."""
+    model = _model(models, torch.float32, "kvcore")
+    ids, mask = prompts()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=2,
+                          do_sample=False, **kw(model, transformers.DynamicCache()))
+    pool = cuda_pool(num_blocks=64)
+    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=5,
+                             num_beams=2, do_sample=False, cuda_graph=True)
+    assert torch.equal(got, want)
+    gs = graphs.checkout(pool, model, lambda: None)
+    graphs.checkin(gs)
+    assert gs.replays >= 2
+    assert pool.num_used_blocks == 0
+    pool.check()
+
+
 def test_a_failed_graph_step_leaves_the_cache_as_before(hf_cuda, models, stand_in_graphs,
                                                         monkeypatch):
     """A capture that fails rolls its step back: the error reaches the

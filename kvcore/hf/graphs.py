@@ -43,12 +43,15 @@ _IGNORED = ("attention_mask",)
 
 
 class _Captured:
-    """One captured decode step: the graph, its input tensors and output."""
+    """One captured step: the graph, its input tensors and output, and the
+    capture's other tensor arguments (the attention mask: the graph holds
+    their addresses; nothing it computes from them is used, but their
+    memory must stay allocated while the graph may replay)."""
 
-    __slots__ = ("graph", "inputs", "output")
+    __slots__ = ("graph", "inputs", "output", "kept")
 
-    def __init__(self, graph, inputs, output):
-        self.graph, self.inputs, self.output = graph, inputs, output
+    def __init__(self, graph, inputs, output, kept):
+        self.graph, self.inputs, self.output, self.kept = graph, inputs, output, kept
 
 
 class GraphSet:
@@ -241,4 +244,6 @@ class GraphRunner:
             finally:
                 now._captured = False
 
-        return _Captured(graph, inputs, _capture(graph, gs.pool_handle, run))
+        output = _capture(graph, gs.pool_handle, run)
+        kept = [v for v in call.values() if isinstance(v, torch.Tensor)]
+        return _Captured(graph, inputs, output, kept)
