@@ -746,10 +746,12 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         owner : the pool's ``slot_owner_table`` (a ``SlotOwners``)
         check : bool
 
-        Host slots that name no slot twice (one token, or distinct ones:
-        the usual case) need no claim pass: two launches and one upload.
+        Slots that cannot name a slot twice need no claim pass (two
+        launches): host slots without repeats (one token, or distinct ones:
+        the usual case), and one unchecked device slot.
         """
-        if k.shape[0] == 0:
+        n = k.shape[0]
+        if n == 0:
             return
 
         def write(d_slots, table):
@@ -762,11 +764,11 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                 self._write_plane(k_cache, k, d_slots, table, src_kind, k_codec)
                 self._write_plane(v_cache, v_, d_slots, table, src_kind, v_codec)
 
-        if not self._is_device(slots) and _distinct(slots):
+        if (n == 1 and not check) or (not self._is_device(slots) and _distinct(slots)):
             with self._ctx():
                 write(self._index_array(slots, np.int64), None)
             return
-        self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
+        self._claimed_write(k_cache, slots, n, owner, check, write)
 
     def _claimed_write(self, plane, slots, n, owner, check, write):
         """Run ``write(device_slots, table)`` between the claim and the
