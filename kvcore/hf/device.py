@@ -118,10 +118,11 @@ class DeviceLane:
             target = out
         lane = self._lane
         reuse = step.device is not None
-        packs = lane.packed(plan, layer, _NUMPY[q.dtype], _NUMPY[target.dtype]) if reuse \
-            else None
+        q_ptr, out_ptr = q.data_ptr(), target.data_ptr()
+        packs = lane.packed(plan, layer, _NUMPY[q.dtype], _NUMPY[target.dtype], q_ptr,
+                            out_ptr) if reuse else None
         if packs is not None:     # a step state's plan's launches, packed: addresses only
-            lane.attend_packed(packs, q.data_ptr(), target.data_ptr())
+            lane.attend_packed(packs, q_ptr, out_ptr)
         else:
             side, be = self._torch, self._backend
             lane.attend(plan, layer, side.device_array(q, be), side.device_array(target, be),

@@ -96,7 +96,7 @@ class StepLane:
         k0 = planes[0][0]
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = \
             (int(x) for x in k0.shape)
-        self._spans = [_span(backend, a) for a in owned if a is not None and a.size]
+        self._spans = [backend._extent(a) for a in owned if a is not None and a.size]
         # per layer and plane: (cache address, scale-plane address, fp8 scale bits)
         self._plane_args = [
             tuple((backend._ptr(p), None if c.scale_plane is None else
@@ -111,7 +111,9 @@ class StepLane:
         # divide head_dim: vector_width is 4 or 8)
         self._vectors = self._aligned and not codecs[0][0].lowprec and self.head_dim % 8 == 0
         self._writes = {}        # (n, src_kind, v) -> (PackedLaunch, slot indices)
-        self._attention = {}     # (plan, layer, q dtype, out dtype) -> packed launches
+        # (plan, layer, q and out dtypes, q and out 16-byte aligned) -> packed
+        # launches, or False: that run is not packed
+        self._attention = {}
         self._decode = {}        # (batch, q) -> StepState
 
     # ------------------------------------------------------------ writes
@@ -127,7 +129,8 @@ class StepLane:
         written) when the lane cannot take them as they are: rows that meet
         the pool's memory, a dtype other than float32/float16/bfloat16, a
         plane it cannot pack; the caller then takes ``BlockPool.write``."""
-        if not self._writable or n <= 0 or k[3] != v[3] or k[3] not in _FLOAT_KINDS:
+        if not self._writable or n <= 0 or k[3] != v[3] or k[3] not in _FLOAT_KINDS \
+                or n * self.num_kv_heads > _ROW_LIMIT:
             return n == 0
         size = dtypes.ITEMSIZE[k[3]]
         for rows in (k, v):
@@ -138,16 +141,16 @@ class StepLane:
         if entry is None:
             entry = self._writes[key] = self._pack_write(n, k[3], key[2])
         launch, at = entry
-        slots_ptr = slots
         vals = launch.slots
         for (cache, scales, bits), rows in zip(self._plane_args[layer], (k, v)):
             vals[at[0]] = cache
             vals[at[1]] = rows[0]
-            vals[at[2]] = slots_ptr
+            vals[at[2]] = slots
             vals[at[3]] = rows[1]
             vals[at[4]] = rows[2]
-            if at[5] is not None:
-                vals[at[5]] = scales or 0
+            if at[5] is not None:        # an int8 plane's scales
+                vals[at[5]] = scales
+            if at[6] is not None:        # an fp8 plane's scale
                 vals[at[6]] = bits
             self.backend._launch_packed(launch)
         return True
@@ -174,7 +177,8 @@ class StepLane:
     def _pack_write(self, n, src_kind, width):
         """The packed launch of ``n`` rows from ``src_kind`` and the slots
         of its per-call arguments (cache, source, slots, token and head
-        strides, then an int8 scale plane and an fp8 scale, or None)."""
+        strides, then an int8 plane's scales and an fp8 plane's scale, or
+        None where the plane has none)."""
         be = self.backend
         codec = self._codecs[0][0]
         marks = _Marks()
@@ -200,10 +204,8 @@ class StepLane:
                 launch.slots[i] = 0
             else:
                 launch.slots[i] = int(a)
-        if codec.lowprec:
+        if codec.lowprec and codec.kind != dtypes.I8:
             at[6] = 2 + len(args) - 1       # the fp8 scale's bits: the last argument
-            if at[5] is None:               # fp8: no scale plane (a null pointer)
-                at[5] = 2 + [type(a) for a in args].index(type(None))
         return launch, tuple(at)
 
     # ------------------------------------------------------------ fixed steps
@@ -238,20 +240,24 @@ class StepLane:
         be = self.backend
         k_plane, v_plane = self._planes[layer]
         lowprec = self._lowprec(layer)
-        if not reuse:
+        q_ptr, out_ptr = be._ptr(q), be._ptr(out)
+        key = (plan, layer, q.dtype, out.dtype, q_ptr % 16 == 0, out_ptr % 16 == 0)
+        packs = self._attention.get(key) if reuse else False
+        if packs is None:
+            # a run that is more than launches (a temporary) is never packed
+            packs = self._attention[key] = self._pack_attention(
+                plan, q, out, k_plane, v_plane, lowprec) or False
+        if packs is False:
             be.attention_run(plan, q, out, k_plane, v_plane, lowprec)
-            return
-        packs = self._pack_attention(plan, q, out, k_plane, v_plane, lowprec)
-        if packs is None:          # a run that is more than launches: as it is
-            be.attention_run(plan, q, out, k_plane, v_plane, lowprec)
-            return
-        self._attention[(plan, layer, q.dtype, out.dtype)] = packs
-        self.attend_packed(packs, be._ptr(q), be._ptr(out))
+        else:
+            self.attend_packed(packs, q_ptr, out_ptr)
 
-    def packed(self, plan, layer, q_dtype, out_dtype):
+    def packed(self, plan, layer, q_dtype, out_dtype, q_ptr, out_ptr):
         """The packed launches ``attend(..., reuse=True)`` made for ``plan``
-        on ``layer`` with q and out of these (NumPy) dtypes, or None."""
-        return self._attention.get((plan, layer, q_dtype, out_dtype))
+        on ``layer`` with q and out of these (NumPy) dtypes and addresses as
+        aligned as these, or None."""
+        return self._attention.get((plan, layer, q_dtype, out_dtype, q_ptr % 16 == 0,
+                                    out_ptr % 16 == 0)) or None
 
     def attend_packed(self, packs, q_ptr, out_ptr):
         """Reissue ``packed`` launches for the q and out at these addresses."""
@@ -311,6 +317,8 @@ class StepLane:
 
 
 _FLOAT_KINDS = (dtypes.F32, dtypes.F16, dtypes.BF16)
+# Rows (tokens x heads) one write launch indexes (backend.py's _ROW_LIMIT).
+_ROW_LIMIT = 2**31 - 1
 
 
 class _Marks:
@@ -320,10 +328,6 @@ class _Marks:
     def __init__(self):
         self.src, self.slots, self.tok, self.head = object(), object(), object(), object()
 
-
-def _span(backend, a):
-    lo, hi = backend._extent(a)
-    return lo, hi
 
 
 class StepState:
