@@ -374,6 +374,24 @@ def test_beam_search_with_cuda_graphs(hf_cuda, models, stand_in_graphs):
     pool.check()
 
 
+def test_graphs_kept_with_a_pool_do_not_keep_it_alive(hf_cuda, models, stand_in_graphs):
+    """The graphs live with their pool (a registry keyed weakly on it): a
+    pool dropped after a generate call with graphs is freed, graphs and
+    all."""
+    import gc
+    import weakref
+
+    model = _model(models, torch.float32, "kvcore")
+    ids, mask = prompts()
+    pool = cuda_pool()
+    kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=4,
+                       do_sample=False, cuda_graph=True)
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert ref() is None
+
+
 def test_a_failed_graph_step_leaves_the_cache_as_before(hf_cuda, models, stand_in_graphs,
                                                         monkeypatch):
     """A capture that fails rolls its step back: the error reaches the

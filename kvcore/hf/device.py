@@ -134,7 +134,6 @@ class DeviceLane:
 _KIND = {torch.float32: dtypes.F32, torch.float16: dtypes.F16, torch.bfloat16: dtypes.BF16}
 
 
-
 def attention_key(key, head_dim):
     """``(scale, window, cap)`` as the backend's plans take them (window
     and cap 0 when off) from transformers' (scaling, sliding_window,

@@ -37,6 +37,8 @@ from .step import Step
 # Arguments a decode forward may carry into a graph: tensors copied into the
 # graph's inputs at each replay (their shapes are part of the graph's key).
 _INPUTS = ("input_ids", "position_ids", "cache_position")
+# Where a captured call's arguments held the cache (the replaying call's goes there).
+_THE_CACHE = object()
 # Tensors that are read by nothing a captured step runs (kvcore's attention
 # needs no mask: the cache knows every row's padding).
 _IGNORED = ("attention_mask",)
@@ -48,10 +50,18 @@ class _Captured:
     their addresses; nothing it computes from them is used, but their
     memory must stay allocated while the graph may replay)."""
 
-    __slots__ = ("graph", "inputs", "output", "kept")
+    __slots__ = ("graph", "inputs", "output", "kept", "cache_keys")
 
     def __init__(self, graph, inputs, output, kept):
         self.graph, self.inputs, self.output, self.kept = graph, inputs, output, kept
+        # where the output names its cache (the capturing call's)
+        keys = output.keys() if hasattr(output, "keys") else ()
+        self.cache_keys = [k for k in ("past_key_values", "cache") if k in keys]
+
+    def point_output_at(self, cache):
+        """The output of a replay names ``cache`` (the replaying call's)."""
+        for k in self.cache_keys:
+            self.output[k] = cache
 
 
 class GraphSet:
@@ -71,13 +81,28 @@ class GraphSet:
 
     def check_model(self, model):
         """Forget every graph if a parameter or buffer of ``model`` is not
-        where the graphs read it."""
-        tensors = [t for t in list(model.parameters()) + list(model.buffers())]
+        where the graphs read it (the tensors are held weakly: a dropped
+        one fails the check)."""
+        tensors = list(model.parameters()) + list(model.buffers())
         if self.params is None or len(self.params) != len(tensors) or any(
-                t is not r or t.data_ptr() != p for t, (r, p) in zip(tensors, self.params)):
+                t is not r() or t.data_ptr() != p for t, (r, p) in zip(tensors, self.params)):
             self.graphs.clear()
             self.warm.clear()
-            self.params = [(t, t.data_ptr()) for t in tensors]
+            self.params = [(weakref.ref(t), t.data_ptr()) for t in tensors]
+
+    def forget_other_states(self, key, state):
+        """Drop the graphs of ``key`` over step states other than ``state``
+        (a state outgrown by longer sequences is never used again)."""
+        for k in [k for k in self.graphs if k[0] == key and k[1] is not state]:
+            del self.graphs[k]
+        self.warm = {k for k in self.warm if k[0] != key or k[1] is state}
+
+    def release(self):
+        """The call holding the set ended: nothing here refers to its cache
+        (whose pool keys the set's registry) any more."""
+        self.runner = None
+        for entry in self.graphs.values():
+            entry.point_output_at(None)
 
 
 _sets = weakref.WeakKeyDictionary()     # pool -> {model id: (weakref(model), GraphSet)}
@@ -89,6 +114,8 @@ def checkout(pool, model, make_lane):
     when another call holds it); give it back with :func:`checkin`."""
     with _sets_lock:
         per_pool = _sets.setdefault(pool, {})
+        for k in [k for k, (ref, _) in per_pool.items() if ref() is None]:
+            del per_pool[k]          # a dropped model's graphs
         entry = per_pool.get(id(model))
         if entry is None or entry[0]() is not model:
             entry = per_pool[id(model)] = (weakref.ref(model), GraphSet(make_lane()))
@@ -101,6 +128,7 @@ def checkout(pool, model, make_lane):
 
 def checkin(graph_set):
     with _sets_lock:
+        graph_set.release()
         graph_set.busy = False
 
 
@@ -152,6 +180,7 @@ class GraphRunner:
                 gs.warm.add((key, state))
                 return out
             if entry is None:
+                gs.forget_other_states(key, state)
                 entry = gs.graphs[(key, state)] = self._capture(kwargs)
                 gs.captures += 1
             else:
@@ -160,11 +189,8 @@ class GraphRunner:
             entry.graph.replay()
             gs.replays += 1
             step.wrote_all(cache)
-            out = entry.output
-            for name in ("past_key_values", "cache"):   # (the capturing call's cache)
-                if getattr(out, name, None) is not None:
-                    setattr(out, name, cache)
-            return out
+            entry.point_output_at(cache)
+            return entry.output
         except BaseException:
             step.rollback(cache)
             raise
@@ -226,7 +252,9 @@ class GraphRunner:
         gs = self._set
         inputs = {name: kwargs[name].clone() for name in _INPUTS
                   if isinstance(kwargs.get(name), torch.Tensor)}
-        call = dict(kwargs, **inputs)
+        # (the cache by a mark: a graph set outlives its calls' caches)
+        call = {name: _THE_CACHE if isinstance(value, PagedCache) else value
+                for name, value in dict(kwargs, **inputs).items()}
         if gs.pool_handle is None:
             gs.pool_handle = _graph_pool()
         graph = _new_graph()
@@ -239,7 +267,7 @@ class GraphRunner:
             now = runner._cache
             now._captured = True
             try:
-                return runner._forward(**{name: now if isinstance(value, PagedCache) else value
+                return runner._forward(**{name: now if value is _THE_CACHE else value
                                           for name, value in call.items()})
             finally:
                 now._captured = False
