@@ -155,7 +155,7 @@ def test_an_emulated_cuda_pool_generates_dynamic_cache_tokens(hf_cuda, models, a
     assert not any(n.startswith(("kv_claim", "kv_release")) for n in names)
     assert hf_cuda.downloads == []
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def _decode_steps(model, cache, ids, mask, steps):
@@ -352,7 +352,7 @@ def test_generate_with_cuda_graph_replays_give_the_eager_tokens(
         assert torch.equal(got, want[:, :other.shape[1] + 2])
     assert (gs.captures, gs.replays) == (2, 7 + 3 * 2)
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_beam_search_with_cuda_graphs(hf_cuda, models, stand_in_graphs):
@@ -371,7 +371,7 @@ def test_beam_search_with_cuda_graphs(hf_cuda, models, stand_in_graphs):
     graphs.checkin(gs)
     assert gs.replays >= 2
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_graphs_kept_with_a_pool_do_not_keep_it_alive(hf_cuda, models, stand_in_graphs):
@@ -407,7 +407,7 @@ def test_a_failed_graph_step_leaves_the_cache_as_before(hf_cuda, models, stand_i
         kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=4,
                            do_sample=False, cuda_graph=True)
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
     # the set was given back: the next call may use it
     want = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=4,
                               do_sample=False)

@@ -33,6 +33,7 @@ from ..base import Backend
 from . import CudaUnavailableError, _sources, attention_kernels
 from .attention import CudaAttention, CudaAttentionPlan  # noqa: F401 (re-exported)
 from .copies import CudaBlockCopies
+from .lane import StepLane
 
 # DLPack device types (dlpack.h).
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
@@ -72,6 +73,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     """
 
     name = "cuda"
+    launch_shape = staticmethod(launch_shape)
 
     def __init__(self, cupy, device_id):
         self._cp = cupy
@@ -339,7 +341,6 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         and their ``codecs``: a step's writes and attention issued per
         layer with packed launches and fixed device buffers.  ``owned``:
         the arrays an input must be apart from (storage, scales)."""
-        from .lane import StepLane
         return StepLane(self, planes, codecs, owned, num_slots)
 
     # -------------------------------------------------------------- arrays

@@ -66,9 +66,7 @@ class PackedLaunch:
 def row_launch(backend, file, sk, dk, name, rows, chunks, nargs):
     """A ``PackedLaunch`` of a row/chunk kernel (``launch_shape``), its
     slots 0 and 1 holding ``rows`` and ``chunks``."""
-    from .backend import launch_shape
-
-    grid, block = launch_shape(rows, chunks)
+    grid, block = backend.launch_shape(rows, chunks)
     launch = PackedLaunch(backend, (file, sk, dk, name), grid, block, nargs + 2, rows, chunks)
     launch.slots[0], launch.slots[1] = rows, chunks
     return launch
