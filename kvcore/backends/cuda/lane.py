@@ -243,8 +243,8 @@ class StepLane:
         packs = self._attention.get(key) if reuse else False
         if packs is None:
             # a run that is more than launches (a temporary) is never packed
-            packs = self._attention[key] = self._pack_attention(
-                plan, q, out, k_plane, v_plane, lowprec) or False
+            packs = self._pack_attention(plan, q, out, k_plane, v_plane, lowprec)
+            self._attention[key] = packs = False if packs is None else packs
         if packs is False:
             be.attention_run(plan, q, out, k_plane, v_plane, lowprec)
         else:
@@ -254,8 +254,9 @@ class StepLane:
         """The packed launches ``attend(..., reuse=True)`` made for ``plan``
         on ``layer`` with q and out of these (NumPy) dtypes and addresses as
         aligned as these, or None."""
-        return self._attention.get((plan, layer, q_dtype, out_dtype, q_ptr % 16 == 0,
-                                    out_ptr % 16 == 0)) or None
+        packs = self._attention.get((plan, layer, q_dtype, out_dtype, q_ptr % 16 == 0,
+                                     out_ptr % 16 == 0))
+        return None if packs is False else packs
 
     def attend_packed(self, packs, q_ptr, out_ptr):
         """Reissue ``packed`` launches for the q and out at these addresses."""
