@@ -136,18 +136,16 @@ def test_generate_with_cuda_graph_gives_the_eager_tokens(device, dtype, pages):
     got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
                              do_sample=False, salt=salt + "graph")
     assert torch.equal(got, want)
-    gs = graphs.checkout(pool, model, lambda: None)
-    graphs.checkin(gs)
-    assert gs.captures == 0      # (no cuda_graph=True yet)
+    assert graphs.counts(pool, model) == (0, 0)      # (no cuda_graph=True yet)
     got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
                              do_sample=False, salt=salt + "first", cuda_graph=True)
     assert torch.equal(got, want)
-    assert (gs.captures, gs.replays) == (1, 10)     # 11 decode steps: eager, capture, 9 more
+    assert graphs.counts(pool, model) == (1, 10)     # 11 decode steps: eager, capture, 9 more
     for call in range(3):       # cached prompts: the tail step, eager once, then a graph
         got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=12,
                                  do_sample=False, salt=salt + "first", cuda_graph=True)
         assert torch.equal(got, want)
-    assert gs.captures == 2 and gs.replays == 10 + 3 * 11 + 2
+    assert graphs.counts(pool, model) == (2, 10 + 3 * 11 + 2)
     assert pool.num_used_blocks == 0
     pool.debug.check()
 

@@ -126,6 +126,16 @@ def checkout(pool, model, make_lane):
         return graph_set
 
 
+def counts(pool, model):
+    """``(captures, replays)`` of the graphs kept for ``model`` over
+    ``pool`` (``(0, 0)`` when none were made): for tests and benchmarks."""
+    with _sets_lock:
+        entry = _sets.get(pool, {}).get(id(model))
+        if entry is None or entry[0]() is not model:
+            return 0, 0
+        return entry[1].captures, entry[1].replays
+
+
 def checkin(graph_set):
     with _sets_lock:
         graph_set.release()

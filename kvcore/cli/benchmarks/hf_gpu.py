@@ -162,6 +162,9 @@ def run(quick=False, batches=(1, 16), prompt=1024, new=128, calls=None, compile=
                 whole[m].append(t)
                 r[m]["peak_extra_bytes"] = max(r[m].get("peak_extra_bytes", 0),
                                                dev.peak() - base)
+        if "kvcore graphs" in methods:
+            r["kvcore graphs"]["captures"], r["kvcore graphs"]["replays"] = \
+                kvcore.hf.graphs.counts(pool, model)
         for m in methods:
             if m in failed:
                 r[m]["error"] = failed[m]
@@ -379,6 +382,8 @@ def report(r):
             note = x.get("error", "")
             if "first_call_s" in x and m == "static":
                 note = note or f"first call (compiles) {x['first_call_s']:.1f} s"
+            if "captures" in x:
+                note = note or f"{x['captures']} captures, {x['replays']} replays so far"
             host = (f"{x['host_us_per_layer']:.0f} ({x['host_us_update']:.0f} + "
                     f"{x['host_us_attention']:.0f})" if "host_us_per_layer" in x else "-")
             tps = f"{x['tokens_per_s']:.0f}" if "tokens_per_s" in x else "-"
