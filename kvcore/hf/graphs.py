@@ -175,7 +175,9 @@ class GraphRunner:
         key = self._decode_key(args, kwargs)
         if key is None:
             return self._forward(*args, **kwargs)
-        step = Step.begin(cache, key[0], key[1])
+        # the step's copy up goes on torch's current stream, as its replay
+        with cache._torch.stream():
+            step = Step.begin(cache, key[0], key[1])
         try:
             state = step.device
             gs = self._set
@@ -206,10 +208,11 @@ class GraphRunner:
             raise
 
     def _warm_up(self, args, kwargs):
-        if not self._cache._torch.cuda or not torch.cuda.is_available():
+        device = self._cache._torch.device
+        if device.type != "cuda":
             return self._forward(*args, **kwargs)      # (the tests' emulation)
-        here = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        here = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
         side.wait_stream(here)
         with torch.cuda.stream(side):
             out = self._forward(*args, **kwargs)
