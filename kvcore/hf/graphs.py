@@ -208,16 +208,7 @@ class GraphRunner:
             raise
 
     def _warm_up(self, args, kwargs):
-        device = self._cache._torch.device
-        if device.type != "cuda":
-            return self._forward(*args, **kwargs)      # (the tests' emulation)
-        here = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
-            out = self._forward(*args, **kwargs)
-        here.wait_stream(side)
-        return out
+        return self._cache._torch.on_side_stream(lambda: self._forward(*args, **kwargs))
 
     def _decode_key(self, args, kwargs):
         """The graph key of a short forward (batch, columns, then each

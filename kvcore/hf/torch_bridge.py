@@ -123,6 +123,12 @@ class _TorchSide:
         return backend.wrap_pointer(t.data_ptr(), tuple(t.shape),
                                     [st * size for st in t.stride()], dtype, t)
 
+    def on_side_stream(self, fn):
+        """``fn()`` on a side stream of a CUDA pool's device, ordered after
+        and before the current stream's work (how torch's CUDA graph
+        examples warm up before a capture); as it is on a CPU pool."""
+        return self._tensors.on_side_stream(fn) if self.cuda else fn()
+
     def holds(self, t):
         """Whether tensor ``t`` lives on a CUDA pool's device (False for a
         CPU pool: only a CUDA pool's step lane and graphs ask)."""
@@ -176,6 +182,15 @@ class _CudaTensors:
 
     def holds(self, t):
         return t.get_device() == self._index
+
+    def on_side_stream(self, fn):
+        here = torch.cuda.current_stream(self._index)
+        side = torch.cuda.Stream(self._index)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            out = fn()
+        here.wait_stream(side)
+        return out
 
     def input(self, t):
         return t
