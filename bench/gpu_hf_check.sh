@@ -37,8 +37,11 @@ PYEOF
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     stamp "(2) tests/test_hf_cuda.py"
+    # in 4 processes when pytest-xdist is there: most of the time is NVRTC compiling
+    XDIST=()
+    "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
     timeout 170 "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs \
-        tests/test_hf_cuda.py >"$OUT/tests.log" 2>&1
+        ${XDIST[@]+"${XDIST[@]}"} tests/test_hf_cuda.py >"$OUT/tests.log" 2>&1
     trc=$?
     tail -n 25 "$OUT/tests.log"
     if [ "$trc" -ne 0 ] || grep -qE "^SKIPPED" "$OUT/tests.log"; then
