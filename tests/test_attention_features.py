@@ -373,12 +373,21 @@ def test_a_run_with_other_heads_than_the_plans_is_refused_and_the_plan_still_run
     first = plan.run(q, 1)
     out = np.full((1, 2, 8), 3.0, np.float32)
     with pytest.raises(ValueError, match=r"q.shape\[1\] must be the plan's num_heads=4 "
-                                         r"\(fixed by num_heads, alibi_slopes or sinks\), got 2"):
+                                         r"\(the heads of its alibi_slopes / sinks\), got 2"):
         plan.run(q[:, :2], 1, out=out)
     assert (out == 3.0).all()
     np.testing.assert_array_equal(plan.run(q, 1), first)
     with pytest.raises(ValueError, match=r"q.shape\[1\] must be the plan's num_heads=4"):
         kvcore.paged_attention(q[:, :2], pool, 0, [[0, 1, 2]], [10], sinks=np.zeros(4))
+
+
+def test_without_slopes_or_sinks_a_run_may_take_another_head_count():
+    rng = np.random.default_rng(6)
+    pool = make_pool("float32", rng, 8, block_size=4, head_dim=8)
+    plan = kvcore.AttentionPlan(pool, [[0, 1, 2]], [10], num_heads=4, chunk_size=4)
+    q = rng.standard_normal((1, 2, 8)).astype(np.float32)
+    np.testing.assert_array_equal(plan.run(q, 0), kvcore.paged_attention(
+        q, pool, 0, [[0, 1, 2]], [10], chunk_size=4))
 
 
 def test_the_plan_copies_its_parameters():
@@ -410,3 +419,23 @@ def test_cuda_backend_refuses_what_its_kernels_do_not_compute_yet():
                           soft_cap=0.0, chunk_size=16)
     with pytest.raises(ValueError, match="sinks .*not supported on CUDA"):
         be.attention_run(CudaAttentionPlan(), None, None, None, None, sinks=np.zeros(2))
+
+
+@pytest.mark.cuda
+def test_a_cuda_pool_refuses_the_features_before_any_work():
+    """On a GPU: a CUDA pool's plan refuses each feature by name at plan
+    time, and its pages are untouched."""
+    try:
+        from _cuda_env import cuda_backend_or_skip
+    except ImportError:  # pragma: no cover - run as a package
+        from ._cuda_env import cuda_backend_or_skip
+    cuda_backend_or_skip()
+    pool = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16", device="cuda")
+    before = pool.storage.get()
+    for kw, name in ((dict(chunk_size=8), "chunk_size"), (dict(sliding_window=[None, 8],
+                                                              chunk_size=[0, 8]), "chunk_size"),
+                     (dict(alibi_slopes=np.ones(4)), "alibi_slopes"),
+                     (dict(sinks=np.zeros((2, 4))), "sinks")):
+        with pytest.raises(ValueError, match=rf"{name} .*is not supported on CUDA pools yet"):
+            kvcore.AttentionPlan(pool, [[0, 1]], [20], **kw)
+    np.testing.assert_array_equal(pool.storage.get(), before)
