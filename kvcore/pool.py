@@ -214,8 +214,7 @@ class BlockPool:
         if make is None:
             return None
         data = self._data
-        return make(data.planes.views, data.planes.codecs, (data.storage, data.scales),
-                    data.num_blocks * data.block_size)
+        return make(data.planes.views, data.planes.codecs, (data.storage, data.scales))
 
     @property
     def kv_scales(self):

@@ -336,12 +336,12 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
         return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(mem, 0), tuple(strides))
 
-    def step_lane(self, planes, codecs, owned, num_slots):
+    def step_lane(self, planes, codecs, owned):
         """A ``lane.StepLane`` over a pool's per-layer ``planes`` (K, V)
         and their ``codecs``: a step's writes and attention issued per
         layer with packed launches and fixed device buffers.  ``owned``:
         the arrays an input must be apart from (storage, scales)."""
-        return StepLane(self, planes, codecs, owned, num_slots)
+        return StepLane(self, planes, codecs, owned)
 
     # -------------------------------------------------------------- arrays
     def asarray(self, x, arg):

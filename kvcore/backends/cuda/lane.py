@@ -83,14 +83,12 @@ class StepLane:
     planes : list of (key_plane, value_plane) device arrays per layer
     codecs : list of (key_codec, value_codec) per layer
     owned : device arrays an input must be apart from (the storage, scales)
-    num_slots : int, the pool's slots (num_blocks * block_size)
     """
 
-    def __init__(self, backend, planes, codecs, owned, num_slots):
+    def __init__(self, backend, planes, codecs, owned):
         self.backend = backend
         self._planes = planes
         self._codecs = codecs
-        self._num_slots = int(num_slots)
         k0 = planes[0][0]
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = \
             (int(x) for x in k0.shape)
