@@ -18,3 +18,5 @@ _.eos_token_id
 # set on a tokenizers.Tokenizer (kvcore/cli/llama.py): read by the library
 _.pre_tokenizer
 _.decoder
+# read by inspect.signature (kvcore/hf/generation.py: the graph runner shows the forward's)
+_.__signature__

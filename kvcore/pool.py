@@ -204,6 +204,18 @@ class BlockPool:
         writer = self._data.writer
         return writer if hasattr(writer, "write_slots") else None
 
+    def _step_lane(self):
+        """A new step lane of this pool's backend (CUDA: a step's writes as
+        packed launches and the fixed buffers of short steps, what
+        kvcore.hf issues per layer through; see backends/cuda/lane.py), or
+        None where the backend has none.  One per caller (a lane packs its
+        launches for itself)."""
+        make = getattr(self._backend, "step_lane", None)
+        if make is None:
+            return None
+        data = self._data
+        return make(data.planes.views, data.planes.codecs, (data.storage, data.scales))
+
     @property
     def kv_scales(self):
         """fp8 pools: the ``(k_scale, v_scale)`` pair of every layer, as set:

@@ -347,13 +347,79 @@ class EmulatedBackend(CudaBackend):
         assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
 
     def _launch_grid(self, file, name, grid, block, args):
+        if self._collected(file, name, grid, block, args):
+            return
         lib = self._lib.attention()
         assert file == "attention.cu" and name in lib.names, (file, name)
         keep, params = _kernel_params(name, lib.signature(name), args)
         self.launches.append((name, grid, block))
+        self.launch_args.append((name, list(args)))
         if grid <= 0:
             return
         assert lib.launch(name, grid, block, params), f"{name}: a barrier deadlocked"
+
+
+    # packed launches and pinned staging (kvcore/backends/cuda/lane.py)
+    def _function_ptr(self, file, sk, dk, name):
+        if file == "attention.cu":
+            assert name in self._lib.attention().names, name
+        else:
+            assert name in _sources.module_names(file, sk, dk), (file, sk, dk, name)
+        return name
+
+    def _launch_packed(self, launch):
+        """A row/chunk kernel from its packed argument block: the block's
+        slots after (rows, chunks) are the item function's arguments, read
+        through the same kernelParams pointers the GPU would read."""
+        file, sk, dk, name = launch.kernel
+        if launch.rows is None:    # a grid kernel (attention.cu): all of its arguments
+            lib = self._lib.attention()
+            sig = lib.signature(name)
+            assert len(launch.slots) == len(sig), (
+                f"{name}: kernel takes {len(sig)} arguments, packed {len(launch.slots)}")
+            for k, (code, val) in enumerate(zip(sig, launch.slots)):
+                if code > 0 and val:
+                    assert val % code == 0, f"{name}: argument {k} at {val:#x} is not aligned"
+            self.launches.append((name, launch.grid[0], launch.block[0]))
+            self.launch_args.append((name, [int(x) for x in launch.slots]))
+            params = ctypes.cast(launch.params_ptr, ctypes.POINTER(ctypes.c_void_p))
+            assert lib.launch(name, launch.grid[0], launch.block[0], params), (
+                f"{name}: a barrier deadlocked")
+            return
+        sig = self._lib.signature(name)
+        values = [int(x) for x in launch.slots[2:2 + len(sig)]]
+        assert len(launch.slots) == len(sig) + 2, (
+            f"{name}: kernel takes {len(sig)} arguments, packed {len(launch.slots) - 2}")
+        for k, (code, val) in enumerate(zip(sig, values)):
+            if code > 0 and val:   # a GPU faults on an access off its size's alignment
+                assert val % code == 0, f"{name}: argument {k} at {val:#x} is not aligned"
+        self.launches.append((name, launch.rows, launch.chunks))
+        self.launch_args.append((name, values))
+        if launch.rows <= 0 or launch.chunks <= 0:
+            return
+        params = ctypes.cast(launch.params_ptr + 16, ctypes.POINTER(ctypes.c_void_p))
+        self._lib.run(name, launch.rows, launch.chunks, params)
+        bad = self._lib.take_misaligned()
+        assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
+
+    def _pinned(self, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
+    def _copy_up(self, dst, host):
+        assert isinstance(dst, DevArray) and dst.nbytes >= host.nbytes
+        self.uploads.append(host.copy())
+        ctypes.memmove(dst.ctypes.data, host.ctypes.data, host.nbytes)
+
+    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
+        """Host memory at ``ptr`` (a torch CPU tensor standing for device
+        memory) as a DevArray, holding ``owner``."""
+        dtype = np.dtype(dtype)
+        extent = (sum((n - 1) * st for n, st in zip(shape, strides)) + dtype.itemsize
+                  if all(shape) else 0)
+        buf = (ctypes.c_char * max(1, extent)).from_address(ptr)
+        a = np.ndarray(tuple(shape), dtype, buffer=buf, strides=tuple(strides)).view(DevArray)
+        a.owner = owner
+        return a
 
 
 @pytest.fixture(scope="module")

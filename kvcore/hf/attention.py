@@ -128,12 +128,28 @@ def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_se
         features["alibi_slopes"] = spec.alibi
     if sinks_rows is not None:
         features["sinks"] = sinks_rows
-    kind = (key, features)
-    if not cache._torch.cuda:
-        _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+    lane = cache._lane
+    if lane is not None and len(features) > 3:
+        lane = None      # the step lane's plans take (scale, window, cap) only
+    if lane is None:
+        if cache._torch.cuda:
+            with cache._torch.stream():
+                _run_plan(cache, step, (key, features), block_table, cu_seq_lens_q, heads,
+                          rows, layer, flat)
+        else:
+            _run_plan(cache, step, (key, features), block_table, cu_seq_lens_q, heads, rows,
+                      layer, flat)
     else:
+        # a CUDA pool: the step's plan over its device buffers, run by
+        # address on torch's current stream
+        lane_key = (scaling, window or None, softcap)
         with cache._torch.stream():
-            _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer, flat)
+            if step.query_rows is None:
+                lane.attend(step, lane_key, layer, rows, flat)
+            else:
+                part = flat.new_empty((rows.shape[0],) + tuple(flat.shape[1:]))
+                lane.attend(step, lane_key, layer, rows, part)
+                flat[step.query_rows] = part
     return out, None
 
 

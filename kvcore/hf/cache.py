@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..paged import PagedKVCache
 from ..pool import BlockPool
+from .device import DeviceLane
 from .inputs import _left_pads, _query_length, _truthy
 from .handoff import hand_off
 from .step import Step
@@ -136,11 +137,16 @@ class PagedCache(Cache):
         self._step = None
         self._known_before = None               # row tokens before generate's hook ran
         self._kvcore_forward = False            # this forward's attention reads pages
+        self._captured = False                  # a CUDA graph's capture runs the forward
         self._pending_mask = None               # padding mask of a first forward
         self._attention_state = None            # the model's attention spec (attention.py)
         self._forward_columns = None            # generate's forward: (input columns, model type)
         self._torch = _TorchSide(pool)
         self._writer = pool._slot_writer()      # a decode step's K/V: one native call
+        # a CUDA pool: slots up once per step, packed launches per layer
+        step_lane = pool._step_lane() if self._torch.cuda else None
+        self._lane = None if step_lane is None else DeviceLane(step_lane, pool.head_dim,
+                                                               self._torch)
         self._num_layers = pool.num_layers
         self._kv_shape = (pool.num_kv_heads, pool.head_dim)
         self._torch_storage = pool.dtype in _TORCH_STORAGE
@@ -356,7 +362,11 @@ class PagedCache(Cache):
             raise ValueError(f"a {pool.dtype} pool is read by attn_implementation='kvcore' only "
                              "(this forward's attention reads whole K/V tensors): "
                              "model.set_attn_implementation('kvcore')")
+        if layer_idx == 0:
+            _mask_call.cache = None     # (left by a forward whose mask was sdpa's)
         step = self._step
+        if self._captured:
+            return self._captured_update(key_states, value_states, layer_idx, kwargs, step)
         if step is None or step.complete:
             if layer_idx != 0:
                 raise ValueError(f"a forward must update the cache from layer 0 on, in order; "
@@ -369,11 +379,17 @@ class PagedCache(Cache):
         elif batch != len(self._seqs) or q != step.q:
             raise ValueError(f"layer {layer_idx} got K/V for {batch} rows x {q} columns, this "
                              f"step has {len(self._seqs)} x {step.q}")
-        # a decode step's (batch, heads, 1, dim) K/V as they are, through the
-        # pool's writer (the slots were checked once for the step); the rest
-        # through pool.write
-        if not (q == 1 and self._writer is not None
-                and self._writer.write_slots(layer_idx, key_states, value_states, step.slots)):
+        # the K/V as they are, by address: on a CUDA pool through the step
+        # lane (any step), on the CPU a decode step's (batch, heads, 1, dim)
+        # through the pool's writer (the slots were made and checked once for
+        # the step); the rest through pool.write
+        lane = self._lane
+        if lane is not None:
+            done = lane.write(layer_idx, key_states, value_states, step)
+        else:
+            done = q == 1 and self._writer is not None and self._writer.write_slots(
+                layer_idx, key_states, value_states, step.slots)
+        if not done:
             # (batch, heads, q, dim) -> (batch * q, heads, dim): for q == 1
             # the same order without a transpose (a view when contiguous)
             if q == 1:
@@ -382,7 +398,8 @@ class PagedCache(Cache):
             else:
                 k_rows = key_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
                 v_rows = value_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
-            pool.write(layer_idx, k_rows, v_rows, step.slots)
+            side = self._torch
+            pool.write(layer_idx, side.input(k_rows), side.input(v_rows), step.slots)
         step.wrote(self, layer_idx)
         if self._kvcore_forward:
             attn_kwargs = kwargs.get("kwargs")
@@ -409,6 +426,26 @@ class PagedCache(Cache):
             keys = keys.to(key_states.dtype)
             values = values.to(value_states.dtype)
         return keys, values
+
+    def _captured_update(self, key_states, value_states, layer_idx, kwargs, step):
+        """``update`` inside a CUDA graph's capture of a short step
+        (``graphs.py``): the runner began the step and loaded its buffers,
+        and commits it after the replay; here only launches are issued."""
+        if step is None or step.device is None or not self._kvcore_forward:
+            raise RuntimeError("a CUDA graph captures a short step of "
+                               "attn_implementation='kvcore' begun by kvcore.hf.generate")
+        if not self._lane.write(layer_idx, key_states, value_states, step):
+            raise RuntimeError(
+                f"layer {layer_idx}'s K/V cannot be written by address (dtype "
+                f"{key_states.dtype}, strides {tuple(key_states.stride())}): this step "
+                "cannot be captured; generate without cuda_graph=True")
+        attn_kwargs = kwargs.get("kwargs")
+        if not isinstance(attn_kwargs, dict):
+            raise RuntimeError("this transformers version does not pass the attention's "
+                               "arguments to Cache.update: cuda_graph=True needs it")
+        attn_kwargs.update(cache=self, block_table=step.tables, cu_seq_lens_q=step.query_start,
+                           kvcore_step=step, kvcore_layer=layer_idx)
+        return key_states, value_states
 
     # -------------------------------------------------------------- queries
     def get_seq_length(self, layer_idx=0):

@@ -1,11 +1,19 @@
 """``generate``: ``model.generate`` with prefix reuse across calls through a pool."""
+import contextlib
+import inspect
+
+import numpy as np
+
+from . import graphs
 from .cache import PagedCache
 from .config import check_pool
 from .features import check_batch, check_holdable
 from .inputs import _prompt_batch, _truthy, cache_keyword
+from .torch_bridge import _on_cuda
 
 
-def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_kwargs):
+def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=False,
+             **generate_kwargs):
     """``model.generate`` with prefix reuse across calls through ``pool``.
 
     Each row's longest cached prefix (prompt, and tokens that earlier calls
@@ -25,6 +33,13 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
         1 for tokens, 0 for (left) padding; default all ones.
     salt : str or bytes, optional
         Requests with different salts never share blocks.
+    cuda_graph : bool, default False
+        CUDA pools with ``attn_implementation="kvcore"``: replay each
+        decode step (one new token per row) from a CUDA graph, captured at
+        the second decode step of each batch size and kept with the pool
+        for later calls (see docs/hf.md); the host then does a step's
+        bookkeeping and one copy, the GPU the whole forward.  Prefill
+        forwards and any forward a graph cannot take run as without it.
     **generate_kwargs
         Passed to ``model.generate`` (``max_new_tokens``, ``do_sample``,
         ``num_beams``, ``prompt_lookup_num_tokens``, ...).
@@ -35,6 +50,17 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
     """
     check_holdable(model.config, model)
     check_pool(pool, model.config)
+    if not isinstance(cuda_graph, (bool, np.bool_)):
+        raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
+    if cuda_graph:
+        if not _on_cuda(pool.device):
+            raise ValueError(f"cuda_graph=True needs a CUDA pool (device='cuda'), got a pool "
+                             f"on {pool.device!r}")
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn != "kvcore":
+            raise ValueError(f"cuda_graph=True needs attn_implementation='kvcore' (kvcore's "
+                             f"attention reads the graph's buffers), got {attn!r}: "
+                             "model.set_attn_implementation('kvcore')")
     for key in ("past_key_values", "cache"):
         if generate_kwargs.get(key) is not None:
             raise ValueError(f"kvcore.hf.generate makes its own cache; do not pass {key}=")
@@ -51,14 +77,61 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, **generate_
     attention_mask, pads = _prompt_batch(input_ids, attention_mask)
     check_batch(model.config, pads)
     ids = input_ids.detach().cpu().numpy()
+    keyword = cache_keyword(model)
     cache = PagedCache(pool, salt=salt)
+    graph_set = None
     try:
         cache._begin([ids[i, pads[i]:] for i in range(ids.shape[0])], pads)
+        if cuda_graph:
+            own = cache._lane
+            graph_set = graphs.checkout(pool, model, lambda: own)
+            graph_set.check_model(model)
+            cache._lane = graph_set.lane
+            longest = _longest(ids.shape[1], config, generate_kwargs)
+            if longest:
+                need = -(-longest // pool.block_size)
+                cache._lane.capacity = max(cache._lane.capacity, need)
         hook = model.register_forward_pre_hook(cache._pre_forward, with_kwargs=True)
         try:
-            return model.generate(input_ids, attention_mask=attention_mask,
-                                  **{cache_keyword(model): cache}, **generate_kwargs)
+            with _forward_of(model, graph_set, cache):
+                return model.generate(input_ids, attention_mask=attention_mask,
+                                      **{keyword: cache}, **generate_kwargs)
         finally:
             hook.remove()
     finally:
         cache.free()
+        if graph_set is not None:
+            graphs.checkin(graph_set)
+
+
+def _longest(width, config, generate_kwargs):
+    """The most columns a row of the call can reach (prompt and new
+    tokens), or None when the call does not say."""
+    new = generate_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if isinstance(new, int) and new > 0:
+        return width + new
+    length = generate_kwargs.get("max_length", getattr(config, "max_length", None))
+    return length if isinstance(length, int) and length > 0 else None
+
+
+@contextlib.contextmanager
+def _forward_of(model, graph_set, cache):
+    """With ``graph_set``: ``model.forward`` is a :class:`GraphRunner` for
+    the enclosed call (presenting the forward's signature, which generate
+    reads), put back as it was afterwards."""
+    if graph_set is None:
+        yield
+        return
+    had = "forward" in model.__dict__
+    before = model.__dict__.get("forward")
+    forward = model.forward
+    runner = graphs.GraphRunner(model, forward, cache, graph_set)
+    runner.__signature__ = inspect.signature(forward)
+    model.forward = runner
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = before
+        else:
+            del model.forward

@@ -22,7 +22,7 @@ class Step:
 
     __slots__ = ("q", "start", "num_layers", "counts", "slots", "tables", "seq_lens",
                  "query_start", "query_rows", "_gather", "layers_done", "plans", "written",
-                 "before", "made_rows")
+                 "before", "made_rows", "device", "device_slots")
 
     # -------------------------------------------------------------- begin
     @classmethod
@@ -51,6 +51,10 @@ class Step:
         cache._step = step
         try:
             step._reserve(cache, q)
+            if cache._lane is not None:
+                # a CUDA pool: the step's slots (a decode step's tables) go
+                # up now, once, before any layer
+                cache._lane.begin(step, cache)
         except BaseException:
             step.rollback(cache)
             raise
@@ -86,6 +90,7 @@ class Step:
         self._gather = None
         self.written = [(seq, int(n)) for seq, n in zip(seqs, counts) if n]
         self.plans = {}          # (scale, window, soft cap) -> AttentionPlan of this step
+        self.device = self.device_slots = None   # a CUDA pool's (DeviceLane.begin)
 
     # -------------------------------------------------------------- layers
     @property
@@ -105,6 +110,12 @@ class Step:
         self.layers_done += 1
         if self.layers_done == self.num_layers:
             self.commit(cache)
+
+    def wrote_all(self, cache):
+        """Every layer's K/V are in the pages (a replayed CUDA graph wrote
+        them): the step is committed."""
+        for layer in range(self.layers_done, self.num_layers):
+            self.wrote(cache, layer)
 
     # -------------------------------------------------------------- end
     def commit(self, cache):

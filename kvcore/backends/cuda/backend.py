@@ -23,6 +23,7 @@ Arguments reaching these methods have been validated by the caller, except
 where a method says it checks.  Kernels are compiled with NVRTC on first
 use (one module per .cu file and kind pair) and cached per device.
 """
+import sys
 import threading
 
 import numpy as np
@@ -32,12 +33,16 @@ from ..base import Backend
 from . import CudaUnavailableError, _sources, attention_kernels
 from .attention import CudaAttention, CudaAttentionPlan  # noqa: F401 (re-exported)
 from .copies import CudaBlockCopies
+from .lane import StepLane
 
 # DLPack device types (dlpack.h).
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
 _KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan",
               8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 13: "CUDA managed",
               14: "oneAPI"}
+
+# The launches collect_launches is gathering on this thread (else None).
+_COLLECT = threading.local()
 
 # Index arithmetic inside the kernels splits rows with 32-bit division.
 _ROW_LIMIT = 2**31 - 1
@@ -68,6 +73,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     """
 
     name = "cuda"
+    launch_shape = staticmethod(launch_shape)
 
     def __init__(self, cupy, device_id):
         self._cp = cupy
@@ -249,11 +255,93 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         if grid <= 0:
             return
         fn = self._function(file, None, None, name)
+        # (after everything that readies the kernel itself: a packed launch
+        # of a collected one calls the driver with nothing else)
+        if self._collected(file, name, grid, block, args):
+            return
         cp = self._cp
         kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
                       else np.float32(a) if isinstance(a, (float, np.floating))
                       else np.int64(a) for a in args)
         fn((int(grid), 1, 1), (int(block), 1, 1), kargs)
+
+    # ------------------------------------------------- packed launches
+    # What lane.py (a step's writes and attention issued per layer) needs of
+    # the device: the tests' host emulation overrides these, as it does the
+    # hooks above.
+    def collect_launches(self, call):
+        """Run ``call()`` with the grid launches it makes collected instead
+        of issued, on this thread only: the list of ``(file, name, grid,
+        block, args, smem)`` (what ``lane.py`` packs once and reissues).
+        Anything else ``call`` does happens as usual."""
+        calls = []
+        _COLLECT.calls = calls
+        try:
+            call()
+        finally:
+            _COLLECT.calls = None
+        return calls
+
+    @staticmethod
+    def _collected(file, name, grid, block, args, smem=0):
+        """Whether this thread collects launches (``collect_launches``):
+        then the launch is recorded, not issued."""
+        calls = getattr(_COLLECT, "calls", None)
+        if calls is None:
+            return False
+        calls.append((file, name, int(grid), int(block), list(args), int(smem)))
+        return True
+
+    def _function_ptr(self, file, sk, dk, name):
+        """The driver handle (CUfunction) of kernel ``name`` of module
+        (file, sk, dk), compiled on first use: what a packed launch calls."""
+        with self._ctx():
+            return self._function(file, sk, dk, name).kernel.ptr
+
+    def _launch_packed(self, launch):
+        """Issue a ``lane.PackedLaunch`` on the current stream: one driver
+        call with the argument block as packed (cuLaunchKernel copies the
+        arguments when it is called: the block may be repacked at once)."""
+        g, b = launch.grid, launch.block
+        self._cp.cuda.driver.launchKernel(launch.function, g[0], g[1], g[2], b[0], b[1], b[2],
+                                          launch.smem, self._stream_ptr(), launch.params_ptr, 0)
+
+    def _pinned(self, nbytes):
+        """A uint8 NumPy array of ``nbytes`` in page-locked host memory (the
+        memory lives as long as the array)."""
+        mem = self._cp.cuda.alloc_pinned_memory(max(1, nbytes))
+        return np.frombuffer(mem, np.uint8, nbytes)
+
+    def _copy_up(self, dst, host):
+        """Copy host array ``host`` (pinned, C-contiguous) into the first
+        ``host.nbytes`` bytes of device array ``dst`` on the current stream
+        (asynchronous: ``host`` must not change until the copy is done)."""
+        self._cp.cuda.runtime.memcpyAsync(self._ptr(dst), host.ctypes.data, host.nbytes, 1,
+                                          self._stream_ptr())   # 1: host to device
+
+    def _wait_host(self, event):
+        """Block the host until ``event`` (from ``_record_event``) completed."""
+        if event is not None:
+            event.synchronize()
+
+    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
+        """A device array over memory this backend does not own: ``shape``
+        elements of ``dtype`` ``strides`` bytes apart from address ``ptr``
+        on this device, kept valid by ``owner`` (held by the array).  No
+        copy, no driver call: what a torch CUDA tensor's raw fields become
+        for a kernel argument (``lane.py``, ``_import_torch``)."""
+        cp = self._cp
+        dtype = np.dtype(dtype)
+        nbytes = _extent(shape, strides, dtype.itemsize)
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
+        return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(mem, 0), tuple(strides))
+
+    def step_lane(self, planes, codecs, owned):
+        """A ``lane.StepLane`` over a pool's per-layer ``planes`` (K, V)
+        and their ``codecs``: a step's writes and attention issued per
+        layer with packed launches and fixed device buffers.  ``owned``:
+        the arrays an input must be apart from (storage, scales)."""
+        return StepLane(self, planes, codecs, owned)
 
     # -------------------------------------------------------------- arrays
     def asarray(self, x, arg):
@@ -275,12 +363,38 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                 f"{self.device}; pass a CUDA array (e.g. cupy.asarray({arg})) or use "
                 "device='cpu' (kvcore never copies between host and device implicitly)")
         else:
-            a = self._import_foreign(x, arg)
+            a = self._import_torch(x)
+            if a is None:
+                a = self._import_foreign(x, arg)
         if self._device_id_of(a) != self.device_id:
             raise ValueError(
                 f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs on "
                 f"{self.device}")
         return a
+
+    def _import_torch(self, x):
+        """A torch CUDA tensor as a CuPy array from its pointer, shape and
+        strides (no DLPack capsule: several times cheaper per call), or None
+        for anything else, and for a tensor whose stream order DLPack would
+        have to bridge (torch's current stream on its device is not CuPy's
+        current stream) or that DLPack would refuse (negative or conjugate
+        bit, a dtype CuPy has not).  Nothing is cached: the tensor's fields
+        are read at each call (its storage may be resized or swapped)."""
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(x, torch.Tensor) or not x.is_cuda:
+            return None
+        dtype = _torch_numpy_dtypes(torch).get(x.dtype)
+        if dtype is None or x.is_neg() or x.is_conj() or x.requires_grad:
+            return None
+        index = x.device.index
+        if index != self.device_id \
+                or torch.cuda.current_stream(index).cuda_stream != self._stream_ptr():
+            return None
+        ptr = x.data_ptr()
+        if ptr == 0 and x.numel():
+            return None
+        size = dtype.itemsize
+        return self.wrap_pointer(ptr, x.shape, [st * size for st in x.stride()], dtype, x)
 
     def _import_foreign(self, x, arg):
         cp = self._cp
@@ -527,28 +641,40 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         int8, lowprec.cu) launch; ``slots`` a device int64 array, ``owner``
         the claimed owner table or None."""
         n, heads, dim = src.shape
-        dst_kind, plane = codec.kind, codec.scale_plane
+        plane = codec.scale_plane
         if self._overlaps(src, cache) or (plane is not None and self._overlaps(src, plane)):
             src = self._contiguous_copy(src)   # e.g. a view of the pool itself
         src = self.inner_contiguous(src)
         ss = self._estrides(src, (0, 1))
+        self._check_rows(n * heads, "write_slots")
+        v = 1 if codec.lowprec else self._vector(src_kind, codec.kind, dim,
+                                                  [(src, (0, 1)), (cache, (0, 1, 2))])
+        self._launch(*self.write_call(cache, src, ss, slots, owner, n, src_kind, codec, v))
+
+    def write_call(self, cache, src, src_strides, slots, owner, n, src_kind, codec, v):
+        """``(file, sk, dk, name, rows, chunks, args)`` of the launch that
+        writes ``n`` rows of ``src`` (an array, or the device address of
+        rows ``src_strides`` = (token, head) elements apart) into plane
+        ``cache`` through ``slots`` (an array or an address): the one
+        place the write kernels' argument lists are spelled, for
+        ``_launch`` and for packed launches (``lane.py``).  ``v``: the
+        vector width (1 for fp8 / int8 planes)."""
+        heads, dim = cache.shape[1], cache.shape[3]
+        dst_kind, plane = codec.kind, codec.scale_plane
         cs = self._estrides(cache, (0, 1, 2))
-        rows = n * heads
-        self._check_rows(rows, "write_slots")
+        rows, num_slots = n * heads, cache.shape[0] * cache.shape[2]
         if codec.lowprec:
             scs = self._scale_strides(plane, (0, 1, 2))
-            self._q_launch(src_kind, dst_kind, "kv_write_slots_q", rows,
-                           1 if dst_kind == dtypes.I8 else dim,
-                           [cache, plane, src, slots, owner, cache.shape[0] * cache.shape[2],
-                            heads, cache.shape[2], dim, ss[0], ss[1], cs[0], cs[1], cs[2],
-                            scs[0], scs[1], scs[2], self._scale_bits(codec.layer_scale)])
-            return
-        v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1)), (cache, (0, 1, 2))])
-        self._launch("paged.cu", src_kind, dst_kind,
-                     _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v),
-                     rows, dim // v,
-                     [cache, src, slots, owner, cache.shape[0] * cache.shape[2], heads,
-                      cache.shape[2], ss[0], ss[1], cs[0], cs[1], cs[2]])
+            return (_sources.LOWPREC_FILE, src_kind, dst_kind,
+                    _sources.lowprec_name("kv_write_slots_q", src_kind, dst_kind), rows,
+                    1 if dst_kind == dtypes.I8 else dim,
+                    [cache, plane, src, slots, owner, num_slots, heads, cache.shape[2], dim,
+                     src_strides[0], src_strides[1], cs[0], cs[1], cs[2], scs[0], scs[1],
+                     scs[2], self._scale_bits(codec.layer_scale)])
+        return ("paged.cu", src_kind, dst_kind,
+                _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v), rows, dim // v,
+                [cache, src, slots, owner, num_slots, heads, cache.shape[2], src_strides[0],
+                 src_strides[1], cs[0], cs[1], cs[2]])
 
     # ------------------------------------------------- BlockPool.write
     def slot_owner_table(self, num_slots):
@@ -620,8 +746,13 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
             is skipped by the kernels (never written) but not reported.
         owner : the pool's ``slot_owner_table`` (a ``SlotOwners``)
         check : bool
+
+        Slots that cannot name a slot twice need no claim pass (two
+        launches): host slots without repeats (one token, or distinct ones:
+        the usual case), and one unchecked device slot.
         """
-        if k.shape[0] == 0:
+        n = k.shape[0]
+        if n == 0:
             return
 
         def write(d_slots, table):
@@ -634,7 +765,11 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                 self._write_plane(k_cache, k, d_slots, table, src_kind, k_codec)
                 self._write_plane(v_cache, v_, d_slots, table, src_kind, v_codec)
 
-        self._claimed_write(k_cache, slots, k.shape[0], owner, check, write)
+        if (n == 1 and not check) or (not self._is_device(slots) and _distinct(slots)):
+            with self._ctx():
+                write(self._index_array(slots, np.int64), None)
+            return
+        self._claimed_write(k_cache, slots, n, owner, check, write)
 
     def _claimed_write(self, plane, slots, n, owner, check, write):
         """Run ``write(device_slots, table)`` between the claim and the
@@ -983,6 +1118,43 @@ def compile_error(e, device, file):
         text = text[:2000] + " ..."
     return CudaUnavailableError(
         f"device={device!r}: {why} (compiling {file}: {text}); {fix}; or use device='cpu'")
+
+
+# Host slot lists longer than this go through the claim pass without a
+# look for repeats (sorting them would cost more than the pass saves).
+_DISTINCT_CHECK_MAX = 1024
+
+
+def _distinct(slots):
+    """Whether host slots (checked int64) name no slot twice (-1 skips
+    may repeat)."""
+    n = slots.shape[0]
+    if n <= 1:
+        return True
+    if n > _DISTINCT_CHECK_MAX:
+        return False
+    named = np.sort(slots[slots >= 0])
+    return not named.size or bool((named[1:] != named[:-1]).all())
+
+
+def _extent(shape, strides, itemsize):
+    """Bytes from the first to past the last element of an array (0 if empty)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + itemsize
+
+
+_TORCH_DTYPES = {}
+
+
+def _torch_numpy_dtypes(torch):
+    """torch dtype -> the NumPy dtype a CuPy array of its elements has
+    (those DLPack maps too; bfloat16 and the fp8 kinds are not among them)."""
+    if not _TORCH_DTYPES:
+        for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
+                     "uint8", "bool"):
+            _TORCH_DTYPES[getattr(torch, name)] = np.dtype(name)
+    return _TORCH_DTYPES
 
 
 def _is_bf16(dtype):
