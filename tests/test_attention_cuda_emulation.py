@@ -22,11 +22,11 @@ pytestmark = pytest.mark.toolchain
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_attention_emulation import CXX, AttentionEmulation
-    from ._cuda_cases import DeviceUnderTest, _attention_case
+    from ._cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case
     from .test_cuda_host_emulation import EmulatedBackend, _get, _put
 except ImportError:
     from _cuda_attention_emulation import CXX, AttentionEmulation
-    from _cuda_cases import DeviceUnderTest, _attention_case
+    from _cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case
     from test_cuda_host_emulation import EmulatedBackend, _get, _put
 
 ALL_KINDS = (F32, F16, BF16, F8E4M3, F8E5M2, I8)
@@ -287,3 +287,194 @@ def test_prefill_plan_covers_each_prefill_row_and_head_once():
         # the rest goes to the split kernel
         split_items, _, _ = ak.plan(qsl, [70, 1, 130], nh, nkv, 0, rows=~mask)
         assert set(split_items[:, 1].tolist()) == {70}
+
+
+# ------------------------------------------------ tensor-core decode (v3)
+# kva_decode_tc: float16 / bfloat16 / fp8 pages, q in the mma's type (the
+# pages' for float16 / bfloat16, either for fp8), P split into 2-3 terms:
+# held to the float32 paths' 1e-5 (the emulation's mma rounds toward zero,
+# a pessimistic model of the tensor cores; it measures under 1e-6).
+TC_IO = {F16: ("float16",), BF16: ("bfloat16",), F8E4M3: ("float16", "bfloat16"),
+         F8E5M2: ("bfloat16", "float16")}
+TC_IDS = ["f16", "bf16", "e4m3", "e5m2"]
+
+
+def _tc_names(dev):
+    return [n for n, _, _ in dev.be.launches]
+
+
+def _tc_copies(items, kind, head_dim):
+    """16-byte copies of a tensor-core decode launch: K and V rows of each
+    item's keys, once."""
+    return int((items[:, 5] - items[:, 4]).sum()) * head_dim * dtypes.ITEMSIZE[kind] // 16 * 2
+
+
+@pytest.fixture
+def tc_dev(emu):
+    emu.take_copies16()
+    be = EmulatedBackend(_AttentionOnly(emu))
+    be._tensor_cores = True
+    return DeviceUnderTest(be, _put, _get, 1)
+
+
+@pytest.mark.parametrize("kind", ak.TC_KINDS, ids=TC_IDS)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("group", (1, 4, 8))
+def test_tensor_core_decode_matches_reference(tc_dev, emu, kind, head_dim, group, monkeypatch):
+    """Decode rows and short chunks of ragged sequences over pages of 5
+    tokens, split in 48-key pieces: one launch (its splits merged by their
+    last block), float32 out and out in q's dtype, every K/V row copied
+    once per item."""
+    rng = np.random.default_rng(2000 + 100 * kind + head_dim + group)
+    q_dtype = TC_IO[kind][group % len(TC_IO[kind])]
+    for out_dtype in ("float32", q_dtype):
+        items = []
+        _attention_case(tc_dev, rng, kind, head_dim, 2 * group, 2, contexts=[1, 37, 130, 9],
+                        queries=[1, 1, 3, 2], block_size=5, split_keys=48,
+                        monkeypatch=monkeypatch, layer_scales=FP8_SCALES, q_dtype=q_dtype,
+                        out_dtype=out_dtype,
+                        plan_hook=lambda p: items.append(tc_dev.be._download(p.tc_items)))
+        assert _tc_names(tc_dev)[-1:] == [ak.tc_name(kind, head_dim, dtypes.NAME_KIND[q_dtype])]
+        assert emu.take_copies16() == _tc_copies(items[0], kind, head_dim)
+        assert (items[0][:, 6] > 0).any()   # split: merged in the kernel
+    assert not any(n.startswith("kva_attention_merge") for n in _tc_names(tc_dev))
+
+
+@pytest.mark.parametrize("kind", ak.TC_KINDS, ids=TC_IDS)
+@pytest.mark.parametrize("head_dim,nh,nkv,queries", [
+    (80, 12, 1, [2, 1]),     # 24 pairs: two items of one sequence's rows
+    (96, 6, 2, [5, 3]),      # queries of one item at 3 positions (causal mask inside)
+    (64, 16, 1, [1, 1]),     # a whole m16 tile of heads
+    (128, 3, 3, [4, 2]),     # MHA, 4 queries per item
+])
+def test_tensor_core_decode_shapes(tc_dev, kind, head_dim, nh, nkv, queries):
+    rng = np.random.default_rng([kind, head_dim, nh])
+    _attention_case(tc_dev, rng, kind, head_dim, nh, nkv, contexts=[90, 40], queries=queries,
+                    block_size=16, layer_scales=FP8_SCALES, q_dtype=TC_IO[kind][0],
+                    out_dtype=TC_IO[kind][-1])
+    assert _tc_names(tc_dev) == [ak.tc_name(kind, head_dim, dtypes.NAME_KIND[TC_IO[kind][0]])]
+
+
+@pytest.mark.parametrize("kind", (F16, BF16, F8E4M3), ids=["f16", "bf16", "e4m3"])
+def test_tensor_core_decode_window_and_soft_cap(tc_dev, kind, monkeypatch):
+    rng = np.random.default_rng(80 + kind)
+    for window, cap in ((20, None), (None, 5.0), (33, 2.0), (1, None)):
+        _attention_case(tc_dev, rng, kind, 64, 8, 2, contexts=[150, 40], queries=[4, 1],
+                        block_size=16, window=window, cap=cap, split_keys=64,
+                        monkeypatch=monkeypatch, layer_scales=FP8_SCALES,
+                        q_dtype=TC_IO[kind][0])
+        assert _tc_names(tc_dev)[-1].startswith("kva_decode_tc<")
+
+
+@pytest.mark.parametrize("block_size", (1, 3, 16, 100))
+def test_tensor_core_decode_block_sizes(tc_dev, emu, block_size):
+    rng = np.random.default_rng(block_size)
+    items = []
+    _attention_case(tc_dev, rng, F16, 64, 4, 1, contexts=[150, 2, 65], queries=[2, 1, 1],
+                    block_size=block_size, q_dtype="float16",
+                    plan_hook=lambda p: items.append(tc_dev.be._download(p.tc_items)))
+    assert emu.take_copies16() == _tc_copies(items[0], F16, 64)
+
+
+def test_tensor_core_splits_give_the_same_bits_in_any_block_order(tc_dev, emu):
+    """One long sequence on a device of 4 multiprocessors: split to fill
+    them, merged by whichever split finishes last (its ticket), in split
+    order: the blocks run first to last and last to first give the same
+    bits, and the tickets are back to 0 after each run (a replay)."""
+    be = tc_dev.be
+    be._sms = 4
+    runs = []
+    try:
+        for reverse in (False, True, False):
+            emu.reverse_blocks(reverse)
+            plans = []
+            runs.append(_attention_case(tc_dev, np.random.default_rng(5), F16, 128, 8, 2,
+                                        contexts=[700], queries=[1], q_dtype="float16",
+                                        plan_hook=plans.append))
+            counters = be._download(plans[0].counters)
+            nsplit = be._download(plans[0].tc_nsplit)
+            assert nsplit.max() > 1 and not counters.any()
+    finally:
+        emu.reverse_blocks(False)
+    for r in runs[1:]:
+        np.testing.assert_array_equal(runs[0].view(np.uint32), r.view(np.uint32))
+    assert ak.TC_BLOCKS_PER_SM * 4 <= len(nsplit) <= ak.TC_BLOCKS_PER_SM * 4 + 2
+
+
+def test_tensor_core_decode_only_for_its_q_kinds(tc_dev):
+    """float32 q (or q of another kind than the mma's) runs the float32
+    kernels of the same plan, which also read float16 / bfloat16 q and
+    write float16 / bfloat16 out themselves."""
+    rng = np.random.default_rng(9)
+    for kind, q_dtype, out_dtype in ((F16, "float32", "float16"), (F16, "bfloat16", "float32"),
+                                     (BF16, "float16", "bfloat16"), (F32, "float16", "float16"),
+                                     (I8, "bfloat16", "bfloat16")):
+        tc_dev.be.launches.clear()
+        _attention_case(tc_dev, rng, kind, 64, 8, 2, contexts=[70, 9], queries=[1, 2],
+                        q_dtype=q_dtype, out_dtype=out_dtype, layer_scales=(1.0, 1.0))
+        assert _tc_names(tc_dev) == [ak.split_name(kind, 64)], (kind, q_dtype)
+
+
+def test_version_2_plans_run_the_old_kernels(tc_dev):
+    """attention_version = 2: the kernels before the tensor-core decode,
+    float32 q and out only (AttentionPlan converts the others)."""
+    be = tc_dev.be
+    be.attention_version = 2
+    rng = np.random.default_rng(10)
+    plans = []
+    _attention_case(tc_dev, rng, F16, 64, 8, 2, contexts=[70, 9], queries=[1, 2],
+                    plan_hook=plans.append)
+    assert _tc_names(tc_dev) == [ak.split_name(F16, 64)]
+    assert plans[0].tc_items is None
+    assert be.attention_io_kinds(plans[0]) == ({F32}, {F32})
+    with pytest.raises(TypeError, match="q must be float32 for this plan"):
+        _attention_case(tc_dev, rng, F16, 64, 8, 2, contexts=[70, 9], queries=[1, 2],
+                        q_dtype="float16")
+    be.attention_version = 3
+    _attention_case(tc_dev, rng, F16, 64, 8, 2, contexts=[70, 9], queries=[1, 2],
+                    q_dtype="float16", plan_hook=plans.append)
+    assert be.attention_io_kinds(plans[-1]) == ({F32, F16, BF16},) * 2
+    assert _tc_names(tc_dev)[-1] == ak.tc_name(F16, 64, F16)
+
+
+def test_attention_version_from_the_environment():
+    from kvcore.backends.cuda.attention import default_attention_version
+
+    assert default_attention_version({}) == 3
+    assert default_attention_version({"KVCORE_CUDA_ATTENTION": "v2"}) == 2
+    assert default_attention_version({"KVCORE_CUDA_ATTENTION": " V3 "}) == 3
+    with pytest.raises(ValueError, match="KVCORE_CUDA_ATTENTION must be v2 or v3"):
+        default_attention_version({"KVCORE_CUDA_ATTENTION": "fast"})
+
+
+def test_tensor_core_decode_pages_off_16_bytes_take_the_scalar_kernel(emu):
+    be = EmulatedBackend(_AttentionOnly(emu))
+    be._tensor_cores = True
+    dev = DeviceUnderTest(be, _shifted_put(2), _get, 1)
+    _attention_case(dev, np.random.default_rng(3), F16, 64, 8, 2, contexts=[40, 7],
+                    queries=[1, 2], block_size=8, q_dtype="float16", out_dtype="float16")
+    assert [n for n, _, _ in be.launches] == [ak.scalar_name(F16, 64)]
+
+
+@pytest.mark.parametrize("qk", (F8E4M3, F8E5M2), ids=["e4m3", "e5m2"])
+def test_tensor_core_decode_nan_codes(tc_dev, qk):
+    """An fp8 NaN code in a key row: NaN in exactly the outputs of the
+    queries that see it, as on the CPU.  In a value row: NaN in that dim of
+    every query that sees it, and possibly of others of the same item
+    whose 16-key tile holds it (0 x NaN), never another dim or kv head."""
+    got, cpu = _attention_case(tc_dev, np.random.default_rng([57, qk]), qk, 64, 4, 2,
+                               contexts=[30, 12, 16], queries=[20, 1, 1], block_size=4,
+                               layer_scales=FP8_SCALES, nan_rows=[(0, 0, 13, 0)],
+                               q_dtype="float16")
+    want = np.zeros(got.shape, bool)
+    want[3:20, :2] = True
+    assert (np.isnan(got) == want).all() and (np.isnan(cpu) == want).all()
+    assert _tc_names(tc_dev)[-1].startswith("kva_decode_tc<")
+    got, cpu = _attention_case(tc_dev, np.random.default_rng([58, qk]), qk, 64, 4, 2,
+                               contexts=[30, 12, 16], queries=[20, 1, 1], block_size=4,
+                               layer_scales=FP8_SCALES, nan_rows=[(1, 0, 22, 1)],
+                               q_dtype="bfloat16")
+    want = np.zeros(got.shape, bool)
+    want[12:20, 2:, 3] = True
+    nan = np.isnan(got)
+    assert (nan >= want).all() and not nan[:, :2].any() and not np.delete(nan, 3, 2).any()

@@ -294,9 +294,10 @@ def test_kernel_compile_failures_are_cuda_unavailable_errors(error, why, fix):
 
 
 def test_attention_modules_hold_one_page_kind_each():
-    """kernels/attention.cu is compiled per page kind (its split kernels)
-    plus one module of merge kernels: a call over float16 pages never
-    compiles the fp8 / int8 instantiations, and each module is built once."""
+    """kernels/attention.cu is compiled per (kernel family, page kind) plus
+    one module of merge kernels: a call over float16 pages never compiles
+    the fp8 / int8 instantiations, nor the tensor-core decode when it runs
+    the float32 kernels, and each module is built once."""
     from kvcore.backends.cuda import attention_kernels as ak
     from kvcore.backends.cuda.backend import CudaBackend
     from kvcore.dtypes import F16, I8
@@ -321,10 +322,13 @@ def test_attention_modules_hold_one_page_kind_each():
             assert be._function(file, None, None, ak.split_name(kind, d)) == \
                 ("fn", ak.split_name(kind, d))
         assert be._function(file, None, None, ak.merge_name(64)) == ("fn", ak.merge_name(64))
-    assert built == [ak.module_names(F16), ak.module_names(ak.MERGE_MODULE),
-                     ak.module_names(I8)]
-    assert {ak.module_key(n) for n in built[0]} == {F16}
+    assert be._function(file, None, None, ak.tc_name(F16, 128, F16)) == \
+        ("fn", ak.tc_name(F16, 128, F16))
+    assert built == [ak.module_names((ak.CORE, F16)), ak.module_names(ak.MERGE_MODULE),
+                     ak.module_names((ak.CORE, I8)), ak.module_names((ak.TC, F16))]
+    assert {ak.module_key(n) for n in built[0]} == {(ak.CORE, F16)}
     assert {ak.split_name(F16, d) for d in ak.HEAD_DIMS} <= set(built[0])
+    assert {ak.module_key(n) for n in built[3]} == {(ak.TC, F16)}
     # every instantiation is in exactly one module
     every = [n for _, names in ak.modules() for n in names]
     assert sorted(every) == sorted(ak.attention_names())

@@ -253,8 +253,8 @@ def build_emulation(tmpdir):
 
 def _kernel_params(name, sig, args, any_width=False):
     """``(keep, params)``: the ctypes parameter block of a launch of kernel
-    ``name`` (signature ``sig``: 0 an integer, -1 a float, else a pointer to
-    elements of that many bytes) with ``args``, each checked as the GPU
+    ``name`` (signature ``sig``: 0 an integer, -1 a float, -2 a void
+    pointer, else a pointer to elements of that many bytes) with ``args``, each checked as the GPU
     would take it; ``keep`` holds the values alive.  ``any_width``: pointer
     arguments other than int32 ids may be words of any width (copy kernels)."""
     assert len(sig) == len(args), (
@@ -269,6 +269,10 @@ def _kernel_params(name, sig, args, any_width=False):
             v = ctypes.c_float(a)
         elif a is None:  # a null pointer
             v = ctypes.c_void_p(None)
+        elif code == -2:  # void *: q / out of a run-time kind, aligned to their itemsize
+            assert isinstance(a, DevArray), (name, k, type(a))
+            assert a.ctypes.data % a.itemsize == 0, (name, k)
+            v = ctypes.c_void_p(a.ctypes.data)
         else:
             assert isinstance(a, DevArray), (name, k, type(a))
             if not any_width or a.dtype == np.int32:
@@ -346,14 +350,19 @@ class EmulatedBackend(CudaBackend):
         bad = self._lib.take_misaligned()
         assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
 
-    def _launch_grid(self, file, name, grid, block, args):
+    def _launch_grid(self, file, name, grid, block, args, smem=0):
         lib = self._lib.attention()
         assert file == "attention.cu" and name in lib.names, (file, name)
         keep, params = _kernel_params(name, lib.signature(name), args)
         self.launches.append((name, grid, block))
+        self.launch_args.append((name, list(args)))
         if grid <= 0:
             return
-        assert lib.launch(name, grid, block, params), f"{name}: a barrier deadlocked"
+        assert smem <= self._smem_optin(), (name, smem)
+        assert lib.launch(name, grid, block, params, smem), f"{name}: a barrier deadlocked"
+
+    def _smem_optin(self):
+        return 227 * 1024   # an sm_90's
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,54 @@ ops): it holds no state of its own and uses the backend's device hooks
 host emulation of the tests, which overrides those hooks, runs it as it
 runs the data ops.
 """
+import os
+
 import numpy as np
 
 from ... import dtypes
 from . import attention_kernels
 
 
+# What attention_run takes as q and out, per kernel version (Backend.attention_io_kinds).
+_F32_ONLY = frozenset({dtypes.F32})
+_FLOATS = frozenset({dtypes.F32, dtypes.F16, dtypes.BF16})
+# KVCORE_CUDA_ATTENTION: the attention kernels of new plans ("v3", the
+# default; "v2": the kernels before the tensor-core decode, float32 q and
+# out only, kept for a before/after in one process).
+VERSIONS = {"v2": 2, "2": 2, "v3": 3, "3": 3}
+
+
+def default_attention_version(environ=os.environ):
+    """The kernel version KVCORE_CUDA_ATTENTION names (3 when unset)."""
+    text = environ.get("KVCORE_CUDA_ATTENTION", "").strip().lower()
+    if not text:
+        return 3
+    if text not in VERSIONS:
+        raise ValueError(f"KVCORE_CUDA_ATTENTION must be v2 or v3 (or unset), got {text!r}")
+    return VERSIONS[text]
+
+
 class CudaAttention:
     """``attention_plan``, ``attention_run`` and ``paged_attention`` of
     ``CudaBackend`` (see ``kvcore.backends.base.Backend`` for the contract)."""
+
+    # The kernel version of new plans: 3 or 2 (None: KVCORE_CUDA_ATTENTION's).
+    # Set on a backend to compare both in one process; a plan keeps its own.
+    attention_version = None
+
+    def _attention_version(self):
+        v = self.attention_version
+        if v is None:
+            return default_attention_version()
+        if v not in (2, 3):
+            raise ValueError(f"attention_version must be 2 or 3 (or None), got {v!r}")
+        return v
+
+    def attention_io_kinds(self, plan):
+        """``(q_kinds, out_kinds)``: the element kinds ``attention_run``
+        reads ``q`` and writes ``out`` in for ``plan``; version 3 plans take
+        float16 and bfloat16 (bits as uint16) besides float32."""
+        return (_FLOATS, _FLOATS) if plan.version >= 3 else (_F32_ONLY, _F32_ONLY)
 
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
                        num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
@@ -33,7 +72,9 @@ class CudaAttention:
         Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
         are issued on the current stream and an event records their end: a
         run on another stream waits for it (on the device), so the plan may
-        be made on one stream and run on others.
+        be made on one stream and run on others.  Version 3 plans hold the
+        items of the float32 kernels and, where the pages allow, of the
+        tensor-core decode: a run picks by its q's kind.
         """
         ak = attention_kernels
         dim = int(head_dim)
@@ -45,17 +86,32 @@ class CudaAttention:
         plan = CudaAttentionPlan(
             num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
             head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
-            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
+            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap),
+            version=self._attention_version())
         if num_tokens == 0:
             return plan
         rows = prefill = None   # prefill rows go to the tensor-core kernel
+        seqs = None             # the sequences of the other rows
         if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
             prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
-            rows = ~mask if len(prefill) else None
+            if len(prefill):
+                rows = ~mask
+                seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
                                             plan.sliding_window, num_sms=self._sm_count(),
                                             rows=rows)
         self._check_rows(len(items), "paged_attention (work items)")
+        tc = None
+        if (plan.version >= 3 and kind in ak.TC_KINDS and dim in ak.TC_HEAD_DIMS
+                and self._has_mma() and ak.tc_smem(kind, dim) <= self._smem_optin()):
+            tc, tc_nsplit = ak.tc_plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
+                                       plan.sliding_window, num_sms=self._sm_count(), seqs=seqs)
+            if not len(tc) or int((tc[:, 5] - tc[:, 4]).max()) + plan.block_size \
+                    >= ak.TC_MAX_KEYS:
+                tc = None
+            else:
+                self._check_rows(len(tc), "paged_attention (tensor-core items)")
+        partials = 0
         with self._ctx():
             if len(items):
                 plan.items = self._upload(items)
@@ -68,8 +124,15 @@ class CudaAttention:
             plan.qsl = self._upload(qsl_h)
             if len(merge_rows):
                 plan.merge_rows = self._upload(merge_rows)
-                plan.partials = self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)),
-                                              np.float32)
+                partials = len(items) * ak.CHUNK_HEADS * (dim + 2)
+            if tc is not None:
+                plan.tc_items = self._upload(tc)
+                plan.tc_nsplit = self._upload(tc_nsplit)
+                plan.counters = self._upload(np.zeros(len(tc), np.int32))
+                if int(tc_nsplit.max()) > 1:
+                    partials = max(partials, len(tc) * ak.TC_ROWS * (dim + 2))
+            if partials:   # one buffer: a run uses one kernel family's partials
+                plan.partials = self.xp.empty(partials, np.float32)
             plan.ready = self._record_event()
         return plan
 
@@ -78,15 +141,20 @@ class CudaAttention:
         upload, no allocation, no host sync), so a step of runs can be
         captured in a CUDA graph.
 
-        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device
-            arrays (a misaligned one goes through an aligned temporary)
+        q, out : ``(tokens, heads, head_dim)`` device arrays, float32 (and,
+            for version 3 plans, float16 or bfloat16: ml_dtypes.bfloat16 or
+            its uint16 bits), C-contiguous (a misaligned one goes through an
+            aligned temporary)
         key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
             head_dim)`` device views of the pool's storage (bits of the
             plan's kind), rows contiguous
         lowprec : as for ``paged_attention``
 
-        The plan's partials buffer belongs to it: runs of one plan are
-        issued on one stream at a time (as the layers of a step are).
+        A version 3 plan runs the tensor-core decode for q of the mma's
+        type (float16 pages: float16 q; bfloat16: bfloat16; fp8: either)
+        over 16-byte aligned pages, else the float32 kernels.  The plan's
+        partials buffer belongs to it: runs of one plan are issued on one
+        stream at a time (as the layers of a step are).
         """
         if not isinstance(plan, CudaAttentionPlan):
             raise TypeError(f"plan must come from this backend's attention_plan, got "
@@ -99,6 +167,9 @@ class CudaAttention:
             if tuple(a.shape) != want:
                 raise ValueError(f"{arg} must have the planned shape {want}, got "
                                  f"{tuple(a.shape)}")
+        q_kinds, out_kinds = self.attention_io_kinds(plan)
+        qk = _io_kind(q, "q", q_kinds)
+        ok = _io_kind(out, "out", out_kinds)
         scales = self._attention_scales(plan.kind, key_cache, lowprec)
         if plan.num_tokens == 0:
             return
@@ -107,8 +178,11 @@ class CudaAttention:
                 raise ValueError(
                     f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
                     f"{self._ptr(a):#x} and strides {a.strides}")
+        if not q.flags.c_contiguous:
+            raise ValueError("q must be C-contiguous")
         self._deliverable(out)
         ak = attention_kernels
+        file = ak.ATTENTION_FILE.name
         with self._ctx():
             self._wait_event(plan.ready)
             q = self._aligned_input(q)
@@ -117,29 +191,39 @@ class CudaAttention:
             cs = self._estrides(key_cache, (0, 1, 2))
             tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
                                 [c * key_cache.itemsize for c in cs], plan.block_size)
-            split = ak.split_name if tiled else ak.scalar_name
-            if plan.items is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
+            geometry = [plan.tables, plan.lens, plan.qsl]
+            if plan.tc_items is not None and tiled and qk in ak.tc_mma_kinds(plan.kind):
+                self._launch_grid(file, ak.tc_name(plan.kind, plan.head_dim, qk),
+                                  plan.tc_items.shape[0], ak.TC_THREADS,
+                                  [target, plan.partials, plan.counters, q, key_cache,
+                                   value_cache, *geometry, plan.tc_items, plan.tc_nsplit,
+                                   plan.num_heads, plan.num_heads // plan.num_kv_heads,
+                                   plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
+                                   plan.scale, plan.sliding_window, plan.soft_cap, scales[5],
+                                   scales[6], ok],
+                                  smem=ak.tc_smem(plan.kind, plan.head_dim))
+            elif plan.items is not None:
+                split = ak.split_name if tiled else ak.scalar_name
+                self._launch_grid(file, split(plan.kind, plan.head_dim),
                                   plan.items.shape[0], ak.THREADS,
                                   [target, plan.partials, q, key_cache, value_cache,
-                                   plan.tables, plan.lens, plan.qsl, plan.items, plan.nsplit,
+                                   *geometry, plan.items, plan.nsplit,
                                    plan.num_heads, plan.tables.shape[1], plan.block_size,
                                    cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
-                                   plan.soft_cap, *scales])
+                                   plan.soft_cap, *scales, qk, ok])
+                if plan.merge_rows is not None:
+                    self._launch_grid(file, ak.merge_name(plan.head_dim),
+                                      plan.merge_rows.shape[0], ak.MERGE_THREADS,
+                                      [target, plan.partials, plan.merge_rows, plan.nsplit,
+                                       plan.num_heads, ok])
             if plan.prefill is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name,
-                                  ak.prefill_name(plan.kind, plan.head_dim),
+                self._launch_grid(file, ak.prefill_name(plan.kind, plan.head_dim),
                                   plan.prefill.shape[0], ak.THREADS,
-                                  [target, q, key_cache, value_cache, plan.tables, plan.lens,
-                                   plan.qsl, plan.prefill, plan.num_heads,
-                                   plan.num_heads // plan.num_kv_heads, plan.tables.shape[1],
-                                   plan.block_size, cs[0], cs[1], cs[2], plan.scale,
-                                   plan.sliding_window, plan.soft_cap, int(tiled)])
-            if plan.merge_rows is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
-                                  plan.merge_rows.shape[0], ak.MERGE_THREADS,
-                                  [target, plan.partials, plan.merge_rows, plan.nsplit,
-                                   plan.num_heads])
+                                  [target, q, key_cache, value_cache, *geometry, plan.prefill,
+                                   plan.num_heads, plan.num_heads // plan.num_kv_heads,
+                                   plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
+                                   plan.scale, plan.sliding_window, plan.soft_cap, int(tiled),
+                                   qk, ok])
             self._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
@@ -213,15 +297,31 @@ class CudaAttention:
         return [key_scales, value_scales, *strides[0], 1.0, 1.0]
 
 
+def _io_kind(a, arg, kinds):
+    """The element kind of q / out ``a`` (bfloat16 as ml_dtypes' or its
+    uint16 bits), checked against ``kinds``."""
+    dt = a.dtype
+    kind = {np.dtype(np.float32): dtypes.F32, np.dtype(np.float16): dtypes.F16,
+            np.dtype(np.uint16): dtypes.BF16}.get(np.dtype(dt))
+    if kind is None and dtypes.BF16_NUMPY is not None and dt == dtypes.BF16_NUMPY:
+        kind = dtypes.BF16
+    if kind not in kinds:
+        names = ", ".join(dtypes.KIND_NAME[k] for k in sorted(kinds))
+        raise TypeError(f"{arg} must be {names} for this plan, got {dt}")
+    return kind
+
+
 class CudaAttentionPlan:
     """``CudaBackend.attention_plan``'s result: the shape of a step's
-    attention and its device metadata (item table, split counts, block
-    tables, lengths, query starts, merge rows, the partials buffer)."""
+    attention, its kernel version and its device metadata (item tables and
+    split counts of the float32 and tensor-core kernels, block tables,
+    lengths, query starts, merge rows, the partials buffer, the
+    tensor-core merge tickets)."""
 
     __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
                  "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
-                 "prefill")
+                 "prefill", "version", "tc_items", "tc_nsplit", "counters")
 
     def __init__(self, **shape):
         for name in self.__slots__:

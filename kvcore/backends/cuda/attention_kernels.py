@@ -124,40 +124,156 @@ def merge_name(head_dim):
     return f"kva_attention_merge<{head_dim}>"
 
 
+# ------------------------------------------------------------------ v3
+# The tensor-core decode kernel (kv_attn_decode.cuh, kva_decode_tc): float16,
+# bfloat16, e4m3fn and e5m2 pages, head_dim <= 128, q of the mma's input
+# type (tc_mma_kind).  Items of up to TC_ROWS (query, head) pairs of one kv
+# head over a split of their keys; the splits of a unit are merged by the
+# last of them to finish (an atomic ticket per unit in ``counters``).
+TC_KINDS = (dtypes.F16, dtypes.BF16, dtypes.F8E4M3, dtypes.F8E5M2)
+TC_HEAD_DIMS = (64, 80, 96, 128)
+TC_ROWS = 16       # KVT_ROWS: pairs per item (the mma's m)
+TC_WARPS = 4       # KVT_WARPS
+TC_KEYS = 16       # KVT_KEYS: keys per warp tile
+TC_STAGES = 2      # KVT_STAGES
+TC_THREADS = 32 * TC_WARPS
+# Splits sized from the device: about TC_BLOCKS_PER_SM blocks per
+# multiprocessor (~70-110 KB of shared memory and ~170 registers a thread
+# leave room for 2 on sm_90), whole rounds of the 4 warps' tiles.
+TC_BLOCKS_PER_SM = 2
+TC_SPLIT_ALIGN = TC_WARPS * TC_KEYS
+# The item's keys are offsets from its first key's page in 32 bits.
+TC_MAX_KEYS = 2 ** 31
+
+
+def tc_name(kind, head_dim, mma_kind):
+    """The tensor-core decode kernel for pages of ``kind`` and q of ``mma_kind``."""
+    return f"kva_decode_tc<{kind}, {head_dim}, {mma_kind}>"
+
+
+def tc_mma_kinds(kind):
+    """The q kinds the tensor-core decode takes over pages of ``kind``:
+    float16 / bfloat16 pages their own; fp8 pages float16 and bfloat16
+    (every fp8 value is both)."""
+    if kind in (dtypes.F16, dtypes.BF16):
+        return (kind,)
+    if kind in (dtypes.F8E4M3, dtypes.F8E5M2):
+        return (dtypes.F16, dtypes.BF16)
+    return ()
+
+
+def tc_smem(kind, head_dim):
+    """Bytes of dynamic shared memory of ``kva_decode_tc<kind, head_dim, *>``
+    (its KvtCfg::SMEM)."""
+    row = head_dim * dtypes.ITEMSIZE[kind]
+    pipe = TC_WARPS * TC_STAGES * 2 * TC_KEYS * (row + 16)
+    merge = TC_WARPS * TC_ROWS * (head_dim + 2) * 4
+    return max(pipe, merge) + TC_ROWS * (2 * head_dim + 16) + TC_ROWS * 8 + 16
+
+
+def _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, seqs):
+    """The (sequence, first pair, pairs, first key, end key) of every chunk
+    of up to TC_ROWS (query, head) pairs of the sequences in ``seqs``."""
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    nq = np.diff(qsl)
+    G = num_heads // num_kv_heads
+    use = nq > 0 if seqs is None else (nq > 0) & seqs
+    sel = np.flatnonzero(use)
+    pairs = nq[sel] * G
+    nch = -(-pairs // TC_ROWS)
+    seq = np.repeat(sel, nch)
+    first = np.repeat(np.cumsum(nch) - nch, nch)
+    p0 = (np.arange(seq.size, dtype=np.int64) - first) * TC_ROWS
+    npairs = np.minimum(TC_ROWS, np.repeat(pairs, nch) - p0)
+    pos0 = lens[seq] - nq[seq]
+    hi = pos0 + (p0 + npairs - 1) // G + 1
+    lo = np.maximum(pos0 + p0 // G + 1 - sliding_window, 0) if sliding_window > 0 \
+        else np.zeros_like(hi)
+    return seq, p0, npairs, lo, hi
+
+
+def tc_split_keys_for(longest, units, num_sms):
+    """Keys per split of a call of ``units`` (chunk, kv head) units whose
+    longest visible range is ``longest`` keys, on ``num_sms``
+    multiprocessors: units x splits come to about TC_BLOCKS_PER_SM blocks
+    per multiprocessor (a call of that many units is not split), in whole
+    rounds of the block's warp tiles."""
+    pieces = max(1, TC_BLOCKS_PER_SM * int(num_sms) // max(1, units))
+    want = max(TC_SPLIT_ALIGN, -(-int(longest) // pieces))
+    return -(-want // TC_SPLIT_ALIGN) * TC_SPLIT_ALIGN
+
+
+def tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
+            split_keys=None, num_sms=None, seqs=None):
+    """The tensor-core decode kernel's items: int64 ``[n, 8]`` = (sequence,
+    kv head, first pair, pairs, first key, end key, split index, 0) and the
+    int32 ``[n]`` splits of each item's unit; a unit's items are
+    consecutive.  ``seqs``: a bool mask of the sequences planned (None:
+    all).  ``split_keys`` defaults to ``tc_split_keys_for(..., num_sms)``
+    given ``num_sms``, else ``SPLIT_KEYS``."""
+    seq, p0, npairs, lo, hi = _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads,
+                                         sliding_window, seqs)
+    H = num_kv_heads
+    if seq.size == 0:
+        return np.zeros((0, 8), np.int64), np.zeros(0, np.int32)
+    if split_keys is None:
+        split_keys = SPLIT_KEYS if not num_sms else tc_split_keys_for(
+            (hi - lo).max(), seq.size * H, num_sms)
+    ns = np.maximum(1, -(-(hi - lo) // split_keys))                       # per chunk
+    u_chunk = np.repeat(np.arange(seq.size, dtype=np.int64), H)
+    u_g = np.tile(np.arange(H, dtype=np.int64), seq.size)
+    u_ns = ns[u_chunk]
+    unit = np.repeat(np.arange(u_chunk.size, dtype=np.int64), u_ns)
+    start = np.repeat(np.cumsum(u_ns) - u_ns, u_ns)
+    sp = np.arange(unit.size, dtype=np.int64) - start
+    ch = u_chunk[unit]
+    k0 = lo[ch] + sp * split_keys
+    items = np.stack([seq[ch], u_g[unit], p0[ch], npairs[ch], k0,
+                      np.minimum(hi[ch], k0 + split_keys), sp, np.zeros_like(sp)], axis=1)
+    return np.ascontiguousarray(items), u_ns[unit].astype(np.int32)
+
+
 def attention_names():
     """Name expressions of every kernel instantiation (as NVRTC spells them)."""
-    names = [split_name(kind, d) for kind in KINDS for d in HEAD_DIMS]
-    names += [scalar_name(kind, d) for kind in KINDS for d in HEAD_DIMS]
-    names += [prefill_name(kind, d) for kind in PREFILL_KINDS for d in PREFILL_HEAD_DIMS]
-    names += [merge_name(d) for d in HEAD_DIMS]
-    return names
+    return [n for _key, names in modules() for n in names]
 
 
 MERGE_MODULE = "merge"
+# Module families of one page kind: the float32 (CUDA-core) kernels, the
+# tensor-core decode, the prefill kernels.  A call compiles only what it runs.
+CORE, TC, PREFILL = "core", "tc", "prefill"
 
 
 def module_key(name):
-    """The module that holds kernel ``name``: its page kind for a split
-    kernel (one module per kind, so a call compiles only its kind's
-    kernels), ``MERGE_MODULE`` for a merge kernel."""
+    """The module that holds kernel ``name``: ``(family, page kind)``, or
+    ``MERGE_MODULE`` for a merge kernel."""
     if name.startswith("kva_attention_merge<"):
         return MERGE_MODULE
-    return int(name.split("<", 1)[1].split(",")[0])
+    kind = int(name.split("<", 1)[1].split(",")[0])
+    family = TC if name.startswith("kva_decode_tc<") else \
+        PREFILL if name.startswith("kva_attention_prefill<") else CORE
+    return (family, kind)
 
 
 def module_names(key):
     """Name expressions of module ``key`` (see :func:`module_key`)."""
     if key == MERGE_MODULE:
         return [merge_name(d) for d in HEAD_DIMS]
-    names = [split_name(key, d) for d in HEAD_DIMS] + [scalar_name(key, d) for d in HEAD_DIMS]
-    if key in PREFILL_KINDS:
-        names += [prefill_name(key, d) for d in PREFILL_HEAD_DIMS]
-    return names
+    family, kind = key
+    if family == CORE:
+        return [split_name(kind, d) for d in HEAD_DIMS] + \
+            [scalar_name(kind, d) for d in HEAD_DIMS]
+    if family == TC:
+        return [tc_name(kind, d, mt) for mt in tc_mma_kinds(kind) for d in TC_HEAD_DIMS]
+    return [prefill_name(kind, d) for d in PREFILL_HEAD_DIMS]
 
 
 def modules():
     """Every attention module: ``[(key, names)]``."""
-    return [(k, module_names(k)) for k in (*KINDS, MERGE_MODULE)]
+    keys = [(CORE, k) for k in KINDS] + [(TC, k) for k in TC_KINDS]
+    keys += [(PREFILL, k) for k in PREFILL_KINDS]
+    return [(k, module_names(k)) for k in (*keys, MERGE_MODULE)]
 
 
 def source():

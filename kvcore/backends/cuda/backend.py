@@ -80,6 +80,8 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
         self._sms = self._tensor_cores = None    # asked of the device on first use
+        self._smem_max = None
+        self._smem_set = {}   # kernel name -> the dynamic shared memory it was allowed
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -241,19 +243,33 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                   for a in args]  # None: a null pointer
         fn(grid, block, tuple(kargs))
 
-    def _launch_grid(self, file, name, grid, block, args):
+    def _launch_grid(self, file, name, grid, block, args, smem=0):
         """Run kernel ``name`` of ``file``'s module on ``grid`` blocks of
-        ``block`` threads on the current stream.  ``args``: device arrays
-        (pointers), None (a null pointer), Python floats (passed as float)
-        and ints (passed as long long)."""
+        ``block`` threads with ``smem`` bytes of dynamic shared memory on the
+        current stream.  ``args``: device arrays (pointers), None (a null
+        pointer), Python floats (passed as float) and ints (passed as long
+        long)."""
         if grid <= 0:
             return
         fn = self._function(file, None, None, name)
+        if smem > self._DEFAULT_SMEM and self._smem_set.get(name, 0) < smem:
+            fn.max_dynamic_shared_size_bytes = int(smem)   # once per kernel (a host call)
+            self._smem_set[name] = smem
         cp = self._cp
         kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
                       else np.float32(a) if isinstance(a, (float, np.floating))
                       else np.int64(a) for a in args)
-        fn((int(grid), 1, 1), (int(block), 1, 1), kargs)
+        fn((int(grid), 1, 1), (int(block), 1, 1), kargs, shared_mem=int(smem))
+
+    # dynamic shared memory a kernel gets without asking (above it:
+    # cudaFuncAttributeMaxDynamicSharedMemorySize)
+    _DEFAULT_SMEM = 48 * 1024
+
+    def _smem_optin(self):
+        """The most dynamic shared memory a block may ask for on the device."""
+        if self._smem_max is None:
+            self._smem_max = int(self._device.attributes["MaxSharedMemoryPerBlockOptin"])
+        return self._smem_max
 
     # -------------------------------------------------------------- arrays
     def asarray(self, x, arg):
