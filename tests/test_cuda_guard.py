@@ -399,3 +399,54 @@ def test_uploads_are_staged_through_pinned_memory_kept_until_the_copy_is_done():
     stream.events[0].done = True
     be._upload(np.zeros(2, np.int32))
     assert [b for _, b in be._staged] == [pinned[1]]
+
+
+def test_packed_launch_writes_the_kernel_parameter_block():
+    """An attention PackedLaunch (kvcore/backends/cuda/attention.py): its
+    parameter block is one 8-byte slot per argument (pointers, long longs,
+    floats in the low 4 bytes), the fixed ones written once, the holes per
+    call, and the launch is one cuLaunchKernel with the block's address
+    table, on the current stream, with the kernel's dynamic shared memory
+    allowed once."""
+    import ctypes
+
+    import numpy as np
+
+    from kvcore.backends.cuda import attention_kernels as ak
+    from kvcore.backends.cuda.attention import Hole, PackedLaunch
+    from kvcore.backends.cuda.backend import CudaBackend
+
+    class Arr:
+        def __init__(self, ptr):
+            self.data = types.SimpleNamespace(ptr=ptr)
+
+    calls, attrs = [], []
+
+    class Fn:
+        kernel = types.SimpleNamespace(ptr=0xF00D)
+
+        def __setattr__(self, name, value):
+            attrs.append((name, value))
+
+    cupy = _fake_cupy(1)
+    cupy.ndarray = Arr
+    cupy.cuda.driver = types.SimpleNamespace(launchKernel=lambda *a: calls.append(a))
+    be = CudaBackend(cupy, 0)
+    be._function = lambda file, sk, dk, name: Fn()
+    be._stream_ptr = lambda: 0x5EED
+    fixed = Arr(0x1000)
+    launch = PackedLaunch(be, ak.ATTENTION_FILE.name, "kernel", 7, 128,
+                          [Hole("out", "p"), fixed, None, -3, 0.5, Hole("n", "i"),
+                           Hole("x", "f")], smem=60000)
+    for out, n, x in ((0x2000, 9, 2.5), (0x3000, -1, -0.25)):
+        launch({"out": Arr(out), "n": n, "x": x})
+        (fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra) = calls[-1]
+        assert (fn, gx, gy, gz, bx, by, bz, smem, stream, extra) == \
+            (0xF00D, 7, 1, 1, 128, 1, 1, 60000, 0x5EED, 0)
+        table = (ctypes.c_uint64 * 7).from_address(params)
+        slot = [ctypes.c_uint64.from_address(a).value for a in table]
+        assert slot[:4] == [out, 0x1000, 0, (-3) % 2 ** 64]
+        assert np.uint32(slot[4] & 0xFFFFFFFF).view(np.float32) == np.float32(0.5)
+        assert slot[5] == n % 2 ** 64
+        assert np.uint32(slot[6] & 0xFFFFFFFF).view(np.float32) == np.float32(x)
+    assert attrs == [("max_dynamic_shared_size_bytes", 60000)]   # once

@@ -364,6 +364,14 @@ class EmulatedBackend(CudaBackend):
     def _smem_optin(self):
         return 227 * 1024   # an sm_90's
 
+    def _run_packed(self, launch, values):
+        """An attention PackedLaunch: its arguments with the holes filled,
+        run as _launch_grid runs any launch."""
+        args = list(launch.args)
+        for i, hole in launch.holes:
+            args[i] = values[hole.name]
+        self._launch_grid(launch.file, launch.name, launch.grid, launch.block, args, launch.smem)
+
 
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):

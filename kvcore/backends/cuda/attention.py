@@ -134,7 +134,55 @@ class CudaAttention:
             if partials:   # one buffer: a run uses one kernel family's partials
                 plan.partials = self.xp.empty(partials, np.float32)
             plan.ready = self._record_event()
+        plan.launches = self._attention_launches(plan)
         return plan
+
+    def _attention_launches(self, plan):
+        """The plan's launches, packed: ``{path: [PackedLaunch]}``, path
+        ``("tc", q kind)``, ``("core", tiled)`` or ``"prefill"``; a run
+        fills the holes (q, out, the layer's planes, scales and strides)."""
+        ak = attention_kernels
+        file = ak.ATTENTION_FILE.name
+        H = Hole
+        out, q, k, v = H("out", "p"), H("q", "p"), H("k", "p"), H("v", "p")
+        strides = [H("cb", "i"), H("ch", "i"), H("ct", "i")]
+        qk, ok = H("qk", "i"), H("ok", "i")
+        ks, vs = H("ks", "f"), H("vs", "f")
+        geometry = [plan.tables, plan.lens, plan.qsl]
+        G = plan.num_heads // plan.num_kv_heads
+        dim, kind = plan.head_dim, plan.kind
+        shape = [plan.tables.shape[1] if plan.tables is not None else 0, plan.block_size]
+        feats = [plan.scale, plan.sliding_window, plan.soft_cap]
+        launches = {}
+        if plan.tc_items is not None:
+            for mt in ak.tc_mma_kinds(kind):
+                launches[("tc", mt)] = [PackedLaunch(
+                    self, file, ak.tc_name(kind, dim, mt), plan.tc_items.shape[0],
+                    ak.TC_THREADS,
+                    [out, plan.partials, plan.counters, q, k, v, *geometry, plan.tc_items,
+                     plan.tc_nsplit, plan.num_heads, G, *shape, *strides, *feats, ks, vs, ok],
+                    smem=ak.tc_smem(kind, dim))]
+        if plan.items is not None:
+            for tiled in (True, False):
+                split = ak.split_name if tiled else ak.scalar_name
+                run = [PackedLaunch(
+                    self, file, split(kind, dim), plan.items.shape[0], ak.THREADS,
+                    [out, plan.partials, q, k, v, *geometry, plan.items, plan.nsplit,
+                     plan.num_heads, *shape, *strides, *feats, H("key_scales", "p"),
+                     H("value_scales", "p"), H("sb", "i"), H("sh", "i"), H("st", "i"), ks, vs,
+                     qk, ok])]
+                if plan.merge_rows is not None:
+                    run.append(PackedLaunch(
+                        self, file, ak.merge_name(dim), plan.merge_rows.shape[0],
+                        ak.MERGE_THREADS,
+                        [out, plan.partials, plan.merge_rows, plan.nsplit, plan.num_heads, ok]))
+                launches[("core", tiled)] = run
+        if plan.prefill is not None:
+            launches["prefill"] = [PackedLaunch(
+                self, file, ak.prefill_name(kind, dim), plan.prefill.shape[0], ak.THREADS,
+                [out, q, k, v, *geometry, plan.prefill, plan.num_heads, G, *shape, *strides,
+                 *feats, H("tiled", "i"), qk, ok])]
+        return launches
 
     def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
         """Run a ``CudaAttentionPlan`` on one layer: launches only (no
@@ -182,48 +230,28 @@ class CudaAttention:
             raise ValueError("q must be C-contiguous")
         self._deliverable(out)
         ak = attention_kernels
-        file = ak.ATTENTION_FILE.name
         with self._ctx():
-            self._wait_event(plan.ready)
+            if plan.ready is not None:
+                if self._event_done(plan.ready):
+                    plan.ready = None        # (one query per plan, not per run)
+                else:
+                    self._wait_event(plan.ready)
             q = self._aligned_input(q)
             target = out if out.flags.c_contiguous and not self._misaligned(out) \
                 else self.xp.empty(out.shape, out.dtype)
             cs = self._estrides(key_cache, (0, 1, 2))
             tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
                                 [c * key_cache.itemsize for c in cs], plan.block_size)
-            geometry = [plan.tables, plan.lens, plan.qsl]
-            if plan.tc_items is not None and tiled and qk in ak.tc_mma_kinds(plan.kind):
-                self._launch_grid(file, ak.tc_name(plan.kind, plan.head_dim, qk),
-                                  plan.tc_items.shape[0], ak.TC_THREADS,
-                                  [target, plan.partials, plan.counters, q, key_cache,
-                                   value_cache, *geometry, plan.tc_items, plan.tc_nsplit,
-                                   plan.num_heads, plan.num_heads // plan.num_kv_heads,
-                                   plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
-                                   plan.scale, plan.sliding_window, plan.soft_cap, scales[5],
-                                   scales[6], ok],
-                                  smem=ak.tc_smem(plan.kind, plan.head_dim))
-            elif plan.items is not None:
-                split = ak.split_name if tiled else ak.scalar_name
-                self._launch_grid(file, split(plan.kind, plan.head_dim),
-                                  plan.items.shape[0], ak.THREADS,
-                                  [target, plan.partials, q, key_cache, value_cache,
-                                   *geometry, plan.items, plan.nsplit,
-                                   plan.num_heads, plan.tables.shape[1], plan.block_size,
-                                   cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
-                                   plan.soft_cap, *scales, qk, ok])
-                if plan.merge_rows is not None:
-                    self._launch_grid(file, ak.merge_name(plan.head_dim),
-                                      plan.merge_rows.shape[0], ak.MERGE_THREADS,
-                                      [target, plan.partials, plan.merge_rows, plan.nsplit,
-                                       plan.num_heads, ok])
-            if plan.prefill is not None:
-                self._launch_grid(file, ak.prefill_name(plan.kind, plan.head_dim),
-                                  plan.prefill.shape[0], ak.THREADS,
-                                  [target, q, key_cache, value_cache, *geometry, plan.prefill,
-                                   plan.num_heads, plan.num_heads // plan.num_kv_heads,
-                                   plan.tables.shape[1], plan.block_size, cs[0], cs[1], cs[2],
-                                   plan.scale, plan.sliding_window, plan.soft_cap, int(tiled),
-                                   qk, ok])
+            values = {"out": target, "q": q, "k": key_cache, "v": value_cache, "cb": cs[0],
+                      "ch": cs[1], "ct": cs[2], "key_scales": scales[0],
+                      "value_scales": scales[1], "sb": scales[2], "sh": scales[3],
+                      "st": scales[4], "ks": scales[5], "vs": scales[6], "qk": qk, "ok": ok,
+                      "tiled": int(tiled)}
+            runs = plan.launches.get(("tc", qk)) if tiled else None
+            for launch in runs or plan.launches.get(("core", tiled), ()):
+                launch(values)
+            for launch in plan.launches.get("prefill", ()):
+                launch(values)
             self._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
@@ -297,6 +325,38 @@ class CudaAttention:
         return [key_scales, value_scales, *strides[0], 1.0, 1.0]
 
 
+class Hole:
+    """An argument of a ``PackedLaunch`` written per call: ``name`` (the key
+    of the call's values) and its type: ``"p"`` a device array (a pointer;
+    None: null), ``"i"`` an int (long long), ``"f"`` a float."""
+
+    __slots__ = ("name", "type")
+
+    def __init__(self, name, type):
+        self.name, self.type = name, type
+
+
+class PackedLaunch:
+    """One kernel launch of a plan, its arguments packed at plan time (one
+    8-byte slot each: the kernel's parameter block), the ``Hole`` ones
+    written per call.  ``launch(values)`` (a dict of the holes' values)
+    issues it through the backend's ``_run_packed``: on a GPU a single
+    driver call, no argument marshalling."""
+
+    __slots__ = ("backend", "file", "name", "grid", "block", "smem", "args", "holes",
+                 "native")
+
+    def __init__(self, backend, file, name, grid, block, args, smem=0):
+        self.backend, self.file, self.name = backend, file, name
+        self.grid, self.block, self.smem = int(grid), int(block), int(smem)
+        self.args = list(args)
+        self.holes = [(i, a) for i, a in enumerate(self.args) if isinstance(a, Hole)]
+        self.native = None   # the backend's packed form, made at the first launch
+
+    def __call__(self, values):
+        self.backend._run_packed(self, values)
+
+
 def _io_kind(a, arg, kinds):
     """The element kind of q / out ``a`` (bfloat16 as ml_dtypes' or its
     uint16 bits), checked against ``kinds``."""
@@ -321,7 +381,7 @@ class CudaAttentionPlan:
     __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
                  "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
-                 "prefill", "version", "tc_items", "tc_nsplit", "counters")
+                 "prefill", "version", "tc_items", "tc_nsplit", "counters", "launches")
 
     def __init__(self, **shape):
         for name in self.__slots__:

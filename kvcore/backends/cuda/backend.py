@@ -30,7 +30,7 @@ import numpy as np
 from ... import dtypes
 from ..base import Backend
 from . import CudaUnavailableError, _sources, attention_kernels
-from .attention import CudaAttention, CudaAttentionPlan  # noqa: F401 (re-exported)
+from .attention import CudaAttention, CudaAttentionPlan, Hole  # noqa: F401 (re-exported)
 from .copies import CudaBlockCopies
 
 # DLPack device types (dlpack.h).
@@ -137,6 +137,10 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     def _record_event(self):
         """An event recorded on the current stream (what was issued so far)."""
         return self._cp.cuda.get_current_stream().record()
+
+    def _event_done(self, event):
+        """Whether ``event`` has completed (a query: no wait)."""
+        return event is None or event.done
 
     def _wait_event(self, event):
         """Order the current stream's next work after ``event``: nothing to
@@ -260,6 +264,52 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                       else np.float32(a) if isinstance(a, (float, np.floating))
                       else np.int64(a) for a in args)
         fn((int(grid), 1, 1), (int(block), 1, 1), kargs, shared_mem=int(smem))
+
+    def _run_packed(self, launch, values):
+        """Issue ``launch`` (an attention ``PackedLaunch``) on the current
+        stream with its holes set from ``values``: the parameter block is
+        built at its first launch (the kernel compiled then), later ones
+        write the holes' slots and make one cuLaunchKernel call."""
+        if launch.grid <= 0:
+            return
+        native = launch.native
+        if native is None:
+            native = launch.native = self._pack(launch)
+        slots, as_i64, as_f32, fn_ptr, params, _ = native
+        for i, hole in launch.holes:
+            v = values[hole.name]
+            if hole.type == "p":
+                slots[i] = 0 if v is None else v.data.ptr
+            elif hole.type == "i":
+                as_i64[i] = v
+            else:
+                as_f32[2 * i] = v
+        self._cp.cuda.driver.launchKernel(fn_ptr, launch.grid, 1, 1, launch.block, 1, 1,
+                                          launch.smem, self._stream_ptr(), params, 0)
+
+    def _pack(self, launch):
+        """``launch``'s parameter block: one 8-byte slot per argument (a
+        float in the low 4 bytes), the fixed ones written now; and the
+        kernel (compiled on first use; its dynamic shared memory allowed)."""
+        fn = self._function(launch.file, None, None, launch.name)
+        if launch.smem > self._DEFAULT_SMEM and self._smem_set.get(launch.name, 0) < launch.smem:
+            fn.max_dynamic_shared_size_bytes = launch.smem
+            self._smem_set[launch.name] = launch.smem
+        n = len(launch.args)
+        slots = np.zeros(max(1, n), np.uint64)
+        as_i64, as_f32 = slots.view(np.int64), slots.view(np.float32)
+        for i, a in enumerate(launch.args):
+            if a is None or isinstance(a, Hole):
+                continue
+            if isinstance(a, self._cp.ndarray):
+                slots[i] = a.data.ptr
+            elif isinstance(a, (float, np.floating)):
+                as_f32[2 * i] = a
+            else:
+                as_i64[i] = int(a)
+        params = np.array([slots.ctypes.data + 8 * i for i in range(max(1, n))], np.uint64)
+        # the arrays stay alive with the tuple (kept on the launch)
+        return slots, as_i64, as_f32, fn.kernel.ptr, params.ctypes.data, params
 
     # dynamic shared memory a kernel gets without asking (above it:
     # cudaFuncAttributeMaxDynamicSharedMemorySize)
