@@ -18,3 +18,5 @@ _.eos_token_id
 # set on a tokenizers.Tokenizer (kvcore/cli/llama.py): read by the library
 _.pre_tokenizer
 _.decoder
+# set on a CuPy RawKernel (cuFuncSetAttribute: kvcore/backends/cuda/backend.py)
+_.max_dynamic_shared_size_bytes

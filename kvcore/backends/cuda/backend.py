@@ -256,9 +256,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         if grid <= 0:
             return
         fn = self._function(file, None, None, name)
-        if smem > self._DEFAULT_SMEM and self._smem_set.get(name, 0) < smem:
-            fn.max_dynamic_shared_size_bytes = int(smem)   # once per kernel (a host call)
-            self._smem_set[name] = smem
+        self._allow_smem(fn, name, smem)
         cp = self._cp
         kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
                       else np.float32(a) if isinstance(a, (float, np.floating))
@@ -292,9 +290,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         float in the low 4 bytes), the fixed ones written now; and the
         kernel (compiled on first use; its dynamic shared memory allowed)."""
         fn = self._function(launch.file, None, None, launch.name)
-        if launch.smem > self._DEFAULT_SMEM and self._smem_set.get(launch.name, 0) < launch.smem:
-            fn.max_dynamic_shared_size_bytes = launch.smem
-            self._smem_set[launch.name] = launch.smem
+        self._allow_smem(fn, launch.name, launch.smem)
         n = len(launch.args)
         slots = np.zeros(max(1, n), np.uint64)
         as_i64, as_f32 = slots.view(np.int64), slots.view(np.float32)
@@ -310,6 +306,13 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         params = np.array([slots.ctypes.data + 8 * i for i in range(max(1, n))], np.uint64)
         # the arrays stay alive with the tuple (kept on the launch)
         return slots, as_i64, as_f32, fn.kernel.ptr, params.ctypes.data, params
+
+    def _allow_smem(self, fn, name, smem):
+        """Let kernel ``fn`` take ``smem`` bytes of dynamic shared memory
+        (above 48 KB a kernel must ask: once per kernel, a host call)."""
+        if smem > self._DEFAULT_SMEM and self._smem_set.get(name, 0) < smem:
+            fn.max_dynamic_shared_size_bytes = int(smem)
+            self._smem_set[name] = smem
 
     # dynamic shared memory a kernel gets without asking (above it:
     # cudaFuncAttributeMaxDynamicSharedMemorySize)
