@@ -478,3 +478,103 @@ def test_tensor_core_decode_nan_codes(tc_dev, qk):
     want[12:20, 2:, 3] = True
     nan = np.isnan(got)
     assert (nan >= want).all() and not nan[:, :2].any() and not np.delete(nan, 3, 2).any()
+
+
+# ------------------------------------------------ the fast lane (bind)
+def _layer_reference(storage, layer, q, tables, lens, qsl, scale, kind, scales=None):
+    from kvcore.backends.reference import paged_attention_reference
+
+    kw = dict(kind=dtypes.KIND_NAME[kind])
+    if scales is not None:
+        kw.update(key_scales=scales[0], value_scales=scales[1])
+    return paged_attention_reference(q, storage[2 * layer], storage[2 * layer + 1], tables,
+                                     lens, qsl, scale=scale, **kw)
+
+
+@pytest.mark.parametrize("kind", (F16, F8E4M3, I8, F32), ids=["f16", "e4m3", "i8", "f32"])
+def test_fast_lane_runs_each_layer_as_the_general_path(tc_dev, kind):
+    """``CudaAttentionPlan.bind`` (AttentionPlan.run's fast lane): each
+    layer's planes found from layer 0's and the layer stride, fp8 layer
+    scales and int8 scale planes per layer, q / out float16 or float32 as
+    they are (the tensor-core decode for float16 q over f16 / fp8 pages),
+    out=None a new float32 array; anything it does not take is
+    NotImplemented (the general path decides)."""
+    be = tc_dev.be
+    rng = np.random.default_rng([11, kind])
+    L, nb, H, KVH, bs, D = 3, 20, 8, 2, 16, 64
+    vals = rng.standard_normal((2 * L, nb, KVH, bs, D)).astype(np.float32)
+    scales = layer_scales = None
+    if kind == F16:
+        storage = vals.astype(np.float16)
+    elif kind == F32:
+        storage = vals
+    elif kind == F8E4M3:
+        from kvcore.backends.base import fp8_encode
+        layer_scales = np.array([(0.5 + l, 2.0 - 0.25 * l) for l in range(L)], np.float32)
+        storage = np.stack([fp8_encode(vals[i], kind, float(layer_scales[i // 2][i % 2]))
+                            for i in range(2 * L)])
+    else:
+        from kvcore.backends.base import int8_encode
+        storage, sc = int8_encode(vals)
+        scales = _put(np.ascontiguousarray(sc))          # (2L, nb, KVH, bs)
+    d_storage = _put(storage)
+    tables = rng.permutation(nb)[:12].astype(np.int32).reshape(2, 6)
+    lens, qsl = np.array([90, 17]), np.array([0, 1, 3])
+    plan = be.attention_plan(tables, lens, qsl, num_heads=H, num_kv_heads=KVH, head_dim=D,
+                             block_size=bs, num_blocks=nb, kind=kind, scale=0.125,
+                             sliding_window=0, soft_cap=0.0)
+    extra = {}
+    if scales is not None:
+        extra = dict(key_scales0=scales[0], value_scales0=scales[1],
+                     key_scales_last=scales[2 * L - 2], value_scales_last=scales[2 * L - 1])
+    fast = plan.bind(d_storage[0], d_storage[1], d_storage[2 * L - 2], d_storage[2 * L - 1], L,
+                     layer_scales=layer_scales, **extra)
+    assert fast is not None
+    for layer in range(L):
+        for q_dtype in ("float16", "float32"):
+            q32 = rng.standard_normal((3, H, D)).astype(np.float32)
+            q = _put(q32.astype(q_dtype))
+            be.launches.clear()
+            if layer == 1:
+                out = fast(q, layer)
+                assert out.dtype == np.float32
+            else:
+                out = _put(np.full((3, H, D), np.nan, q_dtype))
+                assert fast(q, layer, out) is out
+            if kind == F8E4M3:
+                ref_sc = tuple(float(s) for s in layer_scales[layer])
+            elif kind == I8:
+                ref_sc = (np.asarray(scales[2 * layer]), np.asarray(scales[2 * layer + 1]))
+            else:
+                ref_sc = None
+            want = _layer_reference(storage, layer, q.astype(np.float32), tables, lens, qsl,
+                                    0.125, kind, ref_sc)
+            got = np.asarray(out).astype(np.float32)
+            ulp = 2.0 ** (np.floor(np.log2(np.abs(want) + 1e-30)) - 10) if q_dtype == "float16" \
+                else 0
+            assert (np.abs(got - want) - ulp).max() <= 1e-5 * np.abs(want).max()
+            tc = kind in ak.TC_KINDS and q_dtype == "float16"
+            assert [n for n, _, _ in be.launches][0].startswith(
+                "kva_decode_tc<" if tc else "kva_attention_split<")
+    q = _put(np.zeros((3, H, D), np.float16))
+    for args in ((q, L), (q, -1), (q, 1.0), (_put(np.zeros((3, H, D + 1), np.float16)), 0),
+                 (np.zeros((3, H, D), np.float16), 0), (q[:, ::-1], 0)):
+        assert fast(*args) is NotImplemented
+    over_pool = d_storage.reshape(-1).view(np.uint8)[-3 * H * D * 2:].view(np.float16)
+    assert fast(q, 0, over_pool.reshape(3, H, D)) is NotImplemented   # out over the planes
+    assert fast(q, 0, q) is NotImplemented                            # out over q
+    with plan.lock:   # a run in progress: the general path raises
+        assert fast(q, 0) is NotImplemented
+
+
+def test_fast_lane_is_not_bound_where_it_cannot_be(tc_dev):
+    be = tc_dev.be
+    st = _put(np.zeros((4, 10, 2, 16, 64), np.float16))
+    plan = be.attention_plan(np.zeros((1, 2), np.int32), np.array([20]), np.array([0, 1]),
+                             num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                             num_blocks=10, kind=F16, scale=0.1, sliding_window=0, soft_cap=0.0)
+    assert plan.bind(st[0], st[1], st[2], st[3], 2) is not None
+    # 4 layers whose last K plane lies 1 plane (not a multiple of 3 layer strides) away
+    assert plan.bind(st[0], st[1], st[1], st[2], 4) is None
+    assert plan.bind(st[0], st[1], st[2], st[3], 2, head_scales=np.ones((2, 2, 2))) is None
+    assert plan.bind(np.zeros((10, 2, 16, 64), np.float16), st[1], st[2], st[3], 2) is None

@@ -269,6 +269,9 @@ def _kernel_params(name, sig, args, any_width=False):
             v = ctypes.c_float(a)
         elif a is None:  # a null pointer
             v = ctypes.c_void_p(None)
+        elif type(a) is int:  # an address (attention's fast lane), aligned as the GPU needs
+            assert a % max(1, code) == 0, (name, k, a)
+            v = ctypes.c_void_p(a)
         elif code == -2:  # void *: q / out of a run-time kind, aligned to their itemsize
             assert isinstance(a, DevArray), (name, k, type(a))
             assert a.ctypes.data % a.itemsize == 0, (name, k)

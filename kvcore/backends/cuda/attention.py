@@ -8,6 +8,7 @@ host emulation of the tests, which overrides those hooks, runs it as it
 runs the data ops.
 """
 import os
+import threading
 
 import numpy as np
 
@@ -87,7 +88,7 @@ class CudaAttention:
             num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
             head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
             scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap),
-            version=self._attention_version())
+            version=self._attention_version(), backend=self)
         if num_tokens == 0:
             return plan
         rows = prefill = None   # prefill rows go to the tensor-core kernel
@@ -247,11 +248,13 @@ class CudaAttention:
                       "value_scales": scales[1], "sb": scales[2], "sh": scales[3],
                       "st": scales[4], "ks": scales[5], "vs": scales[6], "qk": qk, "ok": ok,
                       "tiled": int(tiled)}
-            runs = plan.launches.get(("tc", qk)) if tiled else None
-            for launch in runs or plan.launches.get(("core", tiled), ()):
-                launch(values)
-            for launch in plan.launches.get("prefill", ()):
-                launch(values)
+            if not plan.lock.acquire(blocking=False):
+                raise RuntimeError("this attention plan is already running (one run at a "
+                                   "time per plan)")
+            try:
+                _issue(plan, values, tiled)
+            finally:
+                plan.lock.release()
             self._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
@@ -357,6 +360,136 @@ class PackedLaunch:
         self.backend._run_packed(self, values)
 
 
+def _issue(plan, values, tiled):
+    """The launches of one run: the tensor-core decode for q of its type
+    over 16-byte aligned pages, else the float32 kernels; the prefill."""
+    runs = plan.launches.get(("tc", values["qk"])) if tiled else None
+    for launch in runs or plan.launches.get(("core", tiled), ()):
+        launch(values)
+    for launch in plan.launches.get("prefill", ()):
+        launch(values)
+
+
+class _FastRun:
+    """``CudaAttentionPlan.bind``'s result: ``AttentionPlan.run``'s fast lane
+    for device q / out it can take as they are (CuPy arrays, torch CUDA
+    tensors: C-contiguous, aligned, on the plan's device, of a kind the
+    plan reads / writes, an ``out`` apart from q and from the pool's
+    memory); NotImplemented for anything else (the general path decides
+    and names the error).  The layers' planes are found from layer 0's and
+    the layer stride, once, at bind time."""
+
+    def __init__(self, plan, key0, value0, key_last, value_last, num_layers, layer_scales,
+                 scale_planes):
+        be = plan.backend
+        self.plan, self.be, self.num_layers = plan, be, num_layers
+        steps = max(1, num_layers - 1)
+        self.kv0 = (be._ptr(key0), be._ptr(value0))
+        self.kv_step = tuple((be._ptr(last) - base) // steps
+                             for last, base in zip((key_last, value_last), self.kv0))
+        self.shape = (plan.num_tokens, plan.num_heads, plan.head_dim)
+        self.q_kinds, self.out_kinds = be.attention_io_kinds(plan)
+        # what an out must not overlap: every layer's K planes, V planes (and scales)
+        self.owned = [(lo, hi) for first, last in ((key0, key_last), (value0, value_last))
+                      for lo, hi in [(be._extent(first)[0], be._extent(last)[1])]]
+        cs = be._estrides(key0, (0, 1, 2))
+        self.tiled = attention_kernels.tiled_ok(self.kv0, [c * key0.itemsize for c in cs],
+                                                plan.block_size) \
+            and all(s % 16 == 0 for s in self.kv_step)
+        self.scale_planes = None
+        base = {"cb": cs[0], "ch": cs[1], "ct": cs[2], "key_scales": None,
+                "value_scales": None, "sb": 0, "sh": 0, "st": 0, "ks": 1.0, "vs": 1.0,
+                "tiled": int(self.tiled)}
+        if scale_planes is not None:   # int8: each layer's scale planes, by their stride
+            ks0, vs0, ks_last, vs_last = scale_planes
+            sc = be._attention_scales(plan.kind, key0, (ks0, vs0, 1.0, 1.0))
+            base.update(sb=sc[2], sh=sc[3], st=sc[4])
+            first = (be._ptr(ks0), be._ptr(vs0))
+            self.scale_planes = (first, tuple((be._ptr(last) - f) // steps
+                                              for last, f in zip((ks_last, vs_last), first)))
+            self.owned += [(be._extent(a)[0], be._extent(b)[1])
+                           for a, b in ((ks0, ks_last), (vs0, vs_last))]
+        self.layer_scales = None if layer_scales is None else \
+            [(float(k), float(v)) for k, v in layer_scales]
+        self.base = base
+        self._torch_kinds = None
+
+    def _operand(self, x):
+        """``(address, kind, nbytes)`` of q / out ``x`` as the kernels take
+        it, or None."""
+        be = self.be
+        if type(x) is be.xp.ndarray:
+            kind = _FAST_CUPY_KINDS.get(x.dtype.char)
+            if kind is None or x.shape != self.shape or not x.flags.c_contiguous \
+                    or be._device_id_of(x) != be.device_id:
+                return None
+            ptr = be._ptr(x)
+            return (ptr, kind, x.nbytes) if ptr % x.itemsize == 0 else None
+        if type(x).__module__.split(".")[0] != "torch":
+            return None
+        kinds = self._torch_kinds
+        if kinds is None:
+            import torch
+            kinds = self._torch_kinds = {torch.float32: (dtypes.F32, 4),
+                                         torch.float16: (dtypes.F16, 2),
+                                         torch.bfloat16: (dtypes.BF16, 2)}
+        kind = kinds.get(x.dtype)
+        if kind is None or not x.is_cuda or x.device.index != be.device_id \
+                or tuple(x.shape) != self.shape or not x.is_contiguous() or x.is_neg() \
+                or x.is_conj():
+            return None
+        ptr = x.data_ptr()
+        return (ptr, kind[0], x.numel() * kind[1]) if ptr % kind[1] == 0 else None
+
+    def __call__(self, q, layer, out=None):
+        plan, be = self.plan, self.be
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            return NotImplemented
+        qo = self._operand(q)
+        if qo is None or qo[1] not in self.q_kinds:
+            return NotImplemented
+        if out is None:
+            with be._ctx():
+                result = be.xp.empty(self.shape, np.float32)
+            oo = (be._ptr(result), dtypes.F32, result.nbytes)
+        else:
+            oo = self._operand(out)
+            if oo is None or oo[1] not in self.out_kinds \
+                    or getattr(out, "requires_grad", False):
+                return NotImplemented
+            lo, hi = oo[0], oo[0] + oo[2]
+            if lo < qo[0] + qo[2] and qo[0] < hi or any(lo < b and a < hi
+                                                        for a, b in self.owned):
+                return NotImplemented
+            result = out
+        values = dict(self.base)
+        values.update(out=oo[0], q=qo[0], qk=qo[1], ok=oo[1],
+                      k=self.kv0[0] + layer * self.kv_step[0],
+                      v=self.kv0[1] + layer * self.kv_step[1])
+        if self.layer_scales is not None:
+            values["ks"], values["vs"] = self.layer_scales[layer]
+        if self.scale_planes is not None:
+            (k0, v0), (ks, vs) = self.scale_planes
+            values["key_scales"], values["value_scales"] = k0 + layer * ks, v0 + layer * vs
+        if not plan.lock.acquire(blocking=False):
+            return NotImplemented   # (the general path raises)
+        try:
+            with be._ctx():
+                if plan.ready is not None:
+                    if be._event_done(plan.ready):
+                        plan.ready = None
+                    else:
+                        be._wait_event(plan.ready)
+                _issue(plan, values, self.tiled)
+        finally:
+            plan.lock.release()
+        return result
+
+
+# CuPy dtypes the fast lane takes as they are (bfloat16 CuPy arrays go the general way)
+_FAST_CUPY_KINDS = {"f": dtypes.F32, "e": dtypes.F16}
+
+
 def _io_kind(a, arg, kinds):
     """The element kind of q / out ``a`` (bfloat16 as ml_dtypes' or its
     uint16 bits), checked against ``kinds``."""
@@ -381,11 +514,41 @@ class CudaAttentionPlan:
     __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
                  "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
-                 "prefill", "version", "tc_items", "tc_nsplit", "counters", "launches")
+                 "prefill", "version", "tc_items", "tc_nsplit", "counters", "launches",
+                 "backend", "lock")
 
     def __init__(self, **shape):
         for name in self.__slots__:
             setattr(self, name, shape.get(name))
+        self.lock = threading.Lock()   # one run at a time (the launches' host buffers)
+
+    def bind(self, key0, value0, key_last, value_last, num_layers, owned=(),
+             key_scales0=None, value_scales0=None, key_scales_last=None,
+             value_scales_last=None, layer_scales=None, head_scales=None):
+        """``AttentionPlan.run``'s fast lane (see ``_FastRun``) over the
+        layers whose planes lie ``l`` layer strides past ``key0`` /
+        ``value0`` (measured from the last layer's); None when it cannot be
+        bound (fp8 per-head scales, planes off the backend's device or not
+        one stride apart, an empty plan).  ``owned`` is not used: the fast
+        lane keeps ``out`` off every layer's planes and scales itself."""
+        be = self.backend
+        planes = (key0, value0, key_last, value_last)
+        if be is None or head_scales is not None or self.num_tokens == 0 \
+                or not all(be._is_device(a) and be._device_id_of(a) == be.device_id
+                           for a in planes):
+            return None
+        steps = max(1, num_layers - 1)
+        if any((be._ptr(last) - be._ptr(first)) % steps or last.strides != first.strides
+               for first, last in ((key0, key_last), (value0, value_last))):
+            return None
+        scale_planes = None
+        if key_scales0 is not None:
+            scale_planes = (key_scales0, value_scales0, key_scales_last, value_scales_last)
+            if any((be._ptr(last) - be._ptr(first)) % steps
+                   for first, last in zip(scale_planes[:2], scale_planes[2:])):
+                return None
+        return _FastRun(self, key0, value0, key_last, value_last, num_layers, layer_scales,
+                        scale_planes)
 
     def __repr__(self):
         return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "

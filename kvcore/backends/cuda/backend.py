@@ -276,8 +276,8 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         slots, as_i64, as_f32, fn_ptr, params, _ = native
         for i, hole in launch.holes:
             v = values[hole.name]
-            if hole.type == "p":
-                slots[i] = 0 if v is None else v.data.ptr
+            if hole.type == "p":   # an array, an address (the fast lane's) or None
+                slots[i] = v if type(v) is int else 0 if v is None else v.data.ptr
             elif hole.type == "i":
                 as_i64[i] = v
             else:
