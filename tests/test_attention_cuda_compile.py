@@ -33,7 +33,8 @@ def test_every_name_is_a_kernel_of_the_file():
     # kernel headers beside it, pasted in by the loader (_sources.source)
     includes = re.findall(r'^\s*#\s*include\s*(\S+)',
                           cuda.ATTENTION_FILE.read_text(encoding="utf-8"), re.M)
-    assert includes == ['"kv_attn.cuh"', '"kv_attn_decode.cuh"'], includes
+    assert includes == ['"kv_attn.cuh"', '"kv_attn_decode.cuh"', '"kv_attn_prefill.cuh"'], \
+        includes
     assert "#include" not in cuda.source()
     assert "kv_fp8_to_f32_one" in cuda.source()   # the shared fp8 rule, not a copy
 
@@ -171,7 +172,7 @@ def test_nvcc_compiles_every_instantiation(tmp_path):
     entries = re.findall(r"\.entry\s+(\S+?)\(", ptx)
     assert len(entries) == len(names), entries
     for kernel in ("kva_attention_split", "kva_attention_split_scalar", "kva_attention_prefill",
-                   "kva_attention_merge", "kva_decode_tc"):
+                   "kva_attention_merge", "kva_decode_tc", "kva_prefill_tc"):
         mangled = f"{len(kernel)}{kernel}I"   # the name's Itanium mangling, then its template
         assert sum(mangled in e for e in entries) == sum(n.startswith(kernel + "<")
                                                          for n in names), kernel
@@ -184,15 +185,19 @@ def test_tiled_and_prefill_kernel_resources_on_sm_90(tmp_path):
     memory (static: under 48 KB); the tiled kernel at most 128 registers (4
     blocks of 128 threads per SM, BLOCKS_PER_SM), the prefill one at most
     168 (3 blocks per SM), the tensor-core decode at most 255 (2 blocks per
-    SM, TC_BLOCKS_PER_SM, its __launch_bounds__).  Measured (nvcc 13.0,
-    sm_90): tiled 48-80 registers, 19.3-35.3 KB; prefill 115-164 registers,
-    8.3-16.3 KB; tensor-core decode 139-255 registers, no static shared
-    memory (59-74 KB dynamic: attention_kernels.tc_smem)."""
+    SM, TC_BLOCKS_PER_SM, its __launch_bounds__) and the FlashAttention-2
+    prefill at most 255.  Measured (nvcc 13.0, sm_90): tiled 48-80
+    registers, 19.3-35.3 KB; prefill 115-164 registers, 8.3-16.3 KB;
+    tensor-core decode 139-255 registers, no static shared memory (the
+    dynamic amounts: attention_kernels.tc_smem); FlashAttention-2 prefill
+    196-253 registers (attention_kernels.prefill_tc_smem)."""
     names = [cuda.split_name(k, d) for k in cuda.KINDS for d in cuda.HEAD_DIMS]
     names += [cuda.prefill_name(k, d) for k in cuda.PREFILL_KINDS
               for d in cuda.PREFILL_HEAD_DIMS]
     names += [cuda.tc_name(k, d, mt) for k in cuda.TC_KINDS for mt in cuda.tc_mma_kinds(k)
               for d in cuda.TC_HEAD_DIMS]
+    names += [cuda.prefill_tc_name(k, d) for k in cuda.PREFILL_KINDS
+              for d in cuda.PREFILL_TC_HEAD_DIMS]
     src = tmp_path / "attention_tiled.cu"
     src.write_text(cuda.source() + "\nvoid *kv_instances[] = {\n"
                    + ",\n".join(f"    (void *)&{n}" for n in names) + "\n};\n",
@@ -208,11 +213,14 @@ def test_tiled_and_prefill_kernel_resources_on_sm_90(tmp_path):
     assert len(used) == len(names), r.stderr[-2000:]
     for entry, stack, st, ld, regs, smem in used:
         assert (int(stack), int(st), int(ld)) == (0, 0, 0), entry
-        most = 168 if "prefill" in entry else 255 if "decode_tc" in entry else 128
+        most = 255 if "decode_tc" in entry or "prefill_tc" in entry else \
+            168 if "prefill" in entry else 128
         assert int(regs) <= most and int(smem or 0) <= 40 * 1024, (entry, regs, smem)
     for kind in cuda.TC_KINDS:   # 2 blocks per SM fit in an sm_90's 228 KB
         for d in cuda.TC_HEAD_DIMS:
             assert 2 * (cuda.tc_smem(kind, d) + 1024) <= 228 * 1024
+    for d in cuda.PREFILL_TC_HEAD_DIMS:   # and of the prefill
+        assert 2 * (cuda.prefill_tc_smem(d) + 1024) <= 228 * 1024
 
 
 @needs_nvcc

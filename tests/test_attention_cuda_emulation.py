@@ -22,11 +22,11 @@ pytestmark = pytest.mark.toolchain
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_attention_emulation import CXX, AttentionEmulation
-    from ._cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case
+    from ._cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case, _io_bits, _io_values
     from .test_cuda_host_emulation import EmulatedBackend, _get, _put
 except ImportError:
     from _cuda_attention_emulation import CXX, AttentionEmulation
-    from _cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case
+    from _cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case, _io_bits, _io_values
     from test_cuda_host_emulation import EmulatedBackend, _get, _put
 
 ALL_KINDS = (F32, F16, BF16, F8E4M3, F8E5M2, I8)
@@ -190,8 +190,9 @@ PREFILL_TOL = {F16: 1e-3, BF16: 8e-3}
 
 
 def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
-                  block_size=16, window=None, cap=None):
-    """One call with the tensor-core path on: (got, want, error)."""
+                  block_size=16, window=None, cap=None, q_dtype="float32", out_dtype="float32"):
+    """One call with the tensor-core path on: (got, want, error); q and out
+    handed over in ``q_dtype`` / ``out_dtype`` (out poisoned with NaN)."""
     import ml_dtypes
 
     from kvcore.backends.reference import paged_attention_reference
@@ -213,12 +214,14 @@ def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, q
         a += n
     lens = np.array(contexts, np.int64)
     qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
-    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
+    q_in, q = _io_bits(rng.standard_normal((int(qsl[-1]), num_heads, head_dim))
+                       .astype(np.float32), q_dtype)
     scale = 1.0 / np.sqrt(head_dim)
-    out = dev.be.empty(q.shape, "float32")
-    dev.be.paged_attention(dev.put(q), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
+    out = dev.put(_io_bits(np.full(q.shape, np.nan, np.float32), out_dtype)[0])
+    dev.be.paged_attention(dev.put(q_in), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
                            scale, window or 0, cap or 0.0)
-    got = dev.get(out)
+    got = _io_values(dev.get(out), out_dtype)
+    assert not np.isnan(got).any()
     want = paged_attention_reference(
         q, k, v, tables, lens, qsl, scale=scale, sliding_window=window, logits_soft_cap=cap,
         kind="bfloat16" if kind == BF16 else None)
@@ -236,7 +239,7 @@ def test_prefill_kernel_matches_reference(dev, emu, kind, head_dim, group):
     got, want, err = _prefill_case(dev, rng, kind, head_dim, 2 * group, 2,
                                    contexts=[95, 64, 40], queries=[70, 64, 1], block_size=7)
     names = [n for n, _, _ in dev.be.launches]
-    assert names == [ak.split_name(kind, head_dim), ak.prefill_name(kind, head_dim)], names
+    assert names == [ak.split_name(kind, head_dim), ak.prefill_tc_name(kind, head_dim)], names
     assert err <= PREFILL_TOL[kind], err
     # the decode row went through the float32 path: the contract's 1e-5
     row = np.abs(got[-1] - want[-1]).max() / np.abs(want[-1]).max()
@@ -250,7 +253,7 @@ def test_prefill_kernel_window_soft_cap_and_odd_groups(dev, kind):
         _, _, err = _prefill_case(dev, rng, kind, 96, nh, nkv, contexts=[150], queries=[100],
                                   block_size=16, window=window, cap=cap)
         assert err <= PREFILL_TOL[kind], (window, cap, nh, nkv, err)
-        assert [n for n, _, _ in dev.be.launches][-1] == ak.prefill_name(kind, 96)
+        assert [n for n, _, _ in dev.be.launches][-1] == ak.prefill_tc_name(kind, 96)
 
 
 def test_prefill_kernel_off_16_bytes(emu):
@@ -260,7 +263,7 @@ def test_prefill_kernel_off_16_bytes(emu):
     dev = DeviceUnderTest(be, _shifted_put(2), _get, 1)
     _, _, err = _prefill_case(dev, np.random.default_rng(4), F16, 64, 4, 2, contexts=[80],
                               queries=[66], block_size=5)
-    assert [n for n, _, _ in be.launches] == [ak.prefill_name(F16, 64)]
+    assert [n for n, _, _ in be.launches] == [ak.prefill_tc_name(F16, 64)]
     assert err <= PREFILL_TOL[F16] and emu.take_copies16() == 0
 
 
@@ -271,6 +274,53 @@ def test_short_query_runs_stay_off_tensor_cores(dev):
                                    contexts=[90, 30], queries=[ak.PREFILL_MIN_QUERIES - 1, 3])
     assert [n for n, _, _ in dev.be.launches] == [ak.split_name(BF16, 64)]
     assert err <= 1e-5
+
+
+@pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", (80, 256))
+def test_prefill_tc_other_head_dims(dev, kind, head_dim):
+    """head_dim 80 (an odd number of k-steps) and 256 (one m16 tile per
+    warp, 32-key tiles); a chunk over earlier pages and a whole prefill."""
+    got, want, err = _prefill_case(dev, np.random.default_rng(head_dim + kind), kind, head_dim,
+                                   8, 2, contexts=[170, 70], queries=[100, 70], block_size=16)
+    assert [n for n, _, _ in dev.be.launches] == [ak.prefill_tc_name(kind, head_dim)]
+    assert err <= PREFILL_TOL[kind], err
+
+
+@pytest.mark.parametrize("kind,q_dtype,out_dtype", [(F16, "float16", "float16"),
+                                                    (BF16, "bfloat16", "float32"),
+                                                    (F16, "bfloat16", "bfloat16")])
+def test_prefill_tc_reads_q_and_writes_out_in_their_dtype(dev, kind, q_dtype, out_dtype):
+    _, _, err = _prefill_case(dev, np.random.default_rng(kind), kind, 64, 8, 2, contexts=[80],
+                              queries=[80], q_dtype=q_dtype, out_dtype=out_dtype)
+    assert [n for n, _, _ in dev.be.launches] == [ak.prefill_tc_name(kind, 64)]
+    assert err <= PREFILL_TOL[kind] + (2.0 ** -8 if out_dtype == "bfloat16" else 2.0 ** -11)
+
+
+def test_prefill_version_2_runs_the_older_kernel(dev):
+    dev.be.attention_version = 2
+    _, _, err = _prefill_case(dev, np.random.default_rng(12), F16, 64, 8, 2, contexts=[95],
+                              queries=[70], block_size=7)
+    assert [n for n, _, _ in dev.be.launches] == [ak.prefill_name(F16, 64)]
+    assert err <= PREFILL_TOL[F16]
+
+
+def test_prefill_tc_plan_covers_each_pair_once_longest_first():
+    qsl = np.array([0, 70, 71, 71 + 300])
+    lens = np.array([90, 5, 300])
+    for nh, nkv, d, window in ((8, 8, 64, 0), (32, 8, 128, 0), (24, 2, 256, 50)):
+        items, mask = ak.prefill_tc_plan(qsl, lens, nh, nkv, window, d)
+        G, rows = nh // nkv, ak.prefill_tc_rows(d)
+        assert mask.tolist() == [True] * 70 + [False] + [True] * 300
+        seen, work = [], []
+        for s, g, p0, n in items.tolist():
+            assert 0 < n <= rows and p0 % rows == 0 and p0 + n <= (qsl[s + 1] - qsl[s]) * G
+            seen += [(qsl[s] + p // G, g * G + p % G) for p in range(p0, p0 + n)]
+            pos0 = lens[s] - (qsl[s + 1] - qsl[s])
+            hi = pos0 + (p0 + n - 1) // G + 1
+            work.append(hi - (max(0, pos0 + p0 // G + 1 - window) if window else 0))
+        assert sorted(seen) == sorted((r, h) for r in np.flatnonzero(mask) for h in range(nh))
+        assert work == sorted(work, reverse=True)
 
 
 def test_prefill_plan_covers_each_prefill_row_and_head_once():

@@ -48,7 +48,7 @@ def test_tiled_decode_on_the_gpu(dev, kind, group):
 
 
 @pytest.mark.parametrize("kind", (F16, BF16), ids=["f16", "bf16"])
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_prefill_on_tensor_cores(dev, kind, head_dim):
     if not dev.be._has_mma():
         pytest.fail("kvcore's tensor-core prefill needs sm_80+; this GPU is older")
@@ -56,6 +56,11 @@ def test_prefill_on_tensor_cores(dev, kind, head_dim):
     got, want, err = _prefill_case(dev, rng, kind, head_dim, 32, 8, contexts=[700, 300],
                                    queries=[500, 1], block_size=16)
     assert err <= PREFILL_TOL[kind], err
+    q_dtype = "float16" if kind == F16 else "bfloat16"
+    _, _, err = _prefill_case(dev, rng, kind, head_dim, 32, 8, contexts=[2000], queries=[1500],
+                              block_size=16, window=700, cap=30.0, q_dtype=q_dtype,
+                              out_dtype=q_dtype)
+    assert err <= PREFILL_TOL[kind] + (2.0 ** -8 if kind == BF16 else 2.0 ** -11), err
     row = np.abs(got[-1] - want[-1]).max() / np.abs(want[-1]).max()
     assert row <= 1e-5, row
 

@@ -91,9 +91,17 @@ class CudaAttention:
             version=self._attention_version(), backend=self)
         if num_tokens == 0:
             return plan
-        rows = prefill = None   # prefill rows go to the tensor-core kernel
-        seqs = None             # the sequences of the other rows
-        if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
+        rows = prefill = prefill_tc = None   # prefill rows go to a tensor-core kernel
+        seqs = None                          # the sequences of the other rows
+        if plan.version >= 3 and kind in ak.PREFILL_KINDS and self._has_mma() \
+                and ak.prefill_tc_smem(dim) <= self._smem_optin():
+            prefill_tc, mask = ak.prefill_tc_plan(qsl_h, seq_lens, plan.num_heads,
+                                                  plan.num_kv_heads, plan.sliding_window, dim)
+            if len(prefill_tc):
+                rows = ~mask
+                seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
+        if prefill_tc is None and ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) \
+                and self._has_mma():   # the older kernel (version 2)
             prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
             if len(prefill):
                 rows = ~mask
@@ -120,6 +128,9 @@ class CudaAttention:
             if prefill is not None and len(prefill):
                 self._check_rows(len(prefill), "paged_attention (prefill items)")
                 plan.prefill = self._upload(prefill)
+            if prefill_tc is not None and len(prefill_tc):
+                self._check_rows(len(prefill_tc), "paged_attention (prefill items)")
+                plan.prefill_tc = self._upload(prefill_tc)
             plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
             plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
             plan.qsl = self._upload(qsl_h)
@@ -183,6 +194,12 @@ class CudaAttention:
                 self, file, ak.prefill_name(kind, dim), plan.prefill.shape[0], ak.THREADS,
                 [out, q, k, v, *geometry, plan.prefill, plan.num_heads, G, *shape, *strides,
                  *feats, H("tiled", "i"), qk, ok])]
+        if plan.prefill_tc is not None:
+            launches["prefill"] = [PackedLaunch(
+                self, file, ak.prefill_tc_name(kind, dim), plan.prefill_tc.shape[0],
+                ak.PREFILL_TC_THREADS,
+                [out, q, k, v, *geometry, plan.prefill_tc, plan.num_heads, G, *shape, *strides,
+                 *feats, H("tiled", "i"), qk, ok], smem=ak.prefill_tc_smem(dim))]
         return launches
 
     def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
@@ -366,7 +383,7 @@ def _issue(plan, values, tiled):
     runs = plan.launches.get(("tc", values["qk"])) if tiled else None
     for launch in runs or plan.launches.get(("core", tiled), ()):
         launch(values)
-    for launch in plan.launches.get("prefill", ()):
+    for launch in plan.launches.get("prefill", ()):   # (16-byte copies where tiled)
         launch(values)
 
 
@@ -515,7 +532,7 @@ class CudaAttentionPlan:
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
                  "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
                  "prefill", "version", "tc_items", "tc_nsplit", "counters", "launches",
-                 "backend", "lock")
+                 "backend", "lock", "prefill_tc")
 
     def __init__(self, **shape):
         for name in self.__slots__:

@@ -106,6 +106,63 @@ def prefill_plan(query_start_loc, num_heads, num_kv_heads, min_queries=None):
     return items, mask
 
 
+# v3: the FlashAttention-2-class prefill (kv_attn_prefill.cuh, kva_prefill_tc):
+# float16 / bfloat16 pages, every head_dim, any q kind; blocks of
+# prefill_tc_rows(head_dim) (query, head) pairs over key tiles of 64 (32 for
+# head_dim 256), 16-byte aligned pages (else the older kernel above).
+PREFILL_TC_HEAD_DIMS = HEAD_DIMS
+PREFILL_TC_WARPS = 4
+PREFILL_TC_THREADS = 32 * PREFILL_TC_WARPS
+
+
+def prefill_tc_name(kind, head_dim):
+    """The FlashAttention-2-class prefill kernel (f16 / bf16 pages)."""
+    return f"kva_prefill_tc<{kind}, {head_dim}>"
+
+
+def prefill_tc_rows(head_dim):
+    """(query, head) pairs per block of ``kva_prefill_tc`` (KvpCfg::ROWS)."""
+    return PREFILL_TC_WARPS * 16 * (2 if head_dim <= 128 else 1)
+
+
+def prefill_tc_smem(head_dim):
+    """Dynamic shared memory of ``kva_prefill_tc<*, head_dim>`` (KvpCfg::SMEM)."""
+    rows, keys, rs = prefill_tc_rows(head_dim), 64 if head_dim <= 64 else 32, 2 * head_dim + 16
+    return rows * rs + 4 * keys * rs + rows * 8
+
+
+def prefill_tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
+                    head_dim, min_queries=None):
+    """``kva_prefill_tc``'s items for the sequences of at least
+    ``min_queries`` (default ``PREFILL_MIN_QUERIES``) queries: int64
+    ``[n, 4]`` = (sequence, kv head, first pair, pairs), the blocks that
+    see the most keys first; and the bool ``[T]`` mask of the query rows
+    they cover."""
+    if min_queries is None:
+        min_queries = PREFILL_MIN_QUERIES
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    nq = np.diff(qsl)
+    G = num_heads // num_kv_heads
+    rows = prefill_tc_rows(head_dim)
+    mask = np.zeros(int(qsl[-1]) if qsl.size else 0, bool)
+    out, work = [], []
+    for s in np.flatnonzero(nq >= max(1, min_queries)):
+        mask[qsl[s]:qsl[s + 1]] = True
+        pairs = int(nq[s]) * G
+        pos0 = int(lens[s] - nq[s])
+        for p0 in range(0, pairs, rows):
+            n = min(rows, pairs - p0)
+            hi = pos0 + (p0 + n - 1) // G + 1
+            lo = max(0, pos0 + p0 // G + 1 - sliding_window) if sliding_window > 0 else 0
+            for g in range(num_kv_heads):
+                out.append((int(s), g, p0, n))
+                work.append(hi - lo)
+    order = np.argsort(-np.asarray(work, np.int64), kind="stable")
+    items = np.array(out, np.int64).reshape(-1, 4)[order]
+    return np.ascontiguousarray(items), mask
+
+
 def tile_keys(kind, head_dim):
     """Keys per tile of the tiled kernel (attention.cu's KvaTile::KEYS)."""
     return min(64, TILE_BYTES // (head_dim * dtypes.ITEMSIZE[kind]))
@@ -252,7 +309,7 @@ def module_key(name):
         return MERGE_MODULE
     kind = int(name.split("<", 1)[1].split(",")[0])
     family = TC if name.startswith("kva_decode_tc<") else \
-        PREFILL if name.startswith("kva_attention_prefill<") else CORE
+        PREFILL if name.startswith(("kva_attention_prefill<", "kva_prefill_tc<")) else CORE
     return (family, kind)
 
 
@@ -266,7 +323,8 @@ def module_names(key):
             [scalar_name(kind, d) for d in HEAD_DIMS]
     if family == TC:
         return [tc_name(kind, d, mt) for mt in tc_mma_kinds(kind) for d in TC_HEAD_DIMS]
-    return [prefill_name(kind, d) for d in PREFILL_HEAD_DIMS]
+    return [prefill_name(kind, d) for d in PREFILL_HEAD_DIMS] + \
+        [prefill_tc_name(kind, d) for d in PREFILL_TC_HEAD_DIMS]
 
 
 def modules():

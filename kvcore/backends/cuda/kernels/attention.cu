@@ -747,3 +747,4 @@ __global__ void kva_attention_merge(void *out, const float *partials, const kva_
 }
 
 #include "kv_attn_decode.cuh"
+#include "kv_attn_prefill.cuh"
