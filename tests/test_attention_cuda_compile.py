@@ -46,7 +46,8 @@ def test_host_constants_match_the_file():
     assert re.search(rf"#define KVA_TILE_BYTES {cuda.TILE_BYTES} ", text)
     assert re.search(r"#define KVA_ROWS 8 ", text) and cuda.THREADS == 8 * 16
     for name, value in (("WARPS", cuda.TC_WARPS), ("KEYS", cuda.TC_KEYS),
-                        ("ROWS", cuda.TC_ROWS), ("STAGES", cuda.TC_STAGES)):
+                        ("ROWS", cuda.TC_ROWS), ("STAGES", cuda.TC_STAGES),
+                        ("MAX_SPLITS", cuda.TC_MAX_SPLITS)):
         assert re.search(rf"#define KVT_{name} {value}\b", text), name
     assert cuda.TC_THREADS == 32 * cuda.TC_WARPS
 
@@ -84,6 +85,9 @@ def test_tensor_core_plan_covers_each_pair_and_visible_key_once():
     # batch 64: enough units, no split
     items, nsplit = cuda.tc_plan(np.arange(65), np.full(64, 4096), 32, 8, 0, num_sms=132)
     assert len(items) == 64 * 8 and (nsplit == 1).all()
+    # never more than TC_MAX_SPLITS splits of a unit
+    items, nsplit = cuda.tc_plan([0, 1], [10 ** 6], 8, 8, 0, split_keys=64)
+    assert nsplit.max() <= cuda.TC_MAX_SPLITS and (items[:, 5] - items[:, 4]).sum() == 8 * 10 ** 6
 
 
 def test_split_keys_are_sized_from_the_multiprocessors():

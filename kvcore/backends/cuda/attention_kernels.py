@@ -201,6 +201,9 @@ TC_BLOCKS_PER_SM = 2
 TC_SPLIT_ALIGN = TC_WARPS * TC_KEYS
 # The item's keys are offsets from its first key's page in 32 bits.
 TC_MAX_KEYS = 2 ** 31
+# Splits of one unit at most (KVT_MAX_SPLITS: the last block merges their
+# weights in shared memory); longer ranges get longer splits.
+TC_MAX_SPLITS = 256
 
 
 def tc_name(kind, head_dim, mma_kind):
@@ -225,7 +228,8 @@ def tc_smem(kind, head_dim):
     row = head_dim * dtypes.ITEMSIZE[kind]
     pipe = TC_WARPS * TC_STAGES * 2 * TC_KEYS * (row + 16)
     merge = TC_WARPS * TC_ROWS * (head_dim + 2) * 4
-    return max(pipe, merge) + TC_ROWS * (2 * head_dim + 16) + TC_ROWS * 8 + 16
+    weights = (2 * TC_MAX_SPLITS + 1) * TC_ROWS * 4
+    return max(pipe, merge, weights) + TC_ROWS * (2 * head_dim + 16) + TC_ROWS * 8 + 16
 
 
 def _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, seqs):
@@ -277,6 +281,7 @@ def tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
     if split_keys is None:
         split_keys = SPLIT_KEYS if not num_sms else tc_split_keys_for(
             (hi - lo).max(), seq.size * H, num_sms)
+    split_keys = max(int(split_keys), -(-int((hi - lo).max()) // TC_MAX_SPLITS))
     ns = np.maximum(1, -(-(hi - lo) // split_keys))                       # per chunk
     u_chunk = np.repeat(np.arange(seq.size, dtype=np.int64), H)
     u_g = np.tile(np.arange(H, dtype=np.int64), seq.size)

@@ -54,6 +54,7 @@
 #define KVT_KEYS 16 /* keys per warp tile (the PV mma's k) */
 #define KVT_ROWS 16 /* (query, head) pairs per item (the mma's m) */
 #define KVT_STAGES 2
+#define KVT_MAX_SPLITS 256 /* splits of a unit (their weights fit the merge area) */
 
 template <int KIND, int D, int MT> struct KvtCfg {
     typedef typename KvaStorage<KIND>::type T;
@@ -65,7 +66,9 @@ template <int KIND, int D, int MT> struct KvtCfg {
     static constexpr int STAGE = 2 * TILE;
     static constexpr int PIPE = KVT_WARPS * KVT_STAGES * STAGE;
     static constexpr int MERGE = KVT_WARPS * KVT_ROWS * (D + 2) * 4;
-    static constexpr int BODY = PIPE > MERGE ? PIPE : MERGE;
+    static constexpr int WEIGHTS = (2 * KVT_MAX_SPLITS + 1) * KVT_ROWS * 4; /* the last merge */
+    static constexpr int BODY = PIPE > MERGE ? (PIPE > WEIGHTS ? PIPE : WEIGHTS)
+                                             : (MERGE > WEIGHTS ? MERGE : WEIGHTS);
     static constexpr int QS = 2 * D + 16; /* shared stride of a Q row (MT bits) */
     static constexpr int SMEM = BODY + KVT_ROWS * QS + KVT_ROWS * 8 + 16; /* + rows, flag */
     static constexpr int KS = D / 16, NT = D / 8;
@@ -474,22 +477,43 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     if (!*flag)
         return;
     __threadfence();
-    for (int i = tid; i < np * D; i += blockDim.x) {
-        const int r = i / D, d = i - r * D;
+    /* each split's (m, l) per pair into shared memory (the merge area is
+     * free: this block's partials are written), then each pair's weights
+     * exp2(m - max) (0 for a split without its keys) and total, then the
+     * elements: one read of each split's partial */
+    float *wm = mg, *wl = mg + KVT_MAX_SPLITS * KVT_ROWS, *tot = wl + KVT_MAX_SPLITS * KVT_ROWS;
+    for (int i = tid; i < ns * KVT_ROWS; i += blockDim.x) {
+        const int sp = i / KVT_ROWS, r = i - sp * KVT_ROWS;
+        if (r < np) {
+            const float *src = partials + ((first + sp) * KVT_ROWS + r) * (D + 2);
+            wm[i] = kva_load_cg(src);
+            wl[i] = kva_load_cg(src + 1);
+        }
+    }
+    __syncthreads();
+    if (tid < np) {
         float mx = KVA_NEG_INF;
         for (int sp = 0; sp < ns; sp++)
-            mx = kva_max(mx, kva_load_cg(partials + ((first + sp) * KVT_ROWS + r) * (D + 2)));
-        float total = 0.0f, a = 0.0f;
+            mx = kva_max(mx, wm[sp * KVT_ROWS + tid]);
+        float total = 0.0f;
         for (int sp = 0; sp < ns; sp++) {
-            const float *src = partials + ((first + sp) * KVT_ROWS + r) * (D + 2);
-            const float ls = kva_load_cg(src + 1);
-            if (kva_is_zero(ls)) /* a split without keys for this pair */
-                continue;
-            const float wgt = kva_exp2(kva_sub(kva_load_cg(src), mx));
-            total = kva_fma(wgt, ls, total);
-            a = kva_fma(wgt, kva_load_cg(src + 2 + d), a);
+            const int i = sp * KVT_ROWS + tid;
+            const float w = kva_is_zero(wl[i]) ? 0.0f /* a split without keys for this pair */
+                                               : kva_exp2(kva_sub(wm[i], mx));
+            total = kva_fma(w, wl[i], total);
+            wm[i] = w;
         }
-        kva_store_f(out, (int)out_kind, obase[r] + d, kva_mul(kva_div(a, total), v_scale));
+        tot[tid] = total;
+    }
+    __syncthreads();
+    for (int i = tid; i < np * D; i += blockDim.x) {
+        const int r = i / D, d = i - r * D;
+        const float *src = partials + (first * KVT_ROWS + r) * (D + 2) + 2 + d;
+        float a = 0.0f;
+#pragma unroll 4
+        for (int sp = 0; sp < ns; sp++) /* (an empty split's acc is 0, its weight 0) */
+            a = kva_fma(wm[sp * KVT_ROWS + r], kva_load_cg(src + (kva_i64)sp * KVT_ROWS * (D + 2)), a);
+        kva_store_f(out, (int)out_kind, obase[r] + d, kva_mul(kva_div(a, tot[r]), v_scale));
     }
     if (tid == 0)
         counters[first] = 0; /* ready for the next run (a replayed graph included) */
