@@ -86,7 +86,7 @@ extensions = [
     ext(NATIVE, "_seq"),
     ext(CPU_BACKEND, "_convert", "kv_half.c", "kv_fp8.c", "kv_simd.c"),
     ext(CPU_BACKEND, "_kernels"),
-    ext(CPU_BACKEND, "_checksum", "kv_checksum.c", "kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_neon.c",
+    ext(CPU_BACKEND, "_checksum", "kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_neon.c",
         "kv_xxh3_many.c", "kv_simd.c", compile_args=PTHREAD, link_args=PTHREAD),
     ext(CPU_BACKEND, "_attention", *ATTENTION_C, "kv_simd.c", compile_args=PTHREAD, link_args=PTHREAD),
 ]

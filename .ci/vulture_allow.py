@@ -1,6 +1,6 @@
 # Names the dead-code check (vulture, in .ci/run) must not report: each is
 # used from outside what it scans (kvcore, tests, bench).
-# transformers calls these on a Cache (kvcore/hf.py: its Cache protocol)
+# transformers calls these on a Cache (kvcore/hf/cache.py: its Cache protocol)
 _.is_compileable
 _.is_croppable
 _.is_sliding

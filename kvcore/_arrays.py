@@ -21,8 +21,8 @@ from .dtypes import BF16
 from ._planes import outs_share_memory
 from .backends import tensor_view
 
-__all__ = ["unwrap", "host_view", "float_input", "out_array", "out_pair", "read_kind",
-           "index_array", "aligned"]
+__all__ = ["unwrap", "host_view", "float_input", "writable", "out_array", "out_pair",
+           "read_kind", "index_array", "aligned", "memory_guard"]
 
 
 def _torch_of(x):
@@ -110,18 +110,61 @@ def float_input(be, x, arg, src_dtype=None):
     return dtypes.as_bits(a), kind
 
 
+def _unwritable_tensor(t):
+    """Why kvcore cannot write torch tensor ``t`` in place, or None."""
+    if t.requires_grad:
+        return ("one that requires grad (kvcore writes its memory outside autograd: pass one "
+                "that does not, e.g. out.detach())")
+    if t.is_neg():
+        return ("one with the negative bit set (a lazily negated view, e.g. "
+                "torch._neg_view(): its memory holds the negated values)")
+    if t.is_conj():
+        return ("one with the conjugate bit set (a lazily conjugated view: its memory holds "
+                "the conjugated values)")
+    return None
+
+
+def _elements_overlap(a):
+    """Whether two elements of array ``a`` may share memory (a broadcast or
+    expanded view): each axis's stride, smallest first, must step over the
+    span of the axes before it."""
+    if a.flags.c_contiguous or a.size == 0:
+        return False
+    span = a.itemsize
+    for stride, n in sorted((abs(st), n) for st, n in zip(a.strides, a.shape) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
+
+
+def writable(be, out, arg, codes=None):
+    """``(a, bf16)`` for an ``out=`` argument: ``a`` the backend array whose
+    memory is ``out``'s (as :func:`unwrap`; ``codes(out)`` first, e.g. an fp8
+    tensor's uint8 view), checked writable by the backend.  Refuses by name
+    what kvcore cannot write in place: a torch tensor that requires grad
+    (or has autograd history) or whose negative or conjugate bit is set
+    (reading it takes a copy, and the result would land in the copy), and
+    an array whose elements share memory."""
+    if _torch_of(out) is not None:
+        why = _unwritable_tensor(out)
+        if why is not None:
+            raise TypeError(f"{arg} must be a tensor kvcore can write in place, got {why}")
+    y, bf16 = unwrap(out if codes is None else codes(out), arg)
+    a = be.check_out(y, arg)
+    if _elements_overlap(a):
+        raise ValueError(f"{arg} must have its own memory for every element, got shape "
+                         f"{tuple(a.shape)} with strides {tuple(a.strides)} (a broadcast or "
+                         "expanded view)")
+    return a, bf16
+
+
 def out_array(be, out, arg, shape, kind):
     """``(bits, result)`` for an ``out=`` argument that must hold ``kind``
     elements in ``shape``: ``bits`` the writable backend array to fill
     (bfloat16 as uint16 bits), ``result`` what the call returns (``out``
     itself, e.g. the caller's torch tensor)."""
-    torch = _torch_of(out)
-    if torch is not None and out.requires_grad:
-        raise TypeError(
-            f"{arg} is a torch tensor that requires grad; kvcore writes its memory "
-            "outside autograd, so pass one that does not (e.g. out.detach())")
-    y, bf16 = unwrap(out, arg)
-    a = be.check_out(y, arg)
+    a, bf16 = writable(be, out, arg)
     if bf16:
         if kind != BF16:
             raise TypeError(f"{arg} must have dtype {dtypes.STORAGE[kind]}, got torch.bfloat16")
@@ -201,3 +244,35 @@ def aligned(a):
     """``a`` itself when its data is aligned for its dtype, else an aligned
     copy (the C kernels load and store typed elements)."""
     return a if a.flags.aligned else a.copy()
+
+
+def memory_guard(named):
+    """For the torch tensors among ``named`` (``(arg, array)`` pairs) whose
+    memory a caller keeps views of (a plan's planes): a function that raises
+    RuntimeError naming the argument once a tensor's memory is no longer
+    what it was; None when there is no tensor (NumPy and CuPy arrays cannot
+    lose their memory under a view).
+
+    It holds each tensor's storage (so the storage itself is never freed)
+    and checks the storage is still the tensor's, with the size and address
+    it had: ``resize_`` frees a storage's bytes whoever holds it, and a
+    freed block often comes back at the same address, so the address alone
+    proves nothing."""
+    held = []
+    for arg, x in named:
+        if _torch_of(x) is None:
+            continue
+        storage = x.untyped_storage()
+        held.append((arg, x, storage, storage.data_ptr(), storage.nbytes(), x.data_ptr()))
+    if not held:
+        return None
+
+    def guard():
+        for arg, x, storage, base, nbytes, ptr in held:
+            if x.untyped_storage() is not storage or storage.nbytes() != nbytes \
+                    or storage.data_ptr() != base or x.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"{arg}'s memory moved or was freed since the plan was made (the torch "
+                    "tensor's storage was resized or replaced): make a new AttentionPlan over "
+                    "the tensors as they are now")
+    return guard

@@ -10,13 +10,13 @@ owns a snapshot of them; each layer's ``run`` checks only ``q``, the layer
 and ``out``.  ``paged_attention``, ``PagedKVCache.attention`` and
 ``KVCache.attention`` are a plan and one run.
 """
-import math
 import os
 import threading
 
 import numpy as np
 
 from . import _arrays
+from . import _attention_args as _args
 from . import dtypes as _dtypes
 from ._validate import index_int, layer_index
 from .backends import CPU as _HOST, backend_of_array
@@ -78,76 +78,6 @@ def get_num_threads():
 
 
 # ------------------------------------------------------------------ inputs
-def _int_array(be, x, arg, ndim):
-    if isinstance(x, (list, tuple)):
-        try:
-            a = np.asarray(x)
-        except ValueError as e:   # ragged nested lists
-            raise ValueError(f"{arg} must be a {ndim}-D integer array, got {e}") from None
-    else:
-        a = _arrays.index_array(be, x, arg)
-    if a.ndim != ndim:
-        raise ValueError(f"{arg} must be {ndim}-D, got shape {tuple(a.shape)}")
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"{arg} must hold integers, got dtype {a.dtype}")
-    return a
-
-
-# Bounds the C kernels' integer fields hold (int64 positions, int head counts).
-_MAX_WINDOW = 2**62
-_MAX_HEADS = 2**16
-
-
-def _positive_or_off(value, arg, convert, what):
-    """``value`` converted and checked > 0, or 0 (off) for None."""
-    if value is None:
-        return 0
-    v = convert(value, arg)
-    if v <= 0:
-        raise ValueError(f"{arg} must be {what} or None, got {v}")
-    return v
-
-
-def _real(value, arg):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                   np.floating)):
-        raise TypeError(f"{arg} must be a real number or None, got {type(value).__name__} "
-                        f"{value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{arg} must be finite, got {v}")
-    return v
-
-
-# The kernels compute in float32: ``scale`` and the soft cap ``c`` become
-# C floats, the scores are scaled by ``scale * log2(e)`` (or capped as
-# ``c * log2(e) * tanh(s * (1 / c))``).  A value is accepted only when all of
-# these are finite, normal float32 numbers, so nothing overflows to inf or
-# flushes to 0 (a cap of 0 would read as "no cap").
-_LOG2E = np.float32(1.4426950408889634)
-_F32_TINY = float(np.finfo(np.float32).tiny)          # 2**-126, the smallest normal
-_F32_SCALED_MAX = float(np.float32(np.finfo(np.float32).max) / _LOG2E)
-
-
-def _float32_real(value, arg, allow_zero):
-    """``value`` (already a finite Python float) as the float32 the kernels
-    use, checked to be usable there: finite, and 0 or of a magnitude in
-    ``[2**-126, FLT_MAX / log2(e)]`` (``allow_zero``: whether 0 is valid)."""
-    with np.errstate(over="ignore", under="ignore"):
-        f = np.float32(value)
-        scaled = f * _LOG2E
-        inverse = np.float32(1.0) / f if f != 0 else np.float32(0)
-    if value == 0 and allow_zero:
-        return 0.0
-    if not (np.isfinite(f) and np.isfinite(scaled) and np.isfinite(inverse)
-            and abs(float(f)) >= _F32_TINY and abs(float(scaled)) >= _F32_TINY):
-        zero = "0 or " if allow_zero else ""
-        raise ValueError(f"{arg} must be {zero}a value whose magnitude lies in "
-                         f"[{_F32_TINY:.8g}, {_F32_SCALED_MAX:.8g}] (the kernels compute in "
-                         f"float32), got {value!r}")
-    return float(f)
-
-
 def _owned(store):
     """Every array a pool or a KVCache owns (its storage, and its scales when
     it has them): what an ``out=`` must not overlap."""
@@ -171,68 +101,6 @@ def _lowprec_args(store, layer):
         k_scale, v_scale = store.kv_scales[layer]
         return None, None, k_scale, v_scale
     return None
-
-
-def _int64(a, arg):
-    """1-D integer ``a`` as C-contiguous int64 (uint64 values past the int64
-    range are an error here, before they could wrap)."""
-    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
-        i = int(np.argmax(a > np.iinfo(np.int64).max))
-        raise ValueError(f"{arg}[{i}] = {int(a[i])} is out of range")
-    return np.ascontiguousarray(a, dtype=np.int64)
-
-
-def _int32_table(t):
-    """2-D integer ``t`` as C-contiguous int32; entries outside the int32
-    range become -1 (never a block id, so reading one is an error)."""
-    if t.dtype == np.int32:
-        return np.ascontiguousarray(t)
-    if t.size and t.dtype.itemsize >= 4 and (t.min() < -2**31 or t.max() > 2**31 - 1):
-        t = np.where((t >= -2**31) & (t <= 2**31 - 1), t, -1)
-    return np.ascontiguousarray(t, dtype=np.int32)
-
-
-def _index_args(be, num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale,
-                sliding_window, logits_soft_cap):
-    """The checked host forms of the integer and scalar arguments:
-    ``(tables, lens, qsl, num_tokens, scale, window, cap)`` (window and cap
-    0 when off).  ``num_tokens`` None: the plan's query count is
-    ``query_start_loc[-1]`` (one per sequence without it).  Device index
-    arrays are copied down (a synchronisation, once per plan)."""
-    tables = _int_array(be, block_tables, "block_tables", 2)
-    num_seqs, max_blocks = tables.shape
-    lens_in = _int_array(be, seq_lens, "seq_lens", 1)
-    if lens_in.shape[0] != num_seqs:
-        raise ValueError(f"seq_lens must have one entry per row of block_tables ({num_seqs}), "
-                         f"got shape {tuple(lens_in.shape)}")
-    lens = _int64(lens_in, "seq_lens")
-    if query_start_loc is None:
-        if num_tokens is not None and num_tokens != num_seqs:
-            raise ValueError(
-                f"without query_start_loc there is one query per sequence: q.shape[0] must be "
-                f"num_seqs={num_seqs}, got {num_tokens}")
-        qsl = np.arange(num_seqs + 1, dtype=np.int64)
-    else:
-        qsl_in = _int_array(be, query_start_loc, "query_start_loc", 1)
-        if qsl_in.shape[0] != num_seqs + 1:
-            raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
-                             f"got shape {tuple(qsl_in.shape)}")
-        qsl = _int64(qsl_in, "query_start_loc")
-    if num_tokens is None:
-        num_tokens = max(0, int(qsl[-1]))
-
-    if scale is None:
-        scale_v = 1.0 / math.sqrt(head_dim)
-    else:
-        scale_v = _float32_real(_real(scale, "scale"), "scale", allow_zero=True)
-    # 0 tells the kernel "off"
-    window = _positive_or_off(sliding_window, "sliding_window", index_int, "a positive integer")
-    if window > _MAX_WINDOW:   # the kernels hold it in int64 position arithmetic
-        raise ValueError(f"sliding_window must be in 1..2**62 or None, got {window}")
-    cap_v = _positive_or_off(logits_soft_cap, "logits_soft_cap", _real, "positive")
-    if cap_v:
-        cap_v = _float32_real(cap_v, "logits_soft_cap", allow_zero=False)
-    return tables, lens, qsl, num_tokens, scale_v, window, cap_v
 
 
 def _query_input(be, q, num_kv_heads, head_dim, what="the pool's "):
@@ -270,8 +138,8 @@ def _out_input(be, out, shape, owned):
     and a float dtype, apart from everything in ``owned`` (the storage and
     scales of the pool or cache).  A misaligned one is the backend's to fill
     (through an aligned temporary: a misaligned store faults on a GPU)."""
-    y, bf16 = _arrays.unwrap(out, "out")
-    okind = _dtypes.BF16 if bf16 else _dtypes.float_kind(be.check_out(y, "out").dtype)
+    y, bf16 = _arrays.writable(be, out, "out")
+    okind = _dtypes.BF16 if bf16 else _dtypes.float_kind(y.dtype)
     if okind is None:
         raise TypeError(f"out must be float32, float16 or bfloat16, got {y.dtype}")
     obits, result = _arrays.out_array(be, out, "out", shape, okind)
@@ -297,7 +165,7 @@ class _Source:
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = shape
         self.planes, self.owned, self.what = planes, owned, what
         self.scale_planes = scale_planes      # int8: layer -> (key_scales, value_scales)
-        self.guard = guard                    # None, or raises if the planes' memory moved
+        self.guard = guard                    # None, or raises once the planes' memory is gone
 
 
 def _pool_source(pool):
@@ -371,25 +239,15 @@ def _planes_source(planes_in):
         return (k[layer], v[layer], None) if layered else (k, v, None)
 
     return _Source(be, kind, num_layers, tuple(k.shape[-4:]), planes, (k, v), "the planes' ",
-                   guard=_moved_guard(planes_in))
+                   guard=_arrays.memory_guard(zip(("key_cache", "value_cache"), planes_in)))
 
 
-def _moved_guard(planes_in):
-    """For torch tensor planes: a check that their memory is still where the
-    plan's views point (``resize_`` or ``set_`` on a tensor frees or moves its
-    storage under any view of it); None for arrays that cannot move."""
-    tensors = [(arg, x, x.data_ptr()) for arg, x in zip(("key_cache", "value_cache"), planes_in)
-               if type(x).__module__.split(".")[0] == "torch"]
-    if not tensors:
-        return None
-
-    def guard():
-        for arg, x, ptr in tensors:
-            if x.data_ptr() != ptr:
-                raise RuntimeError(f"{arg}'s memory moved since the plan was made (the torch "
-                                   "tensor was resized or given other storage): make a new "
-                                   "AttentionPlan over the tensors as they are now")
-    return guard
+def _heads(src, num_heads, arg):
+    """``num_heads`` checked as a plan's query head count (``arg`` names it)."""
+    if not 0 < num_heads <= _args.MAX_HEADS or num_heads % src.num_kv_heads:
+        raise ValueError(f"{arg} must be a positive multiple of {src.what}num_kv_heads="
+                         f"{src.num_kv_heads} up to {_args.MAX_HEADS}, got {num_heads}")
+    return num_heads
 
 
 def _source(pool_or_planes):
@@ -418,8 +276,17 @@ class AttentionPlan:
         As :func:`paged_attention`; checked here, once (every block id a run
         can read must lie in ``0..num_blocks - 1``), and copied: changing
         the arrays afterwards changes nothing.
-    scale, sliding_window, logits_soft_cap
+    scale, logits_soft_cap
         As :func:`paged_attention`.
+    sliding_window, chunk_size : int or sequence, optional
+        As :func:`paged_attention` (every layer), or one entry per layer
+        (``num_layers`` of them, each None or 0 for off, or a positive int):
+        models whose layers differ (Gemma 2/3 alternate windowed and global
+        layers, Llama 4 chunked and global ones).
+    alibi_slopes, sinks : float array, optional
+        As :func:`paged_attention`, ``(num_heads,)`` for every layer or
+        ``(num_layers, num_heads)`` per layer; copied (float32) here.
+        Their ``num_heads`` is the plan's: every run's ``q.shape[1]``.
     num_threads : int, optional
         CPU threads of each run (default :func:`get_num_threads` now).
     num_heads : int, optional
@@ -434,12 +301,13 @@ class AttentionPlan:
     RuntimeError (use one plan per thread; the results have the same bits
     for every thread count).  The plan holds the pool's arrays, never reads
     past them, and does not see later changes to the block tables of the
-    sequences: plan again when a step's tables change.
+    sequences: plan again when a step's tables change.  A step whose layers
+    differ in window or chunk makes one backend plan per kind of layer.
     """
 
     def __init__(self, pool_or_planes, block_tables, seq_lens, query_start_loc=None, *,
-                 scale=None, sliding_window=None, logits_soft_cap=None, num_threads=None,
-                 num_heads=None):
+                 scale=None, sliding_window=None, logits_soft_cap=None, chunk_size=None,
+                 alibi_slopes=None, sinks=None, num_threads=None, num_heads=None):
         src = _source(pool_or_planes)
         if num_threads is None:
             threads = get_num_threads()
@@ -449,50 +317,72 @@ class AttentionPlan:
                 raise ValueError(f"num_threads must be in 1..{MAX_THREADS} or None, got "
                                  f"{threads}")
         if num_heads is not None:
-            num_heads = index_int(num_heads, "num_heads")
-            if not 0 < num_heads <= _MAX_HEADS or num_heads % src.num_kv_heads:
-                raise ValueError(f"num_heads must be a positive multiple of {src.what}"
-                                 f"num_kv_heads={src.num_kv_heads} up to {_MAX_HEADS}, got "
-                                 f"{num_heads}")
-        self._setup(src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                    logits_soft_cap, threads, None)
+            num_heads = _heads(src, index_int(num_heads, "num_heads"), "num_heads")
+        self._setup(src, block_tables, seq_lens, query_start_loc, threads, None, num_heads,
+                    scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                    chunk_size=chunk_size, alibi_slopes=alibi_slopes, sinks=sinks)
         self._bindable = True
-        if num_heads is not None:
-            self._plan_for(num_heads)
+        if self._heads is not None:
+            self._plan_for(self._heads, 0)
 
     @classmethod
-    def _make(cls, src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-              logits_soft_cap, num_tokens):
-        """A plan over a checked source for ``num_tokens`` queries (the
-        one-call paths, whose errors name ``q.shape[0]``)."""
+    def _make(cls, src, block_tables, seq_lens, query_start_loc, num_tokens, layer, **features):
+        """A plan over a checked source for ``num_tokens`` queries and the
+        one layer ``layer`` (the one-call paths, whose errors name
+        ``q.shape[0]``); ``features``: the keywords of ``__init__``."""
         self = cls.__new__(cls)
-        self._setup(src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                    logits_soft_cap, get_num_threads(), num_tokens)
+        self._setup(src, block_tables, seq_lens, query_start_loc, get_num_threads(),
+                    num_tokens, None, only_layer=layer, **features)
         self._bindable = False      # (run once: no fast path to set up)
         return self
 
-    def _setup(self, src, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-               logits_soft_cap, threads, num_tokens):
+    def _setup(self, src, block_tables, seq_lens, query_start_loc, threads, num_tokens,
+               num_heads, *, scale=None, sliding_window=None, logits_soft_cap=None,
+               chunk_size=None, alibi_slopes=None, sinks=None, only_layer=None):
         be = src.backend
-        tables, lens, qsl, num_tokens, scale_v, window, cap_v = _index_args(
+        tables, lens, qsl, num_tokens, scale_v, cap_v = _args.step_args(
             be, num_tokens, src.head_dim, block_tables, seq_lens, query_start_loc, scale,
-            sliding_window, logits_soft_cap)
+            logits_soft_cap)
+        layers = src.num_layers
+        kinds = tuple(zip(_args.layer_lengths(sliding_window, "sliding_window", layers),
+                          _args.layer_lengths(chunk_size, "chunk_size", layers)))
+        if only_layer is not None:     # (one call: its layer's kind only)
+            kinds = (kinds[only_layer],) * layers
+        alibi = _args.head_rows(alibi_slopes, "alibi_slopes", layers)
+        sink_rows = _args.head_rows(sinks, "sinks", layers)
+        for arg, rows in (("alibi_slopes", alibi), ("sinks", sink_rows)):
+            if rows is None:
+                continue
+            heads = _heads(src, rows.shape[1], f"{arg}'s num_heads (its last axis)")
+            if num_heads is not None and heads != num_heads:
+                raise ValueError(f"{arg} must have num_heads={num_heads} entries per layer (the "
+                                 f"plan's query heads), got {heads}")
+            num_heads = heads
+        be.check_attention_features(max(c for _, c in kinds), alibi is not None,
+                                    sink_rows is not None)
         # The plan's own copies, made before the check: a caller changing its
         # arrays afterwards (or meanwhile, on another thread) changes nothing,
         # and every later backend plan is built from what was checked.
-        tables32 = np.array(_int32_table(tables), dtype=np.int32, order="C", copy=True)
+        tables32 = np.array(_args.int32_table(tables), dtype=np.int32, order="C", copy=True)
         lens = np.array(lens, dtype=np.int64, copy=True)
         qsl = np.array(qsl, dtype=np.int64, copy=True)
-        status, a, b = _HOST.check_attention_tables(tables32, lens, qsl, num_tokens,
-                                                    src.num_blocks, src.block_size, window)
+        status, a, b = _args.check_tables(_HOST, tables32, lens, qsl, num_tokens, src.num_blocks,
+                                          src.block_size, sorted(set(kinds)))
         if status is not None:
-            _raise_table_error(status, a, b, tables, lens, qsl, src.block_size, src.num_blocks,
-                               num_tokens)
+            _args.raise_table_error(status, a, b, tables, lens, qsl, src.block_size,
+                                    src.num_blocks, num_tokens)
         self._src = src
         self._tables, self._lens, self._qsl = tables32, lens, qsl
         self._num_tokens = num_tokens
-        self._scale, self._window, self._cap, self._threads = scale_v, window, cap_v, threads
+        self._scale, self._cap, self._threads = scale_v, cap_v, threads
+        self._kinds = kinds                  # (window, chunk) of each layer, 0: off
+        self._heads = num_heads              # query heads fixed at plan time, or None
+        # host rows (the CPU fast path binds them) and the device's (runs)
+        self._alibi_host, self._sinks_host = alibi, sink_rows
+        self._alibi = None if alibi is None else be.from_host(alibi)
+        self._sinks = None if sink_rows is None else be.from_host(sink_rows)
         self._plans = {}
+        self._bound = False
         self._fast = None
         self._lock = threading.Lock()
 
@@ -506,10 +396,11 @@ class AttentionPlan:
         """Layers a run may name (``0..num_layers - 1``)."""
         return self._src.num_layers
 
-    def _plan_for(self, num_heads):
-        """The backend plan for ``num_heads`` query heads (made once; the
-        first one made also gets the backend's fast path, when it has one)."""
-        plan = self._plans.get(num_heads)
+    def _kind_plan(self, num_heads, kind):
+        """The backend plan for ``num_heads`` query heads and layer kind
+        ``(window, chunk)`` (made once; the plans of a step take turns)."""
+        key = (num_heads,) + kind
+        plan = self._plans.get(key)
         if plan is not None:
             return plan
         src = self._src
@@ -517,20 +408,33 @@ class AttentionPlan:
             self._tables, self._lens, self._qsl, num_heads=num_heads,
             num_kv_heads=src.num_kv_heads, head_dim=src.head_dim, block_size=src.block_size,
             num_blocks=src.num_blocks, kind=src.kind, scale=self._scale,
-            sliding_window=self._window, soft_cap=self._cap, num_threads=self._threads)
-        self._plans[num_heads] = plan
-        if self._bindable and len(self._plans) == 1:
-            self._fast = self._bind(plan)
+            sliding_window=kind[0], soft_cap=self._cap, chunk_size=kind[1],
+            num_threads=self._threads)
+        share = getattr(plan, "share_guard", None)
+        if share is not None and self._plans:
+            share(next(iter(self._plans.values())))
+        self._plans[key] = plan
         return plan
 
-    def _bind(self, plan):
+    def _plan_for(self, num_heads, layer):
+        """The backend plan of ``layer`` for ``num_heads`` query heads; the
+        first call also sets up the backend's fast path, when it has one."""
+        plan = self._kind_plan(num_heads, self._kinds[layer])
+        if self._bindable and not self._bound:
+            self._bound = True
+            self._fast = self._bind(num_heads)
+        return plan
+
+    def _bind(self, num_heads):
         """``plan.bind(...)``'s fast run (host backends with one), or None.
 
         Layer ``l``'s planes lie ``l`` layer strides past layer 0's (the
         pool's storage, 5-D planes and a KVCache's storage all stack their
         layers): the backend measures the stride from layer 0 and the last
-        layer."""
-        bind = getattr(plan, "bind", None)
+        layer.  Layers of several kinds: every kind's plan is made now, and
+        each layer runs on its kind's."""
+        plans = [self._kind_plan(num_heads, kind) for kind in self._kinds]
+        bind = getattr(plans[0], "bind", None)
         if bind is None:
             return None
         src = self._src
@@ -547,8 +451,11 @@ class AttentionPlan:
         elif low0 is not None:                               # fp8 layer scales
             extra = dict(layer_scales=np.array([src.planes(l)[2][2:]
                                                 for l in range(src.num_layers)], np.float32))
+        if len(set(self._kinds)) > 1:
+            extra["layer_plans"] = plans
         owned = tuple(a for a in src.owned if isinstance(a, np.ndarray))
-        return bind(k0, v0, kl, vl, src.num_layers, owned=owned, **extra)
+        return bind(k0, v0, kl, vl, src.num_layers, owned=owned, alibi=self._alibi_host,
+                    sinks=self._sinks_host, **extra)
 
     def run(self, q, layer, out=None):
         """Attention of ``q`` over layer ``layer``, as planned.
@@ -588,7 +495,10 @@ class AttentionPlan:
         if num_tokens != self._num_tokens:
             raise ValueError(f"q.shape[0] must be the plan's num_query_tokens="
                              f"{self._num_tokens}, got {num_tokens}")
-        plan = self._plan_for(num_heads)
+        if self._heads is not None and num_heads != self._heads:
+            raise ValueError(f"q.shape[1] must be the plan's num_heads={self._heads} (fixed by "
+                             f"num_heads, alibi_slopes or sinks), got {num_heads}")
+        plan = self._plan_for(num_heads, layer)
         shape = tuple(qbits.shape)
         if out is not None:
             obits, result, okind = _out_input(be, out, shape, src.owned)
@@ -610,7 +520,9 @@ class AttentionPlan:
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
                                "plan: use one plan per thread)")
         try:
-            be.attention_run(plan, qin, target, key_cache, value_cache, lowprec)
+            be.attention_run(plan, qin, target, key_cache, value_cache, lowprec,
+                             alibi_slopes=None if self._alibi is None else self._alibi[layer],
+                             sinks=None if self._sinks is None else self._sinks[layer])
         finally:
             self._lock.release()
         if out is None:
@@ -622,7 +534,8 @@ class AttentionPlan:
 
 # ------------------------------------------------------------------ the call
 def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None, scale=None,
-                    sliding_window=None, logits_soft_cap=None, out=None):
+                    sliding_window=None, logits_soft_cap=None, out=None, *, chunk_size=None,
+                    alibi_slopes=None, sinks=None):
     """Attention of ``q`` over the K/V of ``pool``'s ``layer``, read where it lies.
 
     Varlen queries with block tables (the FlashAttention / vLLM convention):
@@ -651,7 +564,9 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
         default one query per sequence (decode).
     scale : float, optional
         Default ``1 / sqrt(head_dim)``; 0 or a magnitude in ``[2**-126,
-        FLT_MAX / log2(e)]`` (the kernels compute in float32).
+        FLT_MAX / log2(e)]`` (the kernels compute in float32; every such
+        scale gives a finite result where the float32 dots are finite: a
+        huge one the one-hot limit, see docs/api.md).
     sliding_window : int, optional
         Each query sees only the last ``sliding_window`` positions up to and
         including its own.
@@ -661,6 +576,18 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     out : array ``(num_query_tokens, num_heads, head_dim)``, optional
         Writable float32 (or float16 / bfloat16) array or torch tensor,
         apart from the pool's storage and scales; filled and returned.
+    chunk_size : int, optional
+        Chunked attention (Llama 4): a query at position ``p`` sees no
+        position before ``(p // chunk_size) * chunk_size``, the start of its
+        chunk (with a window too: the later of the two starts).
+    alibi_slopes : float array ``(num_heads,)``, optional
+        ALiBi (BLOOM, MPT, Falcon): ``alibi_slopes[h] * (t - p)`` is added to
+        query head ``h``'s score of key position ``t`` (after the soft
+        cap).  Finite values, any float dtype, NumPy / torch / CuPy.
+    sinks : float array ``(num_heads,)``, optional
+        Attention sinks (gpt-oss): a logit per query head, in the scores'
+        natural-log units, joining each row's softmax denominator:
+        ``w_t = exp(x_t) / (sum_t' exp(x_t') + exp(sinks[h]))``.
 
     Returns
     -------
@@ -680,12 +607,15 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
-    plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc, scale,
-                               sliding_window, logits_soft_cap, checked[0].shape[0])
+    plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc,
+                               checked[0].shape[0], layer, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               chunk_size=chunk_size, alibi_slopes=alibi_slopes, sinks=sinks)
     # the run's own fast path when the backend has one (fewer Python-level
     # checks than the general run, the same results)
     plan._bindable = True
-    plan._plan_for(checked[0].shape[1])
+    if plan._heads in (None, checked[0].shape[1]):
+        plan._plan_for(checked[0].shape[1], layer)
     return plan.run(q, layer, out)
 
 
@@ -699,40 +629,18 @@ def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
     src = _Source(backend_of_array(key_cache), kind, 1, tuple(key_cache.shape),
                   lambda layer: (key_cache, value_cache, lowprec), (storage,), "the pool's ")
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
-    plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc, scale,
-                               sliding_window, logits_soft_cap, checked[0].shape[0])
+    plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc,
+                               checked[0].shape[0], 0, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return plan._run(q, 0, out, checked)
-
-
-def _raise_table_error(status, a, b, tables, lens, qsl, block_size, num_blocks, num_tokens):
-    if status == "BAD_SEQ_LEN":
-        cap = tables.shape[1] * block_size
-        raise ValueError(f"seq_lens must lie in 0..{cap} (block_tables.shape[1] * block_size "
-                         f"= {tables.shape[1]} * {block_size}), got {int(lens[a])} at index {a}")
-    if status == "BAD_FIRST_START":
-        raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
-    if status == "DECREASING_START":
-        raise ValueError(f"query_start_loc must be non-decreasing, got {int(qsl[a])} then "
-                         f"{int(qsl[a + 1])} at index {a}")
-    if status == "BAD_LAST_START":
-        raise ValueError(f"query_start_loc[-1] must be q.shape[0]={num_tokens} (the number of "
-                         f"query tokens), got {int(qsl[-1])}")
-    if status == "SHORT_SEQ":
-        raise ValueError(f"seq_lens[{a}] = {int(lens[a])} is less than the "
-                         f"{int(qsl[a + 1] - qsl[a])} query tokens of sequence {a}: seq_lens "
-                         "counts the queries too")
-    if status == "BAD_BLOCK_ID":
-        raise IndexError(f"block_tables[{a}, {b}] must be a block id in 0..{num_blocks - 1} "
-                         f"(position {b * block_size} of sequence {a} is read), got "
-                         f"{int(tables[a, b])}")
-    raise AssertionError(f"unknown check status {status}")  # pragma: no cover
 
 
 # ------------------------------------------------------------------ conveniences
 def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_soft_cap=None,
-                       out=None):
+                       out=None, **features):
     """``PagedKVCache.attention``: queries of positions ``num_computed ..
-    num_computed + n - 1`` of ``seq``, causal over the sequence."""
+    num_computed + n - 1`` of ``seq``, causal over the sequence
+    (``features``: ``chunk_size``, ``alibi_slopes``, ``sinks``)."""
     pool = seq.pool
     layer = layer_index(layer, pool.num_layers)
     y, _ = _arrays.unwrap(q, "q")
@@ -753,17 +661,18 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     return paged_attention(q, pool, layer, table[None, :], np.array([start + n], np.int64),
                            query_start_loc=np.array([0, n], np.int64), scale=scale,
                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                           out=out)
+                           out=out, **features)
 
 
 def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_soft_cap=None,
-                    out=None):
+                    out=None, **features):
     """``KVCache.attention``: ``q`` ``(batch, num_heads, n, head_dim)`` are the
     queries of the layer's last ``n`` written positions; returns
     ``(batch, num_heads, n, head_dim)`` float32 (or ``out``).  A plan over
     the cache (one "block" per batch row, block_size = max_seq_len) and one
-    run."""
+    run (``features``: ``chunk_size``, ``alibi_slopes``, ``sinks``)."""
     k = cache.key_cache(layer)    # checks layer
+    layer = layer_index(layer, cache.num_layers)
     length = cache.layer_len(layer)
     batch, num_kv_heads, max_len, head_dim = k.shape
     be = cache._backend
@@ -795,8 +704,9 @@ def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_sof
     qsl = np.arange(0, batch * n + 1, n)
     q_rows = be.xp.ascontiguousarray(qbits.transpose(0, 2, 1, 3)).reshape(
         batch * n, num_heads, head_dim)
-    plan = AttentionPlan._make(src, tables, lens, qsl, scale, sliding_window, logits_soft_cap,
-                               batch * n)
+    plan = AttentionPlan._make(src, tables, lens, qsl, batch * n, layer, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               **features)
     rows = plan._run(None, layer, None, (q_rows, qkind))
     res = rows.reshape(batch, n, num_heads, head_dim).transpose(0, 2, 1, 3)
     if out is None:

@@ -374,7 +374,7 @@ class KVCache:
         return dsts[0][1], dsts[1][1]
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
-                  out=None):
+                  out=None, chunk_size=None, alibi_slopes=None, sinks=None):
         """Attention of the layer's last ``n`` positions' queries over the cache.
 
         ``q`` ``(batch_size, num_heads, n, head_dim)`` are the queries of the
@@ -385,7 +385,8 @@ class KVCache:
         from .attention import cache_attention
 
         return cache_attention(self, layer, q, scale=scale, sliding_window=sliding_window,
-                               logits_soft_cap=logits_soft_cap, out=out)
+                               logits_soft_cap=logits_soft_cap, out=out, chunk_size=chunk_size,
+                               alibi_slopes=alibi_slopes, sinks=sinks)
 
     def key_cache(self, layer):
         """The whole K buffer of ``layer``, ``(batch, heads, max_seq_len, dim)``.

@@ -236,13 +236,7 @@ def _fp8_out(be, out, shape, fmt):
     """``(codes, result)`` for an ``out=`` that must hold fp8 codes of format
     ``fmt`` in ``shape`` (uint8, ml_dtypes' or torch's float8 type of that
     format): the writable uint8 array to fill and what the call returns."""
-    torch = _arrays._torch_of(out)
-    if torch is not None and out.requires_grad:
-        raise TypeError(
-            "out is a torch tensor that requires grad; kvcore writes its memory "
-            "outside autograd, so pass one that does not (e.g. out.detach())")
-    y, bf16 = _arrays.unwrap(_fp8_codes(out, fmt), "out")
-    a = be.check_out(y, "out")
+    a, bf16 = _arrays.writable(be, out, "out", lambda o: _fp8_codes(o, fmt))
     if bf16 or a.dtype != _U8:
         raise TypeError(f"out must have dtype {_fp8_want(fmt)}, got {_what(out)}")
     if tuple(a.shape) != tuple(shape):

@@ -469,7 +469,7 @@ class PagedKVCache:
         return pool._gather_scales(layer, self._seq.table, start, end)
 
     def attention(self, layer, q, *, scale=None, sliding_window=None, logits_soft_cap=None,
-                  out=None):
+                  out=None, chunk_size=None, alibi_slopes=None, sinks=None):
         """Attention of this step's queries over the sequence, read from the pages.
 
         ``q`` ``(n, num_heads, head_dim)`` are the queries of positions
@@ -483,7 +483,8 @@ class PagedKVCache:
         from .attention import sequence_attention
 
         return sequence_attention(self, layer, q, scale=scale, sliding_window=sliding_window,
-                                  logits_soft_cap=logits_soft_cap, out=out)
+                                  logits_soft_cap=logits_soft_cap, out=out, chunk_size=chunk_size,
+                                  alibi_slopes=alibi_slopes, sinks=sinks)
 
     # ------------------------------------------------------------ lifecycle
     def truncate(self, n):

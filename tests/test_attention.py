@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - run as a package
 
 import kvcore
 from kvcore.backends.cpu import _attention
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 
 TOL = 1e-5
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -761,7 +761,8 @@ def _build_and_run_check(cc, out, extra=(), runner=()):
 @needs_source
 def test_c_kernels_alone_every_level(tmp_path):
     """kv_attention.c without Python: every level against a double-precision
-    attention in C (threads, GQA, window, soft cap, every page dtype)."""
+    attention in C (threads, GQA, window, soft cap, every page dtype; chunks,
+    ALiBi, sinks, extreme scales)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -774,10 +775,11 @@ def test_c_kernels_alone_every_level(tmp_path):
 @needs_source
 def test_c_kernels_on_aarch64_under_qemu(tmp_path):
     """The scalar and NEON paths on AArch64 (cross-compiled, run under
-    qemu-aarch64): every page dtype, threads, GQA, window, soft cap, exp2."""
+    qemu-aarch64): every page dtype, threads, GQA, window, soft cap, exp2,
+    chunks, ALiBi, sinks and extreme scales (one thread's bits too)."""
     cc, qemu = aarch64_tools()
     run = _build_and_run_check(cc, tmp_path / "check_a64", extra=("-static",), runner=(qemu,))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "level scalar: 30 cases, 0 failures" in run.stdout
-    assert "level neon: 30 cases, 0 failures" in run.stdout      # the NEON kernels
+    assert "level scalar: 90 cases, 0 failures" in run.stdout
+    assert "level neon: 90 cases, 0 failures" in run.stdout      # the NEON kernels
     assert "2 levels, 0 failures" in run.stdout

@@ -29,7 +29,7 @@ DRIVER = ROOT / "tests" / "c" / "kv_attn_avx512_check.c"
 ATTENTION_CHECK = ROOT / "tests" / "c" / "kv_attention_check.c"
 # what kv_attn_avx512_check.c counts (a change of its cases, or of
 # KVA_KEY_TILE: its math checks run every tile width, changes it)
-AVX512_CHECKS = 4651
+AVX512_CHECKS = 4711
 
 
 def _cc():
@@ -64,7 +64,8 @@ def test_avx512_kernels_match_scalar_and_float64_under_simde(tmp_path, emulated_
     """Every kind; head_dims 8 to 256 with and without a last vector of 8;
     1 to 64 rows (16 and more: the scores over the transposed key tile);
     GQA groups of 1 to 8; ragged lengths, decode splits, window, soft cap;
-    the math table; the same bits for 1, 2 and 5 threads."""
+    chunks, ALiBi, sinks and extreme scales; the math table; the same bits
+    for 1, 2 and 5 threads."""
     run = _build_and_run(_cc(), DRIVER, tmp_path / "avx512_check",
                          extra=("-DKVA_AVX512_SIMDE", f"-I{ROOT / 'tests' / 'c'}"),
                          objects=emulated_objects)
@@ -92,8 +93,8 @@ def test_attention_check_runs_the_emulated_avx512_level(tmp_path, emulated_objec
     run = _build_and_run(_cc(), ATTENTION_CHECK, tmp_path / "attention_check",
                          objects=emulated_objects)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "level avx512: 30 cases, 0 failures" in run.stdout, run.stdout
-    assert "level scalar: 30 cases, 0 failures" in run.stdout
+    assert "level avx512: 90 cases, 0 failures" in run.stdout, run.stdout
+    assert "level scalar: 90 cases, 0 failures" in run.stdout
 
 
 @needs_source

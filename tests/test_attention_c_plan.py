@@ -1,12 +1,14 @@
-"""The C attention plan through its thin Cython wrapper
-(kvcore.backends.cpu._attention.make_plan / Plan.run): planned once, run per
-layer, every run bit for bit equal to the one-call paged_attention, at every
-SIMD level and thread count; the plan keeps its own copy of the index
-arrays; inconsistent calls raise instead of reading out of bounds."""
+"""The C attention plan through the CPU backend's interface
+(``attention_plan`` / ``attention_run``, ``check_attention_tables``, the
+one-call ``paged_attention``): planned once, run per layer, every run bit
+for bit equal to the one-call paged_attention, at every SIMD level and
+thread count; the plan keeps its own copy of the index arrays; inconsistent
+calls raise instead of reading out of bounds."""
 
 import numpy as np
 import pytest
 
+from kvcore.backends import CPU
 from kvcore.backends.cpu import _attention
 
 try:
@@ -56,12 +58,17 @@ def _one_layer(seed, contexts, queries, max_blocks, num_blocks, dtype):
 
 
 def _make(tables, seq_lens, qsl, num_blocks, kind, threads, window=0, cap=0.0):
-    status, a, b, plan = _attention.make_plan(
+    assert CPU.check_attention_tables(tables, seq_lens, qsl, int(qsl[-1]), num_blocks, 16,
+                                      window) == (None, 0, 0)
+    return CPU.attention_plan(
         tables, seq_lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
         num_blocks=num_blocks, kind=kind, scale=0.125, sliding_window=window, soft_cap=cap,
         num_threads=threads)
-    assert (status, a, b) == (0, 0, 0)
-    return plan
+
+
+def _one_call(q, out, kc, vc, kind, tables, seq_lens, qsl, window=0, cap=0.0):
+    CPU.paged_attention(q, out, kc, vc, kind, tables, seq_lens, qsl, 0.125, window, cap,
+                        num_threads=1)
 
 
 @pytest.mark.parametrize("dtype", sorted(KINDS))
@@ -81,15 +88,15 @@ def test_plan_runs_are_paged_attention_bit_for_bit(level, dtype, threads, window
         got = np.full_like(q, np.nan)
         plan.run(q, got, kc[layer], vc[layer])
         want = np.empty_like(q)
-        assert _attention.paged_attention(q, want, kc[layer], vc[layer], KINDS[dtype], tables,
-                                          seq_lens, qsl, 0.125, window, cap, 1) == (0, 0, 0)
+        _one_call(q, want, kc[layer], vc[layer], KINDS[dtype], tables, seq_lens, qsl, window,
+                  cap)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_plan_keeps_its_own_copy_of_the_index_arrays():
     tables, seq_lens, qsl, kc, vc, q = _one_layer(3, [300, 17], [1, 17], 20, 64, "float16")
     want = np.empty_like(q)
-    _attention.paged_attention(q, want, kc[0], vc[0], 1, tables, seq_lens, qsl, 0.125, 0, 0.0, 1)
+    _one_call(q, want, kc[0], vc[0], 1, tables, seq_lens, qsl)
     plan = _make(tables, seq_lens, qsl, 64, 1, 2)
     tables[:] = 10**6        # would read far past the pool
     seq_lens[:] = 0
@@ -104,10 +111,8 @@ def test_plan_checks_block_ids_once():
     rng = np.random.default_rng(4)
     tables, seq_lens, qsl = _batch(rng, [40], [1], 4, 8, 16)
     tables[0, 2] = 8  # one past the pool, and read
-    status, a, b, plan = _attention.make_plan(
-        tables, seq_lens, qsl, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-        num_blocks=8, kind=1, scale=0.125, sliding_window=0, soft_cap=0.0, num_threads=1)
-    assert plan is None and _attention.STATUS_NAMES[status] == "BAD_BLOCK_ID" and (a, b) == (0, 2)
+    assert CPU.check_attention_tables(tables, seq_lens, qsl, 1, 8, 16, 0) == ("BAD_BLOCK_ID",
+                                                                              0, 2)
 
 
 def test_run_refuses_arrays_that_do_not_match_the_plan():

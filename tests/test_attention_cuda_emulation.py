@@ -190,12 +190,14 @@ PREFILL_TOL = {F16: 1e-3, BF16: 8e-3}
 
 
 def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
-                  block_size=16, window=None, cap=None, q_dtype="float32", out_dtype="float32"):
+                  block_size=16, window=None, cap=None, q_dtype="float32", out_dtype="float32",
+                  chunk=None, alibi=None, sinks=None, scale=None):
     """One call with the tensor-core path on: (got, want, error); q and out
-    handed over in ``q_dtype`` / ``out_dtype`` (out poisoned with NaN)."""
+    handed over in ``q_dtype`` / ``out_dtype`` (out poisoned with NaN);
+    chunk / alibi / sinks / scale as in _attention_case."""
     import ml_dtypes
 
-    from kvcore.backends.reference import paged_attention_reference
+    from kvcore.backends.base import paged_attention_reference
 
     dev.be._tensor_cores = True
     need = [-(-c // block_size) for c in contexts]
@@ -216,15 +218,18 @@ def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, q
     qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
     q_in, q = _io_bits(rng.standard_normal((int(qsl[-1]), num_heads, head_dim))
                        .astype(np.float32), q_dtype)
-    scale = 1.0 / np.sqrt(head_dim)
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     out = dev.put(_io_bits(np.full(q.shape, np.nan, np.float32), out_dtype)[0])
+    feats = {name: dev.put(np.asarray(a, np.float32)) for name, a in
+             (("alibi_slopes", alibi), ("sinks", sinks)) if a is not None}
     dev.be.paged_attention(dev.put(q_in), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
-                           scale, window or 0, cap or 0.0)
+                           scale, window or 0, cap or 0.0, chunk_size=chunk or 0, **feats)
     got = _io_values(dev.get(out), out_dtype)
     assert not np.isnan(got).any()
     want = paged_attention_reference(
         q, k, v, tables, lens, qsl, scale=scale, sliding_window=window, logits_soft_cap=cap,
-        kind="bfloat16" if kind == BF16 else None)
+        kind="bfloat16" if kind == BF16 else None, chunk_size=chunk, alibi_slopes=alibi,
+        sinks=sinks)
     return got, want, np.abs(got - want).max() / np.abs(want).max()
 
 
@@ -532,7 +537,7 @@ def test_tensor_core_decode_nan_codes(tc_dev, qk):
 
 # ------------------------------------------------ the fast lane (bind)
 def _layer_reference(storage, layer, q, tables, lens, qsl, scale, kind, scales=None):
-    from kvcore.backends.reference import paged_attention_reference
+    from kvcore.backends.base import paged_attention_reference
 
     kw = dict(kind=dtypes.KIND_NAME[kind])
     if scales is not None:
@@ -628,3 +633,118 @@ def test_fast_lane_is_not_bound_where_it_cannot_be(tc_dev):
     assert plan.bind(st[0], st[1], st[1], st[2], 4) is None
     assert plan.bind(st[0], st[1], st[2], st[3], 2, head_scales=np.ones((2, 2, 2))) is None
     assert plan.bind(np.zeros((10, 2, 16, 64), np.float16), st[1], st[2], st[3], 2) is None
+
+
+# ------------------------------------------------ issue 39 features, 38.3 scales
+# chunked attention, ALiBi, sinks and every accepted scale in every CUDA
+# kernel, against the float64 reference: the float32 kernels and the
+# tensor-core decode within 1e-5, the prefill kernels within PREFILL_TOL.
+def _features(rng, num_heads, which):
+    """Keyword arguments of one feature case (num_heads query heads)."""
+    slopes = (2.0 ** (-8.0 * (np.arange(num_heads) + 1) / num_heads)).astype(np.float32)
+    sinks = (rng.standard_normal(num_heads) * 2).astype(np.float32)
+    sinks[0] = 25.0   # a sink above every key's score: its branch of the norm
+    return {
+        "chunk": dict(chunk=7),
+        "chunk+window": dict(chunk=16, window=9),
+        "alibi": dict(alibi=slopes),
+        "sinks": dict(sinks=sinks),
+        "all": dict(chunk=32, window=40, alibi=slopes, sinks=sinks, cap=30.0),
+        "scale 1e38": dict(scale=1e38),
+        "scale -1e38, sinks, alibi": dict(scale=-1e38, sinks=sinks, alibi=slopes),
+        "scale 1e38, cap": dict(scale=1e38, cap=5.0),
+        "scale 3e3": dict(scale=3e3, chunk=11),
+    }[which]
+
+
+FEATURE_CASES = ["chunk", "chunk+window", "alibi", "sinks", "all", "scale 1e38",
+                 "scale -1e38, sinks, alibi", "scale 1e38, cap", "scale 3e3"]
+
+
+@pytest.mark.parametrize("which", FEATURE_CASES)
+@pytest.mark.parametrize("kind", (F32, F16, F8E4M3, I8), ids=["f32", "f16", "e4m3", "i8"])
+def test_features_in_the_float32_kernels(dev, kind, which, monkeypatch):
+    """The tiled split kernel and the merge (splits of 16 keys) with q in
+    float32: decode rows and short chunks of ragged sequences."""
+    rng = np.random.default_rng([39, kind, FEATURE_CASES.index(which)])
+    feats = _features(rng, 8, which)
+    _attention_case(dev, rng, kind, 64, 8, 2, contexts=[1, 37, 130, 9], queries=[1, 1, 3, 2],
+                    block_size=5, split_keys=16, monkeypatch=monkeypatch,
+                    layer_scales=FP8_SCALES, **feats)
+    names = _split_names(dev)
+    assert names == [ak.split_name(kind, 64)]
+    # (chunks shorter than a split: no row has two)
+    assert any(n.startswith("kva_attention_merge") for n, _, _ in dev.be.launches) \
+        == (feats.get("chunk", 99) > 16)
+
+
+@pytest.mark.parametrize("which", ("all", "scale -1e38, sinks, alibi"))
+def test_features_in_the_scalar_kernel(emu, which):
+    be = EmulatedBackend(_AttentionOnly(emu))
+    dev = DeviceUnderTest(be, _shifted_put(2), _get, 1)
+    rng = np.random.default_rng(4)
+    _attention_case(dev, rng, F16, 64, 8, 2, contexts=[70, 7], queries=[1, 2], block_size=8,
+                    **_features(rng, 8, which))
+    assert [n for n, _, _ in be.launches] == [ak.scalar_name(F16, 64)]
+
+
+@pytest.mark.parametrize("which", FEATURE_CASES)
+@pytest.mark.parametrize("kind", (F16, BF16, F8E5M2), ids=["f16", "bf16", "e5m2"])
+def test_features_in_the_tensor_core_decode(tc_dev, kind, which, monkeypatch):
+    """q in the mma's type, splits of 48 keys merged by the last block."""
+    rng = np.random.default_rng([40, kind, FEATURE_CASES.index(which)])
+    _attention_case(tc_dev, rng, kind, 64, 8, 2, contexts=[1, 37, 130, 9],
+                    queries=[1, 1, 3, 2], block_size=5, split_keys=48, monkeypatch=monkeypatch,
+                    layer_scales=FP8_SCALES, q_dtype=TC_IO[kind][-1],
+                    **_features(rng, 8, which))
+    assert _tc_names(tc_dev) == [ak.tc_name(kind, 64, dtypes.NAME_KIND[TC_IO[kind][-1]])]
+
+
+@pytest.mark.parametrize("which", FEATURE_CASES)
+@pytest.mark.parametrize("version", (3, 2))
+def test_features_in_the_prefill_kernels(dev, which, version):
+    """kva_prefill_tc (version 3) and the older prefill kernel (version 2)
+    over a chunk of 100 queries after 60 earlier keys; q in float16 (the
+    prefill kernels round q to the pages' type: with a cap at scale 1e38
+    the scores are the dots' signs, which a rounding of q may flip)."""
+    dev.be.attention_version = version
+    rng = np.random.default_rng([41, version, FEATURE_CASES.index(which)])
+    _, _, err = _prefill_case(dev, rng, F16, 64, 8, 2, contexts=[160], queries=[100],
+                              block_size=16, **_features(rng, 8, which),
+                              q_dtype="float16" if version == 3 else "float16-values")
+    want = ak.prefill_tc_name(F16, 64) if version == 3 else ak.prefill_name(F16, 64)
+    assert [n for n, _, _ in dev.be.launches] == [want]
+    assert err <= PREFILL_TOL[F16], err
+
+
+def test_fast_lane_takes_the_layers_rows_and_kinds(tc_dev):
+    """bind with ALiBi / sink rows per layer and layers of two kinds
+    (chunked and full): each layer runs its kind's plan with its rows."""
+    from kvcore.backends.base import paged_attention_reference
+
+    be = tc_dev.be
+    rng = np.random.default_rng(42)
+    L, nb, H, KVH, bs, D = 2, 20, 8, 2, 16, 64
+    storage = rng.standard_normal((2 * L, nb, KVH, bs, D)).astype(np.float16)
+    st = _put(storage)
+    tables = rng.permutation(nb)[:12].astype(np.int32).reshape(2, 6)
+    lens, qsl = np.array([90, 17]), np.array([0, 1, 3])
+    alibi = rng.uniform(0.01, 0.5, (L, H)).astype(np.float32)
+    sinks = rng.standard_normal((L, H)).astype(np.float32)
+    kinds = [(0, 0), (0, 16)]   # (window, chunk) per layer
+    plans = [be.attention_plan(tables, lens, qsl, num_heads=H, num_kv_heads=KVH, head_dim=D,
+                               block_size=bs, num_blocks=nb, kind=F16, scale=0.125,
+                               sliding_window=w, soft_cap=0.0, chunk_size=c) for w, c in kinds]
+    plans[1].share_guard(plans[0])
+    fast = plans[0].bind(st[0], st[1], st[2], st[3], L, alibi=alibi, sinks=sinks,
+                         layer_plans=plans)
+    for layer in range(L):
+        q = rng.standard_normal((3, H, D)).astype(np.float16)
+        out = fast(_put(q), layer)
+        want = paged_attention_reference(q.astype(np.float32), storage[2 * layer],
+                                         storage[2 * layer + 1], tables, lens, qsl, scale=0.125,
+                                         chunk_size=kinds[layer][1] or None,
+                                         alibi_slopes=alibi[layer], sinks=sinks[layer])
+        assert np.abs(np.asarray(out) - want).max() <= 1e-5 * np.abs(want).max()
+    with plans[0].lock:   # one guard for the kinds' plans
+        assert fast(_put(q), 1) is NotImplemented

@@ -13,7 +13,7 @@ import kvcore
 from kvcore import dtypes
 from kvcore.backends import CPU, Backend
 from kvcore.backends.cpu import _attention
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 
 try:
     from test_cuda_host_emulation import DevArray, _get, _put, emu_lib, emulated_cuda  # noqa: F401
@@ -160,10 +160,13 @@ def test_run_out_may_not_overlap_the_scales_or_q():
     q = np.ascontiguousarray(q[:, :2])              # as many floats as the scale planes
     plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_heads=2)
     before = pool.scales.copy()
-    for scales in (pool.scales.reshape(q.shape),    # the fast path's check
-                   np.lib.stride_tricks.as_strided(pool.key_scales(1), q.shape, (0, 0, 4))):
-        with pytest.raises(ValueError, match="out must not overlap the KV cache's storage or "
-                                             "scales"):
+    for scales, why in ((pool.scales.reshape(q.shape), "not overlap the KV cache's storage "
+                                                        "or scales"),   # the fast path's check
+                        (pool.scales.reshape(q.shape)[:, ::-1],    # the general path's
+                         "not overlap the KV cache's storage or scales"),
+                        (np.lib.stride_tricks.as_strided(pool.key_scales(1), q.shape, (0, 0, 4)),
+                         "have its own memory for every element")):    # (and its rows overlap)
+        with pytest.raises(ValueError, match=f"out must {why}"):
             plan.run(q, 2, out=scales)
     np.testing.assert_array_equal(pool.scales, before)
     # out = q itself: computed into a temporary, then copied

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 
 try:
     from test_cuda_host_emulation import DevArray, _get, _put, emu_lib, emulated_cuda  # noqa: F401

@@ -1,8 +1,7 @@
 """kvcore's XXH3-64 (kv_xxh3.c: the checksum of prefix-store entries of
 format version 3) is the real XXH3-64, bit for bit, at every SIMD level
-this CPU has; the copy that computes it copies exactly; the batch copy
-gives the same bits on every thread count (the single copies:
-tests/test_stores_checksum.py)."""
+this CPU has; the copies that compute it copy exactly and refuse sizes that
+do not fit; the batch copy gives the same bits on every thread count."""
 import os
 import subprocess
 import sys
@@ -63,6 +62,39 @@ def test_xxh3_kvcore_simd_caps_the_level():
     assert out.stdout.strip() == str(SCALAR)
 
 
+# the fused copy at the scalar level and at the default one
+COPIES = {
+    "scalar": lambda *a: _checksum.copy_xxh3(*a, level=SCALAR),
+    "default": _checksum.copy_xxh3,
+}
+
+
+@pytest.mark.parametrize("copy", sorted(COPIES))
+@pytest.mark.parametrize("chunks, chunk, stride", [(1, 0, 0), (1, 5, 5), (3, 7, 11),
+                                                   (64, 32768, 65536), (4, 20000, 20000),
+                                                   (2, 8193, 9000), (64, 4096, 8192),
+                                                   (40, 100, 130)])
+def test_copy_copies_and_hashes_the_source(copy, chunks, chunk, stride):
+    src = np.frombuffer(os.urandom(chunks * chunk), np.uint8)
+    dst = np.full(max(stride * chunks, 1), 0xA5, np.uint8)
+    before = dst.copy()
+    h = COPIES[copy](src, dst, chunks, chunk, stride, 99)
+    assert h == want(src, 99)
+    for i in range(chunks):
+        assert np.array_equal(dst[i * stride:i * stride + chunk], src[i * chunk:(i + 1) * chunk])
+        # nothing between the chunks is touched
+        assert np.array_equal(dst[i * stride + chunk:(i + 1) * stride],
+                              before[i * stride + chunk:(i + 1) * stride])
+
+
+@pytest.mark.parametrize("copy", sorted(COPIES))
+def test_copy_refuses_sizes_that_do_not_fit(copy):
+    with pytest.raises(ValueError, match="src holds"):
+        COPIES[copy](b"abc", bytearray(10), 1, 4, 4, 0)
+    with pytest.raises(ValueError, match="dst is too small"):
+        COPIES[copy](b"abcdefgh", bytearray(10), 2, 4, 8, 0)
+
+
 def _interleaved(n, chunks, chunk, fill=7):
     # sources laid out like a pool's blocks: source j's chunk i at
     # offsets[j] + i * stride (stride = n sources * chunk)
@@ -85,6 +117,51 @@ def test_copy_xxh3_many_equals_one_copy_per_source(chunks, chunk):
         assert digests[j] == want(srcs[j], 10 + j)
         _checksum.copy_xxh3(srcs[j], want_dst[offsets[j]:], chunks, chunk, stride, 0)
     assert np.array_equal(dst, want_dst)
+
+
+@pytest.mark.parametrize("tail_chunk", [0, 3, 64])
+def test_copy_xxh3_many_two_parts(tail_chunk):
+    """Sources made of two parts (an int8 pool's codes, then its scales)
+    land in two destinations; the digest covers the whole source."""
+    n, chunks, chunk, tail_chunks = 4, 3, 24, 3
+    srcs = [os.urandom(chunks * chunk + tail_chunks * tail_chunk) for _ in range(n)]
+    order = [2, 0, 3, 1]
+    a = np.zeros(n * chunks * chunk, np.uint8)
+    b = np.zeros(max(n * tail_chunks * tail_chunk, 1), np.uint8)
+    digests = _checksum.copy_xxh3_many(
+        srcs, [(a, [k * chunk for k in order], chunks, chunk, n * chunk),
+               (b, [k * tail_chunk for k in order], tail_chunks, tail_chunk, n * tail_chunk)],
+        list(range(n)))
+    for j, k in enumerate(order):
+        assert digests[j] == want(srcs[j], j)
+        for i in range(chunks):
+            assert a[i * n * chunk + k * chunk:][:chunk].tobytes() == \
+                srcs[j][i * chunk:(i + 1) * chunk]
+        for i in range(tail_chunks):
+            start = chunks * chunk + i * tail_chunk
+            assert b[i * n * tail_chunk + k * tail_chunk:][:tail_chunk].tobytes() == \
+                srcs[j][start:start + tail_chunk]
+
+
+def test_copy_xxh3_many_refuses_sizes_that_do_not_fit_before_writing():
+    dst = bytearray(16)
+    many = _checksum.copy_xxh3_many
+    with pytest.raises(ValueError, match=r"srcs\[1\] holds 3 bytes, expected 4"):
+        many([b"abcd", b"abc"], [(dst, [0, 4], 1, 4, 4)], [0, 0])
+    with pytest.raises(ValueError, match="dst is too small"):
+        many([b"abcd", b"efgh"], [(dst, [0, 13], 1, 4, 4)], [0, 0])
+    with pytest.raises(ValueError, match="dst is too small"):   # no wrap-around
+        many([b"abcd"], [(dst, [2**64 - 2], 1, 4, 4)], [0])
+    with pytest.raises(ValueError, match="2 sources but 1 offsets"):
+        many([b"abcd", b"efgh"], [(dst, [0], 1, 4, 4)], [0, 0])
+    with pytest.raises(ValueError, match="2 sources but 1 seeds"):
+        many([b"abcd", b"efgh"], [(dst, [0, 4], 1, 4, 4)], [0])
+    with pytest.raises(ValueError, match=r"srcs\[0\] holds 4 bytes, expected 6"):
+        many([b"abcd"], [(dst, [0], 1, 4, 4), (bytearray(2), [0], 1, 2, 2)], [0])
+    with pytest.raises(ValueError, match="dst is too small"):   # second part checked too
+        many([b"abcdef"], [(dst, [0], 1, 4, 4), (bytearray(1), [0], 1, 2, 2)], [0])
+    assert dst == bytearray(16)
+    assert many([], [(dst, [], 1, 4, 4)], []) == []
 
 
 @pytest.mark.parametrize("level", LEVELS)

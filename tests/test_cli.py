@@ -104,6 +104,20 @@ def test_bench_table_json_and_notes(monkeypatch, tmp_path, capsys):
     assert data["quick"] is True
 
 
+def test_bench_hf_without_torch_is_a_clean_skip():
+    """``bench --only hf`` where torch cannot be imported: a skip line naming
+    what is missing, as for gpu, never a traceback (issue 39 item 5)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import sys; sys.modules['torch'] = None; from kvcore.cli import main; "
+            "sys.exit(main(['bench', '--only', 'hf']))")        # import torch fails
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    assert "note: hf: skipped: kvcore.hf needs torch and transformers" in p.stdout
+
+
 def test_bench_skips_a_missing_optional_module(monkeypatch):
     import importlib
 

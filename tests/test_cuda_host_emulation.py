@@ -922,7 +922,7 @@ def test_paged_attention_over_lowprec_pages_on_cuda(emulated_cuda, dtype):
     and the float64 reference over the dequantized pages; a NaN row (layer
     1, slot 21) is NaN for the queries that see it."""
     import kvcore
-    from kvcore.backends.reference import paged_attention_reference
+    from kvcore.backends.base import paged_attention_reference
 
     rng = np.random.default_rng(60)
     cpu, gpu = _lowprec_attention_pools(dtype, rng)
@@ -1144,7 +1144,7 @@ def test_attention_plan_uploads_once_and_runs_each_layer_with_launches_only(
     from kvcore import dtypes
     from kvcore.backends.base import fp8_encode
     from kvcore.backends.cuda import attention_kernels
-    from kvcore.backends.reference import paged_attention_reference
+    from kvcore.backends.base import paged_attention_reference
 
     if split_keys is not None:
         monkeypatch.setattr(attention_kernels, "SPLIT_KEYS", split_keys)

@@ -1,5 +1,7 @@
 """kvcore.cli.demo: the served-model demo runs through kvcore and verifies itself."""
 import io
+import os
+import re
 
 import numpy as np
 import pytest
@@ -303,11 +305,15 @@ def test_store_namespace_names_the_weights(tmp_path):
 _TOKENS = ["a", "b", "ab", "\u0120", "<|im_end|>"]      # \u0120: byte-level space
 
 
-def _write_tiny_gguf(path, rng, tied=True, bad_shape=None):
+def _write_tiny_gguf(path, rng, tied=True, bad_shape=None, block_count=1, merges=("a b",),
+                     context_length=64, eos=4, rope_base=10000.0, rms_eps=1e-5):
     """A 1-block Llama GGUF (hidden 32 = 2 heads x 16, 1 KV head) with random
     weights, written as llama.cpp's converter does (attn_q/attn_k rows
     permuted to interleaved RoPE, the embedding in Q8_0); returns the
-    rotate-half (HF-layout) weights it holds, ``(out, in)`` each."""
+    rotate-half (HF-layout) weights it holds, ``(out, in)`` each.  The
+    keywords write metadata the tensors do not match (``block_count``),
+    other merges, another context length, end-of-sequence id, RoPE base or
+    RMSNorm epsilon."""
     gguf = pytest.importorskip("gguf")
     heads, kv_heads, hd, hidden, ffn, vocab = 2, 1, 16, 32, 64, len(_TOKENS)
 
@@ -326,19 +332,19 @@ def _write_tiny_gguf(path, rng, tied=True, bad_shape=None):
     emb_q8 = gguf.quants.quantize(rand(vocab, hidden), gguf.GGMLQuantizationType.Q8_0)
     hf["embd"] = gguf.quants.dequantize(emb_q8, gguf.GGMLQuantizationType.Q8_0)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
+    w.add_block_count(block_count)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_context_length(64)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_context_length(context_length)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_base)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(_TOKENS)
     w.add_token_types([1, 1, 1, 1, 3])
-    w.add_token_merges(["a b"])
-    w.add_eos_token_id(4)
+    w.add_token_merges(list(merges))
+    w.add_eos_token_id(eos)
     w.add_tensor("token_embd.weight", emb_q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     tensors = {"blk.0.attn_norm.weight": hf["norm1"], "blk.0.ffn_norm.weight": hf["norm2"],
                "blk.0.attn_q.weight": permute(hf["q"], heads),
@@ -397,6 +403,177 @@ def test_load_gguf_names_a_tensor_of_the_wrong_shape(tmp_path):
                        match=r"tensor 'blk.0.ffn_up.weight' has shape \(63, 32\), expected "
                              r"\(64, 32\)"):
         llama.load_gguf(path)
+
+
+def _demo_in_a_process(path, limit_gib=3, timeout=120):
+    """``python -m kvcore demo --model path`` in a child process whose
+    address space is capped at ``limit_gib``: ``(exit status, stderr)``."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({limit_gib << 30}, {limit_gib << 30}))\n"
+            "from kvcore.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               RUST_BACKTRACE="0")
+    res = subprocess.run([sys.executable, "-c", code, "demo", "--model", str(path), "--requests",
+                          "1", "--new-tokens", "1", "--quiet"], capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    return res.returncode, res.stderr
+
+
+def _one_line_error(rc, err, what):
+    """The demo's answer to a bad model file: exit status 2 and one line
+    (argparse's usage line before it), no traceback, no panic."""
+    assert rc == 2, err
+    assert "Traceback" not in err and "panicked" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("kvcore demo: error: model file") or "error: model file" in last, err
+    assert what in last, last
+
+
+def test_a_gguf_claiming_a_billion_blocks_fails_fast_with_the_missing_tensor(tmp_path):
+    """block_count 10**9 over one block of tensors: the check stops at the
+    first tensor missing instead of listing every tensor the metadata
+    implies first (a MemoryError under a 3 GiB limit)."""
+    pytest.importorskip("tokenizers")
+    from kvcore.cli import llama
+
+    path = tmp_path / "blocks.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(1), block_count=10**9)
+    rc, err = _demo_in_a_process(path)      # first, under the limit
+    _one_line_error(rc, err, "tensor 'blk.1.attn_norm.weight' is missing")
+    with pytest.raises(llama.ModelFileError, match=r"tensor 'blk\.1\.attn_norm\.weight' is "
+                                                   r"missing"):
+        llama.load_gguf(path)
+
+
+@pytest.mark.parametrize("key, count", [("tokenizer.ggml.token_type", 2**33 + 5),
+                                        ("tokenizer.ggml.merges", 2**40),
+                                        ("tokenizer.ggml.tokens", 2**62)])
+def test_an_array_longer_than_the_file_gives_the_one_line_error(tmp_path, key, count):
+    """One flipped bit in an array's length: the gguf package's reader
+    walked it element by element past the end of the file for hours; the
+    counts are now checked against the file's size first."""
+    gguf = pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    path = tmp_path / "counts.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(5))
+    field = gguf.GGUFReader(str(path)).fields[key]
+    at = field.offset + 8 + len(key) + 4 + 4      # key length, key, type, element type
+    data = bytearray(path.read_bytes())
+    data[at:at + 8] = count.to_bytes(8, "little")
+    path.write_bytes(data)
+    rc, err = _demo_in_a_process(path, timeout=60)
+    _one_line_error(rc, err, f"metadata {key!r} ({count} x ")
+    with pytest.raises(llama.ModelFileError, match="runs past the end of the file"):
+        llama.load_gguf(path)
+
+
+@pytest.mark.parametrize("at, what", [(8, "tensors"), (16, "metadata entries")])
+def test_a_header_count_larger_than_the_file_gives_the_error(tmp_path, at, what):
+    pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    path = tmp_path / "header.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(6))
+    data = bytearray(path.read_bytes())
+    data[at:at + 8] = (2**40).to_bytes(8, "little")
+    path.write_bytes(data)
+    rc, err = _demo_in_a_process(path, timeout=60)     # (the reader looped for hours)
+    _one_line_error(rc, err, f"{2**40} {what} (")
+    with pytest.raises(llama.ModelFileError, match=f"{2**40} {what} .* runs past the end"):
+        llama.load_gguf(path)
+
+
+@pytest.mark.parametrize("field, value", [("rope_base", float("nan")), ("rope_base", -1.0),
+                                          ("rope_base", float("inf")), ("rope_base", 0.0),
+                                          ("rms_eps", float("nan")), ("rms_eps", -1e-5)])
+def test_hyperparameters_that_are_not_finite_positive_numbers_give_the_error(tmp_path, field,
+                                                                          value):
+    pytest.importorskip("gguf")
+    from kvcore.cli import llama
+
+    path = tmp_path / "hyper.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(7), **{field: value})
+    key = {"rope_base": "rope.freq_base", "rms_eps": "attention.layer_norm_rms_epsilon"}[field]
+    with pytest.raises(llama.ModelFileError, match=rf"llama\.{key} must be a finite "
+                                                   rf"(positive|non-negative) number"):
+        llama.load_gguf(path)
+
+
+@pytest.mark.parametrize("merges, what", [
+    (["a c"], "'a c') makes 'c'"),              # a part that is no token
+    (["c a"], "'c a') makes 'c'"),
+    (["a b", "b a"], "'b a') makes 'ba'"),      # a merge whose result is no token
+    (["a  b"], "'a  b') makes ' b'"),
+])
+def test_tokenizer_merges_outside_the_vocabulary_give_the_one_line_error(tmp_path, merges,
+                                                                         what):
+    pytest.importorskip("tokenizers")
+    from kvcore.cli import llama
+
+    path = tmp_path / "merges.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(2), merges=merges)
+    with pytest.raises(llama.ModelFileError,
+                       match=r"tokenizer\.ggml\.merges entry \d+ \(" + re.escape(what)
+                       + r", which is not in the vocabulary"):
+        llama.load_gguf(path)
+    rc, err = _demo_in_a_process(path)
+    _one_line_error(rc, err, "not in the vocabulary")
+
+
+def test_tokenizer_fields_of_the_wrong_kind_give_the_one_line_error(tmp_path):
+    pytest.importorskip("tokenizers")
+    from kvcore.cli import llama
+
+    path = tmp_path / "eos.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(3), eos=len(_TOKENS))
+    with pytest.raises(llama.ModelFileError, match=r"eos_token_id must be a token id in 0\.\.4, "
+                                                   r"got 5"):
+        llama.load_gguf(path)
+    with pytest.raises(llama.ModelFileError, match=r"tokenizer\.ggml\.merges must be a list of "
+                                                   r"strings, got list"):
+        llama.GGUFTokenizer(_TOKENS, [1, 2], [1] * len(_TOKENS), "default", 4)
+    with pytest.raises(llama.ModelFileError, match=r"tokenizer\.ggml\.tokens must be a list of "
+                                                   r"strings, got str"):
+        llama.GGUFTokenizer("abc", [], [1, 1, 1], "default", 0)
+    with pytest.raises(llama.ModelFileError, match=r"token_type must be a list of integers"):
+        llama.GGUFTokenizer(_TOKENS, [], "11113", "default", 4)
+
+
+def test_a_huge_context_length_costs_only_the_positions_used(tmp_path):
+    """context_length 2**32 - 1 (the field's largest): the RoPE tables grow
+    with the positions a forward reaches instead of being made for every
+    position up front (32 GiB)."""
+    pytest.importorskip("tokenizers")
+    from kvcore.cli import llama
+
+    path = tmp_path / "context.gguf"
+    _write_tiny_gguf(path, np.random.default_rng(4), context_length=2**32 - 1)
+    model, _ = llama.load_gguf(path)
+    assert model.config.max_position == 2**32 - 1 and len(model._rope_cos) <= 8192
+    small = tmp_path / "small.gguf"
+    _write_tiny_gguf(small, np.random.default_rng(4), context_length=64)
+    want, _ = llama.load_gguf(small)
+    ids = np.array([0, 1, 2, 3, 0, 4])
+    np.testing.assert_array_equal(model.forward_full(ids), want.forward_full(ids))
+    far = 9000 + np.arange(6)               # past the first table: it grows
+    q, k, _ = model.layer_qkv(0, model.embed(ids), far)
+    assert len(model._rope_cos) > 9005
+    half = model.config.head_dim // 2       # the rows it added are RoPE's angles
+    inv_freq = model.config.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0
+                                           / model.config.head_dim)
+    angles = far[:, None].astype(np.float64) * inv_freq[None, :]
+    np.testing.assert_array_equal(model._rope_cos[far], np.cos(angles).astype(np.float32))
+    np.testing.assert_array_equal(model._rope_sin[far], np.sin(angles).astype(np.float32))
+    x = model.embed(ids)
+    positions = np.arange(6)
+    q0, k0, _ = model.layer_qkv(0, x, positions)
+    np.testing.assert_array_equal(q0, want.layer_qkv(0, x, positions)[0])
+    assert np.isfinite(q).all() and np.isfinite(k).all()
 
 
 def test_forward_last_is_the_last_row_of_forward_full():

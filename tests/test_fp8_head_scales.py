@@ -10,7 +10,7 @@ import kvcore
 from kvcore import dtypes
 from kvcore.backends.base import fp8_decode, fp8_encode
 from kvcore.backends.cpu import _attention as _kernel
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 from kvcore.stores import _format
 
 from _stores_support import check_hit, flush_pool, run

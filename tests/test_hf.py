@@ -229,7 +229,7 @@ def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
             runs.append((len(made), layer))
             return super().run(q, layer, out)
 
-    monkeypatch.setattr(kvcore.hf, "AttentionPlan", CountingPlan)
+    monkeypatch.setattr(kvcore.hf.attention, "AttentionPlan", CountingPlan)
     model = model_for("llama", "kvcore")
     ids, mask = _prompts(BATCHES["b4"])
     got = _paged(model, ids, mask, max_new_tokens=4, do_sample=False)
@@ -380,7 +380,7 @@ def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeyp
     step = torch.tensor([[7, 8, 9, 10]])
     pools = [pool_for(model.config, 32, dtype="float16", block_size=4) for _ in range(2)]
     cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
-    real = kvcore.hf._run_plan
+    real = kvcore.hf.attention._run_plan
 
     def refuse(cache, step, key, table, cu, heads, rows, at, flat):
         if at == layer:
@@ -391,7 +391,7 @@ def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeyp
         for first in (True, False):      # the first forward (it makes the rows), a later one
             before = _cache_state(cache)
             with monkeypatch.context() as m:
-                m.setattr(kvcore.hf, "_run_plan", refuse)
+                m.setattr(kvcore.hf.attention, "_run_plan", refuse)
                 with pytest.raises(ValueError, match="head_dim"):
                     model(ids if first else step, **_kw(model, cache))
             assert _cache_state(cache) == before
@@ -413,19 +413,19 @@ def test_an_update_failing_after_the_step_committed_is_undone(monkeypatch):
     step = torch.tensor([[7, 8, 9]])
     pools = [pool_for(model.config, 32, dtype="float32", block_size=4) for _ in range(2)]
     cache, ref = PagedCache(pools[0]), PagedCache(pools[1])
-    real = PagedCache._gather_plan
+    real = kvcore.hf.step.Step.gather_index
 
-    def out_of_memory(self, step):
-        if step.layers_done == self.pool.num_layers:
+    def out_of_memory(step, cache):
+        if step.complete:
             raise MemoryError("no memory for the pages' K/V")
-        return real(self, step)
+        return real(step, cache)
 
     with torch.no_grad():
         model(ids, **_kw(model, cache))
         model(ids, **_kw(model, ref))
         before = _cache_state(cache)
         with monkeypatch.context() as m:
-            m.setattr(PagedCache, "_gather_plan", out_of_memory)
+            m.setattr(kvcore.hf.step.Step, "gather_index", out_of_memory)
             with pytest.raises(MemoryError):
                 model(step, **_kw(model, cache))
         assert _cache_state(cache) == before
@@ -605,18 +605,48 @@ def test_calibrate_kv_scales_fits_the_sample():
         kvcore.hf.calibrate_kv_scales(model, ids[:1, :3], attention_mask=torch.tensor([[1, 0, 1]]))
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_calibrate_kv_scales_refuses_activations_that_are_not_finite(per_head):
+    """Issue 38 item 9: NaN or inf in one layer's K or V (at a real token)
+    is refused naming the layer and the plane, never turned into scale 1.0."""
+    ids, mask = _prompts(BATCHES["b4"])
+    model = _tiny("llama")
+    with torch.no_grad():                  # layer 1's K: NaN (layer 0 stays finite)
+        model.model.layers[1].self_attn.k_proj.weight[3, :] = float("nan")
+    with pytest.raises(ValueError, match=r"K activations of layer 1 are not finite"):
+        kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, per_head=per_head)
+    model = _tiny("llama")
+    with torch.no_grad():                  # layer 0's V: inf (every later layer NaN)
+        model.model.layers[0].self_attn.v_proj.weight[0, :] = float("inf")
+    with pytest.raises(ValueError, match=r"V activations of layer 0 are not finite"):
+        kvcore.hf.calibrate_kv_scales(model, ids, attention_mask=mask, per_head=per_head)
+
+
+def test_an_empty_prompt_batch_is_refused_by_name():
+    """Issue 38 item 9: a batch of 0 rows is refused naming input_ids before
+    the forward (calibrate_kv_scales, generate), not inside transformers."""
+    model = model_for("llama")
+    empty = torch.zeros((0, 5), dtype=torch.long)
+    with pytest.raises(ValueError, match=r"input_ids must have at least one row .* \(0, 5\)"):
+        kvcore.hf.calibrate_kv_scales(model, empty)
+    pool = pool_for(model.config, 8, dtype="float32", block_size=4)
+    with pytest.raises(ValueError, match=r"input_ids must have at least one row"):
+        kvcore.hf.generate(model, empty, pool, max_new_tokens=2)
+    assert pool.num_used_blocks == 0 and pool.check()
+
+
 def test_calibrated_scales_that_would_underflow_float32_become_one():
     """A sample maximum so small that max / 448 is 0 in float32 (the pool's
     scale dtype) gives 1.0, as an all-zero one does, never a scale the pool
     refuses; others are the float32 quotient."""
     tiny = float(np.float32(1e-45)) * 3                # max / 448 underflows float32
-    assert kvcore.hf._fp8_scale(tiny, 448.0) == 1.0
-    assert kvcore.hf._fp8_scale(0.0, 448.0) == 1.0
-    assert kvcore.hf._fp8_scale(float("inf"), 448.0) == 1.0
-    assert kvcore.hf._fp8_scale(3.0, 448.0) == float(np.float32(3.0) / np.float32(448.0))
+    assert kvcore.hf.calibration._fp8_scale(tiny, 448.0) == 1.0
+    assert kvcore.hf.calibration._fp8_scale(0.0, 448.0) == 1.0
+    assert kvcore.hf.calibration._fp8_scale(float("inf"), 448.0) == 1.0
+    assert kvcore.hf.calibration._fp8_scale(3.0, 448.0) == float(np.float32(3.0) / np.float32(448.0))
     model = model_for("llama")
     pool_for(model.config, 4, dtype="float8_e4m3fn",
-             kv_scales=[(kvcore.hf._fp8_scale(tiny, 448.0), 1.0)] * 2)
+             kv_scales=[(kvcore.hf.calibration._fp8_scale(tiny, 448.0), 1.0)] * 2)
 
 
 def test_calibrate_kv_scales_per_head():

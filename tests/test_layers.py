@@ -124,6 +124,37 @@ def test_the_check_sees_every_layer():
     assert layers == {"public", "native", "backends", "cli"}
 
 
+def test_importing_the_library_imports_no_cli():
+    """What the static check promises, seen at run time in a fresh process:
+    ``import kvcore`` and then every module of the library (stores, hf,
+    both backends) leave ``kvcore.cli`` out of ``sys.modules``; only
+    ``python -m kvcore`` reaches it."""
+    import json
+    import subprocess
+    import sys
+
+    names = sorted({module_name(p) for p in sources() if p.suffix != ".pxd"
+                    and layer_of(module_name(p)) != "cli"})
+    code = ("import importlib, json, sys\n"
+            "import kvcore\n"
+            "first = sorted(m for m in sys.modules if m.startswith('kvcore.cli'))\n"
+            "missing = []\n"
+            f"for name in {names!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except ImportError:\n"
+            "        missing.append(name)\n"
+            "every = sorted(m for m in sys.modules if m.startswith('kvcore.cli'))\n"
+            "print(json.dumps([first, every, missing]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    first, every, missing = json.loads(out)
+    assert first == [] and every == []
+    # only kvcore.hf has optional imports (torch, transformers) of its own
+    assert set(missing) <= {"kvcore.hf"}, missing
+    assert "kvcore.hf" in names and "kvcore.stores.disk" in names and "kvcore.cli" not in names
+
+
 @pytest.mark.parametrize("layer, target, ok", [
     ("native", "kvcore.backends.cpu._kernels", False),
     ("native", "kvcore.pool", False),
@@ -252,7 +283,8 @@ _BACKEND_INTERNAL = re.compile(r"^kvcore\.backends\.(?:(?:cpu|cuda)(?:\.|$)|(?:\
 
 
 def public_sources():
-    return sorted(list(PKG.glob("*.py")) + list((PKG / "stores").glob("*.py")))
+    return sorted(list(PKG.glob("*.py")) + list((PKG / "stores").glob("*.py"))
+                  + list((PKG / "hf").glob("*.py")))
 
 
 def backend_internal_imports(path):
@@ -287,7 +319,7 @@ def test_the_backend_internal_rule_can_fail(target, bad):
 # backend decision made in the wrong layer.  The places that must ask,
 # with why:
 DEVICE_BRANCH_ALLOWED = {
-    ("hf.py", "_on_cuda"): "the torch side of a pool: torch's allocator, streams and "
+    ("torch_bridge.py", "_on_cuda"): "the torch side of a pool: torch's allocator, streams and "
                            "tensor constructors differ per device, and no kvcore backend "
                            "knows torch",
 }

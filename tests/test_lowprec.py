@@ -20,7 +20,7 @@ from kvcore.backends import CPU
 from kvcore.backends.base import (REFERENCE, fp8_decode, fp8_encode, int8_decode,
                                   int8_encode)
 from kvcore.backends.cpu import _attention as _kernel
-from kvcore.backends.reference import paged_attention_reference
+from kvcore.backends.base import paged_attention_reference
 from kvcore.backends.codec import Codec
 
 try:

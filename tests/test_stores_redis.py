@@ -151,10 +151,9 @@ def test_hmac(server):
     key = b"kvcore:t:" + _format.store_key(fp, h0).hex().encode()
     value = bytearray(client.get(key))
     value[-1] ^= 1
-    from kvcore.backends.cpu._checksum import xxh64
     head = _format.PREFIX_SIZE + 8 + _format.MAC_SIZE
     seed = _format.header_seed(bytes(value[:_format.PREFIX_SIZE]), bytes(value[head:head + 16]))
-    value[_format.PREFIX_SIZE:_format.PREFIX_SIZE + 8] = xxh64(
+    value[_format.PREFIX_SIZE:_format.PREFIX_SIZE + 8] = _format.payload_checksum(
         bytes(value[head + 16:]), seed).to_bytes(8, "little")
     client.set(key, bytes(value))
     fresh, _ = redis_pool(server, hmac_key=b"secret-1")

@@ -297,7 +297,8 @@ def stored_values(cache, kind=None, scales=None):
 def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
                               query_start_loc=None, scale=None, sliding_window=None,
                               logits_soft_cap=None, kind=None, key_scales=None,
-                              value_scales=None):
+                              value_scales=None, chunk_size=None, alibi_slopes=None,
+                              sinks=None):
     """Attention over a paged cache, in float64.
 
     Parameters
@@ -322,6 +323,15 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
         Each query sees only the last ``sliding_window`` positions up to its own.
     logits_soft_cap : float, optional
         Scores become ``c * tanh(score / c)`` before the softmax.
+    chunk_size : int, optional
+        A query at position ``p`` sees no position before ``(p // chunk_size)
+        * chunk_size`` (its chunk's start; with a window too, the later start).
+    alibi_slopes : array ``(num_heads,)``, optional
+        ``alibi_slopes[h] * (t - p)`` is added to query head ``h``'s score of
+        key ``t`` (after the soft cap).
+    sinks : array ``(num_heads,)``, optional
+        A logit per query head joining each row's softmax denominator:
+        ``w_t = exp(x_t) / (sum exp(x_t') + exp(sinks[h]))``.
 
     Returns
     -------
@@ -340,6 +350,8 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
     query_start_loc = np.asarray(query_start_loc)
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, np.float64)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)
     out = np.zeros((num_tokens, num_heads, head_dim), np.float64)
     for s in range(len(seq_lens)):
         length = int(seq_lens[s])
@@ -358,14 +370,22 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
                 visible = positions <= pos
                 if sliding_window is not None:
                     visible &= positions > pos - sliding_window
+                if chunk_size is not None:
+                    visible &= positions >= pos // chunk_size * chunk_size
                 heads = slice(g * group, (g + 1) * group)
                 scores = q[first + j, heads] @ k[visible].T * scale   # (group, n_visible)
                 if logits_soft_cap is not None:
                     scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
-                scores -= scores.max(axis=1, keepdims=True)
-                weights = np.exp(scores)
-                weights /= weights.sum(axis=1, keepdims=True)
-                out[first + j, heads] = weights @ v[visible]
+                if slopes is not None:
+                    scores += slopes[heads, None] * (positions[visible] - pos)[None, :]
+                top = scores.max(axis=1, keepdims=True)
+                if sink is not None:
+                    top = np.maximum(top, sink[heads, None])
+                weights = np.exp(scores - top)
+                total = weights.sum(axis=1, keepdims=True)
+                if sink is not None:
+                    total += np.exp(sink[heads, None] - top)
+                out[first + j, heads] = weights / total @ v[visible]
     return out
 
 
@@ -375,7 +395,7 @@ class _AttentionPlan:
 
     def __init__(self, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
                  head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
-                 num_threads):
+                 chunk_size, num_threads):
         self.block_tables = np.array(block_tables, np.int32, order="C", copy=True)
         self.seq_lens = np.array(seq_lens, np.int64, copy=True)
         self.query_start_loc = np.array(query_start_loc, np.int64, copy=True)
@@ -385,6 +405,7 @@ class _AttentionPlan:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.num_blocks, self.kind = block_size, num_blocks, kind
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.chunk_size = chunk_size
         self.num_threads = num_threads
 
 
@@ -642,20 +663,27 @@ class Backend:
     # ------------------------------------------------------------ attention
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
                        num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
-                       sliding_window, soft_cap, num_threads):
+                       sliding_window, soft_cap, chunk_size=0, num_threads=1):
         """A plan for :meth:`attention_run`: host NumPy arrays in, already
         checked by the public layer (every block id a run can read lies in
         ``0..num_blocks - 1``): ``block_tables`` int32 ``(num_seqs,
         max_blocks)``, ``seq_lens`` int64 ``(num_seqs,)``,
         ``query_start_loc`` int64 ``(num_seqs + 1,)``; ``scale`` float,
-        ``sliding_window`` int and ``soft_cap`` float (0: off).  The plan
-        owns copies of the arrays (a device backend: uploaded once)."""
+        ``sliding_window`` int, ``soft_cap`` float and ``chunk_size`` int
+        (0: off).  The plan owns copies of the arrays (a device backend:
+        uploaded once)."""
         return _AttentionPlan(block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
                               head_dim, block_size, num_blocks, kind, scale, sliding_window,
-                              soft_cap, num_threads)
+                              soft_cap, chunk_size, num_threads)
+
+    def check_attention_features(self, chunk_size, alibi_slopes, sinks):
+        """Raises ValueError naming a feature these kernels do not compute
+        (``chunk_size`` an int, 0 off; ``alibi_slopes`` / ``sinks`` whether
+        given); every one is computed here.  The public layer asks before
+        anything is planned."""
 
     def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
-                               num_blocks, block_size, sliding_window):
+                               num_blocks, block_size, sliding_window, chunk_size=0):
         """The index check of an attention call, on host arrays (int32
         ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``).
 
@@ -668,9 +696,9 @@ class Backend:
         != num_tokens``), ``"SHORT_SEQ"`` (``seq_lens[a]`` below sequence
         ``a``'s query count), ``"BAD_BLOCK_ID"`` (``block_tables[a, b]``
         outside ``0..num_blocks - 1`` and read).  Read: every block a query
-        of the sequence can see, from position 0 (with a window: the first
-        query's window start) to ``seq_lens[a] - 1``; a sequence without
-        queries is not read."""
+        of the sequence can see, from the first query's first visible
+        position (0, or the later of its window's and its chunk's starts)
+        to ``seq_lens[a] - 1``; a sequence without queries is not read."""
         tables = np.asarray(block_tables)
         lens = np.asarray(seq_lens, np.int64)
         qsl = np.asarray(query_start_loc, np.int64)
@@ -690,6 +718,8 @@ class Backend:
         first = np.zeros(num_seqs, np.int64)
         if sliding_window > 0:
             first = np.maximum(lens - counts + 1 - sliding_window, 0)
+        if chunk_size > 0:
+            first = np.maximum(first, (lens - counts) // chunk_size * chunk_size)
         b = np.arange(max_blocks)
         read = (counts[:, None] > 0) & (b >= (first // block_size)[:, None]) \
             & (b < (-(-lens // block_size))[:, None])
@@ -707,7 +737,8 @@ class Backend:
         are)."""
         return _F32_IO
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+                      alibi_slopes=None, sinks=None):
         """``out[...]`` = the planned attention of ``q``.
 
         ``q`` float32 C-contiguous ``(num_tokens, num_heads, head_dim)``;
@@ -715,14 +746,18 @@ class Backend:
         ``(num_blocks, num_kv_heads, block_size, head_dim)`` in the storage
         dtype; ``lowprec`` None or ``(key_scales, value_scales, k_scale,
         v_scale)`` (int8: the layer's scale planes and 1.0, 1.0; fp8: None,
-        None and the layer's scales).  Here: :meth:`paged_attention` with
+        None and the layer's scales); ``alibi_slopes`` / ``sinks`` None or
+        float32 C-contiguous ``(num_heads,)`` arrays on the backend's
+        device (the layer's, finite).  Here: :meth:`paged_attention` with
         the plan's arrays (a backend that overrides only that one runs it)."""
         self.paged_attention(q, out, key_cache, value_cache, plan.kind, plan.block_tables,
                              plan.seq_lens, plan.query_start_loc, plan.scale,
-                             plan.sliding_window, plan.soft_cap, lowprec)
+                             plan.sliding_window, plan.soft_cap, lowprec,
+                             chunk_size=plan.chunk_size, alibi_slopes=alibi_slopes, sinks=sinks)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        chunk_size=0, alibi_slopes=None, sinks=None):
         """``out[...]`` = attention (arguments as :meth:`attention_plan` and
         :meth:`attention_run`); here in float64 (:func:`paged_attention_reference`)
         rounded once to float32."""
@@ -736,7 +771,8 @@ class Backend:
             q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale=float(np.float32(scale)), sliding_window=int(sliding_window) or None,
             logits_soft_cap=float(np.float32(soft_cap)) or None, kind=name,
-            key_scales=key_scales, value_scales=value_scales)
+            key_scales=key_scales, value_scales=value_scales, chunk_size=int(chunk_size) or None,
+            alibi_slopes=alibi_slopes, sinks=sinks)
 
     # ------------------------------------------------------------ memory
     def _ptr(self, a):

@@ -92,10 +92,19 @@ def _gpu_available():
     return None
 
 
+def _hf_available():
+    try:
+        import kvcore.hf  # noqa: F401
+    except ImportError as e:   # kvcore.hf says what it needs (torch, transformers)
+        return str(e)
+    return None
+
+
 def _load(name):
     """(module, None) or (None, why it is skipped)."""
-    if name == "gpu":
-        why = _gpu_available()
+    available = {"gpu": _gpu_available, "hf": _hf_available}.get(name)
+    if available is not None:
+        why = available()
         if why:
             return None, f"skipped: {why}"
     try:

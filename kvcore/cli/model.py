@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# RoPE table rows a model computes when it is made (it adds rows on demand)
+_ROPE_ROWS = 8192
+
 __all__ = ["ModelConfig", "LlamaDecoder", "TinyTransformer", "NumpyContiguousCache"]
 
 
@@ -143,15 +146,29 @@ class LlamaDecoder:
         self.lm_head = lm_head
         if len(layers) != cfg.num_layers:
             raise ValueError(f"layers: expected {cfg.num_layers} blocks, got {len(layers)}")
-        # RoPE tables for every position, computed once in float64 so large
-        # positions keep their accuracy, then stored as float32.  Linear
-        # scaling (position interpolation) divides the positions by its factor.
+        # RoPE tables, computed in float64 so large positions keep their
+        # accuracy, then stored as float32.  Linear scaling (position
+        # interpolation) divides the positions by its factor.  The first
+        # _ROPE_ROWS positions now, more when a forward reaches them: a model
+        # file's context length (up to 2**32 - 1) costs nothing until used.
         half = cfg.head_dim // 2
-        inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.head_dim)
-        positions = np.arange(cfg.max_position, dtype=np.float64) / cfg.rope_scaling
-        angles = positions[:, None] * inv_freq[None, :]
-        self._rope_cos = np.cos(angles).astype(np.float32)
-        self._rope_sin = np.sin(angles).astype(np.float32)
+        self._inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0
+                                            / cfg.head_dim)
+        self._rope_tables = self._rope_rows(min(cfg.max_position, _ROPE_ROWS))
+
+    def _rope_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (cos, sin) tables of positions ``0 .. n - 1``, float32 ``(n, head_dim / 2)``."""
+        positions = np.arange(n, dtype=np.float64) / self.config.rope_scaling
+        angles = positions[:, None] * self._inv_freq[None, :]
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    @property
+    def _rope_cos(self) -> np.ndarray:
+        return self._rope_tables[0]
+
+    @property
+    def _rope_sin(self) -> np.ndarray:
+        return self._rope_tables[1]
 
     # ------------------------------------------------------------------ checks
 
@@ -208,8 +225,12 @@ class LlamaDecoder:
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # Rotate-half (GPT-NeoX) layout: dimension i pairs with i + head_dim/2.
         half = x.shape[-1] // 2
-        cos = self._rope_cos[positions][:, None, :]
-        sin = self._rope_sin[positions][:, None, :]
+        tables = self._rope_tables      # (one pair: another thread may grow them meanwhile)
+        if positions.size and positions.max() >= len(tables[0]):
+            tables = self._rope_tables = self._rope_rows(
+                min(self.config.max_position, max(2 * len(tables[0]), int(positions.max()) + 1)))
+        cos = tables[0][positions][:, None, :]
+        sin = tables[1][positions][:, None, :]
         x1 = x[..., :half]
         x2 = x[..., half:]
         return np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)

@@ -9,7 +9,9 @@
  * groups 1, 4 and 8, causal prefill with ragged tails (lengths no multiple
  * of the block, the key tile or the tile rows), chunked prefill over cached
  * context, a decode beside them, sliding windows, soft caps, block sizes 16
- * and 5; 3 threads give the bits of 1.  Each case also checks the tiles ran
+ * and 5; 3 threads give the bits of 1; and the features (chunks, ALiBi,
+ * sinks, extreme scales: kv_attention_check.c's cases).  Each case also
+ * checks the tiles ran
  * exactly where they should: TDPBF16PS executed for every kind but float32
  * when head_dim is a multiple of 32, none otherwise.
  *
@@ -128,6 +130,10 @@ int main(void)
      * split among them) and the level's 2^x */
     for (int kind = 0; kind <= KVA_I8; kind++, cases++)
         failures += run_case(kind, 3, kind % 2 ? 37 : 0, kind == 2 ? 1.5f : 0.0f, 8, 2, 64, 16);
+    /* the features (chunks, ALiBi, sinks, extreme scales: applied per row
+     * around the tiles' scores), one thread's bits too */
+    for (int kind = 0; kind <= KVA_I8; kind++)
+        failures += run_feature_cases(kind, &cases);
     /* fp8 with one scale per kv head (the tiles' scores and weights scaled by
      * each item's head's pair) */
     for (int kind = KVA_F8E4M3; kind <= KVA_F8E5M2; kind++, cases++)

@@ -3,9 +3,12 @@
  * against a plain double-precision attention, on random varlen batches over
  * float32, float16, bfloat16, fp8 (e4m3fn, e5m2; layer scales) and int8
  * (scales per token and kv head) pages (GQA, sliding window, soft cap, 1
- * and 3 threads).  Built and run by tests/test_attention.py natively and, for
- * AArch64, under qemu.  Prints one line per level and "0 failures" when
- * every case is within 1e-5 (max abs error / max abs value).
+ * and 3 threads), and with the features (chunked attention, ALiBi, sinks,
+ * scales up to FLT_MAX / log2(e); decode splits among them), each feature
+ * case also run on 1 thread for the same bits.  Built and run by
+ * tests/test_attention.py natively and, for AArch64, under qemu.  Prints
+ * one line per level and "0 failures" when every case is within 1e-5 (max
+ * abs error / max abs value).
  */
 #include "kv_attention_cases.h"
 
@@ -85,6 +88,18 @@ static double stored(const void *cache, int kind, size_t i)
     return from_bf16(((const uint16_t *)cache)[i]);
 }
 
+/* The features of the cases run_case_scaled runs next (zero: none):
+ * chunk_size, ALiBi slopes and sinks (per query head, either sign), a scale
+ * other than 1/sqrt(D), the length of the first (decode) sequence, and
+ * integer-valued q and pages (exact float32 dots: with a huge scale the
+ * softmax is one-hot on the largest dot, ties shared, as in double). */
+static struct {
+    int64_t chunk;
+    int alibi, sinks, integers;
+    float scale, q_range; /* q_range: q's elements in +-q_range (0: 2) */
+    int64_t decode_len;
+} feat;
+
 /* Random pages of `kind` (elems elements each of K and V, in *kc / *vc)
  * and the scale of each row of D elements (*ksc / *vsc): int8's own, fp8's
  * layer's (0.5 and 2), 1 for the rest.  The caller frees the four. */
@@ -100,6 +115,10 @@ static void fill_pages(int kind, size_t elems, int D, char **kc, char **vc, floa
     }
     for (size_t i = 0; i < elems; i++) {
         float k = urand(), v = urand();
+        if (feat.integers) { /* -3..3 (exact in every float kind) */
+            k = (float)((int)(rnd() % 7) - 3);
+            v = (float)((int)(rnd() % 7) - 3);
+        }
         if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
             ((uint8_t *)k8)[i] = fp8_code(kind);
             ((uint8_t *)v8)[i] = fp8_code(kind);
@@ -157,7 +176,7 @@ static double ref_error(const kva_args *a, const float *out, const float *ksc, c
                         double *maxval)
 {
     const int D = a->head_dim, nh = a->num_heads, nkv = a->num_kv_heads, G = nh / nkv;
-    const int64_t bs = a->block_size, window = a->sliding_window;
+    const int64_t bs = a->block_size, window = a->sliding_window, chunk = a->chunk_size;
     const int32_t *tables = a->block_tables;
     const ptrdiff_t mb = a->block_table_stride;
     int64_t longest = 1;
@@ -169,10 +188,12 @@ static double ref_error(const kva_args *a, const float *out, const float *ksc, c
         const int64_t q0 = a->query_start_loc[s], nq = a->query_start_loc[s + 1] - q0;
         for (int64_t j = 0; j < nq; j++) {
             int64_t pos = a->seq_lens[s] - nq + j, lo = window && pos + 1 > window ? pos + 1 - window : 0;
+            if (chunk && pos / chunk * chunk > lo)
+                lo = pos / chunk * chunk;
             for (int h = 0; h < nh; h++) {
                 int g = h / G;
                 const float *qq = a->q + ((q0 + j) * nh + h) * D;
-                double mx = -INFINITY, sum = 0;
+                double mx = a->sinks ? a->sinks[h] : -INFINITY, sum = 0;
                 for (int64_t t = lo; t <= pos; t++) {
                     size_t base = ((size_t)tables[s * mb + t / bs] * nkv + g) * bs * D +
                                   (size_t)(t % bs) * D;
@@ -182,12 +203,16 @@ static double ref_error(const kva_args *a, const float *out, const float *ksc, c
                     dot *= a->scale * (double)ksc[base / D];
                     if (a->soft_cap > 0)
                         dot = a->soft_cap * tanh(dot / a->soft_cap);
+                    if (a->alibi_slopes)
+                        dot += (double)a->alibi_slopes[h] * (double)(t - pos);
                     w[t - lo] = dot;
                     if (dot > mx)
                         mx = dot;
                 }
                 for (int64_t t = lo; t <= pos; t++)
                     sum += (w[t - lo] = exp(w[t - lo] - mx));
+                if (a->sinks)
+                    sum += exp(a->sinks[h] - mx);
                 for (int d = 0; d < D; d++) {
                     double o = 0;
                     for (int64_t t = lo; t <= pos; t++) {
@@ -216,8 +241,8 @@ static int run_case_scaled(int kind, int threads, int window, float cap, int nh,
 {
     enum { S = 3 };
     /* a decode long enough to be split (> 1024 keys), a chunk, a prefill */
-    int64_t lens[S] = {1000 + (int64_t)(rnd() % 200), 1 + (int64_t)(rnd() % 60),
-                       1 + (int64_t)(rnd() % 100)};
+    int64_t lens[S] = {feat.decode_len ? feat.decode_len : 1000 + (int64_t)(rnd() % 200),
+                       1 + (int64_t)(rnd() % 60), 1 + (int64_t)(rnd() % 100)};
     int64_t nq[S] = {1, 1 + (int64_t)(rnd() % (uint32_t)lens[1]), lens[2]};
     int64_t qsl[S + 1] = {0};
     int max_blocks = 0, total_blocks = 0;
@@ -250,12 +275,23 @@ static int run_case_scaled(int kind, int threads, int window, float cap, int nh,
     int64_t T = qsl[S];
     float *q = malloc(sizeof(float) * T * nh * D), *out = malloc(sizeof(float) * T * nh * D);
     for (int64_t i = 0; i < T * nh * D; i++)
-        q[i] = urand() * 2.0f;
-    float scale = 1.0f / sqrtf((float)D);
+        q[i] = feat.integers ? (float)((int)(rnd() % 5) - 2)
+                             : urand() * (feat.q_range != 0.0f ? feat.q_range : 2.0f);
+    float scale = feat.scale != 0.0f ? feat.scale : 1.0f / sqrtf((float)D);
     kva_args a = {q, out, kc, vc, kind,
                   (ptrdiff_t)(nkv * bs * D * isz), (ptrdiff_t)(bs * D * isz), (ptrdiff_t)(D * isz),
                   bs, nh, nkv, D, tables, max_blocks, lens, qsl, S, scale, window, cap, threads};
     set_scales(&a, ksc, vsc);
+    float slopes[256], sinks[256];
+    for (int h = 0; h < nh && h < 256; h++) {
+        /* ALiBi's geometric slopes (one negative), sinks of a trained
+         * model's size, both signs */
+        slopes[h] = (h % 5 == 3 ? -0.25f : 1.0f) * ldexpf(1.0f, -(8 * (h + 1)) / nh);
+        sinks[h] = 4.0f * urand() + (h % 3 == 0 ? 3.0f : 0.0f);
+    }
+    a.chunk_size = feat.chunk;
+    a.alibi_slopes = feat.alibi && nh <= 256 ? slopes : NULL;
+    a.sinks = feat.sinks && nh <= 256 ? sinks : NULL;
     float khs[128], vhs[128];
     if (per_head && kind >= KVA_F8E4M3 && kind != KVA_I8 && nkv <= 128) {
         for (int g = 0; g < nkv; g++) {
@@ -274,6 +310,18 @@ static int run_case_scaled(int kind, int threads, int window, float cap, int nh,
         printf("kernel failed\n");
         return 1;
     }
+    int same_bits = 1;
+    if (feat.chunk || feat.alibi || feat.sinks || feat.scale != 0.0f) {
+        /* the features' cases: one thread's bits too */
+        float *out1 = malloc(sizeof(float) * T * nh * D);
+        a.out = out1;
+        a.num_threads = 1;
+        same_bits = kva_paged_attention(&a) == KVA_OK &&
+                    memcmp(out, out1, sizeof(float) * T * nh * D) == 0;
+        a.out = out;
+        a.num_threads = threads;
+        free(out1);
+    }
     double maxval = 0, maxerr = ref_error(&a, out, ksc, vsc, &maxval);
     free(ksc);
     free(vsc);
@@ -284,12 +332,57 @@ static int run_case_scaled(int kind, int threads, int window, float cap, int nh,
     free(q);
     free(out);
     double rel = maxerr / maxval;
-    if (!(rel <= 1e-5)) {
-        printf("  FAIL kind %d threads %d window %d cap %g heads %d/%d dim %d block %d: %.3g\n",
-               kind, threads, window, cap, nh, nkv, D, bs, rel);
+    if (!(rel <= 1e-5) || !same_bits) {
+        printf("  FAIL kind %d threads %d window %d cap %g heads %d/%d dim %d block %d chunk %d "
+               "alibi %d sinks %d scale %g: %.3g%s\n",
+               kind, threads, window, cap, nh, nkv, D, bs, (int)feat.chunk, feat.alibi,
+               feat.sinks, feat.scale, rel, same_bits ? "" : " (1 thread: other bits)");
         return 1;
     }
     return 0;
+}
+
+/* The features' cases of one kind (kv_attention.h): chunks (beside a
+ * window, within decode splits), ALiBi (with a cap), sinks (with splits,
+ * a cap, ALiBi), and scales to the accepted extremes (38.3: integer data,
+ * the one-hot limit; with sinks, a cap, negative); returns the failures. */
+static int run_feature_cases(int kind, int *cases)
+{
+    static const struct {
+        int64_t chunk, decode_len;
+        int alibi, sinks, integers;
+        float scale, q_range;
+        int threads, window, cap2, nh, nkv, D, bs;
+    } fc[] = {
+        /* chunk, decode length, alibi, sinks, integers, scale, q range, threads, window,
+         * cap * 2, heads, kv heads, head_dim, block (a scale past 1 with q kept small:
+         * float32's error grows with the logits) */
+        {48, 0, 0, 0, 0, 0.0f, 0, 3, 37, 0, 8, 2, 64, 16},    /* window beside chunks */
+        {2000, 3050, 0, 1, 0, 0.0f, 0, 2, 0, 0, 4, 1, 40, 16}, /* a chunk split twice, sinks */
+        {0, 0, 1, 0, 0, 0.0f, 0, 3, 0, 3, 8, 1, 96, 16},       /* ALiBi after a cap */
+        {64, 0, 1, 1, 0, 0.0f, 0, 2, 50, 0, 4, 4, 128, 32},    /* everything at once */
+        {0, 0, 0, 1, 0, 0.0f, 0, 3, 0, 0, 8, 2, 64, 5},        /* sinks over splits */
+        {0, 0, 0, 0, 1, 1e38f, 0, 3, 0, 0, 8, 2, 64, 16},      /* 38.3: a huge scale */
+        {0, 0, 1, 1, 1, 2.3e38f, 0, 2, 0, 0, 4, 2, 32, 16},    /* the largest, sinks, ALiBi */
+        {0, 0, 0, 0, 1, -2e38f, 0, 3, 0, 5, 8, 2, 64, 16},     /* capped past FLT_MAX */
+        {0, 0, 0, 1, 1, -1e38f, 0, 2, 19, 0, 8, 1, 64, 16},    /* negative, sinks */
+        {0, 0, 1, 1, 0, 1.5f, 0.5f, 2, 0, 0, 8, 4, 64, 16},    /* scaled after the max */
+    };
+    int failures = 0;
+    for (size_t i = 0; i < sizeof fc / sizeof *fc; i++) {
+        feat.chunk = fc[i].chunk;
+        feat.decode_len = fc[i].decode_len;
+        feat.alibi = fc[i].alibi;
+        feat.sinks = fc[i].sinks;
+        feat.integers = fc[i].integers;
+        feat.scale = fc[i].scale;
+        feat.q_range = fc[i].q_range;
+        failures += run_case_scaled(kind, fc[i].threads, fc[i].window, (float)fc[i].cap2 / 2.0f,
+                                    fc[i].nh, fc[i].nkv, fc[i].D, fc[i].bs, 0);
+        (*cases)++;
+    }
+    memset(&feat, 0, sizeof feat);
+    return failures;
 }
 
 static int run_case(int kind, int threads, int window, float cap, int nh, int nkv, int D, int bs)
@@ -335,6 +428,7 @@ int main(void)
             failures += run_case(kind, 2, 37, 0.0f, 4, 4, 128, 32);
             failures += run_case(kind, 3, 0, 1.5f, 8, 1, 96, 16);
             cases += 4;
+            failures += run_feature_cases(kind, &cases);
         }
         for (int kind = KVA_F8E4M3; kind <= KVA_F8E5M2; kind++) {   /* per-kv-head scales */
             failures += run_case_scaled(kind, 1, 0, 0.0f, 8, 4, 64, 16, 1);

@@ -14,7 +14,9 @@
  *   3. whole attention calls at the avx512 level against the float64
  *      reference of kv_attention_check.c (its run_case: every kind, GQA,
  *      window, soft cap, decode splits, ragged chunks), on more shapes;
- *   4. the same bits for 1, 2 and 5 threads.
+ *   4. the same bits for 1, 2 and 5 threads;
+ *   5. the features (kv_attention_check.c's run_feature_cases: chunks,
+ *      ALiBi, sinks, extreme scales) for every kind.
  *
  * Prints "avx512 emulated: N checks, 0 failures" ("native" natively).
  */
@@ -269,6 +271,13 @@ int main(void)
             checks++;
             fails += run_case(kind, k[0], k[1], (float)k[2] / 2.0f, k[3], k[4], k[5], k[6]);
         }
+    }
+
+    /* the features' cases (each also compared with one thread's bits) */
+    for (int kind = 0; kind <= KVA_I8; kind++) {
+        int n = 0;
+        fails += run_feature_cases(kind, &n);
+        checks += n;
     }
 
     /* the same bits for every thread count */

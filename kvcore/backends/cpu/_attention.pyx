@@ -1,11 +1,12 @@
 """Thin wrapper over kv_attention.c: paged attention on the CPU.
 
 ``kvcore/attention.py`` validated the shapes, dtypes and aliasing of every
-argument (q, out, the caches, the scale planes).  The index arguments are
-checked here, once per plan, by ``_check_tables``: every block id a run can
-read in 0..num_blocks-1, positions in range, seq_lens >= the query counts
-(the caller turns its status into an error).  This module only unpacks
-arrays into the C argument struct and runs the kernel without the GIL.  The
+argument (q, out, the caches, the scale planes, the ALiBi slopes and
+sinks).  The index arguments are checked by ``check_tables`` (the
+backend's ``check_attention_tables``): every block id a run can read in
+0..num_blocks-1, positions in range, seq_lens >= the query counts (the
+caller turns its status into an error).  This module only unpacks arrays
+into the C argument struct and runs the kernel without the GIL.  The
 kernel returns a status; Python raises.  ``Plan`` holds a C plan (kva_plan)
 for ``kvcore.AttentionPlan``; its ``run_layer`` fast path checks a run's q,
 layer and out here, but never raises for them: anything it does not take
@@ -69,7 +70,9 @@ cdef extern from "kv_attention.h" nogil:
         float v_scale
         const float *k_head_scales
         const float *v_head_scales
-    int kva_paged_attention(const kva_args *args)
+        int64_t chunk_size
+        const float *alibi_slopes
+        const float *sinks
     int kva_best_level()
     int kva_default_level()
     int kva_level_supported(int level)
@@ -87,55 +90,17 @@ cdef extern from "kv_attention.h" nogil:
     int kva_plan_num_threads(const kva_plan *plan)
 
 
-cdef int _fill(kva_args *a, const float[:, :, ::1] q, float[:, :, ::1] out,
-               cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
-               const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
-               const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
-               double soft_cap, int num_threads, object key_scales, object value_scales,
-               double k_scale, double v_scale) except -1:
-    a.q = &q[0, 0, 0] if q.shape[0] else NULL
-    a.out = &out[0, 0, 0] if out.shape[0] else NULL
-    a.key_cache = <const char *>cnp.PyArray_DATA(key_cache)
-    a.value_cache = <const char *>cnp.PyArray_DATA(value_cache)
-    a.kind = kind
-    a.block_stride = key_cache.strides[0]
-    a.head_stride = key_cache.strides[1]
-    a.row_stride = key_cache.strides[2]
-    a.block_size = key_cache.shape[2]
-    a.num_heads = <int>q.shape[1]
-    a.num_kv_heads = <int>key_cache.shape[1]
-    a.head_dim = <int>q.shape[2]
-    a.block_tables = &block_tables[0, 0] if block_tables.shape[0] and block_tables.shape[1] \
-        else NULL
-    a.block_table_stride = block_tables.shape[1]
-    a.seq_lens = &seq_lens[0] if seq_lens.shape[0] else NULL
-    a.query_start_loc = &query_start_loc[0]
-    a.num_seqs = seq_lens.shape[0]
-    a.scale = <float>scale
-    a.sliding_window = sliding_window
-    a.soft_cap = <float>soft_cap
-    a.num_threads = num_threads
-    a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
-    a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
-    a.k_scale = <float>k_scale
-    a.v_scale = <float>v_scale
-    a.k_head_scales = NULL
-    a.v_head_scales = NULL
-    return 0
-
-
-cdef const float* _head_scales(object scales, Py_ssize_t num_kv_heads) except? NULL:
-    """An fp8 plane's per-kv-head scales (num_kv_heads,), C-contiguous
-    float32; NULL for None (the plane's one scale applies)."""
+cdef const float* _float_row(object x, Py_ssize_t n, str what) except? NULL:
+    """A float32 (n,) C-contiguous array's data (an fp8 plane's per-kv-head
+    scales, a layer's ALiBi slopes or sinks); NULL for None."""
     cdef cnp.ndarray s
-    if scales is None:
+    if x is None:
         return NULL
-    s = <cnp.ndarray?>scales
+    s = <cnp.ndarray?>x
     if cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(s) \
             or not cnp.PyArray_ISALIGNED(s) or not cnp.PyArray_ISNOTSWAPPED(s) or s.ndim != 1 \
-            or s.shape[0] != num_kv_heads:
-        raise ValueError(f"internal: head scales must be C-contiguous float32 of shape "
-                         f"({num_kv_heads},)")
+            or s.shape[0] != n:
+        raise ValueError(f"internal: {what} must be C-contiguous float32 of shape ({n},)")
     return <const float*>cnp.PyArray_DATA(s)
 
 
@@ -152,65 +117,6 @@ cdef const float* _scale_plane(object scales, cnp.ndarray cache, str what) excep
             or (s.shape[0], s.shape[1], s.shape[2]) != want:
         raise ValueError(f"internal: {what} must be C-contiguous float32 of shape {want}")
     return <const float*>cnp.PyArray_DATA(s)
-
-
-def paged_attention(const float[:, :, ::1] q, float[:, :, ::1] out,
-                    cnp.ndarray key_cache, cnp.ndarray value_cache, int kind,
-                    const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
-                    const int64_t[::1] query_start_loc, double scale, int64_t sliding_window,
-                    double soft_cap, int num_threads, key_scales=None, value_scales=None,
-                    double k_scale=1.0, double v_scale=1.0):
-    """out[...] = attention (see kv_attention.h).  key_cache and value_cache:
-    (num_blocks, num_kv_heads, block_size, head_dim) with contiguous rows and
-    the same strides.  sliding_window 0 and soft_cap 0 mean none.
-
-    The integer arguments are checked first (see _check_tables); on a
-    failure nothing is computed and ``(status, a, b)`` is returned, else
-    ``(0, 0, 0)`` after the work."""
-    cdef Py_ssize_t ea = 0, eb = 0
-    cdef int check = _check_tables(block_tables, seq_lens, query_start_loc, q.shape[0],
-                                   key_cache.shape[0], key_cache.shape[2], sliding_window,
-                                   &ea, &eb)
-    if check != CHECK_OK:
-        return check, ea, eb
-    cdef kva_args a
-    _fill(&a, q, out, key_cache, value_cache, kind, block_tables, seq_lens, query_start_loc,
-          scale, sliding_window, soft_cap, num_threads, key_scales, value_scales, k_scale,
-          v_scale)
-    cdef int status
-    with nogil:
-        status = kva_paged_attention(&a)
-    if status == KVA_ENOMEM:
-        raise MemoryError("paged_attention could not allocate its work buffers")
-    if status != KVA_OK:
-        raise RuntimeError(f"kv_attention rejected its arguments (status {status})")
-    return CHECK_OK, 0, 0
-
-
-def make_plan(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
-              const int64_t[::1] query_start_loc, *, int num_heads, int num_kv_heads,
-              int head_dim, int64_t block_size, int64_t num_blocks, int kind, double scale,
-              int64_t sliding_window, double soft_cap, int num_threads):
-    """A Plan over these index arrays (copied), for num_tokens =
-    query_start_loc[-1] query rows.  The integer arguments are checked first
-    (see _check_tables): returns ``(status, a, b, None)`` on a failure, else
-    ``(0, 0, 0, plan)``."""
-    cdef Py_ssize_t ea = 0, eb = 0
-    if seq_lens.shape[0] + 1 != query_start_loc.shape[0] \
-            or block_tables.shape[0] != seq_lens.shape[0]:
-        raise ValueError("internal: block_tables, seq_lens and query_start_loc disagree")
-    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads or head_dim <= 0 \
-            or block_size <= 0 or num_blocks < 0 or not 0 <= kind <= 5:
-        raise ValueError("internal: bad plan shape")
-    cdef int64_t num_tokens = query_start_loc[seq_lens.shape[0]]
-    cdef int check = _check_tables(block_tables, seq_lens, query_start_loc, num_tokens,
-                                   num_blocks, block_size, sliding_window, &ea, &eb)
-    if check != CHECK_OK:
-        return check, ea, eb, None
-    cdef Plan p = Plan(block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
-                       head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
-                       num_threads)
-    return CHECK_OK, 0, 0, p
 
 
 def simd_level():
@@ -276,25 +182,26 @@ def softcap(const float[::1] x, float[::1] y, float a, float b, level):
 
 def check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                  const int64_t[::1] query_start_loc, int64_t num_tokens, int64_t num_blocks,
-                 int64_t block_size, int64_t sliding_window):
+                 int64_t block_size, int64_t sliding_window, int64_t chunk_size):
     """See _check_tables."""
     cdef Py_ssize_t a = 0, b = 0
     cdef int status = _check_tables(block_tables, seq_lens, query_start_loc, num_tokens,
-                                    num_blocks, block_size, sliding_window, &a, &b)
+                                    num_blocks, block_size, sliding_window, chunk_size, &a, &b)
     return status, a, b
 
 
 cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] seq_lens,
                        const int64_t[::1] query_start_loc, int64_t num_tokens,
                        int64_t num_blocks, int64_t block_size, int64_t sliding_window,
-                       Py_ssize_t *ea, Py_ssize_t *eb) noexcept nogil:
+                       int64_t chunk_size, Py_ssize_t *ea, Py_ssize_t *eb) noexcept nogil:
     """One pass over the integer arguments of paged_attention, in the order
     the errors are reported.  Returns ``(status, a, b)``; status 0 is fine.
 
     Every block-table entry the kernel can read is checked: those from the
-    first position any query of the sequence can see (0 without a sliding
-    window; with one, the window of the first query, at position seq_len -
-    n) to the last position.  A sequence without queries is not read."""
+    first position any query of the sequence can see (that of the first
+    query, at position p = seq_len - n: 0, or the later of its window's and
+    its chunk's starts) to the last position.  A sequence without queries
+    is not read."""
     cdef Py_ssize_t S = seq_lens.shape[0], B = block_tables.shape[1], s, b
     cdef int64_t cap = B * block_size, n, first, end_blk
     cdef int32_t blk
@@ -318,12 +225,14 @@ cdef int _check_tables(const int32_t[:, ::1] block_tables, const int64_t[::1] se
         n = query_start_loc[s + 1] - query_start_loc[s]
         if n == 0:
             continue
-        # (the kernel's key range: kv_attention.c key_range)
+        # (the kernel's key range: kv_attn_internal.h kva_key_lo)
         first = 0
         if sliding_window > 0:
             first = seq_lens[s] - n + 1 - sliding_window
             if first < 0:
                 first = 0
+        if chunk_size > 0 and (seq_lens[s] - n) // chunk_size * chunk_size > first:
+            first = (seq_lens[s] - n) // chunk_size * chunk_size
         end_blk = (seq_lens[s] + block_size - 1) // block_size
         for b in range(first // block_size, end_blk):
             blk = block_tables[s, b]
@@ -387,12 +296,40 @@ def address(cnp.ndarray a):
 cdef class Plan
 
 
+cdef class _Guard:
+    """The one-run-at-a-time flag of a plan, shared by the plans of one
+    ``kvcore.AttentionPlan`` (one per layer kind: ``Plan.share_guard``)."""
+    cdef bint busy
+
+
 cdef inline bint _plane_ok(Plan p, cnp.ndarray c) noexcept:
     cdef Py_ssize_t item = 4 if p.kind == 0 else 1 if p.kind >= 3 else 2
     return cnp.PyArray_NDIM(c) == 4 and cnp.PyArray_DIM(c, 0) >= p.num_blocks \
         and cnp.PyArray_DIM(c, 1) == p.num_kv_heads and cnp.PyArray_DIM(c, 2) == p.block_size \
         and cnp.PyArray_DIM(c, 3) == p.head_dim and cnp.PyArray_ITEMSIZE(c) == item \
         and cnp.PyArray_STRIDE(c, 3) == item
+
+
+cdef inline bint _same_geometry(Plan a, Plan b) noexcept:
+    """Whether plans a and b run on the same q, out and planes."""
+    return a.num_tokens == b.num_tokens and a.num_heads == b.num_heads \
+        and a.num_kv_heads == b.num_kv_heads and a.head_dim == b.head_dim \
+        and a.block_size == b.block_size and a.num_blocks == b.num_blocks and a.kind == b.kind
+
+
+cdef const float* _layer_rows(object x, Py_ssize_t num_layers, Py_ssize_t num_heads,
+                              str what) except? NULL:
+    """Bound ALiBi slopes or sinks: float32 (num_layers, num_heads),
+    C-contiguous; NULL for None."""
+    cdef cnp.ndarray s
+    if x is None:
+        return NULL
+    s = <cnp.ndarray?>x
+    if cnp.PyArray_TYPE(s) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(s) \
+            or not cnp.PyArray_ISALIGNED(s) or not cnp.PyArray_ISNOTSWAPPED(s) \
+            or not _dims_are(s, 2, num_layers, num_heads, 0):
+        raise ValueError(f"internal: {what} must be C-contiguous float32 (num_layers, num_heads)")
+    return <const float*>cnp.PyArray_DATA(s)
 
 
 cdef inline bint _planes_match(Plan p, cnp.ndarray k, cnp.ndarray v) noexcept:
@@ -418,8 +355,13 @@ cdef class Plan:
     checked and run here, with no Python-level work; anything else returns
     NotImplemented and the caller takes the general path.
 
+    A step whose layers differ in window or chunk (one Plan per kind)
+    binds them all to one Plan: ``bind(layer_plans=...)`` runs each layer
+    on its kind's Plan, with its row of the bound ALiBi slopes and sinks.
+
     One run at a time: a run that finds another in progress on the same
-    plan raises RuntimeError (the work buffers will belong to the plan).
+    plan (or on one sharing its guard) raises RuntimeError (the work
+    buffers belong to the plan).
     """
     cdef kva_args args
     cdef kva_plan *plan
@@ -428,8 +370,8 @@ cdef class Plan:
     cdef readonly int64_t block_size, num_blocks
     cdef readonly int kind, num_threads
     cdef readonly double scale, soft_cap
-    cdef readonly int64_t sliding_window
-    cdef bint busy
+    cdef readonly int64_t sliding_window, chunk_size
+    cdef _Guard guard
     # the bound layers (bind)
     cdef bint bound
     cdef Py_ssize_t num_layers
@@ -446,6 +388,9 @@ cdef class Plan:
     cdef const char *owned_lo[8]
     cdef const char *owned_hi[8]
     cdef int num_owned
+    cdef tuple layer_plans            # the Plan of each layer (None: this one), or None
+    cdef const float *alibi_ptr       # float32 (num_layers, num_heads), or NULL
+    cdef const float *sinks_ptr       # float32 (num_layers, num_heads), or NULL
     cdef object keep                  # references to everything bound
     # run_layer's float32 staging of 16-bit torch q / out (num_tokens x
     # num_heads x head_dim floats each, made at the first such run)
@@ -455,7 +400,8 @@ cdef class Plan:
     def __cinit__(self, block_tables, seq_lens, query_start_loc, Py_ssize_t num_heads,
                   Py_ssize_t num_kv_heads, Py_ssize_t head_dim, int64_t block_size,
                   int64_t num_blocks, int kind, double scale, int64_t sliding_window,
-                  double soft_cap, int num_threads):
+                  double soft_cap, int64_t chunk_size, int num_threads):
+        self.guard = _Guard()
         # owned copies: the caller may change or drop its arrays afterwards
         cdef cnp.ndarray t = cnp.PyArray_FROM_OTF(block_tables, cnp.NPY_INT32,
                                                   cnp.NPY_ARRAY_C_CONTIGUOUS
@@ -479,6 +425,7 @@ cdef class Plan:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.num_blocks, self.kind = block_size, num_blocks, kind
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.chunk_size = chunk_size
         self.num_threads = num_threads
         cdef kva_args *a = &self.args
         a.kind = kind
@@ -501,6 +448,9 @@ cdef class Plan:
         a.v_scale = 1.0
         a.k_head_scales = NULL
         a.v_head_scales = NULL
+        a.chunk_size = chunk_size
+        a.alibi_slopes = NULL
+        a.sinks = NULL
         cdef int status = KVA_OK
         with nogil:
             self.plan = kva_plan_create(a, &status)
@@ -524,6 +474,11 @@ cdef class Plan:
         """Threads a run uses (at most the planned num_threads)."""
         return kva_plan_num_threads(self.plan)
 
+    def share_guard(self, Plan other):
+        """Runs of this plan and of ``other`` take turns (one at a time
+        between them): the plans of one step, one per layer kind."""
+        self.guard = other.guard
+
     cdef int _go(self, kva_args *a, int q_kind=KVH_F32, const char *q16=NULL,
                  int out_kind=KVH_F32, char *out16=NULL) except -1:
         """Runs the kernel on ``a`` (the plan's fields plus the data fields),
@@ -533,10 +488,11 @@ cdef class Plan:
         (kvcore's conversions, as the general path's), inside the run."""
         cdef int status
         cdef Py_ssize_t n = self.num_tokens * self.num_heads * self.head_dim
-        if self.busy:
+        cdef _Guard guard = self.guard
+        if guard.busy:
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
                                "plan: use one plan per thread)")
-        self.busy = True
+        guard.busy = True
         try:
             if q_kind != KVH_F32:
                 if self.q32 == NULL:
@@ -557,7 +513,7 @@ cdef class Plan:
                 if status == KVA_OK and out_kind != KVH_F32:
                     convert_n(KVH_F32, self.out32, out_kind, out16, n)
         finally:
-            self.busy = False
+            guard.busy = False
         if status == KVA_ENOMEM:
             raise MemoryError("paged_attention could not allocate its work buffers")
         if status != KVA_OK:
@@ -566,12 +522,14 @@ cdef class Plan:
 
     def run(self, cnp.ndarray q, cnp.ndarray out, cnp.ndarray key_cache,
             cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
-            double v_scale=1.0, k_head_scales=None, v_head_scales=None):
+            double v_scale=1.0, k_head_scales=None, v_head_scales=None, *, alibi_slopes=None,
+            sinks=None):
         """out[...] = attention of q (float32 C-contiguous, the plan's shape)
         over key_cache / value_cache ((num_blocks, num_kv_heads, block_size,
         head_dim), rows contiguous, the same strides), checked by the caller.
         fp8 with per-kv-head scales: ``k_head_scales`` / ``v_head_scales``
-        float32 ``(num_kv_heads,)`` (then k_scale / v_scale are unused)."""
+        float32 ``(num_kv_heads,)`` (then k_scale / v_scale are unused).
+        ``alibi_slopes`` / ``sinks``: float32 ``(num_heads,)`` or None."""
         for x in (q, out):
             if cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
                     or not cnp.PyArray_ISALIGNED(x) or not cnp.PyArray_ISNOTSWAPPED(x) \
@@ -592,14 +550,17 @@ cdef class Plan:
         a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
         a.k_scale = <float>k_scale
         a.v_scale = <float>v_scale
-        a.k_head_scales = _head_scales(k_head_scales, self.num_kv_heads)
-        a.v_head_scales = _head_scales(v_head_scales, self.num_kv_heads)
+        a.k_head_scales = _float_row(k_head_scales, self.num_kv_heads, "head scales")
+        a.v_head_scales = _float_row(v_head_scales, self.num_kv_heads, "head scales")
+        a.alibi_slopes = _float_row(alibi_slopes, self.num_heads, "alibi_slopes")
+        a.sinks = _float_row(sinks, self.num_heads, "sinks")
         self._go(&a)
 
     def bind(self, cnp.ndarray key0, cnp.ndarray value0, cnp.ndarray key_last,
              cnp.ndarray value_last, Py_ssize_t num_layers, key_scales0=None,
              value_scales0=None, key_scales_last=None, value_scales_last=None,
-             layer_scales=None, owned=(), head_scales=None):
+             layer_scales=None, owned=(), head_scales=None, layer_plans=None, alibi=None,
+             sinks=None):
         """Binds the layers ``run_layer`` reads: the planes of layer 0 and of
         the last layer (``num_layers - 1``); layer ``l``'s planes lie ``l``
         layer strides past layer 0's (the stride measured here; a layout
@@ -608,8 +569,12 @@ cdef class Plan:
         ``layer_scales`` float32 ``(num_layers, 2)``, or with one scale per
         kv head ``head_scales`` float32 ``(num_layers, 2, num_kv_heads)``
         (which then wins).  ``owned``: up to 8
-        arrays an ``out`` must not overlap.  Returns ``run_layer``, or None
-        when the layers cannot be bound."""
+        arrays an ``out`` must not overlap.  ``layer_plans``: None (every
+        layer runs this plan), or the Plan of each layer (one per layer
+        kind, each of this plan's geometry and guard).  ``alibi`` /
+        ``sinks``: None or float32 ``(num_layers, num_heads)``, C-contiguous
+        (each layer's row).  Returns ``run_layer``, or None when the layers
+        cannot be bound."""
         cdef Py_ssize_t key_layer_stride, value_layer_stride
         cdef Py_ssize_t steps = num_layers - 1 if num_layers > 1 else 1
         if num_layers < 1 or not (_one_buffer(key0, key_last) and _one_buffer(value0, value_last)):
@@ -667,6 +632,19 @@ cdef class Plan:
                 raise ValueError("internal: head_scales must be float32 "
                                  "(num_layers, 2, num_kv_heads)")
             self.head_scales_ptr = <const float *>cnp.PyArray_DATA(ls)
+        self.layer_plans = None
+        if layer_plans is not None:
+            plans = tuple(layer_plans)
+            if len(plans) != num_layers:
+                raise ValueError("internal: layer_plans must hold one Plan per layer")
+            for p in plans:
+                if not _same_geometry(self, <Plan?>p) or (<Plan>p).guard is not self.guard:
+                    raise ValueError("internal: layer_plans must share this plan's geometry "
+                                     "and guard")
+            # (this plan as None: it does not hold itself)
+            self.layer_plans = tuple(None if p is self else p for p in plans)
+        self.alibi_ptr = _layer_rows(alibi, num_layers, self.num_heads, "alibi")
+        self.sinks_ptr = _layer_rows(sinks, num_layers, self.num_heads, "sinks")
         self.num_owned = 0
         cdef const char *lo
         cdef const char *hi
@@ -677,7 +655,7 @@ cdef class Plan:
                 self.num_owned += 1
         self.keep = (key0, value0, key_last, value_last, key_scales0, value_scales0,
                      key_scales_last, value_scales_last, layer_scales, head_scales,
-                     tuple(owned))
+                     tuple(owned), alibi, sinks)
         self.bound = True
         return self.run_layer
 
@@ -764,7 +742,20 @@ cdef class Plan:
                 for i in range(self.num_owned):
                     if olo < self.owned_hi[i] and self.owned_lo[i] < ohi:
                         return NotImplemented
-        cdef kva_args a = self.args
+        # the layer's kind's plan (its C plan; the same q, out and planes)
+        cdef Plan target = self
+        if self.layer_plans is not None:
+            entry = self.layer_plans[l]
+            if entry is not None:
+                target = <Plan>entry
+        cdef kva_args a = target.args
+        a.block_stride = self.args.block_stride      # (the bound planes' layout)
+        a.head_stride = self.args.head_stride
+        a.row_stride = self.args.row_stride
+        if self.alibi_ptr != NULL:
+            a.alibi_slopes = self.alibi_ptr + l * self.num_heads
+        if self.sinks_ptr != NULL:
+            a.sinks = self.sinks_ptr + l * self.num_heads
         if self.num_tokens:
             a.q = <const float *>qlo
             a.out = <float *>olo
@@ -782,7 +773,7 @@ cdef class Plan:
             a.k_head_scales = self.head_scales_ptr + 2 * l * self.num_kv_heads
             a.v_head_scales = self.head_scales_ptr + (2 * l + 1) * self.num_kv_heads
         if self.num_tokens:
-            self._go(&a, q_kind, qlo, out_kind, <char *>olo)
+            target._go(&a, q_kind, qlo, out_kind, <char *>olo)
         else:
-            self._go(&a)
+            target._go(&a)
         return oa if out is None else out

@@ -1,8 +1,7 @@
-"""The checksums of prefix-store entries, and the block copy that computes
-them on the way into a pool's storage (kvcore/stores, BlockPool.import_blocks):
-XXH3-64 (entry format version 3, kv_xxh3.c, SIMD by run-time dispatch) and
-XXH64 (format version 2, kv_checksum.c).  Callers validate sizes; these
-functions only check what would be unsafe.
+"""The checksum of prefix-store entries, and the block copy that computes
+it on the way into a pool's storage (kvcore/stores, BlockPool.import_blocks):
+XXH3-64 (entry format version 3, kv_xxh3.c, SIMD by run-time dispatch).
+Callers validate sizes; these functions only check what would be unsafe.
 
 ``level`` arguments (tests, benchmarks): a kv_simd.h level number; -1 (the
 default) or one this CPU cannot run means the default level
@@ -10,25 +9,13 @@ default) or one this CPU cannot run means the default level
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc
 
-cdef extern from "kv_checksum.h" nogil:
-    ctypedef struct kv_xxh64_state:
+cdef extern from "kv_xxh3.h" nogil:
+    ctypedef struct kv_xxh3_state:
         pass
-    void kv_xxh64_init(kv_xxh64_state* s, uint64_t seed)
-    void kv_xxh64_update(kv_xxh64_state* s, const void* data, size_t n)
-    uint64_t kv_xxh64_digest(const kv_xxh64_state* s)
-    void kv_copy_xxh64(kv_xxh64_state* s, const unsigned char* src, unsigned char* dst,
-                       size_t n_chunks, size_t chunk_bytes, size_t dst_stride)
     ctypedef struct kv_copy_part:
         unsigned char* dst
         const size_t* dst_offsets
         size_t n_chunks, chunk_bytes, dst_stride
-    void kv_copy_xxh64_many(const unsigned char* const* srcs, size_t n_srcs,
-                            const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
-                            uint64_t* digests)
-
-cdef extern from "kv_xxh3.h" nogil:
-    ctypedef struct kv_xxh3_state:
-        pass
     void kv_xxh3_init(kv_xxh3_state* s, uint64_t seed, int level)
     void kv_xxh3_update(kv_xxh3_state* s, const void* data, size_t n)
     uint64_t kv_xxh3_digest(const kv_xxh3_state* s)
@@ -40,20 +27,6 @@ cdef extern from "kv_xxh3.h" nogil:
                            uint64_t* digests, int level, int n_threads)
 
 
-def xxh64(data, uint64_t seed=0):
-    """XXH64 of the bytes-like ``data`` (any contiguous buffer)."""
-    cdef const unsigned char[::1] view = memoryview(data).cast("B")
-    cdef kv_xxh64_state s
-    cdef uint64_t h
-    cdef size_t n = view.shape[0]
-    with nogil:
-        kv_xxh64_init(&s, seed)
-        if n:
-            kv_xxh64_update(&s, &view[0], n)
-        h = kv_xxh64_digest(&s)
-    return h
-
-
 cdef _check_chunks(size_t src_bytes, size_t dst_bytes, size_t n_chunks, size_t chunk_bytes,
                    size_t dst_stride):
     if src_bytes != n_chunks * chunk_bytes:
@@ -62,39 +35,6 @@ cdef _check_chunks(size_t src_bytes, size_t dst_bytes, size_t n_chunks, size_t c
     if n_chunks and (chunk_bytes > dst_stride and n_chunks > 1
                      or dst_bytes < (n_chunks - 1) * dst_stride + chunk_bytes):
         raise ValueError("internal: dst is too small for the chunks")
-
-
-def copy_xxh64(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
-               uint64_t seed=0):
-    """Copy ``n_chunks`` chunks of ``chunk_bytes`` from bytes-like ``src``
-    (``n_chunks * chunk_bytes`` bytes) to ``dst`` (a writable buffer whose
-    chunk ``i`` starts at byte ``i * dst_stride``) and return XXH64 of
-    ``src`` with ``seed``, computed while copying."""
-    return _copy_one(src, dst, n_chunks, chunk_bytes, dst_stride, seed, False, -1)
-
-
-cdef object _copy_one(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
-                      uint64_t seed, bint xxh3, int level):
-    """copy_xxh64 (``xxh3`` False) or copy_xxh3 (at ``level``)."""
-    cdef const unsigned char[::1] s = memoryview(src).cast("B")
-    cdef unsigned char[::1] d = memoryview(dst).cast("B")
-    cdef kv_xxh64_state st64
-    cdef kv_xxh3_state st3
-    cdef uint64_t h
-    cdef bint copy = n_chunks != 0 and chunk_bytes != 0
-    _check_chunks(s.shape[0], d.shape[0], n_chunks, chunk_bytes, dst_stride)
-    with nogil:
-        if xxh3:
-            kv_xxh3_init(&st3, seed, level)
-            if copy:
-                kv_copy_xxh3(&st3, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
-            h = kv_xxh3_digest(&st3)
-        else:
-            kv_xxh64_init(&st64, seed)
-            if copy:
-                kv_copy_xxh64(&st64, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
-            h = kv_xxh64_digest(&st64)
-    return h
 
 
 def xxh3_64(data, uint64_t seed=0, int level=-1):
@@ -132,28 +72,33 @@ def xxh3_level(int level=-1):
 
 def copy_xxh3(src, dst, size_t n_chunks, size_t chunk_bytes, size_t dst_stride,
               uint64_t seed=0, int level=-1):
-    """:func:`copy_xxh64` with XXH3-64."""
-    return _copy_one(src, dst, n_chunks, chunk_bytes, dst_stride, seed, True, level)
-
-
-def copy_xxh64_many(srcs, parts, seeds):
-    """:func:`copy_xxh64` of every source in ``srcs`` (bytes-likes) into
-    one or more destinations: ``parts`` is a list of ``(dst, dst_offsets,
-    n_chunks, chunk_bytes, dst_stride)``, and every source is those parts
-    one after the other: part ``k``'s chunk ``i`` of source ``j`` goes to
-    byte ``dst_offsets[j] + i * dst_stride`` of that part's ``dst``.
-    Returns the list of the sources' XXH64 digests with ``seeds[j]``.  All
-    of it in one call with the GIL released."""
-    return _copy_many(srcs, parts, seeds, 0, -1, 1)
+    """Copy ``n_chunks`` chunks of ``chunk_bytes`` from bytes-like ``src``
+    (``n_chunks * chunk_bytes`` bytes) to ``dst`` (a writable buffer whose
+    chunk ``i`` starts at byte ``i * dst_stride``) and return XXH3-64 of
+    ``src`` with ``seed``, computed while copying."""
+    cdef const unsigned char[::1] s = memoryview(src).cast("B")
+    cdef unsigned char[::1] d = memoryview(dst).cast("B")
+    cdef kv_xxh3_state st
+    cdef uint64_t h
+    cdef bint copy = n_chunks != 0 and chunk_bytes != 0
+    _check_chunks(s.shape[0], d.shape[0], n_chunks, chunk_bytes, dst_stride)
+    with nogil:
+        kv_xxh3_init(&st, seed, level)
+        if copy:
+            kv_copy_xxh3(&st, &s[0], &d[0], n_chunks, chunk_bytes, dst_stride)
+        h = kv_xxh3_digest(&st)
+    return h
 
 
 def copy_xxh3_many(srcs, parts, seeds, int num_threads=1, int level=-1):
-    """:func:`copy_xxh64_many` with XXH3-64, on up to ``num_threads``
+    """:func:`copy_xxh3` of every source in ``srcs`` (bytes-likes) into one
+    or more destinations: ``parts`` is a list of ``(dst, dst_offsets,
+    n_chunks, chunk_bytes, dst_stride)``, and every source is those parts
+    one after the other: part ``k``'s chunk ``i`` of source ``j`` goes to
+    byte ``dst_offsets[j] + i * dst_stride`` of that part's ``dst``.
+    Returns the list of the sources' XXH3-64 digests with ``seeds[j]``.  All
+    of it in one call with the GIL released, on up to ``num_threads``
     threads (the digests and the copied bytes do not depend on it)."""
-    return _copy_many(srcs, parts, seeds, 1, level, num_threads)
-
-
-cdef _copy_many(srcs, parts, seeds, int xxh3, int level, int num_threads):
     cdef size_t n = len(srcs), k, j, need = 0, span, size
     cdef size_t n_parts = len(parts)
     cdef unsigned char[::1] d
@@ -200,10 +145,7 @@ cdef _copy_many(srcs, parts, seeds, int xxh3, int level, int num_threads):
             ptrs[j] = &s[0] if need else NULL
             sd[j] = seeds[j]
         with nogil:
-            if xxh3:
-                kv_copy_xxh3_many(ptrs, n, cparts, n_parts, sd, out, level, num_threads)
-            else:
-                kv_copy_xxh64_many(ptrs, n, cparts, n_parts, sd, out)
+            kv_copy_xxh3_many(ptrs, n, cparts, n_parts, sd, out, level, num_threads)
         return [out[j] for j in range(n)]
     finally:
         free(ptrs); free(cparts); free(offs); free(sd); free(out)

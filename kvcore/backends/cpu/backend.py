@@ -185,33 +185,36 @@ class CPUBackend(Backend):
     # ------------------------------------------------- attention
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
                        num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
-                       sliding_window, soft_cap, num_threads):
+                       sliding_window, soft_cap, chunk_size=0, num_threads=1):
         """A ``_attention.Plan``: owned copies of the index arrays and the C
         arguments' shape fields (see ``Backend.attention_plan``)."""
         return _attention.Plan(block_tables, seq_lens, query_start_loc, num_heads,
                                num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
-                               sliding_window, soft_cap, num_threads)
+                               sliding_window, soft_cap, chunk_size, num_threads)
 
     def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
-                               num_blocks, block_size, sliding_window):
+                               num_blocks, block_size, sliding_window, chunk_size=0):
         """One native pass (see ``Backend.check_attention_tables``)."""
         status, a, b = _attention.check_tables(block_tables, seq_lens, query_start_loc,
                                                num_tokens, num_blocks, block_size,
-                                               sliding_window)
+                                               sliding_window, chunk_size)
         return _attention.STATUS_NAMES.get(status), a, b
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+                      alibi_slopes=None, sinks=None):
         """The C kernel on the plan (GIL released; one run at a time per plan)."""
         if lowprec is not None and isinstance(lowprec[2], np.ndarray):
             # fp8 with per-kv-head scales: float32 (num_kv_heads,) each
             plan.run(q, out, key_cache, value_cache, None, None, 1.0, 1.0,
-                     _head_vector(lowprec[2]), _head_vector(lowprec[3]))
+                     _head_vector(lowprec[2]), _head_vector(lowprec[3]),
+                     alibi_slopes=alibi_slopes, sinks=sinks)
             return
-        plan.run(q, out, key_cache, value_cache, *(lowprec or ()))
+        plan.run(q, out, key_cache, value_cache, *(lowprec or ()), alibi_slopes=alibi_slopes,
+                 sinks=sinks)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None,
-                        num_threads=1):
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        chunk_size=0, alibi_slopes=None, sinks=None, num_threads=1):
         """``attention_run(attention_plan(...))`` in one call (the public layer
         plans once per step and passes its thread count there)."""
         num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
@@ -220,8 +223,9 @@ class CPUBackend(Backend):
                                    head_dim=head_dim, block_size=block_size,
                                    num_blocks=num_blocks, kind=kind, scale=scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
-                                   num_threads=num_threads)
-        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
+                                   chunk_size=chunk_size, num_threads=num_threads)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+                           alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 CPU = CPUBackend()

@@ -59,7 +59,7 @@ class CudaAttention:
 
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
                        num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
-                       sliding_window, soft_cap, num_threads=None):
+                       sliding_window, soft_cap, chunk_size=0, num_threads=None):
         """Plan attention calls of one step (``kernels/attention.cu``): the
         work split and every index array, uploaded once, living on the
         device.
@@ -68,6 +68,7 @@ class CudaAttention:
             int64 arrays, already checked by the public layer (every block
             id a run can read in ``0..num_blocks-1``)
         scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
+        chunk_size : int, 0: off (a query sees no key before its chunk's start)
         num_threads : ignored (the GPU's split is sized by the plan)
 
         Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
@@ -88,7 +89,7 @@ class CudaAttention:
             num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
             head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
             scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap),
-            version=self._attention_version(), backend=self)
+            chunk_size=int(chunk_size), version=self._attention_version(), backend=self)
         if num_tokens == 0:
             return plan
         rows = prefill = prefill_tc = None   # prefill rows go to a tensor-core kernel
@@ -96,7 +97,8 @@ class CudaAttention:
         if plan.version >= 3 and kind in ak.PREFILL_KINDS and self._has_mma() \
                 and ak.prefill_tc_smem(dim) <= self._smem_optin():
             prefill_tc, mask = ak.prefill_tc_plan(qsl_h, seq_lens, plan.num_heads,
-                                                  plan.num_kv_heads, plan.sliding_window, dim)
+                                                  plan.num_kv_heads, plan.sliding_window, dim,
+                                                  chunk_size=plan.chunk_size)
             if len(prefill_tc):
                 rows = ~mask
                 seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
@@ -108,13 +110,14 @@ class CudaAttention:
                 seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
                                             plan.sliding_window, num_sms=self._sm_count(),
-                                            rows=rows)
+                                            rows=rows, chunk_size=plan.chunk_size)
         self._check_rows(len(items), "paged_attention (work items)")
         tc = None
         if (plan.version >= 3 and kind in ak.TC_KINDS and dim in ak.TC_HEAD_DIMS
                 and self._has_mma() and ak.tc_smem(kind, dim) <= self._smem_optin()):
             tc, tc_nsplit = ak.tc_plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                       plan.sliding_window, num_sms=self._sm_count(), seqs=seqs)
+                                       plan.sliding_window, num_sms=self._sm_count(), seqs=seqs,
+                                       chunk_size=plan.chunk_size)
             if not len(tc) or int((tc[:, 5] - tc[:, 4]).max()) + plan.block_size \
                     >= ak.TC_MAX_KEYS:
                 tc = None
@@ -164,7 +167,8 @@ class CudaAttention:
         G = plan.num_heads // plan.num_kv_heads
         dim, kind = plan.head_dim, plan.kind
         shape = [plan.tables.shape[1] if plan.tables is not None else 0, plan.block_size]
-        feats = [plan.scale, plan.sliding_window, plan.soft_cap]
+        feats = [plan.scale, plan.sliding_window, plan.soft_cap, plan.chunk_size,
+                 H("alibi", "p"), H("sinks", "p")]
         launches = {}
         if plan.tc_items is not None:
             for mt in ak.tc_mma_kinds(kind):
@@ -187,7 +191,8 @@ class CudaAttention:
                     run.append(PackedLaunch(
                         self, file, ak.merge_name(dim), plan.merge_rows.shape[0],
                         ak.MERGE_THREADS,
-                        [out, plan.partials, plan.merge_rows, plan.nsplit, plan.num_heads, ok]))
+                        [out, plan.partials, plan.merge_rows, plan.nsplit, plan.num_heads,
+                         plan.scale, plan.soft_cap, H("sinks", "p"), ok]))
                 launches[("core", tiled)] = run
         if plan.prefill is not None:
             launches["prefill"] = [PackedLaunch(
@@ -202,7 +207,8 @@ class CudaAttention:
                  *feats, H("tiled", "i"), qk, ok], smem=ak.prefill_tc_smem(dim))]
         return launches
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None):
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+                      alibi_slopes=None, sinks=None):
         """Run a ``CudaAttentionPlan`` on one layer: launches only (no
         upload, no allocation, no host sync), so a step of runs can be
         captured in a CUDA graph.
@@ -215,6 +221,8 @@ class CudaAttention:
             head_dim)`` device views of the pool's storage (bits of the
             plan's kind), rows contiguous
         lowprec : as for ``paged_attention``
+        alibi_slopes, sinks : None, or float32 C-contiguous ``(num_heads,)``
+            device arrays (the layer's rows): ALiBi slopes, attention sinks
 
         A version 3 plan runs the tensor-core decode for q of the mma's
         type (float16 pages: float16 q; bfloat16: bfloat16; fp8: either)
@@ -225,6 +233,13 @@ class CudaAttention:
         if not isinstance(plan, CudaAttentionPlan):
             raise TypeError(f"plan must come from this backend's attention_plan, got "
                             f"{type(plan).__name__}")
+        for arg, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+            if a is not None and (not self._is_device(a) or a.dtype != np.float32
+                                  or tuple(a.shape) != (plan.num_heads,)
+                                  or not a.flags.c_contiguous or self._ptr(a) % 4):
+                raise ValueError(f"{arg} must be a float32 C-contiguous ({plan.num_heads},) "
+                                 f"array on {self.device}, got {type(a).__name__} "
+                                 f"{getattr(a, 'dtype', '')} {tuple(getattr(a, 'shape', ()))}")
         want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
         want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
         for arg, a, want in (("q", q, want_q), ("out", out, want_q),
@@ -264,7 +279,7 @@ class CudaAttention:
                       "ch": cs[1], "ct": cs[2], "key_scales": scales[0],
                       "value_scales": scales[1], "sb": scales[2], "sh": scales[3],
                       "st": scales[4], "ks": scales[5], "vs": scales[6], "qk": qk, "ok": ok,
-                      "tiled": int(tiled)}
+                      "tiled": int(tiled), "alibi": alibi_slopes, "sinks": sinks}
             if not plan.lock.acquire(blocking=False):
                 raise RuntimeError("this attention plan is already running (one run at a "
                                    "time per plan)")
@@ -275,7 +290,8 @@ class CudaAttention:
             self._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None):
+                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        chunk_size=0, alibi_slopes=None, sinks=None):
         """``kvcore.paged_attention`` on this device: ``attention_run`` of a
         fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
         int8 pages only, as the CPU kernel takes it: ``(key_scales,
@@ -290,8 +306,9 @@ class CudaAttention:
             block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
             num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
             num_blocks=key_cache.shape[0], kind=kind, scale=scale,
-            sliding_window=sliding_window, soft_cap=soft_cap)
-        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
+            sliding_window=sliding_window, soft_cap=soft_cap, chunk_size=chunk_size)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+                           alibi_slopes=alibi_slopes, sinks=sinks)
 
     def _attention_scales(self, kind, key_cache, lowprec):
         """The scale arguments of kva_attention_split for pages of ``kind``
@@ -397,9 +414,16 @@ class _FastRun:
     the layer stride, once, at bind time."""
 
     def __init__(self, plan, key0, value0, key_last, value_last, num_layers, layer_scales,
-                 scale_planes):
+                 scale_planes, alibi, sinks, layer_plans):
         be = plan.backend
         self.plan, self.be, self.num_layers = plan, be, num_layers
+        # each layer's plan (layers of several kinds: window / chunk) and rows
+        self.layer_plans = list(layer_plans) if layer_plans is not None else [plan] * num_layers
+        self.rows = {}
+        for name, host in (("alibi", alibi), ("sinks", sinks)):
+            if host is not None:   # (num_layers, num_heads) float32, uploaded once
+                dev = be.from_host(np.ascontiguousarray(host, np.float32))
+                self.rows[name] = (dev, be._ptr(dev), dev.shape[1] * 4)
         steps = max(1, num_layers - 1)
         self.kv0 = (be._ptr(key0), be._ptr(value0))
         self.kv_step = tuple((be._ptr(last) - base) // steps
@@ -416,7 +440,7 @@ class _FastRun:
         self.scale_planes = None
         base = {"cb": cs[0], "ch": cs[1], "ct": cs[2], "key_scales": None,
                 "value_scales": None, "sb": 0, "sh": 0, "st": 0, "ks": 1.0, "vs": 1.0,
-                "tiled": int(self.tiled)}
+                "tiled": int(self.tiled), "alibi": None, "sinks": None}
         if scale_planes is not None:   # int8: each layer's scale planes, by their stride
             ks0, vs0, ks_last, vs_last = scale_planes
             sc = be._attention_scales(plan.kind, key0, (ks0, vs0, 1.0, 1.0))
@@ -459,9 +483,10 @@ class _FastRun:
         return (ptr, kind[0], x.numel() * kind[1]) if ptr % kind[1] == 0 else None
 
     def __call__(self, q, layer, out=None):
-        plan, be = self.plan, self.be
+        be = self.be
         if type(layer) is not int or not 0 <= layer < self.num_layers:
             return NotImplemented
+        plan = self.layer_plans[layer]
         qo = self._operand(q)
         if qo is None or qo[1] not in self.q_kinds:
             return NotImplemented
@@ -488,6 +513,8 @@ class _FastRun:
         if self.scale_planes is not None:
             (k0, v0), (ks, vs) = self.scale_planes
             values["key_scales"], values["value_scales"] = k0 + layer * ks, v0 + layer * vs
+        for name, (_, base, step) in self.rows.items():
+            values[name] = base + layer * step
         if not plan.lock.acquire(blocking=False):
             return NotImplemented   # (the general path raises)
         try:
@@ -532,22 +559,31 @@ class CudaAttentionPlan:
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
                  "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
                  "prefill", "version", "tc_items", "tc_nsplit", "counters", "launches",
-                 "backend", "lock", "prefill_tc")
+                 "backend", "lock", "prefill_tc", "chunk_size")
 
     def __init__(self, **shape):
         for name in self.__slots__:
             setattr(self, name, shape.get(name))
         self.lock = threading.Lock()   # one run at a time (the launches' host buffers)
 
+    def share_guard(self, other):
+        """Take ``other``'s run guard (the plans of one AttentionPlan's
+        layer kinds: one run at a time among them)."""
+        self.lock = other.lock
+
     def bind(self, key0, value0, key_last, value_last, num_layers, owned=(),
              key_scales0=None, value_scales0=None, key_scales_last=None,
-             value_scales_last=None, layer_scales=None, head_scales=None):
+             value_scales_last=None, layer_scales=None, head_scales=None, alibi=None,
+             sinks=None, layer_plans=None):
         """``AttentionPlan.run``'s fast lane (see ``_FastRun``) over the
         layers whose planes lie ``l`` layer strides past ``key0`` /
-        ``value0`` (measured from the last layer's); None when it cannot be
-        bound (fp8 per-head scales, planes off the backend's device or not
-        one stride apart, an empty plan).  ``owned`` is not used: the fast
-        lane keeps ``out`` off every layer's planes and scales itself."""
+        ``value0`` (measured from the last layer's); ``alibi`` / ``sinks``:
+        host ``(num_layers, num_heads)`` rows (uploaded now), ``layer_plans``:
+        each layer's plan where the layers have several kinds.  None when it
+        cannot be bound (fp8 per-head scales, planes off the backend's
+        device or not one stride apart, an empty plan).  ``owned`` is not
+        used: the fast lane keeps ``out`` off every layer's planes and
+        scales itself."""
         be = self.backend
         planes = (key0, value0, key_last, value_last)
         if be is None or head_scales is not None or self.num_tokens == 0 \
@@ -565,7 +601,7 @@ class CudaAttentionPlan:
                    for first, last in zip(scale_planes[:2], scale_planes[2:])):
                 return None
         return _FastRun(self, key0, value0, key_last, value_last, num_layers, layer_scales,
-                        scale_planes)
+                        scale_planes, alibi, sinks, layer_plans)
 
     def __repr__(self):
         return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "

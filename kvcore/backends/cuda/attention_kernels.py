@@ -53,6 +53,17 @@ TILED_MAX_BLOCK_SIZE = 2 ** 30
 MERGE_THREADS = 128
 
 
+def key_lo(pos, sliding_window, chunk_size=0):
+    """The first key a query at position(s) ``pos`` sees (attention.cu's
+    kva_key_lo, the CPU's rule): the later of its window's start and its
+    chunk's start (0: off)."""
+    pos = np.asarray(pos, np.int64)
+    lo = np.maximum(pos + 1 - sliding_window, 0) if sliding_window > 0 else np.zeros_like(pos)
+    if chunk_size > 0:
+        lo = np.maximum(lo, pos - pos % chunk_size)
+    return lo
+
+
 def split_name(kind, head_dim):
     """The tiled split kernel (16-byte aligned pages)."""
     return f"kva_attention_split<{kind}, {head_dim}>"
@@ -132,7 +143,7 @@ def prefill_tc_smem(head_dim):
 
 
 def prefill_tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
-                    head_dim, min_queries=None):
+                    head_dim, min_queries=None, chunk_size=0):
     """``kva_prefill_tc``'s items for the sequences of at least
     ``min_queries`` (default ``PREFILL_MIN_QUERIES``) queries: int64
     ``[n, 4]`` = (sequence, kv head, first pair, pairs), the blocks that
@@ -154,7 +165,7 @@ def prefill_tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_
         for p0 in range(0, pairs, rows):
             n = min(rows, pairs - p0)
             hi = pos0 + (p0 + n - 1) // G + 1
-            lo = max(0, pos0 + p0 // G + 1 - sliding_window) if sliding_window > 0 else 0
+            lo = int(key_lo(pos0 + p0 // G, sliding_window, chunk_size))
             for g in range(num_kv_heads):
                 out.append((int(s), g, p0, n))
                 work.append(hi - lo)
@@ -227,12 +238,13 @@ def tc_smem(kind, head_dim):
     (its KvtCfg::SMEM)."""
     row = head_dim * dtypes.ITEMSIZE[kind]
     pipe = TC_WARPS * TC_STAGES * 2 * TC_KEYS * (row + 16)
-    merge = TC_WARPS * TC_ROWS * (head_dim + 2) * 4
-    weights = (2 * TC_MAX_SPLITS + 1) * TC_ROWS * 4
+    merge = TC_WARPS * TC_ROWS * (head_dim + 2) * 4 + (TC_WARPS + 4) * TC_ROWS * 4
+    weights = (2 * TC_MAX_SPLITS + 2) * TC_ROWS * 4
     return max(pipe, merge, weights) + TC_ROWS * (2 * head_dim + 16) + TC_ROWS * 8 + 16
 
 
-def _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, seqs):
+def _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, seqs,
+               chunk_size=0):
     """The (sequence, first pair, pairs, first key, end key) of every chunk
     of up to TC_ROWS (query, head) pairs of the sequences in ``seqs``."""
     qsl = np.asarray(query_start_loc, np.int64)
@@ -249,8 +261,7 @@ def _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_windo
     npairs = np.minimum(TC_ROWS, np.repeat(pairs, nch) - p0)
     pos0 = lens[seq] - nq[seq]
     hi = pos0 + (p0 + npairs - 1) // G + 1
-    lo = np.maximum(pos0 + p0 // G + 1 - sliding_window, 0) if sliding_window > 0 \
-        else np.zeros_like(hi)
+    lo = key_lo(pos0 + p0 // G, sliding_window, chunk_size)
     return seq, p0, npairs, lo, hi
 
 
@@ -266,7 +277,7 @@ def tc_split_keys_for(longest, units, num_sms):
 
 
 def tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
-            split_keys=None, num_sms=None, seqs=None):
+            split_keys=None, num_sms=None, seqs=None, chunk_size=0):
     """The tensor-core decode kernel's items: int64 ``[n, 8]`` = (sequence,
     kv head, first pair, pairs, first key, end key, split index, 0) and the
     int32 ``[n]`` splits of each item's unit; a unit's items are
@@ -274,7 +285,7 @@ def tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
     all).  ``split_keys`` defaults to ``tc_split_keys_for(..., num_sms)``
     given ``num_sms``, else ``SPLIT_KEYS``."""
     seq, p0, npairs, lo, hi = _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads,
-                                         sliding_window, seqs)
+                                         sliding_window, seqs, chunk_size)
     H = num_kv_heads
     if seq.size == 0:
         return np.zeros((0, 8), np.int64), np.zeros(0, np.int32)
@@ -345,7 +356,7 @@ def source():
     return _sources.source(ATTENTION_FILE.name)
 
 
-def _visible(query_start_loc, seq_lens, sliding_window):
+def _visible(query_start_loc, seq_lens, sliding_window, chunk_size=0):
     """Per query row: its sequence, first and end visible key."""
     qsl = np.asarray(query_start_loc, np.int64)
     lens = np.asarray(seq_lens, np.int64)
@@ -355,12 +366,12 @@ def _visible(query_start_loc, seq_lens, sliding_window):
     row = np.arange(T, dtype=np.int64)
     pos = lens[seq] - nq[seq] + (row - qsl[seq])
     hi = pos + 1
-    lo = np.maximum(hi - sliding_window, 0) if sliding_window > 0 else np.zeros_like(hi)
+    lo = key_lo(pos, sliding_window, chunk_size)
     return seq, lo, hi
 
 
 def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
-                   num_sms, rows=None):
+                   num_sms, rows=None, chunk_size=0):
     """Keys per split for a call on a device of ``num_sms``
     multiprocessors: the call's units (row, kv head, chunk) are split so
     their items (one thread block each) come to at most ``BLOCKS_PER_SM *
@@ -368,7 +379,7 @@ def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_w
     ``target // units`` pieces (a call of that many units or more is not
     split: a split only adds a merge).  A multiple of ``SPLIT_ALIGN``, at
     least ``MIN_SPLIT_KEYS``.  ``rows``: a bool mask of the rows planned."""
-    _, lo, hi = _visible(query_start_loc, seq_lens, sliding_window)
+    _, lo, hi = _visible(query_start_loc, seq_lens, sliding_window, chunk_size)
     if rows is not None:
         lo, hi = lo[rows], hi[rows]
     if hi.size == 0:
@@ -381,7 +392,7 @@ def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_w
 
 
 def plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
-         split_keys=None, num_sms=None, rows=None):
+         split_keys=None, num_sms=None, rows=None, chunk_size=0):
     """The work items of a call (host NumPy, checked arguments).
 
     Returns ``(items, nsplit, merge_rows)``: ``items`` int64 ``[n, 7]`` =
@@ -394,13 +405,14 @@ def plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
     ``rows`` (a bool mask of the query rows) plans only those rows (the
     others go to the prefill kernel).
     """
-    seq, lo, hi = _visible(query_start_loc, seq_lens, sliding_window)
+    seq, lo, hi = _visible(query_start_loc, seq_lens, sliding_window, chunk_size)
     row = np.arange(hi.size, dtype=np.int64)
     if rows is not None:
         seq, lo, hi, row = seq[rows], lo[rows], hi[rows], row[rows]
     if split_keys is None:
         split_keys = SPLIT_KEYS if not num_sms else split_keys_for(
-            query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, num_sms, rows)
+            query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, num_sms, rows,
+            chunk_size)
     T = hi.size
     G = num_heads // num_kv_heads
     chunks = -(-G // CHUNK_HEADS)

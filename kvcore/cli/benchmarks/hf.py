@@ -492,7 +492,7 @@ def _granular_scales(model, calib_ids, dtype, granularity):
 
     cache = transformers.DynamicCache()
     model(calib_ids, **{kvcore.hf.cache_keyword(model): cache})
-    top = kvcore.hf._FP8_MAX[dtype]
+    top = kvcore.hf.calibration._FP8_MAX[dtype]
     dims = {"layer": (0, 1, 2, 3), "head": (0, 2, 3), "channel": (0, 2)}[granularity]
     out = []
     for layer in cache.layers:

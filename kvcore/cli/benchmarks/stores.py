@@ -5,9 +5,9 @@ each store (lookup, fetch, verify every entry's identity and checksum, copy
 into the pool, register), against moving the same bytes without kvcore, in
 the same run:
 
-* the checksum on its own: XXH3-64 (entry format 3) and XXH64 (format 2)
-  over the prefix's bytes, and the fused copy+XXH3-64 into a pool's block
-  layout, in GB/s beside a memcpy (numpy.copyto) of the same bytes;
+* the checksum on its own: XXH3-64 (entry format 3) over the prefix's
+  bytes, and the fused copy+XXH3-64 into a pool's block layout, in GB/s
+  beside a memcpy (numpy.copyto) of the same bytes;
 * HostStore  vs  a memcpy of the same number of bytes;
 * DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
 * RedisStore on loopback  vs  one raw redis-py pipelined GET of the same keys;
@@ -263,7 +263,6 @@ def _checksum_row(tokens, layers, heads, dim, repeat):
     timed = {
         "memcpy": lambda: np.copyto(dst, src),
         "xxh3": lambda: _checksum.xxh3_64(src),
-        "xxh64": lambda: _checksum.xxh64(src),
         "copy_xxh3": lambda: _checksum.copy_xxh3_many(payloads, parts, seeds, threads),
         "copy_xxh3_1": lambda: _checksum.copy_xxh3_many(payloads, parts, seeds, 1),
     }
@@ -485,7 +484,7 @@ def rows(r):
                     f"{_gbs(n, ck['memcpy'])} (memcpy)",
                     ratio_text(ck["memcpy"]["median_s"] / ck["xxh3"]["median_s"])))
         out.append((f"copy+XXH3-64 into the pool's blocks ({ck['threads']} threads)",
-                    _gbs(n, ck["copy_xxh3"]), f"{_gbs(n, ck['xxh64'])} (XXH64 alone)",
+                    _gbs(n, ck["copy_xxh3"]), f"{_gbs(n, ck['memcpy'])} (memcpy)",
                     ratio_text(ck["memcpy"]["median_s"] / ck["copy_xxh3"]["median_s"])))
     for name, row in r["rows"].items():
         if "skipped" in row:
@@ -514,8 +513,6 @@ def report(r):
             ("memcpy (numpy.copyto)", _gbs(n, ck["memcpy"]), "1.00x"),
             ("XXH3-64 (format 3), nothing copied", _gbs(n, ck["xxh3"]),
              f"{ck['memcpy']['median_s'] / ck['xxh3']['median_s']:.2f}x"),
-            ("XXH64 (format 2), nothing copied", _gbs(n, ck["xxh64"]),
-             f"{ck['memcpy']['median_s'] / ck['xxh64']['median_s']:.2f}x"),
             (f"copy+XXH3-64 into the block layout, {ck['threads']} threads",
              _gbs(n, ck["copy_xxh3"]),
              f"{ck['memcpy']['median_s'] / ck['copy_xxh3']['median_s']:.2f}x"),

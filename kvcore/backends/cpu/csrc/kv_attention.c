@@ -245,6 +245,7 @@ kva_plan *kva_plan_create(const kva_args *args, int *status)
     p->shape.scale = args->scale;
     p->shape.sliding_window = args->sliding_window;
     p->shape.soft_cap = args->soft_cap;
+    p->shape.chunk_size = args->chunk_size;
     p->shape.num_threads = want;
     p->items = (kva_item *)(mem + at_items);
     p->num_items = n;
@@ -289,6 +290,8 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     a.v_scale = args->v_scale;
     a.k_head_scales = args->k_head_scales;
     a.v_head_scales = args->v_head_scales;
+    a.alibi_slopes = args->alibi_slopes;
+    a.sinks = args->sinks;
     int level = kva_current_level();
     /* the AVX2 (NEON) kernels work on whole vectors of 8 (4) dims; the
      * AVX-512 ones on vectors of 16 and one of 8 */
@@ -297,6 +300,7 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     kva_job job;
     memset(&job, 0, sizeof job);
     job.a = &a;
+    kva_score_units(&a, &job);
     job.kern = kernels_for(level, a.kind);
     job.kern_f32 = kernels_for(level, KVA_F32);
 #if KVA_HAVE_AMX

@@ -3,14 +3,28 @@
  *
  * For each sequence s the queries are rows query_start_loc[s] ..
  * query_start_loc[s+1]-1 of q; query j of a sequence with m queries sits at
- * position seq_lens[s] - m + j and attends (causally) to positions 0..that
- * position, or to the last sliding_window of them.  Keys and values of
+ * position p = seq_lens[s] - m + j and attends (causally) to positions
+ * lo(p)..p, lo(p) = max(p + 1 - sliding_window (with a window), the start
+ * of p's chunk of chunk_size positions (with chunks), 0).  The score of
+ * key t of query head h is x = scale * q.k, capped (cap * tanh(x / cap))
+ * with a soft cap, plus alibi_slopes[h] * (t - p) with ALiBi slopes; the
+ * softmax's denominator gains exp(sinks[h]) with sinks.  Keys and values of
  * position t of kv head g live at
  *     cache + block_tables[s][t / block_size] * block_stride
  *           + g * head_stride + (t % block_size) * row_stride   (bytes)
  * as head_dim contiguous elements of `kind` (float32, float16 or bfloat16
  * bits), and are widened to float32 in registers.  Scores, the online
  * softmax (running max, rescaled sum) and the output accumulate in float32.
+ *
+ * Any scale (0, or a |scale| * log2(e) that is a finite normal float32)
+ * gives a finite result wherever the float32 dots q.k are finite: the
+ * scores are base-2 logits (scale * log2(e) folded into q) when |scale| *
+ * log2(e) <= 1, where that cannot overflow; above, they are the dots
+ * themselves and the scale multiplies their differences to the row's
+ * maximum before the exponential (an overflow is -inf, a weight of 0: a
+ * huge scale gives the softmax's one-hot limit, exact ties shared).  With
+ * a soft cap and |scale| > 1 the dots are scaled before the cap (an
+ * overflow caps to +-cap).
  *
  * The caller has validated every argument (kvcore/attention.py): shapes,
  * that block ids and positions are in range, seq_lens >= query counts.
@@ -79,6 +93,16 @@ typedef struct {
     float k_scale, v_scale;
     const float *k_head_scales;
     const float *v_head_scales;
+    /* Attention features (0 / NULL: off; last, so a positional initialiser
+     * of the fields above leaves them off).  chunk_size: a shape field (read
+     * at plan create); query p sees no key before (p / chunk_size) *
+     * chunk_size.  alibi_slopes, sinks: data fields (read at run),
+     * num_heads floats each, finite: slope[h] * (t - p) added to the
+     * scores of query head h after the soft cap; sink[h] a logit (the
+     * scores' natural-log units) joining each row's softmax denominator. */
+    int64_t chunk_size;
+    const float *alibi_slopes;
+    const float *sinks;
 } kva_args;
 
 /* Bytes per stored element of a kind. */
@@ -122,7 +146,7 @@ int kva_paged_attention(const kva_args *args);
  * argument).  Reads from args ONLY the shape/index/scalar fields: kind,
  * block_size, num_heads, num_kv_heads, head_dim, block_tables,
  * block_table_stride, seq_lens, query_start_loc, num_seqs, scale,
- * sliding_window, soft_cap, num_threads.  Copies the index arrays (the
+ * sliding_window, soft_cap, chunk_size, num_threads.  Copies the index arrays (the
  * caller may change or free its arrays afterwards), builds the work list
  * (the split of the work into items, the thread count) and allocates every
  * work buffer a run needs.  Returns NULL with *status set (KVA_ENOMEM, or
@@ -130,7 +154,8 @@ int kva_paged_attention(const kva_args *args);
  *
  * kva_plan_run: reads from args ONLY the data fields: q, out, key_cache,
  * value_cache, block_stride, head_stride, row_stride, key_scales,
- * value_scales, k_scale, v_scale (the shape fields must equal the planned
+ * value_scales, k_scale, v_scale, k_head_scales, v_head_scales,
+ * alibi_slopes, sinks (the shape fields must equal the planned
  * ones, else KVA_EINVAL; the plan's snapshot of the index arrays is used,
  * never args' pointers).  Allocates nothing.  Same bits as
  * kva_paged_attention(args) for every thread count.  One run at a time per

@@ -30,8 +30,9 @@
  *   - Keys are walked in tiles of KVA_KEY_TILE positions (decode-like
  *     items of fewer than KVA_TILE_ROWS rows: KVA_DECODE_KEY_TILE).  Per tile:
  *     scores = Q K^T (register-blocked dot products, K widened in
- *     registers), soft cap, causal / window mask, online softmax in base 2
- *     (the scale carries log2(e)), then acc = acc * alpha + P V.
+ *     registers), soft cap, causal / window / chunk mask, ALiBi, online
+ *     softmax in base 2 (the scale carries log2(e)), then acc = acc *
+ *     alpha + P V; the rows' sinks join their denominators at the end.
  *   - Decode-like items (one query tile) with a long key range are split
  *     into KVA_SPLIT_KEYS-position pieces (flash-decoding); the last piece
  *     to finish merges the partial (max, sum, acc) triples in split order.
@@ -225,7 +226,28 @@ typedef struct {
     size_t workspace_bytes;
     int tokens_per_tile, max_rows;
     int split_rows;      /* rows of a partial slot: the most rows of a split item */
+    /* How the scale is applied (kva_score_units; kv_attention.h's rule):
+     * q is multiplied by qscale; with a soft cap, the scores by post_scale
+     * (0: not) before the cap.  The scores are base-2 logits, or when
+     * `wide` those divided by wide_scale (> 1): the dots q.k themselves
+     * (of -q for a negative scale), whose differences to their row
+     * maximum wide_scale multiplies before the exponential. */
+    float qscale, post_scale, wide_scale;
+    int wide;
 } kva_job;
+
+/* The scale's fields of a job (kv_attn_tile.c). */
+void kva_score_units(const kva_args *a, kva_job *job);
+/* A natural-log logit (a sink) in the units of the job's scores. */
+static inline float kva_logit_units(const kva_job *job, float x)
+{
+    return job->wide ? x * KVA_LOG2E / job->wide_scale : x * KVA_LOG2E;
+}
+/* out[d] = acc[d] / a row's softmax denominator with a sink: l (the sum
+ * of the exponentials of its keys' scores less m, their maximum) plus the
+ * sink's (`sink` in the scores' units).  out may be acc. */
+void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, float l, float m,
+                     float sink);
 
 /* Per-thread workspace layout (floats unless noted). */
 typedef struct {
@@ -246,6 +268,17 @@ static inline int64_t kva_seq_queries(const kva_args *a, int64_t s)
 }
 
 static inline size_t kva_align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* The first key position a query at position pos sees (kv_attention.h):
+ * the later of its window's start and its chunk's. */
+static inline int64_t kva_key_lo(const kva_args *a, int64_t pos)
+{
+    int64_t lo = a->sliding_window > 0 && pos + 1 > a->sliding_window
+                     ? pos + 1 - a->sliding_window : 0;
+    if (a->chunk_size > 0 && pos - pos % a->chunk_size > lo)
+        lo = pos - pos % a->chunk_size;
+    return lo;
+}
 
 /* Query tokens per item. */
 int64_t kva_tokens_per_tile(const kva_args *a);

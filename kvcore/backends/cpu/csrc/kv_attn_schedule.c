@@ -19,15 +19,15 @@ int64_t kva_tokens_per_tile(const kva_args *a)
     return g >= KVA_ROWS ? 1 : KVA_ROWS / g;
 }
 
-/* Key range of query tokens [q0, q1) of sequence s: [*lo, *hi). */
+/* Key range of query tokens [q0, q1) of sequence s: [*lo, *hi) (the
+ * first query's first key: kva_key_lo never decreases with the position). */
 static void key_range(const kva_args *a, int64_t s, int64_t q0, int64_t q1, int64_t *lo,
                       int64_t *hi)
 {
     int64_t nq = kva_seq_queries(a, s), len = a->seq_lens[s];
     int64_t first = len - nq + q0, last = len - nq + q1 - 1;
     *hi = last + 1;
-    *lo = a->sliding_window > 0 && first + 1 > a->sliding_window
-              ? first + 1 - a->sliding_window : 0;
+    *lo = kva_key_lo(a, first);
 }
 
 int64_t kva_make_items(const kva_args *a, kva_item *items, int64_t *num_groups,
@@ -141,14 +141,18 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M)
             const float m = p[r], l = p[job->split_rows + r];
             if (m == -INFINITY)
                 continue; /* no key of this split was visible to this row */
-            const float w = exp2f(m - mx);
+            const float w = job->wide ? exp2f((m - mx) * job->wide_scale) : exp2f(m - mx);
             const float *acc = p + 2 * (size_t)job->split_rows + (size_t)r * D;
             total += w * l;
             for (int d = 0; d < D; d++)
                 o[d] += w * acc[d];
         }
-        for (int d = 0; d < D; d++)
-            o[d] = o[d] / total;
+        if (a->sinks != NULL)
+            kva_finish_sink(job, o, o, D, total, mx,
+                            kva_logit_units(job, a->sinks[(size_t)it->kv_head * G + h]));
+        else
+            for (int d = 0; d < D; d++)
+                o[d] = o[d] / total;
     }
 }
 

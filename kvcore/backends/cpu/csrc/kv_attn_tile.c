@@ -2,8 +2,10 @@
  * kv_attn_tile.c: one work item of the attention.  Its query rows are
  * loaded once (times the scale, in base 2); its keys are walked in tiles of
  * KVA_KEY_TILE positions (decode-like items: KVA_DECODE_KEY_TILE): scores
- * through the level's kernels, soft cap,
- * causal / window mask, online softmax, then acc = acc * alpha + P V.
+ * through the level's kernels, soft cap, causal / window / chunk mask,
+ * ALiBi, online softmax, then acc = acc * alpha + P V; sinks join the
+ * denominators when the rows are written.  Each feature costs a branch per
+ * row and tile when it is off, never one per score.
  * The rows of a tile are gathered from the block table (scattered 4 KB
  * pages), and the next tile's rows are prefetched while this one runs.
  */
@@ -129,6 +131,51 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
             S[r * KVA_KEY_TILE + i] *= ks[i];
 }
 
+void kva_score_units(const kva_args *a, kva_job *job)
+{
+    job->post_scale = 0.0f;
+    job->wide_scale = 1.0f;
+    job->wide = 0;
+    if (a->soft_cap > 0.0f) {
+        /* the cap takes the natural score: a |scale| <= 1 rides on q (it
+         * cannot overflow there), a larger one multiplies the dots (an
+         * overflow to +-inf is capped to +-cap) */
+        const int big = fabsf(a->scale) > 1.0f;
+        job->qscale = big ? 1.0f : a->scale;
+        job->post_scale = big ? a->scale : 0.0f;
+        return;
+    }
+    /* base-2 softmax: log2(e) rides on q when that cannot overflow */
+    const float c = a->scale * KVA_LOG2E;
+    if (!(fabsf(c) > 1.0f) || !isfinite(c)) {
+        job->qscale = c;
+        return;
+    }
+    /* else the scores are the dots (exact ties stay ties), and c multiplies
+     * their differences to the row maximum (an overflow is -inf: weight 0) */
+    job->qscale = c < 0.0f ? -1.0f : 1.0f;
+    job->wide = 1;
+    job->wide_scale = fabsf(c);
+}
+
+void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, float l, float m,
+                     float sink)
+{
+    /* 2^d: the sink's term over the keys' largest one */
+    const float d = job->wide ? (sink - m) * job->wide_scale : sink - m;
+    if (d <= 0.0f) {
+        const float den = l + exp2f(d);
+        for (int i = 0; i < D; i++)
+            out[i] = acc[i] / den;
+    } else {
+        /* the sink's term is the largest: the keys' terms are scaled down
+         * by it instead (nothing overflows; they vanish in the limit) */
+        const float f = exp2f(-d), w = f / (l * f + 1.0f);
+        for (int i = 0; i < D; i++)
+            out[i] = acc[i] * w;
+    }
+}
+
 void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
 {
     const kva_args *a = job->a;
@@ -136,9 +183,9 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     const int64_t s = it->seq, nq = kva_seq_queries(a, s), len = a->seq_lens[s];
     const int64_t row0 = a->query_start_loc[s] + it->q0;
     const int M = (int)((it->q1 - it->q0) * G);
-    const int capped = a->soft_cap > 0.0f;
-    /* base-2 softmax: log2(e) rides on q unless the cap needs the natural score */
-    const float qscale = capped ? a->scale : a->scale * KVA_LOG2E;
+    const int capped = a->soft_cap > 0.0f, alibi = a->alibi_slopes != NULL;
+    /* (kva_score_units) */
+    const float qscale = job->qscale, post = job->post_scale;
     const int32_t *table = a->block_tables + (size_t)s * a->block_table_stride;
     const char *kbase = a->key_cache + (ptrdiff_t)g * a->head_stride;
     const char *vbase = a->value_cache + (ptrdiff_t)g * a->head_stride;
@@ -172,8 +219,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             dst[d] = src[d] * qscale * unit; /* (times a power of two: exact) */
         int64_t pos = len - nq + j;
         ws->hi[r] = pos + 1;
-        ws->lo[r] = a->sliding_window > 0 && pos + 1 > a->sliding_window
-                        ? pos + 1 - a->sliding_window : 0;
+        ws->lo[r] = kva_key_lo(a, pos);
         ws->m[r] = -INFINITY;
         ws->l[r] = 0.0f;
     }
@@ -254,8 +300,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             tile_scales(a, table, g, t0, nt, ks, vs, ws->S, M);
         for (int r = 0; r < M; r++) {
             float *srow = ws->S + r * KVA_KEY_TILE;
-            if (capped)
+            if (capped) {
+                if (post != 0.0f) /* |scale| > 1 (kva_score_units) */
+                    for (int i = 0; i < ntp; i++)
+                        srow[i] *= post;
                 math->softcap(srow, ntp, 1.0f / a->soft_cap, a->soft_cap * KVA_LOG2E);
+            }
             /* visible keys of row r in this tile: [first, last) */
             int64_t first = ws->lo[r] - t0, last = ws->hi[r] - t0;
             if (first < 0)
@@ -274,15 +324,35 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
                 srow[i] = -INFINITY;
             for (int64_t i = last; i < ntp; i++)
                 srow[i] = -INFINITY;
+            if (alibi) { /* slope * (t - p), in base 2 and the scores' units */
+                const float slope = a->alibi_slopes[(size_t)g * G + r % G] * KVA_LOG2E;
+                const int64_t d0 = t0 - (ws->hi[r] - 1);
+                if (job->wide)
+                    for (int64_t i = first; i < last; i++)
+                        srow[i] += slope * (float)(d0 + i) / job->wide_scale;
+                else
+                    for (int64_t i = first; i < last; i++)
+                        srow[i] += slope * (float)(d0 + i);
+            }
             float mx = math->row_max(srow, ntp);
             float mnew = ws->m[r] > mx ? ws->m[r] : mx;
             /* (a finite maximum that did not move, as in most of a long
              * row's tiles, rescales by exp2f(0) = 1: no call; an infinite
              * one keeps exp2f(inf - inf), NaN, as the reference has it) */
-            ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
-                           : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
-                                                                  : exp2f(ws->m[r] - mnew);
-            float sum = math->row_exp_sum(srow, ntp, mnew);
+            float sum;
+            if (job->wide) { /* (kva_score_units) */
+                ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
+                               : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
+                                   : exp2f((ws->m[r] - mnew) * job->wide_scale);
+                for (int64_t i = first; i < last; i++)
+                    srow[i] = (srow[i] - mnew) * job->wide_scale;
+                sum = math->row_exp_sum(srow, ntp, 0.0f);
+            } else {
+                ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
+                               : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
+                                                                      : exp2f(ws->m[r] - mnew);
+                sum = math->row_exp_sum(srow, ntp, mnew);
+            }
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
             if (scaled) /* the visible keys' weights times their values' scales */
@@ -331,6 +401,11 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             float *o = a->out + ((size_t)(row0 + j) * a->num_heads + (size_t)g * G + h) * D;
             const float *acc = ws->acc + (size_t)r * D;
             const float l = ws->l[r];
+            if (a->sinks != NULL) {
+                kva_finish_sink(job, o, acc, D, l, ws->m[r],
+                                kva_logit_units(job, a->sinks[(size_t)g * G + h]));
+                continue;
+            }
             for (int d = 0; d < D; d++)
                 o[d] = acc[d] / l;
         }

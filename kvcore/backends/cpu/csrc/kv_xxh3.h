@@ -16,7 +16,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kv_checksum.h"   /* kv_copy_part */
 
 #define KV_XXH3_SECRET_SIZE 192
 #define KV_XXH3_BUFFER 256
@@ -54,11 +53,24 @@ int kv_xxh3_level(int level);
 void kv_copy_xxh3(kv_xxh3_state* s, const unsigned char* src, unsigned char* dst,
                   size_t n_chunks, size_t chunk_bytes, size_t dst_stride);
 
-/* kv_copy_xxh64_many (kv_checksum.h) with XXH3-64, on up to n_threads
- * threads (the calling one included): the sources are split in contiguous
- * runs, each source is hashed by one thread, so the digests do not depend
- * on n_threads (nor on whether a thread could be started: its run then
- * goes to the calling thread).  Batches under 1 MiB a thread use fewer. */
+/* Where one part of every source goes: part k of source j (n_chunks *
+ * chunk_bytes bytes) goes to dst + dst_offsets[j] + i * dst_stride. */
+typedef struct {
+    unsigned char* dst;
+    const size_t* dst_offsets;
+    size_t n_chunks, chunk_bytes, dst_stride;
+} kv_copy_part;
+
+/* kv_copy_xxh3 of n_srcs sources at once: source j (at srcs[j]) is its
+ * n_parts parts one after the other, each copied as parts[k] says, and
+ * digests[j] receives the XXH3-64 of the whole source with seeds[j].  One
+ * call for every block of a restore (no per-block interpreter work, the GIL
+ * released once); two parts for pools that keep scales beside the blocks.
+ * On up to n_threads threads (the calling one included): the sources are
+ * split in contiguous runs, each source is hashed by one thread, so the
+ * digests do not depend on n_threads (nor on whether a thread could be
+ * started: its run then goes to the calling thread).  Batches under 1 MiB
+ * a thread use fewer. */
 void kv_copy_xxh3_many(const unsigned char* const* srcs, size_t n_srcs,
                       const kv_copy_part* parts, size_t n_parts, const uint64_t* seeds,
                       uint64_t* digests, int level, int n_threads);

@@ -66,7 +66,7 @@
  * k_scale / v_scale: fp8 layer scales (1 otherwise; unused for int8);
  * q_kind / out_kind: the element kinds of q and out (KV_F32 / F16 / BF16). */
 template <int KIND, int D>
-__global__ void __launch_bounds__(KVA_WARPS * 32)
+__global__ void __launch_bounds__(KVA_WARPS * 32, 2) /* registers to spare: no spill */
 kva_attention_split_scalar(void *out, float *partials, const void *q,
                     const typename KvaStorage<KIND>::type *key_cache,
                     const typename KvaStorage<KIND>::type *value_cache,
@@ -74,7 +74,8 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
                     const kva_i64 *query_start_loc, const kva_i64 *items,
                     const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
                     kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap,
+                    float scale, kva_i64 window, float soft_cap, kva_i64 chunk,
+                    const float *alibi, const float *sinks,
                     const float *key_scales, const float *value_scales,
                     kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
                     float k_scale, float v_scale, kva_i64 q_kind, kva_i64 out_kind)
@@ -88,7 +89,8 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
     const int nh = (int)it[4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
-    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const KvaUnits un = kva_units(scale, capped);
+    const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
     for (int i = threadIdx.x; i < KVA_HEADS * D; i += blockDim.x) {
         int h = i / D, d = i - h * D;
@@ -101,7 +103,7 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
     /* this query's visible keys, within the item's range */
     const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
     const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
-    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    kva_i64 lo = kva_key_lo(pos, window, chunk);
     kva_i64 hi = pos + 1;
     if (it[5] > lo)
         lo = it[5];
@@ -153,10 +155,13 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
             }
             float score = kva_warp_sum(part);
             if (capped)
-                score = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(score, soft_cap)));
+                score = kva_mul(capl2, kva_tanh(kva_div(kva_mul(score, un.post), soft_cap)));
+            if (alibi != nullptr) /* slope * (t - p), in the scores' units */
+                score = kva_fma(kva_logit_units(alibi[h0 + h], un), (float)(t - pos), score);
             float mnew = kva_max(m[h], score);
-            float alpha = kva_exp2(kva_sub(m[h], mnew)); /* m = -inf: 0 */
-            float p = kva_exp2(kva_sub(score, mnew));
+            const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
+            float alpha = kva_exp2(kva_mul(kva_sub(m[h], mu), un.u)); /* m = -inf: 0 */
+            float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
             l[h] = kva_fma(l[h], alpha, p);
             m[h] = mnew;
 #pragma unroll
@@ -191,12 +196,14 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
             float mw = part_s[w][h][0];
             if (kva_is_zero(part_s[w][h][1])) /* a warp without keys (a NaN sum is kept) */
                 continue;
-            float wgt = kva_exp2(kva_sub(mw, mx));
+            float wgt = kva_exp2(kva_mul(kva_sub(mw, mx), un.u));
             total = kva_fma(wgt, part_s[w][h][1], total);
             a = kva_fma(wgt, part_s[w][h][2 + d], a);
         }
         if (single) {
-            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d, kva_div(a, total));
+            const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
+            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
+                        kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
         } else {
             float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
             p[2 + d] = a;
@@ -268,7 +275,8 @@ kva_attention_split(void *out, float *partials, const void *q,
                     const kva_i64 *query_start_loc, const kva_i64 *items,
                     const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
                     kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap,
+                    float scale, kva_i64 window, float soft_cap, kva_i64 chunk,
+                    const float *alibi, const float *sinks,
                     const float *key_scales, const float *value_scales,
                     kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
                     float k_scale, float v_scale, kva_i64 q_kind, kva_i64 out_kind)
@@ -286,18 +294,20 @@ kva_attention_split(void *out, float *partials, const void *q,
     const int kr = KVA_ROWS / nhc;       /* rows per head */
     const int hr = r / kr, phase = r - hr * kr;
     const bool active = hr < nh;
-    const bool capped = !kva_is_zero(soft_cap);
-    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
+    const KvaUnits un = kva_units(scale, capped);
+    const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
     const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
     const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
-    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    kva_i64 lo = kva_key_lo(pos, window, chunk);
     kva_i64 hi = pos + 1;
     if (it[5] > lo)
         lo = it[5];
     if (it[6] < hi)
         hi = it[6];
     const kva_i64 nkeys = hi > lo ? hi - lo : 0;
+    const float slope = alibi != nullptr && active ? kva_logit_units(alibi[h0 + hr], un) : 0.0f;
     const kva_i64 ntiles = (nkeys + KEYS - 1) / KEYS;
 
     float qv[DPL], acc[DPL];
@@ -412,11 +422,13 @@ kva_attention_split(void *out, float *partials, const void *q,
             float score = kva_row_sum(part);
             if (valid) {
                 if (capped)
-                    score = kva_mul(kva_mul(soft_cap, KVA_LOG2E),
-                                    kva_tanh(kva_div(score, soft_cap)));
+                    score = kva_mul(capl2, kva_tanh(kva_div(kva_mul(score, un.post), soft_cap)));
+                if (alibi != nullptr) /* slope * (t - p), in the scores' units */
+                    score = kva_fma(slope, (float)(lo + i * KEYS + kk - pos), score);
                 const float mnew = kva_max(m, score);
-                const float alpha = kva_exp2(kva_sub(m, mnew)); /* m = -inf: 0 */
-                const float p = kva_exp2(kva_sub(score, mnew));
+                const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
+                const float alpha = kva_exp2(kva_mul(kva_sub(m, mu), un.u)); /* m = -inf: 0 */
+                const float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
                 l = kva_fma(l, alpha, p);
                 m = mnew;
                 const T *vp = &sm.u.t.v[b][kk][lane * DPL];
@@ -455,12 +467,14 @@ kva_attention_split(void *out, float *partials, const void *q,
         for (int w = h * kr; w < (h + 1) * kr; w++) {
             if (kva_is_zero(sm.u.part[w][1])) /* a row without keys (a NaN sum is kept) */
                 continue;
-            const float wgt = kva_exp2(kva_sub(sm.u.part[w][0], mx));
+            const float wgt = kva_exp2(kva_mul(kva_sub(sm.u.part[w][0], mx), un.u));
             total = kva_fma(wgt, sm.u.part[w][1], total);
             a = kva_fma(wgt, sm.u.part[w][2 + d], a);
         }
         if (single) {
-            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d, kva_div(a, total));
+            const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
+            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
+                        kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
         } else {
             float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
             p[2 + d] = a;
@@ -517,7 +531,8 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
                       const kva_i64 *items, kva_i64 num_heads, kva_i64 group,
                       kva_i64 table_stride, kva_i64 block_size, kva_i64 c_block,
                       kva_i64 c_head, kva_i64 c_tok, float scale, kva_i64 window,
-                      float soft_cap, kva_i64 vec16, kva_i64 q_kind, kva_i64 out_kind)
+                      float soft_cap, kva_i64 chunk, const float *alibi, const float *sinks,
+                      kva_i64 vec16, kva_i64 q_kind, kva_i64 out_kind)
 {
     static_assert(KIND == KV_F16 || KIND == KV_BF16, "f16 / bf16 pages");
     constexpr int KS = D / 16, NT = D / 8, VPR = D * 2 / 16;
@@ -527,14 +542,16 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
     const kva_i64 s = it[0], row0 = it[1], nrows = it[2], g = it[3];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, c = lane & 3;
-    const bool capped = !kva_is_zero(soft_cap);
-    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
+    const KvaUnits un = kva_units(scale, capped);
+    const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
     const kva_i64 q0 = query_start_loc[s], nq = query_start_loc[s + 1] - q0;
     const kva_i64 pos0 = seq_lens[s] - nq + (row0 - q0); /* position of the first row */
 
     /* this thread's two pairs: rows gq and gq + 8 of its warp's tile */
     kva_i64 prow[2], phead[2], ppos[2], plo[2];
     bool pvalid[2];
+    float pslope[2];
     for (int r = 0; r < 2; r++) {
         const kva_i64 p = warp * 16 + gq + 8 * r;
         const kva_i64 j = p / group;
@@ -542,9 +559,10 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
         prow[r] = row0 + j;
         phead[r] = g * group + (p - j * group);
         ppos[r] = pos0 + j;
-        plo[r] = window > 0 && ppos[r] + 1 > window ? ppos[r] + 1 - window : 0;
+        plo[r] = kva_key_lo(ppos[r], window, chunk);
+        pslope[r] = alibi != nullptr && pvalid[r] ? kva_logit_units(alibi[phead[r]], un) : 0.0f;
     }
-    const kva_i64 klo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const kva_i64 klo = kva_key_lo(pos0, window, chunk);
     const kva_i64 khi = pos0 + nrows; /* the last row's position + 1 */
 
     /* Q as A fragments: k-step ks holds dims 16 ks + 2c, +1 and + 8 */
@@ -657,7 +675,9 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
                     const kva_i64 key = t0 + 8 * nt + 2 * c + e;
                     float x = sc[nt][2 * r + e];
                     if (capped)
-                        x = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(x, soft_cap)));
+                        x = kva_mul(capl2, kva_tanh(kva_div(kva_mul(x, un.post), soft_cap)));
+                    if (alibi != nullptr) /* slope * (t - p), in the scores' units */
+                        x = kva_fma(pslope[r], (float)(key - ppos[r]), x);
                     const bool vis = pvalid[r] && key >= plo[r] && key <= ppos[r];
                     sc[nt][2 * r + e] = vis ? x : KVA_NEG_INF;
                     mx = kva_max(mx, sc[nt][2 * r + e]);
@@ -667,13 +687,13 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
             const float mnew = kva_max(m[r], mx);
             /* no visible key yet: subtract 0 (every p is exp2(-inf) = 0) */
             const float mu = __float_as_uint(mnew) == 0xff800000u ? 0.0f : mnew; /* bits: no .ftz */
-            const float alpha = kva_exp2(kva_sub(m[r], mu));
+            const float alpha = kva_exp2(kva_mul(kva_sub(m[r], mu), un.u));
             float rs = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    p[nt][2 * r + e] = kva_exp2(kva_sub(sc[nt][2 * r + e], mu));
+                    p[nt][2 * r + e] = kva_exp2(kva_mul(kva_sub(sc[nt][2 * r + e], mu), un.u));
                     rs = kva_add(rs, p[nt][2 * r + e]);
                 }
             }
@@ -708,12 +728,14 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
         const float total = kva_quad_sum(l[r]);
         if (!pvalid[r])
             continue;
+        const float sink = sinks != nullptr ? kva_logit_units(sinks[phead[r]], un) : 0.0f;
+        const KvaNorm n = kva_norm(total, m[r], sinks != nullptr, sink, un);
         const kva_i64 o = (prow[r] * num_heads + phead[r]) * D;
 #pragma unroll
         for (int nn = 0; nn < NT; nn++) {
-            kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_div(acc[nn][2 * r], total));
+            kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_apply(acc[nn][2 * r], n));
             kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c + 1,
-                        kva_div(acc[nn][2 * r + 1], total));
+                        kva_apply(acc[nn][2 * r + 1], n));
         }
     }
 }
@@ -723,8 +745,10 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
  * n = nsplit[first_item].  One thread block per row, threads over dims. */
 template <int D>
 __global__ void kva_attention_merge(void *out, const float *partials, const kva_i64 *rows,
-                                    const int *nsplit, kva_i64 num_heads, kva_i64 out_kind)
+                                    const int *nsplit, kva_i64 num_heads, float scale,
+                                    float soft_cap, const float *sinks, kva_i64 out_kind)
 {
+    const KvaUnits un = kva_units(scale, !kva_is_zero(soft_cap));
     const kva_i64 *r = rows + (kva_i64)blockIdx.x * 4;
     const kva_i64 row = r[0], h0 = r[1], nh = r[2], first = r[3];
     const int n = nsplit[first];
@@ -738,11 +762,13 @@ __global__ void kva_attention_merge(void *out, const float *partials, const kva_
             const float *p = partials + (first + sp) * KVA_HEADS * (D + 2) + h * (D + 2);
             if (kva_is_zero(p[1])) /* a split without keys (a NaN sum is kept) */
                 continue;
-            float wgt = kva_exp2(kva_sub(p[0], mx));
+            float wgt = kva_exp2(kva_mul(kva_sub(p[0], mx), un.u));
             total = kva_fma(wgt, p[1], total);
             a = kva_fma(wgt, p[2 + d], a);
         }
-        kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d, kva_div(a, total));
+        const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
+        kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
+                    kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
     }
 }
 

@@ -208,6 +208,101 @@ __device__ __forceinline__ bool kva_is_neg_inf(float x) /* from the bits: no .ft
 }
 
 /* ------------------------------------------------------------------ */
+/* What a query sees and how a score is formed (kv_attention.h's rules, */
+/* the CPU's kva_key_lo / kva_score_units / kva_finish_sink)            */
+/* ------------------------------------------------------------------ */
+
+/* The first key a query at position pos sees: the later of its window's
+ * start (window > 0) and its chunk's start (chunk > 0). */
+__device__ __forceinline__ kva_i64 kva_key_lo(kva_i64 pos, kva_i64 window, kva_i64 chunk)
+{
+    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    if (chunk > 0 && pos - pos % chunk > lo)
+        lo = pos - pos % chunk;
+    return lo;
+}
+
+/* |x| > 1, from the bits (a float compare would carry .ftz); NaN: false. */
+__device__ __forceinline__ bool kva_abs_above_one(float x)
+{
+    const unsigned a = __float_as_uint(x) & 0x7fffffffu;
+    return a > 0x3f800000u && a <= 0x7f800000u;
+}
+
+/* How a call's scale (times an fp8 key scale, where the kernel applies it
+ * to the dots) enters the scores, for every accepted scale:
+ *   score x = dot * mult (the float32 kernels fold mult into q); with a
+ *   soft cap c: x = c log2(e) tanh(dot * mult * post / c), where a |scale|
+ *   <= 1 rides on mult and a larger one is post (after the dot: an
+ *   overflow to +-inf caps to +-c);
+ *   without a cap: mult = scale log2(e) when that is at most 1 in
+ *   magnitude (base-2 logits), else its sign ("wide": the scores are the
+ *   dots; exact ties stay ties) and u = |scale log2(e)| multiplies each
+ *   score's difference to the row maximum before exp2 (an overflow is
+ *   -inf: weight 0, never NaN).  u = 1 otherwise. */
+struct KvaUnits {
+    float mult, post, u;
+};
+
+__device__ __forceinline__ KvaUnits kva_units(float scale, bool capped)
+{
+    KvaUnits r;
+    r.post = 1.0f;
+    r.u = 1.0f;
+    if (capped) {
+        const bool big = kva_abs_above_one(scale);
+        r.mult = big ? 1.0f : scale;
+        r.post = big ? scale : 1.0f;
+        return r;
+    }
+    const float c = kva_mul(scale, KVA_LOG2E);
+    if (!kva_abs_above_one(c) || (__float_as_uint(c) & 0x7fffffffu) == 0x7f800000u) {
+        r.mult = c;
+        return r;
+    }
+    r.mult = (__float_as_uint(c) >> 31) ? -1.0f : 1.0f;
+    r.u = __uint_as_float(__float_as_uint(c) & 0x7fffffffu);
+    return r;
+}
+
+/* A natural-log logit (an ALiBi slope, a sink) in the scores' units. */
+__device__ __forceinline__ float kva_logit_units(float x, KvaUnits u)
+{
+    return kva_div(kva_mul(x, KVA_LOG2E), u.u);
+}
+
+/* A row's output is (acc / den) * w: without a sink den = l, w = 1; with
+ * one (s, in the scores' units) and d = (s - m) u its exponent over the
+ * keys' largest: d <= 0: den = l + 2^d; d > 0: w = 2^-d / (l 2^-d + 1)
+ * (nothing overflows; the keys' terms vanish in the limit). */
+struct KvaNorm {
+    float den, w;
+};
+
+__device__ __forceinline__ KvaNorm kva_norm(float l, float m, bool sink, float s, KvaUnits u)
+{
+    KvaNorm r;
+    r.den = l;
+    r.w = 1.0f;
+    if (sink) {
+        const float d = kva_mul(kva_sub(s, m), u.u);
+        if ((int)__float_as_uint(d) <= 0) { /* d <= 0 (from the bits) */
+            r.den = kva_add(l, kva_exp2(d));
+        } else {
+            const float f = kva_exp2(__uint_as_float(__float_as_uint(d) ^ 0x80000000u)); /* 2^-d */
+            r.den = 1.0f;
+            r.w = kva_div(f, kva_fma(l, f, 1.0f));
+        }
+    }
+    return r;
+}
+
+__device__ __forceinline__ float kva_apply(float acc, KvaNorm n)
+{
+    return kva_mul(kva_div(acc, n.den), n.w);
+}
+
+/* ------------------------------------------------------------------ */
 /* Copies global -> shared                                             */
 /* ------------------------------------------------------------------ */
 

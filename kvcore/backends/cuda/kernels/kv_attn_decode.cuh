@@ -65,8 +65,11 @@ template <int KIND, int D, int MT> struct KvtCfg {
     static constexpr int TILE = KVT_KEYS * RS;     /* bytes of a K (or V) tile */
     static constexpr int STAGE = 2 * TILE;
     static constexpr int PIPE = KVT_WARPS * KVT_STAGES * STAGE;
-    static constexpr int MERGE = KVT_WARPS * KVT_ROWS * (D + 2) * 4;
-    static constexpr int WEIGHTS = (2 * KVT_MAX_SPLITS + 1) * KVT_ROWS * 4; /* the last merge */
+    /* the merges: the warps' partials and per pair their weights, max,
+     * sum and norm; the last split's (m, l) per (split, pair) and norms */
+    static constexpr int NORMS = (KVT_WARPS + 4) * KVT_ROWS * 4;
+    static constexpr int MERGE = KVT_WARPS * KVT_ROWS * (D + 2) * 4 + NORMS;
+    static constexpr int WEIGHTS = (2 * KVT_MAX_SPLITS + 2) * KVT_ROWS * 4;
     static constexpr int BODY = PIPE > MERGE ? (PIPE > WEIGHTS ? PIPE : WEIGHTS)
                                              : (MERGE > WEIGHTS ? MERGE : WEIGHTS);
     static constexpr int QS = 2 * D + 16; /* shared stride of a Q row (MT bits) */
@@ -140,7 +143,8 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
               const kva_i64 *query_start_loc, const kva_i64 *items, const int *nsplit,
               kva_i64 num_heads, kva_i64 group, kva_i64 table_stride, kva_i64 block_size,
               kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok, float scale, kva_i64 window,
-              float soft_cap, float k_scale, float v_scale, kva_i64 out_kind)
+              float soft_cap, kva_i64 chunk, const float *alibi, const float *sinks,
+              float k_scale, float v_scale, kva_i64 out_kind)
 {
     typedef KvtCfg<KIND, D, MT> C;
     constexpr int KS = C::KS, NT = C::NT, NP = C::NP, RS = C::RS;
@@ -176,24 +180,27 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
         obase[tid] = ((q0 + j) * num_heads + g * group + (p - j * group)) * D;
     }
 
-    /* this lane's rows gq and gq + 8: position and first visible key */
+    /* the scores' units: the dots here are of the codes (fp8: k_scale joins the scale) */
+    const bool capped = !kva_is_zero(soft_cap);
+    const KvaUnits un = kva_units(kva_mul(scale, k_scale), capped);
+    const float capl2 = kva_mul(soft_cap, KVA_LOG2E);
+
+    /* this lane's rows gq and gq + 8: position, first visible key, ALiBi slope */
     kva_i64 rpos[2], rlo[2];
     bool rvalid[2];
+    float slope[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = gq + 8 * r;
         rvalid[r] = row < np;
         rpos[r] = pos0 + (p0 + row) / group;
-        rlo[r] = window > 0 && rpos[r] + 1 > window ? rpos[r] + 1 - window : 0;
+        rlo[r] = kva_key_lo(rpos[r], window, chunk);
+        slope[r] = alibi != nullptr && rvalid[r]
+                       ? kva_logit_units(alibi[g * group + (p0 + row) % group], un) : 0.0f;
     }
     /* tiles inside [max lo, min pos] of every row need no mask */
     const kva_i64 minpos = pos0 + p0 / group, maxpos = pos0 + (p0 + np - 1) / group;
-    const kva_i64 maxlo = window > 0 && maxpos + 1 > window ? maxpos + 1 - window : 0;
-
-    const bool capped = !kva_is_zero(soft_cap);
-    const float kscale = kva_mul(scale, k_scale);
-    const float sl = capped ? kva_div(kscale, soft_cap) : kva_mul(kscale, KVA_LOG2E);
-    const float capl2 = kva_mul(soft_cap, KVA_LOG2E);
+    const kva_i64 maxlo = kva_key_lo(maxpos, window, chunk);
 
     __syncthreads();
     const int mi = lane >> 3, mr = lane & 7; /* ldmatrix: this lane's matrix and row */
@@ -307,39 +314,56 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
             }
         }
 
-        /* scale, cap, mask, online softmax; element 2r + e of tile nt is
-         * row gq + 8r, key t0 + kvt_key(nt, 2c + e) */
+        /* the scores (element 2r + e of tile nt: row gq + 8r, key t0 +
+         * kvt_key(nt, 2c + e)), each feature a pass of its own */
         const kva_i64 t0 = k0 + (kva_i64)tile * KVT_KEYS;
-        const bool full = t0 + KVT_KEYS <= k1 && t0 + KVT_KEYS - 1 <= minpos && t0 >= maxlo;
+        if (capped) {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                sc[i >> 2][i & 3] = kva_mul(capl2, kva_tanh(kva_div(
+                    kva_mul(kva_mul(sc[i >> 2][i & 3], un.mult), un.post), soft_cap)));
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                sc[i >> 2][i & 3] = kva_mul(sc[i >> 2][i & 3], un.mult);
+        }
+        if (!(t0 + KVT_KEYS <= k1 && t0 + KVT_KEYS - 1 <= minpos && t0 >= maxlo)) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) { /* the causal / window / chunk mask, the last keys */
+                const int r = (i & 3) >> 1;
+                const kva_i64 key = t0 + kvt_key<FP8>(i >> 2, 2 * c + (i & 1));
+                const bool vis = rvalid[r] && key >= rlo[r] && key <= rpos[r] && key < k1;
+                sc[i >> 2][i & 3] = vis ? sc[i >> 2][i & 3] : KVA_NEG_INF;
+            }
+        }
+        if (alibi != nullptr) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) { /* slope * (t - p), in the scores' units */
+                const int r = (i & 3) >> 1;
+                const kva_i64 key = t0 + kvt_key<FP8>(i >> 2, 2 * c + (i & 1));
+                sc[i >> 2][i & 3] = kva_fma(slope[r], (float)(key - rpos[r]), sc[i >> 2][i & 3]);
+            }
+        }
+        /* the online softmax, per row */
         float al[2]; /* each row's rescaling of acc */
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             float mx = KVA_NEG_INF;
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
+            for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float x = sc[nt][2 * r + e];
-                    x = capped ? kva_mul(capl2, kva_tanh(kva_mul(x, sl))) : kva_mul(x, sl);
-                    if (!full) {
-                        const kva_i64 key = t0 + kvt_key<FP8>(nt, 2 * c + e);
-                        const bool vis = rvalid[r] && key >= rlo[r] && key <= rpos[r] && key < k1;
-                        x = vis ? x : KVA_NEG_INF;
-                    }
-                    sc[nt][2 * r + e] = x;
-                    mx = kva_max(mx, x);
-                }
-            }
+                for (int e = 0; e < 2; e++)
+                    mx = kva_max(mx, sc[nt][2 * r + e]);
             mx = kva_quad_max(mx);
             const float mnew = kva_max(m[r], mx);
             const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew; /* no key yet: every p is 0 */
-            const float alpha = kva_exp2(kva_sub(m[r], mu));
+            const float alpha = kva_exp2(kva_mul(kva_sub(m[r], mu), un.u));
             float rs = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    const float p = kva_exp2(kva_sub(sc[nt][2 * r + e], mu));
+                    const float p = kva_exp2(kva_mul(kva_sub(sc[nt][2 * r + e], mu), un.u));
                     sc[nt][2 * r + e] = p;
                     rs = kva_add(rs, p);
                 }
@@ -437,35 +461,51 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
             dst[2 + kvt_odim<FP8, C::WV>(nn, 2 * c + 1)] = acc[nn][2 * r + 1];
         }
     }
-    __syncthreads();
-
+    /* per pair: the warps' weights exp2((m_w - max) u) (0 for a warp
+     * without its keys), the max, the sum, and (one split) the norm */
+    float *wts = mg + KVT_WARPS * KVT_ROWS * (D + 2); /* [KVT_WARPS][KVT_ROWS] */
+    float *rowm = wts + KVT_WARPS * KVT_ROWS, *rowl = rowm + KVT_ROWS;
+    float *den = rowl + KVT_ROWS, *wn = den + KVT_ROWS;
     const int ns = nsplit[blockIdx.x];
-    float *part = partials + (kva_i64)blockIdx.x * KVT_ROWS * (D + 2);
-    for (int i = tid; i < np * (D + 2); i += blockDim.x) {
-        const int r = i / (D + 2), d = i - r * (D + 2);
+    __syncthreads();
+    if (tid < np) {
+        const float sink = sinks != nullptr ? kva_logit_units(sinks[g * group + (p0 + tid) % group], un)
+                                            : 0.0f;
         float mx = KVA_NEG_INF;
         for (int w = 0; w < KVT_WARPS; w++)
-            mx = kva_max(mx, mg[(w * KVT_ROWS + r) * (D + 2)]);
-        float total = 0.0f, a = 0.0f;
+            mx = kva_max(mx, mg[(w * KVT_ROWS + tid) * (D + 2)]);
+        float total = 0.0f;
         for (int w = 0; w < KVT_WARPS; w++) {
-            const float *src = mg + (w * KVT_ROWS + r) * (D + 2);
-            if (kva_is_zero(src[1])) /* a warp without keys (a NaN sum is kept) */
-                continue;
-            const float wgt = kva_exp2(kva_sub(src[0], mx));
-            total = kva_fma(wgt, src[1], total);
-            if (d >= 2)
-                a = kva_fma(wgt, src[d], a);
+            const float *src = mg + (w * KVT_ROWS + tid) * (D + 2);
+            const float wt = kva_is_zero(src[1]) ? 0.0f /* a warp without keys (a NaN sum is kept) */
+                                                 : kva_exp2(kva_mul(kva_sub(src[0], mx), un.u));
+            total = kva_fma(wt, src[1], total);
+            wts[w * KVT_ROWS + tid] = wt;
         }
-        if (ns == 1) {
-            if (d >= 2)
-                kva_store_f(out, (int)out_kind, obase[r] + d - 2,
-                            kva_mul(kva_div(a, total), v_scale));
-        } else {
-            part[r * (D + 2) + d] = d == 0 ? mx : d == 1 ? total : a;
-        }
+        rowm[tid] = mx;
+        rowl[tid] = total;
+        const KvaNorm n = kva_norm(total, mx, sinks != nullptr, sink, un);
+        den[tid] = n.den;
+        wn[tid] = kva_mul(n.w, v_scale);
+    }
+    __syncthreads();
+    float *part = partials + (kva_i64)blockIdx.x * KVT_ROWS * (D + 2);
+    for (int i = tid; i < np * D; i += blockDim.x) {
+        const int r = i / D, d = i - r * D;
+        float a = 0.0f; /* (a warp without keys has acc 0 and weight 0) */
+        for (int w = 0; w < KVT_WARPS; w++)
+            a = kva_fma(wts[w * KVT_ROWS + r], mg[(w * KVT_ROWS + r) * (D + 2) + 2 + d], a);
+        if (ns == 1)
+            kva_store_f(out, (int)out_kind, obase[r] + d, kva_mul(kva_div(a, den[r]), wn[r]));
+        else
+            part[r * (D + 2) + 2 + d] = a;
     }
     if (ns == 1)
         return;
+    if (tid < np) {
+        part[tid * (D + 2)] = rowm[tid];
+        part[tid * (D + 2) + 1] = rowl[tid];
+    }
 
     /* the last split of the unit to finish merges them all, in split order */
     const kva_i64 first = (kva_i64)blockIdx.x - it[6];
@@ -477,11 +517,12 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     if (!*flag)
         return;
     __threadfence();
-    /* each split's (m, l) per pair into shared memory (the merge area is
-     * free: this block's partials are written), then each pair's weights
-     * exp2(m - max) (0 for a split without its keys) and total, then the
-     * elements: one read of each split's partial */
-    float *wm = mg, *wl = mg + KVT_MAX_SPLITS * KVT_ROWS, *tot = wl + KVT_MAX_SPLITS * KVT_ROWS;
+    /* each split's (m, l) per pair into shared memory, then each pair's
+     * weights exp2((m - max) u) (0 for a split without its keys), total and
+     * norm, then the elements: one read of each split's partial */
+    float *wm = mg, *wl = mg + KVT_MAX_SPLITS * KVT_ROWS;
+    den = wl + KVT_MAX_SPLITS * KVT_ROWS; /* (past wm / wl) */
+    wn = den + KVT_ROWS;
     for (int i = tid; i < ns * KVT_ROWS; i += blockDim.x) {
         const int sp = i / KVT_ROWS, r = i - sp * KVT_ROWS;
         if (r < np) {
@@ -492,6 +533,8 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     }
     __syncthreads();
     if (tid < np) {
+        const float sink = sinks != nullptr ? kva_logit_units(sinks[g * group + (p0 + tid) % group], un)
+                                            : 0.0f;
         float mx = KVA_NEG_INF;
         for (int sp = 0; sp < ns; sp++)
             mx = kva_max(mx, wm[sp * KVT_ROWS + tid]);
@@ -499,11 +542,13 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
         for (int sp = 0; sp < ns; sp++) {
             const int i = sp * KVT_ROWS + tid;
             const float w = kva_is_zero(wl[i]) ? 0.0f /* a split without keys for this pair */
-                                               : kva_exp2(kva_sub(wm[i], mx));
+                                               : kva_exp2(kva_mul(kva_sub(wm[i], mx), un.u));
             total = kva_fma(w, wl[i], total);
             wm[i] = w;
         }
-        tot[tid] = total;
+        const KvaNorm n = kva_norm(total, mx, sinks != nullptr, sink, un);
+        den[tid] = n.den;
+        wn[tid] = kva_mul(n.w, v_scale);
     }
     __syncthreads();
     for (int i = tid; i < np * D; i += blockDim.x) {
@@ -513,7 +558,7 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
 #pragma unroll 4
         for (int sp = 0; sp < ns; sp++) /* (an empty split's acc is 0, its weight 0) */
             a = kva_fma(wm[sp * KVT_ROWS + r], kva_load_cg(src + (kva_i64)sp * KVT_ROWS * (D + 2)), a);
-        kva_store_f(out, (int)out_kind, obase[r] + d, kva_mul(kva_div(a, tot[r]), v_scale));
+        kva_store_f(out, (int)out_kind, obase[r] + d, kva_mul(kva_div(a, den[r]), wn[r]));
     }
     if (tid == 0)
         counters[first] = 0; /* ready for the next run (a replayed graph included) */

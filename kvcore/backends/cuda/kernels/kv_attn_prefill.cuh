@@ -50,7 +50,8 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
                const int *block_tables, const kva_i64 *seq_lens, const kva_i64 *query_start_loc,
                const kva_i64 *items, kva_i64 num_heads, kva_i64 group, kva_i64 table_stride,
                kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok, float scale,
-               kva_i64 window, float soft_cap, kva_i64 vec16, kva_i64 q_kind, kva_i64 out_kind)
+               kva_i64 window, float soft_cap, kva_i64 chunk, const float *alibi,
+               const float *sinks, kva_i64 vec16, kva_i64 q_kind, kva_i64 out_kind)
 {
     typedef KvpCfg<KIND, D> C;
     constexpr int MTR = C::MTR, KEYS = C::KEYS, RS = C::RS, KS = C::KS, NT = C::NT;
@@ -86,23 +87,30 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
         *(kva_u16 *)(sq + r * RS + 2 * d) = h;
     }
 
-    /* the block's keys: from the first row's window start to the last row's position */
+    const bool capped = !kva_is_zero(soft_cap);
+    const KvaUnits un = kva_units(scale, capped);
+    const float capl2 = kva_mul(soft_cap, KVA_LOG2E);
+
+    /* the block's keys: from the first row's first visible key to the last row's position */
     const kva_i64 firstpos = pos0 + p0 / group, lastpos = pos0 + (p0 + np - 1) / group;
-    const kva_i64 klo = window > 0 && firstpos + 1 > window ? firstpos + 1 - window : 0;
+    const kva_i64 klo = kva_key_lo(firstpos, window, chunk);
     const kva_i64 khi = lastpos + 1;
     /* this warp's rows (row w * 16 * MTR + 16 m + gq + 8 r): their first
      * visible key and position, relative to klo (32 bits: an item's keys
      * are fewer than 2^31); an invalid row sees nothing (lo > pos) */
     int rpos[MTR][2], rlo[MTR][2];
+    float slope[MTR][2]; /* ALiBi, in the scores' units */
 #pragma unroll
     for (int m = 0; m < MTR; m++) {
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int row = warp * 16 * MTR + 16 * m + gq + 8 * r;
             const kva_i64 pos = pos0 + (p0 + row) / group;
-            const kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+            const kva_i64 lo = kva_key_lo(pos, window, chunk);
             rpos[m][r] = row < np ? (int)(pos - klo) : -1;
             rlo[m][r] = row < np ? (int)(lo - klo) : 0;
+            slope[m][r] = alibi != nullptr && row < np
+                              ? kva_logit_units(alibi[g * group + (p0 + row) % group], un) : 0.0f;
         }
     }
     /* the warp's rows see keys [wminlo, wmaxpos] at most, every row every key
@@ -112,13 +120,10 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
     const kva_i64 wfirst = pos0 + (p0 + wrow0) / group, wlast = pos0 + (p0 + wrow1) / group;
     const int wminpos = wrows ? (int)(wfirst - klo) : -1;
     const int wmaxpos = wrows ? (int)(wlast - klo) : -1;
-    const int wminlo = window > 0 && wfirst + 1 > window ? (int)(wfirst + 1 - window - klo) : 0;
-    const int wmaxlo = window > 0 && wlast + 1 > window ? (int)(wlast + 1 - window - klo) : 0;
+    const int wminlo = (int)(kva_key_lo(wfirst, window, chunk) - klo);
+    const int wmaxlo = (int)(kva_key_lo(wlast, window, chunk) - klo);
     const int nkeys = (int)(khi - klo);
 
-    const bool capped = !kva_is_zero(soft_cap);
-    const float sl = capped ? kva_div(scale, soft_cap) : kva_mul(scale, KVA_LOG2E);
-    const float capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
     const int *table = block_tables + s * table_stride;
     const KvaDiv bdiv = kva_div_init((unsigned)block_size);
@@ -202,8 +207,43 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
                     }
                 }
             }
-            /* scale, cap, mask, online softmax */
-            const bool full = trel + KEYS <= nkeys && trel + KEYS - 1 <= wminpos && trel >= wmaxlo;
+            /* the scores, each feature a pass of its own */
+            if (capped) {
+#pragma unroll
+                for (int mt = 0; mt < MTR; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4 * NK; i++)
+                        sc[mt][i >> 2][i & 3] = kva_mul(capl2, kva_tanh(kva_div(
+                            kva_mul(kva_mul(sc[mt][i >> 2][i & 3], un.mult), un.post), soft_cap)));
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < MTR; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4 * NK; i++)
+                        sc[mt][i >> 2][i & 3] = kva_mul(sc[mt][i >> 2][i & 3], un.mult);
+            }
+            /* element 2r + e of tile n: row 16 mt + gq + 8r, key trel + 8n + 2c + e */
+            if (!(trel + KEYS <= nkeys && trel + KEYS - 1 <= wminpos && trel >= wmaxlo)) {
+#pragma unroll
+                for (int mt = 0; mt < MTR; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4 * NK; i++) { /* (keys past khi are past every pos) */
+                        const int r = (i & 3) >> 1, key = trel + 8 * (i >> 2) + 2 * c + (i & 1);
+                        if (!(key >= rlo[mt][r] && key <= rpos[mt][r]))
+                            sc[mt][i >> 2][i & 3] = KVA_NEG_INF;
+                    }
+            }
+            if (alibi != nullptr) {
+#pragma unroll
+                for (int mt = 0; mt < MTR; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4 * NK; i++) { /* slope * (t - p), the scores' units */
+                        const int r = (i & 3) >> 1, key = trel + 8 * (i >> 2) + 2 * c + (i & 1);
+                        sc[mt][i >> 2][i & 3] = kva_fma(slope[mt][r], (float)(key - rpos[mt][r]),
+                                                        sc[mt][i >> 2][i & 3]);
+                    }
+            }
+            /* the online softmax, per row */
             float al[MTR][2];
 #pragma unroll
             for (int mt = 0; mt < MTR; mt++) {
@@ -211,29 +251,21 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
                 for (int r = 0; r < 2; r++) {
                     float mx = KVA_NEG_INF;
 #pragma unroll
-                    for (int n = 0; n < NK; n++) {
+                    for (int n = 0; n < NK; n++)
 #pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            float x = sc[mt][n][2 * r + e];
-                            x = capped ? kva_mul(capl2, kva_tanh(kva_mul(x, sl))) : kva_mul(x, sl);
-                            if (!full) { /* (keys past khi are past every row's pos) */
-                                const int key = trel + 8 * n + 2 * c + e;
-                                x = key >= rlo[mt][r] && key <= rpos[mt][r] ? x : KVA_NEG_INF;
-                            }
-                            sc[mt][n][2 * r + e] = x;
-                            mx = kva_max(mx, x);
-                        }
-                    }
+                        for (int e = 0; e < 2; e++)
+                            mx = kva_max(mx, sc[mt][n][2 * r + e]);
                     mx = kva_quad_max(mx);
                     const float mnew = kva_max(m[mt][r], mx);
                     const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
-                    const float alpha = kva_exp2(kva_sub(m[mt][r], mu));
+                    const float alpha = kva_exp2(kva_mul(kva_sub(m[mt][r], mu), un.u));
                     float rs = 0.0f;
 #pragma unroll
                     for (int n = 0; n < NK; n++) {
 #pragma unroll
                         for (int e = 0; e < 2; e++) {
-                            const float p = kva_exp2(kva_sub(sc[mt][n][2 * r + e], mu));
+                            const float p =
+                                kva_exp2(kva_mul(kva_sub(sc[mt][n][2 * r + e], mu), un.u));
                             sc[mt][n][2 * r + e] = p;
                             rs = kva_add(rs, p);
                         }
@@ -285,13 +317,17 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
             const float total = kva_quad_sum(l[mt][r]);
             if (rpos[mt][r] < 0)
                 continue;
-            const kva_i64 o = obase[wrow0 + 16 * mt + gq + 8 * r];
+            const int row = wrow0 + 16 * mt + gq + 8 * r;
+            const float sink = sinks != nullptr
+                                   ? kva_logit_units(sinks[g * group + (p0 + row) % group], un)
+                                   : 0.0f;
+            const KvaNorm n = kva_norm(total, m[mt][r], sinks != nullptr, sink, un);
+            const kva_i64 o = obase[row];
 #pragma unroll
             for (int nn = 0; nn < NT; nn++) {
-                kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c,
-                            kva_div(acc[mt][nn][2 * r], total));
+                kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_apply(acc[mt][nn][2 * r], n));
                 kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c + 1,
-                            kva_div(acc[mt][nn][2 * r + 1], total));
+                            kva_apply(acc[mt][nn][2 * r + 1], n));
             }
         }
     }

@@ -1,0 +1,514 @@
+"""``PagedCache``: a transformers ``Cache`` whose K/V live in a kvcore pool.
+
+One ``PagedKVCache`` per batch row, written for the whole batch with one
+``BlockPool.write`` per layer and step (slot mapping), reordered for beam
+search by copy-on-write forks, cropped by ``truncate``.  Each forward's
+writes are one :class:`Step` (``step.py``).
+
+Positions: transformers sees a rectangular, left-padded batch of ``length``
+columns; row ``i`` keeps its first real token at column ``pad[i]``, and its
+sequence position ``p`` is column ``p + pad[i]``.  Pad columns hold no KV
+in the pool, so rows with different padding share prefix blocks.
+"""
+import os
+import threading
+import weakref
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..paged import PagedKVCache
+from ..pool import BlockPool
+from .inputs import _left_pads, _query_length, _truthy
+from .step import Step
+from .torch_bridge import _TorchSide
+
+# storage dtypes that sdpa/eager can read from the pages (an indexed copy);
+# the low-precision ones only the kvcore attention reads (it dequantizes)
+_TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_LOW_PRECISION = ("float8_e4m3fn", "float8_e5m2", "int8")
+
+# create_causal_mask asks the cache for the mask sizes and then calls the mask
+# function of the attention implementation, in the same thread: the kvcore
+# mask function tells the cache (found here) that this forward's attention
+# reads the pages, and hands it the padding of a first forward.
+_mask_call = threading.local()
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One layer's face of a :class:`PagedCache` (transformers iterates
+    ``cache.layers``); everything is done by the cache."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache, layer_idx):
+        super().__init__()
+        self._cache = cache
+        self._layer_idx = layer_idx
+
+    @property
+    def is_initialized(self):
+        return bool(self._cache._seqs)
+
+    @is_initialized.setter
+    def is_initialized(self, value):  # set by CacheLayerMixin.__init__; derived here
+        pass
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self._layer_idx)
+
+    def get_mask_sizes(self, query_length):
+        return self._cache._length + _query_length(query_length), 0
+
+    def get_seq_length(self):
+        return self._cache._length
+
+    def get_max_length(self):
+        return -1
+
+    def get_max_cache_shape(self):     # transformers < 5.x's name of get_max_length
+        return -1
+
+    # the whole cache acts once (Cache.crop etc. are overridden)
+    def crop(self, tokens_to_remove):
+        raise NotImplementedError("crop a kvcore PagedCache as a whole: cache.crop(n)")
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("reorder a kvcore PagedCache as a whole: cache.reorder_cache(idx)")
+
+    def reset(self):
+        pass
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class PagedCache(Cache):
+    """A ``transformers`` ``Cache`` whose K/V live in a :class:`kvcore.BlockPool`.
+
+    Parameters
+    ----------
+    pool : BlockPool
+        Shaped for the model (:func:`pool_for`); shared by any number of
+        caches.
+    salt : str or bytes, optional
+        As for :class:`kvcore.PagedKVCache`: caches with different salts
+        never share blocks.
+
+    Notes
+    -----
+    Works wherever transformers takes a ``Cache`` (``model.generate(...,
+    past_key_values=cache)`` or ``cache=cache``, a forward loop), for one
+    batch: left padding, greedy, sampling, beam search (``reorder_cache``
+    forks rows copy-on-write), assisted and prompt-lookup decoding
+    (``crop`` truncates).  With float32 storage the tokens are identical to
+    ``DynamicCache``'s.  transformers never tells a cache the token ids, so
+    a cache used on its own fills the pool without adding to its prefix
+    cache; :func:`generate` tells it the ids, and then every full block
+    (prompt and generated tokens, never padding) enters the prefix cache.
+    ``free()`` (or leaving a ``with`` block) gives the rows' blocks back.
+    """
+
+    def __init__(self, pool, salt=None):
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+        if pool.dtype not in _TORCH_STORAGE and pool.dtype not in _LOW_PRECISION:
+            raise ValueError(f"pool.dtype must be one of "
+                             f"{sorted(_TORCH_STORAGE) + list(_LOW_PRECISION)} for kvcore.hf, "
+                             f"got {pool.dtype!r}")
+        self.pool = pool
+        self.salt = salt
+        self._seqs = []                         # one PagedKVCache per batch row
+        self._pad = np.zeros(0, np.int64)       # column of each row's position 0
+        self._length = 0                        # columns seen by transformers
+        self._tokens_known = False              # generate() feeds token ids
+        self._may_expand = False                # generate(): the first forward may expand rows
+        self._step = None
+        self._known_before = None               # row tokens before generate's hook ran
+        self._kvcore_forward = False            # this forward's attention reads pages
+        self._pending_mask = None               # padding mask of a first forward
+        self._torch = _TorchSide(pool)
+        self._writer = pool._slot_writer()      # a decode step's K/V: one native call
+        self._num_layers = pool.num_layers
+        self._kv_shape = (pool.num_kv_heads, pool.head_dim)
+        self._torch_storage = pool.dtype in _TORCH_STORAGE
+        # torch views of the pool's storage, per layer: (num_blocks, heads, block, dim)
+        bf16 = pool.dtype == "bfloat16"
+        self._k_pages = [self._torch.pages(pool.key_cache(i), bf16)
+                         for i in range(pool.num_layers)]
+        self._v_pages = [self._torch.pages(pool.value_cache(i), bf16)
+                         for i in range(pool.num_layers)]
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(pool.num_layers)])
+
+    # -------------------------------------------------------------- rows
+    def _new_row(self, token_ids):
+        seq = PagedKVCache(self.pool, salt=self.salt)
+        try:
+            hit = seq.allocate(token_ids)
+        except BaseException:
+            seq.free()
+            raise
+        return seq, hit
+
+    def _begin(self, token_rows, pads):
+        """Rows for a batch whose token ids are known (``generate``):
+        each row's prompt is looked up in the prefix cache."""
+        self._check_empty("_begin")
+        seqs = []
+        try:
+            for tokens in token_rows:
+                seqs.append(self._new_row(tokens)[0])
+        except BaseException:
+            for s in seqs:
+                s.free()
+            raise
+        self._seqs = seqs
+        self._pad = np.asarray(pads, np.int64)
+        # the columns every row has (padding or cached KV): transformers
+        # computes the rest of the batch in its first forward
+        self._length = int(min(p + s.num_computed for p, s in zip(self._pad, seqs)))
+        self._tokens_known = True
+        # transformers expands the prompt rows (beams, num_return_sequences)
+        # after generate() set the cache up: its first forward may do that
+        self._may_expand = True
+
+    def _check_empty(self, what):
+        if self._seqs:
+            raise ValueError(f"{what} takes an empty cache; this one holds {len(self._seqs)} rows")
+
+    def _start_rows(self, batch, q):
+        """Rows for the first forward of a cache used without generate()."""
+        pads = np.zeros(batch, np.int64)
+        mask = self._pending_mask
+        if mask is not None:
+            if tuple(mask.shape) != (batch, q):
+                raise ValueError(f"the first forward's attention_mask must be (batch, columns) "
+                                 f"= ({batch}, {q}), got {tuple(mask.shape)}")
+            pads = _left_pads(mask, "attention_mask")
+        seqs = []
+        # the ids are not known: a private salt makes sure the placeholder id
+        # can never meet another sequence's blocks, and with one known token
+        # nothing ever enters the prefix cache
+        salt = b"kvcore.hf.untracked:" + os.urandom(16)
+        try:
+            for _ in range(batch):
+                seq = PagedKVCache(self.pool, salt=salt)
+                seqs.append(seq)
+                seq.allocate([0])
+        except BaseException:
+            for s in seqs:
+                s.free()
+            raise
+        self._seqs = seqs
+        self._pad = pads
+        self._length = 0
+
+    def _expand_rows(self, batch):
+        """Match the rows to a forward of ``batch`` rows.
+
+        Only the first forward of a :func:`generate` call may have more rows
+        than the cache (transformers expands the prompts for beams and
+        ``num_return_sequences`` after the cache was set up): each row then
+        becomes ``batch // rows`` forks.  Any other mismatch is an error: a
+        forward of another batch would otherwise be written into rows that
+        hold other sequences' KV.
+        """
+        rows = len(self._seqs)
+        if batch != rows:
+            if not self._may_expand or rows == 0 or batch % rows:
+                raise ValueError(f"the forward has batch size {batch}, but this cache holds "
+                                 f"{rows} rows (a new batch needs a new PagedCache)")
+            self.batch_repeat_interleave(batch // rows)
+        self._may_expand = False
+
+    # -------------------------------------------------------------- hooks
+    def _pre_forward(self, module, args, kwargs):
+        """Forward pre-hook installed by generate(): learn the token ids of
+        the positions this forward computes."""
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        if kwargs.get("use_cache") is not None and not _truthy(kwargs["use_cache"]):
+            # transformers then re-feeds the whole sequence every step: the
+            # cache would store it again as new positions
+            raise ValueError("a forward with use_cache=False cannot run on a kvcore PagedCache "
+                             "(it re-feeds every column, which the cache would store as new "
+                             "positions)")
+        if not self._tokens_known:
+            return None
+        if ids is None or not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            self._tokens_known = False   # from here on the ids are unknown
+            return None
+        self._expand_rows(ids.shape[0])
+        q = ids.shape[1]
+        self._check_positions(kwargs.get("position_ids"), q)
+        # what a failed step restores: the ids each row knew before this
+        # forward's are added below
+        self._known_before = [seq.num_tokens for seq in self._seqs]
+        rows = ids.tolist()
+        for i, seq in enumerate(self._seqs):
+            first = self._length - int(self._pad[i])   # position of column 0 of this forward
+            known = seq.num_tokens
+            if known < first:
+                self._tokens_known = False
+                return None
+            if known < first + q:
+                seq.extend_tokens(rows[i][known - first:])
+        return None
+
+    def _check_positions(self, position_ids, q):
+        """Raise ValueError unless a forward's ``position_ids`` (when given as
+        ``(batch, q)``) continue each row where the cache ends: columns that
+        do not follow the cache's length must never be stored as new
+        positions (nor their ids recorded for the prefix cache)."""
+        if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 \
+                or tuple(position_ids.shape) != (len(self._seqs), q):
+            return
+        want = self._length + np.arange(q)[None, :] - self._pad[:, None]
+        real = want >= 0                      # padding columns have no position to check
+        got = position_ids.detach().cpu().numpy()
+        if not np.array_equal(got[real], want[real]):
+            row = int(np.argmax((real & (got != want)).any(axis=1)))
+            col = int(np.argmax(real[row] & (got[row] != want[row])))
+            raise ValueError(
+                f"the forward's position_ids do not continue the cache: row {row} column {col} "
+                f"has position {int(got[row, col])}, the cache expects {int(want[row, col])} "
+                f"(it holds {self._length} columns)")
+
+    # -------------------------------------------------------------- steps
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Write this step's K/V of ``layer_idx`` for the whole batch.
+
+        ``key_states``/``value_states``: ``(batch, num_kv_heads, q, head_dim)``.
+        Returns the layer's K/V over every column ``(batch, num_kv_heads,
+        length, head_dim)`` in ``key_states.dtype`` read from the pages, or,
+        when the model's attention is ``"kvcore"``, the new K/V marked for
+        :func:`kvcore_attention`, which reads the pages itself.
+        """
+        before = self._step
+        if type(layer_idx) is int and layer_idx == 0 and before is not None and before.partial:
+            raise ValueError(
+                f"the last forward stopped after {before.layers_done} of the model's "
+                f"{self._num_layers} layers (an exception in the model, or a model that does not "
+                "update the cache at every layer): cache.crop(cache.get_seq_length()) drops "
+                "what it wrote, then the forward can run again")
+        # the step this call belongs to: one in progress (this call may
+        # commit it before failing), or one it begins
+        owned = before if before is not None and not before.complete else None
+        try:
+            if not self._torch.cuda:
+                return self._update(key_states, value_states, layer_idx, kwargs)
+            with self._torch.stream():
+                return self._update(key_states, value_states, layer_idx, kwargs)
+        except BaseException:
+            Step.undo_failed(self, before, owned)
+            raise
+
+    def _update(self, key_states, value_states, layer_idx, kwargs):
+        # (called once per layer and step: what it touches is kept few,
+        # since the model's weights have evicted it from the caches)
+        pool = self.pool
+        if type(layer_idx) is not int or not 0 <= layer_idx < self._num_layers:
+            if isinstance(layer_idx, bool):
+                raise TypeError(f"layer_idx must be an integer, got bool ({layer_idx!r})")
+            if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
+                raise IndexError(f"layer_idx must be in 0..{pool.num_layers - 1} (the pool's "
+                                 f"layers), got {layer_idx!r}")
+            layer_idx = int(layer_idx)
+        shape = key_states.shape
+        if len(shape) != 4 or shape != value_states.shape:
+            raise ValueError("key_states and value_states must both be (batch, num_kv_heads, q, "
+                             f"head_dim), got {tuple(key_states.shape)} and "
+                             f"{tuple(value_states.shape)}")
+        batch, heads, q, dim = shape
+        if heads != self._kv_shape[0] or dim != self._kv_shape[1]:
+            raise ValueError(
+                f"the model's K/V have {heads} heads of dimension {dim}, the pool "
+                f"{pool.num_kv_heads} of dimension {pool.head_dim}: build the pool with "
+                "kvcore.hf.pool_for(model.config, ...)")
+        if not self._kvcore_forward and not self._torch_storage:
+            raise ValueError(f"a {pool.dtype} pool is read by attn_implementation='kvcore' only "
+                             "(this forward's attention reads whole K/V tensors): "
+                             "model.set_attn_implementation('kvcore')")
+        step = self._step
+        if step is None or step.complete:
+            if layer_idx != 0:
+                raise ValueError(f"a forward must update the cache from layer 0 on, in order; "
+                                 f"its first update was for layer {layer_idx}")
+            step = Step.begin(self, batch, q)
+        elif layer_idx != step.layers_done:
+            raise ValueError(f"a forward must update the cache at every layer, in order: layer "
+                             f"{layer_idx} came after layer {step.layers_done - 1}")
+        elif batch != len(self._seqs) or q != step.q:
+            raise ValueError(f"layer {layer_idx} got K/V for {batch} rows x {q} columns, this "
+                             f"step has {len(self._seqs)} x {step.q}")
+        # a decode step's (batch, heads, 1, dim) K/V as they are, through the
+        # pool's writer (the slots were checked once for the step); the rest
+        # through pool.write
+        if not (q == 1 and self._writer is not None
+                and self._writer.write_slots(layer_idx, key_states, value_states, step.slots)):
+            # (batch, heads, q, dim) -> (batch * q, heads, dim): for q == 1
+            # the same order without a transpose (a view when contiguous)
+            if q == 1:
+                k_rows = key_states.detach().reshape(batch, heads, dim)
+                v_rows = value_states.detach().reshape(batch, heads, dim)
+            else:
+                k_rows = key_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+                v_rows = value_states.detach().transpose(1, 2).reshape(batch * q, heads, dim)
+            pool.write(layer_idx, k_rows, v_rows, step.slots)
+        step.wrote(self, layer_idx)
+        if self._kvcore_forward:
+            attn_kwargs = kwargs.get("kwargs")
+            if isinstance(attn_kwargs, dict):
+                # transformers hands update() the keyword arguments of this
+                # layer's attention call (its paged path fills them the same
+                # way): the attention gets the cache and the step's tables
+                # as arguments, no side channel
+                step.attention_tables(self)
+                attn_kwargs.update(cache=self, block_table=step.tables,
+                                   cu_seq_lens_q=step.query_start, kvcore_step=step,
+                                   kvcore_layer=layer_idx)
+                return key_states, value_states
+            # transformers versions whose attention does not pass kwargs=
+            # to Cache.update: the step rides on the key tensor
+            k_ref = key_states.detach()
+            k_ref._kvcore = (self, step, layer_idx)
+            return k_ref, value_states
+        index = step.gather_index(self)
+        keys = self._k_pages[layer_idx][index]
+        values = self._v_pages[layer_idx][index]
+        if keys.dtype != key_states.dtype:
+            keys = keys.to(key_states.dtype)
+            values = values.to(value_states.dtype)
+        return keys, values
+
+    # -------------------------------------------------------------- queries
+    def get_seq_length(self, layer_idx=0):
+        return self._length
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        """``(length + query_length, 0)``: every column is kept.  (Older
+        transformers pass the query's ``cache_position`` tensor instead.)"""
+        self._kvcore_forward = False
+        _mask_call.cache = weakref.ref(self)     # never keeps a dropped cache's blocks
+        return self._length + _query_length(query_length), 0
+
+    def get_max_length(self, layer_idx=None):
+        return -1
+
+    def get_max_cache_shape(self, layer_idx=0):
+        return -1
+
+    @property
+    def batch_size(self):
+        return len(self._seqs) if self._seqs else -1
+
+    @property
+    def is_compileable(self):
+        return False
+
+    @property
+    def is_initialized(self):
+        return bool(self._seqs)
+
+    @property
+    def is_croppable(self):
+        return True
+
+    @property
+    def rows(self):
+        """The :class:`kvcore.PagedKVCache` of each batch row (a list)."""
+        return list(self._seqs)
+
+    @property
+    def pads(self):
+        """Padding columns before each row's first token (numpy int64)."""
+        return self._pad.copy()
+
+    # -------------------------------------------------------------- edits
+    def crop(self, tokens_to_remove):
+        """Forget the last ``-tokens_to_remove`` columns (``crop(0)`` changes
+        nothing; a positive value is the length to keep, transformers 4.x's
+        form)."""
+        n = int(tokens_to_remove)
+        keep = self._length + n if n <= 0 else n
+        if not 0 <= keep <= self._length:
+            raise ValueError(f"crop({tokens_to_remove}) must leave 0..{self._length} columns, "
+                             f"would leave {keep}")
+        step = self._step
+        if step is not None and step.partial:
+            step.rollback(self)       # what a forward that failed part-way wrote
+        if keep == self._length:
+            return
+        for i, seq in enumerate(self._seqs):
+            seq.truncate(max(0, keep - int(self._pad[i])))
+        self._length = keep
+        self._step = None
+
+    def _select_rows(self, index):
+        """Rows become ``old[index[r]]`` (copy-on-write forks)."""
+        with self._torch.stream():
+            self._select(index)
+
+    def _select(self, index):
+        index = np.asarray(index.detach().cpu() if isinstance(index, torch.Tensor) else index,
+                           dtype=np.int64).reshape(-1)
+        rows = len(self._seqs)
+        if index.size and (index.min() < 0 or index.max() >= rows):
+            raise IndexError(f"row indices must be in 0..{rows - 1}, got {index.tolist()}")
+        if np.array_equal(index, np.arange(rows)):
+            return
+        new = []
+        try:
+            for r in index:
+                new.append(self._seqs[int(r)].fork())
+        except BaseException:
+            for s in new:
+                s.free()
+            raise
+        for s in self._seqs:
+            s.free()
+        self._seqs = new
+        self._pad = self._pad[index]
+        self._step = None
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: row ``r`` becomes old row ``beam_idx[r]`` (forks, copy-on-write)."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats):
+        self._select_rows(np.repeat(np.arange(len(self._seqs)), int(repeats)))
+
+    def batch_select_indices(self, indices):
+        self._select_rows(indices)
+
+    def reset(self):
+        self.free()
+
+    def free(self):
+        """Give every row's blocks back to the pool (the cache becomes empty)."""
+        for s in self._seqs:
+            s.free()
+        self._seqs = []
+        self._pad = np.zeros(0, np.int64)
+        self._length = 0
+        self._step = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    def __repr__(self):
+        return (f"PagedCache(rows={len(self._seqs)}, length={self._length}, "
+                f"pool={self.pool!r})")

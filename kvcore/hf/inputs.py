@@ -1,0 +1,64 @@
+"""What a model is given: a left-padded prompt batch and its mask, the
+keyword it takes its cache by, a ``use_cache`` flag."""
+import inspect
+
+import numpy as np
+import torch
+
+
+def _query_length(query):
+    """The query length transformers passes to get_mask_sizes: an int, or
+    (transformers 5.0-5.x) the query's cache_position tensor."""
+    return int(query.shape[0]) if isinstance(query, torch.Tensor) else int(query)
+
+
+def _prompt_batch(input_ids, attention_mask):
+    """``(attention_mask, pads)`` of a left-padded prompt batch after
+    checking both (the mask defaults to all ones)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids must be a 2-D torch tensor (batch, length) with at least "
+                         f"one column, got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must have at least one row (batch, length), got shape "
+                         f"{tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    return attention_mask, _left_pads(attention_mask, "attention_mask")
+
+
+def _left_pads(mask, arg):
+    """Padding columns before each row's first token of a 2-D 0/1 mask;
+    raises ValueError unless the mask is left padding."""
+    m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
+    if m.ndim != 2:
+        raise ValueError(f"{arg} must be 2-D (batch, columns), got shape {m.shape}")
+    m = m.astype(bool)
+    pads = np.argmax(m, axis=1).astype(np.int64)
+    empty = ~m.any(axis=1)
+    if empty.any():
+        raise ValueError(f"{arg} row {int(np.argmax(empty))} has no tokens")
+    cols = np.arange(m.shape[1])
+    if not np.array_equal(m, cols[None, :] >= pads[:, None]):
+        bad = int(np.argmax((m != (cols[None, :] >= pads[:, None])).any(axis=1)))
+        raise ValueError(f"{arg} must be left padding (zeros, then ones), row {bad} is "
+                         f"{m[bad].astype(int).tolist()}")
+    return pads
+
+
+def cache_keyword(model):
+    """The keyword ``model`` takes its cache by: ``"cache"`` (recent
+    transformers 5) or ``"past_key_values"`` (earlier)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _truthy(value):
+    """``bool(value)``, False for anything that has no truth value (a tensor
+    of several elements): such a use_cache turns no cache on."""
+    try:
+        return bool(value)
+    except Exception:
+        return False
