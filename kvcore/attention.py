@@ -10,7 +10,6 @@ owns a snapshot of them; each layer's ``run`` checks only ``q``, the layer
 and ``out``.  ``paged_attention``, ``PagedKVCache.attention`` and
 ``KVCache.attention`` are a plan and one run.
 """
-import os
 import threading
 
 import numpy as np
@@ -18,63 +17,13 @@ import numpy as np
 from . import _arrays
 from . import _attention_args as _args
 from . import dtypes as _dtypes
+# (the thread count lives in kvcore._threads: the prefix stores read it too)
+from ._threads import MAX_THREADS, get_num_threads, set_num_threads
 from ._validate import index_int, layer_index
 from .backends import CPU as _HOST, backend_of_array
 from .pool import BlockPool
 
 __all__ = ["AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads"]
-
-MAX_THREADS = 1024
-
-_threads_lock = threading.Lock()
-_num_threads = None
-
-
-# ------------------------------------------------------------------ threads
-def _default_num_threads():
-    """The CPUs this process may run on, capped by OMP_NUM_THREADS when set."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        n = os.cpu_count() or 1
-    limit = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if limit.isdigit() and int(limit) > 0:
-        n = min(n, int(limit))
-    return max(1, min(n, MAX_THREADS))
-
-
-def set_num_threads(n):
-    """Threads attention may use on the CPU (process-wide; a plan takes the
-    count when it is made).
-
-    Parameters
-    ----------
-    n : int
-        1 .. 1024.  The default is the number of CPUs this process may run
-        on (``os.sched_getaffinity``), capped by ``OMP_NUM_THREADS`` if set.
-
-    Notes
-    -----
-    The result has the same bits for every thread count: how a call is split
-    into work depends only on its arguments.  A call uses fewer threads
-    than this when it has too little work to repay waking them (a short
-    decode runs on the calling thread).
-    """
-    global _num_threads
-    v = index_int(n, "n")
-    if not 1 <= v <= MAX_THREADS:
-        raise ValueError(f"n must be in 1..{MAX_THREADS}, got {v}")
-    with _threads_lock:
-        _num_threads = v
-
-
-def get_num_threads():
-    """Threads ``paged_attention`` uses on the CPU (see :func:`set_num_threads`)."""
-    global _num_threads
-    with _threads_lock:
-        if _num_threads is None:
-            _num_threads = _default_num_threads()
-        return _num_threads
 
 
 # ------------------------------------------------------------------ inputs

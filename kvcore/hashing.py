@@ -13,8 +13,6 @@ Only full blocks are hashed.  The result depends on nothing but the token ids,
 the block size and the salt: not on the process, the machine, the Python
 version or ``PYTHONHASHSEED``.
 """
-import hashlib
-
 import numpy as np
 
 from ._native import _pool
@@ -71,33 +69,11 @@ def block_hashes(token_ids, block_size, salt=None):
 
 
 # ------------------------------------------------------------ identity chain
-# What a prefix store's entry is verified against.  The chained hash above is
-# SipHash-1-3 under a published key: fast, fine for the pool's own index
-# (whose hits also match the parent block itself), but not collision-
-# resistant, and store entries cross processes, machines and trust
-# boundaries.  The identity chain hashes the same bytes with BLAKE2b-256.
-IDENTITY_PERSON = b"kvcore.ident.v1"
-_ROOT_PERSON = b"kvcore.iroot.v1"
-NO_SALT_IDENTITY = bytes(32)
-_IDENTITY_BASE = hashlib.blake2b(digest_size=32, person=IDENTITY_PERSON)
-
-
-def identity_root(salt):
-    """The identity chain's root for ``salt`` (bytes or None): 32 zero bytes
-    without a salt, else BLAKE2b-256 of ``b"kvcore.salt:" + salt``."""
-    if salt is None:
-        return NO_SALT_IDENTITY
-    return hashlib.blake2b(SALT_PREFIX + salt, digest_size=32, person=_ROOT_PERSON).digest()
-
-
-def identity_next(parent, block_tokens):
-    """The identity digest of a block: BLAKE2b-256 of its parent's digest
-    (the root for block 0) and its token ids (``block_tokens``: their
-    bytes as 4-byte little-endian integers)."""
-    h = _IDENTITY_BASE.copy()    # (a copy costs a third of a keyed constructor)
-    h.update(parent)
-    h.update(block_tokens)
-    return h.digest()
+# What a prefix-store entry is verified against (BLAKE2b-256, chained over the
+# salt and every token id; "Identity digests" in kvcore/_native/_pool.pyx):
+# the pool's bookkeeping computes it once per block with the same function.
+identity_root = _pool.identity_root
+NO_SALT_IDENTITY = _pool.NO_SALT_IDENTITY
 
 
 def identity_chain(tokens, block_size, salt, n_blocks):
@@ -105,11 +81,6 @@ def identity_chain(tokens, block_size, salt, n_blocks):
     blocks of int32 ``tokens`` under ``salt`` (bytes or None): one BLAKE2b
     per block, chained, so that two digests are equal only if the whole
     prefixes and salts are (collision resistance of BLAKE2b-256)."""
-    out = []
-    d = identity_root(salt)
-    raw = memoryview(np.ascontiguousarray(tokens[:n_blocks * block_size], dtype="<i4")).cast("B")
-    step = 4 * block_size
-    for i in range(n_blocks):
-        d = identity_next(d, raw[i * step:(i + 1) * step])
-        out.append(d)
-    return out
+    raw = _pool.identity_chain(np.ascontiguousarray(tokens, dtype=np.int32), block_size,
+                               identity_root(salt), n_blocks)
+    return [raw[i:i + 32] for i in range(0, len(raw), 32)]

@@ -94,15 +94,8 @@ class PagedKVCache:
         old = self._seq
         if old is not _UNBOUND:  # __init__ again: what the old binding held goes back
             old.free()
-        if salt is None:
-            # the pool's identity chain roots an unsalted sequence at -1
-            seq = _native_seq.bind(pool._binding, max_seq_len, None, 0, 0, -1)
-        else:
-            r0, r1 = hashing.root_words(salt)
-            seq = _native_seq.bind(pool._binding, max_seq_len, salt, r0, r1,
-                                   pool._acquire_salt_root(salt))
         self._pool = pool
-        self._seq = seq
+        self._seq = pool._sequence_core(max_seq_len, salt)
 
     # ------------------------------------------------------------ state
     @property
@@ -188,21 +181,10 @@ class PagedKVCache:
         stores = self._pool._stores
         if stores is not None:
             # the pool's prefix stores may hold the blocks after the hit:
-            # looked up and copied into the fresh blocks first, then what
-            # this call evicted is spilled (so it cannot push out what it
-            # loads).  load never raises; the warnings it collected are
-            # issued before anything is final, and one raised as an error
-            # (-W error) undoes the call: nothing registered, nothing counted
-            held = self._seq.take_held_spill()
-            try:
-                loaded = stores.load(self, hit, held)
-                stores.emit_warnings()
-            except BaseException:
-                self._seq.unallocate()
-                raise
-            if loaded:
-                hit = self._seq.adopt_loaded(len(loaded))
-                stores.count_loaded(loaded)
+            # loaded into the fresh blocks and adopted, then what this call
+            # evicted is published (so it cannot push out what it loads).
+            # A store warning raised as an error (-W error) undoes the call
+            hit = stores.load_prefix(self._seq, hit)
         return hit
 
     def _allocate_failed(self, token_ids, status):

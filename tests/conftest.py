@@ -78,7 +78,7 @@ def torch():
 def make_pool():
     """``make_pool(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1,
     head_dim=4, dtype="float32", **kwargs)``: a CPU BlockPool, checked for
-    consistency (``pool.check()``) when the test ends."""
+    consistency (``pool.debug.check()``) when the test ends."""
     import kvcore
 
     made = []
@@ -92,7 +92,7 @@ def make_pool():
 
     yield make
     for pool in made:
-        pool.check()
+        pool.debug.check()
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ WORKLOAD = textwrap.dedent("""
         s.gather(1)
         s.free()
     # a broken structure is caught by the checking lock
-    pool.check()
+    pool.debug.check()
     print("debug workload ok", pool.stats()["num_cached_blocks"])
 """)
 

@@ -95,7 +95,7 @@ def test_sequence_round_trip_fork_cow_and_truncate(device, dtype):
         assert child.num_computed == 11 and seq.num_computed == 7
         seq.free()
         child.free()
-        pool.check()
+        pool.debug.check()
         assert pool.num_used_blocks == 0
     for a, b in zip(results["cpu"], results[device]):
         for x, y in zip(a, b):
@@ -146,8 +146,8 @@ def test_sequence_offload_to_host_pool_and_back(device):
     got = [host(x, device) for layer in range(2) for x in back.gather(layer)]
     assert all(np.array_equal(a, b) for a, b in zip(want, got))
     back.free()
-    gpu.check()
-    cpu.check()
+    gpu.debug.check()
+    cpu.debug.check()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -312,12 +312,12 @@ class World:
                 if m.seq.pool is pool:
                     np.add.at(holders, m.seq.block_table, 1)
             assert [pool.ref_count(b) for b in range(pool.num_blocks)] == holders.tolist()
-            assert pool.check()
+            assert pool.debug.check()
             for b in range(pool.num_blocks):
                 if not pool.is_cached(b):
                     continue
                 salt, prefix = self.prefixes[cached_hash_bytes(pool, b)]
-                assert pool.debug_cached_block(b)[0].tolist() == list(prefix[-bs:])
+                assert pool.debug.cached_block(b)[0].tolist() == list(prefix[-bs:])
                 start = len(prefix) - bs
                 for off in range(bs):
                     kv = kv_value(salt, prefix[:start + off + 1])
@@ -358,7 +358,7 @@ def run_world(world):
             m.seq.free()
     for pool in world.pools:
         assert pool.num_used_blocks == 0
-        pool.check()
+        pool.debug.check()
     # the run did what it is for
     assert world.counts.get("fork", 0) and world.counts.get("copy_to", 0), world.counts
     hits = sum(s["hits"] for p in world.pools for s in p.stats()["stores"])

@@ -87,7 +87,7 @@ def _paged(model, ids, mask, dtype="float32", **kw):
     with PagedCache(pool) as cache:
         out = model.generate(ids, attention_mask=mask, **_kw(model, cache), **kw)
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
     return out
 
 
@@ -366,7 +366,7 @@ def test_a_forward_that_failed_part_way_is_dropped_by_crop(attn, monkeypatch):
         assert torch.equal(model(step, **_kw(model, cache)).logits,
                            model(step, **_kw(model, ref)).logits)
     cache.free()
-    assert pools[0].num_used_blocks == 0 and pools[0].check()
+    assert pools[0].num_used_blocks == 0 and pools[0].debug.check()
 
 
 @pytest.mark.parametrize("layer", [0, 1])
@@ -397,11 +397,11 @@ def test_an_attention_the_pool_refuses_leaves_the_cache_as_before(layer, monkeyp
             assert _cache_state(cache) == before
             if first:
                 assert cache.rows == [] and pools[0].num_used_blocks == 0
-            pools[0].check()
+            pools[0].debug.check()
             got = model(ids if first else step, **_kw(model, cache)).logits
             assert torch.equal(got, model(ids if first else step, **_kw(model, ref)).logits)
     cache.free()
-    assert pools[0].num_used_blocks == 0 and pools[0].check()
+    assert pools[0].num_used_blocks == 0 and pools[0].debug.check()
 
 
 def test_an_update_failing_after_the_step_committed_is_undone(monkeypatch):
@@ -432,7 +432,7 @@ def test_an_update_failing_after_the_step_committed_is_undone(monkeypatch):
         assert torch.equal(model(step, **_kw(model, cache)).logits,
                            model(step, **_kw(model, ref)).logits)
     cache.free()
-    assert pools[0].num_used_blocks == 0 and pools[0].check()
+    assert pools[0].num_used_blocks == 0 and pools[0].debug.check()
 
 
 def test_kvcore_attention_refusing_training_dropout_undoes_the_step():
@@ -482,7 +482,7 @@ def test_updates_out_of_order_are_refused_and_the_step_undone():
         cache.update(kv[:, :, :2], kv[:, :, :2], layer)
     assert cache.get_seq_length() == 7
     cache.free()
-    assert pool.num_used_blocks == 0 and pool.check()
+    assert pool.num_used_blocks == 0 and pool.debug.check()
 
 
 def test_a_step_short_of_blocks_reserves_nothing():
@@ -498,7 +498,7 @@ def test_a_step_short_of_blocks_reserves_nothing():
         with pytest.raises(kvcore.OutOfBlocksError):
             model(torch.full((3, 2), 5), **_kw(model, cache))   # 3 rows need a block each
         assert _cache_state(cache) == before and pool.num_free_blocks == 2
-        pool.check()
+        pool.debug.check()
         model(torch.full((3, 1), 5), **_kw(model, cache))      # fits in each row's block
     assert cache.get_seq_length() == 8
     cache.free()
@@ -632,7 +632,7 @@ def test_an_empty_prompt_batch_is_refused_by_name():
     pool = pool_for(model.config, 8, dtype="float32", block_size=4)
     with pytest.raises(ValueError, match=r"input_ids must have at least one row"):
         kvcore.hf.generate(model, empty, pool, max_new_tokens=2)
-    assert pool.num_used_blocks == 0 and pool.check()
+    assert pool.num_used_blocks == 0 and pool.debug.check()
 
 
 def test_calibrated_scales_that_would_underflow_float32_become_one():
@@ -781,7 +781,7 @@ def test_low_precision_pools_generate_through_the_kvcore_attention(dtype):
                                          "'kvcore' only"):
         ref.generate(ids, attention_mask=mask, **_kw(ref, PagedCache(pool)), max_new_tokens=2)
     assert pool.num_used_blocks == used
-    pool.check()
+    pool.debug.check()
 
 
 def test_perplexity_benchmark_emulates_fp8_scales_faithfully():
@@ -844,7 +844,7 @@ def test_generate_reuses_a_shared_prefix_and_generated_tokens():
     assert torch.equal(out3, _dynamic(model_for("llama"), p3, torch.ones_like(p3),
                                       max_new_tokens=5, do_sample=False))
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_generate_batch_with_padding_never_caches_padding():
@@ -998,7 +998,7 @@ def test_out_of_blocks_leaves_the_pool_whole():
     with pytest.raises(kvcore.OutOfBlocksError):
         kvcore.hf.generate(model, ids, pool, max_new_tokens=2)
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------------ example

@@ -84,7 +84,7 @@ def test_a_cuda_pool_generates_what_dynamic_cache_does(device, attn, dtype, page
     else:   # 16-bit models: the same tokens on the first steps at least
         assert torch.equal(got[:, :ids.shape[1] + 2], want[:, :ids.shape[1] + 2])
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_the_kernels_run_on_torchs_current_stream(device):

@@ -149,7 +149,7 @@ def test_greedy_chat_prompts_match_dynamic_cache(smol, dtype):
     ids = _chat(tokenizer, _messages(PROMPTS[0]))
     assert "Paris" in tokenizer.decode(_dynamic(model, ids, **GREEDY)[0, ids.shape[1]:])
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_left_padded_batch_matches_dynamic_cache(smol):

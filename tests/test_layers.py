@@ -189,16 +189,15 @@ def test_attention_imports_no_backend_internals():
     assert not inside, f"kvcore/attention.py imports backend internals: {inside}"
 
 
-# a prefix tier reaches the pool only through its store interface
-# (BlockPool.take_evicted_blocks, export_blocks, ...) and a sequence through
-# its public members: no core, and no underscore field of a pool, a
-# sequence or their cores (comments and docstrings included: a docstring
-# naming a private field is a hint that somebody reads it)
+# a prefix tier never reaches into the pool or a sequence: no core, and no
+# underscore field of a pool, a sequence or their cores (comments and
+# docstrings included: a docstring naming a private field is a hint that
+# somebody reads it)
 _PRIVATE_REACH = re.compile(
     r"\b(?:pool|seq|sequence|core|binding|BlockPool|PagedKVCache|SeqCore|PoolCore)\._\w+"
     r"|\b(?!self\b)\w+\._(?:core|seq|table|salt|num_tokens|num_held|num_computed|hash_words"
-    r"|token_ids|adopt_loaded|take_held_spill|root_salts|salt_roots|storage|scales|backend"
-    r"|binding|stores|lock|export_blocks|import_blocks)\b")
+    r"|token_ids|adopt_loaded|take_held_records|root_salts|salt_roots|storage|scales|backend"
+    r"|binding|stores|lock|port|export_blocks|import_blocks)\b")
 
 
 def private_reaches(text):
@@ -216,6 +215,135 @@ def offending_files(paths, finder):
 def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
     offenders = offending_files(sorted((PKG / "stores").glob("*.py")), private_reaches)
     assert not offenders, f"kvcore/stores reaches into private fields: {offenders}"
+
+
+# The stores consume what the pool publishes and answer what it asks
+# (docs/stores.md, "The pool's store port"): they import nothing of the
+# pool's side and call nothing on a pool, a sequence or a port beyond the
+# port's record queue, handed to them once.
+STORES_MAY_IMPORT = ("kvcore.stores", "kvcore.stores.", "kvcore.backends", "kvcore._forksafe")
+# what a tier is given of the pool's port (its record queue and layout)
+PORT_GIVEN = {"listen", "layout", "block_size", "bytes_per_block"}
+_HOLDS_POOL_SIDE = re.compile(r"(?:^|[._])(?:pool|seq|sequence|binding|core)(?:\(\))?$")
+_HOLDS_PORT = re.compile(r"(?:^|[._])port$")
+
+
+def calls_up(source):
+    """``x.member`` uses, in code, where ``x`` holds a pool, a sequence, a
+    binding or a core (a name or attribute so called, or a weak reference's
+    call), or a store port beyond what a tier is given of it."""
+    found = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Attribute):
+            holder = ast.unparse(n.value)
+            if _HOLDS_POOL_SIDE.search(holder) or (_HOLDS_PORT.search(holder)
+                                                  and n.attr not in PORT_GIVEN):
+                found.add(f"{holder}.{n.attr}")
+    return sorted(found)
+
+
+def test_stores_never_call_back_into_the_pool():
+    files = sorted((PKG / "stores").glob("*.py"))
+    assert any(p.name == "_spill.py" for p in files)
+    bad_imports = {str(p.relative_to(ROOT)): sorted(
+        t for t in imports(p) if not any(t == r or (r.endswith(".") and t.startswith(r))
+                                         for r in STORES_MAY_IMPORT)) for p in files}
+    bad_imports = {k: v for k, v in bad_imports.items() if v}
+    assert not bad_imports, f"kvcore/stores imports the pool's side: {bad_imports}"
+    offenders = offending_files(files, calls_up)
+    assert not offenders, f"kvcore/stores calls into a pool or a sequence: {offenders}"
+
+
+@pytest.mark.parametrize("source, bad", [
+    ("blocks = pool.probe(tokens)", True),
+    ("seq.block_hashes()", True),
+    ("src_pool.import_blocks(ids, pays)", True),
+    ("port.export_blocks(ids)", True),
+    ("self._pool().copy_blocks_to(p, a, b)", True),
+    ("n = self.pool.num_blocks", True),
+    ("q = port.listen(self._wake)", False),
+    ("fp = port.layout['dtype']", False),
+    ("workers.submit(job)", False),
+    ("self.stats()", False),
+])
+def test_the_call_up_rule_can_fail(source, bad):
+    assert bool(calls_up(source)) is bad
+
+
+# ---------------------------------------------------------------- no import cycles
+def import_graph(paths):
+    """{module: the kvcore modules it imports}, module-level and
+    function-level imports alike, but not a module's import of one of its
+    own packages (``from . import X`` in a package's submodule: Python runs
+    the package before its submodules, so that edge never closes a loop at
+    import time, and the package is the submodule's own room)."""
+    graph = {}
+    for p in paths:
+        m = module_name(p)
+        graph[m] = {t for t in imports(p) if t != m and not m.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph):
+    """The strongly connected sets of more than one module (Tarjan)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """No loop of imports among kvcore's modules, module-level or inside a
+    function: data flows down (the pool publishes to its stores, a store
+    never calls back up), so nothing lower needs anything higher."""
+    found = cycles(import_graph(sources()))
+    assert not found, "import cycles among kvcore modules:\n" + "\n".join(
+        " -> ".join(c) for c in found)
+
+
+def test_the_cycle_check_can_fail(tmp_path):
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    # a function-level import counts (main 0e46776: attention -> pool ->
+    # stores._tiers -> paged -> attention, each upward edge inside a function)
+    pool = tmp_path / "pool.py"
+    pool.write_text("def f():\n    from .attention import x\n")
+    assert "kvcore.attention" in imports_of_text(pool)
+
+
+def imports_of_text(path):
+    """``imports`` of a file outside the tree, read as kvcore/pool.py."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found.add(_resolve("kvcore.pool", PKG / "pool.py", node.level, node.module))
+    return found
 
 
 @pytest.mark.parametrize("line, bad", [
@@ -400,7 +528,7 @@ def test_the_device_branch_rule_can_fail(tmp_path, source, n):
 # or X._core (a BlockPool's PoolCore), made by SeqCore()/PoolCore()/bind(),
 # or held in a name assigned from one of those.
 _CORE_ATTRS = ("_seq", "_core")
-_CORE_MAKERS = ("SeqCore", "PoolCore", "bind")
+_CORE_MAKERS = ("SeqCore", "PoolCore", "bind", "_sequence_core")
 
 
 def core_private_reads(source):

@@ -22,6 +22,7 @@ from kvcore.backends.base import (REFERENCE, fp8_decode, fp8_encode, int8_decode
 from kvcore.backends.cpu import _attention as _kernel
 from kvcore.backends.base import paged_attention_reference
 from kvcore.backends.codec import Codec
+from kvcore.pool import store_port
 
 try:
     from _simd_levels import level_fixture
@@ -399,7 +400,7 @@ def test_random_pool_runs_match_the_reference(dtype, seed):
             continue
         for seq, tokens in live:
             model.check_seq(seq, tokens)
-        pool.check()
+        pool.debug.check()
     assert hits > 0 or seed, "no prefix hit in the run"
 
 
@@ -422,19 +423,19 @@ def test_scales_follow_blocks_within_a_pool_copy(dtype):
 def test_export_import_blocks_round_trip(dtype):
     tokens = list(range(3, 13))
     pool, model, seq = filled_pool(dtype, tokens)
-    payloads = pool.export_blocks(seq.block_table)
+    payloads = store_port(pool).export_blocks(seq.block_table)
     assert all(p.nbytes == pool.bytes_per_block for p in payloads)
     other = pool_of(dtype)
     ids = np.array([7, 2, 9], np.int32)
     seeds = [11, 12, 13]
-    digests = other.import_blocks(ids, payloads, seeds=seeds)
+    digests = store_port(other).import_blocks(ids, payloads, seeds=seeds)
     from kvcore.backends.cpu import _checksum
     assert digests == [_checksum.xxh3_64(p, s) for p, s in zip(payloads, seeds)]
     model.check_blocks(other, ids, tokens, len(tokens))
     with pytest.raises(ValueError, match="payloads"):
-        other.import_blocks(ids[:2], payloads)
+        store_port(other).import_blocks(ids[:2], payloads)
     with pytest.raises(ValueError, match="payloads"):
-        other.import_blocks(ids[:1], [payloads[0][:-4]])
+        store_port(other).import_blocks(ids[:1], [payloads[0][:-4]])
 
 
 @pytest.mark.parametrize("dtype", LOWPREC)
@@ -940,7 +941,7 @@ def test_prefix_store_entry_with_a_corrupt_int8_scale_is_a_miss(tmp_path):
     a.commit(len(tokens))
     second = a.block_table[1]
     want = a.gather(0, 0, 8, dtype="float32")
-    payload = a_pool.export_blocks([second])[0].tobytes()
+    payload = store_port(a_pool).export_blocks([second])[0].tobytes()
     a.free()
     a_pool.flush_to_stores()
     files = [p for p in tmp_path.rglob("*.kve") if payload in p.read_bytes()]
@@ -957,7 +958,7 @@ def test_prefix_store_entry_with_a_corrupt_int8_scale_is_a_miss(tmp_path):
     for got, exp in zip(b.gather(0, 0, 8, dtype="float32"), want):
         np.testing.assert_array_equal(got, exp)
     b.free()
-    b_pool.check()
+    b_pool.debug.check()
 
 
 def test_int8_row_whose_scale_underflows_is_stored_exactly(simd_level):

@@ -42,8 +42,8 @@ def test_copy_to_another_pool_keeps_kv_tokens_and_state(dtype):
     seq.free()
     twin.free()
     again.free()
-    src.check()
-    host.check()
+    src.debug.check()
+    host.debug.check()
     assert host.num_used_blocks == 0 and src.num_used_blocks == 0
 
 
@@ -56,7 +56,7 @@ def test_copy_to_short_pool_raises_and_changes_nothing():
     with pytest.raises(kvcore.OutOfBlocksError, match="3 blocks"):
         seq.copy_to(small)
     assert small.stats() == before
-    small.check()
+    small.debug.check()
 
 
 def test_copy_to_rejects_other_geometry():
@@ -168,11 +168,11 @@ def test_probe_predicts_allocate_and_changes_nothing():
         a.append(layer, np.ones((9, 1, 4), np.float32), np.ones((9, 1, 4), np.float32))
     a.commit(9)
     a.free()  # blocks 0 and 1 stay cached, nobody holds them
-    before = (pool.stats(), pool.debug_snapshot()["lru_order"])
+    before = (pool.stats(), pool.debug.snapshot()["lru_order"])
     p = pool.probe(t + [3])
     assert p == {"hit_tokens": 8, "blocks_total": 3, "blocks_needed": 3}
     assert pool.probe(t, salt="x")["hit_tokens"] == 0
-    assert (pool.stats(), pool.debug_snapshot()["lru_order"]) == before
+    assert (pool.stats(), pool.debug.snapshot()["lru_order"]) == before
     b = kvcore.PagedKVCache(pool)
     assert b.allocate(t + [3]) == p["hit_tokens"]
     assert pool.num_free_blocks == 6 - p["blocks_needed"]

@@ -41,7 +41,7 @@ def assert_unchanged(pool, psnap, seqs=(), ssnaps=()):
     assert pool_snapshot(pool) == psnap
     for s, snap in zip(seqs, ssnaps):
         assert seq_snapshot(s) == snap
-    pool.check()
+    pool.debug.check()
 
 
 class Writer:
@@ -118,7 +118,7 @@ def test_prompt_then_decode_round_trip(caching):
     np.testing.assert_array_equal(pool.key_cache(1)[b, :, 1, :], w.k[1][:, 9, :])
     seq.free()
     assert pool.num_free_blocks == pool.num_blocks
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
@@ -257,7 +257,7 @@ def test_reserve_slot_mapping_and_pool_write_for_a_batch():
     assert s.slot_mapping(s.capacity, s.capacity).shape == (0,)
     for s in seqs:
         s.free()
-    pool.check()
+    pool.debug.check()
     assert pool.num_free_blocks == 24
 
 
@@ -343,7 +343,7 @@ def test_out_of_blocks_for_copy_on_write_changes_nothing():
     wc.verify()
     a.free()
     c.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_max_seq_len():
@@ -425,7 +425,7 @@ def test_free_is_idempotent_and_returns_blocks():
     seq.free()
     seq.free()
     assert pool_snapshot(pool) == snap
-    pool.check()
+    pool.debug.check()
     # a freed sequence is closed: it cannot take blocks again
     assert seq.closed
     with pytest.raises(ValueError, match="freed"):
@@ -444,7 +444,7 @@ def test_context_manager_frees_on_exit_even_on_error():
             seq.allocate([1])
             raise RuntimeError
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_dropped_sequence_returns_its_blocks():
@@ -490,7 +490,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     wb.verify()
     b.free()
     assert pool.num_free_blocks == 8
-    pool.check()
+    pool.debug.check()
 
 
 def test_truncate():
@@ -514,7 +514,7 @@ def test_truncate():
     with pytest.raises(TypeError, match="^n "):
         seq.truncate(1.0)
     seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_truncate_limit_counts_written_positions():

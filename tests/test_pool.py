@@ -44,7 +44,7 @@ def awkward(shape, seed, nan=True):
 
 def assert_same_pool(pool, snap):
     assert pool_snapshot(pool) == snap
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------------ geometry
@@ -81,7 +81,7 @@ def test_geometry_and_views(dtype, name):
     for i, a in enumerate(views):
         for b in views[i + 1:]:
             assert not np.shares_memory(a, b)
-    pool.check()
+    pool.debug.check()
 
 
 def test_default_dtype_is_float16_and_caching_on():
@@ -413,11 +413,11 @@ def test_ref_count_zero_one_zero_and_double_free():
     (b,) = seq.block_table
     assert pool.ref_count(b) == 1
     assert pool.num_used_blocks == 1 and pool.num_free_blocks == 2
-    pool.check()
+    pool.debug.check()
     seq.free()
     assert pool.ref_count(b) == 0
     assert pool.num_used_blocks == 0 and pool.num_free_blocks == 3
-    pool.check()
+    pool.debug.check()
     snap = pool_snapshot(pool)
     seq.free()                      # double free: nothing more is released
     assert_same_pool(pool, snap)
@@ -432,7 +432,7 @@ def test_pool_exactly_full():
     b = kvcore.PagedKVCache(pool)
     assert b.allocate(list(range(100, 100 + 3 * bs))) == 0   # exactly the 3 left
     assert pool.num_free_blocks == 0 and pool.num_used_blocks == 5
-    pool.check()
+    pool.debug.check()
     c = kvcore.PagedKVCache(pool)
     snap = pool_snapshot(pool)
     with pytest.raises(kvcore.OutOfBlocksError):
@@ -450,7 +450,7 @@ def test_pool_exactly_full():
     for s in (a, b, c):
         s.free()
     assert pool.num_free_blocks == 5 and pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_allocation_needing_all_free_blocks_plus_one_fails():

@@ -8,7 +8,7 @@ real model's, so every read, every prefix hit and every cached block can be
 checked against the values it must hold.  After every step:
 
 * each block's reference count equals the number of live sequences holding it;
-* num_free + num_used == num_blocks, and ``pool.check()`` passes;
+* num_free + num_used == num_blocks, and ``pool.debug.check()`` passes;
 * every sequence reads back exactly the KV it wrote or inherited;
 * every cached block holds the KV of the prefix its hash names.
 """
@@ -150,7 +150,7 @@ class PoolMachine(RuleBasedStateMachine):
             if h not in cached:
                 break
             want_hit += 1
-        uncached_free = self.pool.debug_snapshot()["num_uncached_free"]
+        uncached_free = self.pool.debug.snapshot()["num_uncached_free"]
         before = self.snapshot()
         try:
             hit = seq.allocate(prompt)
@@ -323,7 +323,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.assert_unchanged(before)
         else:
             assert self.pool.num_cached_blocks == 0
-            assert self.pool.debug_snapshot()["lru_order"] == []
+            assert self.pool.debug.snapshot()["lru_order"] == []
 
     # -------------------------------------------------------------- invariants
     @invariant()
@@ -341,13 +341,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.num_cached_blocks == len(cached)
         if not self.caching:
             assert not cached
-        lru = pool.debug_snapshot()["lru_order"]
+        lru = pool.debug.snapshot()["lru_order"]
         assert all(pool.is_cached(b) and refs[b] == 0 for b in lru)
         assert sorted(lru) == [b for b in cached if refs[b] == 0]
         s = pool.stats()
         assert (s["num_free_blocks"], s["num_used_blocks"], s["num_cached_blocks"]) == \
             (pool.num_free_blocks, pool.num_used_blocks, pool.num_cached_blocks)
-        assert pool.check()
+        assert pool.debug.check()
 
     @invariant()
     def every_sequence_reads_back_its_kv(self):
@@ -375,9 +375,9 @@ class PoolMachine(RuleBasedStateMachine):
         for b in range(pool.num_blocks):
             if not pool.is_cached(b):
                 continue
-            lo, hi = pool.debug_cached_block(b)[1]
+            lo, hi = pool.debug.cached_block(b)[1]
             salt, prefix = self.prefixes[lo.to_bytes(8, "little") + hi.to_bytes(8, "little")]
-            assert pool.debug_cached_block(b)[0].tolist() == list(prefix[-bs:])
+            assert pool.debug.cached_block(b)[0].tolist() == list(prefix[-bs:])
             start = len(prefix) - bs
             for off in range(bs):
                 kv = kv_value(salt, prefix[:start + off + 1])
@@ -392,7 +392,7 @@ class PoolMachine(RuleBasedStateMachine):
             m.seq.free()
         if hasattr(self, "pool"):
             assert self.pool.num_free_blocks == self.pool.num_blocks
-            self.pool.check()
+            self.pool.debug.check()
 
 
 PoolMachine.TestCase.settings = settings(

@@ -73,7 +73,7 @@ def test_a_fork_that_evicts_spills_the_original_kv_first(how):
     run(pool, np.arange(2000, 2000 + 6 * 4, dtype=np.int32))
     pool.reset_prefix_cache()
     check_hit(pool, np.concatenate([prompt, [1]]), 2)
-    pool.check()
+    pool.debug.check()
 
 
 def test_a_fork_of_a_fork_spills_too():
@@ -144,7 +144,7 @@ def test_beam_search_with_a_host_store_matches_dynamic_cache():
         assert torch.equal(kvcore.hf.generate(model, ids, pool, **kw), want)
     assert pool.stats()["stores"][0]["hits"] > 0
     assert pool.num_used_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------ item 12: probe's promise
@@ -170,7 +170,7 @@ def test_allocate_finds_the_store_hit_probe_promised():
     seq.free()
     # the evicted block was spilled after the lookup, not lost
     assert pool.stats()["stores"][0]["puts"] == 3
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------ item 10: a failed allocate
@@ -201,7 +201,7 @@ def test_allocate_failing_on_a_store_warning_changes_nothing():
     pool.reset_prefix_cache()
     store.corrupt = True
     before = pool.stats()
-    snap = pool.debug_snapshot()
+    snap = pool.debug.snapshot()
     seq = kvcore.PagedKVCache(pool)
     with warnings.catch_warnings():
         warnings.simplefilter("error", kvcore.StoreWarning)
@@ -211,7 +211,7 @@ def test_allocate_failing_on_a_store_warning_changes_nothing():
     assert _without_store_stats(after) == _without_store_stats(before)
     assert after["stores"][0]["hits"] == before["stores"][0]["hits"] == 0
     assert pool.num_cached_blocks == 0
-    assert pool.debug_snapshot()["lru_order"] == snap["lru_order"]
+    assert pool.debug.snapshot()["lru_order"] == snap["lru_order"]
     assert (seq.num_blocks, seq.num_tokens, seq.num_computed) == (0, 0, 0)
     # the sequence is new again: the same call now works (warned once already)
     with warnings.catch_warnings():
@@ -220,7 +220,7 @@ def test_allocate_failing_on_a_store_warning_changes_nothing():
     assert pool.stats()["prefix_queries"] == before["prefix_queries"] + 13
     assert pool.stats()["prefix_hits"] == before["prefix_hits"] + 4
     seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------ item 11: copy_to
@@ -240,7 +240,7 @@ def test_failed_copy_to_leaves_no_salt_in_the_destination(why):
         assert dst.stats()["num_salts"] == 0
     else:
         raise AssertionError("copy_to did not fail")
-    dst.check()
+    dst.debug.check()
     seq.free()
 
 
@@ -284,7 +284,7 @@ def test_copy_blocks_to_over_a_cached_block_never_hands_back_the_new_kv(with_sto
     other.copy_blocks_to(pool, [0, 1], cached)          # overwrite both in place
     assert pool.num_cached_blocks == 0
     assert pool.stats()["evictions"] == 2
-    pool.check()
+    pool.debug.check()
     # a miss without a store; with one, the original KV comes back from it
     check_hit(pool, np.concatenate([prompt, [1]]), 2 if with_store else 0)
 
@@ -337,7 +337,7 @@ def test_a_full_spill_queue_drops_the_oldest_spills_counts_them_and_stays_correc
         check_hit(pool, p, hit)             # whatever is found is bit exact
         found += hit
     assert 0 < found < 2 * len(prompts)     # some spills were dropped, others kept
-    pool.check()
+    pool.debug.check()
 
 
 def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
@@ -365,7 +365,7 @@ def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
     t.join(30)
     assert done == [None]
     assert took < 5, took                   # (it would wait for the gate: 30 s)
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
@@ -404,7 +404,7 @@ def test_a_forked_child_writes_the_spills_queued_at_the_fork(tmp_path):
         gate.set()
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     assert pool.wait_spills(20)
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
@@ -439,4 +439,4 @@ def test_a_forked_child_drains_its_own_spills(tmp_path):
             pytest.fail("the forked child hung")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    pool.check()
+    pool.debug.check()

@@ -163,7 +163,7 @@ def test_threads_share_one_pool(fast_switching):
     total = {k: sum(c[k] for c in counters) for k in counters[0]}
     assert total["done"] > THREADS * SEQS_PER_THREAD // 4
     assert total["hit_tokens"] > 0 and total["forks"] > 0
-    pool.check()
+    pool.debug.check()
     assert pool.num_free_blocks == pool.num_blocks
     assert pool.num_used_blocks == 0
     assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
@@ -204,7 +204,7 @@ def test_threads_allocate_and_free_the_last_blocks():
     if errors:
         raise errors[0]
     assert sum(got) > 0
-    pool.check()
+    pool.debug.check()
     assert pool.num_free_blocks == 6
 
 

@@ -58,7 +58,7 @@ def test_prefetch_then_allocate_hits_without_store_io_on_the_allocating_thread()
     check_hit(pool, PROMPT, 10)                 # bit exact, from the pool's cache
     assert store.calls == []                    # no store I/O by this thread
     assert pool.stats()["stores"][0]["hits"] == 10
-    pool.check()
+    pool.debug.check()
 
 
 def test_a_never_used_prefetch_leaves_its_blocks_cached_and_evictable():
@@ -70,7 +70,7 @@ def test_a_never_used_prefetch_leaves_its_blocks_cached_and_evictable():
     seq = kvcore.PagedKVCache(pool)
     seq.allocate(np.arange(500, 500 + 16 * 4, dtype=np.int32))   # takes them all
     seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_allocate_during_a_prefetch_takes_what_arrived_and_loads_the_rest():
@@ -88,7 +88,7 @@ def test_allocate_during_a_prefetch_takes_what_arrived_and_loads_the_rest():
     assert got == [None]
     assert h.wait(30)
     assert h.cancelled()        # the allocate overtook it: no second load of the same blocks
-    pool.check()
+    pool.debug.check()
     assert pool.num_used_blocks == 0
 
 
@@ -100,7 +100,7 @@ def test_an_allocate_of_another_prompt_leaves_a_running_prefetch_alone():
     run(pool, np.arange(300, 341, dtype=np.int32))   # (its lookup finds nothing)
     store.gate.set()
     assert h.wait(30) and not h.cancelled() and h.blocks_ready == 10
-    pool.check()
+    pool.debug.check()
 
 
 def test_cancel_mid_load_is_safe_and_leaves_a_consistent_pool():
@@ -113,7 +113,7 @@ def test_cancel_mid_load_is_safe_and_leaves_a_consistent_pool():
     assert h.wait(30)
     assert h.cancel() is False                  # idempotent, already done
     assert h.blocks_ready <= 10
-    pool.check()
+    pool.debug.check()
     assert pool.num_used_blocks == 0
     check_hit(pool, PROMPT, 10)                 # the rest still loads, bit exact
 
@@ -127,7 +127,7 @@ def test_cancel_before_it_starts_never_runs():
     assert second.cancel() is True and second.done() and second.blocks_ready == 0
     store.gate.set()
     assert first.wait(30)
-    pool.check()
+    pool.debug.check()
 
 
 def test_prefetch_of_an_unknown_prompt_loads_nothing():
@@ -143,7 +143,7 @@ def test_prefetch_counts_the_pools_own_hit():
     run(pool, PROMPT)                           # cached in the pool, not in the store
     h = pool.prefetch(PROMPT)
     assert h.wait(30) and h.blocks_ready == 10
-    pool.check()
+    pool.debug.check()
 
 
 def test_prefetch_on_a_full_pool_gives_up_cleanly():
@@ -156,7 +156,7 @@ def test_prefetch_on_a_full_pool_gives_up_cleanly():
     assert pool.num_free_blocks == 0
     h = pool.prefetch(PROMPT)
     assert h.wait(30) and h.blocks_ready == 0
-    pool.check()
+    pool.debug.check()
     for s in holders:
         s.free()
     assert pool.num_used_blocks == 0
@@ -170,12 +170,12 @@ def test_close_with_a_prefetch_in_flight():
     threading.Timer(0.2, store.gate.set).start()
     pool.close()                                # cancels it, waits for the worker
     assert h.done() and h.cancelled()
-    pool.check()
+    pool.debug.check()
     assert pool.num_used_blocks == 0
     pool.close()                                # idempotent
     h2 = pool.prefetch(PROMPT)                  # the pool stays usable
     assert h2.wait(30)
-    pool.check()
+    pool.debug.check()
 
 
 def test_prefetch_with_allocate_and_free_from_other_threads():
@@ -197,7 +197,7 @@ def test_prefetch_with_allocate_and_free_from_other_threads():
         t.join(60)
     assert all(h.wait(30) for h in handles)
     assert not errors
-    pool.check()
+    pool.debug.check()
     check_hit(pool, PROMPT, 10)
     assert pool.num_used_blocks == 0
 
@@ -251,7 +251,7 @@ def test_a_failing_store_during_prefetch_is_a_warned_miss():
     assert h.wait(30) and h.blocks_ready == 0
     with pytest.warns(kvcore.StoreWarning, match="timeout"):
         pool.probe(PROMPT)          # the worker's warning reaches the next caller
-    pool.check()
+    pool.debug.check()
 
 
 def test_prefetch_from_redis(tmp_path):

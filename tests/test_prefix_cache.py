@@ -101,7 +101,7 @@ def free_and_check(pool, *seqs):
     """Free ``seqs`` in order, then check the whole pool (how a test ends)."""
     for seq in seqs:
         seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 def snapshot(pool):
@@ -140,7 +140,7 @@ def test_hit_returns_the_cached_kv_and_counts_tokens():
     assert b.block_hashes() == kvcore.block_hashes(tb, 4)
     for i, blk in enumerate(a.block_table[:2]):
         assert cached_hash_bytes(pool, blk) == kvcore.block_hashes(ta, 4)[i]
-        assert pool.debug_cached_block(blk)[0].tolist() == ta[4 * i:4 * i + 4]
+        assert pool.debug.cached_block(blk)[0].tolist() == ta[4 * i:4 * i + 4]
     free_and_check(pool, a, b)
 
 
@@ -156,7 +156,7 @@ def test_caching_disabled_never_hits_or_caches():
     a.free()
     b.free()
     assert pool.num_cached_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_only_full_committed_blocks_with_known_tokens_are_cached():
@@ -175,7 +175,7 @@ def test_only_full_committed_blocks_with_known_tokens_are_cached():
     assert pool.num_cached_blocks == 1          # block 1 (positions 4..6) is partial
     a.free()
     assert pool.num_cached_blocks == 1
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------------ allocation order
@@ -203,7 +203,7 @@ def test_never_cached_blocks_are_used_before_any_eviction():
     assert pool.num_cached_blocks == 2
     for x in others + [s]:
         x.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_released_uncached_blocks_are_reused_last_in_first_out():
@@ -225,18 +225,18 @@ def test_tail_of_a_released_prefix_is_evicted_before_its_head():
     b0, b1, b2 = (int(x) for x in a.block_table[:3])
     a.free()
     # released tail first: the tail is next to evict, the head last
-    assert pool.debug_snapshot()["lru_order"] == [b2, b1, b0]
+    assert pool.debug.snapshot()["lru_order"] == [b2, b1, b0]
     # use the two never-cached blocks (a's partial tail and block 4), then
     # force two evictions
     x = kvcore.PagedKVCache(pool)
     x.allocate(prompt(300, 5))
     assert pool.stats()["evictions"] == 0
-    assert pool.debug_snapshot()["lru_order"] == [b2, b1, b0]
+    assert pool.debug.snapshot()["lru_order"] == [b2, b1, b0]
     y = kvcore.PagedKVCache(pool)
     y.allocate(prompt(500, 5))            # 2 blocks: evicts b2 then b1
     assert sorted(y.block_table.tolist()) == sorted([b2, b1])
     assert pool.stats()["evictions"] == 2
-    assert pool.debug_snapshot()["lru_order"] == [b0]
+    assert pool.debug.snapshot()["lru_order"] == [b0]
     assert pool.is_cached(b0) and not pool.is_cached(b1) and not pool.is_cached(b2)
     x.free()
     y.free()
@@ -258,14 +258,14 @@ def test_least_recently_released_is_evicted_first():
     blk_a, blk_b = int(a.block_table[0]), int(b.block_table[0])
     b.free()
     a.free()                                # a released last: evicted last
-    assert pool.debug_snapshot()["lru_order"] == [blk_b, blk_a]
+    assert pool.debug.snapshot()["lru_order"] == [blk_b, blk_a]
     # a hit takes a block off the LRU; releasing it puts it at the end again
     c = kvcore.PagedKVCache(pool)
     assert c.allocate(tb + [7]) == 2
-    assert pool.debug_snapshot()["lru_order"] == [blk_a]
+    assert pool.debug.snapshot()["lru_order"] == [blk_a]
     c.free()
-    assert pool.debug_snapshot()["lru_order"] == [blk_a, blk_b]
-    pool.check()
+    assert pool.debug.snapshot()["lru_order"] == [blk_a, blk_b]
+    pool.debug.check()
 
 
 def test_a_held_cached_block_is_never_evicted():
@@ -300,7 +300,7 @@ def test_failed_allocation_changes_nothing():
     with pytest.raises(kvcore.OutOfBlocksError):
         b.allocate(ta + prompt(5000, 9))      # hits 3, needs 3 more; only 1 other free
     assert snapshot(pool) == snap
-    pool.check()
+    pool.debug.check()
     assert b.num_tokens == 0 and b.num_blocks == 0 and b.num_computed == 0
     with pytest.raises(kvcore.OutOfBlocksError):
         b.allocate(prompt(7000, 17))          # no hits, 5 blocks, 4 free
@@ -326,16 +326,16 @@ def test_reset_prefix_cache():
     keep.free()
     assert pool.reset_prefix_cache() is True
     assert pool.num_cached_blocks == 0
-    assert pool.debug_snapshot()["lru_order"] == []
+    assert pool.debug.snapshot()["lru_order"] == []
     assert pool.num_free_blocks == 6 and pool.num_used_blocks == 0
     assert not any(pool.is_cached(b) for b in range(6))
     assert pool.stats()["evictions"] == 0
-    pool.check()
+    pool.debug.check()
     b = kvcore.PagedKVCache(pool)
     assert b.allocate(t) == 0
     b.free()
     assert pool.reset_prefix_cache() is True        # nothing cached: still True
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------------ salts
@@ -372,7 +372,7 @@ def test_salt_isolation():
         kvcore.block_hashes(t, 4, salt=3)
     for s in seqs.values():
         s.free()
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------------ hashes

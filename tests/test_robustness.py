@@ -39,7 +39,7 @@ def test_reinitialising_a_live_sequence_releases_its_blocks():
     assert pool.num_used_blocks == 4
     s.__init__(pool)
     assert pool.num_used_blocks == 0 and s.num_blocks == 0
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.parametrize("dt", [">i8", "<i8", ">i4", "<u2"])
@@ -98,4 +98,4 @@ def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root(make_pool):
     assert pool.stats()["num_salts"] == 2
     live.free()
     other.free()
-    pool.check()
+    pool.debug.check()

@@ -81,7 +81,7 @@ def test_commit_of_unwritten_positions_raises_and_never_exposes_stale_kv(caching
         k, v = b.gather(layer)
         assert (k == 100.0 + layer).all() and (v == -100.0 - layer).all()
     b.free()
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.parametrize("salt", [None, "s"])
@@ -125,7 +125,7 @@ def test_commit_rejects_some_layers_or_some_positions_written(salt):
     seq.commit(13)
     assert seq.num_computed == 13
     seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.parametrize("salts", [(None, None), ("x", "y"), ("x", "x")])
@@ -152,7 +152,7 @@ def test_unwritten_blocks_never_enter_the_prefix_cache(salts):
     assert c.allocate(prompt) == 0              # no hit on junk
     assert pool.stats()["prefix_hits"] == 0
     c.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_bookkeeping_benchmark_declares_what_it_commits():
@@ -282,7 +282,7 @@ def test_calls_before_allocate_raise_and_take_nothing(call):
     assert pool.num_used_blocks == 0
     assert seq.allocate(list(range(5))) == 0    # still usable
     seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.parametrize("call", sorted(_LIVE_ONLY) + ["allocate", "fork", "copy_to",
@@ -326,7 +326,7 @@ def test_a_closed_sequence_answers_its_properties_and_free_again():
     seq.__init__(pool)
     assert not seq.closed and seq.allocate([1, 2]) == 0
     seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_fork_copy_to_and_with_keep_the_lifecycle():
@@ -354,8 +354,8 @@ def test_fork_copy_to_and_with_keep_the_lifecycle():
     with pytest.raises(ValueError, match="freed"):
         seq.append(0, kv(1, 1.0), kv(1, 1.0))
     assert pool.num_used_blocks == 0 and host.num_used_blocks == 0
-    pool.check()
-    host.check()
+    pool.debug.check()
+    host.debug.check()
 
 
 def test_append_after_free_takes_no_block():
@@ -394,7 +394,7 @@ def test_salts_are_forgotten_once_nothing_refers_to_them():
     assert pool.stats()["num_salts"] == base + 1      # the fork still holds it
     held[-1].free()
     assert pool.stats()["num_salts"] == base
-    pool.check()
+    pool.debug.check()
 
 
 def test_salt_table_memory_returns_to_its_baseline():
@@ -447,7 +447,7 @@ def test_cached_blocks_keep_their_salt_until_evicted():
     x.free()
     assert pool.reset_prefix_cache()
     assert pool.stats()["num_salts"] == 0
-    pool.check()
+    pool.debug.check()
 
 
 def _kv_of(salt, tokens, p):
@@ -500,7 +500,7 @@ def test_a_salt_never_hits_another_salts_blocks_while_roots_come_and_go():
     assert hits > 100
     assert pool.reset_prefix_cache()
     assert pool.stats()["num_salts"] == 0
-    pool.check()
+    pool.debug.check()
 
 
 def test_salt_root_ids_are_not_reused():

@@ -93,7 +93,7 @@ def test_a_failed_op_asks_the_core_once_and_changes_nothing(seq, call, exc, op, 
         call(seq)
     assert seq._seq.calls[op] == calls
     assert state(seq) == before
-    seq.pool.check()
+    seq.pool.debug.check()
 
 
 def test_append_token_past_max_seq_len_asks_once(seq):

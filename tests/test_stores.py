@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvcore
+from kvcore.pool import store_port
 from kvcore.stores import _format
 
 from _cuda_env import cuda_backend_or_skip
@@ -40,7 +41,7 @@ def test_host_store_keeps_evicted_blocks_and_hits_them_bit_exact():
     assert st["prefix_hits"] - before == 16
     assert st["stores"][0]["hits"] == 4 and st["stores"][0]["hit_tokens"] == 16
     assert st["stores"][0]["bytes_out"] == 4 * entry_bytes(pool)
-    pool.check()
+    pool.debug.check()
 
 
 def test_store_hit_extends_the_pools_own_hit_and_enters_the_prefix_cache():
@@ -68,11 +69,11 @@ def test_probe_counts_store_blocks_and_changes_nothing():
     pool = make_pool(stores=[kvcore.HostStore(1 << 20)])
     run(pool, PROMPT)
     flush_pool(pool)
-    snap = pool.debug_snapshot()
+    snap = pool.debug.snapshot()
     p = pool.probe(PROMPT)
     assert p["hit_tokens"] == 16 and p["store_hit_tokens"] == 16
     assert p["blocks_needed"] == 5       # store hits are loaded into fresh blocks
-    assert pool.debug_snapshot() == snap
+    assert pool.debug.snapshot() == snap
     assert pool.probe(PROMPT, salt="other")["hit_tokens"] == 0
 
 
@@ -90,7 +91,7 @@ def test_host_restore_keeps_the_blocks_before_a_corrupt_payload_bit_exact():
         check_hit(pool, PROMPT, 2)
     st = pool.stats()["stores"][0]
     assert st["hits"] == 2 and st["rejected"] == 1
-    pool.check()
+    pool.debug.check()
 
 
 def test_host_store_capacity_spills_lru_into_the_next_store(tmp_path):
@@ -148,7 +149,8 @@ def test_disk_store_capacity_is_honoured_across_instances(tmp_path):
         flush_pool(pa)
         flush_pool(pb)
         assert a.used_bytes() <= cap
-    assert len(a) == 6
+    # a trim frees room down to the low watermark (5.4 entries here), no further
+    assert len(a) in (5, 6)
 
 
 @pytest.mark.parametrize("where", ["payload", "tokens", "header", "truncate"])
@@ -185,7 +187,7 @@ def test_corrupt_entry_on_disk_is_a_miss_with_one_warning(tmp_path, where):
         seq = kvcore.PagedKVCache(pool)
         assert seq.allocate(PROMPT) == 4 * broken
         seq.free()
-    pool.check()
+    pool.debug.check()
 
 
 def test_fingerprint_mismatch_is_a_miss_with_a_warning(tmp_path):
@@ -339,8 +341,8 @@ def test_store_faults_degrade_to_misses_with_one_warning(exc, condition, fail):
     assert len(record) == 1
     assert pool.stats()["stores"][0]["failures"] >= 1
     # the pool's own state is what a pool without stores has
-    assert plain.debug_snapshot() == snapshot_without_stores(pool)
-    pool.check()
+    assert plain.debug.snapshot() == snapshot_without_stores(pool)
+    pool.debug.check()
 
 
 def test_broken_store_does_not_turn_out_of_blocks_into_anything_else():
@@ -348,7 +350,7 @@ def test_broken_store_does_not_turn_out_of_blocks_into_anything_else():
                                                         ("contains", "get", "put"))])
     with pytest.raises(kvcore.OutOfBlocksError):
         kvcore.PagedKVCache(pool).allocate(np.arange(40, dtype=np.int32))
-    pool.check()
+    pool.debug.check()
 
 
 def test_entry_gone_between_contains_and_get_shortens_the_hit():
@@ -369,7 +371,7 @@ def test_entry_gone_between_contains_and_get_shortens_the_hit():
     assert pool.stats()["stores"][0]["hits"] == 2
     seq.free()
     assert pool.num_free_blocks == snap_free
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------ arguments
@@ -401,9 +403,9 @@ def test_bad_arguments():
 def test_import_blocks_checks_sizes_before_writing():
     pool = make_pool()
     before = pool.storage.copy()
-    good = pool.export_blocks([0])[0]
+    good = store_port(pool).export_blocks([0])[0]
     with pytest.raises(ValueError, match=r"payloads\[1\] must hold"):
-        pool.import_blocks([1, 2], [good, good[:-1]])
+        store_port(pool).import_blocks([1, 2], [good, good[:-1]])
     assert np.array_equal(pool.storage, before)
 
 
@@ -412,9 +414,9 @@ def test_export_import_round_trip_every_dtype():
         pool = make_pool(dtype=dtype)
         rng = np.random.default_rng(1)
         pool.storage[...] = rng.integers(0, 2**15, pool.storage.shape).astype(pool.storage.dtype)
-        payloads = pool.export_blocks([3, 5])
+        payloads = store_port(pool).export_blocks([3, 5])
         assert all(p.nbytes == pool.bytes_per_block for p in payloads)
-        pool.import_blocks([0, 1], payloads)
+        store_port(pool).import_blocks([0, 1], payloads)
         assert np.array_equal(pool.storage[:, 0], pool.storage[:, 3])
         assert np.array_equal(pool.storage[:, 1], pool.storage[:, 5])
 
@@ -453,9 +455,9 @@ def test_flush_to_stores_keeps_the_cache_and_writes_every_cached_block(tmp_path)
     pool = make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)])
     assert pool.flush_to_stores() == 0
     run(pool, PROMPT)
-    snap = pool.debug_snapshot()
+    snap = pool.debug.snapshot()
     assert pool.flush_to_stores() == 4
-    after = pool.debug_snapshot()
+    after = pool.debug.snapshot()
     after["stats"].pop("stores"), snap["stats"].pop("stores")
     assert after == snap
     other = make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)])
@@ -478,20 +480,20 @@ def test_wait_spills_waits_for_the_queued_spills_and_changes_nothing(tmp_path):
     seq = kvcore.PagedKVCache(pool)       # fresh tokens evict the prompt's 4 blocks
     seq.allocate(np.arange(10**6, 10**6 + pool.num_blocks * pool.block_size, dtype=np.int32))
     seq.free()
-    snap = pool.debug_snapshot()
+    snap = pool.debug.snapshot()
     assert pool.wait_spills(timeout=0.05) is False        # the worker's put is held
     assert len(disk) == 0 and pool.stats()["stores"][0]["puts"] == 0
     gate.set()
     assert pool.wait_spills(float("inf")) is True     # (inf: no limit, as None)
     assert len(disk) == 4 and pool.stats()["stores"][0]["puts"] == 4
-    after = pool.debug_snapshot()
+    after = pool.debug.snapshot()
     after["stats"].pop("stores"), snap["stats"].pop("stores")
     assert after == snap                  # (only the stores' counters moved)
     check_hit(pool, PROMPT, 4)
     assert make_pool().wait_spills() is True
 
 
-@pytest.mark.parametrize("method", ["wait_spills", "flush_to_stores"])
+@pytest.mark.parametrize("method", ["wait_spills", "flush_to_stores", "close"])
 @pytest.mark.parametrize("timeout, error, words", [
     ("1", TypeError, "timeout must be None or a number of seconds, got str"),
     (True, TypeError, "got bool"),
@@ -501,10 +503,10 @@ def test_wait_spills_waits_for_the_queued_spills_and_changes_nothing(tmp_path):
 def test_store_waits_refuse_a_bad_timeout_by_name(tmp_path, method, timeout, error, words):
     for pool in (make_pool(stores=[kvcore.DiskStore(tmp_path, 1 << 22)]), make_pool()):
         run(pool, PROMPT)
-        snap = pool.debug_snapshot()
+        snap = pool.debug.snapshot()
         with pytest.raises(error, match=words):
             getattr(pool, method)(timeout)
-        assert pool.debug_snapshot() == snap
+        assert pool.debug.snapshot() == snap
 
 
 def test_a_store_returning_garbage_types_is_a_miss_not_an_exception():
@@ -527,5 +529,5 @@ def test_a_store_returning_garbage_types_is_a_miss_not_an_exception():
         seq = kvcore.PagedKVCache(pool)
         assert seq.allocate(PROMPT) == 0
         seq.free()
-    pool.check()
+    pool.debug.check()
     assert pool.num_free_blocks == pool.num_blocks

@@ -70,7 +70,7 @@ def test_redis_killed_mid_run_then_restarted(server):
             time.sleep(0.25)          # past the retry interval: the store is tried again
     assert len(record) == 1
     assert pool.stats()["stores"][0]["failures"] >= 2
-    assert plain.debug_snapshot() == snapshot_without_stores(pool)
+    assert plain.debug.snapshot() == snapshot_without_stores(pool)
     # the server comes back (empty: no persistence): misses, then hits again
     server.start()
     time.sleep(0.25)
@@ -79,7 +79,7 @@ def test_redis_killed_mid_run_then_restarted(server):
         assert run(pool, PROMPT)[0] == 0
         flush_pool(pool)
         check_hit(pool, PROMPT, 4)
-    pool.check()
+    pool.debug.check()
 
 
 def test_slow_redis_times_out_into_misses(server):
@@ -103,7 +103,7 @@ def test_slow_redis_times_out_into_misses(server):
         seq.free()
     finally:
         server.proc.send_signal(18)
-    pool.check()
+    pool.debug.check()
 
 
 @pytest.mark.parametrize("where", ["payload", "header", "truncate", "garbage"])
@@ -281,7 +281,7 @@ def test_a_slow_redis_does_not_slow_another_threads_allocate_and_append(server):
         pool.close()                # the queued spills reach Redis
         st = pool.stats()["stores"][0]
         assert st["failures"] == 0 and st["spills_dropped"] == 0 and st["puts"] > 0
-        pool.check()
+        pool.debug.check()
         check_hit(pool, prompts[0], 3)   # evicted first, found in Redis, bit exact
     finally:
         proxy.close()

@@ -381,7 +381,7 @@ def test_cluster_unreachable_is_misses_with_one_warning():
             flush_pool(pool)
     assert len(record) == 1
     assert time.monotonic() - t0 < 3
-    pool.check()
+    pool.debug.check()
 
 
 # ------------------------------------------------------------ a healthy cluster
@@ -507,7 +507,7 @@ def test_master_killed_mid_run_costs_only_its_keys(fresh_cluster, made_from):
     assert elapsed < 4 * TIMEOUT + RETRY + 2, elapsed
     st = pool.stats()["stores"][0]
     assert st["failures"] >= 1 and st["rejected"] == 0
-    pool.check()
+    pool.debug.check()
     store.close()
 
 
@@ -538,7 +538,7 @@ def test_stopped_master_times_out_into_misses_for_its_keys_only(fresh_cluster):
         assert time.monotonic() - t0 < TIMEOUT
     finally:
         c.procs[slow].send_signal(18)
-    pool.check()
+    pool.debug.check()
     store.close()
 
 
@@ -592,7 +592,7 @@ def test_failover_to_a_replica_brings_the_hits_back(fresh_cluster):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_hit(pool, LONG, 10)
-    pool.check()
+    pool.debug.check()
     store.close()
 
 

@@ -66,7 +66,7 @@ def test_disk_store_trim_waits_boundedly_for_another_process_lock(tmp_path):
         with pytest.warns(kvcore.StoreWarning, match="timeout"):
             pool.flush_to_stores()              # the store worker's put timed out
         assert pool.stats()["stores"][0]["failures"] >= 1
-        pool.check()
+        pool.debug.check()
     finally:
         holder.stdin.close()
         holder.wait(10)
@@ -76,7 +76,7 @@ def test_disk_store_trim_waits_boundedly_for_another_process_lock(tmp_path):
 def test_disk_store_trim_still_takes_a_free_lock(tmp_path):
     disk = kvcore.DiskStore(tmp_path, 1 << 20)
     with open(tmp_path / ".lock", "a+b") as f:
-        disk._lock_file(f)
+        disk._lock_file(f.fileno())
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
@@ -214,18 +214,24 @@ def test_disk_store_loads_a_run_longer_than_the_open_file_limit(tmp_path):
 
 
 def test_disk_store_stays_near_its_bound_during_a_big_flush(tmp_path, monkeypatch):
-    """A batch put trims as soon as the bound would be passed: the directory
-    never holds more than the capacity plus one entry."""
+    """A batch put makes room for the batch first, with one listing of the
+    directory (not one per entry), and writes only what fits: the directory
+    never holds more than the capacity."""
     from kvcore.stores.disk import DiskStore
 
-    peak = []
-    orig = DiskStore._trim
+    peak, listings = [], []
+    orig, orig_listing = DiskStore._trim, DiskStore._listing
 
-    def spy(self):
-        peak.append(sum(size for _, size, _ in self._listing()))
-        return orig(self)
+    def spy(self, room=0):
+        peak.append(sum(size for _, size, _ in orig_listing(self)) + room)
+        return orig(self, room)
+
+    def count(self, *a, **kw):
+        listings.append(1)
+        return orig_listing(self, *a, **kw)
 
     monkeypatch.setattr(DiskStore, "_trim", spy)
+    monkeypatch.setattr(DiskStore, "_listing", count)
     st = DiskStore(str(tmp_path), 64 * 1024)
     pool = kvcore.BlockPool(64, 16, 2, 2, 64, dtype="float16", stores=[st])
     s = kvcore.PagedKVCache(pool)
@@ -235,7 +241,9 @@ def test_disk_store_stays_near_its_bound_during_a_big_flush(tmp_path, monkeypatc
     for layer in range(2):
         s.append(layer, k, k)
     s.commit(len(toks))
+    listings.clear()
     assert pool.flush_to_stores() > 0
+    assert len(listings) == 1                     # one put, one listing
     entry = pool.bytes_per_block + 4096           # payload + header, generously
     assert peak and max(peak) <= st.capacity_bytes + entry, (max(peak), st.capacity_bytes)
     assert st.used_bytes() <= st.capacity_bytes
@@ -263,7 +271,7 @@ def test_failing_first_store_passes_its_entries_to_the_next(exc):
     assert st[1]["puts"] == 4
     check_hit(pool, PROMPT, 4)
     assert pool.stats()["stores"][1]["hits"] == 4
-    pool.check()
+    pool.debug.check()
 
 
 def test_failing_store_in_the_middle_passes_its_drops_on():
@@ -326,9 +334,11 @@ def test_disk_put_failing_mid_batch_hands_on_what_it_trimmed(tmp_path, monkeypat
     with pytest.raises(OSError) as info:
         disk.put([entry(3, 1000), entry(4, 1000)])
     monkeypatch.setattr(os, "replace", real)
-    assert [(k, bytes(v)) for k, v in info.value.dropped] == [entry(1, 1000)]
-    assert disk.get([key(1)]) == [None]
-    assert disk.used_bytes() == 2000 and len(disk) == 2
+    # the put made room for its 2000 bytes below the low watermark (2250)
+    # first, removing both older entries, then failed on its second write
+    assert [(k, bytes(v)) for k, v in info.value.dropped] == [entry(1, 1000), entry(2, 1000)]
+    assert disk.get([key(1)]) == [None] and disk.get([key(2)]) == [None]
+    assert disk.used_bytes() == 1000 and len(disk) == 1
 
 
 def entry(i, size, fp=None):

@@ -95,7 +95,7 @@ def test_a_forged_hash_collision_never_loads_another_prefixs_entry():
     seq.free()
     # the entry is B's: B's own prefix (y0 still cached) hits it, bit exact
     check_hit(pool, b, 2)
-    pool.check()
+    pool.debug.check()
 
 
 def test_forged_collisions_with_salts_and_whole_flushes_stay_apart():
@@ -116,7 +116,7 @@ def test_forged_collisions_with_salts_and_whole_flushes_stay_apart():
         check_hit(pool, PROMPT, 0)
     # ... which its own salt hits, bit exact
     check_hit(pool, PROMPT, 1, salt="tenant-a")
-    pool.check()
+    pool.debug.check()
 
 
 def test_identity_chain_is_blake2b_over_salt_and_tokens():
@@ -232,7 +232,7 @@ def test_a_planted_file_never_reaches_the_next_store(tmp_path, planted):
         _format.parse(v, FP16)
     assert disk.used_bytes() <= disk.capacity_bytes
     check_hit(pool, PROMPT, 4)
-    pool.check()
+    pool.debug.check()
 
 
 def test_a_fifo_named_like_an_entry_never_hangs_a_lookup(tmp_path):
@@ -416,3 +416,108 @@ def test_a_file_larger_than_the_store_is_never_read_whole(tmp_path):
     disk.put([(fake_key(1), b"x")])      # a trim: the big file goes, unread
     assert not p.exists()
     assert disk.used_bytes() <= disk.capacity_bytes
+
+
+# ------------------------------------------------------------ PATH/.lock
+def spill_many(pool, n, base=50_000):
+    """``n`` distinct prompts through ``pool``, each evicting the last's
+    blocks into its stores; then wait for the store worker."""
+    for i in range(n):
+        run(pool, np.arange(base + 100 * i, base + 100 * i + 17, dtype=np.int32))
+    assert pool.wait_spills(60)
+
+
+def plant_lock(lock, how, target):
+    lock.unlink()
+    if how == "directory":
+        lock.mkdir()
+    elif how == "dangling symlink":
+        lock.symlink_to(target)
+    elif how == "fifo":
+        os.mkfifo(lock)
+    else:                                     # pragma: no cover
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how, condition", [("directory", "I/O error"),
+                                            ("dangling symlink", "I/O error"),
+                                            ("fifo", "I/O error")])
+def test_a_lock_file_that_cannot_be_locked_stops_the_writes(tmp_path, how, condition):
+    """PATH/.lock a directory, a dangling link, a FIFO: every put writes
+    nothing (the directory never outgrows capacity_bytes; a link's target
+    is never created; a FIFO never blocks), warns once, counts failures,
+    and lookups still hit what the store held."""
+    root = tmp_path / "d"
+    disk = kvcore.DiskStore(root, 20_000)
+    pool = make_pool(num_blocks=5, stores=[disk])
+    run(pool, PROMPT)
+    flush_pool(pool)                          # PROMPT's 4 blocks on disk
+    held = len(disk)
+    assert held == 4
+    plant_lock(root / ".lock", how, tmp_path / "target")
+    with pytest.warns(kvcore.StoreWarning, match=condition):
+        ok, _ = bounded(lambda: spill_many(pool, 60), 120)
+        assert ok, "a put blocked on PATH/.lock"
+    assert not (tmp_path / "target").exists()
+    st = pool.stats()["stores"][0]
+    assert st["failures"] > 0 and st["puts"] == 4
+    assert len(disk) == held and disk.used_bytes() <= disk.capacity_bytes
+    check_hit(pool, PROMPT, 4)                # reads go on
+    pool.debug.check()
+
+
+def test_a_lock_file_owned_by_another_user_stops_the_writes(tmp_path):
+    """PATH/.lock a file this process cannot open (another user's, mode
+    0600): the store writes nothing.  As root, a forked child that became
+    ``nobody`` meets root's file; otherwise our own file with mode 000."""
+    import stat
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="kvcore-lock-")     # (world-traversable, unlike tmp_path)
+    try:
+        os.chmod(root, 0o777)
+        lock = os.path.join(root, ".lock")
+        with open(lock, "wb"):
+            pass
+        os.chmod(lock, 0o600 if os.geteuid() == 0 else 0o000)
+
+        def attempt():
+            disk = kvcore.DiskStore(root, 20_000)
+            pool = make_pool(num_blocks=5, stores=[disk])
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                spill_many(pool, 30)
+                pool.close(30)
+            conditions = {str(x.message).split(": ")[1] for x in w
+                          if issubclass(x.category, kvcore.StoreWarning)}
+            return (len(disk), pool.stats()["stores"][0]["failures"], conditions)
+
+        if os.geteuid() != 0:
+            entries, failures, conditions = attempt()
+        else:
+            r, wfd = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    import signal
+                    signal.alarm(120)
+                    os.setgid(65534)
+                    os.setuid(65534)                   # nobody: root's 0600 file is closed to it
+                    entries, failures, conditions = attempt()
+                    os.write(wfd, repr((entries, failures, sorted(conditions))).encode())
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(wfd)
+            _, status = os.waitpid(pid, 0)
+            with os.fdopen(r, "rb") as f:
+                out = f.read().decode()
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (status, out)
+            entries, failures, conditions = eval(out)   # (a tuple of ints and strs we wrote)
+        assert entries == 0 and failures > 0
+        assert "permission denied" in conditions
+        assert stat.S_ISREG(os.lstat(lock).st_mode)
+    finally:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)

@@ -48,20 +48,23 @@ cdef class PoolCore:
     cdef uint64_t[::1] salt_gen
     cdef Py_ssize_t num_salt_slots, num_salt_dead, num_salt_free
     cdef readonly Py_ssize_t num_roots
+    cdef dict salt_of_root, root_of_salt    # the salts (bytes) of the live roots
     # the block hash the sequences on this pool use: hash_chain_c, or (a
     # pool made for the collision tests) one that hashes every block alike
     cdef hash_chain_fn hash_chain
     cdef readonly bint forged_hashes
     # prefix-cache statistics (BlockPool.stats), counted by allocate
     cdef public long long prefix_queries, prefix_hits
-    # Prefix stores (kvcore/stores): per cached block, its parent's chained
-    # hash and its chain's salt root words (what a store entry records), and
-    # the log of cached blocks evicted since BlockPool last took it (only
-    # kept while log_evictions is set: a pool with stores).
+    # Prefix stores (kvcore/stores): per cached block, what a store entry
+    # records beside its hash: its parent's chained hash, its chain's salt
+    # root words and its identity digest (32 bytes, given at registration);
+    # and the log of cached blocks evicted since the pool's store port last
+    # took it.  Kept only while publish_evictions is set (a pool with stores).
     cdef hash_word_t[:, ::1] parent_hashes, chain_roots
+    cdef unsigned char[:, ::1] identity
     cdef block_id_t[::1] evict_log
     cdef readonly Py_ssize_t num_evict_log
-    cdef public bint log_evictions
+    cdef public bint publish_evictions
 
     cdef inline void _unlink(self, block_id_t b) noexcept nogil
     cdef inline void _push_uncached(self, block_id_t b) noexcept nogil
@@ -85,7 +88,8 @@ cdef class PoolCore:
     cdef Py_ssize_t _register_n(self, const block_id_t* blocks, const hash_word_t* hashes,
                                 const token_t* tokens, Py_ssize_t first, Py_ssize_t last,
                                 int64_t parent, int64_t* serials, uint64_t root0,
-                                uint64_t root1) noexcept nogil
+                                uint64_t root1, const unsigned char* idents) noexcept nogil
+    cdef void _log_eviction(self, block_id_t b) noexcept nogil
 
     # C-level twins of the public methods of the same name (without the c_):
     # same contract (caller holds the pool's lock, arguments are sized
@@ -104,4 +108,13 @@ cdef class PoolCore:
     cdef Py_ssize_t c_register(self, const block_id_t* blocks, const hash_word_t* hashes,
                                const token_t* tokens, Py_ssize_t first, Py_ssize_t last,
                                int64_t parent, int64_t* serials, uint64_t root0,
-                               uint64_t root1) except -1
+                               uint64_t root1, const unsigned char* idents) except -1
+
+
+# The identity chain (see "Identity digests" in _pool.pyx): out[i] = the
+# 32-byte digest of block i of ``tokens``, chained from ``parent`` (32 bytes).
+cdef enum:
+    IDENTITY_SIZE = 32
+cdef int identity_chain_c(const unsigned char* parent, const token_t* tokens,
+                          Py_ssize_t n_blocks, Py_ssize_t block_size,
+                          unsigned char* out) except -1

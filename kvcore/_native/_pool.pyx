@@ -21,19 +21,41 @@ salt (``new_root``/``c_root_incref``/``c_root_decref``) plus one per cached
 block whose parent is the root (counted on entering and leaving the hash
 index).  When the count falls to 0 nothing can reach the root again: its
 slot is marked free (``salt_root[slot] = 0``), the root waits in
-``salt_dead`` until ``BlockPool`` forgets the salt (``take_dead_roots``),
-and only then may the slot be handed out again.  A root id encodes its slot
+``salt_dead`` until its salt is forgotten (``take_dead_roots``, at the
+next ``acquire_salt_root``, ``live_salt_root`` or ``num_salts``), and only then
+may the slot be handed out again.  A root id encodes its slot
 and the slot's generation, ``-2 - (slot | gen << 32)``, so a slot's next
 root differs from its last: ids are not reused (short of 2**30 reuses of
 one slot), and even a reused id could not alias two salts, since a root is
 dropped only once no cached block and no sequence refers to it (the cached
 blocks further down a chain refer to serials, which are never reused).
+
+Identity digests (what a prefix-store entry is verified against): the
+chained hash is SipHash-1-3 under a published key, fast but not
+collision-resistant, and a store entry crosses processes and machines,
+where the serials above mean nothing.  So on a pool with stores each block
+registered also keeps its identity digest, BLAKE2b-256 chained over the
+salt and every token id up to the block's end::
+
+    d[-1] = 32 zero bytes without a salt, else
+            BLAKE2b-256(b"kvcore.salt:" + salt, person=b"kvcore.iroot.v1")
+    d[i]  = BLAKE2b-256(d[i-1] + token ids of block i as 4-byte
+            little-endian integers, person=b"kvcore.ident.v1")
+
+A sequence computes its blocks' digests once (``identity_chain_c``, the one
+implementation; ``kvcore.hashing.identity_chain`` calls it too) and hands
+them in with ``register``; an eviction's record carries the digest kept
+here, so nothing ever walks a chain backwards.
 """
+import hashlib
+import sys
+
 import numpy as np
 
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcmp, memcpy
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 
 from kvcore._native._typedefs cimport block_id_t, hash_word_t, slot_t, token_t
 
@@ -256,6 +278,63 @@ def tokens_from_sequence(seq, token_t[::1] out):
     return -1
 
 
+# ------------------------------------------------------------ identity digests
+
+IDENTITY_PERSON = b"kvcore.ident.v1"
+IDENTITY_ROOT_PERSON = b"kvcore.iroot.v1"
+SALT_PREFIX = b"kvcore.salt:"
+NO_SALT_IDENTITY = bytes(IDENTITY_SIZE)
+_IDENTITY_BASE = hashlib.blake2b(digest_size=IDENTITY_SIZE, person=IDENTITY_PERSON)
+# token ids enter a digest as little-endian int32 (the bytes of token_t on
+# the CPUs kvcore builds for; a big-endian host swaps a copy)
+cdef bint _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def identity_root(salt):
+    """The identity chain's root for ``salt`` (bytes or None): 32 zero bytes
+    without a salt, else BLAKE2b-256 of ``b"kvcore.salt:" + salt``."""
+    if salt is None:
+        return NO_SALT_IDENTITY
+    return hashlib.blake2b(SALT_PREFIX + salt, digest_size=IDENTITY_SIZE,
+                           person=IDENTITY_ROOT_PERSON).digest()
+
+
+cdef int identity_chain_c(const unsigned char* parent, const token_t* tokens,
+                          Py_ssize_t n_blocks, Py_ssize_t block_size,
+                          unsigned char* out) except -1:
+    cdef Py_ssize_t i, step = block_size * sizeof(token_t)
+    cdef bytes prev = PyBytes_FromStringAndSize(<const char*>parent, IDENTITY_SIZE)
+    cdef bytes block
+    for i in range(n_blocks):
+        block = PyBytes_FromStringAndSize(<const char*>(tokens + i * block_size), step)
+        if not _LITTLE_ENDIAN:
+            block = np.frombuffer(block, np.int32).astype("<i4").tobytes()
+        h = _IDENTITY_BASE.copy()    # (a copy costs a third of a keyed constructor)
+        h.update(prev)
+        h.update(block)
+        prev = h.digest()
+        memcpy(out + i * IDENTITY_SIZE, PyBytes_AS_STRING(prev), IDENTITY_SIZE)
+    return 0
+
+
+def identity_chain(cnp.ndarray tokens, Py_ssize_t block_size, bytes parent,
+                   Py_ssize_t n_blocks):
+    """The identity digests of the first ``n_blocks`` full blocks of int32
+    ``tokens``, chained from ``parent`` (a 32-byte digest: the root for
+    block 0), as ``n_blocks * 32`` bytes."""
+    cdef const token_t* t
+    cdef bytes out
+    if len(parent) != IDENTITY_SIZE:
+        raise ValueError(f"internal: parent must be {IDENTITY_SIZE} bytes")
+    if n_blocks <= 0:
+        return b""
+    t = _tok(tokens, n_blocks * block_size)
+    out = PyBytes_FromStringAndSize(NULL, n_blocks * IDENTITY_SIZE)
+    identity_chain_c(<const unsigned char*>PyBytes_AS_STRING(parent), t, n_blocks,
+                     block_size, <unsigned char*>PyBytes_AS_STRING(out))
+    return out
+
+
 # ---------------------------------------------------------------- the core
 
 cdef class PoolCore:
@@ -299,11 +378,14 @@ cdef class PoolCore:
         self.salt_dead = np.zeros(0, np.int64)
         self.salt_free = np.zeros(0, np.intp)
         self.salt_gen = np.zeros(0, np.uint64)
+        self.salt_of_root = {}
+        self.root_of_salt = {}
         self.parent_hashes = np.zeros((num_blocks, 2), np.uint64)
         self.chain_roots = np.zeros((num_blocks, 2), np.uint64)
+        self.identity = np.zeros((num_blocks, IDENTITY_SIZE), np.uint8)
         self.evict_log = np.zeros(num_blocks, np.int32)
         self.num_evict_log = 0
-        self.log_evictions = False
+        self.publish_evictions = False
         # every block starts on the uncached list, in id order
         for i in range(num_blocks):
             self.prev_free_block[i] = i - 1
@@ -494,6 +576,36 @@ cdef class PoolCore:
     def num_dead_roots(self):
         return self.num_salt_dead
 
+    def _forget_dead_salts(self):
+        if self.num_salt_dead:
+            for root in self.take_dead_roots():
+                del self.root_of_salt[self.salt_of_root.pop(root)]
+
+    def acquire_salt_root(self, bytes salt):
+        """The root of ``salt`` with one more reference (a new root for a
+        salt nothing refers to), for a new sequence, which drops it
+        (``c_root_decref``) when freed."""
+        self._forget_dead_salts()
+        root = self.root_of_salt.get(salt)
+        if root is None:
+            root = self.new_root()
+            self.root_of_salt[salt] = root
+            self.salt_of_root[root] = salt
+        else:
+            self.root_incref(root)
+        return root
+
+    def live_salt_root(self, bytes salt):
+        """The live root of ``salt``, or None (nothing refers to it)."""
+        self._forget_dead_salts()
+        return self.root_of_salt.get(salt)
+
+    @property
+    def num_salts(self):
+        """Salts a sequence or a cached block refers to now."""
+        self._forget_dead_salts()
+        return len(self.root_of_salt)
+
     cdef block_id_t _lookup(self, uint64_t h0, uint64_t h1, const token_t* toks,
                             int64_t parent) noexcept nogil:
         """A cached block with this hash and parent whose stored token ids
@@ -524,15 +636,20 @@ cdef class PoolCore:
         self._unlink(b)
         if self.cached[b]:
             self._index_remove(b)
-            self.evictions += 1
-            # (a block leaves the cache once per registration and the log is
-            # taken before the block can be registered again: it never
-            # holds more than num_blocks entries)
-            if self.log_evictions and self.num_evict_log < self.num_blocks:
-                self.evict_log[self.num_evict_log] = b
-                self.num_evict_log += 1
+            self._log_eviction(b)
         self.ref[b] = 1
         return b
+
+    cdef void _log_eviction(self, block_id_t b) noexcept nogil:
+        """Count cached block ``b``'s eviction, and log it for the pool's
+        store port (a pool with stores)."""
+        self.evictions += 1
+        # (a block leaves the cache once per registration and the log is
+        # taken before the block can be registered again: it never holds
+        # more than num_blocks entries)
+        if self.publish_evictions and self.num_evict_log < self.num_blocks:
+            self.evict_log[self.num_evict_log] = b
+            self.num_evict_log += 1
 
     cdef inline void _release(self, block_id_t b) noexcept nogil:
         self.ref[b] -= 1
@@ -685,20 +802,21 @@ cdef class PoolCore:
     cdef Py_ssize_t c_register(self, const block_id_t* bl, const hash_word_t* h,
                                const token_t* t, Py_ssize_t first, Py_ssize_t last,
                                int64_t parent, int64_t* sr, uint64_t root0,
-                               uint64_t root1) except -1:
+                               uint64_t root1, const unsigned char* idents) except -1:
         cdef Py_ssize_t entered
         self._check_ids(bl + first, last - first)
         if last - first >= NOGIL_BLOCKS:
             with nogil:
-                entered = self._register_n(bl, h, t, first, last, parent, sr, root0, root1)
+                entered = self._register_n(bl, h, t, first, last, parent, sr, root0, root1,
+                                           idents)
         else:
-            entered = self._register_n(bl, h, t, first, last, parent, sr, root0, root1)
+            entered = self._register_n(bl, h, t, first, last, parent, sr, root0, root1, idents)
         return entered
 
     cdef Py_ssize_t _register_n(self, const block_id_t* bl, const hash_word_t* h,
                                 const token_t* t, Py_ssize_t first, Py_ssize_t last,
                                 int64_t parent, int64_t* sr, uint64_t root0,
-                                uint64_t root1) noexcept nogil:
+                                uint64_t root1, const unsigned char* idents) noexcept nogil:
         cdef Py_ssize_t i, bs = self.block_size, entered = 0
         cdef block_id_t b, twin
         for i in range(first, last):
@@ -727,6 +845,8 @@ cdef class PoolCore:
                 self.parent_hashes[b, 1] = h[2 * i - 1]
             self.chain_roots[b, 0] = root0
             self.chain_roots[b, 1] = root1
+            if idents != NULL:   # (its identity digest: a pool with stores)
+                memcpy(&self.identity[b, 0], idents + i * IDENTITY_SIZE, IDENTITY_SIZE)
             self.serial[b] = self.next_serial
             self.next_serial += 1
             self._index_insert(b)
@@ -793,20 +913,26 @@ cdef class PoolCore:
 
     def register(self, cnp.ndarray blocks, cnp.ndarray hashes, cnp.ndarray tokens,
                  Py_ssize_t first, Py_ssize_t last, int64_t parent, cnp.ndarray serials,
-                 uint64_t root0=0, uint64_t root1=0):
+                 uint64_t root0=0, uint64_t root1=0, bytes idents=None):
         """Enter blocks[first:last] (full, committed, tokens known) into the
         prefix cache, block ``first``'s parent being ``parent`` (a serial, or
         the negative salt id for block 0).  A block whose content (hash,
         tokens, parent) is already cached under another block is skipped.
         serials[i] receives the serial the sequence's block i is known by
         (its own, or the cached twin's): the parent of block i + 1.
-        ``root0, root1``: the salt's hash-chain root words (recorded for
-        prefix stores).  Returns how many blocks were entered."""
+        ``root0, root1``: the salt's hash-chain root words, ``idents``: the
+        blocks' identity digests (``last * 32`` bytes), recorded for prefix
+        stores.  Returns how many blocks were entered."""
         cdef const block_id_t* bl = _i32(blocks, last, False)
         cdef const hash_word_t* h = _u64(hashes, 2 * last)
         cdef const token_t* t = _tok(tokens, last * self.block_size)
         cdef int64_t* sr = <int64_t*>_data(serials, cnp.NPY_INT64, last, True, "int64")
-        return self.c_register(bl, h, t, first, last, parent, sr, root0, root1)
+        cdef const unsigned char* d = NULL
+        if idents is not None:
+            if len(idents) < last * IDENTITY_SIZE:
+                raise ValueError(f"internal: idents must hold {last * IDENTITY_SIZE} bytes")
+            d = <const unsigned char*>PyBytes_AS_STRING(idents)
+        return self.c_register(bl, h, t, first, last, parent, sr, root0, root1, d)
 
     def reset_prefix_cache(self):
         """Forget every cached block; False (nothing changed) if any block
@@ -823,8 +949,8 @@ cdef class PoolCore:
 
     def uncache(self, cnp.ndarray blocks):
         """Take blocks ``blocks`` (int32, checked ids) out of the prefix
-        cache, as evictions (logged while ``log_evictions`` is set, so that
-        the caller spills their KV first): for a copy that is about to
+        cache, as evictions (logged while ``publish_evictions`` is set, so
+        that the caller publishes their KV first): for a copy that is about to
         overwrite them in place.  A free one moves to the uncached free
         list.  Returns how many were cached."""
         cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks), k = 0
@@ -838,10 +964,7 @@ cdef class PoolCore:
             if self.ref[x] == 0:
                 self._unlink(x)
             self._index_remove(x)
-            self.evictions += 1
-            if self.log_evictions and self.num_evict_log < self.num_blocks:
-                self.evict_log[self.num_evict_log] = x
-                self.num_evict_log += 1
+            self._log_eviction(x)
             if self.ref[x] == 0:
                 self._push_uncached(x)
             k += 1
@@ -849,71 +972,33 @@ cdef class PoolCore:
 
     def take_evicted(self):
         """The cached blocks evicted since the last call (kept only while
-        ``log_evictions`` is set), with what they were registered with:
-        ``(blocks int32 (n,), hashes, parent_hashes, chain_roots uint64
-        (n, 2), tokens int32 (n, block_size))``, copies; the log is then
-        empty.  The caller takes it before the blocks' new owner can write
-        them or have them registered again."""
+        ``publish_evictions`` is set) with what they were registered with
+        (see :meth:`entries`); the log is then empty.  The caller takes it
+        before the blocks' new owner can write them or have them registered
+        again."""
         cdef Py_ssize_t n = self.num_evict_log
         blocks = np.asarray(self.evict_log[:n]).copy()
         self.num_evict_log = 0
-        return (blocks, np.asarray(self.hashes)[blocks], np.asarray(self.parent_hashes)[blocks],
-                np.asarray(self.chain_roots)[blocks], np.asarray(self.tokens)[blocks])
+        return self.entries(blocks)
 
-    def cached_entries(self, cnp.ndarray blocks):
-        """``take_evicted``'s tuple for cached blocks ``blocks`` (int32,
-        each checked cached), without evicting them."""
-        cdef Py_ssize_t i, n = cnp.PyArray_SIZE(blocks)
-        cdef const block_id_t* b = _i32(blocks, n, False)
-        self._check_ids(b, n)
-        for i in range(n):
-            if not self.cached[b[i]]:
-                raise ValueError(f"block {b[i]} is not in the prefix cache")
-        ids = np.asarray(blocks, np.int32).copy()
-        return (ids, np.asarray(self.hashes)[ids], np.asarray(self.parent_hashes)[ids],
-                np.asarray(self.chain_roots)[ids], np.asarray(self.tokens)[ids])
+    def cached_blocks(self):
+        """The ids of the blocks in the prefix cache now (int32, ascending)."""
+        return np.flatnonzero(np.asarray(self.cached)).astype(np.int32)
+
+    def entries(self, cnp.ndarray blocks):
+        """What blocks ``blocks`` (int32, checked ids) were last registered
+        with, as copies: ``(blocks, hashes uint64 (n, 2), parent_hashes (n,
+        2), chain_roots (n, 2), identities uint8 (n, 32), tokens int32 (n,
+        block_size))``."""
+        cdef Py_ssize_t n = cnp.PyArray_SIZE(blocks)
+        self._check_ids(_i32(blocks, n, False), n)
+        return (blocks, np.asarray(self.hashes)[blocks], np.asarray(self.parent_hashes)[blocks],
+                np.asarray(self.chain_roots)[blocks], np.asarray(self.identity)[blocks],
+                np.asarray(self.tokens)[blocks])
 
     def cached_tokens(self, block_id_t b):
         """The token ids stored with cached block b (a copy)."""
         return np.asarray(self.tokens[b]).copy()
-
-    def cached_parent(self, block_id_t b):
-        """(serial, parent serial) of cached block b."""
-        return (int(self.serial[b]), int(self.parent_serial[b]))
-
-    def identity_links(self, cnp.ndarray blocks):
-        """``(serial, parent_serial)`` int64 arrays: the identity chain links
-        ``blocks`` (int32) were last registered with; still set right
-        after a block is evicted, until it is registered again (prefix
-        stores: which prefix an evicted block's KV belongs to)."""
-        ids = np.asarray(blocks, np.int32)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block ids must be in 0..{self.num_blocks - 1}")
-        return np.asarray(self.serial)[ids], np.asarray(self.parent_serial)[ids]
-
-    def cached_ancestry(self, uint64_t h0, uint64_t h1, int64_t serial):
-        """The cached blocks up the identity chain from the one with chained
-        hash ``(h0, h1)`` registered as ``serial``, nearest first:
-        ``(blocks int32, serials int64, end, (e0, e1))`` where ``end`` is the
-        parent serial the walk stopped at (a salt root id < 0, or a serial
-        no cached block has now) and ``(e0, e1)`` its chained hash."""
-        cdef block_id_t b
-        cdef int64_t s = serial
-        out = []
-        while s > 0:
-            b = self.buckets[self._bucket(h0)]
-            while b != NONE:
-                if self.serial[b] == s and self.hashes[b, 0] == h0 and self.hashes[b, 1] == h1:
-                    break
-                b = self.next_in_bucket[b]
-            if b == NONE or self.parent_serial[b] >= s:   # (parents are older)
-                break
-            out.append(b)
-            s = self.parent_serial[b]
-            h0 = self.parent_hashes[b, 0]
-            h1 = self.parent_hashes[b, 1]
-        blocks = np.array(out, np.int32)
-        return blocks, np.asarray(self.serial)[blocks], s, (h0, h1)
 
     def cached_hash(self, block_id_t b):
         return (int(self.hashes[b, 0]), int(self.hashes[b, 1]))

@@ -13,6 +13,9 @@ State (a sequence is driven by one thread at a time):
   * ``hash_buf`` [hash_cap, 2]: the first ``num_hashed`` full blocks' chained hashes;
   * ``block_serials`` [serial_cap]: the serial the pool knows each of the first
     ``num_registered`` blocks by (the next block's parent);
+  * ``ident_buf`` [ident_cap, 32]: on a pool with stores, the identity digests
+    of the first ``num_identified`` full blocks (see "Identity digests" in
+    _pool.pyx), computed once each and handed to the pool at registration;
   * ``table``: int32 NumPy array [capacity], the first ``num_held`` the
     block table (kvcore.tables and PagedKVCache read it);
   * ``pending[layer]``: positions past ``num_computed`` appended to that
@@ -22,7 +25,7 @@ State (a sequence is driven by one thread at a time):
     positions whose slots ``slot_val`` caches for the layers of a step.
   * ``state``: UNINIT (``__init__`` never ran), NEW (bound to a pool,
     before ``allocate``), LIVE, CLOSED (after ``free``); see PagedKVCache.
-Token ids, hashes and serials are plain C buffers, private to the sequence
+Token ids, hashes, serials and digests are plain C buffers, private to the sequence
 (handed out only as copies): a NumPy array costs more to create and free
 than these operations take otherwise.  ``table`` is replaced, never
 resized in place: a bigger one is a copy, so the shared empty array below
@@ -35,7 +38,8 @@ from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
-from kvcore._native._pool cimport NOGIL_BLOCKS, PoolCore
+from kvcore._native._pool cimport IDENTITY_SIZE, NOGIL_BLOCKS, PoolCore, identity_chain_c
+from kvcore._native._pool import identity_root
 from kvcore._native._typedefs cimport RowInput, RowWriter, block_id_t, hash_word_t, slot_t, token_t
 
 cnp.import_array()
@@ -174,18 +178,19 @@ cdef class PoolBinding:
     """What a sequence needs of its pool, made once per pool by
     ``BlockPool`` (its ``_binding``; a new sequence reads it in one go): the
     bookkeeping core, the pool's lock, its geometry, the row writer of its
-    backend (None: appends take the validated path) and the pool's
-    block copy (for copy-on-write)."""
+    backend (None: appends take the validated path), the pool's block copy
+    (for copy-on-write) and, on a pool with stores, its store port's two
+    eviction calls."""
     cdef PoolCore _core
     cdef object lock_acquire, lock_release
     cdef Py_ssize_t block_size, num_layers
     cdef bint caching
     cdef RowWriter writer
     cdef object copy_blocks
-    cdef object on_evict
+    cdef object publish_evicted, copy_out_evicted
 
     def __init__(self, PoolCore core, lock, Py_ssize_t block_size, Py_ssize_t num_layers,
-                 bint caching, RowWriter writer, copy_blocks, on_evict=None):
+                 bint caching, RowWriter writer, copy_blocks, port=None):
         self._core = core
         self.lock_acquire = lock.acquire
         self.lock_release = lock.release
@@ -194,13 +199,15 @@ cdef class PoolBinding:
         self.caching = caching
         self.writer = writer
         self.copy_blocks = copy_blocks
-        # a pool with prefix stores: called (lock held) right after blocks
-        # were taken whenever that evicted cached blocks, so that their KV
-        # is copied out before anything overwrites it: on_evict() spills
-        # them, on_evict(True) returns them copied out, for allocate to put
-        # after its store lookup (SeqCore.take_held_spill).  Every
-        # sequence reads it from the binding it holds, forks included.
-        self.on_evict = on_evict
+        # a pool with prefix stores: right after blocks were taken, whenever
+        # that evicted cached blocks (the lock still held, so before anything
+        # overwrites them), a sequence has the port copy their records out
+        # and publish them to the stores (publish_evicted()); allocate only
+        # copies them out (copy_out_evicted(), SeqCore.take_held_records) and
+        # publishes them after its store lookup, which they must not push
+        # out.  Every sequence reads them from the binding it holds.
+        self.publish_evicted = None if port is None else port.publish_evicted
+        self.copy_out_evicted = None if port is None else port.copy_out_evicted
 
 
 # the PagedKVCache properties a CoreField answers, by number
@@ -285,14 +292,15 @@ cdef class SeqCore:
     cdef token_t* token_buf
     cdef hash_word_t* hash_buf
     cdef int64_t* block_serials
-    cdef Py_ssize_t token_cap, hash_cap, serial_cap
+    cdef unsigned char* ident_buf               # IDENTITY_SIZE bytes per block
+    cdef Py_ssize_t token_cap, hash_cap, serial_cap, ident_cap, num_identified
     cdef readonly cnp.ndarray table
     cdef readonly Py_ssize_t num_tokens, num_computed, num_held, num_hashed, num_registered
     cdef Py_ssize_t* pending
     cdef Py_ssize_t exclusive_lo, exclusive_hi
     cdef Py_ssize_t slot_lo, slot_hi
     cdef cnp.ndarray slot_val
-    cdef object held_spill                      # see allocate, take_held_spill
+    cdef object held_records                    # see allocate, take_held_records
     # what the last failed call saw, for the caller's error message
     cdef readonly Py_ssize_t failed_free_blocks, failed_copy_on_write, failed_layer
 
@@ -307,6 +315,7 @@ cdef class SeqCore:
         free(self.token_buf)
         free(self.hash_buf)
         free(self.block_serials)
+        free(self.ident_buf)
 
     def __del__(self):
         # Blocks (and the salt root) of a dropped sequence go back to the pool.
@@ -384,6 +393,7 @@ cdef class SeqCore:
         self.num_held = 0
         self.num_hashed = 0
         self.num_registered = 0
+        self.num_identified = 0
         for i in range(self.num_layers):
             self.pending[i] = 0
         self._invalidate()
@@ -455,10 +465,42 @@ cdef class SeqCore:
         self.num_hashed = full
         return 0
 
+    cdef int _identify(self, Py_ssize_t upto) except -1:
+        """The identity digests of the first ``upto`` full blocks (their
+        tokens known) in ``ident_buf``, each computed once."""
+        cdef Py_ssize_t have = self.num_identified
+        cdef bytes root
+        if upto <= have:
+            return 0
+        _fit(<void**>&self.ident_buf, &self.ident_cap, upto, IDENTITY_SIZE, have)
+        if have == 0:
+            root = identity_root(self.salt)
+            identity_chain_c(<const unsigned char*><const char*>root, self.token_buf, upto,
+                             self.block_size, self.ident_buf)
+        else:
+            identity_chain_c(self.ident_buf + (have - 1) * IDENTITY_SIZE,
+                             self.token_buf + have * self.block_size, upto - have,
+                             self.block_size, self.ident_buf + have * IDENTITY_SIZE)
+        self.num_identified = upto
+        return 0
+
+    def identities(self, Py_ssize_t first, Py_ssize_t stop):
+        """The identity digests of full blocks ``first..stop-1`` (tokens
+        known), ``32 * (stop - first)`` bytes: what a prefix-store lookup
+        checks entries against, and what these blocks register with."""
+        self._check_setup()
+        if not 0 <= first <= stop or stop * self.block_size > self.num_tokens:
+            raise ValueError(f"internal: no full blocks {first}..{stop - 1}")
+        self._identify(stop)
+        return (<char*>self.ident_buf)[first * IDENTITY_SIZE:stop * IDENTITY_SIZE] \
+            if stop > first else b""
+
     cdef int _register_ready(self) except -1:
-        """Offer the full, committed blocks with known tokens to the cache."""
+        """Offer the full, committed blocks with known tokens to the cache
+        (with their identity digests, on a pool with stores)."""
         cdef Py_ssize_t upto, first
         cdef int64_t parent
+        cdef const unsigned char* idents = NULL
         if not self.caching:
             return 0
         upto = min(self.num_computed, self.num_tokens) // self.block_size
@@ -468,11 +510,15 @@ cdef class SeqCore:
             return 0
         first = self.num_registered
         _fit(<void**>&self.block_serials, &self.serial_cap, upto, sizeof(int64_t), first)
+        if self._core.publish_evictions:
+            self._identify(upto)      # (off the pool's lock)
+            idents = self.ident_buf
         parent = self.block_serials[first - 1] if first else self.root_serial
         self.lock_acquire()
         try:
             self._core.c_register(<block_id_t*>_ptr(self.table), self.hash_buf, self.token_buf,
-                                  first, upto, parent, self.block_serials, self.root0, self.root1)
+                                  first, upto, parent, self.block_serials, self.root0, self.root1,
+                                  idents)
         finally:
             self.lock_release()
         self.num_registered = upto
@@ -560,9 +606,11 @@ cdef class SeqCore:
         out and the prefix-cache counts.  The hit blocks, or SHORT
         (``failed_free_blocks`` set; nothing taken)."""
         cdef PoolCore core = self._core
-        cdef Py_ssize_t total = self._blocks_for(n), hits
+        cdef Py_ssize_t total = self._blocks_for(n), hits, i
         cdef int64_t root = self.root_serial
         cdef block_id_t* ids = <block_id_t*>_ptr(table)
+        if core.publish_evictions:     # room for the hits' identity digests
+            _fit(<void**>&self.ident_buf, &self.ident_cap, max_hit, IDENTITY_SIZE, 0)
         self.lock_acquire()
         try:
             if total >= NOGIL_BLOCKS:
@@ -575,12 +623,19 @@ cdef class SeqCore:
             if hits < 0:
                 self.failed_free_blocks = core.num_uncached_free + core.num_lru_free
                 return ST_SHORT
-            if core.num_evict_log and self.binding.on_evict is not None:
-                # copied out now (before anything writes the blocks), put
-                # into the stores by the caller after its store lookup: a
-                # spill first could push out the very entries the lookup
+            if core.publish_evictions:
+                # the hits' digests, as the pool keeps them (held now: they
+                # stay cached), so that none is computed twice
+                for i in range(hits):
+                    memcpy(self.ident_buf + i * IDENTITY_SIZE, &core.identity[ids[i], 0],
+                           IDENTITY_SIZE)
+                self.num_identified = hits
+            if core.num_evict_log and self.binding.copy_out_evicted is not None:
+                # copied out now (before anything writes the blocks),
+                # published by the caller after its store lookup: published
+                # first, they could push out the very entries the lookup
                 # (and probe) counts on
-                self.held_spill = self.binding.on_evict(True)
+                self.held_records = self.binding.copy_out_evicted()
             if self.caching:
                 core.prefix_queries += n
                 core.prefix_hits += hits * self.block_size
@@ -600,11 +655,11 @@ cdef class SeqCore:
         self._invalidate()
         self.state = S_LIVE
 
-    def take_held_spill(self):
-        """What the last ``allocate`` evicted, copied out for the pool's
-        prefix stores and not yet put there (None: nothing); the caller
-        puts it (once: this clears it)."""
-        held, self.held_spill = self.held_spill, None
+    def take_held_records(self):
+        """The records of what the last ``allocate`` evicted, copied out for
+        the pool's prefix stores and not yet published (None: nothing); the
+        caller publishes them (once: this clears them)."""
+        held, self.held_records = self.held_records, None
         return held
 
     def adopt_loaded(self, Py_ssize_t m):
@@ -679,11 +734,12 @@ cdef class SeqCore:
 
     cdef cnp.ndarray _take_fresh(self, Py_ssize_t need):
         """``need`` blocks off the pool (lock held; the caller checked that
-        it has them); cached blocks that evicted go to the spill hook."""
+        it has them); the cached blocks that evicted are published to the
+        pool's stores."""
         cdef cnp.ndarray fresh = _empty(need, cnp.NPY_INT32)
         self._core.c_take(need, <block_id_t*>_ptr(fresh))
-        if self._core.num_evict_log and self.binding.on_evict is not None:
-            self.binding.on_evict()
+        if self._core.num_evict_log and self.binding.publish_evicted is not None:
+            self.binding.publish_evicted()
         return fresh
 
     cdef int _copy_on_write(self, cnp.ndarray shared, Py_ssize_t ncow,
@@ -904,6 +960,7 @@ cdef class SeqCore:
         for i in range(self.num_layers):
             self.pending[i] = max(0, min(old_nc + self.pending[i], n) - self.num_computed)
         self.num_hashed = min(self.num_hashed, self.num_tokens // bs)
+        self.num_identified = min(self.num_identified, self.num_tokens // bs)
         self.num_registered = min(self.num_registered, n // bs)
         self._invalidate()
 
@@ -928,6 +985,7 @@ cdef class SeqCore:
         child.num_computed = self.num_computed
         child.num_held = self.num_held
         child.num_hashed = self.num_hashed
+        child.num_identified = self.num_identified
         child.num_registered = self.num_registered
         if self.num_held or self.root_serial < -1:
             self.lock_acquire()
@@ -955,6 +1013,7 @@ cdef class SeqCore:
         self._take_buffers(src)
         self.num_tokens = src.num_tokens
         self.num_hashed = src.num_hashed
+        self.num_identified = src.num_identified
         self.num_computed = src.num_computed
         # (the pools' geometries match whenever src holds blocks; without
         # blocks nothing is pending)
@@ -964,8 +1023,8 @@ cdef class SeqCore:
         self._register_ready()
 
     cdef int _take_buffers(self, SeqCore src) except -1:
-        """Copies of src's known token ids, hashes and serials (this
-        sequence is fresh)."""
+        """Copies of src's known token ids, hashes, serials and identity
+        digests (this sequence is fresh)."""
         free(self.token_buf)
         self.token_buf = NULL
         self.token_buf = <token_t*>_dup(src.token_buf, src.num_tokens, sizeof(token_t), &self.token_cap)
@@ -976,6 +1035,10 @@ cdef class SeqCore:
         free(self.block_serials)
         self.block_serials = NULL
         self.block_serials = <int64_t*>_dup(src.block_serials, src.num_registered, sizeof(int64_t), &self.serial_cap)
+        free(self.ident_buf)
+        self.ident_buf = NULL
+        self.ident_buf = <unsigned char*>_dup(src.ident_buf, src.num_identified, IDENTITY_SIZE,
+                                              &self.ident_cap)
         return 0
 
     cdef int _release_tail(self, Py_ssize_t keep) except -1:
@@ -1020,7 +1083,7 @@ cdef class SeqCore:
         finally:
             self.lock_release()
         self._reset_state()
-        self.held_spill = None
+        self.held_records = None
         self.state = S_NEW
 
     def free(self):
@@ -1037,7 +1100,9 @@ cdef class SeqCore:
         free(self.token_buf)
         free(self.hash_buf)
         free(self.block_serials)
+        free(self.ident_buf)
         self.token_buf = NULL
         self.hash_buf = NULL
         self.block_serials = NULL
-        self.token_cap = self.hash_cap = self.serial_cap = 0
+        self.ident_buf = NULL
+        self.token_cap = self.hash_cap = self.serial_cap = self.ident_cap = 0

@@ -20,6 +20,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .._forksafe import RENEW, fork_guard
+
 #: result of a command whose node failed, was skipped or refused it
 FAILED = object()
 
@@ -72,6 +74,13 @@ class ClusterBatches:
         self._local = threading.local()
         self._executor = None
         self._executor_pid = None
+        # a forked child re-initialises both locks (a parent's thread may
+        # have held one across a slow call) and makes its own executor
+        fork_guard(self, "_lock", RENEW)
+        fork_guard(self, "_client_lock", RENEW)
+
+    def _after_fork_child(self):
+        self._refreshing = False     # (the parent's refresh thread is not here)
 
     # ------------------------------------------------------------ client
     @property
@@ -121,7 +130,7 @@ class ClusterBatches:
             self._refreshed = now
             self._refreshing = True
         try:
-            self._pool().submit(self._refresh_now, client)
+            self._workers().submit(self._refresh_now, client)
         except RuntimeError:        # the store is closing
             with self._lock:
                 self._refreshing = False
@@ -144,7 +153,7 @@ class ClusterBatches:
                     del self._down[name]
                 self._stale = bool(self._down)
 
-    def _pool(self):
+    def _workers(self):
         with self._lock:
             if self._executor is None or self._executor_pid != os.getpid():
                 # a forked child has none of its parent's threads: make new ones
@@ -241,8 +250,8 @@ class ClusterBatches:
                     res = e
                 out.append((name, (node, idx), res))
             return out
-        pool = self._pool()
-        futures = [pool.submit(self._send, client, node, [commands[j] for j in idx])
+        workers = self._workers()
+        futures = [workers.submit(self._send, client, node, [commands[j] for j in idx])
                    for _, (node, idx) in items]
         out = []
         for (name, group), fut in zip(items, futures):

@@ -2,17 +2,20 @@
 the handle of a prefetch.
 
 A pool with stores below an in-memory first tier pushes spills down on one
-worker thread (``StoreTiers``) and runs prefetches on a second (so that a
-prefetch does not queue behind a slow Redis put).  A worker runs its jobs
-in order; its thread starts with the first job and ends after
-``_IDLE_EXIT`` idle seconds, so a pool that is dropped leaves no thread
-behind.  A job never raises: what it cannot do becomes a miss and a
-``StoreWarning`` recorded for the pool's caller (the warnings are issued
-from the caller's thread, never from a worker).
+worker thread and runs prefetches on a second (so that a prefetch does not
+queue behind a slow Redis put).  A worker runs its jobs in order; its thread
+starts with the first job and ends after ``_IDLE_EXIT`` idle seconds (or at
+once when stopped), so a pool that is dropped leaves no thread behind.  A
+job never raises: what it cannot do becomes a miss and a ``StoreWarning``
+recorded for the pool's caller (the warnings are issued from the caller's
+thread, never from a worker).  Across ``fork`` (kvcore._forksafe) a child
+starts with no worker thread; the jobs still queued run on its own.
 """
 import collections
-import os
 import threading
+import time
+
+from .._forksafe import WORKER, fork_guard
 
 _IDLE_EXIT = 2.0
 
@@ -32,6 +35,17 @@ def check_timeout(timeout):
     return timeout
 
 
+def deadline_of(timeout):
+    """The ``time.monotonic()`` by which a wait of ``timeout`` (checked;
+    None: no limit) ends, or None."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def time_left(deadline):
+    """Seconds left until ``deadline`` (None: no limit), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def on_worker_thread():
     """True on a store worker's thread (whose warnings wait for a caller)."""
     return getattr(threading.current_thread(), "kvcore_store_worker", False)
@@ -45,23 +59,22 @@ class Worker:
         self._cond = threading.Condition()
         self._jobs = collections.deque()
         self._running = False
+        self._stopping = False
         self._thread = None
-        self._pid = os.getpid()
+        fork_guard(self, "_cond", WORKER)
 
-    def _after_fork(self):
-        """In a child process (``fork``) the parent's thread is gone and its
-        condition may have been held at the fork: start afresh (the jobs
-        still queued run on the child's own thread)."""
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._cond = threading.Condition()
-            self._thread = None
-            self._running = False
+    def _after_fork_child(self):
+        """The parent's thread is not in this child (the job it was running
+        is not either): the jobs still queued wait for the next submit or
+        wait, which start a thread of the child's own."""
+        self._thread = None
+        self._running = False
+        self._stopping = False
 
     def submit(self, job):
-        self._after_fork()
         with self._cond:
             self._jobs.append(job)
+            self._stopping = False
             if self._thread is None:
                 t = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 t.kvcore_store_worker = True
@@ -72,7 +85,6 @@ class Worker:
     def wait_idle(self, timeout=None):
         """Wait until every job submitted so far has run (True), or
         ``timeout`` seconds passed (False).  On the worker itself: True."""
-        self._after_fork()
         if threading.current_thread() is self._thread:
             return True
         if self._jobs and self._thread is None:   # (queued before a fork)
@@ -81,13 +93,19 @@ class Worker:
             return self._cond.wait_for(lambda: not self._jobs and not self._running, timeout)
 
     def stop(self, timeout=None):
-        """Run what is queued, then end the thread (a later submit starts a new one)."""
+        """Run what is queued, then end the thread (a later submit starts a
+        new one); waits at most ``timeout`` seconds in all.  Returns False
+        when the jobs had not all run by then (they go on in the
+        background)."""
+        deadline = deadline_of(timeout)
         done = self.wait_idle(timeout)
         with self._cond:
             t = self._thread
+            if done:
+                self._stopping = True
             self._cond.notify_all()
-        if t is not None and t is not threading.current_thread() and done:
-            t.join(_IDLE_EXIT + 1.0)
+        if done and t is not None and t is not threading.current_thread():
+            t.join(time_left(deadline))
         return done
 
     def _loop(self):
@@ -95,10 +113,11 @@ class Worker:
             with self._cond:
                 self._running = False
                 self._cond.notify_all()
-                if not self._jobs:
-                    self._cond.wait_for(lambda: self._jobs, _IDLE_EXIT)
+                if not self._jobs and not self._stopping:
+                    self._cond.wait_for(lambda: self._jobs or self._stopping, _IDLE_EXIT)
                 if not self._jobs:
                     self._thread = None
+                    self._stopping = False
                     self._cond.notify_all()
                     return
                 job = self._jobs.popleft()
@@ -169,6 +188,17 @@ class Prefetch:
 
     def _finish(self):
         self._done.set()
+
+    def _after_fork_child(self):
+        """In a forked child: the prefetch ran (or was queued) for the
+        parent, whose worker thread is not here; it is cancelled and done
+        (its locks fresh: a thread of the parent may have held them)."""
+        self._lock = threading.Lock()
+        self._done._at_fork_reinit()
+        self._cancelled._at_fork_reinit()
+        if not self._done.is_set():
+            self._cancelled.set()
+            self._done.set()
 
     def __repr__(self):
         state = "done" if self.done() else "running"

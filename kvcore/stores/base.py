@@ -35,7 +35,23 @@ it, counted as ``spills_dropped`` in the pool's stats).
 ``namespace`` (bytes) enters the layout fingerprint, so entries of another
 namespace are never found; ``hmac_key`` (bytes or None) makes the pool sign
 what it stores there and accept only entries whose HMAC holds.
+
+What a pool hands its stores is a :class:`BlockRecord` per cached block it
+evicts (or flushes), published on its store port's record queue
+(docs/stores.md, "The pool's store port").
 """
+import collections
+
+#: One cached block as the pool publishes it to its stores, self-contained
+#: (copied out under the pool's lock; nothing in it refers back to the pool):
+#: ``block_id`` (int, where it was), ``hash`` (16 bytes, its chained hash),
+#: ``parent_hash`` (16 bytes: the parent block's chained hash, the salt's
+#: chain root for block 0), ``chain_root`` (16 bytes: the salt's chain root),
+#: ``identity`` (32 bytes: its identity digest, BLAKE2b-256 chained over the
+#: salt and every token id up to its end), ``tokens`` (int32 array, its token
+#: ids) and ``payload`` (uint8 array: its KV bytes, ``StorePort.export_blocks``).
+BlockRecord = collections.namedtuple(
+    "BlockRecord", "block_id hash parent_hash chain_root identity tokens payload")
 
 
 class PrefixStore:

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from . import _format
+from .._forksafe import LEAF, fork_guard
 from .base import PrefixStore
 
 _SUFFIX = ".kve"
@@ -24,11 +25,21 @@ _OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _OPEN_TMP = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
              | getattr(os, "O_CLOEXEC", 0))
+# PATH/.lock is untrusted too: never through a link (a dangling one planted
+# there would make this process create its target), never blocking (a FIFO),
+# and only a regular file is locked (read-only is enough for flock)
+_OPEN_LOCK = (os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+              | getattr(os, "O_CLOEXEC", 0))
 
 
 class _NotAnEntry(OSError):
     """What a path named like an entry holds is not a regular file (a
     link, FIFO, directory, device ...): never read, never forwarded."""
+
+
+class DiskStoreLocked(OSError):
+    """A DiskStore could not lock or trim its directory, so it wrote nothing
+    (its directory must not outgrow ``capacity_bytes``); reads go on."""
 
 
 def _open_entry(path):
@@ -95,13 +106,22 @@ class DiskStore(PrefixStore):
     An entry is written to a temporary file in its final directory and
     renamed into place (``os.replace``), so a reader sees a whole old entry,
     a whole new one, or none; concurrent writers of one key both succeed
-    and one of their (identical) entries stays.  Trimming to capacity runs
-    after every ``put``, under an exclusive ``flock`` on ``PATH/.lock``,
-    over a fresh listing of the directory, so processes sharing it keep it
-    within capacity between them (the listing costs a ``stat`` per entry
-    file: size ``capacity_bytes`` for entries of megabytes, not bytes).  A
-    torn or corrupted file is caught by the entry's checksum when read, and
-    is then a miss.
+    and one of their (identical) entries stays.  Each ``put`` first makes
+    room for its batch: once, under an exclusive ``flock`` on
+    ``PATH/.lock``, over a fresh listing of the directory, it removes the
+    least recently used files until the batch fits below
+    ``low_watermark * capacity_bytes`` (so the next puts find room), and
+    only then writes; entries beyond what fits in ``capacity_bytes`` at
+    all go to the next tier unwritten.  Processes sharing the directory
+    keep it within capacity between them (the listing costs a ``stat`` per
+    entry file: size ``capacity_bytes`` for entries of megabytes, not
+    bytes).  A put that cannot lock ``PATH/.lock`` (held by another process
+    past ``lock_timeout``, or not a regular file this process can open: a
+    directory, a link, a FIFO, another user's file) or cannot trim writes
+    nothing and raises :class:`DiskStoreLocked` (the pool: a miss, a
+    ``StoreWarning``, ``failures`` counted, the entries handed to the next
+    store); lookups go on.  A torn or corrupted file is caught by the
+    entry's checksum when read, and is then a miss.
 
     Every file in the directory is untrusted: entries are opened without
     following links and without blocking, and only regular files are read,
@@ -121,9 +141,13 @@ class DiskStore(PrefixStore):
     lock_timeout = 1.0
     #: a temporary file (``.tmp-*``, an entry being written) not modified
     #: for this many seconds was left by a writer that died or hung; the
-    #: next trim (after a put, and when a store opens the directory)
+    #: next trim (before a put, and when a store opens the directory)
     #: removes it
     stale_tmp_seconds = 600.0
+    #: a put that has to trim frees room down to this fraction of
+    #: ``capacity_bytes`` (below its own batch), so that the puts after it
+    #: need not remove anything
+    low_watermark = 0.9
 
     def __init__(self, path, capacity_bytes, namespace="", hmac_key=None):
         if capacity_bytes is None:
@@ -146,6 +170,7 @@ class DiskStore(PrefixStore):
                              f"{e.strerror or e}") from e
         self.path = os.path.abspath(path)
         self._lock = threading.Lock()
+        fork_guard(self, "_lock", LEAF)
         stale = []
         self._used = sum(size for _, size, _ in self._listing(stale))
         self._unlink_all(stale)
@@ -255,37 +280,36 @@ class DiskStore(PrefixStore):
         return out
 
     def put(self, items):
+        items = list(items)
+        # what cannot fit at all goes on unwritten (the newest entries stay)
+        cap, fit, keep = self.capacity_bytes, 0, len(items)
+        while keep and fit + len(items[keep - 1][1]) <= cap:
+            keep -= 1
+            fit += len(items[keep][1])
+        dropped = items[:keep]
+        trimmed = []
         grown = 0
-        dropped = []
         try:
-            for k, v in items:
+            # room for the batch first (one listing, under PATH/.lock):
+            # nothing is written unless it fits
+            trimmed = self._trim(fit)
+            for k, v in items[keep:]:
                 g = self._write(k, v)
                 if g is None:        # no place of ours for it: the next tier's
                     dropped.append((k, v))
                     continue
                 grown += g
-                if self._used + grown > self.capacity_bytes:
-                    # trim as soon as this batch would pass the bound, not
-                    # after the whole batch (a big flush must never fill the disk)
-                    with self._lock:
-                        self._used += grown
-                    grown = 0
-                    dropped.extend(self._trim())
-            with self._lock:
-                self._used += grown
-            grown = 0
-            # other processes write here too: the bound is checked against a
-            # fresh listing after every put (one scandir of the directory)
-            dropped.extend(self._trim())
         except BaseException as e:
-            # what this put already wrote counts; what its trims removed
-            # from the disk goes on to the next tier with the exception
+            # what the trim removed from the disk goes on to the next tier
+            # with the exception (the pool hands on the batch itself)
+            removed = trimmed or list(getattr(e, "dropped", None) or ())
+            if removed:
+                e.dropped = removed
+            raise
+        finally:
             with self._lock:
                 self._used += grown
-            if dropped:
-                e.dropped = dropped
-            raise
-        return dropped
+        return trimmed + dropped
 
     def _write(self, k, v):
         """Write entry ``k`` (a temporary file, then a rename, both inside
@@ -336,44 +360,86 @@ class DiskStore(PrefixStore):
             os.close(dfd)
         return len(v) - old
 
-    def _trim(self):
-        """Remove least recently used files until within capacity; their
-        entries are returned (for the next tier).  What is named like an
-        entry but is not a regular file is removed (a link: the link, not
-        what it points to) and never read; an entry file that cannot be
-        read (or whose size is not the one its header promises) is removed
-        without being handed on; one that cannot be removed either is
-        passed over: the trim goes on with the others."""
+    def _trim(self, room=0):
+        """Make room for ``room`` more bytes: under ``PATH/.lock``, remove
+        least recently used files until the directory holds at most
+        ``capacity_bytes - room`` (``low_watermark * capacity_bytes - room``
+        when it has to remove any); their entries are returned (for the
+        next tier).  What is named like an entry but is not a regular file
+        is removed (a link: the link, not what it points to) and never
+        read; an entry file that cannot be read (or whose size is not the
+        one its header promises) is removed without being handed on; one
+        that cannot be removed either is passed over: the trim goes on with
+        the others.  Raises :class:`DiskStoreLocked` when it cannot lock
+        the directory or make the room (nothing may be written then)."""
         dropped = []
-        lock_path = os.path.join(self.path, ".lock")
-        with open(lock_path, "a+b") as lock:
-            self._lock_file(lock)
+        fd = self._open_lock()
+        try:
+            self._lock_file(fd)
             try:
                 stale, bad = [], []
                 files = self._listing(stale, bad)
                 self._unlink_all(stale)
                 self._unlink_all(bad)
                 used = sum(size for _, size, _ in files)
-                files = sorted(files, key=lambda e: e[2]) if used > self.capacity_bytes else []
-                for p, size, _ in files:
-                    if used <= self.capacity_bytes:
-                        break
-                    value = self._take(p)
-                    try:
-                        os.unlink(p)
-                    except FileNotFoundError:
-                        value = None
-                    except OSError:
-                        continue       # not ours to remove: it keeps its room
-                    used -= size
-                    if value is not None:
-                        key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
-                        dropped.append((key, value))
+                cap = self.capacity_bytes
+                if used + room > cap:
+                    low = int(cap * self.low_watermark)
+                    target = low - room if room <= low else cap - room
+                    for p, size, _ in sorted(files, key=lambda e: e[2]):
+                        if used <= target:
+                            break
+                        value = self._take(p)
+                        try:
+                            os.unlink(p)
+                        except FileNotFoundError:
+                            value = None
+                        except OSError:
+                            continue       # not ours to remove: it keeps its room
+                        used -= size
+                        if value is not None:
+                            key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
+                            dropped.append((key, value))
             finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
         with self._lock:
             self._used = used
+        if used + room > self.capacity_bytes:
+            e = DiskStoreLocked(errno.ENOSPC, f"DiskStore {self.path}: {used} bytes it "
+                                f"cannot remove leave no room for {room} more within "
+                                f"capacity_bytes={self.capacity_bytes}; nothing written")
+            e.dropped = dropped
+            raise e
         return dropped
+
+    def _open_lock(self):
+        """A descriptor of ``PATH/.lock`` (created if missing), a regular
+        file opened without following a link or blocking; raises
+        :class:`DiskStoreLocked` otherwise."""
+        path = os.path.join(self.path, ".lock")
+        why = None
+        try:
+            fd = os.open(path, _OPEN_LOCK, 0o644)
+        except OSError as e:
+            why, code = e.strerror or str(e), e.errno
+            if e.errno == errno.ELOOP:
+                why = "it is a symbolic link"
+        else:
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                os.close(fd)
+                raise DiskStoreLocked(e.errno, f"DiskStore cannot lock {path}: "
+                                      f"{e.strerror}; nothing written") from None
+            if stat.S_ISREG(st.st_mode):
+                return fd
+            os.close(fd)
+            why, code = "it is not a regular file", errno.EINVAL
+        raise DiskStoreLocked(code, f"DiskStore cannot lock {path}: {why}; nothing written "
+                                    "until it can (the directory must stay within "
+                                    "capacity_bytes)")
 
     def _take(self, path):
         """The bytes of the entry file at ``path`` for the next tier, or None
@@ -406,18 +472,19 @@ class DiskStore(PrefixStore):
             except OSError:
                 pass
 
-    def _lock_file(self, lock):
-        """Exclusive flock on ``lock``, waiting at most ``lock_timeout``."""
+    def _lock_file(self, fd):
+        """Exclusive flock on descriptor ``fd`` (``PATH/.lock``), waiting at
+        most ``lock_timeout``."""
         deadline = time.monotonic() + self.lock_timeout
         while True:
             try:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
-                        f"another process held {lock.name} for more than "
-                        f"{self.lock_timeout} s (DiskStore.lock_timeout)") from None
+                        f"another process held {os.path.join(self.path, '.lock')} for more "
+                        f"than {self.lock_timeout} s (DiskStore.lock_timeout)") from None
                 time.sleep(_LOCK_POLL)
 
     def delete(self, keys):

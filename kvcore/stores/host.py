@@ -2,6 +2,7 @@
 import collections
 import threading
 
+from .._forksafe import LEAF, fork_guard
 from .base import PrefixStore
 
 
@@ -31,6 +32,7 @@ class HostStore(PrefixStore):
         self._entries = collections.OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
+        fork_guard(self, "_lock", LEAF)
 
     def contains(self, keys):
         with self._lock:

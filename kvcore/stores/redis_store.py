@@ -305,10 +305,10 @@ def _startup_nodes(startup_nodes):
     out = []
     for i, node in enumerate(startup_nodes):
         if isinstance(node, str):
-            host, sep, port = node.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            host, sep, digits = node.rpartition(":")
+            if not sep or not host or not digits.isdigit():
                 raise ValueError(f"startup_nodes[{i}] must be 'host:port', got {node!r}")
-            port = int(port)
+            port = int(digits)
         elif isinstance(node, tuple) and len(node) == 2:
             host, port = node
             if not isinstance(host, str) or not host or isinstance(port, bool) \

@@ -44,7 +44,7 @@ import kvcore
 from ._timing import ratio_text, samples, table
 
 BLOCK = 16
-PREFETCH_STEP = 16      # kvcore.stores._tiers.PREFETCH_STEP: blocks a prefetch holds at once
+PREFETCH_STEP = 16      # kvcore._pool_stores.PREFETCH_STEP: blocks a prefetch holds at once
 
 
 def _stat(s):

@@ -1,0 +1,58 @@
+"""How many CPU threads kvcore's parallel kernels may use (process-wide):
+attention (``kvcore.set_num_threads``) and the prefix stores' checksummed
+copy into a pool.  A module of its own so that every layer can read it."""
+import os
+import threading
+
+from ._validate import index_int
+
+MAX_THREADS = 1024
+
+_threads_lock = threading.Lock()
+_num_threads = None
+
+
+def _default_num_threads():
+    """The CPUs this process may run on, capped by OMP_NUM_THREADS when set."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    limit = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if limit.isdigit() and int(limit) > 0:
+        n = min(n, int(limit))
+    return max(1, min(n, MAX_THREADS))
+
+
+def set_num_threads(n):
+    """Threads attention may use on the CPU (process-wide; a plan takes the
+    count when it is made).
+
+    Parameters
+    ----------
+    n : int
+        1 .. 1024.  The default is the number of CPUs this process may run
+        on (``os.sched_getaffinity``), capped by ``OMP_NUM_THREADS`` if set.
+
+    Notes
+    -----
+    The result has the same bits for every thread count: how a call is split
+    into work depends only on its arguments.  A call uses fewer threads
+    than this when it has too little work to repay waking them (a short
+    decode runs on the calling thread).
+    """
+    global _num_threads
+    v = index_int(n, "n")
+    if not 1 <= v <= MAX_THREADS:
+        raise ValueError(f"n must be in 1..{MAX_THREADS}, got {v}")
+    with _threads_lock:
+        _num_threads = v
+
+
+def get_num_threads():
+    """Threads ``paged_attention`` uses on the CPU (see :func:`set_num_threads`)."""
+    global _num_threads
+    with _threads_lock:
+        if _num_threads is None:
+            _num_threads = _default_num_threads()
+        return _num_threads
