@@ -17,11 +17,13 @@ from kvcore.dtypes import BF16, F16, F8E4M3, F8E5M2, I8
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_cases import FP8_SCALES, _attention_case, cupy_device_under_test, cupy_put as _put
     from ._cuda_env import cuda_backend_or_skip
-    from .test_attention_cuda_emulation import PREFILL_TOL, TC_IO, _prefill_case
+    from .test_attention_cuda_emulation import (FEATURE_CASES, PREFILL_TOL, TC_IO, _features,
+                                                _prefill_case)
 except ImportError:
     from _cuda_cases import FP8_SCALES, _attention_case, cupy_device_under_test, cupy_put as _put
     from _cuda_env import cuda_backend_or_skip
-    from test_attention_cuda_emulation import PREFILL_TOL, TC_IO, _prefill_case
+    from test_attention_cuda_emulation import (FEATURE_CASES, PREFILL_TOL, TC_IO, _features,
+                                               _prefill_case)
 
 # Skips the module only without CuPy or without a GPU (none of the imports
 # above needs either); fails it when both are there but the backend does not work.
@@ -114,3 +116,20 @@ def test_tensor_core_decode_on_the_gpu(dev, kind, group):
                             q_dtype=q_dtype, out_dtype=out_dtype,
                             plan_hook=lambda p: names.append(p.tc_items is not None))
             assert names == [True]
+
+
+@pytest.mark.parametrize("which", FEATURE_CASES)
+def test_features_on_the_gpu(dev, which):
+    """Issue 39 / 38.3 on the device: chunked attention, ALiBi, sinks and
+    extreme scales through the tensor-core decode (float16 q), the float32
+    decode (float32 q, e4m3 pages) and the tensor-core prefill, against
+    the float64 reference."""
+    rng = np.random.default_rng([43, FEATURE_CASES.index(which)])
+    feats = _features(rng, 32, which)
+    for kind, q_dtype in ((F16, "float16"), (F8E4M3, "float32")):
+        _attention_case(dev, rng, kind, 128, 32, 8, contexts=[3000, 17, 700, 1],
+                        queries=[1, 1, 5, 1], block_size=16, layer_scales=FP8_SCALES,
+                        q_dtype=q_dtype, **feats)
+    _, _, err = _prefill_case(dev, rng, F16, 128, 32, 8, contexts=[900], queries=[700],
+                              block_size=16, q_dtype="float16", **feats)
+    assert err <= PREFILL_TOL[F16], err

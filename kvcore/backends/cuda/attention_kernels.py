@@ -203,7 +203,11 @@ TC_HEAD_DIMS = (64, 80, 96, 128)
 TC_ROWS = 16       # KVT_ROWS: pairs per item (the mma's m)
 TC_WARPS = 4       # KVT_WARPS
 TC_KEYS = 16       # KVT_KEYS: keys per warp tile
-TC_STAGES = 2      # KVT_STAGES
+# KvtCfg::STAGES: buffers per warp, 3 for rows of 128 bytes or less, else 2
+def tc_stages(kind, head_dim):
+    return 3 if head_dim * dtypes.ITEMSIZE[kind] <= 128 else 2
+
+
 TC_THREADS = 32 * TC_WARPS
 # Splits sized from the device: about TC_BLOCKS_PER_SM blocks per
 # multiprocessor (~70-110 KB of shared memory and ~170 registers a thread
@@ -237,7 +241,7 @@ def tc_smem(kind, head_dim):
     """Bytes of dynamic shared memory of ``kva_decode_tc<kind, head_dim, *>``
     (its KvtCfg::SMEM)."""
     row = head_dim * dtypes.ITEMSIZE[kind]
-    pipe = TC_WARPS * TC_STAGES * 2 * TC_KEYS * (row + 16)
+    pipe = TC_WARPS * tc_stages(kind, head_dim) * 2 * TC_KEYS * (row + 16)
     merge = TC_WARPS * TC_ROWS * (head_dim + 2) * 4 + (TC_WARPS + 4) * TC_ROWS * 4
     weights = (2 * TC_MAX_SPLITS + 2) * TC_ROWS * 4
     return max(pipe, merge, weights) + TC_ROWS * (2 * head_dim + 16) + TC_ROWS * 8 + 16

@@ -141,7 +141,7 @@ def run(quick=False, attention=True, anchor=False):
             return _median_seconds(fn, cp_record, cp_elapsed, repeat, calls)
 
         if anchor:
-            out["anchor"] = gpu_attention.run(be, cp, torch, time_fn, ceiling, quick)
+            out["anchor"] = gpu_attention.run(be, cp, torch, time_fn, ceiling)
             be.synchronize()
             return out
 
@@ -207,7 +207,7 @@ def run(quick=False, attention=True, anchor=False):
             row("gather f16", n, nbytes, t_kv, t_t)
         del storage, key_cache, t_cache
         if attention:
-            out["anchor"] = gpu_attention.run(be, cp, torch, time_fn, ceiling, quick)
+            out["anchor"] = gpu_attention.run(be, cp, torch, time_fn, ceiling)
             out["attention"] = [_captured_step(be, cp, cp_time, rng)]
             if torch is not None:
                 n = 4096 if quick else 8192

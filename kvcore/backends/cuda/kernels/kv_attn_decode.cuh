@@ -14,9 +14,9 @@
  *
  * A block is 4 warps; warp w takes the item's 16-key tiles w, w + 4, ...
  * with its own online softmax.  Each warp streams its tiles through its
- * own two buffers of shared memory (K and V rows copied 16 bytes at a time
- * with cp.async, the next tile in flight while one is reduced; no block
- * barrier in the loop).  Per tile:
+ * own two or three buffers of shared memory (K and V rows copied 16 bytes
+ * at a time with cp.async, the next tiles in flight while one is reduced;
+ * no block barrier in the loop).  Per tile:
  *   S = Q K^T: 2 n8 tiles of keys x D / 16 k-steps of mma.m16n8k16, Q's A
  *     fragments held in registers (D <= 128) or read from shared memory
  *     per tile (D = 256); float16 / bfloat16 K by ldmatrix, fp8 K widened
@@ -53,7 +53,6 @@
 #define KVT_WARPS 4
 #define KVT_KEYS 16 /* keys per warp tile (the PV mma's k) */
 #define KVT_ROWS 16 /* (query, head) pairs per item (the mma's m) */
-#define KVT_STAGES 2
 #define KVT_MAX_SPLITS 256 /* splits of a unit (their weights fit the merge area) */
 
 template <int KIND, int D, int MT> struct KvtCfg {
@@ -64,7 +63,10 @@ template <int KIND, int D, int MT> struct KvtCfg {
     static constexpr int VPR = ROW / 16;           /* 16-byte copies per row */
     static constexpr int TILE = KVT_KEYS * RS;     /* bytes of a K (or V) tile */
     static constexpr int STAGE = 2 * TILE;
-    static constexpr int PIPE = KVT_WARPS * KVT_STAGES * STAGE;
+    /* buffers per warp: 3 for rows of 128 bytes or less (fp8, head_dim 64:
+     * two tiles in flight keep enough bytes moving), else 2 */
+    static constexpr int STAGES = ROW <= 128 ? 3 : 2;
+    static constexpr int PIPE = KVT_WARPS * STAGES * STAGE;
     /* the merges: the warps' partials and per pair their weights, max,
      * sum and norm; the last split's (m, l) per (split, pair) and norms */
     static constexpr int NORMS = (KVT_WARPS + 4) * KVT_ROWS * 4;
@@ -230,7 +232,7 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     const KvaDiv bdiv = kva_div_init((unsigned)block_size);
     const kva_i64 pb0 = k0 / block_size;
     const unsigned poff0 = (unsigned)(k0 - pb0 * block_size);
-    unsigned char *wbuf = smem + warp * KVT_STAGES * C::STAGE;
+    unsigned char *wbuf = smem + warp * C::STAGES * C::STAGE;
     const unsigned char *kbase = (const unsigned char *)key_cache;
     const unsigned char *vbase = (const unsigned char *)value_cache;
 
@@ -274,12 +276,17 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     for (int nn = 0; nn < NT; nn++)
         acc[nn][0] = acc[nn][1] = acc[nn][2] = acc[nn][3] = 0.0f;
 
-    issue(warp, 0);
+    /* the first STAGES - 1 tiles in flight; then each tile's turn issues the
+     * one STAGES - 1 turns later, into the buffer read the turn before */
+#pragma unroll
+    for (int s = 0; s < C::STAGES - 1; s++)
+        issue(warp + s * KVT_WARPS, s);
     int stage = 0;
     for (int tile = warp; tile < ntiles; tile += KVT_WARPS) {
-        issue(tile + KVT_WARPS, stage ^ 1); /* its buffer was last read before the __syncwarp below */
-        kva_copy_wait<1>();                 /* this lane's copies of `tile` have landed */
-        __syncwarp();                       /* ... and every lane's */
+        const int ahead = stage == 0 ? C::STAGES - 1 : stage - 1; /* (stage + STAGES - 1) % STAGES */
+        issue(tile + (C::STAGES - 1) * KVT_WARPS, ahead); /* last read before the __syncwarp below */
+        kva_copy_wait<C::STAGES - 1>(); /* this lane's copies of `tile` have landed */
+        __syncwarp();                    /* ... and every lane's */
         const unsigned char *kt = wbuf + stage * C::STAGE, *vt = kt + C::TILE;
 
         /* S = Q K^T */
@@ -440,7 +447,7 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
             }
         }
         __syncwarp(); /* every lane is done with this stage before it is refilled */
-        stage ^= 1;
+        stage = stage + 1 == C::STAGES ? 0 : stage + 1;
     }
     kva_copy_wait<0>(); /* (the last group issued was empty) */
 
