@@ -12,7 +12,7 @@ _.offload
 _.prefetch
 _.batch_select_indices
 # read by the native pool (kvcore/_native/_pool.pyx: a cdef public field)
-_.log_evictions
+_.publish_evictions
 # read by transformers' generate (a GenerationConfig field)
 _.eos_token_id
 # set on a tokenizers.Tokenizer (kvcore/cli/llama.py): read by the library

@@ -153,6 +153,8 @@ def layer_lengths(value, arg, num_layers):
     """``sliding_window`` / ``chunk_size`` as one int per layer (0: off):
     None, a positive int (every layer), or a sequence of ``num_layers``
     entries, each None, 0 (off) or a positive int (per-layer kinds)."""
+    if value is None:
+        return (0,) * num_layers
     if isinstance(value, (list, tuple, range)) or \
             (isinstance(value, np.ndarray) and value.ndim == 1):
         entries = list(value)

@@ -271,8 +271,9 @@ class AttentionPlan:
                     scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                     chunk_size=chunk_size, alibi_slopes=alibi_slopes, sinks=sinks)
         self._bindable = True
-        if self._heads is not None:
-            self._plan_for(self._heads, 0)
+        heads = self._heads if self._heads is not None else num_heads
+        if heads is not None:
+            self._plan_for(heads, 0)
 
     @classmethod
     def _make(cls, src, block_tables, seq_lens, query_start_loc, num_tokens, layer, **features):
@@ -293,12 +294,13 @@ class AttentionPlan:
             be, num_tokens, src.head_dim, block_tables, seq_lens, query_start_loc, scale,
             logits_soft_cap)
         layers = src.num_layers
-        kinds = tuple(zip(_args.layer_lengths(sliding_window, "sliding_window", layers),
-                          _args.layer_lengths(chunk_size, "chunk_size", layers)))
+        windows = _args.layer_lengths(sliding_window, "sliding_window", layers)
+        chunks = _args.layer_lengths(chunk_size, "chunk_size", layers)
         if only_layer is not None:     # (one call: its layer's kind only)
-            kinds = (kinds[only_layer],) * layers
+            windows, chunks = (windows[only_layer],) * layers, (chunks[only_layer],) * layers
         alibi = _args.head_rows(alibi_slopes, "alibi_slopes", layers)
         sink_rows = _args.head_rows(sinks, "sinks", layers)
+        fixed = None      # the query heads the slopes and sinks fix
         for arg, rows in (("alibi_slopes", alibi), ("sinks", sink_rows)):
             if rows is None:
                 continue
@@ -306,17 +308,18 @@ class AttentionPlan:
             if num_heads is not None and heads != num_heads:
                 raise ValueError(f"{arg} must have num_heads={num_heads} entries per layer (the "
                                  f"plan's query heads), got {heads}")
-            num_heads = heads
-        be.check_attention_features(max(c for _, c in kinds), alibi is not None,
-                                    sink_rows is not None)
+            num_heads = fixed = heads
+        be.check_attention_features(max(chunks), alibi is not None, sink_rows is not None)
+        kinds = tuple(zip(windows, chunks))
         # The plan's own copies, made before the check: a caller changing its
         # arrays afterwards (or meanwhile, on another thread) changes nothing,
         # and every later backend plan is built from what was checked.
         tables32 = np.array(_args.int32_table(tables), dtype=np.int32, order="C", copy=True)
         lens = np.array(lens, dtype=np.int64, copy=True)
         qsl = np.array(qsl, dtype=np.int64, copy=True)
+        distinct = sorted(set(kinds))
         status, a, b = _args.check_tables(_HOST, tables32, lens, qsl, num_tokens, src.num_blocks,
-                                          src.block_size, sorted(set(kinds)))
+                                          src.block_size, distinct)
         if status is not None:
             _args.raise_table_error(status, a, b, tables, lens, qsl, src.block_size,
                                     src.num_blocks, num_tokens)
@@ -325,7 +328,8 @@ class AttentionPlan:
         self._num_tokens = num_tokens
         self._scale, self._cap, self._threads = scale_v, cap_v, threads
         self._kinds = kinds                  # (window, chunk) of each layer, 0: off
-        self._heads = num_heads              # query heads fixed at plan time, or None
+        self._mixed = len(distinct) > 1      # layers of several kinds
+        self._heads = fixed                  # query heads fixed at plan time, or None
         # host rows (the CPU fast path binds them) and the device's (runs)
         self._alibi_host, self._sinks_host = alibi, sink_rows
         self._alibi = None if alibi is None else be.from_host(alibi)
@@ -359,9 +363,10 @@ class AttentionPlan:
             num_blocks=src.num_blocks, kind=src.kind, scale=self._scale,
             sliding_window=kind[0], soft_cap=self._cap, chunk_size=kind[1],
             num_threads=self._threads)
-        share = getattr(plan, "share_guard", None)
-        if share is not None and self._plans:
-            share(next(iter(self._plans.values())))
+        if self._plans:     # (the plans of a step take turns: a host plan's guard)
+            share = getattr(plan, "share_guard", None)
+            if share is not None:
+                share(next(iter(self._plans.values())))
         self._plans[key] = plan
         return plan
 
@@ -382,7 +387,8 @@ class AttentionPlan:
         layers): the backend measures the stride from layer 0 and the last
         layer.  Layers of several kinds: every kind's plan is made now, and
         each layer runs on its kind's."""
-        plans = [self._kind_plan(num_heads, kind) for kind in self._kinds]
+        plans = [self._kind_plan(num_heads, kind) for kind in self._kinds] if self._mixed \
+            else [self._kind_plan(num_heads, self._kinds[0])]
         bind = getattr(plans[0], "bind", None)
         if bind is None:
             return None
@@ -400,11 +406,14 @@ class AttentionPlan:
         elif low0 is not None:                               # fp8 layer scales
             extra = dict(layer_scales=np.array([src.planes(l)[2][2:]
                                                 for l in range(src.num_layers)], np.float32))
-        if len(set(self._kinds)) > 1:
+        if self._mixed:
             extra["layer_plans"] = plans
+        if self._alibi_host is not None:
+            extra["alibi"] = self._alibi_host
+        if self._sinks_host is not None:
+            extra["sinks"] = self._sinks_host
         owned = tuple(a for a in src.owned if isinstance(a, np.ndarray))
-        return bind(k0, v0, kl, vl, src.num_layers, owned=owned, alibi=self._alibi_host,
-                    sinks=self._sinks_host, **extra)
+        return bind(k0, v0, kl, vl, src.num_layers, owned=owned, **extra)
 
     def run(self, q, layer, out=None):
         """Attention of ``q`` over layer ``layer``, as planned.
@@ -445,8 +454,8 @@ class AttentionPlan:
             raise ValueError(f"q.shape[0] must be the plan's num_query_tokens="
                              f"{self._num_tokens}, got {num_tokens}")
         if self._heads is not None and num_heads != self._heads:
-            raise ValueError(f"q.shape[1] must be the plan's num_heads={self._heads} (fixed by "
-                             f"num_heads, alibi_slopes or sinks), got {num_heads}")
+            raise ValueError(f"q.shape[1] must be the plan's num_heads={self._heads} (the "
+                             f"heads of its alibi_slopes / sinks), got {num_heads}")
         plan = self._plan_for(num_heads, layer)
         shape = tuple(qbits.shape)
         if out is not None:

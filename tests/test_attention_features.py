@@ -373,12 +373,21 @@ def test_a_run_with_other_heads_than_the_plans_is_refused_and_the_plan_still_run
     first = plan.run(q, 1)
     out = np.full((1, 2, 8), 3.0, np.float32)
     with pytest.raises(ValueError, match=r"q.shape\[1\] must be the plan's num_heads=4 "
-                                         r"\(fixed by num_heads, alibi_slopes or sinks\), got 2"):
+                                         r"\(the heads of its alibi_slopes / sinks\), got 2"):
         plan.run(q[:, :2], 1, out=out)
     assert (out == 3.0).all()
     np.testing.assert_array_equal(plan.run(q, 1), first)
     with pytest.raises(ValueError, match=r"q.shape\[1\] must be the plan's num_heads=4"):
         kvcore.paged_attention(q[:, :2], pool, 0, [[0, 1, 2]], [10], sinks=np.zeros(4))
+
+
+def test_without_slopes_or_sinks_a_run_may_take_another_head_count():
+    rng = np.random.default_rng(6)
+    pool = make_pool("float32", rng, 8, block_size=4, head_dim=8)
+    plan = kvcore.AttentionPlan(pool, [[0, 1, 2]], [10], num_heads=4, chunk_size=4)
+    q = rng.standard_normal((1, 2, 8)).astype(np.float32)
+    np.testing.assert_array_equal(plan.run(q, 0), kvcore.paged_attention(
+        q, pool, 0, [[0, 1, 2]], [10], chunk_size=4))
 
 
 def test_the_plan_copies_its_parameters():
@@ -413,3 +422,33 @@ def test_cuda_backend_computes_every_feature():
     kv = np.zeros((1, 1, 16, 64), np.float32)
     with pytest.raises(ValueError, match=r"sinks must be a float32 C-contiguous \(2,\) array"):
         be.attention_run(plan, q, q.copy(), kv, kv, sinks=np.zeros(3, np.float32))
+
+
+@pytest.mark.cuda
+def test_a_cuda_pool_computes_the_features_as_the_cpu_does():
+    """On a GPU: a CUDA pool's plan computes chunked attention (per-layer
+    kinds too), ALiBi and sinks, giving a CPU pool's results for the same
+    K/V within the contract's 1e-5."""
+    try:
+        from _cuda_env import cuda_backend_or_skip
+    except ImportError:  # pragma: no cover - run as a package
+        from ._cuda_env import cuda_backend_or_skip
+    cuda_backend_or_skip()
+    import cupy
+
+    rng = np.random.default_rng(39)
+    cpu = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16")
+    gpu = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16", device="cuda")
+    for layer in range(2):
+        k, v = rng.standard_normal((2, 20, 2, 64)).astype(np.float32)
+        cpu.write(layer, k, v, np.arange(20))
+        gpu.write(layer, cupy.asarray(k), cupy.asarray(v), np.arange(20))
+    for kw in (dict(chunk_size=8), dict(sliding_window=[None, 8], chunk_size=[0, 8]),
+               dict(alibi_slopes=rng.uniform(0.01, 1, 4)), dict(sinks=rng.standard_normal((2, 4))),
+               dict(scale=1e38, sinks=[30.0, 0.0, -1.0, 2.0])):
+        q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+        for layer in range(2):
+            want = kvcore.AttentionPlan(cpu, [[0, 1]], [20], **kw).run(q, layer)
+            got = kvcore.AttentionPlan(gpu, [[0, 1]], [20], **kw).run(cupy.asarray(q), layer)
+            np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=0,
+                                       atol=1e-5 * np.abs(want).max())

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore.cli import demo
+from kvcore.cli import demo, workload
+from kvcore.cli.model import TinyTransformer
 
 SMALL = dict(requests=3, prompt_len=32, new_tokens=4)
 
@@ -55,7 +56,7 @@ def test_demo_is_deterministic_and_staggered():
     assert arrivals == sorted(arrivals) and len(set(arrivals)) == len(arrivals)
     # requests have their own suffixes and new-token counts (finish at different steps)
     opts = dict(demo.DEFAULTS)
-    reqs = demo._make_workload(demo.TinyTransformer(seed=0), opts, np.random.default_rng(0))
+    reqs = workload.random_workload(TinyTransformer(seed=0), opts, np.random.default_rng(0))
     assert len({r.max_new for r in reqs}) > 1
     assert len({len(r.prompt) for r in reqs}) > 1
     assert all(np.array_equal(r.prompt[:opts["prompt_len"]], reqs[0].prompt[:opts["prompt_len"]])
@@ -289,9 +290,9 @@ def test_store_namespace_names_the_weights(tmp_path):
         weights_id = "a.gguf:123:A"
 
     o = demo._options(dict(store=f"disk:{tmp_path / 's'}", **SMALL))
-    tiny0 = demo._stores(o, demo.TinyTransformer(seed=0))[0].namespace
-    tiny1 = demo._stores(dict(o, seed=1), demo.TinyTransformer(seed=1))[0].namespace
-    real = demo._stores(o, Model())[0].namespace
+    tiny0 = workload.prefix_stores(o, TinyTransformer(seed=0))[0].namespace
+    tiny1 = workload.prefix_stores(dict(o, seed=1), TinyTransformer(seed=1))[0].namespace
+    real = workload.prefix_stores(o, Model())[0].namespace
     assert len({tiny0, tiny1, real}) == 3 and b"a.gguf:123:A" in real
     store = o["store"]
     first = demo.run_demo(store=store, **SMALL)
@@ -577,7 +578,7 @@ def test_a_huge_context_length_costs_only_the_positions_used(tmp_path):
 
 
 def test_forward_last_is_the_last_row_of_forward_full():
-    model = demo.TinyTransformer(seed=3)
+    model = TinyTransformer(seed=3)
     ids = np.arange(0, 200, 7)
     np.testing.assert_allclose(model.forward_last(ids), model.forward_full(ids)[-1],
                                rtol=0, atol=1e-5)
@@ -588,8 +589,8 @@ def test_forward_last_is_the_last_row_of_forward_full():
 def test_rope_scaling_is_position_interpolation():
     from kvcore.cli.model import ModelConfig
 
-    plain = demo.TinyTransformer(ModelConfig(num_layers=1), seed=0)
-    scaled = demo.TinyTransformer(ModelConfig(num_layers=1, rope_scaling=4.0), seed=0)
+    plain = TinyTransformer(ModelConfig(num_layers=1), seed=0)
+    scaled = TinyTransformer(ModelConfig(num_layers=1, rope_scaling=4.0), seed=0)
     np.testing.assert_allclose(scaled._rope_cos[40], plain._rope_cos[10], atol=1e-6)
     np.testing.assert_allclose(scaled._rope_sin[40], plain._rope_sin[10], atol=1e-6)
     with pytest.raises(ValueError, match=r"ModelConfig.rope_scaling: expected a positive "

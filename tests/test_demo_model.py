@@ -26,7 +26,7 @@ else:
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
 
-from kvcore.cli import demo, llama  # noqa: E402
+from kvcore.cli import demo, llama, workload  # noqa: E402
 
 try:
     from _helpers import gguf_causal_lm  # noqa: E402
@@ -51,7 +51,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def numpy_model():
     """(LlamaDecoder, GGUFTokenizer), loaded once through the demo's cache."""
-    return demo._model(demo._options({"model": "smollm2"}))
+    return workload.load_model(demo._options({"model": "smollm2"}))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_demo_serves_the_real_model():
     assert res["contiguous_label"] == "kvcore.KVCache"
     assert ver["contiguous_max_abs_err"] <= demo.MODEL_F32_TOLERANCE
     texts = res["texts"]
-    assert [t["question"] for t in texts] == list(demo.QUESTIONS[:2])
+    assert [t["question"] for t in texts] == list(workload.QUESTIONS[:2])
     assert "Paris" in texts[0]["answer"]
     table = res["table"]
     assert "tokens/s, kvcore.KVCache" in table and "KV bytes, kvcore.KVCache" in table

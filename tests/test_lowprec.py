@@ -866,11 +866,11 @@ def test_the_kinds_are_listed_once():
 # ------------------------------------------------------------------ demo
 @pytest.mark.parametrize("dtype", LOWPREC)
 def test_demo_runs_on_lowprec_storage_and_reports_its_error(dtype):
-    from kvcore.cli import demo
+    from kvcore.cli import demo, report
 
     res = demo.run_demo(dtype=dtype, requests=3, prompt_len=32, new_tokens=4)
     ver = res["verification"]
-    assert res["ok"] == (ver["tokens_agree"] >= demo.LOWPREC_AGREEMENT * ver["rows"])
+    assert res["ok"] == (ver["tokens_agree"] >= report.LOWPREC_AGREEMENT * ver["rows"])
     assert res["ok"], res["message"]
     assert ver["rows"] == res["generated_tokens"]
     # 8-bit K/V moves the logits by more than float32 rounding, and says so

@@ -372,9 +372,9 @@ class PoolMachine(RuleBasedStateMachine):
     def every_cached_block_holds_its_prefix(self):
         pool = self.pool
         bs = self.bs
-        for b in range(pool.num_blocks):
-            if not pool.is_cached(b):
-                continue
+        cached = [b for b in range(pool.num_blocks) if pool.is_cached(b)]
+        assert pool.debug.cached_block_ids().tolist() == cached
+        for b in cached:
             lo, hi = pool.debug.cached_block(b)[1]
             salt, prefix = self.prefixes[lo.to_bytes(8, "little") + hi.to_bytes(8, "little")]
             assert pool.debug.cached_block(b)[0].tolist() == list(prefix[-bs:])

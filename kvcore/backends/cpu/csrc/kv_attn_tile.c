@@ -339,18 +339,18 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             /* (a finite maximum that did not move, as in most of a long
              * row's tiles, rescales by exp2f(0) = 1: no call; an infinite
              * one keeps exp2f(inf - inf), NaN, as the reference has it) */
+            /* (wide: the scores are dots, whose differences the scale
+             * multiplies: kva_score_units) */
+            const float drop = ws->m[r] - mnew;
+            ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
+                           : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
+                                          : exp2f(job->wide ? drop * job->wide_scale : drop);
             float sum;
-            if (job->wide) { /* (kva_score_units) */
-                ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
-                               : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
-                                   : exp2f((ws->m[r] - mnew) * job->wide_scale);
+            if (job->wide) {
                 for (int64_t i = first; i < last; i++)
                     srow[i] = (srow[i] - mnew) * job->wide_scale;
                 sum = math->row_exp_sum(srow, ntp, 0.0f);
             } else {
-                ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
-                               : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
-                                                                      : exp2f(ws->m[r] - mnew);
                 sum = math->row_exp_sum(srow, ntp, mnew);
             }
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
