@@ -20,3 +20,5 @@ _.pre_tokenizer
 _.decoder
 # read by inspect.signature (kvcore/hf/generation.py: the graph runner shows the forward's)
 _.__signature__
+# set on a CuPy RawKernel (cuFuncSetAttribute: kvcore/backends/cuda/backend.py)
+_.max_dynamic_shared_size_bytes

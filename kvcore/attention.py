@@ -460,21 +460,25 @@ class AttentionPlan:
         shape = tuple(qbits.shape)
         if out is not None:
             obits, result, okind = _out_input(be, out, shape, src.owned)
-        # q as float32, C-contiguous (float16 and bfloat16 widen exactly)
-        if qkind == _dtypes.F32 and qbits.flags.c_contiguous and be._ptr(qbits) % 4 == 0:
-            q32 = qbits
+        # q and out as the backend takes them, C-contiguous: float32, or
+        # float16 / bfloat16 where its kernels read / write them themselves
+        # (else q is widened to float32, exactly, and the result narrowed)
+        q_kinds, out_kinds = be.attention_io_kinds(plan)
+        if qkind in q_kinds and qbits.flags.c_contiguous \
+                and be._ptr(qbits) % qbits.itemsize == 0:
+            qin = qbits
         else:
-            q32 = be.empty(shape, "float32")
-            be.convert(qbits, qkind, q32, _dtypes.F32)
-        direct = out is not None and okind == _dtypes.F32 and obits.flags.c_contiguous \
-            and be._ptr(obits) % 4 == 0 and not be.overlaps(obits, q32)
+            qin = be.empty(shape, "float32")
+            be.convert(qbits, qkind, qin, _dtypes.F32)
+        direct = out is not None and okind in out_kinds and obits.flags.c_contiguous \
+            and be._ptr(obits) % obits.itemsize == 0 and not be.overlaps(obits, qin)
         target = obits if direct else be.empty(shape, "float32")
         key_cache, value_cache, lowprec = src.planes(layer)
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
                                "plan: use one plan per thread)")
         try:
-            be.attention_run(plan, q32, target, key_cache, value_cache, lowprec,
+            be.attention_run(plan, qin, target, key_cache, value_cache, lowprec,
                              alibi_slopes=None if self._alibi is None else self._alibi[layer],
                              sinks=None if self._sinks is None else self._sinks[layer])
         finally:

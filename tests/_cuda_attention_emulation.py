@@ -11,7 +11,17 @@ __shfl_xor_sync a barrier-fenced exchange among the 32 fibers of a warp;
 __shared__ arrays are shared by the fibers of the block.  A barrier that
 not every thread of its group reaches (divergence) is reported as a
 deadlock, not a hang.  Fibers are resumed in reverse order, so results that
-depend on thread order show up.
+depend on thread order show up; a launch's blocks may be run last to first
+(``reverse_blocks``), so results that depend on block order show up too.
+
+The device instructions of kernels/kv_attn.cuh are emulated as the PTX ISA
+states them: ``mma.sync.m16n8k16`` and ``ldmatrix`` (x4, plain and .trans)
+from their fragment layouts, every lane's registers exchanged through the
+warp; ``cp.async`` with ``commit_group`` / ``wait_group``: a copy lands at
+the wait that covers its group, its destination poisoned until then (a read
+before the wait, or a refill of a buffer still being read, gives wrong
+results); dynamic shared memory filled with garbage for every block; the
+last-block atomics as plain operations (one block runs at a time).
 
 Not covered: the device's own math library (exp2f, tanhf: the host libm's
 are used), memory coalescing and speed.
@@ -39,7 +49,7 @@ SHIM = r'''
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 
 struct kvemu_dim3 { unsigned x, y, z; };
@@ -50,19 +60,20 @@ static inline unsigned __umulhi(unsigned a, unsigned b)
     return (unsigned)(((unsigned long long)a * b) >> 32);
 }
 
-/* kva_copy16 (cp.async / a 16-byte load and store on the device): a
- * synchronous copy here (the kernel waits for its copies before reading
- * them, so a synchronous copy is what it sees), counting the copies whose
- * source or destination is off 16 bytes (a fault on the GPU). */
-static long long kvemu_misaligned16 = 0, kvemu_copies16 = 0;
-static inline void kvemu_copy16(void *dst, const void *src)
-{
-    if (((uintptr_t)dst | (uintptr_t)src) % 16)
-        ++kvemu_misaligned16;
-    ++kvemu_copies16;
-    memcpy(dst, src, 16);
-}
-
+/* cp.async (kva_copy16, kva_zero16): the 16 source bytes (or zeros) are
+ * taken at issue and land in shared memory at the cp.async.wait_group that
+ * covers their group (kvemu_cp_wait), as the PTX ISA allows; until then the
+ * destination holds 0xFF bytes (a NaN in every float kind), so a kernel
+ * that reads a copy before waiting for it, or refills a buffer another
+ * thread still reads, gets wrong results here.  Copies whose source or
+ * destination is off 16 bytes are counted (a fault on the GPU), and
+ * copies never waited for by the end of the block. */
+static long long kvemu_misaligned16 = 0, kvemu_copies16 = 0, kvemu_unwaited = 0;
+struct KvemuCopy {
+    unsigned char *dst;
+    unsigned char data[16];
+    long long group;
+};
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
@@ -87,6 +98,8 @@ struct Fiber {
     std::vector<char> stack;
     unsigned tid, block;
     bool done;
+    std::vector<KvemuCopy> copies; /* cp.async in flight */
+    long long committed;           /* cp.async.commit_group count */
 };
 static std::vector<Fiber> fibers;
 static ucontext_t sched;
@@ -97,7 +110,9 @@ static void *body_arg;
 static std::vector<int> bar_count;
 static std::vector<unsigned> bar_gen;
 static bool progress;
-static float shfl_buf[1024];
+static unsigned shfl_buf[1024];
+static std::vector<unsigned char> dyn_smem; /* the launch's dynamic shared memory */
+static unsigned char *dyn_base;
 
 static void yield() { swapcontext(&fibers[cur].ctx, &sched); }
 
@@ -115,21 +130,45 @@ static void wait(int group, int size)
         yield();
 }
 
+/* Complete this thread's copies of groups < `upto` (all: -1). */
+static void land(Fiber &f, long long upto)
+{
+    std::vector<KvemuCopy> left;
+    for (auto &c : f.copies) {
+        if (upto < 0 || c.group < upto)
+            memcpy(c.dst, c.data, 16);
+        else
+            left.push_back(c);
+    }
+    f.copies.swap(left);
+}
+
+static bool reverse_blocks; /* run a grid's blocks last to first */
+
 static void entry()
 {
     Fiber &f = fibers[cur];
-    for (unsigned b = 0; b < grid_n; ++b) {
+    for (unsigned i = 0; i < grid_n; ++i) {
+        const unsigned b = reverse_blocks ? grid_n - 1 - i : i;
         f.block = b;
         blockIdx.x = b;
+        if (f.tid == 0 && dyn_base) /* a new block finds garbage, not the last one's data */
+            memset(dyn_base, 0xA7, dyn_smem.size() - 16);
+        wait(0, (int)fibers.size());
         body(body_arg);
+        kvemu_unwaited += (long long)f.copies.size();
+        land(f, -1);
+        f.committed = 0;
         wait(0, (int)fibers.size()); /* the next block reuses __shared__ */
     }
     f.done = true;
 }
 
 /* 0, or -1 when a barrier can never complete (divergent threads). */
-static int run(unsigned grid, unsigned block)
+static int run(unsigned grid, unsigned block, unsigned smem)
 {
+    dyn_smem.assign(smem ? smem + 16 : 0, 0);
+    dyn_base = smem ? dyn_smem.data() + ((16 - (uintptr_t)dyn_smem.data() % 16) % 16) : nullptr;
     fibers.clear();
     fibers.resize(block);
     bar_count.assign(1 + (block + 31) / 32, 0);
@@ -142,6 +181,8 @@ static int run(unsigned grid, unsigned block)
         f.tid = t;
         f.block = 0;
         f.done = false;
+        f.copies.clear();
+        f.committed = 0;
         f.stack.resize(1 << 17);
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -174,23 +215,106 @@ static int run(unsigned grid, unsigned block)
 
 static inline void __syncthreads() { kvemu::wait(0, (int)blockDim.x); }
 
-static inline float __shfl_xor_sync(unsigned, float x, int o)
+static inline void __syncwarp(unsigned = 0xffffffffu)
 {
+    kvemu::wait(1 + (int)(threadIdx.x / 32), 32);
+}
+
+/* A warp exchange of a 4-byte value: lane t reads what lane `from(t)` posted. */
+template <typename T, typename F> static inline T kvemu_exchange(T x, F from)
+{
+    static_assert(sizeof(T) == 4, "4-byte values");
     unsigned t = threadIdx.x, w = t / 32;
-    kvemu::shfl_buf[t] = x;
+    memcpy(&kvemu::shfl_buf[t], &x, 4);
     kvemu::wait(1 + (int)w, 32);
-    float y = kvemu::shfl_buf[(t & ~31u) | ((t & 31u) ^ (unsigned)o)];
+    T y;
+    memcpy(&y, &kvemu::shfl_buf[(t & ~31u) | (from(t & 31u) & 31u)], 4);
     kvemu::wait(1 + (int)w, 32);
     return y;
 }
 
+static inline float __shfl_xor_sync(unsigned, float x, int o)
+{
+    return kvemu_exchange(x, [o](unsigned lane) { return lane ^ (unsigned)o; });
+}
+
+template <typename T> static inline T __shfl_sync(unsigned, T x, int src)
+{
+    return kvemu_exchange(x, [src](unsigned) { return (unsigned)src; });
+}
+
+/* One block runs at a time: the atomics and fences of the last-block merge
+ * are plain reads and writes here. */
+static inline int atomicAdd(int *p, int v)
+{
+    int old = *p;
+    *p = old + v;
+    return old;
+}
+static inline void __threadfence() {}
+
+static inline void *kvemu_dyn_smem() { return kvemu::dyn_base; }
+
+__attribute__((noinline)) static void kvemu_cp_async16(void *dst, const void *src, int bytes)
+{
+    kvemu::Fiber &f = kvemu::fibers[kvemu::cur];
+    if (((uintptr_t)dst | (bytes ? (uintptr_t)src : 0)) % 16)
+        ++kvemu_misaligned16;
+    KvemuCopy c;
+    c.dst = (unsigned char *)dst;
+    c.group = f.committed;
+    if (bytes) {
+        ++kvemu_copies16;
+        memcpy(c.data, src, 16);
+    } else {
+        memset(c.data, 0, 16);
+    }
+    memset(dst, 0xFF, 16);
+    f.copies.push_back(c);
+}
+
+static inline void kvemu_cp_commit() { ++kvemu::fibers[kvemu::cur].committed; }
+
+/* cp.async.wait_group n: every committed group but the newest n has landed. */
+static inline void kvemu_cp_wait(int n)
+{
+    kvemu::Fiber &f = kvemu::fibers[kvemu::cur];
+    kvemu::land(f, f.committed - n);
+}
+
+/* ldmatrix.sync.aligned.m8n8.xN[.trans].shared.b16: lanes 8i .. 8i+7 post
+ * the row addresses of matrix i (16 bytes each, 16-byte aligned); register
+ * i of lane (g = lane / 4, c = lane % 4) gets elements (g, 2c), (g, 2c+1) of
+ * matrix i, or with .trans (2c, g), (2c+1, g), the first in the low half. */
+static const unsigned char *kvemu_ldm_row[1024];
+
+static inline void kvemu_ldmatrix(unsigned *r, int n, bool trans, const void *row)
+{
+    unsigned t = threadIdx.x, w = t / 32, base = t & ~31u, lane = t & 31u;
+    if ((uintptr_t)row % 16)
+        ++kvemu_misaligned16;
+    kvemu_ldm_row[t] = (const unsigned char *)row;
+    kvemu::wait(1 + (int)w, 32);
+    unsigned g = lane / 4, c = lane % 4;
+    for (int i = 0; i < n; i++) {
+        unsigned short e[2];
+        for (unsigned k = 0; k < 2; k++) {
+            unsigned rr = trans ? 2 * c + k : g, cc = trans ? g : 2 * c + k;
+            memcpy(&e[k], kvemu_ldm_row[base + 8 * i + rr] + 2 * cc, 2);
+        }
+        r[i] = (unsigned)e[0] | ((unsigned)e[1] << 16);
+    }
+    kvemu::wait(1 + (int)w, 32);
+}
+
 /* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: d += A B for the warp,
- * from the PTX ISA's fragment layouts (attention.cu, kva_attention_prefill,
- * lists them).  Each lane posts its A (4 x 32 bits) and B (2 x 32 bits)
- * registers, then computes its 4 elements of D: the 16 products summed
- * exactly (double, then one rounding to float added to d), where the
- * hardware sums in float32 (its order and intermediate rounding
- * unspecified): the tests' tolerance covers the difference. */
+ * from the PTX ISA's fragment layouts (kv_attn.cuh, kva_mma16816, lists
+ * them).  Each lane posts its A (4 x 32 bits) and B (2 x 32 bits)
+ * registers, then computes its 4 elements of D: the 16 products are exact
+ * (double), summed exactly with c and rounded once toward zero to float
+ * (the tensor cores truncate; their order and internal width are
+ * unspecified): a pessimistic model, so the error the tests measure bounds
+ * the hardware's. */
 static unsigned kvemu_mma_a[1024][4], kvemu_mma_b[1024][2];
 
 static inline double kvemu_mma_in(unsigned reg, unsigned k, bool bf16)
@@ -219,7 +343,11 @@ static inline void kvemu_mma16816(bool bf16, float *d, const unsigned *a, const 
             unsigned rb = kvemu_mma_b[base + 4 * col + (k % 8) / 2][k >= 8];
             sum += kvemu_mma_in(ra, k, bf16) * kvemu_mma_in(rb, k, bf16);
         }
-        r[i] = (float)((double)d[i] + sum);
+        double s = (double)d[i] + sum;
+        float f = (float)s;
+        if (fabs((double)f) > fabs(s)) /* rounded away from zero: one step back */
+            f = nextafterf(f, 0.0f);
+        r[i] = f;
     }
     kvemu::wait(1 + (int)w, 32);
     for (int i = 0; i < 4; i++)
@@ -229,7 +357,7 @@ static inline void kvemu_mma16816(bool bf16, float *d, const unsigned *a, const 
 
 HARNESS = r'''
 template <typename... A, std::size_t... I>
-static int kvemu_launch(void (*k)(A...), unsigned grid, unsigned block, void **p,
+static int kvemu_launch(void (*k)(A...), unsigned grid, unsigned block, unsigned smem, void **p,
                         std::index_sequence<I...>)
 {
     struct Call {
@@ -242,13 +370,17 @@ static int kvemu_launch(void (*k)(A...), unsigned grid, unsigned block, void **p
         std::apply(call->k, call->args);
     };
     kvemu::body_arg = &c;
-    return kvemu::run(grid, block);
+    return kvemu::run(grid, block, smem);
 }
 
-/* The parameter list: 0 an integer, -1 a float, the pointee size for a pointer. */
+/* The parameter list: 0 an integer, -1 a float, the pointee size for a
+ * pointer (-2: void, q / out of a run-time kind). */
 template <typename T> static int kvemu_code()
 {
-    if constexpr (std::is_pointer<T>::value)
+    if constexpr (std::is_pointer<T>::value && std::is_void<std::remove_cv_t<
+                      std::remove_pointer_t<T>>>::value)
+        return -2;
+    else if constexpr (std::is_pointer<T>::value)
         return (int)sizeof(typename std::remove_pointer<T>::type);
     else if constexpr (std::is_floating_point<T>::value)
         return -1;
@@ -260,6 +392,15 @@ extern "C" long long kvemu_take_misaligned16(void)
 {
     long long n = kvemu_misaligned16;
     kvemu_misaligned16 = 0;
+    return n;
+}
+
+extern "C" void kvemu_set_reverse_blocks(int on) { kvemu::reverse_blocks = on != 0; }
+
+extern "C" long long kvemu_take_unwaited(void)
+{
+    long long n = kvemu_unwaited;
+    kvemu_unwaited = 0;
     return n;
 }
 
@@ -290,8 +431,9 @@ class AttentionEmulation:
         parts = [SHIM, "#define KVCORE_HOST_EMULATION 1\n", attention_kernels.source(), HARNESS]
         for k, name in enumerate(self.names):
             parts.append(
-                f'extern "C" int kvattn_{k}(unsigned grid, unsigned block, void **p) {{\n'
-                f"    return kvemu_launch(&{name}, grid, block, p,\n"
+                f'extern "C" int kvattn_{k}(unsigned grid, unsigned block, unsigned smem, '
+                f'void **p) {{\n'
+                f"    return kvemu_launch(&{name}, grid, block, smem, p,\n"
                 f"        std::make_index_sequence<kvemu_nargs(&{name})>{{}});\n}}\n"
                 f'extern "C" int kvattn_{k}_sig(int *out) {{ return kvemu_sig(&{name}, out); }}\n')
         parts.insert(3, "template <typename... A> constexpr std::size_t kvemu_nargs(void (*)(A...))"
@@ -306,7 +448,8 @@ class AttentionEmulation:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}")
         self._lib = ctypes.CDLL(str(lib))
-        for f in (self._lib.kvemu_take_misaligned16, self._lib.kvemu_take_copies16):
+        for f in (self._lib.kvemu_take_misaligned16, self._lib.kvemu_take_copies16,
+                  self._lib.kvemu_take_unwaited):
             f.restype = ctypes.c_longlong
         self._sigs, self._fns = {}, {}
 
@@ -319,21 +462,33 @@ class AttentionEmulation:
             sig = self._sigs[name] = tuple(buf[:f(buf)])
         return sig
 
-    def launch(self, name, grid, block, params):
-        """Run ``name`` over ``grid`` blocks of ``block`` threads; ``params``
-        a ctypes array of pointers to the arguments.  False on a deadlock;
-        raises on a 16-byte copy off its alignment (a fault on the GPU)."""
+    def launch(self, name, grid, block, params, smem=0):
+        """Run ``name`` over ``grid`` blocks of ``block`` threads with
+        ``smem`` bytes of dynamic shared memory; ``params`` a ctypes array
+        of pointers to the arguments.  False on a deadlock; raises on a
+        16-byte copy or ldmatrix row off its alignment (a fault on the GPU)
+        and on copies a block never waited for."""
         fn = self._fns.get(name)
         if fn is None:
             fn = getattr(self._lib, f"kvattn_{self.names.index(name)}")
-            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                           ctypes.POINTER(ctypes.c_void_p)]
             fn.restype = ctypes.c_int
             self._fns[name] = fn
-        ok = fn(grid, block, params) == 0
+        ok = fn(grid, block, smem, params) == 0
         bad = self._lib.kvemu_take_misaligned16()
         if bad:
-            raise AssertionError(f"{name}: {bad} 16-byte copies were not 16-byte aligned")
+            raise AssertionError(f"{name}: {bad} 16-byte copies or ldmatrix rows were not "
+                                 "16-byte aligned")
+        unwaited = self._lib.kvemu_take_unwaited()
+        if unwaited:
+            raise AssertionError(f"{name}: {unwaited} cp.async copies were never waited for")
         return ok
+
+    def reverse_blocks(self, on):
+        """Run every later launch's blocks last to first (True) or first to
+        last: a result that depends on the order the blocks ran in shows."""
+        self._lib.kvemu_set_reverse_blocks(int(bool(on)))
 
     def take_copies16(self):
         """The 16-byte copies (kva_copy16) since the last call."""

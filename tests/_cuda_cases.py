@@ -731,13 +731,53 @@ def _lowprec_pages(vals, kind, layer_scales):
     return np.stack([fp8_encode(vals[i], kind, layer_scales[i]) for i in (0, 1)]), None
 
 
+def _io_bits(a, dtype):
+    """float32 ``a`` in ``dtype`` as the backend takes it (bfloat16 as its
+    uint16 bits) and the float32 values it then holds."""
+    if dtype == "float32":
+        return a, a
+    if dtype == "float16-values":   # float32 holding float16 values (exact in float16)
+        h = a.astype(np.float16).astype(np.float32)
+        return h, h
+    if dtype == "float16":
+        h = a.astype(np.float16)
+        return h, h.astype(np.float32)
+    b = a.astype(ml_dtypes.bfloat16)
+    return b.view(np.uint16), b.astype(np.float32)
+
+
+def _io_values(bits, dtype):
+    """The float32 values of q / out ``bits`` in ``dtype`` (see _io_bits)."""
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.astype(np.float32)
+
+
+def _io_ulp(x, dtype):
+    """A unit in the last place of ``dtype`` at each |x| (0 for float32)."""
+    if dtype == "float32":
+        return np.zeros_like(x)
+    mant, tiny = (10, -24) if dtype == "float16" else (7, -133)
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0 ** (tiny + mant))))
+    return 2.0 ** (e - mant)
+
+
 def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
                     block_size=16, window=None, cap=None, split_keys=None, monkeypatch=None,
-                    layer_scales=(1.0, 1.0), nan_rows=()):
+                    layer_scales=(1.0, 1.0), nan_rows=(), q_dtype="float32",
+                    out_dtype="float32", tol=1e-5, plan_hook=None, chunk=None, alibi=None,
+                    sinks=None, scale=None):
     """One call of the backend against the float64 reference over the
     stored values (dequantized for fp8 / int8 pages); returns the result.
     With ``nan_rows`` (fp8 / int8) the NaN pattern and the finite values
-    are checked against the CPU kernel instead."""
+    are checked against the CPU kernel instead.  ``q_dtype`` / ``out_dtype``:
+    q and out handed to the backend in that dtype (out poisoned with NaN
+    first); the reference takes q's values; a float16 / bfloat16 out may
+    differ from it by its rounding (one unit in its last place) beyond
+    ``tol`` (relative to the largest output).  ``plan_hook(plan)`` sees the
+    backend's plan before the run.  ``chunk`` / ``alibi`` / ``sinks`` /
+    ``scale`` (issue 39, 38.3): chunked attention, ALiBi slopes and sinks
+    (float32 ``(num_heads,)``), another scale than ``1 / sqrt(head_dim)``."""
     from kvcore.backends.cuda import attention_kernels
     from kvcore.backends.base import paged_attention_reference
 
@@ -786,13 +826,22 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
         ref_kw.update(key_scales=ks, value_scales=vs)
     lens = np.array(contexts, np.int64)
     qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
-    q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(np.float32)
-    scale = 1.0 / np.sqrt(head_dim)
-    out = dev.be.empty(q.shape, "float32")
-    dev.be.paged_attention(dev.put(q), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,
-                           scale, window or 0, cap or 0.0,
-                           **({} if lowprec is None else {"lowprec": lowprec}))
-    got = dev.get(out)
+    q_in, q = _io_bits(rng.standard_normal((int(qsl[-1]), num_heads, head_dim))
+                       .astype(np.float32), q_dtype)
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    out = dev.put(_io_bits(np.full(q.shape, np.nan, np.float32), out_dtype)[0])
+    be = dev.be
+    plan = be.attention_plan(
+        tables, lens, qsl, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, num_blocks=num_blocks, kind=kind, scale=scale,
+        sliding_window=window or 0, soft_cap=cap or 0.0, chunk_size=chunk or 0)
+    if plan_hook is not None:
+        plan_hook(plan)
+    feats = {name: dev.put(np.asarray(a, np.float32)) for name, a in
+             (("alibi_slopes", alibi), ("sinks", sinks)) if a is not None}
+    be.attention_run(plan, dev.put(q_in), out, dev.put(k), dev.put(v),
+                     **({} if lowprec is None else {"lowprec": lowprec}), **feats)
+    got = _io_values(dev.get(out), out_dtype)
     if nan_rows:   # the CPU kernel's result; the caller checks the NaN pattern
         from kvcore.attention import _attention
         want = _attention(q, k, v, kind, k, tables, lens, qsl, scale, window, cap, None,
@@ -803,11 +852,14 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
         nan = np.zeros(got.shape, bool)
         want = paged_attention_reference(
             q, k, v, np.where(tables < 0, 0, tables), lens, qsl, scale=scale,
-            sliding_window=window, logits_soft_cap=cap,
+            sliding_window=window, logits_soft_cap=cap, chunk_size=chunk,
+            alibi_slopes=alibi, sinks=sinks,
             **(ref_kw or dict(kind="bfloat16" if kind == BF16 else None)))
         assert np.isfinite(want).all()
-    err = np.abs(got - want)[~nan].max() / np.abs(want)[~nan].max()
-    assert err <= 1e-5, err
+    assert not np.isnan(got[~nan]).any()   # every element written
+    over = np.abs(got - want) - _io_ulp(want, out_dtype)
+    err = max(0.0, over[~nan].max()) / np.abs(want)[~nan].max()
+    assert err <= tol, err
     return (got, want) if nan_rows else got
 
 

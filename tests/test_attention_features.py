@@ -402,40 +402,53 @@ def test_the_plan_copies_its_parameters():
     np.testing.assert_array_equal(plan.run(q, 0), first)
 
 
-def test_cuda_backend_refuses_what_its_kernels_do_not_compute_yet():
-    """No GPU needed: the CUDA attention's checks run before any device
-    work (the CUDA kernels get these features later)."""
+def test_cuda_backend_computes_every_feature():
+    """No GPU needed: the CUDA attention refuses none of the features (its
+    kernels compute them: tests/test_attention_cuda_emulation.py checks
+    each against the float64 reference in the host emulation), and a
+    malformed row is refused by name before any device work."""
     from kvcore.backends.cuda.attention import CudaAttention, CudaAttentionPlan
+    from kvcore.backends.cuda.backend import CudaBackend
+    for args in ((48, False, False), (0, True, False), (0, False, True), (16, True, True)):
+        CudaBackend.check_attention_features(None, *args)
     be = CudaAttention()
-    for args, feature in (((48, False, False), "chunk_size"), ((0, True, False), "alibi_slopes"),
-                          ((0, False, True), "sinks")):
-        with pytest.raises(ValueError, match=rf"{feature} .*is not supported on CUDA pools yet"):
-            be.check_attention_features(*args)
-    be.check_attention_features(0, False, False)
-    with pytest.raises(ValueError, match="chunk_size .*not supported on CUDA"):
-        be.attention_plan(np.zeros((1, 1), np.int32), np.ones(1, np.int64),
-                          np.array([0, 1], np.int64), num_heads=2, num_kv_heads=1, head_dim=64,
-                          block_size=16, num_blocks=1, kind=0, scale=0.1, sliding_window=0,
-                          soft_cap=0.0, chunk_size=16)
-    with pytest.raises(ValueError, match="sinks .*not supported on CUDA"):
-        be.attention_run(CudaAttentionPlan(), None, None, None, None, sinks=np.zeros(2))
+    plan = CudaAttentionPlan(num_tokens=1, num_heads=2, num_kv_heads=1, head_dim=64,
+                             block_size=16, num_blocks=1, kind=0, version=3)
+    be.attention_io_kinds = lambda plan: (frozenset({0}), frozenset({0}))
+    be._attention_scales = lambda kind, key_cache, lowprec: [None] * 5 + [1.0, 1.0]
+    be._is_device = lambda a: True
+    be.device = "cuda:0"
+    q = np.zeros((1, 2, 64), np.float32)
+    kv = np.zeros((1, 1, 16, 64), np.float32)
+    with pytest.raises(ValueError, match=r"sinks must be a float32 C-contiguous \(2,\) array"):
+        be.attention_run(plan, q, q.copy(), kv, kv, sinks=np.zeros(3, np.float32))
 
 
 @pytest.mark.cuda
-def test_a_cuda_pool_refuses_the_features_before_any_work():
-    """On a GPU: a CUDA pool's plan refuses each feature by name at plan
-    time, and its pages are untouched."""
+def test_a_cuda_pool_computes_the_features_as_the_cpu_does():
+    """On a GPU: a CUDA pool's plan computes chunked attention (per-layer
+    kinds too), ALiBi and sinks, giving a CPU pool's results for the same
+    K/V within the contract's 1e-5."""
     try:
         from _cuda_env import cuda_backend_or_skip
     except ImportError:  # pragma: no cover - run as a package
         from ._cuda_env import cuda_backend_or_skip
     cuda_backend_or_skip()
-    pool = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16", device="cuda")
-    before = pool.storage.get()
-    for kw, name in ((dict(chunk_size=8), "chunk_size"), (dict(sliding_window=[None, 8],
-                                                              chunk_size=[0, 8]), "chunk_size"),
-                     (dict(alibi_slopes=np.ones(4)), "alibi_slopes"),
-                     (dict(sinks=np.zeros((2, 4))), "sinks")):
-        with pytest.raises(ValueError, match=rf"{name} .*is not supported on CUDA pools yet"):
-            kvcore.AttentionPlan(pool, [[0, 1]], [20], **kw)
-    np.testing.assert_array_equal(pool.storage.get(), before)
+    import cupy
+
+    rng = np.random.default_rng(39)
+    cpu = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16")
+    gpu = kvcore.BlockPool(4, 16, 2, 2, 64, dtype="float16", device="cuda")
+    for layer in range(2):
+        k, v = rng.standard_normal((2, 20, 2, 64)).astype(np.float32)
+        cpu.write(layer, k, v, np.arange(20))
+        gpu.write(layer, cupy.asarray(k), cupy.asarray(v), np.arange(20))
+    for kw in (dict(chunk_size=8), dict(sliding_window=[None, 8], chunk_size=[0, 8]),
+               dict(alibi_slopes=rng.uniform(0.01, 1, 4)), dict(sinks=rng.standard_normal((2, 4))),
+               dict(scale=1e38, sinks=[30.0, 0.0, -1.0, 2.0])):
+        q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+        for layer in range(2):
+            want = kvcore.AttentionPlan(cpu, [[0, 1]], [20], **kw).run(q, layer)
+            got = kvcore.AttentionPlan(gpu, [[0, 1]], [20], **kw).run(cupy.asarray(q), layer)
+            np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=0,
+                                       atol=1e-5 * np.abs(want).max())

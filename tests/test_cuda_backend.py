@@ -414,11 +414,15 @@ def test_attention_keeps_subnormal_values_as_the_cpu_does(be, kind):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_a_32_layer_decode_step_captures_into_a_graph_and_replays_the_same_bits(be):
+@pytest.mark.parametrize("q_dtype", ["float32", "float16"])
+def test_a_32_layer_decode_step_captures_into_a_graph_and_replays_the_same_bits(be, q_dtype):
     """Issue 23, item 6: with the attention plan made once (its metadata on
     the device), a decode step of 32 layers of ``pool.write(check=False)``
     and ``attention_run`` copies nothing and syncs nothing: it captures into
-    a CUDA graph, and a replay gives the bits of the step run directly."""
+    a CUDA graph, and a replay gives the bits of the step run directly.
+    float16 q and out run the tensor-core decode (issue 41), whose splits
+    are merged by the last block's ticket: the tickets are reset for the
+    replay."""
     rng = np.random.default_rng(234)
     layers, heads, kv_heads, bs, dim, batch, ctx = 32, 8, 2, 16, 128, 4, 100
     per_seq = -(-ctx // bs)
@@ -438,11 +442,11 @@ def test_a_32_layer_decode_step_captures_into_a_graph_and_replays_the_same_bits(
     slots_h = tables[:, (ctx - 1) // bs].astype(np.int64) * bs + (ctx - 1) % bs
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        q = cupy.asarray(rng.standard_normal((layers, batch, heads, dim)).astype(np.float32))
+        q = cupy.asarray(rng.standard_normal((layers, batch, heads, dim)).astype(q_dtype))
         k = cupy.asarray(rng.standard_normal((layers, batch, kv_heads, dim)).astype(np.float32))
         v = cupy.asarray(rng.standard_normal((layers, batch, kv_heads, dim)).astype(np.float32))
         slots = cupy.asarray(slots_h)
-        outs = cupy.zeros((layers, batch, heads, dim), cupy.float32)
+        outs = cupy.zeros((layers, batch, heads, dim), q_dtype)
 
         def step():
             for layer in range(layers):
@@ -462,3 +466,6 @@ def test_a_32_layer_decode_step_captures_into_a_graph_and_replays_the_same_bits(
     assert (want != 0).any()
     assert_bits_equal(cupy.asnumpy(outs), want)
     assert_bits_equal(cupy.asnumpy(pool.storage), want_storage)
+    if q_dtype == "float16":
+        assert plan.tc_items is not None and int(plan.tc_nsplit.max()) > 1
+        assert not cupy.asnumpy(plan.counters).any()

@@ -49,3 +49,16 @@ def test_a_missing_python_is_one_clear_line(tmp_path):
     lines = (r.stdout + r.stderr).splitlines()
     assert r.returncode == 1 and len(lines) == 1, (r.returncode, lines)
     assert "no-such-python not found (set PY)" in lines[0]
+
+
+def test_bench_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    """bench/gpu_check.sh (the attention GPU check of issue 41) stops before
+    building, with one line and exit status 2, where no GPU is visible."""
+    full = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path / "out"),
+            "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=tmp_path, env=full,
+                       capture_output=True, text=True, timeout=120)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, lines)
+    assert lines[0].startswith("gpu_check: FAIL: no usable NVIDIA GPU here")
+    assert not (tmp_path / "out" / "build.log").exists()   # stopped before the build

@@ -294,9 +294,10 @@ def test_kernel_compile_failures_are_cuda_unavailable_errors(error, why, fix):
 
 
 def test_attention_modules_hold_one_page_kind_each():
-    """kernels/attention.cu is compiled per page kind (its split kernels)
-    plus one module of merge kernels: a call over float16 pages never
-    compiles the fp8 / int8 instantiations, and each module is built once."""
+    """kernels/attention.cu is compiled per (kernel family, page kind) plus
+    one module of merge kernels: a call over float16 pages never compiles
+    the fp8 / int8 instantiations, nor the tensor-core decode when it runs
+    the float32 kernels, and each module is built once."""
     from kvcore.backends.cuda import attention_kernels as ak
     from kvcore.backends.cuda.backend import CudaBackend
     from kvcore.dtypes import F16, I8
@@ -321,10 +322,13 @@ def test_attention_modules_hold_one_page_kind_each():
             assert be._function(file, None, None, ak.split_name(kind, d)) == \
                 ("fn", ak.split_name(kind, d))
         assert be._function(file, None, None, ak.merge_name(64)) == ("fn", ak.merge_name(64))
-    assert built == [ak.module_names(F16), ak.module_names(ak.MERGE_MODULE),
-                     ak.module_names(I8)]
-    assert {ak.module_key(n) for n in built[0]} == {F16}
+    assert be._function(file, None, None, ak.tc_name(F16, 128, F16)) == \
+        ("fn", ak.tc_name(F16, 128, F16))
+    assert built == [ak.module_names((ak.CORE, F16)), ak.module_names(ak.MERGE_MODULE),
+                     ak.module_names((ak.CORE, I8)), ak.module_names((ak.TC, F16))]
+    assert {ak.module_key(n) for n in built[0]} == {(ak.CORE, F16)}
     assert {ak.split_name(F16, d) for d in ak.HEAD_DIMS} <= set(built[0])
+    assert {ak.module_key(n) for n in built[3]} == {(ak.TC, F16)}
     # every instantiation is in exactly one module
     every = [n for _, names in ak.modules() for n in names]
     assert sorted(every) == sorted(ak.attention_names())
@@ -395,3 +399,54 @@ def test_uploads_are_staged_through_pinned_memory_kept_until_the_copy_is_done():
     stream.events[0].done = True
     be._upload(np.zeros(2, np.int32))
     assert [b for _, b in be._staged] == [pinned[1]]
+
+
+def test_packed_launch_writes_the_kernel_parameter_block():
+    """An attention PackedLaunch (kvcore/backends/cuda/attention.py): its
+    parameter block is one 8-byte slot per argument (pointers, long longs,
+    floats in the low 4 bytes), the fixed ones written once, the holes per
+    call, and the launch is one cuLaunchKernel with the block's address
+    table, on the current stream, with the kernel's dynamic shared memory
+    allowed once."""
+    import ctypes
+
+    import numpy as np
+
+    from kvcore.backends.cuda import attention_kernels as ak
+    from kvcore.backends.cuda.attention import Hole, PackedLaunch
+    from kvcore.backends.cuda.backend import CudaBackend
+
+    class Arr:
+        def __init__(self, ptr):
+            self.data = types.SimpleNamespace(ptr=ptr)
+
+    calls, attrs = [], []
+
+    class Fn:
+        kernel = types.SimpleNamespace(ptr=0xF00D)
+
+        def __setattr__(self, name, value):
+            attrs.append((name, value))
+
+    cupy = _fake_cupy(1)
+    cupy.ndarray = Arr
+    cupy.cuda.driver = types.SimpleNamespace(launchKernel=lambda *a: calls.append(a))
+    be = CudaBackend(cupy, 0)
+    be._function = lambda file, sk, dk, name: Fn()
+    be._stream_ptr = lambda: 0x5EED
+    fixed = Arr(0x1000)
+    launch = PackedLaunch(be, ak.ATTENTION_FILE.name, "kernel", 7, 128,
+                          [Hole("out", "p"), fixed, None, -3, 0.5, Hole("n", "i"),
+                           Hole("x", "f")], smem=60000)
+    for out, n, x in ((0x2000, 9, 2.5), (0x3000, -1, -0.25)):
+        launch({"out": Arr(out), "n": n, "x": x})
+        (fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra) = calls[-1]
+        assert (fn, gx, gy, gz, bx, by, bz, smem, stream, extra) == \
+            (0xF00D, 7, 1, 1, 128, 1, 1, 60000, 0x5EED, 0)
+        table = (ctypes.c_uint64 * 7).from_address(params)
+        slot = [ctypes.c_uint64.from_address(a).value for a in table]
+        assert slot[:4] == [out, 0x1000, 0, (-3) % 2 ** 64]
+        assert np.uint32(slot[4] & 0xFFFFFFFF).view(np.float32) == np.float32(0.5)
+        assert slot[5] == n % 2 ** 64
+        assert np.uint32(slot[6] & 0xFFFFFFFF).view(np.float32) == np.float32(x)
+    assert attrs == [("max_dynamic_shared_size_bytes", 60000)]   # once

@@ -253,8 +253,8 @@ def build_emulation(tmpdir):
 
 def _kernel_params(name, sig, args, any_width=False):
     """``(keep, params)``: the ctypes parameter block of a launch of kernel
-    ``name`` (signature ``sig``: 0 an integer, -1 a float, else a pointer to
-    elements of that many bytes) with ``args``, each checked as the GPU
+    ``name`` (signature ``sig``: 0 an integer, -1 a float, -2 a void
+    pointer, else a pointer to elements of that many bytes) with ``args``, each checked as the GPU
     would take it; ``keep`` holds the values alive.  ``any_width``: pointer
     arguments other than int32 ids may be words of any width (copy kernels)."""
     assert len(sig) == len(args), (
@@ -269,6 +269,13 @@ def _kernel_params(name, sig, args, any_width=False):
             v = ctypes.c_float(a)
         elif a is None:  # a null pointer
             v = ctypes.c_void_p(None)
+        elif type(a) is int:  # an address (attention's fast lane), aligned as the GPU needs
+            assert a % max(1, code) == 0, (name, k, a)
+            v = ctypes.c_void_p(a)
+        elif code == -2:  # void *: q / out of a run-time kind, aligned to their itemsize
+            assert isinstance(a, DevArray), (name, k, type(a))
+            assert a.ctypes.data % a.itemsize == 0, (name, k)
+            v = ctypes.c_void_p(a.ctypes.data)
         else:
             assert isinstance(a, DevArray), (name, k, type(a))
             if not any_width or a.dtype == np.int32:
@@ -346,8 +353,8 @@ class EmulatedBackend(CudaBackend):
         bad = self._lib.take_misaligned()
         assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
 
-    def _launch_grid(self, file, name, grid, block, args):
-        if self._collected(file, name, grid, block, args):
+    def _launch_grid(self, file, name, grid, block, args, smem=0):
+        if self._collected(file, name, grid, block, args, smem):
             return
         lib = self._lib.attention()
         assert file == "attention.cu" and name in lib.names, (file, name)
@@ -356,7 +363,19 @@ class EmulatedBackend(CudaBackend):
         self.launch_args.append((name, list(args)))
         if grid <= 0:
             return
-        assert lib.launch(name, grid, block, params), f"{name}: a barrier deadlocked"
+        assert smem <= self._smem_optin(), (name, smem)
+        assert lib.launch(name, grid, block, params, smem), f"{name}: a barrier deadlocked"
+
+    def _smem_optin(self):
+        return 227 * 1024   # an sm_90's
+
+    def _run_packed(self, launch, values):
+        """An attention PackedLaunch: its arguments with the holes filled,
+        run as _launch_grid runs any launch."""
+        args = list(launch.args)
+        for i, hole in launch.holes:
+            args[i] = values[hole.name]
+        self._launch_grid(launch.file, launch.name, launch.grid, launch.block, args, launch.smem)
 
 
     # packed launches and pinned staging (kvcore/backends/cuda/lane.py)
@@ -383,7 +402,8 @@ class EmulatedBackend(CudaBackend):
             self.launches.append((name, launch.grid[0], launch.block[0]))
             self.launch_args.append((name, [int(x) for x in launch.slots]))
             params = ctypes.cast(launch.params_ptr, ctypes.POINTER(ctypes.c_void_p))
-            assert lib.launch(name, launch.grid[0], launch.block[0], params), (
+            assert launch.smem <= self._smem_optin(), (name, launch.smem)
+            assert lib.launch(name, launch.grid[0], launch.block[0], params, launch.smem), (
                 f"{name}: a barrier deadlocked")
             return
         sig = self._lib.signature(name)

@@ -30,6 +30,7 @@ __all__ = ["Backend", "REFERENCE", "is_cuda_array", "paged_attention_reference",
            "stored_values"]
 
 _DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+_F32_IO = (frozenset({dtypes.F32}), frozenset({dtypes.F32}))  # attention_io_kinds
 
 
 def is_cuda_array(x):
@@ -727,6 +728,14 @@ class Backend:
             s, blk = divmod(int(np.argmax(bad)), max_blocks)
             return "BAD_BLOCK_ID", s, blk
         return None, 0, 0
+
+    def attention_io_kinds(self, plan):
+        """``(q_kinds, out_kinds)``: the element kinds (kvcore.dtypes) in
+        which :meth:`attention_run` reads ``q`` and writes ``out`` for
+        ``plan``; here float32 only (a backend whose kernels read and write
+        float16 / bfloat16 themselves says so, and is handed them as they
+        are)."""
+        return _F32_IO
 
     def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
                       alibi_slopes=None, sinks=None):

@@ -7,30 +7,55 @@ ops): it holds no state of its own and uses the backend's device hooks
 host emulation of the tests, which overrides those hooks, runs it as it
 runs the data ops.
 """
+import os
+import threading
+
 import numpy as np
 
 from ... import dtypes
 from . import attention_kernels
 
 
-def _unsupported(feature):
-    return ValueError(f"{feature} is not supported on CUDA pools yet (the CUDA attention "
-                      "kernels do not compute it): use a CPU pool")
+# What attention_run takes as q and out, per kernel version (Backend.attention_io_kinds).
+_F32_ONLY = frozenset({dtypes.F32})
+_FLOATS = frozenset({dtypes.F32, dtypes.F16, dtypes.BF16})
+# KVCORE_CUDA_ATTENTION: the attention kernels of new plans ("v3", the
+# default; "v2": the kernels before the tensor-core decode, float32 q and
+# out only, kept for a before/after in one process).
+VERSIONS = {"v2": 2, "2": 2, "v3": 3, "3": 3}
+
+
+def default_attention_version(environ=os.environ):
+    """The kernel version KVCORE_CUDA_ATTENTION names (3 when unset)."""
+    text = environ.get("KVCORE_CUDA_ATTENTION", "").strip().lower()
+    if not text:
+        return 3
+    if text not in VERSIONS:
+        raise ValueError(f"KVCORE_CUDA_ATTENTION must be v2 or v3 (or unset), got {text!r}")
+    return VERSIONS[text]
 
 
 class CudaAttention:
     """``attention_plan``, ``attention_run`` and ``paged_attention`` of
     ``CudaBackend`` (see ``kvcore.backends.base.Backend`` for the contract)."""
 
-    def check_attention_features(self, chunk_size, alibi_slopes, sinks):
-        """Chunked attention, ALiBi and sinks are refused by name (the
-        kernels do not compute them yet)."""
-        if chunk_size:
-            raise _unsupported("chunk_size (chunked attention)")
-        if alibi_slopes:
-            raise _unsupported("alibi_slopes (ALiBi)")
-        if sinks:
-            raise _unsupported("sinks (attention sinks)")
+    # The kernel version of new plans: 3 or 2 (None: KVCORE_CUDA_ATTENTION's).
+    # Set on a backend to compare both in one process; a plan keeps its own.
+    attention_version = None
+
+    def _attention_version(self):
+        v = self.attention_version
+        if v is None:
+            return default_attention_version()
+        if v not in (2, 3):
+            raise ValueError(f"attention_version must be 2 or 3 (or None), got {v!r}")
+        return v
+
+    def attention_io_kinds(self, plan):
+        """``(q_kinds, out_kinds)``: the element kinds ``attention_run``
+        reads ``q`` and writes ``out`` in for ``plan``; version 3 plans take
+        float16 and bfloat16 (bits as uint16) besides float32."""
+        return (_FLOATS, _FLOATS) if plan.version >= 3 else (_F32_ONLY, _F32_ONLY)
 
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,
                        num_kv_heads, head_dim, block_size, num_blocks, kind, scale,
@@ -43,15 +68,16 @@ class CudaAttention:
             int64 arrays, already checked by the public layer (every block
             id a run can read in ``0..num_blocks-1``)
         scale, sliding_window, soft_cap : float, int (0: off), float (0: off)
-        chunk_size : int, 0 (chunked attention is refused: not computed yet)
+        chunk_size : int, 0: off (a query sees no key before its chunk's start)
         num_threads : ignored (the GPU's split is sized by the plan)
 
         Returns a ``CudaAttentionPlan`` for ``attention_run``.  The uploads
         are issued on the current stream and an event records their end: a
         run on another stream waits for it (on the device), so the plan may
-        be made on one stream and run on others.
+        be made on one stream and run on others.  Version 3 plans hold the
+        items of the float32 kernels and, where the pages allow, of the
+        tensor-core decode: a run picks by its q's kind.
         """
-        self.check_attention_features(chunk_size, False, False)
         ak = attention_kernels
         dim = int(head_dim)
         if dim not in ak.HEAD_DIMS:
@@ -62,17 +88,42 @@ class CudaAttention:
         plan = CudaAttentionPlan(
             num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
             head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
-            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap))
+            scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap),
+            chunk_size=int(chunk_size), version=self._attention_version(), backend=self)
         if num_tokens == 0:
             return plan
-        rows = prefill = None   # prefill rows go to the tensor-core kernel
-        if ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) and self._has_mma():
+        rows = prefill = prefill_tc = None   # prefill rows go to a tensor-core kernel
+        seqs = None                          # the sequences of the other rows
+        if plan.version >= 3 and kind in ak.PREFILL_KINDS and self._has_mma() \
+                and ak.prefill_tc_smem(dim) <= self._smem_optin():
+            prefill_tc, mask = ak.prefill_tc_plan(qsl_h, seq_lens, plan.num_heads,
+                                                  plan.num_kv_heads, plan.sliding_window, dim,
+                                                  chunk_size=plan.chunk_size)
+            if len(prefill_tc):
+                rows = ~mask
+                seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
+        if prefill_tc is None and ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) \
+                and self._has_mma():   # the older kernel (version 2)
             prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
-            rows = ~mask if len(prefill) else None
+            if len(prefill):
+                rows = ~mask
+                seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
                                             plan.sliding_window, num_sms=self._sm_count(),
-                                            rows=rows)
+                                            rows=rows, chunk_size=plan.chunk_size)
         self._check_rows(len(items), "paged_attention (work items)")
+        tc = None
+        if (plan.version >= 3 and kind in ak.TC_KINDS and dim in ak.TC_HEAD_DIMS
+                and self._has_mma() and ak.tc_smem(kind, dim) <= self._smem_optin()):
+            tc, tc_nsplit = ak.tc_plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
+                                       plan.sliding_window, num_sms=self._sm_count(), seqs=seqs,
+                                       chunk_size=plan.chunk_size)
+            if not len(tc) or int((tc[:, 5] - tc[:, 4]).max()) + plan.block_size \
+                    >= ak.TC_MAX_KEYS:
+                tc = None
+            else:
+                self._check_rows(len(tc), "paged_attention (tensor-core items)")
+        partials = 0
         with self._ctx():
             if len(items):
                 plan.items = self._upload(items)
@@ -80,15 +131,81 @@ class CudaAttention:
             if prefill is not None and len(prefill):
                 self._check_rows(len(prefill), "paged_attention (prefill items)")
                 plan.prefill = self._upload(prefill)
+            if prefill_tc is not None and len(prefill_tc):
+                self._check_rows(len(prefill_tc), "paged_attention (prefill items)")
+                plan.prefill_tc = self._upload(prefill_tc)
             plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
             plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
             plan.qsl = self._upload(qsl_h)
             if len(merge_rows):
                 plan.merge_rows = self._upload(merge_rows)
-                plan.partials = self.xp.empty((len(items), ak.CHUNK_HEADS * (dim + 2)),
-                                              np.float32)
+                partials = len(items) * ak.CHUNK_HEADS * (dim + 2)
+            if tc is not None:
+                plan.tc_items = self._upload(tc)
+                plan.tc_nsplit = self._upload(tc_nsplit)
+                plan.counters = self._upload(np.zeros(len(tc), np.int32))
+                if int(tc_nsplit.max()) > 1:
+                    partials = max(partials, len(tc) * ak.TC_ROWS * (dim + 2))
+            if partials:   # one buffer: a run uses one kernel family's partials
+                plan.partials = self.xp.empty(partials, np.float32)
             plan.ready = self._record_event()
+        plan.launches = self._attention_launches(plan)
         return plan
+
+    def _attention_launches(self, plan):
+        """The plan's launches, packed: ``{path: [PackedLaunch]}``, path
+        ``("tc", q kind)``, ``("core", tiled)`` or ``"prefill"``; a run
+        fills the holes (q, out, the layer's planes, scales and strides)."""
+        ak = attention_kernels
+        file = ak.ATTENTION_FILE.name
+        H = Hole
+        out, q, k, v = H("out", "p"), H("q", "p"), H("k", "p"), H("v", "p")
+        strides = [H("cb", "i"), H("ch", "i"), H("ct", "i")]
+        qk, ok = H("qk", "i"), H("ok", "i")
+        ks, vs = H("ks", "f"), H("vs", "f")
+        geometry = [plan.tables, plan.lens, plan.qsl]
+        G = plan.num_heads // plan.num_kv_heads
+        dim, kind = plan.head_dim, plan.kind
+        shape = [plan.tables.shape[1] if plan.tables is not None else 0, plan.block_size]
+        feats = [plan.scale, plan.sliding_window, plan.soft_cap, plan.chunk_size,
+                 H("alibi", "p"), H("sinks", "p")]
+        launches = {}
+        if plan.tc_items is not None:
+            for mt in ak.tc_mma_kinds(kind):
+                launches[("tc", mt)] = [PackedLaunch(
+                    self, file, ak.tc_name(kind, dim, mt), plan.tc_items.shape[0],
+                    ak.TC_THREADS,
+                    [out, plan.partials, plan.counters, q, k, v, *geometry, plan.tc_items,
+                     plan.tc_nsplit, plan.num_heads, G, *shape, *strides, *feats, ks, vs, ok],
+                    smem=ak.tc_smem(kind, dim))]
+        if plan.items is not None:
+            for tiled in (True, False):
+                split = ak.split_name if tiled else ak.scalar_name
+                run = [PackedLaunch(
+                    self, file, split(kind, dim), plan.items.shape[0], ak.THREADS,
+                    [out, plan.partials, q, k, v, *geometry, plan.items, plan.nsplit,
+                     plan.num_heads, *shape, *strides, *feats, H("key_scales", "p"),
+                     H("value_scales", "p"), H("sb", "i"), H("sh", "i"), H("st", "i"), ks, vs,
+                     qk, ok])]
+                if plan.merge_rows is not None:
+                    run.append(PackedLaunch(
+                        self, file, ak.merge_name(dim), plan.merge_rows.shape[0],
+                        ak.MERGE_THREADS,
+                        [out, plan.partials, plan.merge_rows, plan.nsplit, plan.num_heads,
+                         plan.scale, plan.soft_cap, H("sinks", "p"), ok]))
+                launches[("core", tiled)] = run
+        if plan.prefill is not None:
+            launches["prefill"] = [PackedLaunch(
+                self, file, ak.prefill_name(kind, dim), plan.prefill.shape[0], ak.THREADS,
+                [out, q, k, v, *geometry, plan.prefill, plan.num_heads, G, *shape, *strides,
+                 *feats, H("tiled", "i"), qk, ok])]
+        if plan.prefill_tc is not None:
+            launches["prefill"] = [PackedLaunch(
+                self, file, ak.prefill_tc_name(kind, dim), plan.prefill_tc.shape[0],
+                ak.PREFILL_TC_THREADS,
+                [out, q, k, v, *geometry, plan.prefill_tc, plan.num_heads, G, *shape, *strides,
+                 *feats, H("tiled", "i"), qk, ok], smem=ak.prefill_tc_smem(dim))]
+        return launches
 
     def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
                       alibi_slopes=None, sinks=None):
@@ -96,21 +213,33 @@ class CudaAttention:
         upload, no allocation, no host sync), so a step of runs can be
         captured in a CUDA graph.
 
-        q, out : float32 ``(tokens, heads, head_dim)`` C-contiguous device
-            arrays (a misaligned one goes through an aligned temporary)
+        q, out : ``(tokens, heads, head_dim)`` device arrays, float32 (and,
+            for version 3 plans, float16 or bfloat16: ml_dtypes.bfloat16 or
+            its uint16 bits), C-contiguous (a misaligned one goes through an
+            aligned temporary)
         key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
             head_dim)`` device views of the pool's storage (bits of the
             plan's kind), rows contiguous
         lowprec : as for ``paged_attention``
-        alibi_slopes, sinks : None (refused: not computed yet)
+        alibi_slopes, sinks : None, or float32 C-contiguous ``(num_heads,)``
+            device arrays (the layer's rows): ALiBi slopes, attention sinks
 
-        The plan's partials buffer belongs to it: runs of one plan are
-        issued on one stream at a time (as the layers of a step are).
+        A version 3 plan runs the tensor-core decode for q of the mma's
+        type (float16 pages: float16 q; bfloat16: bfloat16; fp8: either)
+        over 16-byte aligned pages, else the float32 kernels.  The plan's
+        partials buffer belongs to it: runs of one plan are issued on one
+        stream at a time (as the layers of a step are).
         """
         if not isinstance(plan, CudaAttentionPlan):
             raise TypeError(f"plan must come from this backend's attention_plan, got "
                             f"{type(plan).__name__}")
-        self.check_attention_features(0, alibi_slopes is not None, sinks is not None)
+        for arg, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+            if a is not None and (not self._is_device(a) or a.dtype != np.float32
+                                  or tuple(a.shape) != (plan.num_heads,)
+                                  or not a.flags.c_contiguous or self._ptr(a) % 4):
+                raise ValueError(f"{arg} must be a float32 C-contiguous ({plan.num_heads},) "
+                                 f"array on {self.device}, got {type(a).__name__} "
+                                 f"{getattr(a, 'dtype', '')} {tuple(getattr(a, 'shape', ()))}")
         want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
         want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
         for arg, a, want in (("q", q, want_q), ("out", out, want_q),
@@ -119,6 +248,9 @@ class CudaAttention:
             if tuple(a.shape) != want:
                 raise ValueError(f"{arg} must have the planned shape {want}, got "
                                  f"{tuple(a.shape)}")
+        q_kinds, out_kinds = self.attention_io_kinds(plan)
+        qk = _io_kind(q, "q", q_kinds)
+        ok = _io_kind(out, "out", out_kinds)
         scales = self._attention_scales(plan.kind, key_cache, lowprec)
         if plan.num_tokens == 0:
             return
@@ -127,39 +259,34 @@ class CudaAttention:
                 raise ValueError(
                     f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
                     f"{self._ptr(a):#x} and strides {a.strides}")
+        if not q.flags.c_contiguous:
+            raise ValueError("q must be C-contiguous")
         self._deliverable(out)
         ak = attention_kernels
         with self._ctx():
-            self._wait_event(plan.ready)
+            if plan.ready is not None:
+                if self._event_done(plan.ready):
+                    plan.ready = None        # (one query per plan, not per run)
+                else:
+                    self._wait_event(plan.ready)
             q = self._aligned_input(q)
             target = out if out.flags.c_contiguous and not self._misaligned(out) \
                 else self.xp.empty(out.shape, out.dtype)
             cs = self._estrides(key_cache, (0, 1, 2))
             tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
                                 [c * key_cache.itemsize for c in cs], plan.block_size)
-            split = ak.split_name if tiled else ak.scalar_name
-            if plan.items is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name, split(plan.kind, plan.head_dim),
-                                  plan.items.shape[0], ak.THREADS,
-                                  [target, plan.partials, q, key_cache, value_cache,
-                                   plan.tables, plan.lens, plan.qsl, plan.items, plan.nsplit,
-                                   plan.num_heads, plan.tables.shape[1], plan.block_size,
-                                   cs[0], cs[1], cs[2], plan.scale, plan.sliding_window,
-                                   plan.soft_cap, *scales])
-            if plan.prefill is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name,
-                                  ak.prefill_name(plan.kind, plan.head_dim),
-                                  plan.prefill.shape[0], ak.THREADS,
-                                  [target, q, key_cache, value_cache, plan.tables, plan.lens,
-                                   plan.qsl, plan.prefill, plan.num_heads,
-                                   plan.num_heads // plan.num_kv_heads, plan.tables.shape[1],
-                                   plan.block_size, cs[0], cs[1], cs[2], plan.scale,
-                                   plan.sliding_window, plan.soft_cap, int(tiled)])
-            if plan.merge_rows is not None:
-                self._launch_grid(ak.ATTENTION_FILE.name, ak.merge_name(plan.head_dim),
-                                  plan.merge_rows.shape[0], ak.MERGE_THREADS,
-                                  [target, plan.partials, plan.merge_rows, plan.nsplit,
-                                   plan.num_heads])
+            values = {"out": target, "q": q, "k": key_cache, "v": value_cache, "cb": cs[0],
+                      "ch": cs[1], "ct": cs[2], "key_scales": scales[0],
+                      "value_scales": scales[1], "sb": scales[2], "sh": scales[3],
+                      "st": scales[4], "ks": scales[5], "vs": scales[6], "qk": qk, "ok": ok,
+                      "tiled": int(tiled), "alibi": alibi_slopes, "sinks": sinks}
+            if not plan.lock.acquire(blocking=False):
+                raise RuntimeError("this attention plan is already running (one run at a "
+                                   "time per plan)")
+            try:
+                _issue(plan, values, tiled)
+            finally:
+                plan.lock.release()
             self._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
@@ -173,15 +300,15 @@ class CudaAttention:
         the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
         positive scales).  A stored value reads as ``element * scale``.
         """
-        # the scales and features are checked before anything is planned or uploaded
+        # the scales are checked before anything is planned or uploaded
         self._attention_scales(kind, key_cache, lowprec)
-        self.check_attention_features(chunk_size, alibi_slopes is not None, sinks is not None)
         plan = self.attention_plan(
             block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
             num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
             num_blocks=key_cache.shape[0], kind=kind, scale=scale,
-            sliding_window=sliding_window, soft_cap=soft_cap)
-        self.attention_run(plan, q, out, key_cache, value_cache, lowprec)
+            sliding_window=sliding_window, soft_cap=soft_cap, chunk_size=chunk_size)
+        self.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+                           alibi_slopes=alibi_slopes, sinks=sinks)
 
     def _attention_scales(self, kind, key_cache, lowprec):
         """The scale arguments of kva_attention_split for pages of ``kind``
@@ -235,19 +362,246 @@ class CudaAttention:
         return [key_scales, value_scales, *strides[0], 1.0, 1.0]
 
 
+class Hole:
+    """An argument of a ``PackedLaunch`` written per call: ``name`` (the key
+    of the call's values) and its type: ``"p"`` a device array (a pointer;
+    None: null), ``"i"`` an int (long long), ``"f"`` a float."""
+
+    __slots__ = ("name", "type")
+
+    def __init__(self, name, type):
+        self.name, self.type = name, type
+
+
+class PackedLaunch:
+    """One kernel launch of a plan, its arguments packed at plan time (one
+    8-byte slot each: the kernel's parameter block), the ``Hole`` ones
+    written per call.  ``launch(values)`` (a dict of the holes' values)
+    issues it through the backend's ``_run_packed``: on a GPU a single
+    driver call, no argument marshalling."""
+
+    __slots__ = ("backend", "file", "name", "grid", "block", "smem", "args", "holes",
+                 "native")
+
+    def __init__(self, backend, file, name, grid, block, args, smem=0):
+        self.backend, self.file, self.name = backend, file, name
+        self.grid, self.block, self.smem = int(grid), int(block), int(smem)
+        self.args = list(args)
+        self.holes = [(i, a) for i, a in enumerate(self.args) if isinstance(a, Hole)]
+        self.native = None   # the backend's packed form, made at the first launch
+
+    def __call__(self, values):
+        self.backend._run_packed(self, values)
+
+
+def _issue(plan, values, tiled):
+    """The launches of one run: the tensor-core decode for q of its type
+    over 16-byte aligned pages, else the float32 kernels; the prefill."""
+    runs = plan.launches.get(("tc", values["qk"])) if tiled else None
+    for launch in runs or plan.launches.get(("core", tiled), ()):
+        launch(values)
+    for launch in plan.launches.get("prefill", ()):   # (16-byte copies where tiled)
+        launch(values)
+
+
+class _FastRun:
+    """``CudaAttentionPlan.bind``'s result: ``AttentionPlan.run``'s fast lane
+    for device q / out it can take as they are (CuPy arrays, torch CUDA
+    tensors: C-contiguous, aligned, on the plan's device, of a kind the
+    plan reads / writes, an ``out`` apart from q and from the pool's
+    memory); NotImplemented for anything else (the general path decides
+    and names the error).  The layers' planes are found from layer 0's and
+    the layer stride, once, at bind time."""
+
+    def __init__(self, plan, key0, value0, key_last, value_last, num_layers, layer_scales,
+                 scale_planes, alibi, sinks, layer_plans):
+        be = plan.backend
+        self.plan, self.be, self.num_layers = plan, be, num_layers
+        # each layer's plan (layers of several kinds: window / chunk) and rows
+        self.layer_plans = list(layer_plans) if layer_plans is not None else [plan] * num_layers
+        self.rows = {}
+        for name, host in (("alibi", alibi), ("sinks", sinks)):
+            if host is not None:   # (num_layers, num_heads) float32, uploaded once
+                dev = be.from_host(np.ascontiguousarray(host, np.float32))
+                self.rows[name] = (dev, be._ptr(dev), dev.shape[1] * 4)
+        steps = max(1, num_layers - 1)
+        self.kv0 = (be._ptr(key0), be._ptr(value0))
+        self.kv_step = tuple((be._ptr(last) - base) // steps
+                             for last, base in zip((key_last, value_last), self.kv0))
+        self.shape = (plan.num_tokens, plan.num_heads, plan.head_dim)
+        self.q_kinds, self.out_kinds = be.attention_io_kinds(plan)
+        # what an out must not overlap: every layer's K planes, V planes (and scales)
+        self.owned = [(lo, hi) for first, last in ((key0, key_last), (value0, value_last))
+                      for lo, hi in [(be._extent(first)[0], be._extent(last)[1])]]
+        cs = be._estrides(key0, (0, 1, 2))
+        self.tiled = attention_kernels.tiled_ok(self.kv0, [c * key0.itemsize for c in cs],
+                                                plan.block_size) \
+            and all(s % 16 == 0 for s in self.kv_step)
+        self.scale_planes = None
+        base = {"cb": cs[0], "ch": cs[1], "ct": cs[2], "key_scales": None,
+                "value_scales": None, "sb": 0, "sh": 0, "st": 0, "ks": 1.0, "vs": 1.0,
+                "tiled": int(self.tiled), "alibi": None, "sinks": None}
+        if scale_planes is not None:   # int8: each layer's scale planes, by their stride
+            ks0, vs0, ks_last, vs_last = scale_planes
+            sc = be._attention_scales(plan.kind, key0, (ks0, vs0, 1.0, 1.0))
+            base.update(sb=sc[2], sh=sc[3], st=sc[4])
+            first = (be._ptr(ks0), be._ptr(vs0))
+            self.scale_planes = (first, tuple((be._ptr(last) - f) // steps
+                                              for last, f in zip((ks_last, vs_last), first)))
+            self.owned += [(be._extent(a)[0], be._extent(b)[1])
+                           for a, b in ((ks0, ks_last), (vs0, vs_last))]
+        self.layer_scales = None if layer_scales is None else \
+            [(float(k), float(v)) for k, v in layer_scales]
+        self.base = base
+        self._torch_kinds = None
+
+    def _operand(self, x):
+        """``(address, kind, nbytes)`` of q / out ``x`` as the kernels take
+        it, or None."""
+        be = self.be
+        if type(x) is be.xp.ndarray:
+            kind = _FAST_CUPY_KINDS.get(x.dtype.char)
+            if kind is None or x.shape != self.shape or not x.flags.c_contiguous \
+                    or be._device_id_of(x) != be.device_id:
+                return None
+            ptr = be._ptr(x)
+            return (ptr, kind, x.nbytes) if ptr % x.itemsize == 0 else None
+        if type(x).__module__.split(".")[0] != "torch":
+            return None
+        kinds = self._torch_kinds
+        if kinds is None:
+            import torch
+            kinds = self._torch_kinds = {torch.float32: (dtypes.F32, 4),
+                                         torch.float16: (dtypes.F16, 2),
+                                         torch.bfloat16: (dtypes.BF16, 2)}
+        kind = kinds.get(x.dtype)
+        if kind is None or not x.is_cuda or x.device.index != be.device_id \
+                or tuple(x.shape) != self.shape or not x.is_contiguous() or x.is_neg() \
+                or x.is_conj():
+            return None
+        ptr = x.data_ptr()
+        return (ptr, kind[0], x.numel() * kind[1]) if ptr % kind[1] == 0 else None
+
+    def __call__(self, q, layer, out=None):
+        be = self.be
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            return NotImplemented
+        plan = self.layer_plans[layer]
+        qo = self._operand(q)
+        if qo is None or qo[1] not in self.q_kinds:
+            return NotImplemented
+        if out is None:
+            with be._ctx():
+                result = be.xp.empty(self.shape, np.float32)
+            oo = (be._ptr(result), dtypes.F32, result.nbytes)
+        else:
+            oo = self._operand(out)
+            if oo is None or oo[1] not in self.out_kinds \
+                    or getattr(out, "requires_grad", False):
+                return NotImplemented
+            lo, hi = oo[0], oo[0] + oo[2]
+            if lo < qo[0] + qo[2] and qo[0] < hi or any(lo < b and a < hi
+                                                        for a, b in self.owned):
+                return NotImplemented
+            result = out
+        values = dict(self.base)
+        values.update(out=oo[0], q=qo[0], qk=qo[1], ok=oo[1],
+                      k=self.kv0[0] + layer * self.kv_step[0],
+                      v=self.kv0[1] + layer * self.kv_step[1])
+        if self.layer_scales is not None:
+            values["ks"], values["vs"] = self.layer_scales[layer]
+        if self.scale_planes is not None:
+            (k0, v0), (ks, vs) = self.scale_planes
+            values["key_scales"], values["value_scales"] = k0 + layer * ks, v0 + layer * vs
+        for name, (_, base, step) in self.rows.items():
+            values[name] = base + layer * step
+        if not plan.lock.acquire(blocking=False):
+            return NotImplemented   # (the general path raises)
+        try:
+            with be._ctx():
+                if plan.ready is not None:
+                    if be._event_done(plan.ready):
+                        plan.ready = None
+                    else:
+                        be._wait_event(plan.ready)
+                _issue(plan, values, self.tiled)
+        finally:
+            plan.lock.release()
+        return result
+
+
+# CuPy dtypes the fast lane takes as they are (bfloat16 CuPy arrays go the general way)
+_FAST_CUPY_KINDS = {"f": dtypes.F32, "e": dtypes.F16}
+
+
+def _io_kind(a, arg, kinds):
+    """The element kind of q / out ``a`` (bfloat16 as ml_dtypes' or its
+    uint16 bits), checked against ``kinds``."""
+    dt = a.dtype
+    kind = {np.dtype(np.float32): dtypes.F32, np.dtype(np.float16): dtypes.F16,
+            np.dtype(np.uint16): dtypes.BF16}.get(np.dtype(dt))
+    if kind is None and dtypes.BF16_NUMPY is not None and dt == dtypes.BF16_NUMPY:
+        kind = dtypes.BF16
+    if kind not in kinds:
+        names = ", ".join(dtypes.KIND_NAME[k] for k in sorted(kinds))
+        raise TypeError(f"{arg} must be {names} for this plan, got {dt}")
+    return kind
+
+
 class CudaAttentionPlan:
     """``CudaBackend.attention_plan``'s result: the shape of a step's
-    attention and its device metadata (item table, split counts, block
-    tables, lengths, query starts, merge rows, the partials buffer)."""
+    attention, its kernel version and its device metadata (item tables and
+    split counts of the float32 and tensor-core kernels, block tables,
+    lengths, query starts, merge rows, the partials buffer, the
+    tensor-core merge tickets)."""
 
     __slots__ = ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size",
                  "num_blocks", "kind", "scale", "sliding_window", "soft_cap", "items",
                  "nsplit", "tables", "lens", "qsl", "merge_rows", "partials", "ready",
-                 "prefill")
+                 "prefill", "version", "tc_items", "tc_nsplit", "counters", "launches",
+                 "backend", "lock", "prefill_tc", "chunk_size")
 
     def __init__(self, **shape):
         for name in self.__slots__:
             setattr(self, name, shape.get(name))
+        self.lock = threading.Lock()   # one run at a time (the launches' host buffers)
+
+    def share_guard(self, other):
+        """Take ``other``'s run guard (the plans of one AttentionPlan's
+        layer kinds: one run at a time among them)."""
+        self.lock = other.lock
+
+    def bind(self, key0, value0, key_last, value_last, num_layers, owned=(),
+             key_scales0=None, value_scales0=None, key_scales_last=None,
+             value_scales_last=None, layer_scales=None, head_scales=None, alibi=None,
+             sinks=None, layer_plans=None):
+        """``AttentionPlan.run``'s fast lane (see ``_FastRun``) over the
+        layers whose planes lie ``l`` layer strides past ``key0`` /
+        ``value0`` (measured from the last layer's); ``alibi`` / ``sinks``:
+        host ``(num_layers, num_heads)`` rows (uploaded now), ``layer_plans``:
+        each layer's plan where the layers have several kinds.  None when it
+        cannot be bound (fp8 per-head scales, planes off the backend's
+        device or not one stride apart, an empty plan).  ``owned`` is not
+        used: the fast lane keeps ``out`` off every layer's planes and
+        scales itself."""
+        be = self.backend
+        planes = (key0, value0, key_last, value_last)
+        if be is None or head_scales is not None or self.num_tokens == 0 \
+                or not all(be._is_device(a) and be._device_id_of(a) == be.device_id
+                           for a in planes):
+            return None
+        steps = max(1, num_layers - 1)
+        if any((be._ptr(last) - be._ptr(first)) % steps or last.strides != first.strides
+               for first, last in ((key0, key_last), (value0, value_last))):
+            return None
+        scale_planes = None
+        if key_scales0 is not None:
+            scale_planes = (key_scales0, value_scales0, key_scales_last, value_scales_last)
+            if any((be._ptr(last) - be._ptr(first)) % steps
+                   for first, last in zip(scale_planes[:2], scale_planes[2:])):
+                return None
+        return _FastRun(self, key0, value0, key_last, value_last, num_layers, layer_scales,
+                        scale_planes, alibi, sinks, layer_plans)
 
     def __repr__(self):
         return (f"<CudaAttentionPlan {self.num_tokens} query tokens, {self.num_heads} heads "

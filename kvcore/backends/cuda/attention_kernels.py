@@ -53,6 +53,17 @@ TILED_MAX_BLOCK_SIZE = 2 ** 30
 MERGE_THREADS = 128
 
 
+def key_lo(pos, sliding_window, chunk_size=0):
+    """The first key a query at position(s) ``pos`` sees (attention.cu's
+    kva_key_lo, the CPU's rule): the later of its window's start and its
+    chunk's start (0: off)."""
+    pos = np.asarray(pos, np.int64)
+    lo = np.maximum(pos + 1 - sliding_window, 0) if sliding_window > 0 else np.zeros_like(pos)
+    if chunk_size > 0:
+        lo = np.maximum(lo, pos - pos % chunk_size)
+    return lo
+
+
 def split_name(kind, head_dim):
     """The tiled split kernel (16-byte aligned pages)."""
     return f"kva_attention_split<{kind}, {head_dim}>"
@@ -106,6 +117,63 @@ def prefill_plan(query_start_loc, num_heads, num_kv_heads, min_queries=None):
     return items, mask
 
 
+# v3: the FlashAttention-2-class prefill (kv_attn_prefill.cuh, kva_prefill_tc):
+# float16 / bfloat16 pages, every head_dim, any q kind; blocks of
+# prefill_tc_rows(head_dim) (query, head) pairs over key tiles of 64 (32 for
+# head_dim 256), 16-byte aligned pages (else the older kernel above).
+PREFILL_TC_HEAD_DIMS = HEAD_DIMS
+PREFILL_TC_WARPS = 4
+PREFILL_TC_THREADS = 32 * PREFILL_TC_WARPS
+
+
+def prefill_tc_name(kind, head_dim):
+    """The FlashAttention-2-class prefill kernel (f16 / bf16 pages)."""
+    return f"kva_prefill_tc<{kind}, {head_dim}>"
+
+
+def prefill_tc_rows(head_dim):
+    """(query, head) pairs per block of ``kva_prefill_tc`` (KvpCfg::ROWS)."""
+    return PREFILL_TC_WARPS * 16 * (2 if head_dim <= 128 else 1)
+
+
+def prefill_tc_smem(head_dim):
+    """Dynamic shared memory of ``kva_prefill_tc<*, head_dim>`` (KvpCfg::SMEM)."""
+    rows, keys, rs = prefill_tc_rows(head_dim), 64 if head_dim <= 64 else 32, 2 * head_dim + 16
+    return rows * rs + 4 * keys * rs + rows * 8
+
+
+def prefill_tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
+                    head_dim, min_queries=None, chunk_size=0):
+    """``kva_prefill_tc``'s items for the sequences of at least
+    ``min_queries`` (default ``PREFILL_MIN_QUERIES``) queries: int64
+    ``[n, 4]`` = (sequence, kv head, first pair, pairs), the blocks that
+    see the most keys first; and the bool ``[T]`` mask of the query rows
+    they cover."""
+    if min_queries is None:
+        min_queries = PREFILL_MIN_QUERIES
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    nq = np.diff(qsl)
+    G = num_heads // num_kv_heads
+    rows = prefill_tc_rows(head_dim)
+    mask = np.zeros(int(qsl[-1]) if qsl.size else 0, bool)
+    out, work = [], []
+    for s in np.flatnonzero(nq >= max(1, min_queries)):
+        mask[qsl[s]:qsl[s + 1]] = True
+        pairs = int(nq[s]) * G
+        pos0 = int(lens[s] - nq[s])
+        for p0 in range(0, pairs, rows):
+            n = min(rows, pairs - p0)
+            hi = pos0 + (p0 + n - 1) // G + 1
+            lo = int(key_lo(pos0 + p0 // G, sliding_window, chunk_size))
+            for g in range(num_kv_heads):
+                out.append((int(s), g, p0, n))
+                work.append(hi - lo)
+    order = np.argsort(-np.asarray(work, np.int64), kind="stable")
+    items = np.array(out, np.int64).reshape(-1, 4)[order]
+    return np.ascontiguousarray(items), mask
+
+
 def tile_keys(kind, head_dim):
     """Keys per tile of the tiled kernel (attention.cu's KvaTile::KEYS)."""
     return min(64, TILE_BYTES // (head_dim * dtypes.ITEMSIZE[kind]))
@@ -124,40 +192,166 @@ def merge_name(head_dim):
     return f"kva_attention_merge<{head_dim}>"
 
 
+# ------------------------------------------------------------------ v3
+# The tensor-core decode kernel (kv_attn_decode.cuh, kva_decode_tc): float16,
+# bfloat16, e4m3fn and e5m2 pages, head_dim <= 128, q of the mma's input
+# type (tc_mma_kind).  Items of up to TC_ROWS (query, head) pairs of one kv
+# head over a split of their keys; the splits of a unit are merged by the
+# last of them to finish (an atomic ticket per unit in ``counters``).
+TC_KINDS = (dtypes.F16, dtypes.BF16, dtypes.F8E4M3, dtypes.F8E5M2)
+TC_HEAD_DIMS = (64, 80, 96, 128)
+TC_ROWS = 16       # KVT_ROWS: pairs per item (the mma's m)
+TC_WARPS = 4       # KVT_WARPS
+TC_KEYS = 16       # KVT_KEYS: keys per warp tile
+# KvtCfg::STAGES: buffers per warp, 3 for rows of 128 bytes or less, else 2
+def tc_stages(kind, head_dim):
+    return 3 if head_dim * dtypes.ITEMSIZE[kind] <= 128 else 2
+
+
+TC_THREADS = 32 * TC_WARPS
+# Splits sized from the device: about TC_BLOCKS_PER_SM blocks per
+# multiprocessor (~70-110 KB of shared memory and ~170 registers a thread
+# leave room for 2 on sm_90), whole rounds of the 4 warps' tiles.
+TC_BLOCKS_PER_SM = 2
+TC_SPLIT_ALIGN = TC_WARPS * TC_KEYS
+# The item's keys are offsets from its first key's page in 32 bits.
+TC_MAX_KEYS = 2 ** 31
+# Splits of one unit at most (KVT_MAX_SPLITS: the last block merges their
+# weights in shared memory); longer ranges get longer splits.
+TC_MAX_SPLITS = 256
+
+
+def tc_name(kind, head_dim, mma_kind):
+    """The tensor-core decode kernel for pages of ``kind`` and q of ``mma_kind``."""
+    return f"kva_decode_tc<{kind}, {head_dim}, {mma_kind}>"
+
+
+def tc_mma_kinds(kind):
+    """The q kinds the tensor-core decode takes over pages of ``kind``:
+    float16 / bfloat16 pages their own; fp8 pages float16 and bfloat16
+    (every fp8 value is both)."""
+    if kind in (dtypes.F16, dtypes.BF16):
+        return (kind,)
+    if kind in (dtypes.F8E4M3, dtypes.F8E5M2):
+        return (dtypes.F16, dtypes.BF16)
+    return ()
+
+
+def tc_smem(kind, head_dim):
+    """Bytes of dynamic shared memory of ``kva_decode_tc<kind, head_dim, *>``
+    (its KvtCfg::SMEM)."""
+    row = head_dim * dtypes.ITEMSIZE[kind]
+    pipe = TC_WARPS * tc_stages(kind, head_dim) * 2 * TC_KEYS * (row + 16)
+    merge = TC_WARPS * TC_ROWS * (head_dim + 2) * 4 + (TC_WARPS + 4) * TC_ROWS * 4
+    weights = (2 * TC_MAX_SPLITS + 2) * TC_ROWS * 4
+    return max(pipe, merge, weights) + TC_ROWS * (2 * head_dim + 16) + TC_ROWS * 8 + 16
+
+
+def _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, seqs,
+               chunk_size=0):
+    """The (sequence, first pair, pairs, first key, end key) of every chunk
+    of up to TC_ROWS (query, head) pairs of the sequences in ``seqs``."""
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    nq = np.diff(qsl)
+    G = num_heads // num_kv_heads
+    use = nq > 0 if seqs is None else (nq > 0) & seqs
+    sel = np.flatnonzero(use)
+    pairs = nq[sel] * G
+    nch = -(-pairs // TC_ROWS)
+    seq = np.repeat(sel, nch)
+    first = np.repeat(np.cumsum(nch) - nch, nch)
+    p0 = (np.arange(seq.size, dtype=np.int64) - first) * TC_ROWS
+    npairs = np.minimum(TC_ROWS, np.repeat(pairs, nch) - p0)
+    pos0 = lens[seq] - nq[seq]
+    hi = pos0 + (p0 + npairs - 1) // G + 1
+    lo = key_lo(pos0 + p0 // G, sliding_window, chunk_size)
+    return seq, p0, npairs, lo, hi
+
+
+def tc_split_keys_for(longest, units, num_sms):
+    """Keys per split of a call of ``units`` (chunk, kv head) units whose
+    longest visible range is ``longest`` keys, on ``num_sms``
+    multiprocessors: units x splits come to about TC_BLOCKS_PER_SM blocks
+    per multiprocessor (a call of that many units is not split), in whole
+    rounds of the block's warp tiles."""
+    pieces = max(1, TC_BLOCKS_PER_SM * int(num_sms) // max(1, units))
+    want = max(TC_SPLIT_ALIGN, -(-int(longest) // pieces))
+    return -(-want // TC_SPLIT_ALIGN) * TC_SPLIT_ALIGN
+
+
+def tc_plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
+            split_keys=None, num_sms=None, seqs=None, chunk_size=0):
+    """The tensor-core decode kernel's items: int64 ``[n, 8]`` = (sequence,
+    kv head, first pair, pairs, first key, end key, split index, 0) and the
+    int32 ``[n]`` splits of each item's unit; a unit's items are
+    consecutive.  ``seqs``: a bool mask of the sequences planned (None:
+    all).  ``split_keys`` defaults to ``tc_split_keys_for(..., num_sms)``
+    given ``num_sms``, else ``SPLIT_KEYS``."""
+    seq, p0, npairs, lo, hi = _tc_chunks(query_start_loc, seq_lens, num_heads, num_kv_heads,
+                                         sliding_window, seqs, chunk_size)
+    H = num_kv_heads
+    if seq.size == 0:
+        return np.zeros((0, 8), np.int64), np.zeros(0, np.int32)
+    if split_keys is None:
+        split_keys = SPLIT_KEYS if not num_sms else tc_split_keys_for(
+            (hi - lo).max(), seq.size * H, num_sms)
+    split_keys = max(int(split_keys), -(-int((hi - lo).max()) // TC_MAX_SPLITS))
+    ns = np.maximum(1, -(-(hi - lo) // split_keys))                       # per chunk
+    u_chunk = np.repeat(np.arange(seq.size, dtype=np.int64), H)
+    u_g = np.tile(np.arange(H, dtype=np.int64), seq.size)
+    u_ns = ns[u_chunk]
+    unit = np.repeat(np.arange(u_chunk.size, dtype=np.int64), u_ns)
+    start = np.repeat(np.cumsum(u_ns) - u_ns, u_ns)
+    sp = np.arange(unit.size, dtype=np.int64) - start
+    ch = u_chunk[unit]
+    k0 = lo[ch] + sp * split_keys
+    items = np.stack([seq[ch], u_g[unit], p0[ch], npairs[ch], k0,
+                      np.minimum(hi[ch], k0 + split_keys), sp, np.zeros_like(sp)], axis=1)
+    return np.ascontiguousarray(items), u_ns[unit].astype(np.int32)
+
+
 def attention_names():
     """Name expressions of every kernel instantiation (as NVRTC spells them)."""
-    names = [split_name(kind, d) for kind in KINDS for d in HEAD_DIMS]
-    names += [scalar_name(kind, d) for kind in KINDS for d in HEAD_DIMS]
-    names += [prefill_name(kind, d) for kind in PREFILL_KINDS for d in PREFILL_HEAD_DIMS]
-    names += [merge_name(d) for d in HEAD_DIMS]
-    return names
+    return [n for _key, names in modules() for n in names]
 
 
 MERGE_MODULE = "merge"
+# Module families of one page kind: the float32 (CUDA-core) kernels, the
+# tensor-core decode, the prefill kernels.  A call compiles only what it runs.
+CORE, TC, PREFILL = "core", "tc", "prefill"
 
 
 def module_key(name):
-    """The module that holds kernel ``name``: its page kind for a split
-    kernel (one module per kind, so a call compiles only its kind's
-    kernels), ``MERGE_MODULE`` for a merge kernel."""
+    """The module that holds kernel ``name``: ``(family, page kind)``, or
+    ``MERGE_MODULE`` for a merge kernel."""
     if name.startswith("kva_attention_merge<"):
         return MERGE_MODULE
-    return int(name.split("<", 1)[1].split(",")[0])
+    kind = int(name.split("<", 1)[1].split(",")[0])
+    family = TC if name.startswith("kva_decode_tc<") else \
+        PREFILL if name.startswith(("kva_attention_prefill<", "kva_prefill_tc<")) else CORE
+    return (family, kind)
 
 
 def module_names(key):
     """Name expressions of module ``key`` (see :func:`module_key`)."""
     if key == MERGE_MODULE:
         return [merge_name(d) for d in HEAD_DIMS]
-    names = [split_name(key, d) for d in HEAD_DIMS] + [scalar_name(key, d) for d in HEAD_DIMS]
-    if key in PREFILL_KINDS:
-        names += [prefill_name(key, d) for d in PREFILL_HEAD_DIMS]
-    return names
+    family, kind = key
+    if family == CORE:
+        return [split_name(kind, d) for d in HEAD_DIMS] + \
+            [scalar_name(kind, d) for d in HEAD_DIMS]
+    if family == TC:
+        return [tc_name(kind, d, mt) for mt in tc_mma_kinds(kind) for d in TC_HEAD_DIMS]
+    return [prefill_name(kind, d) for d in PREFILL_HEAD_DIMS] + \
+        [prefill_tc_name(kind, d) for d in PREFILL_TC_HEAD_DIMS]
 
 
 def modules():
     """Every attention module: ``[(key, names)]``."""
-    return [(k, module_names(k)) for k in (*KINDS, MERGE_MODULE)]
+    keys = [(CORE, k) for k in KINDS] + [(TC, k) for k in TC_KINDS]
+    keys += [(PREFILL, k) for k in PREFILL_KINDS]
+    return [(k, module_names(k)) for k in (*keys, MERGE_MODULE)]
 
 
 def source():
@@ -166,7 +360,7 @@ def source():
     return _sources.source(ATTENTION_FILE.name)
 
 
-def _visible(query_start_loc, seq_lens, sliding_window):
+def _visible(query_start_loc, seq_lens, sliding_window, chunk_size=0):
     """Per query row: its sequence, first and end visible key."""
     qsl = np.asarray(query_start_loc, np.int64)
     lens = np.asarray(seq_lens, np.int64)
@@ -176,12 +370,12 @@ def _visible(query_start_loc, seq_lens, sliding_window):
     row = np.arange(T, dtype=np.int64)
     pos = lens[seq] - nq[seq] + (row - qsl[seq])
     hi = pos + 1
-    lo = np.maximum(hi - sliding_window, 0) if sliding_window > 0 else np.zeros_like(hi)
+    lo = key_lo(pos, sliding_window, chunk_size)
     return seq, lo, hi
 
 
 def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
-                   num_sms, rows=None):
+                   num_sms, rows=None, chunk_size=0):
     """Keys per split for a call on a device of ``num_sms``
     multiprocessors: the call's units (row, kv head, chunk) are split so
     their items (one thread block each) come to at most ``BLOCKS_PER_SM *
@@ -189,7 +383,7 @@ def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_w
     ``target // units`` pieces (a call of that many units or more is not
     split: a split only adds a merge).  A multiple of ``SPLIT_ALIGN``, at
     least ``MIN_SPLIT_KEYS``.  ``rows``: a bool mask of the rows planned."""
-    _, lo, hi = _visible(query_start_loc, seq_lens, sliding_window)
+    _, lo, hi = _visible(query_start_loc, seq_lens, sliding_window, chunk_size)
     if rows is not None:
         lo, hi = lo[rows], hi[rows]
     if hi.size == 0:
@@ -202,7 +396,7 @@ def split_keys_for(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_w
 
 
 def plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
-         split_keys=None, num_sms=None, rows=None):
+         split_keys=None, num_sms=None, rows=None, chunk_size=0):
     """The work items of a call (host NumPy, checked arguments).
 
     Returns ``(items, nsplit, merge_rows)``: ``items`` int64 ``[n, 7]`` =
@@ -215,13 +409,14 @@ def plan(query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window,
     ``rows`` (a bool mask of the query rows) plans only those rows (the
     others go to the prefill kernel).
     """
-    seq, lo, hi = _visible(query_start_loc, seq_lens, sliding_window)
+    seq, lo, hi = _visible(query_start_loc, seq_lens, sliding_window, chunk_size)
     row = np.arange(hi.size, dtype=np.int64)
     if rows is not None:
         seq, lo, hi, row = seq[rows], lo[rows], hi[rows], row[rows]
     if split_keys is None:
         split_keys = SPLIT_KEYS if not num_sms else split_keys_for(
-            query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, num_sms, rows)
+            query_start_loc, seq_lens, num_heads, num_kv_heads, sliding_window, num_sms, rows,
+            chunk_size)
     T = hi.size
     G = num_heads // num_kv_heads
     chunks = -(-G // CHUNK_HEADS)

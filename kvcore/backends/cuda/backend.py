@@ -31,7 +31,7 @@ import numpy as np
 from ... import dtypes
 from ..base import Backend
 from . import CudaUnavailableError, _sources, attention_kernels
-from .attention import CudaAttention, CudaAttentionPlan  # noqa: F401 (re-exported)
+from .attention import CudaAttention, CudaAttentionPlan, Hole  # noqa: F401 (re-exported)
 from .copies import CudaBlockCopies
 from .lane import StepLane
 
@@ -86,6 +86,8 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
         self._sms = self._tensor_cores = None    # asked of the device on first use
+        self._smem_max = None
+        self._smem_set = {}   # kernel name -> the dynamic shared memory it was allowed
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -141,6 +143,10 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     def _record_event(self):
         """An event recorded on the current stream (what was issued so far)."""
         return self._cp.cuda.get_current_stream().record()
+
+    def _event_done(self, event):
+        """Whether ``event`` has completed (a query: no wait)."""
+        return event is None or event.done
 
     def _wait_event(self, event):
         """Order the current stream's next work after ``event``: nothing to
@@ -247,23 +253,95 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                   for a in args]  # None: a null pointer
         fn(grid, block, tuple(kargs))
 
-    def _launch_grid(self, file, name, grid, block, args):
+    def _launch_grid(self, file, name, grid, block, args, smem=0):
         """Run kernel ``name`` of ``file``'s module on ``grid`` blocks of
-        ``block`` threads on the current stream.  ``args``: device arrays
-        (pointers), None (a null pointer), Python floats (passed as float)
-        and ints (passed as long long)."""
+        ``block`` threads with ``smem`` bytes of dynamic shared memory on the
+        current stream.  ``args``: device arrays (pointers), None (a null
+        pointer), Python floats (passed as float) and ints (passed as long
+        long)."""
         if grid <= 0:
             return
         fn = self._function(file, None, None, name)
+        self._allow_smem(fn, name, smem)
         # (after everything that readies the kernel itself: a packed launch
         # of a collected one calls the driver with nothing else)
-        if self._collected(file, name, grid, block, args):
+        if self._collected(file, name, grid, block, args, smem):
             return
         cp = self._cp
         kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
                       else np.float32(a) if isinstance(a, (float, np.floating))
                       else np.int64(a) for a in args)
-        fn((int(grid), 1, 1), (int(block), 1, 1), kargs)
+        fn((int(grid), 1, 1), (int(block), 1, 1), kargs, shared_mem=int(smem))
+
+    def _run_packed(self, launch, values):
+        """Issue ``launch`` (an attention ``PackedLaunch``) on the current
+        stream with its holes set from ``values``: the parameter block is
+        built at its first launch (the kernel compiled then), later ones
+        write the holes' slots and make one cuLaunchKernel call."""
+        if launch.grid <= 0:
+            return
+        if getattr(_COLLECT, "calls", None) is not None:
+            # lane.py collects this thread's launches: the holes filled,
+            # recorded as any grid launch (and packed there)
+            args = list(launch.args)
+            for i, hole in launch.holes:
+                args[i] = values[hole.name]
+            self._launch_grid(launch.file, launch.name, launch.grid, launch.block, args,
+                              launch.smem)
+            return
+        native = launch.native
+        if native is None:
+            native = launch.native = self._pack(launch)
+        slots, as_i64, as_f32, fn_ptr, params, _ = native
+        for i, hole in launch.holes:
+            v = values[hole.name]
+            if hole.type == "p":   # an array, an address (the fast lane's) or None
+                slots[i] = v if type(v) is int else 0 if v is None else v.data.ptr
+            elif hole.type == "i":
+                as_i64[i] = v
+            else:
+                as_f32[2 * i] = v
+        self._cp.cuda.driver.launchKernel(fn_ptr, launch.grid, 1, 1, launch.block, 1, 1,
+                                          launch.smem, self._stream_ptr(), params, 0)
+
+    def _pack(self, launch):
+        """``launch``'s parameter block: one 8-byte slot per argument (a
+        float in the low 4 bytes), the fixed ones written now; and the
+        kernel (compiled on first use; its dynamic shared memory allowed)."""
+        fn = self._function(launch.file, None, None, launch.name)
+        self._allow_smem(fn, launch.name, launch.smem)
+        n = len(launch.args)
+        slots = np.zeros(max(1, n), np.uint64)
+        as_i64, as_f32 = slots.view(np.int64), slots.view(np.float32)
+        for i, a in enumerate(launch.args):
+            if a is None or isinstance(a, Hole):
+                continue
+            if isinstance(a, self._cp.ndarray):
+                slots[i] = a.data.ptr
+            elif isinstance(a, (float, np.floating)):
+                as_f32[2 * i] = a
+            else:
+                as_i64[i] = int(a)
+        params = np.array([slots.ctypes.data + 8 * i for i in range(max(1, n))], np.uint64)
+        # the arrays stay alive with the tuple (kept on the launch)
+        return slots, as_i64, as_f32, fn.kernel.ptr, params.ctypes.data, params
+
+    def _allow_smem(self, fn, name, smem):
+        """Let kernel ``fn`` take ``smem`` bytes of dynamic shared memory
+        (above 48 KB a kernel must ask: once per kernel, a host call)."""
+        if smem > self._DEFAULT_SMEM and self._smem_set.get(name, 0) < smem:
+            fn.max_dynamic_shared_size_bytes = int(smem)
+            self._smem_set[name] = smem
+
+    # dynamic shared memory a kernel gets without asking (above it:
+    # cudaFuncAttributeMaxDynamicSharedMemorySize)
+    _DEFAULT_SMEM = 48 * 1024
+
+    def _smem_optin(self):
+        """The most dynamic shared memory a block may ask for on the device."""
+        if self._smem_max is None:
+            self._smem_max = int(self._device.attributes["MaxSharedMemoryPerBlockOptin"])
+        return self._smem_max
 
     # ------------------------------------------------- packed launches
     # What lane.py (a step's writes and attention issued per layer) needs of

@@ -398,6 +398,9 @@ class StepState:
                                 num_heads)
             plan.tables, plan.lens, plan.qsl = self.tables, self.lens, self.query_start
             plan.sliding_window = int(window)
+            # (the plan's launches were packed over the planned tables and
+            # window: packed again over this state's)
+            plan.launches = be._attention_launches(plan)
             with be._ctx():
                 be._fence()          # its uploads are done: a run never waits for them
             plan.ready = None

@@ -16,15 +16,20 @@ minutes on an H100/H200, compilation included) measures:
 * gather of one 4096- and one 65536-token float16 sequence by a random block
   table into (heads, n, dim) (``CudaBackend.gather``), beside torch's
   ``cache.index_select(0, table)`` made head-major;
-* attention decode (``CudaBackend.paged_attention``, one query per
-  sequence) at batch {1, 64} x context {4096, 32768} x query heads per KV
-  head {1, 4, 8} x pages {float16, float8_e4m3fn}, 8 KV heads x 128 dims:
-  GB/s of K/V read (each page byte once) and its fraction of the copy
-  ceiling, and tokens/s (batch / time per call, one layer);
-* chunked prefill: 8192 query tokens over their own 8192-token context
-  (causal), 32 query heads over 8 KV heads, float16 pages, in TFLOP/s
-  (4 * heads * dim per visible (query, key) pair), beside torch's bf16
-  8192^3 matrix product (the tensor-core rate of the same machine).
+* attention against torch SDPA in the same run (``gpu_attention.py``):
+  decode at batch {1, 64} x context {4096, 32768} x query heads per KV head
+  {1, 4, 8} and causal prefill of 4096 and 16384 tokens (32 query / 8 KV
+  heads), float16 q and out, kvcore's kernels of this version and the
+  previous one (``KVCORE_CUDA_ATTENTION=v2``), float16 and e4m3fn pages,
+  each beside torch's SDPA over a contiguous cache of the same sizes, with
+  the fraction of HBM read;
+* a 32-layer decode step (write + attention, float16 q and out) replayed
+  from a CUDA graph, with whether a replay kept the bits;
+* torch's bf16 8192^3 matrix product (the tensor-core rate of the same
+  machine).
+
+``--anchor`` measures only the copy ceiling and the attention against torch
+(under two minutes on an H200, compilation included).
 
 The whole run, quick or not, takes well under the 8 minutes ``.ci/gpu``
 allows it on an H200 (compilation included).
@@ -46,16 +51,12 @@ from kvcore.backends import codec_of
 from kvcore.backends.cuda import CudaUnavailableError, get_cuda_backend  # noqa: F401
 from kvcore.dtypes import F16, F32
 
+from . import gpu_attention
 from ._timing import median_time
 
 HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 128, 16, 8192
 WRITE_TOKENS = (1, 64, 4096, 65536)
 GATHER_TOKENS = (4096, 65536)
-# attention decode grid (issue 23's goals are stated on it)
-DECODE_BATCH = (1, 64)
-DECODE_CONTEXT = (4096, 32768)
-DECODE_GROUP = (1, 4, 8)
-PREFILL_TOKENS, PREFILL_HEADS = 8192, 32
 
 
 def _torch_cuda():
@@ -85,9 +86,10 @@ def _copy_seconds(cp, cp_time, nbytes):
     return cp_time(lambda: cp.copyto(b, a), nbytes)
 
 
-def run(quick=False, attention=True):
+def run(quick=False, attention=True, anchor=False):
     """Measure; returns a dict (see ``report``); ``attention=False`` leaves
-    out the attention rows.
+    out the attention rows; ``anchor=True`` measures only the copy ceiling
+    and the attention against torch.
 
     Raises CudaUnavailableError without CuPy or a GPU.
     """
@@ -134,6 +136,14 @@ def run(quick=False, attention=True):
         ceiling = 2 * n_copy / _copy_seconds(cp, cp_time, n_copy) / 1e9
         out["ceiling_gbps"] = ceiling
         out["ceiling_bytes"] = 2 * n_copy
+
+        def time_fn(fn, calls):
+            return _median_seconds(fn, cp_record, cp_elapsed, repeat, calls)
+
+        if anchor:
+            out["anchor"] = gpu_attention.run(be, cp, torch, time_fn, ceiling)
+            be.synchronize()
+            return out
 
         def row(op, tokens, nbytes, t_kv, t_torch):
             r = {"op": op, "tokens": tokens, "bytes": nbytes, "kvcore_s": t_kv,
@@ -197,7 +207,8 @@ def run(quick=False, attention=True):
             row("gather f16", n, nbytes, t_kv, t_t)
         del storage, key_cache, t_cache
         if attention:
-            out["attention"] = _attention(be, cp, cp_time, ceiling, rng, quick)
+            out["anchor"] = gpu_attention.run(be, cp, torch, time_fn, ceiling)
+            out["attention"] = [_captured_step(be, cp, cp_time, rng)]
             if torch is not None:
                 n = 4096 if quick else 8192
                 a = torch.randn((n, n), dtype=torch.bfloat16, device=f"cuda:{be.device_id}")
@@ -207,76 +218,11 @@ def run(quick=False, attention=True):
     return out
 
 
-def _attention(be, cp, cp_time, ceiling, rng, quick):
-    """The attention rows of ``run``: decode over the grid, then prefill."""
-    from kvcore import dtypes
-
-    rows = []
-    max_tokens = max(DECODE_BATCH) * max(DECODE_CONTEXT)
-    num_blocks = max_tokens // BLOCK_SIZE + 1
-    for page in ("float16", "float8_e4m3fn"):
-        kind = dtypes.storage_kind(page)
-        shape = (num_blocks, HEADS, BLOCK_SIZE, DIM)
-        if kind == F16:
-            pages = [cp.asarray(rng.standard_normal(shape[1:], dtype=np.float32)
-                                .astype(np.float16)) for _ in range(2)]
-            pages = [cp.broadcast_to(p, shape).copy() for p in pages]
-            lowprec = None
-        else:   # random codes without the NaN ones (0x7f / 0xff)
-            pages = [cp.random.randint(0, 0x7f, size=shape, dtype=cp.uint8) for _ in range(2)]
-            lowprec = (None, None, 1.0, 1.0)
-        itemsize = pages[0].itemsize
-        for batch in DECODE_BATCH:
-            for context in DECODE_CONTEXT:
-                per_seq = context // BLOCK_SIZE
-                tables = rng.permutation(num_blocks)[:batch * per_seq].astype(np.int32)
-                tables = tables.reshape(batch, per_seq)
-                lens = np.full(batch, context, np.int64)
-                qsl = np.arange(batch + 1, dtype=np.int64)
-                kv_bytes = 2 * batch * context * HEADS * DIM * itemsize
-                for group in DECODE_GROUP:
-                    heads = HEADS * group
-                    q = cp.asarray(rng.standard_normal((batch, heads, DIM), dtype=np.float32))
-                    o = cp.empty_like(q)
-                    # planned once per step, run once per layer: the run is timed
-                    plan = be.attention_plan(
-                        tables, lens, qsl, num_heads=heads, num_kv_heads=HEADS, head_dim=DIM,
-                        block_size=BLOCK_SIZE, num_blocks=num_blocks, kind=kind,
-                        scale=DIM ** -0.5, sliding_window=0, soft_cap=0.0)
-
-                    def call():
-                        be.attention_run(plan, q, o, pages[0], pages[1], lowprec)
-
-                    t = cp_time(call, kv_bytes)
-                    rows.append({"op": "decode", "page": page, "batch": batch,
-                                 "context": context, "group": group, "s": t,
-                                 "kv_gbps": kv_bytes / t / 1e9,
-                                 "frac": kv_bytes / t / 1e9 / ceiling,
-                                 "tokens_per_s": batch / t})
-        del pages
-    # chunked prefill: one sequence, every query token of it (causal)
-    n = PREFILL_TOKENS // (2 if quick else 1)
-    shape = (n // BLOCK_SIZE, HEADS, BLOCK_SIZE, DIM)
-    pages = [cp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(np.float16))
-             for _ in range(2)]
-    table = np.arange(n // BLOCK_SIZE, dtype=np.int32)[None]
-    q = cp.asarray(rng.standard_normal((n, PREFILL_HEADS, DIM), dtype=np.float32))
-    o = cp.empty_like(q)
-    t = cp_time(lambda: be.paged_attention(q, o, pages[0], pages[1], F16, table,
-                                           np.array([n], np.int64), np.array([0, n], np.int64),
-                                           DIM ** -0.5, 0, 0.0), 1 << 30)
-    flops = 4 * PREFILL_HEADS * DIM * n * (n + 1) / 2
-    rows.append({"op": "prefill", "page": "float16", "batch": 1, "context": n,
-                 "group": PREFILL_HEADS // HEADS, "s": t, "tflops": flops / t / 1e12})
-    del pages
-    rows.append(_captured_step(be, cp, cp_time, rng))
-    return rows
-
-
 def _captured_step(be, cp, cp_time, rng, layers=32, batch=64, context=4096, group=4):
     """One decode step (``layers`` x (``pool.write`` of one token per
-    sequence, ``check=False``, + ``attention_run``)) captured in a CUDA graph;
-    the row times a replay (or says why the capture failed)."""
+    sequence, ``check=False``, + ``attention_run`` with float16 q and out))
+    captured in a CUDA graph; the row times a replay (or says why the
+    capture failed)."""
     import kvcore
 
     per_seq = context // BLOCK_SIZE
@@ -296,7 +242,8 @@ def _captured_step(be, cp, cp_time, rng, layers=32, batch=64, context=4096, grou
     stream = cp.cuda.Stream(non_blocking=True)
     try:
         with stream:
-            q = cp.asarray(rng.standard_normal((layers, batch, heads, DIM), dtype=np.float32))
+            q = cp.asarray(rng.standard_normal((layers, batch, heads, DIM), dtype=np.float32)
+                           .astype(np.float16))
             k = cp.asarray(rng.standard_normal((layers, batch, HEADS, DIM), dtype=np.float32))
             slots = cp.asarray(tables[:, -1].astype(np.int64) * BLOCK_SIZE + BLOCK_SIZE - 1)
             outs = cp.empty_like(q)
@@ -319,7 +266,7 @@ def _captured_step(be, cp, cp_time, rng, layers=32, batch=64, context=4096, grou
             # every replay writes the same bits as the eager step (a fixed merge order)
             outs.fill(cp.nan)
             graph.launch(stream=stream)
-            row["same_bits"] = bool((outs.view(cp.uint32) == eager.view(cp.uint32)).all())
+            row["same_bits"] = bool((outs.view(cp.uint16) == eager.view(cp.uint16)).all())
     except Exception as e:  # noqa: BLE001 - reported in the table, not raised
         row["error"] = f"{type(e).__name__}: {e}"[:160]
     stream.synchronize()
@@ -364,6 +311,8 @@ def report(r):
                          f"| {x['group']} | {x['s'] * 1e6:.1f} | " + tail)
         if r.get("torch_bf16_tflops"):
             lines.append(f"\ntorch bf16 matrix product: {r['torch_bf16_tflops']:.0f} TFLOP/s")
+    if r.get("anchor"):
+        lines += [""] + gpu_attention.report_lines(r["anchor"])
     return "\n".join(lines)
 
 
@@ -378,11 +327,13 @@ def rows(r):
         if "torch_s" in x:
             out.append(("", "", f"{x['torch_gbps']:.0f} GB/s (torch)",
                         f"{x['torch_s'] / x['kvcore_s']:.1f}x"))
-    for x in r.get("attention") or ():
-        if "error" in x or x["op"] != "decode":
+    for x in r.get("anchor") or ():
+        if x["op"] != "decode":
             continue   # the decode grid here; prefill and the graph row in report()
-        label = (f"GPU attention decode {x['page']} b{x['batch']} ctx{x['context']} "
-                 f"g{x['group']}")
-        out.append((label, f"{x['kv_gbps']:.0f} GB/s K/V", "device-to-device copy",
-                    f"{x['frac']:.2f} of"))
+        label = f"GPU attention decode f16 b{x['batch']} ctx{x['context']} g{x['group']}"
+        gbps = x["kv_bytes"] / x["v3_s"] / 1e9
+        out.append((label, f"{gbps:.0f} GB/s K/V", "device-to-device copy",
+                    f"{gbps / r['ceiling_gbps']:.2f} of"))
+        if x.get("torch_s"):
+            out.append(("", "", "torch SDPA", f"{x['torch_s'] / x['v3_s']:.2f}x"))
     return out

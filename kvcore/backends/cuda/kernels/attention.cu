@@ -24,11 +24,15 @@
  * the queries that see it NaN, as on the CPU: warps and splits are merged
  * skipping only the empty ones (l == 0), never a NaN partial.
  *
- * Three kernels (attention_kernels.py picks them per call):
- * kva_attention_split (the tiled decode kernel, below the scalar one: every
- * kind, pages 16-byte aligned), kva_attention_split_scalar (any pages) and
- * kva_attention_prefill (tensor cores, f16 / bf16 pages, sequences of many
- * queries).
+ * The kernels (attention_kernels.py picks them per call): here
+ * kva_attention_split (the tiled float32 kernel, below the scalar one:
+ * every kind, pages 16-byte aligned), kva_attention_split_scalar (any
+ * pages), kva_attention_prefill (tensor cores, f16 / bf16 pages, sequences
+ * of many queries) and kva_attention_merge; kv_attn_decode.cuh's
+ * kva_decode_tc (decode and short chunks on tensor cores, v3).  q and out
+ * are float32, float16 or bfloat16, read and written where they lie (the
+ * kind a run-time argument: kva_load_f / kva_store_f); the primitives the
+ * kernels share are kv_attn.cuh's.
  *
  * kva_attention_split_scalar: one thread block per work item, an item being
  * (query row, kv head, chunk of up to KVA_HEADS query heads of its group,
@@ -46,181 +50,35 @@
  * Host emulation (tests/_cuda_attention_emulation.py): compiled by the host
  * C++ compiler with KVCORE_HOST_EMULATION defined after a shim that runs
  * each block's threads as cooperative fibers (__syncthreads a block
- * barrier, __shfl_xor_sync a warp exchange, kva_copy16 a synchronous
- * copy, the mma from its fragment layouts), so the tests run this code
- * without a GPU.
+ * barrier, warp shuffles exchanges, cp.async copies landing at their wait,
+ * ldmatrix and mma from their fragment layouts), so the tests run this
+ * code without a GPU.
  */
 
-#include "kv_fp8.cuh"
+#include "kv_attn.cuh"
 
 #define KVA_WARPS 4
 #define KVA_HEADS 8
-#define KVA_LOG2E 1.4426950408889634f
-/* -inf without math.h (NVRTC compiles without headers) */
-#define KVA_NEG_INF (-__int_as_float(0x7f800000))
-
-typedef long long kva_i64;
-typedef unsigned short kva_u16;
-
-/* The float32 operations of this file, with subnormals kept.  CuPy compiles
- * every kernel with -ftz=true, which would flush subnormal operands and
- * results of every float instruction to zero: subnormal bf16 / f32 K/V, an
- * fp8 code times a subnormal layer scale, an int8 code times the 2^-149 row
- * scale would read as 0 on the GPU where the CPU keeps them.  On the device
- * these are the PTX instructions without .ftz (tests/test_cuda_kernels_compile.py
- * checks that no .ftz instruction is left in this file's kernels); on the
- * host (the tests' emulation) the plain C++ operations, which keep
- * subnormals.  add / mul / fma / div are IEEE round-to-nearest (and never
- * contracted); ex2.approx.f32 is the same 2-ulp instruction exp2f uses,
- * subnormal results included. */
-#if defined(__CUDA_ARCH__)
-#define KVA_BINARY(NAME, PTX)                                                  \
-    __device__ __forceinline__ float NAME(float a, float b)                    \
-    {                                                                          \
-        float r;                                                               \
-        asm(PTX " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                    \
-        return r;                                                              \
-    }
-KVA_BINARY(kva_add, "add.rn.f32")
-KVA_BINARY(kva_sub, "sub.rn.f32")
-KVA_BINARY(kva_mul, "mul.rn.f32")
-KVA_BINARY(kva_div, "div.rn.f32")
-KVA_BINARY(kva_max, "max.f32") /* a NaN operand gives the other one (fmaxf) */
-#undef KVA_BINARY
-__device__ __forceinline__ float kva_fma(float a, float b, float c)
-{
-    float r;
-    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-    return r;
-}
-__device__ __forceinline__ float kva_exp2(float a)
-{
-    float r;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(a));
-    return r;
-}
-#else
-__device__ __forceinline__ float kva_add(float a, float b) { return a + b; }
-__device__ __forceinline__ float kva_sub(float a, float b) { return a - b; }
-__device__ __forceinline__ float kva_mul(float a, float b) { return a * b; }
-__device__ __forceinline__ float kva_div(float a, float b) { return a / b; }
-__device__ __forceinline__ float kva_max(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ float kva_fma(float a, float b, float c) { return fmaf(a, b, c); }
-__device__ __forceinline__ float kva_exp2(float a) { return exp2f(a); }
-#endif
-
-/* x == +-0, read from the bits (a float compare would flush a subnormal). */
-__device__ __forceinline__ bool kva_is_zero(float x)
-{
-    union { unsigned u; float f; } c;
-    c.f = x;
-    return (c.u << 1) == 0;
-}
-
-/* tanh(x) from the operations above (CUDA's tanhf flushes under -ftz):
- * |x| < 0.3 its odd Taylor series to x^11 (the next term is below 2^-28
- * of the result), else 1 - 2 / (2^(2|x| log2 e) + 1) (within a few ulp),
- * the sign restored; NaN stays NaN, +-inf gives +-1.  The host emulation
- * uses the C library's tanhf. */
-__device__ __forceinline__ float kva_tanh(float x)
-{
-#if defined(__CUDA_ARCH__)
-    union { unsigned u; float f; } c;
-    c.f = x;
-    const unsigned sign = c.u & 0x80000000u;
-    c.u ^= sign; /* |x| */
-    const float a = c.f;
-    float t;
-    if (c.u < 0x3e99999au) { /* |x| < 0.3f, compared as bits (NaN goes on) */
-        const float a2 = kva_mul(a, a);
-        float p = -1382.0f / 155925.0f;
-        p = kva_fma(p, a2, 62.0f / 2835.0f);
-        p = kva_fma(p, a2, -17.0f / 315.0f);
-        p = kva_fma(p, a2, 2.0f / 15.0f);
-        p = kva_fma(p, a2, -1.0f / 3.0f);
-        t = kva_fma(kva_mul(p, a2), a, a);
-    } else {
-        const float e = kva_exp2(kva_mul(a, 2.0f * 1.4426950408889634f));
-        t = kva_sub(1.0f, kva_div(2.0f, kva_add(e, 1.0f)));
-    }
-    c.f = t;
-    c.u |= sign;
-    return c.f;
-#else
-    return tanhf(x);
-#endif
-}
-
-template <int KIND> struct KvaStorage { typedef kva_u16 type; };
-template <> struct KvaStorage<KV_F32> { typedef float type; };
-template <> struct KvaStorage<KV_F8E4M3> { typedef kv_u8 type; };
-template <> struct KvaStorage<KV_F8E5M2> { typedef kv_u8 type; };
-template <> struct KvaStorage<KV_I8> { typedef signed char type; };
-
-/* Kinds whose elements carry scales (fp8 per layer, int8 per row). */
-#define KVA_SCALED(KIND) ((KIND) >= KV_F8E4M3)
-
-template <int KIND>
-__device__ __forceinline__ float kva_widen(const typename KvaStorage<KIND>::type *p)
-{
-    if constexpr (KIND == 0) {
-        return *p;
-    } else if constexpr (KIND == 1) {
-#ifdef KVCORE_HOST_EMULATION
-        return kvemu_half_to_float(*p); /* the tests' host emulation */
-#else
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-        return f;
-#endif
-    } else if constexpr (KIND == KV_BF16) {
-        return __uint_as_float((unsigned)(*p) << 16);
-    } else if constexpr (KIND == KV_I8) {
-        return (float)*p; /* the code (the caller multiplies by its row scale) */
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(KVCORE_HOST_EMULATION)
-    } else if constexpr (KIND == KV_F8E4M3) {
-        /* the hardware conversion (sm_89+): every e4m3 value is an f16
-         * value, so e4m3 -> f16 -> f32 is exact, as kv_fp8_to_f32_one (the
-         * NaN codes give a NaN, of another payload: the result is NaN either
-         * way).  The code goes in both bytes, so either half is its value. */
-        const unsigned short two = (unsigned short)(*p | (*p << 8));
-        unsigned h2;
-        float f;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
-        asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }"
-            : "=f"(f) : "r"(h2));
-        return f;
-#endif
-    } else {
-        return __uint_as_float(kv_fp8_to_f32_one<KIND - KV_F8E4M3>(*p));
-    }
-}
-
-__device__ __forceinline__ float kva_warp_sum(float x)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
 
 /* items: [num_items][7]; nsplit: splits of each item's (row, chunk);
  * partials: per item KVA_HEADS * (D + 2) floats (m, l, acc[D] per head).
  * key_scales / value_scales, s_*: int8 row scales (null otherwise);
- * k_scale / v_scale: fp8 layer scales (1 otherwise; unused for int8). */
+ * k_scale / v_scale: fp8 layer scales (1 otherwise; unused for int8);
+ * q_kind / out_kind: the element kinds of q and out (KV_F32 / F16 / BF16). */
 template <int KIND, int D>
-__global__ void __launch_bounds__(KVA_WARPS * 32)
-kva_attention_split_scalar(float *out, float *partials, const float *q,
+__global__ void __launch_bounds__(KVA_WARPS * 32, 2) /* registers to spare: no spill */
+kva_attention_split_scalar(void *out, float *partials, const void *q,
                     const typename KvaStorage<KIND>::type *key_cache,
                     const typename KvaStorage<KIND>::type *value_cache,
                     const int *block_tables, const kva_i64 *seq_lens,
                     const kva_i64 *query_start_loc, const kva_i64 *items,
                     const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
                     kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap,
+                    float scale, kva_i64 window, float soft_cap, kva_i64 chunk,
+                    const float *alibi, const float *sinks,
                     const float *key_scales, const float *value_scales,
                     kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
-                    float k_scale, float v_scale)
+                    float k_scale, float v_scale, kva_i64 q_kind, kva_i64 out_kind)
 {
     constexpr int NPL = (D + 31) / 32; /* dims per lane */
     __shared__ float q_s[KVA_HEADS][D];
@@ -231,18 +89,21 @@ kva_attention_split_scalar(float *out, float *partials, const float *q,
     const int nh = (int)it[4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
-    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const KvaUnits un = kva_units(scale, capped);
+    const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
     for (int i = threadIdx.x; i < KVA_HEADS * D; i += blockDim.x) {
         int h = i / D, d = i - h * D;
-        q_s[h][d] = h < nh ? kva_mul(q[(row * num_heads + h0 + h) * D + d], qscale) : 0.0f;
+        q_s[h][d] = h < nh ? kva_mul(kva_load_f(q, (int)q_kind, (row * num_heads + h0 + h) * D + d),
+                                     qscale)
+                           : 0.0f;
     }
     __syncthreads();
 
     /* this query's visible keys, within the item's range */
     const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
     const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
-    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    kva_i64 lo = kva_key_lo(pos, window, chunk);
     kva_i64 hi = pos + 1;
     if (it[5] > lo)
         lo = it[5];
@@ -294,10 +155,13 @@ kva_attention_split_scalar(float *out, float *partials, const float *q,
             }
             float score = kva_warp_sum(part);
             if (capped)
-                score = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(score, soft_cap)));
+                score = kva_mul(capl2, kva_tanh(kva_div(kva_mul(score, un.post), soft_cap)));
+            if (alibi != nullptr) /* slope * (t - p), in the scores' units */
+                score = kva_fma(kva_logit_units(alibi[h0 + h], un), (float)(t - pos), score);
             float mnew = kva_max(m[h], score);
-            float alpha = kva_exp2(kva_sub(m[h], mnew)); /* m = -inf: 0 */
-            float p = kva_exp2(kva_sub(score, mnew));
+            const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
+            float alpha = kva_exp2(kva_mul(kva_sub(m[h], mu), un.u)); /* m = -inf: 0 */
+            float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
             l[h] = kva_fma(l[h], alpha, p);
             m[h] = mnew;
 #pragma unroll
@@ -332,12 +196,14 @@ kva_attention_split_scalar(float *out, float *partials, const float *q,
             float mw = part_s[w][h][0];
             if (kva_is_zero(part_s[w][h][1])) /* a warp without keys (a NaN sum is kept) */
                 continue;
-            float wgt = kva_exp2(kva_sub(mw, mx));
+            float wgt = kva_exp2(kva_mul(kva_sub(mw, mx), un.u));
             total = kva_fma(wgt, part_s[w][h][1], total);
             a = kva_fma(wgt, part_s[w][h][2 + d], a);
         }
         if (single) {
-            out[(row * num_heads + h0 + h) * D + d] = kva_div(a, total);
+            const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
+            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
+                        kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
         } else {
             float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
             p[2 + d] = a;
@@ -378,74 +244,6 @@ kva_attention_split_scalar(float *out, float *partials, const float *q,
 #define KVA_TILE_BYTES 8192 /* bytes of K (and of V) per tile and buffer */
 #define KVA_ROWS 8          /* rows of 16 lanes per block (KVA_WARPS * 2) */
 
-/* n / d for 32-bit n by a 32-bit multiply-high (Granlund & Montgomery,
- * "Division by invariant integers using multiplication", 1994: with
- * l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, n / d =
- * (mulhi(m, n) + n) >> l for every n < 2^32); d >= 1. */
-struct KvaDiv {
-    unsigned d, m, l;
-};
-
-__device__ __forceinline__ KvaDiv kva_div_init(unsigned d)
-{
-    KvaDiv r;
-    unsigned l = 0;
-    while (l < 32 && (1ull << l) < d)
-        ++l;
-    r.d = d;
-    r.l = l;
-    r.m = (unsigned)(((1ull << 32) * ((1ull << l) - d)) / d + 1); /* once per block */
-    return r;
-}
-
-__device__ __forceinline__ unsigned kva_udiv(unsigned n, KvaDiv v)
-{
-    return (unsigned)(((unsigned long long)__umulhi(v.m, n) + n) >> v.l);
-}
-
-/* One 16-byte copy global -> shared: cp.async on sm_80+ (completed by
- * kva_copy_wait), else a plain 16-byte load and store. */
-struct alignas(16) KvaVec16 {
-    unsigned a, b, c, d;
-};
-
-__device__ __forceinline__ void kva_copy16(void *dst_shared, const void *src)
-{
-#if defined(KVCORE_HOST_EMULATION)
-    kvemu_copy16(dst_shared, src); /* the tests' emulation: checks the alignment */
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    unsigned s;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-                 : "=r"(s) : "l"(dst_shared));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-#else
-    *(KvaVec16 *)dst_shared = *(const KvaVec16 *)src;
-#endif
-}
-
-__device__ __forceinline__ void kva_copy_commit()
-{
-#if !defined(KVCORE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-/* Wait until at most N committed groups of this thread are in flight. */
-template <int N> __device__ __forceinline__ void kva_copy_wait()
-{
-#if !defined(KVCORE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
-__device__ __forceinline__ float kva_row_sum(float x) /* over a row's 16 lanes */
-{
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1)
-        x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-
 template <int KIND, int D> struct KvaTile {
     typedef typename KvaStorage<KIND>::type T;
     static constexpr int ROW = D * (int)sizeof(T);  /* bytes of a key's row */
@@ -470,17 +268,18 @@ template <int KIND, int D> struct KvaTile {
 
 template <int KIND, int D>
 __global__ void __launch_bounds__(KVA_WARPS * 32)
-kva_attention_split(float *out, float *partials, const float *q,
+kva_attention_split(void *out, float *partials, const void *q,
                     const typename KvaStorage<KIND>::type *key_cache,
                     const typename KvaStorage<KIND>::type *value_cache,
                     const int *block_tables, const kva_i64 *seq_lens,
                     const kva_i64 *query_start_loc, const kva_i64 *items,
                     const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
                     kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap,
+                    float scale, kva_i64 window, float soft_cap, kva_i64 chunk,
+                    const float *alibi, const float *sinks,
                     const float *key_scales, const float *value_scales,
                     kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
-                    float k_scale, float v_scale)
+                    float k_scale, float v_scale, kva_i64 q_kind, kva_i64 out_kind)
 {
     typedef KvaTile<KIND, D> Tl;
     typedef typename Tl::T T;
@@ -495,24 +294,28 @@ kva_attention_split(float *out, float *partials, const float *q,
     const int kr = KVA_ROWS / nhc;       /* rows per head */
     const int hr = r / kr, phase = r - hr * kr;
     const bool active = hr < nh;
-    const bool capped = !kva_is_zero(soft_cap);
-    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
+    const KvaUnits un = kva_units(scale, capped);
+    const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
     const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
     const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
-    kva_i64 lo = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+    kva_i64 lo = kva_key_lo(pos, window, chunk);
     kva_i64 hi = pos + 1;
     if (it[5] > lo)
         lo = it[5];
     if (it[6] < hi)
         hi = it[6];
     const kva_i64 nkeys = hi > lo ? hi - lo : 0;
+    const float slope = alibi != nullptr && active ? kva_logit_units(alibi[h0 + hr], un) : 0.0f;
     const kva_i64 ntiles = (nkeys + KEYS - 1) / KEYS;
 
     float qv[DPL], acc[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; i++) {
-        qv[i] = active ? kva_mul(q[(row * num_heads + h0 + hr) * D + lane * DPL + i], qscale)
+        qv[i] = active ? kva_mul(kva_load_f(q, (int)q_kind,
+                                            (row * num_heads + h0 + hr) * D + lane * DPL + i),
+                                 qscale)
                        : 0.0f;
         acc[i] = 0.0f;
     }
@@ -619,11 +422,13 @@ kva_attention_split(float *out, float *partials, const float *q,
             float score = kva_row_sum(part);
             if (valid) {
                 if (capped)
-                    score = kva_mul(kva_mul(soft_cap, KVA_LOG2E),
-                                    kva_tanh(kva_div(score, soft_cap)));
+                    score = kva_mul(capl2, kva_tanh(kva_div(kva_mul(score, un.post), soft_cap)));
+                if (alibi != nullptr) /* slope * (t - p), in the scores' units */
+                    score = kva_fma(slope, (float)(lo + i * KEYS + kk - pos), score);
                 const float mnew = kva_max(m, score);
-                const float alpha = kva_exp2(kva_sub(m, mnew)); /* m = -inf: 0 */
-                const float p = kva_exp2(kva_sub(score, mnew));
+                const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
+                const float alpha = kva_exp2(kva_mul(kva_sub(m, mu), un.u)); /* m = -inf: 0 */
+                const float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
                 l = kva_fma(l, alpha, p);
                 m = mnew;
                 const T *vp = &sm.u.t.v[b][kk][lane * DPL];
@@ -662,12 +467,14 @@ kva_attention_split(float *out, float *partials, const float *q,
         for (int w = h * kr; w < (h + 1) * kr; w++) {
             if (kva_is_zero(sm.u.part[w][1])) /* a row without keys (a NaN sum is kept) */
                 continue;
-            const float wgt = kva_exp2(kva_sub(sm.u.part[w][0], mx));
+            const float wgt = kva_exp2(kva_mul(kva_sub(sm.u.part[w][0], mx), un.u));
             total = kva_fma(wgt, sm.u.part[w][1], total);
             a = kva_fma(wgt, sm.u.part[w][2 + d], a);
         }
         if (single) {
-            out[(row * num_heads + h0 + h) * D + d] = kva_div(a, total);
+            const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
+            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
+                        kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
         } else {
             float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
             p[2 + d] = a;
@@ -710,49 +517,6 @@ kva_attention_split(float *out, float *partials, const float *q,
 
 #define KVA_PREFILL_PAIRS 64 /* (query, head) pairs per block: 4 warps x m16 */
 
-template <int KIND>
-__device__ __forceinline__ void kva_mma16816(float *d, const unsigned *a, const unsigned *b)
-{
-#if defined(KVCORE_HOST_EMULATION)
-    kvemu_mma16816(KIND == KV_BF16, d, a, b);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if constexpr (KIND == KV_BF16)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-    /* below sm_80 nothing: the host never runs this kernel there */
-}
-
-/* Two floats as the mma's input type, the first in the lower half. */
-template <int KIND> __device__ __forceinline__ unsigned kva_pack2(float lo, float hi)
-{
-    if constexpr (KIND == KV_BF16)
-        return (unsigned)kv_f32_to_bf16(__float_as_uint(lo)) |
-               ((unsigned)kv_f32_to_bf16(__float_as_uint(hi)) << 16);
-    else
-        return (unsigned)kv_f32_to_f16(__float_as_uint(lo)) |
-               ((unsigned)kv_f32_to_f16(__float_as_uint(hi)) << 16);
-}
-
-__device__ __forceinline__ float kva_quad_max(float x)
-{
-    x = kva_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return kva_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float kva_quad_sum(float x)
-{
-    x = kva_add(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return kva_add(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
 template <int D> struct alignas(16) KvaPrefillSmem {
     kva_u16 k[2][16][D], v[2][16][D]; /* two tiles: one in flight, one reduced */
     kva_i64 off[2][16];
@@ -761,13 +525,14 @@ template <int D> struct alignas(16) KvaPrefillSmem {
 /* items: [n][4] = (sequence, first query row, rows, kv head). */
 template <int KIND, int D>
 __global__ void __launch_bounds__(KVA_WARPS * 32)
-kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
+kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
                       const kva_u16 *value_cache, const int *block_tables,
                       const kva_i64 *seq_lens, const kva_i64 *query_start_loc,
                       const kva_i64 *items, kva_i64 num_heads, kva_i64 group,
                       kva_i64 table_stride, kva_i64 block_size, kva_i64 c_block,
                       kva_i64 c_head, kva_i64 c_tok, float scale, kva_i64 window,
-                      float soft_cap, kva_i64 vec16)
+                      float soft_cap, kva_i64 chunk, const float *alibi, const float *sinks,
+                      kva_i64 vec16, kva_i64 q_kind, kva_i64 out_kind)
 {
     static_assert(KIND == KV_F16 || KIND == KV_BF16, "f16 / bf16 pages");
     constexpr int KS = D / 16, NT = D / 8, VPR = D * 2 / 16;
@@ -777,14 +542,16 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
     const kva_i64 s = it[0], row0 = it[1], nrows = it[2], g = it[3];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, c = lane & 3;
-    const bool capped = !kva_is_zero(soft_cap);
-    const float qscale = capped ? scale : kva_mul(scale, KVA_LOG2E);
+    const bool capped = !kva_is_zero(soft_cap); /* 0: off (the host checked it) */
+    const KvaUnits un = kva_units(scale, capped);
+    const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
     const kva_i64 q0 = query_start_loc[s], nq = query_start_loc[s + 1] - q0;
     const kva_i64 pos0 = seq_lens[s] - nq + (row0 - q0); /* position of the first row */
 
     /* this thread's two pairs: rows gq and gq + 8 of its warp's tile */
     kva_i64 prow[2], phead[2], ppos[2], plo[2];
     bool pvalid[2];
+    float pslope[2];
     for (int r = 0; r < 2; r++) {
         const kva_i64 p = warp * 16 + gq + 8 * r;
         const kva_i64 j = p / group;
@@ -792,9 +559,10 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
         prow[r] = row0 + j;
         phead[r] = g * group + (p - j * group);
         ppos[r] = pos0 + j;
-        plo[r] = window > 0 && ppos[r] + 1 > window ? ppos[r] + 1 - window : 0;
+        plo[r] = kva_key_lo(ppos[r], window, chunk);
+        pslope[r] = alibi != nullptr && pvalid[r] ? kva_logit_units(alibi[phead[r]], un) : 0.0f;
     }
-    const kva_i64 klo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const kva_i64 klo = kva_key_lo(pos0, window, chunk);
     const kva_i64 khi = pos0 + nrows; /* the last row's position + 1 */
 
     /* Q as A fragments: k-step ks holds dims 16 ks + 2c, +1 and + 8 */
@@ -806,9 +574,9 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
             const int r = i & 1, d = 16 * k + 2 * c + (i >> 1) * 8;
             float x0 = 0.0f, x1 = 0.0f;
             if (pvalid[r]) {
-                const float *src = q + (prow[r] * num_heads + phead[r]) * D + d;
-                x0 = kva_mul(src[0], qscale);
-                x1 = kva_mul(src[1], qscale);
+                const kva_i64 at = (prow[r] * num_heads + phead[r]) * D + d;
+                x0 = kva_mul(kva_load_f(q, (int)q_kind, at), qscale);
+                x1 = kva_mul(kva_load_f(q, (int)q_kind, at + 1), qscale);
             }
             qa[k][i] = kva_pack2<KIND>(x0, x1);
         }
@@ -907,7 +675,9 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
                     const kva_i64 key = t0 + 8 * nt + 2 * c + e;
                     float x = sc[nt][2 * r + e];
                     if (capped)
-                        x = kva_mul(kva_mul(soft_cap, KVA_LOG2E), kva_tanh(kva_div(x, soft_cap)));
+                        x = kva_mul(capl2, kva_tanh(kva_div(kva_mul(x, un.post), soft_cap)));
+                    if (alibi != nullptr) /* slope * (t - p), in the scores' units */
+                        x = kva_fma(pslope[r], (float)(key - ppos[r]), x);
                     const bool vis = pvalid[r] && key >= plo[r] && key <= ppos[r];
                     sc[nt][2 * r + e] = vis ? x : KVA_NEG_INF;
                     mx = kva_max(mx, sc[nt][2 * r + e]);
@@ -917,13 +687,13 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
             const float mnew = kva_max(m[r], mx);
             /* no visible key yet: subtract 0 (every p is exp2(-inf) = 0) */
             const float mu = __float_as_uint(mnew) == 0xff800000u ? 0.0f : mnew; /* bits: no .ftz */
-            const float alpha = kva_exp2(kva_sub(m[r], mu));
+            const float alpha = kva_exp2(kva_mul(kva_sub(m[r], mu), un.u));
             float rs = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    p[nt][2 * r + e] = kva_exp2(kva_sub(sc[nt][2 * r + e], mu));
+                    p[nt][2 * r + e] = kva_exp2(kva_mul(kva_sub(sc[nt][2 * r + e], mu), un.u));
                     rs = kva_add(rs, p[nt][2 * r + e]);
                 }
             }
@@ -958,11 +728,14 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
         const float total = kva_quad_sum(l[r]);
         if (!pvalid[r])
             continue;
-        float *o = out + (prow[r] * num_heads + phead[r]) * D;
+        const float sink = sinks != nullptr ? kva_logit_units(sinks[phead[r]], un) : 0.0f;
+        const KvaNorm n = kva_norm(total, m[r], sinks != nullptr, sink, un);
+        const kva_i64 o = (prow[r] * num_heads + phead[r]) * D;
 #pragma unroll
         for (int nn = 0; nn < NT; nn++) {
-            o[8 * nn + 2 * c] = kva_div(acc[nn][2 * r], total);
-            o[8 * nn + 2 * c + 1] = kva_div(acc[nn][2 * r + 1], total);
+            kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_apply(acc[nn][2 * r], n));
+            kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c + 1,
+                        kva_apply(acc[nn][2 * r + 1], n));
         }
     }
 }
@@ -971,9 +744,11 @@ kva_attention_prefill(float *out, const float *q, const kva_u16 *key_cache,
  * splits of a row are consecutive items first_item .. first_item + n - 1,
  * n = nsplit[first_item].  One thread block per row, threads over dims. */
 template <int D>
-__global__ void kva_attention_merge(float *out, const float *partials, const kva_i64 *rows,
-                                    const int *nsplit, kva_i64 num_heads)
+__global__ void kva_attention_merge(void *out, const float *partials, const kva_i64 *rows,
+                                    const int *nsplit, kva_i64 num_heads, float scale,
+                                    float soft_cap, const float *sinks, kva_i64 out_kind)
 {
+    const KvaUnits un = kva_units(scale, !kva_is_zero(soft_cap));
     const kva_i64 *r = rows + (kva_i64)blockIdx.x * 4;
     const kva_i64 row = r[0], h0 = r[1], nh = r[2], first = r[3];
     const int n = nsplit[first];
@@ -987,10 +762,15 @@ __global__ void kva_attention_merge(float *out, const float *partials, const kva
             const float *p = partials + (first + sp) * KVA_HEADS * (D + 2) + h * (D + 2);
             if (kva_is_zero(p[1])) /* a split without keys (a NaN sum is kept) */
                 continue;
-            float wgt = kva_exp2(kva_sub(p[0], mx));
+            float wgt = kva_exp2(kva_mul(kva_sub(p[0], mx), un.u));
             total = kva_fma(wgt, p[1], total);
             a = kva_fma(wgt, p[2 + d], a);
         }
-        out[(row * num_heads + h0 + h) * D + d] = kva_div(a, total);
+        const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
+        kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
+                    kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
     }
 }
+
+#include "kv_attn_decode.cuh"
+#include "kv_attn_prefill.cuh"
