@@ -180,7 +180,8 @@ def _pointer_args(be, emu_lib, name, args):
         sig = (emu_lib.attention().signature(name) if name.startswith("kva_")
                else emu_lib.signature(name))
         for k, (code, a) in enumerate(zip(sig, args)):
-            (pointers if code > 0 else others).append((k, a))
+            # (code: the pointee's size, -2 a void pointer: q / out of a run-time kind)
+            (pointers if code > 0 or code == -2 else others).append((k, a))
     else:
         for k, a in enumerate(args):
             if isinstance(a, emu.DevArray):
