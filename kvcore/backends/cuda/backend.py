@@ -109,17 +109,18 @@ class CudaBackend(CudaLaunches, Backend):
         return self._attention.attention_plan(block_tables, seq_lens, query_start_loc,
                                               **shape)
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, **features):
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+                      alibi_slopes=None, sinks=None):
         return self._attention.attention_run(plan, q, out, key_cache, value_cache, lowprec,
-                                             **features)
+                                             alibi_slopes=alibi_slopes, sinks=sinks)
 
     def paged_attention(self, *args, **kwargs):
         return self._attention.paged_attention(*args, **kwargs)
 
     # ----------------------------------------------------- device hooks
-    # The few places that touch CuPy's device machinery.  The tests'
-    # host emulation overrides exactly these to run the kernels' C++ bodies
-    # on NumPy arrays.
+    # The few places that touch CuPy's device machinery (with the launches
+    # of launch.py).  The tests' host emulation overrides exactly these to
+    # run the kernels' C++ bodies on NumPy arrays.
     def _ctx(self):
         """Make this backend's device current for the enclosed calls."""
         return self._device
