@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _arrays, dtypes
 from ._native import _pool
-from ._planes import Planes
+from ._planes import Planes, kv_scale_pairs
 from ._validate import index_int
 
 __all__ = ["PoolData"]
@@ -263,6 +263,32 @@ class PoolData:
         scales included)."""
         _copy_blocks(self.backend, self.storage, self.scales, np.asarray(src, np.int32),
                      np.asarray(dst, np.int32))
+
+    def copy_blocks_to(self, dst, src_block_ids, dst_block_ids, before_overwrite):
+        """``BlockPool.copy_blocks_to`` into ``dst`` (another pool's PoolData,
+        or this one): the geometry, ids and scales checked, then
+        ``before_overwrite(ids)`` told which of ``dst``'s blocks the copy
+        overwrites, then the copy."""
+        mine, theirs = self._geometry(), dst._geometry()
+        if mine != theirs:
+            raise ValueError(
+                "dst_pool must have the same (num_layers, num_kv_heads, block_size, head_dim, "
+                f"dtype) as this pool, {mine[:4] + (dtypes.KIND_NAME[self.kind],)}; got "
+                f"{theirs[:4] + (dtypes.KIND_NAME[dst.kind],)}")
+        src, dst_ids = self.copy_ids(src_block_ids, dst_block_ids, dst)
+        if not src.size:
+            return
+        if not self.same_scales(dst):
+            raise ValueError(
+                "dst_pool must have the same kv_scales as this pool, "
+                f"{kv_scale_pairs(self.layer_scales, self.head_scales)}; got "
+                f"{kv_scale_pairs(dst.layer_scales, dst.head_scales)}")
+        before_overwrite(dst_ids)
+        self.copy_to(dst, src, dst_ids)
+
+    def _geometry(self):
+        return (self.storage.shape[0] // 2, self.num_kv_heads, self.block_size, self.head_dim,
+                self.kind)
 
     def copy_to(self, dst, src_ids, dst_ids):
         """Copy blocks ``src_ids`` into blocks ``dst_ids`` of ``dst`` (a

@@ -612,22 +612,8 @@ class BlockPool:
         """
         if not isinstance(dst_pool, BlockPool):
             raise TypeError(f"dst_pool must be a kvcore.BlockPool, got {type(dst_pool).__name__}")
-        mine = (self._num_layers, self._num_kv_heads, self._block_size, self._head_dim, self._kind)
-        theirs = (dst_pool.num_layers, dst_pool.num_kv_heads, dst_pool.block_size,
-                  dst_pool.head_dim, dtypes.storage_kind(dst_pool.dtype))
-        if mine != theirs:
-            raise ValueError(
-                "dst_pool must have the same (num_layers, num_kv_heads, block_size, head_dim, "
-                f"dtype) as this pool, {mine[:4] + (self.dtype,)}; got "
-                f"{theirs[:4] + (dst_pool.dtype,)}")
-        src, dst = self._data.copy_ids(src_block_ids, dst_block_ids, dst_pool._data)
-        if not src.size:
-            return
-        if not self._data.same_scales(dst_pool._data):
-            raise ValueError(f"dst_pool must have the same kv_scales as this pool, "
-                             f"{self.kv_scales}; got {dst_pool.kv_scales}")
-        dst_pool._before_overwrite(dst)
-        self._data.copy_to(dst_pool._data, src, dst)
+        self._data.copy_blocks_to(dst_pool._data, src_block_ids, dst_block_ids,
+                                  dst_pool._before_overwrite)
 
     # ------------------------------------------------------------ private interface
     # What the other public classes of kvcore (PagedKVCache, the block-table

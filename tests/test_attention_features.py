@@ -10,6 +10,7 @@ present, over every page dtype, GQA, decode / prefill / chunked prefill in
 mixed batches and decodes long enough to be split; the bits are the same for
 1, 2 and 3 threads; bad arguments are refused by name before any work."""
 import math
+import types
 
 import numpy as np
 import pytest
@@ -411,13 +412,11 @@ def test_cuda_backend_computes_every_feature():
     from kvcore.backends.cuda.backend import CudaBackend
     for args in ((48, False, False), (0, True, False), (0, False, True), (16, True, True)):
         CudaBackend.check_attention_features(None, *args)
-    be = CudaAttention()
+    be = CudaAttention(types.SimpleNamespace(_is_device=lambda a: True, device="cuda:0"))
     plan = CudaAttentionPlan(num_tokens=1, num_heads=2, num_kv_heads=1, head_dim=64,
                              block_size=16, num_blocks=1, kind=0, version=3)
     be.attention_io_kinds = lambda plan: (frozenset({0}), frozenset({0}))
-    be._attention_scales = lambda kind, key_cache, lowprec: [None] * 5 + [1.0, 1.0]
-    be._is_device = lambda a: True
-    be.device = "cuda:0"
+    be.scales = lambda kind, key_cache, lowprec: [None] * 5 + [1.0, 1.0]
     q = np.zeros((1, 2, 64), np.float32)
     kv = np.zeros((1, 1, 16, 64), np.float32)
     with pytest.raises(ValueError, match=r"sinks must be a float32 C-contiguous \(2,\) array"):

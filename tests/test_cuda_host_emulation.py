@@ -307,6 +307,7 @@ class EmulatedBackend(CudaBackend):
         self.downloads = []
         self.fences = []      # what was issued before each stream synchronisation
         self.launch_args = []  # the argument list of every launch, as given
+        self._hold_parts()    # the copies and attention, calling the hooks below
 
     def _fence(self):
         self.fences.append(len(self.launches))

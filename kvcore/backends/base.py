@@ -25,9 +25,13 @@ held as its uint16 bits.  Layouts:
 import numpy as np
 
 from .. import dtypes
+from .elements import (bits_view, convert_bits, decode, encode, f32_bits_from_fp8,
+                       fp8_decode, fp8_encode, fp8_from_f32_bits, int8_decode, int8_encode)
+from .reference_attention import paged_attention_reference, stored_values
 
 __all__ = ["Backend", "REFERENCE", "is_cuda_array", "paged_attention_reference",
-           "stored_values"]
+           "stored_values", "convert_bits", "fp8_from_f32_bits", "f32_bits_from_fp8",
+           "fp8_encode", "fp8_decode", "int8_encode", "int8_decode"]
 
 _DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 _F32_IO = (frozenset({dtypes.F32}), frozenset({dtypes.F32}))  # attention_io_kinds
@@ -48,345 +52,6 @@ def is_cuda_array(x):
         except Exception:
             return False
     return False
-
-
-# ---------------------------------------------------------------- conversion
-# Every conversion goes through float32 bits (uint32): widening is exact, so
-# one round-to-nearest-even narrowing is the single correct rounding.  NaNs
-# follow the hardware convention the C and CUDA kernels use: narrowing keeps
-# the sign and the top payload bits and sets the quiet bit; widening a half
-# NaN quiets it.
-
-def _to_f32_bits(a, kind):
-    """uint32 float32 bits of the elements of ``a`` (storage bits of ``kind``)."""
-    if kind == dtypes.F32:
-        return a.view(np.uint32).copy()
-    h = a.view(np.uint16).astype(np.uint32)
-    if kind == dtypes.BF16:
-        return h << 16
-    sign = (h & 0x8000) << 16
-    exp = (h >> 10) & 0x1F
-    man = h & 0x3FF
-    # normal halves: re-bias the exponent (15 -> 127)
-    out = sign | ((exp + 112) << 23) | (man << 13)
-    out = np.where(exp == 0x1F, sign | 0x7F800000 | (man << 13)
-                   | np.where(man != 0, 0x00400000, 0).astype(np.uint32), out)
-    # zeros and subnormals: man * 2**-24, exact in float32
-    sub = exp == 0
-    if sub.any():
-        vals = man[sub].astype(np.float32) * np.float32(2.0 ** -24)
-        out[sub] = sign[sub] | vals.view(np.uint32)
-    return out.astype(np.uint32)
-
-
-def _round_shift(x, shift):
-    """``x >> shift`` rounded to nearest, ties to even (uint32, shift >= 1)."""
-    shift = np.asarray(shift, np.uint32)
-    r = x >> shift
-    rem = x & ((np.uint32(1) << shift) - np.uint32(1))
-    half = np.uint32(1) << (shift - np.uint32(1))
-    up = (rem > half) | ((rem == half) & ((r & 1) == 1))
-    return r + up.astype(np.uint32)
-
-
-def _from_f32_bits(x, kind):
-    """Storage bits of ``kind`` for float32 bits ``x`` (uint32), RNE."""
-    x = x.astype(np.uint32)
-    if kind == dtypes.F32:
-        return x
-    ax = x & 0x7FFFFFFF
-    nan = ax > 0x7F800000
-    if kind == dtypes.BF16:
-        # (a carry into the exponent gives +-inf on overflow, as RNE asks;
-        # only a NaN could carry out of 16 bits)
-        rounded = _round_shift(x, 16) & 0xFFFF
-        quiet = (x >> 16) | 0x0040
-        return np.where(nan, quiet, rounded).astype(np.uint16)
-    sign = (x >> 16) & 0x8000
-    exp = ax >> 23
-    out = np.zeros(x.shape, np.uint32)
-    # normal results: re-bias the exponent, round the 13 dropped bits (a
-    # carry into the exponent is the right answer, up to infinity)
-    normal = (ax >= 0x38800000) & (ax < 0x477FF000)
-    out = np.where(normal, _round_shift(np.where(normal, ax - 0x38000000, 0), 13), out)
-    # subnormal results (unit 2**-24): the full mantissa shifted by 126 - exp
-    sub = (ax < 0x38800000) & (exp >= 102)
-    mant = (ax & 0x7FFFFF) | 0x800000
-    out = np.where(sub, _round_shift(mant, np.where(sub, 126 - exp, 1)), out)
-    out = np.where(ax >= 0x477FF000, 0x7C00, out)
-    out = np.where(nan, 0x7E00 | ((ax >> 13) & 0x3FF), out)
-    return (sign | out).astype(np.uint16)
-
-
-def _bits_view(a):
-    """``a`` viewed as unsigned integers of its itemsize (same memory)."""
-    return a.view({4: np.uint32, 2: np.uint16, 1: np.uint8}[a.dtype.itemsize])
-
-
-def convert_bits(src, src_kind, dst_kind):
-    """A new array: ``src`` (storage bits of ``src_kind``) as ``dst_kind``
-    storage bits (uint32 for float32, uint16 otherwise).  The same kind is
-    a copy of the bits (signalling NaNs stay as they are); the same
-    low-precision kind too (uint8 bits)."""
-    if src_kind == dst_kind and src_kind in dtypes.LOWPREC_KINDS:
-        return np.array(src, dtype=np.uint8)
-    if src_kind == dst_kind:
-        return np.array(src, dtype=np.uint32 if src_kind == dtypes.F32 else np.uint16)
-    return _from_f32_bits(_to_f32_bits(np.asarray(src), src_kind), dst_kind)
-
-
-# ---------------------------------------------------------------- fp8
-# float32 <-> fp8 (kv_fp8.h's definition, fmt 0 = e4m3fn, 1 = e5m2):
-# narrowing is one RNE right shift of the float32 bits (re-biased for a
-# normal result, the whole significand for a subnormal one), then overflow
-# (NaN for e4m3fn, inf for e5m2, or the largest finite value when
-# saturating) and NaN (0x7F / 0x7E, the input's sign); widening is exact,
-# every NaN the quiet float32 NaN of its sign.
-# fmt: (mantissa bits, bias, largest finite code, overflow code, NaN code)
-FP8_FORMATS = {0: (3, 7, 0x7E, 0x7F, 0x7F), 1: (2, 15, 0x7B, 0x7C, 0x7E)}
-
-
-def fp8_from_f32_bits(x, fmt, saturate=False):
-    """fp8 codes (uint8) of float32 bits ``x`` (uint32), round to nearest even."""
-    mbits, bias, max_code, ovf_code, nan_code = FP8_FORMATS[fmt]
-    x = np.asarray(x, np.uint32)
-    a = x & np.uint32(0x7FFFFFFF)
-    sign = (x >> np.uint32(24)) & np.uint32(0x80)
-    exp = (a >> np.uint32(23)).astype(np.int64)
-    sub = a < np.uint32((128 - bias) << 23)       # the result is subnormal or zero
-    v = np.where(sub, (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000),
-                 a - np.minimum(a, np.uint32((127 - bias) << 23)))
-    # (a shift of 25 leaves 0 of any significand: f32 zeros and subnormals)
-    shift = np.where(sub, np.minimum(151 - bias - mbits - exp, 25), 23 - mbits)
-    code = _round_shift(v, shift.astype(np.uint32))
-    code = np.where(code > max_code, max_code if saturate else ovf_code, code)
-    code = np.where(a > np.uint32(0x7F800000), nan_code, code)
-    return (code | sign).astype(np.uint8)
-
-
-def f32_bits_from_fp8(codes, fmt):
-    """float32 bits (uint32) of fp8 ``codes`` (uint8): exact."""
-    mbits, bias, _, _, _ = FP8_FORMATS[fmt]
-    c = np.arange(256, dtype=np.int64)
-    mag, neg = c & 0x7F, c >= 0x80
-    exp, man = mag >> mbits, mag & ((1 << mbits) - 1)
-    # subnormal (exp 0): man * 2**(1 - bias - mbits); normal: (2**mbits + man) * 2**(exp - ...)
-    value = np.where(exp == 0, np.ldexp(man.astype(np.float64), 1 - bias - mbits),
-                     np.ldexp((man + (1 << mbits)).astype(np.float64), exp - bias - mbits))
-    if fmt == 0:
-        value = np.where(mag == 0x7F, np.nan, value)
-    else:
-        value = np.where(exp == 0x1F, np.where(man == 0, np.inf, np.nan), value)
-    bits = np.where(neg, -value, value).astype(np.float32).view(np.uint32)
-    bits = np.where(np.isnan(value), np.uint32(0x7FC00000) | (neg.astype(np.uint32) << 31), bits)
-    return bits.astype(np.uint32)[np.asarray(codes, np.uint8)]
-# ------------------------------------------------------- low-precision storage
-# fp8 (e4m3fn, e5m2) and int8 storage, defined on float32 values: a float16 or
-# bfloat16 input is widened (exactly) first, and a widened output is the
-# float32 value converted once more.  The fp8 rounding is the one above (the
-# definition of kv_fp8.h, checked against ml_dtypes by the tests).
-
-_FP8_FMT = {dtypes.F8E4M3: 0, dtypes.F8E5M2: 1}   # kind -> kv_fp8.h's fmt
-
-
-def _f32(bits, kind):
-    """float32 values of float storage bits ``bits`` of float ``kind``."""
-    return _to_f32_bits(np.asarray(bits), kind).view(np.float32)
-
-
-def fp8_encode(x, kind, scale=1.0):
-    """uint8 fp8 bits of float32 ``x / scale``, saturated: a value past the
-    largest finite one (and +-inf) stores +-max; NaN stays NaN."""
-    x = np.asarray(x, np.float32)
-    scale = np.float32(scale)
-    with np.errstate(invalid="ignore", over="ignore"):
-        y = x if scale == 1 else x / scale
-    return fp8_from_f32_bits(np.ascontiguousarray(y, np.float32).view(np.uint32),
-                             _FP8_FMT[kind], saturate=True)
-
-
-def fp8_decode(b, kind, scale=1.0):
-    """float32 ``fp8 * scale`` of uint8 fp8 bits ``b``."""
-    v = f32_bits_from_fp8(b, _FP8_FMT[kind]).view(np.float32)
-    scale = np.float32(scale)
-    return v if scale == 1 else v * scale
-
-
-def int8_encode(x):
-    """``(codes, scales)`` of float32 rows ``x`` (..., dim): per row
-    ``scale = max|x| / 127`` (1 for an all-zero row, 2**-149 where that
-    quotient underflows to 0), codes
-    ``round_half_even(x / scale)`` in -127..127.  A row holding a NaN or an
-    infinity stores scale NaN and zeros (it reads back as NaN)."""
-    x = np.asarray(x, np.float32)
-    a = np.abs(x)
-    finite = np.isfinite(x).all(axis=-1)
-    amax = np.where(np.isfinite(a), a, np.float32(0)).max(axis=-1, initial=np.float32(0))
-    scale = np.where(amax == 0, np.float32(1), amax / np.float32(127)).astype(np.float32)
-    # max|x| / 127 underflowing to 0 (max|x| below 63.5 * 2**-149): the
-    # smallest subnormal, of which every element is an exact multiple
-    scale = np.where(scale == 0, np.float32(2.0**-149), scale).astype(np.float32)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.clip(np.rint(x / scale[..., None]), -127, 127)
-    q = np.where(finite[..., None], q, 0).astype(np.int8)
-    scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
-    return q, scale
-
-
-def int8_decode(codes, scales):
-    """float32 ``codes * scale`` (scales: one per row of ``codes``)."""
-    return np.asarray(codes, np.int8).astype(np.float32) * np.asarray(scales, np.float32)[..., None]
-
-
-def _encode(src, src_kind, codec):
-    """``(elements, row_scales)`` of float input ``src`` (storage bits of
-    ``src_kind``, rows along the last axis) stored by ``codec``: storage bits
-    of a float kind, fp8 bits, or int8 codes and their per-row scales (None
-    but for int8)."""
-    bits = _bits_view(src)
-    if codec.kind == dtypes.I8:
-        return int8_encode(_f32(bits, src_kind))
-    if codec.kind in dtypes.FP8_KINDS:
-        return fp8_encode(_f32(bits, src_kind), codec.kind, codec.layer_scale), None
-    return convert_bits(bits, src_kind, codec.kind), None
-
-
-def _decode(elements, codec, row_scales, dst_kind):
-    """Storage bits of ``dst_kind`` of stored ``elements`` (``codec``'s kind;
-    int8: one scale per row in ``row_scales``): widened when ``codec`` is
-    low precision and ``dst_kind`` a float kind, else converted (the same
-    low-precision kind: the codes, copied)."""
-    if codec.lowprec and dst_kind != codec.kind:
-        if codec.kind == dtypes.I8:
-            vals = int8_decode(elements, row_scales)
-        else:
-            vals = fp8_decode(elements, codec.kind, codec.layer_scale)
-        return convert_bits(vals.view(np.uint32), dtypes.F32, dst_kind)
-    return convert_bits(_bits_view(elements), codec.kind, dst_kind)
-
-
-# ---------------------------------------------------------------- attention
-# The float64 reference of paged attention: one sequence and one KV head at
-# a time, the context gathered through the block table, the causal window
-# spelled out position by position.  Written to be obviously correct, not
-# fast; ``Backend.paged_attention`` runs it and every kernel is held to it.
-
-def stored_values(cache, kind=None, scales=None):
-    """The stored elements of a cache as float64.
-
-    ``cache`` is float32, float16, ml_dtypes.bfloat16, or uint16 holding
-    bfloat16 bits (then ``kind`` must be "bfloat16"); or low precision:
-    uint8 fp8 bits with ``kind`` "float8_e4m3fn" / "float8_e5m2" (``scales``
-    the layer's float scale, default 1), int8 codes with ``kind="int8"``
-    (``scales`` one float32 per row: ``cache.shape[:-1]``).  A low-precision
-    value is the float32 ``element * scale`` the pool reads back.
-    """
-    a = np.asarray(cache)
-    if kind in ("float8_e4m3fn", "float8_e5m2"):
-        return fp8_decode(a, dtypes.NAME_KIND[kind],
-                          1.0 if scales is None else scales).astype(np.float64)
-    if kind == "int8":
-        return int8_decode(a, scales).astype(np.float64)
-    if a.dtype == np.uint16:
-        if kind != "bfloat16":
-            raise TypeError("a uint16 cache holds bfloat16 bits only when kind='bfloat16'")
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
-
-
-def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
-                              query_start_loc=None, scale=None, sliding_window=None,
-                              logits_soft_cap=None, kind=None, key_scales=None,
-                              value_scales=None, chunk_size=None, alibi_slopes=None,
-                              sinks=None):
-    """Attention over a paged cache, in float64.
-
-    Parameters
-    ----------
-    q : array ``(num_query_tokens, num_heads, head_dim)``
-    key_cache, value_cache : arrays ``(num_blocks, num_kv_heads, block_size, head_dim)``
-        The stored values (float32, float16, bfloat16; uint16 bits with
-        ``kind="bfloat16"``; fp8 bits or int8 codes with their ``kind``).
-    key_scales, value_scales : optional
-        Low precision (see :func:`stored_values`): an fp8 layer's float
-        scales, or an int8 layer's scale planes ``(num_blocks, num_kv_heads,
-        block_size)``.
-    block_tables : integer array ``(num_seqs, max_blocks)``
-    seq_lens : integer array ``(num_seqs,)``
-        KV length of each sequence, its query tokens included.
-    query_start_loc : integer array ``(num_seqs + 1,)``, optional
-        Sequence s owns query rows ``query_start_loc[s] .. query_start_loc[s+1]-1``;
-        default one query per sequence.
-    scale : float, optional
-        Default ``1 / sqrt(head_dim)``.
-    sliding_window : int, optional
-        Each query sees only the last ``sliding_window`` positions up to its own.
-    logits_soft_cap : float, optional
-        Scores become ``c * tanh(score / c)`` before the softmax.
-    chunk_size : int, optional
-        A query at position ``p`` sees no position before ``(p // chunk_size)
-        * chunk_size`` (its chunk's start; with a window too, the later start).
-    alibi_slopes : array ``(num_heads,)``, optional
-        ``alibi_slopes[h] * (t - p)`` is added to query head ``h``'s score of
-        key ``t`` (after the soft cap).
-    sinks : array ``(num_heads,)``, optional
-        A logit per query head joining each row's softmax denominator:
-        ``w_t = exp(x_t) / (sum exp(x_t') + exp(sinks[h]))``.
-
-    Returns
-    -------
-    float64 array ``(num_query_tokens, num_heads, head_dim)``
-    """
-    q = stored_values(q, kind if np.asarray(q).dtype == np.uint16 else None)
-    k_all = stored_values(key_cache, kind, key_scales)
-    v_all = stored_values(value_cache, kind, value_scales)
-    block_tables = np.asarray(block_tables)
-    seq_lens = np.asarray(seq_lens)
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, block_size, _ = k_all.shape
-    group = num_heads // num_kv_heads
-    if query_start_loc is None:
-        query_start_loc = np.arange(len(seq_lens) + 1)
-    query_start_loc = np.asarray(query_start_loc)
-    if scale is None:
-        scale = 1.0 / np.sqrt(head_dim)
-    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, np.float64)
-    sink = None if sinks is None else np.asarray(sinks, np.float64)
-    out = np.zeros((num_tokens, num_heads, head_dim), np.float64)
-    for s in range(len(seq_lens)):
-        length = int(seq_lens[s])
-        first, stop = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        m = stop - first
-        if m == 0:
-            continue
-        positions = np.arange(length)
-        blocks = block_tables[s, positions // block_size]
-        offsets = positions % block_size
-        for g in range(num_kv_heads):
-            k = k_all[blocks, g, offsets]          # (length, head_dim)
-            v = v_all[blocks, g, offsets]
-            for j in range(m):
-                pos = length - m + j               # this query's position
-                visible = positions <= pos
-                if sliding_window is not None:
-                    visible &= positions > pos - sliding_window
-                if chunk_size is not None:
-                    visible &= positions >= pos // chunk_size * chunk_size
-                heads = slice(g * group, (g + 1) * group)
-                scores = q[first + j, heads] @ k[visible].T * scale   # (group, n_visible)
-                if logits_soft_cap is not None:
-                    scores = logits_soft_cap * np.tanh(scores / logits_soft_cap)
-                if slopes is not None:
-                    scores += slopes[heads, None] * (positions[visible] - pos)[None, :]
-                top = scores.max(axis=1, keepdims=True)
-                if sink is not None:
-                    top = np.maximum(top, sink[heads, None])
-                weights = np.exp(scores - top)
-                total = weights.sum(axis=1, keepdims=True)
-                if sink is not None:
-                    total += np.exp(sink[heads, None] - top)
-                out[first + j, heads] = weights / total @ v[visible]
-    return out
 
 
 class _AttentionPlan:
@@ -511,7 +176,7 @@ class Backend:
     def convert(self, src, src_kind, dst, dst_kind):
         """``dst[...] = src`` converted; same shape, any strides; ``src`` is
         read as it was before the call even when it overlaps ``dst``."""
-        _bits_view(dst)[...] = convert_bits(_bits_view(src), src_kind, dst_kind)
+        bits_view(dst)[...] = convert_bits(bits_view(src), src_kind, dst_kind)
 
     def convert_fp8(self, src, dst, fmt, narrow, saturate=False):
         """float32 ``src`` -> fp8 codes ``dst`` (uint8) when ``narrow``, else
@@ -538,8 +203,8 @@ class Backend:
         cache: a paged plane ``(num_blocks, heads, block_size, dim)``;
         src: ``(n, heads, dim)``; slots: int64 ``(n,)``."""
         bs = cache.shape[2]
-        rows, row_scales = _encode(src, src_kind, codec)
-        dst = cache if codec.lowprec else _bits_view(cache)
+        rows, row_scales = encode(src, src_kind, codec)
+        dst = cache if codec.lowprec else bits_view(cache)
         for i, s in enumerate(np.asarray(slots).tolist()):
             if s >= 0:
                 dst[s // bs, :, s % bs, :] = rows[i]
@@ -580,7 +245,7 @@ class Backend:
         rows = cache[blocks, :, pos % bs, :]                      # (n, heads, dim)
         row_scales = None if codec.scale_plane is None else \
             codec.scale_plane[blocks, :, pos % bs]
-        _bits_view(out)[...] = _decode(rows, codec, row_scales, dst_kind).transpose(1, 0, 2)
+        bits_view(out)[...] = decode(rows, codec, row_scales, dst_kind).transpose(1, 0, 2)
 
     def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
         """``out[s, :, :lengths[s]]`` = sequence ``s``'s positions (block
@@ -646,8 +311,8 @@ class Backend:
         ``(batch, heads, n, dim)``; an int8 scale plane ``(batch, heads,
         max_seq_len)``."""
         n = src.shape[2]
-        rows, row_scales = _encode(src, src_kind, codec)
-        out = dst if codec.lowprec else _bits_view(dst)
+        rows, row_scales = encode(src, src_kind, codec)
+        out = dst if codec.lowprec else bits_view(dst)
         out[:, :, start:start + n, :] = rows
         if row_scales is not None:
             codec.scale_plane[:, :, start:start + n] = row_scales
@@ -658,7 +323,7 @@ class Backend:
         holds one scale per row of ``src`` (shape ``src.shape[:-1]``).  A
         float codec converts; the codec's own low-precision kind copies the
         codes."""
-        _bits_view(dst)[...] = _decode(src, codec, codec.scale_plane, dst_kind)
+        bits_view(dst)[...] = decode(src, codec, codec.scale_plane, dst_kind)
 
     # ------------------------------------------------------------ attention
     def attention_plan(self, block_tables, seq_lens, query_start_loc, *, num_heads,

@@ -1,6 +1,6 @@
 """The CUDA kernel sources and the template instantiations kvcore uses.
 
-Pure Python (no CuPy): the loader in ``backend.py``, the nvcc/NVRTC compile
+Pure Python (no CuPy): the loader in ``launch.py``, the nvcc/NVRTC compile
 test and the host-emulation test all read the same tables, so the names a
 test compiles are the names the backend asks for.
 

@@ -1,11 +1,11 @@
 """The attention ops of the CUDA backend: plans and runs of
 ``kernels/attention.cu`` (through ``attention_kernels``).
 
-``CudaAttention`` is mixed into ``CudaBackend`` (``backend.py``, the data
-ops): it holds no state of its own and uses the backend's device hooks
-(``_ctx``, ``_upload``, ``_launch_grid``, ``_record_event``, ...), so the
-host emulation of the tests, which overrides those hooks, runs it as it
-runs the data ops.
+``CudaBackend`` (``backend.py``, the data ops) holds a ``CudaAttention``: it
+has no state of its own beside its backend and the kernel version, and
+calls the backend's device hooks (``_ctx``, ``_upload``, ``_run_packed``,
+``_record_event``, ...), so the host emulation of the tests, which
+overrides those hooks, runs it as it runs the data ops.
 """
 import os
 import threading
@@ -37,11 +37,14 @@ def default_attention_version(environ=os.environ):
 
 class CudaAttention:
     """``attention_plan``, ``attention_run`` and ``paged_attention`` of
-    ``CudaBackend`` (see ``kvcore.backends.base.Backend`` for the contract)."""
+    ``CudaBackend`` ``backend`` (see ``kvcore.backends.base.Backend`` for the
+    contract)."""
 
-    # The kernel version of new plans: 3 or 2 (None: KVCORE_CUDA_ATTENTION's).
-    # Set on a backend to compare both in one process; a plan keeps its own.
-    attention_version = None
+    def __init__(self, backend):
+        self._be = backend
+        # The kernel version of new plans: 3 or 2 (None: KVCORE_CUDA_ATTENTION's);
+        # the backend's ``attention_version``.  A plan keeps its own.
+        self.attention_version = None
 
     def _attention_version(self):
         v = self.attention_version
@@ -89,13 +92,14 @@ class CudaAttention:
             num_tokens=num_tokens, num_heads=int(num_heads), num_kv_heads=int(num_kv_heads),
             head_dim=dim, block_size=int(block_size), num_blocks=int(num_blocks), kind=kind,
             scale=float(scale), sliding_window=int(sliding_window), soft_cap=float(soft_cap),
-            chunk_size=int(chunk_size), version=self._attention_version(), backend=self)
+            chunk_size=int(chunk_size), version=self._attention_version(),
+            backend=self._be)
         if num_tokens == 0:
             return plan
         rows = prefill = prefill_tc = None   # prefill rows go to a tensor-core kernel
         seqs = None                          # the sequences of the other rows
-        if plan.version >= 3 and kind in ak.PREFILL_KINDS and self._has_mma() \
-                and ak.prefill_tc_smem(dim) <= self._smem_optin():
+        if plan.version >= 3 and kind in ak.PREFILL_KINDS and self._be._has_mma() \
+                and ak.prefill_tc_smem(dim) <= self._be._smem_optin():
             prefill_tc, mask = ak.prefill_tc_plan(qsl_h, seq_lens, plan.num_heads,
                                                   plan.num_kv_heads, plan.sliding_window, dim,
                                                   chunk_size=plan.chunk_size)
@@ -103,56 +107,56 @@ class CudaAttention:
                 rows = ~mask
                 seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
         if prefill_tc is None and ak.prefill_ok(kind, dim, plan.num_heads, plan.num_kv_heads) \
-                and self._has_mma():   # the older kernel (version 2)
+                and self._be._has_mma():   # the older kernel (version 2)
             prefill, mask = ak.prefill_plan(qsl_h, plan.num_heads, plan.num_kv_heads)
             if len(prefill):
                 rows = ~mask
                 seqs = np.diff(qsl_h) < ak.PREFILL_MIN_QUERIES
         items, nsplit, merge_rows = ak.plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                            plan.sliding_window, num_sms=self._sm_count(),
+                                            plan.sliding_window, num_sms=self._be._sm_count(),
                                             rows=rows, chunk_size=plan.chunk_size)
-        self._check_rows(len(items), "paged_attention (work items)")
+        self._be._check_rows(len(items), "paged_attention (work items)")
         tc = None
         if (plan.version >= 3 and kind in ak.TC_KINDS and dim in ak.TC_HEAD_DIMS
-                and self._has_mma() and ak.tc_smem(kind, dim) <= self._smem_optin()):
+                and self._be._has_mma() and ak.tc_smem(kind, dim) <= self._be._smem_optin()):
             tc, tc_nsplit = ak.tc_plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
-                                       plan.sliding_window, num_sms=self._sm_count(), seqs=seqs,
-                                       chunk_size=plan.chunk_size)
+                                       plan.sliding_window, num_sms=self._be._sm_count(),
+                                       seqs=seqs, chunk_size=plan.chunk_size)
             if not len(tc) or int((tc[:, 5] - tc[:, 4]).max()) + plan.block_size \
                     >= ak.TC_MAX_KEYS:
                 tc = None
             else:
-                self._check_rows(len(tc), "paged_attention (tensor-core items)")
+                self._be._check_rows(len(tc), "paged_attention (tensor-core items)")
         partials = 0
-        with self._ctx():
+        with self._be._ctx():
             if len(items):
-                plan.items = self._upload(items)
-                plan.nsplit = self._upload(nsplit)
+                plan.items = self._be._upload(items)
+                plan.nsplit = self._be._upload(nsplit)
             if prefill is not None and len(prefill):
-                self._check_rows(len(prefill), "paged_attention (prefill items)")
-                plan.prefill = self._upload(prefill)
+                self._be._check_rows(len(prefill), "paged_attention (prefill items)")
+                plan.prefill = self._be._upload(prefill)
             if prefill_tc is not None and len(prefill_tc):
-                self._check_rows(len(prefill_tc), "paged_attention (prefill items)")
-                plan.prefill_tc = self._upload(prefill_tc)
-            plan.tables = self._upload(np.ascontiguousarray(block_tables, np.int32))
-            plan.lens = self._upload(np.ascontiguousarray(seq_lens, np.int64))
-            plan.qsl = self._upload(qsl_h)
+                self._be._check_rows(len(prefill_tc), "paged_attention (prefill items)")
+                plan.prefill_tc = self._be._upload(prefill_tc)
+            plan.tables = self._be._upload(np.ascontiguousarray(block_tables, np.int32))
+            plan.lens = self._be._upload(np.ascontiguousarray(seq_lens, np.int64))
+            plan.qsl = self._be._upload(qsl_h)
             if len(merge_rows):
-                plan.merge_rows = self._upload(merge_rows)
+                plan.merge_rows = self._be._upload(merge_rows)
                 partials = len(items) * ak.CHUNK_HEADS * (dim + 2)
             if tc is not None:
-                plan.tc_items = self._upload(tc)
-                plan.tc_nsplit = self._upload(tc_nsplit)
-                plan.counters = self._upload(np.zeros(len(tc), np.int32))
+                plan.tc_items = self._be._upload(tc)
+                plan.tc_nsplit = self._be._upload(tc_nsplit)
+                plan.counters = self._be._upload(np.zeros(len(tc), np.int32))
                 if int(tc_nsplit.max()) > 1:
                     partials = max(partials, len(tc) * ak.TC_ROWS * (dim + 2))
             if partials:   # one buffer: a run uses one kernel family's partials
-                plan.partials = self.xp.empty(partials, np.float32)
-            plan.ready = self._record_event()
-        plan.launches = self._attention_launches(plan)
+                plan.partials = self._be.xp.empty(partials, np.float32)
+            plan.ready = self._be._record_event()
+        plan.launches = self.launches(plan)
         return plan
 
-    def _attention_launches(self, plan):
+    def launches(self, plan):
         """The plan's launches, packed: ``{path: [PackedLaunch]}``, path
         ``("tc", q kind)``, ``("core", tiled)`` or ``"prefill"``; a run
         fills the holes (q, out, the layer's planes, scales and strides)."""
@@ -173,7 +177,7 @@ class CudaAttention:
         if plan.tc_items is not None:
             for mt in ak.tc_mma_kinds(kind):
                 launches[("tc", mt)] = [PackedLaunch(
-                    self, file, ak.tc_name(kind, dim, mt), plan.tc_items.shape[0],
+                    self._be, file, ak.tc_name(kind, dim, mt), plan.tc_items.shape[0],
                     ak.TC_THREADS,
                     [out, plan.partials, plan.counters, q, k, v, *geometry, plan.tc_items,
                      plan.tc_nsplit, plan.num_heads, G, *shape, *strides, *feats, ks, vs, ok],
@@ -182,26 +186,26 @@ class CudaAttention:
             for tiled in (True, False):
                 split = ak.split_name if tiled else ak.scalar_name
                 run = [PackedLaunch(
-                    self, file, split(kind, dim), plan.items.shape[0], ak.THREADS,
+                    self._be, file, split(kind, dim), plan.items.shape[0], ak.THREADS,
                     [out, plan.partials, q, k, v, *geometry, plan.items, plan.nsplit,
                      plan.num_heads, *shape, *strides, *feats, H("key_scales", "p"),
                      H("value_scales", "p"), H("sb", "i"), H("sh", "i"), H("st", "i"), ks, vs,
                      qk, ok])]
                 if plan.merge_rows is not None:
                     run.append(PackedLaunch(
-                        self, file, ak.merge_name(dim), plan.merge_rows.shape[0],
+                        self._be, file, ak.merge_name(dim), plan.merge_rows.shape[0],
                         ak.MERGE_THREADS,
                         [out, plan.partials, plan.merge_rows, plan.nsplit, plan.num_heads,
                          plan.scale, plan.soft_cap, H("sinks", "p"), ok]))
                 launches[("core", tiled)] = run
         if plan.prefill is not None:
             launches["prefill"] = [PackedLaunch(
-                self, file, ak.prefill_name(kind, dim), plan.prefill.shape[0], ak.THREADS,
+                self._be, file, ak.prefill_name(kind, dim), plan.prefill.shape[0], ak.THREADS,
                 [out, q, k, v, *geometry, plan.prefill, plan.num_heads, G, *shape, *strides,
                  *feats, H("tiled", "i"), qk, ok])]
         if plan.prefill_tc is not None:
             launches["prefill"] = [PackedLaunch(
-                self, file, ak.prefill_tc_name(kind, dim), plan.prefill_tc.shape[0],
+                self._be, file, ak.prefill_tc_name(kind, dim), plan.prefill_tc.shape[0],
                 ak.PREFILL_TC_THREADS,
                 [out, q, k, v, *geometry, plan.prefill_tc, plan.num_heads, G, *shape, *strides,
                  *feats, H("tiled", "i"), qk, ok], smem=ak.prefill_tc_smem(dim))]
@@ -234,11 +238,11 @@ class CudaAttention:
             raise TypeError(f"plan must come from this backend's attention_plan, got "
                             f"{type(plan).__name__}")
         for arg, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-            if a is not None and (not self._is_device(a) or a.dtype != np.float32
+            if a is not None and (not self._be._is_device(a) or a.dtype != np.float32
                                   or tuple(a.shape) != (plan.num_heads,)
-                                  or not a.flags.c_contiguous or self._ptr(a) % 4):
+                                  or not a.flags.c_contiguous or self._be._ptr(a) % 4):
                 raise ValueError(f"{arg} must be a float32 C-contiguous ({plan.num_heads},) "
-                                 f"array on {self.device}, got {type(a).__name__} "
+                                 f"array on {self._be.device}, got {type(a).__name__} "
                                  f"{getattr(a, 'dtype', '')} {tuple(getattr(a, 'shape', ()))}")
         want_q = (plan.num_tokens, plan.num_heads, plan.head_dim)
         want_kv = (plan.num_blocks, plan.num_kv_heads, plan.block_size, plan.head_dim)
@@ -251,29 +255,29 @@ class CudaAttention:
         q_kinds, out_kinds = self.attention_io_kinds(plan)
         qk = _io_kind(q, "q", q_kinds)
         ok = _io_kind(out, "out", out_kinds)
-        scales = self._attention_scales(plan.kind, key_cache, lowprec)
+        scales = self.scales(plan.kind, key_cache, lowprec)
         if plan.num_tokens == 0:
             return
         for arg, a in (("key_cache", key_cache), ("value_cache", value_cache)):
-            if self._misaligned(a):  # a misaligned load faults on the GPU
+            if self._be._misaligned(a):  # a misaligned load faults on the GPU
                 raise ValueError(
                     f"{arg} must be aligned to its itemsize ({a.itemsize} bytes), got address "
-                    f"{self._ptr(a):#x} and strides {a.strides}")
+                    f"{self._be._ptr(a):#x} and strides {a.strides}")
         if not q.flags.c_contiguous:
             raise ValueError("q must be C-contiguous")
-        self._deliverable(out)
+        self._be._deliverable(out)
         ak = attention_kernels
-        with self._ctx():
+        with self._be._ctx():
             if plan.ready is not None:
-                if self._event_done(plan.ready):
+                if self._be._event_done(plan.ready):
                     plan.ready = None        # (one query per plan, not per run)
                 else:
-                    self._wait_event(plan.ready)
-            q = self._aligned_input(q)
-            target = out if out.flags.c_contiguous and not self._misaligned(out) \
-                else self.xp.empty(out.shape, out.dtype)
-            cs = self._estrides(key_cache, (0, 1, 2))
-            tiled = ak.tiled_ok((self._ptr(key_cache), self._ptr(value_cache)),
+                    self._be._wait_event(plan.ready)
+            q = self._be._aligned_input(q)
+            target = out if out.flags.c_contiguous and not self._be._misaligned(out) \
+                else self._be.xp.empty(out.shape, out.dtype)
+            cs = self._be._estrides(key_cache, (0, 1, 2))
+            tiled = ak.tiled_ok((self._be._ptr(key_cache), self._be._ptr(value_cache)),
                                 [c * key_cache.itemsize for c in cs], plan.block_size)
             values = {"out": target, "q": q, "k": key_cache, "v": value_cache, "cb": cs[0],
                       "ch": cs[1], "ct": cs[2], "key_scales": scales[0],
@@ -287,7 +291,7 @@ class CudaAttention:
                 _issue(plan, values, tiled)
             finally:
                 plan.lock.release()
-            self._deliver_bits(target, out)
+            self._be._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
                         query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
@@ -301,7 +305,7 @@ class CudaAttention:
         positive scales).  A stored value reads as ``element * scale``.
         """
         # the scales are checked before anything is planned or uploaded
-        self._attention_scales(kind, key_cache, lowprec)
+        self.scales(kind, key_cache, lowprec)
         plan = self.attention_plan(
             block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
             num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
@@ -310,7 +314,7 @@ class CudaAttention:
         self.attention_run(plan, q, out, key_cache, value_cache, lowprec,
                            alibi_slopes=alibi_slopes, sinks=sinks)
 
-    def _attention_scales(self, kind, key_cache, lowprec):
+    def scales(self, kind, key_cache, lowprec):
         """The scale arguments of kva_attention_split for pages of ``kind``
         (``key_scales, value_scales, s_block, s_head, s_tok, k_scale,
         v_scale``), every one checked here, before any launch."""
@@ -344,18 +348,18 @@ class CudaAttention:
         want = tuple(key_cache.shape[:3])
         strides = []
         for arg, a in (("key_scales", key_scales), ("value_scales", value_scales)):
-            if not self._is_device(a):
-                raise TypeError(f"{arg} must be a float32 array on {self.device} (the pool's "
+            if not self._be._is_device(a):
+                raise TypeError(f"{arg} must be a float32 array on {self._be.device} (the pool's "
                                 f"scale plane), got {type(a).__name__}")
-            if self._device_id_of(a) != self.device_id:
-                raise ValueError(f"{arg} is on cuda:{self._device_id_of(a)} but this "
-                                 f"operation runs on {self.device}")
+            if self._be._device_id_of(a) != self._be.device_id:
+                raise ValueError(f"{arg} is on cuda:{self._be._device_id_of(a)} but this "
+                                 f"operation runs on {self._be.device}")
             if a.dtype != np.float32 or tuple(a.shape) != want:
                 raise ValueError(f"{arg} must be float32 of shape {want} (num_blocks, "
                                  f"num_kv_heads, block_size), got {a.dtype} {tuple(a.shape)}")
-            if a.size and self._ptr(a) % 4:
+            if a.size and self._be._ptr(a) % 4:
                 raise ValueError(f"{arg} must be 4-byte aligned")
-            strides.append(self._estrides(a, (0, 1, 2)))
+            strides.append(self._be._estrides(a, (0, 1, 2)))
         if strides[0] != strides[1]:
             raise ValueError(f"key_scales and value_scales must have the same layout, got "
                              f"element strides {strides[0]} and {strides[1]}")
@@ -443,7 +447,7 @@ class _FastRun:
                 "tiled": int(self.tiled), "alibi": None, "sinks": None}
         if scale_planes is not None:   # int8: each layer's scale planes, by their stride
             ks0, vs0, ks_last, vs_last = scale_planes
-            sc = be._attention_scales(plan.kind, key0, (ks0, vs0, 1.0, 1.0))
+            sc = be._attention.scales(plan.kind, key0, (ks0, vs0, 1.0, 1.0))
             base.update(sb=sc[2], sh=sc[3], st=sc[4])
             first = (be._ptr(ks0), be._ptr(vs0))
             self.scale_planes = (first, tuple((be._ptr(last) - f) // steps

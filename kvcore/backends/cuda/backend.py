@@ -23,45 +23,26 @@ Arguments reaching these methods have been validated by the caller, except
 where a method says it checks.  Kernels are compiled with NVRTC on first
 use (one module per .cu file and kind pair) and cached per device.
 """
-import sys
 import threading
 
 import numpy as np
 
 from ... import dtypes
 from ..base import Backend
-from . import CudaUnavailableError, _sources, attention_kernels
+from . import _sources
+from .arrays import device_array, device_dtype, host_array, import_foreign, is_bf16, \
+    on_cuda_device
 from .attention import CudaAttention, CudaAttentionPlan, Hole  # noqa: F401 (re-exported)
 from .copies import CudaBlockCopies
 from .lane import StepLane
-
-# DLPack device types (dlpack.h).
-_KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
-_KDL_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA pinned host", 4: "OpenCL", 7: "Vulkan",
-              8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 13: "CUDA managed",
-              14: "oneAPI"}
-
-# The launches collect_launches is gathering on this thread (else None).
-_COLLECT = threading.local()
+from .launch import CudaLaunches, launch_shape
+from .writes import CudaSlotWrites
 
 # Index arithmetic inside the kernels splits rows with 32-bit division.
 _ROW_LIMIT = 2**31 - 1
-# Threads per block and a cap on the grid (the kernels grid-stride over rows).
-_BLOCK_THREADS = 256
-_MAX_GRID = 1 << 20
 
 
-def launch_shape(rows, chunks):
-    """``(grid, block)`` for a row/chunk kernel (see KV_ROW_LOOP in
-    kv_half.cuh): threadIdx.x walks the chunks of a row, (blockIdx.x,
-    threadIdx.y) the rows; the kernel grid-strides over rows beyond the grid."""
-    bx = min(chunks, _BLOCK_THREADS)
-    by = max(1, _BLOCK_THREADS // bx)
-    grid = min(-(-rows // by), _MAX_GRID)
-    return (grid, 1, 1), (bx, by, 1)
-
-
-class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
+class CudaBackend(CudaLaunches, Backend):
     """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
 
     Parameters
@@ -88,6 +69,14 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         self._sms = self._tensor_cores = None    # asked of the device on first use
         self._smem_max = None
         self._smem_set = {}   # kernel name -> the dynamic shared memory it was allowed
+        self._hold_parts()
+
+    def _hold_parts(self):
+        """Make the collaborators this backend holds: its block copies, its
+        attention and its slot writes (each calls back into the device hooks here)."""
+        self._copies = CudaBlockCopies(self)
+        self._attention = CudaAttention(self)
+        self._writes = CudaSlotWrites(self)
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -95,10 +84,43 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
     def normalize_device(self, device):
         return self.device
 
+    # ------------------------------------------ block copies and attention
+    def copy_blocks(self, storage, src, dst):
+        return self._copies.copy_blocks(storage, src, dst)
+
+    def copy_blocks_between(self, src_storage, src_ids, dst_storage, dst_ids):
+        return self._copies.copy_blocks_between(src_storage, src_ids, dst_storage, dst_ids)
+
+    @property
+    def attention_version(self):
+        """The kernel version of new plans: 3 or 2 (None:
+        KVCORE_CUDA_ATTENTION's).  Set it to compare both in one process; a
+        plan keeps its own."""
+        return self._attention.attention_version
+
+    @attention_version.setter
+    def attention_version(self, version):
+        self._attention.attention_version = version
+
+    def attention_io_kinds(self, plan):
+        return self._attention.attention_io_kinds(plan)
+
+    def attention_plan(self, block_tables, seq_lens, query_start_loc, **shape):
+        return self._attention.attention_plan(block_tables, seq_lens, query_start_loc,
+                                              **shape)
+
+    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+                      alibi_slopes=None, sinks=None):
+        return self._attention.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+                                             alibi_slopes=alibi_slopes, sinks=sinks)
+
+    def paged_attention(self, *args, **kwargs):
+        return self._attention.paged_attention(*args, **kwargs)
+
     # ----------------------------------------------------- device hooks
-    # The few places that touch CuPy's device machinery.  The tests'
-    # host emulation overrides exactly these to run the kernels' C++ bodies
-    # on NumPy arrays.
+    # The few places that touch CuPy's device machinery (with the launches
+    # of launch.py).  The tests' host emulation overrides exactly these to
+    # run the kernels' C++ bodies on NumPy arrays.
     def _ctx(self):
         """Make this backend's device current for the enclosed calls."""
         return self._device
@@ -207,213 +229,6 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
             return self.xp.ascontiguousarray(x.astype(dtype, copy=False))
         return self._upload(np.ascontiguousarray(x, dtype=dtype))
 
-    def _function(self, file, sk, dk, name):
-        key = (file, sk, dk, name)
-        fn = self._functions.get(key)
-        if fn is None:
-            with self._lock:
-                fn = self._functions.get(key)
-                if fn is None:
-                    attention = file == attention_kernels.ATTENTION_FILE.name
-                    # attention.cu: one module per page kind, one for the merges
-                    mkey = (file, attention_kernels.module_key(name), None) if attention \
-                        else (file, sk, dk)
-                    try:
-                        mod = self._modules.get(mkey)
-                        if mod is None:
-                            if attention:
-                                code = attention_kernels.source()
-                                names = attention_kernels.module_names(mkey[1])
-                            else:
-                                code = _sources.source(file)
-                                names = _sources.module_names(file, sk, dk)
-                            mod = self._cp.RawModule(code=code,
-                                                     options=_sources.COMPILE_OPTIONS,
-                                                     name_expressions=names)
-                            self._modules[mkey] = mod
-                        fn = mod.get_function(name)  # compiles the module on first use
-                    except Exception as e:  # NVRTC or headers missing, compile or load error
-                        self._modules.pop(mkey, None)  # the next call starts afresh
-                        raise compile_error(e, self.device, file) from e
-                    self._functions[key] = fn
-        return fn
-
-    def _launch(self, file, sk, dk, name, rows, chunks, args):
-        """Run kernel ``name`` of module (file, sk, dk) over rows x chunks on
-        the current stream.  ``args`` after (rows, chunks): device arrays
-        (passed as pointers), None (a null pointer) and Python ints (passed
-        as long long)."""
-        if rows <= 0 or chunks <= 0:
-            return
-        fn = self._function(file, sk, dk, name)
-        grid, block = launch_shape(rows, chunks)
-        cp = self._cp
-        kargs = [np.int64(rows), np.int64(chunks)]
-        kargs += [a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None else np.int64(a)
-                  for a in args]  # None: a null pointer
-        fn(grid, block, tuple(kargs))
-
-    def _launch_grid(self, file, name, grid, block, args, smem=0):
-        """Run kernel ``name`` of ``file``'s module on ``grid`` blocks of
-        ``block`` threads with ``smem`` bytes of dynamic shared memory on the
-        current stream.  ``args``: device arrays (pointers), None (a null
-        pointer), Python floats (passed as float) and ints (passed as long
-        long)."""
-        if grid <= 0:
-            return
-        fn = self._function(file, None, None, name)
-        self._allow_smem(fn, name, smem)
-        # (after everything that readies the kernel itself: a packed launch
-        # of a collected one calls the driver with nothing else)
-        if self._collected(file, name, grid, block, args, smem):
-            return
-        cp = self._cp
-        kargs = tuple(a if isinstance(a, cp.ndarray) else np.uint64(0) if a is None
-                      else np.float32(a) if isinstance(a, (float, np.floating))
-                      else np.int64(a) for a in args)
-        fn((int(grid), 1, 1), (int(block), 1, 1), kargs, shared_mem=int(smem))
-
-    def _run_packed(self, launch, values):
-        """Issue ``launch`` (an attention ``PackedLaunch``) on the current
-        stream with its holes set from ``values``: the parameter block is
-        built at its first launch (the kernel compiled then), later ones
-        write the holes' slots and make one cuLaunchKernel call."""
-        if launch.grid <= 0:
-            return
-        if getattr(_COLLECT, "calls", None) is not None:
-            # lane.py collects this thread's launches: the holes filled,
-            # recorded as any grid launch (and packed there)
-            args = list(launch.args)
-            for i, hole in launch.holes:
-                args[i] = values[hole.name]
-            self._launch_grid(launch.file, launch.name, launch.grid, launch.block, args,
-                              launch.smem)
-            return
-        native = launch.native
-        if native is None:
-            native = launch.native = self._pack(launch)
-        slots, as_i64, as_f32, fn_ptr, params, _ = native
-        for i, hole in launch.holes:
-            v = values[hole.name]
-            if hole.type == "p":   # an array, an address (the fast lane's) or None
-                slots[i] = v if type(v) is int else 0 if v is None else v.data.ptr
-            elif hole.type == "i":
-                as_i64[i] = v
-            else:
-                as_f32[2 * i] = v
-        self._cp.cuda.driver.launchKernel(fn_ptr, launch.grid, 1, 1, launch.block, 1, 1,
-                                          launch.smem, self._stream_ptr(), params, 0)
-
-    def _pack(self, launch):
-        """``launch``'s parameter block: one 8-byte slot per argument (a
-        float in the low 4 bytes), the fixed ones written now; and the
-        kernel (compiled on first use; its dynamic shared memory allowed)."""
-        fn = self._function(launch.file, None, None, launch.name)
-        self._allow_smem(fn, launch.name, launch.smem)
-        n = len(launch.args)
-        slots = np.zeros(max(1, n), np.uint64)
-        as_i64, as_f32 = slots.view(np.int64), slots.view(np.float32)
-        for i, a in enumerate(launch.args):
-            if a is None or isinstance(a, Hole):
-                continue
-            if isinstance(a, self._cp.ndarray):
-                slots[i] = a.data.ptr
-            elif isinstance(a, (float, np.floating)):
-                as_f32[2 * i] = a
-            else:
-                as_i64[i] = int(a)
-        params = np.array([slots.ctypes.data + 8 * i for i in range(max(1, n))], np.uint64)
-        # the arrays stay alive with the tuple (kept on the launch)
-        return slots, as_i64, as_f32, fn.kernel.ptr, params.ctypes.data, params
-
-    def _allow_smem(self, fn, name, smem):
-        """Let kernel ``fn`` take ``smem`` bytes of dynamic shared memory
-        (above 48 KB a kernel must ask: once per kernel, a host call)."""
-        if smem > self._DEFAULT_SMEM and self._smem_set.get(name, 0) < smem:
-            fn.max_dynamic_shared_size_bytes = int(smem)
-            self._smem_set[name] = smem
-
-    # dynamic shared memory a kernel gets without asking (above it:
-    # cudaFuncAttributeMaxDynamicSharedMemorySize)
-    _DEFAULT_SMEM = 48 * 1024
-
-    def _smem_optin(self):
-        """The most dynamic shared memory a block may ask for on the device."""
-        if self._smem_max is None:
-            self._smem_max = int(self._device.attributes["MaxSharedMemoryPerBlockOptin"])
-        return self._smem_max
-
-    # ------------------------------------------------- packed launches
-    # What lane.py (a step's writes and attention issued per layer) needs of
-    # the device: the tests' host emulation overrides these, as it does the
-    # hooks above.
-    def collect_launches(self, call):
-        """Run ``call()`` with the grid launches it makes collected instead
-        of issued, on this thread only: the list of ``(file, name, grid,
-        block, args, smem)`` (what ``lane.py`` packs once and reissues).
-        Anything else ``call`` does happens as usual."""
-        calls = []
-        _COLLECT.calls = calls
-        try:
-            call()
-        finally:
-            _COLLECT.calls = None
-        return calls
-
-    @staticmethod
-    def _collected(file, name, grid, block, args, smem=0):
-        """Whether this thread collects launches (``collect_launches``):
-        then the launch is recorded, not issued."""
-        calls = getattr(_COLLECT, "calls", None)
-        if calls is None:
-            return False
-        calls.append((file, name, int(grid), int(block), list(args), int(smem)))
-        return True
-
-    def _function_ptr(self, file, sk, dk, name):
-        """The driver handle (CUfunction) of kernel ``name`` of module
-        (file, sk, dk), compiled on first use: what a packed launch calls."""
-        with self._ctx():
-            return self._function(file, sk, dk, name).kernel.ptr
-
-    def _launch_packed(self, launch):
-        """Issue a ``lane.PackedLaunch`` on the current stream: one driver
-        call with the argument block as packed (cuLaunchKernel copies the
-        arguments when it is called: the block may be repacked at once)."""
-        g, b = launch.grid, launch.block
-        self._cp.cuda.driver.launchKernel(launch.function, g[0], g[1], g[2], b[0], b[1], b[2],
-                                          launch.smem, self._stream_ptr(), launch.params_ptr, 0)
-
-    def _pinned(self, nbytes):
-        """A uint8 NumPy array of ``nbytes`` in page-locked host memory (the
-        memory lives as long as the array)."""
-        mem = self._cp.cuda.alloc_pinned_memory(max(1, nbytes))
-        return np.frombuffer(mem, np.uint8, nbytes)
-
-    def _copy_up(self, dst, host):
-        """Copy host array ``host`` (pinned, C-contiguous) into the first
-        ``host.nbytes`` bytes of device array ``dst`` on the current stream
-        (asynchronous: ``host`` must not change until the copy is done)."""
-        self._cp.cuda.runtime.memcpyAsync(self._ptr(dst), host.ctypes.data, host.nbytes, 1,
-                                          self._stream_ptr())   # 1: host to device
-
-    def _wait_host(self, event):
-        """Block the host until ``event`` (from ``_record_event``) completed."""
-        if event is not None:
-            event.synchronize()
-
-    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
-        """A device array over memory this backend does not own: ``shape``
-        elements of ``dtype`` ``strides`` bytes apart from address ``ptr``
-        on this device, kept valid by ``owner`` (held by the array).  No
-        copy, no driver call: what a torch CUDA tensor's raw fields become
-        for a kernel argument (``lane.py``, ``_import_torch``)."""
-        cp = self._cp
-        dtype = np.dtype(dtype)
-        nbytes = _extent(shape, strides, dtype.itemsize)
-        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
-        return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(mem, 0), tuple(strides))
-
     def step_lane(self, planes, codecs, owned):
         """A ``lane.StepLane`` over a pool's per-layer ``planes`` (K, V)
         and their ``codecs``: a step's writes and attention issued per
@@ -423,106 +238,15 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
 
     # -------------------------------------------------------------- arrays
     def asarray(self, x, arg):
-        """``x`` as a CuPy array on this device, zero-copy.
-
-        CuPy arrays are returned as they are; objects with
-        ``__dlpack__`` on a CUDA device or ``__cuda_array_interface__``
-        (torch CUDA tensors, Numba, JAX, ...) are wrapped without a copy.  A
-        NumPy array, or anything else in host memory, is a TypeError naming
-        ``arg``: kvcore never copies between host and device behind the
-        caller's back.  An array on another GPU is a ValueError.
-        """
-        cp = self._cp
-        if isinstance(x, cp.ndarray):
-            a = x
-        elif isinstance(x, np.ndarray):
-            raise TypeError(
-                f"{arg} is a NumPy array in host memory but this operation runs on "
-                f"{self.device}; pass a CUDA array (e.g. cupy.asarray({arg})) or use "
-                "device='cpu' (kvcore never copies between host and device implicitly)")
-        else:
-            a = self._import_torch(x)
-            if a is None:
-                a = self._import_foreign(x, arg)
-        if self._device_id_of(a) != self.device_id:
-            raise ValueError(
-                f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs on "
-                f"{self.device}")
-        return a
-
-    def _import_torch(self, x):
-        """A torch CUDA tensor as a CuPy array from its pointer, shape and
-        strides (no DLPack capsule: several times cheaper per call), or None
-        for anything else, and for a tensor whose stream order DLPack would
-        have to bridge (torch's current stream on its device is not CuPy's
-        current stream) or that DLPack would refuse (negative or conjugate
-        bit, a dtype CuPy has not).  Nothing is cached: the tensor's fields
-        are read at each call (its storage may be resized or swapped)."""
-        torch = sys.modules.get("torch")
-        if torch is None or not isinstance(x, torch.Tensor) or not x.is_cuda:
-            return None
-        dtype = _torch_numpy_dtypes(torch).get(x.dtype)
-        if dtype is None or x.is_neg() or x.is_conj() or x.requires_grad:
-            return None
-        index = x.device.index
-        if index != self.device_id \
-                or torch.cuda.current_stream(index).cuda_stream != self._stream_ptr():
-            return None
-        ptr = x.data_ptr()
-        if ptr == 0 and x.numel():
-            return None
-        size = dtype.itemsize
-        return self.wrap_pointer(ptr, x.shape, [st * size for st in x.stride()], dtype, x)
-
-    def _import_foreign(self, x, arg):
-        cp = self._cp
-        what = f"{type(x).__module__}.{type(x).__name__}"
-        problem = None
-        dl_device = None
-        if hasattr(type(x), "__dlpack_device__"):
-            try:
-                dl_device = x.__dlpack_device__()
-            except Exception as e:  # e.g. a tensor that refuses export
-                problem = f"__dlpack_device__ failed: {e}"
-        if dl_device is not None:
-            dev_type = int(dl_device[0])
-            if dev_type not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
-                where = _KDL_NAMES.get(dev_type, f"type {dev_type}")
-                raise TypeError(
-                    f"{arg} ({what}) lives on DLPack device {where}, not a CUDA device; "
-                    f"this operation runs on {self.device} and kvcore never copies host "
-                    "data to the device implicitly")
-            try:
-                return cp.from_dlpack(x)
-            except Exception as e:  # unsupported dtype (bfloat16 tensors), ...
-                problem = f"DLPack import failed: {e}"
-        try:
-            cai = x.__cuda_array_interface__
-        except Exception as e:  # AttributeError, or a tensor that requires grad
-            cai = None
-            if not isinstance(e, AttributeError) and problem is None:
-                problem = f"__cuda_array_interface__ failed: {e}"
-        if cai is not None:
-            try:
-                return cp.asarray(x)
-            except Exception as e:
-                problem = f"__cuda_array_interface__ import failed: {e}"
-        if problem is not None:
-            raise TypeError(
-                f"{arg} ({what}) could not be taken as a CUDA array without a copy: "
-                f"{problem}. (bfloat16 tensors: pass their raw bits, e.g. "
-                "t.view(torch.uint16), with src_dtype='bfloat16')")
-        raise TypeError(
-            f"{arg} must be a CUDA array (a CuPy array, or an object with "
-            f"__cuda_array_interface__ or __dlpack__ on a CUDA device) because this "
-            f"operation runs on {self.device}; got {what}")
+        """``x`` as a CuPy array on this device, zero-copy (``arrays.device_array``)."""
+        return device_array(self, x, arg)
 
     def check_out(self, out, arg):
         return self.asarray(out, arg)
 
     def empty(self, shape, dtype):
         with self._ctx():
-            return self.xp.empty(shape, _device_dtype(dtype))
+            return self.xp.empty(shape, device_dtype(dtype))
 
     def zeros(self, shape, dtype):
         """Zero-filled device memory (a pool's storage and scales), the fill
@@ -530,7 +254,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         fill left in flight on this stream would race a write issued on
         another."""
         with self._ctx():
-            a = self.xp.zeros(shape, _device_dtype(dtype))
+            a = self.xp.zeros(shape, device_dtype(dtype))
             self._fence()
             return a
 
@@ -549,11 +273,11 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
                 return self._download(a)
         if isinstance(a, np.ndarray):
             return a
-        if _on_cuda_device(a):
-            d = self._import_foreign(a, "array")
+        if on_cuda_device(a):
+            d = import_foreign(self, a, "array")
             with self._ctx():
                 return self._download(d)
-        return _host_array(a)
+        return host_array(a)
 
     def from_host(self, a):
         """A device copy of host array ``a``, issued on the current stream.
@@ -565,7 +289,7 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
             return a
         a = np.ascontiguousarray(a)
         with self._ctx():
-            if _is_bf16(a.dtype):
+            if is_bf16(a.dtype):
                 return self._upload(a.view(np.uint16)).view(a.dtype)
             return self._upload(a)
 
@@ -698,184 +422,25 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
             self._flat(src.view(np.uint32) if narrow else src,
                        dst if narrow else dst.view(np.uint32), launch)
 
+    # ----------------------------------------------- slot writes (writes.py)
     def write_slots(self, cache, src, slots, src_kind, codec):
-        """cache[b, h, off, :] = src[i, h, :] stored by ``codec``, for slot
-        s = slots[i] >= 0, b = s // block_size, off = s % block_size (vLLM's
-        reshape_and_cache).  cache: (num_blocks, heads, block_size, dim);
-        src: (n, heads, dim); slots: int64, host or device, distinct (a
-        sequence's own positions; ``write_slots_kv`` takes repeats).  A slot
-        past the cache is skipped by the kernel, never written.  An int8
-        row's max-abs takes one thread per (token, head) row; fp8 one per
-        element."""
-        n = src.shape[0]
-        if n == 0 or src.shape[1] == 0 or src.shape[2] == 0:
-            return
-        with self._ctx():
-            self._write_plane(cache, src, self._index_array(slots, np.int64), None,
-                              src_kind, codec)
-
-    def _write_plane(self, cache, src, slots, owner, src_kind, codec):
-        """One kv_write_slots (float, paged.cu) or kv_write_slots_q (fp8 /
-        int8, lowprec.cu) launch; ``slots`` a device int64 array, ``owner``
-        the claimed owner table or None."""
-        n, heads, dim = src.shape
-        plane = codec.scale_plane
-        if self._overlaps(src, cache) or (plane is not None and self._overlaps(src, plane)):
-            src = self._contiguous_copy(src)   # e.g. a view of the pool itself
-        src = self.inner_contiguous(src)
-        ss = self._estrides(src, (0, 1))
-        self._check_rows(n * heads, "write_slots")
-        v = 1 if codec.lowprec else self._vector(src_kind, codec.kind, dim,
-                                                  [(src, (0, 1)), (cache, (0, 1, 2))])
-        self._launch(*self.write_call(cache, src, ss, slots, owner, n, src_kind, codec, v))
+        self._writes.write_slots(cache, src, slots, src_kind, codec)
 
     def write_call(self, cache, src, src_strides, slots, owner, n, src_kind, codec, v):
-        """``(file, sk, dk, name, rows, chunks, args)`` of the launch that
-        writes ``n`` rows of ``src`` (an array, or the device address of
-        rows ``src_strides`` = (token, head) elements apart) into plane
-        ``cache`` through ``slots`` (an array or an address): the one
-        place the write kernels' argument lists are spelled, for
-        ``_launch`` and for packed launches (``lane.py``).  ``v``: the
-        vector width (1 for fp8 / int8 planes)."""
-        heads, dim = cache.shape[1], cache.shape[3]
-        dst_kind, plane = codec.kind, codec.scale_plane
-        cs = self._estrides(cache, (0, 1, 2))
-        rows, num_slots = n * heads, cache.shape[0] * cache.shape[2]
-        if codec.lowprec:
-            scs = self._scale_strides(plane, (0, 1, 2))
-            return (_sources.LOWPREC_FILE, src_kind, dst_kind,
-                    _sources.lowprec_name("kv_write_slots_q", src_kind, dst_kind), rows,
-                    1 if dst_kind == dtypes.I8 else dim,
-                    [cache, plane, src, slots, owner, num_slots, heads, cache.shape[2], dim,
-                     src_strides[0], src_strides[1], cs[0], cs[1], cs[2], scs[0], scs[1],
-                     scs[2], self._scale_bits(codec.layer_scale)])
-        return ("paged.cu", src_kind, dst_kind,
-                _sources.kernel_name("kv_write_slots", src_kind, dst_kind, v), rows, dim // v,
-                [cache, src, slots, owner, num_slots, heads, cache.shape[2], src_strides[0],
-                 src_strides[1], cs[0], cs[1], cs[2]])
+        """The launch that writes rows into a plane (``writes.CudaSlotWrites``)."""
+        return self._writes.write_call(cache, src, src_strides, slots, owner, n, src_kind,
+                                       codec, v)
 
-    # ------------------------------------------------- BlockPool.write
     def slot_owner_table(self, num_slots):
-        """The scratch ``write_slots_kv`` needs for a pool of ``num_slots``
-        slots: a ``SlotOwners``, which holds one owner table (one int32 per
-        slot, -1 between writes) per K plane written, so writes of
-        different layers issued on different streams never share one.
-        Kept by the pool for its lifetime (a CUDA graph holds the tables'
-        addresses)."""
-        return SlotOwners(self, num_slots)
-
-    def _new_owner_table(self, num_slots):
-        """One owner table, all -1, filled by a kernel on the current stream
-        (the stream of the layer's first write, which its claim pass
-        follows): nothing is copied up, so even a layer's first write can
-        be captured in a CUDA graph (where CuPy can allocate; a warm-up
-        write of every layer before capturing avoids the question)."""
-        with self._ctx():
-            table = self.xp.empty(num_slots, np.int32)
-            self._launch(_sources.SLOTS_FILE, None, None, "kv_reset_owner", num_slots, 1,
-                         [table])
-            return table
+        return self._writes.slot_owner_table(num_slots)
 
     def device_slots(self, slots, n):
-        """``slots`` as a C-contiguous int64 array on this device when they
-        live on a CUDA device, else None (host data, which the caller checks
-        on the host).
-
-        Zero-copy for CuPy arrays, ``__cuda_array_interface__`` and DLPack
-        (torch CUDA tensors); an integer dtype other than int64 is cast on
-        the device.  Shape and dtype are checked from the metadata: nothing
-        is read back.  Slots on another GPU are a ValueError; uint64 slots a
-        TypeError (2**64 - 1 would become -1, a skip).
-        """
-        if not (self._is_device(slots) or _on_cuda_device(slots)):
-            return None
-        a = self.asarray(slots, "slots")
-        if a.ndim != 1 or a.shape[0] != n:
-            raise ValueError(
-                f"slots must be 1-D of length {n} (one per token), got shape {tuple(a.shape)}")
-        if n and a.dtype.kind not in "iu":
-            raise TypeError(f"slots must hold integers, got dtype {a.dtype}")
-        if a.dtype == np.uint64:
-            raise TypeError(
-                "slots on the device must be a signed integer array (int64 or int32), got "
-                "uint64: its largest values would wrap to -1 (a skip) in the int64 the "
-                "kernels read")
-        with self._ctx():
-            return self._index_array(a, np.int64)
+        return self._writes.device_slots(slots, n)
 
     def write_slots_kv(self, k_cache, v_cache, k, v, slots, src_kind, k_codec, v_codec,
                        owner, check):
-        """``BlockPool.write`` for one layer: K and V of n tokens into their
-        slots (stored by ``k_codec`` / ``v_codec``); of several tokens naming
-        one slot, the last one's values (and int8 scales) land (as the CPU
-        backend's in-order loop gives).
-
-        Parameters
-        ----------
-        k_cache, v_cache : (num_blocks, heads, block_size, dim) device arrays
-        k, v : (n, heads, dim) device arrays
-        slots : int64 array
-            Host slots have been checked by the caller.  Device slots (from
-            ``device_slots``) have not: with ``check`` the claim pass checks
-            them on the device and this call waits for its verdict (one
-            8-byte read) before writing anything, raising IndexError like
-            the host check; without ``check`` nothing waits or is read back
-            (a CUDA graph can capture the call), and an out-of-range slot
-            is skipped by the kernels (never written) but not reported.
-        owner : the pool's ``slot_owner_table`` (a ``SlotOwners``)
-        check : bool
-
-        Slots that cannot name a slot twice need no claim pass (two
-        launches): host slots without repeats (one token, or distinct ones:
-        the usual case), and one unchecked device slot.
-        """
-        n = k.shape[0]
-        if n == 0:
-            return
-
-        def write(d_slots, table):
-            if k.shape[1] and k.shape[2]:
-                v_ = v
-                k_plane = k_codec.scale_plane
-                if self._overlaps(v_, k_cache) or (k_plane is not None
-                                                  and self._overlaps(v_, k_plane)):
-                    v_ = self._contiguous_copy(v_)   # read v before the keys change
-                self._write_plane(k_cache, k, d_slots, table, src_kind, k_codec)
-                self._write_plane(v_cache, v_, d_slots, table, src_kind, v_codec)
-
-        if (n == 1 and not check) or (not self._is_device(slots) and _distinct(slots)):
-            with self._ctx():
-                write(self._index_array(slots, np.int64), None)
-            return
-        self._claimed_write(k_cache, slots, n, owner, check, write)
-
-    def _claimed_write(self, plane, slots, n, owner, check, write):
-        """Run ``write(device_slots, table)`` between the claim and the
-        release passes of slots.cu (``write_slots_kv``'s protocol), in the
-        owner table of K plane ``plane``: with ``check`` and slots on the
-        device, wait for the claim pass's range verdict first and raise
-        IndexError (nothing written) on a bad slot."""
-        table = owner.table(plane)
-        num_slots = owner.num_slots
-        with self._ctx():
-            d_slots = self._index_array(slots, np.int64)
-            bad = None
-            if check and self._is_device(slots):
-                bad = self._upload(np.array([_sources.NO_BAD], np.int64))
-            self._launch(_sources.SLOTS_FILE, None, None, "kv_claim_slots", n, 1,
-                         [table, bad, d_slots, num_slots])
-            try:
-                if bad is not None:
-                    first = int(self._download(bad)[0])
-                    if first != _sources.NO_BAD:
-                        value = int(self._download(d_slots[first:first + 1])[0])
-                        raise IndexError(
-                            f"slots must be -1 (skip) or in 0..{num_slots - 1} "
-                            f"(num_blocks * block_size - 1), got {value} at index {first}")
-                write(d_slots, table)
-            finally:
-                self._launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
-                             [table, d_slots, num_slots])
+        self._writes.write_slots_kv(k_cache, v_cache, k, v, slots, src_kind, k_codec,
+                                    v_codec, owner, check)
 
     # ------------------------------------------- fp8 / int8 storage (lowprec.cu)
     @staticmethod
@@ -1095,150 +660,3 @@ class CudaBackend(CudaBlockCopies, CudaAttention, Backend):
         with self._ctx():
             self._cp.cuda.get_current_stream().synchronize()
 
-
-class SlotOwners:
-    """A pool's slot-owner state for ``write_slots_kv`` (slots.cu): one owner
-    table per K plane the pool writes, made on the plane's first write.
-
-    One table per layer, not one per pool: the claim and release passes of
-    a write are ordered on its stream only, so two layers written on two
-    streams sharing a table would let one write's release reset the entries
-    the other write's kernels are about to read, dropping that layer's K/V
-    without an error.  Writes of one layer on several streams at once must
-    still name different slots (they would race on the data anyway).
-    """
-
-    def __init__(self, backend, num_slots):
-        self._backend = backend
-        self.num_slots = int(num_slots)
-        self._tables = {}
-        self._lock = threading.Lock()
-
-    def table(self, plane):
-        """The owner table of K plane ``plane`` (keyed by its address)."""
-        key = self._backend._ptr(plane)
-        t = self._tables.get(key)
-        if t is None:
-            with self._lock:
-                t = self._tables.get(key)
-                if t is None:
-                    t = self._tables[key] = self._backend._new_owner_table(self.num_slots)
-        return t
-
-    def tables(self):
-        """Every table made so far (mainly for tests: each is all -1 between
-        writes)."""
-        return list(self._tables.values())
-
-
-def _dlpack_device_type(x):
-    """The DLPack device type ``x`` reports, or None."""
-    if not hasattr(type(x), "__dlpack_device__"):
-        return None
-    try:
-        return int(x.__dlpack_device__()[0])
-    except Exception:  # a tensor that refuses export: not ours to judge here
-        return None
-
-
-def _on_cuda_device(x):
-    """Whether ``x`` (not a NumPy or CuPy array) is an array in CUDA device
-    memory: DLPack on a CUDA device, or ``__cuda_array_interface__``."""
-    dev_type = _dlpack_device_type(x)
-    if dev_type is not None:
-        return dev_type in (_KDL_CUDA, _KDL_CUDA_MANAGED)
-    try:
-        return getattr(x, "__cuda_array_interface__", None) is not None
-    except Exception:  # e.g. torch on a tensor that requires grad
-        return True
-
-
-def _host_array(x):
-    """Host data as NumPy reads it: arrays, lists, tuples, range,
-    array.array, buffers, torch CPU tensors (``__array__``), DLPack on the
-    CPU."""
-    if _dlpack_device_type(x) == 1 and not hasattr(x, "__array__"):  # kDLCPU only
-        return np.from_dlpack(x)
-    try:
-        return np.asarray(x)
-    except Exception as e:
-        raise TypeError(
-            f"expected an array or a sequence of integers, got "
-            f"{type(x).__module__}.{type(x).__name__} ({e})") from None
-
-
-# What to install when kernels cannot be compiled (docs/gpu.md says the same).
-_INSTALL_FIX = ("install NVRTC and the CUDA headers matching your CuPy: "
-                "pip install 'kvcore[cuda12]' (CuPy for CUDA 12) or 'kvcore[cuda13]' "
-                "(CUDA 13), which add cuda-toolkit[nvrtc,cudart]; or set CUDA_PATH to "
-                "a CUDA toolkit that has them")
-
-
-def compile_error(e, device, file):
-    """The CudaUnavailableError for exception ``e`` raised while CuPy
-    compiled (NVRTC) or loaded module ``file``: what failed, and the fix."""
-    text = f"{type(e).__name__}: {e}".strip()
-    low = text.lower()
-    kind = type(e).__name__
-    if "header" in low or "source file" in low or "cuda_path" in low:
-        why, fix = "the CUDA headers NVRTC needs were not found", _INSTALL_FIX
-    elif "libnvrtc" in low or ("nvrtc" in low and kind != "CompileException"):
-        why, fix = "NVRTC (libnvrtc), which compiles kvcore's kernels, is missing", _INSTALL_FIX
-    elif kind == "CUDADriverError" or "driver" in low or "ptx" in low:
-        why = "the NVIDIA driver could not load the kernels NVRTC compiled"
-        fix = ("update the NVIDIA driver, or install the NVRTC of the driver's CUDA "
-               "version (kvcore[cuda12] for a CUDA 12 driver)")
-    else:
-        why = "NVRTC failed to compile kvcore's kernels"
-        fix = ("please report this with the message above; " + _INSTALL_FIX
-               + " if they are missing")
-    if len(text) > 2000:  # a compile log can be long
-        text = text[:2000] + " ..."
-    return CudaUnavailableError(
-        f"device={device!r}: {why} (compiling {file}: {text}); {fix}; or use device='cpu'")
-
-
-# Host slot lists longer than this go through the claim pass without a
-# look for repeats (sorting them would cost more than the pass saves).
-_DISTINCT_CHECK_MAX = 1024
-
-
-def _distinct(slots):
-    """Whether host slots (checked int64) name no slot twice (-1 skips
-    may repeat)."""
-    n = slots.shape[0]
-    if n <= 1:
-        return True
-    if n > _DISTINCT_CHECK_MAX:
-        return False
-    named = np.sort(slots[slots >= 0])
-    return not named.size or bool((named[1:] != named[:-1]).all())
-
-
-def _extent(shape, strides, itemsize):
-    """Bytes from the first to past the last element of an array (0 if empty)."""
-    if any(n == 0 for n in shape):
-        return 0
-    return sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + itemsize
-
-
-_TORCH_DTYPES = {}
-
-
-def _torch_numpy_dtypes(torch):
-    """torch dtype -> the NumPy dtype a CuPy array of its elements has
-    (those DLPack maps too; bfloat16 and the fp8 kinds are not among them)."""
-    if not _TORCH_DTYPES:
-        for name in ("float64", "float32", "float16", "int64", "int32", "int16", "int8",
-                     "uint8", "bool"):
-            _TORCH_DTYPES[getattr(torch, name)] = np.dtype(name)
-    return _TORCH_DTYPES
-
-
-def _is_bf16(dtype):
-    return dtypes.BF16_NUMPY is not None and np.dtype(dtype) == dtypes.BF16_NUMPY
-
-
-def _device_dtype(dtype):
-    """bfloat16 lives on the device as its uint16 bits."""
-    return np.dtype(np.uint16) if _is_bf16(dtype) else dtype

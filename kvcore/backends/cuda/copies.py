@@ -2,10 +2,10 @@
 kernel), between two storages on the device, and between the device and
 host memory (``cudaMemcpy2DAsync`` per run of consecutive ids).
 
-``CudaBlockCopies`` is mixed into ``CudaBackend`` (``backend.py``): it holds
-no state of its own and uses the backend's device hooks (``_ctx``,
-``_launch``, ``_is_device``, ``_fence``, ...), which the tests' host
-emulation overrides.
+``CudaBackend`` (``backend.py``) holds a ``CudaBlockCopies``: it has no state
+of its own beside its backend, whose device hooks (``_ctx``, ``_launch``,
+``_is_device``, ``_fence``, ...) it calls, so the tests' host emulation,
+which overrides those hooks, runs the copies too.
 """
 import numpy as np
 
@@ -17,7 +17,10 @@ _MAX_PITCH = 2**31 - 1
 
 
 class CudaBlockCopies:
-    """``copy_blocks`` and ``copy_blocks_between`` of ``CudaBackend``."""
+    """``copy_blocks`` and ``copy_blocks_between`` of ``CudaBackend`` ``backend``."""
+
+    def __init__(self, backend):
+        self._be = backend
 
     def copy_blocks(self, storage, src, dst):
         """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
@@ -32,17 +35,17 @@ class CudaBlockCopies:
         n = len(src)
         if n == 0:
             return
-        with self._ctx():
-            if not (self._is_device(src) or self._is_device(dst)):
+        with self._be._ctx():
+            if not (self._be._is_device(src) or self._be._is_device(dst)):
                 hs, hd = np.asarray(src), np.asarray(dst)
                 if len(np.unique(hd)) != n or np.intersect1d(hs, hd).size:
                     for i in range(n):
                         self._copy_blocks_kernel(
-                            storage, self._index_array(hs[i:i + 1], np.int32),
-                            storage, self._index_array(hd[i:i + 1], np.int32), 1)
+                            storage, self._be._index_array(hs[i:i + 1], np.int32),
+                            storage, self._be._index_array(hd[i:i + 1], np.int32), 1)
                     return
-            s = self._index_array(src, np.int32)
-            d = self._index_array(dst, np.int32)
+            s = self._be._index_array(src, np.int32)
+            d = self._be._index_array(dst, np.int32)
             self._copy_blocks_kernel(storage, s, storage, d, n)
 
     def copy_blocks_between(self, src_storage, src_ids, dst_storage, dst_ids):
@@ -75,16 +78,16 @@ class CudaBlockCopies:
                 f"{src_storage.dtype} and {dst_storage.dtype}")
         if n == 0:
             return
-        on_dev = self._is_device(src_storage), self._is_device(dst_storage)
+        on_dev = self._be._is_device(src_storage), self._be._is_device(dst_storage)
         if on_dev == (True, True):
             for a, arg in ((src_storage, "src_storage"), (dst_storage, "dst_storage")):
-                if self._device_id_of(a) != self.device_id:
+                if self._be._device_id_of(a) != self._be.device_id:
                     raise ValueError(
-                        f"{arg} is on cuda:{self._device_id_of(a)} but this operation runs "
-                        f"on {self.device}")
-            with self._ctx():
-                s = self._index_array(src_ids, np.int32)
-                d = self._index_array(dst_ids, np.int32)
+                        f"{arg} is on cuda:{self._be._device_id_of(a)} but this operation runs "
+                        f"on {self._be.device}")
+            with self._be._ctx():
+                s = self._be._index_array(src_ids, np.int32)
+                d = self._be._index_array(dst_ids, np.int32)
                 self._copy_blocks_kernel(src_storage, s, dst_storage, d, n)
         elif on_dev == (False, False):
             from ..cpu import _kernels
@@ -96,7 +99,7 @@ class CudaBlockCopies:
             self._copy_host_device(src_storage, src_ids, dst_storage, dst_ids, on_dev[1])
 
     def _host_ids(self, ids):
-        return np.asarray(self.to_host(ids))
+        return np.asarray(self._be.to_host(ids))
 
     @staticmethod
     def _block_bytes(storage, arg):
@@ -117,7 +120,7 @@ class CudaBlockCopies:
         planes = src_st.shape[0]
         if planes == 0 or block_bytes == 0:
             return
-        ptrs = (self._ptr(src_st), self._ptr(dst_st))
+        ptrs = (self._be._ptr(src_st), self._be._ptr(dst_st))
         strides = (src_st.strides[0], src_st.strides[1], dst_st.strides[0], dst_st.strides[1])
         for wb in _sources.COPY_WORDS:
             if block_bytes % wb == 0 and all(p % wb == 0 for p in ptrs) and all(
@@ -126,14 +129,14 @@ class CudaBlockCopies:
         else:  # pragma: no cover - 1-byte words copy anything
             raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in words")
         rows = planes * n
-        self._check_rows(rows, "copy_blocks")
-        self._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
+        self._be._check_rows(rows, "copy_blocks")
+        self._be._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
                      rows, block_bytes // wb,
                      [dst_st, src_st, s_ids, d_ids, n,
                       strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
 
     def _copy_host_device(self, src_st, src_ids, dst_st, dst_ids, to_device):
-        rt = self._cp.cuda.runtime
+        rt = self._be._cp.cuda.runtime
         s = self._host_ids(src_ids).astype(np.int64, copy=False).ravel()
         d = self._host_ids(dst_ids).astype(np.int64, copy=False).ravel()
         for ids, st, arg in ((s, src_st, "src_ids"), (d, dst_st, "dst_ids")):
@@ -149,14 +152,14 @@ class CudaBlockCopies:
         if planes == 0 or block_bytes == 0:
             return
         if to_device:
-            sp, dp, kind = src_st.ctypes.data, self._ptr(dst_st), rt.memcpyHostToDevice
+            sp, dp, kind = src_st.ctypes.data, self._be._ptr(dst_st), rt.memcpyHostToDevice
         else:
-            sp, dp, kind = self._ptr(src_st), dst_st.ctypes.data, rt.memcpyDeviceToHost
+            sp, dp, kind = self._be._ptr(src_st), dst_st.ctypes.data, rt.memcpyDeviceToHost
         s_plane, s_block = src_st.strides[0], src_st.strides[1]
         d_plane, d_block = dst_st.strides[0], dst_st.strides[1]
         adjacent = s_block == block_bytes and d_block == block_bytes
-        with self._ctx():
-            stream = self._stream_ptr()
+        with self._be._ctx():
+            stream = self._be._stream_ptr()
             i, n = 0, s.size
             while i < n:
                 j = i + 1
@@ -177,5 +180,5 @@ class CudaBlockCopies:
             # reuse (host -> device) it as soon as this returns, and CUDA does
             # not promise an asynchronous copy is done with it by then.
             # Pinned memory stays asynchronous (synchronize() before use).
-            if not self._is_pinned(dst_st if not to_device else src_st):
-                self._fence()
+            if not self._be._is_pinned(dst_st if not to_device else src_st):
+                self._be._fence()

@@ -400,7 +400,7 @@ class StepState:
             plan.sliding_window = int(window)
             # (the plan's launches were packed over the planned tables and
             # window: packed again over this state's)
-            plan.launches = be._attention_launches(plan)
+            plan.launches = be._attention.launches(plan)
             with be._ctx():
                 be._fence()          # its uploads are done: a run never waits for them
             plan.ready = None

@@ -13,7 +13,7 @@
  * all on one stream, so each pass sees the previous one's stores.  Between
  * writes the table is all -1; a write touches only its own slots' entries,
  * so writes of disjoint slots may run on different streams.  Each layer has
- * a table of its own (backend.py's SlotOwners), made by kv_reset_owner on
+ * a table of its own (writes.py's SlotOwners), made by kv_reset_owner on
  * the stream of the layer's first write: writes of different layers on
  * different streams never share one.
  *
