@@ -16,6 +16,8 @@ import kvcore
 import kvcore.convert
 from kvcore.backends import get_backend
 
+# tests/, where the shared helpers are: a script run in a subprocess puts it on sys.path
+TESTS = os.path.dirname(os.path.abspath(__file__))
 GEOMETRY = dict(block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
 
@@ -300,4 +302,4 @@ PEER_SCRIPT = textwrap.dedent("""
 
 def peer_script(store):
     """PEER_SCRIPT for the store built by the expression ``store``."""
-    return PEER_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), store=store)
+    return PEER_SCRIPT.format(tests=TESTS, store=store)

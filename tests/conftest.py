@@ -1,8 +1,22 @@
-"""Shared fixtures for kvcore's tests."""
+"""Shared fixtures for kvcore's tests.
+
+The tests live in subject folders (pool/, attention/, stores/, hf/, cuda/,
+cli/, convert/, native/, project/) without ``__init__.py``: pytest puts this
+file's folder, tests/, on sys.path, where the shared helpers are
+(``_helpers.py``, ``_cuda_env.py``, ...).  A test module that reuses another
+folder's test module (the CUDA host emulation's fixtures, the native build
+helpers) imports it by its basename, so every subject folder goes on sys.path
+here too; basenames are unique across the folders (pytest requires it)."""
 import os
+import pathlib
 import sys
 
 import pytest
+
+_TESTS = pathlib.Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 from kvcore.backends.cpu import _convert
 

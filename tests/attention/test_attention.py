@@ -742,7 +742,7 @@ def test_only_avx2_functions_use_avx():
 
 
 # ------------------------------------------------------------------ the C file on its own
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "kvcore", "backends", "cpu", "csrc")
 CHECK = os.path.join(ROOT, "tests", "c", "kv_attention_check.c")
 needs_source = pytest.mark.skipif(not os.path.exists(os.path.join(CSRC, "kv_attention.c")),

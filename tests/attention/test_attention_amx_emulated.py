@@ -25,7 +25,7 @@ import pytest
 # builds and runs the C/CUDA sources outside the extension (see pyproject's markers)
 pytestmark = pytest.mark.toolchain
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 TESTS_C = ROOT / "tests" / "c"
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvcore.cli.benchmarks import gpu
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _result(same_bits):

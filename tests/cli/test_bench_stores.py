@@ -9,7 +9,7 @@ from pathlib import Path
 from kvcore import cli
 from kvcore.cli.benchmarks import stores
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny():

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / ".ci" / "gpu"
 
 pytestmark = [pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash"),

@@ -27,7 +27,7 @@ import kvcore
 import kvcore.hf
 from kvcore.hf import PagedCache, pool_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 96
 PAD = 0
 

@@ -40,11 +40,13 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
+if __name__ == "__main__":   # run as a script: the shared helpers are in tests/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _hf_zoo as zoo  # noqa: E402 (after the import skips: it needs torch and transformers)
 import kvcore.hf  # noqa: E402
 from kvcore.hf import features as hf_features  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "hf.md"
 NEW_TOKENS = 12
 BEGIN = "<!-- model table: python tests/test_hf_models.py --table -->"

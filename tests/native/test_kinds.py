@@ -10,7 +10,7 @@ from kvcore import dtypes
 from kvcore.backends.cpu import _convert, _kernels
 from kvcore.backends.cuda import _sources
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU_CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 CUDA_KERNELS = ROOT / "kvcore" / "backends" / "cuda" / "kernels"
 

@@ -16,7 +16,7 @@ try:
 except ImportError:  # pragma: no cover - run as a package
     from ._helpers import aarch64_tools
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 # each check: its C driver and the sources it links
 CHECKS = {

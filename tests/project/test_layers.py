@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "kvcore"
 
 pytestmark = pytest.mark.skipif(not PKG.is_dir(), reason="needs the source tree")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 needs_source = pytest.mark.skipif(not (ROOT / "setup.py").exists(),
                                   reason="needs the source tree or the sdist")

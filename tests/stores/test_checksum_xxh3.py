@@ -209,7 +209,7 @@ def test_copy_xxh3_many_large_batch_same_bits(misalign):
 
 
 # ------------------------------------------------------ the C on its own
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 C_SOURCES = ("kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_neon.c", "kv_xxh3_many.c", "kv_simd.c")
 

@@ -1,7 +1,6 @@
 """Prefix stores (HostStore, DiskStore) below a BlockPool: spill on
 eviction, hits extended from the stores bit for bit, capacity, isolation,
 verification, and faults that degrade to misses (Redis: test_stores_redis.py)."""
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from kvcore.stores import _format
 
 from _cuda_env import cuda_backend_or_skip
 from _helpers import run_script_phases, snapshot_without_stores
-from _stores_support import (GEOMETRY, FailingStore, check_hit, disk_full, expected_kv,
+from _stores_support import (GEOMETRY, TESTS, FailingStore, check_hit, disk_full, expected_kv,
                              flush_pool, make_pool, peer_script, permission_denied, run)
 
 PROMPT = np.arange(1, 18, dtype=np.int32)       # 17 tokens: 4 full blocks can hit
@@ -308,7 +307,7 @@ def test_concurrent_writer_processes_of_the_same_key(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {TESTS!r})
         import numpy as np, kvcore
         from _stores_support import run, flush_pool, make_pool
         pool = make_pool(stores=[kvcore.DiskStore({str(tmp_path / 's')!r}, 1 << 22)])

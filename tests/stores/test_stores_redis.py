@@ -2,7 +2,6 @@
 port, data in a temporary directory, stopped at the end).  Without
 redis-server or redis-py these tests skip, except under KVCORE_REQUIRE_REDIS=1
 (.ci/run), where they fail."""
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,8 @@ import kvcore
 from kvcore.stores import _format
 
 from _helpers import run_script_phases, snapshot_without_stores
-from _stores_support import RedisServer, check_hit, flush_pool, make_pool, peer_script, run
+from _stores_support import (TESTS, RedisServer, check_hit, flush_pool, make_pool, peer_script,
+                             run)
 
 PROMPT = np.arange(1, 18, dtype=np.int32)
 
@@ -176,7 +176,7 @@ def test_concurrent_writers_of_the_same_key(server, tmp_path):
     script = tmp_path / "w.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {TESTS!r})
         import numpy as np, kvcore
         from _stores_support import run, flush_pool, make_pool
         pool = make_pool(stores=[kvcore.RedisStore({server.url!r}, namespace="c")])

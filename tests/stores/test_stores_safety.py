@@ -18,7 +18,8 @@ import kvcore
 from kvcore import hashing
 from kvcore.stores import _format
 
-from _stores_support import GEOMETRY, check_hit, expected_kv, flush_pool, make_pool, run
+from _stores_support import (GEOMETRY, TESTS, check_hit, expected_kv, flush_pool, make_pool,
+                             run)
 
 PROMPT = np.arange(1, 18, dtype=np.int32)       # 17 tokens: 4 full blocks can hit
 FP16 = _format.fingerprint("float16", 4, 2, 2, 8, b"")
@@ -294,7 +295,7 @@ def test_a_link_to_dev_zero_never_makes_a_trim_read_without_end(tmp_path):
     limit = "" if asan else "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))"
     script = textwrap.dedent(f"""
         import os, resource, sys, warnings
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        sys.path.insert(0, {TESTS!r})
         {limit}
         warnings.simplefilter("error")
         import kvcore
