@@ -5,8 +5,8 @@
 #
 #   cd <kvcore repo root> && bench/gpu_check.sh
 #
-# (1) build in place; (2) the attention GPU tests (tests/test_attention_cuda_gpu.py and
-# the attention / graph tests of tests/test_cuda_backend.py); (3) every other GPU test
+# (1) build in place; (2) the attention GPU tests (tests/cuda/test_attention_cuda_gpu.py and
+# the attention / graph tests of tests/cuda/test_cuda_backend.py); (3) every other GPU test
 # (-m cuda); (4) bench/bench_gpu.py --anchor --quick: decode (batch 1/64 x 4k/32k x
 # group 1/4/8) and causal prefill (4k, 16k) of kvcore v3, kvcore v2 (the kernels before
 # issue 41, same run) and e4m3fn pages, each beside torch SDPA over a contiguous cache.
@@ -73,13 +73,13 @@ tests() {  # tests NAME LOG CAP ARGS...: a pytest step; fails on a failure or an
 echo "=== (2) attention GPU tests (t=$((SECONDS - T0))s)"
 ATTN_K="attention or graph or subnormal"
 tests "attention GPU tests" "$OUT/attention.log" 120 -m cuda \
-    tests/test_attention_cuda_gpu.py tests/test_cuda_backend.py -k "$ATTN_K"
+    tests/cuda/test_attention_cuda_gpu.py tests/cuda/test_cuda_backend.py -k "$ATTN_K"
 
 echo "=== (3) the other GPU tests (t=$((SECONDS - T0))s)"
 # (test_cuda_backend.py's attention tests run again here: seconds)
 tests "other GPU tests" "$OUT/others.log" 120 -m cuda tests \
-    --ignore tests/test_attention_cuda_gpu.py \
-    --ignore tests/test_demo_model.py --ignore tests/test_hf_smollm2.py
+    --ignore tests/cuda/test_attention_cuda_gpu.py \
+    --ignore tests/cli/test_demo_model.py --ignore tests/hf/test_hf_smollm2.py
 
 echo "=== (4) attention against torch SDPA (t=$((SECONDS - T0))s)"
 if timeout 150 "$PY" bench/bench_gpu.py --anchor --quick --repeat 1 \

@@ -2,7 +2,7 @@
 # Issue 40's GPU check, one script for one NVIDIA GPU (written for an H200: Python 3.12,
 # torch CUDA, CuPy 14, transformers, no network), within about 4 minutes:
 #   (1) build kvcore in place (skipped when the built extension imports),
-#   (2) tests/test_hf_cuda.py (kvcore.hf on a CUDA pool: DynamicCache's tokens, torch's
+#   (2) tests/hf/test_hf_cuda.py (kvcore.hf on a CUDA pool: DynamicCache's tokens, torch's
 #       stream, the step lane's plans, CUDA graph capture and replay, cached prefixes),
 #   (3) the end-to-end benchmark, quick: bench/bench_hf.py --device cuda --quick
 #       (Llama-3.2-1B shape, bf16, batch 1 and 16, prompt 1024, 128 new tokens; DynamicCache
@@ -36,12 +36,12 @@ print(f"GPU {torch.cuda.get_device_name(0)}; torch {torch.__version__}, CuPy {cu
 PYEOF
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    stamp "(2) tests/test_hf_cuda.py"
+    stamp "(2) tests/hf/test_hf_cuda.py"
     # in 4 processes when pytest-xdist is there: most of the time is NVRTC compiling
     XDIST=()
     "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
     timeout 170 "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark -rfEs \
-        ${XDIST[@]+"${XDIST[@]}"} tests/test_hf_cuda.py >"$OUT/tests.log" 2>&1
+        ${XDIST[@]+"${XDIST[@]}"} tests/hf/test_hf_cuda.py >"$OUT/tests.log" 2>&1
     trc=$?
     tail -n 25 "$OUT/tests.log"
     if [ "$trc" -ne 0 ] || grep -qE "^SKIPPED" "$OUT/tests.log"; then

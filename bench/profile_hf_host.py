@@ -37,7 +37,7 @@ PROMPT = 64
 
 def _emulated_backend(root):
     """The tests' emulated CUDA backend with launches that do nothing,
-    installed as device 'cuda' (what tests/test_cuda_host_emulation.py's
+    installed as device 'cuda' (what tests/cuda/test_cuda_host_emulation.py's
     fixture does)."""
     # the emulation of the tree measured; EmulatedTensors of this script's tree
     sys.path[:0] = [os.path.join(root, "tests"), os.path.join(_HERE, "..", "tests")]

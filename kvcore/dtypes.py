@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover - exercised only without ml_dtypes
     BF16_NUMPY = E4M3_NUMPY = E5M2_NUMPY = None
 
 # Element kinds: the numbering of kvcore/backends/cpu/csrc/kv_kinds.h, the one
-# table every kernel uses (tests/test_kinds.py checks this mirror and the CUDA
+# table every kernel uses (tests/native/test_kinds.py checks this mirror and the CUDA
 # and attention kernels' copies against it).
 F32, F16, BF16, F8E4M3, F8E5M2, I8 = 0, 1, 2, 3, 4, 5
 KIND_NAME = {F32: "float32", F16: "float16", BF16: "bfloat16",

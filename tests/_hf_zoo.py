@@ -1,6 +1,6 @@
 """Every causal LM of the installed transformers, built tiny from its config
 class with seeded random weights (float32), for the model matrix
-(tests/test_hf_models.py) and the support table of docs/hf.md.
+(tests/hf/test_hf_models.py) and the support table of docs/hf.md.
 
 ``architectures()`` lists the model types of transformers' causal-LM auto
 mapping; ``tiny_config(model_type)`` shrinks the config class's defaults (2

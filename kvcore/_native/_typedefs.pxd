@@ -1,5 +1,5 @@
 # The C types behind kvcore's arrays.  Each has a NumPy twin in
-# kvcore._native._typedefs (checked by tests/test_typedefs.py), so a
+# kvcore._native._typedefs (checked by tests/native/test_typedefs.py), so a
 # memoryview typed here always matches the array the Python side allocates.
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 

@@ -12,7 +12,7 @@ on it inside: one op per verb.  The public classes pick a backend once,
 from ``device=``, and never branch on the device elsewhere.
 
 This package is the backends layer's one door: the public layer imports
-what it needs from here (``tests/test_layers.py`` checks it never reaches
+what it needs from here (``tests/project/test_layers.py`` checks it never reaches
 into ``cpu``, ``cuda`` or a private module).  Besides the backends it
 exports a few host-side helpers that serve every device:
 

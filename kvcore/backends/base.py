@@ -11,7 +11,7 @@ calling (one layer validates; see ``docs/architecture.md``).
 written in plain NumPy, element by element where the order matters, so that
 it is easy to read and obviously right.  Device backends (``cpu.CPUBackend``,
 ``cuda.CudaBackend``) override the operations they run faster and must give
-the same bits; ``tests/test_backends.py`` checks each one against this class,
+the same bits; ``tests/pool/test_backends.py`` checks each one against this class,
 operation by operation.  A new kernel gets its reference here first.
 
 Element kinds are ``kvcore.dtypes.F32 / F16 / BF16``; a bfloat16 array is

@@ -33,7 +33,7 @@ _STATE_KINDS = ("linear_attention", "mamba", "mamba2", "conv", "recurrent", "rnn
 
 # model types a PagedCache cannot hold, and why: a cache of their own
 # (transformers' generate does not give them a DynamicCache either), or what
-# the model matrix (tests/test_hf_models.py) found their config does not say
+# the model matrix (tests/hf/test_hf_models.py) found their config does not say
 _NOT_HELD = {
     "moshi": "a sliding window that only transformers' DynamicCache applies (it drops keys "
              "past the window at decode while the model's mask is full causal)",

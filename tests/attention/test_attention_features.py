@@ -405,7 +405,7 @@ def test_the_plan_copies_its_parameters():
 
 def test_cuda_backend_computes_every_feature():
     """No GPU needed: the CUDA attention refuses none of the features (its
-    kernels compute them: tests/test_attention_cuda_emulation.py checks
+    kernels compute them: tests/cuda/test_attention_cuda_emulation.py checks
     each against the float64 reference in the host emulation), and a
     malformed row is refused by name before any device work."""
     from kvcore.backends.cuda.attention import CudaAttention, CudaAttentionPlan

@@ -4,7 +4,7 @@ The contract (API.md, "Low-precision storage"): narrowing is bit-identical to
 ``x.astype(ml_dtypes.float8_e4m3fn)`` / ``float8_e5m2`` for every non-NaN
 float32 (``saturate=True`` clips: finite overflow and +-inf give +-max); NaN
 stays a NaN of its sign; widening is exact.  The shapes, strides, ``out=``,
-overlap and alignment cases run through tests/test_convert.py's CONVERSIONS
+overlap and alignment cases run through tests/convert/test_convert.py's CONVERSIONS
 table; here: all 2**32 float32 patterns, all 256 codes, edge values, the
 scale argument the pools use, the int8 rows, inputs and errors.
 

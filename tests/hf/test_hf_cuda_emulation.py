@@ -12,7 +12,7 @@ launches of one decode step are those of the next, argument for argument,
 wherever they point into kvcore's memory (so a CUDA graph captured at one
 step is valid at the next); a decode step's fixed plan gives the exact
 plan's result; the graph runner's replays give the eager tokens.  A real
-capture and replay run in tests/test_hf_cuda.py (GPU only)."""
+capture and replay run in tests/hf/test_hf_cuda.py (GPU only)."""
 import contextlib
 
 import numpy as np

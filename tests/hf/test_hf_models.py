@@ -5,7 +5,7 @@ of a trained model's size), through ``kvcore.hf.generate`` with float32
 pages and ``attn_implementation="kvcore"``.
 
 Each architecture ends in one outcome, and docs/hf.md's support table says
-which (``python tests/test_hf_models.py --table`` prints it, ``--table
+which (``python tests/hf/test_hf_models.py --table`` prints it, ``--table
 --write`` writes it there):
 
 * ``kvcore``: the kvcore attention computes it; greedy tokens identical to
@@ -49,7 +49,7 @@ from kvcore.hf import features as hf_features  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "hf.md"
 NEW_TOKENS = 12
-BEGIN = "<!-- model table: python tests/test_hf_models.py --table -->"
+BEGIN = "<!-- model table: python tests/hf/test_hf_models.py --table -->"
 END = "<!-- end of model table -->"
 
 OUTCOMES = ("kvcore", "cache only", "sdpa fallback", "refused", "not built")
@@ -444,7 +444,7 @@ def test_falcon_alibi_is_computed_where_it_is_exact_and_refused_beyond():
 
 if __name__ == "__main__":
     if "--table" not in sys.argv:
-        sys.exit("usage: python tests/test_hf_models.py --table [--write] [ARCH ...]\n"
+        sys.exit("usage: python tests/hf/test_hf_models.py --table [--write] [ARCH ...]\n"
                  "(--write: into docs/hf.md's model table)")
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()

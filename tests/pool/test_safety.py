@@ -157,7 +157,7 @@ def test_unwritten_blocks_never_enter_the_prefix_cache(salts):
 
 def test_bookkeeping_benchmark_declares_what_it_commits():
     """The benchmark's requests pass commit's check (the demo's are run by
-    tests/test_demo.py)."""
+    tests/cli/test_demo.py)."""
     from kvcore.cli.benchmarks import pool as bench_pool
 
     assert bench_pool.bench_bookkeeping(quick=True)["requests"] == 50

@@ -30,7 +30,7 @@ cdef extern from "kv_kinds.h":
 
 cnp.import_array()
 
-# the low-precision kinds as compiled (tests/test_kinds.py checks the twins)
+# the low-precision kinds as compiled (tests/native/test_kinds.py checks the twins)
 LOWPREC_KINDS = {"F8E4M3": KVH_F8E4M3, "F8E5M2": KVH_F8E5M2, "I8": KVH_I8}
 
 import sys

@@ -20,7 +20,7 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 HEADER = "kv_half.cuh"
 
 # Element kinds: kvcore.dtypes's (kv_kinds.h's numbering; kv_half.cuh's
-# KV_* carry the same values, checked by tests/test_kinds.py).
+# KV_* carry the same values, checked by tests/native/test_kinds.py).
 from ... import dtypes  # noqa: E402
 from ...dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8  # noqa: E402
 KINDS = (F32, F16, BF16)

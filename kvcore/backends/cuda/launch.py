@@ -4,7 +4,7 @@ stream: row/chunk launches, grid launches, attention's packed launches and
 what ``lane.py`` packs (collected launches, pinned staging, raw pointers).
 
 ``CudaLaunches`` is the part of ``CudaBackend`` that meets the driver: the
-tests' host emulation (tests/test_cuda_host_emulation.py) overrides these
+tests' host emulation (tests/cuda/test_cuda_host_emulation.py) overrides these
 methods on its subclass to run the kernels' C++ bodies on NumPy arrays.
 """
 import threading

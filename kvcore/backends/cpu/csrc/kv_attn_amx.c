@@ -22,7 +22,7 @@
  * Build notes: compiled without -m flags like the rest; every function
  * carries KVA_AMX_TARGET and ends in _amx, and the tables are used only
  * after kv_simd.c found the instructions and the OS grant of the tile
- * state.  A test build (tests/test_attention_amx_emulated.py) defines
+ * state.  A test build (tests/attention/test_attention_amx_emulated.py) defines
  * KVA_AMX_TARGET away and KVA_AMX_EMULATION, which takes the AVX-512
  * intrinsics from SIMDe and the tile instructions from
  * tests/c/amx_tile_emulation.h, so this file runs on any CPU there.

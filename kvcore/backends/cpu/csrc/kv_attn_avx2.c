@@ -4,7 +4,7 @@
  * This file is compiled without any -m flags, like the rest: every function
  * carries __attribute__((target("avx2,fma,f16c"))) and ends in _avx2, and
  * the tables are used only after the CPU said it has the instructions
- * (kv_simd.h); tests/test_attention.py checks the machine code for it.
+ * (kv_simd.h); tests/attention/test_attention.py checks the machine code for it.
  */
 #include "kv_attn_internal.h"
 

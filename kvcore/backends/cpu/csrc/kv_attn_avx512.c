@@ -14,7 +14,7 @@
  * faster for these shapes, and the emulated build below need not trust an
  * emulation of fault suppression.
  *
- * Test build: tests/test_attention_avx512.py compiles this file a second
+ * Test build: tests/attention/test_attention_avx512.py compiles this file a second
  * time with -DKVA_AVX512_SIMDE -DKVA_AVX512_TARGET= against SIMDe's
  * portable AVX-512 (https://github.com/simd-everywhere/simde, the simde-py
  * package), so the kernels run, and are checked, on a CPU without AVX-512;

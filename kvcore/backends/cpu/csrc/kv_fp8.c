@@ -5,7 +5,7 @@
  * at run time with the level of kv_half.h (kvh_current_level): AVX2 on
  * x86-64, NEON on AArch64.  The F16C level has no fp8 instructions to offer
  * and runs the scalar path.  Every path gives the scalar path's bits for
- * every input, NaNs included (tests/c/kv_fp8_check.c, tests/test_convert_fp8.py).
+ * every input, NaNs included (tests/c/kv_fp8_check.c, tests/convert/test_convert_fp8.py).
  *
  * Narrowing in SIMD is integer arithmetic on the float32 bits, the same
  * steps as kv_fp8_magnitude: one round-to-nearest-even right shift whose

@@ -4,7 +4,7 @@
  * The source of truth.  kvcore/dtypes.py (F32, F16, BF16, F8E4M3, F8E5M2, I8) mirrors it for
  * Python; the CUDA kernels (kvcore/backends/cuda/kernels/kv_half.cuh, KV_*)
  * and the attention kernels (kv_attention.h, KVA_*) carry the same values,
- * which must stay self-contained for their compilers; tests/test_kinds.py
+ * which must stay self-contained for their compilers; tests/native/test_kinds.py
  * checks every twin against this header (read through _convert.KINDS).
  */
 #ifndef KV_KINDS_H

@@ -113,7 +113,7 @@ static int detect(int level)
     if (level == KVS_SCALAR)
         return 1;
 #ifdef KVS_TEST_EMULATE
-    /* test builds only (tests/test_attention_avx512.py): the level whose
+    /* test builds only (tests/attention/test_attention_avx512.py): the level whose
      * kernels were compiled against SIMDe, runnable on any CPU */
     if (level == KVS_TEST_EMULATE)
         return 1;

@@ -23,7 +23,7 @@
  * AVX2).  amx (AMX-TILE + AMX-BF16 on top of avx512) adds tiles for the
  * attention's prefill items.  The kernels of both levels are checked under
  * emulation (SIMDe; a tile emulation written from Intel's pseudocode:
- * tests/test_attention_avx512.py, tests/test_attention_amx_emulated.py);
+ * tests/attention/test_attention_avx512.py, tests/attention/test_attention_amx_emulated.py);
  * the avx512 ones also natively (AMD EPYC Zen 5, Intel Ice Lake), the amx
  * ones never natively.
  *

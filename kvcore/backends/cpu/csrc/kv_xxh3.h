@@ -2,7 +2,7 @@
  * block copy that computes it on the way: the checksum of prefix-store
  * entries of format version 3 (kvcore/stores/_format.py).  Written from
  * xxHash's published specification (doc/xxhash_spec.md);
- * tests/test_checksum_xxh3.py checks it bit for bit against the xxhash
+ * tests/stores/test_checksum_xxh3.py checks it bit for bit against the xxhash
  * package at every SIMD level this CPU has.
  *
  * XXH3-64 rather than -128: the checksum only guards against damaged bytes

@@ -39,7 +39,7 @@ typedef unsigned short kva_u16;
  * results of every float instruction to zero: subnormal bf16 / f32 K/V, an
  * fp8 code times a subnormal layer scale, an int8 code times the 2^-149 row
  * scale would read as 0 on the GPU where the CPU keeps them.  On the device
- * these are the PTX instructions without .ftz (tests/test_cuda_kernels_compile.py
+ * these are the PTX instructions without .ftz (tests/cuda/test_cuda_kernels_compile.py
  * checks that no .ftz instruction is left in this file's kernels); on the
  * host (the tests' emulation) the plain C++ operations, which keep
  * subnormals.  add / mul / fma / div are IEEE round-to-nearest (and never

@@ -66,7 +66,7 @@ KV_HD bool kv_lp_isnan(kv_u32 b) { return (b & 0x7FFFFFFFu) > 0x7F800000u; }
  * compiles every kernel with -ftz=true, which would turn `a / b` into
  * div.rn.ftz.f32 (a subnormal operand or result flushed to zero) and part
  * ways with the CPU's bits for tiny rows and scales: on the device these
- * are the PTX instructions without .ftz (tests/test_cuda_kernels_compile.py
+ * are the PTX instructions without .ftz (tests/cuda/test_cuda_kernels_compile.py
  * checks that no .ftz instruction is left in this file's kernels). */
 KV_HD float kv_lp_div(float a, float b)
 {
