@@ -24,6 +24,7 @@ def run_cli(*args, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.e2e
 def test_demo_subprocess():
     p = run_cli("demo", "--requests", "2", "--prompt-len", "32", "--new-tokens", "4")
     assert p.returncode == 0, p.stderr

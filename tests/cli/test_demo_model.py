@@ -18,6 +18,7 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.e2e   # the real model end to end: left out by default, .ci/run runs it
 REQUIRE = os.environ.get("KVCORE_REQUIRE_HF", "") not in ("", "0")
 if REQUIRE:
     import gguf  # noqa: F401
