@@ -757,6 +757,7 @@ def _build_and_run_check(cc, out, extra=(), runner=()):
     return subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.toolchain
 @needs_source
 def test_c_kernels_alone_every_level(tmp_path):
@@ -771,6 +772,7 @@ def test_c_kernels_alone_every_level(tmp_path):
     assert f"{len(LEVELS)} levels, 0 failures" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.toolchain
 @needs_source
 def test_c_kernels_on_aarch64_under_qemu(tmp_path):

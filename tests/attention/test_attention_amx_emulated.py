@@ -72,6 +72,7 @@ def test_tile_emulation_follows_the_pseudocode(tmp_path):
     assert "emulation: 0 failures" in run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 def test_amx_level_under_the_tile_emulation(tmp_path):
     import platform
@@ -101,6 +102,7 @@ def test_amx_level_under_the_tile_emulation(tmp_path):
     assert int(cases) > 90 and failures == "0" and int(tdp) > 0, line
 
 
+@pytest.mark.slow
 @needs_source
 def test_amx_is_opt_in_where_it_is_supported(tmp_path):
     """On a CPU with the amx level (assumed here: -DKVS_TEST_ASSUME_AMX) the

@@ -59,6 +59,7 @@ def emulated_objects(tmp_path_factory):
     return avx512, simd
 
 
+@pytest.mark.slow
 @needs_source
 def test_avx512_kernels_match_scalar_and_float64_under_simde(tmp_path, emulated_objects):
     """Every kind; head_dims 8 to 256 with and without a last vector of 8;
@@ -73,6 +74,7 @@ def test_avx512_kernels_match_scalar_and_float64_under_simde(tmp_path, emulated_
     assert f"avx512 emulated: {AVX512_CHECKS} checks, 0 failures" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 def test_avx512_kernels_match_scalar_and_float64_natively(tmp_path):
     """The same driver built from the sources as they ship, on a CPU with
@@ -86,6 +88,7 @@ def test_avx512_kernels_match_scalar_and_float64_natively(tmp_path):
     assert f"avx512 native: {AVX512_CHECKS} checks, 0 failures" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 def test_attention_check_runs_the_emulated_avx512_level(tmp_path, emulated_objects):
     """kv_attention_check.c, the every-level driver, sees the emulated avx512
@@ -97,6 +100,7 @@ def test_attention_check_runs_the_emulated_avx512_level(tmp_path, emulated_objec
     assert "level scalar: 90 cases, 0 failures" in run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 def test_attention_plan_at_the_emulated_avx512_level(tmp_path, emulated_objects):
     """kv_attention_plan_check.c: a plan run per layer gives

@@ -163,6 +163,7 @@ def test_plan_covers_each_rows_visible_keys_once(window):
         assert items[first][1] == r and items[first][3] == h0 and items[first][4] == nh
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_nvcc_compiles_every_instantiation(tmp_path):
     names = cuda.attention_names()
@@ -183,6 +184,7 @@ def test_nvcc_compiles_every_instantiation(tmp_path):
                                                          for n in names), kernel
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_tiled_and_prefill_kernel_resources_on_sm_90(tmp_path):
     """ptxas -v for every tiled, prefill and tensor-core decode

@@ -443,11 +443,16 @@ class EmulatedBackend(CudaBackend):
         return a
 
 
+_EMU_LIB = []   # built once per process: the modules that import emu_lib share it
+
+
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):
     if CXX is None:
         pytest.skip("needs a C++17 compiler")
-    return build_emulation(tmp_path_factory.mktemp("cuda_emulation"))
+    if not _EMU_LIB:
+        _EMU_LIB.append(build_emulation(tmp_path_factory.mktemp("cuda_emulation")))
+    return _EMU_LIB[0]
 
 
 @pytest.fixture

@@ -308,6 +308,7 @@ def _attention_harness():
     return attention_kernels.source() + "\n\n/* instantiations kvcore uses */\n" + refs + "\n"
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("file", [*_sources.FILES, attention_kernels.ATTENTION_FILE.name])
 def test_no_flush_to_zero_under_cupys_ftz_option(file, tmp_path):

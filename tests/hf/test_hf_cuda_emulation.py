@@ -433,6 +433,7 @@ def test_cuda_graph_is_refused_by_name_where_it_cannot_run(hf_cuda, models):
                            cuda_graph=True)
 
 
+@pytest.mark.e2e
 def test_the_gpu_benchmarks_code_on_the_cpu():
     """bench/bench_hf.py --device cuda's code, dry-run on the CPU with a
     2-layer model (--device cpu --tiny): every number it reports exists and

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e   # a real model end to end: left out by default, .ci/run runs it
+
 REQUIRE = os.environ.get("KVCORE_REQUIRE_HF", "") not in ("", "0")
 if REQUIRE:
     import torch

@@ -63,6 +63,7 @@ def test_native_simd_levels_match_scalar(tmp_path, check):
     assert "0 mismatches" in run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 @pytest.mark.parametrize("check", sorted(CHECKS))
 @pytest.mark.toolchain
@@ -73,6 +74,7 @@ def test_neon_level_matches_scalar_under_qemu(tmp_path, check):
     assert "level neon" in run.stdout and "0 mismatches" in run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 @pytest.mark.toolchain
 def test_prefetching_attention_kernels_give_the_plain_kernels_bits(tmp_path):
@@ -91,6 +93,7 @@ def test_prefetching_attention_kernels_give_the_plain_kernels_bits(tmp_path):
     assert " 0 mismatches" in run.stdout and "level avx2 checked" in run.stdout, run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 @pytest.mark.toolchain
 def test_attention_plan_runs_match_one_call_attention(tmp_path):
@@ -103,6 +106,7 @@ def test_attention_plan_runs_match_one_call_attention(tmp_path):
     assert "levels, 0 failures" in run.stdout
 
 
+@pytest.mark.slow
 @needs_source
 @pytest.mark.toolchain
 def test_attention_plan_under_qemu(tmp_path):
