@@ -78,6 +78,7 @@ cdef extern from "kv_attention.h" nogil:
     int kva_level_supported(int level)
     int kva_current_level()
     int kva_set_level(int level)
+    int kva_level_at_most(int registry)
     const char *kva_level_name(int level)
     int kva_exp2_neg(int level, const float *x, float *y, Py_ssize_t n)
     int kva_softcap(int level, const float *x, float *y, Py_ssize_t n, float a, float b)
@@ -141,20 +142,10 @@ def available_simd_levels():
     return [kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS) if kva_level_supported(l)]
 
 
-def set_simd_level(name):
-    """Use kernel level ``name`` (process-wide); returns the previous name.
-    ``None`` restores the default level (the best under KVCORE_SIMD)."""
-    previous = simd_level()
-    if name is None:
-        kva_set_level(kva_default_level())
-        return previous
-    for l in range(KVA_NUM_LEVELS):
-        if kva_level_name(l).decode() == name:
-            if kva_set_level(l) != 0:
-                raise ValueError(f"SIMD level {name!r} is not supported by this CPU")
-            return previous
-    raise ValueError(f"unknown SIMD level {name!r}; known: "
-                     f"{[kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS)]}")
+def use_registry_level(int level):
+    """Run the attention at its best level at or under registry level
+    ``level`` (kv_simd.h's numbering)."""
+    kva_set_level(kva_level_at_most(level))
 
 
 def _level_index(name):
