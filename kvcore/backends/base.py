@@ -347,53 +347,6 @@ class Backend:
         given); every one is computed here.  The public layer asks before
         anything is planned."""
 
-    def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
-                               num_blocks, block_size, sliding_window, chunk_size=0):
-        """The index check of an attention call, on host arrays (int32
-        ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``).
-
-        Returns ``(status, a, b)``: status None when every argument is fine,
-        else the first failure in this order, ``a`` / ``b`` where it is:
-        ``"BAD_SEQ_LEN"`` (``seq_lens[a]`` outside ``0..max_blocks *
-        block_size``), ``"BAD_FIRST_START"`` (``query_start_loc[0] != 0``),
-        ``"DECREASING_START"`` (``query_start_loc[a + 1] <
-        query_start_loc[a]``), ``"BAD_LAST_START"`` (``query_start_loc[-1]
-        != num_tokens``), ``"SHORT_SEQ"`` (``seq_lens[a]`` below sequence
-        ``a``'s query count), ``"BAD_BLOCK_ID"`` (``block_tables[a, b]``
-        outside ``0..num_blocks - 1`` and read).  Read: every block a query
-        of the sequence can see, from the first query's first visible
-        position (0, or the later of its window's and its chunk's starts)
-        to ``seq_lens[a] - 1``; a sequence without queries is not read."""
-        tables = np.asarray(block_tables)
-        lens = np.asarray(seq_lens, np.int64)
-        qsl = np.asarray(query_start_loc, np.int64)
-        num_seqs, max_blocks = tables.shape
-        bad = (lens < 0) | (lens > max_blocks * block_size)
-        if bad.any():
-            return "BAD_SEQ_LEN", int(np.argmax(bad)), 0
-        if qsl[0] != 0:
-            return "BAD_FIRST_START", 0, 0
-        counts = np.diff(qsl)
-        if (counts < 0).any():
-            return "DECREASING_START", int(np.argmax(counts < 0)), 0
-        if qsl[-1] != num_tokens:
-            return "BAD_LAST_START", 0, 0
-        if (lens < counts).any():
-            return "SHORT_SEQ", int(np.argmax(lens < counts)), 0
-        first = np.zeros(num_seqs, np.int64)
-        if sliding_window > 0:
-            first = np.maximum(lens - counts + 1 - sliding_window, 0)
-        if chunk_size > 0:
-            first = np.maximum(first, (lens - counts) // chunk_size * chunk_size)
-        b = np.arange(max_blocks)
-        read = (counts[:, None] > 0) & (b >= (first // block_size)[:, None]) \
-            & (b < (-(-lens // block_size))[:, None])
-        bad = read & ((tables < 0) | (tables >= num_blocks))
-        if bad.any():
-            s, blk = divmod(int(np.argmax(bad)), max_blocks)
-            return "BAD_BLOCK_ID", s, blk
-        return None, 0, 0
-
     def attention_io_kinds(self, plan):
         """``(q_kinds, out_kinds)``: the element kinds (kvcore.dtypes) in
         which :meth:`attention_run` reads ``q`` and writes ``out`` for
