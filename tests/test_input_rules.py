@@ -276,3 +276,36 @@ def test_append_accepts_what_pool_write_accepts_layer(layer_kind):
     layer = LAYER_KINDS[layer_kind]
     _same(_write_outcome("float16", layer, KV_KINDS["float32"], True),
           _write_outcome("float16", layer, KV_KINDS["float32"], False), f"layer {layer_kind}")
+
+
+# ------------------------------------------------------------- plan arrays
+def test_one_owned_copy_of_the_plan_arrays():
+    """A plan holds read-only copies of a step's index arrays, made once:
+    owned_index_arrays is the one rule, and a backend plan built from what
+    it returned holds those very arrays (no second copy)."""
+    from kvcore.backends import CPU, owned_index_arrays
+    tables, lens, qsl = TABLES.copy(), LENS.copy(), QSL.copy()
+    owned = owned_index_arrays(tables, lens, qsl)
+    for mine, theirs in zip(owned, (tables, lens, qsl)):
+        assert not mine.flags.writeable and mine.flags.c_contiguous
+        assert not np.shares_memory(mine, theirs)
+        np.testing.assert_array_equal(mine, theirs)
+    assert [a.dtype for a in owned] == [np.int32, np.int64, np.int64]
+    assert all(a is b for a, b in zip(owned_index_arrays(*owned), owned))
+    plan = CPU.attention_plan(*owned, num_heads=HEADS, num_kv_heads=KVH, head_dim=DIM,
+                              block_size=BS, num_blocks=NB, kind=kvcore.dtypes.F16,
+                              scale=0.25, sliding_window=0, soft_cap=0.0, num_threads=1)
+    assert plan.block_tables is owned[0] and plan.seq_lens is owned[1] \
+        and plan.query_start_loc is owned[2]
+    # a caller's arrays are copied: changing them afterwards changes nothing
+    plan = CPU.attention_plan(tables, lens, qsl, num_heads=HEADS, num_kv_heads=KVH,
+                              head_dim=DIM, block_size=BS, num_blocks=NB,
+                              kind=kvcore.dtypes.F16, scale=0.25, sliding_window=0,
+                              soft_cap=0.0, num_threads=1)
+    tables[:] = -1
+    np.testing.assert_array_equal(plan.block_tables, TABLES)
+    pool = _pool()
+    want = kvcore.AttentionPlan(pool, TABLES, LENS, QSL).run(_q32(), 0)
+    step = kvcore.AttentionPlan(pool, tables_again := TABLES.copy(), LENS, QSL)
+    tables_again[:] = NB + 100
+    np.testing.assert_array_equal(step.run(_q32(), 0), want)

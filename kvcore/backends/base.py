@@ -22,6 +22,8 @@ held as its uint16 bits.  Layouts:
 * tokens in: ``(n, heads, dim)``; a gather's output: ``(heads, n, dim)``;
 * a contiguous cache: ``(batch, heads, max_seq_len, dim)``.
 """
+import weakref
+
 import numpy as np
 
 from .. import dtypes
@@ -54,6 +56,32 @@ def is_cuda_array(x):
     return False
 
 
+# The arrays owned_index_arrays made (by id; a dead one drops out): taken
+# as they are, so a step's index arrays are copied once, by AttentionPlan,
+# however many backend plans (one per layer kind) hold them.
+_OWNED_INDEX = weakref.WeakValueDictionary()
+
+
+def owned_index_arrays(block_tables, seq_lens, query_start_loc):
+    """The plan's own read-only copies of a step's index arrays: C-contiguous
+    int32 ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``.
+
+    A caller changing its arrays afterwards (or meanwhile, on another thread)
+    changes nothing a plan checked or runs on.  The one statement of this
+    rule: ``kvcore.AttentionPlan``, the reference plan and the CPU plan
+    (``_attention.Plan``) all hold what this returns; arrays it returned
+    before are taken as they are."""
+    out = []
+    for a, dtype in ((block_tables, np.int32), (seq_lens, np.int64),
+                     (query_start_loc, np.int64)):
+        if _OWNED_INDEX.get(id(a)) is not a:
+            a = np.array(a, dtype, order="C", copy=True)
+            a.flags.writeable = False
+            _OWNED_INDEX[id(a)] = a
+        out.append(a)
+    return tuple(out)
+
+
 class _AttentionPlan:
     """``Backend.attention_plan``'s plan: owned copies of the checked index
     arrays and the scalars (what ``attention_run`` passes on)."""
@@ -61,11 +89,8 @@ class _AttentionPlan:
     def __init__(self, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
                  head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
                  chunk_size, num_threads):
-        self.block_tables = np.array(block_tables, np.int32, order="C", copy=True)
-        self.seq_lens = np.array(seq_lens, np.int64, copy=True)
-        self.query_start_loc = np.array(query_start_loc, np.int64, copy=True)
-        for a in (self.block_tables, self.seq_lens, self.query_start_loc):
-            a.flags.writeable = False
+        self.block_tables, self.seq_lens, self.query_start_loc = owned_index_arrays(
+            block_tables, seq_lens, query_start_loc)
         self.num_tokens = int(self.query_start_loc[-1])
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.num_blocks, self.kind = block_size, num_blocks, kind
