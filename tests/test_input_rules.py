@@ -309,3 +309,76 @@ def test_one_owned_copy_of_the_plan_arrays():
     step = kvcore.AttentionPlan(pool, tables_again := TABLES.copy(), LENS, QSL)
     tables_again[:] = NB + 100
     np.testing.assert_array_equal(step.run(_q32(), 0), want)
+
+
+# ------------------------------------------------------------- decode writes
+def _rows(x):
+    """transformers' decode layout ``(n, heads, 1, dim)`` as rows, the way
+    kvcore.hf hands a step the writer declined to ``BlockPool.write``."""
+    if isinstance(x, torch.Tensor) and x.ndim == 4 and x.shape[2] == 1:
+        return x.detach().reshape(x.shape[0], x.shape[1], x.shape[3])
+    return x
+
+
+SLOT_KINDS = {
+    "int64": lambda: np.array([3, 17, 40], np.int64),
+    "skip": lambda: np.array([3, -1, 40], np.int64),
+    "int32": lambda: np.array([3, 17, 40], np.int32),
+    "read-only": lambda: (lambda a: (a.setflags(write=False), a)[1])(
+        np.array([3, 17, 40], np.int64)),
+    "non-contiguous": lambda: np.array([3, 0, 17, 0, 40, 0], np.int64)[::2],
+    "byte-swapped": lambda: np.array([3, 17, 40], ">i8"),
+    "out of range": lambda: np.array([3, 17, NB * BS], np.int64),
+    "below -1": lambda: np.array([3, -2, 40], np.int64),
+    "too few": lambda: np.array([3, 17], np.int64),
+    "list": lambda: [3, 17, 40],
+    "2-D": lambda: np.array([[3, 17, 40]], np.int64),
+}
+
+DECODE_KINDS = dict(KV_KINDS, **{
+    "torch (n, heads, 1, dim)": _both(lambda a: torch.from_numpy(a)[:, :, None]),
+    "torch (n, heads, 1, dim) bfloat16": _both(
+        lambda a: torch.from_numpy(a)[:, :, None].bfloat16()),
+    "torch (n, heads, 2, dim)": _both(lambda a: torch.from_numpy(np.repeat(a[:, :, None], 2, 2))),
+})
+
+
+def _decode_outcome(dtype, layer, kv_make, slots_make, fast):
+    pool = kvcore.BlockPool(NB, BS, LAYERS, KVH, DIM, dtype=dtype)
+    writer = pool._slot_writer()     # what kvcore.hf writes a decode step through
+    assert writer is not None
+
+    def run():
+        k, v = kv_make()
+        slots = slots_make()
+        if not (fast and writer.write_slots(layer, k, v, slots)):
+            pool.write(layer, _rows(k), _rows(v), slots)
+        table = np.arange(NB, dtype=np.int32)
+        return np.concatenate([np.asarray(a, np.float32) for a in
+                               pool.gather(layer if type(layer) is int else 0, table, 0,
+                                           NB * BS)])
+
+    return _outcome(run)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("kv_kind", sorted(DECODE_KINDS))
+def test_decode_writer_accepts_what_pool_write_accepts_kv(dtype, kv_kind):
+    _same(_decode_outcome(dtype, 1, DECODE_KINDS[kv_kind], SLOT_KINDS["int64"], True),
+          _decode_outcome(dtype, 1, DECODE_KINDS[kv_kind], SLOT_KINDS["int64"], False),
+          f"k/v {kv_kind}")
+
+
+@pytest.mark.parametrize("slot_kind", sorted(SLOT_KINDS))
+def test_decode_writer_accepts_what_pool_write_accepts_slots(slot_kind):
+    _same(_decode_outcome("float16", 1, KV_KINDS["float32"], SLOT_KINDS[slot_kind], True),
+          _decode_outcome("float16", 1, KV_KINDS["float32"], SLOT_KINDS[slot_kind], False),
+          f"slots {slot_kind}")
+
+
+@pytest.mark.parametrize("layer_kind", sorted(LAYER_KINDS))
+def test_decode_writer_accepts_what_pool_write_accepts_layer(layer_kind):
+    layer = LAYER_KINDS[layer_kind]
+    _same(_decode_outcome("float16", layer, KV_KINDS["float32"], SLOT_KINDS["int64"], True),
+          _decode_outcome("float16", layer, KV_KINDS["float32"], SLOT_KINDS["int64"], False),
+          f"layer {layer_kind}")
