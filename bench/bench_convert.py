@@ -6,15 +6,17 @@ from kvcore.cli.benchmarks.convert import report, run
 
 def _options(p):
     p.add_argument("--level", metavar="NAME",
-                   help="force a SIMD level (scalar, f16c, avx2, neon)")
+                   help="force a SIMD level (kvcore.set_simd_level: scalar, f16c, avx2, "
+                        "avx512, amx, neon; the conversions run their best at or under it)")
 
 
 def _run_kwargs(a, p):
     if a.level is not None:
         from kvcore.backends.cpu import _convert  # noqa: PLC0415
 
-        if a.level not in _convert.available_simd_levels():
-            p.error(f"--level: expected one of {', '.join(_convert.available_simd_levels())} "
+        supported = _convert.registry_levels()[1]
+        if a.level not in supported:
+            p.error(f"--level: expected one of {', '.join(supported)} "
                     f"(what this CPU supports), got {a.level!r}")
     return {"level": a.level}
 

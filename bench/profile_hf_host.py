@@ -75,10 +75,22 @@ def _emulated_backend(root):
     return emu, be
 
 
+def _config():
+    """The model's config, as transformers hands it to the mask function
+    and the attention layer (kvcore.hf reads its attention features)."""
+    from transformers import LlamaConfig
+    return LlamaConfig(num_hidden_layers=LAYERS, hidden_size=HEADS * HEAD_DIM,
+                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                       head_dim=HEAD_DIM, intermediate_size=64, vocab_size=128)
+
+
 class _Module:
     training = False
     is_causal = True
     num_key_value_groups = HEADS // KV_HEADS
+
+
+_CONFIG = [None]
 
 
 def _forward(cache, attention, q_len, batch, device, dtype, mask_fn=None):
@@ -93,10 +105,14 @@ def _forward(cache, attention, q_len, batch, device, dtype, mask_fn=None):
                            device=device).transpose(1, 2)
 
     k, v, q = states(KV_HEADS), states(KV_HEADS), states(HEADS)
+    if _CONFIG[0] is None:
+        _CONFIG[0] = _config()
     if mask_fn is not None:      # what create_causal_mask does once per forward
         kv_length = cache.get_mask_sizes(q_len)[0]
-        mask_fn(batch_size=batch, q_length=q_len, kv_length=kv_length, attention_mask=None)
+        mask_fn(batch_size=batch, q_length=q_len, kv_length=kv_length, attention_mask=None,
+                config=_CONFIG[0])
     module = _Module()
+    module.config = _CONFIG[0]
     total = 0.0
     for layer in range(LAYERS):
         kwargs = {}

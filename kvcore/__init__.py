@@ -4,7 +4,7 @@ Block pool with refcounted ownership, prefix caching, paged and contiguous
 caches, and round-to-nearest-even float16/bfloat16/fp8 conversion, at C speed
 (Cython/C kernels, GIL released) with an optional CuPy GPU path.
 """
-from .backends import CudaUnavailableError, cuda_available, simd_levels
+from .backends import CudaUnavailableError, cuda_available, set_simd_level, simd_levels
 from ._errors import CacheFullError, KVCacheError, OutOfBlocksError
 from .attention import AttentionPlan, get_num_threads, paged_attention, set_num_threads
 from .contiguous import KVCache
@@ -25,5 +25,6 @@ __all__ = [
     "KVCache", "BlockPool", "PagedKVCache", "block_hashes",
     "padded_block_tables", "csr_block_tables", "CudaUnavailableError", "cuda_available",
     "AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads", "simd_levels",
+    "set_simd_level",
     "HostStore", "DiskStore", "RedisStore", "PrefixStore", "StoreWarning",
 ]

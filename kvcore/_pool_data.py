@@ -100,6 +100,13 @@ class PoolData:
                     f"(num_blocks * block_size - 1), got {int(s[i])} at index {i}")
         return np.ascontiguousarray(s, dtype=np.int64)
 
+    def _first_bad_block(self, ids):
+        """The index of the first entry of 1-D ``ids`` outside
+        ``0..num_blocks - 1``, or -1: the pool's one block-id range rule."""
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            return int(np.argmax((ids < 0) | (ids >= self.num_blocks)))
+        return -1
+
     def table(self, block_table, arg="block_table"):
         """Checked int32 block ids (1-D, each in range)."""
         t = _arrays.index_array(self.backend, block_table, arg)
@@ -107,9 +114,8 @@ class PoolData:
             raise ValueError(f"{arg} must be 1-D, got shape {t.shape}")
         if t.size and t.dtype.kind not in "iu":
             raise TypeError(f"{arg} must hold integers, got dtype {t.dtype}")
-        if t.size and (t.min() < 0 or t.max() >= self.num_blocks):
-            bad = (t < 0) | (t >= self.num_blocks)
-            i = int(np.argmax(bad))
+        i = self._first_bad_block(t)
+        if i >= 0:
             raise IndexError(
                 f"{arg} entries must be in 0..{self.num_blocks - 1}, "
                 f"got {int(t[i])} at index {i}")
@@ -149,11 +155,10 @@ class PoolData:
                              f"got {int(n[i])} at index {i}")
         need = -(-n.astype(np.int64) // self.block_size) if n.size else n
         for s in range(t.shape[0]):
-            row = t[s, :need[s]]
-            if row.size and (row.min() < 0 or row.max() >= self.num_blocks):
-                j = int(np.argmax((row < 0) | (row >= self.num_blocks)))
+            j = self._first_bad_block(t[s, :need[s]])
+            if j >= 0:
                 raise IndexError(f"block_tables[{s}, {j}] must be in 0..{self.num_blocks - 1}, "
-                                 f"got {int(row[j])}")
+                                 f"got {int(t[s, j])}")
         return t, n
 
     def copy_ids(self, src_block_ids, dst_block_ids, dst):

@@ -20,7 +20,7 @@ from . import dtypes as _dtypes
 # (the thread count lives in kvcore._threads: the prefix stores read it too)
 from ._threads import MAX_THREADS, get_num_threads, set_num_threads
 from ._validate import index_int, layer_index
-from .backends import CPU as _HOST, backend_of_array
+from .backends import CPU as _HOST, backend_of_array, owned_index_arrays
 from .pool import BlockPool
 
 __all__ = ["AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads"]
@@ -311,12 +311,9 @@ class AttentionPlan:
             num_heads = fixed = heads
         be.check_attention_features(max(chunks), alibi is not None, sink_rows is not None)
         kinds = tuple(zip(windows, chunks))
-        # The plan's own copies, made before the check: a caller changing its
-        # arrays afterwards (or meanwhile, on another thread) changes nothing,
-        # and every later backend plan is built from what was checked.
-        tables32 = np.array(_args.int32_table(tables), dtype=np.int32, order="C", copy=True)
-        lens = np.array(lens, dtype=np.int64, copy=True)
-        qsl = np.array(qsl, dtype=np.int64, copy=True)
+        # the plan's own copies, made before the check: every later backend
+        # plan is built from (and holds) what was checked
+        tables32, lens, qsl = owned_index_arrays(_args.int32_table(tables), lens, qsl)
         distinct = sorted(set(kinds))
         status, a, b = _args.check_tables(_HOST, tables32, lens, qsl, num_tokens, src.num_blocks,
                                           src.block_size, distinct)
@@ -601,11 +598,8 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     (``features``: ``chunk_size``, ``alibi_slopes``, ``sinks``)."""
     pool = seq.pool
     layer = layer_index(layer, pool.num_layers)
-    y, _ = _arrays.unwrap(q, "q")
-    qa = pool._backend.asarray(y, "q")
-    if qa.ndim != 3:
-        raise ValueError(f"q must be 3-D (n, num_heads, head_dim), got shape {tuple(qa.shape)}")
-    n = qa.shape[0]
+    _, num_kv_heads, _, head_dim = pool.key_cache(0).shape
+    n = _query_input(pool._backend, q, num_kv_heads, head_dim)[0].shape[0]   # the q rule
     if n == 0:
         raise ValueError("q must hold at least one query token, got n=0")
     start = seq.num_computed

@@ -91,14 +91,14 @@ def write_kv(seq, data, start, batched, after_append=None):
 
 
 @contextlib.contextmanager
-def simd_level(module, level):
-    """Run the block with ``module`` (a native module with
-    ``set_simd_level``) at kernel level ``level``, then restore its level."""
-    previous = module.set_simd_level(level)
+def simd_level(level):
+    """Run the block with every CPU kernel family at ``level``
+    (``kvcore.set_simd_level``), then restore the level before."""
+    previous = kvcore.set_simd_level(level)
     try:
         yield level
     finally:
-        module.set_simd_level(previous)
+        kvcore.set_simd_level(previous)
 
 
 def functions_in(so):

@@ -54,15 +54,16 @@ def simd_level_params(available, levels):
 def level_fixture(module):
     """A pytest fixture, to be bound to the name ``simd_level`` in a test
     module, that runs each test using it once per kernel level of
-    ``module`` (a native module with ``available_simd_levels``,
-    ``simd_level_names`` and ``set_simd_level``), restoring the level after
-    the test whatever happens in it.  Yields the level's name."""
+    ``module`` (a native module with ``available_simd_levels`` and
+    ``simd_level_names``), set by ``kvcore.set_simd_level``, restoring the
+    level after the test whatever happens in it.  Yields the level's name."""
+    import kvcore
     @pytest.fixture(params=simd_level_params(module.available_simd_levels(),
                                              module.simd_level_names()))
     def simd_level(request):
-        previous = module.set_simd_level(request.param)
+        previous = kvcore.set_simd_level(request.param)
         try:
             yield request.param
         finally:
-            module.set_simd_level(previous)
+            kvcore.set_simd_level(previous)
     return simd_level

@@ -61,11 +61,12 @@ def simd_level(request):
     The level is process-wide, so it is restored after the test whatever
     happens in it.  Yields the level's name.
     """
-    previous = _convert.set_simd_level(request.param)
+    import kvcore
+    previous = kvcore.set_simd_level(request.param)
     try:
         yield request.param
     finally:
-        _convert.set_simd_level(previous)
+        kvcore.set_simd_level(previous)
 
 
 def require_torch():

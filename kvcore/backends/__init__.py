@@ -20,20 +20,22 @@ exports a few host-side helpers that serve every device:
   checksum (the CPU kernel, SIMD by run-time dispatch);
 * ``tensor_view(t)``: a NumPy view of a C-contiguous CPU torch tensor, or
   None (the cheap first try of ``kvcore._arrays``);
-* ``simd_levels()``, ``CudaUnavailableError``, ``cuda_available()``: what
+* ``owned_index_arrays(...)``: a plan's own read-only copies of a step's
+  index arrays (every plan, public or backend, holds these);
+* ``simd_levels()``, ``set_simd_level()``, ``CudaUnavailableError``, ``cuda_available()``: what
   ``kvcore`` exports about the devices.
 """
-from .base import Backend, is_cuda_array
+from .base import Backend, is_cuda_array, owned_index_arrays
 from .codec import Codec, codec_of
-from .cpu import simd_levels
+from .cpu import set_simd_level, simd_levels
 from .cpu._checksum import xxh3_64
 from .cpu._kernels import tensor_view
 from .cpu.backend import CPU, CPUBackend
 from .cuda import CudaUnavailableError, cuda_available
 
 __all__ = ["Backend", "CPUBackend", "CPU", "Codec", "codec_of", "get_backend",
-           "backend_of_array", "xxh3_64", "tensor_view", "simd_levels",
-           "CudaUnavailableError", "cuda_available"]
+           "backend_of_array", "owned_index_arrays", "xxh3_64", "tensor_view", "simd_levels",
+           "set_simd_level", "CudaUnavailableError", "cuda_available"]
 
 
 def get_backend(device):

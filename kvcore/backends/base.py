@@ -22,6 +22,8 @@ held as its uint16 bits.  Layouts:
 * tokens in: ``(n, heads, dim)``; a gather's output: ``(heads, n, dim)``;
 * a contiguous cache: ``(batch, heads, max_seq_len, dim)``.
 """
+import weakref
+
 import numpy as np
 
 from .. import dtypes
@@ -54,6 +56,32 @@ def is_cuda_array(x):
     return False
 
 
+# The arrays owned_index_arrays made (by id; a dead one drops out): taken
+# as they are, so a step's index arrays are copied once, by AttentionPlan,
+# however many backend plans (one per layer kind) hold them.
+_OWNED_INDEX = weakref.WeakValueDictionary()
+
+
+def owned_index_arrays(block_tables, seq_lens, query_start_loc):
+    """The plan's own read-only copies of a step's index arrays: C-contiguous
+    int32 ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``.
+
+    A caller changing its arrays afterwards (or meanwhile, on another thread)
+    changes nothing a plan checked or runs on.  The one statement of this
+    rule: ``kvcore.AttentionPlan``, the reference plan and the CPU plan
+    (``_attention.Plan``) all hold what this returns; arrays it returned
+    before are taken as they are."""
+    out = []
+    for a, dtype in ((block_tables, np.int32), (seq_lens, np.int64),
+                     (query_start_loc, np.int64)):
+        if _OWNED_INDEX.get(id(a)) is not a:
+            a = np.array(a, dtype, order="C", copy=True)
+            a.flags.writeable = False
+            _OWNED_INDEX[id(a)] = a
+        out.append(a)
+    return tuple(out)
+
+
 class _AttentionPlan:
     """``Backend.attention_plan``'s plan: owned copies of the checked index
     arrays and the scalars (what ``attention_run`` passes on)."""
@@ -61,11 +89,8 @@ class _AttentionPlan:
     def __init__(self, block_tables, seq_lens, query_start_loc, num_heads, num_kv_heads,
                  head_dim, block_size, num_blocks, kind, scale, sliding_window, soft_cap,
                  chunk_size, num_threads):
-        self.block_tables = np.array(block_tables, np.int32, order="C", copy=True)
-        self.seq_lens = np.array(seq_lens, np.int64, copy=True)
-        self.query_start_loc = np.array(query_start_loc, np.int64, copy=True)
-        for a in (self.block_tables, self.seq_lens, self.query_start_loc):
-            a.flags.writeable = False
+        self.block_tables, self.seq_lens, self.query_start_loc = owned_index_arrays(
+            block_tables, seq_lens, query_start_loc)
         self.num_tokens = int(self.query_start_loc[-1])
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.num_blocks, self.kind = block_size, num_blocks, kind
@@ -346,53 +371,6 @@ class Backend:
         (``chunk_size`` an int, 0 off; ``alibi_slopes`` / ``sinks`` whether
         given); every one is computed here.  The public layer asks before
         anything is planned."""
-
-    def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
-                               num_blocks, block_size, sliding_window, chunk_size=0):
-        """The index check of an attention call, on host arrays (int32
-        ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``).
-
-        Returns ``(status, a, b)``: status None when every argument is fine,
-        else the first failure in this order, ``a`` / ``b`` where it is:
-        ``"BAD_SEQ_LEN"`` (``seq_lens[a]`` outside ``0..max_blocks *
-        block_size``), ``"BAD_FIRST_START"`` (``query_start_loc[0] != 0``),
-        ``"DECREASING_START"`` (``query_start_loc[a + 1] <
-        query_start_loc[a]``), ``"BAD_LAST_START"`` (``query_start_loc[-1]
-        != num_tokens``), ``"SHORT_SEQ"`` (``seq_lens[a]`` below sequence
-        ``a``'s query count), ``"BAD_BLOCK_ID"`` (``block_tables[a, b]``
-        outside ``0..num_blocks - 1`` and read).  Read: every block a query
-        of the sequence can see, from the first query's first visible
-        position (0, or the later of its window's and its chunk's starts)
-        to ``seq_lens[a] - 1``; a sequence without queries is not read."""
-        tables = np.asarray(block_tables)
-        lens = np.asarray(seq_lens, np.int64)
-        qsl = np.asarray(query_start_loc, np.int64)
-        num_seqs, max_blocks = tables.shape
-        bad = (lens < 0) | (lens > max_blocks * block_size)
-        if bad.any():
-            return "BAD_SEQ_LEN", int(np.argmax(bad)), 0
-        if qsl[0] != 0:
-            return "BAD_FIRST_START", 0, 0
-        counts = np.diff(qsl)
-        if (counts < 0).any():
-            return "DECREASING_START", int(np.argmax(counts < 0)), 0
-        if qsl[-1] != num_tokens:
-            return "BAD_LAST_START", 0, 0
-        if (lens < counts).any():
-            return "SHORT_SEQ", int(np.argmax(lens < counts)), 0
-        first = np.zeros(num_seqs, np.int64)
-        if sliding_window > 0:
-            first = np.maximum(lens - counts + 1 - sliding_window, 0)
-        if chunk_size > 0:
-            first = np.maximum(first, (lens - counts) // chunk_size * chunk_size)
-        b = np.arange(max_blocks)
-        read = (counts[:, None] > 0) & (b >= (first // block_size)[:, None]) \
-            & (b < (-(-lens // block_size))[:, None])
-        bad = read & ((tables < 0) | (tables >= num_blocks))
-        if bad.any():
-            s, blk = divmod(int(np.argmax(bad)), max_blocks)
-            return "BAD_BLOCK_ID", s, blk
-        return None, 0, 0
 
     def attention_io_kinds(self, plan):
         """``(q_kinds, out_kinds)``: the element kinds (kvcore.dtypes) in

@@ -91,7 +91,7 @@ def run_case(rng, dtype, contexts, queries, num_heads, num_kv_heads, head_dim, b
 
 @pytest.fixture(params=LEVEL_PARAMS)
 def level(request):
-    with simd_level(_attention, request.param):
+    with simd_level(request.param):
         yield request.param
 
 

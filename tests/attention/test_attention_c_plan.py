@@ -24,7 +24,7 @@ KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @pytest.fixture(params=simd_level_params(LEVELS, _attention.simd_level_names()))
 def level(request):
-    with simd_level(_attention, request.param):
+    with simd_level(request.param):
         yield request.param
 
 

@@ -37,7 +37,7 @@ FP8_SCALES = (0.5, 2.0)      # (k_scale, v_scale) of every fp8 layer
 
 @pytest.fixture(params=LEVEL_PARAMS)
 def level(request):
-    with simd_level(_attention, request.param):
+    with simd_level(request.param):
         yield request.param
 
 

@@ -418,7 +418,7 @@ def _backend_case(be, level, put, get, kind_name, kw):
     want = paged_attention_reference(q, kbits, vbits, tables, lens, qsl, kind=kind_name,
                                      sliding_window=kw.get("sliding_window"),
                                      logits_soft_cap=kw.get("soft_cap"))
-    previous = _attention.set_simd_level(level) if level else None
+    previous = kvcore.set_simd_level(level) if level else None
     try:
         plan = be.attention_plan(tables, lens, qsl, num_heads=heads, num_kv_heads=kvh,
                                  head_dim=d, block_size=bs, num_blocks=nb, kind=kind,
@@ -429,7 +429,7 @@ def _backend_case(be, level, put, get, kind_name, kw):
         be.attention_run(plan, put(q), out, put(kbits), put(vbits))
     finally:
         if level:
-            _attention.set_simd_level(previous)
+            kvcore.set_simd_level(previous)
     assert rel_err(get(out), want) <= TOL
 
 

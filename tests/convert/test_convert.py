@@ -103,11 +103,11 @@ def f32(b):
 
 @contextlib.contextmanager
 def at_level(level):
-    previous = _convert.set_simd_level(level)
+    previous = kvcore.set_simd_level(level)
     try:
         yield
     finally:
-        _convert.set_simd_level(previous)
+        kvcore.set_simd_level(previous)
 
 
 def assert_same_bits_as_best(fn, x, got):
@@ -844,23 +844,23 @@ def test_gil_released_during_conversion():
 
 @pytest.mark.parametrize("bad", ["avx1024", "", "AVX2 ", 2, None])
 def test_set_simd_level_unknown(bad):
-    before = _convert.get_simd_level()
+    before = kvcore.simd_levels()
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
-        _convert.set_simd_level(bad)
-    assert _convert.get_simd_level() == before
+        kvcore.set_simd_level(bad)
+    assert kvcore.simd_levels() == before
 
 
 @pytest.mark.parametrize("level", [lvl for lvl in _convert.LEVELS if lvl not in LEVELS])
 def test_set_simd_level_unsupported(level):
-    before = _convert.get_simd_level()
+    before = kvcore.simd_levels()
     with pytest.raises(ValueError, match=re.escape(repr(level))):
-        _convert.set_simd_level(level)
-    assert _convert.get_simd_level() == before
+        kvcore.set_simd_level(level)
+    assert kvcore.simd_levels() == before
 
 
 def test_set_simd_level_returns_previous(simd_level):
     assert _convert.get_simd_level() == simd_level
-    assert _convert.set_simd_level(BEST) == simd_level
+    assert kvcore.set_simd_level(BEST) == simd_level
     assert _convert.get_simd_level() == BEST
     assert BEST in LEVELS and LEVELS[0] == "scalar"
 
@@ -894,8 +894,13 @@ def test_levels_are_scalar_f16c_avx2_neon():
     # removed: an AVX-512 CPU runs the AVX2 path.
     assert _convert.LEVELS == ("scalar", "f16c", "avx2", "neon")
     assert "avx512" not in _convert.available_simd_levels()
-    with pytest.raises(ValueError, match="avx512"):
-        _convert.set_simd_level("avx512")
+    if "avx512" in _convert.registry_levels()[1]:
+        # naming avx512 for all runs the conversions at their best under it
+        with at_level("avx512"):
+            assert _convert.get_simd_level() == "avx2"
+    else:
+        with pytest.raises(ValueError, match="avx512"):
+            kvcore.set_simd_level("avx512")
 
 
 def test_kvcore_simd_env_avx512_runs_the_best_conversion_level():

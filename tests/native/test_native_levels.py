@@ -155,10 +155,11 @@ def _run_case(simd=None):
 
 def test_kvcore_simd_scalar_rules_simd_out_of_every_family():
     from kvcore.backends.cpu import _attention
+    import kvcore
     levels, digest = _run_case(" Scalar ")
     assert levels == {"conversions": "scalar", "fp8_int8": "scalar", "attention": "scalar"}
     best = _attention.default_simd_level()   # (amx is opt-in: never the default)
-    previous = _attention.set_simd_level("scalar")
+    previous = kvcore.set_simd_level("scalar")
     try:
         _, scalar_digest = _run_case("scalar")
         assert digest == scalar_digest
@@ -168,7 +169,7 @@ def test_kvcore_simd_scalar_rules_simd_out_of_every_family():
             best_levels, best_digest = _run_case()
             assert best_levels["attention"] == best and best_digest != digest
     finally:
-        _attention.set_simd_level(previous)
+        kvcore.set_simd_level(previous)
 
 
 def test_a_cap_without_attention_kernels_runs_the_next_lower_level():
@@ -185,8 +186,8 @@ def test_simd_levels_reports_the_levels_in_use():
     assert kvcore.simd_levels() == {"conversions": _convert.get_simd_level(),
                                     "fp8_int8": _convert.fp8_level(),
                                     "attention": _attention.simd_level()}
-    previous = _attention.set_simd_level("scalar")
+    previous = kvcore.set_simd_level("scalar")
     try:
         assert kvcore.simd_levels()["attention"] == "scalar"
     finally:
-        _attention.set_simd_level(previous)
+        kvcore.set_simd_level(previous)

@@ -141,7 +141,7 @@ def test_prompt_then_decode_bit_exact(device, storage, src):
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
 def test_every_cpu_simd_level_gives_the_same_bits(storage, level):
     """Odd head_dim and strided rows exercise the SIMD tails of the CPU kernel."""
-    previous = _convert.set_simd_level(level)
+    previous = kvcore.set_simd_level(level)
     try:
         cache = make("cpu", storage, num_layers=1, head_dim=37, max_seq_len=40)
         x = rand((B, 9, H, 37), 11).transpose(0, 2, 1, 3)
@@ -149,7 +149,7 @@ def test_every_cpu_simd_level_gives_the_same_bits(storage, level):
         cache.update(0, x, y)
         cache.update(0, y[:, :, :1], x[:, :, :1])
     finally:
-        _convert.set_simd_level(previous)
+        kvcore.set_simd_level(previous)
     k, v = cache.get(0)
     assert_bits(k, storage_bits(np.concatenate([x, y[:, :, :1]], 2), storage), storage)
     assert_bits(v, storage_bits(np.concatenate([y, x[:, :, :1]], 2), storage), storage)

@@ -18,6 +18,7 @@ from libc.stdlib cimport free, malloc
 from kvcore.backends.cpu._convert cimport KVH_BF16, KVH_F16, KVH_F32, convert_n, kind_itemsize
 from kvcore.backends.cpu._span cimport byte_span
 from kvcore.backends.cpu._kernels import tensor_meta
+from kvcore.backends.base import owned_index_arrays
 
 import numpy as np
 
@@ -78,6 +79,7 @@ cdef extern from "kv_attention.h" nogil:
     int kva_level_supported(int level)
     int kva_current_level()
     int kva_set_level(int level)
+    int kva_level_at_most(int registry)
     const char *kva_level_name(int level)
     int kva_exp2_neg(int level, const float *x, float *y, Py_ssize_t n)
     int kva_softcap(int level, const float *x, float *y, Py_ssize_t n, float a, float b)
@@ -141,20 +143,10 @@ def available_simd_levels():
     return [kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS) if kva_level_supported(l)]
 
 
-def set_simd_level(name):
-    """Use kernel level ``name`` (process-wide); returns the previous name.
-    ``None`` restores the default level (the best under KVCORE_SIMD)."""
-    previous = simd_level()
-    if name is None:
-        kva_set_level(kva_default_level())
-        return previous
-    for l in range(KVA_NUM_LEVELS):
-        if kva_level_name(l).decode() == name:
-            if kva_set_level(l) != 0:
-                raise ValueError(f"SIMD level {name!r} is not supported by this CPU")
-            return previous
-    raise ValueError(f"unknown SIMD level {name!r}; known: "
-                     f"{[kva_level_name(l).decode() for l in range(KVA_NUM_LEVELS)]}")
+def use_registry_level(int level):
+    """Run the attention at its best level at or under registry level
+    ``level`` (kv_simd.h's numbering)."""
+    kva_set_level(kva_level_at_most(level))
 
 
 def _level_index(name):
@@ -408,24 +400,12 @@ cdef class Plan:
                   int64_t num_blocks, int kind, double scale, int64_t sliding_window,
                   double soft_cap, int64_t chunk_size, int num_threads):
         self.guard = _Guard()
-        # owned copies: the caller may change or drop its arrays afterwards
-        cdef cnp.ndarray t = cnp.PyArray_FROM_OTF(block_tables, cnp.NPY_INT32,
-                                                  cnp.NPY_ARRAY_C_CONTIGUOUS
-                                                  | cnp.NPY_ARRAY_ALIGNED
-                                                  | cnp.NPY_ARRAY_ENSURECOPY)
-        cdef cnp.ndarray l = cnp.PyArray_FROM_OTF(seq_lens, cnp.NPY_INT64,
-                                                  cnp.NPY_ARRAY_C_CONTIGUOUS
-                                                  | cnp.NPY_ARRAY_ALIGNED
-                                                  | cnp.NPY_ARRAY_ENSURECOPY)
-        cdef cnp.ndarray s = cnp.PyArray_FROM_OTF(query_start_loc, cnp.NPY_INT64,
-                                                  cnp.NPY_ARRAY_C_CONTIGUOUS
-                                                  | cnp.NPY_ARRAY_ALIGNED
-                                                  | cnp.NPY_ARRAY_ENSURECOPY)
+        # owned copies (the caller may change or drop its arrays afterwards)
+        cdef cnp.ndarray t, l, s
+        t, l, s = owned_index_arrays(block_tables, seq_lens, query_start_loc)
         if t.ndim != 2 or l.ndim != 1 or s.ndim != 1 or l.shape[0] != t.shape[0] \
                 or s.shape[0] != t.shape[0] + 1:
             raise ValueError("internal: plan index arrays of the wrong shapes")
-        for arr in (t, l, s):
-            arr.flags.writeable = False
         self.block_tables, self.seq_lens, self.query_start_loc = t, l, s
         self.num_tokens = <Py_ssize_t>(<const int64_t *>cnp.PyArray_DATA(s))[s.shape[0] - 1]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -14,6 +14,7 @@ cdef extern from "kv_half.h" nogil:
     int kvh_level_supported(int level)
     int kvh_current_level()
     int kvh_set_level(int level)
+    int kvh_level_at_most(int level)
     const char* kvh_level_name(int level)
     int KVH_NUM_LEVELS
     void kvh_f32_to_f16(const float* src, half_t* dst, Py_ssize_t n)
@@ -63,6 +64,7 @@ cdef extern from "kv_simd.h" nogil:
     int kvs_cap()
     const char* kvs_cap_text()
     const char* kvs_level_name(int level)
+    int kvs_level_supported(int level)
     int KVS_NUM_LEVELS
 
 
@@ -301,19 +303,17 @@ def get_simd_level():
     return LEVELS[kvh_current_level()]
 
 
-def set_simd_level(level):
-    """Use the conversion path ``level`` from now on (process-wide).
+def registry_levels():
+    """``(names, supported)``: every level of the SIMD registry (kv_simd.h),
+    lowest first, and those this CPU (and build) supports."""
+    names = tuple(kvs_level_name(i).decode() for i in range(KVS_NUM_LEVELS))
+    return names, tuple(n for i, n in enumerate(names) if kvs_level_supported(i))
 
-    Returns the previous level's name.  Every path gives identical bits; this
-    exists for tests and benchmarks.
-    """
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    previous = get_simd_level()
-    if kvh_set_level(LEVELS.index(level)) != 0:
-        raise ValueError(
-            f"level {level!r} is not supported by this CPU; available: {available_simd_levels()}")
-    return previous
+
+def use_registry_level(int level):
+    """Run the conversions at their best level at or under registry level
+    ``level`` (an index into ``registry_levels()[0]``)."""
+    kvh_set_level(kvh_level_at_most(level))
 
 
 def fp8_paths():

@@ -194,7 +194,23 @@ class CPUBackend(Backend):
 
     def check_attention_tables(self, block_tables, seq_lens, query_start_loc, num_tokens,
                                num_blocks, block_size, sliding_window, chunk_size=0):
-        """One native pass (see ``Backend.check_attention_tables``)."""
+        """The index check of an attention call on host arrays (int32
+        ``block_tables``, int64 ``seq_lens`` and ``query_start_loc``), in one
+        native pass: the one statement of this rule (``kvcore.AttentionPlan``
+        checks the tables of every device's plans here).
+
+        Returns ``(status, a, b)``: status None when every argument is fine,
+        else the first failure in this order, ``a`` / ``b`` where it is:
+        ``"BAD_SEQ_LEN"`` (``seq_lens[a]`` outside ``0..max_blocks *
+        block_size``), ``"BAD_FIRST_START"`` (``query_start_loc[0] != 0``),
+        ``"DECREASING_START"`` (``query_start_loc[a + 1] <
+        query_start_loc[a]``), ``"BAD_LAST_START"`` (``query_start_loc[-1]
+        != num_tokens``), ``"SHORT_SEQ"`` (``seq_lens[a]`` below sequence
+        ``a``'s query count), ``"BAD_BLOCK_ID"`` (``block_tables[a, b]``
+        outside ``0..num_blocks - 1`` and read).  Read: every block a query
+        of the sequence can see, from the first query's first visible
+        position (0, or the later of its window's and its chunk's starts)
+        to ``seq_lens[a] - 1``; a sequence without queries is not read."""
         status, a, b = _attention.check_tables(block_tables, seq_lens, query_start_loc,
                                                num_tokens, num_blocks, block_size,
                                                sliding_window, chunk_size)

@@ -90,8 +90,8 @@ def run(quick=False, level=None, n=None, repeat=None):
     quick : bool
         4 Mi elements and 5 repetitions instead of 16 Mi and 15.
     level : str, optional
-        SIMD path to force (see ``kvcore.backends.cpu._convert.available_simd_levels``);
-        the previous one is restored afterwards.  Default: the one in use.
+        SIMD level to force (``kvcore.set_simd_level``: the conversions run
+        their best path at or under it); the previous one is restored afterwards.  Default: the one in use.
     n, repeat : int, optional
         Override the element count and the number of timed repetitions.
 
@@ -113,7 +113,7 @@ def run(quick=False, level=None, n=None, repeat=None):
     warmup = 2
     torch = _torch()
 
-    previous = _convert.set_simd_level(level) if level is not None else None
+    previous = kvcore.set_simd_level(level) if level is not None else None
     try:
         rng = np.random.default_rng(0)
         x = rng.standard_normal(n, dtype=np.float32)   # typical K/V values
@@ -175,7 +175,7 @@ def run(quick=False, level=None, n=None, repeat=None):
         return res
     finally:
         if previous is not None:
-            _convert.set_simd_level(previous)
+            kvcore.set_simd_level(previous)
 
 
 _LABEL = {"numpy": "NumPy astype (copyto)", "ml_dtypes": "ml_dtypes astype (copyto)",

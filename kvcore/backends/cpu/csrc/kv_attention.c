@@ -47,17 +47,18 @@ int kva_best_level(void)
     return best;
 }
 
-int kva_default_level(void)
+int kva_level_at_most(int registry)
 {
-    /* the best attention level at or under the registry's default (a cap
-     * of f16c, which has no attention kernels, runs the scalar ones) */
-    const int cap = kvs_default_level();
+    /* a registry level without attention kernels (f16c) runs the next
+     * lower attention level the CPU has (scalar) */
     int best = KVA_SCALAR;
     for (int l = 1; l < KVA_NUM_LEVELS; l++)
-        if (kva_level_supported(l) && registry_level[l] <= cap)
+        if (kva_level_supported(l) && registry_level[l] <= registry)
             best = l;
     return best;
 }
+
+int kva_default_level(void) { return kva_level_at_most(kvs_default_level()); }
 
 int kva_current_level(void)
 {

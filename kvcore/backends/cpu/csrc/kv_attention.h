@@ -176,6 +176,9 @@ int kva_plan_num_threads(const kva_plan *plan);
  * set.  The names are the registry's. */
 int kva_best_level(void);    /* the best this CPU supports (no cap) */
 int kva_default_level(void); /* the best under the KVCORE_SIMD cap (amx opt-in) */
+/* the best this CPU runs at or under registry level `registry` (kv_simd.h):
+ * the one rule by which the attention follows a level named for all */
+int kva_level_at_most(int registry);
 int kva_level_supported(int level);
 int kva_current_level(void);
 int kva_set_level(int level);          /* 0, or -1 (unchanged) if unsupported */

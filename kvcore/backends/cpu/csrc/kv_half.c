@@ -452,7 +452,7 @@ int kvh_level_supported(int level)
 /* The best level of this family at or under registry level `l`: the
  * registry's levels above KVH_NUM_LEVELS - 1 (avx512) have no conversion
  * kernels, and run the next lower level this CPU has (avx2). */
-static int kvh_level_at_most(int l)
+int kvh_level_at_most(int l)
 {
     while (l > 0 && !kvh_level_supported(l))
         l--;

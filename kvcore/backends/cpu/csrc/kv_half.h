@@ -39,6 +39,10 @@ enum {
 int kvh_best_level(void);
 /* 1 if `level` can run on this CPU. */
 int kvh_level_supported(int level);
+/* The best level at or under registry level `l` (kv_simd.h) this CPU runs:
+ * the one rule by which this family follows a level named for all
+ * (the KVCORE_SIMD cap, kvcore.set_simd_level). */
+int kvh_level_at_most(int l);
 /* The level to start at: the best one under the KVCORE_SIMD cap. */
 int kvh_default_level(void);
 /* The level in use now. */
