@@ -13,17 +13,17 @@ import sys
 
 import pytest
 
-_TESTS = pathlib.Path(__file__).resolve().parent
-for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
-    if str(_folder) not in sys.path:
-        sys.path.append(str(_folder))
-
 from kvcore.backends.cpu import _convert
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_env import _machine as _cuda_machine
 except ImportError:
     from _cuda_env import _machine as _cuda_machine
+
+_TESTS = pathlib.Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture(autouse=True)
