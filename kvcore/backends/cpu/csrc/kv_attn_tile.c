@@ -131,6 +131,35 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
             S[r * KVA_KEY_TILE + i] *= ks[i];
 }
 
+/* Every line of the `bytes` bytes at p. */
+static inline void prefetch_span(const void *p, size_t bytes)
+{
+    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + bytes;
+    for (uintptr_t l = first; l < end; l += 64)
+        __builtin_prefetch((const void *)l, 0, 3);
+}
+
+/* Per-position scales (int8 pages): the lines of key_scales and
+ * value_scales of kv head g for positions [from, to), a block's run at a
+ * time.  They sit apart from the pages (one short run per block, the
+ * blocks scattered): neither the rows' prefetch nor the hardware's reaches
+ * them, and a tile's scale loads waited on memory (a fifth of an int8
+ * decode at head_dim 64 on a Zen 5). */
+static void prefetch_scales(const kva_args *a, const int32_t *table, int g, int64_t from,
+                            int64_t to)
+{
+    int64_t blk = from / a->block_size, off = from - blk * a->block_size;
+    while (from < to) {
+        const int64_t n = a->block_size - off < to - from ? a->block_size - off : to - from;
+        const size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size + (size_t)off;
+        prefetch_span(a->key_scales + at, (size_t)n * 4);
+        prefetch_span(a->value_scales + at, (size_t)n * 4);
+        from += n;
+        blk++;
+        off = 0;
+    }
+}
+
 void kva_score_units(const kva_args *a, kva_job *job)
 {
     job->post_scale = 0.0f;
@@ -249,6 +278,9 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         prefetch_positions(a, table, kbase, vbase, it->k0,
                            it->k1 - it->k0 < tile ? it->k1 : it->k0 + tile,
                            row_bytes);
+    if (a->key_scales != NULL && it->k0 < it->k1)
+        prefetch_scales(a, table, g, it->k0,
+                        it->k1 - it->k0 < 2 * tile ? it->k1 : it->k0 + 2 * tile);
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += tile) {
@@ -268,6 +300,11 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             next_k = nkrow;
             next_v = nvrow;
         }
+        /* the scales of the tile after the next (the next one's were
+         * started a tile ago, the first two before the loop) */
+        if (a->key_scales != NULL && t1 + tile < it->k1)
+            prefetch_scales(a, table, g, t1 + tile,
+                            it->k1 - (t1 + tile) < tile ? it->k1 : t1 + 2 * tile);
         if (!spread) { /* (spread: the kernels prefetch) */
 #if KVA_PREFETCH_AHEAD > 0
             /* The rows of a tile are scattered over blocks: start the rows of
