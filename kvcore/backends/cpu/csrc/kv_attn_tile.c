@@ -263,7 +263,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
     /* prefill items take the wide key tile: their per-row softmax runs once
      * per tile; decode-like items read memory and keep the narrow one,
-     * which their prefetch distance is tuned for */
+     * which their prefetch distance is tuned for.  (One tile for every
+     * kind: fp8 and int8 pages of float16 values give float16's bits.) */
     const int tile = prefill ? KVA_KEY_TILE : KVA_DECODE_KEY_TILE;
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
@@ -392,12 +393,17 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             }
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
-            if (scaled) /* the visible keys' weights times their values' scales */
+            /* the visible keys' weights times their values' scales; the
+             * values are read divided by unit: the weights carry it, so each
+             * product is the exact p * v (subnormal ones included); one
+             * pass over the weights for both */
+            if (scaled && unit != 1.0f)
+                for (int64_t i = first; i < last; i++)
+                    srow[i] = srow[i] * vs[i] * unit;
+            else if (scaled)
                 for (int64_t i = first; i < last; i++)
                     srow[i] *= vs[i];
-            if (unit != 1.0f) /* the values are read divided by unit: the weights
-                                 carry it, so each product is the exact p * v
-                                 (subnormal ones included) */
+            else if (unit != 1.0f)
                 for (int64_t i = first; i < last; i++)
                     srow[i] *= unit;
         }
