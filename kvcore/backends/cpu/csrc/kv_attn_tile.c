@@ -24,15 +24,16 @@ static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
     const int nt = (int)(k1 - t0 < tile ? k1 - t0 : tile);
     const int ntp = (nt + 7) & ~7;
     int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
-    for (int i = 0; i < nt; i++) {
-        if (off == a->block_size) {
-            blk++;
-            off = 0;
+    /* a block's run of rows at a time (no test per row) */
+    for (int i = 0; i < nt; blk++, off = 0) {
+        const int run = (int)(a->block_size - off < nt - i ? a->block_size - off : nt - i);
+        const ptrdiff_t o = (ptrdiff_t)table[blk] * a->block_stride + (ptrdiff_t)off * a->row_stride;
+        const char *k = kbase + o, *v = vbase + o;
+        for (int j = 0; j < run; j++) {
+            krow[i + j] = k + (ptrdiff_t)j * a->row_stride;
+            vrow[i + j] = v + (ptrdiff_t)j * a->row_stride;
         }
-        ptrdiff_t o = (ptrdiff_t)table[blk] * a->block_stride + (ptrdiff_t)off * a->row_stride;
-        krow[i] = kbase + o;
-        vrow[i] = vbase + o;
-        off++;
+        i += run;
     }
     for (int i = nt; i < ntp; i++) {
         krow[i] = krow[nt - 1];
