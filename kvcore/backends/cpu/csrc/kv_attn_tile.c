@@ -24,15 +24,16 @@ static int tile_rows(const kva_args *a, const int32_t *table, const char *kbase,
     const int nt = (int)(k1 - t0 < tile ? k1 - t0 : tile);
     const int ntp = (nt + 7) & ~7;
     int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
-    for (int i = 0; i < nt; i++) {
-        if (off == a->block_size) {
-            blk++;
-            off = 0;
+    /* a block's run of rows at a time (no test per row) */
+    for (int i = 0; i < nt; blk++, off = 0) {
+        const int run = (int)(a->block_size - off < nt - i ? a->block_size - off : nt - i);
+        const ptrdiff_t o = (ptrdiff_t)table[blk] * a->block_stride + (ptrdiff_t)off * a->row_stride;
+        const char *k = kbase + o, *v = vbase + o;
+        for (int j = 0; j < run; j++) {
+            krow[i + j] = k + (ptrdiff_t)j * a->row_stride;
+            vrow[i + j] = v + (ptrdiff_t)j * a->row_stride;
         }
-        ptrdiff_t o = (ptrdiff_t)table[blk] * a->block_stride + (ptrdiff_t)off * a->row_stride;
-        krow[i] = kbase + o;
-        vrow[i] = vbase + o;
-        off++;
+        i += run;
     }
     for (int i = nt; i < ntp; i++) {
         krow[i] = krow[nt - 1];
@@ -129,6 +130,35 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
     for (int r = 0; r < M; r++)
         for (int i = 0; i < nt; i++)
             S[r * KVA_KEY_TILE + i] *= ks[i];
+}
+
+/* Every line of the `bytes` bytes at p. */
+static inline void prefetch_span(const void *p, size_t bytes)
+{
+    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + bytes;
+    for (uintptr_t l = first; l < end; l += 64)
+        __builtin_prefetch((const void *)l, 0, 3);
+}
+
+/* Per-position scales (int8 pages): the lines of key_scales and
+ * value_scales of kv head g for positions [from, to), a block's run at a
+ * time.  They sit apart from the pages (one short run per block, the
+ * blocks scattered): neither the rows' prefetch nor the hardware's reaches
+ * them, and a tile's scale loads waited on memory (a fifth of an int8
+ * decode at head_dim 64 on a Zen 5). */
+static void prefetch_scales(const kva_args *a, const int32_t *table, int g, int64_t from,
+                            int64_t to)
+{
+    int64_t blk = from / a->block_size, off = from - blk * a->block_size;
+    while (from < to) {
+        const int64_t n = a->block_size - off < to - from ? a->block_size - off : to - from;
+        const size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size + (size_t)off;
+        prefetch_span(a->key_scales + at, (size_t)n * 4);
+        prefetch_span(a->value_scales + at, (size_t)n * 4);
+        from += n;
+        blk++;
+        off = 0;
+    }
 }
 
 void kva_score_units(const kva_args *a, kva_job *job)
@@ -234,7 +264,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
     /* prefill items take the wide key tile: their per-row softmax runs once
      * per tile; decode-like items read memory and keep the narrow one,
-     * which their prefetch distance is tuned for */
+     * which their prefetch distance is tuned for.  (One tile for every
+     * kind: fp8 and int8 pages of float16 values give float16's bits.) */
     const int tile = prefill ? KVA_KEY_TILE : KVA_DECODE_KEY_TILE;
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
@@ -249,6 +280,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         prefetch_positions(a, table, kbase, vbase, it->k0,
                            it->k1 - it->k0 < tile ? it->k1 : it->k0 + tile,
                            row_bytes);
+    /* (decode-like items only: a prefill's are compute-bound, and an int8
+     * prefill of 512 tokens was 5% slower with them) */
+    const int pf_scales = a->key_scales != NULL && !prefill;
+    if (pf_scales && it->k0 < it->k1)
+        prefetch_scales(a, table, g, it->k0,
+                        it->k1 - it->k0 < 2 * tile ? it->k1 : it->k0 + 2 * tile);
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += tile) {
@@ -268,6 +305,11 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             next_k = nkrow;
             next_v = nvrow;
         }
+        /* the scales of the tile after the next (the next one's were
+         * started a tile ago, the first two before the loop) */
+        if (pf_scales && t1 + tile < it->k1)
+            prefetch_scales(a, table, g, t1 + tile,
+                            it->k1 - (t1 + tile) < tile ? it->k1 : t1 + 2 * tile);
         if (!spread) { /* (spread: the kernels prefetch) */
 #if KVA_PREFETCH_AHEAD > 0
             /* The rows of a tile are scattered over blocks: start the rows of
@@ -355,12 +397,17 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
             }
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
-            if (scaled) /* the visible keys' weights times their values' scales */
+            /* the visible keys' weights times their values' scales; the
+             * values are read divided by unit: the weights carry it, so each
+             * product is the exact p * v (subnormal ones included); one
+             * pass over the weights for both */
+            if (scaled && unit != 1.0f)
+                for (int64_t i = first; i < last; i++)
+                    srow[i] = srow[i] * vs[i] * unit;
+            else if (scaled)
                 for (int64_t i = first; i < last; i++)
                     srow[i] *= vs[i];
-            if (unit != 1.0f) /* the values are read divided by unit: the weights
-                                 carry it, so each product is the exact p * v
-                                 (subnormal ones included) */
+            else if (unit != 1.0f)
                 for (int64_t i = first; i < last; i++)
                     srow[i] *= unit;
         }
