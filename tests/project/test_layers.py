@@ -151,7 +151,8 @@ def test_importing_the_library_imports_no_cli():
     first, every, missing = json.loads(out)
     assert first == [] and every == []
     # only kvcore.hf has optional imports (torch, transformers) of its own
-    assert set(missing) <= {"kvcore.hf"}, missing
+    # (without torch/transformers the kvcore.hf package cannot import: its modules only)
+    assert all(m == "kvcore.hf" or m.startswith("kvcore.hf.") for m in missing), missing
     assert "kvcore.hf" in names and "kvcore.stores.disk" in names and "kvcore.cli" not in names
 
 
