@@ -1,5 +1,7 @@
 """``attn_implementation="kvcore"``: the attention function and mask function
 transformers calls, reading a PagedCache's pages through one AttentionPlan per step."""
+import contextlib
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -132,11 +134,8 @@ def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_se
     if lane is not None and len(features) > 3:
         lane = None      # the step lane's plans take (scale, window, cap) only
     if lane is None:
-        if cache._torch.cuda:
-            with cache._torch.stream():
-                _run_plan(cache, step, (key, features), block_table, cu_seq_lens_q, heads,
-                          rows, layer, flat)
-        else:
+        # (a CUDA pool's plan runs on torch's current stream)
+        with cache._torch.stream() if cache._torch.cuda else contextlib.nullcontext():
             _run_plan(cache, step, (key, features), block_table, cu_seq_lens_q, heads, rows,
                       layer, flat)
     else:

@@ -72,6 +72,22 @@ def test_tile_emulation_follows_the_pseudocode(tmp_path):
     assert "emulation: 0 failures" in run.stdout
 
 
+def _amx_level_sources(tmp_path):
+    """The attention sources of the amx level's driver: the avx512 kernels
+    (which the amx level runs for its other items) compiled against SIMDe on
+    their own, without -Werror (SIMDe's headers warn differently under other
+    compilers), and every other kv_att*.c plus kv_simd.c."""
+    avx512 = tmp_path / "kv_attn_avx512.o"
+    r = subprocess.run([_cc(), "-O2", "-Wall", "-Wno-psabi", "-include",
+                        str(TESTS_C / "kv_simde_shim.h"), "-DKVA_AVX512_SIMDE",
+                        "-DKVA_AVX512_TARGET=", f"-I{_simde_include()}", f"-I{CSRC}", "-c",
+                        str(CSRC / "kv_attn_avx512.c"), "-o", str(avx512)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [*sorted(p for p in CSRC.glob("kv_att*.c") if p.name != "kv_attn_avx512.c"),
+            CSRC / "kv_simd.c", avx512]
+
+
 @pytest.mark.slow
 @needs_source
 def test_amx_level_under_the_tile_emulation(tmp_path):
@@ -82,18 +98,7 @@ def test_amx_level_under_the_tile_emulation(tmp_path):
     if "avx2" not in _attention.available_simd_levels():
         # the level's decode items and float32 pages run the AVX2 kernels natively
         pytest.skip("CPU lacks avx2 (the amx level's other kernels)")
-    # the amx level runs the avx512 kernels for its other items: they too
-    # are compiled against SIMDe here (on their own, without -Werror:
-    # SIMDe's headers warn differently under other compilers)
-    avx512 = tmp_path / "kv_attn_avx512.o"
-    r = subprocess.run([_cc(), "-O2", "-Wall", "-Wno-psabi", "-include",
-                        str(TESTS_C / "kv_simde_shim.h"), "-DKVA_AVX512_SIMDE",
-                        "-DKVA_AVX512_TARGET=", f"-I{_simde_include()}", f"-I{CSRC}", "-c",
-                        str(CSRC / "kv_attn_avx512.c"), "-o", str(avx512)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    sources = [*sorted(p for p in CSRC.glob("kv_att*.c") if p.name != "kv_attn_avx512.c"),
-               CSRC / "kv_simd.c", avx512]
+    sources = _amx_level_sources(tmp_path)
     exe = _build(tmp_path / "amx", TESTS_C / "kv_attention_amx_check.c", sources)
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -112,15 +117,7 @@ def test_amx_is_opt_in_where_it_is_supported(tmp_path):
     import platform
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the amx level exists on x86-64 only")
-    avx512 = tmp_path / "kv_attn_avx512.o"
-    r = subprocess.run([_cc(), "-O2", "-Wall", "-Wno-psabi", "-include",
-                        str(TESTS_C / "kv_simde_shim.h"), "-DKVA_AVX512_SIMDE",
-                        "-DKVA_AVX512_TARGET=", f"-I{_simde_include()}", f"-I{CSRC}", "-c",
-                        str(CSRC / "kv_attn_avx512.c"), "-o", str(avx512)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    sources = [*sorted(p for p in CSRC.glob("kv_att*.c") if p.name != "kv_attn_avx512.c"),
-               CSRC / "kv_simd.c", avx512]
+    sources = _amx_level_sources(tmp_path)
     exe = _build(tmp_path / "amx_default", TESTS_C / "kv_attention_amx_default_check.c", sources)
     outs = {}
     for value in (None, "", " AMX ", "avx512"):
