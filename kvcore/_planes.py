@@ -28,28 +28,29 @@ class Planes:
     storage : array ``(num_layers, 2, ...)`` (a view of the owner's
         storage; axis 1 is keys, values)
     kind : the storage kind
-    scales : array ``(num_layers, 2, ...)`` or None
-        int8: the scale planes, one float32 per row of ``storage``.
+    scale_planes : array ``(num_layers, 2, ...)`` or None
+        int8: every plane's ``Codec.scale_plane``, one float32 per row of
+        ``storage``.
     layer_scales : float32 array ``(num_layers, 2)`` or None
-        fp8: the per-layer scales.
+        fp8: every plane's ``Codec.layer_scale``.
     head_scales : float32 array ``(num_layers, 2, num_kv_heads)`` or None
         fp8 with per-kv-head scales (see ``check_layer_scales``): a plane
-        whose heads' scales differ gets them in its codec.
+        whose heads' scales differ gets them as its ``Codec.head_scales``.
     owned : arrays
         Everything an input must be apart from (the owner's whole storage
-        and scales, whatever their shape).
+        and scale planes, whatever their shape).
     """
 
-    __slots__ = ("views", "codecs", "_backend", "_owned")
+    __slots__ = ("views", "codecs", "owned", "_backend")
 
-    def __init__(self, backend, storage, kind, scales=None, layer_scales=None, owned=(),
-                 head_scales=None):
+    def __init__(self, backend, storage, kind, scale_planes=None, layer_scales=None,
+                 head_scales=None, owned=()):
         num_layers = storage.shape[0]
         self._backend = backend
-        self._owned = tuple(a for a in owned if a is not None)
+        self.owned = tuple(a for a in owned if a is not None)
         self.views = [(storage[l, 0], storage[l, 1]) for l in range(num_layers)]
         if kind == dtypes.I8:
-            self.codecs = [tuple(Codec(kind, 1.0, scales[l, i]) for i in (0, 1))
+            self.codecs = [tuple(Codec(kind, 1.0, scale_planes[l, i]) for i in (0, 1))
                            for l in range(num_layers)]
         elif layer_scales is not None:
             self.codecs = [tuple(_fp8_codec(kind, layer_scales, head_scales, l, i)
@@ -60,8 +61,8 @@ class Planes:
 
     def apart(self, a):
         """``a``, or a copy of it if its memory span meets the storage's (or
-        the int8 scales'): read as it was when the call began."""
-        for owned in self._owned:
+        the int8 scale planes'): read as it was when the call began."""
+        for owned in self.owned:
             a = self._backend.apart(a, owned)
         return a
 
@@ -170,11 +171,11 @@ def _scale_values(kv_scales, num_layers, num_kv_heads):
         if items is None or len(items) != 2:
             raise ValueError(f"{name} must be a (k_scale, v_scale) pair, got {pair!r:.80}")
         for i, x in enumerate(items):
-            out[layer, i] = _plane_scales(x, f"{name}[{i}] ({'kv'[i]}_scale)", H)
+            out[layer, i] = _kv_scale_entry(x, f"{name}[{i}] ({'kv'[i]}_scale)", H)
     return out
 
 
-def _plane_scales(x, name, num_kv_heads):
+def _kv_scale_entry(x, name, num_kv_heads):
     """One plane's scale: a real number, or ``num_kv_heads`` real numbers."""
     if _text_or_array(x, name, "a float or a sequence of num_kv_heads floats"):
         if x.ndim == 0:

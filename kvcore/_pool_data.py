@@ -32,28 +32,27 @@ class PoolData:
         self.storage = backend.zeros(
             (2 * num_layers, num_blocks, num_kv_heads, block_size, head_dim),
             dtypes.STORAGE[kind])
-        # int8: one float32 scale per (plane, block, kv head, token), addressed
-        # by the same block ids as the storage (None for other dtypes)
-        self.scales = (backend.zeros(self.storage.shape[:4], np.float32)
-                       if kind == dtypes.I8 else None)
+        # int8: the scale planes, one float32 scale per (plane, block, kv
+        # head, token), addressed by the same block ids as the storage (None
+        # for other dtypes)
+        self.scale_planes = (backend.zeros(self.storage.shape[:4], np.float32)
+                             if kind == dtypes.I8 else None)
         split = lambda a: None if a is None else a.reshape((a.shape[0] // 2, 2) + a.shape[1:])
-        self.planes = Planes(backend, split(self.storage), kind, split(self.scales),
-                             layer_scales, owned=(self.storage, self.scales),
-                             head_scales=head_scales)
+        self.planes = Planes(backend, split(self.storage), kind, split(self.scale_planes),
+                             layer_scales, head_scales,
+                             owned=(self.storage, self.scale_planes))
         # write()'s scratch on a GPU (one int32 per slot), None on the CPU
         self.slot_owner = backend.slot_owner_table(num_blocks * block_size)
-        # the backend's row writer makes a sequence's append one native call
-        if head_scales is None:     # (the one-scale-per-layer writer as before)
-            self.writer = backend.row_writer(self.storage, kind, self.scales, layer_scales)
-        else:
-            self.writer = backend.row_writer(self.storage, kind, self.scales, layer_scales,
-                                             head_scales=head_scales)
+        # the pool's one native writer (None where the backend has none): a
+        # sequence's append, and a decode step's K/V by slots, in one call
+        self.writer = backend.position_writer(self.storage, kind, self.scale_planes,
+                                              layer_scales, head_scales)
 
     def block_copy(self):
         """The one block copy within the pool (copy-on-write): a callable
         ``(src, dst)`` holding the storage, not the pool (no reference cycle
         keeps a dropped pool's memory alive)."""
-        return functools.partial(_copy_blocks, self.backend, self.storage, self.scales)
+        return functools.partial(_copy_blocks, self.backend, self.storage, self.scale_planes)
 
     # ------------------------------------------------------------ checks
     def kv_input(self, k, v, src_dtype):
@@ -249,7 +248,7 @@ class PoolData:
         xp = self.backend.xp
         if xp is not np:
             blocks, offs = self.backend.from_host(blocks), self.backend.from_host(offs)
-        return tuple(xp.ascontiguousarray(self.scales[2 * layer + i][blocks, :, offs].T)
+        return tuple(xp.ascontiguousarray(self.scale_planes[2 * layer + i][blocks, :, offs].T)
                      for i in (0, 1))
 
     def _targets(self, outs, out, shape, kind):
@@ -266,7 +265,7 @@ class PoolData:
     def copy_blocks(self, src, dst):
         """Copy blocks ``src[i]`` to ``dst[i]`` (every layer, K and V, int8
         scales included)."""
-        _copy_blocks(self.backend, self.storage, self.scales, np.asarray(src, np.int32),
+        _copy_blocks(self.backend, self.storage, self.scale_planes, np.asarray(src, np.int32),
                      np.asarray(dst, np.int32))
 
     def copy_blocks_to(self, dst, src_block_ids, dst_block_ids, before_overwrite):
@@ -303,8 +302,8 @@ class PoolData:
         backend = self.backend.copier_for(dst.backend)
         # the blocks' data, and their int8 scales (same block ids) with them
         arrays = [(self.storage, dst.storage)]
-        if self.scales is not None:
-            arrays.append((self.scales, dst.scales))
+        if self.scale_planes is not None:
+            arrays.append((self.scale_planes, dst.scale_planes))
         if dst is not self:
             for mine, theirs in arrays:
                 backend.copy_blocks_between(mine, src_ids, theirs, dst_ids)
@@ -342,10 +341,10 @@ def _deliver(outs, tmps):
     return outs[0][1], outs[1][1]
 
 
-def _copy_blocks(backend, storage, scales, src, dst):
+def _copy_blocks(backend, storage, scale_planes, src, dst):
     """The one block copy within a pool (copy-on-write, ``copy_blocks_to``
     within the pool): ``storage[:, dst[i]] = storage[:, src[i]]``, and the
-    int8 ``scales`` (same block ids) with it."""
+    int8 ``scale_planes`` (same block ids) with it."""
     backend.copy_blocks(storage, src, dst)
-    if scales is not None:
-        backend.copy_blocks(scales, src, dst)
+    if scale_planes is not None:
+        backend.copy_blocks(scale_planes, src, dst)

@@ -20,38 +20,13 @@ from . import dtypes as _dtypes
 # (the thread count lives in kvcore._threads: the prefix stores read it too)
 from ._threads import MAX_THREADS, get_num_threads, set_num_threads
 from ._validate import index_int, layer_index
-from .backends import CPU as _HOST, backend_of_array, owned_index_arrays
+from .backends import CPU as _HOST, backend_of_array, codec_of, owned_index_arrays
 from .pool import BlockPool
 
 __all__ = ["AttentionPlan", "paged_attention", "set_num_threads", "get_num_threads"]
 
 
 # ------------------------------------------------------------------ inputs
-def _owned(store):
-    """Every array a pool or a KVCache owns (its storage, and its scales when
-    it has them): what an ``out=`` must not overlap."""
-    arrays = (store._storage, store._scales, store._layer_scales,
-              getattr(store, "_head_scales", None))
-    return tuple(a for a in arrays if a is not None and not isinstance(a, (list, tuple)))
-
-
-def _lowprec_args(store, layer):
-    """``(key_scales, value_scales, k_scale, v_scale)`` of a low-precision
-    pool or cache's layer (int8: its scale planes; fp8: its layer's
-    scales, or with per-kv-head scales, two float32 ``(num_kv_heads,)``
-    arrays), None for float storage."""
-    kind = _dtypes.storage_kind(store.dtype)
-    if kind == _dtypes.I8:
-        return store.key_scales(layer), store.value_scales(layer), 1.0, 1.0
-    heads = getattr(store, "_head_scales", None)
-    if kind in _dtypes.FP8_KINDS and heads is not None:
-        return None, None, heads[layer, 0], heads[layer, 1]
-    if kind in _dtypes.FP8_KINDS:
-        k_scale, v_scale = store.kv_scales[layer]
-        return None, None, k_scale, v_scale
-    return None
-
-
 def _query_input(be, q, num_kv_heads, head_dim, what="the pool's "):
     """``(bits, kind)`` of ``q`` on ``be``'s device after checking its shape
     ``(num_query_tokens, num_heads, head_dim)`` and dtype (bfloat16 as its
@@ -100,52 +75,35 @@ def _out_input(be, out, shape, owned):
 
 # ------------------------------------------------------------------ sources
 class _Source:
-    """What a plan reads: ``planes(layer)`` = ``(key_cache, value_cache,
-    lowprec)`` of a layer (``(num_blocks, num_kv_heads, block_size,
-    head_dim)`` views, rows contiguous), the backend of their device and
-    everything an ``out=`` must not overlap."""
+    """What a plan reads: ``views[layer]`` = the layer's ``(key_cache,
+    value_cache)`` (``(num_blocks, num_kv_heads, block_size, head_dim)``
+    views, rows contiguous) and ``codecs[layer]`` their ``(key_codec,
+    value_codec)``, the backend of their device and everything an ``out=``
+    must not overlap."""
 
     __slots__ = ("backend", "kind", "num_layers", "num_blocks", "num_kv_heads", "block_size",
-                 "head_dim", "planes", "owned", "what", "scale_planes", "guard")
+                 "head_dim", "views", "codecs", "owned", "what", "guard")
 
-    def __init__(self, backend, kind, num_layers, shape, planes, owned, what,
-                 scale_planes=None, guard=None):
-        self.backend, self.kind, self.num_layers = backend, kind, num_layers
+    def __init__(self, backend, kind, shape, views, codecs, owned, what, guard=None):
+        self.backend, self.kind, self.num_layers = backend, kind, len(views)
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = shape
-        self.planes, self.owned, self.what = planes, owned, what
-        self.scale_planes = scale_planes      # int8: layer -> (key_scales, value_scales)
+        self.views, self.codecs, self.owned, self.what = views, codecs, owned, what
         self.guard = guard                    # None, or raises once the planes' memory is gone
 
 
+def _planes_of(backend, kind, planes, what):
+    """A pool's or a KVCache's ``Planes`` as a plan source (a KVCache: one
+    "block" per batch row, block_size = max_seq_len)."""
+    return _Source(backend, kind, tuple(planes.views[0][0].shape), planes.views, planes.codecs,
+                   planes.owned, what)
+
+
 def _pool_source(pool):
-    if pool._kind in _dtypes.LOWPREC_KINDS:
-        def planes(layer):
-            return pool.key_cache(layer), pool.value_cache(layer), _lowprec_args(pool, layer)
-    else:
-        storage = pool.storage
-
-        def planes(layer):
-            return storage[2 * layer], storage[2 * layer + 1], None
-
-    k = pool.key_cache(0)
-    scales = (lambda l: (pool.key_scales(l), pool.value_scales(l))) \
-        if pool.scales is not None else None
-    return _Source(pool._backend, pool._kind, pool.num_layers, tuple(k.shape), planes,
-                   _owned(pool), "the pool's ", scales)
+    return _planes_of(pool._backend, pool._kind, pool._data.planes, "the pool's ")
 
 
 def _cache_source(cache):
-    """A KVCache as a plan source: one "block" per batch row (block_size =
-    max_seq_len)."""
-    def planes(layer):
-        return cache.key_cache(layer), cache.value_cache(layer), _lowprec_args(cache, layer)
-
-    k = cache.key_cache(0)
-    kind = _dtypes.storage_kind(cache.dtype)
-    scales = (lambda l: (cache.key_scales(l), cache.value_scales(l))) \
-        if kind == _dtypes.I8 else None
-    return _Source(cache._backend, kind, cache.num_layers, tuple(k.shape), planes,
-                   _owned(cache), "", scales)
+    return _planes_of(cache._backend, cache._kind, cache._planes, "")
 
 
 def _planes_source(planes_in):
@@ -181,13 +139,10 @@ def _planes_source(planes_in):
     if any(st % k.itemsize for st in k.strides) or be._ptr(k) % k.itemsize \
             or be._ptr(v) % k.itemsize:
         raise ValueError("key_cache and value_cache must be aligned to their elements")
-    layered = k.ndim == 5
-    num_layers = k.shape[0] if layered else 1
-
-    def planes(layer):
-        return (k[layer], v[layer], None) if layered else (k, v, None)
-
-    return _Source(be, kind, num_layers, tuple(k.shape[-4:]), planes, (k, v), "the planes' ",
+    views = [(k[l], v[l]) for l in range(k.shape[0])] if k.ndim == 5 else [(k, v)]
+    plain = codec_of(kind)
+    return _Source(be, kind, tuple(k.shape[-4:]), views, [(plain, plain)] * len(views), (k, v),
+                   "the planes' ",
                    guard=_arrays.memory_guard(zip(("key_cache", "value_cache"), planes_in)))
 
 
@@ -390,19 +345,11 @@ class AttentionPlan:
         if bind is None:
             return None
         src = self._src
-        last = src.num_layers - 1
-        k0, v0, low0 = src.planes(0)
-        kl, vl, lowl = src.planes(last)
+        k0, v0 = src.views[0]
+        kl, vl = src.views[-1]
         extra = {}
-        if low0 is not None and low0[0] is not None:        # int8 scale planes
-            extra = dict(key_scales0=low0[0], value_scales0=low0[1], key_scales_last=lowl[0],
-                         value_scales_last=lowl[1])
-        elif low0 is not None and isinstance(low0[2], np.ndarray):  # fp8 per-head scales
-            extra = dict(head_scales=np.ascontiguousarray(
-                [src.planes(l)[2][2:] for l in range(src.num_layers)], np.float32))
-        elif low0 is not None:                               # fp8 layer scales
-            extra = dict(layer_scales=np.array([src.planes(l)[2][2:]
-                                                for l in range(src.num_layers)], np.float32))
+        if src.kind in _dtypes.LOWPREC_KINDS:
+            extra["codecs"] = src.codecs
         if self._mixed:
             extra["layer_plans"] = plans
         if self._alibi_host is not None:
@@ -470,12 +417,12 @@ class AttentionPlan:
         direct = out is not None and okind in out_kinds and obits.flags.c_contiguous \
             and be._ptr(obits) % obits.itemsize == 0 and not be.overlaps(obits, qin)
         target = obits if direct else be.empty(shape, "float32")
-        key_cache, value_cache, lowprec = src.planes(layer)
+        key_cache, value_cache = src.views[layer]
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
                                "plan: use one plan per thread)")
         try:
-            be.attention_run(plan, qin, target, key_cache, value_cache, lowprec,
+            be.attention_run(plan, qin, target, key_cache, value_cache, src.codecs[layer],
                              alibi_slopes=None if self._alibi is None else self._alibi[layer],
                              sinks=None if self._sinks is None else self._sinks[layer])
         finally:
@@ -575,14 +522,16 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
 
 
 def _attention(q, key_cache, value_cache, kind, storage, block_tables, seq_lens,
-               query_start_loc, scale, sliding_window, logits_soft_cap, out, lowprec=None):
+               query_start_loc, scale, sliding_window, logits_soft_cap, out, codecs=None):
     """``paged_attention`` over raw planes ``(num_blocks, num_kv_heads,
-    block_size, head_dim)`` of storage ``kind`` (``lowprec`` their scales,
-    as ``Backend.attention_run`` takes them; ``out`` may not overlap
+    block_size, head_dim)`` of storage ``kind`` (``codecs`` their
+    ``(key_codec, value_codec)``, default unscaled; ``out`` may not overlap
     ``storage``).  Checked like ``paged_attention``; tests compare the CUDA
     emulation with it (tests/_cuda_cases.py)."""
-    src = _Source(backend_of_array(key_cache), kind, 1, tuple(key_cache.shape),
-                  lambda layer: (key_cache, value_cache, lowprec), (storage,), "the pool's ")
+    if codecs is None:
+        codecs = (codec_of(kind),) * 2
+    src = _Source(backend_of_array(key_cache), kind, tuple(key_cache.shape),
+                  [(key_cache, value_cache)], [codecs], (storage,), "the pool's ")
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
     plan = AttentionPlan._make(src, block_tables, seq_lens, query_start_loc,
                                checked[0].shape[0], 0, scale=scale,

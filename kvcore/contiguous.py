@@ -97,9 +97,9 @@ class KVCache:
         check_head_scales_backend(head_scales, backend)
         shape = (num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim)
         storage = self._allocate(backend, shape, kind)
-        scales = backend.zeros(shape[:5], np.float32) if kind == dtypes.I8 else None
+        scale_planes = backend.zeros(shape[:5], np.float32) if kind == dtypes.I8 else None
         self._init_from(backend, backend.normalize_device(device), kind, storage,
-                        [0] * num_layers, scales, layer_scales, head_scales)
+                        [0] * num_layers, scale_planes, layer_scales, head_scales)
 
     # ------------------------------------------------------------ internals
     @staticmethod
@@ -114,24 +114,25 @@ class KVCache:
                 f"cannot allocate the KV cache buffer: shape {shape} in {KIND_NAME[kind]} "
                 f"is {nbytes} bytes ({nbytes / 2**30:.2f} GiB)") from None
 
-    def _init_from(self, backend, device, kind, storage, lengths, scales=None,
+    def _init_from(self, backend, device, kind, storage, lengths, scale_planes=None,
                    layer_scales=None, head_scales=None):
         self._backend = backend
         self._device = device
         self._kind = kind
         self._storage = storage
-        # int8: (num_layers, 2, batch, heads, max_seq_len) float32 scales;
-        # fp8: the (num_layers, 2) float32 layer scales; else None; and
-        # with per-kv-head ones, (num_layers, 2, heads) float32 (else None)
-        self._scales = scales
+        # int8: (num_layers, 2, batch, heads, max_seq_len) float32 scale
+        # planes; fp8: the (num_layers, 2) float32 layer scales; else None;
+        # and with per-kv-head ones, (num_layers, 2, heads) float32 (else
+        # None): the fields of the planes' codecs (kvcore._planes)
+        self._scale_planes = scale_planes
         self._layer_scales = layer_scales
         self._head_scales = head_scales
         L, _, B, H, S, D = storage.shape
         self._num_layers, self._batch_size = L, B
         self._num_kv_heads, self._max_seq_len, self._head_dim = H, S, D
         # Per-layer (K, V) views and codecs, made once: update/get are hot paths.
-        self._planes = Planes(backend, storage, kind, scales, layer_scales,
-                              owned=(storage, scales), head_scales=head_scales)
+        self._planes = Planes(backend, storage, kind, scale_planes, layer_scales, head_scales,
+                              owned=(storage, scale_planes))
         self._lengths = lengths
 
     def _check_layer(self, layer):
@@ -277,10 +278,10 @@ class KVCache:
 
     def _scale_plane(self, layer, i):
         layer = self._check_layer(layer)
-        if self._scales is None:
+        if self._scale_planes is None:
             raise ValueError(f"only int8 caches keep per-position scales; this cache's dtype "
                              f"is {self.dtype!r} (fp8: see kv_scales)")
-        return self._scales[layer, i]
+        return self._scale_planes[layer, i]
 
     def get_scales(self, layer, start=0, end=None):
         """int8 caches: the scales of the codes ``get(layer, start, end)``
@@ -475,14 +476,15 @@ class KVCache:
         there by ``move``."""
         check_head_scales_backend(self._head_scales, backend)
         dst = self._allocate(backend, self._storage.shape, self._kind)
-        scales = None if self._scales is None else backend.zeros(self._scales.shape, np.float32)
+        planes = self._scale_planes
+        scale_planes = None if planes is None else backend.zeros(planes.shape, np.float32)
         for layer, n in enumerate(self._lengths):
             if n:
                 dst[layer, :, :, :, :n] = move(self._storage[layer, :, :, :, :n])
-                if scales is not None:
-                    scales[layer, :, :, :, :n] = move(self._scales[layer, :, :, :, :n])
+                if planes is not None:
+                    scale_planes[layer, :, :, :, :n] = move(planes[layer, :, :, :, :n])
         twin = object.__new__(type(self))
-        twin._init_from(backend, device, self._kind, dst, list(self._lengths), scales,
+        twin._init_from(backend, device, self._kind, dst, list(self._lengths), scale_planes,
                         self._layer_scales, self._head_scales)
         return twin
 

@@ -96,10 +96,10 @@ class BlockPool:
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
-        self._layer_scales, self._head_scales = check_layer_scales(
+        layer_scales, head_scales = check_layer_scales(
             kv_scales, self._kind, self._num_layers, self._num_kv_heads)
         self._backend = get_backend(device)
-        check_head_scales_backend(self._head_scales, self._backend)
+        check_head_scales_backend(head_scales, self._backend)
         self._device = self._backend.normalize_device(device)
         self._num_blocks = num_blocks
         self._caching = bool(enable_prefix_caching)
@@ -107,15 +107,20 @@ class BlockPool:
         # other public classes read (attention, kvcore.tables)
         self._data = PoolData(self._backend, num_blocks, self._block_size, self._num_layers,
                               self._num_kv_heads, self._head_dim, self._kind,
-                              self._layer_scales, self._head_scales)
-        self._storage, self._scales = self._data.storage, self._data.scales
+                              layer_scales, head_scales)
+        self._storage, self._scale_planes = self._data.storage, self._data.scale_planes
+        # the pool's one native writer, or None (see PoolData.writer): what a
+        # sequence appends through (via the binding) and kvcore.hf writes a
+        # decode step's K/V through (write_slots; it declines what it does
+        # not take, which then goes to write())
+        self._writer = self._data.writer
         self._core = _pool.PoolCore(num_blocks, self._block_size, self._forge_hashes)
         self._lock = CheckedLock(self._core) if _pool.DEBUG_BUILD else threading.RLock()
         # (a fork waits for the operation in progress: see kvcore._forksafe)
         fork_guard(self, "_lock", POOL)
         # what passes between this pool and prefix stores (StorePort)
         self._port = StorePort(self._core, self._lock, self._backend, self._storage,
-                               self._scales, self._layout(), self.bytes_per_block)
+                               self._scale_planes, self._layout(), self.bytes_per_block)
         self._stores = None
         if stores is not None:
             if not self._caching:
@@ -130,7 +135,7 @@ class BlockPool:
         # what every sequence on this pool binds to (PagedKVCache)
         self._binding = _seq.PoolBinding(
             self._core, self._lock, self._block_size, self._num_layers, self._caching,
-            self._data.writer, self._data.block_copy(),
+            self._writer, self._data.block_copy(),
             None if self._stores is None else self._port)
 
     @classmethod
@@ -193,16 +198,7 @@ class BlockPool:
         """int8 pools: the per-(token, kv head) float32 scales, shape
         ``(num_layers * 2, num_blocks, num_kv_heads, block_size)`` (plane
         ``2*l`` layer l's keys, ``2*l + 1`` its values); None otherwise."""
-        return self._scales
-
-    def _slot_writer(self):
-        """The backend's writer of this pool's rows (``write_slots(layer, k,
-        v, slots)``: True when it took the inputs as they are, else nothing
-        written), or None: what kvcore.hf writes a decode step through,
-        its slots checked once per step; anything it does not take goes to
-        :meth:`write`."""
-        writer = self._data.writer
-        return writer if hasattr(writer, "write_slots") else None
+        return self._scale_planes
 
     def _step_lane(self):
         """A new step lane of this pool's backend (CUDA: a step's writes as
@@ -214,7 +210,7 @@ class BlockPool:
         if make is None:
             return None
         data = self._data
-        return make(data.planes.views, data.planes.codecs, (data.storage, data.scales))
+        return make(data.planes.views, data.planes.codecs, (data.storage, data.scale_planes))
 
     @property
     def kv_scales(self):
@@ -223,7 +219,7 @@ class BlockPool:
         keys (values) have per-kv-head scales that are not all equal (a
         per-head sequence of one repeated value reads back as that float);
         None for other dtypes."""
-        return kv_scale_pairs(self._layer_scales, self._head_scales)
+        return kv_scale_pairs(self._data.layer_scales, self._data.head_scales)
 
     @property
     def bytes_per_token(self):
@@ -257,10 +253,10 @@ class BlockPool:
         return self._scale_plane(2 * layer_index(layer, self._num_layers) + 1)
 
     def _scale_plane(self, plane):
-        if self._scales is None:
+        if self._scale_planes is None:
             raise ValueError(f"only int8 pools keep per-token scales; this pool's dtype is "
                              f"{self.dtype!r} (fp8 pools: see kv_scales)")
-        return self._scales[plane]
+        return self._scale_planes[plane]
 
     # ------------------------------------------------------------ counts
     @property

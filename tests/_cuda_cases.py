@@ -787,7 +787,7 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
     num_blocks = sum(need) + 3
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     vals = rng.standard_normal((2, *shape)).astype(np.float32)
-    lowprec = ref_kw = None
+    codecs = ref_kw = cpu_codecs = None
     if kind == F16:
         k, v = vals.astype(np.float16)
     elif kind == BF16:
@@ -817,12 +817,12 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
         ref_kw = dict(kind=dtypes.KIND_NAME[kind])
         if kind == I8:
             d_both = dev.put(both)
-            lowprec = (d_both[..., 0], d_both[..., 1], 1.0, 1.0)
+            codecs = (Codec(I8, 1.0, d_both[..., 0]), Codec(I8, 1.0, d_both[..., 1]))
             ks, vs = np.ascontiguousarray(both[..., 0]), np.ascontiguousarray(both[..., 1])
-            cpu_lowprec = (ks, vs, 1.0, 1.0)
+            cpu_codecs = (Codec(I8, 1.0, ks), Codec(I8, 1.0, vs))
         else:
             ks, vs = layer_scales
-            lowprec = cpu_lowprec = (None, None, float(ks), float(vs))
+            codecs = cpu_codecs = (Codec(kind, float(ks)), Codec(kind, float(vs)))
         ref_kw.update(key_scales=ks, value_scales=vs)
     lens = np.array(contexts, np.int64)
     qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
@@ -840,12 +840,12 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
     feats = {name: dev.put(np.asarray(a, np.float32)) for name, a in
              (("alibi_slopes", alibi), ("sinks", sinks)) if a is not None}
     be.attention_run(plan, dev.put(q_in), out, dev.put(k), dev.put(v),
-                     **({} if lowprec is None else {"lowprec": lowprec}), **feats)
+                     **({} if codecs is None else {"codecs": codecs}), **feats)
     got = _io_values(dev.get(out), out_dtype)
     if nan_rows:   # the CPU kernel's result; the caller checks the NaN pattern
         from kvcore.attention import _attention
         want = _attention(q, k, v, kind, k, tables, lens, qsl, scale, window, cap, None,
-                          cpu_lowprec)
+                          cpu_codecs)
         nan = np.isnan(want) | np.isnan(got)
         assert nan.any() and not nan.all()
     else:

@@ -177,10 +177,10 @@ cdef inline Py_ssize_t _count(object n) except -1:
 cdef class PoolBinding:
     """What a sequence needs of its pool, made once per pool by
     ``BlockPool`` (its ``_binding``; a new sequence reads it in one go): the
-    bookkeeping core, the pool's lock, its geometry, the row writer of its
-    backend (None: appends take the validated path), the pool's block copy
-    (for copy-on-write) and, on a pool with stores, its store port's two
-    eviction calls."""
+    bookkeeping core, the pool's lock, its geometry, the pool's writer
+    (``BlockPool._writer``; None: appends take the validated path), the
+    pool's block copy (for copy-on-write) and, on a pool with stores, its
+    store port's two eviction calls."""
     cdef PoolCore _core
     cdef object lock_acquire, lock_release
     cdef Py_ssize_t block_size, num_layers
@@ -269,7 +269,7 @@ def bind(PoolBinding binding, max_seq_len, salt, uint64_t root0, uint64_t root1,
 cdef class SeqCore:
     """Bookkeeping state of one sequence in a ``BlockPool``; ``PagedKVCache``
     holds one and is its public face.  It knows block ids, counts, token
-    ids and hashes; the bytes are written by the pool's row writer and
+    ids and hashes; the bytes are written by the pool's writer and
     block copy, handed in through a ``PoolBinding``."""
     # What the pool lends (core, lock, writer, block copy, spill hook):
     # read from the binding, never copied field by field, so that every
@@ -825,7 +825,7 @@ cdef class SeqCore:
 
     def append_direct(self, layer, k, v):
         """``append(layer, k, v)`` in one native call for the inputs the
-        pool's row writer takes as they are (see PositionWriter), with
+        pool's writer takes as they are (see PositionWriter), with
         ``layer`` an int in range, within max_seq_len and the free blocks:
         reserves the positions, has the writer write them, and returns True.
         Returns False having changed nothing for any other input (or state,

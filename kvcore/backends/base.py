@@ -189,12 +189,15 @@ class Backend:
         """Scratch a GPU backend needs for ``write_slots_kv`` (None here)."""
         return None
 
-    def row_writer(self, storage, kind, scales=None, layer_scales=None):
-        """A C-level writer of a sequence's appended rows into ``storage``
-        (a ``kvcore._native._typedefs.RowWriter``), or None: appends then
-        go through ``write_positions``.  ``scales``: an int8 pool's scale
-        array; ``layer_scales``: an fp8 pool's float32 ``(num_layers, 2)``
-        scales (the codecs of every plane at once)."""
+    def position_writer(self, storage, kind, scale_planes=None, layer_scales=None,
+                        head_scales=None):
+        """A pool's one native writer into ``storage`` (a
+        ``kvcore._native._typedefs.RowWriter`` with ``write_slots``: a
+        sequence's appends, a decode step's rows by slots), or None: both
+        then go through ``write_positions`` / ``write_slots_kv``.  The
+        fields of every plane's codec at once: ``scale_planes`` an int8
+        pool's, ``layer_scales`` an fp8 pool's float32 ``(num_layers, 2)``,
+        ``head_scales`` float32 ``(num_layers, 2, num_kv_heads)`` or None."""
         return None
 
     # ------------------------------------------------------------- kernels
@@ -380,36 +383,35 @@ class Backend:
         are)."""
         return _F32_IO
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+    def attention_run(self, plan, q, out, key_cache, value_cache, codecs=None, *,
                       alibi_slopes=None, sinks=None):
         """``out[...]`` = the planned attention of ``q``.
 
         ``q`` float32 C-contiguous ``(num_tokens, num_heads, head_dim)``;
         ``out`` the same, written; ``key_cache`` / ``value_cache``
         ``(num_blocks, num_kv_heads, block_size, head_dim)`` in the storage
-        dtype; ``lowprec`` None or ``(key_scales, value_scales, k_scale,
-        v_scale)`` (int8: the layer's scale planes and 1.0, 1.0; fp8: None,
-        None and the layer's scales); ``alibi_slopes`` / ``sinks`` None or
+        dtype; ``codecs`` the planes' ``(key_codec, value_codec)`` (the
+        layer's :class:`Codec` pair, of the plan's kind: an int8 layer's
+        scale planes, an fp8 layer's scales), or None for unscaled planes;
+        ``alibi_slopes`` / ``sinks`` None or
         float32 C-contiguous ``(num_heads,)`` arrays on the backend's
         device (the layer's, finite).  Here: :meth:`paged_attention` with
         the plan's arrays (a backend that overrides only that one runs it)."""
         self.paged_attention(q, out, key_cache, value_cache, plan.kind, plan.block_tables,
                              plan.seq_lens, plan.query_start_loc, plan.scale,
-                             plan.sliding_window, plan.soft_cap, lowprec,
+                             plan.sliding_window, plan.soft_cap, codecs,
                              chunk_size=plan.chunk_size, alibi_slopes=alibi_slopes, sinks=sinks)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        query_start_loc, scale, sliding_window, soft_cap, codecs=None, *,
                         chunk_size=0, alibi_slopes=None, sinks=None):
         """``out[...]`` = attention (arguments as :meth:`attention_plan` and
         :meth:`attention_run`); here in float64 (:func:`paged_attention_reference`)
         rounded once to float32."""
         name = dtypes.KIND_NAME[kind]
         key_scales = value_scales = None
-        if lowprec is not None:
-            key_scales, value_scales, k_scale, v_scale = lowprec
-            if key_scales is None:          # fp8: one scale per layer
-                key_scales, value_scales = k_scale, v_scale
+        if codecs is not None:
+            key_scales, value_scales = (_reference_scales(c, kind) for c in codecs)
         out[...] = paged_attention_reference(
             q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale=float(np.float32(scale)), sliding_window=int(sliding_window) or None,
@@ -425,6 +427,17 @@ class Backend:
     def overlaps(self, a, b):
         """Whether the memory spans of ``a`` and ``b`` may meet (a bounds check)."""
         return bool(self.xp.may_share_memory(a, b))
+
+
+def _reference_scales(codec, kind):
+    """What :func:`paged_attention_reference` reads a plane of ``codec``
+    with: its scale plane (int8), per-kv-head scales or layer scale (fp8)."""
+    if codec.kind != kind:
+        raise ValueError(f"codecs must be of the pages' kind {dtypes.KIND_NAME[kind]}, got "
+                         f"{dtypes.KIND_NAME.get(codec.kind, codec.kind)}")
+    if codec.scale_plane is not None:
+        return codec.scale_plane
+    return codec.head_scales if codec.head_scales is not None else codec.layer_scale
 
 
 REFERENCE = Backend()

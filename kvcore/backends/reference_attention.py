@@ -20,12 +20,16 @@ def stored_values(cache, kind=None, scales=None):
     ``cache`` is float32, float16, ml_dtypes.bfloat16, or uint16 holding
     bfloat16 bits (then ``kind`` must be "bfloat16"); or low precision:
     uint8 fp8 bits with ``kind`` "float8_e4m3fn" / "float8_e5m2" (``scales``
-    the layer's float scale, default 1), int8 codes with ``kind="int8"``
+    the layer's float scale, default 1, or float32 ``(num_kv_heads,)``: one
+    per kv head, axis -3), int8 codes with ``kind="int8"``
     (``scales`` one float32 per row: ``cache.shape[:-1]``).  A low-precision
     value is the float32 ``element * scale`` the pool reads back.
     """
     a = np.asarray(cache)
     if kind in ("float8_e4m3fn", "float8_e5m2"):
+        if scales is not None and np.ndim(scales):      # per kv head
+            heads = np.asarray(scales, np.float32)[:, None, None]
+            return (fp8_decode(a, dtypes.NAME_KIND[kind]) * heads).astype(np.float64)
         return fp8_decode(a, dtypes.NAME_KIND[kind],
                           1.0 if scales is None else scales).astype(np.float64)
     if kind == "int8":
@@ -52,7 +56,7 @@ def paged_attention_reference(q, key_cache, value_cache, block_tables, seq_lens,
         ``kind="bfloat16"``; fp8 bits or int8 codes with their ``kind``).
     key_scales, value_scales : optional
         Low precision (see :func:`stored_values`): an fp8 layer's float
-        scales, or an int8 layer's scale planes ``(num_blocks, num_kv_heads,
+        scales (or per-kv-head ones), or an int8 layer's scale planes ``(num_blocks, num_kv_heads,
         block_size)``.
     block_tables : integer array ``(num_seqs, max_blocks)``
     seq_lens : integer array ``(num_seqs,)``

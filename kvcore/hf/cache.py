@@ -142,7 +142,7 @@ class PagedCache(Cache):
         self._attention_state = None            # the model's attention spec (attention.py)
         self._forward_columns = None            # generate's forward: (input columns, model type)
         self._torch = _TorchSide(pool)
-        self._writer = pool._slot_writer()      # a decode step's K/V: one native call
+        self._writer = pool._writer             # a decode step's K/V: one native call
         # a CUDA pool: slots up once per step, packed launches per layer
         step_lane = pool._step_lane() if self._torch.cuda else None
         self._lane = None if step_lane is None else DeviceLane(step_lane, pool.head_dim,

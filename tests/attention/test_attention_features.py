@@ -416,7 +416,7 @@ def test_cuda_backend_computes_every_feature():
     plan = CudaAttentionPlan(num_tokens=1, num_heads=2, num_kv_heads=1, head_dim=64,
                              block_size=16, num_blocks=1, kind=0, version=3)
     be.attention_io_kinds = lambda plan: (frozenset({0}), frozenset({0}))
-    be.scales = lambda kind, key_cache, lowprec: [None] * 5 + [1.0, 1.0]
+    be.scales = lambda kind, key_cache, codecs: [None] * 5 + [1.0, 1.0]
     q = np.zeros((1, 2, 64), np.float32)
     kv = np.zeros((1, 1, 16, 64), np.float32)
     with pytest.raises(ValueError, match=r"sinks must be a float32 C-contiguous \(2,\) array"):

@@ -11,7 +11,7 @@ import pytest
 
 import kvcore
 from kvcore import dtypes
-from kvcore.backends import CPU, Backend
+from kvcore.backends import CPU, Backend, Codec
 from kvcore.backends.cpu import _attention
 from kvcore.backends.base import paged_attention_reference
 
@@ -457,7 +457,8 @@ def test_the_reference_backend_is_the_oracle():
     out = np.zeros(q.shape, np.float32)
     Backend().paged_attention(q, out, pool.key_cache(0), pool.value_cache(0), dtypes.I8,
                               tables, lens, qsl, 0.125, 0, 0.0,
-                              (pool.key_scales(0), pool.value_scales(0), 1.0, 1.0))
+                              (Codec(dtypes.I8, 1.0, pool.key_scales(0)),
+                               Codec(dtypes.I8, 1.0, pool.value_scales(0))))
     want = paged_attention_reference(q, pool.key_cache(0), pool.value_cache(0), tables, lens,
                                      qsl, scale=0.125, kind="int8",
                                      key_scales=pool.key_scales(0),

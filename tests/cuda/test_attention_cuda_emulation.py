@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvcore import dtypes
+from kvcore.backends import Codec
 from kvcore.backends.cuda import attention_kernels as ak
 from kvcore.dtypes import BF16, F16, F32, F8E4M3, F8E5M2, I8
 
@@ -578,12 +579,14 @@ def test_fast_lane_runs_each_layer_as_the_general_path(tc_dev, kind):
     plan = be.attention_plan(tables, lens, qsl, num_heads=H, num_kv_heads=KVH, head_dim=D,
                              block_size=bs, num_blocks=nb, kind=kind, scale=0.125,
                              sliding_window=0, soft_cap=0.0)
-    extra = {}
+    codecs = None
     if scales is not None:
-        extra = dict(key_scales0=scales[0], value_scales0=scales[1],
-                     key_scales_last=scales[2 * L - 2], value_scales_last=scales[2 * L - 1])
+        codecs = [(Codec(kind, 1.0, scales[2 * l]), Codec(kind, 1.0, scales[2 * l + 1]))
+                  for l in range(L)]
+    elif layer_scales is not None:
+        codecs = [(Codec(kind, float(k)), Codec(kind, float(v))) for k, v in layer_scales]
     fast = plan.bind(d_storage[0], d_storage[1], d_storage[2 * L - 2], d_storage[2 * L - 1], L,
-                     layer_scales=layer_scales, **extra)
+                     codecs=codecs)
     assert fast is not None
     for layer in range(L):
         for q_dtype in ("float16", "float32"):
@@ -631,7 +634,8 @@ def test_fast_lane_is_not_bound_where_it_cannot_be(tc_dev):
     assert plan.bind(st[0], st[1], st[2], st[3], 2) is not None
     # 4 layers whose last K plane lies 1 plane (not a multiple of 3 layer strides) away
     assert plan.bind(st[0], st[1], st[1], st[2], 4) is None
-    assert plan.bind(st[0], st[1], st[2], st[3], 2, head_scales=np.ones((2, 2, 2))) is None
+    per_head = Codec(F8E4M3, head_scales=np.ones(2, np.float32))
+    assert plan.bind(st[0], st[1], st[2], st[3], 2, codecs=[(per_head, per_head)] * 2) is None
     assert plan.bind(np.zeros((10, 2, 16, 64), np.float16), st[1], st[2], st[3], 2) is None
 
 

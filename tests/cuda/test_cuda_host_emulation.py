@@ -1099,36 +1099,45 @@ def test_paged_attention_over_lowprec_pages_checks_the_scales(emulated_cuda, dty
     out = be.empty(q.shape, "float32")
     args = (q, out, gpu.key_cache(0), gpu.value_cache(0), kind, np.array([[0]], np.int32),
             np.array([3], np.int64), np.array([0, 1], np.int64), 0.125, 0, 0.0)
+    pair = lambda k, v, ks=1.0, vs=1.0: (Codec(kind, ks, k), Codec(kind, vs, v))
     if dtype == "int8":
         ks, vs = gpu.key_scales(0), gpu.value_scales(0)
-        good = (ks, vs, 1.0, 1.0)
-        bad = [(None, TypeError, "int8 pages need lowprec"),
-               ((_get(ks), vs, 1.0, 1.0), TypeError, "key_scales must be a float32 array on"),
-               ((ks, vs[:5], 1.0, 1.0), ValueError, r"value_scales must be float32 of shape"),
-               ((ks, _put(np.asarray(vs, np.float64)), 1.0, 1.0), ValueError, "float32"),
-               ((ks, vs, 2.0, 1.0), ValueError, "k_scale and v_scale must be 1.0"),
-               ((ks, _put(np.zeros((12, 2, 8, 2), np.float32))[..., 0], 1.0, 1.0), ValueError,
+        good = pair(ks, vs)
+        bad = [(None, TypeError, "int8 pages need codecs"),
+               (pair(_get(ks), vs), TypeError,
+                r"key_codec.scale_plane must be a float32 array on"),
+               (pair(ks, vs[:5]), ValueError, r"value_codec.scale_plane must be float32 of shape"),
+               (pair(ks, _put(np.asarray(vs, np.float64))), ValueError, "float32"),
+               (pair(ks, vs, 2.0), ValueError, "the codecs' layer_scale must be 1.0"),
+               (pair(ks, _put(np.zeros((12, 2, 8, 2), np.float32))[..., 0]), ValueError,
                 "same layout")]
     else:
         k_scale, v_scale = gpu.kv_scales[0]
-        good = (None, None, k_scale, v_scale)
-        bad = [(None, TypeError, "pages need lowprec"),
-               ((None, None, 0.0, v_scale), ValueError, "k_scale must be finite and positive"),
-               ((None, None, k_scale, float("nan")), ValueError, "v_scale must be finite"),
-               ((None, None, k_scale, 1e39), ValueError, "v_scale must be finite"),
-               ((None, None, "2", v_scale), TypeError, "k_scale must be a real number"),
-               ((gpu.key_cache(0), None, k_scale, v_scale), ValueError,
-                "key_scales and value_scales must be None")]
+        good = pair(None, None, k_scale, v_scale)
+        bad = [((None, v_scale), TypeError, r"codecs must be a \(key_codec, value_codec\) pair"),
+               (pair(None, None, 0.0, v_scale), ValueError,
+                r"key_codec.layer_scale must be finite and positive"),
+               (pair(None, None, k_scale, float("nan")), ValueError,
+                r"value_codec.layer_scale must be finite"),
+               (pair(None, None, k_scale, 1e39), ValueError,
+                r"value_codec.layer_scale must be finite"),
+               (pair(None, None, "2", v_scale), TypeError,
+                r"key_codec.layer_scale must be a real number"),
+               (pair(gpu.key_cache(0), None, k_scale, v_scale), ValueError,
+                "scale_plane must be None"),
+               ((Codec(kind, 1.0, head_scales=np.ones(2, np.float32)), good[1]), ValueError,
+                "per-kv-head scales"),
+               ((Codec(F16), Codec(F16)), ValueError, "key_codec must be of the pages' kind")]
     be.launches.clear()
-    for lowprec, exc, match in bad:
+    for codecs, exc, match in bad:
         with pytest.raises(exc, match=match):
-            be.paged_attention(*args, lowprec=lowprec)
-    with pytest.raises(ValueError, match="lowprec must be None for float16 pages"):
+            be.paged_attention(*args, codecs=codecs)
+    with pytest.raises(ValueError, match="key_codec must be of the pages' kind float16"):
         be.paged_attention(q, out, _put(np.zeros((4, 2, 8, 64), np.float16)),
                            _put(np.zeros((4, 2, 8, 64), np.float16)), F16, *args[5:],
-                           lowprec=good)
+                           codecs=good)
     assert be.launches == []
-    be.paged_attention(*args, lowprec=good)
+    be.paged_attention(*args, codecs=good)
     assert len(be.launches) == 1
 
 
@@ -1225,7 +1234,7 @@ def test_attention_plan_uploads_once_and_runs_each_layer_with_launches_only(
     rng = np.random.default_rng([60, kind, split_keys or 0])
     tables, lens, qsl, q = _attention_batch(rng)
     num_blocks, kv_heads, bs, dim = 10, 2, 8, 64
-    layers, lowprec = [], None
+    layers, codecs = [], None
     for _ in range(3):
         vals = rng.standard_normal((2, num_blocks, kv_heads, bs, dim)).astype(np.float32)
         if kind == F16:
@@ -1234,7 +1243,7 @@ def test_attention_plan_uploads_once_and_runs_each_layer_with_launches_only(
             pages = (vals.view(np.uint32) >> 16).astype(np.uint16)
         else:
             pages = np.stack([fp8_encode(vals[i], kind, 0.5) for i in (0, 1)])
-            lowprec = (None, None, 0.5, 0.5)
+            codecs = (Codec(kind, 0.5), Codec(kind, 0.5))
         layers.append((pages, _put(pages[0]), _put(pages[1])))
     plan = be.attention_plan(tables, lens, qsl, num_heads=8, num_kv_heads=kv_heads,
                              head_dim=dim, block_size=bs, num_blocks=num_blocks, kind=kind,
@@ -1245,16 +1254,16 @@ def test_attention_plan_uploads_once_and_runs_each_layer_with_launches_only(
     be.uploads.clear()
     for _, k, v in layers:
         out = _put(np.zeros(q.shape, np.float32))
-        be.attention_run(plan, dq, out, k, v, lowprec)
+        be.attention_run(plan, dq, out, k, v, codecs)
         outs.append(_get(out))
     assert be.uploads == [] and be.downloads == []
     merges = [n for n, _, _ in be.launches if n.startswith("kva_attention_merge")]
     assert len(merges) == (3 if split_keys else 0)
     for (pages, k, v), got in zip(layers, outs):
         once = _put(np.zeros(q.shape, np.float32))
-        be.paged_attention(dq, once, k, v, kind, tables, lens, qsl, 0.125, 30, 0.0, lowprec)
+        be.paged_attention(dq, once, k, v, kind, tables, lens, qsl, 0.125, 30, 0.0, codecs)
         assert_bits_equal(got, _get(once))
-        ref_kw = {} if lowprec is None else {"key_scales": 0.5, "value_scales": 0.5}
+        ref_kw = {} if codecs is None else {"key_scales": 0.5, "value_scales": 0.5}
         want = np.asarray(paged_attention_reference(
             q, pages[0], pages[1], tables, lens, qsl, scale=0.125, sliding_window=30,
             kind=kind_name, **ref_kw))

@@ -345,7 +345,7 @@ DECODE_KINDS = dict(KV_KINDS, **{
 
 def _decode_outcome(dtype, layer, kv_make, slots_make, fast):
     pool = kvcore.BlockPool(NB, BS, LAYERS, KVH, DIM, dtype=dtype)
-    writer = pool._slot_writer()     # what kvcore.hf writes a decode step through
+    writer = pool._writer     # what kvcore.hf writes a decode step through
     assert writer is not None
 
     def run():

@@ -548,7 +548,7 @@ def test_torch_zero_tensors_are_refused_not_read(torch):
     pool = kvcore.BlockPool(4, 4, 1, 2, 16, dtype="float16")
     z = torch._efficientzerotensor((2, 2, 16))
     assert z._is_zerotensor()
-    writer = pool._slot_writer()
+    writer = pool._writer
     slots = np.array([1, 6], np.int64)
     assert writer.write_slots(0, z, z, slots) is False
     with pytest.raises(TypeError, match="^k "):

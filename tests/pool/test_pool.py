@@ -239,7 +239,7 @@ def test_slot_writer_declines_what_it_cannot_write_safely(dtype):
     range, and slots that live in the storage or the int8 scales it would
     rewrite while reading them; what it takes lands where pool.write puts it."""
     pool = make_pool(num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
-    writer = pool._slot_writer()
+    writer = pool._writer
     assert writer is not None
     k = rand((2, 2, 8), 7)
     good = np.array([1, 6], np.int64)

@@ -227,7 +227,7 @@ def test_threads_write_float16_rows_to_one_low_precision_pool(dtype):
     gate = threading.Barrier(2)
 
     def fill(pool, i, wait):
-        writer = pool._slot_writer()
+        writer = pool._writer
         try:
             if wait:
                 gate.wait()
@@ -258,7 +258,7 @@ def test_slots_rewritten_by_another_thread_never_write_outside(dtype, path):
     heads, dim, bs, blocks, n = 4, 128, 16, 8, 64
     limit = blocks * bs
     pool = kvcore.BlockPool(blocks, bs, 2, heads, dim, dtype=dtype)
-    writer = pool._slot_writer()
+    writer = pool._writer
     k = np.ones((n, heads, dim), np.float32)
     v = np.full((n, heads, dim), 2, np.float32)
     slots = np.arange(n, dtype=np.int64)

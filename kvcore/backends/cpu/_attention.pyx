@@ -19,6 +19,7 @@ from kvcore.backends.cpu._convert cimport KVH_BF16, KVH_F16, KVH_F32, convert_n,
 from kvcore.backends.cpu._span cimport byte_span
 from kvcore.backends.cpu._kernels import tensor_meta
 from kvcore.backends.base import owned_index_arrays
+from kvcore.dtypes import FP8_KINDS
 
 import numpy as np
 
@@ -119,6 +120,24 @@ cdef const float* _scale_plane(object scales, cnp.ndarray cache, str what) excep
             or (s.shape[0], s.shape[1], s.shape[2]) != want:
         raise ValueError(f"internal: {what} must be C-contiguous float32 of shape {want}")
     return <const float*>cnp.PyArray_DATA(s)
+
+
+cdef int _codec_args(kva_args *a, object codecs, cnp.ndarray cache, int kind,
+                     Py_ssize_t num_kv_heads) except -1:
+    """Set ``a``'s scale fields from the planes' ``(key_codec, value_codec)``:
+    an int8 plane's scale plane, an fp8 plane's layer scale or per-kv-head
+    scales (which then win)."""
+    key_codec, value_codec = codecs
+    if key_codec.kind != kind or value_codec.kind != kind:
+        raise ValueError(f"internal: codecs of kinds {key_codec.kind}, {value_codec.kind} for "
+                         f"a plan of kind {kind}")
+    a.key_scales = _scale_plane(key_codec.scale_plane, cache, "the key scale_plane")
+    a.value_scales = _scale_plane(value_codec.scale_plane, cache, "the value scale_plane")
+    a.k_scale = <float>key_codec.layer_scale
+    a.v_scale = <float>value_codec.layer_scale
+    a.k_head_scales = _float_row(key_codec.head_scales, num_kv_heads, "head_scales")
+    a.v_head_scales = _float_row(value_codec.head_scales, num_kv_heads, "head_scales")
+    return 0
 
 
 def simd_level():
@@ -341,6 +360,20 @@ cdef inline bint _planes_match(Plan p, cnp.ndarray k, cnp.ndarray v) noexcept:
     return True
 
 
+def _scale_rows(codecs, Py_ssize_t num_kv_heads):
+    """fp8 planes' scales as the bound runs read them: ``(layer_scales,
+    None)`` float32 ``(num_layers, 2)``, or where some plane has per-kv-head
+    scales ``(None, head_scales)`` float32 ``(num_layers, 2, num_kv_heads)``
+    (a plane of one scale repeated); ``(None, None)`` for other kinds."""
+    if codecs[0][0].kind not in FP8_KINDS:
+        return None, None
+    if all(c.head_scales is None for pair in codecs for c in pair):
+        return np.array([[c.layer_scale for c in pair] for pair in codecs], np.float32), None
+    return None, np.ascontiguousarray(
+        [[np.full(num_kv_heads, c.layer_scale, np.float32) if c.head_scales is None
+          else c.head_scales for c in pair] for pair in codecs], np.float32)
+
+
 cdef class Plan:
     """The CPU backend's attention plan: owned, checked copies of the index
     arguments and the shape/scalar fields of the C arguments, for one
@@ -376,9 +409,9 @@ cdef class Plan:
     cdef const char *key_base
     cdef const char *value_base
     cdef Py_ssize_t key_layer_stride, value_layer_stride
-    cdef const char *key_scales_base
-    cdef const char *value_scales_base
-    cdef Py_ssize_t key_scales_layer_stride, value_scales_layer_stride
+    cdef const char *key_scale_plane_base
+    cdef const char *value_scale_plane_base
+    cdef Py_ssize_t key_scale_plane_stride, value_scale_plane_stride
     cdef object layer_scales          # float32 (num_layers, 2) C-contiguous, or None
     cdef const float *layer_scales_ptr
     cdef object head_scales           # float32 (num_layers, 2, num_kv_heads), or None
@@ -507,15 +540,13 @@ cdef class Plan:
         return 0
 
     def run(self, cnp.ndarray q, cnp.ndarray out, cnp.ndarray key_cache,
-            cnp.ndarray value_cache, key_scales=None, value_scales=None, double k_scale=1.0,
-            double v_scale=1.0, k_head_scales=None, v_head_scales=None, *, alibi_slopes=None,
-            sinks=None):
+            cnp.ndarray value_cache, codecs=None, *, alibi_slopes=None, sinks=None):
         """out[...] = attention of q (float32 C-contiguous, the plan's shape)
         over key_cache / value_cache ((num_blocks, num_kv_heads, block_size,
         head_dim), rows contiguous, the same strides), checked by the caller.
-        fp8 with per-kv-head scales: ``k_head_scales`` / ``v_head_scales``
-        float32 ``(num_kv_heads,)`` (then k_scale / v_scale are unused).
-        ``alibi_slopes`` / ``sinks``: float32 ``(num_heads,)`` or None."""
+        ``codecs``: the planes' ``(key_codec, value_codec)`` (kvcore.backends.Codec,
+        of the plan's kind), or None for unscaled planes.  ``alibi_slopes`` /
+        ``sinks``: float32 ``(num_heads,)`` or None."""
         for x in (q, out):
             if cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
                     or not cnp.PyArray_ISALIGNED(x) or not cnp.PyArray_ISNOTSWAPPED(x) \
@@ -532,29 +563,25 @@ cdef class Plan:
         a.block_stride = key_cache.strides[0]
         a.head_stride = key_cache.strides[1]
         a.row_stride = key_cache.strides[2]
-        a.key_scales = _scale_plane(key_scales, key_cache, "key_scales")
-        a.value_scales = _scale_plane(value_scales, key_cache, "value_scales")
-        a.k_scale = <float>k_scale
-        a.v_scale = <float>v_scale
-        a.k_head_scales = _float_row(k_head_scales, self.num_kv_heads, "head scales")
-        a.v_head_scales = _float_row(v_head_scales, self.num_kv_heads, "head scales")
+        if codecs is not None:
+            _codec_args(&a, codecs, key_cache, self.kind, self.num_kv_heads)
+        elif self.kind == 5:      # (kvcore.dtypes.I8)
+            raise ValueError("internal: int8 planes need their codecs (the scale planes)")
         a.alibi_slopes = _float_row(alibi_slopes, self.num_heads, "alibi_slopes")
         a.sinks = _float_row(sinks, self.num_heads, "sinks")
         self._go(&a)
 
     def bind(self, cnp.ndarray key0, cnp.ndarray value0, cnp.ndarray key_last,
-             cnp.ndarray value_last, Py_ssize_t num_layers, key_scales0=None,
-             value_scales0=None, key_scales_last=None, value_scales_last=None,
-             layer_scales=None, owned=(), head_scales=None, layer_plans=None, alibi=None,
-             sinks=None):
+             cnp.ndarray value_last, Py_ssize_t num_layers, codecs=None, owned=(),
+             layer_plans=None, alibi=None, sinks=None):
         """Binds the layers ``run_layer`` reads: the planes of layer 0 and of
         the last layer (``num_layers - 1``); layer ``l``'s planes lie ``l``
         layer strides past layer 0's (the stride measured here; a layout
         where it is not a whole number of bytes per layer is not bound).
-        int8: the scale planes of the same two layers; fp8:
-        ``layer_scales`` float32 ``(num_layers, 2)``, or with one scale per
-        kv head ``head_scales`` float32 ``(num_layers, 2, num_kv_heads)``
-        (which then wins).  ``owned``: up to 8
+        ``codecs``: None (unscaled planes), or every layer's ``(key_codec,
+        value_codec)`` (int8: the scale planes of layers 0 and last lie a
+        layer stride apart too; fp8: each plane's layer scale, or its
+        per-kv-head scales).  ``owned``: up to 8
         arrays an ``out`` must not overlap.  ``layer_plans``: None (every
         layer runs this plan), or the Plan of each layer (one per layer
         kind, each of this plan's geometry and guard).  ``alibi`` /
@@ -563,19 +590,29 @@ cdef class Plan:
         cannot be bound."""
         cdef Py_ssize_t key_layer_stride, value_layer_stride
         cdef Py_ssize_t steps = num_layers - 1 if num_layers > 1 else 1
+        # int8: the scale planes of layers 0 and last; fp8: every plane's scales
+        k_plane0 = v_plane0 = k_plane_last = v_plane_last = None
+        layer_scales = head_scales = None
+        if codecs is not None:
+            if len(codecs) != num_layers:
+                raise ValueError("internal: codecs must hold one pair per layer")
+            k_plane0, v_plane0 = codecs[0][0].scale_plane, codecs[0][1].scale_plane
+            k_plane_last = codecs[num_layers - 1][0].scale_plane
+            v_plane_last = codecs[num_layers - 1][1].scale_plane
+            layer_scales, head_scales = _scale_rows(codecs, self.num_kv_heads)
         if num_layers < 1 or not (_one_buffer(key0, key_last) and _one_buffer(value0, value_last)):
             return None
-        if key_scales0 is not None and not (_one_buffer(key_scales0, key_scales_last)
-                                            and _one_buffer(value_scales0, value_scales_last)):
+        if k_plane0 is not None and not (_one_buffer(k_plane0, k_plane_last)
+                                         and _one_buffer(v_plane0, v_plane_last)):
             return None
         if not _layer_stride(key0, key_last, steps, &key_layer_stride) \
                 or not _layer_stride(value0, value_last, steps, &value_layer_stride):
             return None
-        cdef Py_ssize_t key_scales_layer_stride = 0, value_scales_layer_stride = 0
-        if key_scales0 is not None:
-            if not _layer_stride(key_scales0, key_scales_last, steps, &key_scales_layer_stride) \
-                    or not _layer_stride(value_scales0, value_scales_last, steps,
-                                         &value_scales_layer_stride):
+        cdef Py_ssize_t key_scale_plane_stride = 0, value_scale_plane_stride = 0
+        if k_plane0 is not None:
+            if not _layer_stride(k_plane0, k_plane_last, steps, &key_scale_plane_stride) \
+                    or not _layer_stride(v_plane0, v_plane_last, steps,
+                                         &value_scale_plane_stride):
                 return None
         if len(owned) > 8:
             raise ValueError("internal: at most 8 owned arrays")
@@ -586,8 +623,8 @@ cdef class Plan:
                     or cnp.PyArray_STRIDE(<cnp.ndarray>o, 1) != cnp.PyArray_STRIDE(key0, 1) \
                     or cnp.PyArray_STRIDE(<cnp.ndarray>o, 2) != cnp.PyArray_STRIDE(key0, 2):
                 raise ValueError("internal: every layer's planes must have one layout")
-        _scale_plane(key_scales_last, key0, "key_scales")
-        _scale_plane(value_scales_last, key0, "value_scales")
+        _scale_plane(k_plane_last, key0, "the key scale_plane")
+        _scale_plane(v_plane_last, key0, "the value scale_plane")
         self.args.key_cache = <const char *>cnp.PyArray_DATA(key0)
         self.args.value_cache = <const char *>cnp.PyArray_DATA(value0)
         self.args.block_stride = key0.strides[0]
@@ -597,10 +634,12 @@ cdef class Plan:
         self.value_base = <const char *>cnp.PyArray_DATA(value0)
         self.key_layer_stride, self.value_layer_stride = key_layer_stride, value_layer_stride
         self.num_layers = num_layers
-        self.key_scales_base = <const char *>_scale_plane(key_scales0, key0, "key_scales")
-        self.value_scales_base = <const char *>_scale_plane(value_scales0, key0, "value_scales")
-        self.key_scales_layer_stride = key_scales_layer_stride
-        self.value_scales_layer_stride = value_scales_layer_stride
+        self.key_scale_plane_base = <const char *>_scale_plane(k_plane0, key0,
+                                                               "the key scale_plane")
+        self.value_scale_plane_base = <const char *>_scale_plane(v_plane0, key0,
+                                                                 "the value scale_plane")
+        self.key_scale_plane_stride = key_scale_plane_stride
+        self.value_scale_plane_stride = value_scale_plane_stride
         cdef cnp.ndarray ls
         self.layer_scales_ptr = NULL
         if layer_scales is not None:
@@ -639,8 +678,8 @@ cdef class Plan:
                 self.owned_lo[self.num_owned] = lo
                 self.owned_hi[self.num_owned] = hi
                 self.num_owned += 1
-        self.keep = (key0, value0, key_last, value_last, key_scales0, value_scales0,
-                     key_scales_last, value_scales_last, layer_scales, head_scales,
+        self.keep = (key0, value0, key_last, value_last, k_plane0, v_plane0,
+                     k_plane_last, v_plane_last, layer_scales, head_scales,
                      tuple(owned), alibi, sinks)
         self.bound = True
         return self.run_layer
@@ -747,11 +786,11 @@ cdef class Plan:
             a.out = <float *>olo
         a.key_cache = self.key_base + l * self.key_layer_stride
         a.value_cache = self.value_base + l * self.value_layer_stride
-        if self.key_scales_base != NULL:
-            a.key_scales = <const float *>(self.key_scales_base
-                                           + l * self.key_scales_layer_stride)
-            a.value_scales = <const float *>(self.value_scales_base
-                                             + l * self.value_scales_layer_stride)
+        if self.key_scale_plane_base != NULL:
+            a.key_scales = <const float *>(self.key_scale_plane_base
+                                           + l * self.key_scale_plane_stride)
+            a.value_scales = <const float *>(self.value_scale_plane_base
+                                             + l * self.value_scale_plane_stride)
         if self.layer_scales_ptr != NULL:
             a.k_scale = self.layer_scales_ptr[2 * l]
             a.v_scale = self.layer_scales_ptr[2 * l + 1]

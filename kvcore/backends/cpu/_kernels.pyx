@@ -315,30 +315,34 @@ cdef int _rows_of(object x, _Rows* r, bint one_column=False) except -1:
 
 
 cdef class PositionWriter(RowWriter):
-    """A CPU pool's writer of appended rows (``Backend.row_writer``): a
+    """A CPU pool's one native writer (``Backend.position_writer``): a
     sequence's bookkeeping hands it the k and v of an append and, once the
-    blocks are reserved, the block table and first position; it writes them
-    with ``_write_positions``, as ``write_positions`` does.  It takes, as
-    they are, NumPy arrays and CPU torch tensors (n >= 1, heads, dim) of one
-    native-order float32 or float16 dtype, C-contiguous, aligned and apart
-    from the storage; anything else is left to the caller's validated path."""
+    blocks are reserved, the block table and first position (``take`` /
+    ``write``); kvcore.hf hands it a decode step's k and v with their slots
+    (``write_slots``).  Both write with ``_write_positions``, as
+    ``write_positions`` does, and take, as they are, NumPy arrays and CPU
+    torch tensors (n >= 1, heads, dim) of one native-order float32 or
+    float16 dtype (torch: bfloat16 too), C-contiguous, aligned and apart
+    from the storage and the scale planes; anything else is left to the
+    caller's validated path (``BlockPool.write``).  The scales are the
+    fields of the pool's codecs, every plane at once."""
     cdef cnp.ndarray storage
     cdef int kind
     cdef Py_ssize_t heads, dim, block_size
     cdef const char* lo
     cdef const char* hi
-    # low-precision pools: int8 scale array (or None), fp8 per-layer scales
+    # low-precision pools: int8 scale planes (or None), fp8 per-layer scales
     cdef bint lowprec
-    cdef object scales
+    cdef object scale_planes
     cdef float* sc
     cdef object layer_scales
     cdef float* ls
     cdef object head_scales  # fp8, one scale per kv head: (num_layers, 2, heads), or None
     cdef const float* hs
-    cdef const char* slo     # the int8 scales' bytes (an input may not meet them either)
+    cdef const char* slo     # the scale planes' bytes (an input may not meet them either)
     cdef const char* shi
 
-    def __init__(self, cnp.ndarray storage, int kind, scales=None, layer_scales=None,
+    def __init__(self, cnp.ndarray storage, int kind, scale_planes=None, layer_scales=None,
                  head_scales=None):
         if cnp.PyArray_NDIM(storage) != 5 or not cnp.PyArray_IS_C_CONTIGUOUS(storage) \
                 or not cnp.PyArray_ISALIGNED(storage):
@@ -352,14 +356,14 @@ cdef class PositionWriter(RowWriter):
         self.lo = _ptr(storage)
         self.hi = self.lo + cnp.PyArray_NBYTES(storage)
         self.lowprec = kind == KVH_F8E4M3 or kind == KVH_F8E5M2 or kind == KVH_I8
-        self.scales = scales
-        self.sc = _scale_ptr(scales)
+        self.scale_planes = scale_planes
+        self.sc = _scale_ptr(scale_planes)
         self.slo = self.shi = NULL
         if self.sc != NULL:
             self.slo = <const char*>self.sc
-            self.shi = self.slo + cnp.PyArray_NBYTES(<cnp.ndarray>scales)
+            self.shi = self.slo + cnp.PyArray_NBYTES(<cnp.ndarray>scale_planes)
         if kind == KVH_I8 and self.sc == NULL:
-            raise ValueError("internal: an int8 pool's writer needs its scales")
+            raise ValueError("internal: an int8 pool's writer needs its scale planes")
         self.layer_scales = None
         self.ls = NULL
         if layer_scales is not None:
@@ -385,7 +389,7 @@ cdef class PositionWriter(RowWriter):
                 or vr.d != self.dim:
             return -1
         if self._overlaps(kr.p, kr.nbytes) or self._overlaps(vr.p, vr.nbytes):
-            return -1      # a view of the storage or the int8 scales: the validated path stages it
+            return -1      # a view of the storage or scale planes: the validated path stages it
         rows.k = kr.p
         rows.v = vr.p
         rows.n = kr.n
@@ -393,7 +397,7 @@ cdef class PositionWriter(RowWriter):
         return kr.n
 
     cdef bint _overlaps(self, const char* p, Py_ssize_t nbytes) noexcept:
-        """Whether bytes [p, p + nbytes) meet the storage or the int8 scales
+        """Whether bytes [p, p + nbytes) meet the storage or the scale planes
         (which a write rewrites)."""
         if p < self.hi and self.lo < p + nbytes:
             return True

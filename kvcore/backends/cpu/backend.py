@@ -19,11 +19,6 @@ def _aligned_ids(a):
     return a if a.flags.aligned else a.copy()
 
 
-def _head_vector(s):
-    """float32 C-contiguous per-kv-head scales for the kernel."""
-    return np.ascontiguousarray(s, np.float32)
-
-
 def _elementwise(src, dst, kernel):
     """``kernel(src, dst)`` for arrays of any alignment that may overlap:
     the kernels load and store typed elements, so a misaligned or
@@ -100,12 +95,13 @@ class CPUBackend(Backend):
             a = np.array(a, order="C", copy=True)
         return a
 
-    def row_writer(self, storage, kind, scales=None, layer_scales=None, head_scales=None):
-        """The C-level writer a sequence's appends go through (PagedKVCache.append:
-        one native call per append); it writes with write_positions' loop
-        (fp8 per-kv-head scales: ``head_scales`` ``(num_layers, 2, heads)``)."""
+    def position_writer(self, storage, kind, scale_planes=None, layer_scales=None,
+                        head_scales=None):
+        """A ``_kernels.PositionWriter``: PagedKVCache.append and kvcore.hf's
+        decode writes in one native call each, with write_positions' loop."""
         if isinstance(storage, np.ndarray) and storage.flags.c_contiguous:
-            return _kernels.PositionWriter(storage, kind, scales, layer_scales, head_scales)
+            return _kernels.PositionWriter(storage, kind, scale_planes, layer_scales,
+                                           head_scales)
         return None
 
     def gather(self, cache, block_table, start, end, out, codec, dst_kind):
@@ -216,20 +212,14 @@ class CPUBackend(Backend):
                                                sliding_window, chunk_size)
         return _attention.STATUS_NAMES.get(status), a, b
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+    def attention_run(self, plan, q, out, key_cache, value_cache, codecs=None, *,
                       alibi_slopes=None, sinks=None):
         """The C kernel on the plan (GIL released; one run at a time per plan)."""
-        if lowprec is not None and isinstance(lowprec[2], np.ndarray):
-            # fp8 with per-kv-head scales: float32 (num_kv_heads,) each
-            plan.run(q, out, key_cache, value_cache, None, None, 1.0, 1.0,
-                     _head_vector(lowprec[2]), _head_vector(lowprec[3]),
-                     alibi_slopes=alibi_slopes, sinks=sinks)
-            return
-        plan.run(q, out, key_cache, value_cache, *(lowprec or ()), alibi_slopes=alibi_slopes,
+        plan.run(q, out, key_cache, value_cache, codecs, alibi_slopes=alibi_slopes,
                  sinks=sinks)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        query_start_loc, scale, sliding_window, soft_cap, codecs=None, *,
                         chunk_size=0, alibi_slopes=None, sinks=None, num_threads=1):
         """``attention_run(attention_plan(...))`` in one call (the public layer
         plans once per step and passes its thread count there)."""
@@ -240,7 +230,7 @@ class CPUBackend(Backend):
                                    num_blocks=num_blocks, kind=kind, scale=scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
                                    chunk_size=chunk_size, num_threads=num_threads)
-        self.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+        self.attention_run(plan, q, out, key_cache, value_cache, codecs,
                            alibi_slopes=alibi_slopes, sinks=sinks)
 
 

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from ... import dtypes
+from ..codec import Codec
 from . import attention_kernels
 
 
@@ -211,7 +212,7 @@ class CudaAttention:
                  *feats, H("tiled", "i"), qk, ok], smem=ak.prefill_tc_smem(dim))]
         return launches
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+    def attention_run(self, plan, q, out, key_cache, value_cache, codecs=None, *,
                       alibi_slopes=None, sinks=None):
         """Run a ``CudaAttentionPlan`` on one layer: launches only (no
         upload, no allocation, no host sync), so a step of runs can be
@@ -224,7 +225,7 @@ class CudaAttention:
         key_cache, value_cache : ``(num_blocks, kv_heads, block_size,
             head_dim)`` device views of the pool's storage (bits of the
             plan's kind), rows contiguous
-        lowprec : as for ``paged_attention``
+        codecs : as for ``paged_attention``
         alibi_slopes, sinks : None, or float32 C-contiguous ``(num_heads,)``
             device arrays (the layer's rows): ALiBi slopes, attention sinks
 
@@ -255,7 +256,7 @@ class CudaAttention:
         q_kinds, out_kinds = self.attention_io_kinds(plan)
         qk = _io_kind(q, "q", q_kinds)
         ok = _io_kind(out, "out", out_kinds)
-        scales = self.scales(plan.kind, key_cache, lowprec)
+        scales = self.scales(plan.kind, key_cache, codecs)
         if plan.num_tokens == 0:
             return
         for arg, a in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -294,60 +295,74 @@ class CudaAttention:
             self._be._deliver_bits(target, out)
 
     def paged_attention(self, q, out, key_cache, value_cache, kind, block_tables, seq_lens,
-                        query_start_loc, scale, sliding_window, soft_cap, lowprec=None, *,
+                        query_start_loc, scale, sliding_window, soft_cap, codecs=None, *,
                         chunk_size=0, alibi_slopes=None, sinks=None):
         """``kvcore.paged_attention`` on this device: ``attention_run`` of a
-        fresh ``attention_plan`` (arguments as there; ``lowprec`` for fp8 /
-        int8 pages only, as the CPU kernel takes it: ``(key_scales,
-        value_scales, k_scale, v_scale)``; int8: float32 device arrays
-        ``(num_blocks, kv_heads, block_size)`` (the pool's scale planes of
-        the layer) and 1.0, 1.0; fp8: None, None and the layer's finite
-        positive scales).  A stored value reads as ``element * scale``.
+        fresh ``attention_plan`` (arguments as there; ``codecs`` the pages'
+        ``(key_codec, value_codec)``, ``kvcore.backends.Codec`` of ``kind``,
+        or None for unscaled pages: int8 codecs hold float32 device scale
+        planes ``(num_blocks, kv_heads, block_size)`` (the pool's, of the
+        layer), fp8 ones a finite positive layer scale each).  A stored
+        value reads as ``element * scale``.
         """
         # the scales are checked before anything is planned or uploaded
-        self.scales(kind, key_cache, lowprec)
+        self.scales(kind, key_cache, codecs)
         plan = self.attention_plan(
             block_tables, seq_lens, query_start_loc, num_heads=q.shape[1],
             num_kv_heads=key_cache.shape[1], head_dim=q.shape[2], block_size=key_cache.shape[2],
             num_blocks=key_cache.shape[0], kind=kind, scale=scale,
             sliding_window=sliding_window, soft_cap=soft_cap, chunk_size=chunk_size)
-        self.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+        self.attention_run(plan, q, out, key_cache, value_cache, codecs,
                            alibi_slopes=alibi_slopes, sinks=sinks)
 
-    def scales(self, kind, key_cache, lowprec):
+    def scales(self, kind, key_cache, codecs):
         """The scale arguments of kva_attention_split for pages of ``kind``
         (``key_scales, value_scales, s_block, s_head, s_tok, k_scale,
-        v_scale``), every one checked here, before any launch."""
+        v_scale``) from the pages' codecs, every one checked here, before
+        any launch."""
         name = dtypes.KIND_NAME.get(kind, kind)
-        if kind not in dtypes.LOWPREC_KINDS:
-            if lowprec is not None:
-                raise ValueError(f"lowprec must be None for {name} pages (scales belong to "
-                                 f"fp8 / int8 pages), got {type(lowprec).__name__}")
+        if codecs is None:
+            if kind == dtypes.I8:
+                raise TypeError("int8 pages need codecs (their scale planes), got None")
             return [None, None, 0, 0, 0, 1.0, 1.0]
-        if not isinstance(lowprec, tuple) or len(lowprec) != 4:
-            raise TypeError(f"{name} pages need lowprec = (key_scales, value_scales, k_scale, "
-                            f"v_scale), got {lowprec!r:.80}")
-        key_scales, value_scales, k_scale, v_scale = lowprec
+        if not isinstance(codecs, (tuple, list)) or len(codecs) != 2 \
+                or not all(isinstance(c, Codec) for c in codecs):
+            raise TypeError(f"codecs must be a (key_codec, value_codec) pair of "
+                            f"kvcore.backends.Codec, got {codecs!r:.80}")
+        for arg, c in zip(("key_codec", "value_codec"), codecs):
+            if c.kind != kind:
+                raise ValueError(f"{arg} must be of the pages' kind {name}, got "
+                                 f"{dtypes.KIND_NAME.get(c.kind, c.kind)}")
+            if c.head_scales is not None:
+                raise ValueError(f"{arg} has per-kv-head scales: these kernels take one "
+                                 f"scale per layer's k and v")
+        if kind not in dtypes.LOWPREC_KINDS:
+            return [None, None, 0, 0, 0, 1.0, 1.0]
         layer = []
-        for arg, v in (("k_scale", k_scale), ("v_scale", v_scale)):
+        for arg, c in zip(("key_codec", "value_codec"), codecs):
+            v = c.layer_scale
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{arg} must be a real number, got {type(v).__name__}")
+                raise TypeError(f"{arg}.layer_scale must be a real number, got "
+                                f"{type(v).__name__}")
             with np.errstate(over="ignore"):
                 f = np.float32(v)   # the kernel's float (as the CPU kernel's)
             if not (np.isfinite(f) and f > 0):
-                raise ValueError(f"{arg} must be finite and positive (as a float32), got {v!r}")
+                raise ValueError(f"{arg}.layer_scale must be finite and positive (as a "
+                                 f"float32), got {v!r}")
             layer.append(float(f))
+        key_scales, value_scales = codecs[0].scale_plane, codecs[1].scale_plane
         if kind != dtypes.I8:
             if key_scales is not None or value_scales is not None:
-                raise ValueError(f"{name} pages have per-layer scales (k_scale, v_scale): "
-                                 "key_scales and value_scales must be None")
+                raise ValueError(f"{name} pages have per-layer scales: the codecs' "
+                                 "scale_plane must be None")
             return [None, None, 0, 0, 0, *layer]
         if layer != [1.0, 1.0]:
-            raise ValueError(f"int8 pages carry their scales per row: k_scale and v_scale "
-                             f"must be 1.0, got {k_scale!r}, {v_scale!r}")
+            raise ValueError(f"int8 pages carry their scales per row: the codecs' layer_scale "
+                             f"must be 1.0, got {layer[0]!r}, {layer[1]!r}")
         want = tuple(key_cache.shape[:3])
         strides = []
-        for arg, a in (("key_scales", key_scales), ("value_scales", value_scales)):
+        for arg, a in (("key_codec.scale_plane", key_scales),
+                       ("value_codec.scale_plane", value_scales)):
             if not self._be._is_device(a):
                 raise TypeError(f"{arg} must be a float32 array on {self._be.device} (the pool's "
                                 f"scale plane), got {type(a).__name__}")
@@ -361,7 +376,7 @@ class CudaAttention:
                 raise ValueError(f"{arg} must be 4-byte aligned")
             strides.append(self._be._estrides(a, (0, 1, 2)))
         if strides[0] != strides[1]:
-            raise ValueError(f"key_scales and value_scales must have the same layout, got "
+            raise ValueError(f"the codecs' scale planes must have the same layout, got "
                              f"element strides {strides[0]} and {strides[1]}")
         return [key_scales, value_scales, *strides[0], 1.0, 1.0]
 
@@ -447,7 +462,8 @@ class _FastRun:
                 "tiled": int(self.tiled), "alibi": None, "sinks": None}
         if scale_planes is not None:   # int8: each layer's scale planes, by their stride
             ks0, vs0, ks_last, vs_last = scale_planes
-            sc = be._attention.scales(plan.kind, key0, (ks0, vs0, 1.0, 1.0))
+            sc = be._attention.scales(plan.kind, key0,
+                                      (Codec(plan.kind, 1.0, ks0), Codec(plan.kind, 1.0, vs0)))
             base.update(sb=sc[2], sh=sc[3], st=sc[4])
             first = (be._ptr(ks0), be._ptr(vs0))
             self.scale_planes = (first, tuple((be._ptr(last) - f) // steps
@@ -575,13 +591,14 @@ class CudaAttentionPlan:
         layer kinds: one run at a time among them)."""
         self.lock = other.lock
 
-    def bind(self, key0, value0, key_last, value_last, num_layers, owned=(),
-             key_scales0=None, value_scales0=None, key_scales_last=None,
-             value_scales_last=None, layer_scales=None, head_scales=None, alibi=None,
-             sinks=None, layer_plans=None):
+    def bind(self, key0, value0, key_last, value_last, num_layers, codecs=None, owned=(),
+             alibi=None, sinks=None, layer_plans=None):
         """``AttentionPlan.run``'s fast lane (see ``_FastRun``) over the
         layers whose planes lie ``l`` layer strides past ``key0`` /
-        ``value0`` (measured from the last layer's); ``alibi`` / ``sinks``:
+        ``value0`` (measured from the last layer's); ``codecs``: None
+        (unscaled planes) or every layer's ``(key_codec, value_codec)``
+        (int8: the scale planes of layers 0 and last a stride apart too;
+        fp8: the layer scales); ``alibi`` / ``sinks``:
         host ``(num_layers, num_heads)`` rows (uploaded now), ``layer_plans``:
         each layer's plan where the layers have several kinds.  None when it
         cannot be bound (fp8 per-head scales, planes off the backend's
@@ -590,7 +607,9 @@ class CudaAttentionPlan:
         scales itself."""
         be = self.backend
         planes = (key0, value0, key_last, value_last)
-        if be is None or head_scales is not None or self.num_tokens == 0 \
+        codecs = codecs or ()
+        if be is None or any(c.head_scales is not None for pair in codecs for c in pair) \
+                or self.num_tokens == 0 \
                 or not all(be._is_device(a) and be._device_id_of(a) == be.device_id
                            for a in planes):
             return None
@@ -598,9 +617,11 @@ class CudaAttentionPlan:
         if any((be._ptr(last) - be._ptr(first)) % steps or last.strides != first.strides
                for first, last in ((key0, key_last), (value0, value_last))):
             return None
-        scale_planes = None
-        if key_scales0 is not None:
-            scale_planes = (key_scales0, value_scales0, key_scales_last, value_scales_last)
+        scale_planes = layer_scales = None
+        if codecs and codecs[0][0].kind in dtypes.FP8_KINDS:
+            layer_scales = [(kc.layer_scale, vc.layer_scale) for kc, vc in codecs]
+        if codecs and codecs[0][0].scale_plane is not None:
+            scale_planes = tuple(c.scale_plane for c in codecs[0] + codecs[-1])
             if any((be._ptr(last) - be._ptr(first)) % steps
                    for first, last in zip(scale_planes[:2], scale_planes[2:])):
                 return None

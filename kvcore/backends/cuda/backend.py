@@ -109,9 +109,9 @@ class CudaBackend(CudaLaunches, Backend):
         return self._attention.attention_plan(block_tables, seq_lens, query_start_loc,
                                               **shape)
 
-    def attention_run(self, plan, q, out, key_cache, value_cache, lowprec=None, *,
+    def attention_run(self, plan, q, out, key_cache, value_cache, codecs=None, *,
                       alibi_slopes=None, sinks=None):
-        return self._attention.attention_run(plan, q, out, key_cache, value_cache, lowprec,
+        return self._attention.attention_run(plan, q, out, key_cache, value_cache, codecs,
                                              alibi_slopes=alibi_slopes, sinks=sinks)
 
     def paged_attention(self, *args, **kwargs):

@@ -235,16 +235,16 @@ class StepLane:
         with only q's and out's addresses rewritten."""
         be = self.backend
         k_plane, v_plane = self._planes[layer]
-        lowprec = self._lowprec(layer)
+        codecs = self._codecs[layer]
         q_ptr, out_ptr = be._ptr(q), be._ptr(out)
         key = (plan, layer, q.dtype, out.dtype, q_ptr % 16 == 0, out_ptr % 16 == 0)
         packs = self._attention.get(key) if reuse else False
         if packs is None:
             # a run that is more than launches (a temporary) is never packed
-            packs = self._pack_attention(plan, q, out, k_plane, v_plane, lowprec)
+            packs = self._pack_attention(plan, q, out, k_plane, v_plane, codecs)
             self._attention[key] = packs = False if packs is None else packs
         if packs is False:
-            be.attention_run(plan, q, out, k_plane, v_plane, lowprec)
+            be.attention_run(plan, q, out, k_plane, v_plane, codecs)
         else:
             self.attend_packed(packs, q_ptr, out_ptr)
 
@@ -267,18 +267,19 @@ class StepLane:
                 slots[i] = out_ptr
             launch_packed(launch)
 
-    def _pack_attention(self, plan, q, out, k_plane, v_plane, lowprec):
+    def _pack_attention(self, plan, q, out, k_plane, v_plane, codecs):
         """The launches ``attention_run`` makes for these arguments, packed,
         with the slots of q's and out's address in each; None when one of
         them takes an array other than q, out, the planes, their scales and
         the plan's own (a temporary, whose address would not last)."""
         be = self.backend
-        lasting = [k_plane, v_plane] + [a for a in (lowprec or ()) if be._is_device(a)]
+        lasting = [k_plane, v_plane] + [c.scale_plane for c in codecs
+                                        if c.scale_plane is not None]
         lasting += [a for a in (getattr(plan, n, None) for n in type(plan).__slots__)
                     if be._is_device(a)]
         lasting = {id(a) for a in lasting}
         calls = be.collect_launches(
-            lambda: be.attention_run(plan, q, out, k_plane, v_plane, lowprec))
+            lambda: be.attention_run(plan, q, out, k_plane, v_plane, codecs))
         packs = []
         for file, name, grid, block, args, smem in calls:
             launch = PackedLaunch(be, (file, None, None, name), (grid, 1, 1), (block, 1, 1),
@@ -303,14 +304,6 @@ class StepLane:
                     launch.slots[i] = int(a)
             packs.append((launch, tuple(q_at), tuple(out_at)))
         return packs
-
-    def _lowprec(self, layer):
-        kc, vc = self._codecs[layer]
-        if not kc.lowprec:
-            return None
-        if kc.kind == dtypes.I8:
-            return kc.scale_plane, vc.scale_plane, 1.0, 1.0
-        return None, None, float(kc.layer_scale), float(vc.layer_scale)
 
 
 _FLOAT_KINDS = (dtypes.F32, dtypes.F16, dtypes.BF16)
