@@ -12,6 +12,10 @@ the same argument, and leaves the same result.  Compared here:
   general run (``AttentionPlan._run``, the path every declined input takes);
 * ``PagedKVCache.append`` (``SeqCore.append_direct`` first) against
   ``BlockPool.write`` of the same positions (the general write);
+* kvcore.hf's decode write (the pool's writer, ``BlockPool._writer.write_slots``,
+  first) against ``BlockPool.write`` of the same slots, on every storage
+  kind (fp8 per-layer and per-kv-head scales included), for k / v, slots
+  and layers of every kind and for inputs that are the pool's own memory;
 * the block-table range rule of ``paged_attention`` / ``AttentionPlan``
   (one native check) and of the pool's reads (one helper).
 """
@@ -323,45 +327,100 @@ def _rows(x):
 SLOT_KINDS = {
     "int64": lambda: np.array([3, 17, 40], np.int64),
     "skip": lambda: np.array([3, -1, 40], np.int64),
+    "repeated": lambda: np.array([3, 40, 3], np.int64),
     "int32": lambda: np.array([3, 17, 40], np.int32),
+    "uint64": lambda: np.array([3, 17, 40], np.uint64),
+    "uint64 2**64-1": lambda: np.array([3, 2**64 - 1, 40], np.uint64),
+    "float64": lambda: np.array([3.0, 17.0, 40.0]),
+    "bool": lambda: np.array([True, False, True]),
     "read-only": lambda: (lambda a: (a.setflags(write=False), a)[1])(
         np.array([3, 17, 40], np.int64)),
     "non-contiguous": lambda: np.array([3, 0, 17, 0, 40, 0], np.int64)[::2],
     "byte-swapped": lambda: np.array([3, 17, 40], ">i8"),
+    "misaligned": lambda: (lambda m: (m.__setitem__(..., [3, 17, 40]), m)[1])(
+        _misaligned((3,), np.int64)),
     "out of range": lambda: np.array([3, 17, NB * BS], np.int64),
     "below -1": lambda: np.array([3, -2, 40], np.int64),
     "too few": lambda: np.array([3, 17], np.int64),
+    "too many": lambda: np.array([3, 17, 40, 41], np.int64),
     "list": lambda: [3, 17, 40],
+    "tuple": lambda: (3, 17, 40),
+    "None": lambda: None,
     "2-D": lambda: np.array([[3, 17, 40]], np.int64),
+    "0-D": lambda: np.array(3, np.int64),
+    "torch int64": lambda: torch.tensor([3, 17, 40]),
+    "torch int32": lambda: torch.tensor([3, 17, 40], dtype=torch.int32),
+    "torch non-contiguous": lambda: torch.tensor([3, 0, 17, 0, 40, 0])[::2],
+    "torch float32": lambda: torch.tensor([3.0, 17.0, 40.0]),
 }
 
+
+def _tv(make):
+    """``make``'s rows in transformers' decode layout ``(n, heads, 1, dim)``."""
+    return _both(lambda a: make(a[:, :, None]))
+
+
 DECODE_KINDS = dict(KV_KINDS, **{
-    "torch (n, heads, 1, dim)": _both(lambda a: torch.from_numpy(a)[:, :, None]),
-    "torch (n, heads, 1, dim) bfloat16": _both(
-        lambda a: torch.from_numpy(a)[:, :, None].bfloat16()),
+    "fortran": _both(np.asfortranarray),
+    "k is v": lambda: (lambda k: (k, k))(_kv32()[0]),
+    "n=0": _both(lambda a: a[:0]),
+    "torch (n, heads, 1, dim)": _tv(torch.from_numpy),
+    "torch (n, heads, 1, dim) float16": _tv(lambda a: torch.from_numpy(a).half()),
+    "torch (n, heads, 1, dim) bfloat16": _tv(lambda a: torch.from_numpy(a).bfloat16()),
+    "torch (n, heads, 1, dim) float64": _tv(lambda a: torch.from_numpy(a).double()),
+    "torch (n, heads, 1, dim) requires_grad": _tv(
+        lambda a: torch.from_numpy(a).requires_grad_()),
+    "torch (n, heads, 1, dim) neg view": _tv(lambda a: _neg_view(torch.from_numpy(a))),
+    "torch (n, heads, 1, dim) non-contiguous": _both(
+        lambda a: torch.from_numpy(np.repeat(a[:, :, None], 2, axis=3))[:, :, :, ::2]),
+    "torch (n, heads, 1, dim) transposed": _both(
+        lambda a: torch.from_numpy(np.ascontiguousarray(a.transpose(1, 0, 2)))
+        .transpose(0, 1)[:, :, None]),
     "torch (n, heads, 2, dim)": _both(lambda a: torch.from_numpy(np.repeat(a[:, :, None], 2, 2))),
+    "torch (n, 1, heads, dim)": _both(lambda a: torch.from_numpy(a)[:, None]),
+    "torch k (n, heads, 1, dim), v (n, heads, dim)": lambda: (
+        torch.from_numpy(_kv32()[0])[:, :, None], torch.from_numpy(_kv32()[1])),
 })
 
+# every storage kind a pool has, fp8 with per-layer and per-kv-head scales
+DECODE_POOLS = {
+    "float32": {}, "float16": {}, "bfloat16": {}, "int8": {},
+    "float8_e4m3fn": dict(kv_scales=[(0.5, 2.0), (1.5, 0.25), (1.0, 3.0)]),
+    "float8_e5m2 per head": dict(kv_scales=[((0.5, 2.0), 1.0), (1.5, (0.25, 4.0)),
+                                            (1.0, 3.0)]),
+}
 
-def _decode_outcome(dtype, layer, kv_make, slots_make, fast):
-    pool = kvcore.BlockPool(NB, BS, LAYERS, KVH, DIM, dtype=dtype)
+
+def _decode_pool(dtype):
+    return kvcore.BlockPool(NB, BS, LAYERS, KVH, DIM, dtype=dtype.split()[0],
+                            **DECODE_POOLS[dtype])
+
+
+def _decode_outcome(dtype, layer, kv_make, slots_make, fast, pool_view=None):
+    """One decode step's K/V written by the pool's writer (``fast``; what it
+    declines then goes to ``BlockPool.write``, as kvcore.hf does) or by
+    ``BlockPool.write`` alone; the whole layer read back as float32 (int8
+    and fp8 scales applied: a scale written wrong shows).  ``pool_view``:
+    the slots / k / v are views of the pool's own memory, made from it."""
+    pool = _decode_pool(dtype)
     writer = pool._writer     # what kvcore.hf writes a decode step through
     assert writer is not None
 
     def run():
-        k, v = kv_make()
-        slots = slots_make()
+        if pool_view is not None:
+            k, v, slots = pool_view(pool)
+        else:
+            (k, v), slots = kv_make(), slots_make()
         if not (fast and writer.write_slots(layer, k, v, slots)):
             pool.write(layer, _rows(k), _rows(v), slots)
         table = np.arange(NB, dtype=np.int32)
-        return np.concatenate([np.asarray(a, np.float32) for a in
-                               pool.gather(layer if type(layer) is int else 0, table, 0,
-                                           NB * BS)])
+        return np.concatenate([np.asarray(a) for a in pool.gather(
+            layer if type(layer) is int else 0, table, 0, NB * BS, dtype="float32")])
 
     return _outcome(run)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("dtype", sorted(DECODE_POOLS))
 @pytest.mark.parametrize("kv_kind", sorted(DECODE_KINDS))
 def test_decode_writer_accepts_what_pool_write_accepts_kv(dtype, kv_kind):
     _same(_decode_outcome(dtype, 1, DECODE_KINDS[kv_kind], SLOT_KINDS["int64"], True),
@@ -369,10 +428,11 @@ def test_decode_writer_accepts_what_pool_write_accepts_kv(dtype, kv_kind):
           f"k/v {kv_kind}")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
 @pytest.mark.parametrize("slot_kind", sorted(SLOT_KINDS))
-def test_decode_writer_accepts_what_pool_write_accepts_slots(slot_kind):
-    _same(_decode_outcome("float16", 1, KV_KINDS["float32"], SLOT_KINDS[slot_kind], True),
-          _decode_outcome("float16", 1, KV_KINDS["float32"], SLOT_KINDS[slot_kind], False),
+def test_decode_writer_accepts_what_pool_write_accepts_slots(dtype, slot_kind):
+    _same(_decode_outcome(dtype, 1, KV_KINDS["float32"], SLOT_KINDS[slot_kind], True),
+          _decode_outcome(dtype, 1, KV_KINDS["float32"], SLOT_KINDS[slot_kind], False),
           f"slots {slot_kind}")
 
 
@@ -382,3 +442,64 @@ def test_decode_writer_accepts_what_pool_write_accepts_layer(layer_kind):
     _same(_decode_outcome("float16", layer, KV_KINDS["float32"], SLOT_KINDS["int64"], True),
           _decode_outcome("float16", layer, KV_KINDS["float32"], SLOT_KINDS["int64"], False),
           f"layer {layer_kind}")
+
+
+def _storage_rows(pool, layer, plane):
+    """Three ``(heads, dim)`` rows of ``pool``'s ``layer`` K (0) or V (1)
+    plane, as stored (a view: block 5, the first three positions)."""
+    return (pool.key_cache if plane == 0 else pool.value_cache)(layer)[5, :, :3].transpose(1, 0, 2)
+
+
+POOL_VIEWS = {
+    # k / v rows that are the pool's own storage: of the layer written
+    # (elsewhere in it, or the very slots written) and of another layer
+    "k of the layer written, v of another": lambda pool: (
+        _storage_rows(pool, 0, 0), _storage_rows(pool, 2, 1), np.array([3, 17, 40], np.int64)),
+    "k and v read from the slots written": lambda pool: (
+        _storage_rows(pool, 0, 0), _storage_rows(pool, 0, 1),
+        np.array([40, 41, 42], np.int64)),
+    # slots whose memory is the storage (or the int8 scale planes) written
+    "slots in the storage": lambda pool: (
+        *_kv32(), _zeroed(pool.storage.view(np.uint8))),
+    "slots in the scale planes": lambda pool: (
+        *_kv32(), _zeroed((pool.scales if pool.scales is not None
+                           else pool.storage).view(np.uint8))),
+}
+
+
+def _zeroed(plane_bytes):
+    """Three int64 slots (0, 0, 0) living in the first bytes of ``plane_bytes``."""
+    head = plane_bytes.reshape(-1)[:24]
+    head[:] = 0
+    return head.view(np.int64)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+@pytest.mark.parametrize("view", sorted(POOL_VIEWS))
+def test_decode_writer_accepts_views_of_the_pool_as_pool_write_does(dtype, view):
+    """Inputs that are the pool's own memory: k / v rows of its storage and
+    slots living in the storage or the scale planes the write rewrites.  The
+    writer declines what it cannot read safely; the result is the general
+    path's (the inputs read as they were when the call began)."""
+    # (layer 0: the first bytes of the storage and of the scale planes,
+    # where the slots of the last two views live, are its own)
+    fast = _decode_outcome(dtype, 0, None, None, True, _filled(POOL_VIEWS[view]))
+    _same(fast, _decode_outcome(dtype, 0, None, None, False, _filled(POOL_VIEWS[view])), view)
+    if view.startswith("slots"):
+        # the slots as they were, (0, 0, 0): slot 0 holds the last row
+        assert fast[0] == "ok"
+        k_last = _kv32()[0][2]
+        tol = 0.02 * np.abs(k_last).max() if dtype == "int8" else 1e-3
+        np.testing.assert_allclose(fast[1][:KVH, 0], k_last, atol=tol, rtol=0)
+
+
+def _filled(view):
+    """``view`` on a pool whose layers hold data first (written through
+    ``BlockPool.write``, the same for both paths)."""
+    def make(pool):
+        rng = np.random.default_rng(21)
+        for layer in range(LAYERS):
+            k = rng.standard_normal((NB * BS, KVH, DIM)).astype(np.float32)
+            pool.write(layer, k, -k, np.arange(NB * BS))
+        return view(pool)
+    return make
