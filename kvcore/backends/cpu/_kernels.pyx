@@ -867,13 +867,14 @@ cdef object _write_contiguous_lowprec(cnp.ndarray dst, object scales, cnp.ndarra
         free(buf)
 
 
-def dequantize(cnp.ndarray src, object scales, int src_kind, cnp.ndarray dst, int dst_kind,
-               float scale, object row_scales=None):
+def dequantize(cnp.ndarray src, object scale_plane, int src_kind, cnp.ndarray dst,
+               int dst_kind, float layer_scale, object row_scales=None):
     """dst = src widened: C-contiguous (rows, dim) views of the same shape
-    (int8 scales: (rows,) float32 C-contiguous; fp8 with per-kv-head
-    scales: ``row_scales``, each row's, (rows,) float32 C-contiguous)."""
+    (int8: ``scale_plane`` flat, (rows,) float32 C-contiguous; fp8 with
+    per-kv-head scales: ``row_scales``, each row's head's, (rows,) float32
+    C-contiguous, else ``layer_scale``)."""
     cdef Py_ssize_t rows = src.shape[0], D = src.shape[1], r
-    cdef float* sc = _scale_ptr(scales)
+    cdef float* sc = _scale_ptr(scale_plane)
     cdef const float* rs = _head_ptr(row_scales, rows)
     cdef float* buf
     cdef char* sp = _ptr(src)
@@ -885,7 +886,7 @@ def dequantize(cnp.ndarray src, object scales, int src_kind, cnp.ndarray dst, in
         with nogil:
             for r in range(rows):
                 _load_run_q(src_kind, sp + r * D, 1, D, (sc + r) if sc != NULL else NULL,
-                            dst_kind, dp + r * drow, rs[r] if rs != NULL else scale, buf)
+                            dst_kind, dp + r * drow, rs[r] if rs != NULL else layer_scale, buf)
     finally:
         free(buf)
 
@@ -900,64 +901,68 @@ cdef inline bint _lowprec(int kind) noexcept:
 
 
 def write_slots(cnp.ndarray cache, cnp.ndarray src, const slot_t[::1] slots, int src_kind,
-                int dst_kind, float scale=1.0, object scale_plane=None, object head_scales=None):
+                int dst_kind, float layer_scale=1.0, object scale_plane=None,
+                object head_scales=None):
     """cache[b, h, off, :] = src[i, h, :] stored as ``dst_kind`` for slot
     s = slots[i] >= 0, b = s // block_size, off = s % block_size
     (Backend.write_slots).
 
     cache: (num_blocks, heads, block_size, dim), C-contiguous.
     src: (n, heads, dim), last axis contiguous, any other strides.
-    fp8: stored fp8(x / scale); int8: ``scale_plane`` the plane's
-    (num_blocks, heads, block_size) float32 scales, C-contiguous.
+    fp8: stored fp8(x / layer_scale) (or per kv head: ``head_scales``);
+    int8: ``scale_plane`` the plane's (num_blocks, heads, block_size)
+    float32 scales, C-contiguous (the fields of the plane's Codec).
     """
-    _write_slots(cache, scale_plane, src, slots, src_kind, dst_kind, scale, head_scales)
+    _write_slots(cache, scale_plane, src, slots, src_kind, dst_kind, layer_scale, head_scales)
 
 
 def write_positions(cnp.ndarray storage, Py_ssize_t layer, cnp.ndarray k, cnp.ndarray v,
                     const block_id_t[::1] block_table, Py_ssize_t start, int src_kind,
-                    int dst_kind, float k_scale=1.0, float v_scale=1.0,
+                    int dst_kind, float k_layer_scale=1.0, float v_layer_scale=1.0,
                     object k_scale_plane=None, object v_scale_plane=None,
                     object k_head_scales=None, object v_head_scales=None):
     """Rows i of k and v (n, heads, dim) to positions start + i of the
     sequence whose blocks are ``block_table``, in layer ``layer``'s planes of
     ``storage`` (see Backend.write_positions).  k, v: C-contiguous, aligned,
-    apart from storage; storage C-contiguous.  fp8: the layer's k / v
-    scales; int8: its key and value scale planes."""
+    apart from storage; storage C-contiguous.  The fields of the k and v
+    planes' codecs: fp8 their layer scales (or head scales), int8 their
+    scale planes."""
     if _lowprec(dst_kind):
         _write_positions_lowprec(storage, layer, k, v, block_table, start, src_kind, dst_kind,
-                                 k_scale, v_scale, k_scale_plane, v_scale_plane, k_head_scales,
-                                 v_head_scales)
+                                 k_layer_scale, v_layer_scale, k_scale_plane, v_scale_plane,
+                                 k_head_scales, v_head_scales)
     else:
         _write_positions_float(storage, layer, k, v, block_table, start, src_kind, dst_kind)
 
 
 def gather(cnp.ndarray cache, const block_id_t[::1] block_table, Py_ssize_t start,
-           Py_ssize_t end, cnp.ndarray out, int src_kind, int dst_kind, float scale=1.0,
+           Py_ssize_t end, cnp.ndarray out, int src_kind, int dst_kind, float layer_scale=1.0,
            object scale_plane=None, object head_scales=None):
     """out[h, t - start, :] = cache[block_table[t // bs], h, t % bs, :]
     for t in start..end-1, read as ``dst_kind`` (Backend.gather): a
-    low-precision plane widened to a float kind (fp8 * scale, code *
-    scale_plane[block, head, offset]), or its codes copied raw.
+    low-precision plane widened to a float kind (fp8 * layer_scale, or its
+    head's scale; code * scale_plane[block, head, offset]), or its codes
+    copied raw.
 
     cache: (num_blocks, heads, block_size, dim), C-contiguous.
     out: (heads, end - start, dim), C-contiguous, aligned.
     """
-    _gather(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, scale,
+    _gather(cache, scale_plane, block_table, start, end, out, src_kind, dst_kind, layer_scale,
             head_scales)
 
 
 def write_contiguous(cnp.ndarray dst, cnp.ndarray src, Py_ssize_t start, int src_kind,
-                     int dst_kind, float scale=1.0, object scale_plane=None,
+                     int dst_kind, float layer_scale=1.0, object scale_plane=None,
                      object head_scales=None):
     """dst[b, h, start + t, :] = src[b, h, t, :] stored as ``dst_kind``.
 
     dst: (batch, heads, max_seq_len, dim), C-contiguous.
     src: (batch, heads, n, dim), last axis contiguous, any other strides.
-    fp8: stored fp8(x / scale); int8: ``scale_plane`` (batch, heads,
-    max_seq_len) float32, C-contiguous.
+    fp8: stored fp8(x / layer_scale) (or per kv head: ``head_scales``);
+    int8: ``scale_plane`` (batch, heads, max_seq_len) float32, C-contiguous.
     """
     if _lowprec(dst_kind):
-        _write_contiguous_lowprec(dst, scale_plane, src, start, src_kind, dst_kind, scale,
+        _write_contiguous_lowprec(dst, scale_plane, src, start, src_kind, dst_kind, layer_scale,
                                   head_scales)
     else:
         _write_contiguous_float(dst, src, start, src_kind, dst_kind)
