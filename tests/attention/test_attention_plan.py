@@ -568,3 +568,48 @@ def test_torch_planes_resized_after_planning_are_refused(torch):
         plan.run(q, 1)
     np.testing.assert_array_equal(
         kvcore.AttentionPlan((k[:2], v), [[0, 1]], [20]).run(q, 1).shape, before.shape)
+
+
+CODEC_POOLS = {
+    "float16": {}, "int8": {},
+    "float8_e4m3fn": dict(kv_scales=[(0.5, 2.0), (1.5, 0.25)]),
+    "float8_e5m2 per head": dict(kv_scales=[((0.5, 2.0), 1.0), (1.5, (0.25, 4.0))]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CODEC_POOLS))
+def test_every_backend_reads_the_pages_through_the_layer_codecs(name):
+    """Attention takes the layer's (key_codec, value_codec) like every data
+    op: the CPU plan (its fast lane and its general run) and the reference
+    backend, handed the same codecs, agree (fp8 per-kv-head scales
+    included); codecs of another kind are refused."""
+    rng = np.random.default_rng(40)
+    pool = kvcore.BlockPool(16, 8, 2, 2, 64, dtype=name.split()[0], **CODEC_POOLS[name])
+    n = 16 * 8
+    for layer in range(2):
+        pool.write(layer, rng.standard_normal((n, 2, 64)).astype(np.float32),
+                   rng.standard_normal((n, 2, 64)).astype(np.float32), np.arange(n))
+    tables = np.array([[3, 0, 7, 4], [9, 12, 1, 2]], np.int32)
+    lens, qsl = np.array([30, 19]), np.array([0, 2, 3])
+    q = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl)
+    codecs = pool._data.planes.codecs
+    inner = CPU.attention_plan(tables, lens.astype(np.int64), qsl.astype(np.int64), num_heads=4,
+                               num_kv_heads=2, head_dim=64, block_size=8, num_blocks=16,
+                               kind=codecs[0][0].kind, scale=0.125, sliding_window=0,
+                               soft_cap=0.0)
+    for layer in range(2):
+        fast = plan.run(q, layer)
+        general = plan._run(q.astype(np.float16), layer, None)
+        want = np.empty_like(q)
+        Backend().attention_run(inner, q.astype(np.float16).astype(np.float32), want,
+                                pool.key_cache(layer), pool.value_cache(layer), codecs[layer])
+        np.testing.assert_allclose(general, want, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(fast, plan._run(q, layer, None), rtol=0, atol=0)
+    wrong = (Codec(dtypes.F32), Codec(dtypes.F32))
+    with pytest.raises(ValueError, match="codecs of kinds"):
+        CPU.attention_run(inner, q, np.empty_like(q), pool.key_cache(0), pool.value_cache(0),
+                          wrong)
+    with pytest.raises(ValueError, match="codecs must be of the pages' kind"):
+        Backend().attention_run(inner, q, np.empty_like(q), pool.key_cache(0),
+                                pool.value_cache(0), wrong)
