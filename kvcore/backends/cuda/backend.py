@@ -42,7 +42,7 @@ from .writes import CudaSlotWrites
 _ROW_LIMIT = 2**31 - 1
 
 
-class CudaBackend(CudaLaunches, Backend):
+class CudaBackend(Backend):
     """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
 
     Parameters
@@ -62,21 +62,19 @@ class CudaBackend(CudaLaunches, Backend):
         self.device_id = int(device_id)
         self.device = f"cuda:{self.device_id}"
         self._device = cupy.cuda.Device(self.device_id)
-        self._functions = {}
-        self._modules = {}
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
         self._sms = self._tensor_cores = None    # asked of the device on first use
-        self._smem_max = None
-        self._smem_set = {}   # kernel name -> the dynamic shared memory it was allowed
-        self._hold_parts()
+        self._hold_parts(CudaLaunches(self))
 
-    def _hold_parts(self):
-        """Make the collaborators this backend holds: its block copies, its
-        attention and its slot writes (each calls back into the device hooks here)."""
-        self._copies = CudaBlockCopies(self)
+    def _hold_parts(self, launcher):
+        """Hold ``launcher`` (compiles and launches kernels) and make the
+        collaborators that use it: block copies, attention and slot writes
+        (each calls the device hooks here too)."""
+        self.launcher = launcher
+        self._copies = CudaBlockCopies(self, launcher)
         self._attention = CudaAttention(self)
-        self._writes = CudaSlotWrites(self)
+        self._writes = CudaSlotWrites(self, launcher)
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -118,9 +116,9 @@ class CudaBackend(CudaLaunches, Backend):
         return self._attention.paged_attention(*args, **kwargs)
 
     # ----------------------------------------------------- device hooks
-    # The few places that touch CuPy's device machinery (with the launches
-    # of launch.py).  The tests' host emulation overrides exactly these to
-    # run the kernels' C++ bodies on NumPy arrays.
+    # The few places that touch CuPy's device machinery (the launches are
+    # the launcher's, launch.py).  The tests' host emulation overrides
+    # exactly these to run the kernels' C++ bodies on NumPy arrays.
     def _ctx(self):
         """Make this backend's device current for the enclosed calls."""
         return self._device
@@ -185,6 +183,19 @@ class CudaBackend(CudaLaunches, Backend):
         except Exception:  # not known to CUDA: pageable
             return False
         return getattr(attrs, "type", 0) == 1  # cudaMemoryTypeHost
+
+    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
+        """A device array over memory this backend does not own: ``shape``
+        elements of ``dtype`` ``strides`` bytes apart from address ``ptr``
+        on this device, kept valid by ``owner`` (held by the array).  No
+        copy, no driver call: what a torch CUDA tensor's raw fields become
+        for a kernel argument (``lane.py``, ``_import_torch``)."""
+        cp = self._cp
+        dtype = np.dtype(dtype)
+        nbytes = 0 if any(n == 0 for n in shape) else \
+            sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + dtype.itemsize
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
+        return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(mem, 0), tuple(strides))
 
     def _upload(self, h):
         """A device copy of C-contiguous host array ``h``, issued on the
@@ -400,7 +411,7 @@ class CudaBackend(CudaLaunches, Backend):
             v = _sources.vector_width(src_kind, dst_kind)
             if self._ptr(s) % 16 or self._ptr(tmp) % 16:
                 v = 1
-            self._launch("convert.cu", src_kind, dst_kind,
+            self.launcher.launch("convert.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
                          -(-n // v), 1, [tmp, s, n])
 
@@ -415,7 +426,7 @@ class CudaBackend(CudaLaunches, Backend):
         name = _sources.fp8_kernel_name(fmt, narrow, saturate)
 
         def launch(s, tmp):
-            self._launch(_sources.FP8_FILE, None, None, name, -(-s.size // 4), 1,
+            self.launcher.launch(_sources.FP8_FILE, None, None, name, -(-s.size // 4), 1,
                          [tmp, s, s.size])
 
         with self._ctx():
@@ -453,7 +464,7 @@ class CudaBackend(CudaLaunches, Backend):
         return [0] * len(axes) if scales is None else self._estrides(scales, axes)
 
     def _q_launch(self, float_kind, q_kind, kernel, rows, chunks, args):
-        self._launch(_sources.LOWPREC_FILE, float_kind, q_kind,
+        self.launcher.launch(_sources.LOWPREC_FILE, float_kind, q_kind,
                      _sources.lowprec_name(kernel, float_kind, q_kind), rows, chunks, args)
 
     def _row_target(self, out):
@@ -530,7 +541,7 @@ class CudaBackend(CudaLaunches, Backend):
                 cache = self._aligned_input(cache)
                 cs = self._estrides(cache, (0, 1, 2))
                 v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
-                self._launch("paged.cu", src_kind, dst_kind,
+                self.launcher.launch("paged.cu", src_kind, dst_kind,
                              _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
                              rows, dim // v,
                              [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
@@ -580,7 +591,7 @@ class CudaBackend(CudaLaunches, Backend):
                 cs = self._estrides(cache, (0, 1, 2))
                 v = self._vector(src_kind, dst_kind, dim,
                                  [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
-                self._launch("paged.cu", src_kind, dst_kind,
+                self.launcher.launch("paged.cu", src_kind, dst_kind,
                              _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
                              rows, dim // v,
                              [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
@@ -650,7 +661,7 @@ class CudaBackend(CudaLaunches, Backend):
                                 self._scale_bits(codec.layer_scale)])
                 return
             v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
-            self._launch("contiguous.cu", src_kind, dst_kind,
+            self.launcher.launch("contiguous.cu", src_kind, dst_kind,
                          _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
                          rows, dim // v,
                          [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
