@@ -118,7 +118,8 @@ class CudaAttention:
         self._be._check_rows(len(items), "paged_attention (work items)")
         tc = None
         if (plan.version >= 3 and kind in ak.TC_KINDS and dim in ak.TC_HEAD_DIMS
-                and self._be._has_mma() and ak.tc_smem(kind, dim) <= self._be.launcher.smem_optin()):
+                and self._be._has_mma()
+                and ak.tc_smem(kind, dim) <= self._be.launcher.smem_optin()):
             tc, tc_nsplit = ak.tc_plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
                                        plan.sliding_window, num_sms=self._be._sm_count(),
                                        seqs=seqs, chunk_size=plan.chunk_size)

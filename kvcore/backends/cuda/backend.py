@@ -412,8 +412,8 @@ class CudaBackend(Backend):
             if self._ptr(s) % 16 or self._ptr(tmp) % 16:
                 v = 1
             self.launcher.launch("convert.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
-                         -(-n // v), 1, [tmp, s, n])
+                                 _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
+                                 -(-n // v), 1, [tmp, s, n])
 
         with self._ctx():
             self._flat(src.view(_sources.bits_dtype(src.dtype)), dst.view(_sources.bits_dtype(dst.dtype)), launch)
@@ -427,7 +427,7 @@ class CudaBackend(Backend):
 
         def launch(s, tmp):
             self.launcher.launch(_sources.FP8_FILE, None, None, name, -(-s.size // 4), 1,
-                         [tmp, s, s.size])
+                                 [tmp, s, s.size])
 
         with self._ctx():
             self._flat(src.view(np.uint32) if narrow else src,
@@ -465,7 +465,7 @@ class CudaBackend(Backend):
 
     def _q_launch(self, float_kind, q_kind, kernel, rows, chunks, args):
         self.launcher.launch(_sources.LOWPREC_FILE, float_kind, q_kind,
-                     _sources.lowprec_name(kernel, float_kind, q_kind), rows, chunks, args)
+                             _sources.lowprec_name(kernel, float_kind, q_kind), rows, chunks, args)
 
     def _row_target(self, out):
         """``out``, or a C-contiguous temporary when its last axis is not
@@ -519,33 +519,17 @@ class CudaBackend(Backend):
         start, dim) with its last axis contiguous; block_table int32, host
         or device."""
         n = end - start
-        heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
+        heads, dim = cache.shape[1], cache.shape[3]
         if n <= 0 or heads == 0 or dim == 0:
             return
-        src_kind = codec.kind
         with self._ctx():
             table = self._index_array(block_table, np.int32)
             tmp = self._row_target(out)
-            os_ = self._estrides(tmp, (0, 1))
             rows = heads * n
             self._check_rows(rows, "gather (heads x positions)")
             self._check_rows(end, "gather (end position)")
-            if codec.lowprec:
-                plane, scale = self._read_scales(codec, dst_kind)
-                cs = self._estrides(cache, (0, 1, 2))
-                scs = self._scale_strides(plane, (0, 1, 2))
-                self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
-                               [tmp, cache, plane, table, start, n, bs, cs[0], cs[1], cs[2],
-                                scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
-            else:
-                cache = self._aligned_input(cache)
-                cs = self._estrides(cache, (0, 1, 2))
-                v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
-                self.launcher.launch("paged.cu", src_kind, dst_kind,
-                             _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
-                             rows, dim // v,
-                             [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
-                              os_[0], os_[1]])
+            self._gather_rows("kv_gather", cache, codec, dst_kind, tmp, rows, (0, 1),
+                              [table, start, n])
             self._deliver_bits(tmp, out)
 
     def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
@@ -567,36 +551,40 @@ class CudaBackend(Backend):
         out : (batch, heads, max_len, dim) device array, last axis contiguous
         """
         batch, heads, max_len, dim = out.shape
-        bs = cache.shape[2]
         if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
             return
-        src_kind = codec.kind
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
             tmp = self._row_target(out)
-            os_ = self._estrides(tmp, (0, 1, 2))
             rows = batch * heads * max_len
             self._check_rows(rows, "gather_batch")
-            if codec.lowprec:
-                plane, scale = self._read_scales(codec, dst_kind)
-                cs = self._estrides(cache, (0, 1, 2))
-                scs = self._scale_strides(plane, (0, 1, 2))
-                self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
-                               [tmp, cache, plane, tables, lens, heads, max_len,
-                                tables.shape[1], bs, cs[0], cs[1], cs[2], scs[0], scs[1],
-                                scs[2], os_[0], os_[1], os_[2], self._scale_bits(scale)])
-            else:
-                cache = self._aligned_input(cache)
-                cs = self._estrides(cache, (0, 1, 2))
-                v = self._vector(src_kind, dst_kind, dim,
-                                 [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
-                self.launcher.launch("paged.cu", src_kind, dst_kind,
-                             _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
-                             rows, dim // v,
-                             [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
-                              cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
+            self._gather_rows("kv_gather_batch", cache, codec, dst_kind, tmp, rows, (0, 1, 2),
+                              [tables, lens, heads, max_len, tables.shape[1]])
             self._deliver_bits(tmp, out)
+
+    def _gather_rows(self, kernel, cache, codec, dst_kind, tmp, rows, out_axes, index_args):
+        """Launch ``kernel`` (paged.cu's kv_gather / kv_gather_batch, or
+        lowprec.cu's ``_q`` twin for fp8 / int8 pages) over ``rows`` rows of
+        ``tmp`` (strides of ``out_axes``): its arguments are tmp, the cache
+        (and its scale plane), ``index_args``, the block size, the cache's
+        strides (and the plane's), tmp's (and the layer scale)."""
+        src_kind, bs, dim = codec.kind, cache.shape[2], cache.shape[3]
+        os_ = self._estrides(tmp, out_axes)
+        if codec.lowprec:
+            plane, scale = self._read_scales(codec, dst_kind)
+            cs = self._estrides(cache, (0, 1, 2))
+            scs = self._scale_strides(plane, (0, 1, 2))
+            self._q_launch(dst_kind, src_kind, kernel + "_q", rows, dim,
+                           [tmp, cache, plane, *index_args, bs, *cs, *scs, *os_,
+                            self._scale_bits(scale)])
+            return
+        cache = self._aligned_input(cache)
+        cs = self._estrides(cache, (0, 1, 2))
+        v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, out_axes)])
+        self.launcher.launch("paged.cu", src_kind, dst_kind,
+                             _sources.kernel_name(kernel, src_kind, dst_kind, v), rows, dim // v,
+                             [tmp, cache, *index_args, bs, *cs, *os_])
 
     @staticmethod
     def _read_scales(codec, dst_kind):
@@ -661,10 +649,9 @@ class CudaBackend(Backend):
                                 self._scale_bits(codec.layer_scale)])
                 return
             v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
-            self.launcher.launch("contiguous.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
+            name = _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v)
+            self.launcher.launch("contiguous.cu", src_kind, dst_kind, name, rows, dim // v,
+                                 [dst, src, heads, n, start, *ss, *ds])
 
     def synchronize(self):
         """Wait for everything issued on this device's current stream."""

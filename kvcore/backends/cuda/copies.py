@@ -132,9 +132,9 @@ class CudaBlockCopies:
         rows = planes * n
         self._be._check_rows(rows, "copy_blocks")
         self._launcher.launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
-                     rows, block_bytes // wb,
-                     [dst_st, src_st, s_ids, d_ids, n,
-                      strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
+                          rows, block_bytes // wb,
+                          [dst_st, src_st, s_ids, d_ids, n,
+                           strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
 
     def _copy_host_device(self, src_st, src_ids, dst_st, dst_ids, to_device):
         rt = self._be._cp.cuda.runtime

@@ -222,8 +222,9 @@ class CudaLaunches:
         call with the argument block as packed (cuLaunchKernel copies the
         arguments when it is called: the block may be repacked at once)."""
         g, b = launch.grid, launch.block
+        stream = self._be._stream_ptr()
         self._cp.cuda.driver.launchKernel(launch.function, g[0], g[1], g[2], b[0], b[1], b[2],
-                                          launch.smem, self._be._stream_ptr(), launch.params_ptr, 0)
+                                          launch.smem, stream, launch.params_ptr, 0)
 
     def pinned(self, nbytes):
         """A uint8 NumPy array of ``nbytes`` in page-locked host memory (the

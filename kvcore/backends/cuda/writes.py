@@ -55,7 +55,8 @@ class CudaSlotWrites:
         self._be._check_rows(n * heads, "write_slots")
         v = 1 if codec.lowprec else self._be._vector(src_kind, codec.kind, dim,
                                                   [(src, (0, 1)), (cache, (0, 1, 2))])
-        self._launcher.launch(*self.write_call(cache, src, ss, slots, owner, n, src_kind, codec, v))
+        self._launcher.launch(*self.write_call(cache, src, ss, slots, owner, n, src_kind, codec,
+                                               v))
 
     def write_call(self, cache, src, src_strides, slots, owner, n, src_kind, codec, v):
         """``(file, sk, dk, name, rows, chunks, args)`` of the launch that
@@ -101,7 +102,7 @@ class CudaSlotWrites:
         with self._be._ctx():
             table = self._be.xp.empty(num_slots, np.int32)
             self._launcher.launch(_sources.SLOTS_FILE, None, None, "kv_reset_owner", num_slots, 1,
-                         [table])
+                              [table])
             return table
 
     def device_slots(self, slots, n):
@@ -191,7 +192,7 @@ class CudaSlotWrites:
             if check and self._be._is_device(slots):
                 bad = self._be._upload(np.array([_sources.NO_BAD], np.int64))
             self._launcher.launch(_sources.SLOTS_FILE, None, None, "kv_claim_slots", n, 1,
-                         [table, bad, d_slots, num_slots])
+                              [table, bad, d_slots, num_slots])
             try:
                 if bad is not None:
                     first = int(self._be._download(bad)[0])
@@ -203,7 +204,7 @@ class CudaSlotWrites:
                 write(d_slots, table)
             finally:
                 self._launcher.launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
-                             [table, d_slots, num_slots])
+                                  [table, d_slots, num_slots])
 
 
 class SlotOwners:
