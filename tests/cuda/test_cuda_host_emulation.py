@@ -37,11 +37,11 @@ from kvcore.backends.codec import Codec
 pytestmark = pytest.mark.toolchain
 
 try:  # tests/ as a package or as a plain directory on sys.path
-    from ._cuda_attention_emulation import AttentionEmulation
+    from ._cuda_attention_emulation import AttentionEmulation, kernel_signature
     from ._cuda_cases import *  # noqa: F401,F403
     from ._cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits
 except ImportError:
-    from _cuda_attention_emulation import AttentionEmulation
+    from _cuda_attention_emulation import AttentionEmulation, kernel_signature
     from _cuda_cases import *  # noqa: F401,F403
     from _cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits
 
@@ -204,11 +204,7 @@ class EmulationLibrary:
     def signature(self, name):
         sig = self._sigs.get(name)
         if sig is None:
-            f = getattr(self._lib, f"kvemu_{self.index[name]}_sig")
-            f.restype = ctypes.c_int
-            buf = (ctypes.c_int * 64)()
-            n = f(buf)
-            sig = self._sigs[name] = tuple(buf[:n])
+            sig = self._sigs[name] = kernel_signature(self._lib, f"kvemu_{self.index[name]}_sig")
         return sig
 
     def run(self, name, rows, chunks, params):
