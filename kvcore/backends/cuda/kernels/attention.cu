@@ -126,7 +126,8 @@ kva_attention_split_scalar(KVA_SPLIT_PARAMS(KIND))
     __syncthreads();
 
     /* this query's visible keys, within the item's range */
-    const KvaKeys keys = kva_row_keys(seq_lens, query_start_loc, s, row, window, chunk, it[5], it[6]);
+    const KvaKeys keys =
+        kva_row_keys(seq_lens, query_start_loc, s, row, window, chunk, it[5], it[6]);
     const kva_i64 pos = keys.pos, lo = keys.lo, hi = keys.hi;
 
     float m[KVA_HEADS], l[KVA_HEADS], acc[KVA_HEADS][NPL];
@@ -204,9 +205,10 @@ kva_attention_split_scalar(KVA_SPLIT_PARAMS(KIND))
     const bool single = nsplit[blockIdx.x] == 1;
     for (int i = threadIdx.x; i < nh * D; i += blockDim.x) {
         int h = i / D, d = i - h * D;
-        kva_item_result<D>(out, partials, kva_merge<KVA_HEADS * (D + 2)>(&part_s[0][0][0] + h * (D + 2),
-                                                                       KVA_WARPS, d, un),
-                           single, row, num_heads, h0, h, d, sinks, un, out_kind);
+        const KvaMerged mg =
+            kva_merge<KVA_HEADS * (D + 2)>(&part_s[0][0][0] + h * (D + 2), 0, KVA_WARPS, d, un);
+        kva_item_result<D>(out, partials, mg, single, row, num_heads, h0, h, d, sinks, un,
+                           out_kind);
     }
 }
 
@@ -282,7 +284,8 @@ kva_attention_split(KVA_SPLIT_PARAMS(KIND))
     const KvaUnits un = kva_units(scale, capped);
     const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
-    const KvaKeys keys = kva_row_keys(seq_lens, query_start_loc, s, row, window, chunk, it[5], it[6]);
+    const KvaKeys keys =
+        kva_row_keys(seq_lens, query_start_loc, s, row, window, chunk, it[5], it[6]);
     const kva_i64 pos = keys.pos, lo = keys.lo, hi = keys.hi;
     const kva_i64 nkeys = hi > lo ? hi - lo : 0;
     const float slope = alibi != nullptr && active ? kva_logit_units(alibi[h0 + hr], un) : 0.0f;
@@ -434,8 +437,9 @@ kva_attention_split(KVA_SPLIT_PARAMS(KIND))
     const bool single = nsplit[blockIdx.x] == 1;
     for (int i = tid; i < nh * D; i += blockDim.x) {
         const int h = i / D, d = i - h * D;
-        kva_item_result<D>(out, partials, kva_merge<D + 2>(&sm.u.part[0][0] + h * kr * (D + 2), kr, d, un),
-                           single, row, num_heads, h0, h, d, sinks, un, out_kind);
+        const KvaMerged mg = kva_merge<D + 2>(&sm.u.part[0][0], h * kr, kr, d, un);
+        kva_item_result<D>(out, partials, mg, single, row, num_heads, h0, h, d, sinks, un,
+                           out_kind);
     }
 }
 
@@ -682,8 +686,8 @@ __global__ void kva_attention_merge(void *out, const float *partials, const kva_
     for (kva_i64 i = threadIdx.x; i < nh * D; i += blockDim.x) {
         kva_i64 h = i / D, d = i - h * D;
         /* the splits in split order (one without keys skipped, a NaN sum kept) */
-        const KvaMerged mg = kva_merge<KVA_HEADS * (D + 2)>(
-            partials + first * KVA_HEADS * (D + 2) + h * (D + 2), n, (int)d, un);
+        const KvaMerged mg =
+            kva_merge<KVA_HEADS * (D + 2)>(partials + h * (D + 2), first, n, (int)d, un);
         kva_store_result(out, out_kind, (row * num_heads + h0 + h) * D + d, mg, sinks, h0 + h,
                          un);
     }

@@ -693,23 +693,26 @@ __device__ __forceinline__ float kva_tile_online(float (*sc)[4], float (*p)[4], 
     return alpha;
 }
 
-/* The merge of n partials (m, l, acc[...]) at part, part + STRIDE, ... in
- * their order, for dim d: one without keys (l == 0) is skipped, a NaN sum
- * is kept.  The merged max, sum and acc. */
+/* The merge of partials (m, l, acc[...]) first .. first + n - 1 at part +
+ * STRIDE w in their order, for dim d: one without keys (l == 0) is
+ * skipped, a NaN sum is kept.  The merged max, sum and acc.  (I: the
+ * index type of the caller's loop, 32 or 64 bits: the same code as the
+ * loop written in place.) */
 struct KvaMerged {
     float m, l, acc;
 };
 
-template <int STRIDE>
-__device__ __forceinline__ KvaMerged kva_merge(const float *part, int n, int d, KvaUnits un)
+template <int STRIDE, typename I>
+__device__ __forceinline__ KvaMerged kva_merge(const float *part, I first, int n, int d,
+                                               KvaUnits un)
 {
     KvaMerged r;
     r.m = KVA_NEG_INF;
-    for (int w = 0; w < n; w++)
+    for (I w = first; w < first + n; w++)
         r.m = kva_max(r.m, part[w * STRIDE]);
     r.l = 0.0f;
     r.acc = 0.0f;
-    for (int w = 0; w < n; w++) {
+    for (I w = first; w < first + n; w++) {
         const float *pw = part + w * STRIDE;
         if (kva_is_zero(pw[1]))
             continue;

@@ -325,7 +325,8 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
         if (capped) {
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                sc[i >> 2][i & 3] = kva_cap(kva_mul(sc[i >> 2][i & 3], un.mult), capl2, soft_cap, un);
+                sc[i >> 2][i & 3] =
+                    kva_cap(kva_mul(sc[i >> 2][i & 3], un.mult), capl2, soft_cap, un);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++)

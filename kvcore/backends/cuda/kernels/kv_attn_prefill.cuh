@@ -139,8 +139,8 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
             for (int v = tid; v < KEYS * C::VPR; v += blockDim.x) {
                 const int key = v / C::VPR, cc = v - key * C::VPR;
                 if (tile * KEYS + key < nkeys) {
-                    const kva_i64 off = kva_key_row(table, pb0, poff0 + (unsigned)(tile * KEYS + key),
-                                                    bdiv, c_block, c_tok) + 8 * cc;
+                    const unsigned rel = poff0 + (unsigned)(tile * KEYS + key);
+                    const kva_i64 off = kva_key_row(table, pb0, rel, bdiv, c_block, c_tok) + 8 * cc;
                     if (vec16) {
                         kva_copy16(dk + key * RS + 16 * cc, kbase + off);
                         kva_copy16(dv + key * RS + 16 * cc, vbase + off);
