@@ -40,12 +40,34 @@ def _emulated_backend(root):
     installed as device 'cuda' (what tests/cuda/test_cuda_host_emulation.py's
     fixture does)."""
     # the emulation of the tree measured; EmulatedTensors of this script's tree
-    sys.path[:0] = [os.path.join(root, "tests"), os.path.join(_HERE, "..", "tests")]
+    # (tests/ and its cuda/ and hf/ folders, each tree's)
+    sys.path[:0] = [os.path.join(t, *sub) for t in (os.path.join(root, "tests"),
+                                                  os.path.join(_HERE, "..", "tests"))
+                    for sub in (("cuda",), ("hf",), ())]
     import test_cuda_host_emulation as emu
 
     import kvcore.backends.cuda as kc
 
+    class NoLaunches(getattr(emu, "EmulatedLaunches", object)):
+        def launch(self, file, sk, dk, name, rows, chunks, args):
+            pass
+
+        def launch_grid(self, file, name, grid, block, args, smem=0):
+            self._collected(file, name, grid, block, args)   # (what a step lane packs)
+
+        def launch_packed(self, launch):
+            pass
+
+        def function_ptr(self, file, sk, dk, name):
+            return name
+
     class NoKernels(emu.EmulatedBackend):
+        def __init__(self, lib):
+            super().__init__(lib)
+            if hasattr(emu, "EmulatedLaunches"):   # a tree whose backend holds its launcher
+                self._hold_parts(NoLaunches(self, lib))
+
+        # a tree whose backend inherits its launches (before issue 43)
         def _launch(self, file, sk, dk, name, rows, chunks, args):
             pass
 

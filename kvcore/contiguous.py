@@ -489,51 +489,21 @@ class KVCache:
         return twin
 
     # ----------------------------------------------------------- properties
-    @property
-    def num_layers(self):
-        """Number of layers."""
-        return self._num_layers
+    num_layers = property(lambda self: self._num_layers, doc="Number of layers.")
+    num_kv_heads = property(lambda self: self._num_kv_heads, doc="KV heads per layer.")
+    head_dim = property(lambda self: self._head_dim, doc="Elements per head per position.")
+    max_seq_len = property(lambda self: self._max_seq_len, doc="Capacity in positions.")
+    batch_size = property(lambda self: self._batch_size, doc="Sequences in the batch.")
 
-    @property
-    def num_kv_heads(self):
-        """KV heads per layer."""
-        return self._num_kv_heads
-
-    @property
-    def head_dim(self):
-        """Elements per head per position."""
-        return self._head_dim
-
-    @property
-    def max_seq_len(self):
-        """Capacity in positions."""
-        return self._max_seq_len
-
-    @property
-    def batch_size(self):
-        """Sequences in the batch."""
-        return self._batch_size
-
-    @property
-    def dtype(self):
-        """Canonical storage dtype name: 'float32', 'float16', 'bfloat16',
-        'float8_e4m3fn', 'float8_e5m2' or 'int8'."""
-        return KIND_NAME[self._kind]
-
-    @property
-    def device(self):
-        """The device the buffer lives on ('cpu', or the CUDA device)."""
-        return self._device
-
-    @property
-    def seq_len(self):
-        """Positions written in every layer (the minimum over layers)."""
-        return min(self._lengths)
-
-    @property
-    def layer_lengths(self):
-        """Positions written in each layer, as a tuple."""
-        return tuple(self._lengths)
+    dtype = property(lambda self: KIND_NAME[self._kind],
+                     doc="Canonical storage dtype name: 'float32', 'float16', 'bfloat16', "
+                         "'float8_e4m3fn', 'float8_e5m2' or 'int8'.")
+    device = property(lambda self: self._device,
+                      doc="The device the buffer lives on ('cpu', or the CUDA device).")
+    seq_len = property(lambda self: min(self._lengths),
+                       doc="Positions written in every layer (the minimum over layers).")
+    layer_lengths = property(lambda self: tuple(self._lengths),
+                             doc="Positions written in each layer, as a tuple.")
 
     def memory_report(self):
         """Memory figures, in bytes unless named otherwise.

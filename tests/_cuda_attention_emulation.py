@@ -34,6 +34,16 @@ from kvcore.backends.cuda import attention_kernels
 
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
+
+def kernel_signature(lib, symbol):
+    """The parameter codes a harness function ``symbol`` of ``lib`` writes
+    (``int symbol(int *out)``, returning their count): 0 an integer, -1 a
+    float, -2 a void pointer, else a pointer to elements of that many bytes."""
+    f = getattr(lib, symbol)
+    f.restype = ctypes.c_int
+    buf = (ctypes.c_int * 64)()
+    return tuple(buf[:f(buf)])
+
 SHIM = r'''
 #include <math.h>
 #include <stdint.h>
@@ -456,10 +466,8 @@ class AttentionEmulation:
     def signature(self, name):
         sig = self._sigs.get(name)
         if sig is None:
-            f = getattr(self._lib, f"kvattn_{self.names.index(name)}_sig")
-            f.restype = ctypes.c_int
-            buf = (ctypes.c_int * 64)()
-            sig = self._sigs[name] = tuple(buf[:f(buf)])
+            sig = self._sigs[name] = kernel_signature(self._lib,
+                                                      f"kvattn_{self.names.index(name)}_sig")
         return sig
 
     def launch(self, name, grid, block, params, smem=0):

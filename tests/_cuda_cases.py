@@ -762,6 +762,19 @@ def _io_ulp(x, dtype):
     return 2.0 ** (e - mant)
 
 
+def attention_io(dev, rng, contexts, queries, num_heads, head_dim, scale, q_dtype, out_dtype):
+    """A call's lengths and query_start_loc, q (as handed over in
+    ``q_dtype``, and its float32 values), the scale (None: 1 / sqrt(head_dim))
+    and out in ``out_dtype`` on the device, poisoned with NaN."""
+    lens = np.array(contexts, np.int64)
+    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
+    q_in, q = _io_bits(rng.standard_normal((int(qsl[-1]), num_heads, head_dim))
+                       .astype(np.float32), q_dtype)
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    out = dev.put(_io_bits(np.full(q.shape, np.nan, np.float32), out_dtype)[0])
+    return lens, qsl, q_in, q, scale, out
+
+
 def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, queries,
                     block_size=16, window=None, cap=None, split_keys=None, monkeypatch=None,
                     layer_scales=(1.0, 1.0), nan_rows=(), q_dtype="float32",
@@ -824,12 +837,8 @@ def _attention_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts,
             ks, vs = layer_scales
             codecs = cpu_codecs = (Codec(kind, float(ks)), Codec(kind, float(vs)))
         ref_kw.update(key_scales=ks, value_scales=vs)
-    lens = np.array(contexts, np.int64)
-    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
-    q_in, q = _io_bits(rng.standard_normal((int(qsl[-1]), num_heads, head_dim))
-                       .astype(np.float32), q_dtype)
-    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    out = dev.put(_io_bits(np.full(q.shape, np.nan, np.float32), out_dtype)[0])
+    lens, qsl, q_in, q, scale, out = attention_io(dev, rng, contexts, queries, num_heads,
+                                                  head_dim, scale, q_dtype, out_dtype)
     be = dev.be
     plan = be.attention_plan(
         tables, lens, qsl, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -1049,14 +1058,20 @@ def _q_scales(rng, shape):
     return s
 
 
+def _q_pages(rng, shape, qk):
+    """Random codes of kind ``qk`` and, for int8, their row scales (None
+    otherwise)."""
+    codes = _q_storage(rng, shape, qk)
+    return codes, _q_scales(rng, shape[:-1]) if qk == I8 else None
+
+
 @pytest.mark.parametrize("head_dim", (64, 33))
 @pytest.mark.parametrize("sk", KINDS, ids=KIDS)
 @pytest.mark.parametrize("qk", QKINDS, ids=QIDS)
 def test_write_slots_q_matches_cpu(dev, qk, sk, head_dim):
     rng = np.random.default_rng([30, qk, sk, head_dim])
     num_blocks, heads, block_size, n = 5, 3, 8, 19
-    cache = _q_storage(rng, (num_blocks, heads, block_size, head_dim), qk)
-    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    cache, scales = _q_pages(rng, (num_blocks, heads, block_size, head_dim), qk)
     slots = rng.permutation(num_blocks * block_size)[:n].astype(np.int64)
     slots[[3, 11]] = -1
     src = lp_values(rng, (n, heads, head_dim), sk)
@@ -1080,8 +1095,7 @@ def test_write_slots_q_matches_cpu(dev, qk, sk, head_dim):
 def test_write_slots_q_from_strided_rows(dev, qk):
     """Hugging Face's (n, heads, dim) as a transposed view: strided rows."""
     rng = np.random.default_rng([31, qk])
-    cache = _q_storage(rng, (4, 2, 8, 64), qk)
-    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    cache, scales = _q_pages(rng, (4, 2, 8, 64), qk)
     raw = lp_values(rng, (2, 9, 64), F16)
     src = raw.transpose(1, 0, 2)
     slots = np.arange(9, dtype=np.int64) + 7
@@ -1102,8 +1116,7 @@ def test_write_slots_kv_q_repeated_and_checked_slots(dev, qk):
     rng = np.random.default_rng([32, qk])
     num_blocks, heads, block_size, head_dim = 4, 2, 8, 64
     num_slots = num_blocks * block_size
-    storage = _q_storage(rng, (2, num_blocks, heads, block_size, head_dim), qk)
-    scales = _q_scales(rng, storage.shape[:4]) if qk == I8 else None
+    storage, scales = _q_pages(rng, (2, num_blocks, heads, block_size, head_dim), qk)
     slots = np.array([5, 9, 5, 31, -1, 9, 5, 0, 31, 9], np.int64)
     k = lp_values(rng, (len(slots), heads, head_dim), F32)
     v = lp_values(rng, (len(slots), heads, head_dim), BF16)
@@ -1155,9 +1168,8 @@ def test_gather_q_matches_cpu(dev, qk, dk, block_size):
     """Every code pattern (NaN codes, subnormals) widened, with NaN scales."""
     rng = np.random.default_rng([33, qk, dk, block_size])
     heads, num_blocks, used, head_dim = 2, 7, 5, 64
-    storage = _q_storage(rng, (2, num_blocks, heads, block_size, head_dim), qk)
+    storage, scales = _q_pages(rng, (2, num_blocks, heads, block_size, head_dim), qk)
     storage.reshape(-1)[:256] = np.arange(256, dtype=np.uint8).view(STORAGE[qk])
-    scales = _q_scales(rng, storage.shape[:4]) if qk == I8 else None
     table = rng.permutation(num_blocks)[:used].astype(np.int32)
     table[0] = 0   # the block holding every pattern
     total = used * block_size
@@ -1183,8 +1195,7 @@ def test_gather_q_matches_cpu(dev, qk, dk, block_size):
 def test_gather_q_into_strided_out(dev, qk):
     rng = np.random.default_rng([34, qk])
     heads, block_size, head_dim = 3, 16, 64
-    cache = _q_storage(rng, (4, heads, block_size, head_dim), qk)
-    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    cache, scales = _q_pages(rng, (4, heads, block_size, head_dim), qk)
     table = np.array([2, 0, 3], np.int32)
     want = np.zeros((heads, 40, head_dim), np.float32)
     CPU.gather(cache, table, 5, 45, want, Codec(qk, 0.5, scales), F32)
@@ -1202,8 +1213,7 @@ def test_gather_q_into_strided_out(dev, qk):
 def test_gather_batch_q_matches_cpu(dev, qk, dk):
     rng = np.random.default_rng([35, qk, dk])
     heads, block_size, num_blocks, max_blocks, max_len, head_dim = 2, 8, 16, 5, 44, 33
-    storage = _q_storage(rng, (2, num_blocks, heads, block_size, head_dim), qk)
-    scales = _q_scales(rng, storage.shape[:4]) if qk == I8 else None
+    storage, scales = _q_pages(rng, (2, num_blocks, heads, block_size, head_dim), qk)
     lens = np.array([13, 0, 40, 8, 1], np.int32)
     tables = np.full((len(lens), max_blocks), -1, np.int32)
     perm = rng.permutation(num_blocks).astype(np.int32)
@@ -1228,8 +1238,7 @@ def test_gather_batch_q_matches_cpu(dev, qk, dk):
 def test_write_contiguous_q_matches_cpu(dev, qk, sk):
     rng = np.random.default_rng([36, qk, sk])
     batch, heads, max_len, head_dim = 2, 3, 40, 64
-    cache = _q_storage(rng, (batch, heads, max_len, head_dim), qk)
-    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
+    cache, scales = _q_pages(rng, (batch, heads, max_len, head_dim), qk)
     want, want_s = cache.copy(), None if scales is None else scales.copy()
     d, d_s = dev.put(cache), None if scales is None else dev.put(scales)
     for start, n, layout in ((0, 17, "bhnd"), (17, 1, "bhnd"), (18, 9, "bnhd"), (39, 1, "bnhd")):
@@ -1257,9 +1266,8 @@ def test_write_contiguous_q_matches_cpu(dev, qk, sk):
 def test_dequantize_matches_cpu(dev, qk, dk):
     """KVCache.get(dtype=...): a range of the cache (views), widened."""
     rng = np.random.default_rng([37, qk, dk])
-    cache = _q_storage(rng, (2, 3, 40, 64), qk)
+    cache, scales = _q_pages(rng, (2, 3, 40, 64), qk)
     cache.reshape(-1)[:256] = np.arange(256, dtype=np.uint8).view(STORAGE[qk])
-    scales = _q_scales(rng, cache.shape[:3]) if qk == I8 else None
     d_c, d_s = dev.put(cache), None if scales is None else dev.put(scales)
     for start, end in ((0, 40), (5, 17)):
         src = cache[:, :, start:end]

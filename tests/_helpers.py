@@ -214,3 +214,15 @@ def gguf_causal_lm(torch, transformers, path):
         _GGUF_MODELS[key] = (model, tokenizer)
     model, tokenizer = _GGUF_MODELS[key]
     return copy.deepcopy(model), tokenizer
+
+
+def bad_out_cases(tokens, heads=8, head_dim=64):
+    """The checks every attention entry point makes of ``out`` for q of
+    ``(tokens, heads, head_dim)``: ``(change, exception, message)`` rows."""
+    return [
+        (dict(out=np.zeros((tokens, heads, head_dim - 1), np.float32)), ValueError,
+         rf"out must have shape \({tokens}, {heads}, {head_dim}\)"),
+        (dict(out=np.zeros((tokens, heads, head_dim), np.float64)), TypeError,
+         r"out must be float32"),
+        (dict(out="read-only"), ValueError, r"out must be writeable"),
+    ]

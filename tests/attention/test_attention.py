@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 try:
-    from _helpers import aarch64_tools, functions_in, run_in_threads, simd_level
+    from _helpers import aarch64_tools, bad_out_cases, functions_in, run_in_threads, simd_level
     from _simd_levels import simd_level_params
 except ImportError:  # pragma: no cover - run as a package
-    from ._helpers import aarch64_tools, functions_in, run_in_threads, simd_level
+    from ._helpers import aarch64_tools, bad_out_cases, functions_in, run_in_threads, simd_level
     from ._simd_levels import simd_level_params
 
 import kvcore
@@ -502,11 +502,8 @@ BAD = [
     (dict(sliding_window=0), ValueError, r"sliding_window must be a positive integer"),
     (dict(sliding_window=2.5), TypeError, r"sliding_window must be an integer"),
     (dict(logits_soft_cap=0.0), ValueError, r"logits_soft_cap must be positive"),
-    (dict(out=np.zeros((5, 8, 63), np.float32)), ValueError, r"out must have shape \(5, 8, 64\)"),
-    (dict(out=np.zeros((5, 8, 64), np.float64)), TypeError, r"out must be float32"),
-    (dict(out="read-only"), ValueError, r"out must be writeable"),
     (dict(pool="not a pool"), TypeError, r"pool must be a kvcore.BlockPool, got str"),
-]
+] + bad_out_cases(5)
 
 
 @pytest.mark.parametrize("change,exc,pattern", BAD, ids=[str(i) for i in range(len(BAD))])

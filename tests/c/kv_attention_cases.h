@@ -14,6 +14,16 @@
 
 static inline float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f * 2.0f - 1.0f; }
 
+/* Random P (M rows of T weights) and alpha (M) in [0, 1) for a P.V check. */
+static inline void urand_pv(float *P, float *alpha, int M, int T)
+{
+    for (int r = 0; r < M; r++) {
+        alpha[r] = 0.5f + 0.5f * urand();
+        for (int i = 0; i < T; i++)
+            P[r * T + i] = 0.5f + 0.5f * urand();
+    }
+}
+
 /* The level, if this CPU runs it, made current: whether it was. */
 static inline int kvc_use_level(int level)
 {

@@ -104,11 +104,7 @@ static void check_kernels(int kind, int D, int M, int nt, int nan)
     free(Sp);
 
     /* P.V: acc = acc * alpha + P V, against float64 */
-    for (int r = 0; r < M; r++) {
-        alpha[r] = 0.5f + 0.5f * urand();
-        for (int i = 0; i < T; i++)
-            P[r * T + i] = 0.5f + 0.5f * urand();
-    }
+    urand_pv(P, alpha, M, T);
     for (int i = 0; i < M * D; i++)
         accv[i] = acc0[i] = urand();
     v->pv(P, M, D, row, nt, accv, alpha, tmp, NULL);

@@ -78,11 +78,7 @@ static void check_level(int level)
                 k->scores(Q, M, D, row, ntp, Sa, tmp, NULL);
                 k->scores(Q, M, D, row, ntp, Sb, tmp, next);
                 check(memcmp(Sa, Sb, sizeof(float) * M * T) == 0, "scores", name, kind, D, M, ntp);
-                for (int r = 0; r < M; r++) {
-                    alpha[r] = 0.5f + 0.5f * urand();
-                    for (int i = 0; i < T; i++)
-                        P[r * T + i] = 0.5f + 0.5f * urand();
-                }
+                urand_pv(P, alpha, M, T);
                 for (int i = 0; i < M * D; i++)
                     a[i] = b[i] = urand();
                 k->pv(P, M, D, row, nt, a, alpha, tmp, NULL);

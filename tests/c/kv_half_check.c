@@ -23,26 +23,18 @@ static int fails = 0;
 static void check_narrow(int level, const uint32_t *x, size_t n)
 {
     static uint16_t a[1 << 16], b[1 << 16];
-    kvh_set_level(KVH_SCALAR);
-    kvh_f32_to_f16((const float *)x, a, (ptrdiff_t)n);
-    kvh_set_level(level);
-    kvh_f32_to_f16((const float *)x, b, (ptrdiff_t)n);
-    for (size_t i = 0; i < n && fails < 20; i++)
-        if (a[i] != b[i]) {
-            printf("MISMATCH %s f32->f16 x=%08x scalar=%04x simd=%04x\n", kvh_level_name(level),
-                   x[i], a[i], b[i]);
-            fails++;
-        }
-    kvh_set_level(KVH_SCALAR);
-    kvh_f32_to_bf16((const float *)x, a, (ptrdiff_t)n);
-    kvh_set_level(level);
-    kvh_f32_to_bf16((const float *)x, b, (ptrdiff_t)n);
-    for (size_t i = 0; i < n && fails < 20; i++)
-        if (a[i] != b[i]) {
-            printf("MISMATCH %s f32->bf16 x=%08x scalar=%04x simd=%04x\n", kvh_level_name(level),
-                   x[i], a[i], b[i]);
-            fails++;
-        }
+    for (int kind = 0; kind < 2; kind++) {
+        kvh_set_level(KVH_SCALAR);
+        (kind ? kvh_f32_to_bf16 : kvh_f32_to_f16)((const float *)x, a, (ptrdiff_t)n);
+        kvh_set_level(level);
+        (kind ? kvh_f32_to_bf16 : kvh_f32_to_f16)((const float *)x, b, (ptrdiff_t)n);
+        for (size_t i = 0; i < n && fails < 20; i++)
+            if (a[i] != b[i]) {
+                printf("MISMATCH %s f32->%s x=%08x scalar=%04x simd=%04x\n",
+                       kvh_level_name(level), kind ? "bf16" : "f16", x[i], a[i], b[i]);
+                fails++;
+            }
+    }
 }
 
 static void check_widen(int level)

@@ -23,11 +23,13 @@ pytestmark = pytest.mark.toolchain
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from ._cuda_attention_emulation import CXX, AttentionEmulation
-    from ._cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case, _io_bits, _io_values
+    from ._cuda_cases import (FP8_SCALES, DeviceUnderTest, _attention_case, _io_bits,
+                              _io_values, attention_io)
     from .test_cuda_host_emulation import EmulatedBackend, _get, _put
 except ImportError:
     from _cuda_attention_emulation import CXX, AttentionEmulation
-    from _cuda_cases import FP8_SCALES, DeviceUnderTest, _attention_case, _io_bits, _io_values
+    from _cuda_cases import (FP8_SCALES, DeviceUnderTest, _attention_case, _io_bits,
+                             _io_values, attention_io)
     from test_cuda_host_emulation import EmulatedBackend, _get, _put
 
 ALL_KINDS = (F32, F16, BF16, F8E4M3, F8E5M2, I8)
@@ -215,12 +217,8 @@ def _prefill_case(dev, rng, kind, head_dim, num_heads, num_kv_heads, contexts, q
     for s, n in enumerate(need):
         tables[s, :n] = perm[a:a + n]
         a += n
-    lens = np.array(contexts, np.int64)
-    qsl = np.concatenate([[0], np.cumsum(queries)]).astype(np.int64)
-    q_in, q = _io_bits(rng.standard_normal((int(qsl[-1]), num_heads, head_dim))
-                       .astype(np.float32), q_dtype)
-    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    out = dev.put(_io_bits(np.full(q.shape, np.nan, np.float32), out_dtype)[0])
+    lens, qsl, q_in, q, scale, out = attention_io(dev, rng, contexts, queries, num_heads,
+                                                  head_dim, scale, q_dtype, out_dtype)
     feats = {name: dev.put(np.asarray(a, np.float32)) for name, a in
              (("alibi_slopes", alibi), ("sinks", sinks)) if a is not None}
     dev.be.paged_attention(dev.put(q_in), out, dev.put(k), dev.put(v), kind, tables, lens, qsl,

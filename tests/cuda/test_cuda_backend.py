@@ -68,11 +68,11 @@ def test_every_module_compiles_on_this_device(be):
     with cupy.cuda.Device(be.device_id):
         for file, sk, dk, names in _sources.modules():
             for name in names:
-                assert be._function(file, sk, dk, name) is not None
+                assert be.launcher.function(file, sk, dk, name) is not None
         # attention.cu: one module per page kind, one of merge kernels
         for _key, names in attention_kernels.modules():
             for name in names:
-                assert be._function(attention_kernels.ATTENTION_FILE.name, None, None,
+                assert be.launcher.function(attention_kernels.ATTENTION_FILE.name, None, None,
                                     name) is not None
 
 

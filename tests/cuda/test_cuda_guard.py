@@ -283,14 +283,29 @@ def test_kernel_compile_failures_are_cuda_unavailable_errors(error, why, fix):
 
     name = _sources.kernel_name("kv_write_slots", 1, 1, 8)
     with pytest.raises(kc.CudaUnavailableError) as e:
-        be._function("paged.cu", 1, 1, name)
+        be.launcher.function("paged.cu", 1, 1, name)
     msg = str(e.value)
     assert why in msg and fix in msg and "paged.cu" in msg and "device='cpu'" in msg
     assert str(error) in msg          # CuPy's own words are kept
     assert e.value.__cause__ is error
     assert isinstance(e.value, kvcore.KVCacheError)
     # nothing half-built is cached: the next call tries again
-    assert not be._functions and not be._modules
+    assert not be.launcher._functions and not be.launcher._modules
+
+
+def test_backend_holds_its_launcher_rather_than_inheriting_it():
+    """Issue 43: CudaBackend by composition.  The launch machinery (NVRTC
+    modules, launches, packed launches, pinned staging) is one object the
+    backend holds and hands to its parts, not a base class."""
+    from kvcore.backends.cuda.backend import CudaBackend
+    from kvcore.backends.cuda.launch import CudaLaunches
+
+    be = CudaBackend(_fake_cupy(1), 0)
+    assert not isinstance(be, CudaLaunches)
+    assert isinstance(be.launcher, CudaLaunches)
+    for name in ("_launch", "_launch_grid", "_run_packed", "_function", "_pinned",
+                 "collect_launches"):
+        assert not hasattr(be, name), name
 
 
 def test_attention_modules_hold_one_page_kind_each():
@@ -319,10 +334,11 @@ def test_attention_modules_hold_one_page_kind_each():
     file = ak.ATTENTION_FILE.name
     for kind in (F16, I8):
         for d in (64, 128):
-            assert be._function(file, None, None, ak.split_name(kind, d)) == \
+            assert be.launcher.function(file, None, None, ak.split_name(kind, d)) == \
                 ("fn", ak.split_name(kind, d))
-        assert be._function(file, None, None, ak.merge_name(64)) == ("fn", ak.merge_name(64))
-    assert be._function(file, None, None, ak.tc_name(F16, 128, F16)) == \
+        assert be.launcher.function(file, None, None, ak.merge_name(64)) == \
+            ("fn", ak.merge_name(64))
+    assert be.launcher.function(file, None, None, ak.tc_name(F16, 128, F16)) == \
         ("fn", ak.tc_name(F16, 128, F16))
     assert built == [ak.module_names((ak.CORE, F16)), ak.module_names(ak.MERGE_MODULE),
                      ak.module_names((ak.CORE, I8)), ak.module_names((ak.TC, F16))]
@@ -432,7 +448,7 @@ def test_packed_launch_writes_the_kernel_parameter_block():
     cupy.ndarray = Arr
     cupy.cuda.driver = types.SimpleNamespace(launchKernel=lambda *a: calls.append(a))
     be = CudaBackend(cupy, 0)
-    be._function = lambda file, sk, dk, name: Fn()
+    be.launcher.function = lambda file, sk, dk, name: Fn()
     be._stream_ptr = lambda: 0x5EED
     fixed = Arr(0x1000)
     launch = PackedLaunch(be, ak.ATTENTION_FILE.name, "kernel", 7, 128,

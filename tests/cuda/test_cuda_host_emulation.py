@@ -29,6 +29,7 @@ import pytest
 
 from kvcore.backends.cuda import _sources
 from kvcore.backends.cuda.backend import CudaBackend, launch_shape
+from kvcore.backends.cuda.launch import CudaLaunches
 from kvcore.dtypes import BF16, F16, F32
 from kvcore.backends.codec import Codec
 
@@ -36,11 +37,11 @@ from kvcore.backends.codec import Codec
 pytestmark = pytest.mark.toolchain
 
 try:  # tests/ as a package or as a plain directory on sys.path
-    from ._cuda_attention_emulation import AttentionEmulation
+    from ._cuda_attention_emulation import AttentionEmulation, kernel_signature
     from ._cuda_cases import *  # noqa: F401,F403
     from ._cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits
 except ImportError:
-    from _cuda_attention_emulation import AttentionEmulation
+    from _cuda_attention_emulation import AttentionEmulation, kernel_signature
     from _cuda_cases import *  # noqa: F401,F403
     from _cuda_cases import DeviceUnderTest, assert_bits_equal, rand_bits
 
@@ -203,11 +204,7 @@ class EmulationLibrary:
     def signature(self, name):
         sig = self._sigs.get(name)
         if sig is None:
-            f = getattr(self._lib, f"kvemu_{self.index[name]}_sig")
-            f.restype = ctypes.c_int
-            buf = (ctypes.c_int * 64)()
-            n = f(buf)
-            sig = self._sigs[name] = tuple(buf[:n])
+            sig = self._sigs[name] = kernel_signature(self._lib, f"kvemu_{self.index[name]}_sig")
         return sig
 
     def run(self, name, rows, chunks, params):
@@ -307,7 +304,8 @@ class EmulatedBackend(CudaBackend):
         self.downloads = []
         self.fences = []      # what was issued before each stream synchronisation
         self.launch_args = []  # the argument list of every launch, as given
-        self._hold_parts()    # the copies and attention, calling the hooks below
+        self._hold_parts(EmulatedLaunches(self, lib))   # the copies and attention, calling
+        # the hooks below and launching through the emulated launcher
 
     def _fence(self):
         self.fences.append(len(self.launches))
@@ -317,7 +315,6 @@ class EmulatedBackend(CudaBackend):
 
     def _record_event(self):
         return None   # one host thread: every launch is complete on return
-
 
     def _ctx(self):
         return contextlib.nullcontext()
@@ -341,53 +338,73 @@ class EmulatedBackend(CudaBackend):
         self.downloads.append(d.shape)
         return _get(d)
 
-    def _launch(self, file, sk, dk, name, rows, chunks, args):
+    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
+        """Host memory at ``ptr`` (a torch CPU tensor standing for device
+        memory) as a DevArray, holding ``owner``."""
+        dtype = np.dtype(dtype)
+        extent = (sum((n - 1) * st for n, st in zip(shape, strides)) + dtype.itemsize
+                  if all(shape) else 0)
+        buf = (ctypes.c_char * max(1, extent)).from_address(ptr)
+        a = np.ndarray(tuple(shape), dtype, buffer=buf, strides=tuple(strides)).view(DevArray)
+        a.owner = owner
+        return a
+
+
+class EmulatedLaunches(CudaLaunches):
+    """The launcher of an ``EmulatedBackend``: kernels' item functions (and
+    attention.cu's block kernels) run on the host, each launch recorded in
+    the backend's ``launches`` and ``launch_args``."""
+
+    def __init__(self, backend, lib):  # no super().__init__: nothing is compiled by NVRTC
+        self._be = backend
+        self._lib = lib
+
+    def launch(self, file, sk, dk, name, rows, chunks, args):
         assert name in _sources.module_names(file, sk, dk), (file, sk, dk, name)
         # copy kernels see storage as words of any width; ids are int32
         keep, params = _kernel_params(name, self._lib.signature(name), args,
                                       any_width=file == _sources.COPY_FILE)
-        self.launches.append((name, rows, chunks))
-        self.launch_args.append((name, list(args)))
+        self._be.launches.append((name, rows, chunks))
+        self._be.launch_args.append((name, list(args)))
         if rows <= 0 or chunks <= 0:
             return
         self._lib.run(name, rows, chunks, params)
         bad = self._lib.take_misaligned()
         assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
 
-    def _launch_grid(self, file, name, grid, block, args, smem=0):
+    def launch_grid(self, file, name, grid, block, args, smem=0):
         if self._collected(file, name, grid, block, args, smem):
             return
         lib = self._lib.attention()
         assert file == "attention.cu" and name in lib.names, (file, name)
         keep, params = _kernel_params(name, lib.signature(name), args)
-        self.launches.append((name, grid, block))
-        self.launch_args.append((name, list(args)))
+        self._be.launches.append((name, grid, block))
+        self._be.launch_args.append((name, list(args)))
         if grid <= 0:
             return
-        assert smem <= self._smem_optin(), (name, smem)
+        assert smem <= self.smem_optin(), (name, smem)
         assert lib.launch(name, grid, block, params, smem), f"{name}: a barrier deadlocked"
 
-    def _smem_optin(self):
+    def smem_optin(self):
         return 227 * 1024   # an sm_90's
 
-    def _run_packed(self, launch, values):
+    def run_packed(self, launch, values):
         """An attention PackedLaunch: its arguments with the holes filled,
-        run as _launch_grid runs any launch."""
+        run as launch_grid runs any launch."""
         args = list(launch.args)
         for i, hole in launch.holes:
             args[i] = values[hole.name]
-        self._launch_grid(launch.file, launch.name, launch.grid, launch.block, args, launch.smem)
-
+        self.launch_grid(launch.file, launch.name, launch.grid, launch.block, args, launch.smem)
 
     # packed launches and pinned staging (kvcore/backends/cuda/lane.py)
-    def _function_ptr(self, file, sk, dk, name):
+    def function_ptr(self, file, sk, dk, name):
         if file == "attention.cu":
             assert name in self._lib.attention().names, name
         else:
             assert name in _sources.module_names(file, sk, dk), (file, sk, dk, name)
         return name
 
-    def _launch_packed(self, launch):
+    def launch_packed(self, launch):
         """A row/chunk kernel from its packed argument block: the block's
         slots after (rows, chunks) are the item function's arguments, read
         through the same kernelParams pointers the GPU would read."""
@@ -400,10 +417,10 @@ class EmulatedBackend(CudaBackend):
             for k, (code, val) in enumerate(zip(sig, launch.slots)):
                 if code > 0 and val:
                     assert val % code == 0, f"{name}: argument {k} at {val:#x} is not aligned"
-            self.launches.append((name, launch.grid[0], launch.block[0]))
-            self.launch_args.append((name, [int(x) for x in launch.slots]))
+            self._be.launches.append((name, launch.grid[0], launch.block[0]))
+            self._be.launch_args.append((name, [int(x) for x in launch.slots]))
             params = ctypes.cast(launch.params_ptr, ctypes.POINTER(ctypes.c_void_p))
-            assert launch.smem <= self._smem_optin(), (name, launch.smem)
+            assert launch.smem <= self.smem_optin(), (name, launch.smem)
             assert lib.launch(name, launch.grid[0], launch.block[0], params, launch.smem), (
                 f"{name}: a barrier deadlocked")
             return
@@ -414,8 +431,8 @@ class EmulatedBackend(CudaBackend):
         for k, (code, val) in enumerate(zip(sig, values)):
             if code > 0 and val:   # a GPU faults on an access off its size's alignment
                 assert val % code == 0, f"{name}: argument {k} at {val:#x} is not aligned"
-        self.launches.append((name, launch.rows, launch.chunks))
-        self.launch_args.append((name, values))
+        self._be.launches.append((name, launch.rows, launch.chunks))
+        self._be.launch_args.append((name, values))
         if launch.rows <= 0 or launch.chunks <= 0:
             return
         params = ctypes.cast(launch.params_ptr + 16, ctypes.POINTER(ctypes.c_void_p))
@@ -423,24 +440,13 @@ class EmulatedBackend(CudaBackend):
         bad = self._lib.take_misaligned()
         assert bad == 0, f"{name}: {bad} vector accesses were not 16-byte aligned"
 
-    def _pinned(self, nbytes):
+    def pinned(self, nbytes):
         return np.zeros(nbytes, np.uint8)
 
-    def _copy_up(self, dst, host):
+    def copy_up(self, dst, host):
         assert isinstance(dst, DevArray) and dst.nbytes >= host.nbytes
-        self.uploads.append(host.copy())
+        self._be.uploads.append(host.copy())
         ctypes.memmove(dst.ctypes.data, host.ctypes.data, host.nbytes)
-
-    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
-        """Host memory at ``ptr`` (a torch CPU tensor standing for device
-        memory) as a DevArray, holding ``owner``."""
-        dtype = np.dtype(dtype)
-        extent = (sum((n - 1) * st for n, st in zip(shape, strides)) + dtype.itemsize
-                  if all(shape) else 0)
-        buf = (ctypes.c_char * max(1, extent)).from_address(ptr)
-        a = np.ndarray(tuple(shape), dtype, buffer=buf, strides=tuple(strides)).view(DevArray)
-        a.owner = owner
-        return a
 
 
 _EMU_LIB = []   # built once per process: the modules that import emu_lib share it

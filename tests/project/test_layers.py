@@ -205,17 +205,18 @@ def private_reaches(text):
     return _PRIVATE_REACH.findall(text)
 
 
-def offending_files(paths, finder):
-    """{file: what ``finder`` found in its text} for the ``paths`` where it
-    found something."""
+def assert_none_offend(paths, finder, what):
+    """No file of ``paths`` has text in which ``finder`` finds something;
+    else fail with ``what`` and {file: what was found}."""
     found = {str(p.relative_to(ROOT)): sorted(set(finder(p.read_text(encoding="utf-8"))))
              for p in paths}
-    return {name: hits for name, hits in found.items() if hits}
+    offenders = {name: hits for name, hits in found.items() if hits}
+    assert not offenders, f"{what}: {offenders}"
 
 
 def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
-    offenders = offending_files(sorted((PKG / "stores").glob("*.py")), private_reaches)
-    assert not offenders, f"kvcore/stores reaches into private fields: {offenders}"
+    assert_none_offend(sorted((PKG / "stores").glob("*.py")), private_reaches,
+                       "kvcore/stores reaches into private fields")
 
 
 # The stores consume what the pool publishes and answer what it asks
@@ -251,8 +252,7 @@ def test_stores_never_call_back_into_the_pool():
                                          for r in STORES_MAY_IMPORT)) for p in files}
     bad_imports = {k: v for k, v in bad_imports.items() if v}
     assert not bad_imports, f"kvcore/stores imports the pool's side: {bad_imports}"
-    offenders = offending_files(files, calls_up)
-    assert not offenders, f"kvcore/stores calls into a pool or a sequence: {offenders}"
+    assert_none_offend(files, calls_up, "kvcore/stores calls into a pool or a sequence")
 
 
 @pytest.mark.parametrize("source, bad", [
@@ -578,8 +578,8 @@ def test_no_layer_reads_an_underscore_member_of_a_core():
     kvcore/_native reads one of their underscore members."""
     outside = [p for p in sources() if p.suffix == ".py" and layer_of(module_name(p)) != "native"]
     assert any(p.name == "paged.py" for p in outside)
-    offenders = offending_files(outside, core_private_reads)
-    assert not offenders, f"underscore members of a core read from outside it: {offenders}"
+    assert_none_offend(outside, core_private_reads,
+                       "underscore members of a core read from outside it")
 
 
 @pytest.mark.parametrize("source, bad", [

@@ -3,9 +3,9 @@
 
 ``CudaBackend`` (``backend.py``, the data ops) holds a ``CudaAttention``: it
 has no state of its own beside its backend and the kernel version, and
-calls the backend's device hooks (``_ctx``, ``_upload``, ``_run_packed``,
-``_record_event``, ...), so the host emulation of the tests, which
-overrides those hooks, runs it as it runs the data ops.
+calls the backend's device hooks (``_ctx``, ``_upload``, ``_record_event``,
+...) and launches through the backend's ``launcher``, so the host emulation
+of the tests, which overrides those, runs it as it runs the data ops.
 """
 import os
 import threading
@@ -100,7 +100,7 @@ class CudaAttention:
         rows = prefill = prefill_tc = None   # prefill rows go to a tensor-core kernel
         seqs = None                          # the sequences of the other rows
         if plan.version >= 3 and kind in ak.PREFILL_KINDS and self._be._has_mma() \
-                and ak.prefill_tc_smem(dim) <= self._be._smem_optin():
+                and ak.prefill_tc_smem(dim) <= self._be.launcher.smem_optin():
             prefill_tc, mask = ak.prefill_tc_plan(qsl_h, seq_lens, plan.num_heads,
                                                   plan.num_kv_heads, plan.sliding_window, dim,
                                                   chunk_size=plan.chunk_size)
@@ -119,7 +119,8 @@ class CudaAttention:
         self._be._check_rows(len(items), "paged_attention (work items)")
         tc = None
         if (plan.version >= 3 and kind in ak.TC_KINDS and dim in ak.TC_HEAD_DIMS
-                and self._be._has_mma() and ak.tc_smem(kind, dim) <= self._be._smem_optin()):
+                and self._be._has_mma()
+                and ak.tc_smem(kind, dim) <= self._be.launcher.smem_optin()):
             tc, tc_nsplit = ak.tc_plan(qsl_h, seq_lens, plan.num_heads, plan.num_kv_heads,
                                        plan.sliding_window, num_sms=self._be._sm_count(),
                                        seqs=seqs, chunk_size=plan.chunk_size)
@@ -396,7 +397,7 @@ class PackedLaunch:
     """One kernel launch of a plan, its arguments packed at plan time (one
     8-byte slot each: the kernel's parameter block), the ``Hole`` ones
     written per call.  ``launch(values)`` (a dict of the holes' values)
-    issues it through the backend's ``_run_packed``: on a GPU a single
+    issues it through the backend launcher's ``run_packed``: on a GPU a single
     driver call, no argument marshalling."""
 
     __slots__ = ("backend", "file", "name", "grid", "block", "smem", "args", "holes",
@@ -410,7 +411,7 @@ class PackedLaunch:
         self.native = None   # the backend's packed form, made at the first launch
 
     def __call__(self, values):
-        self.backend._run_packed(self, values)
+        self.backend.launcher.run_packed(self, values)
 
 
 def _issue(plan, values, tiled):

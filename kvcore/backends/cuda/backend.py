@@ -42,7 +42,7 @@ from .writes import CudaSlotWrites
 _ROW_LIMIT = 2**31 - 1
 
 
-class CudaBackend(CudaLaunches, Backend):
+class CudaBackend(Backend):
     """CuPy arrays on one CUDA device; NVRTC-compiled RawKernels.
 
     Parameters
@@ -62,21 +62,19 @@ class CudaBackend(CudaLaunches, Backend):
         self.device_id = int(device_id)
         self.device = f"cuda:{self.device_id}"
         self._device = cupy.cuda.Device(self.device_id)
-        self._functions = {}
-        self._modules = {}
         self._lock = threading.Lock()
         self._staged = []   # (event, pinned buffer) of uploads in flight
         self._sms = self._tensor_cores = None    # asked of the device on first use
-        self._smem_max = None
-        self._smem_set = {}   # kernel name -> the dynamic shared memory it was allowed
-        self._hold_parts()
+        self._hold_parts(CudaLaunches(self))
 
-    def _hold_parts(self):
-        """Make the collaborators this backend holds: its block copies, its
-        attention and its slot writes (each calls back into the device hooks here)."""
-        self._copies = CudaBlockCopies(self)
+    def _hold_parts(self, launcher):
+        """Hold ``launcher`` (compiles and launches kernels) and make the
+        collaborators that use it: block copies, attention and slot writes
+        (each calls the device hooks here too)."""
+        self.launcher = launcher
+        self._copies = CudaBlockCopies(self, launcher)
         self._attention = CudaAttention(self)
-        self._writes = CudaSlotWrites(self)
+        self._writes = CudaSlotWrites(self, launcher)
 
     def __repr__(self):
         return f"<kvcore CudaBackend {self.device}>"
@@ -118,9 +116,9 @@ class CudaBackend(CudaLaunches, Backend):
         return self._attention.paged_attention(*args, **kwargs)
 
     # ----------------------------------------------------- device hooks
-    # The few places that touch CuPy's device machinery (with the launches
-    # of launch.py).  The tests' host emulation overrides exactly these to
-    # run the kernels' C++ bodies on NumPy arrays.
+    # The few places that touch CuPy's device machinery (the launches are
+    # the launcher's, launch.py).  The tests' host emulation overrides
+    # exactly these to run the kernels' C++ bodies on NumPy arrays.
     def _ctx(self):
         """Make this backend's device current for the enclosed calls."""
         return self._device
@@ -185,6 +183,19 @@ class CudaBackend(CudaLaunches, Backend):
         except Exception:  # not known to CUDA: pageable
             return False
         return getattr(attrs, "type", 0) == 1  # cudaMemoryTypeHost
+
+    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
+        """A device array over memory this backend does not own: ``shape``
+        elements of ``dtype`` ``strides`` bytes apart from address ``ptr``
+        on this device, kept valid by ``owner`` (held by the array).  No
+        copy, no driver call: what a torch CUDA tensor's raw fields become
+        for a kernel argument (``lane.py``, ``_import_torch``)."""
+        cp = self._cp
+        dtype = np.dtype(dtype)
+        nbytes = 0 if any(n == 0 for n in shape) else \
+            sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + dtype.itemsize
+        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
+        return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(mem, 0), tuple(strides))
 
     def _upload(self, h):
         """A device copy of C-contiguous host array ``h``, issued on the
@@ -400,9 +411,9 @@ class CudaBackend(CudaLaunches, Backend):
             v = _sources.vector_width(src_kind, dst_kind)
             if self._ptr(s) % 16 or self._ptr(tmp) % 16:
                 v = 1
-            self._launch("convert.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
-                         -(-n // v), 1, [tmp, s, n])
+            self.launcher.launch("convert.cu", src_kind, dst_kind,
+                                 _sources.kernel_name("kv_convert_flat", src_kind, dst_kind, v),
+                                 -(-n // v), 1, [tmp, s, n])
 
         with self._ctx():
             self._flat(src.view(_sources.bits_dtype(src.dtype)), dst.view(_sources.bits_dtype(dst.dtype)), launch)
@@ -415,8 +426,8 @@ class CudaBackend(CudaLaunches, Backend):
         name = _sources.fp8_kernel_name(fmt, narrow, saturate)
 
         def launch(s, tmp):
-            self._launch(_sources.FP8_FILE, None, None, name, -(-s.size // 4), 1,
-                         [tmp, s, s.size])
+            self.launcher.launch(_sources.FP8_FILE, None, None, name, -(-s.size // 4), 1,
+                                 [tmp, s, s.size])
 
         with self._ctx():
             self._flat(src.view(np.uint32) if narrow else src,
@@ -453,8 +464,8 @@ class CudaBackend(CudaLaunches, Backend):
         return [0] * len(axes) if scales is None else self._estrides(scales, axes)
 
     def _q_launch(self, float_kind, q_kind, kernel, rows, chunks, args):
-        self._launch(_sources.LOWPREC_FILE, float_kind, q_kind,
-                     _sources.lowprec_name(kernel, float_kind, q_kind), rows, chunks, args)
+        self.launcher.launch(_sources.LOWPREC_FILE, float_kind, q_kind,
+                             _sources.lowprec_name(kernel, float_kind, q_kind), rows, chunks, args)
 
     def _row_target(self, out):
         """``out``, or a C-contiguous temporary when its last axis is not
@@ -508,33 +519,17 @@ class CudaBackend(CudaLaunches, Backend):
         start, dim) with its last axis contiguous; block_table int32, host
         or device."""
         n = end - start
-        heads, bs, dim = cache.shape[1], cache.shape[2], cache.shape[3]
+        heads, dim = cache.shape[1], cache.shape[3]
         if n <= 0 or heads == 0 or dim == 0:
             return
-        src_kind = codec.kind
         with self._ctx():
             table = self._index_array(block_table, np.int32)
             tmp = self._row_target(out)
-            os_ = self._estrides(tmp, (0, 1))
             rows = heads * n
             self._check_rows(rows, "gather (heads x positions)")
             self._check_rows(end, "gather (end position)")
-            if codec.lowprec:
-                plane, scale = self._read_scales(codec, dst_kind)
-                cs = self._estrides(cache, (0, 1, 2))
-                scs = self._scale_strides(plane, (0, 1, 2))
-                self._q_launch(dst_kind, src_kind, "kv_gather_q", rows, dim,
-                               [tmp, cache, plane, table, start, n, bs, cs[0], cs[1], cs[2],
-                                scs[0], scs[1], scs[2], os_[0], os_[1], self._scale_bits(scale)])
-            else:
-                cache = self._aligned_input(cache)
-                cs = self._estrides(cache, (0, 1, 2))
-                v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, (0, 1))])
-                self._launch("paged.cu", src_kind, dst_kind,
-                             _sources.kernel_name("kv_gather", src_kind, dst_kind, v),
-                             rows, dim // v,
-                             [tmp, cache, table, start, n, bs, cs[0], cs[1], cs[2],
-                              os_[0], os_[1]])
+            self._gather_rows("kv_gather", cache, codec, dst_kind, tmp, rows, (0, 1),
+                              [table, start, n])
             self._deliver_bits(tmp, out)
 
     def gather_batch(self, cache, block_tables, lengths, out, codec, dst_kind):
@@ -556,36 +551,40 @@ class CudaBackend(CudaLaunches, Backend):
         out : (batch, heads, max_len, dim) device array, last axis contiguous
         """
         batch, heads, max_len, dim = out.shape
-        bs = cache.shape[2]
         if batch == 0 or heads == 0 or max_len == 0 or dim == 0:
             return
-        src_kind = codec.kind
         with self._ctx():
             tables = self._index_array(block_tables, np.int32)
             lens = self._index_array(lengths, np.int32)
             tmp = self._row_target(out)
-            os_ = self._estrides(tmp, (0, 1, 2))
             rows = batch * heads * max_len
             self._check_rows(rows, "gather_batch")
-            if codec.lowprec:
-                plane, scale = self._read_scales(codec, dst_kind)
-                cs = self._estrides(cache, (0, 1, 2))
-                scs = self._scale_strides(plane, (0, 1, 2))
-                self._q_launch(dst_kind, src_kind, "kv_gather_batch_q", rows, dim,
-                               [tmp, cache, plane, tables, lens, heads, max_len,
-                                tables.shape[1], bs, cs[0], cs[1], cs[2], scs[0], scs[1],
-                                scs[2], os_[0], os_[1], os_[2], self._scale_bits(scale)])
-            else:
-                cache = self._aligned_input(cache)
-                cs = self._estrides(cache, (0, 1, 2))
-                v = self._vector(src_kind, dst_kind, dim,
-                                 [(cache, (0, 1, 2)), (tmp, (0, 1, 2))])
-                self._launch("paged.cu", src_kind, dst_kind,
-                             _sources.kernel_name("kv_gather_batch", src_kind, dst_kind, v),
-                             rows, dim // v,
-                             [tmp, cache, tables, lens, heads, max_len, tables.shape[1], bs,
-                              cs[0], cs[1], cs[2], os_[0], os_[1], os_[2]])
+            self._gather_rows("kv_gather_batch", cache, codec, dst_kind, tmp, rows, (0, 1, 2),
+                              [tables, lens, heads, max_len, tables.shape[1]])
             self._deliver_bits(tmp, out)
+
+    def _gather_rows(self, kernel, cache, codec, dst_kind, tmp, rows, out_axes, index_args):
+        """Launch ``kernel`` (paged.cu's kv_gather / kv_gather_batch, or
+        lowprec.cu's ``_q`` twin for fp8 / int8 pages) over ``rows`` rows of
+        ``tmp`` (strides of ``out_axes``): its arguments are tmp, the cache
+        (and its scale plane), ``index_args``, the block size, the cache's
+        strides (and the plane's), tmp's (and the layer scale)."""
+        src_kind, bs, dim = codec.kind, cache.shape[2], cache.shape[3]
+        os_ = self._estrides(tmp, out_axes)
+        if codec.lowprec:
+            plane, scale = self._read_scales(codec, dst_kind)
+            cs = self._estrides(cache, (0, 1, 2))
+            scs = self._scale_strides(plane, (0, 1, 2))
+            self._q_launch(dst_kind, src_kind, kernel + "_q", rows, dim,
+                           [tmp, cache, plane, *index_args, bs, *cs, *scs, *os_,
+                            self._scale_bits(scale)])
+            return
+        cache = self._aligned_input(cache)
+        cs = self._estrides(cache, (0, 1, 2))
+        v = self._vector(src_kind, dst_kind, dim, [(cache, (0, 1, 2)), (tmp, out_axes)])
+        self.launcher.launch("paged.cu", src_kind, dst_kind,
+                             _sources.kernel_name(kernel, src_kind, dst_kind, v), rows, dim // v,
+                             [tmp, cache, *index_args, bs, *cs, *os_])
 
     @staticmethod
     def _read_scales(codec, dst_kind):
@@ -650,10 +649,9 @@ class CudaBackend(CudaLaunches, Backend):
                                 self._scale_bits(codec.layer_scale)])
                 return
             v = self._vector(src_kind, dst_kind, dim, [(src, (0, 1, 2)), (dst, (0, 1, 2))])
-            self._launch("contiguous.cu", src_kind, dst_kind,
-                         _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v),
-                         rows, dim // v,
-                         [dst, src, heads, n, start, ss[0], ss[1], ss[2], ds[0], ds[1], ds[2]])
+            name = _sources.kernel_name("kv_write_contiguous", src_kind, dst_kind, v)
+            self.launcher.launch("contiguous.cu", src_kind, dst_kind, name, rows, dim // v,
+                                 [dst, src, heads, n, start, *ss, *ds])
 
     def synchronize(self):
         """Wait for everything issued on this device's current stream."""

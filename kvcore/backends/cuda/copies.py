@@ -3,9 +3,9 @@ kernel), between two storages on the device, and between the device and
 host memory (``cudaMemcpy2DAsync`` per run of consecutive ids).
 
 ``CudaBackend`` (``backend.py``) holds a ``CudaBlockCopies``: it has no state
-of its own beside its backend, whose device hooks (``_ctx``, ``_launch``,
-``_is_device``, ``_fence``, ...) it calls, so the tests' host emulation,
-which overrides those hooks, runs the copies too.
+of its own beside its backend, whose device hooks (``_ctx``, ``_is_device``,
+``_fence``, ...) it calls, and the backend's launcher, so the tests' host
+emulation, which overrides those hooks and the launcher, runs the copies too.
 """
 import numpy as np
 
@@ -19,8 +19,9 @@ _MAX_PITCH = 2**31 - 1
 class CudaBlockCopies:
     """``copy_blocks`` and ``copy_blocks_between`` of ``CudaBackend`` ``backend``."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, launcher):
         self._be = backend
+        self._launcher = launcher
 
     def copy_blocks(self, storage, src, dst):
         """storage[:, dst[i]] = storage[:, src[i]] for every layer and K/V
@@ -130,10 +131,10 @@ class CudaBlockCopies:
             raise ValueError(f"blocks of {block_bytes} bytes cannot be copied in words")
         rows = planes * n
         self._be._check_rows(rows, "copy_blocks")
-        self._be._launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
-                     rows, block_bytes // wb,
-                     [dst_st, src_st, s_ids, d_ids, n,
-                      strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
+        self._launcher.launch(_sources.COPY_FILE, None, None, _sources.copy_name(wb),
+                          rows, block_bytes // wb,
+                          [dst_st, src_st, s_ids, d_ids, n,
+                           strides[0] // wb, strides[1] // wb, strides[2] // wb, strides[3] // wb])
 
     def _copy_host_device(self, src_st, src_ids, dst_st, dst_ids, to_device):
         rt = self._be._cp.cuda.runtime

@@ -57,7 +57,7 @@ class PackedLaunch:
         self._params = (self._values.ctypes.data
                         + 8 * np.arange(max(1, nargs), dtype=np.uint64))
         self.params_ptr = self._params.ctypes.data
-        self.function = backend._function_ptr(*kernel)
+        self.function = backend.launcher.function_ptr(*kernel)
 
     def __repr__(self):
         return f"<PackedLaunch {self.kernel[3]} grid={self.grid} block={self.block}>"
@@ -148,7 +148,7 @@ class StepLane:
                 vals[at[5]] = scales
             if at[6] is not None:        # an fp8 plane's scale
                 vals[at[6]] = bits
-            self.backend._launch_packed(launch)
+            self.backend.launcher.launch_packed(launch)
         return True
 
     def _meets_pool(self, rows, n, size):
@@ -258,7 +258,7 @@ class StepLane:
 
     def attend_packed(self, packs, q_ptr, out_ptr):
         """Reissue ``packed`` launches for the q and out at these addresses."""
-        launch_packed = self.backend._launch_packed
+        launch_packed = self.backend.launcher.launch_packed
         for launch, q_at, out_at in packs:
             slots = launch.slots
             for i in q_at:
@@ -278,7 +278,7 @@ class StepLane:
         lasting += [a for a in (getattr(plan, n, None) for n in type(plan).__slots__)
                     if be._is_device(a)]
         lasting = {id(a) for a in lasting}
-        calls = be.collect_launches(
+        calls = be.launcher.collect_launches(
             lambda: be.attention_run(plan, q, out, k_plane, v_plane, codecs))
         packs = []
         for file, name, grid, block, args, smem in calls:
@@ -341,7 +341,7 @@ class StepState:
         at = np.cumsum([0, 8 * n, 8 * b, 8 * (b + 1), 4 * b * c])
         with be._ctx():
             self._device = be.empty((int(at[-1]),), np.uint8)
-        self._host = be._pinned(int(at[-1]))
+        self._host = be.launcher.pinned(int(at[-1]))
         self._host[...] = 0
         self._ready = None            # the last copy up (its staging is reused after it)
 
@@ -364,13 +364,13 @@ class StepState:
         current stream, after the previous one finished reading the
         staging buffer."""
         be = self.lane.backend
-        be._wait_host(self._ready)
+        be.launcher.wait_host(self._ready)
         self._h_slots[...] = slots
         self._h_lens[...] = seq_lens
         k = block_tables.shape[1]
         self._h_tables[:, :k] = block_tables
         with be._ctx():
-            be._copy_up(self._device, self._host)
+            be.launcher.copy_up(self._device, self._host)
             self._ready = be._record_event()
 
     def plan(self, key, num_heads):

@@ -1,11 +1,13 @@
 """Kernels of ``CudaBackend``: compiled with NVRTC on first use (one module
 per .cu file and kind pair, cached per device) and launched on the current
 stream: row/chunk launches, grid launches, attention's packed launches and
-what ``lane.py`` packs (collected launches, pinned staging, raw pointers).
+what ``lane.py`` packs (collected launches, pinned staging).
 
-``CudaLaunches`` is the part of ``CudaBackend`` that meets the driver: the
-tests' host emulation (tests/cuda/test_cuda_host_emulation.py) overrides these
-methods on its subclass to run the kernels' C++ bodies on NumPy arrays.
+``CudaLaunches`` is the part of a ``CudaBackend`` that meets the driver: the
+backend holds one as ``launcher`` and hands it to its block copies, slot
+writes, attention and step lanes.  The tests' host emulation
+(tests/cuda/test_cuda_host_emulation.py) holds a subclass instead that runs
+the kernels' C++ bodies on NumPy arrays.
 """
 import threading
 
@@ -33,11 +35,20 @@ def launch_shape(rows, chunks):
 
 
 class CudaLaunches:
-    """Compiling and launching kernels; mixed into ``CudaBackend``, whose
-    ``__init__`` makes the caches these use (``_functions``, ``_modules``,
-    ``_lock``, ``_smem_set``, ``_smem_max``)."""
+    """Compiling and launching the kernels of ``CudaBackend`` ``backend`` (its
+    device, stream and CuPy), with the caches of compiled modules and
+    kernels."""
 
-    def _function(self, file, sk, dk, name):
+    def __init__(self, backend):
+        self._be = backend
+        self._cp = backend._cp
+        self._functions = {}
+        self._modules = {}
+        self._lock = threading.Lock()
+        self._smem_max = None
+        self._smem_set = {}   # kernel name -> the dynamic shared memory it was allowed
+
+    def function(self, file, sk, dk, name):
         key = (file, sk, dk, name)
         fn = self._functions.get(key)
         if fn is None:
@@ -64,18 +75,18 @@ class CudaLaunches:
                         fn = mod.get_function(name)  # compiles the module on first use
                     except Exception as e:  # NVRTC or headers missing, compile or load error
                         self._modules.pop(mkey, None)  # the next call starts afresh
-                        raise compile_error(e, self.device, file) from e
+                        raise compile_error(e, self._be.device, file) from e
                     self._functions[key] = fn
         return fn
 
-    def _launch(self, file, sk, dk, name, rows, chunks, args):
+    def launch(self, file, sk, dk, name, rows, chunks, args):
         """Run kernel ``name`` of module (file, sk, dk) over rows x chunks on
         the current stream.  ``args`` after (rows, chunks): device arrays
         (passed as pointers), None (a null pointer) and Python ints (passed
         as long long)."""
         if rows <= 0 or chunks <= 0:
             return
-        fn = self._function(file, sk, dk, name)
+        fn = self.function(file, sk, dk, name)
         grid, block = launch_shape(rows, chunks)
         cp = self._cp
         kargs = [np.int64(rows), np.int64(chunks)]
@@ -83,7 +94,7 @@ class CudaLaunches:
                   for a in args]  # None: a null pointer
         fn(grid, block, tuple(kargs))
 
-    def _launch_grid(self, file, name, grid, block, args, smem=0):
+    def launch_grid(self, file, name, grid, block, args, smem=0):
         """Run kernel ``name`` of ``file``'s module on ``grid`` blocks of
         ``block`` threads with ``smem`` bytes of dynamic shared memory on the
         current stream.  ``args``: device arrays (pointers), None (a null
@@ -91,7 +102,7 @@ class CudaLaunches:
         long)."""
         if grid <= 0:
             return
-        fn = self._function(file, None, None, name)
+        fn = self.function(file, None, None, name)
         self._allow_smem(fn, name, smem)
         # (after everything that readies the kernel itself: a packed launch
         # of a collected one calls the driver with nothing else)
@@ -103,7 +114,7 @@ class CudaLaunches:
                       else np.int64(a) for a in args)
         fn((int(grid), 1, 1), (int(block), 1, 1), kargs, shared_mem=int(smem))
 
-    def _run_packed(self, launch, values):
+    def run_packed(self, launch, values):
         """Issue ``launch`` (an attention ``PackedLaunch``) on the current
         stream with its holes set from ``values``: the parameter block is
         built at its first launch (the kernel compiled then), later ones
@@ -116,7 +127,7 @@ class CudaLaunches:
             args = list(launch.args)
             for i, hole in launch.holes:
                 args[i] = values[hole.name]
-            self._launch_grid(launch.file, launch.name, launch.grid, launch.block, args,
+            self.launch_grid(launch.file, launch.name, launch.grid, launch.block, args,
                               launch.smem)
             return
         native = launch.native
@@ -132,13 +143,13 @@ class CudaLaunches:
             else:
                 as_f32[2 * i] = v
         self._cp.cuda.driver.launchKernel(fn_ptr, launch.grid, 1, 1, launch.block, 1, 1,
-                                          launch.smem, self._stream_ptr(), params, 0)
+                                          launch.smem, self._be._stream_ptr(), params, 0)
 
     def _pack(self, launch):
         """``launch``'s parameter block: one 8-byte slot per argument (a
         float in the low 4 bytes), the fixed ones written now; and the
         kernel (compiled on first use; its dynamic shared memory allowed)."""
-        fn = self._function(launch.file, None, None, launch.name)
+        fn = self.function(launch.file, None, None, launch.name)
         self._allow_smem(fn, launch.name, launch.smem)
         n = len(launch.args)
         slots = np.zeros(max(1, n), np.uint64)
@@ -167,10 +178,10 @@ class CudaLaunches:
     # cudaFuncAttributeMaxDynamicSharedMemorySize)
     _DEFAULT_SMEM = 48 * 1024
 
-    def _smem_optin(self):
+    def smem_optin(self):
         """The most dynamic shared memory a block may ask for on the device."""
         if self._smem_max is None:
-            self._smem_max = int(self._device.attributes["MaxSharedMemoryPerBlockOptin"])
+            self._smem_max = int(self._be._device.attributes["MaxSharedMemoryPerBlockOptin"])
         return self._smem_max
 
     # ------------------------------------------------- packed launches
@@ -200,49 +211,38 @@ class CudaLaunches:
         calls.append((file, name, int(grid), int(block), list(args), int(smem)))
         return True
 
-    def _function_ptr(self, file, sk, dk, name):
+    def function_ptr(self, file, sk, dk, name):
         """The driver handle (CUfunction) of kernel ``name`` of module
         (file, sk, dk), compiled on first use: what a packed launch calls."""
-        with self._ctx():
-            return self._function(file, sk, dk, name).kernel.ptr
+        with self._be._ctx():
+            return self.function(file, sk, dk, name).kernel.ptr
 
-    def _launch_packed(self, launch):
+    def launch_packed(self, launch):
         """Issue a ``lane.PackedLaunch`` on the current stream: one driver
         call with the argument block as packed (cuLaunchKernel copies the
         arguments when it is called: the block may be repacked at once)."""
         g, b = launch.grid, launch.block
+        stream = self._be._stream_ptr()
         self._cp.cuda.driver.launchKernel(launch.function, g[0], g[1], g[2], b[0], b[1], b[2],
-                                          launch.smem, self._stream_ptr(), launch.params_ptr, 0)
+                                          launch.smem, stream, launch.params_ptr, 0)
 
-    def _pinned(self, nbytes):
+    def pinned(self, nbytes):
         """A uint8 NumPy array of ``nbytes`` in page-locked host memory (the
         memory lives as long as the array)."""
         mem = self._cp.cuda.alloc_pinned_memory(max(1, nbytes))
         return np.frombuffer(mem, np.uint8, nbytes)
 
-    def _copy_up(self, dst, host):
+    def copy_up(self, dst, host):
         """Copy host array ``host`` (pinned, C-contiguous) into the first
         ``host.nbytes`` bytes of device array ``dst`` on the current stream
         (asynchronous: ``host`` must not change until the copy is done)."""
-        self._cp.cuda.runtime.memcpyAsync(self._ptr(dst), host.ctypes.data, host.nbytes, 1,
-                                          self._stream_ptr())   # 1: host to device
+        self._cp.cuda.runtime.memcpyAsync(self._be._ptr(dst), host.ctypes.data, host.nbytes, 1,
+                                          self._be._stream_ptr())   # 1: host to device
 
-    def _wait_host(self, event):
+    def wait_host(self, event):
         """Block the host until ``event`` (from ``_record_event``) completed."""
         if event is not None:
             event.synchronize()
-
-    def wrap_pointer(self, ptr, shape, strides, dtype, owner):
-        """A device array over memory this backend does not own: ``shape``
-        elements of ``dtype`` ``strides`` bytes apart from address ``ptr``
-        on this device, kept valid by ``owner`` (held by the array).  No
-        copy, no driver call: what a torch CUDA tensor's raw fields become
-        for a kernel argument (``lane.py``, ``_import_torch``)."""
-        cp = self._cp
-        dtype = np.dtype(dtype)
-        nbytes = _extent(shape, strides, dtype.itemsize)
-        mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self.device_id)
-        return cp.ndarray(tuple(shape), dtype, cp.cuda.MemoryPointer(mem, 0), tuple(strides))
 
 
 # What to install when kernels cannot be compiled (docs/gpu.md says the same).
@@ -274,10 +274,3 @@ def compile_error(e, device, file):
         text = text[:2000] + " ..."
     return CudaUnavailableError(
         f"device={device!r}: {why} (compiling {file}: {text}); {fix}; or use device='cpu'")
-
-
-def _extent(shape, strides, itemsize):
-    """Bytes from the first to past the last element of an array (0 if empty)."""
-    if any(n == 0 for n in shape):
-        return 0
-    return sum((n - 1) * abs(st) for n, st in zip(shape, strides)) + itemsize

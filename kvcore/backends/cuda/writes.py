@@ -4,8 +4,9 @@ per-layer slot-owner tables whose claim and release passes (``kernels/slots.cu``
 let several tokens name one slot, the last one's values landing.
 
 ``CudaBackend`` (``backend.py``) holds a ``CudaSlotWrites``, which calls
-the backend's device hooks (``_ctx``, ``_launch``, ``_upload``, ...), so
-the tests' host emulation, which overrides those hooks, runs it too.
+the backend's device hooks (``_ctx``, ``_upload``, ...) and launches
+through the backend's launcher, so the tests' host emulation, which
+overrides those, runs it too.
 """
 import threading
 
@@ -20,8 +21,9 @@ class CudaSlotWrites:
     """``write_slots``, ``write_slots_kv``, ``slot_owner_table`` and
     ``device_slots`` of ``CudaBackend`` ``backend``."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, launcher):
         self._be = backend
+        self._launcher = launcher
 
     def write_slots(self, cache, src, slots, src_kind, codec):
         """cache[b, h, off, :] = src[i, h, :] stored by ``codec``, for slot
@@ -53,7 +55,8 @@ class CudaSlotWrites:
         self._be._check_rows(n * heads, "write_slots")
         v = 1 if codec.lowprec else self._be._vector(src_kind, codec.kind, dim,
                                                   [(src, (0, 1)), (cache, (0, 1, 2))])
-        self._be._launch(*self.write_call(cache, src, ss, slots, owner, n, src_kind, codec, v))
+        self._launcher.launch(*self.write_call(cache, src, ss, slots, owner, n, src_kind, codec,
+                                               v))
 
     def write_call(self, cache, src, src_strides, slots, owner, n, src_kind, codec, v):
         """``(file, sk, dk, name, rows, chunks, args)`` of the launch that
@@ -61,7 +64,7 @@ class CudaSlotWrites:
         rows ``src_strides`` = (token, head) elements apart) into plane
         ``cache`` through ``slots`` (an array or an address): the one
         place the write kernels' argument lists are spelled, for
-        ``_launch`` and for packed launches (``lane.py``).  ``v``: the
+        ``CudaLaunches.launch`` and for packed launches (``lane.py``).  ``v``: the
         vector width (1 for fp8 / int8 planes)."""
         heads, dim = cache.shape[1], cache.shape[3]
         dst_kind, plane = codec.kind, codec.scale_plane
@@ -98,8 +101,8 @@ class CudaSlotWrites:
         write of every layer before capturing avoids the question)."""
         with self._be._ctx():
             table = self._be.xp.empty(num_slots, np.int32)
-            self._be._launch(_sources.SLOTS_FILE, None, None, "kv_reset_owner", num_slots, 1,
-                         [table])
+            self._launcher.launch(_sources.SLOTS_FILE, None, None, "kv_reset_owner", num_slots, 1,
+                              [table])
             return table
 
     def device_slots(self, slots, n):
@@ -188,8 +191,8 @@ class CudaSlotWrites:
             bad = None
             if check and self._be._is_device(slots):
                 bad = self._be._upload(np.array([_sources.NO_BAD], np.int64))
-            self._be._launch(_sources.SLOTS_FILE, None, None, "kv_claim_slots", n, 1,
-                         [table, bad, d_slots, num_slots])
+            self._launcher.launch(_sources.SLOTS_FILE, None, None, "kv_claim_slots", n, 1,
+                              [table, bad, d_slots, num_slots])
             try:
                 if bad is not None:
                     first = int(self._be._download(bad)[0])
@@ -200,8 +203,8 @@ class CudaSlotWrites:
                             f"(num_blocks * block_size - 1), got {value} at index {first}")
                 write(d_slots, table)
             finally:
-                self._be._launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
-                             [table, d_slots, num_slots])
+                self._launcher.launch(_sources.SLOTS_FILE, None, None, "kv_release_slots", n, 1,
+                                  [table, d_slots, num_slots])
 
 
 class SlotOwners:

@@ -32,7 +32,8 @@
  * kva_decode_tc (decode and short chunks on tensor cores, v3).  q and out
  * are float32, float16 or bfloat16, read and written where they lie (the
  * kind a run-time argument: kva_load_f / kva_store_f); the primitives the
- * kernels share are kv_attn.cuh's.
+ * kernels share (the online softmax, the merges, the page lookups among
+ * them) are kv_attn.cuh's.
  *
  * kva_attention_split_scalar: one thread block per work item, an item being
  * (query row, kv head, chunk of up to KVA_HEADS query heads of its group,
@@ -60,25 +61,49 @@
 #define KVA_WARPS 4
 #define KVA_HEADS 8
 
+/* The parameters of both split kernels (the host packs the same list for
+ * either: attention_kernels / attention.py). */
+#define KVA_SPLIT_PARAMS(KIND)                                                          \
+    void *out, float *partials, const void *q,                                          \
+        const typename KvaStorage<KIND>::type *key_cache,                               \
+        const typename KvaStorage<KIND>::type *value_cache, const int *block_tables,    \
+        const kva_i64 *seq_lens, const kva_i64 *query_start_loc, const kva_i64 *items,  \
+        const int *nsplit, kva_i64 num_heads, kva_i64 table_stride, kva_i64 block_size, \
+        kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok, float scale, kva_i64 window,    \
+        float soft_cap, kva_i64 chunk, const float *alibi, const float *sinks,          \
+        const float *key_scales, const float *value_scales, kva_i64 s_block,            \
+        kva_i64 s_head, kva_i64 s_tok, float k_scale, float v_scale, kva_i64 q_kind,    \
+        kva_i64 out_kind
+
 /* items: [num_items][7]; nsplit: splits of each item's (row, chunk);
  * partials: per item KVA_HEADS * (D + 2) floats (m, l, acc[D] per head).
  * key_scales / value_scales, s_*: int8 row scales (null otherwise);
  * k_scale / v_scale: fp8 layer scales (1 otherwise; unused for int8);
  * q_kind / out_kind: the element kinds of q and out (KV_F32 / F16 / BF16). */
+/* An item's merged result for query head h0 + h, dim d of query row
+ * `row`: the output when the item is its row's only split, else its
+ * partial slot (KVA_HEADS (D + 2) floats per item, slot = item index). */
+template <int D>
+__device__ __forceinline__ void kva_item_result(void *out, float *partials, KvaMerged r,
+                                                bool single, kva_i64 row, kva_i64 num_heads,
+                                                kva_i64 h0, int h, int d, const float *sinks,
+                                                KvaUnits un, kva_i64 out_kind)
+{
+    if (single) {
+        kva_store_result(out, out_kind, (row * num_heads + h0 + h) * D + d, r, sinks, h0 + h, un);
+    } else {
+        float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
+        p[2 + d] = r.acc;
+        if (d == 0) {
+            p[0] = r.m;
+            p[1] = r.l;
+        }
+    }
+}
+
 template <int KIND, int D>
 __global__ void __launch_bounds__(KVA_WARPS * 32, 2) /* registers to spare: no spill */
-kva_attention_split_scalar(void *out, float *partials, const void *q,
-                    const typename KvaStorage<KIND>::type *key_cache,
-                    const typename KvaStorage<KIND>::type *value_cache,
-                    const int *block_tables, const kva_i64 *seq_lens,
-                    const kva_i64 *query_start_loc, const kva_i64 *items,
-                    const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
-                    kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap, kva_i64 chunk,
-                    const float *alibi, const float *sinks,
-                    const float *key_scales, const float *value_scales,
-                    kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
-                    float k_scale, float v_scale, kva_i64 q_kind, kva_i64 out_kind)
+kva_attention_split_scalar(KVA_SPLIT_PARAMS(KIND))
 {
     constexpr int NPL = (D + 31) / 32; /* dims per lane */
     __shared__ float q_s[KVA_HEADS][D];
@@ -101,14 +126,9 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
     __syncthreads();
 
     /* this query's visible keys, within the item's range */
-    const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
-    const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
-    kva_i64 lo = kva_key_lo(pos, window, chunk);
-    kva_i64 hi = pos + 1;
-    if (it[5] > lo)
-        lo = it[5];
-    if (it[6] < hi)
-        hi = it[6];
+    const KvaKeys keys =
+        kva_row_keys(seq_lens, query_start_loc, s, row, window, chunk, it[5], it[6]);
+    const kva_i64 pos = keys.pos, lo = keys.lo, hi = keys.hi;
 
     float m[KVA_HEADS], l[KVA_HEADS], acc[KVA_HEADS][NPL];
 #pragma unroll
@@ -155,22 +175,19 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
             }
             float score = kva_warp_sum(part);
             if (capped)
-                score = kva_mul(capl2, kva_tanh(kva_div(kva_mul(score, un.post), soft_cap)));
+                score = kva_cap(score, capl2, soft_cap, un);
             if (alibi != nullptr) /* slope * (t - p), in the scores' units */
                 score = kva_fma(kva_logit_units(alibi[h0 + h], un), (float)(t - pos), score);
-            float mnew = kva_max(m[h], score);
-            const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
-            float alpha = kva_exp2(kva_mul(kva_sub(m[h], mu), un.u)); /* m = -inf: 0 */
-            float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
-            l[h] = kva_fma(l[h], alpha, p);
-            m[h] = mnew;
+            float alpha;
+            const float p = kva_online(score, m[h], l[h], alpha, un);
 #pragma unroll
             for (int i = 0; i < NPL; i++)
                 acc[h][i] = kva_fma(p, vv[i], kva_mul(acc[h][i], alpha));
         }
     }
 
-    /* merge the warps in warp order */
+    /* merge the warps in warp order (kva_merge: a warp without keys is
+     * skipped, a NaN sum kept) */
 #pragma unroll
     for (int h = 0; h < KVA_HEADS; h++) {
 #pragma unroll
@@ -188,30 +205,10 @@ kva_attention_split_scalar(void *out, float *partials, const void *q,
     const bool single = nsplit[blockIdx.x] == 1;
     for (int i = threadIdx.x; i < nh * D; i += blockDim.x) {
         int h = i / D, d = i - h * D;
-        float mx = KVA_NEG_INF;
-        for (int w = 0; w < KVA_WARPS; w++)
-            mx = kva_max(mx, part_s[w][h][0]);
-        float total = 0.0f, a = 0.0f;
-        for (int w = 0; w < KVA_WARPS; w++) {
-            float mw = part_s[w][h][0];
-            if (kva_is_zero(part_s[w][h][1])) /* a warp without keys (a NaN sum is kept) */
-                continue;
-            float wgt = kva_exp2(kva_mul(kva_sub(mw, mx), un.u));
-            total = kva_fma(wgt, part_s[w][h][1], total);
-            a = kva_fma(wgt, part_s[w][h][2 + d], a);
-        }
-        if (single) {
-            const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
-            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
-                        kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
-        } else {
-            float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
-            p[2 + d] = a;
-            if (d == 0) {
-                p[0] = mx;
-                p[1] = total;
-            }
-        }
+        const KvaMerged mg =
+            kva_merge<KVA_HEADS * (D + 2)>(&part_s[0][0][0] + h * (D + 2), 0, KVA_WARPS, d, un);
+        kva_item_result<D>(out, partials, mg, single, row, num_heads, h0, h, d, sinks, un,
+                           out_kind);
     }
 }
 
@@ -268,18 +265,7 @@ template <int KIND, int D> struct KvaTile {
 
 template <int KIND, int D>
 __global__ void __launch_bounds__(KVA_WARPS * 32)
-kva_attention_split(void *out, float *partials, const void *q,
-                    const typename KvaStorage<KIND>::type *key_cache,
-                    const typename KvaStorage<KIND>::type *value_cache,
-                    const int *block_tables, const kva_i64 *seq_lens,
-                    const kva_i64 *query_start_loc, const kva_i64 *items,
-                    const int *nsplit, kva_i64 num_heads, kva_i64 table_stride,
-                    kva_i64 block_size, kva_i64 c_block, kva_i64 c_head, kva_i64 c_tok,
-                    float scale, kva_i64 window, float soft_cap, kva_i64 chunk,
-                    const float *alibi, const float *sinks,
-                    const float *key_scales, const float *value_scales,
-                    kva_i64 s_block, kva_i64 s_head, kva_i64 s_tok,
-                    float k_scale, float v_scale, kva_i64 q_kind, kva_i64 out_kind)
+kva_attention_split(KVA_SPLIT_PARAMS(KIND))
 {
     typedef KvaTile<KIND, D> Tl;
     typedef typename Tl::T T;
@@ -298,14 +284,9 @@ kva_attention_split(void *out, float *partials, const void *q,
     const KvaUnits un = kva_units(scale, capped);
     const float qscale = un.mult, capl2 = kva_mul(soft_cap, KVA_LOG2E);
 
-    const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
-    const kva_i64 pos = seq_lens[s] - nq + (row - query_start_loc[s]);
-    kva_i64 lo = kva_key_lo(pos, window, chunk);
-    kva_i64 hi = pos + 1;
-    if (it[5] > lo)
-        lo = it[5];
-    if (it[6] < hi)
-        hi = it[6];
+    const KvaKeys keys =
+        kva_row_keys(seq_lens, query_start_loc, s, row, window, chunk, it[5], it[6]);
+    const kva_i64 pos = keys.pos, lo = keys.lo, hi = keys.hi;
     const kva_i64 nkeys = hi > lo ? hi - lo : 0;
     const float slope = alibi != nullptr && active ? kva_logit_units(alibi[h0 + hr], un) : 0.0f;
     const kva_i64 ntiles = (nkeys + KEYS - 1) / KEYS;
@@ -422,15 +403,11 @@ kva_attention_split(void *out, float *partials, const void *q,
             float score = kva_row_sum(part);
             if (valid) {
                 if (capped)
-                    score = kva_mul(capl2, kva_tanh(kva_div(kva_mul(score, un.post), soft_cap)));
+                    score = kva_cap(score, capl2, soft_cap, un);
                 if (alibi != nullptr) /* slope * (t - p), in the scores' units */
                     score = kva_fma(slope, (float)(lo + i * KEYS + kk - pos), score);
-                const float mnew = kva_max(m, score);
-                const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
-                const float alpha = kva_exp2(kva_mul(kva_sub(m, mu), un.u)); /* m = -inf: 0 */
-                const float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
-                l = kva_fma(l, alpha, p);
-                m = mnew;
+                float alpha;
+                const float p = kva_online(score, m, l, alpha, un);
                 const T *vp = &sm.u.t.v[b][kk][lane * DPL];
 #pragma unroll
                 for (int d = 0; d < DPL; d++) {
@@ -446,7 +423,7 @@ kva_attention_split(void *out, float *partials, const void *q,
     kva_copy_wait<0>();
     __syncthreads();
 
-    /* merge the rows of each head in row order */
+    /* merge the rows of each head in row order (as the warps above) */
     if (active) {
 #pragma unroll
         for (int d = 0; d < DPL; d++)
@@ -460,29 +437,9 @@ kva_attention_split(void *out, float *partials, const void *q,
     const bool single = nsplit[blockIdx.x] == 1;
     for (int i = tid; i < nh * D; i += blockDim.x) {
         const int h = i / D, d = i - h * D;
-        float mx = KVA_NEG_INF;
-        for (int w = h * kr; w < (h + 1) * kr; w++)
-            mx = kva_max(mx, sm.u.part[w][0]);
-        float total = 0.0f, a = 0.0f;
-        for (int w = h * kr; w < (h + 1) * kr; w++) {
-            if (kva_is_zero(sm.u.part[w][1])) /* a row without keys (a NaN sum is kept) */
-                continue;
-            const float wgt = kva_exp2(kva_mul(kva_sub(sm.u.part[w][0], mx), un.u));
-            total = kva_fma(wgt, sm.u.part[w][1], total);
-            a = kva_fma(wgt, sm.u.part[w][2 + d], a);
-        }
-        if (single) {
-            const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
-            kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
-                        kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
-        } else {
-            float *p = partials + (kva_i64)blockIdx.x * KVA_HEADS * (D + 2) + h * (D + 2);
-            p[2 + d] = a;
-            if (d == 0) {
-                p[0] = mx;
-                p[1] = total;
-            }
-        }
+        const KvaMerged mg = kva_merge<D + 2>(&sm.u.part[0][0], h * kr, kr, d, un);
+        kva_item_result<D>(out, partials, mg, single, row, num_heads, h0, h, d, sinks, un,
+                           out_kind);
     }
 }
 
@@ -598,12 +555,9 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
     };
     auto plan_tile = [&](int bi, kva_i64 t0) { /* each key's row (a table read per key) */
         const int n = tile_n(t0);
-        if (tid < n) {
-            const unsigned rel = poff + (unsigned)tid;
-            const unsigned j = kva_udiv(rel, bdiv);
-            sm.off[bi][tid] = (kva_i64)table[pblk + j] * c_block + g * c_head +
-                              (kva_i64)(rel - j * bdiv.d) * c_tok;
-        }
+        if (tid < n)
+            sm.off[bi][tid] = kva_key_row(table, pblk, poff + (unsigned)tid, bdiv, c_block, c_tok) +
+                              g * c_head;
         const unsigned next = poff + 16u; /* every thread: the next tile's first key */
         const unsigned adv = kva_udiv(next, bdiv);
         pblk += adv;
@@ -667,7 +621,6 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
         float p[2][4];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            float mx = KVA_NEG_INF;
 #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
 #pragma unroll
@@ -675,31 +628,15 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
                     const kva_i64 key = t0 + 8 * nt + 2 * c + e;
                     float x = sc[nt][2 * r + e];
                     if (capped)
-                        x = kva_mul(capl2, kva_tanh(kva_div(kva_mul(x, un.post), soft_cap)));
+                        x = kva_cap(x, capl2, soft_cap, un);
                     if (alibi != nullptr) /* slope * (t - p), in the scores' units */
                         x = kva_fma(pslope[r], (float)(key - ppos[r]), x);
                     const bool vis = pvalid[r] && key >= plo[r] && key <= ppos[r];
                     sc[nt][2 * r + e] = vis ? x : KVA_NEG_INF;
-                    mx = kva_max(mx, sc[nt][2 * r + e]);
                 }
             }
-            mx = kva_quad_max(mx);
-            const float mnew = kva_max(m[r], mx);
-            /* no visible key yet: subtract 0 (every p is exp2(-inf) = 0) */
-            const float mu = __float_as_uint(mnew) == 0xff800000u ? 0.0f : mnew; /* bits: no .ftz */
-            const float alpha = kva_exp2(kva_mul(kva_sub(m[r], mu), un.u));
-            float rs = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    p[nt][2 * r + e] = kva_exp2(kva_mul(kva_sub(sc[nt][2 * r + e], mu), un.u));
-                    rs = kva_add(rs, p[nt][2 * r + e]);
-                }
-            }
-            /* this lane's columns only (summed over the quad at the end) */
-            l[r] = kva_fma(l[r], alpha, rs);
-            m[r] = mnew;
+            /* this lane's columns only in l (summed over the quad at the end) */
+            const float alpha = kva_tile_online<2>(sc, p, r, m[r], l[r], un);
 #pragma unroll
             for (int nn = 0; nn < NT; nn++) {
                 acc[nn][2 * r] = kva_mul(acc[nn][2 * r], alpha);
@@ -728,15 +665,9 @@ kva_attention_prefill(void *out, const void *q, const kva_u16 *key_cache,
         const float total = kva_quad_sum(l[r]);
         if (!pvalid[r])
             continue;
-        const float sink = sinks != nullptr ? kva_logit_units(sinks[phead[r]], un) : 0.0f;
-        const KvaNorm n = kva_norm(total, m[r], sinks != nullptr, sink, un);
-        const kva_i64 o = (prow[r] * num_heads + phead[r]) * D;
-#pragma unroll
-        for (int nn = 0; nn < NT; nn++) {
-            kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_apply(acc[nn][2 * r], n));
-            kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c + 1,
-                        kva_apply(acc[nn][2 * r + 1], n));
-        }
+        const KvaNorm n = kva_norm(total, m[r], sinks != nullptr, kva_sink(sinks, phead[r], un),
+                                   un);
+        kva_tile_store<NT>(out, out_kind, (prow[r] * num_heads + phead[r]) * D, acc, r, c, n);
     }
 }
 
@@ -754,21 +685,11 @@ __global__ void kva_attention_merge(void *out, const float *partials, const kva_
     const int n = nsplit[first];
     for (kva_i64 i = threadIdx.x; i < nh * D; i += blockDim.x) {
         kva_i64 h = i / D, d = i - h * D;
-        float mx = KVA_NEG_INF;
-        for (int sp = 0; sp < n; sp++)
-            mx = kva_max(mx, partials[(first + sp) * KVA_HEADS * (D + 2) + h * (D + 2)]);
-        float total = 0.0f, a = 0.0f;
-        for (int sp = 0; sp < n; sp++) {
-            const float *p = partials + (first + sp) * KVA_HEADS * (D + 2) + h * (D + 2);
-            if (kva_is_zero(p[1])) /* a split without keys (a NaN sum is kept) */
-                continue;
-            float wgt = kva_exp2(kva_mul(kva_sub(p[0], mx), un.u));
-            total = kva_fma(wgt, p[1], total);
-            a = kva_fma(wgt, p[2 + d], a);
-        }
-        const float sink = sinks != nullptr ? kva_logit_units(sinks[h0 + h], un) : 0.0f;
-        kva_store_f(out, (int)out_kind, (row * num_heads + h0 + h) * D + d,
-                    kva_apply(a, kva_norm(total, mx, sinks != nullptr, sink, un)));
+        /* the splits in split order (one without keys skipped, a NaN sum kept) */
+        const KvaMerged mg =
+            kva_merge<KVA_HEADS * (D + 2)>(partials + h * (D + 2), first, n, (int)d, un);
+        kva_store_result(out, out_kind, (row * num_heads + h0 + h) * D + d, mg, sinks, h0 + h,
+                         un);
     }
 }
 

@@ -12,7 +12,13 @@
  *     ldmatrix (x4, plain and transposed), packing floats into halves;
  *   - q / out of any float kind read and written where they lie
  *     (kva_load_f / kva_store_f: the kind is a run-time argument);
- *   - warp exchanges, dynamic shared memory, the last-block atomics.
+ *   - warp exchanges, dynamic shared memory, the last-block atomics;
+ *   - what every kernel does the same way, written once: the keys a query
+ *     row sees (kva_row_keys), a key's row in the pages (kva_key_row), the
+ *     soft cap, the online softmax step (per score: kva_online; per row of
+ *     an m16 tile: kva_tile_online), the merges of partials (kva_merge,
+ *     kva_part_weight) and the normalised output (kva_store_result,
+ *     kva_tile_store), all __forceinline__.
  *
  * Host emulation (tests/_cuda_attention_emulation.py): with
  * KVCORE_HOST_EMULATION defined the file is compiled by the host C++
@@ -591,6 +597,168 @@ __device__ __forceinline__ float kva_load_cg(const float *p)
 #else
     return *p;
 #endif
+}
+
+/* ------------------------------------------------------------------ */
+/* What every kernel does the same way: the keys a row sees, a key's   */
+/* row in the pages, the online softmax, the merges and the output     */
+/* ------------------------------------------------------------------ */
+
+/* The keys of query row `row` of sequence s within an item's [first,
+ * end): its position pos and keys lo .. hi-1 (none when hi <= lo). */
+struct KvaKeys {
+    kva_i64 pos, lo, hi;
+};
+
+__device__ __forceinline__ KvaKeys kva_row_keys(const kva_i64 *seq_lens,
+                                                const kva_i64 *query_start_loc, kva_i64 s,
+                                                kva_i64 row, kva_i64 window, kva_i64 chunk,
+                                                kva_i64 first, kva_i64 end)
+{
+    const kva_i64 nq = query_start_loc[s + 1] - query_start_loc[s];
+    KvaKeys k;
+    k.pos = seq_lens[s] - nq + (row - query_start_loc[s]);
+    k.lo = kva_key_lo(k.pos, window, chunk);
+    k.hi = k.pos + 1;
+    if (first > k.lo)
+        k.lo = first;
+    if (end < k.hi)
+        k.hi = end;
+    return k;
+}
+
+/* The element offset of the row of key `rel` counted from the start of
+ * page pb of a sequence's `pages` (block_size = bdiv.d keys a page), less
+ * the head's: pages[pb + rel / bs] * c_block + (rel % bs) * c_tok. */
+__device__ __forceinline__ kva_i64 kva_key_row(const int *pages, kva_i64 pb, unsigned rel,
+                                               KvaDiv bdiv, kva_i64 c_block, kva_i64 c_tok)
+{
+    const unsigned j = kva_udiv(rel, bdiv);
+    return (kva_i64)pages[pb + j] * c_block + (kva_i64)(rel - j * bdiv.d) * c_tok;
+}
+
+/* A score x soft-capped: c log2(e) tanh(x post / c), capl2 = c log2(e). */
+__device__ __forceinline__ float kva_cap(float x, float capl2, float cap, KvaUnits u)
+{
+    return kva_mul(capl2, kva_tanh(kva_div(kva_mul(x, u.post), cap)));
+}
+
+/* One score's step of a row's online softmax in base 2 (the scores' units
+ * u): m (the running max) and l (the sum) updated; returns the key's
+ * weight p, and in alpha the rescaling of the row's accumulators (0 while
+ * m was -inf; a row with no visible key yet subtracts 0). */
+__device__ __forceinline__ float kva_online(float score, float &m, float &l, float &alpha,
+                                            KvaUnits un)
+{
+    const float mnew = kva_max(m, score);
+    const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
+    alpha = kva_exp2(kva_mul(kva_sub(m, mu), un.u));
+    const float p = kva_exp2(kva_mul(kva_sub(score, mu), un.u));
+    l = kva_fma(l, alpha, p);
+    m = mnew;
+    return p;
+}
+
+/* Row r's step of the online softmax of an m16 tile (the tensor-core
+ * kernels): this lane's elements 2r, 2r + 1 of NK n8 tiles of scores sc
+ * (masked ones -inf), the row's max over the quad; their weights into p
+ * (may be sc itself), this lane's sum added to l (quad-summed at the end);
+ * returns alpha, the rescaling of the row's accumulators. */
+template <int NK>
+__device__ __forceinline__ float kva_tile_online(float (*sc)[4], float (*p)[4], int r,
+                                                 float &m, float &l, KvaUnits un)
+{
+    float mx = KVA_NEG_INF;
+#pragma unroll
+    for (int n = 0; n < NK; n++)
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+            mx = kva_max(mx, sc[n][2 * r + e]);
+    mx = kva_quad_max(mx);
+    const float mnew = kva_max(m, mx);
+    const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew; /* no key yet: every p is 0 */
+    const float alpha = kva_exp2(kva_mul(kva_sub(m, mu), un.u));
+    float rs = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NK; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const float pe = kva_exp2(kva_mul(kva_sub(sc[n][2 * r + e], mu), un.u));
+            p[n][2 * r + e] = pe;
+            rs = kva_add(rs, pe);
+        }
+    }
+    l = kva_fma(l, alpha, rs);
+    m = mnew;
+    return alpha;
+}
+
+/* The merge of partials (m, l, acc[...]) first .. first + n - 1 at part +
+ * STRIDE w in their order, for dim d: one without keys (l == 0) is
+ * skipped, a NaN sum is kept.  The merged max, sum and acc.  (I: the
+ * index type of the caller's loop, 32 or 64 bits: the same code as the
+ * loop written in place.) */
+struct KvaMerged {
+    float m, l, acc;
+};
+
+template <int STRIDE, typename I>
+__device__ __forceinline__ KvaMerged kva_merge(const float *part, I first, int n, int d,
+                                               KvaUnits un)
+{
+    KvaMerged r;
+    r.m = KVA_NEG_INF;
+    for (I w = first; w < first + n; w++)
+        r.m = kva_max(r.m, part[w * STRIDE]);
+    r.l = 0.0f;
+    r.acc = 0.0f;
+    for (I w = first; w < first + n; w++) {
+        const float *pw = part + w * STRIDE;
+        if (kva_is_zero(pw[1]))
+            continue;
+        const float wgt = kva_exp2(kva_mul(kva_sub(pw[0], r.m), un.u));
+        r.l = kva_fma(wgt, pw[1], r.l);
+        r.acc = kva_fma(wgt, pw[2 + d], r.acc);
+    }
+    return r;
+}
+
+/* The weight of a partial (m, l) in a merge of maximum mx: 0 for one
+ * without keys (l == 0), a NaN sum kept. */
+__device__ __forceinline__ float kva_part_weight(float m, float l, float mx, KvaUnits un)
+{
+    return kva_is_zero(l) ? 0.0f : kva_exp2(kva_mul(kva_sub(m, mx), un.u));
+}
+
+/* Query head `head`'s sink (sinks: null for none) in the scores' units. */
+__device__ __forceinline__ float kva_sink(const float *sinks, kva_i64 head, KvaUnits un)
+{
+    return sinks != nullptr ? kva_logit_units(sinks[head], un) : 0.0f;
+}
+
+/* out[at] = a merged row's element: acc normalised by its (m, l) and
+ * query head `head`'s sink. */
+__device__ __forceinline__ void kva_store_result(void *out, kva_i64 out_kind, kva_i64 at,
+                                                 KvaMerged r, const float *sinks, kva_i64 head,
+                                                 KvaUnits un)
+{
+    kva_store_f(out, (int)out_kind, at,
+                kva_apply(r.acc, kva_norm(r.l, r.m, sinks != nullptr, kva_sink(sinks, head, un),
+                                          un)));
+}
+
+/* Row r of an m16 tile's output written by this lane: its elements 2r,
+ * 2r + 1 of NT n8 tiles of acc (dims 8 n + 2c, + 1, c = lane % 4) at
+ * out[o + dim], normalised by n. */
+template <int NT>
+__device__ __forceinline__ void kva_tile_store(void *out, kva_i64 out_kind, kva_i64 o,
+                                               const float (*acc)[4], int r, int c, KvaNorm n)
+{
+#pragma unroll
+    for (int nn = 0; nn < NT; nn++) {
+        kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_apply(acc[nn][2 * r], n));
+        kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c + 1, kva_apply(acc[nn][2 * r + 1], n));
+    }
 }
 
 #endif /* KVCORE_KV_ATTN_CUH */

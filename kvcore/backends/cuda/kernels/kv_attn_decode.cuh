@@ -242,10 +242,8 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
             const kva_i64 t = k0 + (kva_i64)tile * KVT_KEYS + kk;
             kva_i64 off = -1;
             if (t < k1) {
-                const unsigned rel = poff0 + (unsigned)(tile * KVT_KEYS + kk);
-                const unsigned j = kva_udiv(rel, bdiv);
-                off = ((kva_i64)table[pb0 + j] * c_block + g * c_head +
-                       (kva_i64)(rel - j * bdiv.d) * c_tok) *
+                off = (kva_key_row(table, pb0, poff0 + (unsigned)(tile * KVT_KEYS + kk), bdiv,
+                                   c_block, c_tok) + g * c_head) *
                       (kva_i64)sizeof(typename C::T);
             }
             unsigned char *dst = wbuf + stage * C::STAGE;
@@ -327,8 +325,8 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
         if (capped) {
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                sc[i >> 2][i & 3] = kva_mul(capl2, kva_tanh(kva_div(
-                    kva_mul(kva_mul(sc[i >> 2][i & 3], un.mult), un.post), soft_cap)));
+                sc[i >> 2][i & 3] =
+                    kva_cap(kva_mul(sc[i >> 2][i & 3], un.mult), capl2, soft_cap, un);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++)
@@ -354,31 +352,8 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
         /* the online softmax, per row */
         float al[2]; /* each row's rescaling of acc */
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = KVA_NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    mx = kva_max(mx, sc[nt][2 * r + e]);
-            mx = kva_quad_max(mx);
-            const float mnew = kva_max(m[r], mx);
-            const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew; /* no key yet: every p is 0 */
-            const float alpha = kva_exp2(kva_mul(kva_sub(m[r], mu), un.u));
-            float rs = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float p = kva_exp2(kva_mul(kva_sub(sc[nt][2 * r + e], mu), un.u));
-                    sc[nt][2 * r + e] = p;
-                    rs = kva_add(rs, p);
-                }
-            }
-            l[r] = kva_fma(l[r], alpha, rs); /* this lane's columns (quad-summed at the end) */
-            m[r] = mnew;
-            al[r] = alpha;
-        }
+        for (int r = 0; r < 2; r++) /* the weights over the scores; l: this lane's columns */
+            al[r] = kva_tile_online<2>(sc, sc, r, m[r], l[r], un);
 
         /* P as NP A fragments of MT: term t rounds what terms < t left */
         unsigned pa[NP][4];
@@ -476,16 +451,14 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     const int ns = nsplit[blockIdx.x];
     __syncthreads();
     if (tid < np) {
-        const float sink = sinks != nullptr ? kva_logit_units(sinks[g * group + (p0 + tid) % group], un)
-                                            : 0.0f;
+        const float sink = kva_sink(sinks, g * group + (p0 + tid) % group, un);
         float mx = KVA_NEG_INF;
         for (int w = 0; w < KVT_WARPS; w++)
             mx = kva_max(mx, mg[(w * KVT_ROWS + tid) * (D + 2)]);
         float total = 0.0f;
         for (int w = 0; w < KVT_WARPS; w++) {
             const float *src = mg + (w * KVT_ROWS + tid) * (D + 2);
-            const float wt = kva_is_zero(src[1]) ? 0.0f /* a warp without keys (a NaN sum is kept) */
-                                                 : kva_exp2(kva_mul(kva_sub(src[0], mx), un.u));
+            const float wt = kva_part_weight(src[0], src[1], mx, un); /* (a NaN sum is kept) */
             total = kva_fma(wt, src[1], total);
             wts[w * KVT_ROWS + tid] = wt;
         }
@@ -540,16 +513,14 @@ kva_decode_tc(void *out, float *partials, int *counters, const kva_u16 *q,
     }
     __syncthreads();
     if (tid < np) {
-        const float sink = sinks != nullptr ? kva_logit_units(sinks[g * group + (p0 + tid) % group], un)
-                                            : 0.0f;
+        const float sink = kva_sink(sinks, g * group + (p0 + tid) % group, un);
         float mx = KVA_NEG_INF;
         for (int sp = 0; sp < ns; sp++)
             mx = kva_max(mx, wm[sp * KVT_ROWS + tid]);
         float total = 0.0f;
         for (int sp = 0; sp < ns; sp++) {
             const int i = sp * KVT_ROWS + tid;
-            const float w = kva_is_zero(wl[i]) ? 0.0f /* a split without keys for this pair */
-                                               : kva_exp2(kva_mul(kva_sub(wm[i], mx), un.u));
+            const float w = kva_part_weight(wm[i], wl[i], mx, un); /* 0: no keys for this pair */
             total = kva_fma(w, wl[i], total);
             wm[i] = w;
         }

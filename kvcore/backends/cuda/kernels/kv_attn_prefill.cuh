@@ -140,9 +140,7 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
                 const int key = v / C::VPR, cc = v - key * C::VPR;
                 if (tile * KEYS + key < nkeys) {
                     const unsigned rel = poff0 + (unsigned)(tile * KEYS + key);
-                    const unsigned j = kva_udiv(rel, bdiv);
-                    const kva_i64 off = (kva_i64)table[pb0 + j] * c_block +
-                                        (kva_i64)(rel - j * bdiv.d) * c_tok + 8 * cc;
+                    const kva_i64 off = kva_key_row(table, pb0, rel, bdiv, c_block, c_tok) + 8 * cc;
                     if (vec16) {
                         kva_copy16(dk + key * RS + 16 * cc, kbase + off);
                         kva_copy16(dv + key * RS + 16 * cc, vbase + off);
@@ -213,8 +211,8 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
                 for (int mt = 0; mt < MTR; mt++)
 #pragma unroll
                     for (int i = 0; i < 4 * NK; i++)
-                        sc[mt][i >> 2][i & 3] = kva_mul(capl2, kva_tanh(kva_div(
-                            kva_mul(kva_mul(sc[mt][i >> 2][i & 3], un.mult), un.post), soft_cap)));
+                        sc[mt][i >> 2][i & 3] =
+                            kva_cap(kva_mul(sc[mt][i >> 2][i & 3], un.mult), capl2, soft_cap, un);
             } else {
 #pragma unroll
                 for (int mt = 0; mt < MTR; mt++)
@@ -248,32 +246,8 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
 #pragma unroll
             for (int mt = 0; mt < MTR; mt++) {
 #pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    float mx = KVA_NEG_INF;
-#pragma unroll
-                    for (int n = 0; n < NK; n++)
-#pragma unroll
-                        for (int e = 0; e < 2; e++)
-                            mx = kva_max(mx, sc[mt][n][2 * r + e]);
-                    mx = kva_quad_max(mx);
-                    const float mnew = kva_max(m[mt][r], mx);
-                    const float mu = kva_is_neg_inf(mnew) ? 0.0f : mnew;
-                    const float alpha = kva_exp2(kva_mul(kva_sub(m[mt][r], mu), un.u));
-                    float rs = 0.0f;
-#pragma unroll
-                    for (int n = 0; n < NK; n++) {
-#pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            const float p =
-                                kva_exp2(kva_mul(kva_sub(sc[mt][n][2 * r + e], mu), un.u));
-                            sc[mt][n][2 * r + e] = p;
-                            rs = kva_add(rs, p);
-                        }
-                    }
-                    l[mt][r] = kva_fma(l[mt][r], alpha, rs);
-                    m[mt][r] = mnew;
-                    al[mt][r] = alpha;
-                }
+                for (int r = 0; r < 2; r++) /* the weights over the scores */
+                    al[mt][r] = kva_tile_online<NK>(sc[mt], sc[mt], r, m[mt][r], l[mt][r], un);
 #pragma unroll
                 for (int nn = 0; nn < NT; nn++) {
                     acc[mt][nn][0] = kva_mul(acc[mt][nn][0], al[mt][0]);
@@ -318,17 +292,9 @@ kva_prefill_tc(void *out, const void *q, const kva_u16 *key_cache, const kva_u16
             if (rpos[mt][r] < 0)
                 continue;
             const int row = wrow0 + 16 * mt + gq + 8 * r;
-            const float sink = sinks != nullptr
-                                   ? kva_logit_units(sinks[g * group + (p0 + row) % group], un)
-                                   : 0.0f;
+            const float sink = kva_sink(sinks, g * group + (p0 + row) % group, un);
             const KvaNorm n = kva_norm(total, m[mt][r], sinks != nullptr, sink, un);
-            const kva_i64 o = obase[row];
-#pragma unroll
-            for (int nn = 0; nn < NT; nn++) {
-                kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c, kva_apply(acc[mt][nn][2 * r], n));
-                kva_store_f(out, (int)out_kind, o + 8 * nn + 2 * c + 1,
-                            kva_apply(acc[mt][nn][2 * r + 1], n));
-            }
+            kva_tile_store<NT>(out, out_kind, obase[row], acc[mt], r, c, n);
         }
     }
 }

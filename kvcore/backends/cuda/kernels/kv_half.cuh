@@ -344,6 +344,41 @@ KV_HD void kv_atomic_min_nonneg_i64(kv_i64 *p, kv_i64 v)
         for (kv_i64 chunk = threadIdx.x; chunk < (CHUNKS); chunk += blockDim.x)       \
             __VA_ARGS__
 
+/* Where row `row` (= h * n + t) of a gather of n positions from `start`
+ * reads: head h, output position t, block b = table[p / bs] and offset
+ * off = p % bs of position p = start + t (32-bit division: the host
+ * checked the ranges).  Shared by paged.cu and lowprec.cu. */
+struct KvGatherAt {
+    kv_u32 h, t, off;
+    kv_i64 b;
+};
+
+KV_HD KvGatherAt kv_gather_at(kv_i64 row, kv_i64 n, kv_i64 start, kv_i64 block_size,
+                              const kv_i32 *table)
+{
+    KvGatherAt a;
+    kv_u32 r = (kv_u32)row, nn = (kv_u32)n;
+    a.h = r / nn;
+    a.t = r - a.h * nn;
+    kv_u32 p = (kv_u32)start + a.t, bs = (kv_u32)block_size;
+    kv_u32 q = p / bs;
+    a.off = p - q * bs;
+    a.b = table[q];
+    return a;
+}
+
+/* Row `row` = (s * heads + h) * max_len + t of a padded batch gather:
+ * sequence s, head h, position t (32-bit division). */
+KV_HD void kv_batch_row(kv_i64 row, kv_i64 heads, kv_i64 max_len, kv_u32 *s, kv_u32 *h,
+                        kv_u32 *t)
+{
+    kv_u32 r = (kv_u32)row, L = (kv_u32)max_len, nh = (kv_u32)heads;
+    kv_u32 sh = r / L;
+    *t = r - sh * L;
+    *s = sh / nh;
+    *h = sh - *s * nh;
+}
+
 /* The slot a paged write's row (= t * heads + h) writes, with its token t
  * and head h; -1 where it writes none: a slot outside 0..num_slots-1 (-1 by
  * definition, or refused by the host or the claim pass), or, with an owner

@@ -68,27 +68,20 @@ KV_HD bool kv_lp_isnan(kv_u32 b) { return (b & 0x7FFFFFFFu) > 0x7F800000u; }
  * ways with the CPU's bits for tiny rows and scales: on the device these
  * are the PTX instructions without .ftz (tests/cuda/test_cuda_kernels_compile.py
  * checks that no .ftz instruction is left in this file's kernels). */
-KV_HD float kv_lp_div(float a, float b)
-{
 #if defined(__CUDA_ARCH__)
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
+#define KV_LP_BINARY(NAME, PTX, OP)                                                      \
+    KV_HD float NAME(float a, float b)                                                   \
+    {                                                                                    \
+        float r;                                                                         \
+        asm(PTX " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                              \
+        return r;                                                                        \
+    }
 #else
-    return a / b;
+#define KV_LP_BINARY(NAME, PTX, OP)                                                      \
+    KV_HD float NAME(float a, float b) { return a OP b; }
 #endif
-}
-
-KV_HD float kv_lp_fmul(float a, float b)
-{
-#if defined(__CUDA_ARCH__)
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return a * b;
-#endif
-}
+KV_LP_BINARY(kv_lp_div, "div.rn.f32", /)
+KV_LP_BINARY(kv_lp_fmul, "mul.rn.f32", *)
 
 /* int8 code of q = x / scale: rounded half to even, clamped to +-127
  * (q is never NaN here: the row's scale is finite and non-zero, 2^-149 at
@@ -175,18 +168,54 @@ KV_HD void kv_lp_encode(const typename KvStorage<FK>::type *src, typename KvQ<QK
     }
 }
 
+/* The parameters each kernel passes on to its item, written once (as in paged.cu). */
+#define KV_WRITE_SLOTS_Q_PARAMS                                                          \
+    typename KvQ<QK>::type *cache, kv_u32 *scales,                                       \
+        const typename KvStorage<FK>::type *src, const kv_i64 *slots,                    \
+        const kv_i32 *owner, kv_i64 num_slots, kv_i64 heads, kv_i64 block_size,          \
+        kv_i64 dim, kv_i64 src_tok, kv_i64 src_head, kv_i64 c_block, kv_i64 c_head,      \
+        kv_i64 c_tok, kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok, kv_i64 scale
+#define KV_WRITE_SLOTS_Q_ARGS                                                            \
+    cache, scales, src, slots, owner, num_slots, heads, block_size, dim, src_tok,        \
+        src_head, c_block, c_head, c_tok, s_block, s_head, s_tok, scale
+#define KV_GATHER_Q_PARAMS                                                               \
+    typename KvStorage<FK>::type *out, const typename KvQ<QK>::type *cache,              \
+        const kv_u32 *scales, const kv_i32 *table, kv_i64 start, kv_i64 n,               \
+        kv_i64 block_size, kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,                  \
+        kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok, kv_i64 o_head, kv_i64 o_tok,        \
+        kv_i64 scale
+#define KV_GATHER_Q_ARGS                                                                 \
+    out, cache, scales, table, start, n, block_size, c_block, c_head, c_tok,             \
+        s_block, s_head, s_tok, o_head, o_tok, scale
+#define KV_GATHER_BATCH_Q_PARAMS                                                         \
+    typename KvStorage<FK>::type *out, const typename KvQ<QK>::type *cache,              \
+        const kv_u32 *scales, const kv_i32 *tables, const kv_i32 *lens,                  \
+        kv_i64 heads, kv_i64 max_len, kv_i64 table_stride, kv_i64 block_size,            \
+        kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok, kv_i64 s_block, kv_i64 s_head,      \
+        kv_i64 s_tok, kv_i64 o_seq, kv_i64 o_head, kv_i64 o_tok, kv_i64 scale
+#define KV_GATHER_BATCH_Q_ARGS                                                           \
+    out, cache, scales, tables, lens, heads, max_len, table_stride, block_size,          \
+        c_block, c_head, c_tok, s_block, s_head, s_tok, o_seq, o_head, o_tok, scale
+#define KV_WRITE_CONTIGUOUS_Q_PARAMS                                                     \
+    typename KvQ<QK>::type *dst, kv_u32 *scales,                                         \
+        const typename KvStorage<FK>::type *src, kv_i64 heads, kv_i64 n,                 \
+        kv_i64 start, kv_i64 dim, kv_i64 s_b, kv_i64 s_h, kv_i64 s_t, kv_i64 d_b,        \
+        kv_i64 d_h, kv_i64 d_t, kv_i64 sc_b, kv_i64 sc_h, kv_i64 sc_t, kv_i64 scale
+#define KV_WRITE_CONTIGUOUS_Q_ARGS                                                       \
+    dst, scales, src, heads, n, start, dim, s_b, s_h, s_t, d_b, d_h, d_t, sc_b,          \
+        sc_h, sc_t, scale
+#define KV_DEQUANTIZE_PARAMS                                                             \
+    typename KvStorage<FK>::type *dst, const typename KvQ<QK>::type *src,                \
+        const kv_u32 *scales, kv_i64 dim, kv_i64 scale
+#define KV_DEQUANTIZE_ARGS                                                               \
+    dst, src, scales, dim, scale
+
 /* cache[b, h, off, :] = encode(src[t, h, :]) (and, int8, scales[b, h, off])
  * for slots[t] = b * block_size + off, as paged.cu's kv_write_slots: a slot
  * outside 0..num_slots-1 is skipped, and with an owner table (slots.cu) a
  * token writes only a slot it owns.  rows = n * heads (row = t * heads + h). */
 template <int FK, int QK>
-KV_HD void kv_write_slots_q_item(kv_i64 row, kv_i64 chunk, typename KvQ<QK>::type *cache,
-                                 kv_u32 *scales, const typename KvStorage<FK>::type *src,
-                                 const kv_i64 *slots, const kv_i32 *owner, kv_i64 num_slots,
-                                 kv_i64 heads, kv_i64 block_size, kv_i64 dim,
-                                 kv_i64 src_tok, kv_i64 src_head,
-                                 kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                                 kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok, kv_i64 scale)
+KV_HD void kv_write_slots_q_item(kv_i64 row, kv_i64 chunk, KV_WRITE_SLOTS_Q_PARAMS)
 {
     kv_u32 t, h;
     kv_i64 slot = kv_slot_of_row(row, heads, slots, owner, num_slots, &t, &h);
@@ -203,42 +232,26 @@ KV_HD void kv_write_slots_q_item(kv_i64 row, kv_i64 chunk, typename KvQ<QK>::typ
  * start + t.  rows = heads * n (row = h * n + t), chunks = dim.  scales:
  * int8 row scales (null for fp8, which use `scale`).  FK == QK: the codes. */
 template <int FK, int QK>
-KV_HD void kv_gather_q_item(kv_i64 row, kv_i64 chunk, typename KvStorage<FK>::type *out,
-                            const typename KvQ<QK>::type *cache, const kv_u32 *scales,
-                            const kv_i32 *table, kv_i64 start, kv_i64 n, kv_i64 block_size,
-                            kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                            kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok,
-                            kv_i64 o_head, kv_i64 o_tok, kv_i64 scale)
+KV_HD void kv_gather_q_item(kv_i64 row, kv_i64 chunk, KV_GATHER_Q_PARAMS)
 {
-    kv_u32 r = (kv_u32)row, nn = (kv_u32)n;
-    kv_u32 h = r / nn, t = r - h * nn;
-    kv_u32 p = (kv_u32)start + t, bs = (kv_u32)block_size;
-    kv_u32 q = p / bs, off = p - q * bs;
-    kv_i64 b = table[q];
-    typename KvQ<QK>::type c = cache[b * c_block + h * c_head + off * c_tok + chunk];
+    const KvGatherAt a = kv_gather_at(row, n, start, block_size, table);
+    typename KvQ<QK>::type c = cache[a.b * c_block + a.h * c_head + a.off * c_tok + chunk];
     if constexpr (FK == QK) {
-        out[h * o_head + t * o_tok + chunk] = c;
+        out[a.h * o_head + a.t * o_tok + chunk] = c;
     } else {
-        kv_u32 s = scales == 0 ? (kv_u32)scale : scales[b * s_block + h * s_head + off * s_tok];
-        out[h * o_head + t * o_tok + chunk] = kv_convert<KV_F32, FK>(kv_lp_value<QK>(c, s));
+        kv_u32 s = scales == 0 ? (kv_u32)scale
+                               : scales[a.b * s_block + a.h * s_head + a.off * s_tok];
+        out[a.h * o_head + a.t * o_tok + chunk] = kv_convert<KV_F32, FK>(kv_lp_value<QK>(c, s));
     }
 }
 
 /* A padded batch: out[s, h, t, chunk] as kv_gather_q for t < lens[s], +0
  * for lens[s] <= t < max_len.  rows = batch * heads * max_len. */
 template <int FK, int QK>
-KV_HD void kv_gather_batch_q_item(kv_i64 row, kv_i64 chunk, typename KvStorage<FK>::type *out,
-                                  const typename KvQ<QK>::type *cache, const kv_u32 *scales,
-                                  const kv_i32 *tables, const kv_i32 *lens,
-                                  kv_i64 heads, kv_i64 max_len, kv_i64 table_stride,
-                                  kv_i64 block_size,
-                                  kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                                  kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok,
-                                  kv_i64 o_seq, kv_i64 o_head, kv_i64 o_tok, kv_i64 scale)
+KV_HD void kv_gather_batch_q_item(kv_i64 row, kv_i64 chunk, KV_GATHER_BATCH_Q_PARAMS)
 {
-    kv_u32 r = (kv_u32)row, L = (kv_u32)max_len, nh = (kv_u32)heads;
-    kv_u32 sh = r / L, t = r - sh * L;
-    kv_u32 sq = sh / nh, h = sh - sq * nh;
+    kv_u32 sq, h, t;
+    kv_batch_row(row, heads, max_len, &sq, &h, &t);
     typename KvStorage<FK>::type *dst = out + sq * o_seq + h * o_head + t * o_tok + chunk;
     if ((kv_i64)t >= (kv_i64)lens[sq]) {
         *dst = 0;
@@ -259,12 +272,7 @@ KV_HD void kv_gather_batch_q_item(kv_i64 row, kv_i64 chunk, typename KvStorage<F
  * scales[b, h, start + t]).  rows = batch * heads * n (row = (b * heads +
  * h) * n + t); chunks = dim (fp8) or 1 (int8). */
 template <int FK, int QK>
-KV_HD void kv_write_contiguous_q_item(kv_i64 row, kv_i64 chunk, typename KvQ<QK>::type *dst,
-                                      kv_u32 *scales, const typename KvStorage<FK>::type *src,
-                                      kv_i64 heads, kv_i64 n, kv_i64 start, kv_i64 dim,
-                                      kv_i64 s_b, kv_i64 s_h, kv_i64 s_t,
-                                      kv_i64 d_b, kv_i64 d_h, kv_i64 d_t,
-                                      kv_i64 sc_b, kv_i64 sc_h, kv_i64 sc_t, kv_i64 scale)
+KV_HD void kv_write_contiguous_q_item(kv_i64 row, kv_i64 chunk, KV_WRITE_CONTIGUOUS_Q_PARAMS)
 {
     kv_u32 r = (kv_u32)row, nn = (kv_u32)n, nh = (kv_u32)heads;
     kv_u32 bh = r / nn, t = r - bh * nn;
@@ -278,9 +286,7 @@ KV_HD void kv_write_contiguous_q_item(kv_i64 row, kv_i64 chunk, typename KvQ<QK>
 /* dst[row, chunk] = value(src[row, chunk]) of contiguous (rows, dim) arrays
  * (the host makes contiguous copies); int8 scales: one per row. */
 template <int FK, int QK>
-KV_HD void kv_dequantize_item(kv_i64 row, kv_i64 chunk, typename KvStorage<FK>::type *dst,
-                              const typename KvQ<QK>::type *src, const kv_u32 *scales,
-                              kv_i64 dim, kv_i64 scale)
+KV_HD void kv_dequantize_item(kv_i64 row, kv_i64 chunk, KV_DEQUANTIZE_PARAMS)
 {
     kv_i64 i = row * dim + chunk;
     kv_u32 s = scales == 0 ? (kv_u32)scale : scales[row];
@@ -289,72 +295,36 @@ KV_HD void kv_dequantize_item(kv_i64 row, kv_i64 chunk, typename KvStorage<FK>::
 
 #ifndef KVCORE_HOST_EMULATION
 template <int FK, int QK>
-__global__ void kv_write_slots_q(kv_i64 rows, kv_i64 chunks, typename KvQ<QK>::type *cache,
-                                 kv_u32 *scales, const typename KvStorage<FK>::type *src,
-                                 const kv_i64 *slots, const kv_i32 *owner, kv_i64 num_slots,
-                                 kv_i64 heads, kv_i64 block_size, kv_i64 dim,
-                                 kv_i64 src_tok, kv_i64 src_head,
-                                 kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                                 kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok, kv_i64 scale)
+__global__ void kv_write_slots_q(kv_i64 rows, kv_i64 chunks, KV_WRITE_SLOTS_Q_PARAMS)
 {
     KV_ROW_LOOP(rows, chunks,
-                (kv_write_slots_q_item<FK, QK>(row, chunk, cache, scales, src, slots, owner,
-                                               num_slots, heads, block_size, dim, src_tok,
-                                               src_head, c_block, c_head, c_tok, s_block,
-                                               s_head, s_tok, scale)));
+                kv_write_slots_q_item<FK, QK>(row, chunk, KV_WRITE_SLOTS_Q_ARGS));
 }
 
 template <int FK, int QK>
-__global__ void kv_gather_q(kv_i64 rows, kv_i64 chunks, typename KvStorage<FK>::type *out,
-                            const typename KvQ<QK>::type *cache, const kv_u32 *scales,
-                            const kv_i32 *table, kv_i64 start, kv_i64 n, kv_i64 block_size,
-                            kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                            kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok,
-                            kv_i64 o_head, kv_i64 o_tok, kv_i64 scale)
+__global__ void kv_gather_q(kv_i64 rows, kv_i64 chunks, KV_GATHER_Q_PARAMS)
 {
-    KV_ROW_LOOP(rows, chunks,
-                (kv_gather_q_item<FK, QK>(row, chunk, out, cache, scales, table, start, n,
-                                          block_size, c_block, c_head, c_tok, s_block, s_head,
-                                          s_tok, o_head, o_tok, scale)));
+    KV_ROW_LOOP(rows, chunks, kv_gather_q_item<FK, QK>(row, chunk, KV_GATHER_Q_ARGS));
 }
 
 template <int FK, int QK>
-__global__ void kv_gather_batch_q(kv_i64 rows, kv_i64 chunks, typename KvStorage<FK>::type *out,
-                                  const typename KvQ<QK>::type *cache, const kv_u32 *scales,
-                                  const kv_i32 *tables, const kv_i32 *lens,
-                                  kv_i64 heads, kv_i64 max_len, kv_i64 table_stride,
-                                  kv_i64 block_size,
-                                  kv_i64 c_block, kv_i64 c_head, kv_i64 c_tok,
-                                  kv_i64 s_block, kv_i64 s_head, kv_i64 s_tok,
-                                  kv_i64 o_seq, kv_i64 o_head, kv_i64 o_tok, kv_i64 scale)
+__global__ void kv_gather_batch_q(kv_i64 rows, kv_i64 chunks, KV_GATHER_BATCH_Q_PARAMS)
 {
     KV_ROW_LOOP(rows, chunks,
-                (kv_gather_batch_q_item<FK, QK>(row, chunk, out, cache, scales, tables, lens,
-                                                heads, max_len, table_stride, block_size,
-                                                c_block, c_head, c_tok, s_block, s_head, s_tok,
-                                                o_seq, o_head, o_tok, scale)));
+                kv_gather_batch_q_item<FK, QK>(row, chunk, KV_GATHER_BATCH_Q_ARGS));
 }
 
 template <int FK, int QK>
-__global__ void kv_write_contiguous_q(kv_i64 rows, kv_i64 chunks, typename KvQ<QK>::type *dst,
-                                      kv_u32 *scales, const typename KvStorage<FK>::type *src,
-                                      kv_i64 heads, kv_i64 n, kv_i64 start, kv_i64 dim,
-                                      kv_i64 s_b, kv_i64 s_h, kv_i64 s_t,
-                                      kv_i64 d_b, kv_i64 d_h, kv_i64 d_t,
-                                      kv_i64 sc_b, kv_i64 sc_h, kv_i64 sc_t, kv_i64 scale)
+__global__ void kv_write_contiguous_q(kv_i64 rows, kv_i64 chunks,
+                                      KV_WRITE_CONTIGUOUS_Q_PARAMS)
 {
     KV_ROW_LOOP(rows, chunks,
-                (kv_write_contiguous_q_item<FK, QK>(row, chunk, dst, scales, src, heads, n,
-                                                    start, dim, s_b, s_h, s_t, d_b, d_h, d_t,
-                                                    sc_b, sc_h, sc_t, scale)));
+                kv_write_contiguous_q_item<FK, QK>(row, chunk, KV_WRITE_CONTIGUOUS_Q_ARGS));
 }
 
 template <int FK, int QK>
-__global__ void kv_dequantize(kv_i64 rows, kv_i64 chunks, typename KvStorage<FK>::type *dst,
-                              const typename KvQ<QK>::type *src, const kv_u32 *scales,
-                              kv_i64 dim, kv_i64 scale)
+__global__ void kv_dequantize(kv_i64 rows, kv_i64 chunks, KV_DEQUANTIZE_PARAMS)
 {
-    KV_ROW_LOOP(rows, chunks,
-                (kv_dequantize_item<FK, QK>(row, chunk, dst, src, scales, dim, scale)));
+    KV_ROW_LOOP(rows, chunks, kv_dequantize_item<FK, QK>(row, chunk, KV_DEQUANTIZE_ARGS));
 }
 #endif /* KVCORE_HOST_EMULATION */

@@ -69,13 +69,9 @@ KV_HD void kv_write_slots_item(kv_i64 row, kv_i64 chunk, KV_WRITE_SLOTS_PARAMS)
 template <int SK, int DK, int V>
 KV_HD void kv_gather_item(kv_i64 row, kv_i64 chunk, KV_GATHER_PARAMS)
 {
-    kv_u32 r = (kv_u32)row, nn = (kv_u32)n;
-    kv_u32 h = r / nn, t = r - h * nn;
-    kv_u32 p = (kv_u32)start + t, bs = (kv_u32)block_size;
-    kv_u32 q = p / bs, off = p - q * bs;
-    kv_i64 b = table[q];
-    kv_convert_run<SK, DK, V>(cache + b * c_block + h * c_head + off * c_tok + chunk * V,
-                              out + h * o_head + t * o_tok + chunk * V);
+    const KvGatherAt a = kv_gather_at(row, n, start, block_size, table);
+    kv_convert_run<SK, DK, V>(cache + a.b * c_block + a.h * c_head + a.off * c_tok + chunk * V,
+                              out + a.h * o_head + a.t * o_tok + chunk * V);
 }
 
 /* A batch of sequences into one padded output:
@@ -87,9 +83,8 @@ KV_HD void kv_gather_item(kv_i64 row, kv_i64 chunk, KV_GATHER_PARAMS)
 template <int SK, int DK, int V>
 KV_HD void kv_gather_batch_item(kv_i64 row, kv_i64 chunk, KV_GATHER_BATCH_PARAMS)
 {
-    kv_u32 r = (kv_u32)row, L = (kv_u32)max_len, nh = (kv_u32)heads;
-    kv_u32 sh = r / L, t = r - sh * L;
-    kv_u32 s = sh / nh, h = sh - s * nh;
+    kv_u32 s, h, t;
+    kv_batch_row(row, heads, max_len, &s, &h, &t);
     typename KvStorage<DK>::type *dst = out + s * o_seq + h * o_head + t * o_tok + chunk * V;
     if ((kv_i64)t >= (kv_i64)lens[s]) {
         kv_zero_run<DK, V>(dst);
