@@ -154,13 +154,9 @@ def _scale_values(kv_scales, num_layers, num_kv_heads):
         raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
                          f"(shape ({num_layers}, 2) or ({num_layers}, 2, num_kv_heads={H})), "
                          f"got shape {a.shape}")
-    pairs = _listed(kv_scales, "kv_scales", _PAIR)
-    if pairs is None:
-        raise TypeError(f"kv_scales must be {_PAIR}, got {type(kv_scales).__name__} "
-                        f"{kv_scales!r:.80}")
-    if len(pairs) != num_layers:
-        raise ValueError(f"kv_scales must hold num_layers={num_layers} (k_scale, v_scale) pairs "
-                         f"(shape ({num_layers}, 2)), got {len(pairs)} entries")
+    pairs = _counted(_listed(kv_scales, "kv_scales", _PAIR), kv_scales, "kv_scales", _PAIR,
+                     num_layers, f"num_layers={num_layers} (k_scale, v_scale) pairs "
+                     f"(shape ({num_layers}, 2))")
     out = np.empty((num_layers, 2, H), np.float64)
     for layer, pair in enumerate(pairs):
         name = f"kv_scales[{layer}]"
@@ -189,12 +185,9 @@ def _kv_scale_entry(x, name, num_kv_heads):
     heads = None if isinstance(x, (bool, np.bool_, np.complexfloating)) or \
         not hasattr(x, "__iter__") else \
         _listed(x, name, f"a float or num_kv_heads={num_kv_heads} floats")
-    if heads is None:
-        raise TypeError(f"{name} must be a real number or num_kv_heads={num_kv_heads} of them, "
-                        f"got {type(x).__name__} {x!r}")
-    if len(heads) != num_kv_heads:
-        raise ValueError(f"{name} must be a float or num_kv_heads={num_kv_heads} floats (one per "
-                         f"kv head), got {len(heads)}")
+    heads = _counted(heads, x, name, f"a real number or num_kv_heads={num_kv_heads} of them",
+                     num_kv_heads, f"a float or num_kv_heads={num_kv_heads} floats (one per "
+                     "kv head)")
     for h, y in enumerate(heads):
         if not _real(y):
             raise TypeError(f"{name}[{h}] (kv head {h}) must be a real number, got "
@@ -211,6 +204,16 @@ def _float(x, name):
     except (OverflowError, ValueError) as e:
         raise ValueError(f"{name} must be a finite positive float32 value, got {x!r:.80} "
                          f"({e})") from None
+
+
+def _counted(items, value, name, expected, count, counted):
+    """``items`` (``_listed(value, ...)``) when it holds ``count`` entries:
+    TypeError when ``value`` is no sequence, ValueError when the count differs."""
+    if items is None:
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r:.80}")
+    if len(items) != count:
+        raise ValueError(f"{name} must hold {counted}, got {len(items)} entries")
+    return items
 
 
 def _listed(value, name, expected):

@@ -981,12 +981,10 @@ cdef class SeqCore:
         child.root1 = self.root1
         child._take_buffers(self)
         child.table = _copy(self.table)
-        child.num_tokens = self.num_tokens
-        child.num_computed = self.num_computed
-        child.num_held = self.num_held
-        child.num_hashed = self.num_hashed
-        child.num_identified = self.num_identified
-        child.num_registered = self.num_registered
+        child.num_tokens, child.num_computed, child.num_held = \
+            self.num_tokens, self.num_computed, self.num_held
+        child.num_hashed, child.num_identified, child.num_registered = \
+            self.num_hashed, self.num_identified, self.num_registered
         if self.num_held or self.root_serial < -1:
             self.lock_acquire()
             try:

@@ -468,17 +468,9 @@ class PagedCache(Cache):
     def batch_size(self):
         return len(self._seqs) if self._seqs else -1
 
-    @property
-    def is_compileable(self):
-        return False
-
-    @property
-    def is_initialized(self):
-        return bool(self._seqs)
-
-    @property
-    def is_croppable(self):
-        return True
+    is_compileable = property(lambda self: False, doc="transformers' flag: never compiled")
+    is_initialized = property(lambda self: bool(self._seqs), doc="Whether rows were begun")
+    is_croppable = property(lambda self: True, doc="transformers' flag: crop() works")
 
     @property
     def rows(self):
