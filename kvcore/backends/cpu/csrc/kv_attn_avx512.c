@@ -112,7 +112,12 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
     }
     __m128i b = half ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si128((const __m128i *)p);
     if (kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN)
+#ifdef KVA_AVX512_SIMDE /* (its AVX-512 has no _mm512_cvtepi8_epi32) */
+        return e4m3_bits_avx512(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)),
+                                kind == KVA_F8E4M3_WNAN);
+#else
         return e4m3_bits_avx512(_mm512_cvtepi8_epi32(b), kind == KVA_F8E4M3_WNAN);
+#endif
     if (kind == KVA_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)));
     if (kind == KVA_F8E5M2)
