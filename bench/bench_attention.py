@@ -2,12 +2,21 @@
 streaming read (see kvcore/cli/benchmarks/attention.py), plus the per-layer
 overhead of ``AttentionPlan.run`` for a batch-1 decode (context 4096):
 python bench/bench_attention.py [--quick] [--full] [--json FILE]
-                                [--only-plan | --only-prefill | --only-pages]
+                                [--only-plan | --only-prefill | --only-pages |
+                                 --only-ceilings]
 
 --full: the out-of-cache decode rows per page dtype and thread count at
 their big sizes (hundreds of MB of pages: 8 x 16384 positions at 32/8
 heads d128, 8 x 32768 at 9/3 heads d64); without it, a few times the L3.
 --only-pages: those rows only.
+
+--only-ceilings: per page dtype (float16, float8_e4m3fn, float8_e5m2, int8),
+the --full (or quick) decode shapes out of the caches and the same shapes over
+a context whose pages stay in the caches (6-8 MB of float16 pages), one
+thread, timed by the thread's CPU time (what the kernel reaches while it
+runs, even on a machine shared with other work), calls alternated over the
+dtypes in rounds: the in-cache row is the ceiling a decode of that dtype
+reaches when its pages cost nothing to read, against float16 out of cache.
 
 --only-prefill: causal prefill of 1024 and 4096 tokens only, for the default
 shape and SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
@@ -132,6 +141,87 @@ def run_pages(quick=False, seed=0, full=False):
                                                rounds=5 if quick else 9)}
 
 
+#: page dtypes of the ceilings rows; in-cache contexts per head_dim (the
+#: shape's batch: 6-8 MB of float16 pages, well inside a 32 MiB L3)
+CEILING_DTYPES = ("float16", "float8_e4m3fn", "float8_e5m2", "int8")
+CEILING_WARM_CONTEXT = {128: 256, 64: 1024}
+
+
+def page_ceilings(quick=False, seed=0, full=False, shapes=None, warm_context=None):
+    """Decode positions/s out of the caches and in them per page dtype (see
+    the module docstring, --only-ceilings): medians and [min-max] over the
+    rounds, each call timed by ``time.thread_time``.  ``shapes``: (name,
+    (heads, kv_heads, head_dim), batch, context) rows instead of the
+    benchmark's; ``warm_context``: the in-cache context per head_dim."""
+    rng = np.random.default_rng(seed)
+    rounds = 5 if quick else 9
+    if shapes is None:
+        shapes = attention.PAGE_SHAPES["full" if full else "quick"]
+    warm = CEILING_WARM_CONTEXT if warm_context is None else warm_context
+    before = kvcore.get_num_threads()
+    kvcore.set_num_threads(1)
+    out = {}
+    try:
+        for name, (heads, kv_heads, dim), batch, ctx in shapes:
+            cases = {}
+            for where, b, c in (("cold", batch, ctx),
+                                ("cache", batch, warm.get(dim, 256))):
+                nblk = c // attention.BLOCK_SIZE
+                tables = rng.permutation(nblk * b).astype(np.int32).reshape(b, nblk)
+                lens = np.full(b, c, np.int64)
+                q = rng.standard_normal((b, heads, dim)).astype(np.float32)
+                for d in CEILING_DTYPES:
+                    pool = attention._page_pool(d, nblk * b, kv_heads, dim, rng)
+                    cases[(d, where)] = (pool, tables, lens, q, np.empty_like(q), b * c)
+            times = {key: [] for key in cases}
+            for (pool, tables, lens, q, o, _) in cases.values():   # warm-up
+                kvcore.paged_attention(q, pool, 0, tables, lens, out=o)
+            for _ in range(rounds):
+                for key, (pool, tables, lens, q, o, _) in cases.items():
+                    reps = 1 if key[1] == "cold" else 8
+                    if reps > 1:   # (the calls between evicted the pages: back in)
+                        kvcore.paged_attention(q, pool, 0, tables, lens, out=o)
+                    t0 = time.thread_time()
+                    for _ in range(reps):
+                        kvcore.paged_attention(q, pool, 0, tables, lens, out=o)
+                    times[key].append((time.thread_time() - t0) / reps)
+            rows = {}
+            f16 = statistics.median(times[("float16", "cold")]) / cases[("float16", "cold")][5]
+            for (d, where), ts in times.items():
+                n = cases[(d, where)][5]
+                rate = [n / t for t in ts]
+                rows[f"{d}_{where}"] = {
+                    "dtype": d, "where": where, "positions": n,
+                    "positions_per_s": statistics.median(rate),
+                    "range": [min(rate), max(rate)],
+                    "vs_float16_cold": statistics.median(rate) * f16}
+            out[name] = {"shape": [heads, kv_heads, dim], "batch": batch, "context": ctx,
+                         "warm_context": warm.get(dim, 256), "rows": rows}
+            del cases
+    finally:
+        kvcore.set_num_threads(before)
+    return {"ceilings": out, "levels": kvcore.simd_levels()}
+
+
+def ceilings_report(res):
+    lines = [f"decode positions/s by page dtype, out of the caches and in them, one thread, "
+             f"thread CPU time (attention level {res['levels']['attention']}); "
+             f"x float16 out of the caches"]
+    for name, r in res["ceilings"].items():
+        lines.append(f"  {name} ({r['shape'][0]}/{r['shape'][1]} heads, d{r['shape'][2]}), "
+                     f"{r['batch']} x {r['context']} out of the caches, {r['batch']} x "
+                     f"{r['warm_context']} in them")
+        for d in CEILING_DTYPES:
+            cells = []
+            for where in ("cold", "cache"):
+                row = r["rows"][f"{d}_{where}"]
+                lo, hi = row["range"]
+                cells.append(f"{where:5s} {row['positions_per_s'] / 1e6:6.2f} M pos/s "
+                             f"[{lo / 1e6:.2f}-{hi / 1e6:.2f}] {row['vs_float16_cold']:5.2f}x")
+            lines.append(f"    {d:14s} " + "   ".join(cells))
+    return "\n".join(lines)
+
+
 def _full_option(parser):
     parser.add_argument("--full", action="store_true",
                         help="the out-of-cache page rows at hundreds of MB of pages")
@@ -149,6 +239,9 @@ if __name__ == "__main__":
     elif "--only-plan" in sys.argv:
         sys.argv.remove("--only-plan")
         script_main(plan_overhead, plan_report, __doc__)
+    elif "--only-ceilings" in sys.argv:
+        sys.argv.remove("--only-ceilings")
+        script_main(page_ceilings, ceilings_report, __doc__, **full)
     elif "--only-pages" in sys.argv:
         sys.argv.remove("--only-pages")
         script_main(run_pages, lambda r: attention.page_report(r["pages"]), __doc__, **full)

@@ -302,3 +302,25 @@ def test_bench_attention_prefill_shapes_include_smollm2():
         assert res["prefill"]["smollm2_n256"]["max_rel_diff_vs_torch_f32"] < 1e-4
     text = attention.report(res)
     assert "smollm2_n256 (9/3 heads, d=64)" in text and "decode " not in text
+
+
+def test_bench_attention_ceilings_rows_per_page_dtype():
+    """`bench_attention.py --only-ceilings`: every page dtype, out of the
+    caches and in them, positive rates within their range, and float16 out
+    of the caches the unit of the ratios (a tiny shape: the rows, not the
+    speed)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", Path(__file__).resolve().parents[2] / "bench" / "bench_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.page_ceilings(quick=True, shapes=(("tiny", (4, 2, 64), 2, 64),),
+                              warm_context={64: 32})
+    rows = res["ceilings"]["tiny"]["rows"]
+    assert set(rows) == {f"{d}_{w}" for d in bench.CEILING_DTYPES for w in ("cold", "cache")}
+    for row in rows.values():
+        lo, hi = row["range"]
+        assert 0 < lo <= row["positions_per_s"] <= hi
+    assert rows["float16_cold"]["vs_float16_cold"] == pytest.approx(1.0)
+    text = bench.ceilings_report(res)
+    assert "float8_e5m2" in text and "2 x 32 in them" in text

@@ -699,6 +699,47 @@ def test_attention_over_lowprec_pages_is_that_over_float16_pages_of_the_values(d
 
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 3000.0, 1e30])
+def test_e4m3fn_attention_gives_float16_bits_whatever_q(q_scale, simd_level):
+    """e4m3fn decode at avx512 reads its codes as float32 bits, their unit
+    2^120 riding on q and the weights, when q times the scale stays under
+    2^7 (kv_attn_tile.c), and as halves (unit 2^8) otherwise: either way
+    the bits float16 pages of the values give, in one call where one
+    sequence's q fits and the other's does not (inf scores included)."""
+    rng = np.random.default_rng(12)
+    dim, nb, bs, heads = 64, 12, 8, 2
+    lp = kvcore.BlockPool(nb, bs, 1, heads, dim, dtype="float8_e4m3fn")
+    f16 = kvcore.BlockPool(nb, bs, 1, heads, dim, dtype="float16")
+    for cache, ref in ((lp.key_cache(0), f16.key_cache(0)), (lp.value_cache(0), f16.value_cache(0))):
+        cache[...] = _codes("float8_e4m3fn", cache.shape, rng)
+        ref[...] = fp8_decode(cache, dtypes.NAME_KIND["float8_e4m3fn"]).astype(np.float16)
+    tables = rng.permutation(nb).astype(np.int32).reshape(2, 6)
+    lens = np.array([45, 48])
+    q = (rng.standard_normal((2, 8, dim)) * 0.2).astype(np.float32)   # decode, GQA 4
+    q[1] *= np.float32(q_scale)
+    same(kvcore.paged_attention(q, lp, 0, tables, lens),
+         kvcore.paged_attention(q, f16, 0, tables, lens))
+
+
+def test_e4m3fn_attention_scales_by_a_large_value_scale_exactly(simd_level):
+    """A value scale of 2^9 (too large for the float32-bits reading's unit,
+    kv_attn_tile.c) against 2 on the same codes: outputs exactly 2^8 apart,
+    the two readings giving the same products."""
+    rng = np.random.default_rng(13)
+    dim, nb, bs, heads = 128, 12, 8, 2
+    out = []
+    for vs in (2.0, 512.0):
+        pool = kvcore.BlockPool(nb, bs, 1, heads, dim, dtype="float8_e4m3fn",
+                                kv_scales=[(1.0, vs)])
+        for cache in (pool.key_cache(0), pool.value_cache(0)):
+            cache[...] = _codes("float8_e4m3fn", cache.shape, np.random.default_rng(14))
+        tables = np.random.default_rng(15).permutation(nb).astype(np.int32).reshape(2, 6)
+        q = (np.random.default_rng(16).standard_normal((2, 8, dim)) * 0.2).astype(np.float32)
+        out.append(kvcore.paged_attention(q, pool, 0, tables, np.array([45, 48])))
+    assert np.isfinite(out[0]).all()
+    same(out[1], out[0] * np.float32(256.0))
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_lowprec_attention_keeps_subnormal_products_exact(dtype, simd_level):
     """An output that rests on weights so small that weight * value is

@@ -73,6 +73,35 @@ KVA_INLINE int rows_have_e4m3_nan_avx2(const char *const *rows, int n, int D)
  * const_dims_avx2). */
 #define KVA_F8E4M3_NAN 6
 #define KVA_F8E4M3_CHK 7
+/* The same three for e4m3fn read as float32 bits (kva_kernels_avx2_e4m3_wide). */
+#define KVA_F8E4M3_W 8
+#define KVA_F8E4M3_WNAN 9
+#define KVA_F8E4M3_WCHK 10
+
+/* 8 e4m3fn codes at p as the float32s of their sign, exponent and mantissa
+ * bits: the value times 2^-120, subnormals included (exact float32
+ * subnormals), by integer operations only (sign-extended to 32 bits,
+ * shifted left by 20, the sign's copies but bit 31 cleared); nan:
+ * S.1111.111 gets the all-ones exponent.  The 2^120 rides on q and the
+ * P.V weights (kva_kernels.unit). */
+KVA_INLINE __m256 load8_e4m3_bits_avx2(const char *p, int nan)
+{
+    __m256i f = _mm256_and_si256(
+        _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), 20),
+        _mm256_set1_epi32((int)0x87F00000));
+    if (nan) {
+        const __m256i e = _mm256_set1_epi32(0x07F00000);
+        const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(f, e), e);
+        f = _mm256_or_si256(f, _mm256_and_si256(m, _mm256_set1_epi32(0x7F800000)));
+    }
+    return _mm256_castsi256_ps(f);
+}
+
+/* The kind a checking kind (KVA_F8E4M3_CHK, _WCHK) loads with; others: itself. */
+static inline int chk_load_kind(int kind)
+{
+    return kind == KVA_F8E4M3_CHK ? KVA_F8E4M3 : kind == KVA_F8E4M3_WCHK ? KVA_F8E4M3_W : kind;
+}
 
 /* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift;
  * e4m3fn: divided by 2^8; e5m2: the high byte of a half; int8: the code,
@@ -87,6 +116,8 @@ KVA_INLINE __m256 load8_avx2(const char *p, int kind)
         return load8_e4m3_avx2(p);
     if (kind == KVA_F8E4M3_NAN)
         return load8_e4m3_nan_avx2(p);
+    if (kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN)
+        return load8_e4m3_bits_avx2(p, kind == KVA_F8E4M3_WNAN);
     if (kind == KVA_F8E5M2)
         return _mm256_cvtph_ps(
             _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
@@ -102,7 +133,8 @@ KVA_INLINE __m256 load8_avx2(const char *p, int kind)
  * conversions; int8 as two loads of 8. */
 KVA_INLINE void load16x2_avx2(const char *p, int kind, __m256 *o)
 {
-    if (kind == KVA_I8 || kind == KVA_F8E4M3_NAN) {
+    if (kind == KVA_I8 || kind == KVA_F8E4M3_NAN || kind == KVA_F8E4M3_W ||
+        kind == KVA_F8E4M3_WNAN) {
         o[0] = load8_avx2(p, kind);
         o[1] = load8_avx2(p + 8, kind);
         return;
@@ -243,7 +275,7 @@ KVA_INLINE int dot_block_avx2(const float *Qs, int D, const char *const *krow, i
                               int KB, int r, int i, float *S, const char *const *nk, int PF,
                               int CONST)
 {
-    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
     const int isz = kva_isz(lk);
     const int pairs = (lk == KVA_F8E4M3 || lk == KVA_F8E5M2) && KB <= 2;
     if (RB < 1 || KB < 1 || RB * KB > 8)
@@ -312,9 +344,10 @@ KVA_INLINE int dot_block_avx2(const float *Qs, int D, const char *const *krow, i
 /* A score block whose keys hold an e4m3fn NaN code (rare), with the blend. */
 KVA_TARGET __attribute__((noinline)) static void
 dot_block_nan_avx2(const float *Qs, int D, const char *const *krow, int RB, int KB, int r, int i,
-                   float *S)
+                   float *S, int bits)
 {
-    const int k = KVA_F8E4M3_NAN;
+    /* (bits: the float32-bits reading, KVA_F8E4M3_WCHK's) */
+    const int k = bits ? KVA_F8E4M3_WNAN : KVA_F8E4M3_NAN;
     switch (RB * 16 + KB) {
     case 1 * 16 + 8: dot_block_avx2(Qs, D, krow, k, 1, 8, r, i, S, NULL, 0, 0); break;
     case 2 * 16 + 4: dot_block_avx2(Qs, D, krow, k, 2, 4, r, i, S, NULL, 0, 0); break;
@@ -330,7 +363,7 @@ KVA_INLINE void dot_rows_avx2(const float *Qs, int D, const char *const *krow, i
 {
     for (int i = 0; i < ntp; i += KB)
         if (dot_block_avx2(Qs, D, krow, kind, RB, KB, r, i, S, nk, PF, CONST))
-            dot_block_nan_avx2(Qs, D, krow, RB, KB, r, i, S);
+            dot_block_nan_avx2(Qs, D, krow, RB, KB, r, i, S, kind == KVA_F8E4M3_WCHK);
 }
 
 /* Whether a decode call of `kind`, M rows and head_dim D runs bodies with
@@ -340,7 +373,8 @@ KVA_INLINE void dot_rows_avx2(const float *Qs, int D, const char *const *krow, i
  * tile: its own rows, already in the cache): each body exists once. */
 static inline int const_dims_avx2(int kind, int M, int D)
 {
-    return kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 && (D == 64 || D == 128);
+    return kind != KVA_F32 && kind != KVA_F8E4M3_NAN && kind != KVA_F8E4M3_WNAN && M <= 4 &&
+           (D == 64 || D == 128);
 }
 
 /* One GQA group's rows (M <= 4) at head_dim D (a constant), prefetching:
@@ -402,7 +436,7 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
                               int RB, int DB, int r, int d, float *acc, const float *alpha,
                               const char *const *nv, int PF)
 {
-    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
     const int isz = kva_isz(lk);
     const int pairs = (lk == KVA_F8E4M3 || lk == KVA_F8E5M2) && DB % 2 == 0;
     if (RB < 1 || DB < 1 || DB > 8 || RB * DB > 8)
@@ -567,45 +601,49 @@ KVA_AVX2_KIND(bf16, KVA_BF16)
 KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX2_KIND(i8, KVA_I8)
 
-/* e4m3fn: decode calls of head_dim 64 and 128 (up to 4 rows) search the
- * bytes they read for NaN codes as they go (KVA_F8E4M3_CHK); the others
- * search the tile's rows once (a few byte compares per row) and only a
- * tile that holds one pays for the NaN blend of every 8 elements.  (Each
- * body with its kind a constant: a kind chosen at run time would be a test
- * in every load of the inner loops.) */
-KVA_TARGET static void widen_e4m3_avx2(const char *const *rows, int n, int D, float *dst,
-                                       const char *const *next)
-{
-    if (rows_have_e4m3_nan_avx2(rows, n, D))
-        widen_avx2(KVA_F8E4M3_NAN, rows, n, D, dst, next);
-    else
-        widen_avx2(KVA_F8E4M3, rows, n, D, dst, next);
-}
-
-KVA_TARGET static void scores_e4m3_avx2(const float *Qs, int M, int D, const char *const *krow,
-                                        int ntp, float *S, float *t, const char *const *next)
-{
-    (void)t;
-    if (const_dims_avx2(KVA_F8E4M3_CHK, M, D))
-        scores_avx2(KVA_F8E4M3_CHK, Qs, M, D, krow, ntp, S, next);
-    else if (rows_have_e4m3_nan_avx2(krow, ntp, D))
-        scores_avx2(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, next);
-    else
-        scores_avx2(KVA_F8E4M3, Qs, M, D, krow, ntp, S, next);
-}
-
-KVA_TARGET static void pv_e4m3_avx2(const float *P, int M, int D, const char *const *vrow, int nt,
-                                    float *acc, const float *alpha, float *t,
-                                    const char *const *next)
-{
-    (void)t;
-    if (const_dims_avx2(KVA_F8E4M3_CHK, M, D))
-        pv_avx2(KVA_F8E4M3_CHK, P, M, D, vrow, nt, acc, alpha, next);
-    else if (rows_have_e4m3_nan_avx2(vrow, nt, D))
-        pv_avx2(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
-    else
-        pv_avx2(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
-}
+/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits, the kinds K,
+ * KNAN with the NaN blend, KCHK searching as it goes): decode calls of
+ * head_dim 64 and 128 (up to 4 rows) search the bytes they read for NaN
+ * codes as they go; the others search the tile's rows once (a few byte
+ * compares per row) and only a tile that holds one pays for the NaN blend
+ * of every 8 elements.  (Each body with its kind a constant: a kind chosen
+ * at run time would be a test in every load of the inner loops.) */
+#define KVA_AVX2_E4M3(name, K, KNAN, KCHK)                                                   \
+    KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
+                                               float *dst, const char *const *next)           \
+    {                                                                                         \
+        if (rows_have_e4m3_nan_avx2(rows, n, D))                                              \
+            widen_avx2(KNAN, rows, n, D, dst, next);                                          \
+        else                                                                                  \
+            widen_avx2(K, rows, n, D, dst, next);                                             \
+    }                                                                                         \
+    KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
+                                                const char *const *krow, int ntp, float *S,   \
+                                                float *t, const char *const *next)            \
+    {                                                                                         \
+        (void)t;                                                                              \
+        if (const_dims_avx2(KCHK, M, D))                                                      \
+            scores_avx2(KCHK, Qs, M, D, krow, ntp, S, next);                                  \
+        else if (rows_have_e4m3_nan_avx2(krow, ntp, D))                                       \
+            scores_avx2(KNAN, Qs, M, D, krow, ntp, S, next);                                  \
+        else                                                                                  \
+            scores_avx2(K, Qs, M, D, krow, ntp, S, next);                                     \
+    }                                                                                         \
+    KVA_TARGET static void pv_##name##_avx2(const float *P, int M, int D,                     \
+                                            const char *const *vrow, int nt, float *acc,      \
+                                            const float *alpha, float *t,                     \
+                                            const char *const *next)                          \
+    {                                                                                         \
+        (void)t;                                                                              \
+        if (const_dims_avx2(KCHK, M, D))                                                      \
+            pv_avx2(KCHK, P, M, D, vrow, nt, acc, alpha, next);                               \
+        else if (rows_have_e4m3_nan_avx2(vrow, nt, D))                                        \
+            pv_avx2(KNAN, P, M, D, vrow, nt, acc, alpha, next);                               \
+        else                                                                                  \
+            pv_avx2(K, P, M, D, vrow, nt, acc, alpha, next);                                  \
+    }
+KVA_AVX2_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
+KVA_AVX2_E4M3(e4m3w, KVA_F8E4M3_W, KVA_F8E4M3_WNAN, KVA_F8E4M3_WCHK)
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)
 {
@@ -661,5 +699,6 @@ const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, avx2, 1.0f, 1, 0),
     KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
 };
+const kva_kernels kva_kernels_avx2_e4m3_wide = KVA_KERNELS(e4m3w, avx2, 0x1p120f, 1, 0);
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
 #endif /* KVA_HAVE_AVX2 */

@@ -57,6 +57,35 @@
  * computed again with the blend, its results not stored before). */
 #define KVA_F8E4M3_NAN 6
 #define KVA_F8E4M3_CHK 7
+/* The same three for e4m3fn read as float32 bits (kva_kernels_avx512_e4m3_wide,
+ * load16_avx512). */
+#define KVA_F8E4M3_W 8
+#define KVA_F8E4M3_WNAN 9
+#define KVA_F8E4M3_WCHK 10
+
+/* e4m3fn codes sign-extended to 32 bits, as floats: each shifted left by 20
+ * with the sign's copies but bit 31 cleared is the float32 of the code's
+ * sign, exponent and mantissa bits, the value times 2^-120 (the exponent
+ * biases are 7 and 127), subnormals included (float32 subnormals, exact);
+ * nan: S.1111.111 gets the all-ones exponent.  Integer operations only:
+ * no half conversion, which shares the FMAs' pipes (the 2^120 rides on q
+ * and the P.V weights: kva_kernels.unit). */
+KVA_INLINE __m512 e4m3_bits_avx512(__m512i sx, int nan)
+{
+    __m512i f = _mm512_and_si512(_mm512_slli_epi32(sx, 20), _mm512_set1_epi32((int)0x87F00000));
+    if (nan) {
+        const __mmask16 k = _mm512_cmpeq_epi32_mask(
+            _mm512_and_si512(f, _mm512_set1_epi32(0x07F00000)), _mm512_set1_epi32(0x07F00000));
+        f = _mm512_mask_or_epi32(f, k, f, _mm512_set1_epi32(0x7F800000));
+    }
+    return _mm512_castsi512_ps(f);
+}
+
+/* The kind a checking kind (KVA_F8E4M3_CHK, _WCHK) loads with; others: itself. */
+static inline int chk_load_kind(int kind)
+{
+    return kind == KVA_F8E4M3_CHK ? KVA_F8E4M3 : kind == KVA_F8E4M3_WCHK ? KVA_F8E4M3_W : kind;
+}
 
 /* The 16 (half: 8, the upper lanes 0) elements of `kind` at p, widened to
  * float32.  bf16: a 16-bit shift; e4m3fn: each byte, sign-extended to 16
@@ -82,6 +111,13 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
     }
     __m128i b = half ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si128((const __m128i *)p);
+    if (kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN)
+#ifdef KVA_AVX512_SIMDE /* (its AVX-512 has no _mm512_cvtepi8_epi32) */
+        return e4m3_bits_avx512(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)),
+                                kind == KVA_F8E4M3_WNAN);
+#else
+        return e4m3_bits_avx512(_mm512_cvtepi8_epi32(b), kind == KVA_F8E4M3_WNAN);
+#endif
     if (kind == KVA_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)));
     if (kind == KVA_F8E5M2)
@@ -103,7 +139,8 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
  * for e4m3fn where load16_avx512 takes 4. */
 KVA_INLINE void load32_avx512(const char *p, int kind, __m512 *o)
 {
-    if (kind == KVA_F32 || kind == KVA_F16 || kind == KVA_BF16 || kind == KVA_I8) {
+    if (kind == KVA_F32 || kind == KVA_F16 || kind == KVA_BF16 || kind == KVA_I8 ||
+        kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN) {
         o[0] = load16_avx512(p, kind, 0);
         o[1] = load16_avx512(p + 16 * kva_isz(kind), kind, 0);
         return;
@@ -505,7 +542,7 @@ KVA_INLINE int dec_dot_avx512(const float *Qs, int D, const char *const *krow, i
                               int tail, int RB, int KB, int r, int i, float *S,
                               const char *const *nk, int PF, int CONST)
 {
-    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
     const int pairs = kva_isz(lk) == 1 && (KB <= 4 || RB == 1);
     if (RB < 1 || KB < 1 || KB > 8 || RB * KB > 16)
         __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
@@ -550,9 +587,10 @@ KVA_INLINE int dec_dot_avx512(const float *Qs, int D, const char *const *krow, i
  * the loop), computed with the NaN blend. */
 KVA_AVX512_TARGET __attribute__((noinline)) static void
 dec_dot_nan_avx512(const float *Qs, int D, const char *const *krow, int RB, int KB, int r, int i,
-                   float *S)
+                   float *S, int bits)
 {
-    const int NV = D / 16, tail = (D % 16) != 0, k = KVA_F8E4M3_NAN;
+    /* (bits: the float32-bits reading, KVA_F8E4M3_WCHK's) */
+    const int NV = D / 16, tail = (D % 16) != 0, k = bits ? KVA_F8E4M3_WNAN : KVA_F8E4M3_NAN;
     switch (RB * 16 + KB) {
     case 1 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 1, 8, r, i, S, NULL, 0, 0); break;
     case 2 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 2, 8, r, i, S, NULL, 0, 0); break;
@@ -568,7 +606,7 @@ KVA_INLINE void dec_rows_avx512(const float *Qs, int D, const char *const *krow,
 {
     for (int i = 0; i < ntp; i += KB)
         if (dec_dot_avx512(Qs, D, krow, kind, NV, tail, RB, KB, r, i, S, nk, PF, CONST))
-            dec_dot_nan_avx512(Qs, D, krow, RB, KB, r, i, S);
+            dec_dot_nan_avx512(Qs, D, krow, RB, KB, r, i, S, kind == KVA_F8E4M3_WCHK);
 }
 
 /* A decode score tile, M < KVA_TILE_ROWS rows: one block of rows for M <= 4
@@ -610,7 +648,8 @@ KVA_INLINE void dec_scores_pf_avx512(int kind, int NV, int tail, const float *Qs
 #endif
 static inline int const_dims_avx512(int kind, int M, int D)
 {
-    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 &&
+    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN &&
+           kind != KVA_F8E4M3_WNAN && M <= 4 &&
            (D == 64 || D == 128);
 }
 
@@ -673,7 +712,7 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
                                 int RB, int DB, int half, int r, int d, float *acc,
                                 const float *alpha, const char *const *nv, int PF)
 {
-    const int chk = kind == KVA_F8E4M3_CHK, lk = chk ? KVA_F8E4M3 : kind;
+    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
     const int isz = kva_isz(lk);
     if (RB < 1 || DB < 1 || DB > 8 || RB * DB > 16)
         __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
@@ -855,19 +894,6 @@ KVA_AVX512_KIND(bf16, KVA_BF16)
 KVA_AVX512_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX512_KIND(i8, KVA_I8)
 
-/* e4m3fn: the tile's rows are searched for NaN codes once; only a tile
- * that holds one pays for the NaN blend of every 16 elements. */
-/* (each body with its kind a constant: a kind chosen at run time would be
- * a test in every load of the inner loops) */
-KVA_AVX512_TARGET static void widen_e4m3_avx512(const char *const *rows, int n, int D,
-                                                float *dst, const char *const *next)
-{
-    if (rows_have_e4m3_nan_avx512(rows, n, D))
-        widen_avx512(KVA_F8E4M3_NAN, rows, n, D, dst, next);
-    else
-        widen_avx512(KVA_F8E4M3, rows, n, D, dst, next);
-}
-
 /* Decode items of head_dim 64 and 128 (up to 4 rows) search the lines they
  * read for NaN codes as they go (KVA_F8E4M3_CHK, in the bodies of
  * const_dims_avx512; the SIMDe build runs them at a run-time head_dim);
@@ -877,31 +903,46 @@ static inline int e4m3_checks_lines(int M, int D)
     return M <= 4 && (D == 64 || D == 128);
 }
 
-KVA_AVX512_TARGET static void scores_e4m3_avx512(const float *Qs, int M, int D,
-                                                 const char *const *krow, int ntp, float *S,
-                                                 float *t, const char *const *next)
-{
-    if (e4m3_checks_lines(M, D))
-        dec_scores_avx512(KVA_F8E4M3_CHK, Qs, M, D, krow, ntp, S, next);
-    else if (rows_have_e4m3_nan_avx512(krow, ntp, D))
-        scores_avx512(KVA_F8E4M3_NAN, Qs, M, D, krow, ntp, S, t, next);
-    else
-        scores_avx512(KVA_F8E4M3, Qs, M, D, krow, ntp, S, t, next);
-}
-
-KVA_AVX512_TARGET static void pv_e4m3_avx512(const float *P, int M, int D,
-                                             const char *const *vrow, int nt, float *acc,
-                                             const float *alpha, float *t,
-                                             const char *const *next)
-{
-    (void)t;
-    if (e4m3_checks_lines(M, D))
-        pv_avx512(KVA_F8E4M3_CHK, P, M, D, vrow, nt, acc, alpha, next);
-    else if (rows_have_e4m3_nan_avx512(vrow, nt, D))
-        pv_avx512(KVA_F8E4M3_NAN, P, M, D, vrow, nt, acc, alpha, next);
-    else
-        pv_avx512(KVA_F8E4M3, P, M, D, vrow, nt, acc, alpha, next);
-}
+/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits, the kinds K,
+ * KNAN with the NaN blend, KCHK searching as it goes): the tile's rows are
+ * searched for NaN codes once; only a tile that holds one pays for the NaN
+ * blend of every 16 elements.  (Each body with its kind a constant: a kind
+ * chosen at run time would be a test in every load of the inner loops.) */
+#define KVA_AVX512_E4M3(name, K, KNAN, KCHK)                                                 \
+    KVA_AVX512_TARGET static void widen_##name##_avx512(const char *const *rows, int n,       \
+                                                        int D, float *dst,                    \
+                                                        const char *const *next)              \
+    {                                                                                         \
+        if (rows_have_e4m3_nan_avx512(rows, n, D))                                            \
+            widen_avx512(KNAN, rows, n, D, dst, next);                                        \
+        else                                                                                  \
+            widen_avx512(K, rows, n, D, dst, next);                                           \
+    }                                                                                         \
+    KVA_AVX512_TARGET static void scores_##name##_avx512(                                     \
+        const float *Qs, int M, int D, const char *const *krow, int ntp, float *S, float *t,  \
+        const char *const *next)                                                              \
+    {                                                                                         \
+        if (e4m3_checks_lines(M, D))                                                          \
+            dec_scores_avx512(KCHK, Qs, M, D, krow, ntp, S, next);                            \
+        else if (rows_have_e4m3_nan_avx512(krow, ntp, D))                                     \
+            scores_avx512(KNAN, Qs, M, D, krow, ntp, S, t, next);                             \
+        else                                                                                  \
+            scores_avx512(K, Qs, M, D, krow, ntp, S, t, next);                                \
+    }                                                                                         \
+    KVA_AVX512_TARGET static void pv_##name##_avx512(                                         \
+        const float *P, int M, int D, const char *const *vrow, int nt, float *acc,            \
+        const float *alpha, float *t, const char *const *next)                                \
+    {                                                                                         \
+        (void)t;                                                                              \
+        if (e4m3_checks_lines(M, D))                                                          \
+            pv_avx512(KCHK, P, M, D, vrow, nt, acc, alpha, next);                             \
+        else if (rows_have_e4m3_nan_avx512(vrow, nt, D))                                      \
+            pv_avx512(KNAN, P, M, D, vrow, nt, acc, alpha, next);                             \
+        else                                                                                  \
+            pv_avx512(K, P, M, D, vrow, nt, acc, alpha, next);                                \
+    }
+KVA_AVX512_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
+KVA_AVX512_E4M3(e4m3w, KVA_F8E4M3_W, KVA_F8E4M3_WNAN, KVA_F8E4M3_WCHK)
 
 /* ntp % 8 == 0: the last 8 of a count of 16 k + 8 read with -inf above. */
 KVA_INLINE __m512 load_scores_avx512(const float *s, int i, int ntp)
@@ -967,6 +1008,7 @@ const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, avx512, 1.0f, 1, 1),
     KVA_KERNELS(i8, avx512, 1.0f, 1, 1),
 };
+const kva_kernels kva_kernels_avx512_e4m3_wide = KVA_KERNELS(e4m3w, avx512, 0x1p120f, 1, 1);
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
                                   exp2_neg_n_avx512};
 #endif /* KVA_HAVE_AVX512 */

@@ -166,10 +166,17 @@ void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b);
 #if KVA_HAVE_AVX2
 extern const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx2;
+/* as kva_kernels_avx512_e4m3_wide, below */
+extern const kva_kernels kva_kernels_avx2_e4m3_wide;
 #endif
 #if KVA_HAVE_AVX512
 extern const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx512;
+/* e4m3fn decode kernels that read each code as the float32 of the same
+ * sign, exponent and mantissa bits (value / 2^120, subnormals included: no
+ * half conversion); unit 2^120, so only for items whose q and value scale
+ * leave q * 2^120 and the weights * 2^120 finite (kv_attn_tile.c) */
+extern const kva_kernels kva_kernels_avx512_e4m3_wide;
 #endif
 #if KVA_HAVE_AMX
 /* Tile kernels over the stored rows (unit 1, no widen); the f32 entry is
@@ -215,6 +222,10 @@ typedef struct {
     const kva_kernels *kern_f32; /* for tiles widened once (items of many rows) */
     const kva_kernels *kern_tiles; /* items of >= KVA_TILE_ROWS rows: matrix
                                       tiles over the stored rows; NULL: none */
+    const kva_kernels *kern_wide;  /* decode items of at most KVA_WIDEN_ROWS
+                                      rows whose q and value scale allow it:
+                                      kernels of a larger unit (the same
+                                      products); NULL: none */
     const kva_math *math;
     const kva_item *items;
     int64_t num_items;
