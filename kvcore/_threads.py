@@ -34,8 +34,8 @@ def set_num_threads(n):
     n : int or None
         1 .. 1024.  The default is the number of CPUs this process may run
         on (``os.sched_getaffinity``), capped by ``OMP_NUM_THREADS`` if set;
-        None goes back to it (and to ``kvcore.hf``'s own default, which
-        follows torch's thread count until a count is set here).
+        None goes back to it (and to ``kvcore.hf``'s own default, one
+        thread, which holds until a count is set here).
 
     Notes
     -----

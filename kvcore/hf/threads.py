@@ -1,23 +1,23 @@
 """How many CPU threads kvcore.hf's attention runs on: ``attention_threads``.
 
-The attention runs between torch's operations, never beside them: while a
-layer's attention runs, torch's thread pool waits for the next matmul.  So
-kvcore.hf's default is torch's own thread count (``torch.get_num_threads()``,
-capped by the CPUs this process may run on): the same cores, taken in turn,
-and a user who gives torch fewer threads (to share the machine) gives kvcore
-fewer too.  ``kvcore.set_num_threads(n)`` overrides it for kvcore.hf as for
-everything else; ``kvcore.set_num_threads(None)`` restores the default.
+By default one, the calling thread.  A layer's attention runs right after
+torch's projections, on the cores torch's thread pool has just used (all of
+them, by default) and whose workers still spin waiting for the next op: a
+kvcore worker woken on one of them waits for it, and a split decode waits for
+its slowest part.  Measured on SmolLM2-135M through transformers
+(``bench/bench_hf_pages.py --threads 1,2``, docs/hf.md "Threads"): a second
+thread made the attention about 3x slower and never faster.
+``kvcore.set_num_threads(n)`` overrides the default for kvcore.hf as for the
+rest of kvcore (for long contexts on cores torch does not use);
+``kvcore.set_num_threads(None)`` restores it.
 """
-import torch
+from .._threads import chosen_num_threads
 
-from .._threads import _default_num_threads, chosen_num_threads
+DEFAULT_THREADS = 1
 
 
 def attention_threads():
     """Threads of the attention plans kvcore.hf makes on the CPU: the count
-    set by ``kvcore.set_num_threads``, or else torch's thread count, at most
-    the CPUs this process may run on (and ``OMP_NUM_THREADS``)."""
+    set by ``kvcore.set_num_threads``, or else 1 (the calling thread)."""
     chosen = chosen_num_threads()
-    if chosen is not None:
-        return chosen
-    return max(1, min(torch.get_num_threads(), _default_num_threads()))
+    return DEFAULT_THREADS if chosen is None else chosen
