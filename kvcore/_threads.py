@@ -10,6 +10,7 @@ MAX_THREADS = 1024
 
 _threads_lock = threading.Lock()
 _num_threads = None
+_chosen = False       # set by set_num_threads (kvcore.hf follows it only then)
 
 
 def _default_num_threads():
@@ -30,9 +31,11 @@ def set_num_threads(n):
 
     Parameters
     ----------
-    n : int
+    n : int or None
         1 .. 1024.  The default is the number of CPUs this process may run
-        on (``os.sched_getaffinity``), capped by ``OMP_NUM_THREADS`` if set.
+        on (``os.sched_getaffinity``), capped by ``OMP_NUM_THREADS`` if set;
+        None goes back to it (and to ``kvcore.hf``'s own default, one
+        thread, which holds until a count is set here).
 
     Notes
     -----
@@ -41,12 +44,16 @@ def set_num_threads(n):
     than this when it has too little work to repay waking them (a short
     decode runs on the calling thread).
     """
-    global _num_threads
+    global _num_threads, _chosen
+    if n is None:
+        with _threads_lock:
+            _num_threads, _chosen = None, False
+        return
     v = index_int(n, "n")
     if not 1 <= v <= MAX_THREADS:
         raise ValueError(f"n must be in 1..{MAX_THREADS}, got {v}")
     with _threads_lock:
-        _num_threads = v
+        _num_threads, _chosen = v, True
 
 
 def get_num_threads():
@@ -56,3 +63,10 @@ def get_num_threads():
         if _num_threads is None:
             _num_threads = _default_num_threads()
         return _num_threads
+
+
+def chosen_num_threads():
+    """The count set by :func:`set_num_threads`, or None while the default
+    holds (for ``kvcore.hf``, whose default differs)."""
+    with _threads_lock:
+        return _num_threads if _chosen else None

@@ -301,6 +301,12 @@ class AttentionPlan:
         """Layers a run may name (``0..num_layers - 1``)."""
         return self._src.num_layers
 
+    @property
+    def num_threads(self):
+        """CPU threads a run may use (fixed when the plan is made; a run
+        with little work uses fewer)."""
+        return self._threads
+
     def _kind_plan(self, num_heads, kind):
         """The backend plan for ``num_heads`` query heads and layer kind
         ``(window, chunk)`` (made once; the plans of a step take turns)."""

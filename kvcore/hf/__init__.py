@@ -29,6 +29,7 @@ One module per job:
 ``handoff``        the new K/V a kvcore forward's ``update`` returns, usable by the
                    kvcore attention only
 ``attention``      ``kvcore_attention`` and its mask function (registered here)
+``threads``        ``attention_threads``: the CPU threads of the attention's plans
 ``generation``     ``generate``
 =================  =============================================================
 """
@@ -49,10 +50,11 @@ from .calibration import calibrate_kv_scales
 from .config import check_pool, model_kv_shape, pool_for  # noqa: F401 (public too)
 from .generation import generate
 from .inputs import cache_keyword  # noqa: F401 (public, as in the one-module kvcore.hf)
+from .threads import attention_threads
 from .torch_bridge import use_torch_allocator
 
 __all__ = ["pool_for", "PagedCache", "generate", "calibrate_kv_scales", "use_torch_allocator",
-           "ATTN_IMPLEMENTATION"]
+           "attention_threads", "ATTN_IMPLEMENTATION"]
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvcore_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _kvcore_mask)

@@ -11,6 +11,7 @@ from .cache import PagedCache, _mask_call
 from .features import ModelAttention, check_keywords, describe
 from .inputs import _query_length
 from .step import Step
+from .threads import attention_threads
 
 #: the name registered with transformers' attention and mask registries
 ATTN_IMPLEMENTATION = "kvcore"
@@ -157,7 +158,8 @@ def _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer,
     plan = step.plans.get(key)
     if plan is None:
         plan = step.plans[key] = AttentionPlan(
-            cache.pool, block_table, step.seq_lens, cu_seq_lens_q, num_heads=heads, **features)
+            cache.pool, block_table, step.seq_lens, cu_seq_lens_q, num_heads=heads,
+            num_threads=attention_threads(), **features)
     # queries and outputs stay in the model's dtype: the plan widens a
     # 16-bit model's rows and narrows the result with kvcore's conversions
     if step.query_rows is None:

@@ -812,6 +812,21 @@ def test_perplexity_benchmark_emulates_fp8_scales_faithfully():
         assert float(k.max()) == pytest.approx(float(layer[0][0]), rel=1e-6)
 
 
+def test_perplexity_benchmark_chunks_read_the_earlier_ones_from_the_cache():
+    """The benchmarks' chunked teacher forcing through a float32 PagedCache
+    scores what one forward of the whole sample scores."""
+    from kvcore.cli.benchmarks import hf as bench
+
+    model = model_for("llama", "kvcore")
+    ids = torch.randint(3, VOCAB, (1, 50), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        nll, count = bench.chunked_nll(model, PagedCache(pool_for(model.config, 16,
+                                                                  dtype="float32")), ids, 16)
+        logp = torch.log_softmax(model_for("llama")(ids).logits[0, :-1].float(), dim=-1)
+    assert count == 49
+    assert nll == pytest.approx(-float(logp.gather(1, ids[0, 1:, None]).sum()), rel=1e-5)
+
+
 # ------------------------------------------------------------------ prefix reuse
 def _hits(pool):
     return pool.stats()["prefix_hits"]

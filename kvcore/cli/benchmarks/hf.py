@@ -529,6 +529,26 @@ def _emulate_fp8(cache, scales, dtype):
     return cache
 
 
+def chunked_nll(model, cache, sample, chunk):
+    """``(negative log-likelihood, tokens scored)`` of ``sample`` ``(1,
+    length)`` teacher forced through ``cache`` in chunks of ``chunk``
+    tokens: each chunk reads the earlier ones from the cache."""
+    import torch
+
+    import kvcore.hf
+
+    key = kvcore.hf.cache_keyword(model)
+    nll, count = 0.0, 0
+    for lo in range(0, sample.shape[1], chunk):
+        part = sample[:, lo:lo + chunk]
+        logits = model(part, **{key: cache}).logits[0]
+        target = sample[0, lo + 1:lo + 1 + part.shape[1]]
+        logp = torch.log_softmax(logits[:len(target)].float(), dim=-1)
+        nll -= float(logp.gather(1, target[:, None]).sum())
+        count += len(target)
+    return nll, count
+
+
 def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib=512,
                dtypes=PERPLEXITY_DTYPES, new=12, emulate=SCALE_GRANULARITIES):
     """Perplexity of ``model`` (float32) over the first ``tokens`` tokens of
@@ -591,16 +611,9 @@ def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib
                     return cache if fake is None else _emulate_fp8(cache, fake, "float8_e4m3fn")
 
                 pool = kvcore.hf.pool_for(m.config, blocks, dtype=dtype, kv_scales=scales)
-                nll, count = 0.0, 0
                 t0 = time.perf_counter()
                 with new_cache(pool) as cache:
-                    for lo in range(0, tokens, chunk):
-                        part = sample[:, lo:lo + chunk]
-                        logits = m(part, **{key: cache}).logits[0]
-                        target = sample[0, lo + 1:lo + 1 + part.shape[1]]
-                        logp = torch.log_softmax(logits[:len(target)].float(), dim=-1)
-                        nll -= float(logp.gather(1, target[:, None]).sum())
-                        count += len(target)
+                    nll, count = chunked_nll(m, cache, sample, chunk)
                 seconds = time.perf_counter() - t0
                 gen_pool = kvcore.hf.pool_for(m.config, 256, dtype=dtype, kv_scales=scales)
                 outs = []
