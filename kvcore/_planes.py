@@ -155,7 +155,7 @@ def _scale_values(kv_scales, num_layers, num_kv_heads):
                          f"(shape ({num_layers}, 2) or ({num_layers}, 2, num_kv_heads={H})), "
                          f"got shape {a.shape}")
     pairs = _counted(_listed(kv_scales, "kv_scales", _PAIR), kv_scales, "kv_scales", _PAIR,
-                     num_layers, f"num_layers={num_layers} (k_scale, v_scale) pairs "
+                     num_layers, f"must hold num_layers={num_layers} (k_scale, v_scale) pairs "
                      f"(shape ({num_layers}, 2))")
     out = np.empty((num_layers, 2, H), np.float64)
     for layer, pair in enumerate(pairs):
@@ -186,8 +186,8 @@ def _kv_scale_entry(x, name, num_kv_heads):
         not hasattr(x, "__iter__") else \
         _listed(x, name, f"a float or num_kv_heads={num_kv_heads} floats")
     heads = _counted(heads, x, name, f"a real number or num_kv_heads={num_kv_heads} of them",
-                     num_kv_heads, f"a float or num_kv_heads={num_kv_heads} floats (one per "
-                     "kv head)")
+                     num_kv_heads, f"must be a float or num_kv_heads={num_kv_heads} floats "
+                     "(one per kv head)")
     for h, y in enumerate(heads):
         if not _real(y):
             raise TypeError(f"{name}[{h}] (kv head {h}) must be a real number, got "
@@ -208,11 +208,12 @@ def _float(x, name):
 
 def _counted(items, value, name, expected, count, counted):
     """``items`` (``_listed(value, ...)``) when it holds ``count`` entries:
-    TypeError when ``value`` is no sequence, ValueError when the count differs."""
+    TypeError when ``value`` is no sequence, ValueError (``name``, then
+    ``counted``: what it must hold) when the count differs."""
     if items is None:
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r:.80}")
     if len(items) != count:
-        raise ValueError(f"{name} must hold {counted}, got {len(items)} entries")
+        raise ValueError(f"{name} {counted}, got {len(items)} entries")
     return items
 
 
