@@ -574,45 +574,18 @@ KVA_INLINE void widen_avx2(int kind, const char *const *rows, int n, int D, floa
         }
 }
 
-#define KVA_AVX2_KIND(name, kind)                                                            \
+/* The three bodies of a page kind (name): widen, scores and P.V, each picking its
+ * kind at the call: KCHK when CHECKS(KCHK, M, D) (the body searches the lines it
+ * reads for NaN codes as it goes), KNAN when HAS_NAN finds a NaN code in the rows
+ * (the NaN blend), else K.  A plain kind passes KVA_NEVER for both: its one kind.
+ * (Each body with its kind a constant: a kind chosen at run time would be a test
+ * in every load of the inner loops.) */
+#define KVA_NEVER(...) 0
+#define KVA_AVX2_BODIES(name, K, KNAN, KCHK, CHECKS, HAS_NAN)                                 \
     KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
                                                float *dst, const char *const *next)           \
     {                                                                                         \
-        widen_avx2(kind, rows, n, D, dst, next);                                              \
-    }                                                                                         \
-    KVA_TARGET static void scores_##name##_avx2(const float *Qs, int M, int D,                \
-                                                const char *const *krow, int ntp, float *S,   \
-                                                float *t, const char *const *next)            \
-    {                                                                                         \
-        (void)t;                                                                              \
-        scores_avx2(kind, Qs, M, D, krow, ntp, S, next);                                      \
-    }                                                                                         \
-    KVA_TARGET static void pv_##name##_avx2(const float *P, int M, int D,                     \
-                                            const char *const *vrow, int nt, float *acc,      \
-                                            const float *alpha, float *t,                     \
-                                            const char *const *next)                          \
-    {                                                                                         \
-        (void)t;                                                                              \
-        pv_avx2(kind, P, M, D, vrow, nt, acc, alpha, next);                                   \
-    }
-KVA_AVX2_KIND(f32, KVA_F32)
-KVA_AVX2_KIND(f16, KVA_F16)
-KVA_AVX2_KIND(bf16, KVA_BF16)
-KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
-KVA_AVX2_KIND(i8, KVA_I8)
-
-/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits, the kinds K,
- * KNAN with the NaN blend, KCHK searching as it goes): decode calls of
- * head_dim 64 and 128 (up to 4 rows) search the bytes they read for NaN
- * codes as they go; the others search the tile's rows once (a few byte
- * compares per row) and only a tile that holds one pays for the NaN blend
- * of every 8 elements.  (Each body with its kind a constant: a kind chosen
- * at run time would be a test in every load of the inner loops.) */
-#define KVA_AVX2_E4M3(name, K, KNAN, KCHK)                                                   \
-    KVA_TARGET static void widen_##name##_avx2(const char *const *rows, int n, int D,         \
-                                               float *dst, const char *const *next)           \
-    {                                                                                         \
-        if (rows_have_e4m3_nan_avx2(rows, n, D))                                              \
+        if (HAS_NAN(rows, n, D))                                                              \
             widen_avx2(KNAN, rows, n, D, dst, next);                                          \
         else                                                                                  \
             widen_avx2(K, rows, n, D, dst, next);                                             \
@@ -622,9 +595,9 @@ KVA_AVX2_KIND(i8, KVA_I8)
                                                 float *t, const char *const *next)            \
     {                                                                                         \
         (void)t;                                                                              \
-        if (const_dims_avx2(KCHK, M, D))                                                      \
+        if (CHECKS(KCHK, M, D))                                                               \
             scores_avx2(KCHK, Qs, M, D, krow, ntp, S, next);                                  \
-        else if (rows_have_e4m3_nan_avx2(krow, ntp, D))                                       \
+        else if (HAS_NAN(krow, ntp, D))                                                       \
             scores_avx2(KNAN, Qs, M, D, krow, ntp, S, next);                                  \
         else                                                                                  \
             scores_avx2(K, Qs, M, D, krow, ntp, S, next);                                     \
@@ -635,13 +608,26 @@ KVA_AVX2_KIND(i8, KVA_I8)
                                             const char *const *next)                          \
     {                                                                                         \
         (void)t;                                                                              \
-        if (const_dims_avx2(KCHK, M, D))                                                      \
+        if (CHECKS(KCHK, M, D))                                                               \
             pv_avx2(KCHK, P, M, D, vrow, nt, acc, alpha, next);                               \
-        else if (rows_have_e4m3_nan_avx2(vrow, nt, D))                                        \
+        else if (HAS_NAN(vrow, nt, D))                                                        \
             pv_avx2(KNAN, P, M, D, vrow, nt, acc, alpha, next);                               \
         else                                                                                  \
             pv_avx2(K, P, M, D, vrow, nt, acc, alpha, next);                                  \
     }
+#define KVA_AVX2_KIND(name, kind) KVA_AVX2_BODIES(name, kind, kind, kind, KVA_NEVER, KVA_NEVER)
+KVA_AVX2_KIND(f32, KVA_F32)
+KVA_AVX2_KIND(f16, KVA_F16)
+KVA_AVX2_KIND(bf16, KVA_BF16)
+KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
+KVA_AVX2_KIND(i8, KVA_I8)
+
+/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits): decode calls of
+ * head_dim 64 and 128 (up to 4 rows) search the bytes they read for NaN codes as
+ * they go; the others search the tile's rows once (a few byte compares per row)
+ * and only a tile that holds one pays for the NaN blend of every 8 elements. */
+#define KVA_AVX2_E4M3(name, K, KNAN, KCHK)                                                    \
+    KVA_AVX2_BODIES(name, K, KNAN, KCHK, const_dims_avx2, rows_have_e4m3_nan_avx2)
 KVA_AVX2_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
 KVA_AVX2_E4M3(e4m3w, KVA_F8E4M3_W, KVA_F8E4M3_WNAN, KVA_F8E4M3_WCHK)
 

@@ -868,52 +868,19 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
         }
 }
 
-#define KVA_AVX512_KIND(name, kind)                                                          \
+/* The three bodies of a page kind (name): widen, scores and P.V, each picking its
+ * kind at the call: KCHK when CHECKS(KCHK, M, D) (a decode body that searches the
+ * lines it reads for NaN codes as it goes), KNAN when HAS_NAN finds a NaN code in
+ * the rows (the NaN blend), else K.  A plain kind passes KVA_NEVER for both.
+ * (Each body with its kind a constant: a kind chosen at run time would be a test
+ * in every load of the inner loops.) */
+#define KVA_NEVER(...) 0
+#define KVA_AVX512_BODIES(name, K, KNAN, KCHK, CHECKS, HAS_NAN)                               \
     KVA_AVX512_TARGET static void widen_##name##_avx512(const char *const *rows, int n,       \
                                                         int D, float *dst,                    \
                                                         const char *const *next)              \
     {                                                                                         \
-        widen_avx512(kind, rows, n, D, dst, next);                                            \
-    }                                                                                         \
-    KVA_AVX512_TARGET static void scores_##name##_avx512(                                     \
-        const float *Qs, int M, int D, const char *const *krow, int ntp, float *S, float *t,  \
-        const char *const *next)                                                              \
-    {                                                                                         \
-        scores_avx512(kind, Qs, M, D, krow, ntp, S, t, next);                                 \
-    }                                                                                         \
-    KVA_AVX512_TARGET static void pv_##name##_avx512(                                         \
-        const float *P, int M, int D, const char *const *vrow, int nt, float *acc,            \
-        const float *alpha, float *t, const char *const *next)                                \
-    {                                                                                         \
-        (void)t;                                                                              \
-        pv_avx512(kind, P, M, D, vrow, nt, acc, alpha, next);                                 \
-    }
-KVA_AVX512_KIND(f32, KVA_F32)
-KVA_AVX512_KIND(f16, KVA_F16)
-KVA_AVX512_KIND(bf16, KVA_BF16)
-KVA_AVX512_KIND(e5m2, KVA_F8E5M2)
-KVA_AVX512_KIND(i8, KVA_I8)
-
-/* Decode items of head_dim 64 and 128 (up to 4 rows) search the lines they
- * read for NaN codes as they go (KVA_F8E4M3_CHK, in the bodies of
- * const_dims_avx512; the SIMDe build runs them at a run-time head_dim);
- * the others search the tile first. */
-static inline int e4m3_checks_lines(int M, int D)
-{
-    return M <= 4 && (D == 64 || D == 128);
-}
-
-/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits, the kinds K,
- * KNAN with the NaN blend, KCHK searching as it goes): the tile's rows are
- * searched for NaN codes once; only a tile that holds one pays for the NaN
- * blend of every 16 elements.  (Each body with its kind a constant: a kind
- * chosen at run time would be a test in every load of the inner loops.) */
-#define KVA_AVX512_E4M3(name, K, KNAN, KCHK)                                                 \
-    KVA_AVX512_TARGET static void widen_##name##_avx512(const char *const *rows, int n,       \
-                                                        int D, float *dst,                    \
-                                                        const char *const *next)              \
-    {                                                                                         \
-        if (rows_have_e4m3_nan_avx512(rows, n, D))                                            \
+        if (HAS_NAN(rows, n, D))                                                              \
             widen_avx512(KNAN, rows, n, D, dst, next);                                        \
         else                                                                                  \
             widen_avx512(K, rows, n, D, dst, next);                                           \
@@ -922,9 +889,9 @@ static inline int e4m3_checks_lines(int M, int D)
         const float *Qs, int M, int D, const char *const *krow, int ntp, float *S, float *t,  \
         const char *const *next)                                                              \
     {                                                                                         \
-        if (e4m3_checks_lines(M, D))                                                          \
+        if (CHECKS(KCHK, M, D))                                                               \
             dec_scores_avx512(KCHK, Qs, M, D, krow, ntp, S, next);                            \
-        else if (rows_have_e4m3_nan_avx512(krow, ntp, D))                                     \
+        else if (HAS_NAN(krow, ntp, D))                                                       \
             scores_avx512(KNAN, Qs, M, D, krow, ntp, S, t, next);                             \
         else                                                                                  \
             scores_avx512(K, Qs, M, D, krow, ntp, S, t, next);                                \
@@ -934,13 +901,29 @@ static inline int e4m3_checks_lines(int M, int D)
         const float *alpha, float *t, const char *const *next)                                \
     {                                                                                         \
         (void)t;                                                                              \
-        if (e4m3_checks_lines(M, D))                                                          \
+        if (CHECKS(KCHK, M, D))                                                               \
             pv_avx512(KCHK, P, M, D, vrow, nt, acc, alpha, next);                             \
-        else if (rows_have_e4m3_nan_avx512(vrow, nt, D))                                      \
+        else if (HAS_NAN(vrow, nt, D))                                                        \
             pv_avx512(KNAN, P, M, D, vrow, nt, acc, alpha, next);                             \
         else                                                                                  \
             pv_avx512(K, P, M, D, vrow, nt, acc, alpha, next);                                \
     }
+#define KVA_AVX512_KIND(name, kind)                                                           \
+    KVA_AVX512_BODIES(name, kind, kind, kind, KVA_NEVER, KVA_NEVER)
+KVA_AVX512_KIND(f32, KVA_F32)
+KVA_AVX512_KIND(f16, KVA_F16)
+KVA_AVX512_KIND(bf16, KVA_BF16)
+KVA_AVX512_KIND(e5m2, KVA_F8E5M2)
+KVA_AVX512_KIND(i8, KVA_I8)
+
+/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits): decode items of
+ * head_dim 64 and 128 (up to 4 rows) search the lines they read for NaN codes as
+ * they go (KVA_F8E4M3_CHK, in the bodies of const_dims_avx512; the SIMDe build runs
+ * them at a run-time head_dim); the others search the tile's rows once, and only a
+ * tile that holds one pays for the NaN blend of every 16 elements. */
+#define KVA_E4M3_CHECKS_AVX512(kind, M, D) ((M) <= 4 && ((D) == 64 || (D) == 128))
+#define KVA_AVX512_E4M3(name, K, KNAN, KCHK)                                                  \
+    KVA_AVX512_BODIES(name, K, KNAN, KCHK, KVA_E4M3_CHECKS_AVX512, rows_have_e4m3_nan_avx512)
 KVA_AVX512_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
 KVA_AVX512_E4M3(e4m3w, KVA_F8E4M3_W, KVA_F8E4M3_WNAN, KVA_F8E4M3_WCHK)
 
