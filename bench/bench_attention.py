@@ -3,7 +3,7 @@ streaming read (see kvcore/cli/benchmarks/attention.py), plus the per-layer
 overhead of ``AttentionPlan.run`` for a batch-1 decode (context 4096):
 python bench/bench_attention.py [--quick] [--full] [--json FILE]
                                 [--only-plan | --only-prefill | --only-pages |
-                                 --only-ceilings]
+                                 --only-ceilings | --only-alignment]
 
 --full: the out-of-cache decode rows per page dtype and thread count at
 their big sizes (hundreds of MB of pages: 8 x 16384 positions at 32/8
@@ -17,6 +17,12 @@ thread, timed by the thread's CPU time (what the kernel reaches while it
 runs, even on a machine shared with other work), calls alternated over the
 dtypes in rounds: the in-cache row is the ceiling a decode of that dtype
 reaches when its pages cost nothing to read, against float16 out of cache.
+
+--only-alignment: the same decode shapes (float16, float8_e4m3fn and int8
+pages, one thread) over a pool whose storage starts on a cache line, as
+kvcore allocates it, and over one starting 16 bytes past a line, as
+``numpy.zeros`` placed it before (every 64-byte load of a page row then
+straddles two lines); calls alternated in rounds, thread CPU time.
 
 --only-prefill: causal prefill of 1024 and 4096 tokens only, for the default
 shape and SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64).
@@ -203,6 +209,82 @@ def page_ceilings(quick=False, seed=0, full=False, shapes=None, warm_context=Non
     return {"ceilings": out, "levels": kvcore.simd_levels()}
 
 
+ALIGN_DTYPES = ("float16", "float8_e4m3fn", "int8")
+
+
+def _zeros_at(offset):
+    """A ``Backend.zeros`` whose arrays start ``offset`` bytes past a 2 MiB
+    boundary (the layout check of --only-alignment)."""
+    def zeros(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw = np.zeros(nbytes + (4 << 20), np.uint8)
+        start = -raw.ctypes.data % (2 << 20) + offset
+        return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return zeros
+
+
+def alignment(quick=False, seed=0, full=False, shapes=None):
+    """Decode positions/s over pages on a cache line against 16 bytes past
+    one (see the module docstring, --only-alignment); ``shapes`` as
+    :func:`page_ceilings` takes them."""
+    from kvcore.backends import base
+    rng = np.random.default_rng(seed)
+    rounds = 5 if quick else 9
+    before, kept = kvcore.get_num_threads(), base.Backend.zeros
+    kvcore.set_num_threads(1)
+    out = {}
+    try:
+        if shapes is None:
+            shapes = attention.PAGE_SHAPES["full" if full else "quick"]
+        for name, (heads, kv_heads, dim), batch, ctx in shapes:
+            nblk = ctx // attention.BLOCK_SIZE
+            tables = rng.permutation(nblk * batch).astype(np.int32).reshape(batch, nblk)
+            lens = np.full(batch, ctx, np.int64)
+            q = rng.standard_normal((batch, heads, dim)).astype(np.float32)
+            o = np.empty_like(q)
+            pools = {}
+            for d in ALIGN_DTYPES:
+                for offset in (0, 16):
+                    base.Backend.zeros = _zeros_at(offset)
+                    try:
+                        pools[(d, offset)] = attention._page_pool(d, nblk * batch, kv_heads,
+                                                                  dim, rng)
+                    finally:
+                        base.Backend.zeros = kept
+            times = {key: [] for key in pools}
+            for pool in pools.values():   # warm-up
+                kvcore.paged_attention(q, pool, 0, tables, lens, out=o)
+            for _ in range(rounds):
+                for key, pool in pools.items():
+                    t0 = time.thread_time()
+                    kvcore.paged_attention(q, pool, 0, tables, lens, out=o)
+                    times[key].append(time.thread_time() - t0)
+            rows = {}
+            for d in ALIGN_DTYPES:
+                line, off = (statistics.median(times[(d, k)]) for k in (0, 16))
+                rows[d] = {"line_s": line, "offset16_s": off, "speedup": off / line,
+                           "line_positions_per_s": batch * ctx / line}
+            out[name] = {"shape": [heads, kv_heads, dim], "batch": batch, "context": ctx,
+                         "rows": rows}
+            del pools
+    finally:
+        base.Backend.zeros = kept
+        kvcore.set_num_threads(before)
+    return {"alignment": out, "levels": kvcore.simd_levels()}
+
+
+def alignment_report(res):
+    lines = [f"decode over pages on a cache line vs 16 bytes past one, one thread, thread CPU "
+             f"time (attention level {res['levels']['attention']})"]
+    for name, r in res["alignment"].items():
+        lines.append(f"  {name}, {r['batch']} x {r['context']}")
+        for d, row in r["rows"].items():
+            lines.append(f"    {d:14s} on a line {row['line_s'] * 1e3:8.2f} ms   16 past "
+                         f"{row['offset16_s'] * 1e3:8.2f} ms   {row['speedup']:5.3f}x")
+    return "\n".join(lines)
+
+
 def ceilings_report(res):
     lines = [f"decode positions/s by page dtype, out of the caches and in them, one thread, "
              f"thread CPU time (attention level {res['levels']['attention']}); "
@@ -242,6 +324,9 @@ if __name__ == "__main__":
     elif "--only-ceilings" in sys.argv:
         sys.argv.remove("--only-ceilings")
         script_main(page_ceilings, ceilings_report, __doc__, **full)
+    elif "--only-alignment" in sys.argv:
+        sys.argv.remove("--only-alignment")
+        script_main(alignment, alignment_report, __doc__, **full)
     elif "--only-pages" in sys.argv:
         sys.argv.remove("--only-pages")
         script_main(run_pages, lambda r: attention.page_report(r["pages"]), __doc__, **full)

@@ -324,3 +324,22 @@ def test_bench_attention_ceilings_rows_per_page_dtype():
     assert rows["float16_cold"]["vs_float16_cold"] == pytest.approx(1.0)
     text = bench.ceilings_report(res)
     assert "float8_e5m2" in text and "2 x 32 in them" in text
+
+
+def test_bench_attention_alignment_rows():
+    """`bench_attention.py --only-alignment`: per page dtype, both layouts
+    timed, and the pools kvcore allocates afterwards on a line again (the
+    bench's stand-in allocator is put back)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", Path(__file__).resolve().parents[2] / "bench" / "bench_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.alignment(quick=True, shapes=(("tiny", (4, 2, 64), 2, 64),))
+    rows = res["alignment"]["tiny"]["rows"]
+    assert set(rows) == set(bench.ALIGN_DTYPES)
+    for row in rows.values():
+        assert row["line_s"] > 0 and row["offset16_s"] > 0
+        assert row["speedup"] == pytest.approx(row["offset16_s"] / row["line_s"])
+    assert "on a line" in bench.alignment_report(res)
+    assert kvcore.BlockPool(1, 16, 1, 2, 64).storage.ctypes.data % 64 == 0

@@ -84,6 +84,21 @@ def test_geometry_and_views(dtype, name):
     pool.debug.check()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("blocks, align", [(1, 64), (3, 64), (256, 2 << 20)])
+def test_storage_starts_on_a_line(dtype, blocks, align):
+    """Page rows never straddle a cache line at their start (np.zeros puts
+    data 16 bytes into one); pools of 8 MiB and up start on a huge page;
+    the storage is zero and C-contiguous, its scales on a line too."""
+    pool = kvcore.BlockPool(blocks, 16, 2, 8, 128, dtype=dtype)
+    st = pool.storage
+    assert st.ctypes.data % align == 0, (dtype, blocks, st.ctypes.data % align)
+    assert st.flags.c_contiguous and st.flags.writeable and not st.any()
+    assert st.shape == (4, blocks, 8, 16, 128)
+    if pool.scales is not None:
+        assert pool.scales.ctypes.data % 64 == 0
+
+
 def test_default_dtype_is_float16_and_caching_on():
     pool = kvcore.BlockPool(2, 2, 1, 1, 1)
     assert pool.dtype == "float16"
