@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 import kvcore
+from kvcore._threads import chosen_num_threads   # (restores the default too)
 from kvcore import dtypes
 from kvcore.backends import CPU
 from kvcore.cli.benchmarks import attention
@@ -78,7 +79,7 @@ def plan_overhead(quick=False, seed=0, context=CONTEXT):
     rng = np.random.default_rng(seed)
     heads, kv_heads, dim, bs = (attention.NUM_HEADS, attention.NUM_KV_HEADS,
                                 attention.HEAD_DIM, attention.BLOCK_SIZE)
-    before = kvcore.get_num_threads()
+    before = chosen_num_threads()
     kvcore.set_num_threads(1)
     res = {}
     try:
@@ -164,7 +165,7 @@ def page_ceilings(quick=False, seed=0, full=False, shapes=None, warm_context=Non
     if shapes is None:
         shapes = attention.PAGE_SHAPES["full" if full else "quick"]
     warm = CEILING_WARM_CONTEXT if warm_context is None else warm_context
-    before = kvcore.get_num_threads()
+    before = chosen_num_threads()
     kvcore.set_num_threads(1)
     out = {}
     try:
@@ -231,7 +232,7 @@ def alignment(quick=False, seed=0, full=False, shapes=None):
     from kvcore.backends import base
     rng = np.random.default_rng(seed)
     rounds = 5 if quick else 9
-    before, kept = kvcore.get_num_threads(), base.Backend.zeros
+    before, kept = chosen_num_threads(), base.Backend.zeros
     kvcore.set_num_threads(1)
     out = {}
     try:

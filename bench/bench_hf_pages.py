@@ -102,13 +102,14 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
 
     import kvcore
     import kvcore.hf
+    from kvcore._threads import chosen_num_threads   # (restores the default too)
     from kvcore.attention import AttentionPlan
     from kvcore.cli.benchmarks.hf import _model, chunked_nll, gguf_path
 
     path = gguf_path(model)
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
-    before = kvcore.get_num_threads()
+    before = chosen_num_threads()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with open(text, encoding="utf-8") as f:
         ids = tok(f.read(), return_tensors="pt")["input_ids"]

@@ -37,6 +37,14 @@ def set_num_threads(n):
         None goes back to it (and to ``kvcore.hf``'s own default, one
         thread, which holds until a count is set here).
 
+    Returns
+    -------
+    int or None
+        The setting before the call: the count set here, or None while the
+        default held, so ``kvcore.set_num_threads(previous)`` restores it
+        exactly (restoring ``get_num_threads()`` instead would turn the
+        default into a chosen count, which ``kvcore.hf`` then follows).
+
     Notes
     -----
     The result has the same bits for every thread count: how a call is split
@@ -45,15 +53,13 @@ def set_num_threads(n):
     decode runs on the calling thread).
     """
     global _num_threads, _chosen
-    if n is None:
-        with _threads_lock:
-            _num_threads, _chosen = None, False
-        return
-    v = index_int(n, "n")
-    if not 1 <= v <= MAX_THREADS:
+    v = None if n is None else index_int(n, "n")
+    if v is not None and not 1 <= v <= MAX_THREADS:
         raise ValueError(f"n must be in 1..{MAX_THREADS}, got {v}")
     with _threads_lock:
-        _num_threads, _chosen = v, True
+        previous = _num_threads if _chosen else None
+        _num_threads, _chosen = v, v is not None
+    return previous
 
 
 def get_num_threads():

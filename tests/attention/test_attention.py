@@ -97,8 +97,10 @@ def level(request):
 
 @pytest.fixture
 def threads():
-    """Restores the thread count after the test."""
-    before = kvcore.get_num_threads()
+    """Restores the thread setting after the test (a chosen count, or the
+    default: ``set_num_threads`` returns the setting it replaces)."""
+    before = kvcore.set_num_threads(None)
+    kvcore.set_num_threads(before)
     yield
     kvcore.set_num_threads(before)
 
@@ -365,6 +367,22 @@ def test_set_and_get_num_threads(threads):
     with pytest.raises(ValueError, match="got 5000"):
         kvcore.set_num_threads(5000)
     assert kvcore.get_num_threads() == 3
+
+
+def test_set_num_threads_returns_the_setting_it_replaces(threads):
+    """None while the default holds, else the count set; a refused count
+    changes nothing, so restoring the returned value restores exactly."""
+    assert kvcore.set_num_threads(None) in (None, kvcore.get_num_threads())
+    assert kvcore.set_num_threads(3) is None
+    assert kvcore.set_num_threads(5) == 3
+    with pytest.raises(ValueError, match="got 0"):
+        kvcore.set_num_threads(0)
+    assert kvcore.set_num_threads(None) == 5
+    assert kvcore.set_num_threads(None) is None
+    default = kvcore.get_num_threads()
+    assert kvcore.set_num_threads(None) is None           # reading it chose nothing
+    assert kvcore.set_num_threads(default) is None
+    assert kvcore.set_num_threads(None) == default
 
 
 def _fresh_num_threads(env):

@@ -122,11 +122,10 @@ def test_a_damaged_version_3_entry_is_a_miss_from_there(where):
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_a_threaded_restore_loads_the_same_bits(threads):
     # 16 blocks of 64 KiB: 1 MiB, enough for the batch copy to use threads
-    before = kvcore.get_num_threads()
     geo = dict(block_size=16, num_layers=4, num_kv_heads=4, head_dim=64)
     prompt = np.arange(5, 5 + 16 * 16 + 1, dtype=np.int32)
+    before = kvcore.set_num_threads(threads)
     try:
-        kvcore.set_num_threads(threads)
         store = kvcore.HostStore(1 << 26)
         pool = make_pool(num_blocks=24, stores=[store], **geo)
         run(pool, prompt)
