@@ -19,8 +19,8 @@ dtypes in rounds: the in-cache row is the ceiling a decode of that dtype
 reaches when its pages cost nothing to read, against float16 out of cache.
 
 --only-alignment: the same decode shapes (float16, float8_e4m3fn and int8
-pages, one thread) over a pool whose storage starts on a cache line, as
-kvcore allocates it, and over one starting 16 bytes past a line, as
+pages, one thread) over a pool whose storage starts on a 2 MiB boundary (as
+kvcore places pools of 8 MiB and up), and over one starting 16 bytes past, as
 ``numpy.zeros`` placed it before (every 64-byte load of a page row then
 straddles two lines); calls alternated in rounds, thread CPU time.
 

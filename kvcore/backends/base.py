@@ -22,6 +22,8 @@ held as its uint16 bits.  Layouts:
 * tokens in: ``(n, heads, dim)``; a gather's output: ``(heads, n, dim)``;
 * a contiguous cache: ``(batch, heads, max_seq_len, dim)``.
 """
+import math
+import operator
 import weakref
 
 import numpy as np
@@ -104,6 +106,27 @@ class _AttentionPlan:
 LINE_ALIGN, HUGE_ALIGN = 64, 2 << 20
 
 
+def _host_aligned(alloc, shape, dtype):
+    """``alloc(shape, dtype)`` (``np.zeros``) with its data starting on a
+    line (a huge page from 4 of them up): one allocation of the bytes plus
+    the slack, sliced."""
+    dtype = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    dims = tuple(operator.index(d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape must not have negative dimensions, got {dims}")
+    nbytes = math.prod(dims) * dtype.itemsize
+    align = HUGE_ALIGN if nbytes >= 4 * HUGE_ALIGN else LINE_ALIGN
+    try:
+        raw = alloc(nbytes + align, np.uint8)
+    except (MemoryError, ValueError) as e:
+        kind = MemoryError if isinstance(e, MemoryError) else ValueError
+        raise kind(f"cannot allocate {nbytes} bytes for an array of shape {dims} and "
+                   f"dtype {dtype}: {e}") from None
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(dims)
+
+
 class Backend:
     """The data-movement interface, implemented in plain NumPy (host memory).
 
@@ -161,12 +184,7 @@ class Backend:
         row then never straddle two lines (``np.zeros`` starts 16 bytes into
         a page) and large pools can sit in huge pages.  Still one lazily
         zeroed ``calloc``: untouched pages cost no memory."""
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        align = HUGE_ALIGN if nbytes >= 4 * HUGE_ALIGN else LINE_ALIGN
-        raw = np.zeros(nbytes + align, np.uint8)
-        start = -raw.ctypes.data % align
-        return raw[start:start + nbytes].view(dtype).reshape(shape)
+        return _host_aligned(np.zeros, shape, dtype)
 
     def to_host(self, a):
         return a

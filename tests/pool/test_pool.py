@@ -99,6 +99,14 @@ def test_storage_starts_on_a_line(dtype, blocks, align):
         assert pool.scales.ctypes.data % 64 == 0
 
 
+def test_a_pool_too_large_for_any_machine_names_its_shape():
+    with pytest.raises(ValueError, match=r"cannot allocate \d+ bytes for an array of shape "
+                                         r"\(512, 1073741824, 256, 1024, 128\)"):
+        kvcore.BlockPool(2**30, 2**10, 2**8, 2**8, 2**7)
+    with pytest.raises(ValueError, match="negative dimensions"):
+        kvcore.backends.base.Backend().zeros((-1, 16), "float32")
+
+
 def test_default_dtype_is_float16_and_caching_on():
     pool = kvcore.BlockPool(2, 2, 1, 1, 1)
     assert pool.dtype == "float16"

@@ -215,9 +215,8 @@ def run(quick=False, prompt=None, new=None, repeat=None, model=None, model_dtype
     prompt = prompt or (256 if quick else 2048)
     new = new or (16 if quick else 128)
     repeat = repeat or calls or (1 if quick else 3)
-    threads = (torch.get_num_threads(), kvcore.get_num_threads())
+    threads = (torch.get_num_threads(), kvcore.set_num_threads(1))   # (the setting before)
     torch.set_num_threads(1)
-    kvcore.set_num_threads(1)
     try:
         return _run(torch, transformers, kvcore, prompt, new, repeat, model, model_dtype,
                     batches)
@@ -573,9 +572,8 @@ def perplexity(model="smollm2", text=DEFAULT_TEXT, tokens=2048, chunk=512, calib
     import kvcore.hf
 
     path = gguf_path(model)
-    threads = (torch.get_num_threads(), kvcore.get_num_threads())
+    threads = (torch.get_num_threads(), kvcore.set_num_threads(1))   # (the setting before)
     torch.set_num_threads(1)
-    kvcore.set_num_threads(1)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         m = _model(model, "float32")
