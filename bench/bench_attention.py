@@ -19,8 +19,8 @@ dtypes in rounds: the in-cache row is the ceiling a decode of that dtype
 reaches when its pages cost nothing to read, against float16 out of cache.
 
 --only-alignment: the same decode shapes (float16, float8_e4m3fn and int8
-pages, one thread) over a pool whose storage starts on a 2 MiB boundary (as
-kvcore places pools of 8 MiB and up), and over one starting 16 bytes past, as
+pages, one thread) over a pool as kvcore places it (on a cache line; a 2 MiB
+boundary from 8 MiB up), and over one starting 16 bytes past that, as
 ``numpy.zeros`` placed it before (every 64-byte load of a page row then
 straddles two lines); calls alternated in rounds, thread CPU time.
 
@@ -40,7 +40,6 @@ import time
 import numpy as np
 
 import kvcore
-from kvcore._threads import chosen_num_threads   # (restores the default too)
 from kvcore import dtypes
 from kvcore.backends import CPU
 from kvcore.cli.benchmarks import attention
@@ -79,8 +78,7 @@ def plan_overhead(quick=False, seed=0, context=CONTEXT):
     rng = np.random.default_rng(seed)
     heads, kv_heads, dim, bs = (attention.NUM_HEADS, attention.NUM_KV_HEADS,
                                 attention.HEAD_DIM, attention.BLOCK_SIZE)
-    before = chosen_num_threads()
-    kvcore.set_num_threads(1)
+    before = kvcore.set_num_threads(1)   # (the setting before: restored after)
     res = {}
     try:
         for ctx in (context, 16):
@@ -165,8 +163,7 @@ def page_ceilings(quick=False, seed=0, full=False, shapes=None, warm_context=Non
     if shapes is None:
         shapes = attention.PAGE_SHAPES["full" if full else "quick"]
     warm = CEILING_WARM_CONTEXT if warm_context is None else warm_context
-    before = chosen_num_threads()
-    kvcore.set_num_threads(1)
+    before = kvcore.set_num_threads(1)   # (the setting before: restored after)
     out = {}
     try:
         for name, (heads, kv_heads, dim), batch, ctx in shapes:
@@ -213,16 +210,14 @@ def page_ceilings(quick=False, seed=0, full=False, shapes=None, warm_context=Non
 ALIGN_DTYPES = ("float16", "float8_e4m3fn", "int8")
 
 
-def _zeros_at(offset):
-    """A ``Backend.zeros`` whose arrays start ``offset`` bytes past a 2 MiB
-    boundary (the layout check of --only-alignment)."""
-    def zeros(self, shape, dtype):
+def _zeros_16_past(zeros):
+    """``zeros`` (kvcore's ``Backend.zeros``) with its arrays moved 16
+    bytes past where it starts them, as ``numpy.zeros`` placed them."""
+    def zeros_16_past(self, shape, dtype):
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        raw = np.zeros(nbytes + (4 << 20), np.uint8)
-        start = -raw.ctypes.data % (2 << 20) + offset
-        return raw[start:start + nbytes].view(dtype).reshape(shape)
-    return zeros
+        return zeros(self, (nbytes + 16,), np.uint8)[16:].view(dtype).reshape(shape)
+    return zeros_16_past
 
 
 def alignment(quick=False, seed=0, full=False, shapes=None):
@@ -232,8 +227,7 @@ def alignment(quick=False, seed=0, full=False, shapes=None):
     from kvcore.backends import base
     rng = np.random.default_rng(seed)
     rounds = 5 if quick else 9
-    before, kept = chosen_num_threads(), base.Backend.zeros
-    kvcore.set_num_threads(1)
+    before, kept = kvcore.set_num_threads(1), base.Backend.zeros
     out = {}
     try:
         if shapes is None:
@@ -247,7 +241,7 @@ def alignment(quick=False, seed=0, full=False, shapes=None):
             pools = {}
             for d in ALIGN_DTYPES:
                 for offset in (0, 16):
-                    base.Backend.zeros = _zeros_at(offset)
+                    base.Backend.zeros = kept if offset == 0 else _zeros_16_past(kept)
                     try:
                         pools[(d, offset)] = attention._page_pool(d, nblk * batch, kv_heads,
                                                                   dim, rng)

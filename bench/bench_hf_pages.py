@@ -102,14 +102,13 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
 
     import kvcore
     import kvcore.hf
-    from kvcore._threads import chosen_num_threads   # (restores the default too)
     from kvcore.attention import AttentionPlan
     from kvcore.cli.benchmarks.hf import _model, chunked_nll, gguf_path
 
     path = gguf_path(model)
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
-    before = chosen_num_threads()
+    before = kvcore.set_num_threads(max(threads))   # (the setting before: restored after)
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with open(text, encoding="utf-8") as f:
         ids = tok(f.read(), return_tensors="pt")["input_ids"]
@@ -131,7 +130,6 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
     caches = {}
     blocks = (tokens + 2 * chunk) // 16 + 4
     with torch.no_grad():
-        kvcore.set_num_threads(max(threads))
         m.set_attn_implementation("sdpa")
         t0 = time.perf_counter()
         dyn = transformers.DynamicCache(config=m.config)

@@ -106,10 +106,10 @@ class _AttentionPlan:
 LINE_ALIGN, HUGE_ALIGN = 64, 2 << 20
 
 
-def _host_aligned(alloc, shape, dtype):
-    """``alloc(shape, dtype)`` (``np.zeros``) with its data starting on a
-    line (a huge page from 4 of them up): one allocation of the bytes plus
-    the slack, sliced."""
+def _aligned_zeros(shape, dtype):
+    """``np.zeros(shape, dtype)`` with its data starting on a line (a huge
+    page from 4 of them up): one allocation of the bytes plus the slack,
+    sliced."""
     dtype = np.dtype(dtype)
     dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     dims = tuple(operator.index(d) for d in dims)
@@ -118,7 +118,7 @@ def _host_aligned(alloc, shape, dtype):
     nbytes = math.prod(dims) * dtype.itemsize
     align = HUGE_ALIGN if nbytes >= 4 * HUGE_ALIGN else LINE_ALIGN
     try:
-        raw = alloc(nbytes + align, np.uint8)
+        raw = np.zeros(nbytes + align, np.uint8)
     except (MemoryError, ValueError) as e:
         kind = MemoryError if isinstance(e, MemoryError) else ValueError
         raise kind(f"cannot allocate {nbytes} bytes for an array of shape {dims} and "
@@ -184,7 +184,7 @@ class Backend:
         row then never straddle two lines (``np.zeros`` starts 16 bytes into
         a page) and large pools can sit in huge pages.  Still one lazily
         zeroed ``calloc``: untouched pages cost no memory."""
-        return _host_aligned(np.zeros, shape, dtype)
+        return _aligned_zeros(shape, dtype)
 
     def to_host(self, a):
         return a

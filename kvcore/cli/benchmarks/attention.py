@@ -37,7 +37,6 @@ import time
 import numpy as np
 
 import kvcore
-from kvcore._threads import chosen_num_threads   # (restores the default too)
 
 from ._timing import ratio_text, timed
 
@@ -214,7 +213,7 @@ def bench_page_rows(rng, big=False, rounds=7):
     positions/s against float16's at the same thread count."""
     out = {}
     stream = np.ones(STREAM_BYTES // 4, np.float32)
-    before = chosen_num_threads()
+    before = kvcore.set_num_threads(1)   # (the setting before: restored after)
     try:
         for name, (heads, kv_heads, dim), batch, ctx in PAGE_SHAPES["full" if big else "quick"]:
             nblk = ctx // BLOCK_SIZE
@@ -369,7 +368,7 @@ def _session(quick, seed):
     dict started, and kvcore's and torch's thread counts put back after."""
     torch, F = _torch()
     rng = np.random.default_rng(seed)
-    threads_before = chosen_num_threads()
+    threads_before = kvcore.set_num_threads(1)   # (restored after)
     torch_threads = torch.get_num_threads() if torch is not None else None
     res = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
                      "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": DTYPE},

@@ -16,7 +16,6 @@ Figures are medians of repeated calls.
 import numpy as np
 
 import kvcore
-from kvcore._threads import chosen_num_threads   # (restores the default too)
 
 from ._timing import median_time, table
 
@@ -53,8 +52,7 @@ def run(quick=False):
     tokens = 1024 if quick else 4096
     repeat = 5 if quick else 15
     ctx = 512 if quick else CTX
-    previous = chosen_num_threads()
-    kvcore.set_num_threads(1)
+    previous = kvcore.set_num_threads(1)   # (the setting before: restored after)
     try:
         write = {d: _write(d, tokens, repeat, rng) for d in DTYPES}
         decode = {d: _decode(d, ctx, repeat, rng) for d in DTYPES}
