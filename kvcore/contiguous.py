@@ -104,8 +104,10 @@ class KVCache:
     # ------------------------------------------------------------ internals
     @staticmethod
     def _allocate(backend, shape, kind):
+        # (zeros: the host backend's storage starts on a cache line, as a
+        # pool's does, so a row's vector loads never straddle two lines)
         try:
-            return backend.empty(shape, STORAGE[kind])
+            return backend.zeros(shape, STORAGE[kind])
         except MemoryError:
             nbytes = dtypes.ITEMSIZE[kind]
             for s in shape:

@@ -101,6 +101,23 @@ def test_exported():
     assert kvcore.KVCache.__module__ == "kvcore.contiguous"
 
 
+@pytest.mark.parametrize("storage", ["float32", "float16", "float8_e4m3fn", "int8"])
+def test_storage_starts_on_a_line(storage):
+    """The cache's rows start on a cache line, as a pool's pages do (np.empty
+    would start 16 bytes into one); a new cache reads as zeros; its copy
+    (clone, to) is allocated the same way."""
+    cache = kvcore.KVCache(2, 3, 64, 40, batch_size=2, dtype=storage)
+    for c in (cache, cache.clone(), cache.to("cpu")):
+        st = c._storage
+        assert st.ctypes.data % 64 == 0, (storage, st.ctypes.data % 64)
+        assert st.flags.c_contiguous and not st.view(np.uint8).any()
+
+
+def test_a_cache_too_large_for_any_machine_names_its_shape():
+    with pytest.raises((MemoryError, ValueError), match=r"shape \(512, 2, 1024, 256, 1048576, 128\)"):
+        kvcore.KVCache(512, 256, 128, 2**20, batch_size=1024)
+
+
 # ---------------------------------------------------------------- round trips
 @pytest.mark.parametrize("storage", STORAGE_DTYPES)
 @pytest.mark.parametrize("src", ["float32", "float16", "bf16ml", "bf16bits"])
