@@ -53,7 +53,8 @@ def test_sdist_ships_sources_and_no_generated_c(tmp_path):
     assert not generated, f"the sdist ships Cython's generated files: {generated}"
     for must in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md",
                  "docs/api.md", "docs/migration.md", "tests/conftest.py",
-                 "tests/c/kv_half_check.c", "tests/c/kv_simde_shim.h", "bench/bench_pool.py"):
+                 "tests/c/kv_half_check.c", "tests/c/kv_simde_shim.h", "bench/bench_pool.py",
+                 "bench/dot_throughput.c", "bench/attention_profile.c"):
         assert must in names, f"the sdist lacks {must}"
     assert not any(n.endswith((".so", ".pyd", ".o")) for n in names)
 
