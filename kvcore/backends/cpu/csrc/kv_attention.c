@@ -322,6 +322,7 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     job.math = math_for(level);
     job.items = p->items;
     job.num_items = p->num_items;
+    job.threads = p->num_threads;
     job.group_done = p->group_done;
     job.partials = p->partials;
     job.partial_floats = p->partial_floats;

@@ -230,6 +230,7 @@ typedef struct {
     const kva_item *items;
     int64_t num_items;
     int64_t next;        /* atomic: next item to take */
+    int threads;         /* the threads the job asks for (kva_job_thread's claims) */
     int *group_done;     /* atomic counters, one per merge group */
     float *partials;     /* per split item: m[Mmax], l[Mmax], acc[Mmax * D] */
     size_t partial_floats;
@@ -305,7 +306,10 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws);
 /* Merge the partials of every split of `it`'s group, in split order. */
 void kva_merge_group(const kva_job *job, const kva_item *it, int M);
 /* One item (kv_attn_tile.c). */
-void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws);
+/* Item `it`; `next` (or NULL) is the item this thread runs after it, whose
+ * first tile the last tile of a decode item prefetches. */
+void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
+                  const kva_ws *ws);
 /* A thread of a job: takes items until none is left. */
 void kva_job_thread(void *ctx, int thread_index);
 

@@ -229,7 +229,8 @@ static int wide_unit_fits(const kva_job *job, const kva_item *it, int g, int M)
     return 1;
 }
 
-void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
+void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
+                  const kva_ws *ws)
 {
     const kva_args *a = job->a;
     const int D = a->head_dim, G = (int)kva_group_size(a), g = it->kv_head;
@@ -320,8 +321,22 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_ws *ws)
         const int nt = (int)(it->k1 - t0 < tile ? it->k1 - t0 : tile);
         const int ntp = (nt + 7) & ~7;
         const int64_t t1 = t0 + tile;
-        const int nnext =
+        int nnext =
             t1 < it->k1 ? tile_rows(a, table, kbase, vbase, t1, it->k1, tile, nkrow, nvrow) : 0;
+        /* the last tile of a decode item: the next one's first tile (the
+         * item this thread runs next, a decode item too), prefetched as a
+         * tile of this item's would be; its start then finds its rows on
+         * the way instead of stalling on them */
+        if (t1 >= it->k1 && spread && next != NULL && next->k0 < next->k1 &&
+            (next->q1 - next->q0) * G < KVA_TILE_ROWS) {
+            const int32_t *ntable = a->block_tables + (size_t)next->seq * a->block_table_stride;
+            const ptrdiff_t nh = (ptrdiff_t)next->kv_head * a->head_stride;
+            nnext = tile_rows(a, ntable, a->key_cache + nh, a->value_cache + nh, next->k0,
+                              next->k1, tile, nkrow, nvrow);
+            if (pf_scales)
+                prefetch_scales(a, ntable, next->kv_head, next->k0,
+                                next->k1 - next->k0 < tile ? next->k1 : next->k0 + tile);
+        }
         /* the spread prefetch's next rows: the next tile's, padded to a
          * whole tile with its last (NULL after the last tile) */
         const char *const *next_k = NULL, *const *next_v = NULL;
@@ -502,10 +517,18 @@ void kva_job_thread(void *ctx, int thread_index)
     kva_ws ws;
     kva_workspace_layout(job->max_rows, job->a->head_dim,
                      job->workspace + (size_t)thread_index * job->workspace_bytes, &ws);
-    for (;;) {
-        int64_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (i >= job->num_items)
-            break;
-        kva_run_item(job, &job->items[i], &ws);
+    const int64_t n = job->num_items;
+    int64_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+    while (i < n) {
+        /* the item after this one, claimed before this one runs (its first
+         * tile is then prefetched during this one's last) while more than
+         * two items per thread remain; near the end, claims wait, so no
+         * thread holds an item another could be running.  Which thread runs
+         * an item never changes a bit (the merges run in split order). */
+        int64_t j = n;
+        if (n - __atomic_load_n(&job->next, __ATOMIC_RELAXED) > 2 * (int64_t)job->threads)
+            j = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        kva_run_item(job, &job->items[i], j < n ? &job->items[j] : NULL, &ws);
+        i = j < n ? j : __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
     }
 }
