@@ -73,6 +73,13 @@ def _open_entry(path):
     return fd, st.st_size
 
 
+def _as_promised(fd, size):
+    """Whether the entry file open at ``fd``, of ``size`` bytes, is as long
+    as its header says the entry is (reads its first bytes only): a file
+    that is not can be no entry, and is never read whole."""
+    return _format.entry_size(os.pread(fd, _format.HEAD_PROBE, 0)) == size
+
+
 def _read_into(fd, buf):
     """Read into ``buf`` (a writable byte view) until it is full or the
     file ends; returns the bytes read (never more than ``len(buf)``)."""
@@ -125,12 +132,13 @@ class DiskStore(PrefixStore):
 
     Every file in the directory is untrusted: entries are opened without
     following links and without blocking, and only regular files are read,
-    at most the size ``fstat`` gives (and, in a trim, the size the header
-    promises).  A link, FIFO, device or socket named like an entry is a
-    miss and is removed by the next trim (a link itself, never its target);
-    a directory named like one is passed over; an entry file that cannot be
-    read is removed without being handed on, and one that cannot be removed
-    either keeps its room while the trim goes on with the others.
+    at most the size ``fstat`` gives and the header promises (a file of
+    another size is read no further than its head).  A link, FIFO, device
+    or socket named like an entry is a miss and is removed by the next trim
+    (a link itself, never its target); a directory named like one is
+    passed over; an entry file that cannot be read is removed without being
+    handed on, and one that cannot be removed either keeps its room while
+    the trim goes on with the others.
     """
 
     kind = "disk"
@@ -258,10 +266,12 @@ class DiskStore(PrefixStore):
                 out.append(None)
                 continue
             try:
-                if size > self.capacity_bytes:
+                if size > _format.HEAD_PROBE and (size > self.capacity_bytes
+                                                  or not _as_promised(fd, size)):
                     # no entry of this store is that large (its put would
-                    # have handed it on): read the head only, a corrupt entry
-                    size = min(size, _format.HEAD_PROBE)
+                    # have handed it on), nor longer than its header says
+                    # (e.g. a sparse file): read the head only, a corrupt entry
+                    size = _format.HEAD_PROBE
                 if size <= room:
                     buf = arena[off:off + size]
                     off += room
@@ -450,8 +460,7 @@ class DiskStore(PrefixStore):
         except OSError:
             return None
         try:
-            if size > self.capacity_bytes or \
-                    _format.entry_size(os.pread(fd, _format.HEAD_PROBE, 0)) != size:
+            if size > self.capacity_bytes or not _as_promised(fd, size):
                 return None
             value = bytearray(size)
             if _read_into(fd, value) != size:
