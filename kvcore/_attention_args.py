@@ -42,15 +42,28 @@ def _positive_or_off(value, arg, convert, what):
     return v
 
 
-def _real(value, arg):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                   np.floating)):
-        raise TypeError(f"{arg} must be a real number or None, got {type(value).__name__} "
-                        f"{value!r}")
-    v = float(value)
+def _is_real(value):
+    return isinstance(value, (int, float, np.integer, np.floating)) \
+        and not isinstance(value, (bool, np.bool_))
+
+
+def _finite(value, arg):
+    """Real ``value`` as a finite Python float, or ValueError naming ``arg``."""
+    try:
+        v = float(value)
+    except OverflowError:      # an int past the float range
+        raise ValueError(f"{arg} must be finite, got {value!r:.24}... (an int of "
+                         f"{len(str(abs(value)))} digits)") from None
     if not math.isfinite(v):
         raise ValueError(f"{arg} must be finite, got {v}")
     return v
+
+
+def _real(value, arg):
+    if not _is_real(value):
+        raise TypeError(f"{arg} must be a real number or None, got {type(value).__name__} "
+                        f"{value!r}")
+    return _finite(value, arg)
 
 
 # The kernels compute in float32: ``scale`` and the soft cap ``c`` become
@@ -183,10 +196,22 @@ def head_rows(x, arg, num_layers):
         return None
     if isinstance(x, (list, tuple)):
         try:
-            a = np.asarray(x, dtype=np.float64)
+            a = np.asarray(x)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{arg} must be a float array of shape (num_heads,) or "
                             f"(num_layers, num_heads), got {type(x).__name__}: {e}") from None
+        if a.dtype == object:    # ints past int64, None, ...: each a real number or an error
+            for at in np.ndindex(a.shape):
+                where = f"{arg}[{', '.join(map(str, at))}]"
+                if not _is_real(a[at]):
+                    raise TypeError(f"{where} must be a real number, got "
+                                    f"{type(a[at]).__name__} {a[at]!r:.40}")
+                a[at] = _finite(a[at], where)
+            a = a.astype(np.float64)
+        if a.dtype.kind not in "iuf":
+            raise TypeError(f"{arg} must be a float array of shape (num_heads,) or "
+                            f"(num_layers, num_heads), got a {type(x).__name__} of {a.dtype}")
+        a = a.astype(np.float64)
     else:
         y, bf16 = _arrays.unwrap(x, arg)
         be = backend_of_array(y)

@@ -338,6 +338,12 @@ BAD = [
     (dict(sinks=np.zeros(0)), ValueError, r"sinks must have shape"),
     (dict(sinks=np.zeros(4, np.int32)), TypeError, r"sinks must hold floats"),
     (dict(sinks=["a", "b"]), TypeError, r"sinks must be a float array"),
+    (dict(sinks=[True, False, True, True]), TypeError,
+     r"sinks must be a float array .*got a list of bool"),
+    (dict(sinks=[[0.5, 1, 0, 0], [0.5, None, 0, 0]]), TypeError,
+     r"sinks\[1, 1\] must be a real number, got NoneType None"),
+    (dict(alibi_slopes=[0.5, 10**400, 0.1, 0.2]), ValueError,
+     r"alibi_slopes\[1\] must be finite, got 1000.*\(an int of 401 digits\)"),
     (dict(alibi_slopes=np.zeros(3)), ValueError,
      r"alibi_slopes's num_heads \(its last axis\) must be a positive multiple of the pool's "
      r"num_kv_heads=2 .*got 3"),
