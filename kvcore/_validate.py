@@ -106,7 +106,11 @@ def salt_bytes(salt):
     if salt is None:
         return None
     if isinstance(salt, str):
-        return salt.encode("utf-8")
+        try:
+            return salt.encode("utf-8")
+        except UnicodeEncodeError as e:    # a lone surrogate
+            raise ValueError(f"salt must be text UTF-8 can encode, got {salt!r:.40} "
+                             f"({e.reason} at index {e.start})") from None
     if isinstance(salt, (bytes, bytearray, memoryview)):
         return bytes(salt)
     raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")

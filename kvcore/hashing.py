@@ -65,7 +65,10 @@ def block_hashes(token_ids, block_size, salt=None):
     """
     bs = positive_int(block_size, "block_size")
     tokens = token_array(token_ids)
-    return words_to_bytes(hash_words(tokens, bs, root_words(salt_bytes(salt))))
+    salt = salt_bytes(salt)
+    if bs > tokens.size:      # no full block (and a size past the C range is one)
+        return []
+    return words_to_bytes(hash_words(tokens, bs, root_words(salt)))
 
 
 # ------------------------------------------------------------ identity chain

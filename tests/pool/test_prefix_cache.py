@@ -531,6 +531,26 @@ def test_block_hashes_equal_across_processes_and_hash_seeds():
         assert out == expected
 
 
+@pytest.mark.parametrize("block_size", [41, 2**40, 2**63, 2**100])
+def test_block_hashes_of_a_block_size_past_the_tokens_is_empty(block_size):
+    assert kvcore.block_hashes(list(range(40)), block_size) == []
+
+
+@pytest.mark.parametrize("call", [
+    lambda pool: kvcore.block_hashes([1, 2, 3, 4], 4, salt="a\ud800"),
+    lambda pool: kvcore.PagedKVCache(pool, salt="a\ud800"),
+    lambda pool: pool.probe([1, 2, 3, 4, 5], salt="a\ud800"),
+    lambda pool: pool.prefetch([1, 2, 3, 4, 5], salt="a\ud800"),
+], ids=["block_hashes", "PagedKVCache", "probe", "prefetch"])
+def test_a_salt_utf8_cannot_encode_is_refused_by_name(call):
+    pool = kvcore.BlockPool(4, 4, 1, 1, 4)
+    before = pool.debug.snapshot()
+    with pytest.raises(ValueError, match=r"salt must be text UTF-8 can encode, got 'a\\ud800' "
+                                         r"\(surrogates not allowed at index 1\)"):
+        call(pool)
+    assert pool.debug.snapshot() == before
+
+
 @settings(max_examples=60, deadline=None)
 @given(tokens=st.lists(st.integers(0, 2**31 - 1), max_size=40),
        block_size=st.integers(1, 9), salt=st.one_of(st.none(), st.text(max_size=5),
