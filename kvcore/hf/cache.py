@@ -10,6 +10,7 @@ columns; row ``i`` keeps its first real token at column ``pad[i]``, and its
 sequence position ``p`` is column ``p + pad[i]``.  Pad columns hold no KV
 in the pool, so rows with different padding share prefix blocks.
 """
+import operator
 import os
 import threading
 import weakref
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .._validate import index_int, salt_bytes
 from ..paged import PagedKVCache
 from ..pool import BlockPool
 from .device import DeviceLane
@@ -36,6 +38,19 @@ _LOW_PRECISION = ("float8_e4m3fn", "float8_e5m2", "int8")
 # mask function tells the cache (found here) that this forward's attention
 # reads the pages, and hands it the padding of a first forward.
 _mask_call = threading.local()
+
+
+def _layer_number(layer_idx):
+    """``layer_idx`` as an int (a Python or NumPy integer, never a bool),
+    or None for anything else."""
+    if type(layer_idx) is int:
+        return layer_idx
+    if isinstance(layer_idx, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(layer_idx)
+    except TypeError:
+        return None
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -127,6 +142,7 @@ class PagedCache(Cache):
             raise ValueError(f"pool.dtype must be one of "
                              f"{sorted(_TORCH_STORAGE) + list(_LOW_PRECISION)} for kvcore.hf, "
                              f"got {pool.dtype!r}")
+        salt_bytes(salt)                        # (checked now, used by each row)
         self.pool = pool
         self.salt = salt
         self._seqs = []                         # one PagedKVCache per batch row
@@ -318,7 +334,7 @@ class PagedCache(Cache):
         :func:`kvcore_attention`, which reads the pages itself.
         """
         before = self._step
-        if type(layer_idx) is int and layer_idx == 0 and before is not None and before.partial:
+        if _layer_number(layer_idx) == 0 and before is not None and before.partial:
             raise ValueError(
                 f"the last forward stopped after {before.layers_done} of the model's "
                 f"{self._num_layers} layers (an exception in the model, or a model that does not "
@@ -341,18 +357,25 @@ class PagedCache(Cache):
         # since the model's weights have evicted it from the caches)
         pool = self.pool
         if type(layer_idx) is not int or not 0 <= layer_idx < self._num_layers:
-            if isinstance(layer_idx, bool):
+            if isinstance(layer_idx, (bool, np.bool_)):
                 raise TypeError(f"layer_idx must be an integer, got bool ({layer_idx!r})")
-            if not isinstance(layer_idx, int) or not 0 <= layer_idx < self._num_layers:
+            number = _layer_number(layer_idx)      # (NumPy ints too)
+            if number is None or not 0 <= number < self._num_layers:
                 raise IndexError(f"layer_idx must be in 0..{pool.num_layers - 1} (the pool's "
                                  f"layers), got {layer_idx!r}")
-            layer_idx = int(layer_idx)
+            layer_idx = number
+        if not isinstance(key_states, torch.Tensor) or not isinstance(value_states, torch.Tensor):
+            raise TypeError(f"key_states and value_states must be torch tensors, got "
+                            f"{type(key_states).__name__} and {type(value_states).__name__}")
         shape = key_states.shape
         if len(shape) != 4 or shape != value_states.shape:
             raise ValueError("key_states and value_states must both be (batch, num_kv_heads, q, "
                              f"head_dim), got {tuple(key_states.shape)} and "
                              f"{tuple(value_states.shape)}")
         batch, heads, q, dim = shape
+        if not batch:
+            raise ValueError(f"key_states must hold at least one row (batch, num_kv_heads, q, "
+                             f"head_dim), got {tuple(shape)}")
         if heads != self._kv_shape[0] or dim != self._kv_shape[1]:
             raise ValueError(
                 f"the model's K/V have {heads} heads of dimension {dim}, the pool "
@@ -487,7 +510,7 @@ class PagedCache(Cache):
         """Forget the last ``-tokens_to_remove`` columns (``crop(0)`` changes
         nothing; a positive value is the length to keep, transformers 4.x's
         form)."""
-        n = int(tokens_to_remove)
+        n = index_int(tokens_to_remove, "tokens_to_remove")
         keep = self._length + n if n <= 0 else n
         if not 0 <= keep <= self._length:
             raise ValueError(f"crop({tokens_to_remove}) must leave 0..{self._length} columns, "
@@ -508,9 +531,13 @@ class PagedCache(Cache):
             self._select(index)
 
     def _select(self, index):
-        index = np.asarray(index.detach().cpu() if isinstance(index, torch.Tensor) else index,
-                           dtype=np.int64).reshape(-1)
+        index = np.asarray(index.detach().cpu() if isinstance(index, torch.Tensor) else index)
         rows = len(self._seqs)
+        if not index.size and rows:
+            raise ValueError(f"row indices must select at least one of the {rows} rows, got none")
+        if index.size and index.dtype.kind not in "iu":
+            raise TypeError(f"row indices must be integers, got dtype {index.dtype}")
+        index = index.astype(np.int64).reshape(-1)
         if index.size and (index.min() < 0 or index.max() >= rows):
             raise IndexError(f"row indices must be in 0..{rows - 1}, got {index.tolist()}")
         if np.array_equal(index, np.arange(rows)):
@@ -534,7 +561,10 @@ class PagedCache(Cache):
         self._select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats):
-        self._select_rows(np.repeat(np.arange(len(self._seqs)), int(repeats)))
+        n = index_int(repeats, "repeats")
+        if n < 1:
+            raise ValueError(f"repeats must be a positive integer, got {n}")
+        self._select_rows(np.repeat(np.arange(len(self._seqs)), n))
 
     def batch_select_indices(self, indices):
         self._select_rows(indices)

@@ -189,7 +189,7 @@ class Step:
             total = self.start + self.q
             pos = np.arange(total)[None, :] - cache._pad[:, None]
             pos = np.maximum(pos, 0)       # pad columns read the row's position 0 (masked)
-            need = int(pos.max()) // bs + 1
+            need = int(pos.max()) // bs + 1 if pos.size else 0    # (a forward of no columns)
             tables = np.zeros((len(cache._seqs), need), np.int64)
             for i, seq in enumerate(cache._seqs):
                 t = seq.block_table

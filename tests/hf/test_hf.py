@@ -145,6 +145,83 @@ def test_mismatched_pool_raises_clear_errors():
         PagedCache(_FakeDtypePool())
 
 
+def _two_step_cache(pool):
+    """A PagedCache of 2 rows x 3 columns written through update (no model)."""
+    cache = PagedCache(pool)
+    k = torch.ones(2, 2, 3, 8)
+    for layer in range(pool.num_layers):
+        cache.update(k, k, layer)
+    return cache
+
+
+def _rows_state(cache):
+    return (cache.get_seq_length(), cache.pool.num_free_blocks,
+            [(s.num_computed, s.num_tokens) for s in cache.rows])
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda c: c.crop(1.5), TypeError, r"tokens_to_remove must be an integer, got float 1.5"),
+    (lambda c: c.crop("2"), TypeError, r"tokens_to_remove must be an integer, got str"),
+    (lambda c: c.crop(True), TypeError, r"tokens_to_remove must be an integer, got bool"),
+    (lambda c: c.reorder_cache([0.9, 1.7]), TypeError,
+     r"row indices must be integers, got dtype float64"),
+    (lambda c: c.reorder_cache(torch.tensor([1.0, 0.0])), TypeError,
+     r"row indices must be integers, got dtype float32"),
+    (lambda c: c.reorder_cache([]), ValueError,
+     r"row indices must select at least one of the 2 rows, got none"),
+    (lambda c: c.batch_repeat_interleave(1.5), TypeError, r"repeats must be an integer"),
+    (lambda c: c.batch_repeat_interleave(0), ValueError,
+     r"repeats must be a positive integer, got 0"),
+    (lambda c: c.batch_repeat_interleave(-1), ValueError,
+     r"repeats must be a positive integer, got -1"),
+    (lambda c: c.update(np.ones((2, 2, 1, 8), np.float32), np.ones((2, 2, 1, 8), np.float32), 0),
+     TypeError, r"key_states and value_states must be torch tensors, got ndarray and ndarray"),
+    (lambda c: c.update(torch.ones(0, 2, 1, 8), torch.ones(0, 2, 1, 8), 0), ValueError,
+     r"key_states must hold at least one row .*got \(0, 2, 1, 8\)"),
+], ids=["crop-float", "crop-str", "crop-bool", "reorder-float", "reorder-float-tensor",
+        "reorder-empty", "repeat-float", "repeat-0", "repeat-negative", "update-numpy",
+        "update-no-rows"])
+def test_cache_methods_refuse_what_is_not_an_integer_by_name(call, exc, match):
+    """crop, reorder_cache, batch_repeat_interleave and update refuse floats
+    (never truncated to ints), strings, bools, empty selections and arrays
+    that are not tensors by name, and the cache is as it was."""
+    pool = kvcore.BlockPool(16, 4, 2, 2, 8, dtype="float32")
+    cache = _two_step_cache(pool)
+    before = _rows_state(cache)
+    with pytest.raises(exc, match=match):
+        call(cache)
+    assert _rows_state(cache) == before
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
+def test_cache_takes_numpy_layer_indices_and_forwards_of_no_columns():
+    pool = kvcore.BlockPool(16, 4, 2, 2, 8, dtype="float32")
+    cache = PagedCache(pool)
+    k = torch.ones(2, 2, 3, 8)
+    for layer in (np.int64(0), np.int32(1)):
+        keys, _ = cache.update(k, k, layer)
+    assert cache.get_seq_length() == 3 and tuple(keys.shape) == (2, 2, 3, 8)
+    empty = torch.ones(2, 2, 0, 8)
+    for layer in range(2):
+        keys, _ = cache.update(empty, empty, layer)
+    assert cache.get_seq_length() == 3 and tuple(keys.shape) == (2, 2, 3, 8)
+    cache.free()
+    fresh = PagedCache(pool)
+    for layer in range(2):
+        keys, _ = fresh.update(empty, empty, layer)
+    assert fresh.get_seq_length() == 0 and tuple(keys.shape) == (2, 2, 0, 8)
+    fresh.free()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("salt, exc", [(1, TypeError), (["a"], TypeError), ("\ud800", ValueError)])
+def test_cache_salt_is_checked_when_the_cache_is_made(salt, exc):
+    pool = kvcore.BlockPool(4, 4, 2, 2, 8, dtype="float32")
+    with pytest.raises(exc, match="salt must be"):
+        PagedCache(pool, salt=salt)
+
+
 class _FakeDtypePool(kvcore.BlockPool):
     def __init__(self):
         super().__init__(4, 4, 2, 2, 16, dtype="float32")
