@@ -9,6 +9,10 @@ from . import _arrays
 from ._native import _pool
 
 MAX_TOKEN_ID = 2**31 - 1
+# Layers a pool, a KVCache or an attention plan holds: each costs Python
+# objects (views, bookkeeping), so a count no model has (e.g. 2**31, which
+# would take hundreds of GiB of them for a storage of a few) is refused.
+MAX_LAYERS = 2**16
 
 
 def positive_int(value, arg):
@@ -16,6 +20,15 @@ def positive_int(value, arg):
     v = index_int(value, arg)
     if v <= 0:
         raise ValueError(f"{arg} must be a positive integer, got {v}")
+    return v
+
+
+def num_layers_int(value, arg="num_layers"):
+    """``value`` as a layer count: 1..MAX_LAYERS."""
+    v = positive_int(value, arg)
+    if v > MAX_LAYERS:
+        raise ValueError(f"{arg} must be at most {MAX_LAYERS} (kvcore keeps views and "
+                         f"bookkeeping per layer), got {v}")
     return v
 
 

@@ -19,7 +19,7 @@ from . import _attention_args as _args
 from . import dtypes as _dtypes
 # (the thread count lives in kvcore._threads: the prefix stores read it too)
 from ._threads import MAX_THREADS, get_num_threads, set_num_threads
-from ._validate import index_int, layer_index
+from ._validate import MAX_LAYERS, index_int, layer_index
 from .backends import CPU as _HOST, backend_of_array, codec_of, owned_index_arrays
 from .pool import BlockPool
 
@@ -133,6 +133,9 @@ def _planes_source(planes_in):
     if k.ndim not in (4, 5) or 0 in k.shape:
         raise ValueError(f"key_cache must be ([num_layers,] num_blocks, num_kv_heads, "
                          f"block_size, head_dim) with no empty axis, got {tuple(k.shape)}")
+    if k.ndim == 5 and k.shape[0] > MAX_LAYERS:
+        raise ValueError(f"key_cache must have at most {MAX_LAYERS} layers (its first axis), "
+                         f"got {k.shape[0]}")
     if k.strides[-1] != k.itemsize:
         raise ValueError(f"key_cache rows must be contiguous (last stride {k.itemsize}), got "
                          f"strides {k.strides}")

@@ -556,6 +556,13 @@ def test_planes_with_no_layer_are_refused():
         kvcore.AttentionPlan((k, k.copy()), [[0]], [5])
 
 
+def test_planes_with_more_layers_than_a_pool_may_hold_are_refused():
+    k = np.zeros((2**16 + 1, 1, 1, 1, 1), np.float16)
+    with pytest.raises(ValueError, match=r"key_cache must have at most 65536 layers \(its first "
+                                         r"axis\), got 65537"):
+        kvcore.AttentionPlan((k, k.copy()), [[0]], [1], num_heads=1)
+
+
 def test_torch_planes_resized_after_planning_are_refused(torch):
     k = torch.randn(2, 4, 1, 16, 8)
     v = torch.randn(2, 4, 1, 16, 8)

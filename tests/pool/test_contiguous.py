@@ -520,6 +520,7 @@ def test_bad_get(device, args, exc, match):
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(num_layers=0), ValueError, "num_layers must be a positive integer, got 0"),
+    (dict(num_layers=2**16 + 1), ValueError, "num_layers must be at most 65536 .*got 65537"),
     (dict(num_kv_heads=-2), ValueError, "num_kv_heads must be a positive integer, got -2"),
     (dict(head_dim=64.0), TypeError, "head_dim must be an integer, got float"),
     (dict(max_seq_len=True), TypeError, "max_seq_len must be an integer, got bool"),

@@ -406,6 +406,7 @@ def test_stats_keys():
     ("num_blocks", 0, ValueError), ("num_blocks", -3, ValueError),
     ("num_blocks", 2.0, TypeError), ("num_blocks", True, TypeError),
     ("block_size", 0, ValueError), ("num_layers", 0, ValueError),
+    ("num_layers", 2**16 + 1, ValueError),
     ("num_kv_heads", None, TypeError), ("head_dim", -1, ValueError),
     ("dtype", "int4", ValueError), ("dtype", np.int32, ValueError),
     ("dtype", 3.5, TypeError), ("device", "tpu", ValueError), ("device", 0, TypeError),
