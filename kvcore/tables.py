@@ -59,6 +59,8 @@ def padded_block_tables(seqs, lengths=None, pad_value=0, max_blocks=None):
     """
     seqs, lens, bs = _batch(seqs, lengths)
     pad_value = index_int(pad_value, "pad_value")
+    if not -2**31 <= pad_value < 2**31:
+        raise ValueError(f"pad_value must fit the int32 table (-2**31..2**31-1), got {pad_value}")
     need = [-(-n // bs) for n in lens]
     width = max(need) if max_blocks is None else nonneg_int(max_blocks, "max_blocks")
     if width < max(need):

@@ -54,6 +54,16 @@ BlockRecord = collections.namedtuple(
     "BlockRecord", "block_id hash parent_hash chain_root identity tokens payload")
 
 
+def _utf8(text, arg):
+    """str ``text`` as UTF-8; ValueError naming ``arg`` for a lone surrogate
+    (kvcore._validate.utf8's rule: the stores do not import the pool's side)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{arg} must be text UTF-8 can encode, got {text!r:.40} "
+                         f"({e.reason} at index {e.start})") from None
+
+
 class PrefixStore:
     """Base class of kvcore's prefix stores (and a template for others).
 
@@ -82,12 +92,12 @@ class PrefixStore:
                 raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         if isinstance(namespace, str):
-            namespace = namespace.encode()
+            namespace = _utf8(namespace, "namespace")
         if not isinstance(namespace, (bytes, bytearray)):
             raise TypeError(f"namespace must be str or bytes, got {type(namespace).__name__}")
         self.namespace = bytes(namespace)
         if isinstance(hmac_key, str):
-            hmac_key = hmac_key.encode()
+            hmac_key = _utf8(hmac_key, "hmac_key")
         if hmac_key is not None and (not isinstance(hmac_key, (bytes, bytearray))
                                      or not hmac_key):
             raise TypeError("hmac_key must be None or non-empty bytes/str, got "

@@ -168,6 +168,8 @@ class DiskStore(PrefixStore):
                 from None
         if isinstance(path, bytes):
             path = os.fsdecode(path)
+        if "\0" in path:
+            raise ValueError(f"path must be a directory path, got {path!r}: it holds a null byte")
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"path must be a directory (or not exist yet), got {path!r}: "
                              "it exists and is not a directory")

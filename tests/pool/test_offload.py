@@ -110,6 +110,9 @@ def test_padded_and_csr_block_tables():
     assert wide.shape == (2, 5)
     with pytest.raises(ValueError, match="max_blocks must be at least 3"):
         kvcore.padded_block_tables([s1, s2], max_blocks=2)
+    for pad in (2**31, -2**31 - 1, 2**40):
+        with pytest.raises(ValueError, match=rf"pad_value must fit the int32 table .*got {pad}"):
+            kvcore.padded_block_tables([s1, s2], pad_value=pad)
     indptr, indices, last = kvcore.csr_block_tables([s1, s2])
     assert indptr.tolist() == [0, 3, 4]
     assert indices.tolist() == s1.block_table.tolist() + s2.block_table.tolist()

@@ -391,6 +391,11 @@ def test_bad_arguments():
         kvcore.HostStore(1.5)
     with pytest.raises(TypeError, match="namespace"):
         kvcore.HostStore(10, namespace=3)
+    with pytest.raises(ValueError, match=r"namespace must be text UTF-8 can encode, got "
+                                         r"'a\\ud800' \(surrogates not allowed at index 1\)"):
+        kvcore.HostStore(10, namespace="a\ud800")
+    with pytest.raises(ValueError, match=r"hmac_key must be text UTF-8 can encode"):
+        kvcore.HostStore(10, hmac_key="\udfff")
     with pytest.raises(TypeError, match="hmac_key"):
         kvcore.HostStore(10, hmac_key=b"")
     with pytest.raises(TypeError, match="path"):

@@ -33,6 +33,14 @@ def test_disk_store_on_a_file_names_path(tmp_path):
     assert f.read_bytes() == b"x"
 
 
+@pytest.mark.parametrize("path", ["dir\0name", b"dir\0name"])
+def test_disk_store_path_with_a_null_byte_names_path(tmp_path, path):
+    full = os.path.join(os.fsencode(tmp_path) if isinstance(path, bytes) else str(tmp_path), path)
+    with pytest.raises(ValueError, match=r"path must be a directory path, got .*dir\\x00name.*"
+                                         r"null byte"):
+        kvcore.DiskStore(full, 1 << 20)
+
+
 # ------------------------------------------------------------ DiskStore trim lock
 def test_disk_store_trim_waits_boundedly_for_another_process_lock(tmp_path):
     """A process holding PATH/.lock (stopped while trimming, hung on a
