@@ -68,6 +68,7 @@ class RedisStore(PrefixStore):
             import redis
         except ImportError as e:  # pragma: no cover - exercised where redis is absent
             raise ImportError("RedisStore needs redis-py: pip install 'kvcore[redis]'") from e
+        self._response_error = redis.exceptions.ResponseError
         if ttl is not None:
             if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 \
                     or not ttl <= _MAX_TTL:
@@ -214,7 +215,17 @@ class RedisStore(PrefixStore):
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
             pipe.get(self._key(k))
-        return pipe.execute()
+        values = pipe.execute(raise_on_error=False)
+        for i, v in enumerate(values):
+            if isinstance(v, BaseException):
+                # a key planted with another type (a list, a hash) holds no
+                # entry: an empty value, refused as corrupt like any other
+                # (the other keys of the batch still count, as on a cluster)
+                if isinstance(v, self._response_error) and str(v).startswith("WRONGTYPE"):
+                    values[i] = b""
+                else:
+                    raise v
+        return values
 
     def put(self, items):
         if not items:

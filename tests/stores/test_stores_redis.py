@@ -106,8 +106,10 @@ def test_slow_redis_times_out_into_misses(server):
     pool.debug.check()
 
 
-@pytest.mark.parametrize("where", ["payload", "header", "truncate", "garbage"])
+@pytest.mark.parametrize("where", ["payload", "header", "truncate", "garbage", "wrongtype"])
 def test_corrupt_entry_in_redis_is_a_miss_with_a_warning(server, where):
+    """A damaged entry is a miss from that block on; the blocks before it hit
+    (a key of another type too: the batch's other keys still count)."""
     pool, store = redis_pool(server)
     run(pool, PROMPT)
     flush_pool(pool)
@@ -121,7 +123,11 @@ def test_corrupt_entry_in_redis_is_a_miss_with_a_warning(server, where):
         value = bytearray(b"not an entry")
     else:
         value[-3 if where == "payload" else 20] ^= 1
-    client.set(key, bytes(value))
+    if where == "wrongtype":
+        client.delete(key)
+        client.rpush(key, b"not an entry")
+    else:
+        client.set(key, bytes(value))
     with pytest.warns(kvcore.StoreWarning, match="corrupt"):
         check_hit(pool, PROMPT, 1)
     assert pool.stats()["stores"][0]["rejected"] == 1
