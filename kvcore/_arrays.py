@@ -237,7 +237,10 @@ def index_array(be, x, arg):
         raise TypeError(f"{arg} must hold integers, got torch.bfloat16")
     if isinstance(y, np.ndarray):
         return y.copy()
-    return np.array(be.to_host(y))
+    a = np.array(be.to_host(y))
+    if a.dtype.kind in "OUSV":     # None, a str, an object NumPy cannot read as numbers
+        raise TypeError(f"{arg} must be an integer array, got {type(x).__name__} {x!r:.40}")
+    return a
 
 
 def aligned(a):

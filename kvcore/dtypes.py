@@ -68,6 +68,8 @@ def storage_kind(dtype, arg="dtype", lowprec=True):
         if kind is None or (not lowprec and kind in LOWPREC_KINDS):
             raise ValueError(f"{arg} must be one of {names}, got {dtype!r}")
         return kind
+    if dtype is None:      # (np.dtype(None) is float64: "got float64" would mislead)
+        raise TypeError(f"{arg} must be a dtype name or NumPy dtype, got None")
     try:
         dt = np.dtype(dtype)
     except TypeError:

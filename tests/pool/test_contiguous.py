@@ -527,6 +527,7 @@ def test_bad_get(device, args, exc, match):
     (dict(batch_size=None), TypeError, "batch_size must be an integer, got NoneType"),
     (dict(dtype="int4"), ValueError, "dtype must be one of 'float32', 'float16', 'bfloat16'"),
     (dict(dtype=np.int32), ValueError, "dtype must be one of 'float32', .*, got int32"),
+    (dict(dtype=None), TypeError, "dtype must be a dtype name or NumPy dtype, got None"),
     (dict(device="tpu"), ValueError, "device must be 'cpu' or 'cuda'"),
 ])
 def test_bad_constructor(device, kwargs, exc, match):
