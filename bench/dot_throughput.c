@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 
+#if defined(__x86_64__)
 static double cpu_now(void)
 {
     struct timespec t;
@@ -34,7 +35,6 @@ static double cpu_now(void)
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-#if defined(__x86_64__)
 #define REPS 25000000L
 /* 16 independent instructions writing zmm0-15 from zmm28-30 per iteration
  * (16 chains: the accumulating ones are bound by their pipes, not their
