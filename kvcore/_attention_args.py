@@ -185,6 +185,24 @@ def layer_lengths(value, arg, num_layers):
     return (_one_length(value, arg),) * num_layers
 
 
+def _first_bool(x, at=()):
+    """Where the first bool of nested lists/tuples ``x`` is, or None."""
+    for i, e in enumerate(x):
+        if isinstance(e, (bool, np.bool_)):
+            return at + (i,)
+        if isinstance(e, (list, tuple)):
+            found = _first_bool(e, at + (i,))
+            if found is not None:
+                return found
+    return None
+
+
+def _entry(x, at):
+    for i in at:
+        x = x[i]
+    return x
+
+
 def head_rows(x, arg, num_layers):
     """``alibi_slopes`` / ``sinks`` as a float32 ``(num_layers, num_heads)``
     C-contiguous host array (None stays None): a float array (NumPy, torch,
@@ -211,6 +229,10 @@ def head_rows(x, arg, num_layers):
         if a.dtype.kind not in "iuf":
             raise TypeError(f"{arg} must be a float array of shape (num_heads,) or "
                             f"(num_layers, num_heads), got a {type(x).__name__} of {a.dtype}")
+        at = _first_bool(x)       # (NumPy reads a bool among numbers as 0 or 1)
+        if at is not None:
+            where = f"{arg}[{', '.join(map(str, at))}]"
+            raise TypeError(f"{where} must be a real number, got bool {_entry(x, at)!r}")
         a = a.astype(np.float64)
     else:
         y, bf16 = _arrays.unwrap(x, arg)

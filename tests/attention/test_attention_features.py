@@ -342,6 +342,11 @@ BAD = [
      r"sinks must be a float array .*got a list of bool"),
     (dict(sinks=[[0.5, 1, 0, 0], [0.5, None, 0, 0]]), TypeError,
      r"sinks\[1, 1\] must be a real number, got NoneType None"),
+    # a bool among numbers (NumPy reads it as 0 or 1) is refused as a list of bools is
+    (dict(sinks=[0.5, True, 0.0, 0.0]), TypeError,
+     r"sinks\[1\] must be a real number, got bool True"),
+    (dict(alibi_slopes=[[0.5, 0.1, 0.1, 0.1], (0.5, 0.1, np.False_, 0.1)]), TypeError,
+     r"alibi_slopes\[1, 2\] must be a real number, got bool"),
     (dict(alibi_slopes=[0.5, 10**400, 0.1, 0.2]), ValueError,
      r"alibi_slopes\[1\] must be finite, got 1000.*\(an int of 401 digits\)"),
     (dict(alibi_slopes=np.zeros(3)), ValueError,
