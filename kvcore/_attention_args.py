@@ -52,8 +52,13 @@ def _finite(value, arg):
     try:
         v = float(value)
     except OverflowError:      # an int past the float range
+        try:
+            digits = str(abs(value))
+        except ValueError:     # past sys.get_int_max_str_digits(): no str of it
+            raise ValueError(f"{arg} must be finite, got an int of {value.bit_length()} "
+                             "bits") from None
         raise ValueError(f"{arg} must be finite, got {value!r:.24}... (an int of "
-                         f"{len(str(abs(value)))} digits)") from None
+                         f"{len(digits)} digits)") from None
     if not math.isfinite(v):
         raise ValueError(f"{arg} must be finite, got {v}")
     return v

@@ -522,6 +522,8 @@ BAD = [
     (dict(scale="1"), TypeError, r"scale must be a real number"),
     (dict(scale=10**400), ValueError, r"scale must be finite, got 1000.*\(an int of 401 digits\)"),
     (dict(logits_soft_cap=-10**400), ValueError, r"logits_soft_cap must be finite"),
+    # past Python's int-to-str limit (4300 digits): still named, in bits
+    (dict(scale=10**5000), ValueError, r"scale must be finite, got an int of 16610 bits"),
     (dict(sliding_window=0), ValueError, r"sliding_window must be a positive integer"),
     (dict(sliding_window=2.5), TypeError, r"sliding_window must be an integer"),
     (dict(logits_soft_cap=0.0), ValueError, r"logits_soft_cap must be positive"),

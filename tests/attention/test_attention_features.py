@@ -349,6 +349,8 @@ BAD = [
      r"alibi_slopes\[1, 2\] must be a real number, got bool"),
     (dict(alibi_slopes=[0.5, 10**400, 0.1, 0.2]), ValueError,
      r"alibi_slopes\[1\] must be finite, got 1000.*\(an int of 401 digits\)"),
+    (dict(sinks=[0.5, 0.0, -10**5000, 0.0]), ValueError,
+     r"sinks\[2\] must be finite, got an int of 16610 bits"),
     (dict(alibi_slopes=np.zeros(3)), ValueError,
      r"alibi_slopes's num_heads \(its last axis\) must be a positive multiple of the pool's "
      r"num_kv_heads=2 .*got 3"),
