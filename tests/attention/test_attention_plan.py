@@ -307,6 +307,44 @@ def test_thread_counts_give_the_same_bits():
         np.testing.assert_array_equal(r, runs[0])
 
 
+@pytest.mark.parametrize("dtype, kw", [("int8", {}), ("float16", dict(sliding_window=40))])
+def test_many_decode_items_per_thread_give_the_same_bits_at_any_thread_count(dtype, kw):
+    """More than two items per thread (a thread then claims its next item
+    early and prefetches its first tile, int8 scales included), a prefill
+    item and a sequence of no queries among them, long rows split: every
+    SIMD level gives the 1-thread bits at 2, 3 and 8 threads, and the
+    reference's values."""
+    bs, kvh, d = 16, 2, 64
+    rng = np.random.default_rng(21)
+    lens = np.array([int(n) for n in rng.integers(1, 700, 30)] + [0, 25, 9], np.int64)
+    nq = [1] * 30 + [0, 20, 1]                # a prefill of 20 queries near the end
+    need = [-(-int(n) // bs) for n in lens]
+    pool = _pool(dtype, layers=1, num_blocks=sum(need), block_size=bs, kv_heads=kvh,
+                 head_dim=d, seed=5)
+    ids, tables = rng.permutation(sum(need)), np.full((len(lens), max(need)), -1, np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[at:at + n]
+        at += n
+    qsl = np.concatenate([[0], np.cumsum(nq)]).astype(np.int64)
+    q = rng.standard_normal((int(qsl[-1]), 4 * kvh, d)).astype(np.float32)
+    want = paged_attention_reference(
+        q, pool.key_cache(0), pool.value_cache(0), tables, lens, qsl, scale=0.125, kind=dtype,
+        sliding_window=kw.get("sliding_window"),
+        key_scales=pool.key_scales(0) if dtype == "int8" else None,
+        value_scales=pool.value_scales(0) if dtype == "int8" else None)
+    for level in LEVELS:
+        previous = kvcore.set_simd_level(level)
+        try:
+            runs = [kvcore.AttentionPlan(pool, tables, lens, qsl, scale=0.125, num_threads=n,
+                                         **kw).run(q, 0) for n in (1, 2, 3, 8)]
+        finally:
+            kvcore.set_simd_level(previous)
+        for r in runs[1:]:
+            np.testing.assert_array_equal(r, runs[0], err_msg=level)
+        assert rel_err(runs[0], want) <= TOL, level
+
+
 def test_a_second_concurrent_run_of_one_plan_raises():
     """One run at a time per plan: a run that finds another in progress
     raises RuntimeError (the plan's work buffers are its own); other plans
