@@ -537,9 +537,11 @@ class PagedCache(Cache):
             raise ValueError(f"row indices must select at least one of the {rows} rows, got none")
         if index.size and index.dtype.kind not in "iu":
             raise TypeError(f"row indices must be integers, got dtype {index.dtype}")
-        index = index.astype(np.int64).reshape(-1)
+        index = index.reshape(-1)
+        # (checked before the cast: a uint64 past int64 would wrap to a negative)
         if index.size and (index.min() < 0 or index.max() >= rows):
             raise IndexError(f"row indices must be in 0..{rows - 1}, got {index.tolist()}")
+        index = index.astype(np.int64)
         if np.array_equal(index, np.arange(rows)):
             return
         new = []
@@ -564,7 +566,12 @@ class PagedCache(Cache):
         n = index_int(repeats, "repeats")
         if n < 1:
             raise ValueError(f"repeats must be a positive integer, got {n}")
-        self._select_rows(np.repeat(np.arange(len(self._seqs)), n))
+        rows, blocks = len(self._seqs), self.pool.num_blocks
+        if rows * n > blocks:   # (each row writes its next token in a block of its own)
+            raise ValueError(f"repeats must be at most {blocks // rows} (the {rows} rows times "
+                             f"repeats may not exceed the pool's {blocks} blocks), got {n}")
+        if rows:
+            self._select_rows(np.repeat(np.arange(rows), n))
 
     def batch_select_indices(self, indices):
         self._select_rows(indices)

@@ -174,13 +174,20 @@ def _rows_state(cache):
      r"repeats must be a positive integer, got 0"),
     (lambda c: c.batch_repeat_interleave(-1), ValueError,
      r"repeats must be a positive integer, got -1"),
+    (lambda c: c.batch_repeat_interleave(9), ValueError,
+     r"repeats must be at most 8 \(the 2 rows times repeats may not exceed the pool's 16 "
+     r"blocks\), got 9"),
+    (lambda c: c.batch_repeat_interleave(2**62), ValueError, r"repeats must be at most 8"),
+    (lambda c: c.batch_repeat_interleave(10**20), ValueError, r"repeats must be at most 8"),
+    (lambda c: c.reorder_cache(np.array([1, 2**63], np.uint64)), IndexError,
+     r"row indices must be in 0..1, got \[1, 9223372036854775808\]"),
     (lambda c: c.update(np.ones((2, 2, 1, 8), np.float32), np.ones((2, 2, 1, 8), np.float32), 0),
      TypeError, r"key_states and value_states must be torch tensors, got ndarray and ndarray"),
     (lambda c: c.update(torch.ones(0, 2, 1, 8), torch.ones(0, 2, 1, 8), 0), ValueError,
      r"key_states must hold at least one row .*got \(0, 2, 1, 8\)"),
 ], ids=["crop-float", "crop-str", "crop-bool", "reorder-float", "reorder-float-tensor",
-        "reorder-empty", "repeat-float", "repeat-0", "repeat-negative", "update-numpy",
-        "update-no-rows"])
+        "reorder-empty", "repeat-float", "repeat-0", "repeat-negative", "repeat-past-pool",
+        "repeat-2**62", "repeat-10**20", "reorder-uint64", "update-numpy", "update-no-rows"])
 def test_cache_methods_refuse_what_is_not_an_integer_by_name(call, exc, match):
     """crop, reorder_cache, batch_repeat_interleave and update refuse floats
     (never truncated to ints), strings, bools, empty selections and arrays
@@ -191,6 +198,15 @@ def test_cache_methods_refuse_what_is_not_an_integer_by_name(call, exc, match):
     with pytest.raises(exc, match=match):
         call(cache)
     assert _rows_state(cache) == before
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
+def test_cache_repeats_up_to_the_pools_blocks():
+    pool = kvcore.BlockPool(16, 4, 2, 2, 8, dtype="float32")
+    cache = _two_step_cache(pool)
+    cache.batch_repeat_interleave(np.int64(8))          # 2 rows x 8 = the pool's 16 blocks
+    assert len(cache.rows) == 16 and cache.get_seq_length() == 3
     cache.free()
     assert pool.num_used_blocks == 0
 
