@@ -104,8 +104,9 @@ class KVCache:
     # ------------------------------------------------------------ internals
     @staticmethod
     def _allocate(backend, shape, kind):
-        # (zeros: the host backend's storage starts on a cache line, as a
-        # pool's does, so a row's vector loads never straddle two lines)
+        # (zeros: one zero-filled allocation starting on a cache line, as a
+        # pool's storage; its attention reads long contiguous runs of rows
+        # and measured the same either way)
         try:
             return backend.zeros(shape, STORAGE[kind])
         except MemoryError:
