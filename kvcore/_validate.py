@@ -7,6 +7,7 @@ import numpy as np
 
 from . import _arrays
 from ._native import _pool
+from .stores.base import utf8_text
 
 MAX_TOKEN_ID = 2**31 - 1
 # Layers a pool, a KVCache or an attention plan holds: each costs Python
@@ -114,22 +115,12 @@ def token_id(value, arg="token_id"):
     return v
 
 
-def utf8(text, arg):
-    """str ``text`` as UTF-8 bytes; ValueError naming ``arg`` for text UTF-8
-    cannot encode (a lone surrogate)."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{arg} must be text UTF-8 can encode, got {text!r:.40} "
-                         f"({e.reason} at index {e.start})") from None
-
-
 def salt_bytes(salt):
     """None, or the salt's bytes (str as UTF-8)."""
     if salt is None:
         return None
     if isinstance(salt, str):
-        return utf8(salt, "salt")
+        return utf8_text(salt, "salt")
     if isinstance(salt, (bytes, bytearray, memoryview)):
         return bytes(salt)
     raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")

@@ -10,7 +10,6 @@ columns; row ``i`` keeps its first real token at column ``pad[i]``, and its
 sequence position ``p`` is column ``p + pad[i]``.  Pad columns hold no KV
 in the pool, so rows with different padding share prefix blocks.
 """
-import operator
 import os
 import threading
 import weakref
@@ -43,12 +42,8 @@ _mask_call = threading.local()
 def _layer_number(layer_idx):
     """``layer_idx`` as an int (a Python or NumPy integer, never a bool),
     or None for anything else."""
-    if type(layer_idx) is int:
-        return layer_idx
-    if isinstance(layer_idx, (bool, np.bool_)):
-        return None
     try:
-        return operator.index(layer_idx)
+        return index_int(layer_idx, "layer_idx")
     except TypeError:
         return None
 

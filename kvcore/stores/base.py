@@ -54,9 +54,10 @@ BlockRecord = collections.namedtuple(
     "BlockRecord", "block_id hash parent_hash chain_root identity tokens payload")
 
 
-def _utf8(text, arg):
-    """str ``text`` as UTF-8; ValueError naming ``arg`` for a lone surrogate
-    (kvcore._validate.utf8's rule: the stores do not import the pool's side)."""
+def utf8_text(text, arg):
+    """str ``text`` as UTF-8 bytes; ValueError naming ``arg`` for text UTF-8
+    cannot encode (a lone surrogate).  The one statement of this rule: the
+    pool's side (a salt) calls it too, as the stores import nothing of it."""
     try:
         return text.encode()
     except UnicodeEncodeError as e:
@@ -92,12 +93,12 @@ class PrefixStore:
                 raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         if isinstance(namespace, str):
-            namespace = _utf8(namespace, "namespace")
+            namespace = utf8_text(namespace, "namespace")
         if not isinstance(namespace, (bytes, bytearray)):
             raise TypeError(f"namespace must be str or bytes, got {type(namespace).__name__}")
         self.namespace = bytes(namespace)
         if isinstance(hmac_key, str):
-            hmac_key = _utf8(hmac_key, "hmac_key")
+            hmac_key = utf8_text(hmac_key, "hmac_key")
         if hmac_key is not None and (not isinstance(hmac_key, (bytes, bytearray))
                                      or not hmac_key):
             raise TypeError("hmac_key must be None or non-empty bytes/str, got "
