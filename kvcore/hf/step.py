@@ -12,6 +12,8 @@ as before the forward and what the step reserved goes back to the pool.
 import numpy as np
 import torch
 
+from .._errors import OutOfBlocksError
+
 
 class Step:
     """One forward's bookkeeping, shared by every layer of the step.
@@ -74,8 +76,15 @@ class Step:
                 raise ValueError(f"row {i} has {nc} computed positions but this forward starts "
                                  f"at its position {lo}: the cache is out of step")
             counts[i] = max(0, int(first[i]) + q - nc)
-        for i, seq in enumerate(seqs):
-            seq.reserve(int(counts[i]))
+        # all rows or none, under the pool's (reentrant) lock: a row that
+        # ran out of blocks after the rows before it had reserved would
+        # leave them their copy-on-write copies (a truncate keeps a copied
+        # block) and the cached blocks their reservations evicted
+        pool = cache.pool
+        with pool._lock:
+            _check_room(pool, seqs, counts)
+            for i, seq in enumerate(seqs):
+                seq.reserve(int(counts[i]))
         slots = np.full((rows, q), -1, np.int64)
         for i, seq in enumerate(seqs):
             n = int(counts[i])
@@ -201,3 +210,44 @@ class Step:
                 torch.arange(cache.pool.num_kv_heads, device=cache._torch.device)[None, :, None],
                 cache._torch.tensor(pos % bs)[:, None, :])
         return self._gather
+
+
+def _check_room(pool, seqs, counts):
+    """Raise OutOfBlocksError, changing nothing, unless reserving
+    ``counts[i]`` positions in each row ``seqs[i]``, in order, finds the
+    blocks every row needs: new blocks past its table, and a copy of each
+    block it would write that is shared or cached (``PagedKVCache.reserve``'s
+    rule; a copy releases the original, which a later row holding it may
+    then own alone, and a cached one nobody holds any more is free again).
+    The caller holds the pool's lock."""
+    bs = pool.block_size
+    start = pool.num_free_blocks
+    rows = [(seq, seq.num_computed, int(n)) for seq, n in zip(seqs, counts) if n]
+    if sum(-(-(nc + n) // bs) - nc // bs for _, nc, n in rows) <= start:
+        return          # (the usual step: room even if every block were new)
+    free = start
+    refs = {}
+    total = copies = 0
+    short = False
+    for seq, nc, n in rows:
+        table = seq.block_table
+        end = -(-(nc + n) // bs)
+        cow = []
+        for b in table[nc // bs:min(end, table.shape[0])].tolist():
+            if b not in refs:
+                refs[b] = pool.ref_count(b)
+            if refs[b] != 1 or pool.is_cached(b):
+                cow.append(b)
+        need = max(0, end - table.shape[0]) + len(cow)
+        total += need
+        copies += len(cow)
+        short = short or need > free
+        free -= need
+        for b in cow:
+            refs[b] -= 1
+            if refs[b] == 0:
+                free += 1
+    if short:
+        raise OutOfBlocksError(
+            f"this forward needs {total} more blocks for its {len(seqs)} rows ({copies} "
+            f"copy-on-write), {start} of {pool.num_blocks} are free")

@@ -597,6 +597,34 @@ def test_a_step_short_of_blocks_reserves_nothing():
     assert pool.num_used_blocks == 0
 
 
+def test_a_step_short_of_copy_on_write_blocks_copies_nothing():
+    """Three rows share a partial block; the pool has one free block, so
+    only the first row could copy it: the step fails before any row copies
+    (a truncate would keep a copy), and the pool and rows are as before."""
+    pool = kvcore.BlockPool(6, 4, 1, 2, 8, dtype="float32")
+    cache = PagedCache(pool)
+    kv = torch.randn(1, 2, 7, 8)
+    cache.update(kv, kv, 0)                   # one row of 7 columns: 2 blocks
+    cache.batch_repeat_interleave(3)          # three rows share them
+    other = kvcore.PagedKVCache(pool)
+    other.allocate(np.arange(9, dtype=np.int32))   # 3 blocks: 1 left free
+    before = pool.debug.snapshot()
+    tables = [s.block_table.tolist() for s in cache.rows]
+    q = torch.randn(3, 2, 1, 8)
+    with pytest.raises(kvcore.OutOfBlocksError, match="needs 2 more blocks for its 3 rows "
+                                                      r"\(2 copy-on-write\), 1 of 6"):
+        cache.update(q, q, 0)
+    assert pool.debug.snapshot() == before
+    assert [s.block_table.tolist() for s in cache.rows] == tables
+    other.free()                              # room now: the same step runs
+    keys, _ = cache.update(q, q, 0)
+    assert torch.equal(keys[:, :, 7], q[:, :, 0]) and torch.equal(keys[:, :, :7],
+                                                                  kv.expand(3, -1, -1, -1))
+    cache.free()
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
 def test_a_dropped_cache_gives_its_blocks_back(attn):
     import gc
