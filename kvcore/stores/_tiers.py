@@ -71,6 +71,10 @@ class StoreTiers:
         self.stores = tuple(stores)
         lay = port.layout
         self._payload_size = port.bytes_per_block
+        # the largest valid entry of this pool (signed: a store without a
+        # key reads signed entries too): what a store's read may be bounded by
+        self._max_entry = _format.PREFIX_SIZE + 8 + _format.MAC_SIZE + \
+            4 * lay["block_size"] + port.bytes_per_block
         self._fp = [_format.fingerprint(lay["dtype"], lay["block_size"], lay["num_layers"],
                                         lay["num_kv_heads"], lay["head_dim"],
                                         getattr(s, "namespace", b"") or b"",
@@ -147,7 +151,10 @@ class StoreTiers:
         values = [queued.get(k) for k in keys] if queued else [None] * len(keys)
         missing = [j for j, v in enumerate(values) if v is None]
         if missing:
-            got = list(self.stores[i].get([keys[j] for j in missing]))
+            store = self.stores[i]
+            want = [keys[j] for j in missing]
+            bounded = getattr(store, "get_bounded", None)
+            got = list(store.get(want) if bounded is None else bounded(want, self._max_entry))
             for j, v in zip(missing, got):
                 values[j] = v
             if len(got) < len(missing):

@@ -14,6 +14,12 @@ one warning per condition, never into wrong data):
   store holds (one batched query: the length of the found run).
 * ``get(keys) -> list``: the value of each key (bytes-like) or None.
   Marks what it returns as recently used.
+* ``get_bounded(keys, max_bytes) -> list`` (optional): ``get``, except
+  that a value longer than ``max_bytes`` may come back as ``b""`` (a
+  corrupt entry) without being read whole.  The pool calls it with the
+  size of its largest valid entry where a store has it, so a value
+  planted huge (in Redis, by anyone who may write there) costs the reader
+  ``max_bytes``, not the value's size; ``PrefixStore``'s calls ``get``.
 * ``put(items) -> list``: store ``(key, value)`` pairs (a key already there
   is replaced); returns the ``(key, value)`` pairs the store dropped to stay
   within its capacity, least recently used first, for the next tier (the
@@ -110,6 +116,12 @@ class PrefixStore:
 
     def get(self, keys):
         raise NotImplementedError
+
+    def get_bounded(self, keys, max_bytes):
+        """:meth:`get`, where a value longer than ``max_bytes`` may come
+        back as ``b""`` without being read whole (stores that can bound a
+        read override this)."""
+        return self.get(keys)
 
     def put(self, items):
         raise NotImplementedError

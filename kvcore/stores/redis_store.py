@@ -227,6 +227,46 @@ class RedisStore(PrefixStore):
                     raise v
         return values
 
+    def get_bounded(self, keys, max_bytes):
+        """:meth:`get` reading at most ``max_bytes`` of each value: one
+        pipelined round of ``STRLEN`` and ``GETRANGE`` per key.  A longer
+        value (planted: a pool never writes one) comes back as ``b""``, a
+        corrupt entry, after ``max_bytes`` of it crossed the network
+        instead of all of it (up to Redis' 512 MiB a string)."""
+        if not keys:
+            return []
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        commands = []
+        for k in keys:
+            key = self._key(k)
+            commands += [("STRLEN", key), ("GETRANGE", key, 0, max_bytes - 1)]
+        if self._nodes is not None:
+            replies = [None if v is _FAILED else v for v in self._nodes.run(commands)]
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            replies = pipe.execute(raise_on_error=False)
+        values = []
+        for size, value in zip(replies[0::2], replies[1::2]):
+            if isinstance(size, BaseException) or isinstance(value, BaseException):
+                e = size if isinstance(size, BaseException) else value
+                # a key planted with another type holds no entry (see get)
+                if isinstance(e, self._response_error) and str(e).startswith("WRONGTYPE"):
+                    values.append(b"")
+                    continue
+                raise e
+            if size is None or value is None:       # its cluster node failed: a miss
+                values.append(None)
+            elif size == 0:
+                values.append(None)                # no such key (or an empty value)
+            elif size > max_bytes:
+                values.append(b"")                 # too long for an entry: corrupt
+            else:
+                values.append(value)
+        return values
+
     def put(self, items):
         if not items:
             return []

@@ -133,6 +133,53 @@ def test_corrupt_entry_in_redis_is_a_miss_with_a_warning(server, where):
     assert pool.stats()["stores"][0]["rejected"] == 1
 
 
+def test_a_value_planted_huge_is_read_only_as_far_as_an_entry_reaches(server, monkeypatch):
+    """A value grown far past any entry of the pool (SETRANGE) is a corrupt
+    miss read through ``get_bounded``: the pool never asks for it whole."""
+    pool, store = redis_pool(server)
+    run(pool, PROMPT)
+    flush_pool(pool)
+    client = server.client()
+    fp = _format.fingerprint("float16", 4, 2, 2, 8, b"t")
+    skeys = [_format.store_key(fp, h) for h in kvcore.block_hashes(PROMPT, 4)]
+    key = b"kvcore:t:" + skeys[1].hex().encode()
+    entry = client.get(key)
+    client.setrange(key, 8 << 20, b"x")                     # 8 MiB and a byte
+    asked = []
+    real = kvcore.RedisStore.get_bounded
+
+    def spy(self, keys, max_bytes):
+        got = real(self, keys, max_bytes)
+        asked.append((max_bytes, [None if v is None else len(v) for v in got]))
+        return got
+
+    def whole(self, keys):
+        raise AssertionError("the pool read values whole")
+
+    monkeypatch.setattr(kvcore.RedisStore, "get_bounded", spy)
+    monkeypatch.setattr(kvcore.RedisStore, "get", whole)
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        check_hit(pool, PROMPT, 1)
+    assert pool.stats()["stores"][0]["rejected"] == 1
+    # the bound: the largest entry this pool makes (signed or not), far below the value
+    limit = asked[0][0]
+    assert len(entry) <= limit < len(entry) + 64 and limit < 1 << 20
+    assert all(n is None or n <= limit for _, sizes in asked for n in sizes)
+    pool.debug.check()
+    # the store on its own: within the bound the value as it is, past it b""
+    monkeypatch.undo()
+    head = skeys[0]
+    whole_value = store.get([head])[0]
+    assert store.get_bounded([head, skeys[1], b"\0" * 32], len(whole_value)) == \
+        [whole_value, b"", None]
+    assert store.get_bounded([head], len(whole_value) - 1) == [b""]
+    with pytest.raises(ValueError, match="max_bytes must be a positive int, got 0"):
+        store.get_bounded([head], 0)
+    client.delete(key)
+    client.rpush(key, b"not an entry")                       # another type: corrupt
+    assert store.get_bounded([skeys[1]], 1000) == [b""]
+
+
 def test_hmac(server):
     signed, _ = redis_pool(server, hmac_key=b"secret-1")
     run(signed, PROMPT)

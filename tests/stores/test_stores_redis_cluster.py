@@ -409,6 +409,25 @@ def test_keys_spread_over_all_masters_and_hit_bit_exact(cluster):
     store.close()
 
 
+def test_a_value_planted_huge_on_a_shard_is_a_bounded_corrupt_miss(cluster):
+    store = cluster.store(namespace="huge")
+    pool = make_pool(num_blocks=16, stores=[store])
+    run(pool, LONG)
+    flush_pool(pool)
+    key = redis_key(LONG, 3, "huge")
+    node = cluster.node(cluster.owner(key))
+    entry = node.get(key)
+    node.setrange(key, 4 << 20, b"x")
+    skeys = [store_key(LONG, b, "huge") for b in range(10)]
+    got = store.get_bounded(skeys[2:5], len(entry))
+    assert got[0] == store.get([skeys[2]])[0] and got[1] == b"" and len(got[2]) == len(entry)
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        check_hit(pool, LONG, 3)
+    assert pool.stats()["stores"][0]["rejected"] == 1
+    pool.debug.check()
+    store.close()
+
+
 def test_two_processes_share_prefixes_through_the_cluster(cluster, tmp_path):
     script = tmp_path / "peer.py"
     script.write_text(peer_script(f"kvcore.RedisStore.cluster({cluster.startup!r}, "
