@@ -241,6 +241,16 @@ class DiskStore(PrefixStore):
         return n
 
     def get(self, keys):
+        return self._read(keys, self.capacity_bytes)
+
+    def get_bounded(self, keys, max_bytes):
+        """:meth:`get`, reading only the head of a file longer than
+        ``max_bytes`` (a corrupt entry: ``b""``-like, it fails its checks)."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        return self._read(keys, min(self.capacity_bytes, max_bytes))
+
+    def _read(self, keys, limit):
         # Entries are read, not mapped: a mapping keeps a file descriptor
         # per entry (a long prefix would run out of them) and a file
         # truncated under it would kill the process (SIGBUS).  They are
@@ -255,7 +265,8 @@ class DiskStore(PrefixStore):
         for p in paths:
             try:
                 st = os.lstat(p)
-                sizes.append(st.st_size if stat.S_ISREG(st.st_mode) else 0)
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                sizes.append(size if size <= limit else min(size, _format.HEAD_PROBE))
             except OSError:
                 sizes.append(0)
         arena = np.empty(sum(sizes), np.uint8)
@@ -268,10 +279,10 @@ class DiskStore(PrefixStore):
                 out.append(None)
                 continue
             try:
-                if size > _format.HEAD_PROBE and (size > self.capacity_bytes
-                                                  or not _as_promised(fd, size)):
+                if size > _format.HEAD_PROBE and (size > limit or not _as_promised(fd, size)):
                     # no entry of this store is that large (its put would
-                    # have handed it on), nor longer than its header says
+                    # have handed it on; nor of the asking pool, past a
+                    # get_bounded's limit), nor longer than its header says
                     # (e.g. a sparse file): read the head only, a corrupt entry
                     size = _format.HEAD_PROBE
                 if size <= room:

@@ -424,6 +424,35 @@ def test_a_file_larger_than_an_entry_is_never_read_whole(tmp_path, capacity_byte
         assert disk.used_bytes() <= disk.capacity_bytes
 
 
+def test_a_file_as_long_as_its_header_says_is_read_only_as_far_as_an_entry_reaches(
+        tmp_path, monkeypatch):
+    """A file of real bytes whose header promises its whole length, within a
+    large store's capacity (a store shared by pools of larger blocks): the
+    pool's lookup reads at most its own largest entry's bytes of it
+    (``get_bounded``), its head, and calls it corrupt."""
+    disk, pool, key = spilled_to_disk(tmp_path, 1 << 40, 0)
+    p = entry_path(tmp_path, key)
+    (value,) = disk.get([key])
+    grown = bytearray(value) + bytearray(8 << 20)
+    grown[112:120] = (len(grown) - len(value) + int.from_bytes(value[112:120], "little")
+                      ).to_bytes(8, "little")          # the header promises every byte
+    p.write_bytes(bytes(grown))
+    assert _format.entry_size(bytes(grown[:_format.HEAD_PROBE])) == len(grown)
+    assert len(disk.get([key])[0]) == len(grown)          # get: the whole file, as promised
+    assert len(disk.get_bounded([key], len(value))[0]) == _format.HEAD_PROBE
+    with pytest.raises(ValueError, match="max_bytes must be a positive int, got -1"):
+        disk.get_bounded([key], -1)
+
+    def whole(self, keys):
+        raise AssertionError("the pool read a file whole")
+
+    monkeypatch.setattr(kvcore.DiskStore, "get", whole)
+    with pytest.warns(kvcore.StoreWarning, match="corrupt"):
+        check_hit(pool, PROMPT, 0)
+    assert pool.stats()["stores"][0]["rejected"] == 1
+    pool.debug.check()
+
+
 # ------------------------------------------------------------ PATH/.lock
 def spill_many(pool, n, base=50_000):
     """``n`` distinct prompts through ``pool``, each evicting the last's
