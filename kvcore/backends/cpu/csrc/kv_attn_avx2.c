@@ -686,5 +686,25 @@ const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
     KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
 };
 const kva_kernels kva_kernels_avx2_e4m3_wide = KVA_KERNELS(e4m3w, avx2, 0x1p120f, 1, 0);
-const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2};
+KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n)
+{
+    const __m256 vc = _mm256_set1_ps(c);
+    ptrdiff_t i = 0;
+    /* (the scalar loop's products, in its order: the same bits) */
+    if (w == NULL)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), vc));
+    else if (c == 1.0f)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i)));
+    else
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(s + i),
+                                                                _mm256_loadu_ps(w + i)), vc));
+    if (i < n)
+        kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
+}
+
+const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2,
+                                scale_avx2};
 #endif /* KVA_HAVE_AVX2 */

@@ -983,6 +983,25 @@ KVA_AVX512_TARGET static void exp2_neg_n_avx512(const float *x, float *y, ptrdif
     }
 }
 
+KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, ptrdiff_t n)
+{
+    const __m512 vc = _mm512_set1_ps(c);
+    ptrdiff_t i = 0;
+    /* (the scalar loop's products, in its order: the same bits) */
+    if (w == NULL)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vc));
+    else if (c == 1.0f)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i)));
+    else
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i),
+                                                                _mm512_loadu_ps(w + i)), vc));
+    if (i < n)
+        kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
+}
+
 const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
     KVA_KERNELS(f32, avx512, 1.0f, 1, 1),
     KVA_KERNELS(f16, avx512, 1.0f, 1, 1),
@@ -993,5 +1012,5 @@ const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
 };
 const kva_kernels kva_kernels_avx512_e4m3_wide = KVA_KERNELS(e4m3w, avx512, 0x1p120f, 1, 1);
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
-                                  exp2_neg_n_avx512};
+                                  exp2_neg_n_avx512, scale_avx512};
 #endif /* KVA_HAVE_AVX512 */

@@ -155,6 +155,11 @@ typedef struct {
     /* s[i] = b * tanh(a * s[i]) for i < n. */
     void (*softcap)(float *s, ptrdiff_t n, float a, float b);
     void (*exp2_neg)(const float *x, float *y, ptrdiff_t n);
+    /* s[i] = (s[i] * w[i]) * c for i < n (w NULL: s[i] * c; c 1: the one
+     * product): low precision pages' scales on a tile's scores and weights,
+     * one rounding per product as the scalar loop has it, so every level
+     * gives the same bits. */
+    void (*scale)(float *s, const float *w, float c, ptrdiff_t n);
 } kva_math;
 
 /* Tables indexed by kind (KVA_F32 .. KVA_I8). */
@@ -163,6 +168,7 @@ extern const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS];
 extern const kva_math kva_math_scalar;
 /* The scalar soft cap (tanhf; the NEON level uses it too). */
 void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b);
+void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n);
 #if KVA_HAVE_AVX2
 extern const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx2;

@@ -153,6 +153,19 @@ void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b)
         s[i] = b * tanhf(a * s[i]);
 }
 
+void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n)
+{
+    if (w == NULL)
+        for (ptrdiff_t i = 0; i < n; i++)
+            s[i] *= c;
+    else if (c == 1.0f)
+        for (ptrdiff_t i = 0; i < n; i++)
+            s[i] *= w[i];
+    else
+        for (ptrdiff_t i = 0; i < n; i++)
+            s[i] = s[i] * w[i] * c;
+}
+
 static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)
 {
     for (ptrdiff_t i = 0; i < n; i++)
@@ -165,4 +178,4 @@ const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, scalar, 1.0f, 0, 0), KVA_KERNELS(i8, scalar, 1.0f, 0, 0),
 };
 const kva_math kva_math_scalar = {row_max_scalar, row_exp_sum_scalar, kva_softcap_scalar,
-                                  exp2_neg_scalar};
+                                  exp2_neg_scalar, kva_scale_scalar};

@@ -102,21 +102,20 @@ static inline float layer_scale(float s)
 
 /* Low precision: the scales of keys t0..t0+nt-1 of kv head g (ks, vs),
  * and the scores of the tile's M rows times the keys' scales. */
-static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t t0, int nt,
-                        float *ks, float *vs, float *S, int M)
+static void tile_scales(const kva_args *a, const kva_math *math, const int32_t *table, int g,
+                        int64_t t0, int nt, float *ks, float *vs, float *S, int M)
 {
     if (a->key_scales != NULL) {
-        /* position t0 + i: block blk, offset off (one division per tile) */
+        /* position t0 + i: block blk, offset off (one division per tile);
+         * a block's run of scales at a time (they lie together) */
         int64_t blk = t0 / a->block_size, off = t0 - blk * a->block_size;
-        size_t at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size + (size_t)off;
-        for (int i = 0; i < nt; i++, off++, at++) {
-            if (off == a->block_size) {
-                blk++;
-                off = 0;
-                at = ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size;
-            }
-            ks[i] = a->key_scales[at];
-            vs[i] = a->value_scales[at];
+        for (int i = 0; i < nt; blk++, off = 0) {
+            const int run = (int)(a->block_size - off < nt - i ? a->block_size - off : nt - i);
+            const size_t at =
+                ((size_t)table[blk] * a->num_kv_heads + g) * a->block_size + (size_t)off;
+            memcpy(ks + i, a->key_scales + at, (size_t)run * sizeof(float));
+            memcpy(vs + i, a->value_scales + at, (size_t)run * sizeof(float));
+            i += run;
         }
     } else {
         /* fp8: the kv head's scales (an item is one kv head: one pair) */
@@ -128,8 +127,7 @@ static void tile_scales(const kva_args *a, const int32_t *table, int g, int64_t 
         }
     }
     for (int r = 0; r < M; r++)
-        for (int i = 0; i < nt; i++)
-            S[r * KVA_KEY_TILE + i] *= ks[i];
+        math->scale(S + (size_t)r * KVA_KEY_TILE, ks, 1.0f, nt);
 }
 
 /* Every line of the `bytes` bytes at p. */
@@ -382,7 +380,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
             kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         }
         if (scaled)
-            tile_scales(a, table, g, t0, nt, ks, vs, ws->S, M);
+            tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, M);
         for (int r = 0; r < M; r++) {
             float *srow = ws->S + r * KVA_KEY_TILE;
             if (capped) {
@@ -444,15 +442,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
              * values are read divided by unit: the weights carry it, so each
              * product is the exact p * v (subnormal ones included); one
              * pass over the weights for both */
-            if (scaled && unit != 1.0f)
-                for (int64_t i = first; i < last; i++)
-                    srow[i] = srow[i] * vs[i] * unit;
-            else if (scaled)
-                for (int64_t i = first; i < last; i++)
-                    srow[i] *= vs[i];
-            else if (unit != 1.0f)
-                for (int64_t i = first; i < last; i++)
-                    srow[i] *= unit;
+            if (scaled || unit != 1.0f)
+                math->scale(srow + first, scaled ? vs + first : NULL, unit, last - first);
         }
         /* P V over each row's visible keys only (a masked key's weight is
          * 0, but 0 * a stored NaN or inf is NaN): runs of rows with the same
