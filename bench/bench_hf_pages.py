@@ -5,7 +5,7 @@ dtype and per kvcore thread count, alternated (issue 42).
     python bench/bench_hf_pages.py [--model smollm2|PATH.gguf] [--text FILE]
         [--tokens 4096] [--chunk 512] [--calib 512] [--steps 24]
         [--dtypes float16,int8,float8_e4m3fn] [--threads 1[,2]]
-        [--torch-threads N] [--prefill-reps N]
+        [--torch-threads N] [--prefill-reps N] [--batch B]
         [--generate B[,B...] [--gen-prompt N] [--gen-new N] [--gen-reps N]]
         [--json FILE]
 
@@ -25,7 +25,13 @@ dtype and per kvcore thread count, alternated (issue 42).
    cache is cropped back after its step: every step attends ``--tokens``
    + 1 positions.  Per step the time in ``AttentionPlan.run`` (all layers)
    and in ``PagedCache.update`` is noted: their share of the step says how
-   much any page dtype could gain on this model.
+   much any page dtype could gain on this model.  With ``--batch B`` (B >
+   1) the decode steps run on new caches of B sequences instead: rows of
+   ``--tokens`` positions starting 64 tokens apart in the text (distinct
+   pages, no shared prefix), each prefilled in chunks of ``--chunk``; each
+   step appends the next text token of every row.  Attention then reads B
+   times the pages while the weights are read once, so its share of the
+   step (and what 8-bit pages can gain) grows with B.
 3. With more than one ``--threads``: the last ``--chunk`` tokens prefilled
    again (crop, forward) on the float16 cache, ``--prefill-reps`` times per
    thread count, alternated.
@@ -96,7 +102,7 @@ def _fmt(s, unit=1e3, digits=1):
 
 def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, steps=24,
         dtypes=DTYPES, threads=(1,), torch_threads=None, prefill_reps=3, generate=(),
-        gen_prompt=1024, gen_new=32, gen_reps=2):
+        gen_prompt=1024, gen_new=32, gen_reps=2, batch=1):
     import torch
     import transformers
 
@@ -112,22 +118,24 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with open(text, encoding="utf-8") as f:
         ids = tok(f.read(), return_tensors="pt")["input_ids"]
-    if ids.shape[1] < tokens + max(calib, steps):
-        raise ValueError(f"{text} has {ids.shape[1]} tokens; the run needs {tokens} + "
-                         f"{max(calib, steps)}")
+    need = tokens + max(calib, steps + (batch - 1) * ROW_STRIDE + 1)
+    if ids.shape[1] < need:
+        raise ValueError(f"{text} has {ids.shape[1]} tokens; the run needs {need}")
     m = _model(model, "float32")
     key = kvcore.hf.cache_keyword(m)
     sample = ids[:, :tokens]
     after = ids[:, tokens:tokens + max(calib, steps)]
     result = {"model": model, "text": text, "tokens": tokens, "chunk": chunk, "calib": calib,
               "torch_threads": torch.get_num_threads(), "threads": list(threads),
-              "simd": kvcore.simd_levels(), "perplexity": {}, "decode": {}, "prefill": {}}
+              "simd": kvcore.simd_levels(), "perplexity": {}, "decode": {}, "prefill": {},
+              "batch": batch}
 
     def nll_pass(cache):
         nll, count = chunked_nll(m, cache, sample, chunk)
         return math.exp(nll / count)
 
     caches = {}
+    scales_of = {}
     blocks = (tokens + 2 * chunk) // 16 + 4
     with torch.no_grad():
         m.set_attn_implementation("sdpa")
@@ -140,6 +148,7 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
         for dtype in dtypes:
             scales = kvcore.hf.calibrate_kv_scales(m, after[:, :calib], dtype=dtype) \
                 if dtype.startswith("float8") else None
+            scales_of[dtype] = scales
             pool = kvcore.hf.pool_for(m.config, blocks, dtype=dtype, kv_scales=scales)
             cache = kvcore.hf.PagedCache(pool)
             t0 = time.perf_counter()
@@ -151,6 +160,10 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
         for row in result["perplexity"].values():
             row["vs_dynamic"] = row["perplexity"] / ref - 1
 
+        if batch > 1:
+            caches = _batch_caches(m, kvcore, transformers, ids, caches, scales_of, tokens,
+                                   chunk, batch)
+            result["batch_prefill_seconds"] = caches.pop("seconds")
         # ---- decode steps at `tokens` positions, alternated
         parts = _Parts([(AttentionPlan, "run", "run"), (kvcore.hf.PagedCache, "update", "update")])
         try:
@@ -158,7 +171,7 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
                     if name in dtypes or t == threads[0]]     # DynamicCache: one arm
             samples = {arm: {"step": [], "run": [], "update": []} for arm in arms}
             for i in range(steps + 1):                   # step 0 warms up
-                step_ids = after[:, i:i + 1]
+                step_ids = _step_ids(ids, tokens, i, batch)
                 order = arms[i % len(arms):] + arms[:i % len(arms)]
                 for arm in order:
                     name, t = arm
@@ -202,7 +215,7 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
             result["decode"][f"{name} | {t}"] = row
 
         # ---- prefill of the last chunk again, per thread count
-        if len(threads) > 1 and "float16" in dtypes:
+        if len(threads) > 1 and "float16" in dtypes and batch == 1:
             _, cache = caches["float16"]
             m.set_attn_implementation(kvcore.hf.ATTN_IMPLEMENTATION)
             times = {t: [] for t in threads}
@@ -222,6 +235,44 @@ def run(model="smollm2", text=DEFAULT_TEXT, tokens=4096, chunk=512, calib=512, s
         if hasattr(cache, "free"):
             cache.free()
     return result
+
+
+ROW_STRIDE = 64      # --batch: row b starts at token b * ROW_STRIDE of the text
+
+
+def _step_ids(ids, tokens, i, batch):
+    """The decode step's input ``(batch, 1)``: row b's next text token
+    (row b holds tokens ``[b * ROW_STRIDE, b * ROW_STRIDE + tokens)``)."""
+    import torch
+
+    return torch.stack([ids[0, b * ROW_STRIDE + tokens + i] for b in range(batch)])[:, None]
+
+
+def _batch_caches(m, kvcore, transformers, ids, caches, scales_of, tokens, chunk, batch):
+    """New caches (same names and attentions as ``caches``, whose caches
+    are freed) holding ``batch`` rows of ``tokens`` text positions, row b
+    starting at token ``b * ROW_STRIDE``; ``"seconds"``: prefill time per
+    cache."""
+    rows = ids[0, :(batch - 1) * ROW_STRIDE + tokens].unfold(0, tokens, ROW_STRIDE)[:batch]
+    key = kvcore.hf.cache_keyword(m)
+    out, seconds = {}, {}
+    for name, (attn, old) in caches.items():
+        if hasattr(old, "free"):
+            old.free()
+        if attn == "sdpa":
+            cache = transformers.DynamicCache(config=m.config)
+        else:
+            pool = kvcore.hf.pool_for(m.config, batch * ((tokens + chunk) // 16 + 4),
+                                      dtype=name, kv_scales=scales_of[name])
+            cache = kvcore.hf.PagedCache(pool)
+        m.set_attn_implementation(attn)
+        t0 = time.perf_counter()
+        for lo in range(0, tokens, chunk):
+            m(rows[:, lo:lo + chunk].contiguous(), logits_to_keep=1, **{key: cache})
+        seconds[name] = time.perf_counter() - t0
+        out[name] = (attn, cache)
+    out["seconds"] = seconds
+    return out
 
 
 def _generate_rows(m, kvcore, torch, threads, batches, prompt, new, reps):
@@ -265,7 +316,8 @@ def report(r):
     for name, row in r["perplexity"].items():
         lines.append(f"  {name:<32} {row['perplexity']:10.4f}   {row['vs_dynamic']:+15.2%}   "
                      f"{row.get('bytes_per_token', ''):>14}   {row['seconds']:7.1f}")
-    lines += ["", f"decode step at {r['tokens']} positions, ms, median [min-max] over "
+    rows = f"batch {r['batch']} x " if r.get("batch", 1) > 1 else ""
+    lines += ["", f"decode step at {rows}{r['tokens']} positions, ms, median [min-max] over "
               f"{next(iter(r['decode'].values()))['step']['n']} steps (alternated)",
               "  pages | kvcore threads              step                 "
               "AttentionPlan.run    share   update     step x float16  run x float16"]
@@ -321,6 +373,8 @@ def main(argv=None):
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch threads (default: torch's own default)")
     p.add_argument("--prefill-reps", type=int, default=3, metavar="N")
+    p.add_argument("--batch", type=int, default=1, metavar="B",
+                   help="sequences in the decode steps' caches (default %(default)s)")
     p.add_argument("--generate", default="", metavar="B[,B...]",
                    help="batch sizes of timed generate calls (default: none)")
     p.add_argument("--gen-prompt", type=int, default=1024, metavar="N")
@@ -328,7 +382,8 @@ def main(argv=None):
     p.add_argument("--gen-reps", type=int, default=2, metavar="N")
     p.add_argument("--json", metavar="FILE")
     a = p.parse_args(argv)
-    for name in ("tokens", "chunk", "calib", "steps", "prefill_reps", "gen_prompt", "gen_reps"):
+    for name in ("tokens", "chunk", "calib", "steps", "prefill_reps", "gen_prompt", "gen_reps",
+                 "batch"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.torch_threads is not None and a.torch_threads < 1:
@@ -354,7 +409,8 @@ def main(argv=None):
         p.error(f"--generate: expected positive integers separated by commas, got "
                 f"{a.generate!r}")
     r = run(a.model, a.text, a.tokens, a.chunk, a.calib, a.steps, dtypes, threads,
-            a.torch_threads, a.prefill_reps, generate, a.gen_prompt, a.gen_new, a.gen_reps)
+            a.torch_threads, a.prefill_reps, generate, a.gen_prompt, a.gen_new, a.gen_reps,
+            a.batch)
     print(report(r))
     if a.json:
         with open(a.json, "w") as f:
