@@ -185,6 +185,21 @@ static void check_math(void)
         }
         check(worst <= 4e-7, "softcap", -1, 0, 0, n, worst);
     }
+    /* the scales' products: the scalar loop's bits, every length (the
+     * tails), each form (weights and a constant, weights, a constant),
+     * subnormal and huge factors among them */
+    for (int n = 0; n <= 40; n++)
+        for (int form = 0; form < 3; form++) {
+            float x[40], y[40], w[40];
+            for (int i = 0; i < n; i++) {
+                x[i] = y[i] = urand() * (i % 7 == 0 ? 0x1p-120f : 30.0f);
+                w[i] = urand() * (i % 5 == 0 ? 0x1p100f : 2.0f);
+            }
+            const float c = form == 1 ? 1.0f : (n % 2 ? 256.0f : 0x1p-20f);
+            v->scale(y, form == 2 ? NULL : w, c, n);
+            s->scale(x, form == 2 ? NULL : w, c, n);
+            check(memcmp(x, y, (size_t)n * sizeof(float)) == 0, "scale", -1, 0, 0, n, form);
+        }
 }
 
 /* One f16 (or `kind`) batch at the avx512 level with `threads` threads;
