@@ -33,6 +33,25 @@ from ._spill import SpillQueue
 from .base import PrefixStore
 
 
+def _bounded_get(store):
+    """``store.get_bounded``, or None where the pool must call ``get``: the
+    store has none, or overrides ``get`` below the class (or instance) that
+    defines its ``get_bounded`` (a subclass of RedisStore whose ``get``
+    decompresses, say: the inherited bounded read would bypass it)."""
+    bounded = getattr(store, "get_bounded", None)
+    if bounded is None:
+        return None
+    own = getattr(store, "__dict__", {})
+    if "get_bounded" in own:
+        return bounded
+    if "get" in own:
+        return None
+    mro = type(store).__mro__
+    where = {name: next((i for i, c in enumerate(mro) if name in vars(c)), len(mro))
+             for name in ("get", "get_bounded")}
+    return None if where["get"] < where["get_bounded"] else bounded
+
+
 class Fetched:
     """Verified entries of consecutive blocks from one store, for the pool
     to copy in (:meth:`StoreTiers.fetch`): ``store``, ``blocks`` (block
@@ -153,7 +172,7 @@ class StoreTiers:
         if missing:
             store = self.stores[i]
             want = [keys[j] for j in missing]
-            bounded = getattr(store, "get_bounded", None)
+            bounded = _bounded_get(store)
             got = list(store.get(want) if bounded is None else bounded(want, self._max_entry))
             for j, v in zip(missing, got):
                 values[j] = v

@@ -20,6 +20,8 @@ one warning per condition, never into wrong data):
   size of its largest valid entry where a store has it, so a value
   planted huge (in Redis, by anyone who may write there) costs the reader
   ``max_bytes``, not the value's size; ``PrefixStore``'s calls ``get``.
+  A subclass that overrides ``get`` below the class defining its
+  ``get_bounded`` is read through its ``get``.
 * ``put(items) -> list``: store ``(key, value)`` pairs (a key already there
   is replaced); returns the ``(key, value)`` pairs the store dropped to stay
   within its capacity, least recently used first, for the next tier (the

@@ -261,6 +261,11 @@ class RedisStore(PrefixStore):
                 values.append(None)
             elif size == 0:
                 values.append(None)                # no such key (or an empty value)
+            elif len(value) != min(size, max_bytes):
+                # deleted or rewritten between the STRLEN and the GETRANGE
+                # (another client's commands may run between them): a miss,
+                # as get would have found it, not a corrupt entry
+                values.append(None)
             elif size > max_bytes:
                 values.append(b"")                 # too long for an entry: corrupt
             else:

@@ -180,6 +180,84 @@ def test_a_value_planted_huge_is_read_only_as_far_as_an_entry_reaches(server, mo
     assert store.get_bounded([skeys[1]], 1000) == [b""]
 
 
+def test_a_subclass_that_overrides_get_is_read_through_its_get(server):
+    """A RedisStore subclass overriding only ``get`` (here: values kept
+    compressed) is read through that ``get``: the pool's bounded read
+    (``get_bounded``, inherited) would bypass it and find every entry
+    corrupt."""
+    import zlib
+
+    class Zipped(kvcore.RedisStore):
+        def put(self, items):
+            return super().put([(k, zlib.compress(bytes(v))) for k, v in items])
+
+        def get(self, keys):
+            return [None if v is None else zlib.decompress(bytes(v)) for v in super().get(keys)]
+
+    pool = make_pool(stores=[Zipped(server.url, namespace="zip")])
+    run(pool, PROMPT)
+    flush_pool(pool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvcore.StoreWarning)
+        check_hit(pool, PROMPT, 4)
+    assert pool.stats()["stores"][0]["hits"] == 4
+    pool.debug.check()
+
+
+def test_a_value_changed_between_strlen_and_getrange_is_a_miss_not_corrupt(server):
+    """get_bounded reads a value's length, then its bytes (two commands that
+    another client's may come between): a value deleted or rewritten
+    between them is a miss, as ``get`` would find it, not a corrupt entry
+    (a StoreWarning for a plain eviction)."""
+    pool, store = redis_pool(server)
+    run(pool, PROMPT)
+    flush_pool(pool)
+    fp = _format.fingerprint("float16", 4, 2, 2, 8, b"t")
+    skeys = [_format.store_key(fp, h) for h in kvcore.block_hashes(PROMPT, 4)]
+    client = server.client()
+    real = store._client
+    head, entry = store.get(skeys[:2])
+
+    class Between:
+        """The store's client, with another client's commands run between
+        the STRLENs and the GETRANGEs of a pipeline: ``then(client)``."""
+        def __init__(self, then):
+            self.then = then
+
+        def pipeline(self, transaction=True):
+            outer = self
+            queued = []
+
+            class Pipe:
+                def execute_command(self, *command):
+                    queued.append(command)
+
+                def execute(self, raise_on_error=True):
+                    out = [None] * len(queued)
+                    for name in ("STRLEN", "GETRANGE"):
+                        p = real.pipeline(transaction=False)
+                        idx = [j for j, c in enumerate(queued) if c[0] == name]
+                        for j in idx:
+                            p.execute_command(*queued[j])
+                        for j, v in zip(idx, p.execute(raise_on_error=raise_on_error)):
+                            out[j] = v
+                        if name == "STRLEN":
+                            outer.then(client)
+                    return out
+            return Pipe()
+
+    key = b"kvcore:t:" + skeys[1].hex().encode()
+    store._client = Between(lambda c: c.delete(key))          # evicted in between
+    assert store.get_bounded([skeys[0], skeys[1]], 1 << 20) == [head, None]
+    client.set(key, entry)
+    store._client = Between(lambda c: c.set(key, entry[:100]))   # rewritten shorter
+    assert store.get_bounded([skeys[1]], 1 << 20) == [None]
+    client.set(key, entry)
+    store._client = Between(lambda c: c.set(key, entry + b"x" * 10))   # rewritten longer
+    assert store.get_bounded([skeys[1]], 1 << 20) == [None]
+    store._client = real
+
+
 def test_hmac(server):
     signed, _ = redis_pool(server, hmac_key=b"secret-1")
     run(signed, PROMPT)
