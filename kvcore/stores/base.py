@@ -73,6 +73,14 @@ def utf8_text(text, arg):
                          f"({e.reason} at index {e.start})") from None
 
 
+def bound_bytes(max_bytes):
+    """``get_bounded``'s ``max_bytes`` checked: a positive int (ValueError
+    naming it otherwise)."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+    return max_bytes
+
+
 class PrefixStore:
     """Base class of kvcore's prefix stores (and a template for others).
 

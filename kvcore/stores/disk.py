@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _format
 from .._forksafe import LEAF, fork_guard
-from .base import PrefixStore
+from .base import PrefixStore, bound_bytes
 
 _SUFFIX = ".kve"
 _LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
@@ -246,8 +246,7 @@ class DiskStore(PrefixStore):
     def get_bounded(self, keys, max_bytes):
         """:meth:`get`, reading only the head of a file longer than
         ``max_bytes`` (a corrupt entry: ``b""``-like, it fails its checks)."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        bound_bytes(max_bytes)
         return self._read(keys, min(self.capacity_bytes, max_bytes))
 
     def _read(self, keys, limit):

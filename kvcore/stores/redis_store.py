@@ -1,7 +1,7 @@
 """RedisStore: evicted blocks in a Redis server or a Redis Cluster, shared by
 processes and machines."""
 from ._redis_cluster import FAILED as _FAILED
-from .base import PrefixStore
+from .base import PrefixStore, bound_bytes
 
 _MAX_TTL = 2**53 / 1000       # seconds: Redis' PX (milliseconds) must fit after "now" is added
 _MAX_TIMEOUT = 2**31 - 1      # seconds: what a socket timeout (timeval) takes everywhere
@@ -235,8 +235,7 @@ class RedisStore(PrefixStore):
         instead of all of it (up to Redis' 512 MiB a string)."""
         if not keys:
             return []
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        bound_bytes(max_bytes)
         commands = []
         for k in keys:
             key = self._key(k)
