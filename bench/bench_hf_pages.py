@@ -324,9 +324,10 @@ def report(r):
     for name, row in r["decode"].items():
         vs = f"{row['vs_float16']:.3f}x [{row['vs_float16_range'][0]:.2f}-" \
              f"{row['vs_float16_range'][1]:.2f}]" if "vs_float16" in row else ""
+        run_vs = f"{row['run_vs_float16']:.3f}x" if "run_vs_float16" in row else "-"
         lines.append(f"  {name:<32} {_fmt(row['step']):<20} {_fmt(row['run'], digits=2):<20} "
                      f"{row['run_share']:5.1%}   {_fmt(row['update'], digits=2):<10} {vs:<20} "
-                     f"{row.get('run_vs_float16', float('nan')):.3f}x")
+                     f"{run_vs}")
         if "vs_threads0" in row:
             lines.append(f"    against {r['threads'][0]} kvcore thread(s), same pages: step "
                          f"{row['vs_threads0']:.3f}x, AttentionPlan.run "

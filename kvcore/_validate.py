@@ -40,16 +40,39 @@ def nonneg_int(value, arg):
     return v
 
 
+# Integers kvcore takes (counts, sizes, positions, ids, seeds) fit in 64
+# bits; one of more than MAX_INT_BITS bits is refused here, before a range
+# error can print it (Python will not turn an int of more than 4300 digits
+# into text: the message would raise its own, nameless ValueError).  Wider
+# than 64 so that the range errors still name values such as 2**64.
+MAX_INT_BITS = 256
+
+
 def index_int(value, arg):
-    """``value`` as an int (bools and floats rejected)."""
-    if type(value) is int:
-        return value
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{arg} must be an integer, got bool {value!r}")
+    """``value`` as an int (bools and floats rejected; at most
+    MAX_INT_BITS bits, sign apart)."""
+    if type(value) is not int:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{arg} must be an integer, got bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{arg} must be an integer, got {type(value).__name__} "
+                            f"{_shown(value)}") from None
+    if value.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"{arg} must be an integer of at most {MAX_INT_BITS} bits, got "
+                         f"{'a negative' if value < 0 else 'an'} integer of "
+                         f"{value.bit_length()} bits")
+    return value
+
+
+def _shown(value, limit=200):
+    """repr(value) cut to ``limit`` characters (a repr that fails: its type)."""
     try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{arg} must be an integer, got {type(value).__name__} {value!r}") from None
+        text = repr(value)
+    except Exception:           # (e.g. an int too long to print, inside a container)
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def layer_index(layer, num_layers):

@@ -550,3 +550,26 @@ def test_copy_blocks_to_rejects_a_repeated_destination():
     with pytest.raises(ValueError, match="must not repeat"):
         pool.copy_blocks_to(other, [0, 1], [5, 5])
     np.testing.assert_array_equal(pool.storage, before)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_integer_too_long_to_print_is_refused_by_name(sign):
+    # Python refuses to turn an int of more than 4300 digits into text: a
+    # range error that printed it raised a nameless ValueError instead
+    huge = sign * 10**5000
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="float32")
+    calls = {
+        "num_blocks": lambda: kvcore.BlockPool(huge, 4, 1, 1, 8),
+        "block_size": lambda: kvcore.BlockPool(8, huge, 1, 1, 8),
+        "n": lambda: kvcore.set_num_threads(huge),
+        "layer": lambda: pool.key_cache(huge),
+    }
+    for arg, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{arg} must be an integer of at most 256 bits, "
+                                             rf"got {'a negative' if sign < 0 else 'an'} "
+                                             r"integer of 16610 bits$"):
+            call()
+    assert pool.num_used_blocks == 0
+    # 2**64 still gets the argument's own range error, which names it
+    with pytest.raises(ValueError, match=r"num_blocks must be at most \d+, got 18446744073709551616"):
+        kvcore.BlockPool(2**64, 4, 1, 1, 8)
