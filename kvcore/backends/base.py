@@ -58,10 +58,23 @@ def is_cuda_array(x):
     return False
 
 
-# The arrays owned_index_arrays made (by id; a dead one drops out): taken
-# as they are, so a step's index arrays are copied once, by AttentionPlan,
-# however many backend plans (one per layer kind) hold them.
-_OWNED_INDEX = weakref.WeakValueDictionary()
+# The arrays owned_index_arrays made: id -> weak reference (a plain dict of
+# plain references: a WeakValueDictionary's callbacks cost more than the
+# copies).  Taken as they are, so a step's index arrays are copied once, by
+# AttentionPlan, however many backend plans (one per layer kind) hold them.
+# An entry whose array died is dropped by _forget_dead_owned; until then it
+# matches nothing (its reference gives None), and an entry lost to a race
+# between threads only costs a copy.
+_OWNED_INDEX = {}
+_OWNED_PURGE_AT = 1024
+
+
+def _forget_dead_owned():
+    global _OWNED_PURGE_AT
+    for key, ref in list(_OWNED_INDEX.items()):
+        if ref() is None and _OWNED_INDEX.get(key) is ref:
+            _OWNED_INDEX.pop(key, None)
+    _OWNED_PURGE_AT = max(1024, 2 * len(_OWNED_INDEX))
 
 
 def owned_index_arrays(block_tables, seq_lens, query_start_loc):
@@ -76,11 +89,14 @@ def owned_index_arrays(block_tables, seq_lens, query_start_loc):
     out = []
     for a, dtype in ((block_tables, np.int32), (seq_lens, np.int64),
                      (query_start_loc, np.int64)):
-        if _OWNED_INDEX.get(id(a)) is not a:
+        ref = _OWNED_INDEX.get(id(a))
+        if ref is None or ref() is not a:
             a = np.array(a, dtype, order="C", copy=True)
             a.flags.writeable = False
-            _OWNED_INDEX[id(a)] = a
+            _OWNED_INDEX[id(a)] = weakref.ref(a)
         out.append(a)
+    if len(_OWNED_INDEX) > _OWNED_PURGE_AT:
+        _forget_dead_owned()
     return tuple(out)
 
 

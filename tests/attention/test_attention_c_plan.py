@@ -107,6 +107,31 @@ def test_plan_keeps_its_own_copy_of_the_index_arrays():
     np.testing.assert_array_equal(got, want)
 
 
+
+def test_owned_index_arrays_copy_once_and_forget_the_dead():
+    from kvcore.backends import base
+    tables = np.zeros((2, 3), np.int64)
+    lens, qsl = np.array([5, 7]), [0, 1, 2]
+    owned = base.owned_index_arrays(tables, lens, qsl)
+    assert [a.dtype for a in owned] == [np.int32, np.int64, np.int64]
+    assert not any(a.flags.writeable for a in owned)
+    assert all(x is y for x, y in zip(base.owned_index_arrays(*owned), owned))   # taken as is
+    # a caller's array, even read-only and of the right dtype, is copied
+    mine = np.array([5, 7], np.int64)
+    mine.flags.writeable = False
+    assert base.owned_index_arrays(owned[0], mine, owned[2])[1] is not mine
+    # the registry of dead copies stays bounded, and a dead copy's id taken
+    # by a new array does not make that array "owned"
+    for _ in range(3000):
+        base.owned_index_arrays(tables, lens, qsl)
+    assert len(base._OWNED_INDEX) < 2 * 1024 + 10
+    for _ in range(200):
+        fresh = np.zeros(3, np.int64)
+        ref = base._OWNED_INDEX.get(id(fresh))
+        assert ref is None or ref() is not fresh
+        assert base.owned_index_arrays(owned[0], fresh, owned[2])[1] is not fresh
+
+
 def test_plan_checks_block_ids_once():
     rng = np.random.default_rng(4)
     tables, seq_lens, qsl = _batch(rng, [40], [1], 4, 8, 16)
