@@ -6,6 +6,7 @@ import operator
 import numpy as np
 
 from . import _arrays
+from ._ints import MAX_INT_BITS, index_int, shown  # noqa: F401 (shared)
 from ._native import _pool
 from .stores.base import utf8_text
 
@@ -40,41 +41,6 @@ def nonneg_int(value, arg):
     return v
 
 
-# Integers kvcore takes (counts, sizes, positions, ids, seeds) fit in 64
-# bits; one of more than MAX_INT_BITS bits is refused here, before a range
-# error can print it (Python will not turn an int of more than 4300 digits
-# into text: the message would raise its own, nameless ValueError).  Wider
-# than 64 so that the range errors still name values such as 2**64.
-MAX_INT_BITS = 256
-
-
-def index_int(value, arg):
-    """``value`` as an int (bools and floats rejected; at most
-    MAX_INT_BITS bits, sign apart)."""
-    if type(value) is not int:
-        if isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{arg} must be an integer, got bool {value!r}")
-        try:
-            value = operator.index(value)
-        except TypeError:
-            raise TypeError(f"{arg} must be an integer, got {type(value).__name__} "
-                            f"{_shown(value)}") from None
-    if value.bit_length() > MAX_INT_BITS:
-        raise ValueError(f"{arg} must be an integer of at most {MAX_INT_BITS} bits, got "
-                         f"{'a negative' if value < 0 else 'an'} integer of "
-                         f"{value.bit_length()} bits")
-    return value
-
-
-def _shown(value, limit=200):
-    """repr(value) cut to ``limit`` characters (a repr that fails: its type)."""
-    try:
-        text = repr(value)
-    except Exception:           # (e.g. an int too long to print, inside a container)
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def layer_index(layer, num_layers):
     v = index_int(layer, "layer")
     if not 0 <= v < num_layers:
@@ -95,8 +61,9 @@ def token_array(token_ids, arg="token_ids"):
         if bad >= 0:
             t = token_ids[bad]
             if isinstance(t, (bool, np.bool_)) or not hasattr(t, "__index__"):
-                raise TypeError(f"{arg} must hold integers, got {t!r} at index {bad}")
-            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {t} at index {bad}")
+                raise TypeError(f"{arg} must hold integers, got {shown(t)} at index {bad}")
+            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got "
+                             f"{shown(operator.index(t))} at index {bad}")
         return out
     if isinstance(token_ids, range):
         token_ids = np.arange(token_ids.start, token_ids.stop, token_ids.step)

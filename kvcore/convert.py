@@ -12,6 +12,7 @@ their fp8 format).  The loops run in C with the GIL released
 import numpy as np
 
 from . import _arrays, dtypes
+from ._ints import shown
 from .backends import backend_of_array
 from .dtypes import BF16, F16, F32
 
@@ -246,7 +247,7 @@ def _fp8_out(be, out, shape, fmt):
 
 def _check_saturate(saturate):
     if not isinstance(saturate, (bool, np.bool_)):
-        raise TypeError(f"saturate must be True or False, got {saturate!r}")
+        raise TypeError(f"saturate must be True or False, got {shown(saturate)}")
     return bool(saturate)
 
 

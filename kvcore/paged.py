@@ -223,8 +223,10 @@ class PagedKVCache:
             self._reserve_failed(n, status)
 
     def _reserve_failed(self, n, status):
+        # (n checked whatever the status: the core takes any int >= 0, and
+        # the messages below print it)
+        n = nonneg_int(n, "n")
         if status == _native_seq.UNCHECKED:
-            n = nonneg_int(n, "n")
             status = self._seq.reserve(n)
         if self._settled(status, "reserve"):
             return
@@ -303,8 +305,8 @@ class PagedKVCache:
             self._commit_failed(n, status)
 
     def _commit_failed(self, n, status):
+        n = nonneg_int(n, "n")    # (whatever the status: see _reserve_failed)
         if status == _native_seq.UNCHECKED:
-            n = nonneg_int(n, "n")
             status = self._seq.commit(n)
         if self._settled(status, "commit"):
             return
@@ -378,7 +380,8 @@ class PagedKVCache:
     def _mark_written_failed(self, layer, n, status):
         if status == _native_seq.UNCHECKED:
             layer = layer_index(layer, self._pool.num_layers)
-            n = nonneg_int(n, "n")
+        n = nonneg_int(n, "n")    # (whatever the status: see _reserve_failed)
+        if status == _native_seq.UNCHECKED:
             status = self._seq.mark_written(layer, n)
         if self._settled(status, "mark_written"):
             return

@@ -66,7 +66,12 @@ def padded_block_tables(seqs, lengths=None, pad_value=0, max_blocks=None):
     if width < max(need):
         raise ValueError(f"max_blocks must be at least {max(need)} (the longest sequence's "
                          f"blocks), got {width}")
-    out = np.full((len(seqs), width), pad_value, np.int32)
+    try:
+        out = np.full((len(seqs), width), pad_value, np.int32)
+    except (ValueError, MemoryError) as e:     # (NumPy's own errors name no argument)
+        kind = MemoryError if isinstance(e, MemoryError) else ValueError
+        raise kind(f"max_blocks must leave a table kvcore can allocate ({len(seqs)} rows of "
+                   f"max_blocks int32), got {width}: {e}") from None
     for i, (s, k) in enumerate(zip(seqs, need)):
         out[i, :k] = s._table_head(k)
     pool = seqs[0].pool

@@ -1,6 +1,7 @@
 """A model's KV shape from its transformers config, and a pool that fits it."""
 import numpy as np
 
+from .._ints import shown
 from ..pool import BlockPool
 from .features import check_holdable
 from .torch_bridge import _on_cuda, use_torch_allocator
@@ -20,7 +21,7 @@ def model_kv_shape(config):
     def positive(attr, value):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"config.{attr} must be a positive integer for a KV cache, "
-                             f"got {value!r} ({name})")
+                             f"got {shown(value)} ({name})")
         return int(value)
 
     layers = positive("num_hidden_layers", getattr(config, "num_hidden_layers", None))

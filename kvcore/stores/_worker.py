@@ -16,6 +16,7 @@ import threading
 import time
 
 from .._forksafe import WORKER, fork_guard
+from .._ints import shown
 
 _IDLE_EXIT = 2.0
 
@@ -29,7 +30,7 @@ def check_timeout(timeout):
             raise TypeError(f"timeout must be None or a number of seconds, got "
                             f"{type(timeout).__name__}")
         if not timeout >= 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {shown(timeout)}")
         if timeout >= threading.TIMEOUT_MAX:
             return None
     return timeout

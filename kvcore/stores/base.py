@@ -50,6 +50,8 @@ evicts (or flushes), published on its store port's record queue
 """
 import collections
 
+from .._ints import index_int, shown
+
 #: One cached block as the pool publishes it to its stores, self-contained
 #: (copied out under the pool's lock; nothing in it refers back to the pool):
 #: ``block_id`` (int, where it was), ``hash`` (16 bytes, its chained hash),
@@ -77,7 +79,7 @@ def bound_bytes(max_bytes):
     """``get_bounded``'s ``max_bytes`` checked: a positive int (ValueError
     naming it otherwise)."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        raise ValueError(f"max_bytes must be a positive int, got {shown(max_bytes)}")
     return max_bytes
 
 
@@ -101,10 +103,7 @@ class PrefixStore:
 
     def __init__(self, capacity_bytes=None, namespace="", hmac_key=None):
         if capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not hasattr(capacity_bytes, "__index__"):
-                raise TypeError(f"capacity_bytes must be an int, got "
-                                f"{type(capacity_bytes).__name__}")
-            capacity_bytes = capacity_bytes.__index__()
+            capacity_bytes = index_int(capacity_bytes, "capacity_bytes")
             if capacity_bytes <= 0:
                 raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes

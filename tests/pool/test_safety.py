@@ -573,3 +573,51 @@ def test_an_integer_too_long_to_print_is_refused_by_name(sign):
     # 2**64 still gets the argument's own range error, which names it
     with pytest.raises(ValueError, match=r"num_blocks must be at most \d+, got 18446744073709551616"):
         kvcore.BlockPool(2**64, 4, 1, 1, 8)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_an_integer_too_long_to_print_is_named_on_every_path(sign):
+    # paths that did not go through index_int: ids inside a token list, the
+    # failure paths of reserve / commit / mark_written (the core takes any
+    # int >= 0), timeouts, stores' sizes, the SIMD level, saturate
+    huge = sign * 10**5000
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="float32")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2, 3])
+    seq.append(0, np.ones((3, 1, 8), np.float32), np.ones((3, 1, 8), np.float32))
+    before = pool_snapshot(pool)
+    what = "a negative" if sign < 0 else "an"
+    named = {
+        "token_ids must lie in 0..2147483647, got": [
+            lambda: pool.probe([1, huge]), lambda: kvcore.PagedKVCache(pool).allocate([1, huge]),
+            lambda: seq.extend_tokens([4, huge]), lambda: kvcore.block_hashes([1, huge], 4)],
+        "set_simd_level: level must be one of": [lambda: kvcore.set_simd_level(huge)],
+        "saturate must be True or False, got": [
+            lambda: kvcore.to_float8_e4m3fn(np.ones(2, np.float32), saturate=huge)],
+        "capacity_bytes must be an integer of at most 256 bits, got": [
+            lambda: kvcore.HostStore(huge), lambda: kvcore.PrefixStore(huge)],
+    }
+    if sign > 0:
+        named["n must be an integer of at most 256 bits, got"] = [
+            lambda: seq.reserve(huge), lambda: seq.commit(huge), lambda: seq.mark_written(0, huge)]
+    else:       # (a huge positive timeout waits without a limit)
+        named["timeout must be a number of seconds >= 0, got"] = [lambda: pool.wait_spills(huge)]
+    for start, calls in named.items():
+        for call in calls:
+            with pytest.raises((ValueError, TypeError),
+                               match=rf"^{start}.*{what} integer of 16610 bits"):
+                call()
+    assert pool_snapshot(pool) == before
+    assert (seq.num_tokens, seq.num_computed, seq.num_written(0)) == (3, 0, 3)
+
+
+def test_a_table_too_wide_to_allocate_names_max_blocks():
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="float32")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2, 3])
+    for width in (2**63 - 1, 2**64):
+        # (NumPy's own error named nothing: "Maximum allowed dimension exceeded")
+        with pytest.raises((ValueError, MemoryError), match=rf"^max_blocks must leave a table "
+                                                            rf".*, got {width}: "):
+            kvcore.padded_block_tables([seq], max_blocks=width)
+

@@ -1,5 +1,6 @@
 """CPU kernels (C, runtime SIMD dispatch) behind thin Cython wrappers.  Internal,
 but for :func:`simd_levels` and :func:`set_simd_level`, which ``kvcore`` exports."""
+from ..._ints import shown
 from . import _attention, _convert
 
 def simd_levels():
@@ -67,7 +68,7 @@ def set_simd_level(level):
     names, supported = _convert.registry_levels()
     if not isinstance(level, str) or level not in supported:
         raise ValueError(f"set_simd_level: level must be one of {supported} (the levels of "
-                         f"{names} this CPU supports), got {level!r}")
+                         f"{names} this CPU supports), got {shown(level)}")
     previous = max((_convert.get_simd_level(), _attention.simd_level()), key=names.index)
     _convert.use_registry_level(names.index(level))
     _attention.use_registry_level(names.index(level))

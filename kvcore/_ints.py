@@ -1,0 +1,45 @@
+"""Integer arguments and how an error message shows what was given
+(internal; imports nothing of kvcore, so that every module, the stores
+included, can use it)."""
+import operator
+
+import numpy as np
+
+# Integers kvcore takes (counts, sizes, positions, ids, seeds) fit in 64
+# bits; one of more than MAX_INT_BITS bits is refused here, before a range
+# error can print it (Python will not turn an int of more than 4300 digits
+# into text: the message would raise its own, nameless ValueError).  Wider
+# than 64 so that the range errors still name values such as 2**64.
+MAX_INT_BITS = 256
+
+
+def index_int(value, arg):
+    """``value`` as an int (bools and floats rejected; at most
+    MAX_INT_BITS bits, sign apart)."""
+    if type(value) is not int:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{arg} must be an integer, got bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{arg} must be an integer, got {type(value).__name__} "
+                            f"{shown(value)}") from None
+    if value.bit_length() > MAX_INT_BITS:
+        raise ValueError(f"{arg} must be an integer of at most {MAX_INT_BITS} bits, got "
+                         f"{shown(value)}")
+    return value
+
+
+def shown(value, limit=200):
+    """What an error message shows of a given ``value``: its repr, cut to
+    ``limit`` characters; an int of more than MAX_INT_BITS bits as its size
+    (its digits may be too many to print); a repr that fails: its type."""
+    if isinstance(value, int) and not isinstance(value, bool) \
+            and value.bit_length() > MAX_INT_BITS:
+        return (f"{'a negative' if value < 0 else 'an'} integer of {value.bit_length()} "
+                f"bits")
+    try:
+        text = repr(value)
+    except Exception:           # (e.g. an int too long to print, inside a container)
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
