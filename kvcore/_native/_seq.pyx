@@ -553,8 +553,10 @@ cdef class SeqCore:
         return hits * self.block_size
 
     cdef inline Py_ssize_t _blocks_for(self, Py_ssize_t n) noexcept:
-        """Blocks that hold ``n`` positions."""
-        return (n + self.block_size - 1) // self.block_size
+        """Blocks that hold ``n`` (>= 0) positions (no overflow near
+        PY_SSIZE_T_MAX: a reserve of 2**63 - 1 positions is short of blocks,
+        not of none)."""
+        return n // self.block_size + (n % self.block_size != 0)
 
     cdef Py_ssize_t _copy_prompt(self, object token_ids) except -100:
         """Copy the prompt into the token buffer: its length, or UNCHECKED

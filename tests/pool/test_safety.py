@@ -621,3 +621,16 @@ def test_a_table_too_wide_to_allocate_names_max_blocks():
                                                             rf".*, got {width}: "):
             kvcore.padded_block_tables([seq], max_blocks=width)
 
+
+def test_a_reserve_near_the_int64_limit_is_short_of_blocks():
+    # the core's block count of n positions, (n + block_size - 1) //
+    # block_size, wrapped past 2**63 - 1: such a reserve on a sequence at
+    # position 0 returned as done, with nothing reserved
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="float32")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2, 3])
+    before = pool_snapshot(pool)
+    for n in (2**63 - 1, 2**63 - 3, 2**64):
+        with pytest.raises(kvcore.OutOfBlocksError, match="more blocks needed"):
+            seq.reserve(n)
+    assert pool_snapshot(pool) == before and seq.block_table.tolist() == [0]
