@@ -220,3 +220,16 @@ def test_huge_window_and_head_counts_are_refused_by_name():
     for heads in (2**31, 2**33 + 2):
         with pytest.raises(ValueError, match="num_heads must be a positive multiple"):
             kvcore.AttentionPlan(pool, [[0, 1]], [6], num_heads=heads)
+
+
+@pytest.mark.parametrize("head_dim", [2**31 + 8, 2**32 + 8])
+def test_a_head_dim_past_a_c_int_is_refused_not_wrapped(head_dim):
+    # the C plan takes head_dim as an int: 2**32 + 8 planned as 8 (a run
+    # would read 8 of each row), 2**31 + 8 as "rejected the plan (status -2)".
+    # Planes of that shape without the memory: zero strides but the last
+    # (the plan reads no data; a run would never come)
+    buf = np.zeros(8, np.float16)
+    k = np.lib.stride_tricks.as_strided(buf, (1, 1, 1, head_dim), (0, 0, 0, 2))
+    with pytest.raises(ValueError, match=rf"^head_dim must be in 1\.\.2147483647 .*, got "
+                                         rf"{head_dim}$"):
+        kvcore.AttentionPlan((k, k), [[0]], [1], num_heads=1)

@@ -14,6 +14,7 @@ returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 """
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.limits cimport INT_MAX
 from libc.stdlib cimport free, malloc
 from kvcore.backends.cpu._convert cimport KVH_BF16, KVH_F16, KVH_F32, convert_n, kind_itemsize
 from kvcore.backends.cpu._span cimport byte_span
@@ -433,6 +434,13 @@ cdef class Plan:
                   int64_t num_blocks, int kind, double scale, int64_t sliding_window,
                   double soft_cap, int64_t chunk_size, int num_threads):
         self.guard = _Guard()
+        # the kernels' counts are C ints: a larger one must not wrap (a
+        # head_dim of 2**32 + 8 would run as 8)
+        for arg, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                           ("head_dim", head_dim)):
+            if not 0 < count <= INT_MAX:
+                raise ValueError(f"{arg} must be in 1..{INT_MAX} (the attention kernels take "
+                                 f"a C int), got {count}")
         # owned copies (the caller may change or drop its arrays afterwards)
         cdef cnp.ndarray t, l, s
         t, l, s = owned_index_arrays(block_tables, seq_lens, query_start_loc)
