@@ -1,10 +1,12 @@
 """RedisStore: evicted blocks in a Redis server or a Redis Cluster, shared by
 processes and machines."""
 from ._redis_cluster import FAILED as _FAILED
+from .._ints import shown
 from .base import PrefixStore, bound_bytes
 
 _MAX_TTL = 2**53 / 1000       # seconds: Redis' PX (milliseconds) must fit after "now" is added
 _MAX_TIMEOUT = 2**31 - 1      # seconds: what a socket timeout (timeval) takes everywhere
+_MAX_STRING = 2**62          # bytes: past any Redis string (GETRANGE's end is an int64)
 
 
 class RedisStore(PrefixStore):
@@ -73,15 +75,15 @@ class RedisStore(PrefixStore):
             if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 \
                     or not ttl <= _MAX_TTL:
                 raise ValueError(f"ttl must be None or a positive, finite number of seconds "
-                                 f"(at most {_MAX_TTL:.0f}), got {ttl!r}")
+                                 f"(at most {_MAX_TTL:.0f}), got {shown(ttl)}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
                 or not 0 < timeout <= _MAX_TIMEOUT:
             raise ValueError(f"timeout must be a positive, finite number of seconds (at most "
-                             f"{_MAX_TIMEOUT}), got {timeout!r}")
+                             f"{_MAX_TIMEOUT}), got {shown(timeout)}")
         if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) \
-                or not retry_interval >= 0:
+                or not _as_float(retry_interval) >= 0:
             raise ValueError(f"retry_interval must be a number of seconds >= 0, got "
-                             f"{retry_interval!r}")
+                             f"{shown(retry_interval)}")
         if not isinstance(cluster, bool):
             raise TypeError(f"cluster must be True or False, got {cluster!r}")
         self.ttl = ttl
@@ -232,22 +234,18 @@ class RedisStore(PrefixStore):
         pipelined round of ``STRLEN`` and ``GETRANGE`` per key.  A longer
         value (planted: a pool never writes one) comes back as ``b""``, a
         corrupt entry, after ``max_bytes`` of it crossed the network
-        instead of all of it (up to Redis' 512 MiB a string)."""
+        instead of all of it (up to Redis' 512 MiB a string); an empty
+        value (planted too) is ``b""`` as through :meth:`get`, not a miss."""
         if not keys:
             return []
         bound_bytes(max_bytes)
         commands = []
         for k in keys:
             key = self._key(k)
-            commands += [("STRLEN", key), ("GETRANGE", key, 0, max_bytes - 1)]
-        if self._nodes is not None:
-            replies = [None if v is _FAILED else v for v in self._nodes.run(commands)]
-        else:
-            pipe = self._client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            replies = pipe.execute(raise_on_error=False)
+            commands += [("STRLEN", key), ("GETRANGE", key, 0, min(max_bytes, _MAX_STRING) - 1)]
+        replies = self._run(commands)
         values = []
+        empty = []      # the keys of size 0: none, or an empty value
         for size, value in zip(replies[0::2], replies[1::2]):
             if isinstance(size, BaseException) or isinstance(value, BaseException):
                 e = size if isinstance(size, BaseException) else value
@@ -259,7 +257,8 @@ class RedisStore(PrefixStore):
             if size is None or value is None:       # its cluster node failed: a miss
                 values.append(None)
             elif size == 0:
-                values.append(None)                # no such key (or an empty value)
+                empty.append(len(values))          # no such key, or an empty value
+                values.append(None)
             elif len(value) != min(size, max_bytes):
                 # deleted or rewritten between the STRLEN and the GETRANGE
                 # (another client's commands may run between them): a miss,
@@ -269,7 +268,26 @@ class RedisStore(PrefixStore):
                 values.append(b"")                 # too long for an entry: corrupt
             else:
                 values.append(value)
+        if empty:
+            # an empty value is an entry no pool wrote (get reads it as b""):
+            # corrupt, as in every store, not a miss
+            there = self._run([("EXISTS", self._key(keys[j])) for j in empty])
+            for j, n in zip(empty, there):
+                if isinstance(n, BaseException):
+                    raise n
+                if n:
+                    values[j] = b""
         return values
+
+    def _run(self, commands):
+        """The replies of ``commands``, pipelined (on a cluster: None for
+        a command whose node failed; an error reply: its exception)."""
+        if self._nodes is not None:
+            return [None if v is _FAILED else v for v in self._nodes.run(commands)]
+        pipe = self._client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=False)
 
     def put(self, items):
         if not items:
@@ -326,6 +344,14 @@ class RedisStore(PrefixStore):
         return f"{kind}({self.url!r}, namespace={self.namespace.decode(errors='replace')!r})"
 
 
+def _as_float(seconds):
+    """``seconds`` as a float; NaN (refused) for an int past float's range."""
+    try:
+        return float(seconds)
+    except OverflowError:
+        return float("nan")
+
+
 def _is_cluster_client(client):
     try:
         import redis.cluster
@@ -362,19 +388,22 @@ def _startup_nodes(startup_nodes):
         if isinstance(node, str):
             host, sep, digits = node.rpartition(":")
             if not sep or not host or not digits.isdigit():
-                raise ValueError(f"startup_nodes[{i}] must be 'host:port', got {node!r}")
+                raise ValueError(f"startup_nodes[{i}] must be 'host:port', got {node!r:.60}")
+            if len(digits) > 5:     # (and int() refuses more than 4300 digits)
+                raise ValueError(f"startup_nodes[{i}] has port {digits:.20}..., not in "
+                                 "1..65535")
             port = int(digits)
         elif isinstance(node, tuple) and len(node) == 2:
             host, port = node
             if not isinstance(host, str) or not host or isinstance(port, bool) \
                     or not isinstance(port, int):
                 raise ValueError(f"startup_nodes[{i}] must be (host, port) with a str and "
-                                 f"an int, got {node!r}")
+                                 f"an int, got {shown(node, 60)}")
         else:
             raise TypeError(f"startup_nodes[{i}] must be 'host:port' or (host, port), got "
                             f"{node!r:.60}")
         if not 0 < port < 65536:
-            raise ValueError(f"startup_nodes[{i}] has port {port}, not in 1..65535")
+            raise ValueError(f"startup_nodes[{i}] has port {shown(port)}, not in 1..65535")
         out.append((host.strip("[]"), port))
     if not out:
         raise ValueError("startup_nodes must name at least one node of the cluster")

@@ -106,7 +106,8 @@ def test_slow_redis_times_out_into_misses(server):
     pool.debug.check()
 
 
-@pytest.mark.parametrize("where", ["payload", "header", "truncate", "garbage", "wrongtype"])
+@pytest.mark.parametrize("where", ["payload", "header", "truncate", "garbage", "wrongtype",
+                                   "empty"])
 def test_corrupt_entry_in_redis_is_a_miss_with_a_warning(server, where):
     """A damaged entry is a miss from that block on; the blocks before it hit
     (a key of another type too: the batch's other keys still count)."""
@@ -121,6 +122,8 @@ def test_corrupt_entry_in_redis_is_a_miss_with_a_warning(server, where):
         value = value[:100]
     elif where == "garbage":
         value = bytearray(b"not an entry")
+    elif where == "empty":      # (get_bounded took it for a missing key: a silent miss)
+        value = bytearray()
     else:
         value[-3 if where == "payload" else 20] ^= 1
     if where == "wrongtype":
@@ -178,6 +181,13 @@ def test_a_value_planted_huge_is_read_only_as_far_as_an_entry_reaches(server, mo
     client.delete(key)
     client.rpush(key, b"not an entry")                       # another type: corrupt
     assert store.get_bounded([skeys[1]], 1000) == [b""]
+    client.delete(key)
+    client.set(key, b"")                                     # empty: corrupt, as get finds it
+    assert store.get([skeys[1]]) == [b""]
+    assert store.get_bounded([skeys[1], b"\1" * 32], 1000) == [b"", None]
+    # a bound past what Redis' GETRANGE takes (an int64) reads the value whole
+    for bound in (2**63, 2**64, 10**5000):
+        assert store.get_bounded([head], bound) == [whole_value]
 
 
 def test_a_subclass_that_overrides_get_is_read_through_its_get(server):
@@ -357,6 +367,17 @@ def test_redis_store_arguments(server):
         kvcore.RedisStore(server.url, timeout=-1)
     with pytest.raises(ValueError, match="retry_interval"):
         kvcore.RedisStore(server.url, retry_interval=-1)
+    # an int too long to print (or to make a float) is named: no nameless
+    # "Exceeds the limit (4300 digits)" ValueError, nor OverflowError
+    for arg, value in (("ttl", 10**5000), ("ttl", -10**5000), ("timeout", 10**5000),
+                       ("retry_interval", 10**5000), ("retry_interval", -10**5000)):
+        with pytest.raises(ValueError, match=rf"^{arg} must be .*, got an? (negative )?"
+                                             r"integer of 16610 bits$"):
+            kvcore.RedisStore(server.url, **{arg: value})
+    for node, shown in ((("localhost", 10**5000), "an integer of 16610 bits"),
+                        ("localhost:" + "9" * 5000, "99999999999999999999...")):
+        with pytest.raises(ValueError, match=rf"^startup_nodes\[0\] has port {shown}"):
+            kvcore.RedisStore.cluster([node])
     with pytest.raises(TypeError, match="url"):
         kvcore.RedisStore(42)
     client = server.client()
