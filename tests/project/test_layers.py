@@ -2,8 +2,9 @@
 only from its own layer or the layers below it.
 
     kvcore/*.py          public classes      may import anything below, never kvcore.cli
-    kvcore/_native/      bookkeeping         kvcore._native, kvcore._errors
+    kvcore/_native/      bookkeeping         kvcore._native, kvcore._errors, kvcore._ints
     kvcore/backends/     data movement       kvcore.backends, kvcore.dtypes, kvcore._errors,
+                                             kvcore._ints,
                                              and the shared C types kvcore._native._typedefs
     kvcore/cli/          demo and benchmarks anything (kvcore/__main__.py only calls it)
 
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.skipif(not PKG.is_dir(), reason="needs the source tree"
 
 # (layer, the kvcore modules it may import: exact names or prefixes ending in ".")
 LAYERS = {
-    "native": ("kvcore._native.", "kvcore._errors"),
+    "native": ("kvcore._native.", "kvcore._errors", "kvcore._ints"),
     "backends": ("kvcore.backends.", "kvcore.backends", "kvcore.dtypes", "kvcore._errors",
+                 "kvcore._ints",
                  "kvcore._native._typedefs"),
     "cli": ("kvcore",),
     "public": ("kvcore",),           # anything ...
@@ -223,7 +225,8 @@ def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
 # (docs/stores.md, "The pool's store port"): they import nothing of the
 # pool's side and call nothing on a pool, a sequence or a port beyond the
 # port's record queue, handed to them once.
-STORES_MAY_IMPORT = ("kvcore.stores", "kvcore.stores.", "kvcore.backends", "kvcore._forksafe")
+STORES_MAY_IMPORT = ("kvcore.stores", "kvcore.stores.", "kvcore.backends", "kvcore._forksafe",
+                     "kvcore._ints")
 # what a tier is given of the pool's port (its record queue and layout)
 PORT_GIVEN = {"listen", "layout", "block_size", "bytes_per_block"}
 _HOLDS_POOL_SIDE = re.compile(r"(?:^|[._])(?:pool|seq|sequence|binding|core)(?:\(\))?$")
@@ -596,3 +599,10 @@ def test_no_layer_reads_an_underscore_member_of_a_core():
 ])
 def test_the_core_reach_rule_can_fail(source, bad):
     assert bool(core_private_reads(source)) is bad
+
+
+def test_the_leaf_modules_every_layer_may_import_import_no_kvcore_module():
+    # kvcore._errors and kvcore._ints (argument checks, how a message shows
+    # a value) sit below every layer: they may reach nothing of kvcore
+    for leaf in ("_errors.py", "_ints.py"):
+        assert imports(PKG / leaf) == set(), leaf
