@@ -19,6 +19,25 @@ from ._validate import index_int
 __all__ = ["PoolData"]
 
 
+def _storage(backend, num_blocks, block_size, num_layers, num_kv_heads, head_dim, kind):
+    """A pool's zeroed storage ``(2 * num_layers, num_blocks, num_kv_heads,
+    block_size, head_dim)``; one it cannot have is refused naming the
+    arguments that size it (the backend's error names only the shape)."""
+    shape = (2 * num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+    try:
+        return backend.zeros(shape, dtypes.STORAGE[kind])
+    except (MemoryError, ValueError) as e:
+        nbytes = np.dtype(dtypes.STORAGE[kind]).itemsize
+        for n in shape:
+            nbytes *= n
+        raise type(e)(
+            f"the pool's storage cannot be allocated: num_blocks={num_blocks} x "
+            f"num_layers={num_layers} x 2 (K, V) x num_kv_heads={num_kv_heads} x "
+            f"block_size={block_size} x head_dim={head_dim} elements of "
+            f"{dtypes.KIND_NAME[kind]} are {nbytes} bytes "
+            f"({nbytes / 2**30:.4g} GiB): {e}") from None
+
+
 class PoolData:
     """The storage of a pool of ``num_blocks`` blocks and its data ops; the
     arguments of each op are checked here (the layer by the caller)."""
@@ -29,9 +48,8 @@ class PoolData:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.kind = num_kv_heads, head_dim, kind
         self.layer_scales, self.head_scales = layer_scales, head_scales
-        self.storage = backend.zeros(
-            (2 * num_layers, num_blocks, num_kv_heads, block_size, head_dim),
-            dtypes.STORAGE[kind])
+        self.storage = _storage(backend, num_blocks, block_size, num_layers, num_kv_heads,
+                                head_dim, kind)
         # int8: the scale planes, one float32 scale per (plane, block, kv
         # head, token), addressed by the same block ids as the storage (None
         # for other dtypes)

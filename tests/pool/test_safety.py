@@ -634,3 +634,13 @@ def test_a_reserve_near_the_int64_limit_is_short_of_blocks():
         with pytest.raises(kvcore.OutOfBlocksError, match="more blocks needed"):
             seq.reserve(n)
     assert pool_snapshot(pool) == before and seq.block_table.tolist() == [0]
+
+
+def test_a_pool_too_large_to_allocate_names_its_sizing_arguments():
+    with pytest.raises(MemoryError, match=r"the pool's storage cannot be allocated: "
+                                          r"num_blocks=2147483646 x num_layers=32 x 2 \(K, V\) x "
+                                          r"num_kv_heads=8 x block_size=16 x head_dim=128 "
+                                          r"elements of float16 are 4503599623176192 bytes"):
+        kvcore.BlockPool(2**31 - 2, 16, 32, 8, 128)
+    with pytest.raises(ValueError, match=r"num_kv_heads=4611686018427387904 .* of int8 are"):
+        kvcore.BlockPool(8, 16, 1, 2**62, 8, dtype="int8")
