@@ -7,7 +7,8 @@ python bench/bench_attention.py [--quick] [--full] [--json FILE]
 
 --full: the out-of-cache decode rows per page dtype and thread count at
 their big sizes (hundreds of MB of pages: 8 x 16384 positions at 32/8
-heads d128, 8 x 32768 at 9/3 heads d64); without it, a few times the L3.
+heads d128, 8 x 32768 at 9/3 heads d64; and one sequence of 65536 positions
+at each, split over the threads); without it, a few times the L3.
 --only-pages: those rows only.
 
 --only-ceilings: per page dtype (float16, float8_e4m3fn, float8_e5m2, int8),

@@ -181,6 +181,13 @@ PAGE_SHAPES = {
     "quick": (("32/8 d128", (32, 8, 128), 4, 4096), ("9/3 d64", SMOLLM2_SHAPE, 4, 8192)),
     "full": (("32/8 d128", (32, 8, 128), 8, 16384), ("9/3 d64", SMOLLM2_SHAPE, 8, 32768)),
 }
+#: one long sequence (batch 1), split over the threads: the page rows only
+#: (the thread goal is stated at 65536 positions)
+LONG_SHAPES = {
+    "quick": (("32/8 d128, one sequence", (32, 8, 128), 1, 16384),),
+    "full": (("32/8 d128, one sequence", (32, 8, 128), 1, 65536),
+             ("9/3 d64, one sequence", SMOLLM2_SHAPE, 1, 65536)),
+}
 STREAM_BYTES = 256 << 20
 
 
@@ -205,7 +212,7 @@ def _page_pool(dtype, blocks, kv_heads, dim, rng, chunk=64):
 
 def bench_page_rows(rng, big=False, rounds=7):
     """Decode out of the caches per page dtype and thread count, for the
-    shapes of :data:`PAGE_SHAPES`: every call of every (dtype, threads) row
+    shapes of :data:`PAGE_SHAPES` and :data:`LONG_SHAPES`: every call of every (dtype, threads) row
     and a ``numpy.sum`` of :data:`STREAM_BYTES` (float32) alternated in
     ``rounds`` rounds, in one process.  Per row: seconds (median and
     [min-max]), positions/s, GB/s of pages read (K and V, int8 scales
@@ -215,7 +222,8 @@ def bench_page_rows(rng, big=False, rounds=7):
     stream = np.ones(STREAM_BYTES // 4, np.float32)
     before = kvcore.set_num_threads(1)   # (the setting before: restored after)
     try:
-        for name, (heads, kv_heads, dim), batch, ctx in PAGE_SHAPES["full" if big else "quick"]:
+        size = "full" if big else "quick"
+        for name, (heads, kv_heads, dim), batch, ctx in PAGE_SHAPES[size] + LONG_SHAPES[size]:
             nblk = ctx // BLOCK_SIZE
             pools = {d: _page_pool(d, nblk * batch, kv_heads, dim, rng) for d in PAGE_DTYPES}
             tables = rng.permutation(nblk * batch).astype(np.int32).reshape(batch, nblk)
