@@ -30,7 +30,10 @@ def _storage(backend, num_blocks, block_size, num_layers, num_kv_heads, head_dim
         nbytes = np.dtype(dtypes.STORAGE[kind]).itemsize
         for n in shape:
             nbytes *= n
-        raise type(e)(
+        # (a plain MemoryError / ValueError: a backend's own subclass, e.g.
+        # CuPy's OutOfMemoryError(size, total), need not take a message)
+        kind_error = MemoryError if isinstance(e, MemoryError) else ValueError
+        raise kind_error(
             f"the pool's storage cannot be allocated: num_blocks={num_blocks} x "
             f"num_layers={num_layers} x 2 (K, V) x num_kv_heads={num_kv_heads} x "
             f"block_size={block_size} x head_dim={head_dim} elements of "

@@ -644,3 +644,23 @@ def test_a_pool_too_large_to_allocate_names_its_sizing_arguments():
         kvcore.BlockPool(2**31 - 2, 16, 32, 8, 128)
     with pytest.raises(ValueError, match=r"num_kv_heads=4611686018427387904 .* of int8 are"):
         kvcore.BlockPool(8, 16, 1, 2**62, 8, dtype="int8")
+
+
+def test_a_backends_own_out_of_memory_error_still_names_the_sizing_arguments():
+    # CuPy's OutOfMemoryError is a MemoryError whose __init__ takes (size,
+    # total, limit): remade from a message as type(e)(...), it raised a
+    # TypeError about its own arguments instead of naming the pool's
+    from kvcore import _pool_data, dtypes
+
+    class OutOfMemoryError(MemoryError):
+        def __init__(self, size, total, limit=0):
+            super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: "
+                             f"{total:,} bytes).")
+
+    class Backend:
+        def zeros(self, shape, dtype):
+            raise OutOfMemoryError(2**40, 2**30)
+
+    with pytest.raises(MemoryError, match=r"^the pool's storage cannot be allocated: "
+                                          r"num_blocks=8 x num_layers=1 .* Out of memory"):
+        _pool_data._storage(Backend(), 8, 16, 1, 2, 8, dtypes.F16)
