@@ -34,12 +34,13 @@ def shown(value, limit=200):
     """What an error message shows of a given ``value``: its repr, cut to
     ``limit`` characters; an int of more than MAX_INT_BITS bits as its size
     (its digits may be too many to print); a repr that fails: its type."""
+    # (int's own methods: an int subclass's bit_length or < may raise)
     if isinstance(value, int) and not isinstance(value, bool) \
-            and value.bit_length() > MAX_INT_BITS:
-        return (f"{'a negative' if value < 0 else 'an'} integer of {value.bit_length()} "
-                f"bits")
+            and int.bit_length(value) > MAX_INT_BITS:
+        return (f"{'a negative' if int.__lt__(value, 0) else 'an'} integer of "
+                f"{int.bit_length(value)} bits")
     try:
         text = repr(value)
+        return text if len(text) <= limit else text[:limit] + "..."
     except Exception:           # (e.g. an int too long to print, inside a container)
         return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit] + "..."

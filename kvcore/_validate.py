@@ -60,10 +60,14 @@ def token_array(token_ids, arg="token_ids"):
         bad = _pool.tokens_from_sequence(token_ids, out)
         if bad >= 0:
             t = token_ids[bad]
-            if isinstance(t, (bool, np.bool_)) or not hasattr(t, "__index__"):
+            try:        # (an __index__ may return something else than an int)
+                v = None if isinstance(t, (bool, np.bool_)) else operator.index(t)
+            except TypeError:
+                v = None
+            if v is None:
                 raise TypeError(f"{arg} must hold integers, got {shown(t)} at index {bad}")
-            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got "
-                             f"{shown(operator.index(t))} at index {bad}")
+            raise ValueError(f"{arg} must lie in 0..{MAX_TOKEN_ID}, got {shown(v)} at index "
+                             f"{bad}")
         return out
     if isinstance(token_ids, range):
         token_ids = np.arange(token_ids.start, token_ids.stop, token_ids.step)

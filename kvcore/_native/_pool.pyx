@@ -48,6 +48,7 @@ them in with ``register``; an eviction's record carries the digest kept
 here, so nothing ever walks a chain backwards.
 """
 import hashlib
+import operator
 import sys
 
 import numpy as np
@@ -267,7 +268,10 @@ def tokens_from_sequence(seq, token_t[::1] out):
         if type(item) is not int:
             if isinstance(item, bool) or not hasattr(item, "__index__"):
                 return i
-            item = item.__index__()
+            try:        # (operator.index: an __index__ that gives no int is refused)
+                item = operator.index(item)
+            except TypeError:
+                return i
         try:
             v = item
         except OverflowError:

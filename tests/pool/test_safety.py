@@ -10,6 +10,7 @@
 """
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -664,3 +665,50 @@ def test_a_backends_own_out_of_memory_error_still_names_the_sizing_arguments():
     with pytest.raises(MemoryError, match=r"^the pool's storage cannot be allocated: "
                                           r"num_blocks=8 x num_layers=1 .* Out of memory"):
         _pool_data._storage(Backend(), 8, 16, 1, 2, 8, dtypes.F16)
+
+
+def test_a_token_whose_index_gives_no_int_is_refused_by_name():
+    # tokens_from_sequence called __index__ itself: 1.5 came back and was
+    # truncated to the id 1; 1e300 gave the nameless "__index__ returned
+    # non-int (type float)", "7" and None "an integer is required"
+    class Index:
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            return self.v
+
+        def __repr__(self):
+            return f"Index({self.v!r})"
+
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="float32")
+    seq = kvcore.PagedKVCache(pool)
+    for v in (1.5, 1e300, "7", None):
+        calls = (lambda: pool.probe([1, Index(v)]), lambda: kvcore.block_hashes([1, Index(v)], 4),
+                 lambda: seq.allocate([1, Index(v)]))
+        for call in calls:
+            with pytest.raises(TypeError, match=rf"^token_ids must hold integers, got "
+                                                rf"{re.escape(repr(Index(v)))} at index 1$"):
+                call()
+    assert seq.num_tokens == 0 and pool.num_used_blocks == 0
+    assert pool.probe([1, Index(2)]) == pool.probe([1, 2])      # an int from __index__ is one
+
+
+def test_shown_never_raises_on_an_int_subclass():
+    # an error message shows what was given: an int subclass's own
+    # bit_length, comparisons or repr must not replace the error with theirs
+    from kvcore._ints import shown
+
+    class Odd(int):
+        def bit_length(self):
+            raise RuntimeError("bit_length")
+
+        def __lt__(self, other):
+            raise RuntimeError("lt")
+
+        def __repr__(self):
+            raise RuntimeError("repr")
+
+    assert shown(Odd(5)) == "<Odd>"
+    assert shown(Odd(2**300)) == "an integer of 301 bits"
+    assert shown(Odd(-2**300)) == "a negative integer of 301 bits"
