@@ -270,12 +270,23 @@ class RedisStore(PrefixStore):
                 values.append(value)
         if empty:
             # an empty value is an entry no pool wrote (get reads it as b""):
-            # corrupt, as in every store, not a miss
-            there = self._run([("EXISTS", self._key(keys[j])) for j in empty])
-            for j, n in zip(empty, there):
-                if isinstance(n, BaseException):
-                    raise n
-                if n:
+            # corrupt, as in every store, not a miss.  EXISTS then STRLEN
+            # again: a key missing at the first round and written since by
+            # a peer (a spill) exists now, with its length: a miss, not a
+            # good entry reported corrupt
+            commands = []
+            for j in empty:
+                key = self._key(keys[j])
+                commands += [("EXISTS", key), ("STRLEN", key)]
+            replies = self._run(commands)
+            for j, n, size in zip(empty, replies[0::2], replies[1::2]):
+                for r in (n, size):
+                    if isinstance(r, BaseException):
+                        if not (isinstance(r, self._response_error)
+                                and str(r).startswith("WRONGTYPE")):
+                            raise r
+                        size = 0        # (planted with another type since: corrupt)
+                if n and size == 0:
                     values[j] = b""
         return values
 

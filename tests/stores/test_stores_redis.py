@@ -190,6 +190,38 @@ def test_a_value_planted_huge_is_read_only_as_far_as_an_entry_reaches(server, mo
         assert store.get_bounded([head], bound) == [whole_value]
 
 
+def test_get_bounded_a_key_written_between_its_rounds_is_a_miss_not_corrupt(server):
+    """A key missing at the STRLEN round, then written by another client
+    (a peer spilling it) before the round that tells a missing key from an
+    empty value, is a miss: not a corrupt entry (a rejection and a warning
+    for a good entry).  A key still empty, or emptied, is corrupt (so is one
+    planted with another type meanwhile: not an error for the whole batch);
+    one deleted in between a miss."""
+    store = kvcore.RedisStore(server.url, namespace="race", timeout=1.0)
+    client = server.client()
+    keys = [bytes([i]) * 32 for i in range(5)]
+    redis_keys = [store._key(k) for k in keys]
+    client.set(redis_keys[1], b"")
+    client.set(redis_keys[2], b"")
+    real = store._run
+    rounds = []
+
+    def racing(commands):
+        got = real(commands)
+        if not rounds:          # after the STRLEN / GETRANGE round: peers act
+            client.set(redis_keys[0], b"a good entry")       # missing -> written
+            client.delete(redis_keys[2])                      # empty -> deleted
+            client.set(redis_keys[3], b"")                    # missing -> empty
+            client.rpush(redis_keys[4], b"x")                 # missing -> another type
+        rounds.append([c[0] for c in commands])
+        return got
+
+    store._run = racing
+    assert store.get_bounded(keys, 1000) == [None, b"", None, b"", b""]
+    assert len(rounds) == 2
+    store.close()
+
+
 def test_a_subclass_that_overrides_get_is_read_through_its_get(server):
     """A RedisStore subclass overriding only ``get`` (here: values kept
     compressed) is read through that ``get``: the pool's bounded read
