@@ -398,9 +398,10 @@ def _startup_nodes(startup_nodes):
     for i, node in enumerate(startup_nodes):
         if isinstance(node, str):
             host, sep, digits = node.rpartition(":")
-            if not sep or not host or not digits.isdigit():
+            # (ASCII digits: '\u00b2' is a digit to isdigit, not to int())
+            if not sep or not host or not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"startup_nodes[{i}] must be 'host:port', got {node!r:.60}")
-            if len(digits) > 5:     # (and int() refuses more than 4300 digits)
+            if len(digits.lstrip("0")) > 5:     # (and int() refuses more than 4300 digits)
                 raise ValueError(f"startup_nodes[{i}] has port {digits:.20}..., not in "
                                  "1..65535")
             port = int(digits)

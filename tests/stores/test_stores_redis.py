@@ -410,6 +410,15 @@ def test_redis_store_arguments(server):
                         ("localhost:" + "9" * 5000, "99999999999999999999...")):
         with pytest.raises(ValueError, match=rf"^startup_nodes\[0\] has port {shown}"):
             kvcore.RedisStore.cluster([node])
+    # a port of digits int() does not read ('\u00b2' is one to str.isdigit) is named;
+    # zeros before a port in range do not put it out of range
+    from kvcore.stores.redis_store import _startup_nodes
+    for node in ("localhost:\u00b2", "localhost:\u0663\u0663"):
+        with pytest.raises(ValueError, match=r"^startup_nodes\[0\] must be 'host:port', got"):
+            kvcore.RedisStore.cluster([node])
+    assert _startup_nodes(["localhost:0000007000"]) == [("localhost", 7000)]
+    with pytest.raises(ValueError, match=r"^startup_nodes\[0\] has port 0, not in"):
+        _startup_nodes(["localhost:0000000"])
     with pytest.raises(TypeError, match="url"):
         kvcore.RedisStore(42)
     client = server.client()
