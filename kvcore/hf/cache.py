@@ -508,8 +508,9 @@ class PagedCache(Cache):
         n = index_int(tokens_to_remove, "tokens_to_remove")
         keep = self._length + n if n <= 0 else n
         if not 0 <= keep <= self._length:
-            raise ValueError(f"crop({tokens_to_remove}) must leave 0..{self._length} columns, "
-                             f"would leave {keep}")
+            raise ValueError(f"tokens_to_remove must leave 0..{self._length} columns (a "
+                             f"negative count to drop, or a positive length to keep), got "
+                             f"{n}, which would leave {keep}")
         step = self._step
         if step is not None and step.partial:
             step.rollback(self)       # what a forward that failed part-way wrote

@@ -411,8 +411,12 @@ def test_forward_loop_crop_and_seq_length():
         assert cache.rows[0].num_computed == 20
         again = torch.tensor([[11, 12]])
         assert torch.equal(model(again, **_kw(model, cache)).logits, model(again, **_kw(model, dyn)).logits)
-    with pytest.raises(ValueError, match="crop"):
+    with pytest.raises(ValueError, match=r"^tokens_to_remove must leave 0\.\.22 columns .*got -30, "
+                                         r"which would leave -8$"):
         cache.crop(-30)
+    with pytest.raises(ValueError, match=r"^tokens_to_remove must leave .*got 18446744073709551616"):
+        cache.crop(2**64)
+    assert cache.get_seq_length() == 22
     cache.free()
     assert pool.num_used_blocks == 0
 
