@@ -29,13 +29,15 @@ def _wrap(acc, name, fn):
 def _steps(model, cache, prompt, steps, torch, prefilled=lambda: None):
     """Seconds per decode step after prefilling ``prompt`` into ``cache``
     (``prefilled()`` runs between the two)."""
+    from kvcore.hf.inputs import cache_keyword
+    key = cache_keyword(model)      # (transformers 5.25 deprecates past_key_values)
     with torch.no_grad():
-        out = model(prompt, past_key_values=cache, use_cache=True)
+        out = model(prompt, use_cache=True, **{key: cache})
         tok = out.logits[:, -1:].argmax(-1)
         prefilled()
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = model(tok, past_key_values=cache, use_cache=True)
+            out = model(tok, use_cache=True, **{key: cache})
             tok = out.logits[:, -1:].argmax(-1)
         return (time.perf_counter() - t0) / steps
 
