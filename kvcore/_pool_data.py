@@ -8,6 +8,7 @@ values, each block head-major) and, for int8 pools, one float32 scale per
 (plane, block, kv head, token) addressed by the same block ids.
 """
 import functools
+import math
 
 import numpy as np
 
@@ -27,9 +28,7 @@ def _storage(backend, num_blocks, block_size, num_layers, num_kv_heads, head_dim
     try:
         return backend.zeros(shape, dtypes.STORAGE[kind])
     except (MemoryError, ValueError) as e:
-        nbytes = np.dtype(dtypes.STORAGE[kind]).itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = math.prod(shape) * dtypes.ITEMSIZE[kind]
         # (a plain MemoryError / ValueError: a backend's own subclass, e.g.
         # CuPy's OutOfMemoryError(size, total), need not take a message)
         kind_error = MemoryError if isinstance(e, MemoryError) else ValueError

@@ -119,11 +119,7 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
         return e4m3_bits_avx512(_mm512_cvtepi8_epi32(b), kind == KVA_F8E4M3_WNAN);
 #endif
     if (kind == KVA_I8)
-#ifdef KVA_AVX512_SIMDE
         return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)));
-#else
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); /* (one extension, not two) */
-#endif
     if (kind == KVA_F8E5M2)
         return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
     __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
