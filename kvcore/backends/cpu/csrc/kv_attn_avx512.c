@@ -1002,6 +1002,76 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
 }
 
+/* The softmax step of a decode tile in registers (kva_math.decode_rows):
+ * each row's two vectors of scores are loaded once, and every step of
+ * kva_run_item's per-row loop runs on them with the operations of
+ * tile_scales, row_max, row_exp_sum and scale, in their order (the same
+ * bits): times the keys' scales (i < nt), -inf outside [first, last), the
+ * maximum, alpha, the exponentials (stored) and their sum, the visible
+ * weights times the values' scales and unit. */
+KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int ntp, int first,
+                                                 int last, const float *ks, const float *vs,
+                                                 float unit, float *m, float *sum, float *alpha)
+{
+    /* (ntp <= 32 and last <= nt <= ntp: the callers') */
+    const int two = ntp > 16, scale_w = vs != NULL || unit != 1.0f;
+    const __mmask32 real = (__mmask32)(nt >= 32 ? 0xFFFFFFFFu : (1u << nt) - 1u);
+    const __mmask32 seen = (__mmask32)((last >= 32 ? 0xFFFFFFFFu : (1u << last) - 1u) &
+                                       ~((1u << first) - 1u));
+    const __mmask16 r0 = (__mmask16)real, r1 = (__mmask16)(real >> 16);
+    const __mmask16 v0 = (__mmask16)seen, v1 = (__mmask16)(seen >> 16);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vu = _mm512_set1_ps(unit);
+    __m512 k0 = _mm512_setzero_ps(), k1 = k0, w0 = k0, w1 = k0;
+    if (ks != NULL) {
+        k0 = _mm512_maskz_loadu_ps(r0, ks);
+        k1 = _mm512_maskz_loadu_ps(r1, ks + 16);
+    }
+    if (vs != NULL) {
+        w0 = _mm512_maskz_loadu_ps(v0, vs);
+        w1 = _mm512_maskz_loadu_ps(v1, vs + 16);
+    }
+    for (int r = 0; r < M; r++) {
+        float *s = S + (size_t)r * KVA_KEY_TILE;
+        __m512 a = _mm512_maskz_loadu_ps(r0, s), b = _mm512_maskz_loadu_ps(r1, s + 16);
+        if (ks != NULL) {
+            a = _mm512_mask_mul_ps(a, r0, a, k0);
+            b = _mm512_mask_mul_ps(b, r1, b, k1);
+        }
+        a = _mm512_mask_mov_ps(ninf, v0, a);
+        b = _mm512_mask_mov_ps(ninf, v1, b);
+        __m512 mv = _mm512_max_ps(ninf, a);
+        if (two)
+            mv = _mm512_max_ps(mv, b);
+        const float mx = hmax_avx512(mv), mo = m[r];
+        const float mnew = mo > mx ? mo : mx;
+        alpha[r] = mo == -INFINITY                 ? 0.0f
+                   : mo == mnew && mnew != INFINITY ? 1.0f
+                                                    : exp2f(mo - mnew);
+        m[r] = mnew;
+        const __m512 mm = _mm512_set1_ps(mnew);
+        __m512 e0 = exp2_neg_avx512(_mm512_sub_ps(a, mm)), sm = _mm512_add_ps(_mm512_setzero_ps(), e0);
+        __m512 e1 = _mm512_setzero_ps();
+        if (two) {
+            e1 = exp2_neg_avx512(_mm512_sub_ps(b, mm));
+            sm = _mm512_add_ps(sm, e1);
+        }
+        sum[r] = hsum_avx512(sm);
+        if (scale_w) {
+            if (vs != NULL) {
+                e0 = _mm512_mask_mul_ps(e0, v0, e0, w0);
+                e1 = _mm512_mask_mul_ps(e1, v1, e1, w1);
+            }
+            if (unit != 1.0f) {
+                e0 = _mm512_mask_mul_ps(e0, v0, e0, vu);
+                e1 = _mm512_mask_mul_ps(e1, v1, e1, vu);
+            }
+        }
+        storef_avx512(s, e0, ntp < 16);
+        if (two)
+            storef_avx512(s + 16, e1, ntp < 32);
+    }
+}
+
 const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
     KVA_KERNELS(f32, avx512, 1.0f, 1, 1),
     KVA_KERNELS(f16, avx512, 1.0f, 1, 1),
@@ -1012,5 +1082,5 @@ const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
 };
 const kva_kernels kva_kernels_avx512_e4m3_wide = KVA_KERNELS(e4m3w, avx512, 0x1p120f, 1, 1);
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
-                                  exp2_neg_n_avx512, scale_avx512};
+                                  exp2_neg_n_avx512, scale_avx512, decode_rows_avx512};
 #endif /* KVA_HAVE_AVX512 */

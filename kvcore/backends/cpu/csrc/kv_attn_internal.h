@@ -160,6 +160,19 @@ typedef struct {
      * one rounding per product as the scalar loop has it, so every level
      * gives the same bits. */
     void (*scale)(float *s, const float *w, float c, ptrdiff_t n);
+    /* The softmax step of a decode tile (NULL: the level has none, the
+     * caller runs the steps above one by one): M rows of scores S[r *
+     * KVA_KEY_TILE + i], i < ntp <= KVA_DECODE_KEY_TILE, that see the same
+     * keys [first, last) (0 <= first < last <= nt <= ntp), each taken
+     * through every step of kva_run_item's per-row loop with the same
+     * operations in the same order (the same bits): times ks[i] for i < nt
+     * (ks NULL: not), -inf outside [first, last), the row maximum m[r]
+     * (updated) and alpha[r], the exponentials stored in S and their sum
+     * in sum[r] (the caller updates l), the visible weights times vs[i]
+     * (vs NULL: not) and unit.  The scores are base-2 logits (no soft cap,
+     * ALiBi or wide units). */
+    void (*decode_rows)(float *S, int M, int nt, int ntp, int first, int last, const float *ks,
+                        const float *vs, float unit, float *m, float *sum, float *alpha);
 } kva_math;
 
 /* Tables indexed by kind (KVA_F32 .. KVA_I8). */

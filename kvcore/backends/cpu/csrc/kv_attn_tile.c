@@ -313,6 +313,13 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
     if (pf_scales && it->k0 < it->k1)
         prefetch_scales(a, table, g, it->k0,
                         it->k1 - it->k0 < 2 * tile ? it->k1 : it->k0 + 2 * tile);
+    /* a decode item (one query token: its rows see the same keys) whose
+     * level has the fused softmax step (kva_math.decode_rows) and whose
+     * scores are plain base-2 logits takes it for every tile that shows
+     * it a key */
+    const int fused = math->decode_rows != NULL && !prefill && tile <= KVA_DECODE_KEY_TILE &&
+                      it->q1 - it->q0 == 1 && !capped && !alibi && !job->wide;
+    float sums[KVA_TILE_ROWS];
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += tile) {
@@ -379,9 +386,23 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
         } else {
             kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         }
+        /* (fused: the rows' visible keys, the same for every row) */
+        int64_t f0 = ws->lo[0] - t0, f1 = ws->hi[0] - t0;
+        f0 = f0 < 0 ? 0 : f0;
+        f1 = f1 > nt ? nt : f1;
+        const int fuse = fused && f1 > f0;
         if (scaled)
-            tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, M);
-        for (int r = 0; r < M; r++) {
+            tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, fuse ? 0 : M);
+        if (fuse) {
+            math->decode_rows(ws->S, M, nt, ntp, (int)f0, (int)f1, scaled ? ks : NULL,
+                              scaled ? vs : NULL, unit, ws->m, sums, ws->alpha);
+            for (int r = 0; r < M; r++) {
+                ws->first[r] = (int)f0;
+                ws->last[r] = (int)f1;
+                ws->l[r] = ws->l[r] * ws->alpha[r] + sums[r];
+            }
+        }
+        for (int r = 0; r < M && !fuse; r++) {
             float *srow = ws->S + r * KVA_KEY_TILE;
             if (capped) {
                 if (post != 0.0f) /* |scale| > 1 (kva_score_units) */
