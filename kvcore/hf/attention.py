@@ -31,7 +31,7 @@ def _kvcore_mask(*args, **kwargs):
         if "q_length" in kwargs:
             q_length = kwargs["q_length"]
         else:                                  # transformers 5.0-5.x
-            q_length = _query_length(kwargs.get("cache_position", 0))
+            q_length = _query_length(kwargs.get("cache_position", 0), "cache_position")
         if cache._length + q_length == kwargs.get("kv_length"):
             state = ModelAttention.of(cache, kwargs.get("config"))
             state.check_forward(kwargs, q_length)

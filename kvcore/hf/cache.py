@@ -472,9 +472,10 @@ class PagedCache(Cache):
     def get_mask_sizes(self, query_length, layer_idx=0):
         """``(length + query_length, 0)``: every column is kept.  (Older
         transformers pass the query's ``cache_position`` tensor instead.)"""
+        n = _query_length(query_length)          # (checked before the state changes)
         self._kvcore_forward = False
         _mask_call.cache = weakref.ref(self)     # never keeps a dropped cache's blocks
-        return self._length + _query_length(query_length), 0
+        return self._length + n, 0
 
     def get_max_length(self, layer_idx=None):
         return -1

@@ -5,11 +5,23 @@ import inspect
 import numpy as np
 import torch
 
+from .._validate import index_int
 
-def _query_length(query):
-    """The query length transformers passes to get_mask_sizes: an int, or
-    (transformers 5.0-5.x) the query's cache_position tensor."""
-    return int(query.shape[0]) if isinstance(query, torch.Tensor) else int(query)
+
+def _query_length(query, arg="query_length"):
+    """The query length transformers passes to get_mask_sizes: an int >= 0
+    (a Python or NumPy integer, never a bool, a float or a string), or
+    (transformers 5.0-5.x) the query's 1-D cache_position tensor; anything
+    else raises naming ``arg``."""
+    if isinstance(query, torch.Tensor):
+        if query.ndim != 1:
+            raise ValueError(f"{arg} must be an integer or the query's 1-D cache_position "
+                             f"tensor, got a tensor of shape {tuple(query.shape)}")
+        return int(query.shape[0])
+    n = index_int(query, arg)
+    if n < 0:
+        raise ValueError(f"{arg} must be a non-negative integer, got {n}")
+    return n
 
 
 def _prompt_batch(input_ids, attention_mask):

@@ -202,6 +202,38 @@ def test_cache_methods_refuse_what_is_not_an_integer_by_name(call, exc, match):
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("query_length, exc, match", [
+    (2.5, TypeError, r"query_length must be an integer, got float 2.5"),
+    (1.0, TypeError, r"query_length must be an integer, got float 1.0"),
+    (True, TypeError, r"query_length must be an integer, got bool True"),
+    ("3", TypeError, r"query_length must be an integer, got str '3'"),
+    (None, TypeError, r"query_length must be an integer, got NoneType None"),
+    (-1, ValueError, r"query_length must be a non-negative integer, got -1"),
+    (torch.tensor(3), ValueError,
+     r"query_length must be an integer or the query's 1-D cache_position tensor, got a "
+     r"tensor of shape \(\)"),
+    (torch.zeros(1, 3), ValueError, r"1-D cache_position tensor, got a tensor of shape \(1, 3\)"),
+], ids=["float", "float-whole", "bool", "str", "none", "negative", "0-d-tensor", "2-d-tensor"])
+def test_get_mask_sizes_refuses_a_query_length_that_is_not_a_count_by_name(query_length, exc,
+                                                                           match):
+    """get_mask_sizes (the cache's and a layer's) takes a count or a 1-D
+    cache_position tensor (older transformers): a float is never truncated,
+    a bool, string or negative count never read as a length, and the cache
+    is as it was."""
+    pool = kvcore.BlockPool(16, 4, 2, 2, 8, dtype="float32")
+    cache = _two_step_cache(pool)
+    before = _rows_state(cache)
+    for call in (lambda: cache.get_mask_sizes(query_length, 0),
+                 lambda: cache.layers[1].get_mask_sizes(query_length)):
+        with pytest.raises(exc, match=match):
+            call()
+        assert _rows_state(cache) == before
+    assert cache.get_mask_sizes(np.int64(2), 0) == (5, 0)
+    assert cache.get_mask_sizes(torch.arange(3, 5), 0) == (5, 0)
+    cache.free()
+    assert pool.num_used_blocks == 0
+
+
 def test_cache_repeats_up_to_the_pools_blocks():
     pool = kvcore.BlockPool(16, 4, 2, 2, 8, dtype="float32")
     cache = _two_step_cache(pool)
