@@ -522,22 +522,26 @@ class PagedCache(Cache):
         self._length = keep
         self._step = None
 
-    def _select_rows(self, index):
-        """Rows become ``old[index[r]]`` (copy-on-write forks)."""
+    def _select_rows(self, index, arg):
+        """Rows become ``old[index[r]]`` (copy-on-write forks); ``arg``: the
+        caller's name of ``index`` (its errors name it)."""
         with self._torch.stream():
-            self._select(index)
+            self._select(index, arg)
 
-    def _select(self, index):
+    def _select(self, index, arg):
         index = np.asarray(index.detach().cpu() if isinstance(index, torch.Tensor) else index)
         rows = len(self._seqs)
-        if not index.size and rows:
-            raise ValueError(f"row indices must select at least one of the {rows} rows, got none")
         if index.size and index.dtype.kind not in "iu":
-            raise TypeError(f"row indices must be integers, got dtype {index.dtype}")
-        index = index.reshape(-1)
+            raise TypeError(f"{arg} must hold integers (row indices), got dtype {index.dtype}")
+        if index.ndim != 1:
+            raise ValueError(f"{arg} must be 1-D (the old row of each new row), got shape "
+                             f"{index.shape}")
+        if not index.size and rows:
+            raise ValueError(f"{arg} must select at least one of the {rows} rows, got none")
         # (checked before the cast: a uint64 past int64 would wrap to a negative)
         if index.size and (index.min() < 0 or index.max() >= rows):
-            raise IndexError(f"row indices must be in 0..{rows - 1}, got {index.tolist()}")
+            held = f"in 0..{rows - 1}" if rows else "none: the cache holds no rows"
+            raise IndexError(f"{arg} must be row indices {held}, got {index.tolist()}")
         index = index.astype(np.int64)
         if np.array_equal(index, np.arange(rows)):
             return
@@ -557,7 +561,7 @@ class PagedCache(Cache):
 
     def reorder_cache(self, beam_idx):
         """Beam search: row ``r`` becomes old row ``beam_idx[r]`` (forks, copy-on-write)."""
-        self._select_rows(beam_idx)
+        self._select_rows(beam_idx, "beam_idx")
 
     def batch_repeat_interleave(self, repeats):
         n = index_int(repeats, "repeats")
@@ -568,10 +572,10 @@ class PagedCache(Cache):
             raise ValueError(f"repeats must be at most {blocks // rows} (the {rows} rows times "
                              f"repeats may not exceed the pool's {blocks} blocks), got {n}")
         if rows:
-            self._select_rows(np.repeat(np.arange(rows), n))
+            self._select_rows(np.repeat(np.arange(rows), n), "repeats")
 
     def batch_select_indices(self, indices):
-        self._select_rows(indices)
+        self._select_rows(indices, "indices")
 
     def reset(self):
         self.free()

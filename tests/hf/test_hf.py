@@ -164,11 +164,11 @@ def _rows_state(cache):
     (lambda c: c.crop("2"), TypeError, r"tokens_to_remove must be an integer, got str"),
     (lambda c: c.crop(True), TypeError, r"tokens_to_remove must be an integer, got bool"),
     (lambda c: c.reorder_cache([0.9, 1.7]), TypeError,
-     r"row indices must be integers, got dtype float64"),
+     r"beam_idx must hold integers \(row indices\), got dtype float64"),
     (lambda c: c.reorder_cache(torch.tensor([1.0, 0.0])), TypeError,
-     r"row indices must be integers, got dtype float32"),
+     r"beam_idx must hold integers \(row indices\), got dtype float32"),
     (lambda c: c.reorder_cache([]), ValueError,
-     r"row indices must select at least one of the 2 rows, got none"),
+     r"beam_idx must select at least one of the 2 rows, got none"),
     (lambda c: c.batch_repeat_interleave(1.5), TypeError, r"repeats must be an integer"),
     (lambda c: c.batch_repeat_interleave(0), ValueError,
      r"repeats must be a positive integer, got 0"),
@@ -180,14 +180,23 @@ def _rows_state(cache):
     (lambda c: c.batch_repeat_interleave(2**62), ValueError, r"repeats must be at most 8"),
     (lambda c: c.batch_repeat_interleave(10**20), ValueError, r"repeats must be at most 8"),
     (lambda c: c.reorder_cache(np.array([1, 2**63], np.uint64)), IndexError,
-     r"row indices must be in 0..1, got \[1, 9223372036854775808\]"),
+     r"beam_idx must be row indices in 0..1, got \[1, 9223372036854775808\]"),
+    (lambda c: c.batch_select_indices([0, 2]), IndexError,
+     r"indices must be row indices in 0..1, got \[0, 2\]"),
+    (lambda c: c.batch_select_indices(torch.tensor([0.0])), TypeError,
+     r"indices must hold integers \(row indices\), got dtype float32"),
+    (lambda c: c.reorder_cache([[0, 1], [1, 0]]), ValueError,
+     r"beam_idx must be 1-D \(the old row of each new row\), got shape \(2, 2\)"),
+    (lambda c: c.batch_select_indices(torch.tensor(1)), ValueError,
+     r"indices must be 1-D \(the old row of each new row\), got shape \(\)"),
     (lambda c: c.update(np.ones((2, 2, 1, 8), np.float32), np.ones((2, 2, 1, 8), np.float32), 0),
      TypeError, r"key_states and value_states must be torch tensors, got ndarray and ndarray"),
     (lambda c: c.update(torch.ones(0, 2, 1, 8), torch.ones(0, 2, 1, 8), 0), ValueError,
      r"key_states must hold at least one row .*got \(0, 2, 1, 8\)"),
 ], ids=["crop-float", "crop-str", "crop-bool", "reorder-float", "reorder-float-tensor",
         "reorder-empty", "repeat-float", "repeat-0", "repeat-negative", "repeat-past-pool",
-        "repeat-2**62", "repeat-10**20", "reorder-uint64", "update-numpy", "update-no-rows"])
+        "repeat-2**62", "repeat-10**20", "reorder-uint64", "select-past-rows", "select-float",
+        "reorder-2-d", "select-0-d", "update-numpy", "update-no-rows"])
 def test_cache_methods_refuse_what_is_not_an_integer_by_name(call, exc, match):
     """crop, reorder_cache, batch_repeat_interleave and update refuse floats
     (never truncated to ints), strings, bools, empty selections and arrays
@@ -232,6 +241,16 @@ def test_get_mask_sizes_refuses_a_query_length_that_is_not_a_count_by_name(query
     assert cache.get_mask_sizes(torch.arange(3, 5), 0) == (5, 0)
     cache.free()
     assert pool.num_used_blocks == 0
+
+
+def test_an_empty_cache_refuses_row_indices_saying_it_holds_no_rows():
+    pool = kvcore.BlockPool(16, 4, 2, 2, 8, dtype="float32")
+    cache = PagedCache(pool)
+    with pytest.raises(IndexError, match=r"beam_idx must be row indices none: the cache holds "
+                                         r"no rows, got \[0\]"):
+        cache.reorder_cache([0])
+    cache.batch_select_indices([])              # (no rows selected from none)
+    assert cache.rows == [] and pool.num_used_blocks == 0
 
 
 def test_cache_repeats_up_to_the_pools_blocks():
