@@ -31,6 +31,8 @@ from .torch_bridge import _TorchSide
 # the low-precision ones only the kvcore attention reads (it dequantizes)
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _LOW_PRECISION = ("float8_e4m3fn", "float8_e5m2", "int8")
+# the K/V dtypes a pool is written from (BlockPool.write's, as torch dtypes)
+_KV_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 # create_causal_mask asks the cache for the mask sizes and then calls the mask
 # function of the attention implementation, in the same thread: the kvcore
@@ -367,6 +369,14 @@ class PagedCache(Cache):
             raise ValueError("key_states and value_states must both be (batch, num_kv_heads, q, "
                              f"head_dim), got {tuple(key_states.shape)} and "
                              f"{tuple(value_states.shape)}")
+        dtype = key_states.dtype
+        if dtype not in _KV_DTYPES or value_states.dtype is not dtype \
+                or key_states.layout is not torch.strided \
+                or value_states.layout is not torch.strided:
+            raise TypeError(f"key_states and value_states must be dense float32, float16 or "
+                            f"bfloat16 tensors of one dtype, got {dtype} "
+                            f"({key_states.layout}) and {value_states.dtype} "
+                            f"({value_states.layout})")
         batch, heads, q, dim = shape
         if not batch:
             raise ValueError(f"key_states must hold at least one row (batch, num_kv_heads, q, "

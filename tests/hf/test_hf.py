@@ -193,10 +193,19 @@ def _rows_state(cache):
      TypeError, r"key_states and value_states must be torch tensors, got ndarray and ndarray"),
     (lambda c: c.update(torch.ones(0, 2, 1, 8), torch.ones(0, 2, 1, 8), 0), ValueError,
      r"key_states must hold at least one row .*got \(0, 2, 1, 8\)"),
+    (lambda c: c.update(torch.ones(2, 2, 1, 8, dtype=torch.int64),
+                        torch.ones(2, 2, 1, 8, dtype=torch.int64), 0), TypeError,
+     r"key_states and value_states must be dense float32, float16 or bfloat16 tensors of one "
+     r"dtype, got torch.int64 \(torch.strided\) and torch.int64"),
+    (lambda c: c.update(torch.ones(2, 2, 1, 8), torch.ones(2, 2, 1, 8, dtype=torch.float16), 0),
+     TypeError, r"tensors of one dtype, got torch.float32 \(torch.strided\) and torch.float16"),
+    (lambda c: c.update(torch.ones(2, 2, 1, 8).to_sparse(), torch.ones(2, 2, 1, 8).to_sparse(),
+                        0), TypeError, r"must be dense .*got torch.float32 \(torch.sparse_coo\)"),
 ], ids=["crop-float", "crop-str", "crop-bool", "reorder-float", "reorder-float-tensor",
         "reorder-empty", "repeat-float", "repeat-0", "repeat-negative", "repeat-past-pool",
         "repeat-2**62", "repeat-10**20", "reorder-uint64", "select-past-rows", "select-float",
-        "reorder-2-d", "select-0-d", "update-numpy", "update-no-rows"])
+        "reorder-2-d", "select-0-d", "update-numpy", "update-no-rows", "update-int64",
+        "update-mixed-dtypes", "update-sparse"])
 def test_cache_methods_refuse_what_is_not_an_integer_by_name(call, exc, match):
     """crop, reorder_cache, batch_repeat_interleave and update refuse floats
     (never truncated to ints), strings, bools, empty selections and arrays
