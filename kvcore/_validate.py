@@ -25,6 +25,20 @@ def positive_int(value, arg):
     return v
 
 
+# Head counts and head_dim: the attention kernels take them as C ints.
+MAX_C_INT = 2**31 - 1
+
+
+def kernel_count(value, arg):
+    """``value`` as a head count or head_dim: 1..MAX_C_INT (a storage whose
+    heads no attention could read is refused when it is made)."""
+    v = positive_int(value, arg)
+    if v > MAX_C_INT:
+        raise ValueError(f"{arg} must be at most {MAX_C_INT} (the attention kernels take it "
+                         f"as a C int), got {v}")
+    return v
+
+
 def num_layers_int(value, arg="num_layers"):
     """``value`` as a layer count: 1..MAX_LAYERS."""
     v = positive_int(value, arg)

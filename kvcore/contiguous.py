@@ -15,7 +15,7 @@ from .backends import Codec, get_backend
 from .dtypes import KIND_NAME, STORAGE
 from ._errors import CacheFullError
 from ._planes import Planes, check_head_scales_backend, check_layer_scales, kv_scale_pairs
-from ._validate import index_int, num_layers_int, positive_int
+from ._validate import index_int, kernel_count, num_layers_int, positive_int
 
 __all__ = ["KVCache"]
 
@@ -87,8 +87,8 @@ class KVCache:
     def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len,
                  batch_size=1, dtype="float16", device="cpu", kv_scales=None):
         num_layers = num_layers_int(num_layers)
-        num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
-        head_dim = positive_int(head_dim, "head_dim")
+        num_kv_heads = kernel_count(num_kv_heads, "num_kv_heads")
+        head_dim = kernel_count(head_dim, "head_dim")
         max_seq_len = positive_int(max_seq_len, "max_seq_len")
         batch_size = positive_int(batch_size, "batch_size")
         kind = dtypes.storage_kind(dtype, "dtype")

@@ -12,8 +12,8 @@ from ._pool_data import PoolData
 from ._pool_debug import CheckedLock, PoolDebug
 from ._pool_stores import PoolStores
 from ._store_port import StorePort
-from ._validate import (index_int, layer_index, num_layers_int, positive_int, salt_bytes,
-                        token_array)
+from ._validate import (index_int, kernel_count, layer_index, num_layers_int, positive_int,
+                        salt_bytes, token_array)
 from .stores._worker import Prefetch, check_timeout
 
 __all__ = ["BlockPool", "store_port"]
@@ -91,8 +91,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be at most {2**31 - 2}, got {num_blocks}")
         self._block_size = positive_int(block_size, "block_size")
         self._num_layers = num_layers_int(num_layers)
-        self._num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
-        self._head_dim = positive_int(head_dim, "head_dim")
+        self._num_kv_heads = kernel_count(num_kv_heads, "num_kv_heads")
+        self._head_dim = kernel_count(head_dim, "head_dim")
         self._kind = dtypes.storage_kind(dtype)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(

@@ -643,8 +643,28 @@ def test_a_pool_too_large_to_allocate_names_its_sizing_arguments():
                                           r"num_kv_heads=8 x block_size=16 x head_dim=128 "
                                           r"elements of float16 are 4503599623176192 bytes"):
         kvcore.BlockPool(2**31 - 2, 16, 32, 8, 128)
-    with pytest.raises(ValueError, match=r"num_kv_heads=4611686018427387904 .* of int8 are"):
-        kvcore.BlockPool(8, 16, 1, 2**62, 8, dtype="int8")
+    with pytest.raises(ValueError, match=r"block_size=4611686018427387904 .* of int8 are"):
+        kvcore.BlockPool(8, 2**62, 1, 2, 8, dtype="int8")
+
+
+@pytest.mark.parametrize("arg", ["num_kv_heads", "head_dim"])
+@pytest.mark.parametrize("value", [2**31, 2**32 + 8, 2**62])
+def test_head_counts_and_head_dims_past_a_c_int_are_refused_when_the_storage_is_made(arg,
+                                                                                     value):
+    # the attention kernels take them as C ints: a pool or cache of 2**31
+    # heads of one element (4 GiB of fp8, allocated lazily) was made, and
+    # only its first attention refused it
+    pool_kw = dict(num_blocks=1, block_size=1, num_layers=1, num_kv_heads=1, head_dim=1,
+                   dtype="float8_e4m3fn")
+    cache_kw = dict(num_layers=1, num_kv_heads=1, head_dim=1, max_seq_len=1,
+                    dtype="float8_e4m3fn")
+    msg = rf"^{arg} must be at most 2147483647 \(the attention kernels take it as a C int\), " \
+          rf"got {value}$"
+    with pytest.raises(ValueError, match=msg):
+        kvcore.BlockPool(**dict(pool_kw, **{arg: value}))
+    with pytest.raises(ValueError, match=msg):
+        kvcore.KVCache(**dict(cache_kw, **{arg: value}))
+    assert getattr(kvcore.BlockPool(**dict(pool_kw, **{arg: 4})), arg) == 4
 
 
 def test_a_backends_own_out_of_memory_error_still_names_the_sizing_arguments():
