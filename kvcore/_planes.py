@@ -8,6 +8,7 @@ overlaps what a call writes, the two ``out`` arrays of a read being apart,
 and the ``kv_scales`` argument.
 """
 import collections.abc
+import math
 import numbers
 
 import numpy as np
@@ -15,8 +16,27 @@ import numpy as np
 from . import dtypes
 from .backends import Codec, codec_of
 
-__all__ = ["Planes", "check_head_scales_backend", "check_layer_scales", "kv_scale_pairs",
-           "outs_share_memory"]
+__all__ = ["Planes", "allocate_storage", "check_head_scales_backend", "check_layer_scales",
+           "kv_scale_pairs", "outs_share_memory"]
+
+
+def allocate_storage(backend, shape, kind, what, sizes):
+    """A zeroed storage ``shape`` of ``kind`` on ``backend``.  One it cannot
+    have raises a plain MemoryError (ValueError for a size past what the
+    allocator is asked for) naming ``what`` and the arguments that size it:
+    ``sizes``, the factors of the element count as text (``"num_blocks=8"``,
+    ``"2 (K, V)"``); the backend's own error names only the shape."""
+    try:
+        return backend.zeros(shape, dtypes.STORAGE[kind])
+    except (MemoryError, ValueError) as e:
+        nbytes = math.prod(shape) * dtypes.ITEMSIZE[kind]
+        # (a plain MemoryError / ValueError: a backend's own subclass, e.g.
+        # CuPy's OutOfMemoryError(size, total), need not take a message)
+        kind_error = MemoryError if isinstance(e, MemoryError) else ValueError
+        raise kind_error(
+            f"{what} cannot be allocated: {' x '.join(sizes)} elements of "
+            f"{dtypes.KIND_NAME[kind]} are {nbytes} bytes ({nbytes / 2**30:.4g} GiB): "
+            f"{e}") from None
 
 
 class Planes:

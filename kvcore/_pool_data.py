@@ -8,13 +8,12 @@ values, each block head-major) and, for int8 pools, one float32 scale per
 (plane, block, kv head, token) addressed by the same block ids.
 """
 import functools
-import math
 
 import numpy as np
 
 from . import _arrays, dtypes
 from ._native import _pool
-from ._planes import Planes, kv_scale_pairs
+from ._planes import Planes, allocate_storage, kv_scale_pairs
 from ._validate import index_int
 
 __all__ = ["PoolData"]
@@ -23,21 +22,12 @@ __all__ = ["PoolData"]
 def _storage(backend, num_blocks, block_size, num_layers, num_kv_heads, head_dim, kind):
     """A pool's zeroed storage ``(2 * num_layers, num_blocks, num_kv_heads,
     block_size, head_dim)``; one it cannot have is refused naming the
-    arguments that size it (the backend's error names only the shape)."""
-    shape = (2 * num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-    try:
-        return backend.zeros(shape, dtypes.STORAGE[kind])
-    except (MemoryError, ValueError) as e:
-        nbytes = math.prod(shape) * dtypes.ITEMSIZE[kind]
-        # (a plain MemoryError / ValueError: a backend's own subclass, e.g.
-        # CuPy's OutOfMemoryError(size, total), need not take a message)
-        kind_error = MemoryError if isinstance(e, MemoryError) else ValueError
-        raise kind_error(
-            f"the pool's storage cannot be allocated: num_blocks={num_blocks} x "
-            f"num_layers={num_layers} x 2 (K, V) x num_kv_heads={num_kv_heads} x "
-            f"block_size={block_size} x head_dim={head_dim} elements of "
-            f"{dtypes.KIND_NAME[kind]} are {nbytes} bytes "
-            f"({nbytes / 2**30:.4g} GiB): {e}") from None
+    arguments that size it."""
+    return allocate_storage(
+        backend, (2 * num_layers, num_blocks, num_kv_heads, block_size, head_dim), kind,
+        "the pool's storage",
+        (f"num_blocks={num_blocks}", f"num_layers={num_layers}", "2 (K, V)",
+         f"num_kv_heads={num_kv_heads}", f"block_size={block_size}", f"head_dim={head_dim}"))
 
 
 class PoolData:

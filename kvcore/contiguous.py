@@ -12,9 +12,10 @@ import numpy as np
 
 from . import _arrays, dtypes
 from .backends import Codec, get_backend
-from .dtypes import KIND_NAME, STORAGE
+from .dtypes import KIND_NAME
 from ._errors import CacheFullError
-from ._planes import Planes, check_head_scales_backend, check_layer_scales, kv_scale_pairs
+from ._planes import (Planes, allocate_storage, check_head_scales_backend, check_layer_scales,
+                      kv_scale_pairs)
 from ._validate import index_int, kernel_count, num_layers_int, positive_int
 
 __all__ = ["KVCache"]
@@ -58,7 +59,9 @@ class KVCache:
     TypeError, ValueError
         For a bad geometry, dtype or device, naming the argument.
     MemoryError
-        When the buffer cannot be allocated (the message gives its size).
+        When the buffer cannot be allocated (the message names the
+        arguments that size it and its bytes; a ValueError for a size past
+        what NumPy asks the allocator for).
 
     Notes
     -----
@@ -107,15 +110,9 @@ class KVCache:
         # (zeros: one zero-filled allocation starting on a cache line, as a
         # pool's storage; its attention reads long contiguous runs of rows
         # and measured the same either way)
-        try:
-            return backend.zeros(shape, STORAGE[kind])
-        except MemoryError:
-            nbytes = dtypes.ITEMSIZE[kind]
-            for s in shape:
-                nbytes *= s
-            raise MemoryError(
-                f"cannot allocate the KV cache buffer: shape {shape} in {KIND_NAME[kind]} "
-                f"is {nbytes} bytes ({nbytes / 2**30:.2f} GiB)") from None
+        names = ("num_layers", None, "batch_size", "num_kv_heads", "max_seq_len", "head_dim")
+        return allocate_storage(backend, shape, kind, "the KV cache's buffer",
+                                [f"{n}={v}" if n else "2 (K, V)" for n, v in zip(names, shape)])
 
     def _init_from(self, backend, device, kind, storage, lengths, scale_planes=None,
                    layer_scales=None, head_scales=None):

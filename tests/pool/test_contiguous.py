@@ -121,6 +121,21 @@ def test_a_cache_too_large_for_any_machine_names_its_shape():
         kvcore.KVCache(512, 256, 128, 2**30, batch_size=2**20)
 
 
+def test_a_cache_too_large_to_allocate_names_its_sizing_arguments_as_a_pool_does():
+    # (the pool's message named its arguments; the cache's only the shape,
+    # and a size NumPy refuses (a ValueError) not even that it was the cache)
+    with pytest.raises(MemoryError, match=r"^the KV cache's buffer cannot be allocated: "
+                                          r"num_layers=32 x 2 \(K, V\) x batch_size=2048 x "
+                                          r"num_kv_heads=8 x max_seq_len=1048576 x head_dim=128 "
+                                          r"elements of float16 are 281474976710656 bytes"):
+        kvcore.KVCache(32, 8, 128, 2**20, batch_size=2**11)
+    with pytest.raises(ValueError, match=r"^the KV cache's buffer cannot be allocated: "
+                                         r"num_layers=512 x 2 \(K, V\) x batch_size=1048576 x "
+                                         r"num_kv_heads=256 x max_seq_len=1073741824 x "
+                                         r"head_dim=128 elements of int8 are \d+ bytes"):
+        kvcore.KVCache(512, 256, 128, 2**30, batch_size=2**20, dtype="int8")
+
+
 # ---------------------------------------------------------------- round trips
 @pytest.mark.parametrize("storage", STORAGE_DTYPES)
 @pytest.mark.parametrize("src", ["float32", "float16", "bf16ml", "bf16bits"])
