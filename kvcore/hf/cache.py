@@ -249,6 +249,12 @@ class PagedCache(Cache):
             if not self._may_expand or rows == 0 or batch % rows:
                 raise ValueError(f"the forward has batch size {batch}, but this cache holds "
                                  f"{rows} rows (a new batch needs a new PagedCache)")
+            if batch > self.pool.num_blocks:
+                raise ValueError(
+                    f"the forward has {batch} rows (the {rows} prompts times {batch // rows}, "
+                    "for num_beams or num_return_sequences), more than the pool's "
+                    f"{self.pool.num_blocks} blocks (each row writes its next token in a block "
+                    "of its own)")
             self.batch_repeat_interleave(batch // rows)
         self._may_expand = False
 

@@ -48,6 +48,9 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
     -------
     What ``model.generate`` returns.  Hits show in ``pool.stats()``.
     """
+    if not callable(getattr(model, "generate", None)) or getattr(model, "config", None) is None:
+        raise TypeError(f"model must be a transformers model (with .config and .generate), "
+                        f"got {type(model).__name__}")
     check_holdable(model.config, model)
     check_pool(pool, model.config)
     if not isinstance(cuda_graph, (bool, np.bool_)):

@@ -5,7 +5,7 @@ import inspect
 import numpy as np
 import torch
 
-from .._validate import index_int
+from .._validate import MAX_TOKEN_ID, index_int
 
 
 def _query_length(query, arg="query_length"):
@@ -28,17 +28,34 @@ def _prompt_batch(input_ids, attention_mask):
     """``(attention_mask, pads)`` of a left-padded prompt batch after
     checking both (the mask defaults to all ones)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        got = (f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
         raise ValueError("input_ids must be a 2-D torch tensor (batch, length) with at least "
-                         f"one column, got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
+                         f"one column, got {got}")
     if input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must have at least one row (batch, length), got shape "
                          f"{tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+            or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch tensor (batch, length) or None, got "
+                        f"{type(attention_mask).__name__}")
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, "
                          f"got {tuple(attention_mask.shape)}")
-    return attention_mask, _left_pads(attention_mask, "attention_mask")
+    pads = _left_pads(attention_mask, "attention_mask")
+    # the ids of the tokens (never the padding's) are what the cache records
+    ids = input_ids.detach().cpu().numpy()
+    bad = (np.arange(ids.shape[1])[None, :] >= pads[:, None]) & ((ids < 0) | (ids > MAX_TOKEN_ID))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"input_ids must lie in 0..{MAX_TOKEN_ID} (token ids) where "
+                         f"attention_mask is 1, got {int(ids[row, col])} at row {row}, "
+                         f"column {col}")
+    return attention_mask, pads
 
 
 def _left_pads(mask, arg):
@@ -47,6 +64,14 @@ def _left_pads(mask, arg):
     m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
     if m.ndim != 2:
         raise ValueError(f"{arg} must be 2-D (batch, columns), got shape {m.shape}")
+    if m.dtype != bool:
+        # (another value would be read as a token here, but transformers
+        # counts the mask's values into the positions)
+        odd = (m != 0) & (m != 1)
+        if odd.any():
+            row, col = (int(i) for i in np.argwhere(odd)[0])
+            raise ValueError(f"{arg} must hold 0 (padding) and 1 (tokens), got {m[row, col].item()!r} "
+                             f"at row {row}, column {col}")
     m = m.astype(bool)
     pads = np.argmax(m, axis=1).astype(np.int64)
     empty = ~m.any(axis=1)

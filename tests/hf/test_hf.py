@@ -1097,6 +1097,44 @@ def test_generate_rejects_bad_arguments():
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(input_ids=torch.tensor([[5.0, 6.0]])), TypeError,
+     r"input_ids must hold integer token ids, got dtype torch.float32"),
+    (dict(input_ids=torch.tensor([[5, -6]])), ValueError,
+     r"input_ids must lie in 0..2147483647 \(token ids\) where attention_mask is 1, got -6 "
+     r"at row 0, column 1"),
+    (dict(input_ids=np.array([[5, 6]])), ValueError,
+     r"input_ids must be a 2-D torch tensor .*, got ndarray"),
+    (dict(attention_mask=torch.tensor([[0.5, 1.0]])), ValueError,
+     r"attention_mask must hold 0 \(padding\) and 1 \(tokens\), got 0.5 at row 0, column 0"),
+    (dict(attention_mask=torch.tensor([[1, 2]])), ValueError,
+     r"attention_mask must hold 0 \(padding\) and 1 \(tokens\), got 2 at row 0, column 1"),
+    (dict(attention_mask=[[1, 1]]), TypeError,
+     r"attention_mask must be a torch tensor \(batch, length\) or None, got list"),
+    (dict(attention_mask=np.ones((1, 2))), TypeError,
+     r"attention_mask must be a torch tensor \(batch, length\) or None, got ndarray"),
+    (dict(model=None), TypeError,
+     r"model must be a transformers model \(with .config and .generate\), got NoneType"),
+    (dict(num_beams=12, max_new_tokens=2), ValueError,
+     r"the forward has 12 rows \(the 1 prompts times 12, for num_beams or "
+     r"num_return_sequences\), more than the pool's 8 blocks"),
+], ids=["float-ids", "negative-id", "numpy-ids", "mask-half", "mask-2", "mask-list",
+        "mask-numpy", "no-model", "beams-past-the-pool"])
+def test_generate_names_the_argument_it_refuses(kw, exc, match):
+    """A float or out-of-range input_ids, an attention_mask that is not a
+    tensor of 0s and 1s (transformers counts its values into the positions),
+    a model that is none, or more beams than the pool has blocks, are
+    refused by the name the caller used (were token_ids, a position_ids
+    mismatch, AttributeError, repeats); nothing stays in the pool."""
+    model = model_for("llama")
+    pool = pool_for(model.config, 8, dtype="float32")
+    args = dict(model=model, input_ids=torch.tensor([[5, 6]]), pool=pool, max_new_tokens=2)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        kvcore.hf.generate(**args)
+    assert pool.num_used_blocks == 0
+
+
 def test_a_forward_of_another_batch_size_is_refused():
     """Issue 19 item 15: a forward whose batch is a multiple of the cache's
     rows was silently repeat-interleaved into them."""
