@@ -16,7 +16,10 @@ positions, shuffled block tables.  Every number is measured in the same run:
   and thread count (1, 2), for 32/8 heads d128 and SmolLM2's 9/3 heads d64:
   positions/s, GB/s of pages and the fraction of a ``numpy.sum`` stream
   read of 256 MiB, alternated with the calls in one process (quick: a few
-  times the L3; full: hundreds of MB of pages);
+  times the L3; full: hundreds of MB of pages), and of a ``numpy.max`` of
+  the same array (its SIMD reduction reads near what the memory gives one
+  core; ``numpy.sum``'s pairwise float32 sum is itself the limit on some
+  AVX-512 cores);
 - the demo's kvcore loop (``python -m kvcore demo``'s default workload)
   with attention over the pages (``--attention paged``) against the gather
   path (``--attention gather``): tokens/s of the whole loop and of its pure
@@ -216,8 +219,9 @@ def bench_page_rows(rng, big=False, rounds=7):
     and a ``numpy.sum`` of :data:`STREAM_BYTES` (float32) alternated in
     ``rounds`` rounds, in one process.  Per row: seconds (median and
     [min-max]), positions/s, GB/s of pages read (K and V, int8 scales
-    included), that GB/s as a fraction of the stream read's, and the
-    positions/s against float16's at the same thread count."""
+    included), that GB/s as a fraction of the stream read's and of a
+    ``numpy.max`` read's (timed beside it), and the positions/s against
+    float16's at the same thread count."""
     out = {}
     stream = np.ones(STREAM_BYTES // 4, np.float32)
     before = kvcore.set_num_threads(1)   # (the setting before: restored after)
@@ -231,7 +235,7 @@ def bench_page_rows(rng, big=False, rounds=7):
             q = rng.standard_normal((batch, heads, dim)).astype(np.float32)
             outq = np.empty_like(q)
             times = {(d, t): [] for d in PAGE_DTYPES for t in PAGE_THREADS}
-            streams = []
+            streams, maxes = [], []
             for d, t in times:   # warm-up (and the plans' first use)
                 kvcore.set_num_threads(t)
                 kvcore.paged_attention(q, pools[d], 0, tables, lens, out=outq)
@@ -245,7 +249,11 @@ def bench_page_rows(rng, big=False, rounds=7):
                 t0 = time.perf_counter()
                 stream.sum()
                 streams.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                stream.max()
+                maxes.append(time.perf_counter() - t0)
             stream_gbps = STREAM_BYTES / statistics.median(streams) / 1e9
+            max_gbps = STREAM_BYTES / statistics.median(maxes) / 1e9
             rows = {}
             for (d, t), ts in times.items():
                 med = statistics.median(ts)
@@ -254,6 +262,7 @@ def bench_page_rows(rng, big=False, rounds=7):
                     "dtype": d, "threads": t, "s": med, "s_range": [min(ts), max(ts)],
                     "positions_per_s": batch * ctx / med, "GBps": nbytes / med / 1e9,
                     "fraction_of_stream": nbytes / med / 1e9 / stream_gbps,
+                    "fraction_of_max_read": nbytes / med / 1e9 / max_gbps,
                     "page_bytes": nbytes}
             for r in rows.values():
                 f16 = rows[f"float16_{r['threads']}t"]
@@ -262,7 +271,8 @@ def bench_page_rows(rng, big=False, rounds=7):
                 r["vs_1_thread"] = one["s"] / r["s"]
             out[name] = {"shape": [heads, kv_heads, dim], "batch": batch, "context": ctx,
                          "stream_GBps": stream_gbps,
-                         "stream_s_range": [min(streams), max(streams)], "rows": rows}
+                         "stream_s_range": [min(streams), max(streams)],
+                         "max_read_GBps": max_gbps, "rows": rows}
             del pools
     finally:
         kvcore.set_num_threads(before)
@@ -272,16 +282,19 @@ def bench_page_rows(rng, big=False, rounds=7):
 def page_report(res):
     """The lines of :func:`bench_page_rows`' table."""
     lines = ["decode out of the caches, by page dtype and threads (positions/s, GB/s of pages, "
-             "fraction of a numpy.sum stream read in the same run, positions/s vs float16)"]
+             "fraction of a numpy.sum stream read and of a numpy.max read in the same run, "
+             "positions/s vs float16)"]
     for name, r in res.items():
         lines.append(f"  {name} ({r['shape'][0]}/{r['shape'][1]} heads, d{r['shape'][2]}), "
-                     f"{r['batch']} x {r['context']}, stream read {r['stream_GBps']:.1f} GB/s")
+                     f"{r['batch']} x {r['context']}, stream read {r['stream_GBps']:.1f} GB/s, "
+                     f"max read {r['max_read_GBps']:.1f} GB/s")
         for row in r["rows"].values():
             lo, hi = row["s_range"]
             lines.append(
                 f"    {row['dtype']:14s} {row['threads']} thr  {row['s'] * 1e3:8.2f} ms "
                 f"[{lo * 1e3:.2f}-{hi * 1e3:.2f}]  {row['positions_per_s'] / 1e6:6.2f} M pos/s "
                 f"{row['GBps']:6.1f} GB/s  {row['fraction_of_stream']:5.2f} of stream  "
+                f"{row['fraction_of_max_read']:5.2f} of max read  "
                 f"{row['positions_vs_float16']:5.2f}x float16  {row['vs_1_thread']:5.2f}x 1 thr")
     return "\n".join(lines)
 

@@ -706,5 +706,5 @@ KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n
 }
 
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2,
-                                scale_avx2, NULL};
+                                scale_avx2, NULL, 0};
 #endif /* KVA_HAVE_AVX2 */

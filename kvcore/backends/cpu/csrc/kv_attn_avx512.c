@@ -1003,7 +1003,7 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
 }
 
 /* The softmax step of a decode tile in registers (kva_math.decode_rows):
- * each row's two vectors of scores are loaded once, and every step of
+ * each row's scores (up to four vectors) are loaded once, and every step of
  * kva_run_item's per-row loop runs on them with the operations of
  * tile_scales, row_max, row_exp_sum and scale, in their order (the same
  * bits): times the keys' scales (i < nt), -inf outside [first, last), the
@@ -1013,35 +1013,33 @@ KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int nt
                                                  int last, const float *ks, const float *vs,
                                                  float unit, float *m, float *sum, float *alpha)
 {
-    /* (ntp <= 32 and last <= nt <= ntp: the callers') */
-    const int two = ntp > 16, scale_w = vs != NULL || unit != 1.0f;
-    const __mmask32 real = (__mmask32)(nt >= 32 ? 0xFFFFFFFFu : (1u << nt) - 1u);
-    const __mmask32 seen = (__mmask32)((last >= 32 ? 0xFFFFFFFFu : (1u << last) - 1u) &
-                                       ~((1u << first) - 1u));
-    const __mmask16 r0 = (__mmask16)real, r1 = (__mmask16)(real >> 16);
-    const __mmask16 v0 = (__mmask16)seen, v1 = (__mmask16)(seen >> 16);
+    /* (ntp <= KVA_KEY_TILE = 64 and last <= nt <= ntp: the callers') */
+    const int nv = (ntp + 15) / 16;
+    if (nv < 1 || nv > 4)
+        __builtin_unreachable();
+    const uint64_t real = nt >= 64 ? ~0ull : (1ull << nt) - 1;
+    const uint64_t seen = (last >= 64 ? ~0ull : (1ull << last) - 1) & ~((1ull << first) - 1);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), vu = _mm512_set1_ps(unit);
-    __m512 k0 = _mm512_setzero_ps(), k1 = k0, w0 = k0, w1 = k0;
-    if (ks != NULL) {
-        k0 = _mm512_maskz_loadu_ps(r0, ks);
-        k1 = _mm512_maskz_loadu_ps(r1, ks + 16);
-    }
-    if (vs != NULL) {
-        w0 = _mm512_maskz_loadu_ps(v0, vs);
-        w1 = _mm512_maskz_loadu_ps(v1, vs + 16);
+    __m512 k[4], w[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < nv; c++) {
+        k[c] = ks != NULL ? _mm512_maskz_loadu_ps((__mmask16)(real >> 16 * c), ks + 16 * c)
+                          : ninf;
+        w[c] = vs != NULL ? _mm512_maskz_loadu_ps((__mmask16)(seen >> 16 * c), vs + 16 * c)
+                          : ninf;
     }
     for (int r = 0; r < M; r++) {
         float *s = S + (size_t)r * KVA_KEY_TILE;
-        __m512 a = _mm512_maskz_loadu_ps(r0, s), b = _mm512_maskz_loadu_ps(r1, s + 16);
-        if (ks != NULL) {
-            a = _mm512_mask_mul_ps(a, r0, a, k0);
-            b = _mm512_mask_mul_ps(b, r1, b, k1);
+        __m512 x[4], mv = ninf;
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) {
+            const __mmask16 rc = (__mmask16)(real >> 16 * c);
+            x[c] = _mm512_maskz_loadu_ps(rc, s + 16 * c);
+            if (ks != NULL)
+                x[c] = _mm512_mask_mul_ps(x[c], rc, x[c], k[c]);
+            x[c] = _mm512_mask_mov_ps(ninf, (__mmask16)(seen >> 16 * c), x[c]);
+            mv = _mm512_max_ps(mv, x[c]);
         }
-        a = _mm512_mask_mov_ps(ninf, v0, a);
-        b = _mm512_mask_mov_ps(ninf, v1, b);
-        __m512 mv = _mm512_max_ps(ninf, a);
-        if (two)
-            mv = _mm512_max_ps(mv, b);
         const float mx = hmax_avx512(mv), mo = m[r];
         const float mnew = mo > mx ? mo : mx;
         alpha[r] = mo == -INFINITY                 ? 0.0f
@@ -1049,26 +1047,19 @@ KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int nt
                                                     : exp2f(mo - mnew);
         m[r] = mnew;
         const __m512 mm = _mm512_set1_ps(mnew);
-        __m512 e0 = exp2_neg_avx512(_mm512_sub_ps(a, mm)), sm = _mm512_add_ps(_mm512_setzero_ps(), e0);
-        __m512 e1 = _mm512_setzero_ps();
-        if (two) {
-            e1 = exp2_neg_avx512(_mm512_sub_ps(b, mm));
-            sm = _mm512_add_ps(sm, e1);
+        __m512 sm = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int c = 0; c < nv; c++) {
+            const __mmask16 sc = (__mmask16)(seen >> 16 * c);
+            __m512 e = exp2_neg_avx512(_mm512_sub_ps(x[c], mm));
+            sm = _mm512_add_ps(sm, e);
+            if (vs != NULL)
+                e = _mm512_mask_mul_ps(e, sc, e, w[c]);
+            if (unit != 1.0f)
+                e = _mm512_mask_mul_ps(e, sc, e, vu);
+            storef_avx512(s + 16 * c, e, ntp - 16 * c < 16);
         }
         sum[r] = hsum_avx512(sm);
-        if (scale_w) {
-            if (vs != NULL) {
-                e0 = _mm512_mask_mul_ps(e0, v0, e0, w0);
-                e1 = _mm512_mask_mul_ps(e1, v1, e1, w1);
-            }
-            if (unit != 1.0f) {
-                e0 = _mm512_mask_mul_ps(e0, v0, e0, vu);
-                e1 = _mm512_mask_mul_ps(e1, v1, e1, vu);
-            }
-        }
-        storef_avx512(s, e0, ntp < 16);
-        if (two)
-            storef_avx512(s + 16, e1, ntp < 32);
     }
 }
 
@@ -1082,5 +1073,6 @@ const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
 };
 const kva_kernels kva_kernels_avx512_e4m3_wide = KVA_KERNELS(e4m3w, avx512, 0x1p120f, 1, 1);
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
-                                  exp2_neg_n_avx512, scale_avx512, decode_rows_avx512};
+                                  exp2_neg_n_avx512, scale_avx512, decode_rows_avx512,
+                                  128};
 #endif /* KVA_HAVE_AVX512 */

@@ -84,10 +84,11 @@
  * tile): causal prefill about 10% faster at head_dim 64 on a Zen 5
  * (docs/performance.md). */
 #define KVA_KEY_TILE 64
-/* Key positions per tile of a decode-like item (fewer rows): memory-bound,
- * its prefetch of the next tile is tuned for this distance (64 made the
- * AVX2 decode up to 1.4x slower on the same Zen 5); a multiple of 8, at
- * most KVA_KEY_TILE. */
+/* Key positions per tile of a decode-like item (fewer rows) but those of
+ * kva_math.wide_tile_row_bytes: memory-bound, its prefetch of the next
+ * tile is tuned for this distance (64 made the AVX2 decode up to 1.4x
+ * slower on the same Zen 5, and float16 rows of head_dim 128 at avx512
+ * 5-8% slower out of the caches); a multiple of 8, at most KVA_KEY_TILE. */
 #define KVA_DECODE_KEY_TILE 32
 _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
                    KVA_DECODE_KEY_TILE <= KVA_KEY_TILE,
@@ -162,7 +163,7 @@ typedef struct {
     void (*scale)(float *s, const float *w, float c, ptrdiff_t n);
     /* The softmax step of a decode tile (NULL: the level has none, the
      * caller runs the steps above one by one): M rows of scores S[r *
-     * KVA_KEY_TILE + i], i < ntp <= KVA_DECODE_KEY_TILE, that see the same
+     * KVA_KEY_TILE + i], i < ntp <= KVA_KEY_TILE, that see the same
      * keys [first, last) (0 <= first < last <= nt <= ntp), each taken
      * through every step of kva_run_item's per-row loop with the same
      * operations in the same order (the same bits): times ks[i] for i < nt
@@ -173,6 +174,13 @@ typedef struct {
      * ALiBi or wide units). */
     void (*decode_rows)(float *S, int M, int nt, int ntp, int first, int last, const float *ks,
                         const float *vs, float unit, float *m, float *sum, float *alpha);
+    /* A decode-like item whose stored rows are at most this many bytes
+     * takes the wide tile (KVA_KEY_TILE: half the per-row softmax steps
+     * per key, and a tile's K and V rows, 16 KB at most, leave room in L1
+     * for the next one's prefetched rows); 0: every decode-like item takes
+     * KVA_DECODE_KEY_TILE.  (avx512: 128, whose fp8 and int8 decode is
+     * bound by its arithmetic; docs/performance.md.) */
+    int wide_tile_row_bytes;
 } kva_math;
 
 /* Tables indexed by kind (KVA_F32 .. KVA_I8). */

@@ -199,5 +199,5 @@ const kva_kernels kva_kernels_neon[KVA_NUM_NEON_KINDS] = {
 };
 /* soft cap: the scalar tanhf (rare, and exact to libm) */
 const kva_math kva_math_neon = {row_max_neon, row_exp_sum_neon, kva_softcap_scalar,
-                                exp2_neg_n_neon, kva_scale_scalar, NULL};
+                                exp2_neg_n_neon, kva_scale_scalar, NULL, 0};
 #endif /* KVA_HAVE_NEON */

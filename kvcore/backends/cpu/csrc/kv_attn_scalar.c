@@ -178,4 +178,4 @@ const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, scalar, 1.0f, 0, 0), KVA_KERNELS(i8, scalar, 1.0f, 0, 0),
 };
 const kva_math kva_math_scalar = {row_max_scalar, row_exp_sum_scalar, kva_softcap_scalar,
-                                  exp2_neg_scalar, kva_scale_scalar, NULL};
+                                  exp2_neg_scalar, kva_scale_scalar, NULL, 0};

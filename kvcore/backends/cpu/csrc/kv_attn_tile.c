@@ -291,9 +291,14 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
     float ks[KVA_KEY_TILE], vs[KVA_KEY_TILE];
     /* prefill items take the wide key tile: their per-row softmax runs once
      * per tile; decode-like items read memory and keep the narrow one,
-     * which their prefetch distance is tuned for.  (One tile for every
-     * kind: fp8 and int8 pages of float16 values give float16's bits.) */
-    const int tile = prefill ? KVA_KEY_TILE : KVA_DECODE_KEY_TILE;
+     * which their prefetch distance is tuned for, unless their rows are
+     * short enough for the level's wide tile (kva_math.wide_tile_row_bytes).
+     * (So fp8 and int8 pages of float16 values give float16's bits where
+     * their tiles agree: at avx512 every head_dim but 65-128, where only
+     * the 1-byte rows take the wide tile; at the other levels every one.) */
+    const int tile = prefill || row_bytes <= (size_t)math->wide_tile_row_bytes
+                         ? KVA_KEY_TILE
+                         : KVA_DECODE_KEY_TILE;
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, tile, krow, vrow);
@@ -317,7 +322,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
      * level has the fused softmax step (kva_math.decode_rows) and whose
      * scores are plain base-2 logits takes it for every tile that shows
      * it a key */
-    const int fused = math->decode_rows != NULL && !prefill && tile <= KVA_DECODE_KEY_TILE &&
+    const int fused = math->decode_rows != NULL && !prefill &&
                       it->q1 - it->q0 == 1 && !capped && !alibi && !job->wide;
     float sums[KVA_TILE_ROWS];
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
