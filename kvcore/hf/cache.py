@@ -31,8 +31,8 @@ from .torch_bridge import _TorchSide
 # the low-precision ones only the kvcore attention reads (it dequantizes)
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _LOW_PRECISION = ("float8_e4m3fn", "float8_e5m2", "int8")
-# the K/V dtypes a pool is written from (BlockPool.write's, as torch dtypes)
-_KV_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+# the K/V dtypes a pool is written from (BlockPool.write's: the float ones above)
+_KV_DTYPES = frozenset(_TORCH_STORAGE.values())
 
 # create_causal_mask asks the cache for the mask sizes and then calls the mask
 # function of the attention implementation, in the same thread: the kvcore

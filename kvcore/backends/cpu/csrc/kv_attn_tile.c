@@ -94,6 +94,15 @@ static inline void prefetch_rows(const char *const *rows, int n, size_t row_byte
 }
 #endif
 
+/* The keys of a tile (positions t0 .. t0 + nt - 1) row r sees: [*first,
+ * *last), empty when *last <= *first. */
+static inline void visible_keys(const kva_ws *ws, int r, int64_t t0, int nt, int64_t *first,
+                                int64_t *last)
+{
+    *first = ws->lo[r] - t0 < 0 ? 0 : ws->lo[r] - t0;
+    *last = ws->hi[r] - t0 > nt ? nt : ws->hi[r] - t0;
+}
+
 /* An fp8 layer scale; 0 (a zero-initialised kva_args) means none. */
 static inline float layer_scale(float s)
 {
@@ -392,9 +401,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
             kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         }
         /* (fused: the rows' visible keys, the same for every row) */
-        int64_t f0 = ws->lo[0] - t0, f1 = ws->hi[0] - t0;
-        f0 = f0 < 0 ? 0 : f0;
-        f1 = f1 > nt ? nt : f1;
+        int64_t f0, f1;
+        visible_keys(ws, 0, t0, nt, &f0, &f1);
         const int fuse = fused && f1 > f0;
         if (scaled)
             tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, fuse ? 0 : M);
@@ -415,12 +423,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                         srow[i] *= post;
                 math->softcap(srow, ntp, 1.0f / a->soft_cap, a->soft_cap * KVA_LOG2E);
             }
-            /* visible keys of row r in this tile: [first, last) */
-            int64_t first = ws->lo[r] - t0, last = ws->hi[r] - t0;
-            if (first < 0)
-                first = 0;
-            if (last > nt)
-                last = nt;
+            int64_t first, last;
+            visible_keys(ws, r, t0, nt, &first, &last);
             if (last <= first) { /* nothing visible: no change to this row */
                 ws->first[r] = ws->last[r] = 0;
                 ws->alpha[r] = 1.0f;
