@@ -696,22 +696,55 @@ def test_kv_cache_attention_errors():
 @pytest.mark.parametrize("lvl", LEVEL_PARAMS)
 def test_exp2_accuracy(lvl):
     """2**x for x <= 0: within 1 ulp of the float64 value down to 2**-126,
-    +0 below about 2**-126.5, 0 for -inf, NaN for NaN."""
+    +0 below it (never a subnormal: a multiply taking one costs ~128 cycles
+    on an Intel Xeon), 0 for -inf, NaN for NaN."""
     rng = np.random.default_rng(60)
     x = np.concatenate([
         -rng.random(1_000_000, dtype=np.float32) * 126,
         -rng.random(200_000, dtype=np.float32),
-        np.float32([0, -0.0, -0.5, -1, -125, -126, -126.4]),
+        np.float32([0, -0.0, -0.5, -1, -125, -126]),
     ]).astype(np.float32)
     y = np.empty_like(x)
     _attention.exp2_neg(x, y, lvl)
     exact = np.exp2(x.astype(np.float64))
     ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
     assert (np.abs(y - exact) / ulp).max() <= 1.0
-    special = np.float32([-np.inf, np.nan, -127, -200, -1e30])
+    special = np.float32([-np.inf, np.nan, -127, -200, -1e30, -126.0001, -126.4, -126.9])
     out = np.empty_like(special)
     _attention.exp2_neg(special, out, lvl)
     assert out[0] == 0 and np.isnan(out[1]) and (out[2:] == 0).all()
+
+
+@pytest.mark.parametrize("rows", [1, 20])                    # decode, and a prefill item
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_a_weight_below_2_to_the_minus_126_is_zero(dtype, rows, level):
+    """A softmax weight (times its value's scale) below FLT_MIN counts as 0
+    at every level: every key's score sits a gap g (in base 2) under key
+    0's, and only key 1's value is not 0, so the output is about 2^-g:
+    nonzero for g = 125, exactly 0 for g = 127 (2^-127 is subnormal; a
+    multiply taking one costs ~128 cycles on an Intel Xeon, so no kernel
+    makes one).  int8: the weight times the value's scale (1/127 here)
+    counts, so 2^-121 is 0 there and 2^-118 is not."""
+    D, bs = 32, 8
+    n = rows + 8                                         # every query row sees keys 0 and 1
+    nb = -(-n // bs)
+    gaps = ((118.0, False), (121.0, True)) if dtype == "int8" else ((125.0, False), (127.0, True))
+    for gap, zero in gaps:
+        pool = kvcore.BlockPool(nb, bs, 1, 1, D, dtype=dtype)
+        k = np.zeros((n, 1, D), np.float32)
+        v = np.zeros((n, 1, D), np.float32)
+        k[0, 0, 0] = 1.0                                 # key 0: score q0; the others 0
+        v[1, 0, :] = 1.0
+        pool.write(0, k, v, np.arange(n))
+        q = np.zeros((rows, 1, D), np.float32)
+        q[:, 0, 0] = np.float32(gap / np.log2(np.e))     # scale 1: base-2 gap `gap`
+        out = kvcore.paged_attention(q, pool, 0, np.arange(nb, dtype=np.int32)[None], [n],
+                                     np.array([0, rows]), scale=1.0)
+        if zero:
+            assert (out == 0).all(), (level, dtype, rows, out[:, 0, :4])
+        else:
+            ratio = out[:, 0].astype(np.float64) / 2.0**-gap
+            assert (np.abs(ratio - 1) < 0.01).all(), (level, dtype, rows, ratio[:, :4])
 
 
 @pytest.mark.parametrize("lvl", LEVEL_PARAMS)

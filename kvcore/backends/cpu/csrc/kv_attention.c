@@ -304,16 +304,6 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     kva_score_units(&a, &job);
     job.kern = kernels_for(level, a.kind);
     job.kern_f32 = kernels_for(level, KVA_F32);
-    /* e4m3fn: decode kernels reading the codes as float32 bits, where the
-     * level has them (kv_attn_tile.c picks them per item) */
-#if KVA_HAVE_AVX512
-    if ((level == KVA_AVX512 || level == KVA_AMX) && a.kind == KVA_F8E4M3)
-        job.kern_wide = &kva_kernels_avx512_e4m3_wide;
-#endif
-#if KVA_HAVE_AVX2
-    if (level == KVA_AVX2 && a.kind == KVA_F8E4M3)
-        job.kern_wide = &kva_kernels_avx2_e4m3_wide;
-#endif
 #if KVA_HAVE_AMX
     /* the tiles take 32 dims (64 bytes of bf16) per step */
     if (level == KVA_AMX && a.head_dim % 32 == 0 && kva_kernels_amx[a.kind].scores != NULL)

@@ -73,34 +73,11 @@ KVA_INLINE int rows_have_e4m3_nan_avx2(const char *const *rows, int n, int D)
  * const_dims_avx2). */
 #define KVA_F8E4M3_NAN 6
 #define KVA_F8E4M3_CHK 7
-/* The same three for e4m3fn read as float32 bits (kva_kernels_avx2_e4m3_wide). */
-#define KVA_F8E4M3_W 8
-#define KVA_F8E4M3_WNAN 9
-#define KVA_F8E4M3_WCHK 10
 
-/* 8 e4m3fn codes at p as the float32s of their sign, exponent and mantissa
- * bits: the value times 2^-120, subnormals included (exact float32
- * subnormals), by integer operations only (sign-extended to 32 bits,
- * shifted left by 20, the sign's copies but bit 31 cleared); nan:
- * S.1111.111 gets the all-ones exponent.  The 2^120 rides on q and the
- * P.V weights (kva_kernels.unit). */
-KVA_INLINE __m256 load8_e4m3_bits_avx2(const char *p, int nan)
-{
-    __m256i f = _mm256_and_si256(
-        _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), 20),
-        _mm256_set1_epi32((int)0x87F00000));
-    if (nan) {
-        const __m256i e = _mm256_set1_epi32(0x07F00000);
-        const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(f, e), e);
-        f = _mm256_or_si256(f, _mm256_and_si256(m, _mm256_set1_epi32(0x7F800000)));
-    }
-    return _mm256_castsi256_ps(f);
-}
-
-/* The kind a checking kind (KVA_F8E4M3_CHK, _WCHK) loads with; others: itself. */
+/* The kind a checking kind (KVA_F8E4M3_CHK) loads with; others: itself. */
 static inline int chk_load_kind(int kind)
 {
-    return kind == KVA_F8E4M3_CHK ? KVA_F8E4M3 : kind == KVA_F8E4M3_WCHK ? KVA_F8E4M3_W : kind;
+    return kind == KVA_F8E4M3_CHK ? KVA_F8E4M3 : kind;
 }
 
 /* 8 elements of `kind` at p, widened to float32 (bf16: a 16-bit shift;
@@ -116,8 +93,6 @@ KVA_INLINE __m256 load8_avx2(const char *p, int kind)
         return load8_e4m3_avx2(p);
     if (kind == KVA_F8E4M3_NAN)
         return load8_e4m3_nan_avx2(p);
-    if (kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN)
-        return load8_e4m3_bits_avx2(p, kind == KVA_F8E4M3_WNAN);
     if (kind == KVA_F8E5M2)
         return _mm256_cvtph_ps(
             _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
@@ -133,8 +108,7 @@ KVA_INLINE __m256 load8_avx2(const char *p, int kind)
  * conversions; int8 as two loads of 8. */
 KVA_INLINE void load16x2_avx2(const char *p, int kind, __m256 *o)
 {
-    if (kind == KVA_I8 || kind == KVA_F8E4M3_NAN || kind == KVA_F8E4M3_W ||
-        kind == KVA_F8E4M3_WNAN) {
+    if (kind == KVA_I8 || kind == KVA_F8E4M3_NAN) {
         o[0] = load8_avx2(p, kind);
         o[1] = load8_avx2(p + 8, kind);
         return;
@@ -193,8 +167,8 @@ KVA_INLINE float hmax_avx2(__m256 v)
  * rounded to float32), evaluated with FMAs, times 2^n built in the exponent
  * field.  Checked over every float32 f in [-1/2, 1/2]: at most 0.95 ulp
  * from the correctly rounded 2^f, so at most 0.95 ulp for every result of
- * 2^-126 and above.  Below about 2^-126.5 the result is +0 (n = -127 makes
- * the exponent field 0); -inf gives +0, NaN stays NaN.
+ * 2^-126 and above.  Below 2^-126 the result is +0, never a subnormal
+ * (kva_flush_tiny); -inf gives +0, NaN stays NaN.
  */
 KVA_INLINE __m256 exp2_neg_avx2(__m256 x)
 {
@@ -211,7 +185,16 @@ KVA_INLINE __m256 exp2_neg_avx2(__m256 x)
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
                                   23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    /* (x < -126: +0; an unordered compare keeps NaN) */
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ),
+                            _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* v with every lane of magnitude below 2^-126 made +0 (kva_flush_tiny). */
+KVA_INLINE __m256 flush_tiny_avx2(__m256 v)
+{
+    const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+    return _mm256_andnot_ps(_mm256_cmp_ps(mag, _mm256_set1_ps(0x1p-126f), _CMP_LT_OQ), v);
 }
 
 /*
@@ -275,7 +258,7 @@ KVA_INLINE int dot_block_avx2(const float *Qs, int D, const char *const *krow, i
                               int KB, int r, int i, float *S, const char *const *nk, int PF,
                               int CONST)
 {
-    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk_load_kind(kind);
     const int isz = kva_isz(lk);
     const int pairs = (lk == KVA_F8E4M3 || lk == KVA_F8E5M2) && KB <= 2;
     if (RB < 1 || KB < 1 || RB * KB > 8)
@@ -344,10 +327,9 @@ KVA_INLINE int dot_block_avx2(const float *Qs, int D, const char *const *krow, i
 /* A score block whose keys hold an e4m3fn NaN code (rare), with the blend. */
 KVA_TARGET __attribute__((noinline)) static void
 dot_block_nan_avx2(const float *Qs, int D, const char *const *krow, int RB, int KB, int r, int i,
-                   float *S, int bits)
+                   float *S)
 {
-    /* (bits: the float32-bits reading, KVA_F8E4M3_WCHK's) */
-    const int k = bits ? KVA_F8E4M3_WNAN : KVA_F8E4M3_NAN;
+    const int k = KVA_F8E4M3_NAN;
     switch (RB * 16 + KB) {
     case 1 * 16 + 8: dot_block_avx2(Qs, D, krow, k, 1, 8, r, i, S, NULL, 0, 0); break;
     case 2 * 16 + 4: dot_block_avx2(Qs, D, krow, k, 2, 4, r, i, S, NULL, 0, 0); break;
@@ -363,7 +345,7 @@ KVA_INLINE void dot_rows_avx2(const float *Qs, int D, const char *const *krow, i
 {
     for (int i = 0; i < ntp; i += KB)
         if (dot_block_avx2(Qs, D, krow, kind, RB, KB, r, i, S, nk, PF, CONST))
-            dot_block_nan_avx2(Qs, D, krow, RB, KB, r, i, S, kind == KVA_F8E4M3_WCHK);
+            dot_block_nan_avx2(Qs, D, krow, RB, KB, r, i, S);
 }
 
 /* Whether a decode call of `kind`, M rows and head_dim D runs bodies with
@@ -373,7 +355,7 @@ KVA_INLINE void dot_rows_avx2(const float *Qs, int D, const char *const *krow, i
  * tile: its own rows, already in the cache): each body exists once. */
 static inline int const_dims_avx2(int kind, int M, int D)
 {
-    return kind != KVA_F32 && kind != KVA_F8E4M3_NAN && kind != KVA_F8E4M3_WNAN && M <= 4 &&
+    return kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 &&
            (D == 64 || D == 128);
 }
 
@@ -436,7 +418,7 @@ KVA_INLINE void pv_block_avx2(const float *P, int D, const char *const *vrow, in
                               int RB, int DB, int r, int d, float *acc, const float *alpha,
                               const char *const *nv, int PF)
 {
-    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk_load_kind(kind);
     const int isz = kva_isz(lk);
     const int pairs = (lk == KVA_F8E4M3 || lk == KVA_F8E5M2) && DB % 2 == 0;
     if (RB < 1 || DB < 1 || DB > 8 || RB * DB > 8)
@@ -622,14 +604,13 @@ KVA_AVX2_KIND(bf16, KVA_BF16)
 KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX2_KIND(i8, KVA_I8)
 
-/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits): decode calls of
+/* e4m3fn (read as halves): decode calls of
  * head_dim 64 and 128 (up to 4 rows) search the bytes they read for NaN codes as
  * they go; the others search the tile's rows once (a few byte compares per row)
  * and only a tile that holds one pays for the NaN blend of every 8 elements. */
 #define KVA_AVX2_E4M3(name, K, KNAN, KCHK)                                                    \
     KVA_AVX2_BODIES(name, K, KNAN, KCHK, const_dims_avx2, rows_have_e4m3_nan_avx2)
 KVA_AVX2_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
-KVA_AVX2_E4M3(e4m3w, KVA_F8E4M3_W, KVA_F8E4M3_WNAN, KVA_F8E4M3_WCHK)
 
 KVA_TARGET static float row_max_avx2(const float *s, int ntp)
 {
@@ -685,7 +666,6 @@ const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, avx2, 1.0f, 1, 0),
     KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
 };
-const kva_kernels kva_kernels_avx2_e4m3_wide = KVA_KERNELS(e4m3w, avx2, 0x1p120f, 1, 0);
 KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n)
 {
     const __m256 vc = _mm256_set1_ps(c);
@@ -696,11 +676,13 @@ KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n
             _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), vc));
     else if (c == 1.0f)
         for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i)));
+            _mm256_storeu_ps(s + i, flush_tiny_avx2(_mm256_mul_ps(_mm256_loadu_ps(s + i),
+                                                                  _mm256_loadu_ps(w + i))));
     else
         for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(s + i),
-                                                                _mm256_loadu_ps(w + i)), vc));
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(flush_tiny_avx2(_mm256_mul_ps(
+                                                      _mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i))),
+                                                  vc));
     if (i < n)
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
 }

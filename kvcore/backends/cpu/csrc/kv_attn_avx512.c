@@ -54,37 +54,19 @@
 /* Internal kinds of these kernels: e4m3fn read with its NaN blend; e4m3fn
  * read without it while every 64-byte line read is searched for the NaN
  * codes (decode blocks of head_dim 64 or 128: a block that finds one is
- * computed again with the blend, its results not stored before). */
+ * computed again with the blend, its results not stored before).
+ * (e4m3fn is read as halves, never as float32 bits: that reading, value /
+ * 2^120, makes each subnormal code a float32 subnormal, and an FMA taking
+ * one costs ~128 cycles on an Intel Xeon with AMX against half a cycle: a
+ * decode over fp8 pages holding subnormal codes (near-zero values) ran up
+ * to 60x slower there.  docs/performance.md, "Subnormal floats".) */
 #define KVA_F8E4M3_NAN 6
 #define KVA_F8E4M3_CHK 7
-/* The same three for e4m3fn read as float32 bits (kva_kernels_avx512_e4m3_wide,
- * load16_avx512). */
-#define KVA_F8E4M3_W 8
-#define KVA_F8E4M3_WNAN 9
-#define KVA_F8E4M3_WCHK 10
 
-/* e4m3fn codes sign-extended to 32 bits, as floats: each shifted left by 20
- * with the sign's copies but bit 31 cleared is the float32 of the code's
- * sign, exponent and mantissa bits, the value times 2^-120 (the exponent
- * biases are 7 and 127), subnormals included (float32 subnormals, exact);
- * nan: S.1111.111 gets the all-ones exponent.  Integer operations only:
- * no half conversion, which shares the FMAs' pipes (the 2^120 rides on q
- * and the P.V weights: kva_kernels.unit). */
-KVA_INLINE __m512 e4m3_bits_avx512(__m512i sx, int nan)
-{
-    __m512i f = _mm512_and_si512(_mm512_slli_epi32(sx, 20), _mm512_set1_epi32((int)0x87F00000));
-    if (nan) {
-        const __mmask16 k = _mm512_cmpeq_epi32_mask(
-            _mm512_and_si512(f, _mm512_set1_epi32(0x07F00000)), _mm512_set1_epi32(0x07F00000));
-        f = _mm512_mask_or_epi32(f, k, f, _mm512_set1_epi32(0x7F800000));
-    }
-    return _mm512_castsi512_ps(f);
-}
-
-/* The kind a checking kind (KVA_F8E4M3_CHK, _WCHK) loads with; others: itself. */
+/* The kind a checking kind (KVA_F8E4M3_CHK) loads with; others: itself. */
 static inline int chk_load_kind(int kind)
 {
-    return kind == KVA_F8E4M3_CHK ? KVA_F8E4M3 : kind == KVA_F8E4M3_WCHK ? KVA_F8E4M3_W : kind;
+    return kind == KVA_F8E4M3_CHK ? KVA_F8E4M3 : kind;
 }
 
 /* The 16 (half: 8, the upper lanes 0) elements of `kind` at p, widened to
@@ -111,13 +93,6 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
     }
     __m128i b = half ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si128((const __m128i *)p);
-    if (kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN)
-#ifdef KVA_AVX512_SIMDE /* (its AVX-512 has no _mm512_cvtepi8_epi32) */
-        return e4m3_bits_avx512(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)),
-                                kind == KVA_F8E4M3_WNAN);
-#else
-        return e4m3_bits_avx512(_mm512_cvtepi8_epi32(b), kind == KVA_F8E4M3_WNAN);
-#endif
     if (kind == KVA_I8)
         return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(b)));
     if (kind == KVA_F8E5M2)
@@ -139,8 +114,7 @@ KVA_INLINE __m512 load16_avx512(const char *p, int kind, int half)
  * for e4m3fn where load16_avx512 takes 4. */
 KVA_INLINE void load32_avx512(const char *p, int kind, __m512 *o)
 {
-    if (kind == KVA_F32 || kind == KVA_F16 || kind == KVA_BF16 || kind == KVA_I8 ||
-        kind == KVA_F8E4M3_W || kind == KVA_F8E4M3_WNAN) {
+    if (kind == KVA_F32 || kind == KVA_F16 || kind == KVA_BF16 || kind == KVA_I8) {
         o[0] = load16_avx512(p, kind, 0);
         o[1] = load16_avx512(p + 16 * kva_isz(kind), kind, 0);
         return;
@@ -237,8 +211,8 @@ KVA_INLINE float hmax_avx512(__m512 v)
 /*
  * 2^x for x <= 0, the AVX2 kernels' method and polynomial on 16 lanes (so
  * the same accuracy: at most 0.95 ulp from the correctly rounded 2^x for
- * every result of 2^-126 and above; +0 below about 2^-126.5 and for -inf;
- * NaN stays NaN).  x = n + f, n = round(x), |f| <= 1/2; 2^f by a degree-6
+ * every result of 2^-126 and above; +0 below 2^-126, never a subnormal
+ * (kva_flush_tiny), and for -inf; NaN stays NaN).  x = n + f, n = round(x), |f| <= 1/2; 2^f by a degree-6
  * minimax polynomial (FMAs), times 2^n built in the exponent field.
  */
 KVA_INLINE __m512 exp2_neg_avx512(__m512 x)
@@ -256,7 +230,18 @@ KVA_INLINE __m512 exp2_neg_avx512(__m512 x)
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
                                   23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    /* (x < -126: +0; the not-less-than compare is true for NaN, kept) */
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ), p,
+                               _mm512_castsi512_ps(e));
+}
+
+/* v with every lane of magnitude below 2^-126 made +0 (kva_flush_tiny). */
+KVA_INLINE __m512 flush_tiny_avx512(__m512 v)
+{
+    const __m512 mag = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(mag, _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ),
+                              _mm512_setzero_ps());
 }
 
 /*
@@ -542,7 +527,7 @@ KVA_INLINE int dec_dot_avx512(const float *Qs, int D, const char *const *krow, i
                               int tail, int RB, int KB, int r, int i, float *S,
                               const char *const *nk, int PF, int CONST)
 {
-    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk_load_kind(kind);
     const int pairs = kva_isz(lk) == 1 && (KB <= 4 || RB == 1);
     if (RB < 1 || KB < 1 || KB > 8 || RB * KB > 16)
         __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
@@ -587,10 +572,9 @@ KVA_INLINE int dec_dot_avx512(const float *Qs, int D, const char *const *krow, i
  * the loop), computed with the NaN blend. */
 KVA_AVX512_TARGET __attribute__((noinline)) static void
 dec_dot_nan_avx512(const float *Qs, int D, const char *const *krow, int RB, int KB, int r, int i,
-                   float *S, int bits)
+                   float *S)
 {
-    /* (bits: the float32-bits reading, KVA_F8E4M3_WCHK's) */
-    const int NV = D / 16, tail = (D % 16) != 0, k = bits ? KVA_F8E4M3_WNAN : KVA_F8E4M3_NAN;
+    const int NV = D / 16, tail = (D % 16) != 0, k = KVA_F8E4M3_NAN;
     switch (RB * 16 + KB) {
     case 1 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 1, 8, r, i, S, NULL, 0, 0); break;
     case 2 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 2, 8, r, i, S, NULL, 0, 0); break;
@@ -606,7 +590,7 @@ KVA_INLINE void dec_rows_avx512(const float *Qs, int D, const char *const *krow,
 {
     for (int i = 0; i < ntp; i += KB)
         if (dec_dot_avx512(Qs, D, krow, kind, NV, tail, RB, KB, r, i, S, nk, PF, CONST))
-            dec_dot_nan_avx512(Qs, D, krow, RB, KB, r, i, S, kind == KVA_F8E4M3_WCHK);
+            dec_dot_nan_avx512(Qs, D, krow, RB, KB, r, i, S);
 }
 
 /* A decode score tile, M < KVA_TILE_ROWS rows: one block of rows for M <= 4
@@ -648,8 +632,7 @@ KVA_INLINE void dec_scores_pf_avx512(int kind, int NV, int tail, const float *Qs
 #endif
 static inline int const_dims_avx512(int kind, int M, int D)
 {
-    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN &&
-           kind != KVA_F8E4M3_WNAN && M <= 4 &&
+    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 &&
            (D == 64 || D == 128);
 }
 
@@ -712,7 +695,7 @@ KVA_INLINE void pv_block_avx512(const float *P, int D, const char *const *vrow, 
                                 int RB, int DB, int half, int r, int d, float *acc,
                                 const float *alpha, const char *const *nv, int PF)
 {
-    const int chk = kind == KVA_F8E4M3_CHK || kind == KVA_F8E4M3_WCHK, lk = chk_load_kind(kind);
+    const int chk = kind == KVA_F8E4M3_CHK, lk = chk_load_kind(kind);
     const int isz = kva_isz(lk);
     if (RB < 1 || DB < 1 || DB > 8 || RB * DB > 16)
         __builtin_unreachable(); /* (the callers' shapes; for the compiler's bounds) */
@@ -916,7 +899,7 @@ KVA_AVX512_KIND(bf16, KVA_BF16)
 KVA_AVX512_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX512_KIND(i8, KVA_I8)
 
-/* e4m3fn (name e4m3: read as halves; e4m3w: as float32 bits): decode items of
+/* e4m3fn (read as halves): decode items of
  * head_dim 64 and 128 (up to 4 rows) search the lines they read for NaN codes as
  * they go (KVA_F8E4M3_CHK, in the bodies of const_dims_avx512; the SIMDe build runs
  * them at a run-time head_dim); the others search the tile's rows once, and only a
@@ -925,7 +908,6 @@ KVA_AVX512_KIND(i8, KVA_I8)
 #define KVA_AVX512_E4M3(name, K, KNAN, KCHK)                                                  \
     KVA_AVX512_BODIES(name, K, KNAN, KCHK, KVA_E4M3_CHECKS_AVX512, rows_have_e4m3_nan_avx512)
 KVA_AVX512_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
-KVA_AVX512_E4M3(e4m3w, KVA_F8E4M3_W, KVA_F8E4M3_WNAN, KVA_F8E4M3_WCHK)
 
 /* ntp % 8 == 0: the last 8 of a count of 16 k + 8 read with -inf above. */
 KVA_INLINE __m512 load_scores_avx512(const float *s, int i, int ntp)
@@ -993,11 +975,13 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
             _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vc));
     else if (c == 1.0f)
         for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i)));
+            _mm512_storeu_ps(s + i, flush_tiny_avx512(_mm512_mul_ps(_mm512_loadu_ps(s + i),
+                                                                    _mm512_loadu_ps(w + i))));
     else
         for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i),
-                                                                _mm512_loadu_ps(w + i)), vc));
+            _mm512_storeu_ps(s + i, _mm512_mul_ps(flush_tiny_avx512(_mm512_mul_ps(
+                                                      _mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i))),
+                                                  vc));
     if (i < n)
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
 }
@@ -1036,7 +1020,7 @@ KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int nt
             const __mmask16 rc = (__mmask16)(real >> 16 * c);
             x[c] = _mm512_maskz_loadu_ps(rc, s + 16 * c);
             if (ks != NULL)
-                x[c] = _mm512_mask_mul_ps(x[c], rc, x[c], k[c]);
+                x[c] = flush_tiny_avx512(_mm512_mask_mul_ps(x[c], rc, x[c], k[c]));
             x[c] = _mm512_mask_mov_ps(ninf, (__mmask16)(seen >> 16 * c), x[c]);
             mv = _mm512_max_ps(mv, x[c]);
         }
@@ -1044,7 +1028,7 @@ KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int nt
         const float mnew = mo > mx ? mo : mx;
         alpha[r] = mo == -INFINITY                 ? 0.0f
                    : mo == mnew && mnew != INFINITY ? 1.0f
-                                                    : exp2f(mo - mnew);
+                                                    : kva_flush_tiny(exp2f(mo - mnew));
         m[r] = mnew;
         const __m512 mm = _mm512_set1_ps(mnew);
         __m512 sm = _mm512_setzero_ps();
@@ -1054,7 +1038,7 @@ KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int nt
             __m512 e = exp2_neg_avx512(_mm512_sub_ps(x[c], mm));
             sm = _mm512_add_ps(sm, e);
             if (vs != NULL)
-                e = _mm512_mask_mul_ps(e, sc, e, w[c]);
+                e = flush_tiny_avx512(_mm512_mask_mul_ps(e, sc, e, w[c]));
             if (unit != 1.0f)
                 e = _mm512_mask_mul_ps(e, sc, e, vu);
             storef_avx512(s + 16 * c, e, ntp - 16 * c < 16);
@@ -1071,7 +1055,6 @@ const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, avx512, 1.0f, 1, 1),
     KVA_KERNELS(i8, avx512, 1.0f, 1, 1),
 };
-const kva_kernels kva_kernels_avx512_e4m3_wide = KVA_KERNELS(e4m3w, avx512, 0x1p120f, 1, 1);
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
                                   exp2_neg_n_avx512, scale_avx512, decode_rows_avx512,
                                   128};

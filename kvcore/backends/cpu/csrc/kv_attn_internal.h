@@ -109,6 +109,21 @@ _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
 
 #define KVA_LOG2E 1.4426950408889634f
 
+/* No operand the attention makes itself is a subnormal float32: a softmax
+ * weight, a weight times its value scale, a rescale factor or an element
+ * of q below FLT_MIN (2^-126) in magnitude is 0 (stored float32 and
+ * bfloat16 elements are read as stored).  An FMA or a
+ * multiply taking a subnormal costs about 128 cycles on an Intel Xeon
+ * with AMX (a microcode assist; docs/performance.md, "Subnormal floats")
+ * against half a cycle, and the tiny weights of a wide score spread made
+ * whole decodes 2.4x slower there; such a term changes an
+ * output by less than 2^-126 times a value.  (Subnormal results are
+ * free there: only the inputs are flushed.)  NaN passes. */
+static inline float kva_flush_tiny(float x)
+{
+    return x > -0x1p-126f && x < 0x1p-126f ? 0.0f : x;
+}
+
 /* ------------------------------------------------------------------ */
 /* Kernel tables (one per level, kv_attn_<level>.c)                    */
 /* ------------------------------------------------------------------ */
@@ -193,17 +208,10 @@ void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n);
 #if KVA_HAVE_AVX2
 extern const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx2;
-/* as kva_kernels_avx512_e4m3_wide, below */
-extern const kva_kernels kva_kernels_avx2_e4m3_wide;
 #endif
 #if KVA_HAVE_AVX512
 extern const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx512;
-/* e4m3fn decode kernels that read each code as the float32 of the same
- * sign, exponent and mantissa bits (value / 2^120, subnormals included: no
- * half conversion); unit 2^120, so only for items whose q and value scale
- * leave q * 2^120 and the weights * 2^120 finite (kv_attn_tile.c) */
-extern const kva_kernels kva_kernels_avx512_e4m3_wide;
 #endif
 #if KVA_HAVE_AMX
 /* Tile kernels over the stored rows (unit 1, no widen); the f32 entry is
@@ -249,10 +257,6 @@ typedef struct {
     const kva_kernels *kern_f32; /* for tiles widened once (items of many rows) */
     const kva_kernels *kern_tiles; /* items of >= KVA_TILE_ROWS rows: matrix
                                       tiles over the stored rows; NULL: none */
-    const kva_kernels *kern_wide;  /* decode items of at most KVA_WIDEN_ROWS
-                                      rows whose q and value scale allow it:
-                                      kernels of a larger unit (the same
-                                      products); NULL: none */
     const kva_math *math;
     const kva_item *items;
     int64_t num_items;

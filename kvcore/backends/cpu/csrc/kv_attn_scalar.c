@@ -131,10 +131,11 @@ static float row_max_scalar(const float *s, int ntp)
     return m;
 }
 
-/* 2^x for x <= 0 with the SIMD levels' range: +0 below -126.5. */
+/* 2^x for x <= 0 with the SIMD levels' range: +0 below 2^-126 (never a
+ * subnormal: kva_flush_tiny). */
 static inline float exp2_neg_scalar_one(float x)
 {
-    return x < -126.5f ? 0.0f : exp2f(x);
+    return x < -126.0f ? 0.0f : exp2f(x);
 }
 
 static float row_exp_sum_scalar(float *s, int ntp, float mx)
@@ -160,10 +161,10 @@ void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n)
             s[i] *= c;
     else if (c == 1.0f)
         for (ptrdiff_t i = 0; i < n; i++)
-            s[i] *= w[i];
+            s[i] = kva_flush_tiny(s[i] * w[i]);
     else
         for (ptrdiff_t i = 0; i < n; i++)
-            s[i] = s[i] * w[i] * c;
+            s[i] = kva_flush_tiny(s[i] * w[i]) * c;
 }
 
 static void exp2_neg_scalar(const float *x, float *y, ptrdiff_t n)

@@ -149,7 +149,8 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M)
             const float m = p[r], l = p[job->split_rows + r];
             if (m == -INFINITY)
                 continue; /* no key of this split was visible to this row */
-            const float w = job->wide ? exp2f((m - mx) * job->wide_scale) : exp2f(m - mx);
+            const float w = kva_flush_tiny(job->wide ? exp2f((m - mx) * job->wide_scale)
+                                                     : exp2f(m - mx));
             const float *acc = p + 2 * (size_t)job->split_rows + (size_t)r * D;
             total += w * l;
             for (int d = 0; d < D; d++)

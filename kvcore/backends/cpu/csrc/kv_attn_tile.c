@@ -213,29 +213,6 @@ void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, fl
     }
 }
 
-/* Whether a decode item may take job->kern_wide (unit 2^120): every q
- * element times the scale, and the value scale (the weights are at most
- * 1 times it), under 2^7 in magnitude, so that times the unit they stay
- * finite (NaN or inf: no). */
-static int wide_unit_fits(const kva_job *job, const kva_item *it, int g, int M)
-{
-    const kva_args *a = job->a;
-    const int D = a->head_dim, G = (int)kva_group_size(a);
-    const float lim = 128.0f;
-    const float vs = a->v_head_scales != NULL ? a->v_head_scales[g] : layer_scale(a->v_scale);
-    if (!(fabsf(vs) < lim))
-        return 0;
-    const int64_t row0 = a->query_start_loc[it->seq];
-    for (int r = 0; r < M; r++) {
-        const int64_t j = it->q0 + r / G, h = r % G;
-        const float *src = a->q + ((size_t)(row0 + j) * a->num_heads + (size_t)g * G + h) * D;
-        for (int d = 0; d < D; d++)
-            if (!(fabsf(src[d] * job->qscale) < lim))
-                return 0;
-    }
-    return 1;
-}
-
 void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                   const kva_ws *ws)
 {
@@ -259,11 +236,6 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
     const int tiles = prefill && job->kern_tiles != NULL;
     if (tiles)
         kern = job->kern_tiles;
-    /* decode items of few rows whose q and value scale allow it: the
-     * kernels of the larger unit (the same products: the same bits) */
-    else if (job->kern_wide != NULL && !prefill && M <= KVA_WIDEN_ROWS &&
-             wide_unit_fits(job, it, g, M))
-        kern = job->kern_wide;
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
     const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32 && !tiles;
@@ -281,8 +253,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
         int64_t j = it->q0 + r / G, h = r % G;
         const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
         float *dst = ws->Qs + (size_t)r * D;
-        for (int d = 0; d < D; d++)
-            dst[d] = src[d] * qscale * unit; /* (times a power of two: exact) */
+        for (int d = 0; d < D; d++) /* (times unit, a power of two: exact) */
+            dst[d] = kva_flush_tiny(src[d] * qscale) * unit;
         int64_t pos = len - nq + j;
         ws->hi[r] = pos + 1;
         ws->lo[r] = kva_key_lo(a, pos);
@@ -457,7 +429,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
             const float drop = ws->m[r] - mnew;
             ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
                            : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
-                                          : exp2f(job->wide ? drop * job->wide_scale : drop);
+                                          : kva_flush_tiny(exp2f(job->wide ? drop * job->wide_scale : drop));
             float sum;
             if (job->wide) {
                 for (int64_t i = first; i < last; i++)
