@@ -17,6 +17,10 @@
  *       decode as a model runs it: before each timed call a 256 MiB buffer
  *       (the weights of the layers in between) is read, so the pages come
  *       from DRAM with cold TLBs; median of 31 single calls, wall time.
+ *   FP8_CODES=low /tmp/attention_profile ...
+ *       fp8 pages of codes 0x00-0x3F (either sign): small values, the
+ *       subnormal codes among them (e4m3fn 0x01-0x07, e5m2 0x01-0x03),
+ *       instead of 0x20-0x5F.
  *   /tmp/attention_profile raw kv_heads head_dim context
  *       3. what the memory gives one core for decode's access pattern: a
  *       plain AVX-512 loop that reads the K and V chunks of every KV head
@@ -119,6 +123,8 @@ static void time_case(const kva_args *a, int ctx, int kind, int nq, size_t bytes
 static void run_case(int ctx, int kind, int nq)
 {
     const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2, nblk = ctx / BS;
+    const char *codes = getenv("FP8_CODES");
+    const int fp8_lo = codes != NULL && strcmp(codes, "low") == 0 ? 0x00 : 0x20;
     const size_t bytes = (size_t)nblk * KVH * BS * D * isz;
     const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
     char *k = aligned_alloc(2u << 20, al), *v = aligned_alloc(2u << 20, al);
@@ -133,8 +139,8 @@ static void run_case(int ctx, int kind, int nq)
         } else if (kind >= 3) { /* finite fp8 codes of modest size; int8 codes */
             for (int j = 0; j < 4; j++) {
                 int r = rand();
-                uint8_t kb = kind == 5 ? (uint8_t)r : (uint8_t)(0x20 + (r & 0x3f));
-                uint8_t vb = kind == 5 ? (uint8_t)(r >> 8) : (uint8_t)(0x24 + ((r >> 8) & 0x3f));
+                uint8_t kb = kind == 5 ? (uint8_t)r : (uint8_t)(fp8_lo + (r & 0x3f));
+                uint8_t vb = kind == 5 ? (uint8_t)(r >> 8) : (uint8_t)(fp8_lo + 4 * (fp8_lo != 0) + ((r >> 8) & 0x3f));
                 k[4 * i + j] = (char)(kb | ((r >> 16) & 0x80));
                 v[4 * i + j] = (char)(vb | ((r >> 17) & 0x80));
             }

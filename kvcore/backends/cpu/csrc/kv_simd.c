@@ -216,9 +216,8 @@ int kvs_default_level(void)
     if (cap < 0)
         return KVS_SCALAR;
     /* amx is taken only when asked for by name (KVCORE_SIMD=amx, or the
-     * families' set-level calls): its tiles have run under emulation only,
-     * and no CPU has measured them faster than the avx512 kernels, so they
-     * are no default (kv_simd.h) */
+     * families' set-level calls): on the one AMX CPU measured they were
+     * slower than the avx512 kernels, so they are no default (kv_simd.h) */
     if (cap == KVS_AMX && strcmp(kvs_text, "amx") != 0)
         cap = KVS_AVX512;
     while (cap > 0 && !kvs_level_supported(cap))

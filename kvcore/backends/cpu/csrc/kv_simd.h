@@ -12,8 +12,9 @@
  * "avx512", "amx" (x86-64) or "neon" (AArch64), surrounding spaces and
  * case ignored: the highest level any family uses by default (never more
  * than the CPU has).  Unset or empty: no cap, except that amx is opt-in:
- * the default stops at avx512 unless KVCORE_SIMD names amx (its tiles have
- * run only under emulation; no CPU has measured them faster than avx512).
+ * the default stops at avx512 unless KVCORE_SIMD names amx (on the one AMX
+ * CPU measured, an Intel Xeon, its prefill ran at 0.54-0.89x avx512's:
+ * docs/performance.md).
  * Another value is an error the Python layer reports (kvs_cap() < 0); C
  * callers then get the scalar kernels.
  *
