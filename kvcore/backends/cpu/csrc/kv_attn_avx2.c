@@ -604,10 +604,10 @@ KVA_AVX2_KIND(bf16, KVA_BF16)
 KVA_AVX2_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX2_KIND(i8, KVA_I8)
 
-/* e4m3fn (read as halves): decode calls of
- * head_dim 64 and 128 (up to 4 rows) search the bytes they read for NaN codes as
- * they go; the others search the tile's rows once (a few byte compares per row)
- * and only a tile that holds one pays for the NaN blend of every 8 elements. */
+/* e4m3fn (read as halves, as at avx512): decode calls of head_dim 64 and 128 (up
+ * to 4 rows) search the bytes they read for NaN codes as they go; the others
+ * search the tile's rows once (a few byte compares per row) and only a tile that
+ * holds one pays for the NaN blend of every 8 elements. */
 #define KVA_AVX2_E4M3(name, K, KNAN, KCHK)                                                    \
     KVA_AVX2_BODIES(name, K, KNAN, KCHK, const_dims_avx2, rows_have_e4m3_nan_avx2)
 KVA_AVX2_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
@@ -681,7 +681,8 @@ KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n
     else
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(s + i, _mm256_mul_ps(flush_tiny_avx2(_mm256_mul_ps(
-                                                      _mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i))),
+                                                      _mm256_loadu_ps(s + i),
+                                                      _mm256_loadu_ps(w + i))),
                                                   vc));
     if (i < n)
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);

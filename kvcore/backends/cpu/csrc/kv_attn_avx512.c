@@ -58,8 +58,8 @@
  * (e4m3fn is read as halves, never as float32 bits: that reading, value /
  * 2^120, makes each subnormal code a float32 subnormal, and an FMA taking
  * one costs ~128 cycles on an Intel Xeon with AMX against half a cycle: a
- * decode over fp8 pages holding subnormal codes (near-zero values) ran up
- * to 60x slower there.  docs/performance.md, "Subnormal floats".) */
+ * decode over fp8 pages holding subnormal codes (near-zero values) ran
+ * 53-73x slower there.  docs/performance.md, "Subnormal floats".) */
 #define KVA_F8E4M3_NAN 6
 #define KVA_F8E4M3_CHK 7
 
@@ -212,8 +212,9 @@ KVA_INLINE float hmax_avx512(__m512 v)
  * 2^x for x <= 0, the AVX2 kernels' method and polynomial on 16 lanes (so
  * the same accuracy: at most 0.95 ulp from the correctly rounded 2^x for
  * every result of 2^-126 and above; +0 below 2^-126, never a subnormal
- * (kva_flush_tiny), and for -inf; NaN stays NaN).  x = n + f, n = round(x), |f| <= 1/2; 2^f by a degree-6
- * minimax polynomial (FMAs), times 2^n built in the exponent field.
+ * (kva_flush_tiny), and for -inf; NaN stays NaN).  x = n + f, n = round(x),
+ * |f| <= 1/2; 2^f by a degree-6 minimax polynomial (FMAs), times 2^n built
+ * in the exponent field.
  */
 KVA_INLINE __m512 exp2_neg_avx512(__m512 x)
 {
@@ -899,11 +900,11 @@ KVA_AVX512_KIND(bf16, KVA_BF16)
 KVA_AVX512_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX512_KIND(i8, KVA_I8)
 
-/* e4m3fn (read as halves): decode items of
- * head_dim 64 and 128 (up to 4 rows) search the lines they read for NaN codes as
- * they go (KVA_F8E4M3_CHK, in the bodies of const_dims_avx512; the SIMDe build runs
- * them at a run-time head_dim); the others search the tile's rows once, and only a
- * tile that holds one pays for the NaN blend of every 16 elements. */
+/* e4m3fn (read as halves): decode items of head_dim 64 and 128 (up to 4 rows)
+ * search the lines they read for NaN codes as they go (KVA_F8E4M3_CHK, in the
+ * bodies of const_dims_avx512; the SIMDe build runs them at a run-time head_dim);
+ * the others search the tile's rows once, and only a tile that holds one pays for
+ * the NaN blend of every 16 elements. */
 #define KVA_E4M3_CHECKS_AVX512(kind, M, D) ((M) <= 4 && ((D) == 64 || (D) == 128))
 #define KVA_AVX512_E4M3(name, K, KNAN, KCHK)                                                  \
     KVA_AVX512_BODIES(name, K, KNAN, KCHK, KVA_E4M3_CHECKS_AVX512, rows_have_e4m3_nan_avx512)
@@ -980,7 +981,8 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
     else
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(s + i, _mm512_mul_ps(flush_tiny_avx512(_mm512_mul_ps(
-                                                      _mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i))),
+                                                      _mm512_loadu_ps(s + i),
+                                                      _mm512_loadu_ps(w + i))),
                                                   vc));
     if (i < n)
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);

@@ -158,8 +158,9 @@ static inline float32x4_t exp2_neg_neon(float32x4_t x)
     p = vfmaq_f32(vdupq_n_f32(1.0f), p, f);
     int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
     /* (x < -126: +0, never a subnormal; an ordered compare keeps NaN) */
-    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(e))),
-                                           vcltq_f32(x, vdupq_n_f32(-126.0f))));
+    const float32x4_t r = vmulq_f32(p, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(
+        vbicq_u32(vreinterpretq_u32_f32(r), vcltq_f32(x, vdupq_n_f32(-126.0f))));
 }
 
 static float row_max_neon(const float *s, int ntp)

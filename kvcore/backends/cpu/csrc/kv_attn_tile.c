@@ -429,7 +429,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
             const float drop = ws->m[r] - mnew;
             ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
                            : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
-                                          : kva_flush_tiny(exp2f(job->wide ? drop * job->wide_scale : drop));
+                           : kva_flush_tiny(exp2f(job->wide ? drop * job->wide_scale : drop));
             float sum;
             if (job->wide) {
                 for (int64_t i = first; i < last; i++)
