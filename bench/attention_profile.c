@@ -140,7 +140,8 @@ static void run_case(int ctx, int kind, int nq)
             for (int j = 0; j < 4; j++) {
                 int r = rand();
                 uint8_t kb = kind == 5 ? (uint8_t)r : (uint8_t)(fp8_lo + (r & 0x3f));
-                uint8_t vb = kind == 5 ? (uint8_t)(r >> 8) : (uint8_t)(fp8_lo + 4 * (fp8_lo != 0) + ((r >> 8) & 0x3f));
+                uint8_t vb = kind == 5 ? (uint8_t)(r >> 8)
+                                       : (uint8_t)(fp8_lo + 4 * (fp8_lo != 0) + ((r >> 8) & 0x3f));
                 k[4 * i + j] = (char)(kb | ((r >> 16) & 0x80));
                 v[4 * i + j] = (char)(vb | ((r >> 17) & 0x80));
             }
