@@ -186,18 +186,19 @@ static void check_math(void)
         check(worst <= 4e-7, "softcap", -1, 0, 0, n, worst);
     }
     /* the scales' products: the scalar loop's bits, every length (the
-     * tails), each form (weights and a constant, weights, a constant),
-     * subnormal and huge factors among them */
+     * tails), each form (weights and a constant, weights, a constant) on
+     * scores and on weights (flushed), subnormal and huge factors among them */
     for (int n = 0; n <= 40; n++)
-        for (int form = 0; form < 3; form++) {
+        for (int form = 0; form < 6; form++) {
+            const int weights = form >= 3;
             float x[40], y[40], w[40];
             for (int i = 0; i < n; i++) {
                 x[i] = y[i] = urand() * (i % 7 == 0 ? 0x1p-120f : 30.0f);
                 w[i] = urand() * (i % 5 == 0 ? 0x1p100f : 2.0f);
             }
-            const float c = form == 1 ? 1.0f : (n % 2 ? 256.0f : 0x1p-20f);
-            v->scale(y, form == 2 ? NULL : w, c, n);
-            s->scale(x, form == 2 ? NULL : w, c, n);
+            const float c = form % 3 == 1 ? 1.0f : (n % 2 ? 256.0f : 0x1p-20f);
+            v->scale(y, form % 3 == 2 ? NULL : w, c, n, weights);
+            s->scale(x, form % 3 == 2 ? NULL : w, c, n, weights);
             check(memcmp(x, y, (size_t)n * sizeof(float)) == 0, "scale", -1, 0, 0, n, form);
         }
 }

@@ -666,7 +666,8 @@ const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
     KVA_KERNELS(e5m2, avx2, 1.0f, 1, 0),
     KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
 };
-KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n)
+KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n,
+                                        int weights)
 {
     const __m256 vc = _mm256_set1_ps(c);
     ptrdiff_t i = 0;
@@ -674,6 +675,10 @@ KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n
     if (w == NULL)
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), vc));
+    else if (!weights)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(s + i, c == 1.0f ? _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i))
+                                 : _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i)), vc));
     else if (c == 1.0f)
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(s + i, flush_tiny_avx2(_mm256_mul_ps(_mm256_loadu_ps(s + i),
@@ -685,7 +690,7 @@ KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n
                                                       _mm256_loadu_ps(w + i))),
                                                   vc));
     if (i < n)
-        kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
+        kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i, weights);
 }
 
 const kva_math kva_math_avx2 = {row_max_avx2, row_exp_sum_avx2, softcap_avx2, exp2_neg_n_avx2,

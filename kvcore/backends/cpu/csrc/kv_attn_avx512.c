@@ -236,13 +236,13 @@ KVA_INLINE __m512 exp2_neg_avx512(__m512 x)
                                _mm512_castsi512_ps(e));
 }
 
-/* v with every lane of magnitude below 2^-126 made +0 (kva_flush_tiny). */
+/* v with every lane of magnitude below 2^-126 made +0 (kva_flush_tiny):
+ * the lanes whose exponent field is 0 (zeros and subnormals), two
+ * instructions. */
 KVA_INLINE __m512 flush_tiny_avx512(__m512 v)
 {
-    const __m512 mag = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
-    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(mag, _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ),
-                              _mm512_setzero_ps());
+    return _mm512_maskz_mov_ps(
+        _mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32(0x7F800000)), v);
 }
 
 /*
@@ -966,7 +966,8 @@ KVA_AVX512_TARGET static void exp2_neg_n_avx512(const float *x, float *y, ptrdif
     }
 }
 
-KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, ptrdiff_t n)
+KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, ptrdiff_t n,
+                                             int weights)
 {
     const __m512 vc = _mm512_set1_ps(c);
     ptrdiff_t i = 0;
@@ -974,6 +975,10 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
     if (w == NULL)
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vc));
+    else if (!weights)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(s + i, c == 1.0f ? _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i))
+                                 : _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i)), vc));
     else if (c == 1.0f)
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(s + i, flush_tiny_avx512(_mm512_mul_ps(_mm512_loadu_ps(s + i),
@@ -985,7 +990,7 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
                                                       _mm512_loadu_ps(w + i))),
                                                   vc));
     if (i < n)
-        kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i);
+        kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i, weights);
 }
 
 /* The softmax step of a decode tile in registers (kva_math.decode_rows):
@@ -1022,7 +1027,7 @@ KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int nt
             const __mmask16 rc = (__mmask16)(real >> 16 * c);
             x[c] = _mm512_maskz_loadu_ps(rc, s + 16 * c);
             if (ks != NULL)
-                x[c] = flush_tiny_avx512(_mm512_mask_mul_ps(x[c], rc, x[c], k[c]));
+                x[c] = _mm512_mask_mul_ps(x[c], rc, x[c], k[c]);
             x[c] = _mm512_mask_mov_ps(ninf, (__mmask16)(seen >> 16 * c), x[c]);
             mv = _mm512_max_ps(mv, x[c]);
         }

@@ -172,10 +172,13 @@ typedef struct {
     void (*softcap)(float *s, ptrdiff_t n, float a, float b);
     void (*exp2_neg)(const float *x, float *y, ptrdiff_t n);
     /* s[i] = (s[i] * w[i]) * c for i < n (w NULL: s[i] * c; c 1: the one
-     * product): low precision pages' scales on a tile's scores and weights,
-     * one rounding per product as the scalar loop has it, so every level
-     * gives the same bits. */
-    void (*scale)(float *s, const float *w, float c, ptrdiff_t n);
+     * product): low precision pages' scales on a tile's scores (weights 0)
+     * and weights (weights 1: each s[i] * w[i] through kva_flush_tiny, as
+     * the weights become P.V's multiplicands), one rounding per product as
+     * the scalar loop has it, so every level gives the same bits.  (A score
+     * is only compared with and subtracted from its row's maximum, which
+     * costs nothing when it is subnormal: it is not flushed.) */
+    void (*scale)(float *s, const float *w, float c, ptrdiff_t n, int weights);
     /* The softmax step of a decode tile (NULL: the level has none, the
      * caller runs the steps above one by one): M rows of scores S[r *
      * KVA_KEY_TILE + i], i < ntp <= KVA_KEY_TILE, that see the same
@@ -204,7 +207,7 @@ extern const kva_kernels kva_kernels_scalar[KVA_NUM_KINDS];
 extern const kva_math kva_math_scalar;
 /* The scalar soft cap (tanhf; the NEON level uses it too). */
 void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b);
-void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n);
+void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n, int weights);
 #if KVA_HAVE_AVX2
 extern const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS];
 extern const kva_math kva_math_avx2;

@@ -154,11 +154,14 @@ void kva_softcap_scalar(float *s, ptrdiff_t n, float a, float b)
         s[i] = b * tanhf(a * s[i]);
 }
 
-void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n)
+void kva_scale_scalar(float *s, const float *w, float c, ptrdiff_t n, int weights)
 {
     if (w == NULL)
         for (ptrdiff_t i = 0; i < n; i++)
             s[i] *= c;
+    else if (!weights)
+        for (ptrdiff_t i = 0; i < n; i++)
+            s[i] = c == 1.0f ? s[i] * w[i] : (s[i] * w[i]) * c;
     else if (c == 1.0f)
         for (ptrdiff_t i = 0; i < n; i++)
             s[i] = kva_flush_tiny(s[i] * w[i]);

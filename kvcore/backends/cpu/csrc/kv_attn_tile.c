@@ -136,7 +136,7 @@ static void tile_scales(const kva_args *a, const kva_math *math, const int32_t *
         }
     }
     for (int r = 0; r < M; r++)
-        math->scale(S + (size_t)r * KVA_KEY_TILE, ks, 1.0f, nt);
+        math->scale(S + (size_t)r * KVA_KEY_TILE, ks, 1.0f, nt, 0);
 }
 
 /* Every line of the `bytes` bytes at p. */
@@ -445,7 +445,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
              * product is the exact p * v (subnormal ones included); one
              * pass over the weights for both */
             if (scaled || unit != 1.0f)
-                math->scale(srow + first, scaled ? vs + first : NULL, unit, last - first);
+                math->scale(srow + first, scaled ? vs + first : NULL, unit, last - first, 1);
         }
         /* P V over each row's visible keys only (a masked key's weight is
          * 0, but 0 * a stored NaN or inf is NaN): runs of rows with the same
