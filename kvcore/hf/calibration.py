@@ -59,7 +59,7 @@ def calibrate_kv_scales(model, input_ids, attention_mask=None, dtype="float8_e4m
                          f"token themselves), got {dtype!r}")
     if not isinstance(per_head, (bool, np.bool_)):
         raise TypeError(f"per_head must be a bool, got {type(per_head).__name__} {per_head!r}")
-    attention_mask, _ = _prompt_batch(input_ids, attention_mask)
+    attention_mask, _ = _prompt_batch(input_ids, attention_mask, model)
     layers = model_kv_shape(model.config)[0]
     from transformers import DynamicCache
 

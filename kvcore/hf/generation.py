@@ -77,7 +77,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
         raise ValueError(f"kvcore.hf.generate needs use_cache=True (got use_cache="
                          f"{use_cache!r}, from {source}); for generation without a KV cache "
                          "call model.generate directly")
-    attention_mask, pads = _prompt_batch(input_ids, attention_mask)
+    attention_mask, pads = _prompt_batch(input_ids, attention_mask, model)
     check_batch(model.config, pads)
     ids = input_ids.detach().cpu().numpy()
     keyword = cache_keyword(model)

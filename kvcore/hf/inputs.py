@@ -24,9 +24,12 @@ def _query_length(query, arg="query_length"):
     return n
 
 
-def _prompt_batch(input_ids, attention_mask):
+def _prompt_batch(input_ids, attention_mask, model=None):
     """``(attention_mask, pads)`` of a left-padded prompt batch after
-    checking both (the mask defaults to all ones)."""
+    checking both (the mask defaults to all ones); with ``model``, every id
+    (the padding's too: the model embeds it) a row of its input embedding,
+    which would otherwise fail inside torch (on a GPU, as a device-side
+    assertion that ends the process's CUDA context)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         got = (f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
                else type(input_ids).__name__)
@@ -55,7 +58,27 @@ def _prompt_batch(input_ids, attention_mask):
         raise ValueError(f"input_ids must lie in 0..{MAX_TOKEN_ID} (token ids) where "
                          f"attention_mask is 1, got {int(ids[row, col])} at row {row}, "
                          f"column {col}")
+    rows = _embedding_rows(model)
+    if rows is not None:
+        bad = (ids < 0) | (ids >= rows)
+        if bad.any():
+            row, col = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"input_ids must lie in 0..{rows - 1} (the rows of the model's "
+                             f"input embedding; padding included, the model embeds it), got "
+                             f"{int(ids[row, col])} at row {row}, column {col}")
     return attention_mask, pads
+
+
+def _embedding_rows(model):
+    """The rows of ``model``'s input embedding (an ``nn.Embedding``), or
+    None when there is no model or it has another kind of input layer."""
+    if model is None:
+        return None
+    try:
+        emb = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
 
 
 def _left_pads(mask, arg):

@@ -1103,6 +1103,12 @@ def test_generate_rejects_bad_arguments():
     (dict(input_ids=torch.tensor([[5, -6]])), ValueError,
      r"input_ids must lie in 0..2147483647 \(token ids\) where attention_mask is 1, got -6 "
      r"at row 0, column 1"),
+    (dict(input_ids=torch.tensor([[5, VOCAB]])), ValueError,
+     rf"input_ids must lie in 0..{VOCAB - 1} \(the rows of the model's input embedding; "
+     rf"padding included, the model embeds it\), got {VOCAB} at row 0, column 1"),
+    (dict(input_ids=torch.tensor([[VOCAB + 5, 6]]), attention_mask=torch.tensor([[0, 1]])),
+     ValueError, rf"input_ids must lie in 0..{VOCAB - 1} .*, got {VOCAB + 5} at row 0, "
+     r"column 0"),
     (dict(input_ids=np.array([[5, 6]])), ValueError,
      r"input_ids must be a 2-D torch tensor .*, got ndarray"),
     (dict(attention_mask=torch.tensor([[0.5, 1.0]])), ValueError,
@@ -1118,10 +1124,13 @@ def test_generate_rejects_bad_arguments():
     (dict(num_beams=12, max_new_tokens=2), ValueError,
      r"the forward has 12 rows \(the 1 prompts times 12, for num_beams or "
      r"num_return_sequences\), more than the pool's 8 blocks"),
-], ids=["float-ids", "negative-id", "numpy-ids", "mask-half", "mask-2", "mask-list",
+], ids=["float-ids", "negative-id", "id-past-the-vocabulary", "padding-past-the-vocabulary",
+        "numpy-ids", "mask-half", "mask-2", "mask-list",
         "mask-numpy", "no-model", "beams-past-the-pool"])
 def test_generate_names_the_argument_it_refuses(kw, exc, match):
-    """A float or out-of-range input_ids, an attention_mask that is not a
+    """A float or out-of-range input_ids (an id or a padding id past the
+    model's vocabulary: torch's IndexError names no argument, and on a GPU
+    it is a device-side assertion), an attention_mask that is not a
     tensor of 0s and 1s (transformers counts its values into the positions),
     a model that is none, or more beams than the pool has blocks, are
     refused by the name the caller used (were token_ids, a position_ids
