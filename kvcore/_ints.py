@@ -19,6 +19,12 @@ def index_int(value, arg):
     if type(value) is not int:
         if isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{arg} must be an integer, got bool {value!r}")
+        ndim = _ndim(value)
+        if ndim:
+            # (torch's __index__ reads any 1-element tensor, [3] and [[3]]
+            # alike, as its element; NumPy refuses all but 0-d arrays)
+            raise TypeError(f"{arg} must be an integer (a 0-d array or tensor at most), got "
+                            f"a {type(value).__name__} of {ndim} dimensions {shown(value)}")
         try:
             value = operator.index(value)
         except TypeError:
@@ -28,6 +34,15 @@ def index_int(value, arg):
         raise ValueError(f"{arg} must be an integer of at most {MAX_INT_BITS} bits, got "
                          f"{shown(value)}")
     return value
+
+
+def _ndim(value):
+    """``value.ndim`` where it is an int (an array or a tensor), else 0."""
+    try:
+        ndim = getattr(value, "ndim", 0)
+    except Exception:           # (a property that raises: not an array)
+        return 0
+    return ndim if type(ndim) is int else 0
 
 
 def shown(value, limit=200):

@@ -576,6 +576,29 @@ def test_an_integer_too_long_to_print_is_refused_by_name(sign):
         kvcore.BlockPool(2**64, 4, 1, 1, 8)
 
 
+def test_a_one_element_tensor_is_not_an_integer():
+    # torch's __index__ reads tensor([3]) and tensor([[3]]) as 3: a count,
+    # a layer or a thread number given as one was taken silently
+    torch = pytest.importorskip("torch")
+    pool = kvcore.BlockPool(8, 4, 2, 1, 8, dtype="float32")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2, 3])
+    before = pool_snapshot(pool)
+    for value in (torch.tensor([1]), torch.tensor([[1]]), np.ones((1, 1), np.int64)):
+        for arg, call in (("layer", lambda: pool.key_cache(value)),
+                          ("n", lambda: seq.reserve(value)),
+                          ("n", lambda: kvcore.set_num_threads(value))):
+            with pytest.raises(TypeError, match=rf"^{arg} must be an integer \(a 0-d array or "
+                                                rf"tensor at most\), got a \w+ of "
+                                                rf"{value.ndim} dimensions"):
+                call()
+    assert pool_snapshot(pool) == before
+    assert seq.num_tokens == 3
+    # a 0-d tensor or array is still an integer
+    assert pool.key_cache(torch.tensor(1)).shape == pool.key_cache(1).shape
+    assert pool.key_cache(np.int64(1)).shape == pool.key_cache(np.array(1)).shape
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 def test_an_integer_too_long_to_print_is_named_on_every_path(sign):
     # paths that did not go through index_int: ids inside a token list, the
