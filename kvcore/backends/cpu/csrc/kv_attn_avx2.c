@@ -667,7 +667,7 @@ const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
     KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
 };
 KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n,
-                                        int weights)
+                                  int weights)
 {
     const __m256 vc = _mm256_set1_ps(c);
     ptrdiff_t i = 0;
@@ -676,9 +676,10 @@ KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), vc));
     else if (!weights)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(s + i, c == 1.0f ? _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i))
-                                 : _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i)), vc));
+        for (; i + 8 <= n; i += 8) {
+            const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(w + i));
+            _mm256_storeu_ps(s + i, c == 1.0f ? p : _mm256_mul_ps(p, vc));
+        }
     else if (c == 1.0f)
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(s + i, flush_tiny_avx2(_mm256_mul_ps(_mm256_loadu_ps(s + i),

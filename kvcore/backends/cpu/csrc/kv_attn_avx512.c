@@ -967,7 +967,7 @@ KVA_AVX512_TARGET static void exp2_neg_n_avx512(const float *x, float *y, ptrdif
 }
 
 KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, ptrdiff_t n,
-                                             int weights)
+                                           int weights)
 {
     const __m512 vc = _mm512_set1_ps(c);
     ptrdiff_t i = 0;
@@ -976,9 +976,10 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), vc));
     else if (!weights)
-        for (; i + 16 <= n; i += 16)
-            _mm512_storeu_ps(s + i, c == 1.0f ? _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i))
-                                 : _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i)), vc));
+        for (; i + 16 <= n; i += 16) {
+            const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_loadu_ps(w + i));
+            _mm512_storeu_ps(s + i, c == 1.0f ? p : _mm512_mul_ps(p, vc));
+        }
     else if (c == 1.0f)
         for (; i + 16 <= n; i += 16)
             _mm512_storeu_ps(s + i, flush_tiny_avx512(_mm512_mul_ps(_mm512_loadu_ps(s + i),
