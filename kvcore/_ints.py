@@ -19,12 +19,15 @@ def index_int(value, arg):
     if type(value) is not int:
         if isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{arg} must be an integer, got bool {value!r}")
+        if _is_bool_tensor(value):
+            raise TypeError(f"{arg} must be an integer, got a bool {type(value).__name__} "
+                            f"{shown(value)}")
         ndim = _ndim(value)
         if ndim:
             # (torch's __index__ reads any 1-element tensor, [3] and [[3]]
             # alike, as its element; NumPy refuses all but 0-d arrays)
             raise TypeError(f"{arg} must be an integer (a 0-d array or tensor at most), got "
-                            f"a {type(value).__name__} of {ndim} dimensions {shown(value)}")
+                            f"a {type(value).__name__} with ndim {ndim}: {shown(value)}")
         try:
             value = operator.index(value)
         except TypeError:
@@ -34,6 +37,15 @@ def index_int(value, arg):
         raise ValueError(f"{arg} must be an integer of at most {MAX_INT_BITS} bits, got "
                          f"{shown(value)}")
     return value
+
+
+def _is_bool_tensor(value):
+    """Whether ``value`` is a torch tensor of bools (whose __index__ gives
+    0 or 1, where Python's and NumPy's bools are refused above)."""
+    try:
+        return str(getattr(value, "dtype", "")) == "torch.bool"
+    except Exception:           # (a dtype that raises or prints badly: not a tensor)
+        return False
 
 
 def _ndim(value):

@@ -577,8 +577,9 @@ def test_an_integer_too_long_to_print_is_refused_by_name(sign):
 
 
 def test_a_one_element_tensor_is_not_an_integer():
-    # torch's __index__ reads tensor([3]) and tensor([[3]]) as 3: a count,
-    # a layer or a thread number given as one was taken silently
+    # torch's __index__ reads tensor([3]) and tensor([[3]]) as 3, and
+    # tensor(True) as 1: a count, a layer or a thread number given as one
+    # was taken silently
     torch = pytest.importorskip("torch")
     pool = kvcore.BlockPool(8, 4, 2, 1, 8, dtype="float32")
     seq = kvcore.PagedKVCache(pool)
@@ -589,9 +590,12 @@ def test_a_one_element_tensor_is_not_an_integer():
                           ("n", lambda: seq.reserve(value)),
                           ("n", lambda: kvcore.set_num_threads(value))):
             with pytest.raises(TypeError, match=rf"^{arg} must be an integer \(a 0-d array or "
-                                                rf"tensor at most\), got a \w+ of "
-                                                rf"{value.ndim} dimensions"):
+                                                rf"tensor at most\), got a \w+ with ndim "
+                                                rf"{value.ndim}: "):
                 call()
+        with pytest.raises(TypeError, match=r"^n must be an integer, got a bool Tensor "
+                                            r"tensor\(True\)"):
+            seq.reserve(torch.tensor(True))
     assert pool_snapshot(pool) == before
     assert seq.num_tokens == 3
     # a 0-d tensor or array is still an integer
