@@ -76,7 +76,7 @@ def _embedding_rows(model):
         return None
     try:
         emb = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
+    except Exception:           # (no such layer, or a model that cannot say: no check)
         return None
     return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
 

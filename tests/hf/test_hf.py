@@ -1144,6 +1144,24 @@ def test_generate_names_the_argument_it_refuses(kw, exc, match):
     assert pool.num_used_blocks == 0
 
 
+def test_a_model_whose_embedding_cannot_be_read_still_generates():
+    """The vocabulary check reads model.get_input_embeddings(); a model whose
+    method raises (or has another kind of input layer) is not checked, and
+    generates as before."""
+    model = model_for("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    pool = pool_for(model.config, 16, dtype="float32")
+    want = kvcore.hf.generate(model, ids, pool, max_new_tokens=3, do_sample=False)
+
+    def broken():
+        raise RuntimeError("no embedding here")
+
+    model.get_input_embeddings = broken
+    got = kvcore.hf.generate(model, ids, pool, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+    assert pool.num_used_blocks == 0
+
+
 def test_a_forward_of_another_batch_size_is_refused():
     """Issue 19 item 15: a forward whose batch is a multiple of the cache's
     rows was silently repeat-interleaved into them."""
