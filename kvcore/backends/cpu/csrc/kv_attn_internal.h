@@ -109,10 +109,11 @@ _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
 
 #define KVA_LOG2E 1.4426950408889634f
 
-/* No operand the attention makes itself is a subnormal float32: a softmax
- * weight, a weight times its value scale, a rescale factor or an element
- * of q below FLT_MIN (2^-126) in magnitude is 0 (stored float32 and
- * bfloat16 elements are read as stored).  An FMA or a
+/* No multiplicand the attention makes itself is a subnormal float32: a
+ * softmax weight, a weight times its value scale, a rescale factor or an
+ * element of q below FLT_MIN (2^-126) in magnitude is 0 (stored float32 and
+ * bfloat16 elements are read as stored; a score, only compared with and
+ * subtracted from its row's maximum, is kept as it is).  An FMA or a
  * multiply taking a subnormal costs about 128 cycles on an Intel Xeon
  * with AMX (a microcode assist; docs/performance.md, "Subnormal floats")
  * against half a cycle, and the tiny weights of a wide score spread made
