@@ -131,6 +131,22 @@ static inline void amx_emu_ldtilecfg(const void *mem)
     amx_emu.configured = 1;
 }
 
+/* STTILECFG m512: the configuration (64 zero bytes in the init state). */
+static inline void amx_emu_sttilecfg(void *mem)
+{
+    uint8_t *b = (uint8_t *)mem;
+    memset(b, 0, 64);
+    if (!amx_emu.configured)
+        return;
+    b[0] = amx_emu.palette_id;
+    b[1] = amx_emu.start_row;
+    for (int i = 0; i < AMX_EMU_TILES; i++) {
+        b[16 + 2 * i] = (uint8_t)(amx_emu.t[i].colsb & 0xFF);
+        b[17 + 2 * i] = (uint8_t)(amx_emu.t[i].colsb >> 8);
+        b[48 + i] = amx_emu.t[i].rows;
+    }
+}
+
 /* TILELOADD tdest, [base + stride * row] */
 static inline void amx_emu_tileloadd(int t, const void *base, long stride)
 {
@@ -242,6 +258,7 @@ static inline void amx_emu_tdpbf16ps(int d, int a, int b)
 
 /* The intrinsics (immintrin.h's names) kv_attn_amx.c uses. */
 #define _tile_loadconfig(config) amx_emu_ldtilecfg(config)
+#define _tile_storeconfig(config) amx_emu_sttilecfg(config)
 #define _tile_release() amx_emu_tilerelease()
 #define _tile_loadd(dst, base, stride) amx_emu_tileloadd((dst), (base), (long)(stride))
 #define _tile_stored(src, base, stride) amx_emu_tilestored((src), (base), (long)(stride))

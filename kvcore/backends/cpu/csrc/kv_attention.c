@@ -306,7 +306,8 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     job.kern_f32 = kernels_for(level, KVA_F32);
 #if KVA_HAVE_AMX
     /* the tiles take 32 dims (64 bytes of bf16) per step */
-    if (level == KVA_AMX && a.head_dim % 32 == 0 && kva_kernels_amx[a.kind].scores != NULL)
+    if (level == KVA_AMX && a.head_dim % 32 == 0 && a.head_dim <= KVA_AMX_MAX_D &&
+        kva_kernels_amx[a.kind].scores != NULL)
         job.kern_tiles = &kva_kernels_amx[a.kind];
 #endif
     job.math = math_for(level);

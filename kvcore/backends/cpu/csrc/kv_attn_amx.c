@@ -3,8 +3,8 @@
  * acc += P V on AMX-BF16 tiles for items of many query rows (prefill,
  * chunked prefill over cached pages), and the level's softmax math in
  * AVX-512.  Decode items (fewer than KVA_TILE_ROWS rows), float32 pages and
- * head_dims that are not a multiple of 32 run the AVX2 kernels
- * (kv_attention.c chooses).
+ * head_dims that are not a multiple of 32 up to KVA_AMX_MAX_D run the
+ * AVX-512 kernels (kv_attention.c chooses).
  *
  * Accuracy.  TDPBF16PS multiplies bf16 pairs exactly in float32 and
  * accumulates in float32.  A float32 operand (the scaled q, the softmax
@@ -27,14 +27,21 @@
  * intrinsics from SIMDe and the tile instructions from
  * tests/c/amx_tile_emulation.h, so this file runs on any CPU there.
  *
- * Tiles: palette 1, all eight 16 rows x 64 bytes.  Scores: tiles 0-1 the
- * 16 x 32 scores of 16 rows, 2-4 the q terms of 16 rows x 32 dims, 5-6 the
- * K terms of 32 dims x 16 keys in VNNI pairs (row p: dims 2p, 2p+1 of each
- * key).  P V: tile 0 the 16 x 16 acc block, 2-4 the P terms of 16 rows x 32
- * keys, 5-6 the V terms of 32 keys x 16 dims (row p: keys 2p, 2p+1 of each
- * dim).  A key tile is worked in runs of 32 keys; each run's K and V are
- * repacked once into the caller's tmp (KVA_KEY_TILE * D floats: two terms
- * of 32 keys take half of it).
+ * Tiles: palette 1, all eight 16 rows x 64 bytes, configured once and
+ * left so between calls (kva_release_amx at a job's end).  q is split into
+ * its three terms once per item (kva_kernels.prepare: A tiles of 16 rows x
+ * 32 dims).  Scores: a key tile's rows are widened to bf16 (1-byte codes
+ * by two 128-entry byte lookups, exact), transposed 16 keys at a time into
+ * VNNI pairs (B: row p the dims 2p, 2p + 1 of 16 keys), and each block of
+ * 16 rows takes its 16 x 64 scores in tiles 0-3 (float16: 0-1, the low
+ * terms in tile 3), the q terms in 4-6 and a key block in 7, stored
+ * straight into S.  P V: the values of each 32 keys paired (B: row p the
+ * keys 2p, 2p + 1 of 16 dims), the weights' terms of 16 rows and 32 keys
+ * in tiles 1-3 (and 4-6 for the next 32 keys), and each 16 x 16 block of
+ * the accumulator loaded into tile 0 from acc, given its products and
+ * stored back (through a copy when fewer than 16 rows are the call's).
+ * The caller's tmp (KVA_KEY_TILE * D floats) holds a tile's repacked K or
+ * V; S and acc have rows to a multiple of 16 (kva_workspace_layout).
  */
 #include "kv_attn_internal.h"
 
@@ -55,7 +62,7 @@
 
 #ifndef KVA_AMX_TARGET
 #define KVA_AMX_TARGET \
-    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif
 #define KVA_INLINE static inline __attribute__((always_inline)) KVA_AMX_TARGET
 
@@ -66,18 +73,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } kva_tilecfg;
-
-KVA_INLINE void tiles_config_amx(void)
-{
-    kva_tilecfg cfg __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* 16 elements of `kind` at p, as float32 (exact). */
 KVA_INLINE __m512 load16_amx(const char *p, int kind)
@@ -134,185 +129,435 @@ KVA_INLINE void split_amx(__m512 x, int nterms, __m512i *t)
     }
 }
 
-/* 16 bf16 of the terms' high halves (shifted down with the sign copied,
- * so the signed saturating narrowing keeps every bit pattern). */
-KVA_INLINE __m256i bf16_amx(__m512i t)
-{
-    return _mm512_cvtsepi32_epi16(_mm512_srai_epi32(t, 16));
-}
-
 /* dst[i] = pair (a[i], b[i]) of bf16 terms, as 16 dwords. */
 KVA_INLINE void store_pairs_amx(uint32_t *dst, __m512i a, __m512i b)
 {
     _mm512_storeu_si512((void *)dst, _mm512_or_si512(_mm512_srli_epi32(a, 16), b));
 }
 
-/* Rows [mb, mb + rows) of a float32 matrix (row stride ld, 32 columns from
- * col, cols of them real) as bf16 terms: A tiles of 16 rows x 32 elements. */
-KVA_INLINE void a_terms_amx(const float *x, int ld, int mb, int rows, int cols, uint16_t *a)
+#define KVA_R8(F, b) F(b), F(b + 1), F(b + 2), F(b + 3), F(b + 4), F(b + 5), F(b + 6), F(b + 7)
+/* 32 bf16 (16 dwords, dword p the pair 2p, 2p + 1) of the terms t0
+ * (elements 0-15) and t1 (16-31). */
+#define KVA_ODD(i) (2 * (i) + 1)
+static const uint16_t odd_words_amx[32] __attribute__((aligned(64))) = {
+    KVA_R8(KVA_ODD, 0), KVA_R8(KVA_ODD, 8), KVA_R8(KVA_ODD, 16), KVA_R8(KVA_ODD, 24)};
+
+KVA_INLINE __m512i bf16x32_amx(__m512i t0, __m512i t1)
 {
-    for (int m = 0; m < 16; m++) {
-        float row[32];
-        if (m < rows) {
-            memcpy(row, x + (size_t)(mb + m) * ld, (size_t)cols * sizeof(float));
-            for (int i = cols; i < 32; i++)
-                row[i] = 0.0f;
-        } else {
-            memset(row, 0, sizeof row);
-        }
-        __m512i t0[3], t1[3];
-        split_amx(_mm512_loadu_ps(row), 3, t0);
-        split_amx(_mm512_loadu_ps(row + 16), 3, t1);
-        for (int t = 0; t < 3; t++) {
-            _mm256_storeu_si256((__m256i *)(a + (size_t)t * 512 + m * 32), bf16_amx(t0[t]));
-            _mm256_storeu_si256((__m256i *)(a + (size_t)t * 512 + m * 32 + 16), bf16_amx(t1[t]));
+    return _mm512_permutex2var_epi16(t0, _mm512_load_si512((const void *)odd_words_amx), t1);
+}
+
+/* 16 rows of 16 dwords, transposed in place: the off-diagonal blocks of 8,
+ * 4, 2 and 1 swapped (64 two-source permutes). */
+KVA_INLINE void transpose16_amx(__m512i *r)
+{
+    const __m512i j = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int b = 8; b >= 1; b >>= 1) {
+        const __mmask16 up = _mm512_test_epi32_mask(j, _mm512_set1_epi32(b));
+        /* row i (bit b clear) takes its upper columns from row i + b's lower
+         * ones, and row i + b its lower from row i's upper */
+        const __m512i lo = _mm512_mask_add_epi32(j, up, j, _mm512_set1_epi32(16 - b));
+        const __m512i hi = _mm512_mask_add_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(b)), up, j,
+                                                 _mm512_set1_epi32(16));
+        for (int i = 0; i < 16; i++) {
+            if (i & b)
+                continue;
+            const __m512i x = r[i], y = r[i + b];
+            r[i] = _mm512_permutex2var_epi32(x, lo, y);
+            r[i + b] = _mm512_permutex2var_epi32(x, hi, y);
         }
     }
 }
 
-/* Tile C += the A terms in tiles 2-4 (hi, mid, lo) times the B tile at
- * bhi (loaded into tile 5; float16's: also its low term, at blo into tile
- * 6, when two_terms), in this order, which fixes the bits: hi x lo_b and
- * mid x lo_b first, then lo, mid and hi x hi_b.  A macro: the tile
- * instructions take their tile numbers as immediates. */
-#define KVA_AMX_PRODUCTS(C, bhi, blo, two_terms)                                               \
-    do {                                                                                      \
-        _tile_loadd(5, (bhi), 64);                                                            \
-        if (two_terms) {                                                                      \
-            _tile_loadd(6, (blo), 64);                                                        \
-            _tile_dpbf16ps(C, 3, 6);                                                          \
-            _tile_dpbf16ps(C, 2, 6);                                                          \
-        }                                                                                     \
-        _tile_dpbf16ps(C, 4, 5);                                                              \
-        _tile_dpbf16ps(C, 3, 5);                                                              \
-        _tile_dpbf16ps(C, 2, 5);                                                              \
+/* The bf16 bits of each 7-bit magnitude of a code, from the formats'
+ * definitions: e4m3fn 1.e.mmm, bias 7, subnormals m x 2^-9, S.1111.111
+ * NaN; e5m2 1.e.mm, bias 15, subnormals m x 2^-16, infinities and NaNs at
+ * exponent 31; int8 by its low 7 bits u, non-negative (u) and negative
+ * (u - 128).  NaNs are quiet. */
+#define KVA_E4M3_BF16(m)                                                                    \
+    ((m) == 127   ? 0x7FC0                                                                  \
+     : ((m) >> 3) ? (((((m) >> 3) + 120) << 7) | (((m)&7) << 4))                            \
+     : (m) == 0   ? 0                                                                       \
+     : (m) == 1   ? 0x3B00                                                                  \
+     : (m) < 4    ? (0x3B80 | (((m)-2) << 6))                                               \
+                  : (0x3C00 | (((m)-4) << 5)))
+#define KVA_E5M2_BF16(m)                                                                    \
+    (((m) >> 2) == 31 ? ((m)&3 ? 0x7FC0 : 0x7F80)                                           \
+     : ((m) >> 2)     ? (((((m) >> 2) + 112) << 7) | (((m)&3) << 5))                        \
+     : (m) == 0       ? 0                                                                   \
+     : (m) == 1       ? 0x3780                                                              \
+                      : (0x3800 | (((m)-2) << 6)))
+#define KVA_LOG2U(u)                                                                        \
+    ((u) >= 128  ? 7                                                                        \
+     : (u) >= 64 ? 6                                                                        \
+     : (u) >= 32 ? 5                                                                        \
+     : (u) >= 16 ? 4                                                                        \
+     : (u) >= 8  ? 3                                                                        \
+     : (u) >= 4  ? 2                                                                        \
+     : (u) >= 2  ? 1                                                                        \
+                 : 0)
+#define KVA_UINT_BF16(u)                                                                    \
+    ((u) == 0 ? 0 : (((127 + KVA_LOG2U(u)) << 7) | (((u) << (7 - KVA_LOG2U(u))) & 0x7F)))
+#define KVA_I8P_BF16(m) KVA_UINT_BF16(m)
+#define KVA_I8N_BF16(m) (0x8000 | KVA_UINT_BF16(128 - (m)))
+#define KVA_E4M3_LO(m) (KVA_E4M3_BF16(m) & 0xFF)
+#define KVA_E4M3_HI(m) (KVA_E4M3_BF16(m) >> 8)
+#define KVA_E5M2_LO(m) (KVA_E5M2_BF16(m) & 0xFF)
+#define KVA_E5M2_HI(m) (KVA_E5M2_BF16(m) >> 8)
+#define KVA_I8P_LO(m) (KVA_I8P_BF16(m) & 0xFF)
+#define KVA_I8P_HI(m) (KVA_I8P_BF16(m) >> 8)
+#define KVA_I8N_LO(m) (KVA_I8N_BF16(m) & 0xFF)
+#define KVA_I8N_HI(m) (KVA_I8N_BF16(m) >> 8)
+#define KVA_R64(F, b)                                                                       \
+    KVA_R8(F, b), KVA_R8(F, b + 8), KVA_R8(F, b + 16), KVA_R8(F, b + 24), KVA_R8(F, b + 32), \
+        KVA_R8(F, b + 40), KVA_R8(F, b + 48), KVA_R8(F, b + 56)
+#define KVA_R128(F) KVA_R64(F, 0), KVA_R64(F, 64)
+/* [table][low byte, high byte][magnitude]: e4m3fn, e5m2, int8 >= 0, int8 < 0 */
+static const uint8_t bf16_bytes_amx[4][2][128] __attribute__((aligned(64))) = {
+    {{KVA_R128(KVA_E4M3_LO)}, {KVA_R128(KVA_E4M3_HI)}},
+    {{KVA_R128(KVA_E5M2_LO)}, {KVA_R128(KVA_E5M2_HI)}},
+    {{KVA_R128(KVA_I8P_LO)}, {KVA_R128(KVA_I8P_HI)}},
+    {{KVA_R128(KVA_I8N_LO)}, {KVA_R128(KVA_I8N_HI)}},
+};
+/* vpermt2b indices interleaving bytes 0-31 (32-63) of a and b: a0 b0 a1 b1 ... */
+#define KVA_ILV(i) ((i)&1 ? 64 + ((i) >> 1) : (i) >> 1)
+#define KVA_ILV2(i) ((i)&1 ? 96 + ((i) >> 1) : 32 + ((i) >> 1))
+static const uint8_t ilv_amx[2][64] __attribute__((aligned(64))) = {{KVA_R64(KVA_ILV, 0)},
+                                                                    {KVA_R64(KVA_ILV2, 0)}};
+
+/* vpermt2w indices pairing words n of a and b: dims 0-15 (16-31) */
+#define KVA_PAIR(i) ((i)&1 ? 32 + ((i) >> 1) : (i) >> 1)
+#define KVA_PAIR2(i) ((i)&1 ? 48 + ((i) >> 1) : 16 + ((i) >> 1))
+static const uint16_t pair_amx[2][32] __attribute__((aligned(64))) = {
+    {KVA_R8(KVA_PAIR, 0), KVA_R8(KVA_PAIR, 8), KVA_R8(KVA_PAIR, 16), KVA_R8(KVA_PAIR, 24)},
+    {KVA_R8(KVA_PAIR2, 0), KVA_R8(KVA_PAIR2, 8), KVA_R8(KVA_PAIR2, 16), KVA_R8(KVA_PAIR2, 24)}};
+
+KVA_INLINE __m512i lookup_amx(const uint8_t *t, __m512i x)
+{
+    return _mm512_permutex2var_epi8(_mm512_load_si512((const void *)t), x,
+                                    _mm512_load_si512((const void *)(t + 64)));
+}
+
+/* The bf16 of 64 codes x of a 1-byte kind, exact, as the 64 low and the
+ * 64 high bytes: two 128-entry byte lookups each. */
+KVA_INLINE void bf16_planes_amx(int kind, __m512i x, __m512i *lo, __m512i *hi)
+{
+    const int k = kind == KVA_F8E4M3 ? 0 : kind == KVA_F8E5M2 ? 1 : 2;
+    *lo = lookup_amx(bf16_bytes_amx[k][0], x);
+    *hi = lookup_amx(bf16_bytes_amx[k][1], x);
+    if (kind == KVA_I8) {
+        const __mmask64 neg = _mm512_movepi8_mask(x);
+        *lo = _mm512_mask_blend_epi8(neg, *lo, lookup_amx(bf16_bytes_amx[3][0], x));
+        *hi = _mm512_mask_blend_epi8(neg, *hi, lookup_amx(bf16_bytes_amx[3][1], x));
+    } else { /* the sign bit on top */
+        *hi = _mm512_ternarylogic_epi32(*hi, x, _mm512_set1_epi8((char)0x80), 0xF8);
+    }
+}
+
+/* Bytes 0-31 (h 0) or 32-63 (h 1) of a and b interleaved: a0 b0 a1 b1 ... */
+KVA_INLINE __m512i interleave_amx(__m512i a, __m512i b, int h)
+{
+    return _mm512_permutex2var_epi8(a, _mm512_load_si512((const void *)ilv_amx[h]), b);
+}
+
+/* 32 codes of a 1-byte kind at p as 32 exact bf16 (16 dwords). */
+KVA_INLINE __m512i bytes_bf16_amx(int kind, const char *p)
+{
+    __m512i lo, hi;
+    bf16_planes_amx(kind, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)), &lo, &hi);
+    return interleave_amx(lo, hi, 0);
+}
+
+/* 32 elements of a row at p as bf16 terms: t[0] (and t[1], float16's low
+ * terms), each element exactly their sum. */
+KVA_INLINE void row_terms_amx(int kind, const char *p, __m512i *t)
+{
+    if (kind == KVA_BF16) {
+        t[0] = _mm512_loadu_si512((const void *)p);
+    } else if (kind == KVA_F16) {
+        __m512i a[2], b[2];
+        split_amx(load16_amx(p, kind), 2, a);
+        split_amx(load16_amx(p + 32, kind), 2, b);
+        t[0] = bf16x32_amx(a[0], b[0]);
+        t[1] = bf16x32_amx(a[1], b[1]);
+    } else {
+        t[0] = bytes_bf16_amx(kind, p);
+    }
+}
+
+/* The tiles' configuration: palette 1, all eight 16 rows x 64 bytes.
+ * Loaded only when the tiles are not so configured already (LDTILECFG
+ * costs about 50 ns on the Xeon of docs/performance.md, STTILECFG 6): the
+ * kernels leave it in place between calls, and kva_release_amx ends a
+ * job's use of the tiles on each thread. */
+KVA_INLINE void tiles_config_amx(void)
+{
+    kva_tilecfg cfg __attribute__((aligned(64))), now __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_storeconfig(&now);
+    if (memcmp(&now, &cfg, sizeof cfg) != 0)
+        _tile_loadconfig(&cfg);
+}
+
+KVA_AMX_TARGET void kva_release_amx(void)
+{
+    _tile_release();
+}
+
+/* Once per item: the rows of Qs (M x D, float32) as three bf16 terms (hi,
+ * mid, lo), A tiles of 16 rows x 32 dims at qt[((mb / 16 * (D / 32) + c) *
+ * 3 + t) * 512], rows past M zero. */
+KVA_INLINE void q_terms_amx(const float *Qs, int M, int D, uint16_t *qt)
+{
+    const int nc = D / 32;
+    for (int mb = 0; mb < M; mb += 16)
+        for (int c = 0; c < nc; c++)
+            for (int r = 0; r < 16; r++) {
+                __m512i a[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
+                                _mm512_setzero_si512()};
+                __m512i b[3] = {a[0], a[0], a[0]};
+                if (mb + r < M) {
+                    split_amx(_mm512_loadu_ps(Qs + (size_t)(mb + r) * D + 32 * c), 3, a);
+                    split_amx(_mm512_loadu_ps(Qs + (size_t)(mb + r) * D + 32 * c + 16), 3, b);
+                }
+                for (int t = 0; t < 3; t++)
+                    _mm512_storeu_si512((void *)(qt + (((size_t)mb / 16 * nc + c) * 3 + t) * 512 +
+                                                 r * 32),
+                                        bf16x32_amx(a[t], b[t]));
+            }
+}
+
+/* C tile Cn (keys 16 b ..) += the q terms in A tiles 4-6 (hi, mid, lo)
+ * times the key block's B tile(s): float16's low terms (tile 3, kl) first
+ * (mid and hi), then lo, mid and hi times the high terms (tile 7, kh); in
+ * this order, which fixes the bits.  A macro: tile numbers are immediates. */
+#define KVA_AMX_QK(Cn, kh, kl)                                                                  \
+    do {                                                                                        \
+        if ((kl) != NULL) {                                                                     \
+            _tile_loadd(3, (kl), 64);                                                           \
+            _tile_dpbf16ps(Cn, 5, 3);                                                           \
+            _tile_dpbf16ps(Cn, 4, 3);                                                           \
+        }                                                                                       \
+        _tile_loadd(7, (kh), 64);                                                               \
+        _tile_dpbf16ps(Cn, 6, 7);                                                               \
+        _tile_dpbf16ps(Cn, 5, 7);                                                               \
+        _tile_dpbf16ps(Cn, 4, 7);                                                               \
     } while (0)
 
-/* A tiles 2-4: the hi, mid and lo bf16 terms of rows mb.. of x
- * (a_terms_amx, into a). */
-KVA_INLINE void a_tiles_amx(const float *x, int ld, int mb, int rows, int cols, uint16_t *a)
+/* S[r * KVA_KEY_TILE + i] = q[r] . K[i] for r < M (rows to M rounded up to
+ * 16 are written too: the workspace has them), i < ntp <= KVA_KEY_TILE,
+ * from the item's q terms qt (q_terms_amx). */
+KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const char *const *krow,
+                           int ntp, float *S, float *tmp)
 {
-    a_terms_amx(x, ld, mb, rows, cols, a);
-    _tile_loadd(2, a, 64);
-    _tile_loadd(3, a + 512, 64);
-    _tile_loadd(4, a + 1024, 64);
-}
-
-/* S[r * KVA_KEY_TILE + i] = Qs[r] . K[i], for ntp <= 32 keys. */
-KVA_INLINE void scores32_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
-                             int ntp, float *S, float *tmp)
-{
-    const int nk = kind == KVA_F16 ? 2 : 1, nc = D / 32, nnb = ntp > 16 ? 2 : 1;
+    const int nk = kind == KVA_F16 ? 2 : 1, nc = D / 32, nkb = (ntp + 15) / 16;
     const size_t isz = (size_t)kva_isz(kind);
-    /* B tiles [term][chunk][key block]: row p, column n = the pair of dims
-     * (32c + 2p, 32c + 2p + 1) of key 16 nb + n; keys past ntp are zero */
+    /* B tiles [term][chunk c][key block b]: row p the pair of dims (32 c +
+     * 2p, 32 c + 2p + 1) of each key (column) of the block: each block's
+     * rows widened to bf16 pairs and transposed; keys past ntp zero */
     uint32_t *kb = (uint32_t *)tmp;
-    memset(kb, 0, (size_t)nk * nc * nnb * 1024);
-    for (int n = 0; n < ntp; n++) {
-        uint32_t *col = kb + (size_t)(n >> 4) * 256 + (n & 15);
+#define KVA_KB(t, c, b) (kb + (((size_t)(t) * nc + (c)) * 4 + (b)) * 256)
+    for (int b = 0; b < nkb; b++)
         for (int c = 0; c < nc; c++) {
-            __m512i t0[2], t1[2];
-            split_amx(load16_amx(krow[n] + (size_t)(32 * c) * isz, kind), nk, t0);
-            split_amx(load16_amx(krow[n] + (size_t)(32 * c + 16) * isz, kind), nk, t1);
+            __m512i r[2][16];
+            for (int n = 0; n < 16; n++) {
+                __m512i t[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                if (16 * b + n < ntp)
+                    row_terms_amx(kind, krow[16 * b + n] + (size_t)(32 * c) * isz, t);
+                r[0][n] = t[0];
+                r[1][n] = t[1];
+            }
             for (int t = 0; t < nk; t++) {
-                uint32_t pairs[16];
-                _mm512_storeu_si512((void *)pairs,
-                                    _mm512_inserti64x4(_mm512_castsi256_si512(bf16_amx(t0[t])),
-                                                       bf16_amx(t1[t]), 1));
-                uint32_t *dst = col + ((size_t)t * nc + c) * nnb * 256;
+                transpose16_amx(r[t]);
                 for (int p = 0; p < 16; p++)
-                    dst[p * 16] = pairs[p];
+                    _mm512_storeu_si512((void *)(KVA_KB(t, c, b) + 16 * p), r[t][p]);
             }
         }
-    }
     tiles_config_amx();
-    uint16_t a[3 * 512];
-    float cbuf[16 * 32];
+    const size_t ld = KVA_KEY_TILE * sizeof(float);
     for (int mb = 0; mb < M; mb += 16) {
-        const int rows = M - mb < 16 ? M - mb : 16;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int c = 0; c < nc; c++) {
-            a_tiles_amx(Qs + 32 * c, D, mb, rows, 32, a); /* q */
-            const uint32_t *b = kb + (size_t)c * nnb * 256;
-            const size_t term = (size_t)nc * nnb * 256;
-            KVA_AMX_PRODUCTS(0, b, b + term, nk == 2); /* keys 0-15 */
-            if (nnb == 2)
-                KVA_AMX_PRODUCTS(1, b + 256, b + term + 256, nk == 2); /* keys 16-31 */
+        const uint16_t *q = qt + (size_t)mb / 16 * nc * 3 * 512;
+        float *s = S + (size_t)mb * KVA_KEY_TILE;
+        /* float16: two key blocks a pass (tile 3 holds the low terms) */
+        for (int b0 = 0; b0 < nkb; b0 += nk == 2 ? 2 : 4) {
+            const int nb = nkb - b0 < (nk == 2 ? 2 : 4) ? nkb - b0 : (nk == 2 ? 2 : 4);
+            _tile_zero(0);
+            if (nb > 1)
+                _tile_zero(1);
+            if (nb > 2)
+                _tile_zero(2);
+            for (int c = 0; c < nc; c++) {
+                _tile_loadd(4, q + ((size_t)c * 3 + 0) * 512, 64);
+                _tile_loadd(5, q + ((size_t)c * 3 + 1) * 512, 64);
+                _tile_loadd(6, q + ((size_t)c * 3 + 2) * 512, 64);
+                KVA_AMX_QK(0, KVA_KB(0, c, b0), nk == 2 ? KVA_KB(1, c, b0) : NULL);
+                if (nb > 1)
+                    KVA_AMX_QK(1, KVA_KB(0, c, b0 + 1), nk == 2 ? KVA_KB(1, c, b0 + 1) : NULL);
+                if (nb > 2)
+                    KVA_AMX_QK(2, KVA_KB(0, c, b0 + 2), NULL);
+                if (nb > 3) { /* (tile 3 is free when no low terms are) */
+                    if (c == 0)
+                        _tile_zero(3);
+                    _tile_loadd(7, KVA_KB(0, c, b0 + 3), 64);
+                    _tile_dpbf16ps(3, 6, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+            }
+            _tile_stored(0, s + 16 * b0, ld);
+            if (nb > 1)
+                _tile_stored(1, s + 16 * (b0 + 1), ld);
+            if (nb > 2)
+                _tile_stored(2, s + 16 * (b0 + 2), ld);
+            if (nb > 3)
+                _tile_stored(3, s + 16 * (b0 + 3), ld);
         }
-        _tile_stored(0, cbuf, 128);
-        if (nnb == 2)
-            _tile_stored(1, cbuf + 16, 128);
-        for (int m = 0; m < rows; m++)
-            memcpy(S + (size_t)(mb + m) * KVA_KEY_TILE, cbuf + m * 32, (size_t)ntp * sizeof(float));
     }
-    _tile_release();
+#undef KVA_KB
 }
 
 /* acc[r] = acc[r] * alpha[r] (alpha NULL: 1) + sum_{i < nt}
- * P[r * KVA_KEY_TILE + i] V[i], for nt <= 32 keys. */
-KVA_INLINE void pv32_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
-                         float *acc, const float *alpha, float *tmp)
-{
-    const int nk = kind == KVA_F16 ? 2 : 1, nd = D / 16;
-    const size_t isz = (size_t)kva_isz(kind);
-    /* B tiles [term][dim block]: row p, column n = the pair of keys (2p,
-     * 2p + 1) of dim 16 j + n; keys past nt are zero */
-    uint32_t *vb = (uint32_t *)tmp;
-    memset(vb, 0, (size_t)nk * nd * 1024);
-    for (int p = 0; 2 * p < nt; p++) {
-        const int odd = 2 * p + 1 < nt;
-        for (int j = 0; j < nd; j++) {
-            __m512i ta[2], tb[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-            split_amx(load16_amx(vrow[2 * p] + (size_t)(16 * j) * isz, kind), nk, ta);
-            if (odd)
-                split_amx(load16_amx(vrow[2 * p + 1] + (size_t)(16 * j) * isz, kind), nk, tb);
-            for (int t = 0; t < nk; t++)
-                store_pairs_amx(vb + (((size_t)t * nd + j) * 16 + p) * 16, ta[t], tb[t]);
-        }
-    }
-    tiles_config_amx();
-    uint16_t a[3 * 512];
-    float cbuf[16 * 16];
-    for (int mb = 0; mb < M; mb += 16) {
-        const int rows = M - mb < 16 ? M - mb : 16;
-        a_tiles_amx(P, KVA_KEY_TILE, mb, rows, nt, a); /* p */
-        for (int j = 0; j < nd; j++) {
-            for (int m = 0; m < 16; m++) {
-                __m512 c = _mm512_setzero_ps();
-                if (m < rows) {
-                    c = _mm512_loadu_ps(acc + (size_t)(mb + m) * D + 16 * j);
-                    if (alpha != NULL)
-                        c = _mm512_mul_ps(c, _mm512_set1_ps(alpha[mb + m]));
-                }
-                _mm512_storeu_ps(cbuf + m * 16, c);
-            }
-            _tile_loadd(0, cbuf, 64);
-            KVA_AMX_PRODUCTS(0, vb + (size_t)j * 256, vb + ((size_t)nd + j) * 256, nk == 2);
-            _tile_stored(0, cbuf, 64);
-            for (int m = 0; m < rows; m++)
-                _mm512_storeu_ps(acc + (size_t)(mb + m) * D + 16 * j,
-                                 _mm512_loadu_ps(cbuf + m * 16));
-        }
-    }
-    _tile_release();
-}
-
-/* A key tile of ntp (nt) keys, 32 at a time: the scores of each run, and
- * acc scaled once by alpha, then each run's P V added in key order. */
-KVA_INLINE void scores_amx(int kind, const float *Qs, int M, int D, const char *const *krow,
-                           int ntp, float *S, float *tmp)
-{
-    for (int c = 0; c < ntp; c += 32)
-        scores32_amx(kind, Qs, M, D, krow + c, ntp - c < 32 ? ntp - c : 32, S + c, tmp);
-}
-
+ * P[r * KVA_KEY_TILE + i] V[i], for nt <= KVA_KEY_TILE keys (acc's rows to M
+ * rounded up to 16 are read and written: the workspace has them).  Each
+ * accumulator block (16 rows x 16 dims) is a C tile loaded from acc, given
+ * the products of the first 32 keys then the next 32 (in each, float16's
+ * low value terms times mid and hi first, then lo, mid and hi times the
+ * high terms), and stored back. */
 KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
                        float *acc, const float *alpha, float *tmp)
 {
-    for (int c = 0; c < nt; c += 32)
-        pv32_amx(kind, P + c, M, D, vrow + c, nt - c < 32 ? nt - c : 32, acc,
-                 c == 0 ? alpha : NULL, tmp);
+    const int nk = kind == KVA_F16 ? 2 : 1, nd = D / 16, runs = (nt + 31) / 32;
+    const size_t isz = (size_t)kva_isz(kind);
+    if (alpha != NULL)
+        for (int r = 0; r < M; r++)
+            if (alpha[r] != 1.0f)
+                for (int d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(acc + (size_t)r * D + d,
+                                     _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * D + d),
+                                                   _mm512_set1_ps(alpha[r])));
+    /* B tiles [run][term][dim block j]: row p, column n = the pair of keys
+     * (32 run + 2p, + 1) of dim 16 j + n; keys past nt zero */
+    uint32_t *vb = (uint32_t *)tmp;
+#define KVA_VB(u, t, j) (vb + (((size_t)(u) * nk + (t)) * nd + (j)) * 256)
+    for (int u = 0; u < runs; u++)
+        for (int p = 0; p < 16; p++) {
+            const int i = 32 * u + 2 * p;
+            if (kind != KVA_F16) { /* exact in one term: 32 dims of the pair at a time */
+                const __m512i zero = _mm512_setzero_si512();
+                for (int g = 0; g < D / 32; g++) {
+                    uint32_t *dst = KVA_VB(u, 0, 2 * g) + 16 * p;
+                    if (kind == KVA_BF16) {
+                        const __m512i a = i < nt ? _mm512_loadu_si512((const void *)(vrow[i] + 64 * g)) : zero;
+                        const __m512i b = i + 1 < nt ? _mm512_loadu_si512((const void *)(vrow[i + 1] + 64 * g)) : zero;
+                        _mm512_storeu_si512((void *)dst, _mm512_permutex2var_epi16(a, _mm512_load_si512((const void *)pair_amx[0]), b));
+                        _mm512_storeu_si512((void *)(dst + 256), _mm512_permutex2var_epi16(a, _mm512_load_si512((const void *)pair_amx[1]), b));
+                        continue;
+                    }
+                    const __m512i a = i < nt ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vrow[i] + 32 * g))) : zero;
+                    const __m512i b = i + 1 < nt ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vrow[i + 1] + 32 * g))) : zero;
+                    __m512i lo, hi;
+                    bf16_planes_amx(kind, interleave_amx(a, b, 0), &lo, &hi);
+                    _mm512_storeu_si512((void *)dst, interleave_amx(lo, hi, 0));
+                    _mm512_storeu_si512((void *)(dst + 256), interleave_amx(lo, hi, 1));
+                }
+                continue;
+            }
+            for (int j = 0; j < nd; j++) {
+                __m512i ta[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                __m512i tb[2] = {ta[0], ta[0]};
+                if (i < nt)
+                    split_amx(load16_amx(vrow[i] + (size_t)(16 * j) * isz, kind), nk, ta);
+                if (i + 1 < nt)
+                    split_amx(load16_amx(vrow[i + 1] + (size_t)(16 * j) * isz, kind), nk, tb);
+                for (int t = 0; t < nk; t++)
+                    store_pairs_amx(KVA_VB(u, t, j) + 16 * p, ta[t], tb[t]);
+            }
+        }
+    tiles_config_amx();
+    uint16_t pa[2][3][512] __attribute__((aligned(64)));
+    float part[16 * KVA_AMX_MAX_D] __attribute__((aligned(64)));
+    for (int mb = 0; mb < M; mb += 16) {
+        /* A tiles: the weights' terms of rows mb.. (past M: zero), per run */
+        for (int u = 0; u < runs; u++) {
+            const int n = nt - 32 * u < 32 ? nt - 32 * u : 32;
+            const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+            const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+            for (int r = 0; r < 16; r++) {
+                __m512i a[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
+                                _mm512_setzero_si512()};
+                __m512i b[3] = {a[0], a[0], a[0]};
+                if (mb + r < M) {
+                    const float *x = P + (size_t)(mb + r) * KVA_KEY_TILE + 32 * u;
+                    split_amx(_mm512_maskz_loadu_ps(m0, x), 3, a);
+                    split_amx(_mm512_maskz_loadu_ps(m1, x + 16), 3, b);
+                }
+                for (int t = 0; t < 3; t++)
+                    _mm512_store_si512((void *)(pa[u][t] + r * 32), bf16x32_amx(a[t], b[t]));
+            }
+        }
+        /* C from acc's rows, or (fewer than 16 rows left: the caller's
+         * next rows are not this call's) from a copy of them */
+        const int rows = M - mb < 16 ? M - mb : 16;
+        float *c = acc + (size_t)mb * D;
+        size_t ld = (size_t)D * sizeof(float);
+        if (rows < 16) {
+            for (int r = 0; r < 16; r++)
+                for (int d = 0; d < D; d += 16)
+                    _mm512_store_ps(part + (size_t)r * D + d,
+                                    r < rows ? _mm512_loadu_ps(c + (size_t)r * D + d)
+                                             : _mm512_setzero_ps());
+            c = part;
+        }
+        if (nk == 1) {
+            _tile_loadd(1, pa[0][0], 64);
+            _tile_loadd(2, pa[0][1], 64);
+            _tile_loadd(3, pa[0][2], 64);
+            if (runs == 2) {
+                _tile_loadd(4, pa[1][0], 64);
+                _tile_loadd(5, pa[1][1], 64);
+                _tile_loadd(6, pa[1][2], 64);
+            }
+            for (int j = 0; j < nd; j++) {
+                _tile_loadd(0, c + 16 * j, ld);
+                _tile_loadd(7, KVA_VB(0, 0, j), 64);
+                _tile_dpbf16ps(0, 3, 7);
+                _tile_dpbf16ps(0, 2, 7);
+                _tile_dpbf16ps(0, 1, 7);
+                if (runs == 2) {
+                    _tile_loadd(7, KVA_VB(1, 0, j), 64);
+                    _tile_dpbf16ps(0, 6, 7);
+                    _tile_dpbf16ps(0, 5, 7);
+                    _tile_dpbf16ps(0, 4, 7);
+                }
+                _tile_stored(0, c + 16 * j, ld);
+            }
+        } else { /* float16: a run at a time (tile 4 holds the low terms) */
+            for (int u = 0; u < runs; u++) {
+                _tile_loadd(1, pa[u][0], 64);
+                _tile_loadd(2, pa[u][1], 64);
+                _tile_loadd(3, pa[u][2], 64);
+                for (int j = 0; j < nd; j++) {
+                    _tile_loadd(0, c + 16 * j, ld);
+                    _tile_loadd(4, KVA_VB(u, 1, j), 64);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(0, 1, 4);
+                    _tile_loadd(7, KVA_VB(u, 0, j), 64);
+                    _tile_dpbf16ps(0, 3, 7);
+                    _tile_dpbf16ps(0, 2, 7);
+                    _tile_dpbf16ps(0, 1, 7);
+                    _tile_stored(0, c + 16 * j, ld);
+                }
+            }
+        }
+        if (rows < 16)
+            memcpy(acc + (size_t)mb * D, part, (size_t)rows * D * sizeof(float));
+    }
+#undef KVA_VB
 }
 
 #define KVA_AMX_KIND(name, KIND)                                                              \
@@ -321,7 +566,7 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                                                    float *tmp, const char *const *next)         \
     {                                                                                           \
         (void)next;                                                                             \
-        scores_amx(KIND, Qs, M, D, krow, ntp, S, tmp);                                          \
+        scores_amx(KIND, (const uint16_t *)(const void *)Qs, M, D, krow, ntp, S, tmp);          \
     }                                                                                           \
     KVA_AMX_TARGET static void pv_##name##_amx(const float *P, int M, int D,                    \
                                                const char *const *vrow, int nt, float *acc,     \
@@ -338,15 +583,20 @@ KVA_AMX_KIND(e4m3, KVA_F8E4M3)
 KVA_AMX_KIND(e5m2, KVA_F8E5M2)
 KVA_AMX_KIND(i8, KVA_I8)
 
+KVA_AMX_TARGET static void prepare_amx(const float *Qs, int M, int D, uint16_t *qt)
+{
+    q_terms_amx(Qs, M, D, qt);
+}
+
 /* The level's math (row max, exp2, soft cap) is the avx512 level's:
  * kv_attention.c's math_for. */
 
 const kva_kernels kva_kernels_amx[KVA_NUM_KINDS] = {
-    {NULL, NULL, NULL, 1.0f, 0, 0}, /* float32: the avx512 kernels */
-    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 0, 0},
-    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 0, 0},
-    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 0, 0},
-    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 0, 0},
-    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 0, 0},
+    {NULL, NULL, NULL, 1.0f, 0, 0, NULL}, /* float32: the avx512 kernels */
+    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 0, 0, prepare_amx},
+    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 0, 0, prepare_amx},
+    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 0, 0, prepare_amx},
+    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 0, 0, prepare_amx},
+    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 0, 0, prepare_amx},
 };
 #endif /* KVA_HAVE_AMX */

@@ -106,6 +106,9 @@ _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
 /* Items of at least this many rows (a matrix tile's) run the level's tile
  * kernels where it has them (kva_job.kern_tiles). */
 #define KVA_TILE_ROWS 16
+/* The amx level's tiles take head_dims that are multiples of 32 up to
+ * this (their scratch: 16 rows of it on the stack); others run avx512. */
+#define KVA_AMX_MAX_D 256
 
 #define KVA_LOG2E 1.4426950408889634f
 
@@ -158,12 +161,16 @@ typedef struct {
      * tile once from the stored rows itself (converting as it loads): an
      * item of that many rows then widens only its values. */
     int transposes;
+    /* NULL, or (tile kernels) the item's scaled q (M x D) made once per
+     * item into the form the kernels' scores take instead of it (at qt:
+     * kva_ws.qt, 3 x M rounded up to 16 x D bf16). */
+    void (*prepare)(const float *Qs, int M, int D, uint16_t *qt);
 } kva_kernels;
 
 /* A table entry of a level whose functions are named <verb>_<kind>_<level>. */
 #define KVA_KERNELS(kind, level, unit, prefetch, transposes) \
     {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch, \
-     transposes}
+     transposes, NULL}
 
 typedef struct {
     float (*row_max)(const float *s, int ntp);
@@ -222,6 +229,9 @@ extern const kva_math kva_math_avx512;
  * all NULL (float32 pages keep the AVX-512 kernels: bf16 terms of a float32
  * element need three tiles per operand, and the AVX-512 path is exact). */
 extern const kva_kernels kva_kernels_amx[KVA_NUM_KINDS];
+/* TILERELEASE: the end of a job's use of the tiles on a thread (the tile
+ * kernels leave them configured between calls). */
+void kva_release_amx(void);
 #endif
 #if KVA_HAVE_NEON
 /* f32, f16, bf16 only: the other kinds run the scalar kernels */
@@ -299,6 +309,7 @@ void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, fl
 /* Per-thread workspace layout (floats unless noted). */
 typedef struct {
     float *Qs, *S, *acc, *m, *l, *alpha, *tmp;
+    uint16_t *qt; /* q made once per item for tile kernels (kva_kernels.prepare) */
     int64_t *lo, *hi;
     int *first, *last;           /* visible keys of each row in this tile */
     const char **krow, **vrow;   /* this tile's rows */

@@ -96,6 +96,8 @@ int64_t kva_num_items(const kva_args *a) { return kva_make_items(a, NULL, NULL, 
 size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
 {
     size_t off = 0;
+    /* S and acc to whole tiles of 16 rows (the AMX tiles store them whole) */
+    const size_t rows16 = ((size_t)max_rows + 15) & ~(size_t)15;
 #define KVA_TAKE(field, type, count)                                  \
     do {                                                              \
         if (ws)                                                       \
@@ -103,12 +105,13 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
         off += kva_align64((size_t)(count) * sizeof(type));               \
     } while (0)
     KVA_TAKE(Qs, float, (size_t)max_rows * D);
-    KVA_TAKE(S, float, (size_t)max_rows * KVA_KEY_TILE);
-    KVA_TAKE(acc, float, (size_t)max_rows * D);
+    KVA_TAKE(S, float, rows16 * KVA_KEY_TILE);
+    KVA_TAKE(acc, float, rows16 * D);
     KVA_TAKE(m, float, max_rows);
     KVA_TAKE(l, float, max_rows);
     KVA_TAKE(alpha, float, max_rows);
     KVA_TAKE(tmp, float, (size_t)KVA_KEY_TILE * D);
+    KVA_TAKE(qt, uint16_t, 3 * rows16 * D);
     KVA_TAKE(lo, int64_t, max_rows);
     KVA_TAKE(hi, int64_t, max_rows);
     KVA_TAKE(first, int, max_rows);

@@ -262,6 +262,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
         ws->l[r] = 0.0f;
     }
     memset(ws->acc, 0, (size_t)M * D * sizeof(float));
+    /* the q the scores take: the tile kernels' own form of it, made once */
+    const float *q = ws->Qs;
+    if (kern->prepare != NULL) {
+        kern->prepare(ws->Qs, M, D, ws->qt);
+        q = (const float *)(const void *)ws->qt;
+    }
 
     const size_t row_bytes = (size_t)D * kva_isz(a->kind);
     /* low precision: row i of a tile reads as its elements times ks[i]
@@ -370,7 +376,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
             kern->widen(krow, ntp, D, ws->kf, next_k); /* padding rows included */
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp, NULL);
         } else {
-            kern->scores(ws->Qs, M, D, krow, ntp, ws->S, ws->tmp, next_k);
+            kern->scores(q, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         }
         /* (fused: the rows' visible keys, the same for every row) */
         int64_t f0, f1;
@@ -524,4 +530,8 @@ void kva_job_thread(void *ctx, int thread_index)
         kva_run_item(job, &job->items[i], j < n ? &job->items[j] : NULL, &ws);
         i = j < n ? j : __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
     }
+#if KVA_HAVE_AMX
+    if (job->kern_tiles == kva_kernels_amx + job->a->kind) /* (left configured) */
+        kva_release_amx();
+#endif
 }
