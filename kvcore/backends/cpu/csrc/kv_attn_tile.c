@@ -213,6 +213,27 @@ void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, fl
     }
 }
 
+/* Whether n stored rows of D elements of `kind` hold no inf or NaN (int8
+ * never does; float32 pages do not reach here). */
+static int rows_finite(int kind, const char *const *rows, int n, int D)
+{
+    int bad = 0;
+    for (int i = 0; i < n && !bad; i++) {
+        if (kind == KVA_F16 || kind == KVA_BF16) {
+            const uint16_t *h = (const uint16_t *)(const void *)rows[i];
+            const uint16_t e = kind == KVA_F16 ? 0x7C00 : 0x7F80;
+            for (int d = 0; d < D; d++)
+                bad |= (h[d] & e) == e;
+        } else if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
+            const uint8_t *b = (const uint8_t *)rows[i];
+            const uint8_t e = kind == KVA_F8E4M3 ? 0x7F : 0x7C;
+            for (int d = 0; d < D; d++)
+                bad |= (b[d] & e) == e;
+        }
+    }
+    return !bad;
+}
+
 void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                   const kva_ws *ws)
 {
@@ -464,7 +485,29 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
             pk = kern_f32;
             prow = ws->vfrow;
         }
-        for (int r = 0, r1; r < M; r = r1) {
+        /* tile kernels (a prefill's rows): every row in one call over the
+         * union of their visible keys, where that gives the same sums (the
+         * weights of a row's hidden keys are 0 once its maximum is finite,
+         * and 0 times a finite value adds nothing): a causal diagonal tile
+         * would take a call per query token, each repacking the values */
+        int union_run = 0;
+        if (tiles) {
+            int f0 = ntp, l1 = 0, runs = 0, finite = 1;
+            for (int r = 0; r < M; r++) {
+                if (ws->last[r] <= ws->first[r])
+                    continue;
+                f0 = ws->first[r] < f0 ? ws->first[r] : f0;
+                l1 = ws->last[r] > l1 ? ws->last[r] : l1;
+                finite &= isfinite(ws->m[r]) != 0;
+                runs += r == 0 || ws->first[r] != ws->first[r - 1] ||
+                        ws->last[r] != ws->last[r - 1];
+            }
+            if (runs > 1 && finite && rows_finite(a->kind, vrow + f0, l1 - f0, D)) {
+                pk->pv(ws->S + f0, M, D, prow + f0, l1 - f0, ws->acc, ws->alpha, ws->tmp, NULL);
+                union_run = 1;
+            }
+        }
+        for (int r = 0, r1; r < M && !union_run; r = r1) {
             const int first = ws->first[r], last = ws->last[r];
             for (r1 = r + 1; r1 < M && ws->first[r1] == first && ws->last[r1] == last; r1++)
                 ;
