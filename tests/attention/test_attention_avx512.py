@@ -117,7 +117,7 @@ def test_kvcore_simd_avx512_is_a_cap():
     from kvcore.backends.cpu import _attention, _convert
     levels, digest = _run_case("avx512")
     _, uncapped = _run_case()
-    # (the best level but amx: amx is no default, and avx512 caps it)
+    # (the best level but amx: avx512 caps it)
     assert levels["attention"] == [lvl for lvl in _attention.available_simd_levels()
                                    if lvl != "amx"][-1]
     assert levels["conversions"] == _convert.best_simd_level()

@@ -1,9 +1,8 @@
 /*
  * The attention's default level on a CPU whose amx level is supported
  * (built with -DKVS_TEST_ASSUME_AMX, tests/test_attention_amx_emulated.py):
- * amx is opt-in, so the default is the best level below it unless
- * KVCORE_SIMD names amx.  Prints "default <level>, best below amx <level>,
- * amx <0|1>".
+ * the default is amx unless KVCORE_SIMD caps it below.  Prints "default
+ * <level>, best below amx <level>, amx <0|1>".
  */
 #include "kv_attention.h"
 

@@ -15,11 +15,13 @@ int fake_scenario, fake_requests;
 static int fake_get_cpuid_count(unsigned leaf, unsigned sub, unsigned *a, unsigned *b,
                                 unsigned *c, unsigned *d)
 {
+    *a = *b = *c = *d = 0;
     __get_cpuid_count(leaf, sub, a, b, c, d);
     if (leaf == 1)
         *c |= 1u << 27; /* OSXSAVE */
     if (leaf == 7 && sub == 0) {
         *b |= (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
+        *c |= 1u << 1; /* AVX-512 VBMI */
         *d |= 1u << 24;
         if (fake_scenario != 4)
             *d |= 1u << 22;

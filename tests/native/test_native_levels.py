@@ -158,7 +158,7 @@ def test_kvcore_simd_scalar_rules_simd_out_of_every_family():
     import kvcore
     levels, digest = _run_case(" Scalar ")
     assert levels == {"conversions": "scalar", "fp8_int8": "scalar", "attention": "scalar"}
-    best = _attention.default_simd_level()   # (amx is opt-in: never the default)
+    best = _attention.default_simd_level()
     previous = kvcore.set_simd_level("scalar")
     try:
         _, scalar_digest = _run_case("scalar")

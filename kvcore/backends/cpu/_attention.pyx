@@ -148,7 +148,7 @@ def simd_level():
 
 def default_simd_level():
     """Name of the level used unless one is set: the best this CPU supports
-    under KVCORE_SIMD, ``amx`` only when KVCORE_SIMD names it."""
+    under KVCORE_SIMD."""
     return kva_level_name(kva_default_level()).decode()
 
 

@@ -175,7 +175,7 @@ int kva_plan_num_threads(const kva_plan *plan);
  * KVCORE_SIMD cap, kv_simd.h; amx only when KVCORE_SIMD names it) unless
  * set.  The names are the registry's. */
 int kva_best_level(void);    /* the best this CPU supports (no cap) */
-int kva_default_level(void); /* the best under the KVCORE_SIMD cap (amx opt-in) */
+int kva_default_level(void); /* the best under the KVCORE_SIMD cap */
 /* the best this CPU runs at or under registry level `registry` (kv_simd.h):
  * the one rule by which the attention follows a level named for all */
 int kva_level_at_most(int registry);

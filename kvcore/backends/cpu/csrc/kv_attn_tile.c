@@ -253,8 +253,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
     /* a prefill-like item: a matrix tile's rows or more */
     const int prefill = M >= KVA_TILE_ROWS;
     /* its level's tile kernels, where it has them, read the stored rows
-     * themselves (no widening) */
-    const int tiles = prefill && job->kern_tiles != NULL;
+     * themselves (no widening); but a float16 item of one query token and
+     * fewer than 32 rows (a decode of 16-31 heads a KV head) keeps the
+     * other kernels: the amx tiles were 0.91x them out of the caches there
+     * (docs/performance.md, "AMX tiles") */
+    const int tiles = prefill && job->kern_tiles != NULL &&
+                      !(a->kind == KVA_F16 && it->q1 - it->q0 == 1 && M < 32);
     if (tiles)
         kern = job->kern_tiles;
     /* the kernels read the elements divided by unit: q carries it */

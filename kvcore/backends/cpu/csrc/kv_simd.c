@@ -70,7 +70,7 @@ __attribute__((target("xsave"))) static unsigned long long xcr0(void)
 }
 #endif
 
-/* AMX-TILE + AMX-BF16 + AVX-512 F/BW/VL/DQ in the CPU, their register state
+/* AMX-TILE + AMX-BF16 + AVX-512 F/BW/VL/DQ/VBMI in the CPU, their register state
  * enabled by the OS, and (Linux) this process granted the tile data. */
 static int detect_amx(void)
 {
@@ -85,7 +85,7 @@ static int detect_amx(void)
         return 0;
     const unsigned avx512 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
     const unsigned amx = (1u << 22) | (1u << 24);                             /* BF16 TILE */
-    if ((b & avx512) != avx512 || (d & amx) != amx)
+    if ((b & avx512) != avx512 || (d & amx) != amx || !(c & (1u << 1))) /* VBMI */
         return 0;
     /* SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM; XTILECFG, XTILEDATA */
     const unsigned long long state = (1u << 1) | (1u << 2) | (7u << 5) | (3u << 17);
@@ -215,11 +215,6 @@ int kvs_default_level(void)
     int cap = kvs_cap();
     if (cap < 0)
         return KVS_SCALAR;
-    /* amx is taken only when asked for by name (KVCORE_SIMD=amx, or the
-     * families' set-level calls): on the one AMX CPU measured they were
-     * slower than the avx512 kernels, so they are no default (kv_simd.h) */
-    if (cap == KVS_AMX && strcmp(kvs_text, "amx") != 0)
-        cap = KVS_AVX512;
     while (cap > 0 && !kvs_level_supported(cap))
         cap--;
     return cap;

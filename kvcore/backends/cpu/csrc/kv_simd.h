@@ -11,22 +11,21 @@
  * KVCORE_SIMD (read once, at the first call): "scalar", "f16c", "avx2",
  * "avx512", "amx" (x86-64) or "neon" (AArch64), surrounding spaces and
  * case ignored: the highest level any family uses by default (never more
- * than the CPU has).  Unset or empty: no cap, except that amx is opt-in:
- * the default stops at avx512 unless KVCORE_SIMD names amx (on the one AMX
- * CPU measured, an Intel Xeon, its prefill ran at 0.54-0.89x avx512's:
- * docs/performance.md).
+ * than the CPU has).  Unset or empty: no cap (amx where the CPU has it: on
+ * the Intel Xeon with AMX measured, its prefill ran at 1.06-1.8x the avx512
+ * level's and its decode at 0.9-1.8x, docs/performance.md).
  * Another value is an error the Python layer reports (kvs_cap() < 0); C
  * callers then get the scalar kernels.
  *
  * avx512 (AVX-512 F + BW + VL + DQ, with the OS saving the zmm state) has
  * attention kernels only: the conversions run their avx2 ones there (on an
  * AVX-512 CPU, AMD EPYC, the 512-bit conversions measured slower than
- * AVX2).  amx (AMX-TILE + AMX-BF16 on top of avx512) adds tiles for the
- * attention's prefill items.  The kernels of both levels are checked under
+ * AVX2).  amx (AMX-TILE + AMX-BF16 + AVX-512 VBMI on top of avx512) adds
+ * tiles for the attention's items of 16 rows or more.  The kernels of both levels are checked under
  * emulation (SIMDe; a tile emulation written from Intel's pseudocode:
  * tests/attention/test_attention_avx512.py, tests/attention/test_attention_amx_emulated.py);
- * the avx512 ones also natively (AMD EPYC Zen 5, Intel Ice Lake), the amx
- * ones never natively.
+ * both also natively (avx512: AMD EPYC Zen 5, Intel Ice Lake; amx and
+ * avx512: an Intel Xeon with AMX).
  *
  * Each extension module links its own copy of this file: the detection and
  * the cap are the same in all of them (the same CPU, the same environment).
