@@ -110,11 +110,16 @@ KVA_INLINE __m512i hi_amx(__m512 x)
     return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0xFFFF0000u));
 }
 
-/* x - h (exact), or 0 where x is infinite or NaN (h carries it whole). */
+/* x - h (exact), or 0 where x is infinite or NaN (h carries it whole):
+ * told by h's exponent field in integer lanes (a float compare of a
+ * subnormal rest, as a tiny softmax weight leaves, costs a microcode assist
+ * of ~120 cycles on the Xeon of docs/performance.md; the subtraction does
+ * not). */
 KVA_INLINE __m512 rest_amx(__m512 x, __m512i h)
 {
-    __m512 r = _mm512_sub_ps(x, _mm512_castsi512_ps(h));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r);
+    const __m512i e = _mm512_set1_epi32(0x7F800000);
+    const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, e), e);
+    return _mm512_maskz_sub_ps((__mmask16)~special, x, _mm512_castsi512_ps(h));
 }
 
 /* The terms of x (nterms: 1, 2 or 3) as float32 bit patterns. */
@@ -136,6 +141,26 @@ KVA_INLINE void store_pairs_amx(uint32_t *dst, __m512i a, __m512i b)
 }
 
 #define KVA_R8(F, b) F(b), F(b + 1), F(b + 2), F(b + 3), F(b + 4), F(b + 5), F(b + 6), F(b + 7)
+/* The three terms of a softmax weight x (split_amx's), but a weight under
+ * 2^-103 in magnitude is its high term alone: the low terms of the others
+ * are then never subnormal (each is at least x's unit in the last place,
+ * 2^-126 or more), so no float operation here takes a subnormal input (a
+ * microcode assist of ~120 cycles on the Xeon of docs/performance.md: a
+ * wide score spread's tiny weights made prefill 2-3x slower).  A weight is
+ * at most 1: a dropped term changed an output by less than 2^-111 times a
+ * value. */
+KVA_INLINE void split_weight_amx(__m512 x, __m512i *t)
+{
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 keep = _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32((24 << 23) - 1)) &
+                           _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x7F800000), mag);
+    t[0] = hi_amx(x);
+    const __m512 r = _mm512_maskz_sub_ps(keep, x, _mm512_castsi512_ps(t[0]));
+    t[1] = hi_amx(r);
+    t[2] = hi_amx(_mm512_sub_ps(r, _mm512_castsi512_ps(t[1])));
+}
+
 /* 32 bf16 (16 dwords, dword p the pair 2p, 2p + 1) of the terms t0
  * (elements 0-15) and t1 (16-31). */
 #define KVA_ODD(i) (2 * (i) + 1)
@@ -493,8 +518,8 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                 __m512i b[3] = {a[0], a[0], a[0]};
                 if (mb + r < M) {
                     const float *x = P + (size_t)(mb + r) * KVA_KEY_TILE + 32 * u;
-                    split_amx(_mm512_maskz_loadu_ps(m0, x), 3, a);
-                    split_amx(_mm512_maskz_loadu_ps(m1, x + 16), 3, b);
+                    split_weight_amx(_mm512_maskz_loadu_ps(m0, x), a);
+                    split_weight_amx(_mm512_maskz_loadu_ps(m1, x + 16), b);
                 }
                 for (int t = 0; t < 3; t++)
                     _mm512_store_si512((void *)(pa[u][t] + r * 32), bf16x32_amx(a[t], b[t]));
