@@ -774,6 +774,33 @@ def test_a_later_keys_nan_or_inf_stays_out_of_the_rows_before_it(dtype, bad, lev
     assert rel_err(got[:p], want) <= TOL, (level, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_infinite_key_or_value_element_is_not_nan(dtype, level):
+    """A key element of -inf against a q element that is exactly 1 gives
+    that key weight 0 (every row stays finite), and a value element of +inf
+    gives +inf, not NaN, at every level.  (At the amx level a term of q or of
+    a weight can be 0, and 0 x inf is NaN in a tile product: an item whose
+    pages hold an inf or NaN takes the other kernels.)"""
+    rng = np.random.default_rng(63)
+    D, H, n = 32, 16, 16
+    table, lens, qsl = np.array([[0]], np.int32), np.array([n]), np.array([0, n])
+    pool = kvcore.BlockPool(1, 16, 1, 1, D, dtype=dtype)
+    k = rng.standard_normal((n, 1, D)).astype(np.float32)
+    v = rng.standard_normal((n, 1, D)).astype(np.float32)
+    k[2, 0, 5] = -np.inf
+    pool.write(0, k, v, np.arange(n))
+    q = rng.standard_normal((n, H, D)).astype(np.float32)
+    q[:, :, 5] = 1.0
+    scale = float(np.log(2.0))                       # scale x log2(e) is exactly 1
+    got = kvcore.paged_attention(q, pool, 0, table, lens, qsl, scale=scale)
+    assert np.isfinite(got).all(), (level, int((~np.isfinite(got)).sum()))
+    v[3, 0, 7] = np.inf
+    k[2, 0, 5] = 0.5
+    pool.write(0, k, v, np.arange(n))
+    got = kvcore.paged_attention(q, pool, 0, table, lens, qsl)
+    assert np.isposinf(got[3:, :, 7]).all() and not np.isnan(got).any(), level
+
+
 @pytest.mark.parametrize("lvl", LEVEL_PARAMS)
 def test_softcap_accuracy(lvl):
     rng = np.random.default_rng(61)

@@ -62,7 +62,7 @@
 
 #ifndef KVA_AMX_TARGET
 #define KVA_AMX_TARGET \
-    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
+    __attribute__((target("amx-tile,amx-bf16,avx2,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif
 #define KVA_INLINE static inline __attribute__((always_inline)) KVA_AMX_TARGET
 
@@ -327,6 +327,25 @@ KVA_INLINE void tiles_config_amx(void)
     _tile_storeconfig(&now);
     if (memcmp(&now, &cfg, sizeof cfg) != 0)
         _tile_loadconfig(&cfg);
+}
+
+/* Whether n stored rows of D (a multiple of 32) elements of `kind` hold an
+ * inf or a NaN (an exponent field all ones; e4m3fn: S.1111.111). */
+KVA_AMX_TARGET int kva_nonfinite_amx(int kind, const char *const *rows, int n, int D)
+{
+    /* the largest exponent field over the rows: all ones only if one is */
+    const size_t bytes = (size_t)D * (size_t)kva_isz(kind); /* a multiple of 32 */
+    const int wide = kind == KVA_F16 || kind == KVA_BF16;
+    const __m256i e = wide ? _mm256_set1_epi16(kind == KVA_F16 ? 0x7C00 : 0x7F80)
+                           : _mm256_set1_epi8(kind == KVA_F8E4M3 ? 0x7F : 0x7C);
+    __m256i top = _mm256_setzero_si256();
+    for (int i = 0; i < n; i++)
+        for (size_t o = 0; o < bytes; o += 32) {
+            const __m256i x =
+                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(rows[i] + o)), e);
+            top = wide ? _mm256_max_epu16(top, x) : _mm256_max_epu8(top, x);
+        }
+    return _mm256_movemask_epi8(wide ? _mm256_cmpeq_epi16(top, e) : _mm256_cmpeq_epi8(top, e)) != 0;
 }
 
 KVA_AMX_TARGET void kva_release_amx(void)

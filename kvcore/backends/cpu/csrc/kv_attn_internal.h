@@ -232,6 +232,8 @@ extern const kva_kernels kva_kernels_amx[KVA_NUM_KINDS];
 /* TILERELEASE: the end of a job's use of the tiles on a thread (the tile
  * kernels leave them configured between calls). */
 void kva_release_amx(void);
+/* Whether n stored rows (head_dim D, a multiple of 32) hold an inf or NaN. */
+int kva_nonfinite_amx(int kind, const char *const *rows, int n, int D);
 #endif
 #if KVA_HAVE_NEON
 /* f32, f16, bf16 only: the other kinds run the scalar kernels */

@@ -213,27 +213,6 @@ void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, fl
     }
 }
 
-/* Whether n stored rows of D elements of `kind` hold no inf or NaN (int8
- * never does; float32 pages do not reach here). */
-static int rows_finite(int kind, const char *const *rows, int n, int D)
-{
-    int bad = 0;
-    for (int i = 0; i < n && !bad; i++) {
-        if (kind == KVA_F16 || kind == KVA_BF16) {
-            const uint16_t *h = (const uint16_t *)(const void *)rows[i];
-            const uint16_t e = kind == KVA_F16 ? 0x7C00 : 0x7F80;
-            for (int d = 0; d < D; d++)
-                bad |= (h[d] & e) == e;
-        } else if (kind == KVA_F8E4M3 || kind == KVA_F8E5M2) {
-            const uint8_t *b = (const uint8_t *)rows[i];
-            const uint8_t e = kind == KVA_F8E4M3 ? 0x7F : 0x7C;
-            for (int d = 0; d < D; d++)
-                bad |= (b[d] & e) == e;
-        }
-    }
-    return !bad;
-}
-
 void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                   const kva_ws *ws)
 {
@@ -257,8 +236,19 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
      * fewer than 32 rows (a decode of 16-31 heads a KV head) keeps the
      * other kernels: the amx tiles were 0.91x them out of the caches there
      * (docs/performance.md, "AMX tiles") */
-    const int tiles = prefill && job->kern_tiles != NULL &&
-                      !(a->kind == KVA_F16 && it->q1 - it->q0 == 1 && M < 32);
+    int tiles = prefill && job->kern_tiles != NULL &&
+                !(a->kind == KVA_F16 && it->q1 - it->q0 == 1 && M < 32);
+#if KVA_HAVE_AMX
+    /* nor does an item whose keys or values hold an inf or NaN: a term of q
+     * or of a weight that is 0 times an infinite element is NaN in a tile
+     * product, where a float32 sum of the products has 0 (or the inf) */
+    for (int64_t t0 = it->k0; tiles && a->kind != KVA_I8 && t0 < it->k1; t0 += KVA_KEY_TILE) {
+        const int n = tile_rows(a, table, kbase, vbase, t0, it->k1, KVA_KEY_TILE, ws->krow,
+                                ws->vrow);
+        tiles = !kva_nonfinite_amx(a->kind, ws->krow, n, D) &&
+                !kva_nonfinite_amx(a->kind, ws->vrow, n, D);
+    }
+#endif
     if (tiles)
         kern = job->kern_tiles;
     /* the kernels read the elements divided by unit: q carries it */
@@ -492,8 +482,9 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
         /* tile kernels (a prefill's rows): every row in one call over the
          * union of their visible keys, where that gives the same sums (the
          * weights of a row's hidden keys are 0 once its maximum is finite,
-         * and 0 times a finite value adds nothing): a causal diagonal tile
-         * would take a call per query token, each repacking the values */
+         * and 0 times a value adds nothing: a tile item's are finite): a
+         * causal diagonal tile would take a call per query token, each
+         * repacking the values */
         int union_run = 0;
         if (tiles) {
             int f0 = ntp, l1 = 0, runs = 0, finite = 1;
@@ -506,7 +497,7 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                 runs += r == 0 || ws->first[r] != ws->first[r - 1] ||
                         ws->last[r] != ws->last[r - 1];
             }
-            if (runs > 1 && finite && rows_finite(a->kind, vrow + f0, l1 - f0, D)) {
+            if (runs > 1 && finite) {
                 pk->pv(ws->S + f0, M, D, prow + f0, l1 - f0, ws->acc, ws->alpha, ws->tmp, NULL);
                 union_run = 1;
             }
