@@ -1,10 +1,12 @@
 /*
  * kv_attn_amx.c: the AMX level of the attention (x86-64): S = Q K^T and
  * acc += P V on AMX-BF16 tiles for items of many query rows (prefill,
- * chunked prefill over cached pages), and the level's softmax math in
- * AVX-512.  Decode items (fewer than KVA_TILE_ROWS rows), float32 pages and
- * head_dims that are not a multiple of 32 up to KVA_AMX_MAX_D run the
- * AVX-512 kernels (kv_attention.c chooses).
+ * chunked prefill over cached pages, a decode of 16+ query heads a KV
+ * head), and the level's softmax math in AVX-512.  Items of fewer than
+ * KVA_TILE_ROWS rows, float16 one-token items of fewer than 32, items whose
+ * pages hold an inf or NaN (kv_attn_tile.c chooses), float32 pages and
+ * head_dims that are not a multiple of 32 up to KVA_AMX_MAX_D
+ * (kv_attention.c) run the AVX-512 kernels.
  *
  * Accuracy.  TDPBF16PS multiplies bf16 pairs exactly in float32 and
  * accumulates in float32.  A float32 operand (the scaled q, the softmax
@@ -17,7 +19,8 @@
  * accumulated (q_lo * k_lo is dropped for float16), so a score or an output
  * is a float32 sum of exact products, like the FMA kernels' dot products.
  * The tile unit treats bf16 inputs below 2^-126 as zero and flushes float32
- * results below it: only terms under 2^-126 in absolute value are lost.
+ * results below it: only terms under 2^-126 in absolute value are lost
+ * (and a weight under 2^-103 is its high term alone: split_weight_amx).
  *
  * Build notes: compiled without -m flags like the rest; every function
  * carries KVA_AMX_TARGET and ends in _amx, and the tables are used only

@@ -12,8 +12,9 @@
  * "avx512", "amx" (x86-64) or "neon" (AArch64), surrounding spaces and
  * case ignored: the highest level any family uses by default (never more
  * than the CPU has).  Unset or empty: no cap (amx where the CPU has it: on
- * the Intel Xeon with AMX measured, its prefill ran at 1.06-1.8x the avx512
- * level's and its decode at 0.9-1.8x, docs/performance.md).
+ * the Intel Xeon with AMX measured, its prefill ran at 1.04-1.8x the avx512
+ * level's; a decode of a usual GQA group runs the avx512 kernels there, one
+ * of 48 query heads a KV head 1.2-1.9x faster: docs/performance.md).
  * Another value is an error the Python layer reports (kvs_cap() < 0); C
  * callers then get the scalar kernels.
  *
@@ -21,7 +22,8 @@
  * attention kernels only: the conversions run their avx2 ones there (on an
  * AVX-512 CPU, AMD EPYC, the 512-bit conversions measured slower than
  * AVX2).  amx (AMX-TILE + AMX-BF16 + AVX-512 VBMI on top of avx512) adds
- * tiles for the attention's items of 16 rows or more.  The kernels of both levels are checked under
+ * tiles for the attention's items of 16 rows or more.  The kernels of both
+ * levels are checked under
  * emulation (SIMDe; a tile emulation written from Intel's pseudocode:
  * tests/attention/test_attention_avx512.py, tests/attention/test_attention_amx_emulated.py);
  * both also natively (avx512: AMD EPYC Zen 5, Intel Ice Lake; amx and
