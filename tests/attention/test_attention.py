@@ -754,8 +754,9 @@ def test_a_later_keys_nan_or_inf_stays_out_of_the_rows_before_it(dtype, bad, lev
     """Causal prefill with the key and value of position 30 NaN or inf: the
     rows of the tokens before it give the attention over their own keys, at
     every level.  (The amx level's tile kernels take the rows of a causal
-    diagonal tile in one call over the union of their keys only when no
-    hidden value could turn a row's 0 weight into NaN.)"""
+    diagonal tile in one call over the union of their keys, and take an item
+    only when its pages hold no inf or NaN, which would turn a hidden key's
+    0 weight into NaN.)"""
     rng = np.random.default_rng(62)
     n, p, H, KVH, D = 48, 30, 8, 2, 64
     pool = kvcore.BlockPool(4, 16, 1, KVH, D, dtype=dtype)

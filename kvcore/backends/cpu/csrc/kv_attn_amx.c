@@ -58,11 +58,6 @@
 #include <immintrin.h>
 #endif
 
-/* The tiles hold 32 keys (P's 32 keys are one A tile's 64 bytes): a key
- * tile (a multiple of 32 keys: kv_attn_internal.h asserts it) is worked in
- * runs of 32, and tmp (KVA_KEY_TILE * D floats) holds two terms of a run's
- * repacked K or V. */
-
 #ifndef KVA_AMX_TARGET
 #define KVA_AMX_TARGET \
     __attribute__((target("amx-tile,amx-bf16,avx2,avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
@@ -77,34 +72,10 @@ typedef struct {
     uint8_t rows[16];
 } kva_tilecfg;
 
-/* 16 elements of `kind` at p, as float32 (exact). */
-KVA_INLINE __m512 load16_amx(const char *p, int kind)
+/* 16 float16 elements at p, as float32 (exact). */
+KVA_INLINE __m512 half16_amx(const char *p)
 {
-    if (kind == KVA_F16)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    if (kind == KVA_BF16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    /* bytes through 16-bit lanes (the widenings SIMDe has, for the test build) */
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    if (kind == KVA_I8)
-        return _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(bytes)));
-    if (kind == KVA_F8E5M2) /* the high byte of a float16 */
-        return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(bytes));
-    /* e4m3fn: exponent and mantissa in place under a float32's, the bias
-     * 127 instead of 7; a subnormal (exponent 0) is its mantissa times 2^-9
-     * (both in integer/normal arithmetic: exact even under DAZ); the sign
-     * on top, S.1111.111 NaN */
-    const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi32(0x7F));
-    __m512 v = _mm512_castsi512_ps(
-        _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-    v = _mm512_mask_mov_ps(v, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(8), mag),
-                           _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f)));
-    v = _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24)));
-    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)),
-                              _mm512_set1_ps(NAN));
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* The bf16 term of x by truncation: x's bits with the low 16 cleared. */
@@ -143,7 +114,6 @@ KVA_INLINE void store_pairs_amx(uint32_t *dst, __m512i a, __m512i b)
     _mm512_storeu_si512((void *)dst, _mm512_or_si512(_mm512_srli_epi32(a, 16), b));
 }
 
-#define KVA_R8(F, b) F(b), F(b + 1), F(b + 2), F(b + 3), F(b + 4), F(b + 5), F(b + 6), F(b + 7)
 /* The three terms of a softmax weight x (split_amx's), but a weight under
  * 2^-103 in magnitude is its high term alone: the low terms of the others
  * are then never subnormal (each is at least x's unit in the last place,
@@ -164,6 +134,7 @@ KVA_INLINE void split_weight_amx(__m512 x, __m512i *t)
     t[2] = hi_amx(_mm512_sub_ps(r, _mm512_castsi512_ps(t[1])));
 }
 
+#define KVA_R8(F, b) F(b), F(b + 1), F(b + 2), F(b + 3), F(b + 4), F(b + 5), F(b + 6), F(b + 7)
 /* 32 bf16 (16 dwords, dword p the pair 2p, 2p + 1) of the terms t0
  * (elements 0-15) and t1 (16-31). */
 #define KVA_ODD(i) (2 * (i) + 1)
@@ -304,8 +275,8 @@ KVA_INLINE void row_terms_amx(int kind, const char *p, __m512i *t)
         t[0] = _mm512_loadu_si512((const void *)p);
     } else if (kind == KVA_F16) {
         __m512i a[2], b[2];
-        split_amx(load16_amx(p, kind), 2, a);
-        split_amx(load16_amx(p + 32, kind), 2, b);
+        split_amx(half16_amx(p), 2, a);
+        split_amx(half16_amx(p + 32), 2, b);
         t[0] = bf16x32_amx(a[0], b[0]);
         t[1] = bf16x32_amx(a[1], b[1]);
     } else {
@@ -468,6 +439,47 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
 #undef KVA_KB
 }
 
+/* Row p of the B tiles of a pair of value rows a, b (NULL: zeros) at vb:
+ * the dword of dim 16 j + n is the pair (a[16 j + n], b[16 j + n]) of bf16,
+ * at vb[j * 256 + 16 p + n]; float16's low terms likewise at vb + lo. */
+KVA_INLINE void value_pair_amx(int kind, const char *a, const char *b, int D, uint32_t *vb,
+                               int lo, int p)
+{
+    const __m512i zero = _mm512_setzero_si512();
+    for (int g = 0; g < D / 32; g++) { /* dims 32 g .. 32 g + 31: two B rows */
+        uint32_t *dst = vb + (size_t)(2 * g) * 256 + 16 * p;
+        if (kind == KVA_F16) {
+            for (int h = 0; h < 2; h++) {
+                __m512i ta[2] = {zero, zero}, tb[2] = {zero, zero};
+                if (a != NULL)
+                    split_amx(half16_amx(a + 64 * g + 32 * h), 2, ta);
+                if (b != NULL)
+                    split_amx(half16_amx(b + 64 * g + 32 * h), 2, tb);
+                store_pairs_amx(dst + 256 * h, ta[0], tb[0]);
+                store_pairs_amx(dst + lo + 256 * h, ta[1], tb[1]);
+            }
+        } else if (kind == KVA_BF16) {
+            const __m512i x = a != NULL ? _mm512_loadu_si512((const void *)(a + 64 * g)) : zero;
+            const __m512i y = b != NULL ? _mm512_loadu_si512((const void *)(b + 64 * g)) : zero;
+            for (int h = 0; h < 2; h++)
+                _mm512_storeu_si512((void *)(dst + 256 * h),
+                                    _mm512_permutex2var_epi16(
+                                        x, _mm512_load_si512((const void *)pair_amx[h]), y));
+        } else { /* the codes of a and b interleaved, then widened */
+            const __m512i x =
+                a != NULL ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 32 * g)))
+                          : zero;
+            const __m512i y =
+                b != NULL ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 32 * g)))
+                          : zero;
+            __m512i l, h;
+            bf16_planes_amx(kind, interleave_amx(x, y, 0), &l, &h);
+            _mm512_storeu_si512((void *)dst, interleave_amx(l, h, 0));
+            _mm512_storeu_si512((void *)(dst + 256), interleave_amx(l, h, 1));
+        }
+    }
+}
+
 /* acc[r] = acc[r] * alpha[r] (alpha NULL: 1) + sum_{i < nt}
  * P[r * KVA_KEY_TILE + i] V[i], for nt <= KVA_KEY_TILE keys (acc's rows to M
  * rounded up to 16 are read and written: the workspace has them).  Each
@@ -479,7 +491,6 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                        float *acc, const float *alpha, float *tmp)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nd = D / 16, runs = (nt + 31) / 32;
-    const size_t isz = (size_t)kva_isz(kind);
     if (alpha != NULL)
         for (int r = 0; r < M; r++)
             if (alpha[r] != 1.0f)
@@ -494,36 +505,8 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
     for (int u = 0; u < runs; u++)
         for (int p = 0; p < 16; p++) {
             const int i = 32 * u + 2 * p;
-            if (kind != KVA_F16) { /* exact in one term: 32 dims of the pair at a time */
-                const __m512i zero = _mm512_setzero_si512();
-                for (int g = 0; g < D / 32; g++) {
-                    uint32_t *dst = KVA_VB(u, 0, 2 * g) + 16 * p;
-                    if (kind == KVA_BF16) {
-                        const __m512i a = i < nt ? _mm512_loadu_si512((const void *)(vrow[i] + 64 * g)) : zero;
-                        const __m512i b = i + 1 < nt ? _mm512_loadu_si512((const void *)(vrow[i + 1] + 64 * g)) : zero;
-                        _mm512_storeu_si512((void *)dst, _mm512_permutex2var_epi16(a, _mm512_load_si512((const void *)pair_amx[0]), b));
-                        _mm512_storeu_si512((void *)(dst + 256), _mm512_permutex2var_epi16(a, _mm512_load_si512((const void *)pair_amx[1]), b));
-                        continue;
-                    }
-                    const __m512i a = i < nt ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vrow[i] + 32 * g))) : zero;
-                    const __m512i b = i + 1 < nt ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(vrow[i + 1] + 32 * g))) : zero;
-                    __m512i lo, hi;
-                    bf16_planes_amx(kind, interleave_amx(a, b, 0), &lo, &hi);
-                    _mm512_storeu_si512((void *)dst, interleave_amx(lo, hi, 0));
-                    _mm512_storeu_si512((void *)(dst + 256), interleave_amx(lo, hi, 1));
-                }
-                continue;
-            }
-            for (int j = 0; j < nd; j++) {
-                __m512i ta[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-                __m512i tb[2] = {ta[0], ta[0]};
-                if (i < nt)
-                    split_amx(load16_amx(vrow[i] + (size_t)(16 * j) * isz, kind), nk, ta);
-                if (i + 1 < nt)
-                    split_amx(load16_amx(vrow[i + 1] + (size_t)(16 * j) * isz, kind), nk, tb);
-                for (int t = 0; t < nk; t++)
-                    store_pairs_amx(KVA_VB(u, t, j) + 16 * p, ta[t], tb[t]);
-            }
+            value_pair_amx(kind, i < nt ? vrow[i] : NULL, i + 1 < nt ? vrow[i + 1] : NULL, D,
+                           KVA_VB(u, 0, 0), nd * 256, p);
         }
     tiles_config_amx();
     uint16_t pa[2][3][512] __attribute__((aligned(64)));
@@ -551,7 +534,7 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
          * next rows are not this call's) from a copy of them */
         const int rows = M - mb < 16 ? M - mb : 16;
         float *c = acc + (size_t)mb * D;
-        size_t ld = (size_t)D * sizeof(float);
+        const size_t ld = (size_t)D * sizeof(float);
         if (rows < 16) {
             for (int r = 0; r < 16; r++)
                 for (int d = 0; d < D; d += 16)
