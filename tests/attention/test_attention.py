@@ -751,28 +751,30 @@ def test_a_weight_below_2_to_the_minus_126_is_zero(dtype, rows, level):
     ("float16", np.nan), ("float16", np.inf), ("bfloat16", np.nan), ("bfloat16", -np.inf),
     ("float8_e4m3fn", np.nan), ("float8_e5m2", np.nan)])
 def test_a_later_keys_nan_or_inf_stays_out_of_the_rows_before_it(dtype, bad, level):
-    """Causal prefill with the key and value of position 30 NaN or inf: the
+    """Causal prefill with the key and value of position p NaN or inf: the
     rows of the tokens before it give the attention over their own keys, at
-    every level.  (The amx level's tile kernels take the rows of a causal
-    diagonal tile in one call over the union of their keys, and take an item
-    only when its pages hold no inf or NaN, which would turn a hidden key's
-    0 weight into NaN.)"""
+    every level, with p in the first key tile and in a later one.  (The amx
+    level's tile kernels take the rows of a causal diagonal tile in one call
+    over the union of their keys; an item whose tiles meet an inf or NaN,
+    which would turn a hidden key's 0 weight into NaN, runs again without
+    them, also after its first tiles.)"""
     rng = np.random.default_rng(62)
-    n, p, H, KVH, D = 48, 30, 8, 2, 64
-    pool = kvcore.BlockPool(4, 16, 1, KVH, D, dtype=dtype)
-    seq = kvcore.PagedKVCache(pool)
-    seq.allocate(list(range(n)))
-    k = rng.standard_normal((n, KVH, D)).astype(np.float32)
-    v = rng.standard_normal((n, KVH, D)).astype(np.float32)
-    k[p], v[p] = bad, bad
-    seq.append(0, k, v)
-    q = rng.standard_normal((n, H, D)).astype(np.float32)
-    got = seq.attention(0, q)
-    kk, vv = seq.gather(0, dtype="float32")
-    assert not np.isfinite(vv[:, p]).any(), vv[:, p, :4]
-    want = _sdpa(q[:p], kk[:, :p], vv[:, :p])
-    assert np.isfinite(got[:p]).all(), (level, dtype)
-    assert rel_err(got[:p], want) <= TOL, (level, dtype)
+    H, KVH, D = 8, 2, 64
+    for n, p in [(48, 30), (200, 150)]:
+        pool = kvcore.BlockPool((n + 15) // 16, 16, 1, KVH, D, dtype=dtype)
+        seq = kvcore.PagedKVCache(pool)
+        seq.allocate(list(range(n)))
+        k = rng.standard_normal((n, KVH, D)).astype(np.float32)
+        v = rng.standard_normal((n, KVH, D)).astype(np.float32)
+        k[p], v[p] = bad, bad
+        seq.append(0, k, v)
+        q = rng.standard_normal((n, H, D)).astype(np.float32)
+        got = seq.attention(0, q)
+        kk, vv = seq.gather(0, dtype="float32")
+        assert not np.isfinite(vv[:, p]).any(), vv[:, p, :4]
+        want = _sdpa(q[:p], kk[:, :p], vv[:, :p])
+        assert np.isfinite(got[:p]).all(), (level, dtype, p)
+        assert rel_err(got[:p], want) <= TOL, (level, dtype, p)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -781,7 +783,7 @@ def test_an_infinite_key_or_value_element_is_not_nan(dtype, level):
     that key weight 0 (every row stays finite), and a value element of +inf
     gives +inf, not NaN, at every level.  (At the amx level a term of q or of
     a weight can be 0, and 0 x inf is NaN in a tile product: an item whose
-    pages hold an inf or NaN takes the other kernels.)"""
+    tiles meet an inf or NaN runs again with the other kernels.)"""
     rng = np.random.default_rng(63)
     D, H, n = 32, 16, 16
     table, lens, qsl = np.array([[0]], np.int32), np.array([n]), np.array([0, n])

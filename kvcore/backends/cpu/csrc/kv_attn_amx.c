@@ -108,10 +108,10 @@ KVA_INLINE void split_amx(__m512 x, int nterms, __m512i *t)
     }
 }
 
-/* dst[i] = pair (a[i], b[i]) of bf16 terms, as 16 dwords. */
-KVA_INLINE void store_pairs_amx(uint32_t *dst, __m512i a, __m512i b)
+/* The pairs (a[i], b[i]) of bf16 terms, as 16 dwords. */
+KVA_INLINE __m512i pairs_amx(__m512i a, __m512i b)
 {
-    _mm512_storeu_si512((void *)dst, _mm512_or_si512(_mm512_srli_epi32(a, 16), b));
+    return _mm512_or_si512(_mm512_srli_epi32(a, 16), b);
 }
 
 /* The three terms of a softmax weight x (split_amx's), but a weight under
@@ -303,23 +303,31 @@ KVA_INLINE void tiles_config_amx(void)
         _tile_loadconfig(&cfg);
 }
 
-/* Whether n stored rows of D (a multiple of 32) elements of `kind` hold an
- * inf or a NaN (an exponent field all ones; e4m3fn: S.1111.111). */
-KVA_AMX_TARGET int kva_nonfinite_amx(int kind, const char *const *rows, int n, int D)
+/* Set when a tile kernel of this thread packs a bf16 term whose exponent
+ * field is all ones (an inf or a NaN element: the high term carries it
+ * whole, and the byte lookups give 0x7F80 / 0x7FC0): kva_nonfinite_amx. */
+static __thread int nonfinite_seen_amx;
+
+/* top = the largest exponent field of each bf16 word of top and w. */
+KVA_INLINE __m512i exponents_amx(__m512i top, __m512i w)
 {
-    /* the largest exponent field over the rows: all ones only if one is */
-    const size_t bytes = (size_t)D * (size_t)kva_isz(kind); /* a multiple of 32 */
-    const int wide = kind == KVA_F16 || kind == KVA_BF16;
-    const __m256i e = wide ? _mm256_set1_epi16(kind == KVA_F16 ? 0x7C00 : 0x7F80)
-                           : _mm256_set1_epi8(kind == KVA_F8E4M3 ? 0x7F : 0x7C);
-    __m256i top = _mm256_setzero_si256();
-    for (int i = 0; i < n; i++)
-        for (size_t o = 0; o < bytes; o += 32) {
-            const __m256i x =
-                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(rows[i] + o)), e);
-            top = wide ? _mm256_max_epu16(top, x) : _mm256_max_epu8(top, x);
-        }
-    return _mm256_movemask_epi8(wide ? _mm256_cmpeq_epi16(top, e) : _mm256_cmpeq_epi8(top, e)) != 0;
+    return _mm512_max_epu16(top, _mm512_and_si512(w, _mm512_set1_epi16(0x7F80)));
+}
+
+/* Whether a word of exponents_amx's top is all ones (0x7F80 + 0x80 is the
+ * only one that reaches bit 15), remembered for kva_nonfinite_amx. */
+KVA_INLINE void note_exponents_amx(__m512i top)
+{
+    const __m512i x = _mm512_add_epi16(top, _mm512_set1_epi16(0x80));
+    if (_mm512_test_epi32_mask(x, _mm512_set1_epi32((int)0x80008000u)) != 0)
+        nonfinite_seen_amx = 1;
+}
+
+KVA_AMX_TARGET int kva_nonfinite_amx(void)
+{
+    const int seen = nonfinite_seen_amx;
+    nonfinite_seen_amx = 0;
+    return seen;
 }
 
 KVA_AMX_TARGET void kva_release_amx(void)
@@ -379,6 +387,7 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
      * 2p, 32 c + 2p + 1) of each key (column) of the block: each block's
      * rows widened to bf16 pairs and transposed; keys past ntp zero */
     uint32_t *kb = (uint32_t *)tmp;
+    __m512i top = _mm512_setzero_si512();
 #define KVA_KB(t, c, b) (kb + (((size_t)(t) * nc + (c)) * 4 + (b)) * 256)
     for (int b = 0; b < nkb; b++)
         for (int c = 0; c < nc; c++) {
@@ -389,6 +398,8 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
                     row_terms_amx(kind, krow[16 * b + n] + (size_t)(32 * c) * isz, t);
                 r[0][n] = t[0];
                 r[1][n] = t[1];
+                if (kind != KVA_I8) /* (int8 has neither) */
+                    top = exponents_amx(top, t[0]);
             }
             for (int t = 0; t < nk; t++) {
                 transpose16_amx(r[t]);
@@ -396,6 +407,7 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
                     _mm512_storeu_si512((void *)(KVA_KB(t, c, b) + 16 * p), r[t][p]);
             }
         }
+    note_exponents_amx(top);
     tiles_config_amx();
     const size_t ld = KVA_KEY_TILE * sizeof(float);
     for (int mb = 0; mb < M; mb += 16) {
@@ -441,13 +453,15 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
 
 /* Row p of the B tiles of a pair of value rows a, b (NULL: zeros) at vb:
  * the dword of dim 16 j + n is the pair (a[16 j + n], b[16 j + n]) of bf16,
- * at vb[j * 256 + 16 p + n]; float16's low terms likewise at vb + lo. */
+ * at vb[j * 256 + 16 p + n]; float16's low terms likewise at vb + lo.  The
+ * high terms' exponent fields go into *top (exponents_amx). */
 KVA_INLINE void value_pair_amx(int kind, const char *a, const char *b, int D, uint32_t *vb,
-                               int lo, int p)
+                               int lo, int p, __m512i *top)
 {
     const __m512i zero = _mm512_setzero_si512();
     for (int g = 0; g < D / 32; g++) { /* dims 32 g .. 32 g + 31: two B rows */
         uint32_t *dst = vb + (size_t)(2 * g) * 256 + 16 * p;
+        __m512i w[2];
         if (kind == KVA_F16) {
             for (int h = 0; h < 2; h++) {
                 __m512i ta[2] = {zero, zero}, tb[2] = {zero, zero};
@@ -455,16 +469,15 @@ KVA_INLINE void value_pair_amx(int kind, const char *a, const char *b, int D, ui
                     split_amx(half16_amx(a + 64 * g + 32 * h), 2, ta);
                 if (b != NULL)
                     split_amx(half16_amx(b + 64 * g + 32 * h), 2, tb);
-                store_pairs_amx(dst + 256 * h, ta[0], tb[0]);
-                store_pairs_amx(dst + lo + 256 * h, ta[1], tb[1]);
+                w[h] = pairs_amx(ta[0], tb[0]);
+                _mm512_storeu_si512((void *)(dst + lo + 256 * h), pairs_amx(ta[1], tb[1]));
             }
         } else if (kind == KVA_BF16) {
             const __m512i x = a != NULL ? _mm512_loadu_si512((const void *)(a + 64 * g)) : zero;
             const __m512i y = b != NULL ? _mm512_loadu_si512((const void *)(b + 64 * g)) : zero;
             for (int h = 0; h < 2; h++)
-                _mm512_storeu_si512((void *)(dst + 256 * h),
-                                    _mm512_permutex2var_epi16(
-                                        x, _mm512_load_si512((const void *)pair_amx[h]), y));
+                w[h] = _mm512_permutex2var_epi16(x, _mm512_load_si512((const void *)pair_amx[h]),
+                                                 y);
         } else { /* the codes of a and b interleaved, then widened */
             const __m512i x =
                 a != NULL ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + 32 * g)))
@@ -474,8 +487,13 @@ KVA_INLINE void value_pair_amx(int kind, const char *a, const char *b, int D, ui
                           : zero;
             __m512i l, h;
             bf16_planes_amx(kind, interleave_amx(x, y, 0), &l, &h);
-            _mm512_storeu_si512((void *)dst, interleave_amx(l, h, 0));
-            _mm512_storeu_si512((void *)(dst + 256), interleave_amx(l, h, 1));
+            w[0] = interleave_amx(l, h, 0);
+            w[1] = interleave_amx(l, h, 1);
+        }
+        for (int h = 0; h < 2; h++) {
+            _mm512_storeu_si512((void *)(dst + 256 * h), w[h]);
+            if (kind != KVA_I8) /* (int8 has neither) */
+                *top = exponents_amx(*top, w[h]);
         }
     }
 }
@@ -501,13 +519,15 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
     /* B tiles [run][term][dim block j]: row p, column n = the pair of keys
      * (32 run + 2p, + 1) of dim 16 j + n; keys past nt zero */
     uint32_t *vb = (uint32_t *)tmp;
+    __m512i top = _mm512_setzero_si512();
 #define KVA_VB(u, t, j) (vb + (((size_t)(u) * nk + (t)) * nd + (j)) * 256)
     for (int u = 0; u < runs; u++)
         for (int p = 0; p < 16; p++) {
             const int i = 32 * u + 2 * p;
             value_pair_amx(kind, i < nt ? vrow[i] : NULL, i + 1 < nt ? vrow[i + 1] : NULL, D,
-                           KVA_VB(u, 0, 0), nd * 256, p);
+                           KVA_VB(u, 0, 0), nd * 256, p, &top);
         }
+    note_exponents_amx(top);
     tiles_config_amx();
     uint16_t pa[2][3][512] __attribute__((aligned(64)));
     float part[16 * KVA_AMX_MAX_D] __attribute__((aligned(64)));

@@ -232,8 +232,12 @@ extern const kva_kernels kva_kernels_amx[KVA_NUM_KINDS];
 /* TILERELEASE: the end of a job's use of the tiles on a thread (the tile
  * kernels leave them configured between calls). */
 void kva_release_amx(void);
-/* Whether n stored rows (head_dim D, a multiple of 32) hold an inf or NaN. */
-int kva_nonfinite_amx(int kind, const char *const *rows, int n, int D);
+/* Whether this thread's tile kernels met an inf or a NaN in the key or
+ * value rows they packed since the last call (and forget it): a term of q
+ * or of a weight that is 0 times an infinite element is NaN in a tile
+ * product, where a float32 sum of the products has 0 (or the inf), so
+ * kva_run_item runs such an item again with the level's other kernels. */
+int kva_nonfinite_amx(void);
 #endif
 #if KVA_HAVE_NEON
 /* f32, f16, bf16 only: the other kinds run the scalar kernels */

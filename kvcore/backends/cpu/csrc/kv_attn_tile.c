@@ -238,19 +238,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
      * (docs/performance.md, "AMX tiles") */
     int tiles = prefill && job->kern_tiles != NULL &&
                 !(a->kind == KVA_F16 && it->q1 - it->q0 == 1 && M < 32);
+    /* (an item whose tiles meet an inf or a NaN in its pages runs again
+     * from here without them: kva_nonfinite_amx) */
 #if KVA_HAVE_AMX
-    /* nor does an item whose keys or values hold an inf or NaN: a term of q
-     * or of a weight that is 0 times an infinite element is NaN in a tile
-     * product, where a float32 sum of the products has 0 (or the inf) */
-    for (int64_t t0 = it->k0; tiles && a->kind != KVA_I8 && t0 < it->k1; t0 += KVA_KEY_TILE) {
-        const int n = tile_rows(a, table, kbase, vbase, t0, it->k1, KVA_KEY_TILE, ws->krow,
-                                ws->vrow);
-        tiles = !kva_nonfinite_amx(a->kind, ws->krow, n, D) &&
-                !kva_nonfinite_amx(a->kind, ws->vrow, n, D);
-    }
+restart:
 #endif
-    if (tiles)
-        kern = job->kern_tiles;
+    kern = tiles ? job->kern_tiles : job->kern;
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
     const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32 && !tiles;
@@ -482,7 +475,8 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
         /* tile kernels (a prefill's rows): every row in one call over the
          * union of their visible keys, where that gives the same sums (the
          * weights of a row's hidden keys are 0 once its maximum is finite,
-         * and 0 times a value adds nothing: a tile item's are finite): a
+         * and 0 times a value adds nothing: a tile kernel's values are
+         * finite, or the item runs again without them below): a
          * causal diagonal tile would take a call per query token, each
          * repacking the values */
         int union_run = 0;
@@ -514,6 +508,12 @@ void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                    next_v != NULL ? next_v + first : NULL);
             next_v = NULL;
         }
+#if KVA_HAVE_AMX
+        if (tiles && kva_nonfinite_amx()) {
+            tiles = 0;
+            goto restart;
+        }
+#endif
         const char **swap = krow;
         krow = nkrow;
         nkrow = swap;
