@@ -3,10 +3,11 @@
  * acc += P V on AMX-BF16 tiles for items of many query rows (prefill,
  * chunked prefill over cached pages, a decode of 16+ query heads a KV
  * head), and the level's softmax math in AVX-512.  Items of fewer than
- * KVA_TILE_ROWS rows, float16 one-token items of fewer than 32, items whose
- * pages hold an inf or NaN (kv_attn_tile.c chooses), float32 pages and
- * head_dims that are not a multiple of 32 up to KVA_AMX_MAX_D
- * (kv_attention.c) run the AVX-512 kernels.
+ * KVA_TILE_ROWS rows, float16 one-token items of fewer than 32 (kv_attn_tile.c
+ * chooses), float32 pages and head_dims that are not a multiple of 32 up to
+ * KVA_AMX_MAX_D (kv_attention.c) run the AVX-512 kernels, and so does an
+ * item whose tiles meet an inf or NaN in its pages (found as the tiles are
+ * packed: kva_nonfinite_amx; the item runs again from its start).
  *
  * Accuracy.  TDPBF16PS multiplies bf16 pairs exactly in float32 and
  * accumulates in float32.  A float32 operand (the scaled q, the softmax
