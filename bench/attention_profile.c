@@ -26,6 +26,14 @@
  *       plain AVX-512 loop that reads the K and V chunks of every KV head
  *       (16 float16 positions each) in the same shuffled block order and
  *       does nothing but add them up, in GB/s.
+ *   /tmp/attention_profile pace row_bytes fmas [kv_heads]
+ *       4. how far a decode's arithmetic slows its reads out of the caches:
+ *       a loop that walks kv_heads (8) x 65536 positions as the decode does
+ *       (K and V rows of row_bytes in blocks of 16, shuffled; split-major
+ *       items of 1024 positions; tiles of 64 rows, the K rows then the V
+ *       rows, each line loaded prefetching the same line of the next
+ *       tile's row) with `fmas` FMAs on each line loaded and nothing else,
+ *       in the caches and out of them: nanoseconds per (position, KV head).
  *
  * 1. Decode, 32 query / 8 KV heads, head_dim 128, pages of 16 positions in
  *    shuffled order, one thread, contexts 256 (in cache) to 4096 (16 MB of
@@ -481,6 +489,103 @@ static int raw_read(int kvh, int d, int ctx)
     free(table);
     return 0;
 }
+
+/* 4.: one walk of the rows kr/vr (npos of them), tiles of 64, `fmas` FMAs
+ * a line, each line's load prefetching the same line of the next tile. */
+__attribute__((target("avx512f,fma"), noinline)) static float pace_walk(char *const *kr,
+                                                                     char *const *vr,
+                                                                     long npos, int rb,
+                                                                     int fmas)
+{
+    __m512 a[8];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(1.0000001f);
+    for (long t = 0; t < npos; t += 64) {
+        const long nt = t + 64 < npos ? t + 64 : t;
+        for (int half = 0; half < 2; half++) {
+            char *const *rows = half ? vr : kr;
+            for (int i = 0; i < 64; i++)
+                for (int o = 0; o < rb; o += 64) {
+                    _mm_prefetch(rows[nt + i] + o, _MM_HINT_T0);
+                    const __m512 x = _mm512_loadu_ps((const float *)(rows[t + i] + o));
+                    a[half] = _mm512_add_ps(a[half], x);
+                    for (int w = 0; w < fmas; w++)
+                        a[2 + w % 6] = _mm512_fmadd_ps(a[2 + w % 6], m, x);
+                }
+        }
+    }
+    for (int i = 1; i < 8; i++)
+        a[0] = _mm512_add_ps(a[0], a[i]);
+    return _mm512_reduce_add_ps(a[0]);
+}
+
+static int pace(int rb, int fmas, int kvh)
+{
+    if (!__builtin_cpu_supports("avx512f")) {
+        fprintf(stderr, "pace needs AVX-512F\n");
+        return 2;
+    }
+    if (rb < 64 || rb % 64 != 0 || rb > 4096 || fmas < 0 || fmas > 64 || kvh < 1 || kvh > 64) {
+        fprintf(stderr, "pace: row_bytes a multiple of 64 up to 4096, fmas 0..64, "
+                        "kv_heads 1..64\n");
+        return 2;
+    }
+    const long ctx = 65536, nblk = ctx / BS, n = ctx * kvh;
+    const size_t chunk = (size_t)BS * rb, bytes = (size_t)nblk * kvh * chunk;
+    const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    char *k = aligned_alloc(2u << 20, al), *v = aligned_alloc(2u << 20, al);
+    madvise(k, al, MADV_HUGEPAGE);
+    madvise(v, al, MADV_HUGEPAGE);
+    memset(k, 1, al);
+    memset(v, 1, al);
+    int32_t *table = malloc(sizeof(int32_t) * nblk);
+    char **kr = malloc(sizeof(char *) * (n + 64)), **vr = malloc(sizeof(char *) * (n + 64));
+    for (int i = 0; i < nblk; i++)
+        table[i] = i;
+    srand(1);
+    for (int i = nblk - 1; i > 0; i--) {
+        int j = rand() % (i + 1), t = table[i];
+        table[i] = table[j];
+        table[j] = t;
+    }
+    long r = 0;
+    for (long s0 = 0; s0 < ctx; s0 += 1024)
+        for (int g = 0; g < kvh; g++)
+            for (long p = s0; p < s0 + 1024; p++, r++) {
+                const size_t at = (size_t)table[p / BS] * kvh * chunk + (size_t)g * chunk +
+                                  (size_t)(p % BS) * rb;
+                kr[r] = k + at;
+                vr[r] = v + at;
+            }
+    for (int i = 0; i < 64; i++) {
+        kr[n + i] = kr[n - 1];
+        vr[n + i] = vr[n - 1];
+    }
+    double warm = 1e30, out = 1e30;
+    float sink = 0;
+    for (int i = 0; i < 30; i++) { /* the first 2048 rows: in the caches */
+        const double t0 = cpu_now();
+        sink += pace_walk(kr, vr, 2048, rb, fmas);
+        const double t = cpu_now() - t0;
+        warm = t < warm ? t : warm;
+    }
+    for (int i = 0; i < 3; i++) {
+        const double t0 = cpu_now();
+        sink += pace_walk(kr, vr, n, rb, fmas);
+        const double t = cpu_now() - t0;
+        out = t < out ? t : out;
+    }
+    printf("pace %d KV heads, rows of %d bytes, %2d FMAs a line: in the caches %6.2f ns, out of them "
+           "%6.2f ns per (position, KV head) (%.2f GB/s) (%g)\n",
+           kvh, rb, fmas, warm * 1e9 / 2048, out * 1e9 / n, 2.0 * bytes / out / 1e9, (double)sink);
+    free(kr);
+    free(vr);
+    free(table);
+    free(k);
+    free(v);
+    return 0;
+}
 #endif
 
 int main(int argc, char **argv)
@@ -488,6 +593,8 @@ int main(int argc, char **argv)
 #if defined(__x86_64__) && defined(__GNUC__)
     if (argc == 5 && strcmp(argv[1], "raw") == 0)
         return raw_read(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+    if ((argc == 4 || argc == 5) && strcmp(argv[1], "pace") == 0)
+        return pace(atoi(argv[2]), atoi(argv[3]), argc == 5 ? atoi(argv[4]) : 8);
 #endif
     const int prefill = argc > 1 && strcmp(argv[1], "prefill") == 0;
     cold = argc > 1 && strcmp(argv[1], "cold") == 0;
