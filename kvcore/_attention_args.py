@@ -208,13 +208,20 @@ def _entry(x, at):
     return x
 
 
-def head_rows(x, arg, num_layers):
+#: the largest |alibi_slopes| entry: a slope times log2(e) times any key
+#: distance (int64) stays finite in float32 (2^32 * 1.45 * 2^63 < 2^96), so
+#: a bias is never +-inf (whose inf - inf in the softmax was NaN); a model's
+#: slopes lie in 2^-8 .. 1
+ALIBI_SLOPE_LIMIT = 2.0 ** 32
+
+
+def head_rows(x, arg, num_layers, limit=None):
     """``alibi_slopes`` / ``sinks`` as a float32 ``(num_layers, num_heads)``
     C-contiguous host array (None stays None): a float array (NumPy, torch,
     CuPy; any float dtype) or a sequence of numbers of shape
     ``(num_heads,)`` (every layer) or ``(num_layers, num_heads)``, with
-    finite values as float32.  A device array is copied down (once per
-    plan)."""
+    finite values as float32 (and, given ``limit``, none past it in
+    magnitude).  A device array is copied down (once per plan)."""
     if x is None:
         return None
     if isinstance(x, (list, tuple)):
@@ -259,6 +266,14 @@ def head_rows(x, arg, num_layers):
         where = int(at[1]) if a.ndim == 1 else (int(at[0]), int(at[1]))
         raise ValueError(f"{arg} must hold finite values (as float32), got {float(a[where])} "
                          f"at index {where}")
+    if limit is not None:
+        big = np.abs(rows) > limit
+        if big.any():
+            at = np.unravel_index(int(np.argmax(big)), rows.shape)
+            where = int(at[1]) if a.ndim == 1 else (int(at[0]), int(at[1]))
+            raise ValueError(f"{arg} must lie in -2**32..2**32 (a bias slope * distance "
+                             f"must stay finite in float32), got {float(a[where])} at index "
+                             f"{where}")
     return rows
 
 

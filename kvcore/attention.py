@@ -39,9 +39,9 @@ def _query_input(be, q, num_kv_heads, head_dim, what="the pool's "):
     n, heads, dim = qa.shape
     if dim != head_dim:
         raise ValueError(f"q.shape[2] must be {what}head_dim={head_dim}, got {dim}")
-    if heads == 0 or heads % num_kv_heads:
+    if heads == 0 or heads % num_kv_heads or heads > _args.MAX_HEADS:
         raise ValueError(f"q.shape[1] (num_heads) must be a positive multiple of {what}"
-                         f"num_kv_heads={num_kv_heads}, got {heads}")
+                         f"num_kv_heads={num_kv_heads} up to {_args.MAX_HEADS}, got {heads}")
     return _float_bits(qa, bf16, "q")
 
 
@@ -141,7 +141,9 @@ def _planes_source(planes_in):
                          f"strides {k.strides}")
     if any(st % k.itemsize for st in k.strides) or be._ptr(k) % k.itemsize \
             or be._ptr(v) % k.itemsize:
-        raise ValueError("key_cache and value_cache must be aligned to their elements")
+        raise ValueError(f"key_cache and value_cache must be aligned to their elements "
+                         f"({k.itemsize} bytes), got addresses {be._ptr(k):#x} and "
+                         f"{be._ptr(v):#x}, strides {k.strides}")
     views = [(k[l], v[l]) for l in range(k.shape[0])] if k.ndim == 5 else [(k, v)]
     plain = codec_of(kind)
     return _Source(be, kind, tuple(k.shape[-4:]), views, [(plain, plain)] * len(views), (k, v),
@@ -256,7 +258,8 @@ class AttentionPlan:
         chunks = _args.layer_lengths(chunk_size, "chunk_size", layers)
         if only_layer is not None:     # (one call: its layer's kind only)
             windows, chunks = (windows[only_layer],) * layers, (chunks[only_layer],) * layers
-        alibi = _args.head_rows(alibi_slopes, "alibi_slopes", layers)
+        alibi = _args.head_rows(alibi_slopes, "alibi_slopes", layers,
+                                limit=_args.ALIBI_SLOPE_LIMIT)
         sink_rows = _args.head_rows(sinks, "sinks", layers)
         fixed = None      # the query heads the slopes and sinks fix
         for arg, rows in (("alibi_slopes", alibi), ("sinks", sink_rows)):

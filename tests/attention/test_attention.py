@@ -486,8 +486,12 @@ def setup():
 BAD = [
     # (change, exception, message pattern)
     (dict(q=np.zeros((5, 7, 64), np.float32)), ValueError,
-     r"q.shape\[1\] \(num_heads\) must be a positive multiple of the pool's num_kv_heads=2, "
-     r"got 7"),
+     r"q.shape\[1\] \(num_heads\) must be a positive multiple of the pool's num_kv_heads=2 "
+     r"up to 65536, got 7"),
+    # (a stride-0 q: 65538 heads cost no memory; AttentionPlan's num_heads has the same limit)
+    (dict(q=np.lib.stride_tricks.as_strided(np.zeros(64, np.float32), (5, 65538, 64),
+                                            (0, 0, 4))), ValueError,
+     r"q.shape\[1\] \(num_heads\) must be a positive multiple .* up to 65536, got 65538"),
     (dict(q=np.zeros((5, 8, 32), np.float32)), ValueError, r"head_dim=64, got 32"),
     (dict(q=np.zeros((5, 8), np.float32)), ValueError, r"q must be 3-D"),
     (dict(q=np.zeros((5, 8, 64), np.int32)), TypeError, r"q must be float32.*got int32"),

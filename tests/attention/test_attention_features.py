@@ -304,6 +304,24 @@ def test_every_accepted_scale_matches_the_reference(level, dtype, scale, kw):
     assert rel_err(outs[0], want) <= TOL
 
 
+@pytest.mark.parametrize("slope", [2.0**32, -(2.0**32)])
+def test_alibi_slopes_at_their_limit_give_the_softmax_limit(slope, level):
+    """|slope| = 2**32 (the largest taken): every bias stays finite, so rows
+    whose values are all one give one (a slope of 3e38 gave NaN: its bias
+    overflowed), and a steep positive slope weights the row's own key, a
+    negative one its first."""
+    pool = kvcore.BlockPool(4, 16, 1, 1, 8, dtype="float16")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2, 3])
+    k = np.ones((3, 1, 8), np.float32)
+    v = np.arange(3, dtype=np.float32)[:, None, None] + np.ones((3, 1, 8), np.float32)
+    seq.append(0, k, v)
+    out = seq.attention(0, np.ones((3, 1, 8), np.float32), alibi_slopes=[slope])
+    assert np.isfinite(out).all(), (level, slope)
+    want = np.arange(3) + 1.0 if slope > 0 else np.ones(3)
+    np.testing.assert_array_equal(out[:, 0, 0], want)
+
+
 def test_the_issue_case_at_scale_1e38_is_the_one_hot_limit():
     """issue 38.3's repro: |q.k| > 2.36 at scale=1e38 gave NaN everywhere."""
     pool = kvcore.BlockPool(4, 4, 1, 1, 8, dtype="float32")
@@ -330,6 +348,11 @@ BAD = [
      r"alibi_slopes must hold finite values \(as float32\), got nan at index 1"),
     (dict(alibi_slopes=np.array([1e39, 1, 1, 1])), ValueError,
      r"alibi_slopes must hold finite values \(as float32\), got 1e\+39 at index 0"),
+    # a slope whose bias could overflow float32 (its inf - inf in the softmax was NaN)
+    (dict(alibi_slopes=np.array([0.5, 3e38, 0.1, 0.2])), ValueError,
+     r"alibi_slopes must lie in -2\*\*32..2\*\*32 .*got 3e\+38 at index 1"),
+    (dict(alibi_slopes=[[0.5, 0.1, 0.1, 0.1], [0.5, 0.1, 0.1, -1.5e38]]), ValueError,
+     r"alibi_slopes must lie in -2\*\*32..2\*\*32 .*got -1.5e\+38 at index \(1, 3\)"),
     (dict(sinks=np.full((2, 4), np.inf)), ValueError,
      r"sinks must hold finite values .* at index \(0, 0\)"),
     (dict(sinks=np.zeros((3, 4))), ValueError,

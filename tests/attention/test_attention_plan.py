@@ -123,7 +123,7 @@ RUN_BAD = [
      r"q.shape\[0\] must be the plan's num_query_tokens=15, got 14"),
     (dict(q=np.zeros((15, 8, 32), np.float32)), ValueError, r"head_dim=64, got 32"),
     (dict(q=np.zeros((15, 7, 64), np.float32)), ValueError, r"multiple of the pool's "
-                                                           r"num_kv_heads=2, got 7"),
+                                                           r"num_kv_heads=2 up to 65536, got 7"),
     (dict(q=np.zeros((15, 8, 64), np.float64)), TypeError, r"q must be float32.*got float64"),
     (dict(layer=3), IndexError, r"layer must be in 0..2, got 3"),
     (dict(layer=-1), IndexError, r"layer must be in 0..2, got -1"),
