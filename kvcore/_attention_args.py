@@ -220,8 +220,8 @@ def head_rows(x, arg, num_layers, limit=None):
     C-contiguous host array (None stays None): a float array (NumPy, torch,
     CuPy; any float dtype) or a sequence of numbers of shape
     ``(num_heads,)`` (every layer) or ``(num_layers, num_heads)``, with
-    finite values as float32 (and, given ``limit``, none past it in
-    magnitude).  A device array is copied down (once per plan)."""
+    finite values as float32 (and, given ``limit``, a power of two, none
+    past it in magnitude).  A device array is copied down (once per plan)."""
     if x is None:
         return None
     if isinstance(x, (list, tuple)):
@@ -271,7 +271,8 @@ def head_rows(x, arg, num_layers, limit=None):
         if big.any():
             at = np.unravel_index(int(np.argmax(big)), rows.shape)
             where = int(at[1]) if a.ndim == 1 else (int(at[0]), int(at[1]))
-            raise ValueError(f"{arg} must lie in -2**32..2**32 (a bias slope * distance "
+            bound = f"2**{int(np.log2(limit))}"
+            raise ValueError(f"{arg} must lie in -{bound}..{bound} (a bias slope * distance "
                              f"must stay finite in float32), got {float(a[where])} at index "
                              f"{where}")
     return rows
