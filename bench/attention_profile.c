@@ -430,6 +430,35 @@ static void fma_ceiling(void)
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
+/* 3. and 4.: two buffers of `bytes` on 2 MiB pages, filled with `fill`;
+ * returns their rounded size. */
+static size_t page_pair(size_t bytes, int fill, char **k, char **v)
+{
+    const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
+    *k = aligned_alloc(2u << 20, al);
+    *v = aligned_alloc(2u << 20, al);
+    madvise(*k, al, MADV_HUGEPAGE);
+    madvise(*v, al, MADV_HUGEPAGE);
+    memset(*k, fill, al);
+    memset(*v, fill, al);
+    return al;
+}
+
+/* 3. and 4.: the block ids 0 .. nblk - 1 in one fixed shuffled order. */
+static int32_t *shuffled_blocks(int nblk)
+{
+    int32_t *table = malloc(sizeof(int32_t) * nblk);
+    for (int i = 0; i < nblk; i++)
+        table[i] = i;
+    srand(1);
+    for (int i = nblk - 1; i > 0; i--) {
+        int j = rand() % (i + 1), t = table[i];
+        table[i] = table[j];
+        table[j] = t;
+    }
+    return table;
+}
+
 __attribute__((target("avx512f"), noinline)) static float raw_sum(const char *k, const char *v,
                                                                   const int32_t *table, int nblk,
                                                                   int kvh, size_t chunk)
@@ -458,21 +487,9 @@ static int raw_read(int kvh, int d, int ctx)
         fprintf(stderr, "raw: context >= %d, head_dim a multiple of 2\n", BS);
         return 2;
     }
-    const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
-    char *k = aligned_alloc(2u << 20, al), *v = aligned_alloc(2u << 20, al);
-    madvise(k, al, MADV_HUGEPAGE);
-    madvise(v, al, MADV_HUGEPAGE);
-    memset(k, 0, al);
-    memset(v, 0, al);
-    int32_t *table = malloc(sizeof(int32_t) * nblk);
-    for (int i = 0; i < nblk; i++)
-        table[i] = i;
-    srand(1);
-    for (int i = nblk - 1; i > 0; i--) {
-        int j = rand() % (i + 1), t = table[i];
-        table[i] = table[j];
-        table[j] = t;
-    }
+    char *k, *v;
+    page_pair(bytes, 0, &k, &v);
+    int32_t *table = shuffled_blocks(nblk);
     double best = 1e30;
     float sink = 0;
     for (int r = 0; r < 7; r++) {
@@ -533,22 +550,10 @@ static int pace(int rb, int fmas, int kvh)
     }
     const long ctx = 65536, nblk = ctx / BS, n = ctx * kvh;
     const size_t chunk = (size_t)BS * rb, bytes = (size_t)nblk * kvh * chunk;
-    const size_t al = (bytes + (2u << 20) - 1) & ~(size_t)((2u << 20) - 1);
-    char *k = aligned_alloc(2u << 20, al), *v = aligned_alloc(2u << 20, al);
-    madvise(k, al, MADV_HUGEPAGE);
-    madvise(v, al, MADV_HUGEPAGE);
-    memset(k, 1, al);
-    memset(v, 1, al);
-    int32_t *table = malloc(sizeof(int32_t) * nblk);
+    char *k, *v;
+    page_pair(bytes, 1, &k, &v);
+    int32_t *table = shuffled_blocks((int)nblk);
     char **kr = malloc(sizeof(char *) * (n + 64)), **vr = malloc(sizeof(char *) * (n + 64));
-    for (int i = 0; i < nblk; i++)
-        table[i] = i;
-    srand(1);
-    for (int i = nblk - 1; i > 0; i--) {
-        int j = rand() % (i + 1), t = table[i];
-        table[i] = table[j];
-        table[j] = t;
-    }
     long r = 0;
     for (long s0 = 0; s0 < ctx; s0 += 1024)
         for (int g = 0; g < kvh; g++)
