@@ -159,7 +159,7 @@ KVA_INLINE void storef_avx512(float *p, __m512 v, int half)
  * into a float32 tile take L2: out of the caches 4-11% faster on an AMX
  * Xeon, in them no slower.  Longer rows read as they are keep L1, whose
  * hits they need where the pages sit in L2 (float16 at head_dim 128: 3-6%
- * slower there with L2); so do the avx2 kernels (2-5% slower in the
+ * slower there with L2); so do the avx2 kernels (up to 5% slower in the
  * caches with L2).  docs/performance.md, "Prefetching into L2". */
 #define KVA_NEXT_TO_L2(isz, D) ((size_t)(D) * (size_t)(isz) <= 128)
 KVA_INLINE void prefetch_next_avx512(const void *p, int to_l2)
