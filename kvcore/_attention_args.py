@@ -260,17 +260,19 @@ def head_rows(x, arg, num_layers, limit=None):
                          f"num_heads), got {tuple(a.shape)}")
     with np.errstate(over="ignore", invalid="ignore"):
         rows = np.array(np.broadcast_to(a, (num_layers, a.shape[-1])), np.float32, order="C")
+    def first(bad):      # the index in x of the first True of bad (rows' shape)
+        at = np.unravel_index(int(np.argmax(bad)), rows.shape)
+        return int(at[1]) if a.ndim == 1 else (int(at[0]), int(at[1]))
+
     bad = ~np.isfinite(rows)
     if bad.any():
-        at = np.unravel_index(int(np.argmax(bad)), rows.shape)
-        where = int(at[1]) if a.ndim == 1 else (int(at[0]), int(at[1]))
+        where = first(bad)
         raise ValueError(f"{arg} must hold finite values (as float32), got {float(a[where])} "
                          f"at index {where}")
     if limit is not None:
         big = np.abs(rows) > limit
         if big.any():
-            at = np.unravel_index(int(np.argmax(big)), rows.shape)
-            where = int(at[1]) if a.ndim == 1 else (int(at[0]), int(at[1]))
+            where = first(big)
             bound = f"2**{int(np.log2(limit))}"
             raise ValueError(f"{arg} must lie in -{bound}..{bound} (a bias slope * distance "
                              f"must stay finite in float32), got {float(a[where])} at index "

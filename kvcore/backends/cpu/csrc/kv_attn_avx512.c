@@ -172,8 +172,8 @@ KVA_INLINE void prefetch_next_avx512(const void *p, int to_l2)
 
 /* The line of `next` (a row of the next tile, or NULL: none) at byte `off`,
  * when `off` starts a line of the row (every 64 bytes from its start), into
- * L2: the callers (the widening of a tile) run it beside their load at
- * `off` of the current row. */
+ * L2: the callers (a tile widened or transposed into float32) run it
+ * beside their load at `off` of the current row. */
 KVA_INLINE void prefetch_at_avx512(const char *next, size_t off)
 {
     if (next != NULL && (off & 63) == 0)
