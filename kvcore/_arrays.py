@@ -249,26 +249,49 @@ def aligned(a):
     return a if a.flags.aligned else a.copy()
 
 
-def memory_guard(named):
-    """For the torch tensors among ``named`` (``(arg, array)`` pairs) whose
-    memory a caller keeps views of (a plan's planes): a function that raises
-    RuntimeError naming the argument once a tensor's memory is no longer
-    what it was; None when there is no tensor (NumPy and CuPy arrays cannot
-    lose their memory under a view).
+def _resizable_owner(x):
+    """The NumPy array that owns ``x``'s memory when ``ndarray.resize``
+    can move it (an array owning its data), else None.  (NumPy keeps a
+    view's ``base`` at the array holding the memory; a buffer exported to
+    NumPy by another object, a bytearray or an mmap, cannot be resized or
+    closed while the view lives.)"""
+    owner = x
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    return owner if owner.flags.owndata else None
 
-    It holds each tensor's storage (so the storage itself is never freed)
-    and checks the storage is still the tensor's, with the size and address
-    it had: ``resize_`` frees a storage's bytes whoever holds it, and a
-    freed block often comes back at the same address, so the address alone
-    proves nothing."""
-    held = []
+
+def memory_guard(named):
+    """For the arrays among ``named`` (``(arg, array)`` pairs) whose memory
+    a caller keeps views of (a plan's planes): a function that raises
+    RuntimeError naming the argument once an array's memory is no longer
+    what it was; None when no array can lose its memory (CuPy arrays, NumPy
+    views of buffers that stay put).
+
+    A torch tensor: the guard holds its storage (so the storage itself is
+    never freed) and checks the storage is still the tensor's, with the
+    size and address it had: ``resize_`` frees a storage's bytes whoever
+    holds it, and a freed block often comes back at the same address, so
+    the address alone proves nothing.  A NumPy array: ``resize(...,
+    refcheck=False)`` on the array that owns the memory moves it whoever
+    views it; the guard holds that owner and checks its address and size
+    (its memory cannot be freed while the owner lives, so an owner with the
+    same address and size still holds the bytes the plan reads)."""
+    from .backends.cpu._attention import address, first_moved
+    held, owners, names = [], [], []
     for arg, x in named:
         if _torch_of(x) is None:
+            if isinstance(x, np.ndarray):
+                owner = _resizable_owner(x)
+                if owner is not None:
+                    owners.append((owner, address(owner), owner.nbytes))
+                    names.append((arg, owner.shape))
             continue
         storage = x.untyped_storage()
         held.append((arg, x, storage, storage.data_ptr(), storage.nbytes(), x.data_ptr()))
-    if not held:
+    if not held and not owners:
         return None
+    owners = tuple(owners)
 
     def guard():
         for arg, x, storage, base, nbytes, ptr in held:
@@ -278,4 +301,11 @@ def memory_guard(named):
                     f"{arg}'s memory moved or was freed since the plan was made (the torch "
                     "tensor's storage was resized or replaced): make a new AttentionPlan over "
                     "the tensors as they are now")
+        i = first_moved(owners) if owners else -1
+        if i >= 0:
+            arg, shape = names[i]
+            raise RuntimeError(
+                f"{arg}'s memory moved since the plan was made (the NumPy array holding "
+                f"it, shape {shape} then, was resized: ndarray.resize with "
+                "refcheck=False): make a new AttentionPlan over the arrays as they are now")
     return guard

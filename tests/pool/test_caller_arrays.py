@@ -4,6 +4,8 @@
   storage, its size and address), not the address alone: a storage freed
   and regrown smaller, even at the same address, is refused by the next
   run, which never reads the freed bytes (the suite also runs under ASan).
+  Likewise NumPy planes whose owning array was resized in place
+  (``ndarray.resize(..., refcheck=False)``).
 * Every ``out=`` kvcore cannot write in place (a torch tensor with the
   negative or conjugate bit, one that requires grad or has autograd
   history, a read-only NumPy array, elements that share memory) is refused
@@ -92,6 +94,64 @@ def test_a_plan_over_untouched_planes_still_runs_after_another_tensor_is_freed(t
     view = k[1:]                         # another tensor over the same storage
     del view
     np.testing.assert_array_equal(plan.run(q, 2), want)
+
+
+def _numpy_plan(make_view=False):
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((LAYERS, BLOCKS, HEADS, BLOCK, DIM), dtype=np.float32)
+    v = rng.standard_normal((LAYERS, BLOCKS, HEADS, BLOCK, DIM), dtype=np.float32)
+    planes = (k[1:], v[1:]) if make_view else (k, v)
+    tables = np.arange(BLOCKS, dtype=np.int32).reshape(1, BLOCKS)
+    plan = kvcore.AttentionPlan(planes, tables, [BLOCKS * BLOCK])
+    q = rng.standard_normal((1, HEADS, DIM), dtype=np.float32)
+    return k, v, plan, q
+
+
+@pytest.mark.parametrize("which", ["key_cache", "value_cache"])
+@pytest.mark.parametrize("make_view", [False, True], ids=["array", "view"])
+@pytest.mark.parametrize("factor", [8, 0])
+def test_a_plan_refuses_numpy_planes_resized_under_it(which, make_view, factor):
+    """``ndarray.resize(..., refcheck=False)`` moves (or frees) an array's
+    memory whoever views it: a plan over the array, or over a view of it,
+    refuses its next run by name instead of reading the old memory (which
+    crashed the process before: a large array's memory is unmapped)."""
+    k, v, plan, q = _numpy_plan(make_view)
+    layer = LAYERS - 2
+    plan.run(q, layer)
+    a = k if which == "key_cache" else v
+    a.resize((factor * a.shape[0],) + a.shape[1:], refcheck=False)
+    for out in (None, np.empty((1, HEADS, DIM), np.float32)):
+        with pytest.raises(RuntimeError, match=f"{which}'s memory moved.*resize"):
+            plan.run(q, layer, out=out)
+
+
+def test_a_plan_over_numpy_planes_resized_to_their_size_reads_its_own_memory():
+    """Resized to the same shape: the memory stays (same address, read as
+    before) or moves (refused); a run never reads freed bytes."""
+    k, v, plan, q = _numpy_plan()
+    want = plan.run(q, 2)
+    before = k.ctypes.data
+    k.resize(k.shape, refcheck=False)
+    if k.ctypes.data == before:
+        np.testing.assert_array_equal(plan.run(q, 2), want)
+    else:
+        with pytest.raises(RuntimeError, match="key_cache's memory moved"):
+            plan.run(q, 2)
+
+
+def test_numpy_planes_that_cannot_move_need_no_guard():
+    """Arrays over another object's buffer (here a bytearray, which cannot
+    be resized while NumPy views it) carry no check, and the plan runs."""
+    n = LAYERS * BLOCKS * HEADS * BLOCK * DIM
+    buf = bytearray(4 * n)
+    k = np.frombuffer(buf, np.float32).reshape(LAYERS, BLOCKS, HEADS, BLOCK, DIM)
+    v = np.ones_like(k)
+    tables = np.arange(BLOCKS, dtype=np.int32).reshape(1, BLOCKS)
+    plan = kvcore.AttentionPlan((k, v), tables, [BLOCKS * BLOCK])
+    with pytest.raises(BufferError):
+        buf.extend(b"0" * 64)
+    out = plan.run(np.ones((1, HEADS, DIM), np.float32), 1)
+    np.testing.assert_array_equal(out, np.ones((1, HEADS, DIM), np.float32))
 
 
 @pytest.mark.cuda

@@ -311,6 +311,22 @@ def address(cnp.ndarray a):
     return <size_t>cnp.PyArray_DATA(a)
 
 
+def first_moved(tuple held):
+    """The index of the first ``(array, address, nbytes)`` of ``held``
+    whose array no longer has that address and size (it was resized in
+    place: ``ndarray.resize(..., refcheck=False)``), else -1."""
+    cdef Py_ssize_t i
+    cdef tuple entry
+    cdef cnp.ndarray a
+    for i in range(len(held)):
+        entry = <tuple>held[i]
+        a = <cnp.ndarray>entry[0]
+        if <size_t>cnp.PyArray_DATA(a) != <size_t>entry[1] \
+                or cnp.PyArray_NBYTES(a) != <Py_ssize_t>entry[2]:
+            return i
+    return -1
+
+
 cdef class Plan
 
 
