@@ -19,7 +19,7 @@ import numpy as np
 from . import dtypes
 from .dtypes import BF16
 from ._planes import outs_share_memory
-from .backends import tensor_view
+from .backends import first_moved, host_address, tensor_view
 
 __all__ = ["unwrap", "host_view", "float_input", "writable", "out_array", "out_pair",
            "read_kind", "index_array", "aligned", "memory_guard"]
@@ -225,7 +225,19 @@ def index_array(be, x, arg):
     ``__array_interface__`` or the buffer protocol; device arrays through
     the backend.  Always a copy, so what is checked is what is used, though
     another thread (or the call itself, writing the storage an input is a
-    view of) rewrites the caller's input."""
+    view of) rewrites the caller's input.  An input too large to copy
+    (a broadcast view of 2**40 rows) raises MemoryError naming ``arg``."""
+    try:
+        return _index_copy(be, x, arg)
+    except MemoryError as e:      # (NumPy's own names no argument)
+        shape = getattr(x, "shape", None)
+        given = f"shape {tuple(shape)} of {getattr(x, 'dtype', '?')}" \
+            if isinstance(shape, tuple) else type(x).__name__
+        raise MemoryError(f"{arg} is too large to copy ({given}: kvcore copies an index "
+                          f"array before checking it): {e}") from None
+
+
+def _index_copy(be, x, arg):
     if isinstance(x, np.ndarray):
         return x.copy()
     if isinstance(x, (list, tuple)):
@@ -277,14 +289,13 @@ def memory_guard(named):
     views it; the guard holds that owner and checks its address and size
     (its memory cannot be freed while the owner lives, so an owner with the
     same address and size still holds the bytes the plan reads)."""
-    from .backends.cpu._attention import address, first_moved
     held, owners, names = [], [], []
     for arg, x in named:
         if _torch_of(x) is None:
             if isinstance(x, np.ndarray):
                 owner = _resizable_owner(x)
                 if owner is not None:
-                    owners.append((owner, address(owner), owner.nbytes))
+                    owners.append((owner, host_address(owner), owner.nbytes))
                     names.append((arg, owner.shape))
             continue
         storage = x.untyped_storage()

@@ -120,6 +120,14 @@ def int32_table(t):
     return np.ascontiguousarray(t, dtype=np.int32)
 
 
+def _check_rows(x, rows, arg, what):
+    """ValueError when ``x`` is a 1-D array of other than ``rows`` entries,
+    read from its ``shape`` (NumPy, torch, CuPy) before any copy."""
+    shape = getattr(x, "shape", None)
+    if isinstance(shape, tuple) and len(shape) == 1 and shape[0] != rows:
+        raise ValueError(f"{arg} must have {what}, got shape {tuple(shape)}")
+
+
 def step_args(be, num_tokens, head_dim, block_tables, seq_lens, query_start_loc, scale,
               logits_soft_cap):
     """The checked host forms of the index arrays and the scalars:
@@ -129,6 +137,12 @@ def step_args(be, num_tokens, head_dim, block_tables, seq_lens, query_start_loc,
     synchronisation, once per plan)."""
     tables = int_array(be, block_tables, "block_tables", 2)
     num_seqs, max_blocks = tables.shape
+    # (an array's rows checked before it is copied: a broadcast view of
+    # 2**40 rows beside a short block_tables is a ValueError, not a MemoryError)
+    _check_rows(seq_lens, num_seqs, "seq_lens",
+                f"one entry per row of block_tables ({num_seqs})")
+    _check_rows(query_start_loc, num_seqs + 1, "query_start_loc",
+                f"num_seqs + 1 = {num_seqs + 1} entries")
     lens_in = int_array(be, seq_lens, "seq_lens", 1)
     if lens_in.shape[0] != num_seqs:
         raise ValueError(f"seq_lens must have one entry per row of block_tables ({num_seqs}), "

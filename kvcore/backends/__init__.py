@@ -22,19 +22,23 @@ exports a few host-side helpers that serve every device:
   None (the cheap first try of ``kvcore._arrays``);
 * ``owned_index_arrays(...)``: a plan's own read-only copies of a step's
   index arrays (every plan, public or backend, holds these);
+* ``host_address(a)``, ``first_moved(held)``: a NumPy array's address, and
+  which of ``(array, address, nbytes)`` entries no longer has them (the
+  check of a plan over NumPy planes resized in place), each at C speed;
 * ``simd_levels()``, ``set_simd_level()``, ``CudaUnavailableError``, ``cuda_available()``: what
   ``kvcore`` exports about the devices.
 """
 from .base import Backend, is_cuda_array, owned_index_arrays
 from .codec import Codec, codec_of
 from .cpu import set_simd_level, simd_levels
+from .cpu._attention import address as host_address, first_moved
 from .cpu._checksum import xxh3_64
 from .cpu._kernels import tensor_view
 from .cpu.backend import CPU, CPUBackend
 from .cuda import CudaUnavailableError, cuda_available
 
 __all__ = ["Backend", "CPUBackend", "CPU", "Codec", "codec_of", "get_backend",
-           "backend_of_array", "owned_index_arrays", "xxh3_64", "tensor_view", "simd_levels",
+           "backend_of_array", "owned_index_arrays", "host_address", "first_moved", "xxh3_64", "tensor_view", "simd_levels",
            "set_simd_level", "CudaUnavailableError", "cuda_available"]
 
 
