@@ -74,9 +74,9 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                                           **kwargs)
         cache, kvcore_step, kvcore_layer = ref[:3]
     try:
-        return _kvcore_attention(module, query, cache, kvcore_step, kvcore_layer, ref,
-                                 block_table, cu_seq_lens_q, dropout, scaling, sliding_window,
-                                 softcap, attention_mask, kwargs)
+        return _kvcore_attention(module, query, (key, value), cache, kvcore_step, kvcore_layer,
+                                 ref, block_table, cu_seq_lens_q, dropout, scaling,
+                                 sliding_window, softcap, attention_mask, kwargs)
     except BaseException:
         # (a plan the backend refuses, e.g. a head_dim its kernels do not
         # take, a feature the model asks for that kvcore does not compute,
@@ -86,8 +86,9 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         raise
 
 
-def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_seq_lens_q,
-                      dropout, scaling, sliding_window, softcap, attention_mask, kwargs):
+def _kvcore_attention(module, query, new_kv, cache, step, layer, ref, block_table,
+                      cu_seq_lens_q, dropout, scaling, sliding_window, softcap, attention_mask,
+                      kwargs):
     if ref is not None:
         step.attention_tables(cache)
         block_table, cu_seq_lens_q = step.tables, step.query_start
@@ -109,6 +110,9 @@ def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_se
     batch, heads, q, dim = query.shape
     window, chunk = state.layer_kind(layer, sliding_window, step.seq_lens)
     sinks_key, sinks_rows = state.sinks_key(layer, sinks, heads)
+    if q > 1 and cache._prefill_sdpa(query.dtype) and _fresh_causal(
+            step, q, window, chunk, softcap, sinks_rows, spec):
+        return _sdpa_prefill(query, new_kv, scaling), None
     if q == 1:
         rows = query.detach().reshape(batch, heads, dim)
     else:
@@ -151,6 +155,28 @@ def _kvcore_attention(module, query, cache, step, layer, ref, block_table, cu_se
                 lane.attend(step, lane_key, layer, rows, part)
                 flat[step.query_rows] = part
     return out, None
+
+
+def _fresh_causal(step, q, window, chunk, softcap, sinks_rows, spec):
+    """Whether this layer's attention is plain causal attention among the
+    step's own ``q`` new positions: every row's first forward (no cached
+    position before it, no padding column), no soft cap, sinks or ALiBi,
+    and a window or chunk (if any) that hides none of them."""
+    return step.query_rows is None and bool((step.seq_lens == q).all()) \
+        and (not window or window >= q) and (not chunk or chunk >= q) \
+        and not softcap and sinks_rows is None and spec.alibi is None
+
+
+def _sdpa_prefill(query, new_kv, scaling):
+    """torch's ``scaled_dot_product_attention`` over the step's new K/V, as
+    transformers' sdpa attention calls it (``PagedCache(prefill_attention=)``):
+    ``(batch, q, num_heads, head_dim)``."""
+    with torch._C.DisableTorchFunctionSubclass():     # (the marked K/V: handoff.py)
+        key, value = (t.as_subclass(torch.Tensor) for t in new_kv)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
 
 
 def _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer, flat):

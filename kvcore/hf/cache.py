@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._validate import index_int, salt_bytes
+from ..backends import simd_levels
 from ..paged import PagedKVCache
 from ..pool import BlockPool
 from .device import DeviceLane
@@ -31,6 +32,7 @@ from .torch_bridge import _TorchSide
 # the low-precision ones only the kvcore attention reads (it dequantizes)
 _TORCH_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _LOW_PRECISION = ("float8_e4m3fn", "float8_e5m2", "int8")
+_PREFILL_CHOICES = ("auto", "kvcore", "sdpa")
 # the K/V dtypes a pool is written from (BlockPool.write's: the float ones above)
 _KV_DTYPES = frozenset(_TORCH_STORAGE.values())
 
@@ -117,6 +119,18 @@ class PagedCache(Cache):
     salt : str or bytes, optional
         As for :class:`kvcore.PagedKVCache`: caches with different salts
         never share blocks.
+    prefill_attention : {"auto", "kvcore", "sdpa"}, default "auto"
+        Who computes a layer's attention in a forward that is every row's
+        first (no cached position before it, no padding column) and that
+        the layer's window, chunk, soft cap, sinks and ALiBi do not change
+        (plain causal attention among the new positions, whose K/V the
+        forward holds): ``"kvcore"`` always kvcore's kernels, ``"sdpa"``
+        torch's ``scaled_dot_product_attention`` (what transformers' sdpa
+        attention calls), ``"auto"`` torch's where it was measured faster:
+        a bfloat16 model on a CPU whose attention runs kvcore's ``amx``
+        level (torch's AMX kernels), and a float16 / bfloat16 model on a
+        CUDA pool (torch's flash attention).  The K/V go to the pages
+        either way; later forwards (decode, prefix hits) read them there.
 
     Notes
     -----
@@ -132,9 +146,12 @@ class PagedCache(Cache):
     ``free()`` (or leaving a ``with`` block) gives the rows' blocks back.
     """
 
-    def __init__(self, pool, salt=None):
+    def __init__(self, pool, salt=None, *, prefill_attention="auto"):
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+        if not isinstance(prefill_attention, str) or prefill_attention not in _PREFILL_CHOICES:
+            raise ValueError(f"prefill_attention must be one of {list(_PREFILL_CHOICES)}, got "
+                             f"{prefill_attention!r}")
         if pool.dtype not in _TORCH_STORAGE and pool.dtype not in _LOW_PRECISION:
             raise ValueError(f"pool.dtype must be one of "
                              f"{sorted(_TORCH_STORAGE) + list(_LOW_PRECISION)} for kvcore.hf, "
@@ -142,6 +159,7 @@ class PagedCache(Cache):
         salt_bytes(salt)                        # (checked now, used by each row)
         self.pool = pool
         self.salt = salt
+        self.prefill_attention = prefill_attention
         self._seqs = []                         # one PagedKVCache per batch row
         self._pad = np.zeros(0, np.int64)       # column of each row's position 0
         self._length = 0                        # columns seen by transformers
@@ -170,6 +188,16 @@ class PagedCache(Cache):
         self._v_pages = [self._torch.pages(pool.value_cache(i), bf16)
                          for i in range(pool.num_layers)]
         super().__init__(layers=[_PagedLayer(self, i) for i in range(pool.num_layers)])
+
+    def _prefill_sdpa(self, dtype):
+        """Whether a first forward's plain causal layers with queries of
+        ``dtype`` go to torch's sdpa (``prefill_attention``)."""
+        choice = self.prefill_attention
+        if choice != "auto":
+            return choice == "sdpa"
+        if self._torch.cuda:
+            return dtype in (torch.float16, torch.bfloat16)
+        return dtype == torch.bfloat16 and simd_levels()["attention"] == "amx"
 
     # -------------------------------------------------------------- rows
     def _new_row(self, token_ids):

@@ -13,7 +13,7 @@ from .torch_bridge import _on_cuda
 
 
 def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=False,
-             **generate_kwargs):
+             prefill_attention="auto", **generate_kwargs):
     """``model.generate`` with prefix reuse across calls through ``pool``.
 
     Each row's longest cached prefix (prompt, and tokens that earlier calls
@@ -40,6 +40,9 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
         for later calls (see docs/hf.md); the host then does a step's
         bookkeeping and one copy, the GPU the whole forward.  Prefill
         forwards and any forward a graph cannot take run as without it.
+    prefill_attention : {"auto", "kvcore", "sdpa"}, default "auto"
+        Who computes the attention of a first forward that needs no cached
+        position (as :class:`PagedCache`'s: torch's sdpa where it is faster).
     **generate_kwargs
         Passed to ``model.generate`` (``max_new_tokens``, ``do_sample``,
         ``num_beams``, ``prompt_lookup_num_tokens``, ...).
@@ -81,7 +84,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
     check_batch(model.config, pads)
     ids = input_ids.detach().cpu().numpy()
     keyword = cache_keyword(model)
-    cache = PagedCache(pool, salt=salt)
+    cache = PagedCache(pool, salt=salt, prefill_attention=prefill_attention)
     graph_set = None
     try:
         cache._begin([ids[i, pads[i]:] for i in range(ids.shape[0])], pads)

@@ -1331,3 +1331,167 @@ def test_benchmark_runs_and_reports_goals():
         bench.run(prompt=48, new=4, repeat=1, model="nope.gguf")
     with pytest.raises(ValueError, match="model_dtype must be one of"):
         bench.run(prompt=48, new=4, repeat=1, model_dtype="float16")
+
+
+# ------------------------------------------------------------ prefill_attention
+def _sdpa_calls(monkeypatch):
+    """Shapes of the queries torch's sdpa gets (kvcore's first-forward route
+    calls it by its module attribute, as transformers' sdpa attention does)."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, *args, **kwargs):
+        calls.append(tuple(query.shape))
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    return calls
+
+
+def _equal_prompts(batch, length, seed=5):
+    ids = torch.from_numpy(np.random.default_rng(seed).integers(3, VOCAB, (batch, length)))
+    return ids, torch.ones_like(ids)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefill_attention_sdpa_computes_a_first_forward_with_torch(monkeypatch, batch):
+    """``prefill_attention="sdpa"``: the first forward of prompts with no
+    padding and no cached position runs torch's sdpa at every layer (the
+    K/V still go to the pages), the decode steps kvcore's kernels over
+    them: the tokens are DynamicCache's."""
+    model = model_for("llama", "kvcore")
+    ids, mask = _equal_prompts(batch, 37)
+    want = _dynamic(model_for("llama"), ids, mask, max_new_tokens=8, do_sample=False)
+    calls = _sdpa_calls(monkeypatch)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    with PagedCache(pool, prefill_attention="sdpa") as cache:
+        got = model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=8,
+                             do_sample=False)
+        assert cache.get_seq_length() == 37 + 7
+    assert calls == [(batch, 4, 37, 16)] * 2              # the first forward's 2 layers only
+    assert torch.equal(got, want)
+    assert pool.num_used_blocks == 0
+
+
+def test_prefill_attention_kvcore_never_calls_torch(monkeypatch):
+    model = model_for("llama", "kvcore")
+    ids, mask = _equal_prompts(2, 37)
+    calls = _sdpa_calls(monkeypatch)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    with PagedCache(pool, prefill_attention="kvcore") as cache:
+        got = model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=4,
+                             do_sample=False)
+    assert calls == []
+    assert torch.equal(got, _dynamic(model_for("llama"), ids, mask, max_new_tokens=4,
+                                     do_sample=False))
+
+
+def test_prefill_attention_sdpa_leaves_padded_and_cached_forwards_to_kvcore(monkeypatch):
+    """Padding columns, or positions already in the pages (a prefix hit),
+    need kvcore's attention: such a first forward never goes to torch."""
+    model = model_for("llama", "kvcore")
+    padded, padded_mask = _prompts([37, 20])                 # left-padded
+    want_padded = _dynamic(model_for("llama"), padded, padded_mask, max_new_tokens=4,
+                           do_sample=False)
+    ids, mask = _equal_prompts(1, 37)
+    want = _dynamic(model_for("llama"), ids, mask, max_new_tokens=4, do_sample=False)
+    calls = _sdpa_calls(monkeypatch)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    with PagedCache(pool, prefill_attention="sdpa") as cache:
+        got = model.generate(padded, attention_mask=padded_mask, **_kw(model, cache),
+                             max_new_tokens=4, do_sample=False)
+    assert calls == []
+    assert torch.equal(got, want_padded)
+    # kvcore.hf.generate twice over one prompt: the second call finds its
+    # first 32 positions in the pool and computes the rest with kvcore
+    for call in range(2):
+        got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=4,
+                                 do_sample=False, prefill_attention="sdpa")
+        assert torch.equal(got, want)
+        assert calls == [(1, 4, 37, 16)] * 2          # the first call's first forward only
+        assert pool.stats()["prefix_hits"] == 32 * call     # (tokens found cached)
+
+
+@pytest.mark.parametrize("window, routed", [(8, False), (64, True)])
+def test_prefill_attention_sdpa_only_where_the_window_hides_nothing(monkeypatch, window, routed):
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        sliding_window=window, bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids, mask = _equal_prompts(2, 30)
+    kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask,
+                          **_kw(model, transformers.DynamicCache(config=config)), **kw)
+    model.set_attn_implementation("kvcore")
+    calls = _sdpa_calls(monkeypatch)
+    pool = pool_for(config, 64, dtype="float32", block_size=16)
+    with PagedCache(pool, prefill_attention="sdpa") as cache:
+        got = model.generate(ids, attention_mask=mask, **_kw(model, cache), **kw)
+    assert calls == ([(2, 4, 30, 16)] * 2 if routed else [])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("value", ["torch", "", None, 1, "SDPA"])
+def test_prefill_attention_is_checked_by_name(value):
+    model = model_for("llama", "kvcore")
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    with pytest.raises(ValueError, match=r"prefill_attention must be one of \['auto', 'kvcore', "
+                                         r"'sdpa'\], got"):
+        PagedCache(pool, prefill_attention=value)
+    ids, mask = _equal_prompts(1, 20)
+    with pytest.raises(ValueError, match="prefill_attention must be one of"):
+        kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=2,
+                           prefill_attention=value)
+    assert pool.num_used_blocks == 0 and pool.stats()["prefix_queries"] == 0
+
+
+def test_prefill_attention_auto_picks_torch_for_bfloat16_at_the_amx_level_only():
+    """On a CPU pool "auto" hands a first forward to torch for bfloat16
+    queries where kvcore's attention runs its amx level (torch's AMX
+    kernels were faster there: docs/hf.md), never for float32 / float16."""
+    pool = pool_for(model_for("llama").config, 8, dtype="bfloat16", block_size=16)
+    cache = PagedCache(pool)
+    assert cache.prefill_attention == "auto"
+    amx = kvcore.simd_levels()["attention"] == "amx"
+    assert cache._prefill_sdpa(torch.bfloat16) is amx
+    assert cache._prefill_sdpa(torch.float16) is False
+    assert cache._prefill_sdpa(torch.float32) is False
+    if amx:
+        previous = kvcore.set_simd_level("avx512")
+        try:
+            assert cache._prefill_sdpa(torch.bfloat16) is False
+        finally:
+            kvcore.set_simd_level(previous)
+    assert PagedCache(pool, prefill_attention="sdpa")._prefill_sdpa(torch.float32) is True
+    assert PagedCache(pool, prefill_attention="kvcore")._prefill_sdpa(torch.bfloat16) is False
+
+
+def test_prefill_routes_benchmark_runs_on_tiny_sizes(capsys):
+    """bench/prefill_routes.py's attention rows (what docs/hf.md quotes for
+    prefill_attention="auto") on tiny sizes; speed is never asserted."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prefill_routes",
+                                                  ROOT / "bench" / "prefill_routes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    previous = kvcore.set_num_threads(None)
+    try:
+        bench.main(["--tokens", "40", "--shapes", "4/2/64", "--dtypes", "bfloat16,float32",
+                    "--rounds", "1"])
+    finally:
+        torch.set_num_threads(threads)
+        kvcore.set_num_threads(previous)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("kvcore attention level ")
+    assert len(lines) == 3
+    for line, dtype in zip(lines[1:], ("bfloat16", "float32")):
+        assert line.startswith(f"4/2 d64 {dtype}") and "torch sdpa" in line
+        diff = float(line.rsplit("max |diff| ", 1)[1].rstrip(")"))
+        assert diff < (0.05 if dtype == "bfloat16" else 1e-2)
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "4/2"])
