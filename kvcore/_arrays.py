@@ -19,10 +19,10 @@ import numpy as np
 from . import dtypes
 from .dtypes import BF16
 from ._planes import outs_share_memory
-from .backends import first_moved, host_address, tensor_view
+from .backends import first_moved, host_address, runs_no_code, tensor_view
 
 __all__ = ["unwrap", "host_view", "float_input", "writable", "out_array", "out_pair",
-           "read_kind", "index_array", "aligned", "memory_guard"]
+           "read_kind", "index_array", "aligned", "memory_guard", "runs_no_code"]
 
 
 def _torch_of(x):
@@ -273,7 +273,13 @@ def _resizable_owner(x):
     return owner if owner.flags.owndata else None
 
 
-def memory_guard(named):
+_PLAN = ("the plan was made", "make a new AttentionPlan over the arrays as they are now")
+#: a call's own inputs: read after the rest of its arguments were converted
+CALL = ("the call began (converting another argument ran code that freed or resized it)",
+        "pass arrays that stay as they are for the call")
+
+
+def memory_guard(named, when=_PLAN):
     """For the arrays among ``named`` (``(arg, array)`` pairs) whose memory
     a caller keeps views of (a plan's planes): a function that raises
     RuntimeError naming the argument once an array's memory is no longer
@@ -288,7 +294,11 @@ def memory_guard(named):
     refcheck=False)`` on the array that owns the memory moves it whoever
     views it; the guard holds that owner and checks its address and size
     (its memory cannot be freed while the owner lives, so an owner with the
-    same address and size still holds the bytes the plan reads)."""
+    same address and size still holds the bytes the plan reads).
+
+    ``when``: ``(since what, what to do)`` for the message (a plan's planes
+    by default; ``CALL`` for a call's inputs, checked once its other
+    arguments are converted)."""
     held, owners, names = [], [], []
     for arg, x in named:
         if _torch_of(x) is None:
@@ -309,14 +319,13 @@ def memory_guard(named):
             if x.untyped_storage() is not storage or storage.nbytes() != nbytes \
                     or storage.data_ptr() != base or x.data_ptr() != ptr:
                 raise RuntimeError(
-                    f"{arg}'s memory moved or was freed since the plan was made (the torch "
-                    "tensor's storage was resized or replaced): make a new AttentionPlan over "
-                    "the tensors as they are now")
+                    f"{arg}'s memory moved or was freed since {when[0]} (the torch "
+                    f"tensor's storage was resized or replaced): {when[1]}")
         i = first_moved(owners) if owners else -1
         if i >= 0:
             arg, shape = names[i]
             raise RuntimeError(
-                f"{arg}'s memory moved since the plan was made (the NumPy array holding "
+                f"{arg}'s memory moved since {when[0]} (the NumPy array holding "
                 f"it, shape {shape} then, was resized: ndarray.resize with "
-                "refcheck=False): make a new AttentionPlan over the arrays as they are now")
+                f"refcheck=False): {when[1]}")
     return guard

@@ -196,8 +196,10 @@ class PoolData:
                      or np.array_equal(self.head_scales, other.head_scales)))
 
     # ------------------------------------------------------------ ops
-    def write(self, layer, k, v, slots, src_kind, check):
-        """``BlockPool.write`` of validated ``layer``, K and V."""
+    def write(self, layer, k, v, slots, src_kind, check, guard=None):
+        """``BlockPool.write`` of validated ``layer``, K and V (``guard``:
+        ``_arrays.memory_guard`` of the caller's K and V, run once
+        ``slots`` is converted)."""
         n = k.shape[0]
         backend = self.backend
         on_device = backend.device_slots(slots, n)  # GPU slots stay on the GPU
@@ -205,6 +207,8 @@ class PoolData:
             slots, check = self.slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
+        if guard is not None:
+            guard()
         k_plane, v_plane = self.planes.views[layer]
         k_codec, v_codec = self.planes.codecs[layer]
         backend.write_slots_kv(k_plane, v_plane, k, v, slots, src_kind, k_codec, v_codec,

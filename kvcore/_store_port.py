@@ -15,6 +15,7 @@ import collections
 
 import numpy as np
 
+from . import _arrays
 from ._threads import get_num_threads
 from .stores.base import BlockRecord
 
@@ -92,6 +93,21 @@ class StorePort:
                 for j, (b, payload) in enumerate(zip(blocks.tolist(), payloads))]
 
     # ------------------------------------------------------------ block bytes
+    def _block_ids(self, block_ids):
+        """``block_ids`` as a list of ints, each a block of the pool
+        (IndexError naming the first that is not; nothing read or written)."""
+        a = _arrays.index_array(self._backend, block_ids, "block_ids")
+        if a.ndim != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {a.shape}")
+        if a.size and a.dtype.kind not in "iu":
+            raise TypeError(f"block_ids must hold integers, got dtype {a.dtype}")
+        n = self._storage.shape[1]
+        bad = np.flatnonzero((a < 0) | (a >= n))
+        if bad.size:
+            i = int(bad[0])
+            raise IndexError(f"block_ids[{i}] must be a block id in 0..{n - 1}, got {a[i]}")
+        return a.astype(np.int64).tolist()
+
     def export_blocks(self, block_ids):
         """The contents of blocks ``block_ids`` as host bytes: one
         C-contiguous ``numpy.uint8`` array of :attr:`bytes_per_block` bytes
@@ -104,7 +120,7 @@ class StorePort:
         lock held, or the blocks its own)."""
         out = []
         host = self._backend.to_host
-        for b in np.asarray(block_ids, np.int64).tolist():
+        for b in self._block_ids(block_ids):
             a = np.ascontiguousarray(host(self._storage[:, b])).reshape(-1).view(np.uint8)
             if self._scales is not None:
                 sc = np.ascontiguousarray(host(self._scales[:, b]), np.float32)
@@ -119,7 +135,7 @@ class StorePort:
         returns the XXH3-64 of each payload with its seed (the entries'
         checksum, kvcore/stores/_format.py), computed while copying (on
         ``kvcore.get_num_threads()`` threads for large runs); else None."""
-        ids = np.asarray(block_ids, np.int64).tolist()
+        ids = self._block_ids(block_ids)
         if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
             raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
                              f"got {len(payloads)}")

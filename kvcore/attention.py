@@ -429,6 +429,8 @@ class AttentionPlan:
         direct = out is not None and okind in out_kinds and obits.flags.c_contiguous \
             and be._ptr(obits) % obits.itemsize == 0 and not be.overlaps(obits, qin)
         target = obits if direct else be.empty(shape, "float32")
+        if src.guard is not None:    # (again: converting layer, q and out ran the caller's code)
+            src.guard()
         key_cache, value_cache = src.views[layer]
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
@@ -559,8 +561,11 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     (``features``: ``chunk_size``, ``alibi_slopes``, ``sinks``)."""
     pool = seq.pool
     layer = layer_index(layer, pool.num_layers)
-    _, num_kv_heads, _, head_dim = pool.key_cache(0).shape
-    n = _query_input(pool._backend, q, num_kv_heads, head_dim)[0].shape[0]   # the q rule
+    src = _pool_source(pool)
+    # q converted once (its conversion may run the caller's code): the
+    # sequence is read after it, and the run takes the converted q
+    checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)   # the q rule
+    n = checked[0].shape[0]
     if n == 0:
         raise ValueError("q must hold at least one query token, got n=0")
     start = seq.num_computed
@@ -571,10 +576,11 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
             f"holds {written} written positions: append (or mark_written) the step's K/V "
             f"for positions {written}..{start + n - 1} first")
     table = seq.block_table
-    return paged_attention(q, pool, layer, table[None, :], np.array([start + n], np.int64),
-                           query_start_loc=np.array([0, n], np.int64), scale=scale,
-                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                           out=out, **features)
+    plan = AttentionPlan._make(src, table[None, :], np.array([start + n], np.int64),
+                               np.array([0, n], np.int64), n, layer, scale=scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               **features)
+    return plan._run(q, layer, out, checked)
 
 
 def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_soft_cap=None,

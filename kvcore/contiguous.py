@@ -207,8 +207,16 @@ class KVCache:
         Everything is checked before anything is written: after an error
         the cache is unchanged.
         """
+        # (start_pos converted first, k and v next, the cache read last:
+        # a conversion may run the caller's code; k and v are read where
+        # they lie, so then their memory is checked to be as it was)
+        guard = None if _arrays.runs_no_code(layer, k, v, start_pos) else \
+            _arrays.memory_guard((("k", k), ("v", v)), _arrays.CALL)
         layer = self._check_layer(layer)
+        start_pos = None if start_pos is None else index_int(start_pos, "start_pos")
         k, k_kind, v, v_kind, n = self._check_inputs(k, v, src_dtype)
+        if guard is not None:
+            guard()
         length = self._lengths[layer]
         start = length if start_pos is None else self._check_start(layer, start_pos, length)
         end = start + n

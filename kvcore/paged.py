@@ -148,7 +148,9 @@ class PagedKVCache:
     def num_written(self, layer):
         """Positions readable in ``layer``: committed plus appended this step."""
         self._require("num_written", new_ok=True)
-        return self._seq.written(layer_index(layer, self._pool.num_layers))
+        layer = layer_index(layer, self._pool.num_layers)
+        self._require("num_written", new_ok=True)
+        return self._seq.written(layer)
 
     def block_hashes(self):
         """16-byte chained hashes of this sequence's full, known blocks."""
@@ -188,17 +190,15 @@ class PagedKVCache:
         return hit
 
     def _allocate_failed(self, token_ids, status):
-        if status == _native_seq.STATE:
-            raise self._seq.state_error("allocate")
-        if status == _native_seq.BUSY:
-            raise ValueError("allocate() takes an empty sequence; this one already holds "
-                             f"{self._seq.num_tokens} tokens and {self._seq.num_held} blocks "
-                             "(call free() first)")
+        self._allocate_state(status)
         tokens = token_array(token_ids)
         if status == _native_seq.UNCHECKED:
             status = self._seq.allocate(tokens)
             if status >= 0:
                 return status
+            # (converting the ids ran the caller's code, which may have
+            # freed or allocated this sequence meanwhile)
+            self._allocate_state(status)
         n = tokens.shape[0]
         if status == _native_seq.EMPTY:
             raise ValueError("token_ids must hold at least one token, got an empty sequence")
@@ -208,6 +208,15 @@ class PagedKVCache:
             f"allocate needs {-(-n // self._seq.block_size)} blocks for {n} tokens, "
             f"{self._seq.failed_free_blocks} "
             f"of {self._pool.num_blocks} are free")
+
+    def _allocate_state(self, status):
+        """Raise for an allocate the sequence's state refused."""
+        if status == _native_seq.STATE:
+            raise self._seq.state_error("allocate")
+        if status == _native_seq.BUSY:
+            raise ValueError("allocate() takes an empty sequence; this one already holds "
+                             f"{self._seq.num_tokens} tokens and {self._seq.num_held} blocks "
+                             "(call free() first)")
 
     # ------------------------------------------------------------ writes
     def reserve(self, n):
@@ -267,10 +276,13 @@ class PagedKVCache:
         # one native call; anything else, errors included, takes the path below
         if src_dtype is None and self._seq.append_direct(layer, k, v):
             return
+        # the arguments converted (the caller's __index__ / __array__ run
+        # here, and may change this sequence) before its state is checked
         self._require("append")
         pool = self._pool
         layer = layer_index(layer, pool.num_layers)
         k, v, sk = pool._kv_input(k, v, src_dtype)
+        self._require("append")
         n = k.shape[0]
         if n == 0:
             raise ValueError("k and v must hold at least one token, got n=0")
@@ -345,6 +357,7 @@ class PagedKVCache:
         """``append_token`` for each of ``token_ids`` (validated first)."""
         self._require("extend_tokens")
         t = token_array(token_ids)
+        self._require("extend_tokens")       # (the ids' conversion ran the caller's code)
         if self._seq.extend_tokens(t):
             raise CacheFullError(
                 f"extend_tokens would make {self._seq.num_tokens + len(t)} tokens, "
@@ -355,6 +368,7 @@ class PagedKVCache:
         self._require("slot_mapping")
         start = index_int(start, "start")
         end = index_int(end, "end")
+        self._require("slot_mapping")
         cap = self._seq.num_held * self._seq.block_size
         if not 0 <= start <= end <= cap:
             raise ValueError(f"start and end must satisfy 0 <= start <= end <= {cap} "
@@ -421,17 +435,36 @@ class PagedKVCache:
             is not live (see the class notes).
         """
         self._require("gather")
-        pool = self._pool
-        layer = layer_index(layer, pool.num_layers)
+        layer, start, end = self._range_args(layer, start, end)
+        self._require("gather")
         start, end = self._written_range(layer, start, end)
-        return pool._gather(layer, self._seq.table, start, end, dtype, out)
+        table = self._seq.table
+        got = self._pool._gather(layer, table, start, end, dtype, out)
+        self._unchanged_by("gather", table, layer, end)
+        return got
+
+    def _range_args(self, layer, start, end):
+        """``layer``, ``start``, ``end`` converted (before any state is read:
+        their ``__index__`` is the caller's code)."""
+        return (layer_index(layer, self._pool.num_layers), index_int(start, "start"),
+                None if end is None else index_int(end, "end"))
+
+    def _unchanged_by(self, what, table, layer, end):
+        """After a read of ``table``'s positions up to ``end`` of ``layer``
+        whose ``out`` conversion ran the caller's code: RuntimeError when
+        that code freed or truncated the sequence (what was read may be
+        blocks it gave back)."""
+        seq = self._seq
+        if seq.table is not table or seq.state != _native_seq.LIVE or seq.written(layer) < end:
+            raise RuntimeError(f"{what}: the sequence was freed or truncated while the call "
+                               "converted its arguments (by their own code); what it read is "
+                               "void")
 
     def _written_range(self, layer, start, end):
-        """``start``, ``end`` (None: the positions written) checked as a
-        range of written positions of (validated) ``layer``, as ints."""
+        """Converted ``start``, ``end`` (None: the positions written) checked
+        as a range of written positions of (validated) ``layer``."""
         written = self._seq.written(layer)
-        start = index_int(start, "start")
-        end = written if end is None else index_int(end, "end")
+        end = written if end is None else end
         if not 0 <= start <= end:
             raise ValueError(f"start and end must satisfy 0 <= start <= end, "
                              f"got start={start}, end={end}")
@@ -446,8 +479,9 @@ class PagedKVCache:
         start)`` (value = code * scale).  Checked like :meth:`gather`;
         ValueError on pools of other dtypes."""
         self._require("gather_scales")
+        layer, start, end = self._range_args(layer, start, end)
+        self._require("gather_scales")
         pool = self._pool
-        layer = layer_index(layer, pool.num_layers)
         if pool.scales is None:
             pool._scale_plane(0)   # raises, naming the dtype
         start, end = self._written_range(layer, start, end)
@@ -480,6 +514,7 @@ class PagedKVCache:
         """
         self._require("truncate")
         n = nonneg_int(n, "n")
+        self._require("truncate")
         length = self._seq.length()
         if n > length:
             raise ValueError(f"n must be at most the sequence length {length}, got {n}")

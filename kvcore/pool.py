@@ -3,7 +3,7 @@ import threading
 
 import numpy as np
 
-from . import dtypes, hashing
+from . import _arrays, dtypes, hashing
 from .backends import get_backend
 from ._forksafe import POOL, fork_guard
 from ._native import _pool, _seq
@@ -511,11 +511,16 @@ class BlockPool:
             slot out of range is skipped, like -1) but such a slot is not
             reported: the caller vouches for the slots.
         """
+        # (k and v are read where they lie: where converting an argument may
+        # run the caller's code (a slots object's __array__), their memory
+        # is checked, once every argument is converted, to be what it was)
+        guard = None if _arrays.runs_no_code(layer, k, v, slots) else \
+            _arrays.memory_guard((("k", k), ("v", v)), _arrays.CALL)
         layer = layer_index(layer, self._num_layers)
         if not isinstance(check, (bool, np.bool_)):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
         k, v, src_kind = self._data.kv_input(k, v, src_dtype)
-        self._data.write(layer, k, v, slots, src_kind, check)
+        self._data.write(layer, k, v, slots, src_kind, check, guard)
 
     def gather(self, layer, block_table, start, end, dtype=None, out=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.

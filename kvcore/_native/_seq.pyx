@@ -332,6 +332,14 @@ cdef class SeqCore:
             raise self.state_error("this call")
         return 0
 
+    cdef inline int _check_live(self, str what) except -1:
+        # The mutators' own check (PagedKVCache checks the state after its
+        # arguments are converted, but a conversion runs the caller's code,
+        # which may free the sequence): a closed or new sequence refuses.
+        if self.state != S_LIVE:
+            raise self.state_error(what)
+        return 0
+
     def state_error(self, str what):
         """The exception for calling ``what`` in the current state (None
         while the sequence is live)."""
@@ -799,13 +807,13 @@ cdef class SeqCore:
 
     def ensure_to(self, Py_ssize_t target):
         """``_ensure`` for a validated target position: 0 or SHORT."""
-        self._check_setup()
+        self._check_live("append")
         return self._ensure(target)
 
     def step_slots(self, Py_ssize_t start, Py_ssize_t end):
         """int64 slots of positions start..end-1 (within the table); the same
         array serves every layer of a step."""
-        self._check_setup()
+        self._check_live("append")
         cdef Py_ssize_t p, bs = self.block_size
         cdef const block_id_t* t
         cdef slot_t* o
@@ -821,7 +829,7 @@ cdef class SeqCore:
 
     def note_append(self, Py_ssize_t layer, Py_ssize_t n):
         """``n`` positions of (validated) ``layer`` were written this step."""
-        self._check_setup()
+        self._check_live("append")
         if n > self.pending[layer]:
             self.pending[layer] = n
 
@@ -935,7 +943,7 @@ cdef class SeqCore:
     def extend_tokens(self, cnp.ndarray t):
         """Add the validated token ids ``t`` (1-D C-contiguous int32).  0, or
         TOO_LONG (nothing changed)."""
-        self._check_setup()
+        self._check_live("extend_tokens")
         cdef Py_ssize_t n = self.num_tokens, m = cnp.PyArray_SIZE(t)
         if self.max_len >= 0 and n + m > self.max_len:
             return ST_TOO_LONG
@@ -951,7 +959,7 @@ cdef class SeqCore:
     def truncate(self, Py_ssize_t n):
         """Forget positions and tokens from ``n`` (validated: at most the
         sequence length) on, releasing the blocks no longer needed."""
-        self._check_setup()
+        self._check_live("truncate")
         cdef Py_ssize_t bs = self.block_size, keep = min((n + bs - 1) // bs, self.num_held)
         cdef Py_ssize_t old_nc = self.num_computed, i
         if keep < self.num_held:

@@ -25,6 +25,8 @@ exports a few host-side helpers that serve every device:
 * ``host_address(a)``, ``first_moved(held)``: a NumPy array's address, and
   which of ``(array, address, nbytes)`` entries no longer has them (the
   check of a plan over NumPy planes resized in place), each at C speed;
+  ``runs_no_code(*args)``: whether converting the arguments surely runs
+  none of the caller's code (then a call needs no such check of its inputs);
 * ``simd_levels()``, ``set_simd_level()``, ``CudaUnavailableError``, ``cuda_available()``: what
   ``kvcore`` exports about the devices.
 """
@@ -33,12 +35,12 @@ from .codec import Codec, codec_of
 from .cpu import set_simd_level, simd_levels
 from .cpu._attention import address as host_address, first_moved
 from .cpu._checksum import xxh3_64
-from .cpu._kernels import tensor_view
+from .cpu._kernels import runs_no_code, tensor_view
 from .cpu.backend import CPU, CPUBackend
 from .cuda import CudaUnavailableError, cuda_available
 
 __all__ = ["Backend", "CPUBackend", "CPU", "Codec", "codec_of", "get_backend",
-           "backend_of_array", "owned_index_arrays", "host_address", "first_moved", "xxh3_64", "tensor_view", "simd_levels",
+           "backend_of_array", "owned_index_arrays", "host_address", "first_moved", "runs_no_code", "xxh3_64", "tensor_view", "simd_levels",
            "set_simd_level", "CudaUnavailableError", "cuda_available"]
 
 

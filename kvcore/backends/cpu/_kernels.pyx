@@ -124,6 +124,28 @@ def tensor_meta(t):
         return None
 
 
+def runs_no_code(*args):
+    """Whether converting every one of ``args`` surely runs none of the
+    caller's code (``__index__``, ``__array__``, ``__int__`` of its
+    objects): None, ints, NumPy integers, NumPy arrays of numbers, exact
+    torch tensors (``kvcore._arrays.memory_guard``'s callers)."""
+    cdef object x
+    for x in args:
+        if type(x) is np.ndarray:
+            if not cnp.PyArray_ISNUMBER(<cnp.ndarray>x):   # (bool, ints, floats, complex)
+                return False
+        elif x is None or type(x) is int or type(x) is bool or isinstance(x, np.integer):
+            pass
+        elif type(x) not in _tensor_types:
+            torch = sys.modules.get("torch")
+            if torch is None or torch is _torch:
+                return False
+            _learn_torch(torch)
+            if type(x) not in _tensor_types:
+                return False
+    return True
+
+
 def tensor_view(t):
     """A NumPy array over the memory of ``t`` when :func:`tensor_meta` takes
     it (keeping the tensor alive), else None.  Cheaper than

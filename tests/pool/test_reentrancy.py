@@ -1,0 +1,186 @@
+"""Arguments whose conversion runs the caller's code (``__index__``,
+``__array__``) and changes the very object the call works on: the call sees
+the change and refuses by name, never reading freed memory (a crash before),
+handing back another sequence's data, or leaving blocks nobody can free.
+Found by an adversarial review (2026-12-06)."""
+import gc
+
+import numpy as np
+import pytest
+
+import kvcore
+from kvcore.pool import store_port
+
+
+class Hook:
+    """An int (``__index__``) or array (``__array__``) argument that runs
+    ``action`` when it is converted."""
+
+    def __init__(self, value, action):
+        self.value, self.action = value, action
+
+    def __index__(self):
+        self.action()
+        return self.value
+
+    def __array__(self, dtype=None, copy=None):
+        self.action()
+        return np.asarray(self.value, dtype=dtype)
+
+
+def _seq(pool, n=10, value=1.0):
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(list(range(n)))
+    kv = np.full((n, pool.num_kv_heads, pool.head_dim), value, np.float32)
+    for layer in range(pool.num_layers):
+        seq.append(layer, kv, kv)
+    return seq
+
+
+@pytest.mark.parametrize("arg", ["start", "end"])
+@pytest.mark.parametrize("call", ["gather", "gather_scales"])
+def test_gather_refuses_a_sequence_its_arguments_free(arg, call):
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="int8" if call == "gather_scales" else "float16")
+    seq = _seq(pool)
+    kw = {"start": 0, "end": 10}
+    kw[arg] = Hook(kw[arg], seq.free)
+    with pytest.raises(ValueError, match=f"{call} on a freed PagedKVCache"):
+        getattr(seq, call)(0, **kw)
+    assert pool.num_used_blocks == 0
+
+
+def test_gather_never_reads_blocks_a_truncate_in_its_arguments_gave_away():
+    pool = kvcore.BlockPool(4, 4, 1, 1, 4, dtype="float32", enable_prefix_caching=False)
+    a = _seq(pool, 8, 1.0)
+    others = []
+
+    def truncate_and_reuse():
+        a.truncate(0)
+        others.append(_seq(pool, 8, 42.0))        # takes the blocks a gave back
+
+    with pytest.raises(ValueError, match=r"positions 0..7 of layer 0 were never written"):
+        a.gather(0, Hook(0, truncate_and_reuse), 8)
+    assert others[0].gather(0)[0].max() == 42.0 and a.num_written(0) == 0
+
+
+@pytest.mark.parametrize("where", ["layer", "k"])
+def test_append_to_a_sequence_its_arguments_free_refuses_and_leaks_nothing(where):
+    pool = kvcore.BlockPool(8, 4, 2, 2, 8, dtype="float16")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(list(range(10)))
+    k = np.ones((5, 2, 8), np.float32)
+    args = [0, k, k]
+    args[0 if where == "layer" else 1] = Hook(args[0] if where == "layer" else k, seq.free)
+    with pytest.raises(ValueError, match="append on a freed PagedKVCache"):
+        seq.append(*args)
+    assert seq.closed and seq.num_blocks == 0
+    del seq
+    gc.collect()
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
+def test_extend_tokens_of_a_sequence_its_ids_free_refuses():
+    pool = kvcore.BlockPool(8, 4, 1, 1, 4)
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate([1, 2, 3])
+    with pytest.raises(ValueError, match="extend_tokens on a freed PagedKVCache"):
+        seq.extend_tokens([7, Hook(5, seq.free), 9])
+    assert seq.closed and seq.num_tokens == 0
+
+
+def test_allocate_freed_by_its_token_ids_says_so():
+    pool = kvcore.BlockPool(8, 4, 1, 1, 4)
+    seq = kvcore.PagedKVCache(pool)
+    with pytest.raises(ValueError, match="allocate on a freed PagedKVCache"):
+        seq.allocate([0, Hook(1, seq.free), 2])
+    assert pool.num_used_blocks == 0
+
+
+def test_attention_of_a_sequence_its_query_frees_refuses():
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float32")
+    seq = _seq(pool, 10)
+    q = Hook(np.ones((1, 2, 8), np.float32), seq.free)
+    with pytest.raises(ValueError, match="on a freed PagedKVCache"):
+        seq.attention(0, q)
+
+
+def test_a_plan_over_torch_planes_freed_by_its_layer_argument_refuses(torch):
+    kc, vc = torch.ones(64, 2, 16, 64), torch.ones(64, 2, 16, 64)
+    plan = kvcore.AttentionPlan((kc, vc), np.arange(64)[None, :], [1024], num_heads=2)
+    q = np.ones((1, 2, 64), np.float32)
+    plan.run(q, 0)
+
+    def free():
+        kc.untyped_storage().resize_(0)
+        vc.untyped_storage().resize_(0)
+
+    with pytest.raises(RuntimeError, match="key_cache's memory moved or was freed"):
+        plan.run(q, Hook(0, free))
+
+
+def test_a_plan_over_numpy_planes_resized_by_its_query_refuses():
+    kc, vc = np.ones((64, 2, 16, 64), np.float32), np.ones((64, 2, 16, 64), np.float32)
+    plan = kvcore.AttentionPlan((kc, vc), np.arange(64)[None, :], [1024], num_heads=2)
+    q = np.ones((1, 2, 64), np.float32)
+    plan.run(q, 0)
+    hook = Hook(q, lambda: vc.resize((128, 2, 16, 64), refcheck=False))
+    with pytest.raises(RuntimeError, match="value_cache's memory moved"):
+        plan.run(hook, 0)
+
+
+@pytest.mark.parametrize("which", ["write", "update"])
+def test_writes_whose_other_arguments_free_the_input_refuse(torch, which):
+    n = 1 << 12
+    k = torch.ones(n, 2, 64)
+
+    def free():
+        k.untyped_storage().resize_(0)
+
+    if which == "write":
+        pool = kvcore.BlockPool(n // 16, 16, 1, 2, 64, dtype="float16")
+        before = pool.storage.copy()
+        with pytest.raises(RuntimeError, match="k's memory moved or was freed since the call"):
+            pool.write(0, k, k, Hook(np.arange(n), free))
+        np.testing.assert_array_equal(pool.storage, before)
+    else:
+        cache = kvcore.KVCache(1, 2, 64, n + 10)
+        kk = k.view(1, 2, n, 64)
+        with pytest.raises(RuntimeError, match="k's memory moved or was freed since the call"):
+            cache.update(0, kk, kk, start_pos=Hook(0, free))
+        assert cache.seq_len == 0
+
+
+def test_writes_of_plain_arguments_take_no_memory_check(monkeypatch):
+    """(NumPy arrays, ints, exact tensors run no caller code: no check is built.)"""
+    from kvcore import _arrays
+
+    made = []
+    real = _arrays.memory_guard
+    monkeypatch.setattr(_arrays, "memory_guard", lambda *a: made.append(a) or real(*a))
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
+    kv = np.ones((4, 2, 8), np.float32)
+    pool.write(0, kv, kv, np.arange(4))
+    assert made == []
+    pool.write(0, kv, kv, [0, 1, 2, 3])                      # (a list's items might)
+    assert len(made) == 1
+
+
+@pytest.mark.parametrize("ids, exc, match", [
+    ([-2], IndexError, r"block_ids\[0\] must be a block id in 0..3, got -2"),
+    ([0, 9], IndexError, r"block_ids\[1\] must be a block id in 0..3, got 9"),
+    ([2**63 - 1], IndexError, r"block_ids\[0\] .* got 9223372036854775807"),
+    ([1.5], TypeError, r"block_ids must hold integers, got dtype float64"),
+    ([[1]], ValueError, r"block_ids must be 1-D"),
+])
+def test_store_port_block_ids_are_checked_before_anything(ids, exc, match):
+    pool = kvcore.BlockPool(4, 4, 1, 1, 4, dtype="float32")
+    _seq(pool, 13).free()
+    port = store_port(pool)
+    before = pool.storage.copy()
+    pay = np.full(port.bytes_per_block, 7, np.uint8)
+    with pytest.raises(exc, match=match):
+        port.import_blocks(ids, [pay] * len(ids))
+    with pytest.raises(exc, match=match):
+        port.export_blocks(ids)
+    np.testing.assert_array_equal(pool.storage, before)
