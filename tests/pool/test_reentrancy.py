@@ -184,3 +184,21 @@ def test_store_port_block_ids_are_checked_before_anything(ids, exc, match):
     with pytest.raises(exc, match=match):
         port.export_blocks(ids)
     np.testing.assert_array_equal(pool.storage, before)
+
+
+def test_gather_whose_out_frees_the_sequence_refuses():
+    """``out`` is converted after the sequence's table is read (its shape
+    needs the range): a conversion that frees the sequence (here a list
+    whose iteration does) voids the read."""
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
+    seq = _seq(pool)
+    outs = [np.empty((2, 10, 8), np.float16) for _ in range(2)]
+
+    class FreeingPair(list):
+        def __iter__(self):
+            seq.free()
+            return super().__iter__()
+
+    with pytest.raises(RuntimeError, match="gather: the sequence was freed or truncated"):
+        seq.gather(0, 0, 10, out=FreeingPair(outs))
+    assert pool.num_used_blocks == 0
