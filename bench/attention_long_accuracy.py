@@ -5,8 +5,9 @@
 One sequence of 2**e positions in one block (float16 pages, one KV head,
 head_dim 8): every key and value 0 but the last position's (keys 2, values
 5), q all ones, scale 1: the output is 5 w / (w + 2**e - 1) with w = e**16,
-in closed form.  Prints the relative error of kvcore's decode for e = 20 ..
---max-log2 (the 1e-5 bound of docs/api.md holds up to 2**22 positions).
+in closed form.  Prints the relative error of kvcore's decode for e =
+--min-log2 .. --max-log2 against the 1e-5 bound of docs/api.md (2**28
+positions take 8 GiB of pages).
 """
 import argparse
 import time

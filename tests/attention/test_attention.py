@@ -909,3 +909,17 @@ def test_c_kernels_on_aarch64_under_qemu(tmp_path):
     assert "level scalar: 90 cases, 0 failures" in run.stdout
     assert "level neon: 90 cases, 0 failures" in run.stdout      # the NEON kernels
     assert "2 levels, 0 failures" in run.stdout
+
+
+def test_a_long_decode_keeps_float32_accuracy():
+    """One sequence of 2**21 positions is decoded in 2048 pieces whose
+    partial sums are merged in double: in float32 the merge lost one
+    rounding per piece (3.5e-6 relative here, 8e-5 at 2**24).  Every key and
+    value is 0 but the last (keys 2, values 5): the output has a closed form."""
+    n = 2**21
+    pool = kvcore.BlockPool(1, n, 1, 1, 8, dtype="float16", enable_prefix_caching=False)
+    pool.write(0, np.full((1, 1, 8), 2, np.float32), np.full((1, 1, 8), 5, np.float32), [n - 1])
+    out = kvcore.paged_attention(np.ones((1, 1, 8), np.float32), pool, 0, [[0]], [n], scale=1.0)
+    w = np.exp(np.float64(16.0))
+    ref = 5 * w / (w + (n - 1))
+    assert abs(float(out[0, 0, 0]) - ref) / ref < 1e-6

@@ -356,7 +356,7 @@ void kva_schedule(kva_item *items, int64_t n);
 /* Bytes of one thread's workspace; fills ws when base is given. */
 size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws);
 /* Merge the partials of every split of `it`'s group, in split order. */
-void kva_merge_group(const kva_job *job, const kva_item *it, int M);
+void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scratch);
 /* One item (kv_attn_tile.c). */
 /* Item `it`; `next` (or NULL) is the item this thread runs after it, whose
  * first tile the last tile of a decode item prefetches. */

@@ -128,8 +128,11 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
     return off;
 }
 
-/* The partial (max, sum, acc) triples of the splits, in split order. */
-void kva_merge_group(const kva_job *job, const kva_item *it, int M)
+/* The partial (max, sum, acc) triples of the splits, in split order,
+ * summed in double (scratch: D doubles): a float32 sum of a long
+ * sequence's many splits (one per KVA_SPLIT_KEYS positions) loses about
+ * one rounding per split, 3e-5 relative over 4096 of them. */
+void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scratch)
 {
     const kva_args *a = job->a;
     const int D = a->head_dim, G = (int)kva_group_size(a);
@@ -137,7 +140,8 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M)
     const int64_t base = it->slot - it->split;
     const int64_t row0 = a->query_start_loc[it->seq] + it->q0;
     for (int r = 0; r < M; r++) {
-        float mx = -INFINITY, total = 0.0f;
+        float mx = -INFINITY;
+        double total = 0.0;
         for (int64_t sp = 0; sp < nsplit; sp++) {
             const float *p = job->partials + (size_t)(base + sp) * job->partial_floats;
             if (p[r] > mx)
@@ -146,25 +150,28 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M)
         int64_t j = r / G, h = r % G;
         float *o = a->out + ((size_t)(row0 + j) * a->num_heads + (size_t)it->kv_head * G + h) * D;
         for (int d = 0; d < D; d++)
-            o[d] = 0.0f;
+            scratch[d] = 0.0;
         for (int64_t sp = 0; sp < nsplit; sp++) {
             const float *p = job->partials + (size_t)(base + sp) * job->partial_floats;
             const float m = p[r], l = p[job->split_rows + r];
             if (m == -INFINITY)
                 continue; /* no key of this split was visible to this row */
-            const float w = kva_flush_tiny(job->wide ? exp2f((m - mx) * job->wide_scale)
-                                                     : exp2f(m - mx));
+            const double w = kva_flush_tiny(job->wide ? exp2f((m - mx) * job->wide_scale)
+                                                      : exp2f(m - mx));
             const float *acc = p + 2 * (size_t)job->split_rows + (size_t)r * D;
-            total += w * l;
+            total += w * l; /* (a float times a float: exact in double) */
             for (int d = 0; d < D; d++)
-                o[d] += w * acc[d];
+                scratch[d] += w * acc[d];
         }
-        if (a->sinks != NULL)
-            kva_finish_sink(job, o, o, D, total, mx,
-                            kva_logit_units(job, a->sinks[(size_t)it->kv_head * G + h]));
-        else
+        if (a->sinks != NULL) {
             for (int d = 0; d < D; d++)
-                o[d] = o[d] / total;
+                o[d] = (float)scratch[d];
+            kva_finish_sink(job, o, o, D, (float)total, mx,
+                            kva_logit_units(job, a->sinks[(size_t)it->kv_head * G + h]));
+        } else {
+            for (int d = 0; d < D; d++)
+                o[d] = (float)(scratch[d] / total);
+        }
     }
 }
 

@@ -545,7 +545,7 @@ restart:
     /* The split that finishes last merges, in split order (acq_rel: every
      * other split's partial is visible to it). */
     if (__atomic_add_fetch(&job->group_done[it->group], 1, __ATOMIC_ACQ_REL) == it->nsplit)
-        kva_merge_group(job, it, M);
+        kva_merge_group(job, it, M, (double *)(void *)ws->kf); /* (KVA_KEY_TILE * D floats) */
 }
 
 void kva_job_thread(void *ctx, int thread_index)
