@@ -42,6 +42,8 @@ def options(p):
                    help="timed generate calls per number (median)")
     p.add_argument("--batch", default="1,4", metavar="B[,B...]",
                    help="batch sizes of the generate rows (default %(default)s)")
+    p.add_argument("--prefill-attention", default="auto", choices=("auto", "kvcore", "sdpa"),
+                   help="PagedCache(prefill_attention=) of the kvcore rows (default %(default)s)")
     p.add_argument("--perplexity", action="store_true",
                    help="measure perplexity per KV dtype instead of speed (a GGUF model)")
     p.add_argument("--text", default=hf.DEFAULT_TEXT, metavar="FILE",
@@ -69,7 +71,7 @@ def _counts(a, p, least_new):
 
 def run_kwargs(a, p):
     return dict(model=a.model, model_dtype=a.model_dtype, prompt=a.prompt, new=a.new,
-                calls=a.calls, batches=_counts(a, p, 2))
+                calls=a.calls, batches=_counts(a, p, 2), prefill_attention=a.prefill_attention)
 
 
 def gpu_options(p):

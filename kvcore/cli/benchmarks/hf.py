@@ -190,7 +190,7 @@ BATCHES = (1, 4)
 
 
 def run(quick=False, prompt=None, new=None, repeat=None, model=None, model_dtype="float32",
-        calls=None, batches=BATCHES):
+        calls=None, batches=BATCHES, prefill_attention="auto"):
     """Numbers as a dict (see the module docstring).
 
     ``model``: None (the tiny random Llama), ``"smollm2"`` or a ``.gguf``
@@ -219,13 +219,14 @@ def run(quick=False, prompt=None, new=None, repeat=None, model=None, model_dtype
     torch.set_num_threads(1)
     try:
         return _run(torch, transformers, kvcore, prompt, new, repeat, model, model_dtype,
-                    batches)
+                    batches, prefill_attention)
     finally:
         torch.set_num_threads(threads[0])
         kvcore.set_num_threads(threads[1])
 
 
-def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dtype, batches):
+def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dtype, batches,
+         prefill_attention="auto"):
     model = _model(model_name, model_dtype)
     key = kvcore.hf.cache_keyword(model)     # "cache" or "past_key_values"
     g = torch.Generator().manual_seed(1)
@@ -236,7 +237,7 @@ def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dty
     low = 3 if model_name is None else min(1000, vocab // 2)
     result = {"prompt": prompt, "new": new, "repeat": repeat, "dtype": pages,
               "model": model_name or "tiny", "model_dtype": model_dtype, "block_size": 16,
-              "batches": list(batches)}
+              "batches": list(batches), "prefill_attention": prefill_attention}
     blocks_per_row = (prompt + new) // 16 + 2
 
     def timed(attn, ids, cache):
@@ -268,7 +269,7 @@ def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dty
                               for layer in dyn.layers)
                 if rep:
                     samples["dynamic"].append(t)
-                cache = kvcore.hf.PagedCache(pool)
+                cache = kvcore.hf.PagedCache(pool, prefill_attention=prefill_attention)
                 got, *t = timed("kvcore", ids, cache)
                 kv_bytes = pool.bytes_per_block * pool.num_used_blocks
                 cache.free()
@@ -324,14 +325,17 @@ def _run(torch, transformers, kvcore, prompt, new, repeat, model_name, model_dty
 
         def cold():
             pool.reset_prefix_cache()
-            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
+            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False,
+                              prefill_attention=prefill_attention)
 
         def warm():
-            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
+            kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False,
+                              prefill_attention=prefill_attention)
 
         model.set_attn_implementation("kvcore")
         t_cold = median_time(cold, repeat=repeat, warmup=1)
-        kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False)
+        kvcore.hf.generate(model, request(), pool, max_new_tokens=1, do_sample=False,
+                              prefill_attention=prefill_attention)
         hits0 = pool.stats()["prefix_hits"]
         t_warm = median_time(warm, repeat=max(repeat, 3), warmup=1)
         hits = (pool.stats()["prefix_hits"] - hits0) // (max(repeat, 3) + 1)
@@ -425,7 +429,8 @@ def report(r):
                  f"{u['paged_us']:.0f} us", f"{u['dynamic_us']:.0f} us",
                  f"{u['ratio']:.2f} of"))
     title = (f"hf: {r['model']} ({r['model_dtype']} model), {r['dtype']} pages, "
-             "attn='kvcore'")
+             "attn='kvcore'" + (f", prefill_attention={r['prefill_attention']!r}"
+                                if r.get("prefill_attention", "auto") != "auto" else ""))
     text = table(rows, (title, "kvcore", "DynamicCache+sdpa", "ratio"))
     lines = [text, "goals:"]
     for what, v, met in goals(r):
