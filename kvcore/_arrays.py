@@ -22,7 +22,7 @@ from ._planes import outs_share_memory
 from .backends import first_moved, host_address, runs_no_code, tensor_view
 
 __all__ = ["unwrap", "host_view", "float_input", "writable", "out_array", "out_pair",
-           "read_kind", "index_array", "aligned", "memory_guard", "runs_no_code"]
+           "read_kind", "index_array", "aligned", "memory_guard", "runs_no_code", "snapshot"]
 
 
 def _torch_of(x):
@@ -85,19 +85,24 @@ def unwrap(x, arg):
 host_view = tensor_view
 
 
-def float_input(be, x, arg, src_dtype=None):
+def float_input(be, x, arg, src_dtype=None, private=False):
     """``(bits, kind)`` for a float input (K, V, a tensor to convert).
 
     ``bits`` is the backend's array (bfloat16 as its uint16 bits), ``kind``
     its element kind: float32 and float16 arrays carry theirs; bfloat16 is
     an ``ml_dtypes.bfloat16`` array, a ``torch.bfloat16`` tensor, or uint16
     bits with ``src_dtype="bfloat16"``.  Raises TypeError naming ``arg``.
+    ``private``: a copy of ``x``'s elements, made as soon as it is read (for
+    a call whose other arguments may run the caller's code, which may free
+    or resize ``x``'s memory: ``runs_no_code``).
     """
     if isinstance(x, np.ndarray):
         a, bf16 = be.asarray(x, arg), False
     else:
         y, bf16 = unwrap(x, arg)
         a = be.asarray(y, arg)
+    if private:
+        a = a.copy()
     if bf16:
         if src_dtype is not None and dtypes.storage_kind(src_dtype, "src_dtype") != BF16:
             raise TypeError(
@@ -261,6 +266,23 @@ def aligned(a):
     return a if a.flags.aligned else a.copy()
 
 
+def snapshot(*args):
+    """``args`` with each exact NumPy array and torch tensor among them
+    replaced by a copy (copying them runs none of the caller's code): what
+    a call works on when converting its other arguments may run the
+    caller's code (``runs_no_code``), which may free or resize them."""
+    torch = sys.modules.get("torch")
+    tensors = () if torch is None else (torch.Tensor, torch.nn.Parameter)
+    out = []
+    for x in args:
+        if type(x) is np.ndarray:
+            x = x.copy()
+        elif type(x) in tensors:
+            x = x.detach().clone()
+        out.append(x)
+    return out
+
+
 def _resizable_owner(x):
     """The NumPy array that owns ``x``'s memory when ``ndarray.resize``
     can move it (an array owning its data), else None.  (NumPy keeps a
@@ -273,13 +295,7 @@ def _resizable_owner(x):
     return owner if owner.flags.owndata else None
 
 
-_PLAN = ("the plan was made", "make a new AttentionPlan over the arrays as they are now")
-#: a call's own inputs: read after the rest of its arguments were converted
-CALL = ("the call began (converting another argument ran code that freed or resized it)",
-        "pass arrays that stay as they are for the call")
-
-
-def memory_guard(named, when=_PLAN):
+def memory_guard(named):
     """For the arrays among ``named`` (``(arg, array)`` pairs) whose memory
     a caller keeps views of (a plan's planes): a function that raises
     RuntimeError naming the argument once an array's memory is no longer
@@ -294,11 +310,7 @@ def memory_guard(named, when=_PLAN):
     refcheck=False)`` on the array that owns the memory moves it whoever
     views it; the guard holds that owner and checks its address and size
     (its memory cannot be freed while the owner lives, so an owner with the
-    same address and size still holds the bytes the plan reads).
-
-    ``when``: ``(since what, what to do)`` for the message (a plan's planes
-    by default; ``CALL`` for a call's inputs, checked once its other
-    arguments are converted)."""
+    same address and size still holds the bytes the plan reads)."""
     held, owners, names = [], [], []
     for arg, x in named:
         if _torch_of(x) is None:
@@ -319,13 +331,14 @@ def memory_guard(named, when=_PLAN):
             if x.untyped_storage() is not storage or storage.nbytes() != nbytes \
                     or storage.data_ptr() != base or x.data_ptr() != ptr:
                 raise RuntimeError(
-                    f"{arg}'s memory moved or was freed since {when[0]} (the torch "
-                    f"tensor's storage was resized or replaced): {when[1]}")
+                    f"{arg}'s memory moved or was freed since the plan was made (the torch "
+                    "tensor's storage was resized or replaced): make a new AttentionPlan over "
+                    "the tensors as they are now")
         i = first_moved(owners) if owners else -1
         if i >= 0:
             arg, shape = names[i]
             raise RuntimeError(
-                f"{arg}'s memory moved since {when[0]} (the NumPy array holding "
+                f"{arg}'s memory moved since the plan was made (the NumPy array holding "
                 f"it, shape {shape} then, was resized: ndarray.resize with "
-                f"refcheck=False): {when[1]}")
+                "refcheck=False): make a new AttentionPlan over the arrays as they are now")
     return guard

@@ -65,14 +65,15 @@ class PoolData:
         return functools.partial(_copy_blocks, self.backend, self.storage, self.scale_planes)
 
     # ------------------------------------------------------------ checks
-    def kv_input(self, k, v, src_dtype):
+    def kv_input(self, k, v, src_dtype, private=False):
         """Validated (k, v, kind): same shape (n, heads, dim), same dtype
         (bfloat16 as uint16 bits), each apart from this pool's storage (an
         input that is a view of any plane of it is copied once, so every
-        plane written later reads it as it was)."""
+        plane written later reads it as it was); ``private``: copies
+        (``_arrays.float_input``)."""
         backend = self.backend
-        k, src_kind = _arrays.float_input(backend, k, "k", src_dtype)
-        v, sv = _arrays.float_input(backend, v, "v", src_dtype)
+        k, src_kind = _arrays.float_input(backend, k, "k", src_dtype, private)
+        v, sv = _arrays.float_input(backend, v, "v", src_dtype, private)
         want = (self.num_kv_heads, self.head_dim)
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 3 or a.shape[1:] != want:
@@ -196,10 +197,8 @@ class PoolData:
                      or np.array_equal(self.head_scales, other.head_scales)))
 
     # ------------------------------------------------------------ ops
-    def write(self, layer, k, v, slots, src_kind, check, guard=None):
-        """``BlockPool.write`` of validated ``layer``, K and V (``guard``:
-        ``_arrays.memory_guard`` of the caller's K and V, run once
-        ``slots`` is converted)."""
+    def write(self, layer, k, v, slots, src_kind, check):
+        """``BlockPool.write`` of validated ``layer``, K and V."""
         n = k.shape[0]
         backend = self.backend
         on_device = backend.device_slots(slots, n)  # GPU slots stay on the GPU
@@ -207,8 +206,6 @@ class PoolData:
             slots, check = self.slots(slots, n), False  # checked here, on the host
         else:
             slots = on_device
-        if guard is not None:
-            guard()
         k_plane, v_plane = self.planes.views[layer]
         k_codec, v_codec = self.planes.codecs[layer]
         backend.write_slots_kv(k_plane, v_plane, k, v, slots, src_kind, k_codec, v_codec,

@@ -400,9 +400,14 @@ class AttentionPlan:
         """The general run: any input the public API takes, every error named."""
         src = self._src
         be = src.backend
+        private = checked_q is None and not _arrays.runs_no_code(layer, q, out)
+        if private:
+            q, = _arrays.snapshot(q)
         layer = layer_index(layer, src.num_layers)
         if checked_q is None:
             qbits, qkind = _query_input(be, q, src.num_kv_heads, src.head_dim, src.what)
+            if private:     # (converting out may run the caller's code, which may free q)
+                qbits = qbits.copy()
         else:
             qbits, qkind = checked_q
         num_tokens, num_heads, _ = qbits.shape
@@ -563,8 +568,14 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     # q converted once (its conversion may run the caller's code): the
-    # sequence is read after it, and the run takes the converted q
+    # sequence is read after it, and the run takes the converted q (a copy
+    # where converting out may run the caller's code too)
+    private = not _arrays.runs_no_code(q, out)
+    if private:
+        q, = _arrays.snapshot(q)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)   # the q rule
+    if private:
+        checked = (checked[0].copy(), checked[1])
     n = checked[0].shape[0]
     if n == 0:
         raise ValueError("q must hold at least one query token, got n=0")
@@ -575,12 +586,15 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
             f"the {n} queries sit at positions {start}..{start + n - 1}, but layer {layer} "
             f"holds {written} written positions: append (or mark_written) the step's K/V "
             f"for positions {written}..{start + n - 1} first")
+    held = seq._seq.table
     table = seq.block_table
     plan = AttentionPlan._make(src, table[None, :], np.array([start + n], np.int64),
                                np.array([0, n], np.int64), n, layer, scale=scale,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                **features)
-    return plan._run(q, layer, out, checked)
+    result = plan._run(q, layer, out, checked)
+    seq._unchanged_by("attention", held, layer, start + n)   # (out's conversion: the caller's code)
+    return result
 
 
 def cache_attention(cache, layer, q, scale=None, sliding_window=None, logits_soft_cap=None,

@@ -143,9 +143,9 @@ class KVCache:
                 f"got {layer}")
         return layer
 
-    def _check_input(self, x, arg, src_dtype):
+    def _check_input(self, x, arg, src_dtype, private=False):
         """(array as kernel input, kind, n) for k or v; raises naming ``arg``."""
-        x, kind = _arrays.float_input(self._backend, x, arg, src_dtype)
+        x, kind = _arrays.float_input(self._backend, x, arg, src_dtype, private)
         shape = x.shape
         if len(shape) != 4:
             raise ValueError(
@@ -207,16 +207,15 @@ class KVCache:
         Everything is checked before anything is written: after an error
         the cache is unchanged.
         """
-        # (start_pos converted first, k and v next, the cache read last:
-        # a conversion may run the caller's code; k and v are read where
-        # they lie, so then their memory is checked to be as it was)
-        guard = None if _arrays.runs_no_code(layer, k, v, start_pos) else \
-            _arrays.memory_guard((("k", k), ("v", v)), _arrays.CALL)
+        # (start_pos converted first, k and v next, the cache read last: a
+        # conversion may run the caller's code, which may change the cache
+        # or free k's memory: then the call writes copies of k and v)
+        private = not _arrays.runs_no_code(layer, k, v, start_pos, src_dtype)
+        if private:       # (the arrays copied first, the caller's code runs after)
+            k, v = _arrays.snapshot(k, v)
         layer = self._check_layer(layer)
         start_pos = None if start_pos is None else index_int(start_pos, "start_pos")
-        k, k_kind, v, v_kind, n = self._check_inputs(k, v, src_dtype)
-        if guard is not None:
-            guard()
+        k, k_kind, v, v_kind, n = self._check_inputs(k, v, src_dtype, private)
         length = self._lengths[layer]
         start = length if start_pos is None else self._check_start(layer, start_pos, length)
         end = start + n
@@ -230,11 +229,11 @@ class KVCache:
         if end > length:
             self._lengths[layer] = end
 
-    def _check_inputs(self, k, v, src_dtype):
+    def _check_inputs(self, k, v, src_dtype, private=False):
         """``(k, k_kind, v, v_kind, n)``: both inputs checked, with as many
-        positions each."""
-        k, k_kind, n = self._check_input(k, "k", src_dtype)
-        v, v_kind, n_v = self._check_input(v, "v", src_dtype)
+        positions each (``private``: copies, ``_arrays.float_input``)."""
+        k, k_kind, n = self._check_input(k, "k", src_dtype, private)
+        v, v_kind, n_v = self._check_input(v, "v", src_dtype, private)
         if n_v != n:
             raise ValueError(
                 f"v must have the same number of positions as k: k.shape[2] is {n}, "

@@ -11,7 +11,7 @@ from ._errors import CacheFullError, OutOfBlocksError
 from ._native import _pool
 from ._native import _seq as _native_seq
 from ._native._seq import SeqCore
-from . import _validate, hashing
+from . import _arrays, _validate, hashing
 from ._validate import (index_int, layer_index, nonneg_int, positive_int, salt_bytes,
                         token_array)
 from .pool import BlockPool
@@ -280,8 +280,11 @@ class PagedKVCache:
         # here, and may change this sequence) before its state is checked
         self._require("append")
         pool = self._pool
+        private = not _arrays.runs_no_code(layer, k, v, src_dtype)   # (then: copies of k, v)
+        if private:
+            k, v = _arrays.snapshot(k, v)
         layer = layer_index(layer, pool.num_layers)
-        k, v, sk = pool._kv_input(k, v, src_dtype)
+        k, v, sk = pool._kv_input(k, v, src_dtype, private)
         self._require("append")
         n = k.shape[0]
         if n == 0:

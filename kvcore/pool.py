@@ -511,16 +511,17 @@ class BlockPool:
             slot out of range is skipped, like -1) but such a slot is not
             reported: the caller vouches for the slots.
         """
-        # (k and v are read where they lie: where converting an argument may
-        # run the caller's code (a slots object's __array__), their memory
-        # is checked, once every argument is converted, to be what it was)
-        guard = None if _arrays.runs_no_code(layer, k, v, slots) else \
-            _arrays.memory_guard((("k", k), ("v", v)), _arrays.CALL)
+        # (k and v are read where they lie; where converting an argument
+        # may run the caller's code, which may free or resize their memory
+        # (a slots object's __array__), the call writes copies of them)
+        private = not _arrays.runs_no_code(layer, k, v, slots, src_dtype, check)
+        if private:       # (the arrays copied first, the caller's code runs after)
+            k, v, slots = _arrays.snapshot(k, v, slots)
         layer = layer_index(layer, self._num_layers)
         if not isinstance(check, (bool, np.bool_)):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
-        k, v, src_kind = self._data.kv_input(k, v, src_dtype)
-        self._data.write(layer, k, v, slots, src_kind, check, guard)
+        k, v, src_kind = self._data.kv_input(k, v, src_dtype, private)
+        self._data.write(layer, k, v, slots, src_kind, check)
 
     def gather(self, layer, block_table, start, end, dtype=None, out=None):
         """Raw read of positions ``start..end-1`` of the sequence whose blocks are ``block_table``.
@@ -629,9 +630,9 @@ class BlockPool:
             raise IndexError(f"block_id must be in 0..{self._num_blocks - 1}, got {b}")
         return b
 
-    def _kv_input(self, k, v, src_dtype):
+    def _kv_input(self, k, v, src_dtype, private=False):
         """Validated (k, v, kind) for a write (see PoolData.kv_input)."""
-        return self._data.kv_input(k, v, src_dtype)
+        return self._data.kv_input(k, v, src_dtype, private)
 
     def _write_positions(self, layer, k, v, slots, src_kind):
         """K and V (validated by :meth:`_kv_input`) to the slots of a

@@ -124,7 +124,9 @@ class PagedCache(Cache):
         first (no cached position before it, no padding column) and that
         the layer's window, chunk, soft cap, sinks and ALiBi do not change
         (plain causal attention among the new positions, whose K/V the
-        forward holds): ``"kvcore"`` always kvcore's kernels, ``"sdpa"``
+        forward holds), where the pages hold those K/V exactly (pages of
+        the model's dtype, or float32; fp8, int8 and narrower pages always
+        take kvcore's): ``"kvcore"`` always kvcore's kernels, ``"sdpa"``
         torch's ``scaled_dot_product_attention`` (what transformers' sdpa
         attention calls), ``"auto"`` torch's where it was measured faster:
         a bfloat16 model on a CPU whose attention runs kvcore's ``amx``
@@ -191,7 +193,12 @@ class PagedCache(Cache):
 
     def _prefill_sdpa(self, dtype):
         """Whether a first forward's plain causal layers with queries of
-        ``dtype`` go to torch's sdpa (``prefill_attention``)."""
+        ``dtype`` go to torch's sdpa (``prefill_attention``): only where
+        the pages hold the model's K/V exactly (pages of ``dtype``, or
+        float32), so that a prompt read back from the pages later (a prefix
+        hit) is attended to as in its first forward."""
+        if self.pool.dtype != "float32" and _TORCH_STORAGE.get(self.pool.dtype) != dtype:
+            return False
         choice = self.prefill_attention
         if choice != "auto":
             return choice == "sdpa"

@@ -1465,7 +1465,7 @@ def test_prefill_attention_auto_picks_torch_for_bfloat16_at_the_amx_level_only()
             assert cache._prefill_sdpa(torch.bfloat16) is False
         finally:
             kvcore.set_simd_level(previous)
-    assert PagedCache(pool, prefill_attention="sdpa")._prefill_sdpa(torch.float32) is True
+    assert PagedCache(pool, prefill_attention="sdpa")._prefill_sdpa(torch.bfloat16) is True
     assert PagedCache(pool, prefill_attention="kvcore")._prefill_sdpa(torch.bfloat16) is False
 
 
@@ -1495,3 +1495,21 @@ def test_prefill_routes_benchmark_runs_on_tiny_sizes(capsys):
         assert diff < (0.05 if dtype == "bfloat16" else 1e-2)
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "4/2"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8", "float8_e4m3fn"])
+def test_prefill_attention_never_skips_the_pages_rounding(monkeypatch, dtype):
+    """Pages that round the model's K/V (float16 pages of a float32 model,
+    int8, fp8) keep kvcore's attention in a first forward too, even with
+    "sdpa": a prompt then attends to the same K/V cold and warm."""
+    model = model_for("llama", "kvcore")
+    ids, mask = _equal_prompts(1, 37)
+    calls = _sdpa_calls(monkeypatch)
+    pool = pool_for(model.config, 64, dtype=dtype, block_size=16)
+    cache = PagedCache(pool, prefill_attention="sdpa")
+    assert cache._prefill_sdpa(torch.float32) is False
+    assert cache._prefill_sdpa(torch.bfloat16) is False
+    with cache:
+        model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=2,
+                       do_sample=False)
+    assert calls == []

@@ -129,38 +129,101 @@ def test_a_plan_over_numpy_planes_resized_by_its_query_refuses():
         plan.run(hook, 0)
 
 
-@pytest.mark.parametrize("which", ["write", "update"])
-def test_writes_whose_other_arguments_free_the_input_refuse(torch, which):
+@pytest.mark.parametrize("which", ["write", "update", "append"])
+def test_writes_whose_other_arguments_free_the_input_write_it_as_it_was(torch, which):
+    """A write whose other argument's conversion frees k's storage writes
+    k as it was when the call began: it works on copies, made before any
+    of the caller's code runs (the write read freed memory before)."""
     n = 1 << 12
-    k = torch.ones(n, 2, 64)
+    k = torch.arange(n * 2 * 64, dtype=torch.float32).reshape(n, 2, 64) / n
+    want = k.clone().numpy().astype(np.float16)
 
     def free():
         k.untyped_storage().resize_(0)
 
     if which == "write":
         pool = kvcore.BlockPool(n // 16, 16, 1, 2, 64, dtype="float16")
-        before = pool.storage.copy()
-        with pytest.raises(RuntimeError, match="k's memory moved or was freed since the call"):
-            pool.write(0, k, k, Hook(np.arange(n), free))
-        np.testing.assert_array_equal(pool.storage, before)
+        pool.write(0, k, k, Hook(np.arange(n), free))
+        got = pool.key_cache(0).transpose(0, 2, 1, 3).reshape(n, 2, 64)
+    elif which == "update":
+        cache = kvcore.KVCache(1, 2, 64, n + 10, dtype="float16")
+        kk = k.view(1, n, 2, 64).transpose(1, 2)
+        cache.update(0, kk, kk, start_pos=Hook(0, free))
+        got = cache.get(0)[0][0].transpose(1, 0, 2)
     else:
-        cache = kvcore.KVCache(1, 2, 64, n + 10)
-        kk = k.view(1, 2, n, 64)
-        with pytest.raises(RuntimeError, match="k's memory moved or was freed since the call"):
-            cache.update(0, kk, kk, start_pos=Hook(0, free))
-        assert cache.seq_len == 0
+        pool = kvcore.BlockPool(n // 16 + 1, 16, 1, 2, 64, dtype="float16")
+        seq = kvcore.PagedKVCache(pool)
+        seq.allocate(list(range(n)))
+        seq.append(Hook(0, free), k, k)
+        got = seq.gather(0)[0].transpose(1, 0, 2)
+    np.testing.assert_array_equal(got, want)
 
 
-def test_writes_of_plain_arguments_take_no_memory_check(monkeypatch):
-    """(NumPy arrays, ints, exact tensors run no caller code: no check is built.)"""
+class _Int64(np.int64):
+    """A NumPy integer whose conversion runs code (not one of NumPy's own)."""
+
+    def __index__(self):
+        _Int64.action()
+        return 0
+
+
+class _Name(str):
+    def lower(self):
+        _Name.action()
+        return str.lower(self)
+
+
+@pytest.mark.parametrize("arg", ["layer", "src_dtype"])
+def test_subclasses_of_plain_types_count_as_the_callers_code(arg):
+    """An np.int64 or str subclass may override its methods: the write then
+    works on copies too (it read a freed array before)."""
+    n = 1 << 14
+    a = np.ones((n, 2, 64), np.float32)
+
+    def shrink():
+        a.resize((1, 2, 64), refcheck=False)
+
+    _Int64.action = _Name.action = shrink
+    pool = kvcore.BlockPool(n // 16, 16, 1, 2, 64, dtype="float16")
+    k = a[:]
+    if arg == "layer":
+        pool.write(_Int64(0), k, k, np.arange(n))
+    else:
+        pool.write(0, k, k, np.arange(n), src_dtype=_Name("float32"))
+    assert (pool.key_cache(0) == 1).all()
+
+
+def test_a_plan_run_whose_out_frees_q_reads_q_as_it_was(torch):
+    pool = kvcore.BlockPool(8, 16, 1, 2, 64, dtype="float32")
+    seq = _seq(pool, 16)
+    plan = kvcore.AttentionPlan(pool, seq.block_table[None, :], [16], [0, 16], num_heads=2)
+    qt = torch.ones(1 << 15, 2, 64)
+    want = plan.run(qt[:16].clone(), 0)
+
+    class Out(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if qt.untyped_storage().nbytes():
+                qt.untyped_storage().resize_(0)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    out = torch.empty(16, 2, 64).as_subclass(Out)
+    plan.run(qt[:16], 0, out=out)
+    with torch._C.DisableTorchFunctionSubclass():
+        np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_calls_of_plain_arguments_copy_nothing(monkeypatch):
+    """(NumPy arrays, ints, strs, exact tensors run no caller code: no copy.)"""
     from kvcore import _arrays
 
     made = []
-    real = _arrays.memory_guard
-    monkeypatch.setattr(_arrays, "memory_guard", lambda *a: made.append(a) or real(*a))
+    real = _arrays.snapshot
+    monkeypatch.setattr(_arrays, "snapshot", lambda *a: made.append(a) or real(*a))
     pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
     kv = np.ones((4, 2, 8), np.float32)
-    pool.write(0, kv, kv, np.arange(4))
+    pool.write(0, kv, kv, np.arange(4), src_dtype="float32")
     assert made == []
     pool.write(0, kv, kv, [0, 1, 2, 3])                      # (a list's items might)
     assert len(made) == 1
