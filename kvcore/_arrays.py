@@ -22,7 +22,8 @@ from ._planes import outs_share_memory
 from .backends import first_moved, host_address, runs_no_code, tensor_view
 
 __all__ = ["unwrap", "host_view", "float_input", "writable", "out_array", "out_pair",
-           "read_kind", "index_array", "aligned", "memory_guard", "runs_no_code", "snapshot"]
+           "read_kind", "index_array", "aligned", "memory_guard", "out_guard", "runs_no_code",
+           "snapshot"]
 
 
 def _torch_of(x):
@@ -295,7 +296,29 @@ def _resizable_owner(x):
     return owner if owner.flags.owndata else None
 
 
-def memory_guard(named):
+_PLAN = ("the plan was made", "make a new AttentionPlan over the arrays as they are now")
+
+
+def out_guard(out, *args):
+    """For a call that writes ``out`` (an array, or a pair as a tuple or
+    list): None when converting its other arguments ``args`` (and reading
+    ``out``) surely runs none of the caller's code (``runs_no_code``), else
+    a function that raises RuntimeError naming ``out`` once its memory is
+    not what it was when the call began: run it after every argument is
+    converted, before writing (that code may have freed or resized it)."""
+    if out is None:
+        return None
+    members = tuple(out) if type(out) in (tuple, list) else (out,)
+    if runs_no_code(*args, *members):
+        return None
+    names = ("out",) if len(members) == 1 and members[0] is out else \
+        tuple(f"out[{i}]" for i in range(len(members)))
+    return memory_guard(zip(names, members),
+                        ("the call began (converting another argument ran code that freed or "
+                         "resized it)", "pass an out that stays as it is for the call"))
+
+
+def memory_guard(named, when=_PLAN):
     """For the arrays among ``named`` (``(arg, array)`` pairs) whose memory
     a caller keeps views of (a plan's planes): a function that raises
     RuntimeError naming the argument once an array's memory is no longer
@@ -310,7 +333,9 @@ def memory_guard(named):
     refcheck=False)`` on the array that owns the memory moves it whoever
     views it; the guard holds that owner and checks its address and size
     (its memory cannot be freed while the owner lives, so an owner with the
-    same address and size still holds the bytes the plan reads)."""
+    same address and size still holds the bytes the plan reads).  ``when``:
+    ``(since what, what to do)`` for the message (a plan's planes by
+    default; ``out_guard`` a call's ``out``)."""
     held, owners, names = [], [], []
     for arg, x in named:
         if _torch_of(x) is None:
@@ -331,14 +356,13 @@ def memory_guard(named):
             if x.untyped_storage() is not storage or storage.nbytes() != nbytes \
                     or storage.data_ptr() != base or x.data_ptr() != ptr:
                 raise RuntimeError(
-                    f"{arg}'s memory moved or was freed since the plan was made (the torch "
-                    "tensor's storage was resized or replaced): make a new AttentionPlan over "
-                    "the tensors as they are now")
+                    f"{arg}'s memory moved or was freed since {when[0]} (the torch "
+                    f"tensor's storage was resized or replaced): {when[1]}")
         i = first_moved(owners) if owners else -1
         if i >= 0:
             arg, shape = names[i]
             raise RuntimeError(
-                f"{arg}'s memory moved since the plan was made (the NumPy array holding "
+                f"{arg}'s memory moved since {when[0]} (the NumPy array holding "
                 f"it, shape {shape} then, was resized: ndarray.resize with "
-                "refcheck=False): make a new AttentionPlan over the arrays as they are now")
+                f"refcheck=False): {when[1]}")
     return guard

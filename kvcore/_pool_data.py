@@ -220,13 +220,16 @@ class PoolData:
         backend.write_slots(k_plane, k, slots, src_kind, k_codec)
         backend.write_slots(v_plane, v, slots, src_kind, v_codec)
 
-    def gather(self, layer, table, start, end, dtype, out=None):
+    def gather(self, layer, table, start, end, dtype, out=None, out_check=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
-        ``table`` (int32, aligned), into ``out`` when given."""
+        ``table`` (int32, aligned), into ``out`` when given (``out_check``:
+        ``_arrays.out_guard``'s, run once ``out`` is converted)."""
         dst_kind = _arrays.read_kind(dtype, self.kind)
         backend = self.backend
         shape = (self.num_kv_heads, end - start, self.head_dim)
         outs = _arrays.out_pair(backend, out, shape, dst_kind)
+        if out_check is not None:
+            out_check()
         if end == start:
             return outs[0][1], outs[1][1]
         tmps = self._targets(outs, out, shape, dst_kind)

@@ -401,8 +401,9 @@ class AttentionPlan:
         src = self._src
         be = src.backend
         private = checked_q is None and not _arrays.runs_no_code(layer, q, out)
-        if private:
+        if private:     # (copies first: reading out's storage may run the caller's code)
             q, = _arrays.snapshot(q)
+        out_check = _arrays.out_guard(out, layer, q)
         layer = layer_index(layer, src.num_layers)
         if checked_q is None:
             qbits, qkind = _query_input(be, q, src.num_kv_heads, src.head_dim, src.what)
@@ -436,6 +437,8 @@ class AttentionPlan:
         target = obits if direct else be.empty(shape, "float32")
         if src.guard is not None:    # (again: converting layer, q and out ran the caller's code)
             src.guard()
+        if out_check is not None:
+            out_check()
         key_cache, value_cache = src.views[layer]
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
@@ -525,6 +528,13 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     """
     if not isinstance(pool, BlockPool):
         raise TypeError(f"pool must be a kvcore.BlockPool, got {type(pool).__name__}")
+    # where converting an argument may run the caller's code: q copied
+    # before it runs, out checked after it ran (it may free or resize them)
+    others = (layer, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+              logits_soft_cap, chunk_size, alibi_slopes, sinks)
+    if not _arrays.runs_no_code(q, out, *others):
+        q, = _arrays.snapshot(q)
+    out_check = _arrays.out_guard(out, q, *others)
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
@@ -537,6 +547,8 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     plan._bindable = True
     if plan._heads in (None, checked[0].shape[1]):
         plan._plan_for(checked[0].shape[1], layer)
+    if out_check is not None:
+        out_check()
     return plan.run(q, layer, out)
 
 

@@ -438,11 +438,12 @@ class PagedKVCache:
             is not live (see the class notes).
         """
         self._require("gather")
+        out_check = _arrays.out_guard(out, layer, start, end, dtype)
         layer, start, end = self._range_args(layer, start, end)
         self._require("gather")
         start, end = self._written_range(layer, start, end)
         table = self._seq.table
-        got = self._pool._gather(layer, table, start, end, dtype, out)
+        got = self._pool._gather(layer, table, start, end, dtype, out, out_check)
         self._unchanged_by("gather", table, layer, end)
         return got
 

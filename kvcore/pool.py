@@ -547,9 +547,10 @@ class BlockPool:
             In the storage dtype, or ``dtype`` if given (e.g. "float32");
             ``out`` when given.
         """
+        out_check = _arrays.out_guard(out, layer, block_table, start, end, dtype)
         layer = layer_index(layer, self._num_layers)
         table, start, end = self._data.table_range(block_table, start, end)
-        return self._data.gather(layer, table, start, end, dtype, out)
+        return self._data.gather(layer, table, start, end, dtype, out, out_check)
 
     def gather_batch(self, layer, block_tables, lengths, dtype=None, out=None):
         """Positions ``0..lengths[s]-1`` of a batch of sequences, padded.
@@ -639,10 +640,10 @@ class BlockPool:
         sequence's own positions in (validated) ``layer``."""
         self._data.write_positions(layer, k, v, slots, src_kind)
 
-    def _gather(self, layer, table, start, end, dtype, out=None):
+    def _gather(self, layer, table, start, end, dtype, out=None, out_check=None):
         """(k, v) of positions start..end-1 of (validated) ``layer`` and
         ``table`` (int32, aligned), into ``out`` when given."""
-        return self._data.gather(layer, table, start, end, dtype, out)
+        return self._data.gather(layer, table, start, end, dtype, out, out_check)
 
     def _gather_scales(self, layer, table, start, end):
         return self._data.gather_scales(layer, table, start, end)

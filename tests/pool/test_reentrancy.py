@@ -265,3 +265,26 @@ def test_gather_whose_out_frees_the_sequence_refuses():
     with pytest.raises(RuntimeError, match="gather: the sequence was freed or truncated"):
         seq.gather(0, 0, 10, out=FreeingPair(outs))
     assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("call", ["seq.gather", "pool.gather", "plan.run", "paged_attention"])
+def test_an_out_freed_by_another_argument_is_refused_before_any_write(call):
+    """``out`` resized in place (``ndarray.resize(refcheck=False)``) by the
+    conversion of another argument: refused by name before the call writes
+    (it wrote into freed memory before)."""
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
+    seq = _seq(pool)
+    big = np.empty((2, 1 << 20, 8), np.float16) if "gather" in call else \
+        np.empty((1 << 20, 2, 8), np.float32)
+    hook = Hook(0, lambda: big.resize((1,), refcheck=False))
+    q = np.ones((1, 2, 8), np.float32)
+    with pytest.raises(RuntimeError, match=r"out(\[0\])?'s memory moved since the call began"):
+        if call == "seq.gather":
+            seq.gather(0, hook, 10, out=(big[:, :10], np.empty((2, 10, 8), np.float16)))
+        elif call == "pool.gather":
+            pool.gather(0, seq.block_table, hook, 10,
+                        out=(big[:, :10], np.empty((2, 10, 8), np.float16)))
+        elif call == "plan.run":
+            kvcore.AttentionPlan(pool, [seq.block_table], [10]).run(q, hook, out=big[:1])
+        else:
+            kvcore.paged_attention(q, pool, hook, [seq.block_table], [10], out=big[:1])

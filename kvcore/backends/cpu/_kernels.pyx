@@ -132,8 +132,8 @@ cdef tuple _np_scalars = tuple(np.dtype(c).type for c in "bBhHiIlLqQ?")
 def runs_no_code(*args):
     """Whether converting every one of ``args`` surely runs none of the
     caller's code (``__index__``, ``__array__``, ``__int__``, a ``str``
-    subclass's methods): None, exact ints, bools, strs and NumPy integer
-    scalars, exact NumPy arrays of numbers, exact torch tensors.  A call
+    subclass's methods): None, exact ints, floats, bools, strs and NumPy
+    integer scalars, exact NumPy arrays of numbers, exact torch tensors.  A call
     whose arguments may run code works on private copies of its inputs."""
     cdef object x
     for x in args:
@@ -141,7 +141,7 @@ def runs_no_code(*args):
             if not cnp.PyArray_ISNUMBER(<cnp.ndarray>x):   # (bool, ints, floats, complex)
                 return False
         elif x is None or type(x) is int or type(x) is bool or type(x) is str \
-                or type(x) in _np_scalars:
+                or type(x) is float or type(x) in _np_scalars:
             pass
         elif type(x) not in _tensor_types:
             torch = sys.modules.get("torch")
