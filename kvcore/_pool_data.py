@@ -239,8 +239,9 @@ class PoolData:
             backend.gather(plane, table, start, end, tmp, codec, dst_kind)
         return _deliver(outs, tmps)
 
-    def gather_batch(self, layer, t, n, dtype, out):
-        """``BlockPool.gather_batch`` of validated ``layer``, tables and lengths."""
+    def gather_batch(self, layer, t, n, dtype, out, out_check=None):
+        """``BlockPool.gather_batch`` of validated ``layer``, tables and
+        lengths (``out_check``: as :meth:`gather`'s)."""
         dst_kind = _arrays.read_kind(dtype, self.kind)
         backend = self.backend
         width = int(n.max()) if n.size else 0
@@ -249,6 +250,8 @@ class PoolData:
         t32 = backend.from_host(np.ascontiguousarray(t, np.int32))
         n32 = backend.from_host(np.ascontiguousarray(n, np.int32))
         outs = _arrays.out_pair(backend, out, shape, dst_kind)
+        if out_check is not None:
+            out_check()
         tmps = self._targets(outs, out, shape, dst_kind)
         for plane, codec, tmp in zip(self.planes.views[layer], self.planes.codecs[layer], tmps):
             backend.gather_batch(plane, t32, n32, tmp, codec, dst_kind)

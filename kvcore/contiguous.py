@@ -355,6 +355,7 @@ class KVCache:
             ``start < 0``, ``end < start``, or ``end`` past the positions
             written in the layer: kvcore never returns unwritten data.
         """
+        out_check = _arrays.out_guard(out, layer, start, end, dtype)
         layer = self._check_layer(layer)
         start, end = self._range(layer, start, end)
         out_kind = None if dtype is None else _arrays.read_kind(dtype, self._kind)
@@ -364,13 +365,16 @@ class KVCache:
         if out_kind is None and out is None:
             return k, v
         return self._read(layer, k, v, start, end, self._kind if out_kind is None else out_kind,
-                          out)
+                          out, out_check)
 
-    def _read(self, layer, k, v, start, end, out_kind, out):
+    def _read(self, layer, k, v, start, end, out_kind, out, out_check=None):
         """``get`` into new arrays or the caller's ``out``: views ``k``, ``v``
-        of positions ``start .. end - 1`` of ``layer`` read as ``out_kind``."""
+        of positions ``start .. end - 1`` of ``layer`` read as ``out_kind``
+        (``out_check``: ``_arrays.out_guard``'s, run once ``out`` is converted)."""
         backend = self._backend
         dsts = _arrays.out_pair(backend, out, k.shape, out_kind)
+        if out_check is not None:
+            out_check()
         if out is not None and any(backend.xp.may_share_memory(d, self._storage)
                                    for d, _ in dsts):
             # an out that is a view of this cache: read both before writing either

@@ -89,12 +89,28 @@ def _input(x, arg, kinds):
     return be, dtypes.as_bits(a), kind
 
 
+def _private(x, out):
+    """``(x, out_check, private)``: where converting ``x`` or ``out`` may
+    run the caller's code (which may free the other's memory), a copy of
+    ``x``, ``_arrays.out_guard``'s check of ``out`` and True (copy ``x``
+    again once converted); else ``x`` as it is, None and False."""
+    if out is None or _arrays.runs_no_code(x, out):
+        return x, None, False
+    x, = _arrays.snapshot(x)
+    return x, _arrays.out_guard(out, x), True
+
+
 def _run(x, out, arg, src_kinds, dst_kind):
+    x, out_check, private = _private(x, out)
     be, x, sk = _input(x, arg, src_kinds)
+    if private:
+        x = x.copy()
     if out is None:
         out = res = be.empty(x.shape, dtypes.STORAGE[dst_kind])
     else:
         out, res = _arrays.out_array(be, out, "out", x.shape, dst_kind)
+        if out_check is not None:
+            out_check()
     be.convert(x, sk, out, dst_kind)
     return res
 
@@ -253,21 +269,31 @@ def _check_saturate(saturate):
 
 def _to_fp8(x, out, saturate, fmt):
     saturate = _check_saturate(saturate)
+    x, out_check, private = _private(x, out)
     be, x, _ = _input(x, "x", (F32,))
+    if private:
+        x = x.copy()
     if out is None:
         out = res = be.empty(x.shape, _U8)
     else:
         out, res = _fp8_out(be, out, x.shape, fmt)
+        if out_check is not None:
+            out_check()
     be.convert_fp8(x, out, fmt, True, saturate)
     return res
 
 
 def _from_fp8(b, out, fmt):
+    b, out_check, private = _private(b, out)
     be, b = _fp8_input(b, "b", fmt)
+    if private:
+        b = b.copy()
     if out is None:
         out = res = be.empty(b.shape, np.float32)
     else:
         out, res = _arrays.out_array(be, out, "out", b.shape, F32)
+        if out_check is not None:
+            out_check()
     be.convert_fp8(b, out, fmt, False)
     return res
 

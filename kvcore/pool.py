@@ -573,9 +573,10 @@ class BlockPool:
         (k, v) : new arrays ``(batch, num_kv_heads, max(lengths), head_dim)``
             Positions past a sequence's length are +0 (padding).
         """
+        out_check = _arrays.out_guard(out, layer, block_tables, lengths, dtype)
         layer = layer_index(layer, self._num_layers)
         tables, lengths = self._data.batch_tables(block_tables, lengths)
-        return self._data.gather_batch(layer, tables, lengths, dtype, out)
+        return self._data.gather_batch(layer, tables, lengths, dtype, out, out_check)
 
     def gather_scales(self, layer, block_table, start, end):
         """int8 pools: the scales of the codes :meth:`gather` returns for the

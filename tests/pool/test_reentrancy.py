@@ -267,15 +267,16 @@ def test_gather_whose_out_frees_the_sequence_refuses():
     assert pool.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("call", ["seq.gather", "pool.gather", "plan.run", "paged_attention"])
+@pytest.mark.parametrize("call", ["seq.gather", "pool.gather", "plan.run", "paged_attention",
+                                  "pool.gather_batch", "cache.get"])
 def test_an_out_freed_by_another_argument_is_refused_before_any_write(call):
     """``out`` resized in place (``ndarray.resize(refcheck=False)``) by the
     conversion of another argument: refused by name before the call writes
     (it wrote into freed memory before)."""
     pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
     seq = _seq(pool)
-    big = np.empty((2, 1 << 20, 8), np.float16) if "gather" in call else \
-        np.empty((1 << 20, 2, 8), np.float32)
+    big = np.empty((2, 1 << 20, 8), np.float16) if "gather" in call or call == "cache.get" \
+        else np.empty((1 << 20, 2, 8), np.float32)
     hook = Hook(0, lambda: big.resize((1,), refcheck=False))
     q = np.ones((1, 2, 8), np.float32)
     with pytest.raises(RuntimeError, match=r"out(\[0\])?'s memory moved since the call began"):
@@ -286,5 +287,21 @@ def test_an_out_freed_by_another_argument_is_refused_before_any_write(call):
                         out=(big[:, :10], np.empty((2, 10, 8), np.float16)))
         elif call == "plan.run":
             kvcore.AttentionPlan(pool, [seq.block_table], [10]).run(q, hook, out=big[:1])
-        else:
+        elif call == "paged_attention":
             kvcore.paged_attention(q, pool, hook, [seq.block_table], [10], out=big[:1])
+        elif call == "pool.gather_batch":
+            pool.gather_batch(hook, [seq.block_table], [10],
+                              out=(big[None, :, :10], np.empty((1, 2, 10, 8), np.float16)))
+        else:
+            cache = kvcore.KVCache(1, 2, 8, 16, dtype="float16")
+            cache.update(0, np.ones((1, 2, 10, 8), np.float32), np.ones((1, 2, 10, 8), np.float32))
+            cache.get(hook, 0, 10, out=(big[None, :, :10], np.empty((1, 2, 10, 8), np.float16)))
+
+
+def test_a_conversion_whose_input_frees_its_out_is_refused():
+    """``kvcore.convert``: ``x``'s own conversion resizes the array ``out``
+    views: refused by name before anything is written."""
+    big = np.empty(1 << 20, np.float16)
+    x = Hook(np.ones(16, np.float32), lambda: big.resize((1,), refcheck=False))
+    with pytest.raises(RuntimeError, match="out's memory moved since the call began"):
+        kvcore.convert.to_float16(x, out=big[:16])
