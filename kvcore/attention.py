@@ -577,14 +577,17 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     num_computed + n - 1`` of ``seq``, causal over the sequence
     (``features``: ``chunk_size``, ``alibi_slopes``, ``sinks``)."""
     pool = seq.pool
-    layer = layer_index(layer, pool.num_layers)
-    src = _pool_source(pool)
     # q converted once (its conversion may run the caller's code): the
-    # sequence is read after it, and the run takes the converted q (a copy
-    # where converting out may run the caller's code too)
-    private = not _arrays.runs_no_code(q, out)
+    # sequence is read after it, and the run takes the converted q; where
+    # an argument's conversion may run the caller's code, q is copied before
+    # it runs and out checked after
+    others = (layer, scale, sliding_window, logits_soft_cap, *features.values())
+    private = not _arrays.runs_no_code(q, out, *others)
     if private:
         q, = _arrays.snapshot(q)
+    out_check = _arrays.out_guard(out, q, *others)
+    layer = layer_index(layer, pool.num_layers)
+    src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)   # the q rule
     if private:
         checked = (checked[0].copy(), checked[1])
@@ -604,6 +607,8 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
                                np.array([0, n], np.int64), n, layer, scale=scale,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                **features)
+    if out_check is not None:
+        out_check()
     result = plan._run(q, layer, out, checked)
     seq._unchanged_by("attention", held, layer, start + n)   # (out's conversion: the caller's code)
     return result

@@ -305,3 +305,23 @@ def test_a_conversion_whose_input_frees_its_out_is_refused():
     x = Hook(np.ones(16, np.float32), lambda: big.resize((1,), refcheck=False))
     with pytest.raises(RuntimeError, match="out's memory moved since the call began"):
         kvcore.convert.to_float16(x, out=big[:16])
+
+
+def test_sequence_attention_whose_layer_frees_q_or_out():
+    """``PagedKVCache.attention``: a layer whose ``__index__`` resizes the
+    array q views reads q as it was; one that resizes out's is refused."""
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float32")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(list(range(12)))
+    kv = np.ones((10, 2, 8), np.float32)
+    seq.append(0, kv, kv)
+    seq.commit(10)
+    seq.append(0, kv[:2], kv[:2])
+    qa = np.ones((1 << 20, 2, 8), np.float32)
+    want = seq.attention(0, np.ones((2, 2, 8), np.float32))
+    got = seq.attention(Hook(0, lambda: qa.resize((1,), refcheck=False)), qa[:2])
+    np.testing.assert_array_equal(got, want)
+    oa = np.empty((1 << 20, 2, 8), np.float32)
+    with pytest.raises(RuntimeError, match="out's memory moved since the call began"):
+        seq.attention(Hook(0, lambda: oa.resize((1,), refcheck=False)),
+                      np.ones((2, 2, 8), np.float32), out=oa[:2])
