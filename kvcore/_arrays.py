@@ -22,7 +22,7 @@ from ._planes import outs_share_memory
 from .backends import first_moved, host_address, runs_no_code, tensor_view
 
 __all__ = ["unwrap", "host_view", "float_input", "writable", "out_array", "out_pair",
-           "read_kind", "index_array", "aligned", "memory_guard", "out_guard", "runs_no_code",
+           "read_kind", "index_array", "aligned", "memory_guard", "out_guard", "private_inputs", "runs_no_code",
            "snapshot"]
 
 
@@ -282,6 +282,23 @@ def snapshot(*args):
             x = x.detach().clone()
         out.append(x)
     return out
+
+
+def private_inputs(arrays, others=(), out=None):
+    """For a call that reads ``arrays`` (a tuple) and converts ``others``
+    and ``out`` (an array, or a pair as a tuple or list, or None):
+    ``(arrays, private, out_check)``.  Where converting them surely runs
+    none of the caller's code (``runs_no_code``): the arrays as they are,
+    False and None.  Else copies of the arrays made before any such code
+    runs (``snapshot``: it may free or resize them), True (copy them again
+    once converted, if their conversion kept their memory), and
+    ``out_guard``'s check of ``out``: run it after every conversion, before
+    writing."""
+    outs = () if out is None else tuple(out) if type(out) in (tuple, list) else (out,)
+    if runs_no_code(*arrays, *others, *outs):
+        return tuple(arrays), False, None
+    arrays = tuple(snapshot(*arrays))
+    return arrays, True, out_guard(out, *arrays, *others)
 
 
 def _resizable_owner(x):

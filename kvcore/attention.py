@@ -400,10 +400,10 @@ class AttentionPlan:
         """The general run: any input the public API takes, every error named."""
         src = self._src
         be = src.backend
-        private = checked_q is None and not _arrays.runs_no_code(layer, q, out)
-        if private:     # (copies first: reading out's storage may run the caller's code)
-            q, = _arrays.snapshot(q)
-        out_check = _arrays.out_guard(out, layer, q)
+        if checked_q is None:   # (q copied first: reading out's storage may run the caller's code)
+            (q,), private, out_check = _arrays.private_inputs((q,), (layer,), out)
+        else:
+            private, out_check = False, _arrays.out_guard(out, layer, q)
         layer = layer_index(layer, src.num_layers)
         if checked_q is None:
             qbits, qkind = _query_input(be, q, src.num_kv_heads, src.head_dim, src.what)
@@ -532,9 +532,7 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     # before it runs, out checked after it ran (it may free or resize them)
     others = (layer, block_tables, seq_lens, query_start_loc, scale, sliding_window,
               logits_soft_cap, chunk_size, alibi_slopes, sinks)
-    if not _arrays.runs_no_code(q, out, *others):
-        q, = _arrays.snapshot(q)
-    out_check = _arrays.out_guard(out, q, *others)
+    (q,), _, out_check = _arrays.private_inputs((q,), others, out)
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
@@ -582,10 +580,7 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     # an argument's conversion may run the caller's code, q is copied before
     # it runs and out checked after
     others = (layer, scale, sliding_window, logits_soft_cap, *features.values())
-    private = not _arrays.runs_no_code(q, out, *others)
-    if private:
-        q, = _arrays.snapshot(q)
-    out_check = _arrays.out_guard(out, q, *others)
+    (q,), private, out_check = _arrays.private_inputs((q,), others, out)
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)   # the q rule

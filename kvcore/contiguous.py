@@ -210,9 +210,7 @@ class KVCache:
         # (start_pos converted first, k and v next, the cache read last: a
         # conversion may run the caller's code, which may change the cache
         # or free k's memory: then the call writes copies of k and v)
-        private = not _arrays.runs_no_code(layer, k, v, start_pos, src_dtype)
-        if private:       # (the arrays copied first, the caller's code runs after)
-            k, v = _arrays.snapshot(k, v)
+        (k, v), private, _ = _arrays.private_inputs((k, v), (layer, start_pos, src_dtype))
         layer = self._check_layer(layer)
         start_pos = None if start_pos is None else index_int(start_pos, "start_pos")
         k, k_kind, v, v_kind, n = self._check_inputs(k, v, src_dtype, private)

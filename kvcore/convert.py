@@ -94,10 +94,10 @@ def _private(x, out):
     run the caller's code (which may free the other's memory), a copy of
     ``x``, ``_arrays.out_guard``'s check of ``out`` and True (copy ``x``
     again once converted); else ``x`` as it is, None and False."""
-    if out is None or _arrays.runs_no_code(x, out):
+    if out is None:
         return x, None, False
-    x, = _arrays.snapshot(x)
-    return x, _arrays.out_guard(out, x), True
+    (x,), private, out_check = _arrays.private_inputs((x,), (), out)
+    return x, out_check, private
 
 
 def _run(x, out, arg, src_kinds, dst_kind):

@@ -280,9 +280,7 @@ class PagedKVCache:
         # here, and may change this sequence) before its state is checked
         self._require("append")
         pool = self._pool
-        private = not _arrays.runs_no_code(layer, k, v, src_dtype)   # (then: copies of k, v)
-        if private:
-            k, v = _arrays.snapshot(k, v)
+        (k, v), private, _ = _arrays.private_inputs((k, v), (layer, src_dtype))
         layer = layer_index(layer, pool.num_layers)
         k, v, sk = pool._kv_input(k, v, src_dtype, private)
         self._require("append")

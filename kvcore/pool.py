@@ -514,9 +514,8 @@ class BlockPool:
         # (k and v are read where they lie; where converting an argument
         # may run the caller's code, which may free or resize their memory
         # (a slots object's __array__), the call writes copies of them)
-        private = not _arrays.runs_no_code(layer, k, v, slots, src_dtype, check)
-        if private:       # (the arrays copied first, the caller's code runs after)
-            k, v, slots = _arrays.snapshot(k, v, slots)
+        (k, v, slots), private, _ = _arrays.private_inputs((k, v, slots),
+                                                            (layer, src_dtype, check))
         layer = layer_index(layer, self._num_layers)
         if not isinstance(check, (bool, np.bool_)):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
