@@ -328,7 +328,9 @@ class BlockPool:
             ``blocks_needed <= num_free_blocks``.  With prefix stores,
             ``hit_tokens`` includes ``store_hit_tokens``: the following
             blocks the stores hold now (one lookup per store; allocate may
-            find fewer if an entry goes or fails verification meanwhile).
+            find fewer if an entry goes or fails verification meanwhile,
+            for instance pushed out of a full store by spills queued before
+            the probe: :meth:`wait_spills` first settles them).
         """
         tokens = token_array(token_ids)
         n = tokens.shape[0]

@@ -311,8 +311,17 @@ class PagedCache(Cache):
         if ids is None or not isinstance(ids, torch.Tensor) or ids.ndim != 2:
             self._tokens_known = False   # from here on the ids are unknown
             return None
+        first = self._may_expand
         self._expand_rows(ids.shape[0])
         q = ids.shape[1]
+        if first and self._refeeds_every_column(kwargs, q):
+            # transformers' assisted and prompt-lookup decoding feed the
+            # whole prompt in their first forward, whatever the cache holds:
+            # the rows give up their prefix hits (nothing was written yet),
+            # and the forward computes every column
+            for seq in self._seqs:
+                seq.truncate(0)
+            self._length = 0
         self._check_positions(kwargs.get("position_ids"), q)
         self._forward_columns = (q, getattr(getattr(module, "config", None), "model_type", None))
         # what a failed step restores: the ids each row knew before this
@@ -341,6 +350,23 @@ class PagedCache(Cache):
                 f"positions than its input_ids' ({q} for {columns[0]} columns: it adds "
                 "positions of its own or feeds the whole sequence again); the prefix cache "
                 "would record other tokens than the cached positions'")
+
+    def _refeeds_every_column(self, kwargs, q):
+        """Whether a forward on a cache holding columns feeds every column
+        from column 0: its ``position_ids`` ``(batch, q)`` count from each
+        row's first real column, or (without them) its ``cache_position``
+        starts at 0."""
+        if self._length == 0 or q <= self._length:
+            return False
+        position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 \
+                and tuple(position_ids.shape) == (len(self._seqs), q):
+            want = np.arange(q)[None, :] - self._pad[:, None]
+            real = want >= 0
+            return bool(np.array_equal(position_ids.detach().cpu().numpy()[real], want[real]))
+        position = kwargs.get("cache_position")
+        return isinstance(position, torch.Tensor) and position.ndim == 1 \
+            and position.shape[0] == q and int(position[0]) == 0
 
     def _check_positions(self, position_ids, q):
         """Raise ValueError unless a forward's ``position_ids`` (when given as
@@ -570,6 +596,9 @@ class PagedCache(Cache):
             return
         for i, seq in enumerate(self._seqs):
             seq.truncate(max(0, keep - int(self._pad[i])))
+        # a row cropped into its left padding keeps only padding: the
+        # columns after keep are whatever the next forward says they are
+        self._pad = np.minimum(self._pad, keep)
         self._length = keep
         self._step = None
 

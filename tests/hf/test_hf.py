@@ -429,6 +429,64 @@ def test_prompt_lookup_matches_dynamic_cache(attn):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_over_a_cached_prompt(attn, mode):
+    """transformers' assisted and prompt-lookup decoding feed the whole
+    prompt in their first forward, whatever the cache holds: over a prompt
+    whose blocks the pool caches, the rows give up their prefix hits and the
+    tokens are DynamicCache's (it used to raise: position 0, the cache
+    expects 28)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (6,), generator=g).repeat(5)[None, :]
+    mask = torch.ones_like(ids)
+    if mode == "prompt_lookup":
+        kw = dict(max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4, eos_token_id=2)
+    else:
+        torch.manual_seed(1)
+        helper = transformers.LlamaForCausalLM(model_for("llama").config).eval()
+        helper.set_attn_implementation("sdpa")
+        kw = dict(max_new_tokens=8, do_sample=False, assistant_model=helper, eos_token_id=2)
+    want = _dynamic(model_for("llama"), ids, mask, **kw)
+    model = model_for("llama", attn)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    for call in range(3):      # the first call caches the prompt's blocks
+        got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, **kw)
+        assert torch.equal(got, want), call
+        assert pool.num_used_blocks == 0
+        pool.debug.check()
+    assert pool.num_cached_blocks >= ids.shape[1] // 4
+    # a plain call still takes the prompt's hit
+    with PagedCache(pool) as cache:
+        cache._begin([ids[0].numpy()], [0])
+        assert cache.get_seq_length() > 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_crop_into_a_rows_left_padding(attn):
+    """crop to fewer columns than a row's left padding: the row holds only
+    padding, and the next forward's columns are its real tokens (it kept
+    the old pad count, and the forward's K/V were dropped as padding)."""
+    model = model_for("llama", attn)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    ids = torch.tensor([[PAD] * 5 + [5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16]])
+    mask = (torch.arange(8)[None, :] >= torch.tensor([[5], [0]])).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    new = torch.tensor([[20, 21], [22, 23]])
+    mask2 = torch.cat([mask[:, :3], torch.ones(2, 2, dtype=mask.dtype)], 1)
+    pos2 = torch.tensor([[0, 1], [3, 4]])
+    out = []
+    for cache in (transformers.DynamicCache(), PagedCache(pool)):
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=pos, **_kw(model, cache))
+            cache.crop(-5)                    # row 0 keeps 3 columns of padding
+            out.append(model(new, attention_mask=mask2, position_ids=pos2,
+                             **_kw(model, cache)).logits)
+    cache.free()
+    assert pool.num_used_blocks == 0
+    np.testing.assert_allclose(out[1].numpy(), out[0].numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
 def test_sliding_window_model_matches_dynamic_cache(attn):
     """Mistral with an 8-token window: the window applies per row, padding
     excluded (the kvcore kernel gets the model's sliding_window)."""
