@@ -319,7 +319,6 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     job.partial_floats = p->partial_floats;
     job.workspace = p->workspace;
     job.workspace_bytes = p->workspace_bytes;
-    job.tokens_per_tile = (int)kva_tokens_per_tile(&a);
     job.max_rows = p->max_rows;
     job.split_rows = p->split_rows;
     memset(p->group_done, 0, (size_t)p->num_groups * sizeof(int));

@@ -1013,34 +1013,51 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i, weights);
 }
 
-/* The softmax step of a decode tile in registers (kva_math.decode_rows):
- * each row's scores (up to four vectors) are loaded once, and every step of
+/* The softmax step of a tile in registers (kva_math.decode_rows): each
+ * row's scores (up to four vectors) are loaded once, and every step of
  * kva_run_item's per-row loop runs on them with the operations of
  * tile_scales, row_max, row_exp_sum and scale, in their order (the same
- * bits): times the keys' scales (i < nt), -inf outside [first, last), the
- * maximum, alpha, the exponentials (stored) and their sum, the visible
- * weights times the values' scales and unit. */
+ * bits): times the keys' scales (i < nt), -inf outside the row's visible
+ * keys ([first, last), or [rf[r], rl[r]) when rf is given), the maximum,
+ * alpha, the exponentials (stored) and their sum, the visible weights times
+ * the values' scales and unit.  A row that sees no key (rl[r] <= rf[r])
+ * is left as the per-row loop leaves it: scores 0, alpha 1, sum 0, m as
+ * it was. */
 KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int ntp, int first,
-                                                 int last, const float *ks, const float *vs,
-                                                 float unit, float *m, float *sum, float *alpha)
+                                                 int last, const int *rf, const int *rl,
+                                                 const float *ks, const float *vs, float unit,
+                                                 float *m, float *sum, float *alpha)
 {
     /* (ntp <= KVA_KEY_TILE = 64 and last <= nt <= ntp: the callers') */
     const int nv = (ntp + 15) / 16;
     if (nv < 1 || nv > 4)
         __builtin_unreachable();
     const uint64_t real = nt >= 64 ? ~0ull : (1ull << nt) - 1;
-    const uint64_t seen = (last >= 64 ? ~0ull : (1ull << last) - 1) & ~((1ull << first) - 1);
+    uint64_t seen = (last >= 64 ? ~0ull : (1ull << last) - 1) & ~((1ull << first) - 1);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), vu = _mm512_set1_ps(unit);
     __m512 k[4], w[4];
 #pragma GCC unroll 4
     for (int c = 0; c < nv; c++) {
         k[c] = ks != NULL ? _mm512_maskz_loadu_ps((__mmask16)(real >> 16 * c), ks + 16 * c)
                           : ninf;
-        w[c] = vs != NULL ? _mm512_maskz_loadu_ps((__mmask16)(seen >> 16 * c), vs + 16 * c)
+        /* (per-row keys: every real lane's scale; the row's mask picks) */
+        w[c] = vs != NULL ? _mm512_maskz_loadu_ps((__mmask16)((rf != NULL ? real : seen) >> 16 * c),
+                                                  vs + 16 * c)
                           : ninf;
     }
     for (int r = 0; r < M; r++) {
         float *s = S + (size_t)r * KVA_KEY_TILE;
+        if (rf != NULL) {
+            const int f = rf[r], l = rl[r];
+            if (l <= f) { /* nothing visible: no change to this row */
+                for (int c = 0; c < nv; c++)
+                    storef_avx512(s + 16 * c, _mm512_setzero_ps(), ntp - 16 * c < 16);
+                alpha[r] = 1.0f;
+                sum[r] = 0.0f;
+                continue;
+            }
+            seen = (l >= 64 ? ~0ull : (1ull << l) - 1) & ~((1ull << f) - 1);
+        }
         __m512 x[4], mv = ninf;
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++) {

@@ -75,8 +75,24 @@
 #define KVA_HAVE_NEON 0
 #endif
 
-/* Query rows per item (query tokens x heads of a group; at least one token). */
+/* Query rows per item (query tokens x heads of a group; at least one
+ * token), by the keys of the item's sequence: KVA_ROWS, KVA_ROWS_MID from
+ * KVA_MID_KEYS keys, KVA_ROWS_LONG from KVA_LONG_KEYS.  Each item packs
+ * (AMX) or widens the K and V tiles it reads once for all its rows, so more
+ * rows share that work; but the rows of an item's causal diagonal tiles
+ * compute scores they mask, and there are fewer items for the threads.
+ * Causal prefill of 512 / 2048 tokens (docs/performance.md, "Rows per
+ * item"): 128 rows rather than 64 were 1.02-1.17x / 1.08-1.35x at amx and
+ * 0.97-1.07x / 0.97-1.14x at avx512 and avx2; 256 rows at 2048 tokens gained
+ * more at amx; of 128 tokens, 128 rows lost up to 14%.  From the arguments
+ * alone: the same items, hence the same bits, for any thread count. */
+#ifndef KVA_ROWS
 #define KVA_ROWS 64
+#endif
+#define KVA_ROWS_MID 128
+#define KVA_ROWS_LONG 256
+#define KVA_MID_KEYS 512
+#define KVA_LONG_KEYS 2048
 /* Key positions per tile of an item of KVA_TILE_ROWS rows or more (a
  * prefill's), and the row stride of the scores: a multiple of 32 (the AMX
  * kernels work a tile in runs of 32).  64 rather than 32 halves the
@@ -187,19 +203,22 @@ typedef struct {
      * is only compared with and subtracted from its row's maximum, which
      * costs nothing when it is subnormal: it is not flushed.) */
     void (*scale)(float *s, const float *w, float c, ptrdiff_t n, int weights);
-    /* The softmax step of a decode tile (NULL: the level has none, the
-     * caller runs the steps above one by one): M rows of scores S[r *
-     * KVA_KEY_TILE + i], i < ntp <= KVA_KEY_TILE, that see the same
-     * keys [first, last) (0 <= first < last <= nt <= ntp), each taken
+    /* The softmax step of a tile (NULL: the level has none, the caller
+     * runs the steps above one by one): M rows of scores S[r *
+     * KVA_KEY_TILE + i], i < ntp <= KVA_KEY_TILE, that see the keys
+     * [first, last) (0 <= first < last <= nt <= ntp), or with rf given
+     * the keys [rf[r], rl[r]) each (rl[r] <= rf[r]: none; then the row's
+     * scores are made 0, alpha[r] 1 and sum[r] 0, m[r] kept), each taken
      * through every step of kva_run_item's per-row loop with the same
      * operations in the same order (the same bits): times ks[i] for i < nt
-     * (ks NULL: not), -inf outside [first, last), the row maximum m[r]
+     * (ks NULL: not), -inf outside the visible keys, the row maximum m[r]
      * (updated) and alpha[r], the exponentials stored in S and their sum
      * in sum[r] (the caller updates l), the visible weights times vs[i]
      * (vs NULL: not) and unit.  The scores are base-2 logits (no soft cap,
      * ALiBi or wide units). */
-    void (*decode_rows)(float *S, int M, int nt, int ntp, int first, int last, const float *ks,
-                        const float *vs, float unit, float *m, float *sum, float *alpha);
+    void (*decode_rows)(float *S, int M, int nt, int ntp, int first, int last, const int *rf,
+                        const int *rl, const float *ks, const float *vs, float unit, float *m,
+                        float *sum, float *alpha);
     /* A decode-like item whose stored rows are at most this many bytes
      * takes the wide tile (KVA_KEY_TILE: half the per-row softmax steps
      * per key, and a tile's K and V rows, 16 KB at most, leave room in L1
@@ -287,7 +306,7 @@ typedef struct {
     size_t partial_floats;
     char *workspace;     /* per thread */
     size_t workspace_bytes;
-    int tokens_per_tile, max_rows;
+    int max_rows;
     int split_rows;      /* rows of a partial slot: the most rows of a split item */
     /* How the scale is applied (kva_score_units; kv_attention.h's rule):
      * q is multiplied by qscale; with a soft cap, the scores by post_scale
@@ -318,6 +337,7 @@ typedef struct {
     uint16_t *qt; /* q made once per item for tile kernels (kva_kernels.prepare) */
     int64_t *lo, *hi;
     int *first, *last;           /* visible keys of each row in this tile */
+    float *sum;                  /* each row's sum of exponentials in this tile */
     const char **krow, **vrow;   /* this tile's rows */
     const char **nkrow, **nvrow; /* the next tile's */
     float *kf, *vf;              /* a tile widened to float32 */
@@ -344,7 +364,9 @@ static inline int64_t kva_key_lo(const kva_args *a, int64_t pos)
     return lo;
 }
 
-/* Query tokens per item. */
+/* Query tokens per item of sequence s. */
+int64_t kva_tokens_per_item(const kva_args *a, int64_t s);
+/* The most query tokens of any item of the call. */
 int64_t kva_tokens_per_tile(const kva_args *a);
 /* Items of the call, in a fixed order (fills `items` when given). */
 int64_t kva_make_items(const kva_args *a, kva_item *items, int64_t *num_groups,

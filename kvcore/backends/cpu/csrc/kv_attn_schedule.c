@@ -13,10 +13,27 @@
 #include <stdlib.h>
 #include <string.h>
 
+int64_t kva_tokens_per_item(const kva_args *a, int64_t s)
+{
+    const int64_t g = kva_group_size(a), keys = a->seq_lens[s];
+    const int64_t rows = keys >= KVA_LONG_KEYS  ? KVA_ROWS_LONG
+                         : keys >= KVA_MID_KEYS ? KVA_ROWS_MID
+                                                : KVA_ROWS;
+    return g >= rows ? 1 : rows / g;
+}
+
 int64_t kva_tokens_per_tile(const kva_args *a)
 {
-    int64_t g = kva_group_size(a);
-    return g >= KVA_ROWS ? 1 : KVA_ROWS / g;
+    int64_t most = 0;
+    for (int64_t s = 0; s < a->num_seqs; s++) {
+        const int64_t nq = kva_seq_queries(a, s);
+        if (nq > 0) {
+            const int64_t t = kva_tokens_per_item(a, s);
+            if (t > most)
+                most = t;
+        }
+    }
+    return most > 0 ? most : 1;
 }
 
 /* Key range of query tokens [q0, q1) of sequence s: [*lo, *hi) (the
@@ -34,11 +51,12 @@ int64_t kva_make_items(const kva_args *a, kva_item *items, int64_t *num_groups,
                        int64_t *num_slots, int64_t *split_rows)
 {
     int64_t n = 0, groups = 0, slots = 0, rows = 0;
-    const int64_t tq = kva_tokens_per_tile(a), G = kva_group_size(a);
+    const int64_t G = kva_group_size(a);
     for (int64_t s = 0; s < a->num_seqs; s++) {
         int64_t nq = kva_seq_queries(a, s);
         if (nq <= 0)
             continue;
+        const int64_t tq = kva_tokens_per_item(a, s);
         int64_t ntiles = (nq + tq - 1) / tq;
         for (int64_t t = 0; t < ntiles; t++) {
             int64_t q0 = t * tq, q1 = q0 + tq < nq ? q0 + tq : nq, lo, hi;
@@ -116,6 +134,7 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
     KVA_TAKE(hi, int64_t, max_rows);
     KVA_TAKE(first, int, max_rows);
     KVA_TAKE(last, int, max_rows);
+    KVA_TAKE(sum, float, max_rows);
     KVA_TAKE(krow, const char *, KVA_KEY_TILE);
     KVA_TAKE(vrow, const char *, KVA_KEY_TILE);
     KVA_TAKE(nkrow, const char *, KVA_KEY_TILE);

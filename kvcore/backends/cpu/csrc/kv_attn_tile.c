@@ -319,7 +319,10 @@ restart:
      * it a key */
     const int fused = math->decode_rows != NULL && !prefill &&
                       it->q1 - it->q0 == 1 && !capped && !alibi && !job->wide;
-    float sums[KVA_TILE_ROWS];
+    /* other items whose scores are plain base-2 logits take it row by row
+     * (each row its own visible keys): one call a tile, not three a row */
+    const int rows_fused =
+        math->decode_rows != NULL && !fused && !capped && !alibi && !job->wide;
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += tile) {
@@ -391,17 +394,30 @@ restart:
         visible_keys(ws, 0, t0, nt, &f0, &f1);
         const int fuse = fused && f1 > f0;
         if (scaled)
-            tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, fuse ? 0 : M);
+            tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, fuse || rows_fused ? 0 : M);
         if (fuse) {
-            math->decode_rows(ws->S, M, nt, ntp, (int)f0, (int)f1, scaled ? ks : NULL,
-                              scaled ? vs : NULL, unit, ws->m, sums, ws->alpha);
+            math->decode_rows(ws->S, M, nt, ntp, (int)f0, (int)f1, NULL, NULL,
+                              scaled ? ks : NULL, scaled ? vs : NULL, unit, ws->m, ws->sum,
+                              ws->alpha);
             for (int r = 0; r < M; r++) {
                 ws->first[r] = (int)f0;
                 ws->last[r] = (int)f1;
-                ws->l[r] = ws->l[r] * ws->alpha[r] + sums[r];
+                ws->l[r] = ws->l[r] * ws->alpha[r] + ws->sum[r];
             }
+        } else if (rows_fused) {
+            for (int r = 0; r < M; r++) {
+                int64_t first, last;
+                visible_keys(ws, r, t0, nt, &first, &last);
+                ws->first[r] = last <= first ? 0 : (int)first;
+                ws->last[r] = last <= first ? 0 : (int)last;
+            }
+            math->decode_rows(ws->S, M, nt, ntp, 0, 0, ws->first, ws->last,
+                              scaled ? ks : NULL, scaled ? vs : NULL, unit, ws->m, ws->sum,
+                              ws->alpha);
+            for (int r = 0; r < M; r++)
+                ws->l[r] = ws->l[r] * ws->alpha[r] + ws->sum[r];
         }
-        for (int r = 0; r < M && !fuse; r++) {
+        for (int r = 0; r < M && !fuse && !rows_fused; r++) {
             float *srow = ws->S + r * KVA_KEY_TILE;
             if (capped) {
                 if (post != 0.0f) /* |scale| > 1 (kva_score_units) */
