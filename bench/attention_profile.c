@@ -17,6 +17,9 @@
  *       decode as a model runs it: before each timed call a 256 MiB buffer
  *       (the weights of the layers in between) is read, so the pages come
  *       from DRAM with cold TLBs; median of 31 single calls, wall time.
+ *   Q_BF16=1 /tmp/attention_profile ...
+ *       q's elements bfloat16 values (a bfloat16 model's), as kvcore.hf
+ *       passes them: the amx level's tiles then take q as one bf16 term.
  *   FP8_CODES=low /tmp/attention_profile ...
  *       fp8 pages of codes 0x00-0x3F (either sign): small values, the
  *       subnormal codes among them (e4m3fn 0x01-0x07, e5m2 0x01-0x03),
@@ -179,6 +182,13 @@ static void run_case(int ctx, int kind, int nq)
     float *q = malloc(sizeof(float) * nq * H * D), *out = malloc(sizeof(float) * nq * H * D);
     for (int i = 0; i < nq * H * D; i++)
         q[i] = (rand() % 2001 - 1000) / 1000.0f;
+    if (getenv("Q_BF16") != NULL) /* a bfloat16 model's q: each element a bf16 value */
+        for (size_t i = 0; i < (size_t)nq * H * D; i++) {
+            uint32_t u;
+            memcpy(&u, &q[i], 4);
+            u &= 0xFFFF0000u;
+            memcpy(&q[i], &u, 4);
+        }
     kva_args a = kva_args_dense(q, out, k, v, kind, BS, H, KVH, D);
     a.block_tables = table;
     a.block_table_stride = nblk;

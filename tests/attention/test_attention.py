@@ -74,12 +74,14 @@ def make_batch(rng, pool, contexts, queries, pad=-1):
 
 
 def run_case(rng, dtype, contexts, queries, num_heads, num_kv_heads, head_dim, block_size,
-             q_dtype=np.float32, spread=1.0, **kw):
+             q_dtype=np.float32, spread=1.0, q_bf16=False, **kw):
     bs = block_size
     blocks = sum(-(-c // bs) for c in contexts) + 3
     pool = make_pool(blocks, bs, num_kv_heads, head_dim, dtype, rng, spread=spread)
     tables, lens, qsl = make_batch(rng, pool, contexts, queries)
     q = rng.standard_normal((int(qsl[-1]), num_heads, head_dim)).astype(q_dtype)
+    if q_bf16:      # each element a bfloat16 value (a bfloat16 model's q)
+        q = (q.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     out = kvcore.paged_attention(q, pool, 0, tables, lens, qsl, **kw)
     want = paged_attention_reference(q, pool.key_cache(0), pool.value_cache(0), tables, lens,
                                      qsl, kind=dtype, **kw)
@@ -153,6 +155,18 @@ def test_every_simd_level(dtype, level):
     run_case(rng, dtype, [1, 33, 1500, 200], [1, 5, 1, 200], 8, 2, 128, 16)
     run_case(rng, dtype, [45, 9], [45, 3], 4, 1, 40, 16)   # head_dim not a multiple of 8
     run_case(rng, dtype, [70], [70], 3, 3, 64, 16, sliding_window=20, logits_soft_cap=1.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_simd_level_bfloat16_query(dtype, level):
+    """q's elements bfloat16 values: the amx level's tiles take them as one
+    bf16 term, unscaled, and scale the dots (every other level as any q)."""
+    rng = np.random.default_rng(8)
+    run_case(rng, dtype, [600, 90, 1], [600, 40, 1], 8, 2, 128, 16, q_bf16=True)
+    run_case(rng, dtype, [70, 2100], [70, 20], 3, 3, 64, 16, q_bf16=True, sliding_window=20,
+             logits_soft_cap=1.5)
+    run_case(rng, dtype, [90], [90], 4, 1, 64, 16, q_bf16=True, scale=3.0)   # past 1/log2(e)
+    run_case(rng, dtype, [90], [90], 4, 1, 32, 16, q_bf16=True, scale=-0.3)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + [8, 24, 72])

@@ -30,7 +30,11 @@ typedef struct {
     float cap;
     int nseq;
     int64_t lens[3], nq[3];
+    int qbf16; /* q's elements bfloat16 values (a bfloat16 model's): one bf16 term */
 } amx_case;
+
+/* The TDPBF16PS the last amx_run_case executed. */
+static long amx_case_tdp;
 
 static int amx_run_case(const amx_case *c)
 {
@@ -58,8 +62,15 @@ static int amx_run_case(const amx_case *c)
     const size_t qn = (size_t)T * nh * D;
     float *q = malloc(sizeof(float) * qn), *out = malloc(sizeof(float) * qn),
           *out1 = malloc(sizeof(float) * qn);
-    for (size_t i = 0; i < qn; i++)
+    for (size_t i = 0; i < qn; i++) {
         q[i] = urand() * 2.0f;
+        if (c->qbf16) { /* rounded to a bfloat16 by truncation */
+            uint32_t u;
+            memcpy(&u, &q[i], 4);
+            u &= 0xFFFF0000u;
+            memcpy(&q[i], &u, 4);
+        }
+    }
     kva_args a = {q, out, kc, vc, kind,
                   (ptrdiff_t)(nkv * bs * D * isz), (ptrdiff_t)(bs * D * isz), (ptrdiff_t)(D * isz),
                   bs, nh, nkv, D, tables, max_blocks, c->lens, qsl, c->nseq,
@@ -70,6 +81,7 @@ static int amx_run_case(const amx_case *c)
     if (kva_paged_attention(&a) != KVA_OK)
         fail = 1;
     const long ran = __atomic_load_n(&amx_emu_tdpbf16ps_count, __ATOMIC_RELAXED) - before;
+    amx_case_tdp = ran;
     a.out = out1;
     a.num_threads = 1;
     if (kva_paged_attention(&a) != KVA_OK)
@@ -88,8 +100,9 @@ static int amx_run_case(const amx_case *c)
     else if ((ran > 0) != want_tiles)
         why = want_tiles ? "the tiles did not run" : "the tiles ran where they should not";
     if (why)
-        printf("  FAIL %s: kind %d heads %d/%d dim %d block %d window %d cap %g: rel %.3g, "
-               "%ld TDPBF16PS\n", why, kind, nh, nkv, D, bs, c->window, c->cap, rel, ran);
+        printf("  FAIL %s: kind %d heads %d/%d dim %d block %d window %d cap %g q bf16 %d: "
+               "rel %.3g, %ld TDPBF16PS\n", why, kind, nh, nkv, D, bs, c->window, c->cap,
+               c->qbf16, rel, ran);
     free(kc);
     free(vc);
     free(ksc);
@@ -120,10 +133,26 @@ int main(void)
                               v % 4 == 1 ? 45 : 0, v % 5 == 3 ? 2.5f : 0.0f, 3,
                               /* causal prefill (ragged), chunk over cached context, decode */
                               {35 + v % 7, 90 + v % 11, 60 + v % 13},
-                              {35 + v % 7, 17 + v % 5, 1}};
+                              {35 + v % 7, 17 + v % 5, 1}, v % 2};
                 failures += amx_run_case(&c);
                 cases++;
             }
+        }
+    }
+    /* a bfloat16 q takes one bf16 term where a float32 one takes three: the
+     * same case's scores run fewer tile products (and both are within 1e-5) */
+    for (int kind = KVA_F16; kind <= KVA_I8; kind++) {
+        amx_case c = {kind, 8, 2, 64, 16, 0, 0.0f, 1, {80}, {80}, 0};
+        long tdp[2];
+        for (int b = 0; b < 2; b++, cases++) {
+            c.qbf16 = b;
+            failures += amx_run_case(&c);
+            tdp[b] = amx_case_tdp;
+        }
+        if (!(tdp[1] < tdp[0])) {
+            printf("  FAIL kind %d: a bfloat16 q ran %ld TDPBF16PS, a float32 one %ld\n", kind,
+                   tdp[1], tdp[0]);
+            failures++;
         }
     }
     /* the first check's cases at this level (a decode long enough to be

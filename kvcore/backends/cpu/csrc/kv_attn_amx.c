@@ -336,10 +336,17 @@ KVA_AMX_TARGET void kva_release_amx(void)
     _tile_release();
 }
 
-/* Once per item: the rows of Qs (M x D, float32) as three bf16 terms (hi,
- * mid, lo), A tiles of 16 rows x 32 dims at qt[((mb / 16 * (D / 32) + c) *
- * 3 + t) * 512], rows past M zero. */
-KVA_INLINE void q_terms_amx(const float *Qs, int M, int D, uint16_t *qt)
+/* How this thread's last prepare_amx made the item's q: its bf16 terms a
+ * row (3, or 1 for a q whose elements are bf16 themselves), and the factor
+ * of the scores (0: none; the q of one term is unscaled). */
+static __thread int q_nterms_amx = 3;
+static __thread float q_post_amx;
+
+/* Once per item: the rows of Qs (M x D, float32) as nterms bf16 terms (hi,
+ * mid, lo: 3; hi alone, exact for bf16 elements: 1), A tiles of 16 rows x
+ * 32 dims at qt[((mb / 16 * (D / 32) + c) * 3 + t) * 512], rows past M
+ * zero. */
+KVA_INLINE void q_terms_amx(const float *Qs, int M, int D, uint16_t *qt, int nterms)
 {
     const int nc = D / 32;
     for (int mb = 0; mb < M; mb += 16)
@@ -349,30 +356,35 @@ KVA_INLINE void q_terms_amx(const float *Qs, int M, int D, uint16_t *qt)
                                 _mm512_setzero_si512()};
                 __m512i b[3] = {a[0], a[0], a[0]};
                 if (mb + r < M) {
-                    split_amx(_mm512_loadu_ps(Qs + (size_t)(mb + r) * D + 32 * c), 3, a);
-                    split_amx(_mm512_loadu_ps(Qs + (size_t)(mb + r) * D + 32 * c + 16), 3, b);
+                    split_amx(_mm512_loadu_ps(Qs + (size_t)(mb + r) * D + 32 * c), nterms, a);
+                    split_amx(_mm512_loadu_ps(Qs + (size_t)(mb + r) * D + 32 * c + 16), nterms,
+                              b);
                 }
-                for (int t = 0; t < 3; t++)
+                for (int t = 0; t < nterms; t++)
                     _mm512_storeu_si512((void *)(qt + (((size_t)mb / 16 * nc + c) * 3 + t) * 512 +
                                                  r * 32),
                                         bf16x32_amx(a[t], b[t]));
             }
 }
 
-/* C tile Cn (keys 16 b ..) += the q terms in A tiles 4-6 (hi, mid, lo)
- * times the key block's B tile(s): float16's low terms (tile 3, kl) first
- * (mid and hi), then lo, mid and hi times the high terms (tile 7, kh); in
- * this order, which fixes the bits.  A macro: tile numbers are immediates. */
-#define KVA_AMX_QK(Cn, kh, kl)                                                                  \
+/* C tile Cn (keys 16 b ..) += the q terms in A tiles 4-6 (hi, mid, lo;
+ * hi alone when q1) times the key block's B tile(s): float16's low terms
+ * (tile 3, kl) first (mid and hi), then lo, mid and hi times the high terms
+ * (tile 7, kh); in this order, which fixes the bits.  A macro: tile numbers
+ * are immediates. */
+#define KVA_AMX_QK(Cn, kh, kl, q1)                                                              \
     do {                                                                                        \
         if ((kl) != NULL) {                                                                     \
             _tile_loadd(3, (kl), 64);                                                           \
-            _tile_dpbf16ps(Cn, 5, 3);                                                           \
+            if (!(q1))                                                                          \
+                _tile_dpbf16ps(Cn, 5, 3);                                                       \
             _tile_dpbf16ps(Cn, 4, 3);                                                           \
         }                                                                                       \
         _tile_loadd(7, (kh), 64);                                                               \
-        _tile_dpbf16ps(Cn, 6, 7);                                                               \
-        _tile_dpbf16ps(Cn, 5, 7);                                                               \
+        if (!(q1)) {                                                                            \
+            _tile_dpbf16ps(Cn, 6, 7);                                                           \
+            _tile_dpbf16ps(Cn, 5, 7);                                                           \
+        }                                                                                       \
         _tile_dpbf16ps(Cn, 4, 7);                                                               \
     } while (0)
 
@@ -411,6 +423,7 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
     note_exponents_amx(top);
     tiles_config_amx();
     const size_t ld = KVA_KEY_TILE * sizeof(float);
+    const int q1 = q_nterms_amx == 1;
     for (int mb = 0; mb < M; mb += 16) {
         const uint16_t *q = qt + (size_t)mb / 16 * nc * 3 * 512;
         float *s = S + (size_t)mb * KVA_KEY_TILE;
@@ -424,19 +437,24 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
                 _tile_zero(2);
             for (int c = 0; c < nc; c++) {
                 _tile_loadd(4, q + ((size_t)c * 3 + 0) * 512, 64);
-                _tile_loadd(5, q + ((size_t)c * 3 + 1) * 512, 64);
-                _tile_loadd(6, q + ((size_t)c * 3 + 2) * 512, 64);
-                KVA_AMX_QK(0, KVA_KB(0, c, b0), nk == 2 ? KVA_KB(1, c, b0) : NULL);
+                if (!q1) {
+                    _tile_loadd(5, q + ((size_t)c * 3 + 1) * 512, 64);
+                    _tile_loadd(6, q + ((size_t)c * 3 + 2) * 512, 64);
+                }
+                KVA_AMX_QK(0, KVA_KB(0, c, b0), nk == 2 ? KVA_KB(1, c, b0) : NULL, q1);
                 if (nb > 1)
-                    KVA_AMX_QK(1, KVA_KB(0, c, b0 + 1), nk == 2 ? KVA_KB(1, c, b0 + 1) : NULL);
+                    KVA_AMX_QK(1, KVA_KB(0, c, b0 + 1), nk == 2 ? KVA_KB(1, c, b0 + 1) : NULL,
+                               q1);
                 if (nb > 2)
-                    KVA_AMX_QK(2, KVA_KB(0, c, b0 + 2), NULL);
+                    KVA_AMX_QK(2, KVA_KB(0, c, b0 + 2), NULL, q1);
                 if (nb > 3) { /* (tile 3 is free when no low terms are) */
                     if (c == 0)
                         _tile_zero(3);
                     _tile_loadd(7, KVA_KB(0, c, b0 + 3), 64);
-                    _tile_dpbf16ps(3, 6, 7);
-                    _tile_dpbf16ps(3, 5, 7);
+                    if (!q1) {
+                        _tile_dpbf16ps(3, 6, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
                     _tile_dpbf16ps(3, 4, 7);
                 }
             }
@@ -448,6 +466,12 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
             if (nb > 3)
                 _tile_stored(3, s + 16 * (b0 + 3), ld);
         }
+        if (q1 && q_post_amx != 1.0f) /* the dots of an unscaled q, times the scale */
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 16 * nkb; i += 16)
+                    _mm512_storeu_ps(s + (size_t)r * KVA_KEY_TILE + i,
+                                     _mm512_mul_ps(_mm512_loadu_ps(s + (size_t)r * KVA_KEY_TILE + i),
+                                                   _mm512_set1_ps(q_post_amx)));
     }
 #undef KVA_KB
 }
@@ -634,9 +658,11 @@ KVA_AMX_KIND(e4m3, KVA_F8E4M3)
 KVA_AMX_KIND(e5m2, KVA_F8E5M2)
 KVA_AMX_KIND(i8, KVA_I8)
 
-KVA_AMX_TARGET static void prepare_amx(const float *Qs, int M, int D, uint16_t *qt)
+KVA_AMX_TARGET static void prepare_amx(const float *Qs, int M, int D, uint16_t *qt, float post)
 {
-    q_terms_amx(Qs, M, D, qt);
+    q_nterms_amx = post != 0.0f ? 1 : 3;
+    q_post_amx = post;
+    q_terms_amx(Qs, M, D, qt, q_nterms_amx);
 }
 
 /* The level's math (row max, exp2, soft cap) is the avx512 level's:

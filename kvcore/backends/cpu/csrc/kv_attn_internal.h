@@ -177,10 +177,12 @@ typedef struct {
      * tile once from the stored rows itself (converting as it loads): an
      * item of that many rows then widens only its values. */
     int transposes;
-    /* NULL, or (tile kernels) the item's scaled q (M x D) made once per
-     * item into the form the kernels' scores take instead of it (at qt:
-     * kva_ws.qt, 3 x M rounded up to 16 x D bf16). */
-    void (*prepare)(const float *Qs, int M, int D, uint16_t *qt);
+    /* NULL, or (tile kernels) the item's q (M x D) made once per item
+     * into the form the kernels' scores take instead of it (at qt:
+     * kva_ws.qt, 3 x M rounded up to 16 x D bf16).  post 0: Qs is the
+     * scaled q; else Qs is the q unscaled, every element a bfloat16 (one
+     * bf16 term instead of three), and the scores are its dots times post. */
+    void (*prepare)(const float *Qs, int M, int D, uint16_t *qt, float post);
 } kva_kernels;
 
 /* A table entry of a level whose functions are named <verb>_<kind>_<level>. */

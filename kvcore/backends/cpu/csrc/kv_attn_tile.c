@@ -257,12 +257,32 @@ restart:
         }
     }
 
+    /* tile kernels: a q whose elements are all bfloat16 values (a bfloat16
+     * model's) goes to them unscaled, as one bf16 term instead of three,
+     * and its exact dots are multiplied by qscale (one rounding, where the
+     * scaled q had its own); none may be inf, NaN or near overflow */
+    int exact = kern->prepare != NULL && qscale != 0.0f && unit == 1.0f;
+    for (int r = 0; r < M && exact; r++) {
+        int64_t j = it->q0 + r / G, h = r % G;
+        const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
+        uint32_t low = 0, top = 0;
+        for (int d = 0; d < D; d++) {
+            uint32_t u;
+            memcpy(&u, src + d, sizeof u);
+            low |= u;
+            top = (u & 0x7F800000u) > top ? (u & 0x7F800000u) : top;
+        }
+        exact = (low & 0xFFFFu) == 0 && top < (127u + 64u) << 23;
+    }
     for (int r = 0; r < M; r++) {
         int64_t j = it->q0 + r / G, h = r % G;
         const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
         float *dst = ws->Qs + (size_t)r * D;
-        for (int d = 0; d < D; d++) /* (times unit, a power of two: exact) */
-            dst[d] = kva_flush_tiny(src[d] * qscale) * unit;
+        if (exact)
+            memcpy(dst, src, (size_t)D * sizeof(float));
+        else
+            for (int d = 0; d < D; d++) /* (times unit, a power of two: exact) */
+                dst[d] = kva_flush_tiny(src[d] * qscale) * unit;
         int64_t pos = len - nq + j;
         ws->hi[r] = pos + 1;
         ws->lo[r] = kva_key_lo(a, pos);
@@ -273,7 +293,7 @@ restart:
     /* the q the scores take: the tile kernels' own form of it, made once */
     const float *q = ws->Qs;
     if (kern->prepare != NULL) {
-        kern->prepare(ws->Qs, M, D, ws->qt);
+        kern->prepare(ws->Qs, M, D, ws->qt, exact ? qscale : 0.0f);
         q = (const float *)(const void *)ws->qt;
     }
 
