@@ -19,6 +19,11 @@
  * as at the other levels).  Every cross product down to 2^-22 relative is
  * accumulated (q_lo * k_lo is dropped for float16), so a score or an output
  * is a float32 sum of exact products, like the FMA kernels' dot products.
+ * A q whose elements are all bf16 values (a bfloat16 model's; finite,
+ * under 2^64: the caller checks, kva_run_item) is one exact term, not
+ * scaled: its scores are the float32 sums of exact products times the
+ * scale (one rounding, where a scaled q had its own), with a third of the
+ * tile products.
  * The tile unit treats bf16 inputs below 2^-126 as zero and flushes float32
  * results below it: only terms under 2^-126 in absolute value are lost
  * (and a weight under 2^-103 is its high term alone: split_weight_amx).

@@ -134,7 +134,6 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
     KVA_TAKE(hi, int64_t, max_rows);
     KVA_TAKE(first, int, max_rows);
     KVA_TAKE(last, int, max_rows);
-    KVA_TAKE(sum, float, max_rows);
     KVA_TAKE(krow, const char *, KVA_KEY_TILE);
     KVA_TAKE(vrow, const char *, KVA_KEY_TILE);
     KVA_TAKE(nkrow, const char *, KVA_KEY_TILE);
@@ -143,6 +142,7 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
     KVA_TAKE(vf, float, (size_t)KVA_KEY_TILE * D);
     KVA_TAKE(kfrow, const char *, KVA_KEY_TILE);
     KVA_TAKE(vfrow, const char *, KVA_KEY_TILE);
+    KVA_TAKE(sum, float, max_rows);
 #undef KVA_TAKE
     return off;
 }
