@@ -76,8 +76,9 @@
 #endif
 
 /* Query rows per item (query tokens x heads of a group; at least one
- * token), by the keys of the item's sequence: KVA_ROWS, KVA_ROWS_MID from
- * KVA_MID_KEYS keys, KVA_ROWS_LONG from KVA_LONG_KEYS.  Each item packs
+ * token), by the keys one query of the item's sequence can see (its
+ * length, or a shorter sliding window or chunk): KVA_ROWS, KVA_ROWS_MID
+ * from KVA_MID_KEYS keys, KVA_ROWS_LONG from KVA_LONG_KEYS.  Each item packs
  * (AMX) or widens the K and V tiles it reads once for all its rows, so more
  * rows share that work; but the rows of an item's causal diagonal tiles
  * compute scores they mask, and there are fewer items for the threads.

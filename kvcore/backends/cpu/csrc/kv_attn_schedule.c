@@ -15,7 +15,14 @@
 
 int64_t kva_tokens_per_item(const kva_args *a, int64_t s)
 {
-    const int64_t g = kva_group_size(a), keys = a->seq_lens[s];
+    /* the keys one query can see: a window or chunk bounds them (the rows
+     * of an item walk the keys of all its queries, and mask the rest) */
+    int64_t keys = a->seq_lens[s];
+    if (a->sliding_window > 0 && a->sliding_window < keys)
+        keys = a->sliding_window;
+    if (a->chunk_size > 0 && a->chunk_size < keys)
+        keys = a->chunk_size;
+    const int64_t g = kva_group_size(a);
     const int64_t rows = keys >= KVA_LONG_KEYS  ? KVA_ROWS_LONG
                          : keys >= KVA_MID_KEYS ? KVA_ROWS_MID
                                                 : KVA_ROWS;
