@@ -359,33 +359,43 @@ class PagedCache(Cache):
         if self._length == 0 or q <= self._length:
             return False
         position_ids = kwargs.get("position_ids")
-        if isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 \
-                and tuple(position_ids.shape) == (len(self._seqs), q):
-            want = np.arange(q)[None, :] - self._pad[:, None]
-            real = want >= 0
-            return bool(np.array_equal(position_ids.detach().cpu().numpy()[real], want[real]))
+        if self._positions_of(position_ids, q):
+            return self._position_mismatch(position_ids, q, 0) is None
         position = kwargs.get("cache_position")
         return isinstance(position, torch.Tensor) and position.ndim == 1 \
             and position.shape[0] == q and int(position[0]) == 0
+
+    def _positions_of(self, position_ids, q):
+        """Whether ``position_ids`` are a forward's ``(batch, q)`` tensor."""
+        return isinstance(position_ids, torch.Tensor) and position_ids.ndim == 2 \
+            and tuple(position_ids.shape) == (len(self._seqs), q)
+
+    def _position_mismatch(self, position_ids, q, length):
+        """None when ``position_ids`` (``_positions_of``) continue each row
+        after ``length`` columns (padding columns unchecked), else the first
+        real column that does not: ``(row, column, got, want)``."""
+        want = length + np.arange(q)[None, :] - self._pad[:, None]
+        real = want >= 0                      # padding columns have no position to check
+        got = position_ids.detach().cpu().numpy()
+        if np.array_equal(got[real], want[real]):
+            return None
+        row = int(np.argmax((real & (got != want)).any(axis=1)))
+        col = int(np.argmax(real[row] & (got[row] != want[row])))
+        return row, col, int(got[row, col]), int(want[row, col])
 
     def _check_positions(self, position_ids, q):
         """Raise ValueError unless a forward's ``position_ids`` (when given as
         ``(batch, q)``) continue each row where the cache ends: columns that
         do not follow the cache's length must never be stored as new
         positions (nor their ids recorded for the prefix cache)."""
-        if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 \
-                or tuple(position_ids.shape) != (len(self._seqs), q):
+        if not self._positions_of(position_ids, q):
             return
-        want = self._length + np.arange(q)[None, :] - self._pad[:, None]
-        real = want >= 0                      # padding columns have no position to check
-        got = position_ids.detach().cpu().numpy()
-        if not np.array_equal(got[real], want[real]):
-            row = int(np.argmax((real & (got != want)).any(axis=1)))
-            col = int(np.argmax(real[row] & (got[row] != want[row])))
+        bad = self._position_mismatch(position_ids, q, self._length)
+        if bad is not None:
+            row, col, got, want = bad
             raise ValueError(
                 f"the forward's position_ids do not continue the cache: row {row} column {col} "
-                f"has position {int(got[row, col])}, the cache expects {int(want[row, col])} "
-                f"(it holds {self._length} columns)")
+                f"has position {got}, the cache expects {want} (it holds {self._length} columns)")
 
     # -------------------------------------------------------------- steps
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
