@@ -232,8 +232,8 @@ KVA_INLINE float hmax_avx512(__m512 v)
  * the same accuracy: at most 0.95 ulp from the correctly rounded 2^x for
  * every result of 2^-126 and above; +0 below 2^-126, never a subnormal
  * (kva_flush_tiny), and for -inf; NaN stays NaN).  x = n + f, n = round(x),
- * |f| <= 1/2; 2^f by a degree-6 minimax polynomial (FMAs), times 2^n built
- * in the exponent field.
+ * |f| <= 1/2; 2^f by a degree-6 minimax polynomial (FMAs), times 2^n
+ * (vscalefps).
  */
 KVA_INLINE __m512 exp2_neg_avx512(__m512 x)
 {
@@ -248,11 +248,13 @@ KVA_INLINE __m512 exp2_neg_avx512(__m512 x)
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264625e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471825e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)),
-                                  23);
-    /* (x < -126: +0; the not-less-than compare is true for NaN, kept) */
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ), p,
-                               _mm512_castsi512_ps(e));
+    /* p times 2^n (n in [-126, 0]: the one rounding of p * 2^n, as a
+     * multiplication by 2^n's bits gives; one instruction where the
+     * exponent's bits took four: the same bits for every float x, checked
+     * over all 2^32); x < -126: +0 (the not-less-than compare is true for
+     * NaN, kept) */
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ), p,
+                                  n);
 }
 
 /* v with every lane of magnitude below 2^-126 made +0 (kva_flush_tiny):
