@@ -528,6 +528,31 @@ KVA_INLINE void value_pair_amx(int kind, const char *a, const char *b, int D, ui
     }
 }
 
+/* Rows r0 .. r1 - 1 of the block of 16 rows from mb of the A tiles of
+ * the weights P (nt <= KVA_KEY_TILE keys, runs of 32): pa[run][term], the
+ * terms of split_weight_amx; rows past M and keys past nt zero. */
+KVA_INLINE void weights_amx(const float *P, int M, int nt, int runs, int mb, int r0, int r1,
+                            uint16_t (*pa)[3][512])
+{
+    for (int u = 0; u < runs; u++) {
+        const int n = nt - 32 * u < 32 ? nt - 32 * u : 32;
+        const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+        const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+        for (int r = r0; r < r1; r++) {
+            __m512i a[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
+                            _mm512_setzero_si512()};
+            __m512i b[3] = {a[0], a[0], a[0]};
+            if (mb + r < M) {
+                const float *x = P + (size_t)(mb + r) * KVA_KEY_TILE + 32 * u;
+                split_weight_amx(_mm512_maskz_loadu_ps(m0, x), a);
+                split_weight_amx(_mm512_maskz_loadu_ps(m1, x + 16), b);
+            }
+            for (int t = 0; t < 3; t++)
+                _mm512_store_si512((void *)(pa[u][t] + r * 32), bf16x32_amx(a[t], b[t]));
+        }
+    }
+}
+
 /* acc[r] = acc[r] * alpha[r] (alpha NULL: 1) + sum_{i < nt}
  * P[r * KVA_KEY_TILE + i] V[i], for nt <= KVA_KEY_TILE keys (acc's rows to M
  * rounded up to 16 are read and written: the workspace has them).  Each
@@ -559,27 +584,27 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
         }
     note_exponents_amx(top);
     tiles_config_amx();
-    uint16_t pa[2][3][512] __attribute__((aligned(64)));
+    /* A tiles, two sets: [set][run][term], the weights' terms of a block
+     * of 16 rows; the next block's are packed (a few rows at a time)
+     * between this block's tile products, so the vector work of one runs
+     * beside the tile unit's work of the other */
+    uint16_t pa[2][2][3][512] __attribute__((aligned(64)));
     float part[16 * KVA_AMX_MAX_D] __attribute__((aligned(64)));
-    for (int mb = 0; mb < M; mb += 16) {
-        /* A tiles: the weights' terms of rows mb.. (past M: zero), per run */
-        for (int u = 0; u < runs; u++) {
-            const int n = nt - 32 * u < 32 ? nt - 32 * u : 32;
-            const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-            const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
-            for (int r = 0; r < 16; r++) {
-                __m512i a[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(),
-                                _mm512_setzero_si512()};
-                __m512i b[3] = {a[0], a[0], a[0]};
-                if (mb + r < M) {
-                    const float *x = P + (size_t)(mb + r) * KVA_KEY_TILE + 32 * u;
-                    split_weight_amx(_mm512_maskz_loadu_ps(m0, x), a);
-                    split_weight_amx(_mm512_maskz_loadu_ps(m1, x + 16), b);
-                }
-                for (int t = 0; t < 3; t++)
-                    _mm512_store_si512((void *)(pa[u][t] + r * 32), bf16x32_amx(a[t], b[t]));
-            }
-        }
+    /* (a tile load of what vector stores have just written waits for them
+     * to drain, ~50 cycles on the Xeon of docs/performance.md: the last
+     * packed rows are a tile step ahead of their loads) */
+    const int all = nk == 1 ? nd : runs * nd, steps = all > 1 ? all - 1 : 1; /* that pack */
+    weights_amx(P, M, nt, runs, 0, 0, 16, pa[0]);
+    for (int mb = 0, set = 0; mb < M; mb += 16, set ^= 1) {
+        uint16_t(*a)[3][512] = pa[set], (*an)[3][512] = pa[set ^ 1];
+        /* the next block's rows packed after tile step k < steps: rows
+         * 16 k / steps .. 16 (k + 1) / steps (none after the last block) */
+        const int next = mb + 16 < M;
+#define KVA_PACK_NEXT(k)                                                                         \
+    do {                                                                                        \
+        if (next && (k) < steps)                                                                \
+            weights_amx(P, M, nt, runs, mb + 16, 16 * (k) / steps, 16 * ((k) + 1) / steps, an); \
+    } while (0)
         /* C from acc's rows, or (fewer than 16 rows left: the caller's
          * next rows are not this call's) from a copy of them */
         const int rows = M - mb < 16 ? M - mb : 16;
@@ -594,13 +619,13 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
             c = part;
         }
         if (nk == 1) {
-            _tile_loadd(1, pa[0][0], 64);
-            _tile_loadd(2, pa[0][1], 64);
-            _tile_loadd(3, pa[0][2], 64);
+            _tile_loadd(1, a[0][0], 64);
+            _tile_loadd(2, a[0][1], 64);
+            _tile_loadd(3, a[0][2], 64);
             if (runs == 2) {
-                _tile_loadd(4, pa[1][0], 64);
-                _tile_loadd(5, pa[1][1], 64);
-                _tile_loadd(6, pa[1][2], 64);
+                _tile_loadd(4, a[1][0], 64);
+                _tile_loadd(5, a[1][1], 64);
+                _tile_loadd(6, a[1][2], 64);
             }
             for (int j = 0; j < nd; j++) {
                 _tile_loadd(0, c + 16 * j, ld);
@@ -615,12 +640,13 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                     _tile_dpbf16ps(0, 4, 7);
                 }
                 _tile_stored(0, c + 16 * j, ld);
+                KVA_PACK_NEXT(j);
             }
         } else { /* float16: a run at a time (tile 4 holds the low terms) */
             for (int u = 0; u < runs; u++) {
-                _tile_loadd(1, pa[u][0], 64);
-                _tile_loadd(2, pa[u][1], 64);
-                _tile_loadd(3, pa[u][2], 64);
+                _tile_loadd(1, a[u][0], 64);
+                _tile_loadd(2, a[u][1], 64);
+                _tile_loadd(3, a[u][2], 64);
                 for (int j = 0; j < nd; j++) {
                     _tile_loadd(0, c + 16 * j, ld);
                     _tile_loadd(4, KVA_VB(u, 1, j), 64);
@@ -631,9 +657,11 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                     _tile_dpbf16ps(0, 2, 7);
                     _tile_dpbf16ps(0, 1, 7);
                     _tile_stored(0, c + 16 * j, ld);
+                    KVA_PACK_NEXT(u * nd + j);
                 }
             }
         }
+#undef KVA_PACK_NEXT
         if (rows < 16)
             memcpy(acc + (size_t)mb * D, part, (size_t)rows * D * sizeof(float));
     }
