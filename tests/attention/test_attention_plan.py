@@ -236,8 +236,8 @@ def _strided(torch, t):
 def test_torch_tensors_run_fast_with_the_general_paths_bits(torch, pool_dtype, q_dtype,
                                                            out_dtype):
     """C-contiguous CPU torch q and out (float32, float16, bfloat16) run on
-    the plan's fast path, staged through float32 for 16-bit ones, and give
-    the bits the general path gives for the same values."""
+    the plan's fast path (16-bit ones read and written by the kernels) and
+    give the bits the general path gives for the same values."""
     pool = _pool(pool_dtype)
     tables, lens, qsl, q = _batch()
     plan = kvcore.AttentionPlan(pool, tables, lens, qsl)
@@ -268,6 +268,52 @@ def test_torch_tensors_run_fast_with_the_general_paths_bits(torch, pool_dtype, q
     plan.run(_strided(torch, tq), 2, out=general)
     assert torch.equal(out, general)
 
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("io", ["float16", "bfloat16"])
+def test_16_bit_q_and_out_read_and_written_by_every_route(torch, level, io):
+    """The kernels read a 16-bit torch q and write a 16-bit out themselves,
+    a row at a time: the bits of the general path (q widened, the float32
+    result narrowed) on every route a row can take: a long decode split over
+    threads and merged, a prefill of tile-kernel items, sinks, a stored
+    inf (the amx level's tiles give the item back to the vector kernels)."""
+    from _helpers import simd_level
+    dt = getattr(torch, io)
+    bs, kvh, d, heads = 16, 2, 64, 8
+    lens = np.array([3000, 80, 1], np.int64)
+    nblk = [int(-(-n // bs)) for n in lens]
+    pool = kvcore.BlockPool(sum(nblk) + 2, bs, 1, kvh, d, dtype="bfloat16",
+                            enable_prefix_caching=False)
+    rng = np.random.default_rng(7)
+    n = (sum(nblk) + 2) * bs
+    k = rng.standard_normal((n, kvh, d)).astype(np.float32)
+    v = rng.standard_normal((n, kvh, d)).astype(np.float32)
+    ids = rng.permutation(sum(nblk) + 2)[:sum(nblk)].astype(np.int32)
+    tables = np.full((3, max(nblk)), 0, np.int32)
+    at = 0
+    for s, m in enumerate(nblk):
+        tables[s, :m] = ids[at:at + m]
+        at += m
+    v[int(tables[1, 2]) * bs + 5, 1, 3] = np.inf      # a value the prefill's rows see
+    pool.write(0, k, v, np.arange(n))
+    qsl = np.array([0, 1, 65, 66], np.int64)           # a decode, a prefill of 64, a decode
+    q = torch.from_numpy(rng.standard_normal((66, heads, d)).astype(np.float32)).to(dt)
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    with simd_level(level):
+        for threads in (1, 2):
+            for kw in ({}, {"sinks": sinks}):
+                plan = kvcore.AttentionPlan(pool, tables, lens, qsl, num_threads=threads, **kw)
+                out = torch.full(q.shape, float("nan"), dtype=dt)
+                assert plan.run(q, 0, out=out) is out
+                general = _strided(torch, torch.zeros(q.shape, dtype=dt))
+                plan.run(_strided(torch, q), 0, out=general)
+                assert torch.equal(out, general), (threads, kw)
+                wide = plan.run(q, 0)                       # 16-bit q, float32 out
+                np.testing.assert_array_equal(wide, plan.run(_strided(torch, q), 0))
+                assert torch.equal(torch.from_numpy(wide).to(dt), out)
+                assert torch.isinf(out[1:65]).any() or torch.isnan(out[1:65]).any()
+                assert torch.isfinite(out[0]).all() and torch.isfinite(out[65]).all()
 
 def test_torch_out_refusals_hold_on_the_fast_path(torch):
     """What the general path refuses of a torch ``out`` it still refuses

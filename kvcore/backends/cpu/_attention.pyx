@@ -15,7 +15,6 @@ returns NotImplemented and ``kvcore/attention.py`` checks and reports it.
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.limits cimport INT_MAX
-from libc.stdlib cimport free, malloc
 from kvcore.backends.cpu._convert cimport KVH_BF16, KVH_F16, KVH_F32, convert_n, kind_itemsize
 from kvcore.backends.cpu._span cimport byte_span
 from kvcore.backends.cpu._kernels import tensor_meta
@@ -76,6 +75,9 @@ cdef extern from "kv_attention.h" nogil:
         int64_t chunk_size
         const float *alibi_slopes
         const float *sinks
+        int q_kind
+        int out_kind
+        int (*convert)(int, const void *, int, void *, Py_ssize_t) noexcept nogil
     int kva_best_level()
     int kva_default_level()
     int kva_level_supported(int level)
@@ -440,10 +442,6 @@ cdef class Plan:
     cdef const float *alibi_ptr       # float32 (num_layers, num_heads), or NULL
     cdef const float *sinks_ptr       # float32 (num_layers, num_heads), or NULL
     cdef object keep                  # references to everything bound
-    # run_layer's float32 staging of 16-bit torch q / out (num_tokens x
-    # num_heads x head_dim floats each, made at the first such run)
-    cdef float *q32
-    cdef float *out32
 
     def __cinit__(self, block_tables, seq_lens, query_start_loc, Py_ssize_t num_heads,
                   Py_ssize_t num_kv_heads, Py_ssize_t head_dim, int64_t block_size,
@@ -504,8 +502,6 @@ cdef class Plan:
 
     def __dealloc__(self):
         kva_plan_free(self.plan)
-        free(self.q32)
-        free(self.out32)
 
     @property
     def num_items(self):
@@ -526,35 +522,26 @@ cdef class Plan:
                  int out_kind=KVH_F32, char *out16=NULL) except -1:
         """Runs the kernel on ``a`` (the plan's fields plus the data fields),
         one run at a time.  ``q_kind`` / ``out_kind`` float16 or bfloat16
-        (run_layer): ``q16`` is widened into the plan's float32 staging and
-        read from there, and the result is narrowed from it into ``out16``
-        (kvcore's conversions, as the general path's), inside the run."""
+        (run_layer): the kernels read ``q16`` and write ``out16`` themselves,
+        a row at a time through kvcore's conversions (the bits of converting
+        the whole arrays before and after)."""
         cdef int status
-        cdef Py_ssize_t n = self.num_tokens * self.num_heads * self.head_dim
         cdef _Guard guard = self.guard
         if guard.busy:
             raise RuntimeError("this AttentionPlan is already running (one run at a time per "
                                "plan: use one plan per thread)")
         guard.busy = True
         try:
+            if q_kind != KVH_F32 or out_kind != KVH_F32:
+                a.convert = convert_n
             if q_kind != KVH_F32:
-                if self.q32 == NULL:
-                    self.q32 = <float *>malloc(n * sizeof(float))
-                    if self.q32 == NULL:
-                        raise MemoryError("paged_attention could not allocate its work buffers")
-                with nogil:
-                    convert_n(q_kind, q16, KVH_F32, self.q32, n)
-                a.q = self.q32
+                a.q_kind = q_kind
+                a.q = <const float *>q16
             if out_kind != KVH_F32:
-                if self.out32 == NULL:
-                    self.out32 = <float *>malloc(n * sizeof(float))
-                    if self.out32 == NULL:
-                        raise MemoryError("paged_attention could not allocate its work buffers")
-                a.out = self.out32
+                a.out_kind = out_kind
+                a.out = <float *>out16
             with nogil:
                 status = kva_plan_run(self.plan, a)
-                if status == KVA_OK and out_kind != KVH_F32:
-                    convert_n(KVH_F32, self.out32, out_kind, out16, n)
         finally:
             guard.busy = False
         if status == KVA_ENOMEM:
@@ -755,8 +742,8 @@ cdef class Plan:
         """``kvcore.AttentionPlan.run``'s fast path (see the class notes):
         the result, or NotImplemented when the general path must decide.
         Takes float32 NumPy arrays and CPU torch tensors of float32, float16
-        or bfloat16 (16-bit ones staged through float32 with kvcore's
-        conversions, as the general path does)."""
+        or bfloat16 (16-bit ones read and written by the kernels a row at a
+        time with kvcore's conversions: the general path's bits)."""
         cdef const char *qlo
         cdef const char *qhi
         cdef const char *olo

@@ -166,6 +166,15 @@ static int64_t blocks_read(const kva_args *a, int64_t s)
     return (a->seq_lens[s] + a->block_size - 1) / a->block_size;
 }
 
+/* q's and out's kinds: float32, or float16 / bfloat16 with a conversion. */
+static int io_kinds_ok(const kva_args *a)
+{
+    const int q16 = a->q_kind == KVA_F16 || a->q_kind == KVA_BF16;
+    const int out16 = a->out_kind == KVA_F16 || a->out_kind == KVA_BF16;
+    return (q16 || a->q_kind == KVA_F32) && (out16 || a->out_kind == KVA_F32) &&
+           (a->convert != NULL || !(q16 || out16));
+}
+
 kva_plan *kva_plan_create(const kva_args *args, int *status)
 {
     int dummy;
@@ -272,7 +281,8 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     if (args->kind != s->kind || args->block_size != s->block_size ||
         args->num_heads != s->num_heads || args->num_kv_heads != s->num_kv_heads ||
         args->head_dim != s->head_dim ||
-        (args->kind == KVA_I8) != (args->key_scales != NULL && args->value_scales != NULL))
+        (args->kind == KVA_I8) != (args->key_scales != NULL && args->value_scales != NULL) ||
+        !io_kinds_ok(args))
         return KVA_EINVAL;
     if (p->num_items == 0)
         return KVA_OK;
@@ -293,6 +303,9 @@ int kva_plan_run(const kva_plan *p, const kva_args *args)
     a.v_head_scales = args->v_head_scales;
     a.alibi_slopes = args->alibi_slopes;
     a.sinks = args->sinks;
+    a.q_kind = args->q_kind;
+    a.out_kind = args->out_kind;
+    a.convert = args->convert;
     int level = kva_current_level();
     /* the AVX2 (NEON) kernels work on whole vectors of 8 (4) dims; the
      * AVX-512 ones on vectors of 16 and one of 8 */

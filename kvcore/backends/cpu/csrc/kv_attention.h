@@ -103,6 +103,15 @@ typedef struct {
     int64_t chunk_size;
     const float *alibi_slopes;
     const float *sinks;
+    /* q's and out's element kinds (data fields): KVA_F32 (0, so a
+     * zero-initialised kva_args reads and writes float32), or KVA_F16 /
+     * KVA_BF16, whose elements q / out then point at (cast): each item
+     * widens its q rows and narrows its output rows with `convert`
+     * (kvcore's conversions, kv_half.h's kvh_convert: the bits of
+     * converting the whole array before / after the run).  Needed with a
+     * 16-bit kind, unused otherwise. */
+    int q_kind, out_kind;
+    int (*convert)(int src_kind, const void *src, int dst_kind, void *dst, ptrdiff_t n);
 } kva_args;
 
 /* Bytes per stored element of a kind. */

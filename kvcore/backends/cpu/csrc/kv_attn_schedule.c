@@ -157,7 +157,8 @@ size_t kva_workspace_layout(int max_rows, int D, char *base, kva_ws *ws)
 /* The partial (max, sum, acc) triples of the splits, in split order,
  * summed in double (scratch: D doubles): a float32 sum of a long
  * sequence's many splits (one per KVA_SPLIT_KEYS positions) loses about
- * one rounding per split, 3e-5 relative over 4096 of them. */
+ * one rounding per split, 3e-5 relative over 4096 of them.  (scratch:
+ * D doubles and D floats.) */
 void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scratch)
 {
     const kva_args *a = job->a;
@@ -174,7 +175,9 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scra
                 mx = p[r];
         }
         int64_t j = r / G, h = r % G;
-        float *o = a->out + ((size_t)(row0 + j) * a->num_heads + (size_t)it->kv_head * G + h) * D;
+        const size_t at = ((size_t)(row0 + j) * a->num_heads + (size_t)it->kv_head * G + h) * D;
+        /* (a 16-bit out: the row after the sums in scratch, then narrowed) */
+        float *o = a->out_kind == KVA_F32 ? a->out + at : (float *)(void *)(scratch + D);
         for (int d = 0; d < D; d++)
             scratch[d] = 0.0;
         for (int64_t sp = 0; sp < nsplit; sp++) {
@@ -198,6 +201,8 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scra
             for (int d = 0; d < D; d++)
                 o[d] = (float)(scratch[d] / total);
         }
+        if (a->out_kind != KVA_F32)
+            a->convert(KVA_F32, o, a->out_kind, (uint16_t *)(void *)a->out + at, D);
     }
 }
 

@@ -257,14 +257,22 @@ restart:
         }
     }
 
+    /* the item's q rows, float32: a float16 / bfloat16 q's widened into Qs
+     * (and read from there: each row is scaled in place below); row r is
+     * q's row (row0 + r / G) * num_heads + g * G + r % G */
+#define KVA_Q_AT(r) (((size_t)(row0 + (r) / G) * a->num_heads + (size_t)g * G + (r) % G) * D)
+#define KVA_QROW(r) (a->q_kind == KVA_F32 ? a->q + KVA_Q_AT(r) : ws->Qs + (size_t)(r) * D)
+    if (a->q_kind != KVA_F32)
+        for (int r = 0; r < M; r++)
+            a->convert(a->q_kind, (const uint16_t *)(const void *)a->q + KVA_Q_AT(r), KVA_F32,
+                       ws->Qs + (size_t)r * D, D);
     /* tile kernels: a q whose elements are all bfloat16 values (a bfloat16
      * model's) goes to them unscaled, as one bf16 term instead of three,
      * and its exact dots are multiplied by qscale (one rounding, where the
      * scaled q had its own); none may be inf, NaN or near overflow */
     int exact = kern->prepare != NULL && qscale != 0.0f && unit == 1.0f;
     for (int r = 0; r < M && exact; r++) {
-        int64_t j = it->q0 + r / G, h = r % G;
-        const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
+        const float *src = KVA_QROW(r);
         uint32_t low = 0, top = 0;
         for (int d = 0; d < D; d++) {
             uint32_t u;
@@ -275,12 +283,13 @@ restart:
         exact = (low & 0xFFFFu) == 0 && top < (127u + 64u) << 23;
     }
     for (int r = 0; r < M; r++) {
-        int64_t j = it->q0 + r / G, h = r % G;
-        const float *src = a->q + ((size_t)(row0 - it->q0 + j) * a->num_heads + (size_t)g * G + h) * D;
+        int64_t j = it->q0 + r / G;
+        const float *src = KVA_QROW(r);
         float *dst = ws->Qs + (size_t)r * D;
-        if (exact)
-            memcpy(dst, src, (size_t)D * sizeof(float));
-        else
+        if (exact) {
+            if (dst != src)
+                memcpy(dst, src, (size_t)D * sizeof(float));
+        } else
             for (int d = 0; d < D; d++) /* (times unit, a power of two: exact) */
                 dst[d] = kva_flush_tiny(src[d] * qscale) * unit;
         int64_t pos = len - nq + j;
@@ -289,6 +298,8 @@ restart:
         ws->m[r] = -INFINITY;
         ws->l[r] = 0.0f;
     }
+#undef KVA_QROW
+#undef KVA_Q_AT
     memset(ws->acc, 0, (size_t)M * D * sizeof(float));
     /* the q the scores take: the tile kernels' own form of it, made once */
     const float *q = ws->Qs;
@@ -561,16 +572,19 @@ restart:
     if (it->nsplit == 1) {
         for (int r = 0; r < M; r++) {
             int64_t j = r / G, h = r % G;
-            float *o = a->out + ((size_t)(row0 + j) * a->num_heads + (size_t)g * G + h) * D;
-            const float *acc = ws->acc + (size_t)r * D;
+            const size_t at = ((size_t)(row0 + j) * a->num_heads + (size_t)g * G + h) * D;
+            float *acc = ws->acc + (size_t)r * D;
+            /* (a 16-bit out: the row in place in acc, then narrowed) */
+            float *o = a->out_kind == KVA_F32 ? a->out + at : acc;
             const float l = ws->l[r];
-            if (a->sinks != NULL) {
+            if (a->sinks != NULL)
                 kva_finish_sink(job, o, acc, D, l, ws->m[r],
                                 kva_logit_units(job, a->sinks[(size_t)g * G + h]));
-                continue;
-            }
-            for (int d = 0; d < D; d++)
-                o[d] = acc[d] / l;
+            else
+                for (int d = 0; d < D; d++)
+                    o[d] = acc[d] / l;
+            if (a->out_kind != KVA_F32)
+                a->convert(KVA_F32, o, a->out_kind, (uint16_t *)(void *)a->out + at, D);
         }
         return;
     }
