@@ -315,6 +315,42 @@ def test_16_bit_q_and_out_read_and_written_by_every_route(torch, level, io):
                 assert torch.isinf(out[1:65]).any() or torch.isnan(out[1:65]).any()
                 assert torch.isfinite(out[0]).all() and torch.isfinite(out[65]).all()
 
+
+@pytest.mark.parametrize("io", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_numpy_q_and_out_go_to_the_kernels_as_they_are(io):
+    """NumPy float16 / bfloat16 q and out on the general path: the CPU
+    kernels read and write them themselves (no float32 copy of q or of the
+    result is made), with the bits of widening q and narrowing a float32
+    result; a strided q and out still give them."""
+    assert CPU.attention_io_kinds(None) == ({dtypes.F32, dtypes.F16, dtypes.BF16},) * 2
+    pool = _pool("bfloat16", num_blocks=40)
+    tables, lens, qsl, q = _batch()
+    q = np.repeat(q, 20, axis=0)[:15]
+    plan = kvcore.AttentionPlan(pool, tables, lens, qsl)
+    q16 = q.astype(io)
+    want = plan.run(q16.astype(np.float32), 1).astype(io)
+    out = np.full(q.shape, np.nan, io)
+    plan.run(q16, 1, out=out)
+    assert out.tobytes() == want.tobytes()
+    wide = plan.run(q16, 1)
+    assert wide.dtype == np.float32 and wide.astype(io).tobytes() == want.tobytes()
+    strided_q = np.zeros(q.shape[:-1] + (2 * q.shape[-1],), io)[..., ::2]
+    strided_q[...] = q16
+    strided_out = np.zeros(q.shape[:-1] + (2 * q.shape[-1],), io)[..., ::2]
+    plan.run(strided_q, 1, out=strided_out)
+    assert np.ascontiguousarray(strided_out).tobytes() == want.tobytes()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        plan.run(q16, 2, out=out)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    # (an ml_dtypes bfloat16 q and out are copied before anything else
+    # reads them, as every argument whose conversion may run code is:
+    # _arrays.private_inputs; a float32 copy of either would pass this)
+    assert peak < 2 * q16.nbytes + 4096, peak
+
 def test_torch_out_refusals_hold_on_the_fast_path(torch):
     """What the general path refuses of a torch ``out`` it still refuses
     when the tensor is one the fast path could take: one that requires grad,

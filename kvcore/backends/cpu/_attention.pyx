@@ -552,17 +552,24 @@ cdef class Plan:
 
     def run(self, cnp.ndarray q, cnp.ndarray out, cnp.ndarray key_cache,
             cnp.ndarray value_cache, codecs=None, *, alibi_slopes=None, sinks=None):
-        """out[...] = attention of q (float32 C-contiguous, the plan's shape)
-        over key_cache / value_cache ((num_blocks, num_kv_heads, block_size,
-        head_dim), rows contiguous, the same strides), checked by the caller.
-        ``codecs``: the planes' ``(key_codec, value_codec)`` (kvcore.backends.Codec,
-        of the plan's kind), or None for unscaled planes.  ``alibi_slopes`` /
-        ``sinks``: float32 ``(num_heads,)`` or None."""
-        for x in (q, out):
-            if cnp.PyArray_TYPE(x) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
+        """out[...] = attention of q (C-contiguous, the plan's shape: float32,
+        float16, or bfloat16 as its uint16 bits; the kernels widen and narrow
+        16-bit rows themselves) over key_cache / value_cache ((num_blocks,
+        num_kv_heads, block_size, head_dim), rows contiguous, the same
+        strides), checked by the caller.  ``codecs``: the planes'
+        ``(key_codec, value_codec)`` (kvcore.backends.Codec, of the plan's
+        kind), or None for unscaled planes.  ``alibi_slopes`` / ``sinks``:
+        float32 ``(num_heads,)`` or None."""
+        cdef int kinds[2]
+        for i, x in enumerate((q, out)):
+            t = cnp.PyArray_TYPE(x)
+            kinds[i] = KVH_F32 if t == cnp.NPY_FLOAT32 else KVH_F16 if t == cnp.NPY_FLOAT16 \
+                else KVH_BF16 if t == cnp.NPY_UINT16 else -1
+            if kinds[i] < 0 or not cnp.PyArray_IS_C_CONTIGUOUS(x) \
                     or not cnp.PyArray_ISALIGNED(x) or not cnp.PyArray_ISNOTSWAPPED(x) \
                     or not _dims_are(x, 3, self.num_tokens, self.num_heads, self.head_dim):
-                raise ValueError("internal: q and out must be C-contiguous float32 "
+                raise ValueError("internal: q and out must be C-contiguous float32, float16 "
+                                 "or bfloat16 bits (uint16) "
                                  f"{(self.num_tokens, self.num_heads, self.head_dim)}")
         if not _planes_match(self, key_cache, value_cache):
             raise ValueError("internal: the caches do not match the plan")
@@ -580,7 +587,7 @@ cdef class Plan:
             raise ValueError("internal: int8 planes need their codecs (the scale planes)")
         a.alibi_slopes = _float_row(alibi_slopes, self.num_heads, "alibi_slopes")
         a.sinks = _float_row(sinks, self.num_heads, "sinks")
-        self._go(&a)
+        self._go(&a, kinds[0], <const char *>a.q, kinds[1], <char *>a.out)
 
     def bind(self, cnp.ndarray key0, cnp.ndarray value0, cnp.ndarray key_last,
              cnp.ndarray value_last, Py_ssize_t num_layers, codecs=None, owned=(),

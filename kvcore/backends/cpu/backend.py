@@ -9,8 +9,13 @@ aligned.  The kernels themselves release the GIL.
 """
 import numpy as np
 
+from ... import dtypes
 from ..base import Backend
 from . import _attention, _checksum, _convert, _kernels
+
+# What attention_run takes as q and out (attention_io_kinds).
+_FLOATS = frozenset({dtypes.F32, dtypes.F16, dtypes.BF16})
+_FLOAT_IO = (_FLOATS, _FLOATS)
 
 
 def _aligned_ids(a):
@@ -211,6 +216,13 @@ class CPUBackend(Backend):
                                                num_tokens, num_blocks, block_size,
                                                sliding_window, chunk_size)
         return _attention.STATUS_NAMES.get(status), a, b
+
+    def attention_io_kinds(self, plan):
+        """``(q_kinds, out_kinds)``: float32, float16 and bfloat16 (its uint16
+        bits) for both; the kernels widen q's rows and narrow out's
+        themselves, with kvcore's conversions (the bits of converting the
+        whole arrays)."""
+        return _FLOAT_IO
 
     def attention_run(self, plan, q, out, key_cache, value_cache, codecs=None, *,
                       alibi_slopes=None, sinks=None):
