@@ -222,6 +222,18 @@ def test_query_dtypes_and_torch_tensors():
                                   want.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
+def _peak_bytes(run):
+    """The most bytes Python's allocators held during ``run()`` beyond
+    what they held before it."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        run()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
 def _strided(torch, t):
     """The values of ``t`` in a tensor that is not C-contiguous (the fast
     path takes C-contiguous ones only: this one goes the general path)."""
@@ -256,14 +268,8 @@ def test_torch_tensors_run_fast_with_the_general_paths_bits(torch, pool_dtype, q
     want = kvcore.paged_attention(q, pool, 1, tables, lens, qsl) if q_dtype == "float32" else None
     if want is not None:
         np.testing.assert_array_equal(out.float().numpy(), torch.from_numpy(want).to(odt).float())
-    # a second run of the plan stages through the same buffers: nothing allocated
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        plan.run(tq, 2, out=out)
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    # the kernels read and write the tensors in place: nothing allocated
+    peak = _peak_bytes(lambda: plan.run(tq, 2, out=out))
     assert peak < 1024, peak
     plan.run(_strided(torch, tq), 2, out=general)
     assert torch.equal(out, general)
@@ -339,16 +345,10 @@ def test_16_bit_numpy_q_and_out_go_to_the_kernels_as_they_are(io):
     strided_out = np.zeros(q.shape[:-1] + (2 * q.shape[-1],), io)[..., ::2]
     plan.run(strided_q, 1, out=strided_out)
     assert np.ascontiguousarray(strided_out).tobytes() == want.tobytes()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        plan.run(q16, 2, out=out)
-        peak = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    peak = _peak_bytes(lambda: plan.run(q16, 2, out=out))
     # (an ml_dtypes bfloat16 q and out are copied before anything else
     # reads them, as every argument whose conversion may run code is:
-    # _arrays.private_inputs; a float32 copy of either would pass this)
+    # _arrays.private_inputs; a float32 copy of either would fail this)
     assert peak < 2 * q16.nbytes + 4096, peak
 
 def test_torch_out_refusals_hold_on_the_fast_path(torch):
