@@ -194,7 +194,7 @@ kva_plan *kva_plan_create(const kva_args *args, int *status)
     int64_t ngroups = 0, nslots = 0, split_rows = 0;
     const int64_t n = kva_make_items(args, NULL, &ngroups, &nslots, &split_rows);
     const int64_t G = kva_group_size(args);
-    const int max_rows = (int)(kva_tokens_per_tile(args) * G);
+    const int max_rows = (int)(kva_most_tokens_per_item(args) * G);
     const int D = args->head_dim;
     int want = args->num_threads < 1 ? 1 : args->num_threads;
     if (want > n)

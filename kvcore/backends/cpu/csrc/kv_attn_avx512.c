@@ -1015,7 +1015,7 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
         kva_scale_scalar(s + i, w == NULL ? NULL : w + i, c, n - i, weights);
 }
 
-/* The softmax step of a tile in registers (kva_math.decode_rows): each
+/* The softmax step of a tile in registers (kva_math.softmax_rows): each
  * row's scores (up to four vectors) are loaded once, and every step of
  * kva_run_item's per-row loop runs on them with the operations of
  * tile_scales, row_max, row_exp_sum and scale, in their order (the same
@@ -1025,7 +1025,7 @@ KVA_AVX512_TARGET static void scale_avx512(float *s, const float *w, float c, pt
  * the values' scales and unit.  A row that sees no key (rl[r] <= rf[r])
  * is left as the per-row loop leaves it: scores 0, alpha 1, sum 0, m as
  * it was. */
-KVA_AVX512_TARGET static void decode_rows_avx512(float *S, int M, int nt, int ntp, int first,
+KVA_AVX512_TARGET static void softmax_rows_avx512(float *S, int M, int nt, int ntp, int first,
                                                  int last, const int *rf, const int *rl,
                                                  const float *ks, const float *vs, float unit,
                                                  float *m, float *sum, float *alpha)
@@ -1102,6 +1102,6 @@ const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
     KVA_KERNELS(i8, avx512, 1.0f, 1, 1),
 };
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
-                                  exp2_neg_n_avx512, scale_avx512, decode_rows_avx512,
+                                  exp2_neg_n_avx512, scale_avx512, softmax_rows_avx512,
                                   128};
 #endif /* KVA_HAVE_AVX512 */

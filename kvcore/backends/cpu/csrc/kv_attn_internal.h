@@ -219,7 +219,7 @@ typedef struct {
      * in sum[r] (the caller updates l), the visible weights times vs[i]
      * (vs NULL: not) and unit.  The scores are base-2 logits (no soft cap,
      * ALiBi or wide units). */
-    void (*decode_rows)(float *S, int M, int nt, int ntp, int first, int last, const int *rf,
+    void (*softmax_rows)(float *S, int M, int nt, int ntp, int first, int last, const int *rf,
                         const int *rl, const float *ks, const float *vs, float unit, float *m,
                         float *sum, float *alpha);
     /* A decode-like item whose stored rows are at most this many bytes
@@ -370,7 +370,7 @@ static inline int64_t kva_key_lo(const kva_args *a, int64_t pos)
 /* Query tokens per item of sequence s. */
 int64_t kva_tokens_per_item(const kva_args *a, int64_t s);
 /* The most query tokens of any item of the call. */
-int64_t kva_tokens_per_tile(const kva_args *a);
+int64_t kva_most_tokens_per_item(const kva_args *a);
 /* Items of the call, in a fixed order (fills `items` when given). */
 int64_t kva_make_items(const kva_args *a, kva_item *items, int64_t *num_groups,
                        int64_t *num_slots, int64_t *split_rows);

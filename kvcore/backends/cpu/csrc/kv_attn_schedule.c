@@ -29,7 +29,7 @@ int64_t kva_tokens_per_item(const kva_args *a, int64_t s)
     return g >= rows ? 1 : rows / g;
 }
 
-int64_t kva_tokens_per_tile(const kva_args *a)
+int64_t kva_most_tokens_per_item(const kva_args *a)
 {
     int64_t most = 0;
     for (int64_t s = 0; s < a->num_seqs; s++) {

@@ -345,15 +345,15 @@ restart:
         prefetch_scales(a, table, g, it->k0,
                         it->k1 - it->k0 < 2 * tile ? it->k1 : it->k0 + 2 * tile);
     /* a decode item (one query token: its rows see the same keys) whose
-     * level has the fused softmax step (kva_math.decode_rows) and whose
+     * level has the fused softmax step (kva_math.softmax_rows) and whose
      * scores are plain base-2 logits takes it for every tile that shows
      * it a key */
-    const int fused = math->decode_rows != NULL && !prefill &&
+    const int fused = math->softmax_rows != NULL && !prefill &&
                       it->q1 - it->q0 == 1 && !capped && !alibi && !job->wide;
     /* other items whose scores are plain base-2 logits take it row by row
      * (each row its own visible keys): one call a tile, not three a row */
     const int rows_fused =
-        math->decode_rows != NULL && !fused && !capped && !alibi && !job->wide;
+        math->softmax_rows != NULL && !fused && !capped && !alibi && !job->wide;
     int64_t prefetched = it->k0; /* the rows before this position are prefetched */
     (void)prefetched;
     for (int64_t t0 = it->k0; t0 < it->k1; t0 += tile) {
@@ -427,7 +427,7 @@ restart:
         if (scaled)
             tile_scales(a, math, table, g, t0, nt, ks, vs, ws->S, fuse || rows_fused ? 0 : M);
         if (fuse) {
-            math->decode_rows(ws->S, M, nt, ntp, (int)f0, (int)f1, NULL, NULL,
+            math->softmax_rows(ws->S, M, nt, ntp, (int)f0, (int)f1, NULL, NULL,
                               scaled ? ks : NULL, scaled ? vs : NULL, unit, ws->m, ws->sum,
                               ws->alpha);
             for (int r = 0; r < M; r++) {
@@ -442,7 +442,7 @@ restart:
                 ws->first[r] = last <= first ? 0 : (int)first;
                 ws->last[r] = last <= first ? 0 : (int)last;
             }
-            math->decode_rows(ws->S, M, nt, ntp, 0, 0, ws->first, ws->last,
+            math->softmax_rows(ws->S, M, nt, ntp, 0, 0, ws->first, ws->last,
                               scaled ? ks : NULL, scaled ? vs : NULL, unit, ws->m, ws->sum,
                               ws->alpha);
             for (int r = 0; r < M; r++)
