@@ -89,30 +89,35 @@ def _input(x, arg, kinds):
     return be, dtypes.as_bits(a), kind
 
 
-def _private(x, out):
-    """``(x, out_check, private)``: where converting ``x`` or ``out`` may
-    run the caller's code (which may free the other's memory), a copy of
-    ``x``, ``_arrays.out_guard``'s check of ``out`` and True (copy ``x``
-    again once converted); else ``x`` as it is, None and False."""
-    if out is None:
-        return x, None, False
-    (x,), private, out_check = _arrays.private_inputs((x,), (), out)
-    return x, out_check, private
-
-
-def _run(x, out, arg, src_kinds, dst_kind):
-    x, out_check, private = _private(x, out)
-    be, x, sk = _input(x, arg, src_kinds)
+def _converted(x, out, read, out_for, empty, write):
+    """Every conversion's steps: ``x`` read (``read(x)``: ``(be, bits,
+    kind)``), the result made (an array of dtype ``empty``) or ``out``
+    checked (``out_for(be, out, shape)``: ``(array, result)``), then
+    ``write(be, bits, kind, array)``; returns the result.  Where converting
+    ``x`` or ``out`` may run the caller's code (which may free the other's
+    memory: ``_arrays.private_inputs``), ``x`` is copied before and after
+    it is read, and ``out`` is checked to be as it was before the write."""
+    private, out_check = False, None
+    if out is not None:
+        (x,), private, out_check = _arrays.private_inputs((x,), (), out)
+    be, x, kind = read(x)
     if private:
         x = x.copy()
     if out is None:
-        out = res = be.empty(x.shape, dtypes.STORAGE[dst_kind])
+        out = res = be.empty(x.shape, empty)
     else:
-        out, res = _arrays.out_array(be, out, "out", x.shape, dst_kind)
+        out, res = out_for(be, out, x.shape)
         if out_check is not None:
             out_check()
-    be.convert(x, sk, out, dst_kind)
+    write(be, x, kind, out)
     return res
+
+
+def _run(x, out, arg, src_kinds, dst_kind):
+    return _converted(x, out, lambda v: _input(v, arg, src_kinds),
+                      lambda be, o, shape: _arrays.out_array(be, o, "out", shape, dst_kind),
+                      dtypes.STORAGE[dst_kind],
+                      lambda be, v, kind, o: be.convert(v, kind, o, dst_kind))
 
 
 def to_float16(x, out=None):
@@ -269,33 +274,15 @@ def _check_saturate(saturate):
 
 def _to_fp8(x, out, saturate, fmt):
     saturate = _check_saturate(saturate)
-    x, out_check, private = _private(x, out)
-    be, x, _ = _input(x, "x", (F32,))
-    if private:
-        x = x.copy()
-    if out is None:
-        out = res = be.empty(x.shape, _U8)
-    else:
-        out, res = _fp8_out(be, out, x.shape, fmt)
-        if out_check is not None:
-            out_check()
-    be.convert_fp8(x, out, fmt, True, saturate)
-    return res
+    return _converted(x, out, lambda v: _input(v, "x", (F32,)),
+                      lambda be, o, shape: _fp8_out(be, o, shape, fmt), _U8,
+                      lambda be, v, kind, o: be.convert_fp8(v, o, fmt, True, saturate))
 
 
 def _from_fp8(b, out, fmt):
-    b, out_check, private = _private(b, out)
-    be, b = _fp8_input(b, "b", fmt)
-    if private:
-        b = b.copy()
-    if out is None:
-        out = res = be.empty(b.shape, np.float32)
-    else:
-        out, res = _arrays.out_array(be, out, "out", b.shape, F32)
-        if out_check is not None:
-            out_check()
-    be.convert_fp8(b, out, fmt, False)
-    return res
+    return _converted(b, out, lambda v: (*_fp8_input(v, "b", fmt), None),
+                      lambda be, o, shape: _arrays.out_array(be, o, "out", shape, F32),
+                      np.float32, lambda be, v, kind, o: be.convert_fp8(v, o, fmt, False))
 
 
 _TO_FP8_DOC = """Round float32 ``x`` to {name} (nearest, ties to even).
