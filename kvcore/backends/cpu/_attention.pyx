@@ -518,13 +518,12 @@ cdef class Plan:
         between them): the plans of one step, one per layer kind."""
         self.guard = other.guard
 
-    cdef int _go(self, kva_args *a, int q_kind=KVH_F32, const char *q16=NULL,
-                 int out_kind=KVH_F32, char *out16=NULL) except -1:
+    cdef int _go(self, kva_args *a, int q_kind=KVH_F32, int out_kind=KVH_F32) except -1:
         """Runs the kernel on ``a`` (the plan's fields plus the data fields),
-        one run at a time.  ``q_kind`` / ``out_kind`` float16 or bfloat16
-        (run_layer): the kernels read ``q16`` and write ``out16`` themselves,
-        a row at a time through kvcore's conversions (the bits of converting
-        the whole arrays before and after)."""
+        one run at a time.  ``q_kind`` / ``out_kind`` float16 or bfloat16:
+        ``a.q`` / ``a.out`` point at such elements, which the kernels read
+        and write themselves, a row at a time through kvcore's conversions
+        (the bits of converting the whole arrays before and after)."""
         cdef int status
         cdef _Guard guard = self.guard
         if guard.busy:
@@ -532,14 +531,9 @@ cdef class Plan:
                                "plan: use one plan per thread)")
         guard.busy = True
         try:
-            if q_kind != KVH_F32 or out_kind != KVH_F32:
-                a.convert = convert_n
-            if q_kind != KVH_F32:
-                a.q_kind = q_kind
-                a.q = <const float *>q16
-            if out_kind != KVH_F32:
-                a.out_kind = out_kind
-                a.out = <float *>out16
+            a.q_kind = q_kind
+            a.out_kind = out_kind
+            a.convert = convert_n
             with nogil:
                 status = kva_plan_run(self.plan, a)
         finally:
@@ -587,7 +581,7 @@ cdef class Plan:
             raise ValueError("internal: int8 planes need their codecs (the scale planes)")
         a.alibi_slopes = _float_row(alibi_slopes, self.num_heads, "alibi_slopes")
         a.sinks = _float_row(sinks, self.num_heads, "sinks")
-        self._go(&a, kinds[0], <const char *>a.q, kinds[1], <char *>a.out)
+        self._go(&a, kinds[0], kinds[1])
 
     def bind(self, cnp.ndarray key0, cnp.ndarray value0, cnp.ndarray key_last,
              cnp.ndarray value_last, Py_ssize_t num_layers, codecs=None, owned=(),
@@ -815,8 +809,5 @@ cdef class Plan:
         if self.head_scales_ptr != NULL:
             a.k_head_scales = self.head_scales_ptr + 2 * l * self.num_kv_heads
             a.v_head_scales = self.head_scales_ptr + (2 * l + 1) * self.num_kv_heads
-        if self.num_tokens:
-            target._go(&a, q_kind, qlo, out_kind, <char *>olo)
-        else:
-            target._go(&a)
+        target._go(&a, q_kind, out_kind)
         return oa if out is None else out

@@ -356,6 +356,24 @@ static inline int64_t kva_seq_queries(const kva_args *a, int64_t s)
 
 static inline size_t kva_align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* Row r of an item (its first query token at row0 of q / out, KV head g):
+ * the offset, in elements, of its head_dim elements in q and out (query
+ * token row0 + r / G, head g * G + r % G). */
+static inline size_t kva_row_at(const kva_args *a, int64_t row0, int64_t g, int r)
+{
+    const int64_t G = kva_group_size(a);
+    return ((size_t)(row0 + r / G) * a->num_heads + (size_t)(g * G + r % G)) * a->head_dim;
+}
+
+/* An output row o (float32) at element `at` of out: a float32 out holds it
+ * there already (the caller wrote it in place); a 16-bit one gets it
+ * narrowed by kva_args.convert. */
+static inline void kva_put_row(const kva_args *a, size_t at, const float *o)
+{
+    if (a->out_kind != KVA_F32)
+        a->convert(KVA_F32, o, a->out_kind, (uint16_t *)(void *)a->out + at, a->head_dim);
+}
+
 /* The first key position a query at position pos sees (kv_attention.h):
  * the later of its window's start and its chunk's. */
 static inline int64_t kva_key_lo(const kva_args *a, int64_t pos)

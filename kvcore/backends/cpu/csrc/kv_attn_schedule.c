@@ -174,8 +174,8 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scra
             if (p[r] > mx)
                 mx = p[r];
         }
-        int64_t j = r / G, h = r % G;
-        const size_t at = ((size_t)(row0 + j) * a->num_heads + (size_t)it->kv_head * G + h) * D;
+        const int64_t h = r % G;
+        const size_t at = kva_row_at(a, row0, it->kv_head, r);
         /* (a 16-bit out: the row after the sums in scratch, then narrowed) */
         float *o = a->out_kind == KVA_F32 ? a->out + at : (float *)(void *)(scratch + D);
         for (int d = 0; d < D; d++)
@@ -201,8 +201,7 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scra
             for (int d = 0; d < D; d++)
                 o[d] = (float)(scratch[d] / total);
         }
-        if (a->out_kind != KVA_F32)
-            a->convert(KVA_F32, o, a->out_kind, (uint16_t *)(void *)a->out + at, D);
+        kva_put_row(a, at, o);
     }
 }
 

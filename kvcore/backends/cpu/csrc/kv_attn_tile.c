@@ -258,14 +258,13 @@ restart:
     }
 
     /* the item's q rows, float32: a float16 / bfloat16 q's widened into Qs
-     * (and read from there: each row is scaled in place below); row r is
-     * q's row (row0 + r / G) * num_heads + g * G + r % G */
-#define KVA_Q_AT(r) (((size_t)(row0 + (r) / G) * a->num_heads + (size_t)g * G + (r) % G) * D)
-#define KVA_QROW(r) (a->q_kind == KVA_F32 ? a->q + KVA_Q_AT(r) : ws->Qs + (size_t)(r) * D)
+     * (and read from there: each row is scaled in place below) */
+#define KVA_QROW(r) \
+    (a->q_kind == KVA_F32 ? a->q + kva_row_at(a, row0, g, r) : ws->Qs + (size_t)(r) * D)
     if (a->q_kind != KVA_F32)
         for (int r = 0; r < M; r++)
-            a->convert(a->q_kind, (const uint16_t *)(const void *)a->q + KVA_Q_AT(r), KVA_F32,
-                       ws->Qs + (size_t)r * D, D);
+            a->convert(a->q_kind, (const uint16_t *)(const void *)a->q + kva_row_at(a, row0, g, r),
+                       KVA_F32, ws->Qs + (size_t)r * D, D);
     /* tile kernels: a q whose elements are all bfloat16 values (a bfloat16
      * model's) goes to them unscaled, as one bf16 term instead of three,
      * and its exact dots are multiplied by qscale (one rounding, where the
@@ -299,7 +298,6 @@ restart:
         ws->l[r] = 0.0f;
     }
 #undef KVA_QROW
-#undef KVA_Q_AT
     memset(ws->acc, 0, (size_t)M * D * sizeof(float));
     /* the q the scores take: the tile kernels' own form of it, made once */
     const float *q = ws->Qs;
@@ -571,20 +569,18 @@ restart:
 
     if (it->nsplit == 1) {
         for (int r = 0; r < M; r++) {
-            int64_t j = r / G, h = r % G;
-            const size_t at = ((size_t)(row0 + j) * a->num_heads + (size_t)g * G + h) * D;
+            const size_t at = kva_row_at(a, row0, g, r);
             float *acc = ws->acc + (size_t)r * D;
             /* (a 16-bit out: the row in place in acc, then narrowed) */
             float *o = a->out_kind == KVA_F32 ? a->out + at : acc;
             const float l = ws->l[r];
             if (a->sinks != NULL)
                 kva_finish_sink(job, o, acc, D, l, ws->m[r],
-                                kva_logit_units(job, a->sinks[(size_t)g * G + h]));
+                                kva_logit_units(job, a->sinks[(size_t)g * G + r % G]));
             else
                 for (int d = 0; d < D; d++)
                     o[d] = acc[d] / l;
-            if (a->out_kind != KVA_F32)
-                a->convert(KVA_F32, o, a->out_kind, (uint16_t *)(void *)a->out + at, D);
+            kva_put_row(a, at, o);
         }
         return;
     }
