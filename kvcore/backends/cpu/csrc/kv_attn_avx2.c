@@ -659,12 +659,12 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
 }
 
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    KVA_KERNELS(f32, avx2, 1.0f, 1, 0),
-    KVA_KERNELS(f16, avx2, 1.0f, 1, 0),
-    KVA_KERNELS(bf16, avx2, 1.0f, 1, 0),
-    KVA_KERNELS(e4m3, avx2, 256.0f, 1, 0), /* its loaders: value / 2^8 */
-    KVA_KERNELS(e5m2, avx2, 1.0f, 1, 0),
-    KVA_KERNELS(i8, avx2, 1.0f, 1, 0),
+    KVA_KERNELS_ROWS(f32, avx2, 1.0f, 1, 0, 8),
+    KVA_KERNELS_ROWS(f16, avx2, 1.0f, 1, 0, 8),
+    KVA_KERNELS_ROWS(bf16, avx2, 1.0f, 1, 0, 8),
+    KVA_KERNELS_ROWS(e4m3, avx2, 256.0f, 1, 0, 8), /* its loaders: value / 2^8 */
+    KVA_KERNELS_ROWS(e5m2, avx2, 1.0f, 1, 0, 8),
+    KVA_KERNELS_ROWS(i8, avx2, 1.0f, 1, 0, 8),
 };
 KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n,
                                   int weights)

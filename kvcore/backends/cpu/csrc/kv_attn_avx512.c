@@ -601,6 +601,10 @@ dec_dot_nan_avx512(const float *Qs, int D, const char *const *krow, int RB, int 
     case 1 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 1, 8, r, i, S, NULL, 0, 0); break;
     case 2 * 16 + 8: dec_dot_avx512(Qs, D, krow, k, NV, tail, 2, 8, r, i, S, NULL, 0, 0); break;
     case 3 * 16 + 4: dec_dot_avx512(Qs, D, krow, k, NV, tail, 3, 4, r, i, S, NULL, 0, 0); break;
+    case 5 * 16 + 2: dec_dot_avx512(Qs, D, krow, k, NV, tail, 5, 2, r, i, S, NULL, 0, 0); break;
+    case 6 * 16 + 2: dec_dot_avx512(Qs, D, krow, k, NV, tail, 6, 2, r, i, S, NULL, 0, 0); break;
+    case 7 * 16 + 2: dec_dot_avx512(Qs, D, krow, k, NV, tail, 7, 2, r, i, S, NULL, 0, 0); break;
+    case 8 * 16 + 2: dec_dot_avx512(Qs, D, krow, k, NV, tail, 8, 2, r, i, S, NULL, 0, 0); break;
     default: dec_dot_avx512(Qs, D, krow, k, NV, tail, 4, 4, r, i, S, NULL, 0, 0); break;
     }
 }
@@ -654,11 +658,13 @@ KVA_INLINE void dec_scores_pf_avx512(int kind, int NV, int tail, const float *Qs
 #endif
 static inline int const_dims_avx512(int kind, int M, int D)
 {
-    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 4 &&
+    return KVA_CONST_DIMS && kind != KVA_F32 && kind != KVA_F8E4M3_NAN && M <= 8 &&
            (D == 64 || D == 128);
 }
 
-/* One GQA group's rows (M <= 4) over NV (a constant) vectors, prefetching. */
+/* One GQA group's rows (M <= 8) over NV (a constant) vectors, prefetching:
+ * every row in one block (each key widened once), 2 keys a block from 5
+ * rows (16 accumulators). */
 KVA_INLINE void dec_group_avx512(int kind, int NV, const float *Qs, int M,
                                  const char *const *krow, int ntp, float *S,
                                  const char *const *nk)
@@ -668,7 +674,11 @@ KVA_INLINE void dec_group_avx512(int kind, int NV, const float *Qs, int M,
     case 1: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 1, 8, 0, S, nk, 1, 1); break;
     case 2: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 2, 8, 0, S, nk, 1, 1); break;
     case 3: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 3, 4, 0, S, nk, 1, 1); break;
-    default: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 4, 4, 0, S, nk, 1, 1); break;
+    case 4: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 4, 4, 0, S, nk, 1, 1); break;
+    case 5: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 5, 2, 0, S, nk, 1, 1); break;
+    case 6: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 6, 2, 0, S, nk, 1, 1); break;
+    case 7: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 7, 2, 0, S, nk, 1, 1); break;
+    default: dec_rows_avx512(Qs, D, krow, ntp, kind, NV, 0, 8, 2, 0, S, nk, 1, 1); break;
     }
 }
 
@@ -831,8 +841,9 @@ KVA_INLINE void pv_nv_avx512(int kind, int NV, int tail, const float *P, int M, 
 /* P.V of a decode call: head_dim 64 and 128 as constants where
  * const_dims_avx512 says (prefetching; the last tile its own rows); any
  * other call with a run-time head_dim. */
-/* One GQA group's rows (M <= 4) over NV (a constant) vectors, in one block
- * of rows (each value widened once), prefetching. */
+/* One GQA group's rows (M <= 8) over NV (a constant) vectors, in one block
+ * of rows (each value widened once; from 5 rows 2 vectors a pass over the
+ * keys: 16 accumulators), prefetching. */
 KVA_INLINE void pv_group_avx512(int kind, int NV, const float *P, int M,
                                 const char *const *vrow, int nt, float *acc, const float *alpha,
                                 const char *const *nv)
@@ -842,7 +853,11 @@ KVA_INLINE void pv_group_avx512(int kind, int NV, const float *P, int M,
     case 1: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 1, 8, 0, acc, alpha, nv, 1); break;
     case 2: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 2, 8, 0, acc, alpha, nv, 1); break;
     case 3: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 3, 4, 0, acc, alpha, nv, 1); break;
-    default: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 4, 4, 0, acc, alpha, nv, 1); break;
+    case 4: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 4, 4, 0, acc, alpha, nv, 1); break;
+    case 5: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 5, 2, 0, acc, alpha, nv, 1); break;
+    case 6: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 6, 2, 0, acc, alpha, nv, 1); break;
+    case 7: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 7, 2, 0, acc, alpha, nv, 1); break;
+    default: pv_rows_avx512(P, D, NV, 0, vrow, nt, kind, 8, 2, 0, acc, alpha, nv, 1); break;
     }
 }
 
@@ -880,7 +895,7 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
  * (Each body with its kind a constant: a kind chosen at run time would be a test
  * in every load of the inner loops.) */
 #define KVA_NEVER(...) 0
-#define KVA_AVX512_BODIES(name, K, KNAN, KCHK, CHECKS, HAS_NAN)                               \
+#define KVA_AVX512_BODIES(name, K, KNAN, KCHK, CHECKS, PV_CHECKS, HAS_NAN)                    \
     KVA_AVX512_TARGET static void widen_##name##_avx512(const char *const *rows, int n,       \
                                                         int D, float *dst,                    \
                                                         const char *const *next)              \
@@ -906,7 +921,7 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
         const float *alpha, float *t, const char *const *next)                                \
     {                                                                                         \
         (void)t;                                                                              \
-        if (CHECKS(KCHK, M, D))                                                               \
+        if (PV_CHECKS(KCHK, M, D))                                                            \
             pv_avx512(KCHK, P, M, D, vrow, nt, acc, alpha, next);                             \
         else if (HAS_NAN(vrow, nt, D))                                                        \
             pv_avx512(KNAN, P, M, D, vrow, nt, acc, alpha, next);                             \
@@ -914,21 +929,24 @@ KVA_INLINE void widen_avx512(int kind, const char *const *rows, int n, int D, fl
             pv_avx512(K, P, M, D, vrow, nt, acc, alpha, next);                                \
     }
 #define KVA_AVX512_KIND(name, kind)                                                           \
-    KVA_AVX512_BODIES(name, kind, kind, kind, KVA_NEVER, KVA_NEVER)
+    KVA_AVX512_BODIES(name, kind, kind, kind, KVA_NEVER, KVA_NEVER, KVA_NEVER)
 KVA_AVX512_KIND(f32, KVA_F32)
 KVA_AVX512_KIND(f16, KVA_F16)
 KVA_AVX512_KIND(bf16, KVA_BF16)
 KVA_AVX512_KIND(e5m2, KVA_F8E5M2)
 KVA_AVX512_KIND(i8, KVA_I8)
 
-/* e4m3fn (read as halves): decode items of head_dim 64 and 128 (up to 4 rows)
- * search the lines they read for NaN codes as they go (KVA_F8E4M3_CHK, in the
- * bodies of const_dims_avx512; the SIMDe build runs them at a run-time head_dim);
- * the others search the tile's rows once, and only a tile that holds one pays for
+/* e4m3fn (read as halves): decode items of head_dim 64 and 128 (scores up to
+ * 8 rows, P.V up to 4: its search takes whole lines, 4 vectors a block) search
+ * the lines they read for NaN codes as they go (KVA_F8E4M3_CHK, in the bodies
+ * of const_dims_avx512; the SIMDe build runs them at a run-time head_dim); the
+ * others search the tile's rows once, and only a tile that holds one pays for
  * the NaN blend of every 16 elements. */
-#define KVA_E4M3_CHECKS_AVX512(kind, M, D) ((M) <= 4 && ((D) == 64 || (D) == 128))
+#define KVA_E4M3_CHECKS_AVX512(kind, M, D) ((M) <= 8 && ((D) == 64 || (D) == 128))
+#define KVA_E4M3_PV_CHECKS_AVX512(kind, M, D) ((M) <= 4 && ((D) == 64 || (D) == 128))
 #define KVA_AVX512_E4M3(name, K, KNAN, KCHK)                                                  \
-    KVA_AVX512_BODIES(name, K, KNAN, KCHK, KVA_E4M3_CHECKS_AVX512, rows_have_e4m3_nan_avx512)
+    KVA_AVX512_BODIES(name, K, KNAN, KCHK, KVA_E4M3_CHECKS_AVX512, KVA_E4M3_PV_CHECKS_AVX512, \
+                      rows_have_e4m3_nan_avx512)
 KVA_AVX512_E4M3(e4m3, KVA_F8E4M3, KVA_F8E4M3_NAN, KVA_F8E4M3_CHK)
 
 /* ntp % 8 == 0: the last 8 of a count of 16 k + 8 read with -inf above. */
@@ -1093,13 +1111,15 @@ KVA_AVX512_TARGET static void softmax_rows_avx512(float *S, int M, int nt, int n
     }
 }
 
+/* Items of up to 8 rows (a GQA group of up to 8) read the stored rows:
+ * const_dims_avx512's bodies take them in one block of rows. */
 const kva_kernels kva_kernels_avx512[KVA_NUM_KINDS] = {
-    KVA_KERNELS(f32, avx512, 1.0f, 1, 1),
-    KVA_KERNELS(f16, avx512, 1.0f, 1, 1),
-    KVA_KERNELS(bf16, avx512, 1.0f, 1, 1),
-    KVA_KERNELS(e4m3, avx512, 256.0f, 1, 1), /* value / 2^8 */
-    KVA_KERNELS(e5m2, avx512, 1.0f, 1, 1),
-    KVA_KERNELS(i8, avx512, 1.0f, 1, 1),
+    KVA_KERNELS_ROWS(f32, avx512, 1.0f, 1, 1, 8),
+    KVA_KERNELS_ROWS(f16, avx512, 1.0f, 1, 1, 8),
+    KVA_KERNELS_ROWS(bf16, avx512, 1.0f, 1, 1, 8),
+    KVA_KERNELS_ROWS(e4m3, avx512, 256.0f, 1, 1, 8), /* value / 2^8 */
+    KVA_KERNELS_ROWS(e5m2, avx512, 1.0f, 1, 1, 8),
+    KVA_KERNELS_ROWS(i8, avx512, 1.0f, 1, 1, 8),
 };
 const kva_math kva_math_avx512 = {row_max_avx512, row_exp_sum_avx512, softcap_avx512,
                                   exp2_neg_n_avx512, scale_avx512, softmax_rows_avx512,

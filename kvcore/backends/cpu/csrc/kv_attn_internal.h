@@ -118,7 +118,8 @@ _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
  * costs on a loaded machine. */
 #define KVA_WORK_PER_THREAD ((int64_t)1 << 19)
 /* Items of more rows than this widen each K/V tile to float32 once (the
- * micro-kernels work on 4 rows at a time, and would widen it per block). */
+ * micro-kernels work on 4 rows at a time, and would widen it per block),
+ * unless their kernels say otherwise (kva_kernels.direct_rows). */
 #define KVA_WIDEN_ROWS 4
 /* Items of at least this many rows (a matrix tile's) run the level's tile
  * kernels where it has them (kva_job.kern_tiles). */
@@ -184,12 +185,20 @@ typedef struct {
      * scaled q; else Qs is the q unscaled, every element a bfloat16 (one
      * bf16 term instead of three), and the scores are its dots times post. */
     void (*prepare)(const float *Qs, int M, int D, uint16_t *qt, float post);
+    /* Items of up to this many rows (and fewer than KVA_TILE_ROWS) read
+     * the stored K and V rows themselves, widening each as they load it
+     * for all their rows at once; items of more widen each tile to float32
+     * once (kern_f32).  0: KVA_WIDEN_ROWS. */
+    int direct_rows;
 } kva_kernels;
 
 /* A table entry of a level whose functions are named <verb>_<kind>_<level>. */
 #define KVA_KERNELS(kind, level, unit, prefetch, transposes) \
+    KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, 0)
+/* ... whose items of up to `rows` rows read the stored rows (direct_rows). */
+#define KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, rows) \
     {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch, \
-     transposes, NULL}
+     transposes, NULL, rows}
 
 typedef struct {
     float (*row_max)(const float *s, int ntp);

@@ -246,7 +246,8 @@ restart:
     kern = tiles ? job->kern_tiles : job->kern;
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
-    const int widen = M > KVA_WIDEN_ROWS && a->kind != KVA_F32 && !tiles;
+    const int widen = M > (kern->direct_rows > 0 ? kern->direct_rows : KVA_WIDEN_ROWS) &&
+                      a->kind != KVA_F32 && !tiles;
     /* keys too, unless the level's scores transpose the stored key tile
      * themselves for this many rows (converting as they load it once) */
     const int widen_keys = widen && !(prefill && kern->transposes);
