@@ -322,6 +322,43 @@ def test_alibi_slopes_at_their_limit_give_the_softmax_limit(slope, level):
     np.testing.assert_array_equal(out[:, 0, 0], want)
 
 
+@pytest.mark.parametrize("scale", [0.125, 3.0])      # 3.0: past 1/log2(e), the scores are dots
+@pytest.mark.parametrize("rows", [1, 20])             # a decode item, a prefill item
+def test_keys_whose_scores_are_all_minus_inf_weigh_nothing(level, scale, rows):
+    """float16 keys stored as -inf (an overflow): every such key's score is
+    -inf and its weight 0, as in the reference.  A tile whose visible
+    scores are all -inf added NaN (exp2(-inf - -inf)) to its rows, which no
+    later tile's finite keys could undo, and a sink over nothing but such
+    keys gave NaN where the softmax gives the sink all of the weight (found
+    by a fuzzing review)."""
+    D, nkv, heads = 16, 1, 2
+    n = 150                                          # past two 64-key tiles
+    pool = kvcore.BlockPool(12, 16, 1, nkv, D, dtype="float16")
+    rng = np.random.default_rng(rows)
+    k = rng.standard_normal((n, nkv, D)).astype(np.float32)
+    k[:70] = -1e6                                     # keys 0..69: -inf once stored
+    v = rng.standard_normal((n, nkv, D)).astype(np.float32)
+    pool.write(0, k, v, np.arange(n))
+    assert np.isneginf(pool.key_cache(0)[0, 0, 0]).all()
+    q = np.abs(rng.standard_normal((rows, heads, D))).astype(np.float32) + 0.1
+    tables = np.arange(10, dtype=np.int32)[None]
+    for length in (n, 60):                            # finite keys after them; none at all
+        qsl = [0, rows]
+        sinks = np.float32([0.5, -1.0])
+        for kw in ({}, dict(sinks=sinks)):
+            got = kvcore.paged_attention(q, pool, 0, tables, [length], qsl, scale=scale, **kw)
+            with np.errstate(invalid="ignore"):      # (the reference's -inf - -inf)
+                want = paged_attention_reference(q, pool.key_cache(0), pool.value_cache(0),
+                                                 tables, [length], qsl, scale=scale, **kw)
+            if length == 60 and not kw:               # nothing but -inf keys: 0 / 0
+                assert np.isnan(got).all() and np.isnan(want).all()
+                continue
+            assert np.isfinite(got).all(), (length, kw)
+            if length == 60:                          # the sink takes all of the weight
+                np.testing.assert_array_equal(got, np.zeros_like(got))
+            assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1e-30), (length, kw)
+
+
 def test_the_issue_case_at_scale_1e38_is_the_one_hot_limit():
     """issue 38.3's repro: |q.k| > 2.36 at scale=1e38 gave NaN everywhere."""
     pool = kvcore.BlockPool(4, 4, 1, 1, 8, dtype="float32")

@@ -490,13 +490,18 @@ restart:
             ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
                            : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
                            : kva_flush_tiny(exp2f(job->wide ? drop * job->wide_scale : drop));
+            /* the weights are exp2 of the scores less mu: the maximum, or 0
+             * while every visible score is -inf (their weights 0, as the
+             * reference's, not exp2(-inf - -inf), NaN: a sink then takes the
+             * whole weight, and a later tile's finite scores all of it) */
+            const float mu = mnew == -INFINITY ? 0.0f : mnew;
             float sum;
             if (job->wide) {
                 for (int64_t i = first; i < last; i++)
-                    srow[i] = (srow[i] - mnew) * job->wide_scale;
+                    srow[i] = (srow[i] - mu) * job->wide_scale;
                 sum = math->row_exp_sum(srow, ntp, 0.0f);
             } else {
-                sum = math->row_exp_sum(srow, ntp, mnew);
+                sum = math->row_exp_sum(srow, ntp, mu);
             }
             ws->l[r] = ws->l[r] * ws->alpha[r] + sum;
             ws->m[r] = mnew;
