@@ -359,6 +359,30 @@ def test_keys_whose_scores_are_all_minus_inf_weigh_nothing(level, scale, rows):
             assert np.abs(got - want).max() <= TOL * max(np.abs(want).max(), 1e-30), (length, kw)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_a_nan_key_alone_in_the_last_piece_of_a_long_decode_makes_its_rows_nan(level, dtype):
+    """A long decode is split into pieces of 1024 positions merged after.  A
+    NaN score's key alone in its piece (a length of 1024 k + 1, the NaN in
+    the last key; or, with 2 queries, the first query's only key there) left
+    the piece's maximum at -inf and its sum NaN, and the merge skipped it:
+    a finite output where the reference's is NaN (found by a review).  Only
+    the rows that see the key are NaN."""
+    D, n = 64, 1025
+    pool = kvcore.BlockPool(66, 16, 1, 1, D, dtype=dtype)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((n + 1, 1, D)).astype(np.float32)
+    v = rng.standard_normal((n + 1, 1, D)).astype(np.float32)
+    k[n - 1, 0, 5] = np.nan                  # (int8: a NaN row, its scale NaN)
+    pool.write(0, k, v, np.arange(n + 1))
+    tables = np.arange(66, dtype=np.int32)[None]
+    q = rng.standard_normal((1, 8, D)).astype(np.float32)
+    assert np.isnan(kvcore.paged_attention(q, pool, 0, tables, [n])).all()
+    assert np.isfinite(kvcore.paged_attention(q, pool, 0, tables, [n - 1])).all()
+    # two queries over n + 1 keys: both see key n - 1
+    q2 = rng.standard_normal((2, 8, D)).astype(np.float32)
+    assert np.isnan(kvcore.paged_attention(q2, pool, 0, tables, [n + 1], [0, 2])).all()
+
+
 def test_the_issue_case_at_scale_1e38_is_the_one_hot_limit():
     """issue 38.3's repro: |q.k| > 2.36 at scale=1e38 gave NaN everywhere."""
     pool = kvcore.BlockPool(4, 4, 1, 1, 8, dtype="float32")

@@ -183,8 +183,11 @@ void kva_merge_group(const kva_job *job, const kva_item *it, int M, double *scra
         for (int64_t sp = 0; sp < nsplit; sp++) {
             const float *p = job->partials + (size_t)(base + sp) * job->partial_floats;
             const float m = p[r], l = p[job->split_rows + r];
-            if (m == -INFINITY)
-                continue; /* no key of this split was visible to this row */
+            if (m == -INFINITY && l == 0.0f)
+                continue; /* no key of this split weighs anything for this row */
+            /* (a NaN sum is kept: a NaN score's key, alone in its split,
+             * leaves the split's maximum at -inf but its sum NaN, and the
+             * row's output is NaN, as the reference's) */
             const double w = kva_flush_tiny(job->wide ? exp2f((m - mx) * job->wide_scale)
                                                       : exp2f(m - mx));
             const float *acc = p + 2 * (size_t)job->split_rows + (size_t)r * D;
