@@ -17,6 +17,18 @@ import kvcore
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+def reference_scales(pool, layer):
+    """The scale arguments of ``paged_attention_reference`` over ``pool``'s
+    layer: int8's per-token scales, fp8's (per layer or per KV head), none
+    for float pages."""
+    if pool.dtype == "int8":
+        return dict(key_scales=pool.key_scales(layer), value_scales=pool.value_scales(layer))
+    if pool.dtype.startswith("float8"):
+        k_scale, v_scale = pool.kv_scales[layer]
+        return dict(key_scales=k_scale, value_scales=v_scale)
+    return {}
+
+
 def pool_snapshot(pool, cached_tokens=False):
     """Everything observable about a pool: its bookkeeping (the documented
     ``BlockPool.debug_snapshot``), its storage bytes and, with

@@ -15,22 +15,15 @@ from kvcore.backends.base import fp8_decode, paged_attention_reference
 from kvcore.backends.cpu import _attention as _kernel
 
 try:
+    from _helpers import reference_scales
     from _simd_levels import level_fixture
 except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import reference_scales
     from ._simd_levels import level_fixture
 
 simd_level = level_fixture(_kernel)
 
 PAGE_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
-
-
-def _scales_kw(pool, layer):
-    if pool.dtype == "int8":
-        return dict(key_scales=pool.key_scales(layer), value_scales=pool.value_scales(layer))
-    if pool.dtype.startswith("float8"):
-        k_scale, v_scale = pool.kv_scales[layer]
-        return dict(key_scales=k_scale, value_scales=v_scale)
-    return {}
 
 
 def _filled(dtype, nkv, dim, lens, rng, bs=16):
@@ -60,7 +53,7 @@ def test_groups_of_5_to_8_match_the_reference_with_the_same_bits_for_any_thread_
     rng = np.random.default_rng([group, dim, PAGE_DTYPES.index(dtype)])
     nkv = 2
     pool, _, tables, lens = _filled(dtype, nkv, dim, [300, 45, 1], rng)
-    kw = _scales_kw(pool, 0)
+    kw = reference_scales(pool, 0)
     cases = [  # decode (one query each), then a chunk of 2 queries over the first
         (rng.standard_normal((3, group * nkv, dim)).astype(np.float32), tables, lens, None),
         (rng.standard_normal((2, group * nkv, dim)).astype(np.float32), tables[:1], lens[:1],
@@ -104,9 +97,7 @@ def test_e4m3fn_nan_code_in_a_group_of_8_reaches_only_the_rows_that_see_it(which
     else:
         assert bad[0, :8, 5].all() and not bad[0, :8, :5].any() and not bad[0, :8, 6:].any()
     assert not bad[0, 8:].any() and not bad[1].any()
-    k_scale, v_scale = pool.kv_scales[0]
     want = paged_attention_reference(q, pool.key_cache(0), pool.value_cache(0), tables, lens,
-                                     kind="float8_e4m3fn", key_scales=k_scale,
-                                     value_scales=v_scale)
+                                     kind="float8_e4m3fn", **reference_scales(pool, 0))
     assert _err(out[1], want[1]) <= 1e-5 and _err(out[0, 8:], want[0, 8:]) <= 1e-5
     assert np.isnan(fp8_decode(np.uint8(0x7F), dtypes.NAME_KIND["float8_e4m3fn"]))

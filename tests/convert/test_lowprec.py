@@ -25,8 +25,10 @@ from kvcore.backends.codec import Codec
 from kvcore.pool import store_port
 
 try:
+    from _helpers import reference_scales as reference_kw
     from _simd_levels import level_fixture
 except ImportError:  # pragma: no cover - run as a package
+    from ._helpers import reference_scales as reference_kw
     from ._simd_levels import level_fixture
 
 LOWPREC = ("float8_e4m3fn", "float8_e5m2", "int8")
@@ -566,13 +568,6 @@ def test_bad_input_names_the_argument_and_changes_nothing():
 
 # -------------------------------------------------------------- attention
 simd_level = level_fixture(_kernel)
-
-
-def reference_kw(pool, layer):
-    if pool.dtype == "int8":
-        return dict(key_scales=pool.key_scales(layer), value_scales=pool.value_scales(layer))
-    k_scale, v_scale = pool.kv_scales[layer]
-    return dict(key_scales=k_scale, value_scales=v_scale)
 
 
 def rel_err(got, want):

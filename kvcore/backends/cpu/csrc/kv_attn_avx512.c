@@ -1094,8 +1094,7 @@ KVA_AVX512_TARGET static void softmax_rows_avx512(float *S, int M, int nt, int n
                    : mo == mnew && mnew != INFINITY ? 1.0f
                                                     : kva_flush_tiny(exp2f(mo - mnew));
         m[r] = mnew;
-        /* (every visible score -inf: weights 0, not NaN; kv_attn_tile.c) */
-        const __m512 mm = _mm512_set1_ps(mnew == -INFINITY ? 0.0f : mnew);
+        const __m512 mm = _mm512_set1_ps(kva_weight_origin(mnew));
         __m512 sm = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int c = 0; c < nv; c++) {

@@ -42,6 +42,7 @@
 
 #include "kv_attention.h"
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -118,8 +119,8 @@ _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
  * costs on a loaded machine. */
 #define KVA_WORK_PER_THREAD ((int64_t)1 << 19)
 /* Items of more rows than this widen each K/V tile to float32 once (the
- * micro-kernels work on 4 rows at a time, and would widen it per block),
- * unless their kernels say otherwise (kva_kernels.direct_rows). */
+ * micro-kernels work on 4 rows at a time, and would widen it per block):
+ * the kva_kernels.direct_rows of a level that says no more. */
 #define KVA_WIDEN_ROWS 4
 /* Items of at least this many rows (a matrix tile's) run the level's tile
  * kernels where it has them (kva_job.kern_tiles). */
@@ -188,13 +189,13 @@ typedef struct {
     /* Items of up to this many rows (and fewer than KVA_TILE_ROWS) read
      * the stored K and V rows themselves, widening each as they load it
      * for all their rows at once; items of more widen each tile to float32
-     * once (kern_f32).  0: KVA_WIDEN_ROWS. */
+     * once (kern_f32).  (Tile kernels, which never widen: unused.) */
     int direct_rows;
 } kva_kernels;
 
 /* A table entry of a level whose functions are named <verb>_<kind>_<level>. */
 #define KVA_KERNELS(kind, level, unit, prefetch, transposes) \
-    KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, 0)
+    KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, KVA_WIDEN_ROWS)
 /* ... whose items of up to `rows` rows read the stored rows (direct_rows). */
 #define KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, rows) \
     {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch, \
@@ -364,6 +365,12 @@ static inline int64_t kva_seq_queries(const kva_args *a, int64_t s)
 }
 
 static inline size_t kva_align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* What a row's scores are taken less before their exp2 when m is its
+ * running maximum: m, or 0 while every visible score is -inf (their
+ * weights 0, as the reference's, not exp2(-inf - -inf), NaN: a sink then
+ * takes the whole weight, and a later tile's finite scores all of it). */
+static inline float kva_weight_origin(float m) { return m == -INFINITY ? 0.0f : m; }
 
 /* Row r of an item (its first query token at row0 of q / out, KV head g):
  * the offset, in elements, of its head_dim elements in q and out (query

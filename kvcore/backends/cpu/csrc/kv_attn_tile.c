@@ -246,8 +246,7 @@ restart:
     kern = tiles ? job->kern_tiles : job->kern;
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
-    const int widen = M > (kern->direct_rows > 0 ? kern->direct_rows : KVA_WIDEN_ROWS) &&
-                      a->kind != KVA_F32 && !tiles;
+    const int widen = M > kern->direct_rows && a->kind != KVA_F32 && !tiles;
     /* keys too, unless the level's scores transpose the stored key tile
      * themselves for this many rows (converting as they load it once) */
     const int widen_keys = widen && !(prefill && kern->transposes);
@@ -490,11 +489,7 @@ restart:
             ws->alpha[r] = ws->m[r] == -INFINITY                 ? 0.0f
                            : ws->m[r] == mnew && mnew != INFINITY ? 1.0f
                            : kva_flush_tiny(exp2f(job->wide ? drop * job->wide_scale : drop));
-            /* the weights are exp2 of the scores less mu: the maximum, or 0
-             * while every visible score is -inf (their weights 0, as the
-             * reference's, not exp2(-inf - -inf), NaN: a sink then takes the
-             * whole weight, and a later tile's finite scores all of it) */
-            const float mu = mnew == -INFINITY ? 0.0f : mnew;
+            const float mu = kva_weight_origin(mnew);
             float sum;
             if (job->wide) {
                 for (int64_t i = first; i < last; i++)
