@@ -2,7 +2,8 @@
 70B 8): a decode item of that many rows reads the stored K and V rows
 itself at the avx2 and avx512 levels (kva_kernels.direct_rows; the avx512
 bodies of head_dim 64 and 128 take every row in one block, 2 keys or 2
-vectors at a time) instead of widening each tile to float32 first.  Every
+vectors at a time) instead of widening each tile to float32 first; items
+of 9-15 rows do so in two calls (kva_kernels.multi_call_rows).  Every
 page dtype, every level this CPU has, against the float64 reference on the
 stored values, with the same bits for any thread count, and an e4m3fn NaN
 code reaching only the rows that see it."""
@@ -45,19 +46,18 @@ def _err(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-@pytest.mark.parametrize("dtype", PAGE_DTYPES)
-@pytest.mark.parametrize("group", [5, 6, 7, 8])
-@pytest.mark.parametrize("dim", [64, 128, 80])    # 80: a run-time head_dim
-def test_groups_of_5_to_8_match_the_reference_with_the_same_bits_for_any_thread_count(
-        dtype, group, dim, simd_level):
-    rng = np.random.default_rng([group, dim, PAGE_DTYPES.index(dtype)])
+def _check_groups(dtype, group, dim, chunk, seed):
+    """A decode (one query each) of 3 sequences, then a chunk of `chunk`
+    queries over the first, against the reference, each with the same bits
+    for 1, 2 and 3 threads."""
+    rng = np.random.default_rng(seed)
     nkv = 2
     pool, _, tables, lens = _filled(dtype, nkv, dim, [300, 45, 1], rng)
     kw = reference_scales(pool, 0)
-    cases = [  # decode (one query each), then a chunk of 2 queries over the first
+    cases = [
         (rng.standard_normal((3, group * nkv, dim)).astype(np.float32), tables, lens, None),
-        (rng.standard_normal((2, group * nkv, dim)).astype(np.float32), tables[:1], lens[:1],
-         [0, 2]),
+        (rng.standard_normal((chunk, group * nkv, dim)).astype(np.float32), tables[:1],
+         lens[:1], [0, chunk]),
     ]
     before = kvcore.set_num_threads(1)
     try:
@@ -74,6 +74,27 @@ def test_groups_of_5_to_8_match_the_reference_with_the_same_bits_for_any_thread_
                 np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
     finally:
         kvcore.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", PAGE_DTYPES)
+@pytest.mark.parametrize("group", [5, 6, 7, 8])
+@pytest.mark.parametrize("dim", [64, 128, 80])    # 80: a run-time head_dim
+def test_groups_of_5_to_8_match_the_reference_with_the_same_bits_for_any_thread_count(
+        dtype, group, dim, simd_level):
+    _check_groups(dtype, group, dim, 2, [group, dim, PAGE_DTYPES.index(dtype)])
+
+
+@pytest.mark.parametrize("dtype", PAGE_DTYPES)
+@pytest.mark.parametrize("group, chunk", [(12, 1), (9, 1), (15, 1), (4, 3), (3, 5), (7, 2)])
+@pytest.mark.parametrize("dim", [64, 128, 80])
+def test_items_of_9_to_15_rows_match_the_reference_with_the_same_bits_for_any_thread_count(
+        dtype, group, chunk, dim, simd_level):
+    """Items of 9-15 rows (a decode of a group of 9-15, a chunk of 2-5
+    queries times a group of 3-7) run the kernels in two calls of rows over
+    the stored rows at avx2 and avx512 (kva_kernels.multi_call_rows) for the
+    kinds that take that, and widen their tiles for the others; every one
+    within 1e-5 of the reference and thread-count independent."""
+    _check_groups(dtype, group, dim, chunk, [group, chunk, dim, PAGE_DTYPES.index(dtype)])
 
 
 @pytest.mark.parametrize("which", ["key", "value"])

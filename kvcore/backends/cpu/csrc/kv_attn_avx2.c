@@ -658,13 +658,16 @@ KVA_TARGET static void exp2_neg_n_avx2(const float *x, float *y, ptrdiff_t n)
     }
 }
 
+/* Items of up to 8 rows read the stored rows; float16, bfloat16 and int8
+ * items of 9-15 too, in two calls (the fp8 kinds widen those: in the
+ * caches 0.85-1.04x split, docs/performance.md "Items of 9 to 15 rows"). */
 const kva_kernels kva_kernels_avx2[KVA_NUM_KINDS] = {
-    KVA_KERNELS_ROWS(f32, avx2, 1.0f, 1, 0, 8),
-    KVA_KERNELS_ROWS(f16, avx2, 1.0f, 1, 0, 8),
-    KVA_KERNELS_ROWS(bf16, avx2, 1.0f, 1, 0, 8),
-    KVA_KERNELS_ROWS(e4m3, avx2, 256.0f, 1, 0, 8), /* its loaders: value / 2^8 */
-    KVA_KERNELS_ROWS(e5m2, avx2, 1.0f, 1, 0, 8),
-    KVA_KERNELS_ROWS(i8, avx2, 1.0f, 1, 0, 8),
+    KVA_KERNELS_ROWS(f32, avx2, 1.0f, 1, 0, 8, 8),
+    KVA_KERNELS_ROWS(f16, avx2, 1.0f, 1, 0, 8, KVA_TILE_ROWS - 1),
+    KVA_KERNELS_ROWS(bf16, avx2, 1.0f, 1, 0, 8, KVA_TILE_ROWS - 1),
+    KVA_KERNELS_ROWS(e4m3, avx2, 256.0f, 1, 0, 8, 8), /* its loaders: value / 2^8 */
+    KVA_KERNELS_ROWS(e5m2, avx2, 1.0f, 1, 0, 8, 8),
+    KVA_KERNELS_ROWS(i8, avx2, 1.0f, 1, 0, 8, KVA_TILE_ROWS - 1),
 };
 KVA_TARGET static void scale_avx2(float *s, const float *w, float c, ptrdiff_t n,
                                   int weights)

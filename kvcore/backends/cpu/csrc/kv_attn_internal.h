@@ -188,18 +188,35 @@ typedef struct {
     void (*prepare)(const float *Qs, int M, int D, uint16_t *qt, float post);
     /* Items of up to this many rows (and fewer than KVA_TILE_ROWS) read
      * the stored K and V rows themselves, widening each as they load it
-     * for all their rows at once; items of more widen each tile to float32
-     * once (kern_f32).  (Tile kernels, which never widen: unused.) */
+     * for all their rows at once... */
     int direct_rows;
+    /* ... and so do items of more rows, up to this many (below
+     * KVA_TILE_ROWS), in calls of at most direct_rows rows each (as even
+     * as they come; each call after the first finds the tile's rows in
+     * L1: kva_row_calls); items of more widen each tile to float32 once
+     * (kern_f32).  (Tile kernels, which never widen: unused.) */
+    int multi_call_rows;
 } kva_kernels;
 
 /* A table entry of a level whose functions are named <verb>_<kind>_<level>. */
 #define KVA_KERNELS(kind, level, unit, prefetch, transposes) \
-    KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, KVA_WIDEN_ROWS)
-/* ... whose items of up to `rows` rows read the stored rows (direct_rows). */
-#define KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, rows) \
+    KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, KVA_WIDEN_ROWS, KVA_WIDEN_ROWS)
+/* ... whose items of up to `rows` rows read the stored rows in one call
+ * (direct_rows), up to `calls` rows in calls of up to `rows` (multi_call_rows). */
+#define KVA_KERNELS_ROWS(kind, level, unit, prefetch, transposes, rows, calls) \
     {scores_##kind##_##level, pv_##kind##_##level, widen_##kind##_##level, unit, prefetch, \
-     transposes, NULL, rows}
+     transposes, NULL, rows, calls}
+
+/* How many kernel calls an item of M rows takes over a tile's stored rows:
+ * one up to direct_rows (or past multi_call_rows: the widened tile's kernels,
+ * or float32 pages, read every row in one call), else calls of at most
+ * direct_rows rows. */
+static inline int kva_row_calls(const kva_kernels *kern, int M)
+{
+    if (M <= kern->direct_rows || M > kern->multi_call_rows)
+        return 1;
+    return (M + kern->direct_rows - 1) / kern->direct_rows;
+}
 
 typedef struct {
     float (*row_max)(const float *s, int ntp);

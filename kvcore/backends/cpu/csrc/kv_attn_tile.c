@@ -213,6 +213,35 @@ void kva_finish_sink(const kva_job *job, float *out, const float *acc, int D, fl
     }
 }
 
+/* A tile's scores and P.V for M rows in kva_row_calls(kern, M) calls, rows
+ * r0 .. r1 - 1 each (as even as they come); the first call prefetches
+ * `next`, the others the tile's own rows (already in L1). */
+static void scores_calls(const kva_kernels *kern, const float *q, int M, int D,
+                         const char *const *krow, int ntp, float *S, float *tmp,
+                         const char *const *next)
+{
+    const int calls = kva_row_calls(kern, M);
+    for (int c = 0, r0 = 0; c < calls; c++) {
+        const int r1 = M * (c + 1) / calls;
+        kern->scores(q + (size_t)r0 * D, r1 - r0, D, krow, ntp, S + (size_t)r0 * KVA_KEY_TILE,
+                     tmp, c == 0 ? next : NULL);
+        r0 = r1;
+    }
+}
+
+static void pv_calls(const kva_kernels *kern, const float *P, int M, int D,
+                     const char *const *vrow, int nt, float *acc, const float *alpha, float *tmp,
+                     const char *const *next)
+{
+    const int calls = kva_row_calls(kern, M);
+    for (int c = 0, r0 = 0; c < calls; c++) {
+        const int r1 = M * (c + 1) / calls;
+        kern->pv(P + (size_t)r0 * KVA_KEY_TILE, r1 - r0, D, vrow, nt, acc + (size_t)r0 * D,
+                 alpha + r0, tmp, c == 0 ? next : NULL);
+        r0 = r1;
+    }
+}
+
 void kva_run_item(const kva_job *job, const kva_item *it, const kva_item *next,
                   const kva_ws *ws)
 {
@@ -246,7 +275,7 @@ restart:
     kern = tiles ? job->kern_tiles : job->kern;
     /* the kernels read the elements divided by unit: q carries it */
     const float unit = kern->unit;
-    const int widen = M > kern->direct_rows && a->kind != KVA_F32 && !tiles;
+    const int widen = M > kern->multi_call_rows && a->kind != KVA_F32 && !tiles;
     /* keys too, unless the level's scores transpose the stored key tile
      * themselves for this many rows (converting as they load it once) */
     const int widen_keys = widen && !(prefill && kern->transposes);
@@ -416,7 +445,7 @@ restart:
             kern->widen(krow, ntp, D, ws->kf, next_k); /* padding rows included */
             kern_f32->scores(ws->Qs, M, D, ws->kfrow, ntp, ws->S, ws->tmp, NULL);
         } else {
-            kern->scores(q, M, D, krow, ntp, ws->S, ws->tmp, next_k);
+            scores_calls(kern, q, M, D, krow, ntp, ws->S, ws->tmp, next_k);
         }
         /* (fused: the rows' visible keys, the same for every row) */
         int64_t f0, f1;
@@ -549,9 +578,9 @@ restart:
             if (last <= first)
                 continue;
             /* the first run of rows prefetches the next values */
-            pk->pv(ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
-                   last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp,
-                   next_v != NULL ? next_v + first : NULL);
+            pv_calls(pk, ws->S + (size_t)r * KVA_KEY_TILE + first, r1 - r, D, prow + first,
+                     last - first, ws->acc + (size_t)r * D, ws->alpha + r, ws->tmp,
+                     next_v != NULL ? next_v + first : NULL);
             next_v = NULL;
         }
 #if KVA_HAVE_AMX
