@@ -7,7 +7,7 @@ import numpy as np
 from . import graphs
 from .cache import PagedCache
 from .config import check_pool
-from .features import check_batch, check_holdable
+from .features import AttentionSpec, check_batch, check_holdable
 from .inputs import _prompt_batch, _truthy, cache_keyword
 from .torch_bridge import _on_cuda
 
@@ -82,6 +82,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
                          "call model.generate directly")
     attention_mask, pads = _prompt_batch(input_ids, attention_mask, model)
     check_batch(model.config, pads)
+    _check_alibi_reach(model, input_ids.shape[1], int(np.min(pads)), config, generate_kwargs)
     ids = input_ids.detach().cpu().numpy()
     keyword = cache_keyword(model)
     cache = PagedCache(pool, salt=salt, prefill_attention=prefill_attention)
@@ -108,6 +109,24 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
         cache.free()
         if graph_set is not None:
             graphs.checkin(graph_set)
+
+
+def _check_alibi_reach(model, width, pad, config, generate_kwargs):
+    """Refuse up front a call whose rows would pass the position up to
+    which the kvcore attention computes the model's ALiBi (Falcon's:
+    ``AttentionSpec.alibi_limit``), instead of at the forward that reaches
+    it, its tokens so far lost (``width``: the prompt's columns, ``pad``
+    the least padding of a row)."""
+    if getattr(model.config, "_attn_implementation", None) != "kvcore":
+        return
+    limit = AttentionSpec(model.config).alibi_limit
+    columns = _longest(width, config, generate_kwargs)
+    if limit is not None and columns is not None and columns - pad > limit:
+        raise ValueError(
+            f"{model.config.model_type}: its ALiBi bias equals kvcore's only below position "
+            f"{limit}, and this call's longest row reaches position {columns - pad - 1} (its "
+            f"prompt's {width - pad} tokens and the new ones); generate fewer tokens, or use "
+            "attn_implementation='sdpa' or 'eager'")
 
 
 def _longest(width, config, generate_kwargs):

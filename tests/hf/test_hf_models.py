@@ -438,8 +438,44 @@ def test_falcon_alibi_is_computed_where_it_is_exact_and_refused_beyond():
     model = zoo.build("FalconForCausalLM (alibi=True)", num_attention_heads=32,
                       hidden_size=128)
     model.set_attn_implementation("kvcore")
-    _refused(model, r"falcon: its ALiBi bias .* equals kvcore's slope x distance only below "
-                    r"position \d+, and this forward reaches position 55", untouched=True)
+    # kvcore.hf.generate refuses the call up front; a forward over a
+    # PagedCache of another loop is refused at the forward
+    _refused(model, r"falcon: its ALiBi bias equals kvcore's only below position \d+, and "
+                    r"this call's longest row reaches position 59", untouched=True)
+    ids, mask = zoo.prompts()
+    pool = kvcore.hf.pool_for(model.config, 64, dtype="float32", block_size=16)
+    with kvcore.hf.PagedCache(pool) as cache, pytest.raises(
+            ValueError, match=r"falcon: its ALiBi bias .* equals kvcore's slope x distance only "
+                              r"below position \d+, and this forward reaches position 55"):
+        model(ids, attention_mask=mask, **{kvcore.hf.cache_keyword(model): cache})
+    assert pool.num_used_blocks == 0 and not np.asarray(pool.key_cache(0)).any()
+
+
+def test_falcon_alibi_past_its_limit_is_refused_before_the_first_token():
+    """A prompt below the limit whose new tokens would pass it: generate
+    refuses the call before any forward (it raised at the forward that
+    reached position 257, its tokens so far lost); a call that stays below
+    it gives eager's tokens."""
+    model = zoo.build("FalconForCausalLM (alibi=True)")
+    model.set_attn_implementation("kvcore")
+    ids, mask = zoo.prompts((250, 200))
+    pool = kvcore.hf.pool_for(model.config, 64, dtype="float32", block_size=16)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"falcon: its ALiBi bias equals kvcore's only below "
+                                             r"position 257, and this call's longest row "
+                                             r"reaches position 269 \(its prompt's 250 tokens"):
+            kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=20,
+                               do_sample=False)
+        assert not calls and pool.num_used_blocks == 0
+    finally:
+        hook.remove()
+    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=7,
+                             do_sample=False)
+    model.set_attn_implementation("eager")
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    assert torch.equal(got, want)
 
 
 if __name__ == "__main__":
