@@ -3,7 +3,7 @@ transformers calls, reading a PagedCache's pages through one AttentionPlan per s
 import contextlib
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ..attention import AttentionPlan
@@ -20,8 +20,8 @@ ATTN_IMPLEMENTATION = "kvcore"
 def _kvcore_mask(*args, **kwargs):
     """Mask function of ``attn_implementation="kvcore"``: a PagedCache needs
     no mask (the kernel is causal over each row's own positions, with the
-    windows and chunks of the model's layers); it gets the padding of a
-    first forward instead, and the mask transformers asks for is checked to
+    windows and chunks of the model's layers); it gets the forward's padding
+    mask instead, and the mask transformers asks for is checked to
     restrict no more than the model's attention spec computes (before any
     layer writes).  Otherwise sdpa's mask."""
     ref = getattr(_mask_call, "cache", None)
@@ -36,9 +36,8 @@ def _kvcore_mask(*args, **kwargs):
             state = ModelAttention.of(cache, kwargs.get("config"))
             state.check_forward(kwargs, q_length)
             cache._kvcore_forward = True
-            mask = kwargs.get("attention_mask")
-            if not cache._seqs and mask is not None:
-                cache._pending_mask = mask
+            # (the padding of the rows: PagedCache._start_rows, _later_pads)
+            cache._pending_mask = kwargs.get("attention_mask")
             if state.spec.mask_bias:
                 # (Falcon adds its ALiBi bias to this mask; the attention
                 # computes the bias from the slopes and ignores the mask)
@@ -59,7 +58,9 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ``cu_seq_lens_q`` (transformers' names for a paged attention's
     arguments), ``kvcore_step`` and ``kvcore_layer`` in the keyword arguments
     transformers passes to both; without them (another cache, or none) the
-    call goes to sdpa.  ``s_aux`` (per-head attention sinks) is computed;
+    call goes to sdpa (or, for a layer with a soft cap or sinks, which sdpa
+    does not take, to the eager attention of :func:`_eager_fallback`).
+    ``s_aux`` (per-head attention sinks) is computed;
     any other keyword that asks for something (a position bias, per-token
     sinks, sparse indices...) raises ValueError naming it, and the step is
     undone.
@@ -68,6 +69,9 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if kvcore_step is None or not isinstance(cache, PagedCache):
         ref = getattr(key, "_kvcore", None)      # (see PagedCache.update)
         if ref is None:
+            if softcap is not None or kwargs.get("s_aux") is not None:
+                return _eager_fallback(module, query, key, value, attention_mask, dropout,
+                                       scaling, softcap, kwargs)
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           dropout=dropout, scaling=scaling,
                                           sliding_window=sliding_window, softcap=softcap,
@@ -155,6 +159,50 @@ def _kvcore_attention(module, query, new_kv, cache, step, layer, ref, block_tabl
                 lane.attend(step, lane_key, layer, rows, part)
                 flat[step.query_rows] = part
     return out, None
+
+
+def _eager_fallback(module, query, key, value, attention_mask, dropout, scaling, softcap,
+                    kwargs):
+    """The attention of a layer with a soft cap (Gemma 2) or per-head sinks
+    (``s_aux``: gpt-oss) on another cache than a PagedCache, or none, as
+    transformers' eager attention computes it (sdpa takes neither):
+    ``(batch, q, num_heads, head_dim)``.  ``attention_mask`` is the one
+    :func:`_kvcore_mask` made (sdpa's: boolean, float, or None where the
+    forward's own columns are plainly causal)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q, k = scores.shape[-2:]
+    low = torch.finfo(scores.dtype).min
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        scores = scores + bias
+    if attention_mask is None:
+        if q > 1 and getattr(module, "is_causal", True):
+            # (sdpa's mask left out: the forward's columns are the only
+            # ones, causal among themselves; sdpa's rule, key column i
+            # seen from query row i on)
+            seen = torch.ones(q, k, dtype=torch.bool, device=scores.device).tril()
+            scores = scores.masked_fill(~seen, low)
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., :k], low)
+    else:
+        scores = scores + attention_mask[..., :k]
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, q, 1)
+        scores = torch.cat([scores, column.to(scores.dtype)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = torch.nn.functional.dropout(probs.to(value.dtype), p=dropout,
+                                        training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 
 def _fresh_causal(step, q, window, chunk, softcap, sinks_rows, spec):

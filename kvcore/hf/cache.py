@@ -39,7 +39,7 @@ _KV_DTYPES = frozenset(_TORCH_STORAGE.values())
 # create_causal_mask asks the cache for the mask sizes and then calls the mask
 # function of the attention implementation, in the same thread: the kvcore
 # mask function tells the cache (found here) that this forward's attention
-# reads the pages, and hands it the padding of a first forward.
+# reads the pages, and hands it the forward's padding mask.
 _mask_call = threading.local()
 
 
@@ -171,7 +171,7 @@ class PagedCache(Cache):
         self._known_before = None               # row tokens before generate's hook ran
         self._kvcore_forward = False            # this forward's attention reads pages
         self._captured = False                  # a CUDA graph's capture runs the forward
-        self._pending_mask = None               # padding mask of a first forward
+        self._pending_mask = None               # padding mask of the next forward
         self._attention_state = None            # the model's attention spec (attention.py)
         self._forward_columns = None            # generate's forward: (input columns, model type)
         self._torch = _TorchSide(pool)
@@ -245,12 +245,14 @@ class PagedCache(Cache):
     def _start_rows(self, batch, q):
         """Rows for the first forward of a cache used without generate()."""
         pads = np.zeros(batch, np.int64)
-        mask = self._pending_mask
+        mask, self._pending_mask = self._pending_mask, None
         if mask is not None:
             if tuple(mask.shape) != (batch, q):
                 raise ValueError(f"the first forward's attention_mask must be (batch, columns) "
                                  f"= ({batch}, {q}), got {tuple(mask.shape)}")
-            pads = _left_pads(mask, "attention_mask")
+            # (a row may be padding throughout: a chunked prefill's first
+            # chunk of a row padded further; _later_pads extends it)
+            pads = _left_pads(mask, "attention_mask", empty_rows=True)
         seqs = []
         # the ids are not known: a private salt makes sure the placeholder id
         # can never meet another sequence's blocks, and with one known token
@@ -268,6 +270,33 @@ class PagedCache(Cache):
         self._seqs = seqs
         self._pad = pads
         self._length = 0
+
+    def _later_pads(self, q):
+        """The padding of a forward after the first, from its attention_mask
+        ``(batch, length + q)`` where the kvcore attention got one (a mask
+        of another shape is not read): a row
+        holding padding only (a chunked prefill's row padded past the first
+        chunk, a row cropped into its padding) takes the mask's further
+        padding columns; any other row's padding must stay as it is
+        (kvcore's attention reads no mask: a padding column among a row's
+        tokens would be attended to), else ValueError naming the row."""
+        mask, self._pending_mask = self._pending_mask, None
+        if mask is None:
+            return
+        if tuple(mask.shape) != (len(self._seqs), self._length + q):
+            # not this forward's columns (the CUDA graph runner's forwards
+            # pass masks of other widths): it says nothing of them
+            return
+        pads = _left_pads(mask, "attention_mask", empty_rows=True)
+        grown = (self._pad == self._length) & (pads >= self._length)
+        bad = (pads != self._pad) & ~grown
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"attention_mask row {i} has {int(pads[i])} padding columns, but the cache holds "
+                f"that row after {int(self._pad[i])}: a row's padding may only grow while the row "
+                "holds no token (kvcore's attention reads no mask)")
+        self._pad = pads
 
     def _expand_rows(self, batch):
         """Match the rows to a forward of ``batch`` rows.
@@ -297,6 +326,12 @@ class PagedCache(Cache):
     def _pre_forward(self, module, args, kwargs):
         """Forward pre-hook installed by generate(): learn the token ids of
         the positions this forward computes."""
+        for key in ("past_key_values", "cache"):
+            other = kwargs.get(key)
+            if other is not None and other is not self:
+                # another cache's forward (the model as its own assistant
+                # model runs on a DynamicCache of its own): not this cache's
+                return None
         ids = kwargs.get("input_ids")
         if ids is None and args:
             ids = args[0]
@@ -314,7 +349,7 @@ class PagedCache(Cache):
         first = self._may_expand
         self._expand_rows(ids.shape[0])
         q = ids.shape[1]
-        if first and self._refeeds_every_column(kwargs, q):
+        if first and self._refeeds_every_column(kwargs, ids):
             # transformers' assisted and prompt-lookup decoding feed the
             # whole prompt in their first forward, whatever the cache holds:
             # the rows give up their prefix hits (nothing was written yet),
@@ -351,19 +386,29 @@ class PagedCache(Cache):
                 "positions of its own or feeds the whole sequence again); the prefix cache "
                 "would record other tokens than the cached positions'")
 
-    def _refeeds_every_column(self, kwargs, q):
-        """Whether a forward on a cache holding columns feeds every column
-        from column 0: its ``position_ids`` ``(batch, q)`` count from each
-        row's first real column, or (without them) its ``cache_position``
-        starts at 0."""
+    def _refeeds_every_column(self, kwargs, ids):
+        """Whether a forward of ``ids`` ``(batch, q)`` on a cache holding
+        columns feeds every column from column 0: its ``position_ids``
+        ``(batch, q)`` count from each row's first real column, or (without
+        them) its ``cache_position`` starts at 0, or (a model whose forward
+        takes neither: Bloom, MPT) every row's ids after its padding begin
+        with the row's whole prompt (then its candidate tokens).  (A forward
+        that continues the cache starts at its column ``length``, past some
+        of each row's prompt.)"""
+        q = ids.shape[1]
         if self._length == 0 or q <= self._length:
             return False
         position_ids = kwargs.get("position_ids")
         if self._positions_of(position_ids, q):
             return self._position_mismatch(position_ids, q, 0) is None
         position = kwargs.get("cache_position")
-        return isinstance(position, torch.Tensor) and position.ndim == 1 \
-            and position.shape[0] == q and int(position[0]) == 0
+        if position is not None:
+            return isinstance(position, torch.Tensor) and position.ndim == 1 \
+                and position.shape[0] == q and int(position[0]) == 0
+        rows = ids.detach().cpu().numpy()
+        return all(int(pad) + seq.num_tokens <= q
+                   and np.array_equal(rows[i, int(pad):int(pad) + seq.num_tokens], seq.token_ids)
+                   for i, (seq, pad) in enumerate(zip(self._seqs, self._pad)))
 
     def _positions_of(self, position_ids, q):
         """Whether ``position_ids`` are a forward's ``(batch, q)`` tensor."""

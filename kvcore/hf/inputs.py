@@ -81,9 +81,10 @@ def _embedding_rows(model):
     return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
 
 
-def _left_pads(mask, arg):
+def _left_pads(mask, arg, empty_rows=False):
     """Padding columns before each row's first token of a 2-D 0/1 mask;
-    raises ValueError unless the mask is left padding."""
+    raises ValueError unless the mask is left padding (with ``empty_rows``,
+    a row of padding only is: its padding is every column)."""
     m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
     if m.ndim != 2:
         raise ValueError(f"{arg} must be 2-D (batch, columns), got shape {m.shape}")
@@ -99,7 +100,9 @@ def _left_pads(mask, arg):
     pads = np.argmax(m, axis=1).astype(np.int64)
     empty = ~m.any(axis=1)
     if empty.any():
-        raise ValueError(f"{arg} row {int(np.argmax(empty))} has no tokens")
+        if not empty_rows:
+            raise ValueError(f"{arg} row {int(np.argmax(empty))} has no tokens")
+        pads[empty] = m.shape[1]
     cols = np.arange(m.shape[1])
     if not np.array_equal(m, cols[None, :] >= pads[:, None]):
         bad = int(np.argmax((m != (cols[None, :] >= pads[:, None])).any(axis=1)))

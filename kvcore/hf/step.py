@@ -24,7 +24,7 @@ class Step:
 
     __slots__ = ("q", "start", "num_layers", "counts", "slots", "tables", "seq_lens",
                  "query_start", "query_rows", "_gather", "layers_done", "plans", "written",
-                 "before", "made_rows", "device", "device_slots")
+                 "before", "pads", "made_rows", "device", "device_slots")
 
     # -------------------------------------------------------------- begin
     @classmethod
@@ -38,7 +38,11 @@ class Step:
             cache._start_rows(batch, q)
         else:
             cache._expand_rows(batch)
+        pads = cache._pad
+        if not made_rows:
+            cache._later_pads(q)
         step = cls()
+        step.pads = pads
         step.start = cache._length
         step.num_layers = cache._num_layers
         step.layers_done = 0
@@ -151,6 +155,7 @@ class Step:
             if ids.size:
                 seq.extend_tokens(ids)
         cache._length = self.start
+        cache._pad = self.pads
 
     @staticmethod
     def undo_failed(cache, before, owned):
@@ -177,7 +182,7 @@ class Step:
             tables = np.zeros((len(seqs), max(1, int(need.max()))), np.int32)
             for i, seq in enumerate(seqs):
                 tables[i, :need[i]] = seq.block_table[:need[i]]
-            # pad columns of a first forward are no queries of the row
+            # pad columns are no queries of the row
             m = np.minimum(self.q, np.maximum(ends, 0))
             self.tables = tables
             self.seq_lens = np.maximum(ends, 0)

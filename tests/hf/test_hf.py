@@ -334,6 +334,27 @@ def test_kvcore_attention_without_paged_cache_falls_back_to_sdpa():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["GptOssForCausalLM", "Gemma2ForCausalLM"])
+def test_kvcore_attention_without_paged_cache_computes_sinks_and_soft_caps(name):
+    """Without a PagedCache the kvcore attention of a layer with sinks
+    (gpt-oss) or a soft cap (Gemma 2), which sdpa does not take, computes
+    what eager attention does: sdpa dropped the sinks silently (logits 0.57
+    off, other tokens) and refused the cap, and calibrate_kv_scales (which
+    runs the model on a DynamicCache) raised for Gemma 2."""
+    model = _hf_zoo.build(name)
+    ids, mask = _prompts([30, 23])
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        tokens = _dynamic(model, ids, mask, max_new_tokens=8, do_sample=False)
+        model.set_attn_implementation("kvcore")
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    np.testing.assert_allclose(got[real].numpy(), want[real].numpy(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_dynamic(model, ids, mask, max_new_tokens=8, do_sample=False), tokens)
+    scales = kvcore.hf.calibrate_kv_scales(model, ids, dtype="float8_e4m3fn")
+    assert scales is not None
+
+
 def test_kvcore_attention_gets_the_cache_and_tables_as_keyword_arguments():
     """Issue 22 item 2: the step reaches the attention as keyword arguments
     (transformers' paged names: cache, block_table, cu_seq_lens_q), not as
@@ -459,6 +480,110 @@ def test_assisted_decoding_over_a_cached_prompt(attn, mode):
     with PagedCache(pool) as cache:
         cache._begin([ids[0].numpy()], [0])
         assert cache.get_seq_length() > 0
+
+
+@pytest.mark.parametrize("name", ["MptForCausalLM", "BloomForCausalLM"])
+def test_prompt_lookup_over_a_cached_prompt_of_a_model_without_position_ids(name):
+    """MPT's and Bloom's forwards take neither position_ids nor
+    cache_position: prompt lookup's first forward re-feeds the whole prompt
+    over the prefix hit, which the cache now tells by the ids (it stored the
+    prompt a second time after the cached columns: logits 0.04 off)."""
+    model = _hf_zoo.build(name, use_cache=True)
+    model.set_attn_implementation("kvcore")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, _hf_zoo.VOCAB, (1, 17), generator=g).repeat(1, 3)[:, :40]
+    kw = dict(prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=12,
+              return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **_kw(model, transformers.DynamicCache()), **kw)
+    pool = pool_for(model.config, 128, dtype="float32", block_size=4)
+    for call in range(2):        # the second call hits the first's prompt blocks
+        got = kvcore.hf.generate(model, ids, pool, **kw)
+        assert torch.equal(got.sequences, want.sequences), call
+        for a, b in zip(got.logits, want.logits):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    assert pool.stats()["prefix_hits"] > 0 and pool.num_used_blocks == 0
+
+
+def test_the_model_as_its_own_assistant():
+    """generate(assistant_model=model): the hook generate puts on the model
+    sees the assistant's forwards too, on the assistant's own cache, and
+    leaves them alone (it raised: position 20, the cache expects 21)."""
+    model = _tiny("llama", "kvcore")
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    kw = dict(do_sample=False, max_new_tokens=8)
+    want = model.generate(ids, assistant_model=model, **kw)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    assert torch.equal(kvcore.hf.generate(model, ids, pool, assistant_model=model, **kw), want)
+    assert pool.num_used_blocks == 0
+
+
+def _chunked(model, cache, ids, mask, chunk):
+    """Logits of ``ids`` fed ``chunk`` columns a forward, each with the mask
+    of every column so far."""
+    out = []
+    with torch.no_grad():
+        for lo in range(0, ids.shape[1], chunk):
+            out.append(model(ids[:, lo:lo + chunk], attention_mask=mask[:, :lo + chunk],
+                             **_kw(model, cache)).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_a_chunked_prefill_whose_first_chunks_are_a_rows_padding(attn):
+    """A left-padded batch fed 4 columns a forward, row 1 padded for its
+    first 6 (the first chunk is all padding for it: kvcore raised 'row 1 has
+    no tokens'): the real columns' logits are DynamicCache's."""
+    model = _tiny("llama", attn)
+    ids, mask = _prompts([12, 6])
+    want = _chunked(model, transformers.DynamicCache(), ids, mask, 4)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    with PagedCache(pool) as cache:
+        got = _chunked(model, cache, ids, mask, 4)
+        assert cache.get_seq_length() == 12
+    real = mask.bool()
+    np.testing.assert_allclose(got[real].numpy(), want[real].numpy(), rtol=1e-5, atol=1e-5)
+    assert pool.num_used_blocks == 0
+
+
+def test_crop_into_a_rows_padding_then_the_same_mask_again():
+    """crop into row 1's padding, then feed the cropped columns again with
+    the whole mask: the padding columns among them stay padding (the kvcore
+    attention took them as the row's tokens: logits 0.44 off)."""
+    model = _tiny("llama", "kvcore")
+    ids, mask = _prompts([12, 6])
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits[:, 3:]
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    with PagedCache(pool) as cache, torch.no_grad():
+        model(ids, attention_mask=mask, **_kw(model, cache))
+        cache.crop(3 - ids.shape[1])          # row 1 keeps 3 columns of padding
+        got = model(ids[:, 3:], attention_mask=mask, **_kw(model, cache)).logits
+        assert cache.pads.tolist() == [0, 6]
+    real = mask[:, 3:].bool()
+    np.testing.assert_allclose(got[real].numpy(), want[real].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_later_mask_that_pads_a_rows_tokens_is_refused_and_the_cache_kept():
+    """kvcore's attention reads no mask: a later forward whose mask hides a
+    column of a row that holds tokens (a hole) or shrinks a row's padding is
+    refused naming attention_mask and the row, and the cache is as before
+    (the mask was ignored)."""
+    model = _tiny("llama", "kvcore")
+    ids, mask = _prompts([8, 5])
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    with PagedCache(pool) as cache, torch.no_grad():
+        model(ids, attention_mask=mask, **_kw(model, cache))
+        before = _cache_state(cache)
+        new = torch.tensor([[20, 21], [22, 23]])
+        for bad in (torch.tensor([[1] * 9 + [0], [0] * 3 + [1] * 7]),     # a hole in row 0
+                    torch.tensor([[1] * 10, [0] * 2 + [1] * 8])):         # row 1's padding shrinks
+            with pytest.raises(ValueError, match=r"attention_mask .*row [01]"):
+                model(new, attention_mask=bad, **_kw(model, cache))
+            assert _cache_state(cache) == before and cache.pads.tolist() == [0, 3]
+        ok = torch.cat([mask, torch.ones(2, 2, dtype=mask.dtype)], 1)
+        model(new, attention_mask=ok, **_kw(model, cache))
+        assert cache.get_seq_length() == 10
+    assert pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
