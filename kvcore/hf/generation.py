@@ -121,12 +121,17 @@ def _check_alibi_reach(model, width, pad, config, generate_kwargs):
         return
     limit = AttentionSpec(model.config).alibi_limit
     columns = _longest(width, config, generate_kwargs)
-    if limit is not None and columns is not None and columns - pad > limit:
+    if limit is None or columns is None:
+        return
+    # (the last new token is never fed back: the last forward's row ends
+    # one column short of the call's)
+    longest = columns - 1 - pad
+    if longest > limit:
         raise ValueError(
             f"{model.config.model_type}: its ALiBi bias equals kvcore's only below position "
-            f"{limit}, and this call's longest row reaches position {columns - pad - 1} (its "
-            f"prompt's {width - pad} tokens and the new ones); generate fewer tokens, or use "
-            "attn_implementation='sdpa' or 'eager'")
+            f"{limit}, and this call's forwards reach position {longest - 1} (its longest "
+            f"prompt's {width - pad} tokens and the new ones but the last); generate fewer "
+            "tokens, or use attn_implementation='sdpa' or 'eager'")
 
 
 def _longest(width, config, generate_kwargs):

@@ -237,9 +237,9 @@ class GraphRunner:
                 if name not in _INPUTS or not side.holds(value):
                     return None
                 key.append((name, tuple(value.shape), value.dtype))
-            elif isinstance(value, PagedCache):
+            elif name in ("past_key_values", "cache") and value is not None:
                 if value is not cache:
-                    return None
+                    return None     # (another cache's forward: the model as its own assistant)
             elif name in ("output_attentions", "output_hidden_states") and value:
                 return None
             else:

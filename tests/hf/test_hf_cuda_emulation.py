@@ -374,6 +374,23 @@ def test_beam_search_with_cuda_graphs(hf_cuda, models, stand_in_graphs):
     pool.debug.check()
 
 
+def test_the_model_as_its_own_assistant_with_cuda_graphs(hf_cuda, models, stand_in_graphs):
+    """generate(assistant_model=model, cuda_graph=True): the assistant's
+    forwards (on a DynamicCache of its own) go through the graph runner too
+    and run eagerly, never as a step of the PagedCache (the runner keyed
+    them as its decode steps: 'position 31, the cache expects 33')."""
+    model = _model(models, torch.float32, "kvcore")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 90, (1, 7), generator=g).repeat(1, 4)
+    kw_ = dict(assistant_model=model, do_sample=False, max_new_tokens=8)
+    pool = cuda_pool(num_blocks=128)
+    want = kvcore.hf.generate(model, ids, pool, **kw_)
+    for call in range(2):
+        assert torch.equal(kvcore.hf.generate(model, ids, pool, cuda_graph=True, **kw_), want)
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
 def test_graphs_kept_with_a_pool_do_not_keep_it_alive(hf_cuda, models, stand_in_graphs):
     """The graphs live with their pool (a registry keyed weakly on it): a
     pool dropped after a generate call with graphs is freed, graphs and

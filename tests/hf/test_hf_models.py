@@ -441,7 +441,7 @@ def test_falcon_alibi_is_computed_where_it_is_exact_and_refused_beyond():
     # kvcore.hf.generate refuses the call up front; a forward over a
     # PagedCache of another loop is refused at the forward
     _refused(model, r"falcon: its ALiBi bias equals kvcore's only below position \d+, and "
-                    r"this call's longest row reaches position 59", untouched=True)
+                    r"this call's forwards reach position 58", untouched=True)
     ids, mask = zoo.prompts()
     pool = kvcore.hf.pool_for(model.config, 64, dtype="float32", block_size=16)
     with kvcore.hf.PagedCache(pool) as cache, pytest.raises(
@@ -454,8 +454,9 @@ def test_falcon_alibi_is_computed_where_it_is_exact_and_refused_beyond():
 def test_falcon_alibi_past_its_limit_is_refused_before_the_first_token():
     """A prompt below the limit whose new tokens would pass it: generate
     refuses the call before any forward (it raised at the forward that
-    reached position 257, its tokens so far lost); a call that stays below
-    it gives eager's tokens."""
+    reached position 257, its tokens so far lost); a call whose forwards
+    stay below it (250 + 8 tokens: the last is never fed back, the last
+    forward's position is 256) gives eager's tokens."""
     model = zoo.build("FalconForCausalLM (alibi=True)")
     model.set_attn_implementation("kvcore")
     ids, mask = zoo.prompts((250, 200))
@@ -464,17 +465,17 @@ def test_falcon_alibi_past_its_limit_is_refused_before_the_first_token():
     hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
         with pytest.raises(ValueError, match=r"falcon: its ALiBi bias equals kvcore's only below "
-                                             r"position 257, and this call's longest row "
-                                             r"reaches position 269 \(its prompt's 250 tokens"):
-            kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=20,
+                                             r"position 257, and this call's forwards reach "
+                                             r"position 257 \(its longest prompt's 250 tokens"):
+            kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=9,
                                do_sample=False)
         assert not calls and pool.num_used_blocks == 0
     finally:
         hook.remove()
-    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=7,
+    got = kvcore.hf.generate(model, ids, pool, attention_mask=mask, max_new_tokens=8,
                              do_sample=False)
     model.set_attn_implementation("eager")
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)
 
 
