@@ -85,14 +85,17 @@ def test_groups_of_5_to_8_match_the_reference_with_the_same_bits_for_any_thread_
 
 
 @pytest.mark.parametrize("dtype", PAGE_DTYPES)
-@pytest.mark.parametrize("group, chunk", [(12, 1), (9, 1), (15, 1), (4, 3), (3, 5), (7, 2)])
+@pytest.mark.parametrize("group, chunk", [(12, 1), (9, 1), (15, 1), (4, 3), (3, 5), (7, 2),
+                                          (16, 1), (4, 4), (8, 2), (6, 4), (7, 4), (24, 1)])
 @pytest.mark.parametrize("dim", [64, 128, 80])
-def test_items_of_9_to_15_rows_match_the_reference_with_the_same_bits_for_any_thread_count(
+def test_items_of_9_to_31_rows_match_the_reference_with_the_same_bits_for_any_thread_count(
         dtype, group, chunk, dim, simd_level):
     """Items of 9-15 rows (a decode of a group of 9-15, a chunk of 2-5
     queries times a group of 3-7) run the kernels in two calls of rows over
     the stored rows at avx2 and avx512 (kva_kernels.multi_call_rows) for the
-    kinds that take that, and widen their tiles for the others; every one
+    kinds that take that, and widen their tiles for the others; items of
+    16-31 rows run the prefill kernels (the amx level's tiles), which now
+    prefetch the next tile as a decode's do (KVA_SPREAD_ROWS); every one
     within 1e-5 of the reference and thread-count independent."""
     _check_groups(dtype, group, dim, chunk, [group, chunk, dim, PAGE_DTYPES.index(dtype)])
 

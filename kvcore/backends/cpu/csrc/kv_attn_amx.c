@@ -396,8 +396,18 @@ KVA_INLINE void q_terms_amx(const float *Qs, int M, int D, uint16_t *qt, int nte
 /* S[r * KVA_KEY_TILE + i] = q[r] . K[i] for r < M (rows to M rounded up to
  * 16 are written too: the workspace has them), i < ntp <= KVA_KEY_TILE,
  * from the item's q terms qt (q_terms_amx). */
+/* The line at `off` of row i of the next tile (`next`: kva_kernels'), if
+ * any, prefetched beside the load of the same line of this tile's row i:
+ * the decode-like items of 16-31 rows (a short chunk times a GQA group)
+ * read their pages out of the caches as the decode kernels do. */
+KVA_INLINE void prefetch_next_amx(const char *const *next, int i, size_t off)
+{
+    if (next != NULL)
+        _mm_prefetch(next[i] + off, _MM_HINT_T0);
+}
+
 KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const char *const *krow,
-                           int ntp, float *S, float *tmp)
+                           int ntp, float *S, float *tmp, const char *const *next)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nc = D / 32, nkb = (ntp + 15) / 16;
     const size_t isz = (size_t)kva_isz(kind);
@@ -412,8 +422,12 @@ KVA_INLINE void scores_amx(int kind, const uint16_t *qt, int M, int D, const cha
             __m512i r[2][16];
             for (int n = 0; n < 16; n++) {
                 __m512i t[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-                if (16 * b + n < ntp)
-                    row_terms_amx(kind, krow[16 * b + n] + (size_t)(32 * c) * isz, t);
+                if (16 * b + n < ntp) {
+                    const size_t off = (size_t)(32 * c) * isz;
+                    if (off % 64 == 0)
+                        prefetch_next_amx(next, 16 * b + n, off);
+                    row_terms_amx(kind, krow[16 * b + n] + off, t);
+                }
                 r[0][n] = t[0];
                 r[1][n] = t[1];
                 if (kind != KVA_I8) /* (int8 has neither) */
@@ -561,7 +575,7 @@ KVA_INLINE void weights_amx(const float *P, int M, int nt, int runs, int mb, int
  * low value terms times mid and hi first, then lo, mid and hi times the
  * high terms), and stored back. */
 KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const *vrow, int nt,
-                       float *acc, const float *alpha, float *tmp)
+                       float *acc, const float *alpha, float *tmp, const char *const *next)
 {
     const int nk = kind == KVA_F16 ? 2 : 1, nd = D / 16, runs = (nt + 31) / 32;
     if (alpha != NULL)
@@ -579,6 +593,9 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
     for (int u = 0; u < runs; u++)
         for (int p = 0; p < 16; p++) {
             const int i = 32 * u + 2 * p;
+            for (int k = i; k < i + 2 && k < nt && next != NULL; k++)
+                for (size_t off = 0; off < (size_t)D * kva_isz(kind); off += 64)
+                    prefetch_next_amx(next, k, off);
             value_pair_amx(kind, i < nt ? vrow[i] : NULL, i + 1 < nt ? vrow[i + 1] : NULL, D,
                            KVA_VB(u, 0, 0), nd * 256, p, &top);
         }
@@ -673,16 +690,14 @@ KVA_INLINE void pv_amx(int kind, const float *P, int M, int D, const char *const
                                                    const char *const *krow, int ntp, float *S,  \
                                                    float *tmp, const char *const *next)         \
     {                                                                                           \
-        (void)next;                                                                             \
-        scores_amx(KIND, (const uint16_t *)(const void *)Qs, M, D, krow, ntp, S, tmp);          \
+        scores_amx(KIND, (const uint16_t *)(const void *)Qs, M, D, krow, ntp, S, tmp, next);    \
     }                                                                                           \
     KVA_AMX_TARGET static void pv_##name##_amx(const float *P, int M, int D,                    \
                                                const char *const *vrow, int nt, float *acc,     \
                                                const float *alpha, float *tmp,                  \
                                                const char *const *next)                         \
     {                                                                                           \
-        (void)next;                                                                             \
-        pv_amx(KIND, P, M, D, vrow, nt, acc, alpha, tmp);                                       \
+        pv_amx(KIND, P, M, D, vrow, nt, acc, alpha, tmp, next);                                 \
     }
 
 KVA_AMX_KIND(f16, KVA_F16)
@@ -703,10 +718,10 @@ KVA_AMX_TARGET static void prepare_amx(const float *Qs, int M, int D, uint16_t *
 
 const kva_kernels kva_kernels_amx[KVA_NUM_KINDS] = {
     {NULL, NULL, NULL, 1.0f, 0, 0, NULL}, /* float32: the avx512 kernels */
-    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 0, 0, prepare_amx},
-    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 0, 0, prepare_amx},
-    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 0, 0, prepare_amx},
-    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 0, 0, prepare_amx},
-    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 0, 0, prepare_amx},
+    {scores_f16_amx, pv_f16_amx, NULL, 1.0f, 1, 0, prepare_amx},
+    {scores_bf16_amx, pv_bf16_amx, NULL, 1.0f, 1, 0, prepare_amx},
+    {scores_e4m3_amx, pv_e4m3_amx, NULL, 1.0f, 1, 0, prepare_amx},
+    {scores_e5m2_amx, pv_e5m2_amx, NULL, 1.0f, 1, 0, prepare_amx},
+    {scores_i8_amx, pv_i8_amx, NULL, 1.0f, 1, 0, prepare_amx},
 };
 #endif /* KVA_HAVE_AMX */

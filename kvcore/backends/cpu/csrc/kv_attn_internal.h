@@ -125,6 +125,11 @@ _Static_assert(KVA_KEY_TILE % 32 == 0 && KVA_DECODE_KEY_TILE % 8 == 0 &&
 /* Items of at least this many rows (a matrix tile's) run the level's tile
  * kernels where it has them (kva_job.kern_tiles). */
 #define KVA_TILE_ROWS 16
+/* Items of fewer rows than this (one or a few query tokens times a GQA
+ * group; a prefill's items have 64 or more: kva_tokens_per_item) have the
+ * next tile's rows prefetched by their kernels, spread over their loads
+ * (kva_kernels.prefetch), the amx level's tile kernels included. */
+#define KVA_SPREAD_ROWS (2 * KVA_TILE_ROWS)
 /* The amx level's tiles take head_dims that are multiples of 32 up to
  * this (their scratch: 16 rows of it on the stack); others run avx512. */
 #define KVA_AMX_MAX_D 256

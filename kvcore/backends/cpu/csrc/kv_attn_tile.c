@@ -355,12 +355,16 @@ restart:
     const char **krow = ws->krow, **vrow = ws->vrow, **nkrow = ws->nkrow, **nvrow = ws->nvrow;
     if (it->k0 < it->k1)
         tile_rows(a, table, kbase, vbase, it->k0, it->k1, tile, krow, vrow);
-    /* decode-like items (fewer rows than a matrix tile's: a short chain of
-     * FMAs per line read) with kernels that prefetch the next tile
-     * themselves, spread over their loads (kva_kernels.prefetch): no
-     * bursts then but the first tile's.  Prefill items are compute-bound
-     * and keep the bursts. */
-    const int spread = !prefill && kern->prefetch;
+    /* decode-like items (fewer rows than a matrix tile's: a short chain
+     * of FMAs per line read), and items of fewer than KVA_SPREAD_ROWS
+     * rows whose kernels read the stored keys (the amx tiles, the avx512
+     * transposes: a short chunk's), with kernels that prefetch the next
+     * tile themselves, spread over their loads (kva_kernels.prefetch): no
+     * bursts then but the first tile's.  Prefill items (64 rows or more)
+     * are compute-bound and keep the bursts, and so do the avx2 level's
+     * items of 16-31 rows (their tiles widened first: spread, 0.92-0.97x) */
+    const int spread =
+        kern->prefetch && (!prefill || (M < KVA_SPREAD_ROWS && !widen_keys));
     if (spread && it->k0 < it->k1)
         prefetch_positions(a, table, kbase, vbase, it->k0,
                            it->k1 - it->k0 < tile ? it->k1 : it->k0 + tile,
@@ -394,7 +398,7 @@ restart:
          * tile of this item's would be; its start then finds its rows on
          * the way instead of stalling on them */
         if (t1 >= it->k1 && spread && next != NULL && next->k0 < next->k1 &&
-            (next->q1 - next->q0) * G < KVA_TILE_ROWS) {
+            (next->q1 - next->q0) * G < (widen_keys ? KVA_TILE_ROWS : KVA_SPREAD_ROWS)) {
             const int32_t *ntable = a->block_tables + (size_t)next->seq * a->block_table_stride;
             const ptrdiff_t nh = (ptrdiff_t)next->kv_head * a->head_stride;
             nnext = tile_rows(a, ntable, a->key_cache + nh, a->value_cache + nh, next->k0,
