@@ -274,18 +274,22 @@ class PagedCache(Cache):
     def _later_pads(self, q):
         """The padding of a forward after the first, from its attention_mask
         ``(batch, length + q)`` where the kvcore attention got one (a mask
-        of another shape is not read): a row
-        holding padding only (a chunked prefill's row padded past the first
-        chunk, a row cropped into its padding) takes the mask's further
-        padding columns; any other row's padding must stay as it is
-        (kvcore's attention reads no mask: a padding column among a row's
-        tokens would be attended to), else ValueError naming the row."""
+        of another shape is not read): a row holding padding only (a chunked
+        prefill's row padded past the first chunk, a row cropped into its
+        padding) takes the mask's further padding columns; any other row's
+        padding must stay as it is (kvcore's attention reads no mask: a
+        padding column among a row's tokens would be attended to), else
+        ValueError naming the row.  (A mask on a GPU is read only while a
+        row holds padding only: a decode step there never waits to read it.)"""
         mask, self._pending_mask = self._pending_mask, None
         if mask is None:
             return
         if tuple(mask.shape) != (len(self._seqs), self._length + q):
             # not this forward's columns (the CUDA graph runner's forwards
             # pass masks of other widths): it says nothing of them
+            return
+        if getattr(getattr(mask, "device", None), "type", "cpu") != "cpu" \
+                and not (self._pad == self._length).any():
             return
         pads = _left_pads(mask, "attention_mask", empty_rows=True)
         grown = (self._pad == self._length) & (pads >= self._length)

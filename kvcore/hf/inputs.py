@@ -88,24 +88,28 @@ def _left_pads(mask, arg, empty_rows=False):
     m = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
     if m.ndim != 2:
         raise ValueError(f"{arg} must be 2-D (batch, columns), got shape {m.shape}")
-    if m.dtype != bool:
+    if m.dtype != bool and m.size:
         # (another value would be read as a token here, but transformers
-        # counts the mask's values into the positions)
-        odd = (m != 0) & (m != 1)
-        if odd.any():
-            row, col = (int(i) for i in np.argwhere(odd)[0])
-            raise ValueError(f"{arg} must hold 0 (padding) and 1 (tokens), got {m[row, col].item()!r} "
-                             f"at row {row}, column {col}")
-    m = m.astype(bool)
+        # counts the mask's values into the positions; integers are checked
+        # by their bounds, a decode step's whole mask each step)
+        if m.dtype.kind not in "iu" or m.min() < 0 or m.max() > 1:
+            odd = (m != 0) & (m != 1)
+            if odd.any():
+                row, col = (int(i) for i in np.argwhere(odd)[0])
+                raise ValueError(f"{arg} must hold 0 (padding) and 1 (tokens), got "
+                                 f"{m[row, col].item()!r} at row {row}, column {col}")
+    m = m if m.dtype == bool else m != 0
     pads = np.argmax(m, axis=1).astype(np.int64)
-    empty = ~m.any(axis=1)
+    tokens = np.count_nonzero(m, axis=1)
+    empty = tokens == 0
     if empty.any():
         if not empty_rows:
             raise ValueError(f"{arg} row {int(np.argmax(empty))} has no tokens")
         pads[empty] = m.shape[1]
-    cols = np.arange(m.shape[1])
-    if not np.array_equal(m, cols[None, :] >= pads[:, None]):
-        bad = int(np.argmax((m != (cols[None, :] >= pads[:, None])).any(axis=1)))
+    # (left padding: every column from a row's first token on is a token)
+    wrong = tokens != m.shape[1] - pads
+    if wrong.any():
+        bad = int(np.argmax(wrong))
         raise ValueError(f"{arg} must be left padding (zeros, then ones), row {bad} is "
                          f"{m[bad].astype(int).tolist()}")
     return pads
