@@ -90,8 +90,8 @@ def _left_pads(mask, arg, empty_rows=False):
         raise ValueError(f"{arg} must be 2-D (batch, columns), got shape {m.shape}")
     if m.dtype != bool and m.size:
         # (another value would be read as a token here, but transformers
-        # counts the mask's values into the positions; integers are checked
-        # by their bounds, a decode step's whole mask each step)
+        # counts the mask's values into the positions; integers by their
+        # bounds first: every forward's whole mask comes here)
         if m.dtype.kind not in "iu" or m.min() < 0 or m.max() > 1:
             odd = (m != 0) & (m != 1)
             if odd.any():
