@@ -279,8 +279,9 @@ class PagedCache(Cache):
         padding) takes the mask's further padding columns; any other row's
         padding must stay as it is (kvcore's attention reads no mask: a
         padding column among a row's tokens would be attended to), else
-        ValueError naming the row.  (A mask on a GPU is read only while a
-        row holds padding only: a decode step there never waits to read it.)"""
+        ValueError naming the row.  (On a CUDA pool the mask is read only
+        while a row holds padding only: a decode step there never waits to
+        read it.)"""
         mask, self._pending_mask = self._pending_mask, None
         if mask is None:
             return
@@ -288,8 +289,7 @@ class PagedCache(Cache):
             # not this forward's columns (the CUDA graph runner's forwards
             # pass masks of other widths): it says nothing of them
             return
-        if getattr(getattr(mask, "device", None), "type", "cpu") != "cpu" \
-                and not (self._pad == self._length).any():
+        if self._torch.cuda and not (self._pad == self._length).any():
             return
         pads = _left_pads(mask, "attention_mask", empty_rows=True)
         grown = (self._pad == self._length) & (pads >= self._length)
