@@ -23,7 +23,7 @@ from ..backends import simd_levels
 from ..paged import PagedKVCache
 from ..pool import BlockPool
 from .device import DeviceLane
-from .inputs import _left_pads, _query_length, _truthy
+from .inputs import CACHE_KEYWORDS, _left_pads, _query_length, _truthy
 from .handoff import hand_off
 from .step import Step
 from .torch_bridge import _TorchSide
@@ -330,7 +330,7 @@ class PagedCache(Cache):
     def _pre_forward(self, module, args, kwargs):
         """Forward pre-hook installed by generate(): learn the token ids of
         the positions this forward computes."""
-        for key in ("past_key_values", "cache"):
+        for key in CACHE_KEYWORDS:
             other = kwargs.get(key)
             if other is not None and other is not self:
                 # another cache's forward (the model as its own assistant

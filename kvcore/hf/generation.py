@@ -8,7 +8,7 @@ from . import graphs
 from .cache import PagedCache
 from .config import check_pool
 from .features import AttentionSpec, check_batch, check_holdable
-from .inputs import _prompt_batch, _truthy, cache_keyword
+from .inputs import CACHE_KEYWORDS, _prompt_batch, _truthy, cache_keyword
 from .torch_bridge import _on_cuda
 
 
@@ -67,7 +67,7 @@ def generate(model, input_ids, pool, attention_mask=None, salt=None, cuda_graph=
             raise ValueError(f"cuda_graph=True needs attn_implementation='kvcore' (kvcore's "
                              f"attention reads the graph's buffers), got {attn!r}: "
                              "model.set_attn_implementation('kvcore')")
-    for key in ("past_key_values", "cache"):
+    for key in CACHE_KEYWORDS:
         if generate_kwargs.get(key) is not None:
             raise ValueError(f"kvcore.hf.generate makes its own cache; do not pass {key}=")
     config = generate_kwargs.get("generation_config") or model.generation_config

@@ -32,6 +32,7 @@ import torch
 
 from .cache import PagedCache
 from .device import FIXED_COLUMNS
+from .inputs import CACHE_KEYWORDS
 from .step import Step
 
 # Arguments a decode forward may carry into a graph: tensors copied into the
@@ -56,7 +57,7 @@ class _Captured:
         self.graph, self.inputs, self.output, self.kept = graph, inputs, output, kept
         # where the output names its cache (the capturing call's)
         keys = output.keys() if hasattr(output, "keys") else ()
-        self.cache_keys = [k for k in ("past_key_values", "cache") if k in keys]
+        self.cache_keys = [k for k in CACHE_KEYWORDS if k in keys]
 
     def point_output_at(self, cache):
         """The output of a replay names ``cache`` (the replaying call's)."""
@@ -237,7 +238,7 @@ class GraphRunner:
                 if name not in _INPUTS or not side.holds(value):
                     return None
                 key.append((name, tuple(value.shape), value.dtype))
-            elif name in ("past_key_values", "cache") and value is not None:
+            elif name in CACHE_KEYWORDS and value is not None:
                 if value is not cache:
                     return None     # (another cache's forward: the model as its own assistant)
             elif name in ("output_attentions", "output_hidden_states") and value:

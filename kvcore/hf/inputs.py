@@ -115,6 +115,10 @@ def _left_pads(mask, arg, empty_rows=False):
     return pads
 
 
+#: the keywords a model's forward (and its output) may hold its cache by
+CACHE_KEYWORDS = ("past_key_values", "cache")
+
+
 def cache_keyword(model):
     """The keyword ``model`` takes its cache by: ``"cache"`` (recent
     transformers 5) or ``"past_key_values"`` (earlier)."""
