@@ -40,7 +40,8 @@ class RedisStore(PrefixStore):
         Seconds a pool leaves the server alone after a timeout or a failed
         connection, then tries it again.
     capacity_bytes : int, optional
-        Not enforced here (Redis bounds itself); reported by ``stats``.
+        Not enforced here (Redis bounds itself: ``maxmemory`` or ``ttl``);
+        kept as the store's ``capacity_bytes`` attribute.
     cluster : bool, default False
         ``url`` names a node of a Redis Cluster (see also
         :meth:`RedisStore.cluster`): the store learns the slot map from it
