@@ -62,8 +62,16 @@ class PoolStores:
         held = seq.take_held_records()
         try:
             loaded = self._load(seq, hit)
-        finally:
-            self.port.publish(held)
+        except BaseException:
+            # (_load turns every Exception into a miss: this is a
+            # KeyboardInterrupt or SystemExit in a store's lookup, e.g. a
+            # Ctrl-C while Redis is slow) the allocate is undone, as below
+            try:
+                self.port.publish(held)
+            finally:
+                seq.unallocate()
+            raise
+        self.port.publish(held)
         try:
             self.emit_warnings()
         except BaseException:

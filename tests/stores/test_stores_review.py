@@ -170,6 +170,56 @@ def test_a_store_warning_raised_as_an_error_leaves_the_sequence_new(tmp_path):
     s.free()
 
 
+class _InterruptedStore(kvcore.HostStore):
+    """A HostStore whose lookups raise KeyboardInterrupt once armed (a
+    Ctrl-C while a slow Redis or disk store answers)."""
+    armed = False
+
+    def get(self, keys):
+        if self.armed:
+            raise KeyboardInterrupt
+        return super().get(keys)
+
+    def get_bounded(self, keys, limit):
+        if self.armed:
+            raise KeyboardInterrupt
+        return super().get_bounded(keys, limit)
+
+
+def test_a_keyboard_interrupt_in_a_store_lookup_undoes_the_allocate():
+    """A KeyboardInterrupt out of a store's lookup reaches allocate's
+    caller with the call undone: the sequence empty and new (a retry works),
+    the pool's blocks and prefix-cache counts as before.  (Review,
+    2026-12-07: the sequence kept the prompt and its blocks.)"""
+    store = _InterruptedStore(1 << 20)
+    pool = kvcore.BlockPool(6, 4, 1, 1, 8, dtype="float32", stores=[store])
+    prompt = list(range(17))
+    a = kvcore.PagedKVCache(pool)
+    a.allocate(prompt)
+    kv = np.ones((17, 1, 8), np.float32)
+    a.append(0, kv, kv)
+    a.commit(17)
+    a.free()
+    b = kvcore.PagedKVCache(pool)
+    b.allocate(list(range(100, 124)))        # evicts the prompt's blocks into the store
+    b.free()
+    pool.wait_spills()
+    assert pool.probe(prompt)["store_hit_tokens"] > 0
+    before = pool.debug.snapshot()
+    s = kvcore.PagedKVCache(pool)
+    store.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        s.allocate(prompt)
+    after = pool.debug.snapshot()
+    assert s.num_tokens == 0 and s.num_blocks == 0
+    assert after["num_free_blocks"] == before["num_free_blocks"]
+    assert after["stats"]["prefix_queries"] == before["stats"]["prefix_queries"]
+    assert after["stats"]["prefix_hits"] == before["stats"]["prefix_hits"]
+    store.armed = False
+    assert s.allocate(prompt) == 16          # the retry loads the prefix
+    s.free()
+
+
 class _BadRepr(kvcore.HostStore):
     def __repr__(self):
         raise RuntimeError("repr is broken")
