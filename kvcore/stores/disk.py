@@ -118,8 +118,8 @@ class DiskStore(PrefixStore):
     ``PATH/.lock``, over a fresh listing of the directory, it removes the
     least recently used files until the batch fits below
     ``low_watermark * capacity_bytes`` (so the next puts find room), and
-    only then writes; entries beyond what fits in ``capacity_bytes`` at
-    all go to the next tier unwritten.  Processes sharing the directory
+    only then writes, still under the lock; entries beyond what fits in
+    ``capacity_bytes`` at all go to the next tier unwritten.  Processes sharing the directory
     keep it within capacity between them (the listing costs a ``stat`` per
     entry file: size ``capacity_bytes`` for entries of megabytes, not
     bytes).  A put that cannot lock ``PATH/.lock`` (held by another process
@@ -312,15 +312,26 @@ class DiskStore(PrefixStore):
         trimmed = []
         grown = 0
         try:
-            # room for the batch first (one listing, under PATH/.lock):
-            # nothing is written unless it fits
-            trimmed = self._trim(fit)
-            for k, v in items[keep:]:
-                g = self._write(k, v)
-                if g is None:        # no place of ours for it: the next tier's
-                    dropped.append((k, v))
-                    continue
-                grown += g
+            # room for the batch first (one listing), then the writes, all
+            # under PATH/.lock: nothing is written unless it fits, and no
+            # other process's put trims or writes in between (two puts
+            # that each made room and then both wrote would leave the
+            # directory past capacity_bytes)
+            fd = self._open_lock()
+            try:
+                self._lock_file(fd)
+                try:
+                    trimmed = self._trim(fit)
+                    for k, v in items[keep:]:
+                        g = self._write(k, v)
+                        if g is None:        # no place of ours for it: the next tier's
+                            dropped.append((k, v))
+                            continue
+                        grown += g
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
         except BaseException as e:
             # what the trim removed from the disk goes on to the next tier
             # with the exception (the pool hands on the batch itself)
@@ -383,7 +394,7 @@ class DiskStore(PrefixStore):
         return len(v) - old
 
     def _trim(self, room=0):
-        """Make room for ``room`` more bytes: under ``PATH/.lock``, remove
+        """Make room for ``room`` more bytes (the caller holds ``PATH/.lock``): remove
         least recently used files until the directory holds at most
         ``capacity_bytes - room`` (``low_watermark * capacity_bytes - room``
         when it has to remove any); their entries are returned (for the
@@ -395,37 +406,29 @@ class DiskStore(PrefixStore):
         the others.  Raises :class:`DiskStoreLocked` when it cannot lock
         the directory or make the room (nothing may be written then)."""
         dropped = []
-        fd = self._open_lock()
-        try:
-            self._lock_file(fd)
-            try:
-                stale, bad = [], []
-                files = self._listing(stale, bad)
-                self._unlink_all(stale)
-                self._unlink_all(bad)
-                used = sum(size for _, size, _ in files)
-                cap = self.capacity_bytes
-                if used + room > cap:
-                    low = int(cap * self.low_watermark)
-                    target = low - room if room <= low else cap - room
-                    for p, size, _ in sorted(files, key=lambda e: e[2]):
-                        if used <= target:
-                            break
-                        value = self._take(p)
-                        try:
-                            os.unlink(p)
-                        except FileNotFoundError:
-                            value = None
-                        except OSError:
-                            continue       # not ours to remove: it keeps its room
-                        used -= size
-                        if value is not None:
-                            key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
-                            dropped.append((key, value))
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        stale, bad = [], []
+        files = self._listing(stale, bad)
+        self._unlink_all(stale)
+        self._unlink_all(bad)
+        used = sum(size for _, size, _ in files)
+        cap = self.capacity_bytes
+        if used + room > cap:
+            low = int(cap * self.low_watermark)
+            target = low - room if room <= low else cap - room
+            for p, size, _ in sorted(files, key=lambda e: e[2]):
+                if used <= target:
+                    break
+                value = self._take(p)
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    value = None
+                except OSError:
+                    continue       # not ours to remove: it keeps its room
+                used -= size
+                if value is not None:
+                    key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
+                    dropped.append((key, value))
         with self._lock:
             self._used = used
         if used + room > self.capacity_bytes:

@@ -4,6 +4,7 @@ unboundedly for another process's lock (under the pool's lock), and probe()
 that skips a store which timed out like allocate() does."""
 import fcntl
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -269,6 +270,54 @@ def test_disk_store_loads_a_run_longer_than_the_open_file_limit(tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_two_stores_sharing_a_directory_stay_within_its_capacity(tmp_path):
+    """Two DiskStores on one directory (two processes' stores) putting at
+    once: a put makes room and writes under PATH/.lock, so the other's
+    trim sees what it wrote and the directory never exceeds capacity_bytes.
+    (Review, 2026-12-07: a put released the lock between its trim and its
+    writes; two puts could both make room, then both write.)"""
+    import os
+    import threading
+    import time
+
+    from kvcore.stores.disk import DiskStore
+
+    src = tmp_path / "src"
+    pool = kvcore.BlockPool(8, 4, 1, 1, 8, dtype="float32",
+                            stores=[DiskStore(str(src), 1 << 30)])
+    s = kvcore.PagedKVCache(pool)
+    s.allocate(list(range(25)))
+    kv = np.ones((25, 1, 8), np.float32)
+    s.append(0, kv, kv)
+    s.commit(25)
+    s.free()
+    pool.flush_to_stores()
+    pool.close()
+    entries = sorted((bytes.fromhex(f[:-4]), (pathlib.Path(d) / f).read_bytes())
+                     for d, _, fs in os.walk(src) for f in fs if f.endswith(".kve"))
+    assert len(entries) == 6
+    size = len(entries[0][1])
+    shared = str(tmp_path / "shared")
+    a, b = DiskStore(shared, 4 * size), DiskStore(shared, 4 * size)
+    writing = threading.Event()
+    write = a._write
+
+    def slow_write(k, v):          # a's writes take long: b's put comes meanwhile
+        writing.set()
+        time.sleep(0.2)
+        return write(k, v)
+
+    a._write = slow_write
+    ta = threading.Thread(target=a.put, args=(entries[:3],))
+    ta.start()
+    assert writing.wait(10)
+    b.put(entries[3:])
+    ta.join(10)
+    used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(shared)
+               for f in fs if f.endswith(".kve"))
+    assert used <= 4 * size, (used, 4 * size)
 
 
 def test_disk_store_stays_near_its_bound_during_a_big_flush(tmp_path, monkeypatch):
