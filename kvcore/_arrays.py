@@ -62,13 +62,21 @@ def unwrap(x, arg):
     try:
         if t.requires_grad:
             t = t.detach()
+        if t.is_neg():                # a lazily negated view: its memory is not its values
+            t = t.resolve_neg()
         bf16 = t.dtype == torch.bfloat16
+        # torch's fp8 tensors: their bits, as ml_dtypes' fp8 where it is
+        # installed (so that a format mismatch is told apart), else uint8
+        fp8 = {getattr(torch, "float8_e4m3fn", None): dtypes.E4M3_NUMPY,
+               getattr(torch, "float8_e5m2", None): dtypes.E5M2_NUMPY}.get(t.dtype, False)
         if bf16:
             t = t.view(torch.int16)   # same itemsize: any strides, no copy
+        elif fp8 is not False:
+            t = t.view(torch.uint8)
         if t.is_cpu:
-            if t.is_neg():            # a lazily negated view: its memory is not its values
-                t = t.resolve_neg()
             a = t.numpy()
+            if fp8 is not False:
+                return (a if fp8 is None else a.view(fp8)), False
             return (a.view(np.uint16) if bf16 else a), bf16
         if not t.is_cuda:
             raise TypeError(f"it lives on device {t.device}; kvcore takes CPU tensors (CPU "
@@ -267,24 +275,33 @@ def aligned(a):
     return a if a.flags.aligned else a.copy()
 
 
-def snapshot(*args):
-    """``args`` with each exact NumPy array and torch tensor among them
+def snapshot(*args, names=None):
+    """``args`` (their argument names in ``names``, for errors) with each exact NumPy array and torch tensor among them
     replaced by a copy (copying them runs none of the caller's code): what
     a call works on when converting its other arguments may run the
     caller's code (``runs_no_code``), which may free or resize them."""
     torch = sys.modules.get("torch")
     tensors = () if torch is None else (torch.Tensor, torch.nn.Parameter)
     out = []
-    for x in args:
-        if type(x) is np.ndarray:
-            x = x.copy()
-        elif type(x) in tensors:
-            x = x.detach().clone()
+    for i, x in enumerate(args):
+        try:
+            if type(x) is np.ndarray:
+                x = x.copy()
+            elif type(x) in tensors:
+                x = x.detach().clone()
+        except MemoryError:
+            # (a broadcast view of a wrong, huge shape: say which input)
+            name = names[i] if names is not None else f"argument {i}"
+            size = x.nbytes if type(x) is np.ndarray else x.numel() * x.element_size()
+            raise MemoryError(
+                f"{name} of shape {tuple(x.shape)} ({size} bytes) could not be copied: it is "
+                "copied because another argument (a list, an object) is converted after it; "
+                f"check {name}'s shape, or pass the other arguments as NumPy arrays") from None
         out.append(x)
     return out
 
 
-def private_inputs(arrays, others=(), out=None):
+def private_inputs(arrays, others=(), out=None, names=None):
     """For a call that reads ``arrays`` (a tuple) and converts ``others``
     and ``out`` (an array, or a pair as a tuple or list, or None):
     ``(arrays, private, out_check)``.  Where converting them surely runs
@@ -293,11 +310,12 @@ def private_inputs(arrays, others=(), out=None):
     runs (``snapshot``: it may free or resize them), True (copy them again
     once converted, if their conversion kept their memory), and
     ``out_guard``'s check of ``out``: run it after every conversion, before
-    writing."""
+    writing.  ``names``: the arrays' argument names (a copy too large for
+    memory names its argument)."""
     outs = () if out is None else tuple(out) if type(out) in (tuple, list) else (out,)
     if runs_no_code(*arrays, *others, *outs):
         return tuple(arrays), False, None
-    arrays = tuple(snapshot(*arrays))
+    arrays = tuple(snapshot(*arrays, names=names))
     return arrays, True, out_guard(out, *arrays, *others)
 
 

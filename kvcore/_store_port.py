@@ -136,9 +136,12 @@ class StorePort:
         checksum, kvcore/stores/_format.py), computed while copying (on
         ``kvcore.get_num_threads()`` threads for large runs); else None."""
         ids = self._block_ids(block_ids)
-        if len(ids) != len(payloads) or (seeds is not None and len(seeds) != len(ids)):
-            raise ValueError(f"payloads (and seeds) must hold one entry per block ({len(ids)}), "
+        if len(ids) != len(payloads):
+            raise ValueError(f"payloads must hold one entry per block ({len(ids)}), "
                              f"got {len(payloads)}")
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"seeds must hold one entry per block ({len(ids)}), "
+                             f"got {len(seeds)}")
         pays = []
         per_block = self.bytes_per_block
         for i, p in enumerate(payloads):

@@ -371,6 +371,12 @@ class AttentionPlan:
         owned = tuple(a for a in src.owned if isinstance(a, np.ndarray))
         return bind(k0, v0, kl, vl, src.num_layers, owned=owned, **extra)
 
+    def __reduce__(self):
+        # (copy.copy, copy.deepcopy and pickle all come here)
+        raise TypeError("a kvcore.AttentionPlan is not copied or pickled: it refers to its "
+                        "pool's memory; make another AttentionPlan(...) (planning is cheap), "
+                        "or run this one from any thread")
+
     def run(self, q, layer, out=None):
         """Attention of ``q`` over layer ``layer``, as planned.
 
@@ -401,7 +407,7 @@ class AttentionPlan:
         src = self._src
         be = src.backend
         if checked_q is None:   # (q copied first: reading out's storage may run the caller's code)
-            (q,), private, out_check = _arrays.private_inputs((q,), (layer,), out)
+            (q,), private, out_check = _arrays.private_inputs((q,), (layer,), out, names=("q",))
         else:
             private, out_check = False, _arrays.out_guard(out, layer, q)
         layer = layer_index(layer, src.num_layers)
@@ -532,7 +538,7 @@ def paged_attention(q, pool, layer, block_tables, seq_lens, query_start_loc=None
     # before it runs, out checked after it ran (it may free or resize them)
     others = (layer, block_tables, seq_lens, query_start_loc, scale, sliding_window,
               logits_soft_cap, chunk_size, alibi_slopes, sinks)
-    (q,), _, out_check = _arrays.private_inputs((q,), others, out)
+    (q,), _, out_check = _arrays.private_inputs((q,), others, out, names=("q",))
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)
@@ -580,7 +586,7 @@ def sequence_attention(seq, layer, q, scale=None, sliding_window=None, logits_so
     # an argument's conversion may run the caller's code, q is copied before
     # it runs and out checked after
     others = (layer, scale, sliding_window, logits_soft_cap, *features.values())
-    (q,), private, out_check = _arrays.private_inputs((q,), others, out)
+    (q,), private, out_check = _arrays.private_inputs((q,), others, out, names=("q",))
     layer = layer_index(layer, pool.num_layers)
     src = _pool_source(pool)
     checked = _query_input(src.backend, q, src.num_kv_heads, src.head_dim)   # the q rule

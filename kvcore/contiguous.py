@@ -210,7 +210,8 @@ class KVCache:
         # (start_pos converted first, k and v next, the cache read last: a
         # conversion may run the caller's code, which may change the cache
         # or free k's memory: then the call writes copies of k and v)
-        (k, v), private, _ = _arrays.private_inputs((k, v), (layer, start_pos, src_dtype))
+        (k, v), private, _ = _arrays.private_inputs((k, v), (layer, start_pos, src_dtype),
+                                                    names=("k", "v"))
         layer = self._check_layer(layer)
         start_pos = None if start_pos is None else index_int(start_pos, "start_pos")
         k, k_kind, v, v_kind, n = self._check_inputs(k, v, src_dtype, private)

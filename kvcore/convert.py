@@ -99,7 +99,7 @@ def _converted(x, out, read, out_for, empty, write):
     it is read, and ``out`` is checked to be as it was before the write."""
     private, out_check = False, None
     if out is not None:
-        (x,), private, out_check = _arrays.private_inputs((x,), (), out)
+        (x,), private, out_check = _arrays.private_inputs((x,), (), out, names=("x",))
     be, x, kind = read(x)
     if private:
         x = x.copy()
@@ -211,7 +211,7 @@ def _fp8_codes(x, fmt):
 
 
 def _fp8_want(fmt):
-    return f"uint8 ({FP8_NAME[fmt]} bits) or ml_dtypes.{FP8_NAME[fmt]}"
+    return f"uint8 ({FP8_NAME[fmt]} bits), ml_dtypes.{FP8_NAME[fmt]} or torch.{FP8_NAME[fmt]}"
 
 
 def _what(x):

@@ -280,7 +280,7 @@ class PagedKVCache:
         # here, and may change this sequence) before its state is checked
         self._require("append")
         pool = self._pool
-        (k, v), private, _ = _arrays.private_inputs((k, v), (layer, src_dtype))
+        (k, v), private, _ = _arrays.private_inputs((k, v), (layer, src_dtype), names=("k", "v"))
         layer = layer_index(layer, pool.num_layers)
         k, v, sk = pool._kv_input(k, v, src_dtype, private)
         self._require("append")
@@ -535,6 +535,22 @@ class PagedKVCache:
         child._pool = self._pool
         child._seq = seq
         return child
+
+    def __copy__(self):
+        """``copy.copy(seq)`` and ``copy.deepcopy(seq)``: :meth:`fork` (a
+        new sequence sharing every block, copy-on-write; free it too)."""
+        return self.fork()
+
+    def __deepcopy__(self, memo):
+        child = self.fork()
+        memo[id(self)] = child
+        return child
+
+    def __reduce__(self):
+        raise TypeError("a kvcore.PagedKVCache cannot be pickled: its KV lives in its pool's "
+                        "blocks (seq.fork() or copy.deepcopy(seq) copies it within the "
+                        "process; seq.copy_to(other_pool) into another pool; prefix stores "
+                        "share prefixes across processes)")
 
     def copy_to(self, pool):
         """This sequence's tokens and KV in another pool (e.g. offloaded to a

@@ -446,6 +446,14 @@ class BlockPool:
     def __exit__(self, *exc):
         self.close(EXIT_TIMEOUT)
 
+    def __reduce__(self):
+        # (copy.copy, copy.deepcopy and pickle all come here)
+        raise TypeError("a kvcore.BlockPool is not copied or pickled: it owns the KV memory "
+                        "and the blocks its sequences hold; share the one pool (it is "
+                        "thread-safe), fork a sequence (seq.fork()), copy one into another "
+                        "pool (seq.copy_to(pool)), or share prefixes across processes "
+                        "through a DiskStore or RedisStore")
+
     def prefetch(self, token_ids, salt=None):
         """Start loading the prefix-store blocks of prompt ``token_ids`` into
         the pool in the background, for a later ``allocate`` of it.
@@ -517,7 +525,8 @@ class BlockPool:
         # may run the caller's code, which may free or resize their memory
         # (a slots object's __array__), the call writes copies of them)
         (k, v, slots), private, _ = _arrays.private_inputs((k, v, slots),
-                                                            (layer, src_dtype, check))
+                                                            (layer, src_dtype, check),
+                                                            names=("k", "v", "slots"))
         layer = layer_index(layer, self._num_layers)
         if not isinstance(check, (bool, np.bool_)):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")

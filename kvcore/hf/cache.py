@@ -734,6 +734,43 @@ class PagedCache(Cache):
     def __exit__(self, *exc):
         self.free()
 
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy(cache)``: a new PagedCache over the same pool
+        whose rows are copy-on-write forks of this one's (transformers'
+        way to reuse a prompt's cache for several continuations: the copy
+        and the original then grow apart without copying a block until
+        one writes into a shared one).  The pool is shared, not copied.
+        Refused between the layers of a forward."""
+        step = self._step
+        if step is not None and step.partial:
+            raise ValueError(
+                f"copy.deepcopy(cache) between a forward's layers ({step.layers_done} of "
+                f"{self._num_layers} written): copy it before or after the forward")
+        new = PagedCache(self.pool, self.salt, prefill_attention=self.prefill_attention)
+        seqs = []
+        try:
+            for seq in self._seqs:
+                seqs.append(seq.fork())
+        except BaseException:
+            for seq in seqs:
+                seq.free()
+            raise
+        new._seqs = seqs
+        new._pad = self._pad.copy()
+        new._length = self._length
+        new._tokens_known = self._tokens_known
+        new._attention_state = self._attention_state
+        memo[id(self)] = new
+        return new
+
+    def __copy__(self):
+        raise TypeError("copy.copy(cache) would share the rows' blocks without the pool "
+                        "knowing: use copy.deepcopy(cache) (copy-on-write forks of its rows)")
+
+    def __reduce__(self):
+        raise TypeError("a kvcore.hf.PagedCache cannot be pickled: its rows live in the "
+                        "pool's memory (copy.deepcopy(cache) forks them within the process)")
+
     def __repr__(self):
         return (f"PagedCache(rows={len(self._seqs)}, length={self._length}, "
                 f"pool={self.pool!r})")

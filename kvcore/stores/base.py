@@ -150,6 +150,13 @@ class PrefixStore:
     def __exit__(self, *exc):
         self.close()
 
+    def __reduce__(self):
+        # (copy.copy, copy.deepcopy and pickle all come here)
+        raise TypeError(f"a {type(self).__name__} is not copied or pickled: it holds open "
+                        "files, connections or entries in memory; make one per process "
+                        "(DiskStore and RedisStore stores of the same path or server and "
+                        "namespace share their entries)")
+
 
 class StoreWarning(UserWarning):
     """A prefix store failed or held an unusable entry; the pool treated it

@@ -664,6 +664,48 @@ def test_forward_loop_crop_and_seq_length():
     assert pool.num_used_blocks == 0
 
 
+def test_deepcopy_forks_a_prompts_cache_for_several_continuations():
+    """transformers' prompt-reuse pattern: a prompt's cache filled once,
+    then copy.deepcopy(cache) per continuation.  Each continuation gives
+    DynamicCache's tokens (deep-copied the same way); the copies share the
+    prompt's blocks (copy-on-write) and the original stays as it was."""
+    import copy
+    import pickle
+
+    model = model_for("llama")
+    ids, _ = _prompts([21])
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    cache, dyn = PagedCache(pool), transformers.DynamicCache()
+    with torch.no_grad():
+        model(ids, **_kw(model, cache))
+        model(ids, **_kw(model, dyn))
+    used = pool.num_used_blocks
+    for suffix in ([5, 6, 7], [9, 10]):
+        full = torch.cat([ids, torch.tensor([suffix])], 1)
+        mine = copy.deepcopy(cache)
+        assert pool.num_used_blocks == used and mine.get_seq_length() == 21
+        assert [r.block_table.tolist() for r in mine.rows] == \
+            [r.block_table.tolist() for r in cache.rows]
+        a = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=6,
+                           do_sample=False, **_kw(model, mine))
+        b = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=6,
+                           do_sample=False, **_kw(model, copy.deepcopy(dyn)))
+        assert torch.equal(a, b)
+        mine.free()
+    assert pool.num_used_blocks == used and cache.get_seq_length() == 21
+    step = torch.tensor([[11, 12]])
+    with torch.no_grad():
+        assert torch.equal(model(step, **_kw(model, cache)).logits,
+                           model(step, **_kw(model, dyn)).logits)
+    with pytest.raises(TypeError, match=r"copy\.deepcopy\(cache\)"):
+        copy.copy(cache)
+    with pytest.raises(TypeError, match=r"cannot be pickled"):
+        pickle.dumps(cache)
+    cache.free()
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
 def _cache_state(cache):
     pool = cache.pool
     return (cache.get_seq_length(), pool.num_free_blocks, pool.num_cached_blocks,

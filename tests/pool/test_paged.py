@@ -618,3 +618,41 @@ def test_append_argument_errors_change_nothing():
         seq.append(0, k.view(np.uint16)[..., :D], k.view(np.uint16)[..., :D])
     assert_unchanged(pool, snap[0], [seq], [snap[1]])
     seq.free()
+
+
+def test_copy_and_deepcopy_of_a_sequence_fork_it_and_the_rest_refuse_by_name():
+    """copy.copy / copy.deepcopy of a PagedKVCache is its fork (its own
+    refcounts: freeing the copy leaves the original whole); a pool, a plan
+    or a store is not copied or pickled, with an error that names it and
+    says what to do (review, 2026-12-07: deepcopy and pickle raised a Cython
+    internal message, and copy.copy returned an alias whose free() closed
+    the original)."""
+    import copy
+    import pickle
+
+    pool = kvcore.BlockPool(8, 4, 1, 1, 4, dtype="float16")
+    seq = kvcore.PagedKVCache(pool)
+    seq.allocate(list(range(6)))
+    kv = np.arange(24, dtype=np.float32).reshape(6, 1, 4)
+    seq.append(0, kv, kv)
+    seq.commit(6)
+    for make in (copy.copy, copy.deepcopy):
+        child = make(seq)
+        assert child is not seq and child.num_tokens == 6 and pool.num_used_blocks == 2
+        assert child.block_table.tolist() == seq.block_table.tolist()
+        child.reserve(1)                     # copy-on-write: the shared last block
+        child.free()
+        assert not seq.closed and seq.num_tokens == 6 and pool.num_used_blocks == 2
+        np.testing.assert_array_equal(seq.gather(0)[0], kv.transpose(1, 0, 2))  # (heads, tokens, dim)
+    with pytest.raises(TypeError, match=r"^a kvcore\.PagedKVCache cannot be pickled"):
+        pickle.dumps(seq)
+    plan = kvcore.AttentionPlan(pool, np.zeros((1, 2), np.int32), np.array([6]))
+    store = kvcore.HostStore(1 << 20)
+    for obj, name in ((pool, r"a kvcore\.BlockPool"), (plan, r"a kvcore\.AttentionPlan"),
+                      (store, r"a HostStore")):
+        for make in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=rf"^{name} is not copied or pickled"):
+                make(obj)
+    seq.free()
+    assert pool.num_used_blocks == 0
+    pool.debug.check()

@@ -220,7 +220,7 @@ def test_calls_of_plain_arguments_copy_nothing(monkeypatch):
 
     made = []
     real = _arrays.snapshot
-    monkeypatch.setattr(_arrays, "snapshot", lambda *a: made.append(a) or real(*a))
+    monkeypatch.setattr(_arrays, "snapshot", lambda *a, **kw: made.append(a) or real(*a, **kw))
     pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float16")
     kv = np.ones((4, 2, 8), np.float32)
     pool.write(0, kv, kv, np.arange(4), src_dtype="float32")

@@ -99,3 +99,14 @@ def test_reset_prefix_cache_forgets_salts_but_never_reuses_a_root(make_pool):
     live.free()
     other.free()
     pool.debug.check()
+
+
+def test_a_broadcast_q_too_large_to_copy_is_named():
+    """A zero-stride q of a wrong, huge shape, copied because another
+    argument (a list) is converted after it: the MemoryError names q and its
+    shape (review, 2026-12-07: NumPy's own message, no argument named)."""
+    pool = kvcore.BlockPool(8, 4, 1, 2, 8, dtype="float32")
+    q = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(2**33, 2, 8),
+                                        strides=(0, 0, 0))
+    with pytest.raises(MemoryError, match=r"^q of shape \(8589934592, 2, 8\) "):
+        kvcore.paged_attention(q, pool, 0, np.zeros((1, 2), np.int32), [5])

@@ -410,6 +410,11 @@ def test_import_blocks_checks_sizes_before_writing():
     good = store_port(pool).export_blocks([0])[0]
     with pytest.raises(ValueError, match=r"payloads\[1\] must hold"):
         store_port(pool).import_blocks([1, 2], [good, good[:-1]])
+    # (each count named by its own argument: review, 2026-12-07)
+    with pytest.raises(ValueError, match=r"^payloads must hold one entry per block \(2\), got 1$"):
+        store_port(pool).import_blocks([1, 2], [good])
+    with pytest.raises(ValueError, match=r"^seeds must hold one entry per block \(1\), got 2$"):
+        store_port(pool).import_blocks([1], [good], seeds=[1, 2])
     assert np.array_equal(pool.storage, before)
 
 
