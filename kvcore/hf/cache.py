@@ -759,7 +759,8 @@ class PagedCache(Cache):
         new._pad = self._pad.copy()
         new._length = self._length
         new._tokens_known = self._tokens_known
-        new._attention_state = self._attention_state
+        # (the model's attention state is made again at the copy's first
+        # forward: it holds per-forward records, not to be shared)
         memo[id(self)] = new
         return new
 

@@ -664,7 +664,8 @@ def test_forward_loop_crop_and_seq_length():
     assert pool.num_used_blocks == 0
 
 
-def test_deepcopy_forks_a_prompts_cache_for_several_continuations():
+@pytest.mark.parametrize("attn", ["sdpa", "kvcore"])
+def test_deepcopy_forks_a_prompts_cache_for_several_continuations(attn):
     """transformers' prompt-reuse pattern: a prompt's cache filled once,
     then copy.deepcopy(cache) per continuation.  Each continuation gives
     DynamicCache's tokens (deep-copied the same way); the copies share the
@@ -672,13 +673,14 @@ def test_deepcopy_forks_a_prompts_cache_for_several_continuations():
     import copy
     import pickle
 
-    model = model_for("llama")
+    model = model_for("llama", attn)
+    ref = model_for("llama")
     ids, _ = _prompts([21])
     pool = pool_for(model.config, 64, dtype="float32", block_size=4)
     cache, dyn = PagedCache(pool), transformers.DynamicCache()
     with torch.no_grad():
         model(ids, **_kw(model, cache))
-        model(ids, **_kw(model, dyn))
+        ref(ids, **_kw(ref, dyn))
     used = pool.num_used_blocks
     for suffix in ([5, 6, 7], [9, 10]):
         full = torch.cat([ids, torch.tensor([suffix])], 1)
@@ -688,15 +690,15 @@ def test_deepcopy_forks_a_prompts_cache_for_several_continuations():
             [r.block_table.tolist() for r in cache.rows]
         a = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=6,
                            do_sample=False, **_kw(model, mine))
-        b = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=6,
-                           do_sample=False, **_kw(model, copy.deepcopy(dyn)))
+        b = ref.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=6,
+                         do_sample=False, **_kw(ref, copy.deepcopy(dyn)))
         assert torch.equal(a, b)
         mine.free()
     assert pool.num_used_blocks == used and cache.get_seq_length() == 21
     step = torch.tensor([[11, 12]])
     with torch.no_grad():
-        assert torch.equal(model(step, **_kw(model, cache)).logits,
-                           model(step, **_kw(model, dyn)).logits)
+        torch.testing.assert_close(model(step, **_kw(model, cache)).logits,
+                                   ref(step, **_kw(ref, dyn)).logits, rtol=0, atol=1e-5)
     with pytest.raises(TypeError, match=r"copy\.deepcopy\(cache\)"):
         copy.copy(cache)
     with pytest.raises(TypeError, match=r"cannot be pickled"):
