@@ -59,14 +59,20 @@ def unwrap(x, arg):
     if torch is None:
         return x, False
     t = x
+    if dtypes.E4M3_NUMPY is None and x.dtype in (getattr(torch, "float8_e4m3fn", None),
+                                                 getattr(torch, "float8_e5m2", None)):
+        raise TypeError(f"{arg} is a torch tensor of dtype {x.dtype}: kvcore reads torch's "
+                        "float8 tensors as ml_dtypes' fp8 (pip install ml_dtypes), or pass "
+                        "its bits as a uint8 view (tensor.view(torch.uint8))")
     try:
         if t.requires_grad:
             t = t.detach()
         if t.is_neg():                # a lazily negated view: its memory is not its values
             t = t.resolve_neg()
         bf16 = t.dtype == torch.bfloat16
-        # torch's fp8 tensors: their bits, as ml_dtypes' fp8 where it is
-        # installed (so that a format mismatch is told apart), else uint8
+        # torch's fp8 tensors: their bits as ml_dtypes' fp8 (whose format
+        # every reader checks); without ml_dtypes, refused: uint8 bits would
+        # let a tensor of the other format through
         fp8 = {getattr(torch, "float8_e4m3fn", None): dtypes.E4M3_NUMPY,
                getattr(torch, "float8_e5m2", None): dtypes.E5M2_NUMPY}.get(t.dtype, False)
         if bf16:
@@ -76,7 +82,7 @@ def unwrap(x, arg):
         if t.is_cpu:
             a = t.numpy()
             if fp8 is not False:
-                return (a if fp8 is None else a.view(fp8)), False
+                return a.view(fp8), False
             return (a.view(np.uint16) if bf16 else a), bf16
         if not t.is_cuda:
             raise TypeError(f"it lives on device {t.device}; kvcore takes CPU tensors (CPU "

@@ -750,7 +750,14 @@ class PagedCache(Cache):
         seqs = []
         try:
             for seq in self._seqs:
-                seqs.append(seq.fork())
+                fork = seq.fork()
+                seqs.append(fork)
+                # only the ids of computed positions: a copy made inside a
+                # forward of kvcore.hf.generate (whose hook has recorded the
+                # forward's ids already) would otherwise file other KV under
+                # them in the prefix cache
+                if fork.num_tokens > fork.num_computed:
+                    fork.truncate(fork.num_computed)
         except BaseException:
             for seq in seqs:
                 seq.free()
@@ -758,10 +765,12 @@ class PagedCache(Cache):
         new._seqs = seqs
         new._pad = self._pad.copy()
         new._length = self._length
-        new._tokens_known = self._tokens_known
-        # (the model's attention state is made again at the copy's first
-        # forward: it holds per-forward records, not to be shared)
+        # (the copy learns no token ids: no generate() hook feeds it; and
+        # the model's attention state is made again at its first forward:
+        # it holds per-forward records, not to be shared)
         memo[id(self)] = new
+        for seq, fork in zip(self._seqs, seqs):
+            memo[id(seq)] = fork
         return new
 
     def __copy__(self):

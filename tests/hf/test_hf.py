@@ -699,11 +699,56 @@ def test_deepcopy_forks_a_prompts_cache_for_several_continuations(attn):
     with torch.no_grad():
         torch.testing.assert_close(model(step, **_kw(model, cache)).logits,
                                    ref(step, **_kw(ref, dyn)).logits, rtol=0, atol=1e-5)
+    both = copy.deepcopy({"cache": cache, "rows": cache.rows})    # (one memo: rows forked once)
+    assert both["rows"] == both["cache"].rows and pool.num_used_blocks == used
+    both["cache"].free()
     with pytest.raises(TypeError, match=r"copy\.deepcopy\(cache\)"):
         copy.copy(cache)
     with pytest.raises(TypeError, match=r"cannot be pickled"):
         pickle.dumps(cache)
     cache.free()
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
+def test_a_deepcopy_inside_a_generate_forward_keeps_the_prefix_cache_true():
+    """A copy made inside one of kvcore.hf.generate's forwards (a hook on
+    the inner model, after generate's hook recorded the forward's token ids)
+    and run at once on other tokens: the copy keeps only the ids of computed
+    positions, so its KV never enters the prefix cache under the forward's
+    ids; a later generate of the same prompt gives model.generate's tokens.
+    (Review, 2026-12-07: the copy's rows kept the recorded ids, and its KV of
+    other tokens was then reused for the prompt.)"""
+    import copy
+
+    model = model_for("llama")
+    pool = pool_for(model.config, 64, dtype="float32", block_size=4)
+    gen = torch.Generator().manual_seed(1)
+    p = torch.randint(3, VOCAB, (1, 9), generator=gen)
+    other = torch.randint(3, VOCAB, (1, 9), generator=gen)
+    key = kvcore.hf.cache_keyword(model)
+    done = []
+
+    def copy_and_run(module, args, kwargs):
+        cache = kwargs.get(key)
+        if isinstance(cache, PagedCache) and not done:
+            done.append(1)
+            mine = copy.deepcopy(cache)
+            model(other, attention_mask=torch.ones_like(other), **_kw(model, mine))
+            mine.free()
+
+    hook = model.model.register_forward_pre_hook(copy_and_run, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            kvcore.hf.generate(model, p, pool, max_new_tokens=4, do_sample=False)
+    finally:
+        hook.remove()
+    assert done
+    with torch.no_grad():
+        want = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=8,
+                              do_sample=False)
+        got = kvcore.hf.generate(model, p, pool, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
     assert pool.num_used_blocks == 0
     pool.debug.check()
 

@@ -12,6 +12,10 @@
   by name, leaving it as it was; the ones it can (an inference tensor, a
   strided view) are written through, equal to ``out=None``'s result.
 """
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -366,3 +370,29 @@ def test_torch_fp8_outs_and_negated_bfloat16_inputs_are_taken(torch):
     np.testing.assert_array_equal(got.view(np.uint16),
                                   (-k).transpose(0, 1).contiguous().view(torch.int16).numpy()
                                   .view(np.uint16))
+
+
+def test_torch_fp8_tensors_without_ml_dtypes_are_refused_by_name(torch):
+    """Without ml_dtypes (optional) kvcore cannot tell torch's two fp8
+    formats apart by their bits: such tensors are refused, naming the
+    argument and the way out, never read as the other format (review,
+    2026-12-07)."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["ml_dtypes"] = None          # as if it were not installed
+        import numpy as np, torch, kvcore
+        x = torch.linspace(-2, 2, 8)
+        for call in (lambda: kvcore.from_float8_e4m3fn(x.to(torch.float8_e5m2)),
+                     lambda: kvcore.to_float8_e4m3fn(x, out=torch.empty(8, dtype=torch.float8_e5m2))):
+            try:
+                call()
+            except TypeError as e:
+                assert "pip install ml_dtypes" in str(e) and "uint8 view" in str(e), e
+            else:
+                raise AssertionError("an fp8 tensor was read without ml_dtypes")
+        bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
+        assert np.array_equal(kvcore.from_float8_e4m3fn(bits), x.to(torch.float8_e4m3fn).float().numpy())
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
