@@ -462,6 +462,7 @@ def test_small_calls_do_not_wake_worker_threads():
     assert large == before + 3
 
 
+@pytest.mark.forks
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_fork_after_the_worker_pool_started():
     """A child forked after the workers exist gets a fresh pool."""

@@ -368,6 +368,7 @@ def test_a_lookup_waiting_on_a_store_holds_no_pool_lock():
     pool.debug.check()
 
 
+@pytest.mark.forks
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_a_forked_child_writes_the_spills_queued_at_the_fork(tmp_path):
     """Forked while the parent's worker is inside one put with another
@@ -407,6 +408,7 @@ def test_a_forked_child_writes_the_spills_queued_at_the_fork(tmp_path):
     pool.debug.check()
 
 
+@pytest.mark.forks
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
 def test_a_forked_child_drains_its_own_spills(tmp_path):
     """A pool whose store worker ran in the parent keeps spilling in a child

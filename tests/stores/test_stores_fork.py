@@ -21,7 +21,8 @@ from kvcore._store_port import StorePort
 
 from _stores_support import make_pool, run
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
+              pytest.mark.forks]
 
 BS = 4
 CHILD_ALARM = 60          # seconds a child may take before it is killed

@@ -501,6 +501,7 @@ def test_a_lock_file_that_cannot_be_locked_stops_the_writes(tmp_path, how, condi
     pool.debug.check()
 
 
+@pytest.mark.forks
 def test_a_lock_file_owned_by_another_user_stops_the_writes(tmp_path):
     """PATH/.lock a file this process cannot open (another user's, mode
     0600): the store writes nothing.  As root, a forked child that became
