@@ -59,8 +59,12 @@ def unwrap(x, arg):
     if torch is None:
         return x, False
     t = x
-    if dtypes.E4M3_NUMPY is None and x.dtype in (getattr(torch, "float8_e4m3fn", None),
-                                                 getattr(torch, "float8_e5m2", None)):
+    # torch's fp8 tensors: their bits as ml_dtypes' fp8 (whose format every
+    # reader checks); without ml_dtypes, refused: uint8 bits would let a
+    # tensor of the other format through
+    fp8 = {getattr(torch, "float8_e4m3fn", None): dtypes.E4M3_NUMPY,
+           getattr(torch, "float8_e5m2", None): dtypes.E5M2_NUMPY}.get(x.dtype, False)
+    if fp8 is None:
         raise TypeError(f"{arg} is a torch tensor of dtype {x.dtype}: kvcore reads torch's "
                         "float8 tensors as ml_dtypes' fp8 (pip install ml_dtypes), or pass "
                         "its bits as a uint8 view (tensor.view(torch.uint8))")
@@ -70,11 +74,6 @@ def unwrap(x, arg):
         if t.is_neg():                # a lazily negated view: its memory is not its values
             t = t.resolve_neg()
         bf16 = t.dtype == torch.bfloat16
-        # torch's fp8 tensors: their bits as ml_dtypes' fp8 (whose format
-        # every reader checks); without ml_dtypes, refused: uint8 bits would
-        # let a tensor of the other format through
-        fp8 = {getattr(torch, "float8_e4m3fn", None): dtypes.E4M3_NUMPY,
-               getattr(torch, "float8_e5m2", None): dtypes.E5M2_NUMPY}.get(t.dtype, False)
         if bf16:
             t = t.view(torch.int16)   # same itemsize: any strides, no copy
         elif fp8 is not False:
@@ -282,10 +281,11 @@ def aligned(a):
 
 
 def snapshot(*args, names=None):
-    """``args`` (their argument names in ``names``, for errors) with each exact NumPy array and torch tensor among them
+    """``args`` with each exact NumPy array and torch tensor among them
     replaced by a copy (copying them runs none of the caller's code): what
     a call works on when converting its other arguments may run the
-    caller's code (``runs_no_code``), which may free or resize them."""
+    caller's code (``runs_no_code``), which may free or resize them.
+    ``names``: their argument names, for the error of a copy too large."""
     torch = sys.modules.get("torch")
     tensors = () if torch is None else (torch.Tensor, torch.nn.Parameter)
     out = []

@@ -542,8 +542,7 @@ class PagedKVCache:
         return self.fork()
 
     def __deepcopy__(self, memo):
-        child = self.fork()
-        memo[id(self)] = child
+        child = memo[id(self)] = self.fork()
         return child
 
     def __reduce__(self):

@@ -684,19 +684,25 @@ class PagedCache(Cache):
         index = index.astype(np.int64)
         if np.array_equal(index, np.arange(rows)):
             return
-        new = []
-        try:
-            for r in index:
-                new.append(self._seqs[int(r)].fork())
-        except BaseException:
-            for s in new:
-                s.free()
-            raise
+        new = self._forks(int(r) for r in index)
         for s in self._seqs:
             s.free()
         self._seqs = new
         self._pad = self._pad[index]
         self._step = None
+
+    def _forks(self, rows):
+        """Copy-on-write forks of rows ``rows`` (indices into the rows), in
+        order; none left behind if one fails."""
+        forks = []
+        try:
+            for r in rows:
+                forks.append(self._seqs[r].fork())
+        except BaseException:
+            for s in forks:
+                s.free()
+            raise
+        return forks
 
     def reorder_cache(self, beam_idx):
         """Beam search: row ``r`` becomes old row ``beam_idx[r]`` (forks, copy-on-write)."""
@@ -747,21 +753,14 @@ class PagedCache(Cache):
                 f"copy.deepcopy(cache) between a forward's layers ({step.layers_done} of "
                 f"{self._num_layers} written): copy it before or after the forward")
         new = PagedCache(self.pool, self.salt, prefill_attention=self.prefill_attention)
-        seqs = []
-        try:
-            for seq in self._seqs:
-                fork = seq.fork()
-                seqs.append(fork)
-                # only the ids of computed positions: a copy made inside a
-                # forward of kvcore.hf.generate (whose hook has recorded the
-                # forward's ids already) would otherwise file other KV under
-                # them in the prefix cache
-                if fork.num_tokens > fork.num_computed:
-                    fork.truncate(fork.num_computed)
-        except BaseException:
-            for seq in seqs:
-                seq.free()
-            raise
+        seqs = self._forks(range(len(self._seqs)))
+        for fork in seqs:
+            # only the ids of computed positions: a copy made inside a
+            # forward of kvcore.hf.generate (whose hook has recorded the
+            # forward's ids already) would otherwise file other KV under
+            # them in the prefix cache
+            if fork.num_tokens > fork.num_computed:
+                fork.truncate(fork.num_computed)
         new._seqs = seqs
         new._pad = self._pad.copy()
         new._length = self._length

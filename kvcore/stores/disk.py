@@ -1,4 +1,5 @@
 """DiskStore: evicted blocks as files, surviving restarts, shared by the processes of a machine."""
+import contextlib
 import errno
 import fcntl
 import os
@@ -119,8 +120,8 @@ class DiskStore(PrefixStore):
     least recently used files until the batch fits below
     ``low_watermark * capacity_bytes`` (so the next puts find room), and
     only then writes, still under the lock; entries beyond what fits in
-    ``capacity_bytes`` at all go to the next tier unwritten.  Processes sharing the directory
-    keep it within capacity between them (the listing costs a ``stat`` per
+    ``capacity_bytes`` at all go to the next tier unwritten.  Processes
+    sharing the directory keep it within capacity between them (the listing costs a ``stat`` per
     entry file: size ``capacity_bytes`` for entries of megabytes, not
     bytes).  A put that cannot lock ``PATH/.lock`` (held by another process
     past ``lock_timeout``, or not a regular file this process can open: a
@@ -317,21 +318,14 @@ class DiskStore(PrefixStore):
             # other process's put trims or writes in between (two puts
             # that each made room and then both wrote would leave the
             # directory past capacity_bytes)
-            fd = self._open_lock()
-            try:
-                self._lock_file(fd)
-                try:
-                    trimmed = self._trim(fit)
-                    for k, v in items[keep:]:
-                        g = self._write(k, v)
-                        if g is None:        # no place of ours for it: the next tier's
-                            dropped.append((k, v))
-                            continue
-                        grown += g
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+            with self._locked():
+                trimmed = self._trim(fit)
+                for k, v in items[keep:]:
+                    g = self._write(k, v)
+                    if g is None:        # no place of ours for it: the next tier's
+                        dropped.append((k, v))
+                        continue
+                    grown += g
         except BaseException as e:
             # what the trim removed from the disk goes on to the next tier
             # with the exception (the pool hands on the batch itself)
@@ -394,8 +388,8 @@ class DiskStore(PrefixStore):
         return len(v) - old
 
     def _trim(self, room=0):
-        """Make room for ``room`` more bytes (the caller holds ``PATH/.lock``): remove
-        least recently used files until the directory holds at most
+        """Make room for ``room`` more bytes (the caller holds ``PATH/.lock``):
+        remove least recently used files until the directory holds at most
         ``capacity_bytes - room`` (``low_watermark * capacity_bytes - room``
         when it has to remove any); their entries are returned (for the
         next tier).  What is named like an entry but is not a regular file
@@ -403,8 +397,8 @@ class DiskStore(PrefixStore):
         read; an entry file that cannot be read (or whose size is not the
         one its header promises) is removed without being handed on; one
         that cannot be removed either is passed over: the trim goes on with
-        the others.  Raises :class:`DiskStoreLocked` when it cannot lock
-        the directory or make the room (nothing may be written then)."""
+        the others.  Raises :class:`DiskStoreLocked` when it cannot make
+        the room (nothing may be written then)."""
         dropped = []
         stale, bad = [], []
         files = self._listing(stale, bad)
@@ -438,6 +432,21 @@ class DiskStore(PrefixStore):
             e.dropped = dropped
             raise e
         return dropped
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold ``PATH/.lock`` exclusively (waiting at most
+        ``lock_timeout``; :class:`DiskStoreLocked` or TimeoutError when it
+        cannot)."""
+        fd = self._open_lock()
+        try:
+            self._lock_file(fd)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def _open_lock(self):
         """A descriptor of ``PATH/.lock`` (created if missing), a regular
