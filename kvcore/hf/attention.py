@@ -17,6 +17,7 @@ from .threads import attention_threads
 ATTN_IMPLEMENTATION = "kvcore"
 
 
+@torch.compiler.disable
 def _kvcore_mask(*args, **kwargs):
     """Mask function of ``attn_implementation="kvcore"``: a PagedCache needs
     no mask (the kernel is causal over each row's own positions, with the
@@ -46,6 +47,7 @@ def _kvcore_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
+@torch.compiler.disable
 def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      sliding_window=None, softcap=None, cache=None, block_table=None,
                      cu_seq_lens_q=None, kvcore_step=None, kvcore_layer=None, **kwargs):

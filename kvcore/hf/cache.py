@@ -447,6 +447,7 @@ class PagedCache(Cache):
                 f"has position {got}, the cache expects {want} (it holds {self._length} columns)")
 
     # -------------------------------------------------------------- steps
+    @torch.compiler.disable     # (torch.compile runs it as it is: host work)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Write this step's K/V of ``layer_idx`` for the whole batch.
 

@@ -19,7 +19,14 @@ _METADATA = {
     torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim,
     torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.element_size,
     torch.Tensor.is_contiguous, torch.Tensor.get_device, torch.Tensor.__len__,
+    torch.Tensor.is_nested.__get__, torch.Tensor.is_sparse.__get__,
+    torch.Tensor.is_quantized.__get__, torch.Tensor.is_mkldnn.__get__,
+    torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__, torch.Tensor._is_view,
+    torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.storage_offset,
 }
+# and what torch.compile (dynamo) reads of a tensor that enters a compiled
+# region between the cache's update and the attention (both run outside it)
+_TRACED = {torch.Tensor._base.__get__, torch.Tensor.untyped_storage}
 
 
 class PagedKV(torch.Tensor):
@@ -33,7 +40,7 @@ class PagedKV(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA:
+        if func in _METADATA or (func in _TRACED and torch.compiler.is_compiling()):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         marked = next((a for a in _flat(args, kwargs) if isinstance(a, PagedKV)), None)

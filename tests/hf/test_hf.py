@@ -388,6 +388,72 @@ def test_kvcore_attention_gets_the_cache_and_tables_as_keyword_arguments():
                                      do_sample=False))
 
 
+# ------------------------------------------------------------------ torch.compile
+# (torch's inductor warns of its own use of torch.jit when it is first imported)
+_INDUCTOR_IMPORT = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+@_INDUCTOR_IMPORT
+@pytest.mark.parametrize("hit", [False, True])
+def test_a_compiled_forward_gives_the_eager_tokens(hit):
+    """torch.compile(model.forward) with attn_implementation="kvcore": the
+    cache's update, the attention and its mask function run outside the
+    compiled regions (torch.compiler.disable), and the K/V the update hands
+    on enter them as inputs; the tokens are the eager ones, through
+    model.generate and through kvcore.hf.generate (whose second call on the
+    pool hits the first's prefix)."""
+    import torch._dynamo
+    ids, mask = _prompts(BATCHES["b4"])
+    want = _dynamic(model_for("llama"), ids, mask, max_new_tokens=12, do_sample=False)
+    model = _tiny("llama", "kvcore")
+    model.forward = torch.compile(model.forward)
+    pool = pool_for(model.config, 256, dtype="float32", block_size=16)
+    try:
+        for call in range(2 if hit else 1):
+            if hit:       # (kvcore.hf.generate looks the prompts up in the prefix cache)
+                got = kvcore.hf.generate(model, ids, pool, attention_mask=mask,
+                                         max_new_tokens=12, do_sample=False)
+            else:
+                with PagedCache(pool) as cache:
+                    got = model.generate(ids, attention_mask=mask, **_kw(model, cache),
+                                         max_new_tokens=12, do_sample=False)
+            assert torch.equal(got, want), call
+            assert pool.num_used_blocks == 0
+        assert (pool.stats()["prefix_hits"] > 0) == hit
+        pool.debug.check()
+    finally:
+        torch._dynamo.reset()
+
+
+@_INDUCTOR_IMPORT
+def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
+    """DiffLlama splits V before its attention: compiled, its forward is
+    refused as the eager one is, by name, and the step is undone."""
+    import torch._dynamo
+    config = transformers.DiffLlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.DiffLlamaForCausalLM(config).eval()
+    model.set_attn_implementation("kvcore")
+    model.forward = torch.compile(model.forward)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    ids, mask = _prompts([21])
+    try:
+        with PagedCache(pool) as cache:
+            with pytest.raises(ValueError, match=r"diffllama layer 0: the model computes with "
+                                                 r"the cached K/V itself \(chunk\)"):
+                model.generate(ids, attention_mask=mask, **_kw(model, cache),
+                               max_new_tokens=4, do_sample=False)
+            assert cache.get_seq_length() == 0
+        assert pool.num_used_blocks == 0
+        pool.debug.check()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
     """Issue 22 item 2: the step's first layer plans, every layer runs."""
     made, runs = [], []
