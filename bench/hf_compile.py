@@ -65,11 +65,11 @@ def main(argv=None):
             if want is None:
                 want = out
             same = same and bool(torch.equal(out, want))
-        rest = times[1:]
-        print(f"  {label:30s} first call {times[0]:7.2f} s, then {statistics.median(rest) * 1e3:8.1f}"
-              f" ms [{min(rest) * 1e3:.1f}-{max(rest) * 1e3:.1f}]  tokens "
-              f"{'identical' if same else 'DIFFER'}")
-        return statistics.median(rest)
+        rest = [t * 1e3 for t in times[1:]]
+        mid = statistics.median(rest)
+        print(f"  {label:30s} first call {times[0]:7.2f} s, then {mid:8.1f} ms "
+              f"[{min(rest):.1f}-{max(rest):.1f}]  tokens {'identical' if same else 'DIFFER'}")
+        return mid
 
     pool = hf.pool_for(config, num_blocks=blocks, dtype="float32")
     print(f"random Llama, {a.layers} layers of 9/3 heads d64, float32, prompt {a.prompt} + "
