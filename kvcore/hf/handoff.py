@@ -25,7 +25,9 @@ _METADATA = {
     torch.Tensor.is_conj, torch.Tensor.is_neg, torch.Tensor.storage_offset,
 }
 # and what torch.compile (dynamo) reads of a tensor that enters a compiled
-# region between the cache's update and the attention (both run outside it)
+# region between the cache's update and the attention (both run outside it),
+# while it builds that region; never at run time (__torch_function__ itself
+# is never compiled, so is_compiling() is true only in dynamo's builder)
 _TRACED = {torch.Tensor._base.__get__, torch.Tensor.untyped_storage}
 
 
@@ -38,7 +40,10 @@ class PagedKV(torch.Tensor):
 
     __slots__ = ("_kvcore",)
 
+    # (never compiled: in a compiled frame is_compiling() would be true at run
+    # time, and the _TRACED reads would pass a model's own use of them)
     @classmethod
+    @torch.compiler.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _METADATA or (func in _TRACED and torch.compiler.is_compiling()):
             with torch._C.DisableTorchFunctionSubclass():

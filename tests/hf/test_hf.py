@@ -454,6 +454,45 @@ def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
         torch._dynamo.reset()
 
 
+@_INDUCTOR_IMPORT
+@pytest.mark.parametrize("read", ["base", "storage"])
+def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(read):
+    """What torch's compiler may read of the marked K/V while it builds a
+    region (their ``_base``, their storage) a model's own compiled code may
+    not: an attention function that computes with them that way is refused
+    and the step undone, as eagerly."""
+    import torch._dynamo
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    def peeking(module, query, key, value, attention_mask, **kwargs):
+        if read == "base":
+            seen = key._base.abs().mean()
+        else:
+            seen = torch.empty(0, dtype=key.dtype).set_(
+                key.untyped_storage(), key.storage_offset(), key.shape, key.stride()).sum()
+        out, weights = kvcore.hf.kvcore_attention(module, query, key, value, attention_mask,
+                                                  **kwargs)
+        return out * (1.0 + seen), weights
+
+    AttentionInterface.register("kvcore_peeking", peeking)
+    AttentionMaskInterface.register("kvcore_peeking", kvcore.hf.attention._kvcore_mask)
+    model = _tiny("llama", "kvcore_peeking")
+    model.forward = torch.compile(model.forward)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    ids, mask = _prompts([21])
+    try:
+        with PagedCache(pool) as cache:
+            with pytest.raises(ValueError, match=r"llama layer 0: the model computes with the "
+                                                 r"cached K/V itself"):
+                model.generate(ids, attention_mask=mask, **_kw(model, cache),
+                               max_new_tokens=4, do_sample=False)
+            assert cache.get_seq_length() == 0
+        assert pool.num_used_blocks == 0
+        pool.debug.check()
+    finally:
+        torch._dynamo.reset()
+
+
 def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
     """Issue 22 item 2: the step's first layer plans, every layer runs."""
     made, runs = [], []
