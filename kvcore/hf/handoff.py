@@ -5,8 +5,11 @@ from the pages, so ``update`` returns only the step's new K/V, marked for
 ``kvcore_attention``.  A model whose attention does not go through
 transformers' attention function, or that transforms the cached K/V before
 calling it (DiffLlama splits V), would compute on those new positions alone:
-the marked tensors refuse every torch operation but reading their shape,
-dtype and device, undo the step and raise ValueError naming the model type.
+the marked tensors refuse every torch operation but reading their metadata
+(shape, dtype, device, strides...), undo the step and raise ValueError naming
+the model type.  Under ``torch.compile`` the update and the attention run
+outside the compiled regions, and the compiler may also read what it needs
+to take the tensors into a region (never the model's own compiled code).
 """
 import torch
 

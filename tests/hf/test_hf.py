@@ -426,25 +426,16 @@ def test_a_compiled_forward_gives_the_eager_tokens(hit):
         torch._dynamo.reset()
 
 
-@_INDUCTOR_IMPORT
-def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
-    """DiffLlama splits V before its attention: compiled, its forward is
-    refused as the eager one is, by name, and the step is undone."""
+def _compiled_refuses(model, match):
+    """``model`` with its forward compiled refuses a generate with ValueError
+    matching ``match``, and the cache and pool are left empty."""
     import torch._dynamo
-    config = transformers.DiffLlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.DiffLlamaForCausalLM(config).eval()
-    model.set_attn_implementation("kvcore")
     model.forward = torch.compile(model.forward)
     pool = pool_for(model.config, 64, dtype="float32", block_size=16)
     ids, mask = _prompts([21])
     try:
         with PagedCache(pool) as cache:
-            with pytest.raises(ValueError, match=r"diffllama layer 0: the model computes with "
-                                                 r"the cached K/V itself \(chunk\)"):
+            with pytest.raises(ValueError, match=match):
                 model.generate(ids, attention_mask=mask, **_kw(model, cache),
                                max_new_tokens=4, do_sample=False)
             assert cache.get_seq_length() == 0
@@ -455,13 +446,27 @@ def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
 
 
 @_INDUCTOR_IMPORT
+def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
+    """DiffLlama splits V before its attention: compiled, its forward is
+    refused as the eager one is, by name, and the step is undone."""
+    config = transformers.DiffLlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.DiffLlamaForCausalLM(config).eval()
+    model.set_attn_implementation("kvcore")
+    _compiled_refuses(model, r"diffllama layer 0: the model computes with the cached K/V "
+                             r"itself \(chunk\)")
+
+
+@_INDUCTOR_IMPORT
 @pytest.mark.parametrize("read", ["base", "storage"])
 def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(read):
     """What torch's compiler may read of the marked K/V while it builds a
     region (their ``_base``, their storage) a model's own compiled code may
     not: an attention function that computes with them that way is refused
     and the step undone, as eagerly."""
-    import torch._dynamo
     from transformers import AttentionInterface, AttentionMaskInterface
 
     def peeking(module, query, key, value, attention_mask, **kwargs):
@@ -476,21 +481,8 @@ def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(
 
     AttentionInterface.register("kvcore_peeking", peeking)
     AttentionMaskInterface.register("kvcore_peeking", kvcore.hf.attention._kvcore_mask)
-    model = _tiny("llama", "kvcore_peeking")
-    model.forward = torch.compile(model.forward)
-    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
-    ids, mask = _prompts([21])
-    try:
-        with PagedCache(pool) as cache:
-            with pytest.raises(ValueError, match=r"llama layer 0: the model computes with the "
-                                                 r"cached K/V itself"):
-                model.generate(ids, attention_mask=mask, **_kw(model, cache),
-                               max_new_tokens=4, do_sample=False)
-            assert cache.get_seq_length() == 0
-        assert pool.num_used_blocks == 0
-        pool.debug.check()
-    finally:
-        torch._dynamo.reset()
+    _compiled_refuses(_tiny("llama", "kvcore_peeking"),
+                      r"llama layer 0: the model computes with the cached K/V itself")
 
 
 def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
