@@ -121,9 +121,9 @@ class DiskStore(PrefixStore):
     ``low_watermark * capacity_bytes`` (so the next puts find room), and
     only then writes, still under the lock; entries beyond what fits in
     ``capacity_bytes`` at all go to the next tier unwritten.  Processes
-    sharing the directory keep it within capacity between them (the listing costs a ``stat`` per
-    entry file: size ``capacity_bytes`` for entries of megabytes, not
-    bytes).  A put that cannot lock ``PATH/.lock`` (held by another process
+    sharing the directory keep it within capacity between them (the
+    listing costs a ``stat`` per entry file: size ``capacity_bytes`` for
+    entries of megabytes, not bytes).  A put that cannot lock ``PATH/.lock`` (held by another process
     past ``lock_timeout``, or not a regular file this process can open: a
     directory, a link, a FIFO, another user's file) or cannot trim writes
     nothing and raises :class:`DiskStoreLocked` (the pool: a miss, a

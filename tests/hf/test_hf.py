@@ -394,59 +394,59 @@ _INDUCTOR_IMPORT = pytest.mark.filterwarnings(
     "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
+@pytest.fixture
+def compiled():
+    """torch.compile for the test: torch's compile caches are dropped after it."""
+    import torch._dynamo
+    yield torch.compile
+    torch._dynamo.reset()
+
+
 @_INDUCTOR_IMPORT
 @pytest.mark.parametrize("hit", [False, True])
-def test_a_compiled_forward_gives_the_eager_tokens(hit):
+def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled):
     """torch.compile(model.forward) with attn_implementation="kvcore": the
     cache's update, the attention and its mask function run outside the
     compiled regions (torch.compiler.disable), and the K/V the update hands
     on enter them as inputs; the tokens are the eager ones, through
     model.generate and through kvcore.hf.generate (whose second call on the
     pool hits the first's prefix)."""
-    import torch._dynamo
     ids, mask = _prompts(BATCHES["b4"])
     want = _dynamic(model_for("llama"), ids, mask, max_new_tokens=12, do_sample=False)
     model = _tiny("llama", "kvcore")
-    model.forward = torch.compile(model.forward)
+    model.forward = compiled(model.forward)
     pool = pool_for(model.config, 256, dtype="float32", block_size=16)
-    try:
-        for call in range(2 if hit else 1):
-            if hit:       # (kvcore.hf.generate looks the prompts up in the prefix cache)
-                got = kvcore.hf.generate(model, ids, pool, attention_mask=mask,
-                                         max_new_tokens=12, do_sample=False)
-            else:
-                with PagedCache(pool) as cache:
-                    got = model.generate(ids, attention_mask=mask, **_kw(model, cache),
-                                         max_new_tokens=12, do_sample=False)
-            assert torch.equal(got, want), call
-            assert pool.num_used_blocks == 0
-        assert (pool.stats()["prefix_hits"] > 0) == hit
-        pool.debug.check()
-    finally:
-        torch._dynamo.reset()
+    for call in range(2 if hit else 1):
+        if hit:       # (kvcore.hf.generate looks the prompts up in the prefix cache)
+            got = kvcore.hf.generate(model, ids, pool, attention_mask=mask,
+                                     max_new_tokens=12, do_sample=False)
+        else:
+            with PagedCache(pool) as cache:
+                got = model.generate(ids, attention_mask=mask, **_kw(model, cache),
+                                     max_new_tokens=12, do_sample=False)
+        assert torch.equal(got, want), call
+        assert pool.num_used_blocks == 0
+    assert (pool.stats()["prefix_hits"] > 0) == hit
+    pool.debug.check()
 
 
-def _compiled_refuses(model, match):
+def _compiled_refuses(model, compiled, match):
     """``model`` with its forward compiled refuses a generate with ValueError
     matching ``match``, and the cache and pool are left empty."""
-    import torch._dynamo
-    model.forward = torch.compile(model.forward)
+    model.forward = compiled(model.forward)
     pool = pool_for(model.config, 64, dtype="float32", block_size=16)
     ids, mask = _prompts([21])
-    try:
-        with PagedCache(pool) as cache:
-            with pytest.raises(ValueError, match=match):
-                model.generate(ids, attention_mask=mask, **_kw(model, cache),
-                               max_new_tokens=4, do_sample=False)
-            assert cache.get_seq_length() == 0
-        assert pool.num_used_blocks == 0
-        pool.debug.check()
-    finally:
-        torch._dynamo.reset()
+    with PagedCache(pool) as cache:
+        with pytest.raises(ValueError, match=match):
+            model.generate(ids, attention_mask=mask, **_kw(model, cache),
+                           max_new_tokens=4, do_sample=False)
+        assert cache.get_seq_length() == 0
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
 
 
 @_INDUCTOR_IMPORT
-def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
+def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused(compiled):
     """DiffLlama splits V before its attention: compiled, its forward is
     refused as the eager one is, by name, and the step is undone."""
     config = transformers.DiffLlamaConfig(
@@ -456,13 +456,13 @@ def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused():
         torch.manual_seed(0)
         model = transformers.DiffLlamaForCausalLM(config).eval()
     model.set_attn_implementation("kvcore")
-    _compiled_refuses(model, r"diffllama layer 0: the model computes with the cached K/V "
-                             r"itself \(chunk\)")
+    _compiled_refuses(model, compiled,
+                      r"diffllama layer 0: the model computes with the cached K/V itself \(chunk\)")
 
 
 @_INDUCTOR_IMPORT
 @pytest.mark.parametrize("read", ["base", "storage"])
-def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(read):
+def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(read, compiled):
     """What torch's compiler may read of the marked K/V while it builds a
     region (their ``_base``, their storage) a model's own compiled code may
     not: an attention function that computes with them that way is refused
@@ -481,7 +481,7 @@ def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(
 
     AttentionInterface.register("kvcore_peeking", peeking)
     AttentionMaskInterface.register("kvcore_peeking", kvcore.hf.attention._kvcore_mask)
-    _compiled_refuses(_tiny("llama", "kvcore_peeking"),
+    _compiled_refuses(_tiny("llama", "kvcore_peeking"), compiled,
                       r"llama layer 0: the model computes with the cached K/V itself")
 
 
