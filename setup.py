@@ -58,7 +58,9 @@ if sys.platform == "win32":
 NATIVE = "kvcore/_native"
 CPU_BACKEND = "kvcore/backends/cpu"
 # _typedefs.pxd (block ids, slots, halves) is shared by both folders
-INCLUDE = [numpy.get_include(), NATIVE, f"{NATIVE}/csrc", CPU_BACKEND, f"{CPU_BACKEND}/csrc"]
+STORES = "kvcore/stores"
+INCLUDE = [numpy.get_include(), NATIVE, f"{NATIVE}/csrc", CPU_BACKEND, f"{CPU_BACKEND}/csrc",
+           f"{STORES}/csrc"]
 
 
 def ext(folder, name, *c_sources, compile_args=(), link_args=()):
@@ -89,6 +91,8 @@ extensions = [
     ext(CPU_BACKEND, "_checksum", "kv_xxh3.c", "kv_xxh3_avx2.c", "kv_xxh3_neon.c",
         "kv_xxh3_many.c", "kv_simd.c", compile_args=PTHREAD, link_args=PTHREAD),
     ext(CPU_BACKEND, "_attention", *ATTENTION_C, "kv_simd.c", compile_args=PTHREAD, link_args=PTHREAD),
+    # a DiskStore's directory listing, one call without the GIL (POSIX)
+    ext(STORES, "_fs", "kv_fs.c"),
 ]
 
 

@@ -9,12 +9,15 @@ import time
 
 import numpy as np
 
-from . import _format
+from . import _format, _fs
 from .._forksafe import LEAF, fork_guard
 from .base import PrefixStore, bound_bytes
 
 _SUFFIX = ".kve"
 _LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
+# a take that ran out of descriptors or memory did not look at its file:
+# a trim keeps that file (it keeps its room) rather than lose its entry
+_SCARCE = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
 _TMP = ".tmp-"
 # Every file in the directory is untrusted (other processes write there):
 # entries are opened without following a link (a planted link would make
@@ -24,13 +27,20 @@ _TMP = ".tmp-"
 # as /dev/zero never ends).
 _OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_OPEN_TMP = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-             | getattr(os, "O_CLOEXEC", 0))
 # PATH/.lock is untrusted too: never through a link (a dangling one planted
 # there would make this process create its target), never blocking (a FIFO),
 # and only a regular file is locked (read-only is enough for flock)
 _OPEN_LOCK = (os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
               | getattr(os, "O_CLOEXEC", 0))
+
+
+def _entry_key(path):
+    """The key an entry file's name says (``HEX.kve``, as :meth:`DiskStore._file`
+    names them), or None for a name that is no key (planted)."""
+    h = os.path.basename(path)[:-len(_SUFFIX)]
+    if not h or len(h) % 2 or h.strip("0123456789abcdef"):
+        return None
+    return bytes.fromhex(h)
 
 
 class _NotAnEntry(OSError):
@@ -197,33 +207,14 @@ class DiskStore(PrefixStore):
         appended to it; with a list ``bad``, the paths named like an entry
         that are not regular files (links, FIFOs, devices; directories are
         left alone and not counted)."""
-        out = []
-        cutoff = time.time_ns() - int(self.stale_tmp_seconds * 1e9)
-        try:
-            subdirs = list(os.scandir(self.path))
-        except FileNotFoundError:
-            return out
-        for d in subdirs:
-            try:
-                if not d.is_dir(follow_symlinks=False):
-                    continue
-                files = list(os.scandir(d.path))
-            except OSError:   # gone, or unreadable: nothing of ours to list
-                continue
-            for f in files:
-                try:
-                    if f.name.endswith(_SUFFIX):
-                        st = f.stat(follow_symlinks=False)
-                        if stat.S_ISREG(st.st_mode):
-                            out.append((f.path, st.st_size, st.st_mtime_ns))
-                        elif bad is not None and not stat.S_ISDIR(st.st_mode):
-                            bad.append(f.path)
-                    elif stale is not None and f.name.startswith(_TMP):
-                        if f.stat(follow_symlinks=False).st_mtime_ns < cutoff:
-                            stale.append(f.path)
-                except OSError:
-                    continue
-        return out
+        # one native call without the GIL (stores/csrc/kv_fs.h): from
+        # Python every stat gave the GIL up, and beside a busy thread took
+        # it back only every switch interval, all under PATH/.lock
+        secs = self.stale_tmp_seconds
+        # (past 300 years, inf or NaN: none is stale; C takes 64 bits)
+        cutoff = time.time_ns() - int(secs * 1e9) if secs < 1e10 else -2**63
+        cutoff = max(cutoff, -2**63)
+        return _fs.list_dir(self.path, _SUFFIX, _TMP, cutoff, stale, bad)
 
     def contains(self, keys):
         n = 0
@@ -320,12 +311,15 @@ class DiskStore(PrefixStore):
             # directory past capacity_bytes)
             with self._locked():
                 trimmed = self._trim(fit)
-                for k, v in items[keep:]:
-                    g = self._write(k, v)
+                batch = items[keep:]
+                results, error = self._write_all(batch)
+                for (k, v), g in zip(batch, results):
                     if g is None:        # no place of ours for it: the next tier's
                         dropped.append((k, v))
                         continue
                     grown += g
+                if error is not None:
+                    raise error
         except BaseException as e:
             # what the trim removed from the disk goes on to the next tier
             # with the exception (the pool hands on the batch itself)
@@ -338,54 +332,21 @@ class DiskStore(PrefixStore):
                 self._used += grown
         return trimmed + dropped
 
-    def _write(self, k, v):
-        """Write entry ``k`` (a temporary file, then a rename, both inside
-        its subdirectory opened without following a link); returns the
-        bytes the directory grew by, or None when the entry's place is not
-        one to write to (its subdirectory a link or not a directory, a
-        directory at its name): the caller hands the entry on instead."""
-        d, name = os.path.split(self._file(k))
-        try:
-            os.makedirs(d, exist_ok=True)
-        except FileExistsError:       # not a directory: the open below says so
-            pass
-        try:
-            dfd = os.open(d, _OPEN_DIR)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                return None
-            raise
-        tmp = f"{_TMP}{os.getpid()}-{threading.get_ident()}-{k.hex()[-16:]}"
-        try:
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    return None
-                old = st.st_size if stat.S_ISREG(st.st_mode) else 0
-            except FileNotFoundError:
-                old = 0
-            try:
-                # never through a link planted at the (predictable) name
-                fd = os.open(tmp, _OPEN_TMP, 0o644, dir_fd=dfd)
-            except FileExistsError:   # left by a writer of this pid and thread that died
-                os.unlink(tmp, dir_fd=dfd)
-                fd = os.open(tmp, _OPEN_TMP, 0o644, dir_fd=dfd)
-            try:
-                with open(fd, "wb", buffering=0) as f:
-                    view = memoryview(v).cast("B")
-                    done = 0
-                    while done < view.nbytes:
-                        done += f.write(view[done:])
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except OSError:
-                    pass
-                raise
-        finally:
-            os.close(dfd)
-        return len(v) - old
+    def _write_all(self, items):
+        """Write entries ``items`` ([(key, bytes-like)]), each to a temporary
+        file in its subdirectory and then renamed into place, never through
+        a link (``_fs.write_entries``: one call without the GIL); returns
+        ``(results, error)``: per entry written, the bytes the directory
+        grew by, or None when its place is not one to write to (its
+        subdirectory a link or not a directory, a directory at its name:
+        the caller hands it on); ``error``, the OSError of the entry it
+        stopped at, or None."""
+        tid, pid = threading.get_ident(), os.getpid()
+        jobs = []
+        for k, v in items:
+            h = k.hex()
+            jobs.append((h[-2:], h + _SUFFIX, f"{_TMP}{pid}-{tid}-{h[-16:]}", v))
+        return _fs.write_entries(self.path, jobs)
 
     def _trim(self, room=0):
         """Make room for ``room`` more bytes (the caller holds ``PATH/.lock``):
@@ -409,20 +370,31 @@ class DiskStore(PrefixStore):
         if used + room > cap:
             low = int(cap * self.low_watermark)
             target = low - room if room <= low else cap - room
-            for p, size, _ in sorted(files, key=lambda e: e[2]):
-                if used <= target:
-                    break
-                value = self._take(p)
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    value = None
-                except OSError:
-                    continue       # not ours to remove: it keeps its room
-                used -= size
-                if value is not None:
-                    key = bytes.fromhex(os.path.basename(p)[:-len(_SUFFIX)])
-                    dropped.append((key, value))
+            oldest = sorted(files, key=lambda e: e[2])
+            i = 0
+            while used > target and i < len(oldest):
+                # the least recently used files that make the room, in one
+                # batch (read, then removed: _fs, without the GIL); more
+                # where some could not be removed
+                batch, need = [], used - target
+                while need > 0 and i < len(oldest):
+                    batch.append(oldest[i][:2])
+                    need -= oldest[i][1]
+                    i += 1
+                keys = [_entry_key(p) for p, _ in batch]
+                # (a name that is no key of ours: removed, never read or handed on)
+                values, errs = self._take_all([p if k is not None else None
+                                               for (p, _), k in zip(batch, keys)])
+                gone = [(p, size, k, v) for (p, size), k, v, err in zip(batch, keys, values, errs)
+                        if err not in _SCARCE]   # (not looked at: kept, it keeps its room)
+                for (p, size, k, value), err in zip(gone, _fs.unlink_all([g[0] for g in gone])):
+                    if err == errno.ENOENT:
+                        value = None
+                    elif err:
+                        continue       # not ours to remove: it keeps its room
+                    used -= size
+                    if value is not None:
+                        dropped.append((k, value))
         with self._lock:
             self._used = used
         if used + room > self.capacity_bytes:
@@ -475,35 +447,24 @@ class DiskStore(PrefixStore):
                                     "until it can (the directory must stay within "
                                     "capacity_bytes)")
 
-    def _take(self, path):
-        """The bytes of the entry file at ``path`` for the next tier, or None
-        (gone, not a regular file, unreadable, or not of the size its
-        header promises): never more than that size is read."""
-        try:
-            fd, size = _open_entry(path)
-        except OSError:
-            return None
-        try:
-            if size > self.capacity_bytes or not _as_promised(fd, size):
-                return None
-            value = bytearray(size)
-            if _read_into(fd, value) != size:
-                return None
-            return value
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+    def _take_all(self, paths):
+        """The bytes of the entry files at ``paths`` (None: skipped) for the
+        next tier: ``(values, errors)``, a ``bytearray`` or None each (gone,
+        not a regular file, unreadable, larger than ``capacity_bytes``, or
+        not of the size its header promises), and the errno of an open or
+        read that failed (0 otherwise): never more than the promised size
+        is read, and only the head of a file whose header promises
+        another."""
+        def promised(head, size):
+            return _format.entry_size(head) == size
+        return _fs.take_entries(paths, self.capacity_bytes, _format.HEAD_PROBE, promised)
 
     @staticmethod
     def _unlink_all(paths):
-        """Remove stale temporary files (one that cannot be removed is
-        left: it only takes room)."""
-        for p in paths:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        """Remove stale temporary files and what is named like an entry but
+        is not one (one that cannot be removed is left: it only takes
+        room)."""
+        _fs.unlink_all(paths)
 
     def _lock_file(self, fd):
         """Exclusive flock on descriptor ``fd`` (``PATH/.lock``), waiting at

@@ -1,0 +1,295 @@
+"""A DiskStore's directory listed, and a batch of its entries written,
+read or removed, each in one native call without the GIL (csrc/kv_fs.h
+says why)."""
+import os
+
+from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
+from libc.errno cimport ENOENT, ENOMEM
+
+
+cdef extern from "kv_fs.h" nogil:
+    enum:
+        KV_FS_ENTRY
+        KV_FS_BAD
+        KV_FS_STALE
+    ctypedef struct kv_fs_item:
+        size_t name
+        int64_t size
+        int64_t mtime_ns
+        int kind
+    ctypedef struct kv_fs_scan:
+        kv_fs_item *items
+        size_t n
+        char *names
+    int kv_fs_list(const char *root, const char *suffix, const char *tmp_prefix,
+                   int64_t stale_cutoff_ns, int want_stale, int want_bad, kv_fs_scan *out)
+    void kv_fs_scan_free(kv_fs_scan *scan)
+    int KV_FS_NOT_OURS
+    int KV_FS_NO_ROOT
+    int kv_fs_write(const char *root, const char *sub, const char *name, const char *tmp,
+                    const void *data, size_t len, int64_t *grown, int *failed_tmp)
+    int kv_fs_open_head(const char *path, void *head, size_t probe, int *fd, int64_t *size,
+                        size_t *head_len)
+    int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got)
+    int kv_fs_unlink(const char *path)
+
+
+cdef bytes _path(p, what):
+    """``p`` as bytes for C: refused (ValueError) with a NUL byte, which C
+    would cut the path at."""
+    b = os.fsencode(p)
+    if b"\0" in b:
+        raise ValueError(f"{what} must be paths without a NUL byte, got {p!r}")
+    return b
+
+
+cdef bytes _name(p, what):
+    """One path component as bytes for C: no NUL byte, no '/', not empty,
+    '.' or '..' (ValueError)."""
+    b = _path(p, what)
+    if not b or b"/" in b or b in (b".", b".."):
+        raise ValueError(f"{what} must be one file name (no '/', not '', '.' or '..'), "
+                         f"got {p!r}")
+    return b
+
+
+def list_dir(root, suffix, tmp_prefix, int64_t stale_cutoff_ns, stale=None, bad=None):
+    """[(path, size, mtime_ns)] of the regular files named ``*suffix`` in
+    the subdirectories of ``root`` (never through a link); with a list
+    ``stale``, the paths of files named ``tmp_prefix*`` with an mtime
+    before ``stale_cutoff_ns`` are appended to it; with a list ``bad``, the
+    paths named like an entry that are neither regular files nor
+    directories.  Paths are ``root/SUBDIR/NAME``.  A missing ``root``
+    lists nothing; one that cannot be opened raises OSError."""
+    cdef bytes broot = _path(root, "root")
+    cdef bytes bsuffix = _path(suffix, "suffix")
+    cdef bytes btmp = _path(tmp_prefix, "tmp_prefix")
+    cdef const char *croot = broot
+    cdef const char *csuffix = bsuffix
+    cdef const char *ctmp = btmp
+    cdef int want_stale = stale is not None
+    cdef int want_bad = bad is not None
+    cdef kv_fs_scan scan
+    cdef int rc
+    cdef size_t i
+    cdef kv_fs_item *it
+    with nogil:
+        rc = kv_fs_list(croot, csuffix, ctmp, stale_cutoff_ns, want_stale, want_bad, &scan)
+    try:
+        if rc == ENOMEM:
+            raise MemoryError(f"listing {root!r}")
+        if rc:
+            raise OSError(rc, os.strerror(rc), root)
+        out = []
+        prefix = root.rstrip(os.sep) + os.sep if root != os.sep else root
+        for i in range(scan.n):
+            it = &scan.items[i]
+            path = prefix + os.fsdecode(<bytes>(scan.names + it.name))
+            if it.kind == KV_FS_ENTRY:
+                out.append((path, it.size, it.mtime_ns))
+            elif it.kind == KV_FS_BAD:
+                bad.append(path)
+            else:
+                stale.append(path)
+        return out
+    finally:
+        kv_fs_scan_free(&scan)
+
+
+ctypedef struct _job:
+    const char *sub
+    const char *name
+    const char *tmp
+    const unsigned char *data
+    size_t len
+    int64_t grown
+    int rc
+    int failed_tmp
+
+
+def write_entries(root, entries):
+    """Write ``entries``, ``[(subdirectory, name, temporary name, bytes-like)]``,
+    into directory ``root`` (``kv_fs_write`` each, in order, all in one call
+    without the GIL; a missing ``root`` is created, once).  Returns
+    ``(results, error)``: ``results[i]`` is the bytes the directory grew by
+    for entry ``i``, or None where the entry's place is not one to write
+    to; it stops at the first entry that fails, and ``error`` is then the
+    OSError for that entry (None when every entry was done)."""
+    cdef Py_ssize_t n = len(entries), i, start = 0
+    cdef bytes broot = _path(root, "root")
+    cdef const char *croot = broot
+    cdef const unsigned char[::1] view
+    cdef _job *jobs
+    cdef Py_ssize_t stop
+    cdef bint made_root = False
+    keep = []   # the encoded names and the views, alive while the jobs point at them
+    if n == 0:
+        return [], None
+    jobs = <_job *>malloc(n * sizeof(_job))
+    if jobs == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            sub, name, tmp, value = entries[i]
+            bsub, bname, btmp = _name(sub, "sub"), _name(name, "name"), _name(tmp, "tmp")
+            view = memoryview(value).cast("B")
+            keep.append((bsub, bname, btmp, view))
+            jobs[i].sub = bsub
+            jobs[i].name = bname
+            jobs[i].tmp = btmp
+            jobs[i].data = &view[0] if view.shape[0] else NULL
+            jobs[i].len = view.shape[0]
+        results, error = [], None
+        while start < n:
+            with nogil:
+                stop = _run(croot, jobs, start, n)
+            for i in range(start, stop):
+                results.append(None if jobs[i].rc == KV_FS_NOT_OURS else jobs[i].grown)
+            if stop == n:
+                break
+            rc = jobs[stop].rc
+            if rc == KV_FS_NO_ROOT and not made_root:
+                made_root = True           # (removed under us: made again, once)
+                os.makedirs(root, exist_ok=True)
+                start = stop
+                continue
+            if rc == KV_FS_NO_ROOT:
+                rc = ENOENT
+            sub, name, tmp, _ = entries[stop]
+            where = os.path.join(root, sub, tmp if jobs[stop].failed_tmp else name)
+            error = OSError(rc, os.strerror(rc), where)
+            break
+        return results, error
+    finally:
+        free(jobs)
+
+
+cdef Py_ssize_t _run(const char *root, _job *jobs, Py_ssize_t start, Py_ssize_t n) noexcept nogil:
+    """Write jobs[start:n] until one fails: the index of the one that
+    failed (n when none did)."""
+    cdef Py_ssize_t i
+    for i in range(start, n):
+        jobs[i].rc = kv_fs_write(root, jobs[i].sub, jobs[i].name, jobs[i].tmp, jobs[i].data,
+                                 jobs[i].len, &jobs[i].grown, &jobs[i].failed_tmp)
+        if jobs[i].rc != 0 and jobs[i].rc != KV_FS_NOT_OURS:
+            return i
+    return n
+
+
+ctypedef struct _take:
+    const char *path
+    int fd
+    int rc
+    int64_t size
+    size_t head_len
+    unsigned char *buf
+    size_t got
+
+
+#: most files a take holds open at once (a trim of thousands of files
+#: must not run the process out of descriptors, nor hand them all to a
+#: child forked meanwhile)
+OPEN_AT_ONCE = 64
+
+
+def take_entries(paths, int64_t max_size, size_t probe, promised):
+    """The bytes of the regular files at ``paths`` (None: skipped): returns
+    ``(values, errors)``.  ``values[i]`` is a ``bytearray``, or None for a
+    file that is gone, not a regular file (never followed, never opened
+    blocking), unreadable, larger than ``max_size``, or whose first
+    ``probe`` bytes ``head`` fail ``promised(head, size)`` (then never read
+    further); ``errors[i]`` is the errno of an open or read that failed
+    (0 otherwise; EMFILE, ENFILE or ENOMEM: the file was not looked at).
+    Two calls without the GIL for each :data:`OPEN_AT_ONCE` files (open
+    and read the heads; read the rest and close), ``promised`` between
+    them."""
+    cdef Py_ssize_t n = len(paths), i
+    encoded = [None if p is None else _path(p, "paths") for p in paths]
+    values, errors = [None] * n, [0] * n
+    for i in range(0, n, OPEN_AT_ONCE):
+        _take_some(encoded, i, min(n, i + OPEN_AT_ONCE), max_size, probe, promised, values,
+                   errors)
+    return values, errors
+
+
+cdef _take_some(list encoded, Py_ssize_t first, Py_ssize_t stop, int64_t max_size, size_t probe,
+                promised, list values, list errors):
+    cdef Py_ssize_t n = stop - first, i
+    cdef _take *jobs = <_take *>malloc(n * sizeof(_take))
+    cdef unsigned char *heads = <unsigned char *>malloc(n * probe + 1)
+    if jobs == NULL or heads == NULL:
+        free(jobs)
+        free(heads)
+        raise MemoryError()
+    for i in range(n):
+        p = encoded[first + i]
+        jobs[i].path = NULL
+        if p is not None:
+            jobs[i].path = <bytes>p
+        jobs[i].fd = -1
+        jobs[i].rc = KV_FS_NOT_OURS
+        jobs[i].buf = NULL
+    try:
+        with nogil:
+            for i in range(n):
+                if jobs[i].path != NULL:
+                    jobs[i].rc = kv_fs_open_head(jobs[i].path, heads + i * probe, probe,
+                                                 &jobs[i].fd, &jobs[i].size, &jobs[i].head_len)
+        for i in range(n):
+            if jobs[i].rc != 0:
+                if jobs[i].rc != KV_FS_NOT_OURS and jobs[i].rc != ENOENT:
+                    errors[first + i] = jobs[i].rc
+                continue
+            if jobs[i].size > max_size:
+                continue
+            head = (heads + i * probe)[:jobs[i].head_len]
+            if promised(head, jobs[i].size):
+                values[first + i] = value = bytearray(jobs[i].size)
+                jobs[i].buf = <unsigned char *>(<bytearray>value) if jobs[i].size else NULL
+    finally:
+        # the rest read (only where it is wanted) and every file closed,
+        # whatever happened above
+        with nogil:
+            for i in range(n):
+                if jobs[i].rc == 0:
+                    jobs[i].rc = kv_fs_read_close(jobs[i].fd, jobs[i].buf, jobs[i].size,
+                                                  &jobs[i].got)
+                    if jobs[i].rc == 0 and jobs[i].got != <size_t>jobs[i].size:
+                        jobs[i].rc = KV_FS_NOT_OURS      # changed under us: not whole
+        for i in range(n):
+            if values[first + i] is not None and jobs[i].rc != 0:
+                values[first + i] = None
+                if jobs[i].rc != KV_FS_NOT_OURS:
+                    errors[first + i] = jobs[i].rc
+        free(jobs)
+        free(heads)
+
+
+def unlink_all(paths):
+    """Remove the files (or links: never what they point to) at ``paths``
+    (``DIR/NAME`` each, DIR opened without following a link: ENOTDIR where
+    it is one), in one call without the GIL: the errno of each (0 where it
+    went)."""
+    cdef Py_ssize_t n = len(paths), i
+    cdef const char **cpaths
+    cdef int *codes
+    if n == 0:
+        return []
+    encoded = [_path(p, "paths") for p in paths]
+    cpaths = <const char **>malloc(n * sizeof(char *))
+    codes = <int *>malloc(n * sizeof(int))
+    if cpaths == NULL or codes == NULL:
+        free(cpaths)
+        free(codes)
+        raise MemoryError()
+    try:
+        for i in range(n):
+            cpaths[i] = <bytes>encoded[i]
+        with nogil:
+            for i in range(n):
+                codes[i] = kv_fs_unlink(cpaths[i])
+        return [codes[i] for i in range(n)]
+    finally:
+        free(cpaths)
+        free(codes)

@@ -1,0 +1,280 @@
+"""DiskStore's native directory calls (kvcore/stores/_fs.pyx): the listing,
+the batch writes, reads and removals under PATH/.lock are one call each
+without the GIL, and they keep every rule the Python code kept (never
+through a link, never blocking, never reading a file past its head when
+its header promises another size, every descriptor closed)."""
+import errno
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import kvcore
+from kvcore.stores import _format, _fs
+
+from test_stores_review import entry
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX")
+
+
+def python_listing(root, cutoff, stale, bad):
+    """The listing as the Python DiskStore did it (os.scandir, lstat)."""
+    out = []
+    for d in os.scandir(root):
+        if not d.is_dir(follow_symlinks=False):
+            continue
+        for f in os.scandir(d.path):
+            st = f.stat(follow_symlinks=False)
+            if f.name.endswith(".kve"):
+                if stat.S_ISREG(st.st_mode):
+                    out.append((f.path, st.st_size, st.st_mtime_ns))
+                elif not stat.S_ISDIR(st.st_mode):
+                    bad.append(f.path)
+            elif f.name.startswith(".tmp-") and st.st_mtime_ns < cutoff:
+                stale.append(f.path)
+    return out
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+
+
+def test_the_native_listing_is_the_python_one(tmp_path):
+    root = tmp_path / "store"
+    for sub in ("aa", "bb", "cc"):
+        (root / sub).mkdir(parents=True)
+    (root / "aa" / "01.kve").write_bytes(b"x" * 10)
+    (root / "aa" / "02.kve").write_bytes(b"y" * 3)
+    (root / "bb" / "03.kve").mkdir()                              # a directory: left alone
+    os.mkfifo(root / "bb" / "04.kve")                             # a FIFO: bad
+    os.symlink("/etc/passwd", root / "bb" / "05.kve")             # a link: bad, never followed
+    (root / "cc" / ".tmp-1-2-old").write_bytes(b"t")
+    os.utime(root / "cc" / ".tmp-1-2-old", ns=(10**9, 10**9))       # stale
+    (root / "cc" / ".tmp-1-2-new").write_bytes(b"t")                # fresh: kept
+    (root / "cc" / "other.txt").write_bytes(b"o")                   # not ours
+    os.symlink(root / "aa", root / "dd")                          # a link to a subdirectory
+    (root / "ee.kve").write_bytes(b"top")                         # a file at the top
+    (root / ".lock").write_bytes(b"")
+    cutoff = 2 * 10**9
+    want_stale, want_bad, got_stale, got_bad = [], [], [], []
+    want = python_listing(str(root), cutoff, want_stale, want_bad)
+    got = _fs.list_dir(str(root), ".kve", ".tmp-", cutoff, got_stale, got_bad)
+    assert sorted(got) == sorted(want) and len(got) == 2
+    assert sorted(got_stale) == sorted(want_stale) == [str(root / "cc" / ".tmp-1-2-old")]
+    assert sorted(got_bad) == sorted(want_bad) and len(got_bad) == 2
+    assert _fs.list_dir(str(tmp_path / "missing"), ".kve", ".tmp-", 0) == []
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(NotADirectoryError):
+        _fs.list_dir(str(tmp_path / "file"), ".kve", ".tmp-", 0)
+
+
+def count_os_calls(monkeypatch):
+    """Count the calls of os's file functions (each gives the GIL up and
+    takes it back)."""
+    calls = []
+    for name in ("open", "stat", "lstat", "fstat", "unlink", "replace", "scandir", "makedirs",
+                 "pread", "readv", "close", "utime"):
+        real = getattr(os, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(os, name, spy)
+    return calls
+
+
+def test_a_put_makes_as_many_python_system_calls_for_60_entries_as_for_2(tmp_path,
+                                                                      monkeypatch):
+    """Under PATH/.lock a put lists, trims and writes with a fixed number
+    of calls into os, whatever the batch and the directory hold: beside a
+    thread busy in Python each such call waited up to a switch interval
+    for the GIL, and a put of a hundred small entries held the machine-wide
+    lock for a second."""
+    disk = kvcore.DiskStore(tmp_path, 60_000)
+    disk.put([entry(i, 1000) for i in range(55)])
+    calls = count_os_calls(monkeypatch)
+    disk.put([entry(200, 1000), entry(201, 1000)])
+    small = list(calls)
+    calls.clear()
+    dropped = disk.put([entry(100 + i, 1000) for i in range(60)])    # trims the 57 others
+    big = list(calls)
+    monkeypatch.undo()
+    assert len(dropped) == 57 and len(disk) == 60
+    assert len(big) == len(small) <= 4, (small, big)    # the lock file: open, fstat, close
+
+
+def test_a_failing_write_stops_the_batch_and_names_its_file(tmp_path):
+    root = tmp_path / "s"
+    root.mkdir()
+    data = b"v" * 100
+    (root / "bb").mkdir()
+    (root / "bb" / ".tmp-x").mkdir()                    # the tmp name cannot be made
+    os.symlink(tmp_path, root / "cc")                   # a link in place of a subdirectory
+    (root / "dd").mkdir()
+    (root / "dd" / "e.kve").mkdir()                     # a directory at the entry's name
+    (root / "ee").mkdir()
+    (root / "ee" / ".tmp-y").write_bytes(b"left by a writer that died")
+    (root / "ee" / "f.kve").write_bytes(b"o" * 40)      # replaced: the directory grew by 60
+    results, error = _fs.write_entries(str(root), [
+        ("aa", "a.kve", ".tmp-a", data), ("cc", "c.kve", ".tmp-c", data),
+        ("dd", "e.kve", ".tmp-d", data), ("ee", "f.kve", ".tmp-y", memoryview(data)),
+        ("bb", "b.kve", ".tmp-x", data), ("aa", "z.kve", ".tmp-z", data)])
+    assert results == [100, None, None, 60]
+    assert error.errno == errno.EISDIR and error.filename == str(root / "bb" / ".tmp-x")
+    assert (root / "aa" / "a.kve").read_bytes() == data
+    assert (root / "ee" / "f.kve").read_bytes() == data
+    assert not (root / "ee" / ".tmp-y").exists()
+    assert not (root / "aa" / "z.kve").exists()         # after the failure: not written
+    assert not list(tmp_path.glob("c.kve"))             # the link was not followed
+    assert sorted(os.listdir(root / "aa")) == ["a.kve"]
+
+
+def test_a_directory_removed_under_a_write_is_made_again(tmp_path):
+    root = tmp_path / "gone" / "deeper"
+    assert _fs.write_entries(str(root), []) == ([], None)
+    assert _fs.write_entries(str(root), [("aa", "a.kve", ".tmp-a", b"abc")]) == ([3], None)
+    assert (root / "aa" / "a.kve").read_bytes() == b"abc"
+    (tmp_path / "file").write_bytes(b"")
+    results, error = _fs.write_entries(str(tmp_path / "file" / "x"), [("aa", "a", ".t", b"")])
+    assert results == [] and error.errno == errno.ENOTDIR
+
+
+def test_take_reads_only_what_a_header_promises_and_closes_every_file(tmp_path):
+    good_key, good = entry(1, 1000)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "good.kve").write_bytes(good)
+    with open(tmp_path / "a" / "sparse.kve", "wb") as f:      # 1 GiB of holes, its head an
+        f.write(good[:_format.HEAD_PROBE])                    # entry's of 1000 bytes
+        f.truncate(1 << 30)
+    os.mkfifo(tmp_path / "a" / "fifo.kve")
+    os.symlink(tmp_path / "a" / "good.kve", tmp_path / "a" / "link.kve")
+    (tmp_path / "a" / "short.kve").write_bytes(good[:50])
+    paths = [str(tmp_path / "a" / n) for n in ("good.kve", "sparse.kve", "fifo.kve",
+                                               "link.kve", "short.kve", "missing.kve")]
+    heads = []
+
+    def promised(head, size):
+        heads.append(len(head))
+        return _format.entry_size(head) == size
+    fds = open_fds()
+    got = _fs.take_entries(paths + [None], 1 << 31, _format.HEAD_PROBE, promised)
+    assert got == ([bytearray(good), None, None, None, None, None, None], [0] * 7)
+    assert heads == [_format.HEAD_PROBE, _format.HEAD_PROBE, 50]
+    assert _fs.take_entries(paths[:1], 999, _format.HEAD_PROBE, promised) == ([None], [0])
+
+    def fails(head, size):
+        raise RuntimeError("a check that fails")
+    with pytest.raises(RuntimeError):
+        _fs.take_entries(paths, 1 << 31, _format.HEAD_PROBE, fails)
+    assert open_fds() == fds
+    assert _fs.unlink_all(paths[3:] + [str(tmp_path / "a")]) == [0, 0, errno.ENOENT,
+                                                                errno.EISDIR]
+    assert os.path.exists(paths[0])                     # the link's target stays
+
+
+def test_puts_of_two_stores_on_one_directory_from_threads_stay_within_capacity(tmp_path):
+    """Two DiskStores on one directory, each put from its own thread (their
+    native calls run at once, without the GIL): the directory stays within
+    capacity and every entry left is whole."""
+    a, b = kvcore.DiskStore(tmp_path, 20_000), kvcore.DiskStore(tmp_path, 20_000)
+    errors = []
+
+    def writer(store, base):
+        try:
+            for r in range(20):
+                store.put([entry((base + r * 7 + j) % 250, 1000) for j in range(7)])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=writer, args=(s, base))
+               for s, base in ((a, 0), (b, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert a.used_bytes() <= 20_000
+    files = _fs.list_dir(str(tmp_path), ".kve", ".tmp-", 0)
+    assert files and all(size == 1000 for _, size, _ in files)
+    written = dict(entry(i, 1000) for i in range(250))
+    for path, _, _ in files:
+        key = bytes.fromhex(os.path.basename(path)[:-4])
+        assert bytes(a.get([key])[0]) == written[key]
+
+
+def test_a_trim_out_of_descriptors_never_loses_an_entry(tmp_path):
+    """A trim that runs out of file descriptors (a process near its limit)
+    keeps what it could not read: every file it removed was handed on."""
+    script = f"""
+import os, resource, sys
+sys.path[:0] = {[str(TESTS_DIR), str(TESTS_DIR.parent)]!r}
+import kvcore
+from test_stores_review import entry
+disk = kvcore.DiskStore({str(tmp_path)!r}, 200 * 600)
+disk.put([entry(i, 600) for i in range(200)])
+before = {{k for k, _ in (entry(i, 600) for i in range(200))}}
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 20, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    handed = disk.put([entry(200 + i, 600) for i in range(40)])
+except OSError as e:
+    handed = getattr(e, "dropped", [])
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+handed = {{k for k, _ in handed}}
+left = {{bytes.fromhex(os.path.basename(p)[:-4]) for p, _, _ in disk._listing()}}
+removed = before - left
+assert removed, "nothing was trimmed"
+assert removed <= handed, (len(removed), len(handed & removed))
+print("removed", len(removed), "handed", len(handed))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_planted_entry_under_a_name_that_is_no_key_is_removed_not_handed_on(tmp_path):
+    disk = kvcore.DiskStore(tmp_path, 3000)
+    disk.put([entry(1, 1000), entry(2, 1000)])
+    (tmp_path / "zz").mkdir()
+    planted = tmp_path / "zz" / "zz.kve"
+    planted.write_bytes(entry(3, 1000)[1])              # a whole entry, under no key
+    os.utime(planted, ns=(1, 1))                        # the oldest: trimmed first
+    dropped = disk.put([entry(4, 1000)])
+    assert not planted.exists()
+    assert [k for k, _ in dropped] == [entry(1, 1000)[0]] or \
+        [k for k, _ in dropped] == [entry(2, 1000)[0]]
+    assert disk.used_bytes() <= 3000
+
+
+def test_any_stale_tmp_seconds_is_taken(tmp_path):
+    disk = kvcore.DiskStore(tmp_path, 3000)
+    for secs in (1e11, float("inf"), float("nan"), -5.0):
+        disk.stale_tmp_seconds = secs
+        assert disk.put([entry(1, 1000)]) == []
+        assert len(disk) == 1
+
+
+def test_native_calls_refuse_what_c_would_cut_or_escape(tmp_path):
+    for bad in ("a\0b", "", "..", "a/b"):
+        with pytest.raises(ValueError, match="sub must be one file name|sub must be paths"):
+            _fs.write_entries(str(tmp_path), [(bad, "x.kve", ".tmp-x", b"")])
+    with pytest.raises(ValueError, match="paths must be paths without a NUL byte"):
+        _fs.unlink_all([str(tmp_path / "a\0b")])
+    with pytest.raises(ValueError, match="root must be paths without a NUL byte"):
+        _fs.list_dir(str(tmp_path) + "\0", ".kve", ".tmp-", 0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_removal_never_goes_through_a_subdirectory_swapped_for_a_link(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "ab.kve").write_bytes(b"keep")
+    (tmp_path / "s").mkdir()
+    os.symlink(target, tmp_path / "s" / "ab")           # SUB is now a link
+    assert _fs.unlink_all([str(tmp_path / "s" / "ab" / "ab.kve")]) == [errno.ENOTDIR]
+    assert (target / "ab.kve").read_bytes() == b"keep"
