@@ -31,7 +31,7 @@ cdef extern from "kv_fs.h" nogil:
                     const void *data, size_t len, int64_t *grown, int *failed_tmp)
     int kv_fs_open_head(const char *path, void *head, size_t probe, int *fd, int64_t *size,
                         size_t *head_len)
-    int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got)
+    int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got, int touch)
     int kv_fs_unlink(const char *path)
 
 
@@ -184,86 +184,177 @@ ctypedef struct _take:
     int64_t size
     size_t head_len
     unsigned char *buf
+    size_t want
     size_t got
 
 
-#: most files a take holds open at once (a trim of thousands of files
-#: must not run the process out of descriptors, nor hand them all to a
-#: child forked meanwhile)
+#: most files a take or a read holds open at once (a trim of thousands of
+#: files must not run the process out of descriptors, nor hand them all
+#: to a child forked meanwhile)
 OPEN_AT_ONCE = 64
 
 
+cdef class _Batch:
+    """Files ``encoded[first:stop]`` (None: skipped) opened and their
+    heads read in one call without the GIL; ``finish`` reads what each
+    ``jobs[i].buf`` (of ``jobs[i].want`` bytes) asks for and closes every
+    file, in one more.  Whatever happens between, ``finish`` (or, failing
+    that, the deallocation) closes every file it opened."""
+    cdef _take *jobs
+    cdef unsigned char *heads
+    cdef Py_ssize_t n
+    cdef size_t probe
+    cdef bint closed
+    cdef object keep            # the encoded paths, alive while the jobs point at them
+
+    def __cinit__(self, list encoded, Py_ssize_t first, Py_ssize_t stop, size_t probe):
+        cdef Py_ssize_t i
+        self.n = stop - first
+        self.probe = probe
+        self.closed = True
+        self.jobs = <_take *>malloc(self.n * sizeof(_take))
+        self.heads = <unsigned char *>malloc(self.n * probe + 1)
+        if self.jobs == NULL or self.heads == NULL:
+            raise MemoryError()
+        self.keep = encoded[first:stop]
+        for i in range(self.n):
+            p = self.keep[i]
+            self.jobs[i].path = NULL
+            if p is not None:
+                self.jobs[i].path = <bytes>p
+            self.jobs[i].fd = -1
+            self.jobs[i].rc = KV_FS_NOT_OURS
+            self.jobs[i].buf = NULL
+            self.jobs[i].want = 0
+            self.jobs[i].got = 0
+        self.closed = False
+        with nogil:
+            for i in range(self.n):
+                if self.jobs[i].path != NULL:
+                    self.jobs[i].rc = kv_fs_open_head(self.jobs[i].path, self.heads + i * probe,
+                                                      probe, &self.jobs[i].fd, &self.jobs[i].size,
+                                                      &self.jobs[i].head_len)
+
+    cdef bytes head(self, Py_ssize_t i):
+        return (self.heads + i * self.probe)[:self.jobs[i].head_len]
+
+    cdef void finish(self, bint touch) noexcept:
+        cdef Py_ssize_t i
+        if self.closed:
+            return
+        self.closed = True
+        with nogil:
+            for i in range(self.n):
+                if self.jobs[i].rc == 0:
+                    self.jobs[i].rc = kv_fs_read_close(self.jobs[i].fd, self.jobs[i].buf,
+                                                       self.jobs[i].want, &self.jobs[i].got,
+                                                       touch and self.jobs[i].buf != NULL)
+
+    def __dealloc__(self):
+        self.finish(False)
+        free(self.jobs)
+        free(self.heads)
+
+
+cdef inline bint _failed(int rc) noexcept:
+    """An open or read that failed for a reason other than the file being
+    gone or not a regular file."""
+    return rc != 0 and rc != KV_FS_NOT_OURS and rc != ENOENT
+
+
 def take_entries(paths, int64_t max_size, size_t probe, promised):
-    """The bytes of the regular files at ``paths`` (None: skipped): returns
-    ``(values, errors)``.  ``values[i]`` is a ``bytearray``, or None for a
-    file that is gone, not a regular file (never followed, never opened
-    blocking), unreadable, larger than ``max_size``, or whose first
-    ``probe`` bytes ``head`` fail ``promised(head, size)`` (then never read
-    further); ``errors[i]`` is the errno of an open or read that failed
-    (0 otherwise; EMFILE, ENFILE or ENOMEM: the file was not looked at).
-    Two calls without the GIL for each :data:`OPEN_AT_ONCE` files (open
-    and read the heads; read the rest and close), ``promised`` between
-    them."""
-    cdef Py_ssize_t n = len(paths), i
+    """The bytes of the regular files at ``paths`` (None: skipped) for the
+    next tier: returns ``(values, errors)``.  ``values[i]`` is a
+    ``bytearray``, or None for a file that is gone, not a regular file
+    (never followed, never opened blocking), unreadable, larger than
+    ``max_size``, or whose first ``probe`` bytes ``head`` fail
+    ``promised(head, size)`` (then never read further); ``errors[i]`` is
+    the errno of an open or read that failed (0 otherwise; EMFILE, ENFILE
+    or ENOMEM: the file was not looked at).  Two calls without the GIL for
+    each :data:`OPEN_AT_ONCE` files, ``promised`` between them."""
+    cdef Py_ssize_t n = len(paths), i, first
+    cdef _Batch b
+    cdef _take *job
     encoded = [None if p is None else _path(p, "paths") for p in paths]
     values, errors = [None] * n, [0] * n
-    for i in range(0, n, OPEN_AT_ONCE):
-        _take_some(encoded, i, min(n, i + OPEN_AT_ONCE), max_size, probe, promised, values,
-                   errors)
+    for first in range(0, n, OPEN_AT_ONCE):
+        b = _Batch(encoded, first, min(n, first + OPEN_AT_ONCE), probe)
+        try:
+            for i in range(b.n):
+                job = &b.jobs[i]
+                if job.rc != 0 or job.size > max_size or not promised(b.head(i), job.size):
+                    continue
+                values[first + i] = value = bytearray(job.size)
+                job.want = job.size
+                job.buf = <unsigned char *>(<bytearray>value) if job.size else NULL
+        finally:
+            b.finish(False)
+        for i in range(b.n):
+            job = &b.jobs[i]
+            if job.rc == 0 and job.got != job.want:
+                job.rc = KV_FS_NOT_OURS           # changed under us: not whole
+            if job.rc != 0:
+                values[first + i] = None
+            if _failed(job.rc):
+                errors[first + i] = job.rc
     return values, errors
 
 
-cdef _take_some(list encoded, Py_ssize_t first, Py_ssize_t stop, int64_t max_size, size_t probe,
-                promised, list values, list errors):
-    cdef Py_ssize_t n = stop - first, i
-    cdef _take *jobs = <_take *>malloc(n * sizeof(_take))
-    cdef unsigned char *heads = <unsigned char *>malloc(n * probe + 1)
-    if jobs == NULL or heads == NULL:
-        free(jobs)
-        free(heads)
-        raise MemoryError()
-    for i in range(n):
-        p = encoded[first + i]
-        jobs[i].path = NULL
-        if p is not None:
-            jobs[i].path = <bytes>p
-        jobs[i].fd = -1
-        jobs[i].rc = KV_FS_NOT_OURS
-        jobs[i].buf = NULL
-    try:
-        with nogil:
-            for i in range(n):
-                if jobs[i].path != NULL:
-                    jobs[i].rc = kv_fs_open_head(jobs[i].path, heads + i * probe, probe,
-                                                 &jobs[i].fd, &jobs[i].size, &jobs[i].head_len)
-        for i in range(n):
-            if jobs[i].rc != 0:
-                if jobs[i].rc != KV_FS_NOT_OURS and jobs[i].rc != ENOENT:
-                    errors[first + i] = jobs[i].rc
-                continue
-            if jobs[i].size > max_size:
-                continue
-            head = (heads + i * probe)[:jobs[i].head_len]
-            if promised(head, jobs[i].size):
-                values[first + i] = value = bytearray(jobs[i].size)
-                jobs[i].buf = <unsigned char *>(<bytearray>value) if jobs[i].size else NULL
-    finally:
-        # the rest read (only where it is wanted) and every file closed,
-        # whatever happened above
-        with nogil:
-            for i in range(n):
-                if jobs[i].rc == 0:
-                    jobs[i].rc = kv_fs_read_close(jobs[i].fd, jobs[i].buf, jobs[i].size,
-                                                  &jobs[i].got)
-                    if jobs[i].rc == 0 and jobs[i].got != <size_t>jobs[i].size:
-                        jobs[i].rc = KV_FS_NOT_OURS      # changed under us: not whole
-        for i in range(n):
-            if values[first + i] is not None and jobs[i].rc != 0:
-                values[first + i] = None
-                if jobs[i].rc != KV_FS_NOT_OURS:
-                    errors[first + i] = jobs[i].rc
-        free(jobs)
-        free(heads)
+def read_entries(paths, int64_t limit, size_t probe, promised):
+    """The bytes of the regular files at ``paths`` for a lookup: a NumPy
+    ``uint8`` array each (views of one buffer for each
+    :data:`OPEN_AT_ONCE` files), or None for one that is gone or not a
+    regular file (never followed, never opened blocking).  A file longer
+    than ``probe`` bytes that is longer than ``limit`` or whose head fails
+    ``promised(head, size)`` is read no further than its head (a corrupt
+    entry: it fails its checks); a file read has its modification time set
+    to now (the LRU's recency).  Raises OSError for a file that cannot be
+    opened or read for another reason (every file closed first).  Two
+    calls without the GIL for each :data:`OPEN_AT_ONCE` files, ``promised``
+    between them."""
+    import numpy as np
+
+    cdef Py_ssize_t n = len(paths), i, first
+    cdef size_t total, off
+    cdef _Batch b
+    cdef _take *job
+    cdef unsigned char[::1] arena
+    encoded = [_path(p, "paths") for p in paths]
+    out = [None] * n
+    for first in range(0, n, OPEN_AT_ONCE):
+        b = _Batch(encoded, first, min(n, first + OPEN_AT_ONCE), probe)
+        try:
+            total = 0
+            for i in range(b.n):
+                job = &b.jobs[i]
+                if _failed(job.rc):
+                    raise OSError(job.rc, os.strerror(job.rc), paths[first + i])
+                if job.rc != 0:
+                    continue
+                job.want = job.size
+                if job.size > <int64_t>probe and (job.size > limit
+                                                  or not promised(b.head(i), job.size)):
+                    job.want = probe
+                total += job.want
+            arena_array = np.empty(total, np.uint8)
+            arena = arena_array
+            off = 0
+            for i in range(b.n):
+                job = &b.jobs[i]
+                if job.rc == 0:
+                    job.buf = &arena[off] if job.want else NULL
+                    off += job.want
+        finally:
+            b.finish(True)
+        off = 0
+        for i in range(b.n):
+            job = &b.jobs[i]
+            if _failed(job.rc):
+                raise OSError(job.rc, os.strerror(job.rc), paths[first + i])
+            if job.buf != NULL or (job.rc == 0 and job.want == 0):
+                out[first + i] = arena_array[off:off + job.got]
+                off += job.want
+    return out
 
 
 def unlink_all(paths):

@@ -7,7 +7,6 @@ import stat
 import threading
 import time
 
-import numpy as np
 
 from . import _format, _fs
 from .._forksafe import LEAF, fork_guard
@@ -24,9 +23,7 @@ _TMP = ".tmp-"
 # this process copy any file it can read into the next tier) and without
 # blocking (a FIFO named like an entry would hang the open for ever), and
 # only regular files are read, at most the size fstat gave (a device such
-# as /dev/zero never ends).
-_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# as /dev/zero never ends): kvcore/stores/csrc/kv_fs.c does all of it.
 # PATH/.lock is untrusted too: never through a link (a dangling one planted
 # there would make this process create its target), never blocking (a FIFO),
 # and only a regular file is locked (read-only is enough for flock)
@@ -43,65 +40,9 @@ def _entry_key(path):
     return bytes.fromhex(h)
 
 
-class _NotAnEntry(OSError):
-    """What a path named like an entry holds is not a regular file (a
-    link, FIFO, directory, device ...): never read, never forwarded."""
-
-
 class DiskStoreLocked(OSError):
     """A DiskStore could not lock or trim its directory, so it wrote nothing
     (its directory must not outgrow ``capacity_bytes``); reads go on."""
-
-
-def _open_entry(path):
-    """(fd, size) of the regular file at ``path``, opened without following
-    a link or blocking; raises FileNotFoundError, :class:`_NotAnEntry` (a
-    link, a directory or anything else that is not a regular file, also a
-    link in place of the subdirectory) or another OSError."""
-    d, name = os.path.split(path)
-    try:
-        dfd = os.open(d, _OPEN_DIR)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _NotAnEntry(e.errno, "the entry's directory is not a directory", d) from None
-        raise
-    try:
-        try:
-            fd = os.open(name, _OPEN_ENTRY, dir_fd=dfd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
-                raise _NotAnEntry(e.errno, "not a regular file", path) from None
-            raise
-    finally:
-        os.close(dfd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _NotAnEntry(errno.EINVAL, "not a regular file", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st.st_size
-
-
-def _as_promised(fd, size):
-    """Whether the entry file open at ``fd``, of ``size`` bytes, is as long
-    as its header says the entry is (reads its first bytes only): a file
-    that is not can be no entry, and is never read whole."""
-    return _format.entry_size(os.pread(fd, _format.HEAD_PROBE, 0)) == size
-
-
-def _read_into(fd, buf):
-    """Read into ``buf`` (a writable byte view) until it is full or the
-    file ends; returns the bytes read (never more than ``len(buf)``)."""
-    view = memoryview(buf).cast("B")
-    done = 0
-    while done < view.nbytes:
-        got = os.readv(fd, [view[done:]])
-        if got == 0:
-            break
-        done += got
-    return done
 
 
 class DiskStore(PrefixStore):
@@ -245,53 +186,22 @@ class DiskStore(PrefixStore):
         # Entries are read, not mapped: a mapping keeps a file descriptor
         # per entry (a long prefix would run out of them) and a file
         # truncated under it would kill the process (SIGBUS).  They are
-        # read into one allocation sized from a stat of every file first:
-        # one large buffer (NumPy asks the kernel for huge pages) is
-        # not paced by page faults the way many small ones are.  A short
-        # read is a truncated entry, which fails its checks like any
-        # corrupt one.  What is not a regular file (a link, a FIFO, a
-        # directory, a device) is not an entry: None.
-        paths = [self._file(k) for k in keys]
-        sizes = []
-        for p in paths:
-            try:
-                st = os.lstat(p)
-                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
-                sizes.append(size if size <= limit else min(size, _format.HEAD_PROBE))
-            except OSError:
-                sizes.append(0)
-        arena = np.empty(sum(sizes), np.uint8)
-        off = 0
-        out = []
-        for p, room in zip(paths, sizes):
-            try:
-                fd, size = _open_entry(p)
-            except (FileNotFoundError, _NotAnEntry):
-                out.append(None)
-                continue
-            try:
-                if size > _format.HEAD_PROBE and (size > limit or not _as_promised(fd, size)):
-                    # no entry of this store is that large (its put would
-                    # have handed it on; nor of the asking pool, past a
-                    # get_bounded's limit), nor longer than its header says
-                    # (e.g. a sparse file): read the head only, a corrupt entry
-                    size = _format.HEAD_PROBE
-                if size <= room:
-                    buf = arena[off:off + size]
-                    off += room
-                else:   # rewritten since the stat: a buffer of its own
-                    buf = np.empty(size, np.uint8)
-                got = _read_into(fd, buf) if size else 0
-                if got != size:
-                    buf = buf[:got]
-                try:
-                    os.utime(fd)   # recency for the LRU trim (the file read)
-                except OSError:
-                    pass
-            finally:
-                os.close(fd)
-            out.append(buf)
-        return out
+        # read into one allocation per 64 files (one large buffer: NumPy
+        # asks the kernel for huge pages, not paced by page faults the way
+        # many small ones are), in native calls without the GIL (_fs: a
+        # prefetch beside a thread busy in Python is not paced by the
+        # GIL's switch interval either).  A short read is a truncated
+        # entry, which fails its checks like any corrupt one.  What is not
+        # a regular file (a link, a FIFO, a directory, a device) is not an
+        # entry: None.  No entry of this store is larger than ``limit``
+        # (its put would have handed it on; nor of the asking pool, past a
+        # get_bounded's limit), nor longer than its header says (e.g. a
+        # sparse file): of such a file only the head is read, a corrupt
+        # entry.
+        def promised(head, size):
+            return _format.entry_size(head) == size
+        return _fs.read_entries([self._file(k) for k in keys], limit, _format.HEAD_PROBE,
+                                promised)
 
     def put(self, items):
         items = list(items)

@@ -278,3 +278,36 @@ def test_a_removal_never_goes_through_a_subdirectory_swapped_for_a_link(tmp_path
     os.symlink(target, tmp_path / "s" / "ab")           # SUB is now a link
     assert _fs.unlink_all([str(tmp_path / "s" / "ab" / "ab.kve")]) == [errno.ENOTDIR]
     assert (target / "ab.kve").read_bytes() == b"keep"
+
+
+def test_a_read_of_many_files_reads_each_whole_touches_it_and_closes_it(tmp_path):
+    """read_entries over more files than it holds open at once: every
+    entry whole, the recency of each file read refreshed, a file whose
+    header promises another size read no further than its head, and an
+    error other than 'gone' raised with every file closed."""
+    disk = kvcore.DiskStore(tmp_path, 1 << 24)
+    ents = [entry(i, 1000 + i) for i in range(_fs.OPEN_AT_ONCE * 2 + 5)]
+    disk.put(ents)
+    paths = [disk._file(k) for k, _ in ents]
+    for p in paths:
+        os.utime(p, ns=(10**9, 10**9))
+    (tmp_path / "zz").mkdir()
+    sparse = tmp_path / "zz" / "sparse.kve"
+    with open(sparse, "wb") as f:
+        f.write(ents[0][1][:_format.HEAD_PROBE])
+        f.truncate(1 << 30)
+
+    def promised(head, size):
+        return _format.entry_size(head) == size
+    fds = open_fds()
+    got = _fs.read_entries(paths + [str(sparse), str(tmp_path / "zz" / "missing.kve")],
+                           1 << 31, _format.HEAD_PROBE, promised)
+    assert [bytes(g) for g in got[:-2]] == [v for _, v in ents]
+    assert len(got[-2]) == _format.HEAD_PROBE and got[-1] is None
+    assert all(os.stat(p).st_mtime_ns > 10**9 for p in paths)
+    too_long = str(tmp_path / "zz" / ("x" * 300))
+    with pytest.raises(OSError) as info:
+        _fs.read_entries(paths[:3] + [too_long], 1 << 31, _format.HEAD_PROBE, promised)
+    assert info.value.errno == errno.ENAMETOOLONG and info.value.filename == too_long
+    assert open_fds() == fds
+    assert [bytes(v) for v in disk.get([k for k, _ in ents])] == [v for _, v in ents]

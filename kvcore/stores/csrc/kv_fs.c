@@ -333,7 +333,7 @@ int kv_fs_open_head(const char *path, void *head, size_t probe, int *fd, int64_t
     return 0;
 }
 
-int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got)
+int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got, int touch)
 {
     size_t done = 0;
     int rc = 0;
@@ -349,6 +349,8 @@ int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got)
             break;
         done += (size_t)n;
     }
+    if (touch && !rc)
+        (void)futimens(fd, NULL);
     close(fd);
     *got = done;
     return rc;

@@ -84,8 +84,10 @@ int kv_fs_open_head(const char *path, void *head, size_t probe, int *fd, int64_t
 int kv_fs_unlink(const char *path);
 
 /* Read file `fd` from its start into `buf` until `len` bytes or its end
- * (EINTR retried), then close it; `*got` is the bytes read.  Returns 0
- * or an errno (`fd` closed in every case; `buf` NULL: only closed). */
-int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got);
+ * (EINTR retried), with `touch` set its modification time to now (the
+ * LRU's recency of an entry read; a failure there is ignored), then
+ * close it; `*got` is the bytes read.  Returns 0 or an errno (`fd` closed
+ * in every case; `buf` NULL: only closed). */
+int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got, int touch);
 
 #endif
