@@ -10,6 +10,12 @@ the same run:
   beside a memcpy (numpy.copyto) of the same bytes;
 * HostStore  vs  a memcpy of the same number of bytes;
 * DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
+* DiskStore.put of 512 entries of 16 KiB (a small model's blocks) into a
+  full store (a trim of as many, then the writes, under PATH/.lock), and
+  DiskStore.get of them, alone and beside a thread busy in Python (each
+  call that gives the GIL up may wait a switch interval for it back), vs
+  the same files written (open/write/os.replace) or read (open/read) by
+  Python beside the same thread;
 * RedisStore on loopback  vs  one raw redis-py pipelined GET of the same keys;
 * RedisStore on a 3-master Redis Cluster on loopback (``RedisStore.cluster``)
   vs  raw redis-py pipelined GETs of the same keys, one pipeline per master,
@@ -40,6 +46,7 @@ import time
 import numpy as np
 
 import kvcore
+from kvcore.stores import _format
 
 from ._timing import ratio_text, samples, table
 
@@ -332,6 +339,81 @@ def _disk_rows(res, tmp, tokens, layers, heads, dim, nbytes, prompt, rng, repeat
                 fh.readinto(buf[a:b])
 
     res["disk_readinto"] = _stat(samples(readinto, repeat, warmup=1))
+    res["disk_put"] = _disk_put_rows(tmp, rng, repeat)
+
+
+def _disk_entries(rng, n, payload, first):
+    fp = _format.fingerprint("float16", BLOCK, 1, 1, payload // (4 * BLOCK), b"")
+    out = []
+    for i in range(first, first + n):
+        h = i.to_bytes(16, "little")
+        tok = np.arange(BLOCK, dtype=np.int32) + i
+        value = _format.encode(fp, h, bytes(16), bytes(16), bytes(32), tok,
+                               rng.integers(0, 255, payload, dtype=np.uint8))
+        out.append((_format.store_key(fp, h), bytes(value)))
+    return out
+
+
+def _disk_put_rows(tmp, rng, repeat, n=512, payload=16384):
+    """DiskStore.put of ``n`` entries into a store holding as many others
+    (it trims them first), quiet and beside a thread spinning in Python,
+    and the same files written by Python beside that thread."""
+    import threading
+
+    entries = _disk_entries(rng, n, payload, 0)
+    others = _disk_entries(rng, n, payload, n)
+    cap = sum(len(v) for _, v in entries) + 4096
+    d = os.path.join(tmp, "disk-put")
+    store = kvcore.DiskStore(d, cap)
+
+    def setup():
+        store.put(others)            # full of other entries: the put trims them
+
+    def put():
+        store.put(entries)
+
+    raw = os.path.join(tmp, "disk-raw")
+    os.makedirs(raw, exist_ok=True)
+
+    def python_writes():
+        for k, v in entries:
+            path = os.path.join(raw, k.hex() + ".kve")
+            with open(path + ".tmp", "wb") as f:
+                f.write(v)
+            os.replace(path + ".tmp", path)
+
+    keys = [k for k, _ in entries]
+
+    def get():
+        store.get(keys)
+
+    def python_reads():
+        for k in keys:
+            with open(os.path.join(raw, k.hex() + ".kve"), "rb") as f:
+                f.read()
+
+    out = {"entries": len(entries), "bytes": sum(len(v) for _, v in entries),
+           "quiet": _stat(samples(put, repeat, warmup=1, before=setup))}
+    put()
+    out["get_quiet"] = _stat(samples(get, repeat, warmup=1))
+    stop = threading.Event()
+
+    def spin():
+        x = 0
+        while not stop.is_set():
+            x += 1
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        out["busy"] = _stat(samples(put, repeat, warmup=1, before=setup))
+        out["python_busy"] = _stat(samples(python_writes, repeat, warmup=1))
+        put()
+        out["get_busy"] = _stat(samples(get, repeat, warmup=1))
+        out["python_get_busy"] = _stat(samples(python_reads, repeat, warmup=1))
+    finally:
+        stop.set()
+        t.join()
+    return out
 
 
 def _redis_row(res, binary, tmp, tokens, layers, heads, dim, prompt, rng, repeat,
@@ -553,6 +635,19 @@ def report(r):
                      f"{_ms(cl['serial'])}; cluster restore is "
                      f"{cl['serial']['median_s'] / cl['kvcore']['median_s']:.2f}x that; keys "
                      f"per master {cl['keys_per_master']})")
+    dp = r.get("disk_put")
+    if dp:
+        lines.append(f"  DiskStore.put of {dp['entries']} entries of "
+                     f"{dp['bytes'] // dp['entries'] // 1024} KiB into a full store (a trim "
+                     f"first): {_ms(dp['quiet'])}; beside a thread busy in Python "
+                     f"{_ms(dp['busy'])}, where Python's open/write/os.replace of the same "
+                     f"files takes {_ms(dp['python_busy'])} "
+                     f"({dp['python_busy']['median_s'] / dp['busy']['median_s']:.1f}x the put)")
+        lines.append(f"  DiskStore.get of them: {_ms(dp['get_quiet'])}; beside the busy "
+                     f"thread {_ms(dp['get_busy'])}, where Python's open/read of the same "
+                     f"files takes {_ms(dp['python_get_busy'])} "
+                     f"({dp['python_get_busy']['median_s'] / dp['get_busy']['median_s']:.1f}x "
+                     f"the get)")
     if r.get("disk_spill"):
         lines.append(f"  (spill of the prefix into the DiskStore on the allocating thread, the "
                      f"files written by the store worker: {_ms(r['disk_spill'])})")
