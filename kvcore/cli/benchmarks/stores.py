@@ -10,7 +10,8 @@ the same run:
   beside a memcpy (numpy.copyto) of the same bytes;
 * HostStore  vs  a memcpy of the same number of bytes;
 * DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
-* DiskStore.put of 512 entries of 16 KiB (a small model's blocks) into a
+* DiskStore.put of tokens/4 entries of 16 KiB (a small model's blocks; 512
+  by default, 128 in quick mode) into a
   full store (a trim of as many, then the writes, under PATH/.lock), and
   DiskStore.get of them, alone and beside a thread busy in Python (each
   call that gives the GIL up may wait a switch interval for it back), vs
@@ -339,7 +340,7 @@ def _disk_rows(res, tmp, tokens, layers, heads, dim, nbytes, prompt, rng, repeat
                 fh.readinto(buf[a:b])
 
     res["disk_readinto"] = _stat(samples(readinto, repeat, warmup=1))
-    res["disk_put"] = _disk_put_rows(tmp, rng, repeat)
+    res["disk_put"] = _disk_put_rows(tmp, rng, repeat, n=max(16, tokens // 4))
 
 
 def _disk_entries(rng, n, payload, first):
@@ -354,7 +355,7 @@ def _disk_entries(rng, n, payload, first):
     return out
 
 
-def _disk_put_rows(tmp, rng, repeat, n=512, payload=16384):
+def _disk_put_rows(tmp, rng, repeat, n, payload=16384):
     """DiskStore.put of ``n`` entries into a store holding as many others
     (it trims them first), quiet and beside a thread spinning in Python,
     and the same files written by Python beside that thread."""
