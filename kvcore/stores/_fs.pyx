@@ -33,6 +33,8 @@ cdef extern from "kv_fs.h" nogil:
                         size_t *head_len)
     int kv_fs_read_close(int fd, void *buf, size_t len, size_t *got, int touch)
     int kv_fs_unlink(const char *path)
+    int kv_fs_is_entry(const char *path)
+    int kv_fs_delete(const char *path, int *regular, int64_t *size)
 
 
 cdef bytes _path(p, what):
@@ -256,7 +258,7 @@ cdef class _Batch:
         free(self.heads)
 
 
-cdef inline bint _failed(int rc) noexcept:
+cdef inline bint _failed(int rc) noexcept nogil:
     """An open or read that failed for a reason other than the file being
     gone or not a regular file."""
     return rc != 0 and rc != KV_FS_NOT_OURS and rc != ENOENT
@@ -384,3 +386,61 @@ def unlink_all(paths):
     finally:
         free(cpaths)
         free(codes)
+
+
+def count_present(paths):
+    """How many of ``paths``, from the first, are regular files in
+    subdirectories that are not links (never followed): one call without
+    the GIL."""
+    cdef Py_ssize_t n = len(paths), i, found = 0
+    encoded = [_path(p, "paths") for p in paths]
+    cdef const char **cpaths = <const char **>malloc(n * sizeof(char *) + 1)
+    if cpaths == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            cpaths[i] = <bytes>encoded[i]
+        with nogil:
+            while found < n and kv_fs_is_entry(cpaths[found]):
+                found += 1
+        return found
+    finally:
+        free(cpaths)
+
+
+def delete_files(paths):
+    """Remove the files at ``paths`` that are not directories (their
+    subdirectories never followed as links), in one call without the GIL,
+    stopping at the first that fails for a reason other than being gone:
+    ``(sizes, error)``, ``sizes[i]`` the bytes of the regular file removed
+    (None: nothing removed, or not a regular file) for each path done, and
+    ``error`` the OSError of the path it stopped at (or None)."""
+    cdef Py_ssize_t n = len(paths), i, done = 0
+    encoded = [_path(p, "paths") for p in paths]
+    cdef const char **cpaths = <const char **>malloc(n * sizeof(char *) + 1)
+    cdef int *codes = <int *>malloc(n * sizeof(int) + 1)
+    cdef int *regular = <int *>malloc(n * sizeof(int) + 1)
+    cdef int64_t *sizes = <int64_t *>malloc(n * sizeof(int64_t) + 1)
+    try:
+        if cpaths == NULL or codes == NULL or regular == NULL or sizes == NULL:
+            raise MemoryError()
+        for i in range(n):
+            cpaths[i] = <bytes>encoded[i]
+        with nogil:
+            while done < n:
+                codes[done] = kv_fs_delete(cpaths[done], &regular[done], &sizes[done])
+                done += 1
+                if _failed(codes[done - 1]):
+                    break
+        out, error = [], None
+        for i in range(done):
+            if _failed(codes[i]):
+                error = OSError(codes[i], os.strerror(codes[i]), paths[i])
+                break
+            out.append(sizes[i] if codes[i] == 0 and regular[i] else None)
+        return out, error
+    finally:
+        free(cpaths)
+        free(codes)
+        free(regular)
+        free(sizes)

@@ -35,7 +35,7 @@ def test_stores_rows_have_the_benchmark_table_shape():
     assert dp["entries"] == 16 and dp["bytes"] > 16 * 16384
     for key in ("quiet", "busy", "python_busy", "get_quiet", "get_busy", "python_get_busy"):
         assert dp[key]["min_s"] <= dp[key]["median_s"] <= dp[key]["max_s"]
-    assert "DiskStore.put of 16 entries" in text and "DiskStore.get of them" in text
+    assert "DiskStore.put of 16 entries" in text and "DiskStore.contains + get of them" in text
 
 
 def test_bench_only_stores_prints_its_rows(monkeypatch, capsys):

@@ -311,3 +311,42 @@ def test_a_read_of_many_files_reads_each_whole_touches_it_and_closes_it(tmp_path
     assert info.value.errno == errno.ENAMETOOLONG and info.value.filename == too_long
     assert open_fds() == fds
     assert [bytes(v) for v in disk.get([k for k, _ in ents])] == [v for _, v in ents]
+
+
+def test_contains_and_delete_never_go_through_a_link(tmp_path):
+    root = tmp_path / "s"
+    (root / "aa").mkdir(parents=True)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "t.kve").write_bytes(b"keep")
+    (root / "aa" / "1.kve").write_bytes(b"x" * 7)
+    (root / "aa" / "2.kve").write_bytes(b"y" * 5)
+    os.symlink(target / "t.kve", root / "aa" / "3.kve")     # a link named like an entry
+    os.mkfifo(root / "aa" / "4.kve")
+    (root / "aa" / "5.kve").mkdir()
+    os.symlink(target, root / "bb")                          # a subdirectory that is a link
+    p = {n: str(root / "aa" / f"{n}.kve") for n in range(1, 6)}
+    through_link = str(root / "bb" / "t.kve")
+    assert _fs.count_present([p[1], p[2], p[3], p[1]]) == 2
+    assert _fs.count_present([p[4]]) == 0 and _fs.count_present([p[5]]) == 0
+    assert _fs.count_present([through_link]) == 0 and _fs.count_present([]) == 0
+    sizes, error = _fs.delete_files([p[1], p[3], p[4], p[5], through_link,
+                                     str(root / "aa" / "gone.kve"), p[2]])
+    assert sizes == [7, None, None, None, None, None, 5] and error is None
+    assert sorted(os.listdir(root / "aa")) == ["5.kve"]
+    assert (target / "t.kve").read_bytes() == b"keep"
+    too_long = str(root / "aa" / ("x" * 300))
+    (root / "aa" / "6.kve").write_bytes(b"z")
+    sizes, error = _fs.delete_files([str(root / "aa" / "6.kve"), too_long, p[5]])
+    assert sizes == [1] and error.errno == errno.ENAMETOOLONG and error.filename == too_long
+
+
+def test_a_store_delete_counts_what_it_removed(tmp_path):
+    disk = kvcore.DiskStore(tmp_path, 1 << 20)
+    ents = [entry(i, 1000) for i in range(4)]
+    disk.put(ents)
+    keys = [k for k, _ in ents]
+    assert disk.contains(keys) == 4
+    assert disk.delete(keys[1:3] + [entry(9, 1000)[0]]) == 2
+    assert disk.contains(keys) == 1 and disk.contains(keys[3:]) == 1
+    assert disk._used == disk.used_bytes() == 2000

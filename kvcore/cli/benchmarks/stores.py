@@ -11,12 +11,12 @@ the same run:
 * HostStore  vs  a memcpy of the same number of bytes;
 * DiskStore (page cache warm)  vs  numpy.fromfile of the same entry files;
 * DiskStore.put of tokens/4 entries of 16 KiB (a small model's blocks; 512
-  by default, 128 in quick mode) into a
-  full store (a trim of as many, then the writes, under PATH/.lock), and
-  DiskStore.get of them, alone and beside a thread busy in Python (each
-  call that gives the GIL up may wait a switch interval for it back), vs
-  the same files written (open/write/os.replace) or read (open/read) by
-  Python beside the same thread;
+  by default, 128 in quick mode) into a full store (a trim of as many,
+  then the writes, under PATH/.lock), and a lookup of them
+  (DiskStore.contains + get), alone and beside a thread busy in Python
+  (each call that gives the GIL up may wait a switch interval for it
+  back), vs the same files written (open/write/os.replace) or looked up
+  (lstat, open/read) by Python beside the same thread;
 * RedisStore on loopback  vs  one raw redis-py pipelined GET of the same keys;
 * RedisStore on a 3-master Redis Cluster on loopback (``RedisStore.cluster``)
   vs  raw redis-py pipelined GETs of the same keys, one pipeline per master,
@@ -385,12 +385,16 @@ def _disk_put_rows(tmp, rng, repeat, n, payload=16384):
 
     keys = [k for k, _ in entries]
 
-    def get():
+    def get():                       # a lookup as a pool makes it
+        store.contains(keys)
         store.get(keys)
 
     def python_reads():
-        for k in keys:
-            with open(os.path.join(raw, k.hex() + ".kve"), "rb") as f:
+        paths = [os.path.join(raw, k.hex() + ".kve") for k in keys]
+        for p in paths:
+            os.lstat(p)
+        for p in paths:
+            with open(p, "rb") as f:
                 f.read()
 
     out = {"entries": len(entries), "bytes": sum(len(v) for _, v in entries),
@@ -644,9 +648,9 @@ def report(r):
                      f"{_ms(dp['busy'])}, where Python's open/write/os.replace of the same "
                      f"files takes {_ms(dp['python_busy'])} "
                      f"({dp['python_busy']['median_s'] / dp['busy']['median_s']:.1f}x the put)")
-        lines.append(f"  DiskStore.get of them: {_ms(dp['get_quiet'])}; beside the busy "
-                     f"thread {_ms(dp['get_busy'])}, where Python's open/read of the same "
-                     f"files takes {_ms(dp['python_get_busy'])} "
+        lines.append(f"  DiskStore.contains + get of them: {_ms(dp['get_quiet'])}; beside the "
+                     f"busy thread {_ms(dp['get_busy'])}, where Python's lstat, open/read of "
+                     f"the same files takes {_ms(dp['python_get_busy'])} "
                      f"({dp['python_get_busy']['median_s'] / dp['get_busy']['median_s']:.1f}x "
                      f"the get)")
     if r.get("disk_spill"):

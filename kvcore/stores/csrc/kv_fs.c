@@ -286,6 +286,44 @@ int kv_fs_unlink(const char *path)
     return err;
 }
 
+int kv_fs_is_entry(const char *path)
+{
+    const char *name;
+    int err;
+    int dfd = open_parent(path, &name, &err);
+    if (dfd < 0)
+        return 0;
+    struct stat st;
+    int ok = fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode);
+    close(dfd);
+    return ok;
+}
+
+int kv_fs_delete(const char *path, int *regular, int64_t *size)
+{
+    *regular = 0;
+    *size = 0;
+    const char *name;
+    int err;
+    int dfd = open_parent(path, &name, &err);
+    if (dfd < 0)
+        return err;
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        err = errno;
+    } else if (S_ISDIR(st.st_mode)) {
+        err = KV_FS_NOT_OURS;
+    } else if (unlinkat(dfd, name, 0) != 0) {
+        err = errno;
+    } else {
+        err = 0;
+        *regular = S_ISREG(st.st_mode) != 0;
+        *size = *regular ? (int64_t)st.st_size : 0;
+    }
+    close(dfd);
+    return err;
+}
+
 int kv_fs_open_head(const char *path, void *head, size_t probe, int *fd, int64_t *size,
                     size_t *head_len)
 {

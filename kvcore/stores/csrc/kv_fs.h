@@ -83,6 +83,17 @@ int kv_fs_open_head(const char *path, void *head, size_t probe, int *fd, int64_t
  * nothing in the link's target is removed.  Returns 0 or an errno. */
 int kv_fs_unlink(const char *path);
 
+/* 1 when `path` ("DIR/NAME") is a regular file in a directory DIR that
+ * is not a link (never followed): 0 otherwise. */
+int kv_fs_is_entry(const char *path);
+
+/* Remove `path` ("DIR/NAME", DIR opened without following a link) unless
+ * it is a directory: 0 when removed (`*regular` 1 for a regular file of
+ * `*size` bytes, 0 for anything else: a link, a FIFO ...), KV_FS_NOT_OURS
+ * for a directory (left) or DIR a link or not a directory, ENOENT when
+ * gone, or another errno. */
+int kv_fs_delete(const char *path, int *regular, int64_t *size);
+
 /* Read file `fd` from its start into `buf` until `len` bytes or its end
  * (EINTR retried), with `touch` set its modification time to now (the
  * LRU's recency of an entry read; a failure there is ignored), then
