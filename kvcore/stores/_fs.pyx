@@ -5,7 +5,7 @@ import os
 
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
-from libc.errno cimport ENOENT, ENOMEM
+from libc.errno cimport EMFILE, ENFILE, ENOENT, ENOMEM
 
 
 cdef extern from "kv_fs.h" nogil:
@@ -250,12 +250,33 @@ cdef class _Batch:
                 if self.jobs[i].rc == 0:
                     self.jobs[i].rc = kv_fs_read_close(self.jobs[i].fd, self.jobs[i].buf,
                                                        self.jobs[i].want, &self.jobs[i].got,
-                                                       touch and self.jobs[i].buf != NULL)
+                                                       touch)
 
     def __dealloc__(self):
         self.finish(False)
         free(self.jobs)
         free(self.heads)
+
+
+cdef _Batch _open(list encoded, Py_ssize_t first, Py_ssize_t n, list room, size_t probe):
+    """The next batch, from ``encoded[first]``, of at most ``room[0]``
+    files opened: where the process ran out of descriptors (EMFILE,
+    ENFILE) it is closed again and ``room[0]`` halved, down to one file
+    (whose error then stands): a process near its limit still reads."""
+    cdef _Batch b
+    cdef Py_ssize_t i
+    while True:
+        b = _Batch(encoded, first, min(n, first + room[0]), probe)
+        if room[0] == 1 or not any(b.jobs[i].rc == EMFILE or b.jobs[i].rc == ENFILE
+                                   for i in range(b.n)):
+            return b
+        b.finish(False)
+        room[0] = max(1, room[0] // 2)
+
+
+#: most bytes a read's buffer for one batch may take (file sizes are
+#: untrusted: planted sparse files must not make their sum wrap)
+READ_BUDGET = 1 << 62
 
 
 cdef inline bint _failed(int rc) noexcept nogil:
@@ -274,13 +295,14 @@ def take_entries(paths, int64_t max_size, size_t probe, promised):
     the errno of an open or read that failed (0 otherwise; EMFILE, ENFILE
     or ENOMEM: the file was not looked at).  Two calls without the GIL for
     each :data:`OPEN_AT_ONCE` files, ``promised`` between them."""
-    cdef Py_ssize_t n = len(paths), i, first
+    cdef Py_ssize_t n = len(paths), i, first = 0
     cdef _Batch b
     cdef _take *job
     encoded = [None if p is None else _path(p, "paths") for p in paths]
     values, errors = [None] * n, [0] * n
-    for first in range(0, n, OPEN_AT_ONCE):
-        b = _Batch(encoded, first, min(n, first + OPEN_AT_ONCE), probe)
+    room = [OPEN_AT_ONCE]
+    while first < n:
+        b = _open(encoded, first, n, room, probe)
         try:
             for i in range(b.n):
                 job = &b.jobs[i]
@@ -299,6 +321,7 @@ def take_entries(paths, int64_t max_size, size_t probe, promised):
                 values[first + i] = None
             if _failed(job.rc):
                 errors[first + i] = job.rc
+        first += b.n
     return values, errors
 
 
@@ -316,15 +339,16 @@ def read_entries(paths, int64_t limit, size_t probe, promised):
     between them."""
     import numpy as np
 
-    cdef Py_ssize_t n = len(paths), i, first
+    cdef Py_ssize_t n = len(paths), i, first = 0
     cdef size_t total, off
     cdef _Batch b
     cdef _take *job
     cdef unsigned char[::1] arena
     encoded = [_path(p, "paths") for p in paths]
     out = [None] * n
-    for first in range(0, n, OPEN_AT_ONCE):
-        b = _Batch(encoded, first, min(n, first + OPEN_AT_ONCE), probe)
+    room = [OPEN_AT_ONCE]
+    while first < n:
+        b = _open(encoded, first, n, room, probe)
         try:
             total = 0
             for i in range(b.n):
@@ -337,6 +361,8 @@ def read_entries(paths, int64_t limit, size_t probe, promised):
                 if job.size > <int64_t>probe and (job.size > limit
                                                   or not promised(b.head(i), job.size)):
                     job.want = probe
+                if job.want > READ_BUDGET - total:
+                    job.want = min(job.want, probe)     # (past the budget: the head only)
                 total += job.want
             arena_array = np.empty(total, np.uint8)
             arena = arena_array
@@ -356,6 +382,7 @@ def read_entries(paths, int64_t limit, size_t probe, promised):
             if job.buf != NULL or (job.rc == 0 and job.want == 0):
                 out[first + i] = arena_array[off:off + job.got]
                 off += job.want
+        first += b.n
     return out
 
 

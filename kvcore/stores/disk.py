@@ -18,6 +18,7 @@ _LOCK_POLL = 0.001   # seconds between tries of PATH/.lock
 # a trim keeps that file (it keeps its room) rather than lose its entry
 _SCARCE = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM))
 _TMP = ".tmp-"
+_INT64_MAX = 2**63 - 1     # (what the native calls take as a size; capacity_bytes may be more)
 # Every file in the directory is untrusted (other processes write there):
 # entries are opened without following a link (a planted link would make
 # this process copy any file it can read into the next tier) and without
@@ -153,8 +154,8 @@ class DiskStore(PrefixStore):
         # it back only every switch interval, all under PATH/.lock
         secs = self.stale_tmp_seconds
         # (past 300 years, inf or NaN: none is stale; C takes 64 bits)
-        cutoff = time.time_ns() - int(secs * 1e9) if secs < 1e10 else -2**63
-        cutoff = max(cutoff, -2**63)
+        cutoff = time.time_ns() - int(secs * 1e9) if secs < 1e10 else -_INT64_MAX - 1
+        cutoff = max(cutoff, -_INT64_MAX - 1)
         return _fs.list_dir(self.path, _SUFFIX, _TMP, cutoff, stale, bad)
 
     def contains(self, keys):
@@ -188,8 +189,8 @@ class DiskStore(PrefixStore):
         # entry.
         def promised(head, size):
             return _format.entry_size(head) == size
-        return _fs.read_entries([self._file(k) for k in keys], limit, _format.HEAD_PROBE,
-                                promised)
+        return _fs.read_entries([self._file(k) for k in keys], min(limit, _INT64_MAX),
+                                _format.HEAD_PROBE, promised)
 
     def put(self, items):
         items = list(items)
@@ -355,7 +356,8 @@ class DiskStore(PrefixStore):
         another."""
         def promised(head, size):
             return _format.entry_size(head) == size
-        return _fs.take_entries(paths, self.capacity_bytes, _format.HEAD_PROBE, promised)
+        return _fs.take_entries(paths, min(self.capacity_bytes, _INT64_MAX), _format.HEAD_PROBE,
+                                promised)
 
     @staticmethod
     def _unlink_all(paths):

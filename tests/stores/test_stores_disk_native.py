@@ -350,3 +350,79 @@ def test_a_store_delete_counts_what_it_removed(tmp_path):
     assert disk.delete(keys[1:3] + [entry(9, 1000)[0]]) == 2
     assert disk.contains(keys) == 1 and disk.contains(keys[3:]) == 1
     assert disk._used == disk.used_bytes() == 2000
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a tmpfs at /dev/shm")
+def test_planted_sparse_files_whose_sizes_wrap_a_sum_are_read_to_their_heads():
+    """Files named like looked-up keys, sparse, of 2**63 bytes less a little,
+    their headers promising those sizes, in a store of unbounded capacity:
+    their sizes sum past 2**64; a lookup reads their heads (or fails
+    cleanly), never past its buffer."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        disk = kvcore.DiskStore(d, 2**70)                  # capacity_bytes past 64 bits
+        key, value = entry(1, 1000)
+        keys = [key, entry(2, 1000)[0], entry(3, 1000)[0]]
+        head = bytearray(value[:_format.HEAD_PROBE])
+        for k, size in zip(keys, (2**63 - 2048, 2**63 - 2048, 8192)):
+            # a header that promises `size`: its payload length field forged
+            forged = bytearray(head)           # (the payload's length: its last 8 bytes)
+            base = _format.entry_size(head) - int.from_bytes(head[112:120], "little")
+            forged[112:120] = (size - base).to_bytes(8, "little")
+            assert _format.entry_size(forged) == size
+            path = disk._file(k)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(forged)
+                f.truncate(size)
+        fds = open_fds()
+        try:
+            got = disk.get(keys)
+        except MemoryError:
+            got = None
+        assert open_fds() == fds
+        if got is not None:
+            assert len(got[0]) == len(got[1]) == _format.HEAD_PROBE
+            assert len(got[2]) in (_format.HEAD_PROBE, 8192)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_lookup_near_the_descriptor_limit_still_reads(tmp_path):
+    script = f"""
+import os, resource, sys
+sys.path[:0] = {[str(TESTS_DIR), str(TESTS_DIR.parent)]!r}
+import kvcore
+from test_stores_review import entry
+disk = kvcore.DiskStore({str(tmp_path)!r}, 1 << 24)
+ents = [entry(i, 1000) for i in range(100)]
+disk.put(ents)
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+got = disk.get([k for k, _ in ents])
+assert [bytes(g) for g in got] == [v for _, v in ents]
+assert disk.contains([k for k, _ in ents]) == 100
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_capacity_past_64_bits_still_looks_up_and_trims(tmp_path):
+    disk = kvcore.DiskStore(tmp_path, 2**64)
+    ents = [entry(i, 1000) for i in range(3)]
+    assert disk.put(ents) == []
+    assert [bytes(v) for v in disk.get([k for k, _ in ents])] == [v for _, v in ents]
+
+
+def test_an_empty_file_read_has_its_recency_refreshed(tmp_path):
+    (tmp_path / "aa").mkdir()
+    p = tmp_path / "aa" / "00.kve"
+    p.write_bytes(b"")
+    os.utime(p, ns=(10**9, 10**9))
+    got = _fs.read_entries([str(p)], 1 << 20, _format.HEAD_PROBE, lambda h, s: True)
+    assert len(got[0]) == 0 and os.stat(p).st_mtime_ns > 10**9
