@@ -40,15 +40,17 @@ def test_sdist_ships_sources_and_no_generated_c(tmp_path):
     (sdist,) = (tmp_path / "dist").glob("kvcore-*.tar.gz")
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    for folder in ("kvcore/_native", "kvcore/backends/cpu"):
+    # every folder with Cython sources (kvcore/_native, backends/cpu, stores)
+    folders = sorted({str(p.parent.relative_to(ROOT)) for p in ROOT.glob("kvcore/**/*.pyx")})
+    assert {"kvcore/_native", "kvcore/backends/cpu", "kvcore/stores"} <= set(folders)
+    for folder in folders:
         src = ROOT / folder
         for f in [*src.glob("*.pyx"), *src.glob("*.pxd"), *(src / "csrc").iterdir()]:
             assert str(f.relative_to(ROOT)) in names
     for cu in (ROOT / "kvcore" / "backends" / "cuda" / "kernels").iterdir():
         assert f"kvcore/backends/cuda/kernels/{cu.name}" in names
     generated = sorted(n for n in names
-                       if n.startswith(("kvcore/_native/", "kvcore/backends/cpu/"))
-                       and n.count("/") == n.startswith("kvcore/backends/") + 2
+                       if n.rsplit("/", 1)[0] in folders
                        and n.endswith((".c", ".cpp", ".html")))
     assert not generated, f"the sdist ships Cython's generated files: {generated}"
     for must in ("setup.py", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md",
