@@ -33,6 +33,11 @@ class StorePort:
         pools' blocks interchangeable (the stores' layout fingerprint).
     block_size, bytes_per_block : int
         Token positions per block; bytes of one block's payload.
+    headroom : int
+        Bytes left free before each payload :meth:`export_blocks` gives (0
+        by default): the consumer may write a block's entry header there
+        and use header and payload as one buffer, the payload never copied
+        again (the spill sets it to its entry header's size).
     """
 
     def __init__(self, core, lock, backend, storage, scales, layout, bytes_per_block):
@@ -44,6 +49,7 @@ class StorePort:
         self.layout = dict(layout)
         self.block_size = layout["block_size"]
         self.bytes_per_block = bytes_per_block
+        self.headroom = 0
         self._records = collections.deque()   # batches of BlockRecords, oldest first
         self._wake = None
 
@@ -120,14 +126,16 @@ class StorePort:
         lock held, or the blocks its own)."""
         ids = self._block_ids(block_ids)
         host = self._backend.to_host
-        size = self.bytes_per_block
+        size, room = self.bytes_per_block, self.headroom
         # one allocation for all (large: NumPy asks the kernel for huge
         # pages; a fresh array per block paid a page fault every 4 KiB,
-        # most of an eviction's time), each block copied into its slice
-        arena = np.empty(len(ids) * size, np.uint8)
+        # most of an eviction's time), each block copied into its slice,
+        # after ``headroom`` free bytes (a consumer's entry header)
+        step = room + size
+        arena = np.empty(len(ids) * step, np.uint8)
         out = []
         for j, b in enumerate(ids):
-            dst = arena[j * size:(j + 1) * size]
+            dst = arena[j * step + room:(j + 1) * step]
             a = host(self._storage[:, b])
             np.copyto(dst[:a.nbytes].view(a.dtype).reshape(a.shape), a)
             if self._scales is not None:

@@ -134,10 +134,19 @@ def _mac(hmac_key, head, tokens, payload):
     return m.digest()
 
 
-def encode(fp, block_hash, parent, salt_root, identity, tokens, payload, hmac_key=None):
+def header_size(ntok, hmac_key=None):
+    """The bytes of an entry of ``ntok`` tokens before its payload."""
+    return PREFIX_SIZE + 8 + (MAC_SIZE if hmac_key else 0) + 4 * ntok
+
+
+def encode(fp, block_hash, parent, salt_root, identity, tokens, payload, hmac_key=None,
+           out=None):
     """One entry's bytes (a bytearray).  ``identity``: the block's 32-byte
     identity digest (kvcore.hashing.identity_chain); ``tokens``: int32
-    array; ``payload``: a C-contiguous array or bytes-like of the block's KV."""
+    array; ``payload``: a C-contiguous array or bytes-like of the block's KV.
+    With ``out``, a writable byte buffer that ends with ``payload`` itself
+    (:func:`header_size` bytes before it, the same memory): the header is
+    written there, the payload left in place, and ``out`` returned."""
     tok = np.ascontiguousarray(tokens, dtype="<i4")
     pay = memoryview(payload).cast("B")
     if len(identity) != IDENTITY_SIZE:
@@ -147,6 +156,13 @@ def encode(fp, block_hash, parent, salt_root, identity, tokens, payload, hmac_ke
     head = prefix + _CHECKSUM.pack(payload_checksum(pay, header_seed(prefix, tok)))
     if hmac_key:
         head += _mac(hmac_key, head, tok, pay)
+    if out is not None:
+        if len(out) != len(head) + tok.nbytes + pay.nbytes:
+            raise ValueError(f"out must be the {len(head) + tok.nbytes} bytes before the "
+                             f"payload and the payload, got {len(out)} bytes")
+        out[:len(head)] = head
+        out[len(head):len(head) + tok.nbytes] = tok.tobytes()
+        return out
     out = bytearray(len(head) + tok.nbytes + pay.nbytes)
     out[:len(head)] = head
     out[len(head):len(head) + tok.nbytes] = tok.tobytes()

@@ -43,6 +43,7 @@ class SpillQueue:
         self._stores, self._fp, self._hmac, self._ledger = stores, fps, hmacs, ledger
         self._in_memory = [bool(getattr(s, "in_memory", False)) for s in stores]
         self._records = None             # the port's record queue (batches)
+        self._room = None                # the entry header's room before each payload
         self._lock = threading.Lock()
         n = len(stores)
         # (store, items, bytes) batches in order; each queued or in-flight
@@ -60,6 +61,10 @@ class SpillQueue:
         """Read the records ``port`` publishes (:meth:`take_records`, woken
         by each publish)."""
         self._records = port.listen(self.take_records)
+        # the port leaves room for the entry header before each payload: an
+        # entry is header + payload in place, the payload copied once (out
+        # of the pool), not twice
+        self._room = port.headroom = _format.header_size(port.block_size, self._hmac[0])
 
     def take_records(self):
         """Read the port's record queue (its publisher's thread, the pool's
@@ -160,8 +165,27 @@ class SpillQueue:
         fp, key = self._fp[0], self._hmac[0]
         return [(_format.store_key(fp, r.hash),
                  _format.encode(fp, r.hash, r.parent_hash, r.chain_root, r.identity, r.tokens,
-                                r.payload, key))
+                                r.payload, key, out=self._in_place(r, key)))
                 for r in records]
+
+    def _in_place(self, r, key):
+        """The writable buffer of record ``r``'s entry around its payload
+        when the port exported it with room for the header (a memoryview
+        of the export's allocation: the header's bytes, then the payload),
+        else None (encode copies)."""
+        pay, base = r.payload, getattr(r.payload, "base", None)
+        room = self._room
+        if (room != _format.header_size(len(r.tokens), key)
+                or not isinstance(pay, np.ndarray) or not isinstance(base, np.ndarray)
+                or pay.dtype != np.uint8 or base.dtype != np.uint8 or base.ndim != 1
+                or not pay.flags.c_contiguous or not base.flags.writeable):
+            return None
+        # (the export's layout: [room bytes, payload] per block, back to back)
+        start = pay.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        step = room + pay.nbytes
+        if start < room or (start - room) % step or base.nbytes % step:
+            return None
+        return memoryview(base)[start - room:start + pay.nbytes]
 
     def write_now(self, records):
         """Write ``records`` to store 0 (and what it drops to the next ...)

@@ -85,7 +85,9 @@ def test_host_restore_keeps_the_blocks_before_a_corrupt_payload_bit_exact():
     flush_pool(pool)
     fp = next(iter(host._entries))[:16]
     keys = [_format.store_key(fp, h) for h in kvcore.block_hashes(PROMPT, 4)]
-    host._entries[keys[2]][-3] ^= 0x10          # third block's payload
+    corrupt = bytearray(host._entries[keys[2]])
+    corrupt[-3] ^= 0x10                         # third block's payload
+    host._entries[keys[2]] = corrupt
     with pytest.warns(kvcore.StoreWarning, match="corrupt"):
         check_hit(pool, PROMPT, 2)
     st = pool.stats()["stores"][0]

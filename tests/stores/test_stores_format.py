@@ -133,3 +133,40 @@ def test_a_threaded_restore_loads_the_same_bits(threads):
         check_hit(pool, prompt, 16)
     finally:
         kvcore.set_num_threads(before)
+
+
+@pytest.mark.parametrize("hmac_key", [None, b"k" * 32])
+def test_an_eviction_encodes_its_entries_in_place_as_encode_would(hmac_key):
+    """The port exports each evicted block after room for its entry's
+    header, and the spill writes the header there: the entry is the same
+    bytes as _format.encode's copy; a payload without that room (another
+    array) is copied as before."""
+    from kvcore._store_port import StorePort
+    from kvcore.pool import store_port
+
+    host = kvcore.HostStore(1 << 20, hmac_key=hmac_key)
+    pool = make_pool(stores=[host])
+    run(pool, np.arange(1, 18, dtype=np.int32))
+    port = store_port(pool)
+    assert isinstance(port, StorePort)
+    spills = pool._stores.tiers.spills
+    assert port.headroom == _format.header_size(port.block_size, hmac_key) > 0
+    records = port.cached_records()
+    assert records
+    fp = spills._fp[0]
+    for r in records:
+        copy = _format.encode(fp, r.hash, r.parent_hash, r.chain_root, r.identity, r.tokens,
+                              np.array(r.payload), hmac_key)
+        out = spills._in_place(r, hmac_key)
+        assert out is not None and len(out) == len(copy)
+        assert bytes(_format.encode(fp, r.hash, r.parent_hash, r.chain_root, r.identity,
+                                    r.tokens, r.payload, hmac_key, out=out)) == bytes(copy)
+        assert bytes(out[-len(r.payload):]) == r.payload.tobytes()
+        alone = r._replace(payload=np.array(r.payload))          # no room before it
+        assert spills._in_place(alone, hmac_key) is None
+    port.headroom = 0                                            # exported without room
+    for r in port.cached_records():
+        assert spills._in_place(r, hmac_key) is None
+    with pytest.raises(ValueError, match="out must be"):
+        _format.encode(fp, r.hash, r.parent_hash, r.chain_root, r.identity, r.tokens,
+                       r.payload, hmac_key, out=bytearray(3))
