@@ -228,7 +228,8 @@ def test_stores_reach_no_private_field_of_the_pool_or_a_sequence():
 STORES_MAY_IMPORT = ("kvcore.stores", "kvcore.stores.", "kvcore.backends", "kvcore._forksafe",
                      "kvcore._ints")
 # what a tier is given of the pool's port (its record queue and layout)
-PORT_GIVEN = {"listen", "layout", "block_size", "bytes_per_block"}
+# (headroom: the consumer's setting of the room left before each payload)
+PORT_GIVEN = {"listen", "layout", "block_size", "bytes_per_block", "headroom"}
 _HOLDS_POOL_SIDE = re.compile(r"(?:^|[._])(?:pool|seq|sequence|binding|core)(?:\(\))?$")
 _HOLDS_PORT = re.compile(r"(?:^|[._])port$")
 
