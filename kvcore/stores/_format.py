@@ -111,7 +111,7 @@ def entry_size(head):
     magic, version, flags, *_, ntok, _reserved, npay = _PREFIX.unpack_from(head, 0)
     if magic != MAGIC or version != VERSION:
         return None
-    return PREFIX_SIZE + 8 + (MAC_SIZE if flags & FLAG_HMAC else 0) + 4 * ntok + npay
+    return header_size(ntok, flags & FLAG_HMAC) + npay
 
 
 def payload_checksum(payload, seed):
@@ -135,7 +135,8 @@ def _mac(hmac_key, head, tokens, payload):
 
 
 def header_size(ntok, hmac_key=None):
-    """The bytes of an entry of ``ntok`` tokens before its payload."""
+    """The bytes of an entry of ``ntok`` tokens before its payload (with
+    ``hmac_key`` truthy: its MAC too)."""
     return PREFIX_SIZE + 8 + (MAC_SIZE if hmac_key else 0) + 4 * ntok
 
 
@@ -156,17 +157,15 @@ def encode(fp, block_hash, parent, salt_root, identity, tokens, payload, hmac_ke
     head = prefix + _CHECKSUM.pack(payload_checksum(pay, header_seed(prefix, tok)))
     if hmac_key:
         head += _mac(hmac_key, head, tok, pay)
-    if out is not None:
-        if len(out) != len(head) + tok.nbytes + pay.nbytes:
-            raise ValueError(f"out must be the {len(head) + tok.nbytes} bytes before the "
-                             f"payload and the payload, got {len(out)} bytes")
-        out[:len(head)] = head
-        out[len(head):len(head) + tok.nbytes] = tok.tobytes()
-        return out
-    out = bytearray(len(head) + tok.nbytes + pay.nbytes)
+    n = len(head) + tok.nbytes
+    if out is None:
+        out = bytearray(n + pay.nbytes)
+        out[n:] = pay
+    elif len(out) != n + pay.nbytes:
+        raise ValueError(f"out must be the {n} bytes before the payload and the payload, "
+                         f"got {len(out)} bytes")
     out[:len(head)] = head
-    out[len(head):len(head) + tok.nbytes] = tok.tobytes()
-    out[len(head) + tok.nbytes:] = pay
+    out[len(head):n] = tok.tobytes()
     return out
 
 

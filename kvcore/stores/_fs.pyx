@@ -3,6 +3,8 @@ read or removed, each in one native call without the GIL (csrc/kv_fs.h
 says why)."""
 import os
 
+import numpy as np
+
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.errno cimport EMFILE, ENFILE, ENOENT, ENOMEM
@@ -337,8 +339,6 @@ def read_entries(paths, int64_t limit, size_t probe, promised):
     opened or read for another reason (every file closed first).  Two
     calls without the GIL for each :data:`OPEN_AT_ONCE` files, ``promised``
     between them."""
-    import numpy as np
-
     cdef Py_ssize_t n = len(paths), i, first = 0
     cdef size_t total, off
     cdef _Batch b

@@ -92,8 +92,7 @@ class StoreTiers:
         self._payload_size = port.bytes_per_block
         # the largest valid entry of this pool (signed: a store without a
         # key reads signed entries too): what a store's read may be bounded by
-        self._max_entry = _format.PREFIX_SIZE + 8 + _format.MAC_SIZE + \
-            4 * lay["block_size"] + port.bytes_per_block
+        self._max_entry = _format.header_size(lay["block_size"], True) + port.bytes_per_block
         self._fp = [_format.fingerprint(lay["dtype"], lay["block_size"], lay["num_layers"],
                                         lay["num_kv_heads"], lay["head_dim"],
                                         getattr(s, "namespace", b"") or b"",
