@@ -6,6 +6,12 @@ from .base import PrefixStore, bound_bytes
 
 _MAX_TTL = 2**53 / 1000       # seconds: Redis' PX (milliseconds) must fit after "now" is added
 _MAX_TIMEOUT = 2**31 - 1      # seconds: what a socket timeout (timeval) takes everywhere
+# bytes a connection asks of its socket per read (redis-py's default: 64 KiB).
+# Every read gives the GIL up; beside a thread busy in Python each costs a
+# switch interval (5 ms) to get it back, so a lookup of 32 MiB of entries of
+# 512 KiB took 0.9-1.7 s there with 64 KiB reads and 0.22 s with 1 MiB ones
+# (docs/stores.md).  Larger reads make hiredis' parser slow on small replies.
+_READ_SIZE = 1 << 20
 _MAX_STRING = 2**62          # bytes: past any Redis string (GETRANGE's end is an int64)
 
 
@@ -107,7 +113,7 @@ class RedisStore(PrefixStore):
             try:
                 self._client = redis.Redis.from_url(
                     url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                    retry_on_timeout=False)
+                    retry_on_timeout=False, socket_read_size=_READ_SIZE)
             except ValueError as e:
                 raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got "
                                  f"{url!r}: {e}") from None
@@ -170,7 +176,8 @@ class RedisStore(PrefixStore):
         def make():
             return redis.cluster.RedisCluster(
                 socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                retry=Retry(NoBackoff(), 3), require_full_coverage=False, **where)
+                socket_read_size=_READ_SIZE, retry=Retry(NoBackoff(), 3),
+                require_full_coverage=False, **where)
 
         return ClusterBatches(make, self.retry_interval)
 

@@ -57,3 +57,22 @@ def test_bench_stores_script_refuses_bad_options():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_stores.py"), "--only",
                           "tape"], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 2 and "unknown rows" in run.stderr
+
+
+def test_stores_redis_rows_time_a_lookup_beside_a_busy_thread():
+    import os
+    import shutil
+
+    import pytest
+    if shutil.which("redis-server") is None:
+        if os.environ.get("KVCORE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is not installed")
+        pytest.skip("needs redis-server")
+    r = stores.run(tokens=32, layers=2, heads=2, dim=16, n_samples=2, only=["redis"])
+    row = r["rows"]["redis"]
+    assert "skipped" not in row and row["ratio"] > 0
+    rl = r["redis_lookup"]
+    assert rl["entries"] == 2
+    for key in ("quiet", "busy", "raw_busy"):
+        assert rl[key]["min_s"] <= rl[key]["median_s"] <= rl[key]["max_s"]
+    assert "RedisStore.contains + get of the prefix's 2 entries" in stores.report(r)

@@ -2,6 +2,7 @@
 port, data in a temporary directory, stopped at the end).  Without
 redis-server or redis-py these tests skip, except under KVCORE_REQUIRE_REDIS=1
 (.ci/run), where they fail."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -478,3 +479,34 @@ def test_a_slow_redis_does_not_slow_another_threads_allocate_and_append(server):
         check_hit(pool, prompts[0], 3)   # evicted first, found in Redis, bit exact
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+def test_entries_larger_than_a_socket_read_come_back_whole(server, parser):
+    """A store made from a URL reads its socket 1 MiB at a time (fewer GIL
+    round trips beside busy threads); entries of several reads, and many
+    small ones in one read, come back byte for byte through either of
+    redis-py's parsers (hiredis, which kvcore[redis] installs, or its own)."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+    if parser == "hiredis" and not HIREDIS_AVAILABLE:
+        if os.environ.get("KVCORE_REQUIRE_REDIS") == "1":
+            pytest.fail("hiredis is not installed (pip install 'kvcore[redis]' brings it)")
+        pytest.skip("hiredis is not installed")
+    store = kvcore.RedisStore(server.url, namespace="big")
+    kwargs = store.client.connection_pool.connection_kwargs
+    assert kwargs["socket_read_size"] == 1 << 20
+    kwargs["parser_class"] = _HiredisParser if parser == "hiredis" else _RESP2Parser
+    rng = np.random.default_rng(5)
+    entries = [(rng.bytes(16), rng.bytes(n)) for n in (3 << 20 | 5, 1 << 20, 17, 0)]
+    entries += [(rng.bytes(16), rng.bytes(int(n))) for n in rng.integers(1, 40000, 300)]
+    store.put(entries)
+    keys = [k for k, _ in entries]
+    assert store.contains(keys) == len(keys)
+    assert store.get(keys) == [v for _, v in entries]
+    # (redis-py's own parser is its RESP3 one where the server speaks RESP3)
+    conn = store.client.connection_pool.get_connection()
+    try:
+        assert isinstance(conn._parser, _HiredisParser) == (parser == "hiredis")
+    finally:
+        store.client.connection_pool.release(conn)

@@ -18,6 +18,8 @@ the same run:
   back), vs the same files written (open/write/os.replace) or looked up
   (lstat, open/read) by Python beside the same thread;
 * RedisStore on loopback  vs  one raw redis-py pipelined GET of the same keys;
+  and a lookup of the prefix's entries (RedisStore.contains + get) alone
+  and beside a thread busy in Python, vs that GET beside the same thread;
 * RedisStore on a 3-master Redis Cluster on loopback (``RedisStore.cluster``)
   vs  raw redis-py pipelined GETs of the same keys, one pipeline per master,
   the masters in parallel (one thread each, as the store does; the same
@@ -37,11 +39,13 @@ baseline median / kvcore median (1.0: as fast as the baseline).  The Redis
 rows need redis-py and redis-server (the cluster row redis-cli too) and are
 skipped, and said so, without them.
 """
+import contextlib
 import os
 import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -359,8 +363,6 @@ def _disk_put_rows(tmp, rng, repeat, n, payload=16384):
     """DiskStore.put of ``n`` entries into a store holding as many others
     (it trims them first), quiet and beside a thread spinning in Python,
     and the same files written by Python beside that thread."""
-    import threading
-
     entries = _disk_entries(rng, n, payload, 0)
     others = _disk_entries(rng, n, payload, n)
     cap = sum(len(v) for _, v in entries) + 4096
@@ -401,6 +403,20 @@ def _disk_put_rows(tmp, rng, repeat, n, payload=16384):
            "quiet": _stat(samples(put, repeat, warmup=1, before=setup))}
     put()
     out["get_quiet"] = _stat(samples(get, repeat, warmup=1))
+    with _busy_thread():
+        out["busy"] = _stat(samples(put, repeat, warmup=1, before=setup))
+        out["python_busy"] = _stat(samples(python_writes, repeat, warmup=1))
+        put()
+        out["get_busy"] = _stat(samples(get, repeat, warmup=1))
+        out["python_get_busy"] = _stat(samples(python_reads, repeat, warmup=1))
+    return out
+
+
+@contextlib.contextmanager
+def _busy_thread():
+    """A thread spinning in Python for the duration (a model's forward
+    between torch calls, a request handler): every call that gives the
+    GIL up waits a switch interval to get it back."""
     stop = threading.Event()
 
     def spin():
@@ -410,15 +426,10 @@ def _disk_put_rows(tmp, rng, repeat, n, payload=16384):
     t = threading.Thread(target=spin, daemon=True)
     t.start()
     try:
-        out["busy"] = _stat(samples(put, repeat, warmup=1, before=setup))
-        out["python_busy"] = _stat(samples(python_writes, repeat, warmup=1))
-        put()
-        out["get_busy"] = _stat(samples(get, repeat, warmup=1))
-        out["python_get_busy"] = _stat(samples(python_reads, repeat, warmup=1))
+        yield
     finally:
         stop.set()
         t.join()
-    return out
 
 
 def _redis_row(res, binary, tmp, tokens, layers, heads, dim, prompt, rng, repeat,
@@ -442,6 +453,20 @@ def _redis_row(res, binary, tmp, tokens, layers, heads, dim, prompt, rng, repeat
             pipe.execute()
 
         base = samples(raw, repeat, warmup=1)
+        # a lookup as a pool makes it (contains, then get), quiet and beside
+        # a busy thread, against the pipelined GET of a client with
+        # redis-py's defaults (64 KiB socket reads) beside that thread
+        names = [bytes.fromhex(k[len(b"kvcore:bench:"):].decode()) for k in keys]
+
+        def lookup():
+            store.contains(names)
+            store.get(names)
+
+        res["redis_lookup"] = {"entries": len(keys), "quiet": _stat(samples(lookup, repeat,
+                                                                            warmup=1))}
+        with _busy_thread():
+            res["redis_lookup"]["busy"] = _stat(samples(lookup, repeat, warmup=1))
+            res["redis_lookup"]["raw_busy"] = _stat(samples(raw, repeat, warmup=1))
         if with_prefetch:
             res["prefetch"] = _prefetch_rows(pool, prompt, setup, restore, check,
                                              decode_step_ms / 1e3, repeat)
@@ -653,6 +678,13 @@ def report(r):
                      f"the same files takes {_ms(dp['python_get_busy'])} "
                      f"({dp['python_get_busy']['median_s'] / dp['get_busy']['median_s']:.1f}x "
                      f"the get)")
+    rl = r.get("redis_lookup")
+    if rl:
+        lines.append(f"  RedisStore.contains + get of the prefix's {rl['entries']} entries: "
+                     f"{_ms(rl['quiet'])}; beside a thread busy in Python {_ms(rl['busy'])}, "
+                     f"where redis-py's pipelined GET with its default 64 KiB reads takes "
+                     f"{_ms(rl['raw_busy'])} "
+                     f"({rl['raw_busy']['median_s'] / rl['busy']['median_s']:.1f}x the lookup)")
     if r.get("disk_spill"):
         lines.append(f"  (spill of the prefix into the DiskStore on the allocating thread, the "
                      f"files written by the store worker: {_ms(r['disk_spill'])})")
