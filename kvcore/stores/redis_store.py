@@ -11,7 +11,14 @@ _MAX_TIMEOUT = 2**31 - 1      # seconds: what a socket timeout (timeval) takes e
 # switch interval (5 ms) to get it back, so a lookup of 32 MiB of entries of
 # 512 KiB took 0.9-1.7 s there with 64 KiB reads and 0.22 s with 1 MiB ones
 # (docs/stores.md).  Larger reads make hiredis' parser slow on small replies.
+# Over TLS a read returns one record (16 KiB) at most: no fewer reads, only
+# a larger buffer per connection, so rediss:// keeps redis-py's default.
 _READ_SIZE = 1 << 20
+
+
+def _read_size(url):
+    """``{"socket_read_size": ...}`` for a client made from ``url``."""
+    return {} if url.lower().startswith("rediss:") else {"socket_read_size": _READ_SIZE}
 _MAX_STRING = 2**62          # bytes: past any Redis string (GETRANGE's end is an int64)
 
 
@@ -113,7 +120,7 @@ class RedisStore(PrefixStore):
             try:
                 self._client = redis.Redis.from_url(
                     url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                    retry_on_timeout=False, socket_read_size=_READ_SIZE)
+                    retry_on_timeout=False, **_read_size(url))
             except ValueError as e:
                 raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got "
                                  f"{url!r}: {e}") from None
@@ -173,11 +180,14 @@ class RedisStore(PrefixStore):
 
         from ._redis_cluster import ClusterBatches
 
+        # (redis-py passes socket_read_size on to the nodes from 8.0 on;
+        # earlier versions drop it: their default reads)
+        read = _read_size(where["url"]) if "url" in where else {"socket_read_size": _READ_SIZE}
+
         def make():
             return redis.cluster.RedisCluster(
                 socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                socket_read_size=_READ_SIZE, retry=Retry(NoBackoff(), 3),
-                require_full_coverage=False, **where)
+                retry=Retry(NoBackoff(), 3), require_full_coverage=False, **read, **where)
 
         return ClusterBatches(make, self.retry_interval)
 

@@ -60,14 +60,8 @@ def test_bench_stores_script_refuses_bad_options():
 
 
 def test_stores_redis_rows_time_a_lookup_beside_a_busy_thread():
-    import os
-    import shutil
-
-    import pytest
-    if shutil.which("redis-server") is None:
-        if os.environ.get("KVCORE_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server is not installed")
-        pytest.skip("needs redis-server")
+    from _stores_support import require_redis
+    require_redis()
     r = stores.run(tokens=32, layers=2, heads=2, dim=16, n_samples=2, only=["redis"])
     row = r["rows"]["redis"]
     assert "skipped" not in row and row["ratio"] > 0
