@@ -2,6 +2,7 @@
 read or removed, each in one native call without the GIL (csrc/kv_fs.h
 says why)."""
 import os
+import resource
 
 import numpy as np
 
@@ -192,10 +193,20 @@ ctypedef struct _take:
     size_t got
 
 
-#: most files a take or a read holds open at once (a trim of thousands of
-#: files must not run the process out of descriptors, nor hand them all
-#: to a child forked meanwhile)
-OPEN_AT_ONCE = 64
+def open_at_once():
+    """Most files a take or a read holds open at once: 64, or a sixteenth
+    of the process's descriptor limit (``RLIMIT_NOFILE``, read at each
+    call) up to 256.  A trim of thousands of files must not run the
+    process out of descriptors, nor hand them all to a child forked
+    meanwhile; each batch costs a call without the GIL, whose return
+    waits up to a switch interval beside a thread busy in Python."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 256
+    return max(64, min(256, soft // 16))
 
 
 cdef class _Batch:
@@ -296,13 +307,13 @@ def take_entries(paths, int64_t max_size, size_t probe, promised):
     ``promised(head, size)`` (then never read further); ``errors[i]`` is
     the errno of an open or read that failed (0 otherwise; EMFILE, ENFILE
     or ENOMEM: the file was not looked at).  Two calls without the GIL for
-    each :data:`OPEN_AT_ONCE` files, ``promised`` between them."""
+    each :func:`open_at_once` files, ``promised`` between them."""
     cdef Py_ssize_t n = len(paths), i, first = 0
     cdef _Batch b
     cdef _take *job
     encoded = [None if p is None else _path(p, "paths") for p in paths]
     values, errors = [None] * n, [0] * n
-    room = [OPEN_AT_ONCE]
+    room = [open_at_once()]
     while first < n:
         b = _open(encoded, first, n, room, probe)
         try:
@@ -330,14 +341,14 @@ def take_entries(paths, int64_t max_size, size_t probe, promised):
 def read_entries(paths, int64_t limit, size_t probe, promised):
     """The bytes of the regular files at ``paths`` for a lookup: a NumPy
     ``uint8`` array each (views of one buffer for each
-    :data:`OPEN_AT_ONCE` files), or None for one that is gone or not a
+    :func:`open_at_once` files), or None for one that is gone or not a
     regular file (never followed, never opened blocking).  A file longer
     than ``probe`` bytes that is longer than ``limit`` or whose head fails
     ``promised(head, size)`` is read no further than its head (a corrupt
     entry: it fails its checks); a file read has its modification time set
     to now (the LRU's recency).  Raises OSError for a file that cannot be
     opened or read for another reason (every file closed first).  Two
-    calls without the GIL for each :data:`OPEN_AT_ONCE` files, ``promised``
+    calls without the GIL for each :func:`open_at_once` files, ``promised``
     between them."""
     cdef Py_ssize_t n = len(paths), i, first = 0
     cdef size_t total, off
@@ -346,7 +357,7 @@ def read_entries(paths, int64_t limit, size_t probe, promised):
     cdef unsigned char[::1] arena
     encoded = [_path(p, "paths") for p in paths]
     out = [None] * n
-    room = [OPEN_AT_ONCE]
+    room = [open_at_once()]
     while first < n:
         b = _open(encoded, first, n, room, probe)
         try:

@@ -237,6 +237,38 @@ print("removed", len(removed), "handed", len(handed))
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def test_the_files_held_open_at_once_follow_the_descriptor_limit(tmp_path):
+    """A batch holds 64 files open, or a sixteenth of the process's soft
+    descriptor limit up to 256 (read at each call), and a lookup of more
+    files than that reads them all, every one closed after."""
+    script = f"""
+import os, resource, sys
+sys.path[:0] = {[str(TESTS_DIR), str(TESTS_DIR.parent)]!r}
+import kvcore
+from kvcore.stores import _fs
+from test_stores_review import entry
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+seen = []
+for soft in (256, 1024, 2048, 4096, 100000):
+    if hard != resource.RLIM_INFINITY and soft > hard:
+        continue
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    seen.append((soft, _fs.open_at_once()))
+want = {{256: 64, 1024: 64, 2048: 128, 4096: 256, 100000: 256}}
+assert all(want[soft] == n for soft, n in seen), seen
+disk = kvcore.DiskStore({str(tmp_path)!r}, 1 << 24)
+ents = [entry(i, 700 + i) for i in range(_fs.open_at_once() * 2 + 3)]
+disk.put(ents)
+fds = len(os.listdir("/proc/self/fd"))
+assert [bytes(v) for v in disk.get([k for k, _ in ents])] == [v for _, v in ents]
+assert len(os.listdir("/proc/self/fd")) == fds
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
 def test_a_planted_entry_under_a_name_that_is_no_key_is_removed_not_handed_on(tmp_path):
     disk = kvcore.DiskStore(tmp_path, 3000)
     disk.put([entry(1, 1000), entry(2, 1000)])
@@ -286,7 +318,7 @@ def test_a_read_of_many_files_reads_each_whole_touches_it_and_closes_it(tmp_path
     header promises another size read no further than its head, and an
     error other than 'gone' raised with every file closed."""
     disk = kvcore.DiskStore(tmp_path, 1 << 24)
-    ents = [entry(i, 1000 + i) for i in range(_fs.OPEN_AT_ONCE * 2 + 5)]
+    ents = [entry(i, 1000 + i) for i in range(_fs.open_at_once() * 2 + 5)]
     disk.put(ents)
     paths = [disk._file(k) for k, _ in ents]
     for p in paths:

@@ -453,9 +453,9 @@ def entry(i, size, fp=None):
     from kvcore import hashing
     from kvcore.stores import _format
     fp = fp or _format.fingerprint("float16", 4, 2, 2, 8, b"")
-    h = bytes([i]) * 16
+    h = bytes([i]) * 16 if i < 256 else i.to_bytes(16, "little")
     tok = np.arange(4, dtype=np.int32) + i
-    pay = bytes([i]) * (size - _format.PREFIX_SIZE - 8 - 16)
+    pay = bytes([i & 0xFF]) * (size - _format.PREFIX_SIZE - 8 - 16)
     value = _format.encode(fp, h, bytes(16), bytes(16),
                            hashing.identity_chain(tok, 4, None, 1)[0], tok, pay)
     return _format.store_key(fp, h), bytes(value)
