@@ -9,6 +9,10 @@ import numpy as np
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.errno cimport EMFILE, ENFILE, ENOENT, ENOMEM
+from posix.fcntl cimport O_CLOEXEC, O_DIRECTORY, O_RDONLY, open as c_open
+from posix.unistd cimport close as c_close
+
+from .._forksafe import LEAF, fork_guard
 
 
 cdef extern from "kv_fs.h" nogil:
@@ -194,19 +198,24 @@ ctypedef struct _take:
 
 
 def open_at_once():
-    """Most files a take or a read holds open at once: 64, or a sixteenth
-    of the process's descriptor limit (``RLIMIT_NOFILE``, read at each
-    call) up to 256.  A trim of thousands of files must not run the
-    process out of descriptors, nor hand them all to a child forked
-    meanwhile; each batch costs a call without the GIL, whose return
-    waits up to a switch interval beside a thread busy in Python."""
+    """Most files a take or a read holds open at once: a quarter of the
+    descriptors the process has free (its soft ``RLIMIT_NOFILE`` less its
+    lowest free descriptor, read at each call), at least 64 and at most
+    256.  A trim of thousands of files must not run the process (its
+    other threads) out of descriptors; each batch costs a call without the
+    GIL, whose return waits up to a switch interval beside a thread busy in
+    Python.  (A child forked meanwhile closes the batch's files:
+    ``_Batch._after_fork_child``.)"""
+    cdef int lowest = c_open(b"/", O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    if lowest < 0:
+        return 64
+    c_close(lowest)
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):
         return 64
-    if soft == resource.RLIM_INFINITY:
-        return 256
-    return max(64, min(256, soft // 16))
+    free = (1 << 20) if soft == resource.RLIM_INFINITY else soft - lowest
+    return max(64, min(256, free // 4))
 
 
 cdef class _Batch:
@@ -221,6 +230,7 @@ cdef class _Batch:
     cdef size_t probe
     cdef bint closed
     cdef object keep            # the encoded paths, alive while the jobs point at them
+    cdef object __weakref__     # (kvcore._forksafe holds its batches weakly)
 
     def __cinit__(self, list encoded, Py_ssize_t first, Py_ssize_t stop, size_t probe):
         cdef Py_ssize_t i
@@ -243,6 +253,7 @@ cdef class _Batch:
             self.jobs[i].want = 0
             self.jobs[i].got = 0
         self.closed = False
+        fork_guard(self, None, LEAF)
         with nogil:
             for i in range(self.n):
                 if self.jobs[i].path != NULL:
@@ -255,15 +266,34 @@ cdef class _Batch:
 
     cdef void finish(self, bint touch) noexcept:
         cdef Py_ssize_t i
+        cdef int fd
         if self.closed:
             return
         self.closed = True
         with nogil:
             for i in range(self.n):
                 if self.jobs[i].rc == 0:
-                    self.jobs[i].rc = kv_fs_read_close(self.jobs[i].fd, self.jobs[i].buf,
-                                                       self.jobs[i].want, &self.jobs[i].got,
-                                                       touch)
+                    # (the descriptor forgotten before it is closed: a child
+                    # forked in between never closes a number reused since)
+                    fd = self.jobs[i].fd
+                    self.jobs[i].fd = -1
+                    self.jobs[i].rc = kv_fs_read_close(fd, self.jobs[i].buf, self.jobs[i].want,
+                                                       &self.jobs[i].got, touch)
+
+    def _after_fork_child(self):
+        """In a child forked while the batch is open (by another thread:
+        the batch's own is gone there): its files closed, none read, so
+        the child never keeps entries the trim removed alive on disk."""
+        cdef Py_ssize_t i
+        cdef int fd
+        if self.closed:
+            return
+        self.closed = True
+        for i in range(self.n):
+            fd = self.jobs[i].fd
+            if fd >= 0:
+                self.jobs[i].fd = -1
+                c_close(fd)
 
     def __dealloc__(self):
         self.finish(False)

@@ -176,7 +176,7 @@ class DiskStore(PrefixStore):
         # per entry (a long prefix would run out of them) and a file
         # truncated under it would kill the process (SIGBUS).  They are
         # read into one allocation per batch of files (_fs.open_at_once:
-        # 64 to 256; one large buffer: NumPy
+        # a quarter of the free descriptors, 64 to 256; one large buffer: NumPy
         # asks the kernel for huge pages, not paced by page faults the way
         # many small ones are), in native calls without the GIL (_fs: a
         # prefetch beside a thread busy in Python is not paced by the
