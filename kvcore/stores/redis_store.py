@@ -14,12 +14,12 @@ _MAX_TIMEOUT = 2**31 - 1      # seconds: what a socket timeout (timeval) takes e
 # Over TLS a read returns one record (16 KiB) at most: no fewer reads, only
 # a larger buffer per connection, so rediss:// keeps redis-py's default.
 _READ_SIZE = 1 << 20
+_MAX_STRING = 2**62          # bytes: past any Redis string (GETRANGE's end is an int64)
 
 
 def _read_size(url):
     """``{"socket_read_size": ...}`` for a client made from ``url``."""
     return {} if url.lower().startswith("rediss:") else {"socket_read_size": _READ_SIZE}
-_MAX_STRING = 2**62          # bytes: past any Redis string (GETRANGE's end is an int64)
 
 
 class RedisStore(PrefixStore):
@@ -182,7 +182,7 @@ class RedisStore(PrefixStore):
 
         # (redis-py passes socket_read_size on to the nodes from 8.0 on;
         # earlier versions drop it: their default reads)
-        read = _read_size(where["url"]) if "url" in where else {"socket_read_size": _READ_SIZE}
+        read = _read_size(where.get("url", ""))
 
         def make():
             return redis.cluster.RedisCluster(
