@@ -29,6 +29,8 @@ One module per job:
 ``handoff``        the new K/V a kvcore forward's ``update`` returns, usable by the
                    kvcore attention only
 ``attention``      ``kvcore_attention`` and its mask function (registered here)
+``compiled``       a kvcore forward inside ``torch.compile``: the update and the
+                   attention as two custom operators
 ``threads``        ``attention_threads``: the CPU threads of the attention's plans
 ``generation``     ``generate``
 =================  =============================================================

@@ -1,6 +1,9 @@
 """``attn_implementation="kvcore"``: the attention function and mask function
-transformers calls, reading a PagedCache's pages through one AttentionPlan per step."""
+transformers calls, reading a PagedCache's pages through one AttentionPlan per step
+(and, in a compiled forward, the attention's operator: ``compiled.py``)."""
 import contextlib
+import types
+from typing import Optional
 
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -8,7 +11,8 @@ from transformers.masking_utils import sdpa_mask
 
 from ..attention import AttentionPlan
 from .cache import PagedCache, _mask_call
-from .features import ModelAttention, check_keywords, describe
+from . import compiled
+from .features import ModelAttention, check_keywords, describe, keyword_refusal
 from .inputs import _query_length
 from .step import Step
 from .threads import attention_threads
@@ -37,6 +41,7 @@ def _kvcore_mask(*args, **kwargs):
             state = ModelAttention.of(cache, kwargs.get("config"))
             state.check_forward(kwargs, q_length)
             cache._kvcore_forward = True
+            compiled.begin_forward(cache)
             # (the padding of the rows: PagedCache._start_rows, _later_pads)
             cache._pending_mask = kwargs.get("attention_mask")
             if state.spec.mask_bias:
@@ -47,10 +52,8 @@ def _kvcore_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-@torch.compiler.disable
 def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     sliding_window=None, softcap=None, cache=None, block_table=None,
-                     cu_seq_lens_q=None, kvcore_step=None, kvcore_layer=None, **kwargs):
+                     sliding_window=None, softcap=None, **kwargs):
     """``attn_implementation="kvcore"``: attention over the pages of a
     :class:`PagedCache` with one :class:`kvcore.AttentionPlan` per step.
 
@@ -67,6 +70,25 @@ def kvcore_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     sinks, sparse indices...) raises ValueError naming it, and the step is
     undone.
     """
+    traced = kwargs.pop("kvcore_traced", None)
+    if traced is not None:
+        if not torch.compiler.is_compiling():     # (kvcore::handoff ran: it raises)
+            raise RuntimeError("the K/V of a traced PagedCache.update reached the kvcore "
+                               "attention outside the compiled region")
+        return traced_attention(module, query, key, value, attention_mask, dropout, scaling,
+                                sliding_window, softcap, traced, kwargs)
+    return kvcore_eager_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, sliding_window=sliding_window,
+                                  softcap=softcap, **kwargs)
+
+
+@torch.compiler.disable
+def kvcore_eager_attention(module, query, key, value, attention_mask, dropout=0.0,
+                           scaling=None, sliding_window=None, softcap=None, cache=None,
+                           block_table=None, cu_seq_lens_q=None, kvcore_step=None,
+                           kvcore_layer=None, **kwargs):
+    """:func:`kvcore_attention` as it runs eagerly (and in the compiled
+    route's attention operator, at run time)."""
     ref = None
     if kvcore_step is None or not isinstance(cache, PagedCache):
         ref = getattr(key, "_kvcore", None)      # (see PagedCache.update)
@@ -244,3 +266,48 @@ def _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer,
         part = flat.new_empty((rows.shape[0],) + tuple(flat.shape[1:]))
         plan.run(rows, layer, out=part)
         flat[step.query_rows] = part
+
+
+# ------------------------------------------------------------------ compiled
+@torch.library.custom_op("kvcore::attend", mutates_args=())
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor], layer: int,
+           scaling: Optional[float], window: Optional[int], softcap: Optional[float],
+           dropout: float, training: bool, causal: bool, refusal: str) -> torch.Tensor:
+    """The layer's update and attention at run time: ``(batch, q, heads, head_dim)``."""
+    if refusal:
+        compiled.refuse(layer, refusal)
+    cache = compiled.current(layer)
+    tables = {}
+    key, value = cache.eager_update(key, value, layer, kwargs=tables)
+    if sinks is not None:
+        tables["s_aux"] = sinks
+    module = types.SimpleNamespace(training=training, is_causal=causal, config=None)
+    out, _ = kvcore_eager_attention(module, query, key, value, mask, dropout=dropout,
+                                    scaling=scaling, sliding_window=window, softcap=softcap,
+                                    **tables)
+    return out
+
+
+@attend.register_fake
+def _(query, key, value, sinks, mask, layer, scaling, window, softcap, dropout, training,
+      causal, refusal):
+    batch, heads, q, dim = query.shape
+    return query.new_empty((batch, q, heads, dim))
+
+
+def traced_attention(module, query, key, value, attention_mask, dropout, scaling,
+                     sliding_window, softcap, traced, kwargs):
+    """``kvcore_attention`` while torch's compiler traces it after a
+    :func:`traced_update` of the same region."""
+    key_states, value_states, handed_key, handed_value, layer = traced
+    sinks = kwargs.pop("s_aux", None)
+    if key is not handed_key or value is not handed_value:
+        refusal = compiled.COMPUTES.format(
+            "in its compiled forward: it hands the attention other K/V than the cache's update "
+            "returned")
+    else:
+        refusal = keyword_refusal(kwargs) or ""
+    return attend(query, key_states, value_states, sinks, attention_mask, layer, scaling,
+                  sliding_window, softcap, float(dropout), bool(module.training),
+                  getattr(module, "is_causal", True) is not False, refusal), None

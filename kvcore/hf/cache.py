@@ -22,6 +22,7 @@ from .._validate import index_int, salt_bytes
 from ..backends import simd_levels
 from ..paged import PagedKVCache
 from ..pool import BlockPool
+from . import compiled
 from .device import DeviceLane
 from .inputs import CACHE_KEYWORDS, _left_pads, _query_length, _truthy
 from .handoff import hand_off
@@ -170,6 +171,7 @@ class PagedCache(Cache):
         self._step = None
         self._known_before = None               # row tokens before generate's hook ran
         self._kvcore_forward = False            # this forward's attention reads pages
+        self._forward_began_step = False        # and has begun its step (compiled.py)
         self._captured = False                  # a CUDA graph's capture runs the forward
         self._pending_mask = None               # padding mask of the next forward
         self._attention_state = None            # the model's attention spec (attention.py)
@@ -447,7 +449,6 @@ class PagedCache(Cache):
                 f"has position {got}, the cache expects {want} (it holds {self._length} columns)")
 
     # -------------------------------------------------------------- steps
-    @torch.compiler.disable     # (torch.compile runs it as it is: host work)
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Write this step's K/V of ``layer_idx`` for the whole batch.
 
@@ -455,8 +456,18 @@ class PagedCache(Cache):
         Returns the layer's K/V over every column ``(batch, num_kv_heads,
         length, head_dim)`` in ``key_states.dtype`` read from the pages, or,
         when the model's attention is ``"kvcore"``, the new K/V marked for
-        :func:`kvcore_attention`, which reads the pages itself.
+        :func:`kvcore_attention`, which reads the pages itself.  Traced by
+        ``torch.compile`` in a CPU pool's kvcore forward, the write happens
+        in the attention's operator instead (``compiled.py``).
         """
+        if torch.compiler.is_compiling() and compiled.traceable(self, layer_idx, kwargs):
+            return compiled.traced_update(key_states, value_states, layer_idx, kwargs)
+        return self.eager_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @torch.compiler.disable     # (torch.compile runs it as it is: host work)
+    def eager_update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """:meth:`update` as it runs eagerly (and in the compiled route's
+        attention operator, at run time)."""
         before = self._step
         if _layer_number(layer_idx) == 0 and before is not None and before.partial:
             raise ValueError(

@@ -438,21 +438,28 @@ def check_keywords(spec, layer, kwargs):
     """Raise ValueError naming the first keyword of an attention call that
     asks for something the kvcore attention does not compute (any keyword
     it does not know, with a value other than None/False/0)."""
+    refusal = keyword_refusal(kwargs)
+    if refusal is not None:
+        raise ValueError(f"{spec.model_type} layer {layer}: {refusal}")
+
+
+def keyword_refusal(kwargs):
+    """What :func:`check_keywords` says of ``kwargs`` after the layer's
+    name, or None where the attention can serve them."""
     for name, value in kwargs.items():
         if name in _NEUTRAL:
             if name == "is_causal" and value is False:
-                raise ValueError(f"{spec.model_type} layer {layer}: the attention is called with "
-                                 "is_causal=False (bidirectional); kvcore's attention is causal")
+                return "the attention is called with is_causal=False (bidirectional); " \
+                       "kvcore's attention is causal"
             if name == "output_attentions" and value:
-                raise ValueError(f"{spec.model_type} layer {layer}: output_attentions=True asks "
-                                 "for the attention weights, which kvcore's attention does not "
-                                 "form; use attn_implementation='eager'")
+                return "output_attentions=True asks for the attention weights, which " \
+                       "kvcore's attention does not form; use attn_implementation='eager'"
             continue
         if value is None or value is False or (isinstance(value, (int, float)) and value == 0):
             continue
-        raise ValueError(f"{spec.model_type} layer {layer}: its attention asks for {name}= "
-                         f"({describe(value)}), which kvcore's attention does not compute; "
-                         "use attn_implementation='sdpa' or 'eager' with the PagedCache")
+        return (f"its attention asks for {name}= ({describe(value)}), which kvcore's attention "
+                "does not compute; use attn_implementation='sdpa' or 'eager' with the PagedCache")
+    return None
 
 
 def describe(value):

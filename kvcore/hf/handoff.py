@@ -7,9 +7,12 @@ transformers' attention function, or that transforms the cached K/V before
 calling it (DiffLlama splits V), would compute on those new positions alone:
 the marked tensors refuse every torch operation but reading their metadata
 (shape, dtype, device, strides...), undo the step and raise ValueError naming
-the model type.  Under ``torch.compile`` the update and the attention run
-outside the compiled regions, and the compiler may also read what it needs
-to take the tensors into a region (never the model's own compiled code).
+the model type.  Under ``torch.compile`` a CPU pool's forward takes the
+route of ``compiled.py`` (no marked tensors: two operators); where it
+cannot (a CUDA pool, a transformers that does not hand ``update`` the
+attention's keyword arguments), the update and the attention run outside
+the compiled regions, and the compiler may also read what it needs to take
+the marked tensors into a region (never the model's own compiled code).
 """
 import torch
 

@@ -55,6 +55,7 @@ class Step:
             known = [seq.num_tokens for seq in cache._seqs]
         step.before = [(seq.num_computed, k) for seq, k in zip(cache._seqs, known)]
         cache._step = step
+        cache._forward_began_step = True
         try:
             step._reserve(cache, q)
             if cache._lane is not None:

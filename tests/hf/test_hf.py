@@ -402,20 +402,35 @@ def compiled():
     torch._dynamo.reset()
 
 
+def _count_operators(monkeypatch):
+    """The layers of each run of the compiled route's attention operator
+    (``kvcore::attend``), in order."""
+    layers = []
+    real = kvcore.hf.compiled.current
+
+    def counted(layer):
+        layers.append(layer)
+        return real(layer)
+    monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
+    return layers
+
+
 @_INDUCTOR_IMPORT
 @pytest.mark.parametrize("hit", [False, True])
-def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled):
+def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled, monkeypatch):
     """torch.compile(model.forward) with attn_implementation="kvcore": the
-    cache's update, the attention and its mask function run outside the
-    compiled regions (torch.compiler.disable), and the K/V the update hands
-    on enter them as inputs; the tokens are the eager ones, through
-    model.generate and through kvcore.hf.generate (whose second call on the
-    pool hits the first's prefix)."""
+    cache's update and the attention are traced into the compiled regions,
+    the update's write and the attention run as one operator a layer
+    (kvcore::attend, every layer of every forward), and the mask function
+    runs outside (torch.compiler.disable); the tokens are the eager ones,
+    through model.generate and through kvcore.hf.generate (whose second call
+    on the pool hits the first's prefix)."""
     ids, mask = _prompts(BATCHES["b4"])
     want = _dynamic(model_for("llama"), ids, mask, max_new_tokens=12, do_sample=False)
     model = _tiny("llama", "kvcore")
     model.forward = compiled(model.forward)
     pool = pool_for(model.config, 256, dtype="float32", block_size=16)
+    operators = _count_operators(monkeypatch)
     for call in range(2 if hit else 1):
         if hit:       # (kvcore.hf.generate looks the prompts up in the prefix cache)
             got = kvcore.hf.generate(model, ids, pool, attention_mask=mask,
@@ -426,8 +441,81 @@ def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled):
                                      max_new_tokens=12, do_sample=False)
         assert torch.equal(got, want), call
         assert pool.num_used_blocks == 0
+    if not hit:       # 12 forwards of 2 layers, each layer through the operator
+        assert operators == [0, 1] * 12
+    else:
+        assert operators and operators[:2] == [0, 1]
     assert (pool.stats()["prefix_hits"] > 0) == hit
     pool.debug.check()
+
+
+@_INDUCTOR_IMPORT
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_compiled_forward_over_narrow_pages_gives_the_eager_kvcore_tokens(dtype, compiled,
+                                                                           monkeypatch):
+    """The compiled route over bfloat16 and int8 pages computes what the
+    eager kvcore forward computes over the same pages: the same tokens."""
+    ids, mask = _prompts(BATCHES["b4"])
+    model = _tiny("llama", "kvcore")
+    want = _paged(model, ids, mask, dtype=dtype, max_new_tokens=10, do_sample=False)
+    model.forward = compiled(model.forward)
+    operators = _count_operators(monkeypatch)
+    assert torch.equal(_paged(model, ids, mask, dtype=dtype, max_new_tokens=10,
+                              do_sample=False), want)
+    assert operators == [0, 1] * 10
+
+
+@_INDUCTOR_IMPORT
+def test_a_compiled_step_that_fails_leaves_the_cache_as_the_eager_one_does(compiled):
+    """A decode step that runs out of blocks inside the compiled route's
+    operator raises what the eager step raises, and leaves the cache and
+    pool as the eager one does (the columns of the forwards before it)."""
+    ids, mask = _prompts([31])
+
+    def run(model):
+        pool = pool_for(model.config, 2, dtype="float32", block_size=16)
+        with PagedCache(pool) as cache:
+            with pytest.raises(kvcore.OutOfBlocksError) as caught:
+                model.generate(ids, attention_mask=mask, **_kw(model, cache),
+                               max_new_tokens=4, do_sample=False)
+            state = (str(caught.value), cache.get_seq_length(), pool.num_used_blocks,
+                     [row.num_tokens for row in cache.rows])
+        pool.debug.check()
+        return state
+
+    model = _tiny("llama", "kvcore")
+    want = run(model)
+    assert want[1] == 32            # the prompt and one token: the 33rd column needs a block
+    model.forward = compiled(model.forward)
+    assert run(model) == want
+
+
+@_INDUCTOR_IMPORT
+def test_a_forward_compiled_by_a_backend_that_keeps_unread_results_is_refused(compiled):
+    """backend="eager" runs the traced update's operator although no one
+    reads its outputs: refused by name as a model computing with them
+    would be, and the step undone (never a silent result)."""
+    _compiled_refuses(_tiny("llama", "kvcore"), lambda f: compiled(f, backend="eager"),
+                      r"llama layer 0: the model computes with the cached K/V itself \(in its "
+                      r"compiled forward; or the forward was compiled by a backend .*'eager'")
+
+
+@_INDUCTOR_IMPORT
+def test_a_compiled_attention_asking_for_what_kvcore_does_not_compute_is_refused(compiled):
+    """A keyword the kvcore attention does not compute, passed in a
+    compiled forward, is refused by name when the operator runs, and the
+    step undone, as eagerly."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    def asking(module, query, key, value, attention_mask, **kwargs):
+        return kvcore.hf.kvcore_attention(module, query, key, value, attention_mask,
+                                          position_bias=torch.ones(1), **kwargs)
+
+    AttentionInterface.register("kvcore_asking", asking)
+    AttentionMaskInterface.register("kvcore_asking", kvcore.hf.attention._kvcore_mask)
+    _compiled_refuses(_tiny("llama", "kvcore_asking"), compiled,
+                      r"llama layer 0: its attention asks for position_bias= \(a tensor of "
+                      r"shape \(1,\)\)")
 
 
 def _compiled_refuses(model, compiled, match):
@@ -448,7 +536,9 @@ def _compiled_refuses(model, compiled, match):
 @_INDUCTOR_IMPORT
 def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused(compiled):
     """DiffLlama splits V before its attention: compiled, its forward is
-    refused as the eager one is, by name, and the step is undone."""
+    refused as the eager one is, by name, and the step is undone (the
+    attention's operator finds other K/V than the traced update returned,
+    or the update's operator runs because the split reads its outputs)."""
     config = transformers.DiffLlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -457,16 +547,19 @@ def test_a_compiled_model_computing_with_the_new_kv_itself_is_refused(compiled):
         model = transformers.DiffLlamaForCausalLM(config).eval()
     model.set_attn_implementation("kvcore")
     _compiled_refuses(model, compiled,
-                      r"diffllama layer 0: the model computes with the cached K/V itself \(chunk\)")
+                      r"diffllama layer 0: the model computes with the cached K/V itself "
+                      r"\(in its compiled forward")
 
 
 @_INDUCTOR_IMPORT
 @pytest.mark.parametrize("read", ["base", "storage"])
 def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(read, compiled):
-    """What torch's compiler may read of the marked K/V while it builds a
-    region (their ``_base``, their storage) a model's own compiled code may
-    not: an attention function that computes with them that way is refused
-    and the step undone, as eagerly."""
+    """An attention function that computes with the K/V the traced update
+    returned (through their ``_base``, their storage) makes the update's
+    operator run: refused and the step undone, as eagerly.  (Where the old
+    route runs, with the update outside the compiled regions, the marked K/V
+    let torch's compiler read these while it builds a region, and refuse the
+    model's own use of them: handoff.py.)"""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     def peeking(module, query, key, value, attention_mask, **kwargs):
@@ -482,7 +575,8 @@ def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(
     AttentionInterface.register("kvcore_peeking", peeking)
     AttentionMaskInterface.register("kvcore_peeking", kvcore.hf.attention._kvcore_mask)
     _compiled_refuses(_tiny("llama", "kvcore_peeking"), compiled,
-                      r"llama layer 0: the model computes with the cached K/V itself")
+                      r"llama layer 0: the model computes with the cached K/V itself \(in its "
+                      r"compiled forward")
 
 
 def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):

@@ -271,6 +271,41 @@ def test_model_matrix(name, monkeypatch):
         f"docs/hf.md says {row}, the matrix finds {(result.features, result.cell())}"
 
 
+@pytest.mark.filterwarnings(          # (torch's inductor, on its first import)
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", ["Gemma2ForCausalLM", "GptOssForCausalLM"])
+def test_compiled_soft_caps_windows_and_sinks_give_the_eager_tokens(name, monkeypatch):
+    """A compiled forward through the compiled route (``kvcore::attend`` at
+    every layer of every forward): Gemma 2's soft cap and sliding layers,
+    gpt-oss's sinks and sliding layers give eager attention's tokens."""
+    import torch._dynamo
+
+    model = zoo.build(name)
+    ids, mask = zoo.prompts()
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                              do_sample=False)
+    layers = []
+    real = kvcore.hf.compiled.current
+
+    def counted(layer):
+        layers.append(layer)
+        return real(layer)
+    monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
+    model.forward = torch.compile(model.forward)
+    pool = kvcore.hf.pool_for(model.config, 64, dtype="float32", block_size=16)
+    try:
+        got = _generate(model, "kvcore", ids, mask, pool)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want), f"{name}: compiled kvcore tokens differ from eager"
+    n = model.config.get_text_config().num_hidden_layers
+    assert layers == list(range(n)) * (len(layers) // n) and layers
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
 def test_doc_table_lists_every_architecture():
     """The table's rows are the installed transformers' causal LMs (and the
     multimodal ones are listed as not built)."""
