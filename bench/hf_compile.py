@@ -10,9 +10,10 @@ KV heads, head_dim 64, hidden 576), ``--layers`` layers (default 4: the
 compile time grows with them), a vocabulary of 1024, float32.  Each row:
 the first call (it compiles) and the median [min-max] of the next
 ``--calls``; every call's tokens are checked against the eager DynamicCache
-call's.  kvcore's cache update, its attention and its mask function run
-outside the compiled regions (``torch.compiler.disable``): the compiled
-forward breaks its graph around them at every layer.
+call's.  Compiled, kvcore's cache update and attention are traced into the
+model's graph as two custom operators (``kvcore/hf/compiled.py``: the write
+and the attention run as one operator a layer); its mask function runs
+outside the compiled regions (``torch.compiler.disable``), once a forward.
 """
 import argparse
 import statistics

@@ -271,15 +271,21 @@ def _run_plan(cache, step, kind, block_table, cu_seq_lens_q, heads, rows, layer,
 # ------------------------------------------------------------------ compiled
 @torch.library.custom_op("kvcore::attend", mutates_args=())
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor], layer: int,
-           scaling: Optional[float], window: Optional[int], softcap: Optional[float],
-           dropout: float, training: bool, causal: bool, refusal: str) -> torch.Tensor:
-    """The layer's update and attention at run time: ``(batch, q, heads, head_dim)``."""
+           sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor], cache_id: torch.Tensor,
+           layer: int, scaling: Optional[float], window: Optional[int],
+           softcap: Optional[float], dropout: float, training: bool, causal: bool,
+           first: Optional[torch.Tensor], refusal: str) -> torch.Tensor:
+    """The layer's update and attention at run time: ``(batch, q, heads,
+    head_dim)``.  ``first``: for a layer's later attention calls, the first
+    call's result (only so that they run after it: the first one writes)."""
+    cache = compiled.current(cache_id, layer)
     if refusal:
-        compiled.refuse(layer, refusal)
-    cache = compiled.current(layer)
-    tables = {}
-    key, value = cache.eager_update(key, value, layer, kwargs=tables)
+        compiled.refuse(cache, layer, refusal)
+    if first is None:
+        tables = {}
+        key, value = cache.eager_update(key, value, layer, kwargs=tables)
+    else:
+        tables = cache.attention_arguments(cache._step, layer)
     if sinks is not None:
         tables["s_aux"] = sinks
     module = types.SimpleNamespace(training=training, is_causal=causal, config=None)
@@ -290,8 +296,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 @attend.register_fake
-def _(query, key, value, sinks, mask, layer, scaling, window, softcap, dropout, training,
-      causal, refusal):
+def _(query, key, value, sinks, mask, cache_id, layer, scaling, window, softcap, dropout,
+      training, causal, first, refusal):
     batch, heads, q, dim = query.shape
     return query.new_empty((batch, q, heads, dim))
 
@@ -299,8 +305,8 @@ def _(query, key, value, sinks, mask, layer, scaling, window, softcap, dropout, 
 def traced_attention(module, query, key, value, attention_mask, dropout, scaling,
                      sliding_window, softcap, traced, kwargs):
     """``kvcore_attention`` while torch's compiler traces it after a
-    :func:`traced_update` of the same region."""
-    key_states, value_states, handed_key, handed_value, layer = traced
+    traced ``update`` of the same region (``compiled.traced_update``)."""
+    cache_id, key_states, value_states, handed_key, handed_value, layer, first = traced
     sinks = kwargs.pop("s_aux", None)
     if key is not handed_key or value is not handed_value:
         refusal = compiled.COMPUTES.format(
@@ -308,6 +314,10 @@ def traced_attention(module, query, key, value, attention_mask, dropout, scaling
             "returned")
     else:
         refusal = keyword_refusal(kwargs) or ""
-    return attend(query, key_states, value_states, sinks, attention_mask, layer, scaling,
-                  sliding_window, softcap, float(dropout), bool(module.training),
-                  getattr(module, "is_causal", True) is not False, refusal), None
+    out = attend(query.detach(), key_states, value_states,
+                 None if sinks is None else sinks.detach(), attention_mask, cache_id, layer,
+                 scaling, sliding_window, softcap, float(dropout), bool(module.training),
+                 getattr(module, "is_causal", True) is not False, first, refusal)
+    if first is None:
+        traced[-1] = out
+    return out, None

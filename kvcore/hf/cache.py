@@ -172,6 +172,7 @@ class PagedCache(Cache):
         self._known_before = None               # row tokens before generate's hook ran
         self._kvcore_forward = False            # this forward's attention reads pages
         self._forward_began_step = False        # and has begun its step (compiled.py)
+        self._compiled_id = compiled.identity(self)     # (compiled.py's operators)
         self._captured = False                  # a CUDA graph's capture runs the forward
         self._pending_mask = None               # padding mask of the next forward
         self._attention_state = None            # the model's attention spec (attention.py)
@@ -461,7 +462,7 @@ class PagedCache(Cache):
         in the attention's operator instead (``compiled.py``).
         """
         if torch.compiler.is_compiling() and compiled.traceable(self, layer_idx, kwargs):
-            return compiled.traced_update(key_states, value_states, layer_idx, kwargs)
+            return compiled.traced_update(self, key_states, value_states, layer_idx, kwargs)
         return self.eager_update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @torch.compiler.disable     # (torch.compile runs it as it is: host work)
@@ -472,8 +473,9 @@ class PagedCache(Cache):
         if _layer_number(layer_idx) == 0 and before is not None and before.partial:
             raise ValueError(
                 f"the last forward stopped after {before.layers_done} of the model's "
-                f"{self._num_layers} layers (an exception in the model, or a model that does not "
-                "update the cache at every layer): cache.crop(cache.get_seq_length()) drops "
+                f"{self._num_layers} layers (an exception in the model, a model that does not "
+                "update the cache at every layer, or a compiled forward with a layer that does "
+                "not call the kvcore attention): cache.crop(cache.get_seq_length()) drops "
                 "what it wrote, then the forward can run again")
         # the step this call belongs to: one in progress (this call may
         # commit it before failing), or one it begins
@@ -574,10 +576,7 @@ class PagedCache(Cache):
                 # layer's attention call (its paged path fills them the same
                 # way): the attention gets the cache and the step's tables
                 # as arguments, no side channel
-                step.attention_tables(self)
-                attn_kwargs.update(cache=self, block_table=step.tables,
-                                   cu_seq_lens_q=step.query_start, kvcore_step=step,
-                                   kvcore_layer=layer_idx)
+                attn_kwargs.update(self.attention_arguments(step, layer_idx))
             # only the new positions, marked: the kvcore attention reads the
             # pages, and anything else computing on them raises (handoff.py);
             # (transformers versions whose attention does not pass kwargs=
@@ -592,6 +591,13 @@ class PagedCache(Cache):
             keys = keys.to(key_states.dtype)
             values = values.to(value_states.dtype)
         return keys, values
+
+    def attention_arguments(self, step, layer_idx):
+        """The keyword arguments that hand the kvcore attention of
+        ``layer_idx`` the cache and ``step``'s tables."""
+        step.attention_tables(self)
+        return dict(cache=self, block_table=step.tables, cu_seq_lens_q=step.query_start,
+                    kvcore_step=step, kvcore_layer=layer_idx)
 
     def _captured_update(self, key_states, value_states, layer_idx, kwargs, step):
         """``update`` inside a CUDA graph's capture of a short step
@@ -609,8 +615,7 @@ class PagedCache(Cache):
         if not isinstance(attn_kwargs, dict):
             raise RuntimeError("this transformers version does not pass the attention's "
                                "arguments to Cache.update: cuda_graph=True needs it")
-        attn_kwargs.update(cache=self, block_table=step.tables, cu_seq_lens_q=step.query_start,
-                           kvcore_step=step, kvcore_layer=layer_idx)
+        attn_kwargs.update(self.attention_arguments(step, layer_idx))
         return key_states, value_states
 
     # -------------------------------------------------------------- queries

@@ -21,39 +21,46 @@ keeps what no one reads, or broke its graph between the update and the
 attention): it undoes the forward's step and raises ValueError, as a model
 computing with the marked K/V does eagerly.
 """
-import threading
+import itertools
 import weakref
 
 import torch
 
 from .step import Step
 
-# the cache whose kvcore forward this thread is running (weakly: never
-# keeps a dropped cache's blocks): set by the kvcore mask function (once a
-# forward, outside the compiled regions), read by the operators at run time
-_forward = threading.local()
+# each PagedCache is named to the operators by a number held in a tensor: a
+# graph input read at run time (a number in the graph would recompile the
+# forward for every cache), looked up here (weakly: never keeps a dropped
+# cache's blocks)
+_caches = weakref.WeakValueDictionary()
+_numbers = itertools.count(1)
+
+
+def identity(cache):
+    """The tensor that names ``cache`` to the operators (``PagedCache.__init__``)."""
+    number = next(_numbers)
+    _caches[number] = cache
+    return torch.tensor(number, dtype=torch.int64)
 
 
 def begin_forward(cache):
     """Called by the kvcore mask function when a forward's attention reads
     ``cache``'s pages (``Step.begin`` sets the flag when it begins one)."""
     cache._forward_began_step = False
-    _forward.cache = weakref.ref(cache)
 
 
-def current(layer):
-    ref = getattr(_forward, "cache", None)
-    cache = ref() if ref is not None else None
+def current(cache_id, layer):
+    """The cache an operator of ``layer`` acts on, at run time."""
+    cache = _caches.get(int(cache_id))
     if cache is None or not cache._kvcore_forward:
-        raise RuntimeError(f"layer {layer}: kvcore's compiled attention ran outside a kvcore "
-                           "forward (its mask function was not called in this thread)")
+        raise RuntimeError(f"layer {layer}: kvcore's compiled attention ran for a PagedCache "
+                           "that was dropped or whose forward is not a kvcore forward")
     return cache
 
 
-def refuse(layer, message):
+def refuse(cache, layer, message):
     """Undo the step the current forward began (if it began one: the
     operators may run in another order than the layers) and raise ValueError."""
-    cache = current(layer)
     if cache._forward_began_step:
         Step.undo_failed(cache, None, cache._step)
     state = cache._attention_state
@@ -68,17 +75,17 @@ COMPUTES = ("the model computes with the cached K/V itself ({}) instead of handi
 
 
 @torch.library.custom_op("kvcore::handoff", mutates_args=())
-def handoff(key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor,
-                                                                        torch.Tensor]:
+def handoff(key: torch.Tensor, value: torch.Tensor, cache_id: torch.Tensor,
+            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What a traced ``update`` returns; running it is a refusal (see the module)."""
-    refuse(layer, COMPUTES.format(
+    refuse(current(cache_id, layer), layer, COMPUTES.format(
         "in its compiled forward; or the forward was compiled by a backend that runs what no "
-        "one reads, such as backend='eager', or with a graph break between the cache's update "
-        "and the attention"))
+        "one reads, such as backend='eager', or broke its graph while it held them: between "
+        "the cache's update and the attention, or inside the attention function"))
 
 
 @handoff.register_fake
-def _(key, value, layer):
+def _(key, value, cache_id, layer):
     return torch.empty_like(key), torch.empty_like(value)
 
 
@@ -90,8 +97,15 @@ def traceable(cache, layer_idx, kwargs):
             and type(layer_idx) is int and isinstance(kwargs.get("kwargs"), dict))
 
 
-def traced_update(key_states, value_states, layer_idx, kwargs):
-    """``update`` while torch's compiler traces it (see :func:`traceable`)."""
-    key, value = handoff(key_states, value_states, layer_idx)
-    kwargs["kwargs"]["kvcore_traced"] = (key_states, value_states, key, value, layer_idx)
-    return key, value
+def traced_update(cache, key_states, value_states, layer_idx, kwargs):
+    """``update`` while torch's compiler traces it (see :func:`traceable`):
+    the K/V as they are now (a copy: the model may change its tensors in
+    place later, the pages hold what ``update`` was given), the handoff's
+    outputs, and (once the layer's attention has run: a layer may call it
+    more than once) its first result, for the attention."""
+    key = key_states.detach().clone()
+    value = value_states.detach().clone()
+    handed_key, handed_value = handoff(key, value, cache._compiled_id, layer_idx)
+    kwargs["kwargs"]["kvcore_traced"] = [cache._compiled_id, key, value, handed_key,
+                                         handed_value, layer_idx, None]
+    return handed_key, handed_value

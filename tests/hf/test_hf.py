@@ -408,9 +408,9 @@ def _count_operators(monkeypatch):
     layers = []
     real = kvcore.hf.compiled.current
 
-    def counted(layer):
+    def counted(cache_id, layer):
         layers.append(layer)
-        return real(layer)
+        return real(cache_id, layer)
     monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
     return layers
 
@@ -505,14 +505,11 @@ def test_a_compiled_attention_asking_for_what_kvcore_does_not_compute_is_refused
     """A keyword the kvcore attention does not compute, passed in a
     compiled forward, is refused by name when the operator runs, and the
     step undone, as eagerly."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-
     def asking(module, query, key, value, attention_mask, **kwargs):
         return kvcore.hf.kvcore_attention(module, query, key, value, attention_mask,
                                           position_bias=torch.ones(1), **kwargs)
 
-    AttentionInterface.register("kvcore_asking", asking)
-    AttentionMaskInterface.register("kvcore_asking", kvcore.hf.attention._kvcore_mask)
+    _register("kvcore_asking", asking)
     _compiled_refuses(_tiny("llama", "kvcore_asking"), compiled,
                       r"llama layer 0: its attention asks for position_bias= \(a tensor of "
                       r"shape \(1,\)\)")
@@ -577,6 +574,126 @@ def test_a_compiled_attention_reading_the_new_kv_through_its_storage_is_refused(
     _compiled_refuses(_tiny("llama", "kvcore_peeking"), compiled,
                       r"llama layer 0: the model computes with the cached K/V itself \(in its "
                       r"compiled forward")
+
+
+def _register(name, attention):
+    """``attention`` as ``attn_implementation=name``, with the kvcore mask function."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, kvcore.hf.attention._kvcore_mask)
+
+
+@_INDUCTOR_IMPORT
+def test_a_compiled_layer_calling_the_attention_twice_gives_the_eager_tokens(compiled,
+                                                                            monkeypatch):
+    """An attention function calling the kvcore attention twice for one
+    layer (two query sets over the same K/V): the layer's first operator
+    writes, the second runs after it and only attends; the eager tokens."""
+    def twice(module, query, key, value, attention_mask, **kwargs):
+        one, _ = kvcore.hf.kvcore_attention(module, query, key, value, attention_mask, **kwargs)
+        two, _ = kvcore.hf.kvcore_attention(module, query * 0.5, key, value, attention_mask,
+                                            **kwargs)
+        return (one + two) / 2, None
+
+    _register("kvcore_twice", twice)
+    ids, mask = _prompts([21, 13])
+    model = _tiny("llama", "kvcore_twice")
+    want = _paged(model, ids, mask, max_new_tokens=5, do_sample=False)
+    model.forward = compiled(model.forward)
+    operators = _count_operators(monkeypatch)
+    assert torch.equal(_paged(model, ids, mask, max_new_tokens=5, do_sample=False), want)
+    assert operators == [0, 0, 1, 1] * 5
+
+
+@_INDUCTOR_IMPORT
+@pytest.mark.filterwarnings(   # (torch's compiler reads .grad of the model's activations)
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_a_compiled_forward_with_autograd_on_gives_the_eager_logits(compiled):
+    """A forward outside torch.no_grad() compiles (the operators take
+    detached tensors, as the eager attention does) and gives the eager
+    forward's logits and cache."""
+    ids, mask = _prompts([21, 13])
+    model = _tiny("llama", "kvcore")
+
+    def forward():
+        pool = pool_for(model.config, 16, dtype="float32", block_size=16)
+        cache = PagedCache(pool)
+        logits = model(input_ids=ids, attention_mask=mask, **_kw(model, cache)).logits
+        return logits.detach(), cache.get_seq_length()
+
+    want = forward()
+    model.forward = compiled(model.forward)
+    got = forward()
+    assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5) and got[1] == want[1]
+
+
+@_INDUCTOR_IMPORT
+def test_a_compiled_layer_changing_its_k_after_the_update_caches_the_k_it_handed(compiled):
+    """The pages hold the K/V as the layer handed them to ``update``, as
+    eagerly, when the layer then changes its K in place (the traced update
+    keeps a copy)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    def patch(model):
+        for layer in model.model.layers:
+            def forward(hidden_states, position_embeddings=None, attention_mask=None,
+                        cache=None, attn=layer.self_attn, **kwargs):
+                shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
+                q = attn.q_proj(hidden_states).view(shape).transpose(1, 2)
+                k = attn.k_proj(hidden_states).view(shape).transpose(1, 2)
+                v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+                q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+                k_cached, v_cached = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+                k.mul_(3.0)
+                out, _ = kvcore.hf.kvcore_attention(attn, q, k_cached, v_cached, attention_mask,
+                                                    scaling=attn.scaling, **kwargs)
+                return attn.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+            layer.self_attn.forward = forward
+        return model
+
+    ids, mask = _prompts([21, 13])
+    want = _paged(patch(_tiny("llama", "kvcore")), ids, mask, max_new_tokens=6,
+                  do_sample=False)
+    model = patch(_tiny("llama", "kvcore"))
+    model.forward = compiled(model.forward)
+    assert torch.equal(_paged(model, ids, mask, max_new_tokens=6, do_sample=False), want)
+
+
+@_INDUCTOR_IMPORT
+def test_the_compiled_operators_act_on_the_cache_the_forward_updates(compiled):
+    """The operators find the cache whose ``update`` was traced (its number,
+    a graph input), not the last cache a kvcore mask function saw: a decode
+    on cache A after a prefill on B, by an attention registered without the
+    kvcore mask function, writes A (as eagerly)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(
+        "kvcore_no_mask", lambda *args, **kwargs: kvcore.hf.kvcore_attention(*args, **kwargs))
+    ids, mask = _prompts([20, 20])
+    other, _ = _prompts([20, 20], seed=7)
+
+    def run(model):
+        model.set_attn_implementation("kvcore")
+        pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+        a, b = PagedCache(pool), PagedCache(pool)
+        with torch.no_grad():
+            first = model(input_ids=ids, attention_mask=mask, **_kw(model, a)).logits
+            model(input_ids=other, attention_mask=mask, **_kw(model, b))
+            model.set_attn_implementation("kvcore_no_mask")
+            token = first[:, -1].argmax(-1, keepdim=True)
+            step = model(input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)],
+                                                                   1), **_kw(model, a))
+        state = (step.logits[:, -1].argmax(-1).tolist(), a.get_seq_length(), b.get_seq_length())
+        pool.debug.check()
+        a.free()
+        b.free()
+        assert pool.num_used_blocks == 0
+        return state
+
+    want = run(_tiny("llama", "kvcore"))
+    assert want[1:] == (21, 20)
+    model = _tiny("llama", "kvcore")
+    model.forward = compiled(model.forward)
+    assert run(model) == want
 
 
 def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):

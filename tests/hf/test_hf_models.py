@@ -289,9 +289,9 @@ def test_compiled_soft_caps_windows_and_sinks_give_the_eager_tokens(name, monkey
     layers = []
     real = kvcore.hf.compiled.current
 
-    def counted(layer):
+    def counted(cache_id, layer):
         layers.append(layer)
-        return real(layer)
+        return real(cache_id, layer)
     monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
     model.forward = torch.compile(model.forward)
     pool = kvcore.hf.pool_for(model.config, 64, dtype="float32", block_size=16)
