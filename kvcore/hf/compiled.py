@@ -4,22 +4,26 @@ attention as two custom operators, traced into the model's graph.
 Eagerly (and in frames torch's compiler leaves eager) ``PagedCache.update``
 writes the step's K/V and hands the attention the new K/V marked
 (``handoff.py``).  When torch's compiler traces a layer of a CPU pool's
-kvcore forward, ``update`` does no host work while tracing: it records the
-layer's K/V in the attention's keyword arguments and returns the outputs of
-``kvcore::handoff`` instead; the attention, traced in the same region, finds
-the very tensors ``update`` returned (or refuses) and calls
-``kvcore::attend`` (``attention.py``) with the K/V as the model made them.
-At run time ``attend`` does the eager update and attention (every check,
-the write, the plan), so the compiled forward computes what the eager one
-does, without a graph break per layer.
+kvcore forward, ``update`` does no host work while tracing: it records a
+copy of the layer's K/V in the attention's keyword arguments and returns
+the outputs of ``kvcore::handoff`` instead; the attention, traced in the
+same region, finds the very tensors ``update`` returned (or refuses) and
+calls ``kvcore::attend`` (``attention.py``) with the recorded K/V.  At run
+time ``attend`` does the eager update and attention (every check, the
+write, the plan) on the cache whose number it is given, so the compiled
+forward computes what the eager one does, without a graph break per layer.
 
 Nothing ever reads ``kvcore::handoff``'s outputs in a model that hands them
 to the attention as they are, so torch's compiler drops the operator (its
 inductor and aot backends remove what no one reads).  When it runs, the
 model computed with them (or the forward was compiled by a backend that
-keeps what no one reads, or broke its graph between the update and the
-attention): it undoes the forward's step and raises ValueError, as a model
-computing with the marked K/V does eagerly.
+keeps what no one reads, or broke its graph while it held them): it undoes
+the forward's step and raises ValueError, as a model computing with the
+marked K/V does eagerly.  What this route does not see: a change made in
+place to the K/V ``update`` returned (eagerly refused; with transformers'
+DynamicCache such a change would alter the cache itself), and a layer that
+calls ``update`` but not the attention (its K/V are never written: the
+next forward's first ``update`` refuses the step left partial).
 """
 import itertools
 import weakref
