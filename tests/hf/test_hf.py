@@ -450,6 +450,25 @@ def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled, monkeypatch):
 
 
 @_INDUCTOR_IMPORT
+def test_a_compiled_forward_is_not_compiled_again_for_each_cache(compiled):
+    """Each PagedCache is named to the operators by a tensor the graph takes
+    as an input: generates on new caches (same shapes) compile nothing more."""
+    from torch._dynamo.utils import counters
+
+    ids, mask = _prompts([21, 13])
+    model = _tiny("llama", "kvcore")
+    model.forward = compiled(model.forward)
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    seen = []
+    for _ in range(3):
+        with PagedCache(pool) as cache:
+            model.generate(ids, attention_mask=mask, **_kw(model, cache), max_new_tokens=4,
+                           do_sample=False)
+        seen.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+    assert seen[0][1] > 0 and seen[1:] == [seen[0]] * 2
+
+
+@_INDUCTOR_IMPORT
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_a_compiled_forward_over_narrow_pages_gives_the_eager_kvcore_tokens(dtype, compiled,
                                                                            monkeypatch):
