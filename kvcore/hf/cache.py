@@ -474,8 +474,8 @@ class PagedCache(Cache):
             raise ValueError(
                 f"the last forward stopped after {before.layers_done} of the model's "
                 f"{self._num_layers} layers (an exception in the model, a model that does not "
-                "update the cache at every layer, or a compiled forward with a layer that does "
-                "not call the kvcore attention): cache.crop(cache.get_seq_length()) drops "
+                "update the cache at every layer, or, in a compiled forward, a layer whose "
+                "kvcore attention did not run): cache.crop(cache.get_seq_length()) drops "
                 "what it wrote, then the forward can run again")
         # the step this call belongs to: one in progress (this call may
         # commit it before failing), or one it begins

@@ -715,6 +715,58 @@ def test_the_compiled_operators_act_on_the_cache_the_forward_updates(compiled):
     assert run(model) == want
 
 
+_FAIL_AT = {"layer": None}
+
+
+@torch.library.custom_op("kvcore_tests::fail_at", mutates_args=())
+def _fail_at(query: torch.Tensor, layer: int) -> torch.Tensor:
+    """``query`` (a copy), or RuntimeError at run time in ``_FAIL_AT``'s layer."""
+    if layer == _FAIL_AT["layer"]:
+        raise RuntimeError(f"the model failed in layer {layer}")
+    return query.clone()
+
+
+@_fail_at.register_fake
+def _(query, layer):
+    return torch.empty_like(query)
+
+
+@_INDUCTOR_IMPORT
+def test_a_compiled_forward_failing_before_a_layers_attention_leaves_a_step_to_crop(compiled):
+    """The model's own code raising between the last layer's update and its
+    attention (at run time): that layer was not written (the write is the
+    attention's operator's), the step is partial, the next forward refuses
+    it by name, and after crop the cache computes the eager logits."""
+    def failing(module, query, key, value, attention_mask, **kwargs):
+        return kvcore.hf.kvcore_attention(module, _fail_at(query, module.layer_idx), key,
+                                          value, attention_mask, **kwargs)
+
+    _register("kvcore_failing", failing)
+    ids, mask = _prompts([21, 13])
+    model = _tiny("llama", "kvcore_failing")
+    pool = pool_for(model.config, 64, dtype="float32", block_size=16)
+    with torch.no_grad(), PagedCache(pool) as cache:
+        want = model(input_ids=ids, attention_mask=mask, **_kw(model, cache)).logits
+    model.forward = compiled(model.forward)
+    with torch.no_grad(), PagedCache(pool) as cache:
+        _FAIL_AT["layer"] = 1
+        try:
+            with pytest.raises(RuntimeError, match="the model failed in layer 1"):
+                model(input_ids=ids, attention_mask=mask, **_kw(model, cache))
+        finally:
+            _FAIL_AT["layer"] = None
+        assert cache._step.partial and cache._step.layers_done == 1
+        with pytest.raises(ValueError, match=r"stopped after 1 of the model's 2 layers .*in a "
+                                             r"compiled forward, a layer whose kvcore attention"):
+            model(input_ids=ids, attention_mask=mask, **_kw(model, cache))
+        cache.crop(cache.get_seq_length())
+        pool.debug.check()
+        got = model(input_ids=ids, attention_mask=mask, **_kw(model, cache)).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert pool.num_used_blocks == 0
+    pool.debug.check()
+
+
 def test_one_attention_plan_per_step_run_by_every_layer(monkeypatch):
     """Issue 22 item 2: the step's first layer plans, every layer runs."""
     made, runs = [], []
