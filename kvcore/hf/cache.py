@@ -615,7 +615,9 @@ class PagedCache(Cache):
         if not isinstance(attn_kwargs, dict):
             raise RuntimeError("this transformers version does not pass the attention's "
                                "arguments to Cache.update: cuda_graph=True needs it")
-        attn_kwargs.update(self.attention_arguments(step, layer_idx))
+        # (the step's tables as the runner left them: no host work in a capture)
+        attn_kwargs.update(cache=self, block_table=step.tables, cu_seq_lens_q=step.query_start,
+                           kvcore_step=step, kvcore_layer=layer_idx)
         return key_states, value_states
 
     # -------------------------------------------------------------- queries
