@@ -581,9 +581,7 @@ class PagedCache(Cache):
             # pages, and anything else computing on them raises (handoff.py);
             # (transformers versions whose attention does not pass kwargs=
             # to Cache.update find the step on the marked key)
-            return hand_off(key_states, value_states, self, step, layer_idx,
-                            self._attention_state.spec.model_type
-                            if self._attention_state is not None else "the model")
+            return hand_off(key_states, value_states, self, step, layer_idx, self._model_type)
         index = step.gather_index(self)
         keys = self._k_pages[layer_idx][index]
         values = self._v_pages[layer_idx][index]
@@ -591,6 +589,12 @@ class PagedCache(Cache):
             keys = keys.to(key_states.dtype)
             values = values.to(value_states.dtype)
         return keys, values
+
+    @property
+    def _model_type(self):
+        """The model's type for error messages (once its attention spec is known)."""
+        state = self._attention_state
+        return state.spec.model_type if state is not None else "the model"
 
     def attention_arguments(self, step, layer_idx):
         """The keyword arguments that hand the kvcore attention of

@@ -67,9 +67,7 @@ def refuse(cache, layer, message):
     operators may run in another order than the layers) and raise ValueError."""
     if cache._forward_began_step:
         Step.undo_failed(cache, None, cache._step)
-    state = cache._attention_state
-    model_type = state.spec.model_type if state is not None else "the model"
-    raise ValueError(f"{model_type} layer {layer}: {message}")
+    raise ValueError(f"{cache._model_type} layer {layer}: {message}")
 
 
 COMPUTES = ("the model computes with the cached K/V itself ({}) instead of handing them to "

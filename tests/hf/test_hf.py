@@ -402,19 +402,6 @@ def compiled():
     torch._dynamo.reset()
 
 
-def _count_operators(monkeypatch):
-    """The layers of each run of the compiled route's attention operator
-    (``kvcore::attend``), in order."""
-    layers = []
-    real = kvcore.hf.compiled.current
-
-    def counted(cache_id, layer):
-        layers.append(layer)
-        return real(cache_id, layer)
-    monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
-    return layers
-
-
 @_INDUCTOR_IMPORT
 @pytest.mark.parametrize("hit", [False, True])
 def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled, monkeypatch):
@@ -430,7 +417,7 @@ def test_a_compiled_forward_gives_the_eager_tokens(hit, compiled, monkeypatch):
     model = _tiny("llama", "kvcore")
     model.forward = compiled(model.forward)
     pool = pool_for(model.config, 256, dtype="float32", block_size=16)
-    operators = _count_operators(monkeypatch)
+    operators = _hf_zoo.count_operators(monkeypatch)
     for call in range(2 if hit else 1):
         if hit:       # (kvcore.hf.generate looks the prompts up in the prefix cache)
             got = kvcore.hf.generate(model, ids, pool, attention_mask=mask,
@@ -478,7 +465,7 @@ def test_a_compiled_forward_over_narrow_pages_gives_the_eager_kvcore_tokens(dtyp
     model = _tiny("llama", "kvcore")
     want = _paged(model, ids, mask, dtype=dtype, max_new_tokens=10, do_sample=False)
     model.forward = compiled(model.forward)
-    operators = _count_operators(monkeypatch)
+    operators = _hf_zoo.count_operators(monkeypatch)
     assert torch.equal(_paged(model, ids, mask, dtype=dtype, max_new_tokens=10,
                               do_sample=False), want)
     assert operators == [0, 1] * 10
@@ -619,7 +606,7 @@ def test_a_compiled_layer_calling_the_attention_twice_gives_the_eager_tokens(com
     model = _tiny("llama", "kvcore_twice")
     want = _paged(model, ids, mask, max_new_tokens=5, do_sample=False)
     model.forward = compiled(model.forward)
-    operators = _count_operators(monkeypatch)
+    operators = _hf_zoo.count_operators(monkeypatch)
     assert torch.equal(_paged(model, ids, mask, max_new_tokens=5, do_sample=False), want)
     assert operators == [0, 0, 1, 1] * 5
 

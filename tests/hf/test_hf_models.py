@@ -286,13 +286,7 @@ def test_compiled_soft_caps_windows_and_sinks_give_the_eager_tokens(name, monkey
         model.set_attn_implementation("eager")
         want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                               do_sample=False)
-    layers = []
-    real = kvcore.hf.compiled.current
-
-    def counted(cache_id, layer):
-        layers.append(layer)
-        return real(cache_id, layer)
-    monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
+    layers = zoo.count_operators(monkeypatch)
     model.forward = torch.compile(model.forward)
     pool = kvcore.hf.pool_for(model.config, 64, dtype="float32", block_size=16)
     try:
