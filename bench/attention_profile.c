@@ -29,6 +29,15 @@
  *       plain AVX-512 loop that reads the K and V chunks of every KV head
  *       (16 float16 positions each) in the same shuffled block order and
  *       does nothing but add them up, in GB/s.
+ *   /tmp/attention_profile kernels [kind [rows head_dim]]
+ *       5. the decode kernels alone: the scores (Q.K) and P.V kernels of
+ *       each x86 level this CPU has (avx2; avx512 where present), called on
+ *       one decode tile of KVA_DECODE_KEY_TILE keys whose rows lie as in a
+ *       page (blocks of 16 contiguous rows) and stay in L1/L2, for `rows`
+ *       query rows (a GQA group: 4) at head_dim 128: nanoseconds per key and
+ *       multiply-adds per ns.  Set beside the decode rows above (ns per
+ *       position and KV head = scores + P.V per key), it says how much of a
+ *       decode's time its two kernels take and how much waits on the memory.
  *   /tmp/attention_profile pace row_bytes fmas [kv_heads]
  *       4. how far a decode's arithmetic slows its reads out of the caches:
  *       a loop that walks kv_heads (8) x 65536 positions as the decode does
@@ -79,6 +88,7 @@
 #define _GNU_SOURCE
 #endif
 #include "kv_attention.h"
+#include "kv_attn_internal.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -601,11 +611,91 @@ static int pace(int rb, int fmas, int kvh)
     free(v);
     return 0;
 }
+
+/* 5. The decode kernels alone, per x86 level this CPU has (see the top). */
+static int kernels_alone(int kind, int M, int Dk)
+{
+    const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2, nt = KVA_DECODE_KEY_TILE;
+    const size_t row = (size_t)Dk * isz, span = (size_t)nt * row * 2 + 64 * row;
+    char *buf = aligned_alloc(64, 2 * span);
+    for (size_t i = 0; i < 2 * span; i++)
+        buf[i] = (char)(0x20 + rand() % 0x40); /* (finite codes; halves near 2^-7..2) */
+    if (kind == 1 || kind == 2)
+        for (size_t i = 0; i < span; i++)
+            ((uint16_t *)buf)[i] = (uint16_t)((kind == 1 ? 0x2000 : 0x3C00) + rand() % 0x1000);
+    if (kind == 0)
+        for (size_t i = 0; i < span / 2; i++)
+            ((float *)buf)[i] = (rand() % 2001 - 1000) / 1000.0f;
+    const char *krow[KVA_KEY_TILE], *vrow[KVA_KEY_TILE];
+    for (int i = 0; i < nt; i++) { /* a block of 16 rows, then a gap of 16 */
+        const size_t off = (size_t)(i / BS * 2 * BS + i % BS) * row;
+        krow[i] = buf + off;
+        vrow[i] = buf + span + off;
+    }
+    float *q = aligned_alloc(64, sizeof(float) * 64 * 512), *S = aligned_alloc(64, sizeof(float) * 64 * KVA_KEY_TILE);
+    float *acc = aligned_alloc(64, sizeof(float) * 64 * 512), *tmp = aligned_alloc(64, sizeof(float) * KVA_KEY_TILE * 512);
+    float alpha[64];
+    for (int i = 0; i < M * Dk; i++) {
+        q[i] = (rand() % 2001 - 1000) / 8000.0f;
+        acc[i] = 0;
+    }
+    for (int i = 0; i < M * KVA_KEY_TILE; i++)
+        S[i] = (rand() % 1000) / 1000.0f;
+    for (int i = 0; i < M; i++)
+        alpha[i] = 1.0f;
+    struct { const char *name; const kva_kernels *table; int level; } lv[] = {
+#if KVA_HAVE_AVX2
+        {"avx2", kva_kernels_avx2, KVA_AVX2},
+#endif
+#if KVA_HAVE_AVX512
+        {"avx512", kva_kernels_avx512, KVA_AVX512},
+#endif
+    };
+    const int reps = 4000000 / (M * Dk) + 1;
+    for (size_t l = 0; l < sizeof(lv) / sizeof(lv[0]); l++) {
+        if (!kva_level_supported(lv[l].level))
+            continue;
+        const kva_kernels *kern = &lv[l].table[kind];
+        double best_s = 1e9, best_p = 1e9;
+        for (int t = 0; t < 7; t++) {
+            double t0 = cpu_now();
+            for (int r = 0; r < reps; r++)
+                kern->scores(q, M, Dk, krow, nt, S, tmp, NULL);
+            double t1 = cpu_now();
+            for (int r = 0; r < reps; r++)
+                kern->pv(S, M, Dk, vrow, nt, acc, alpha, tmp, NULL);
+            double t2 = cpu_now();
+            best_s = t1 - t0 < best_s ? t1 - t0 : best_s;
+            best_p = t2 - t1 < best_p ? t2 - t1 : best_p;
+        }
+        const double keys = (double)reps * nt, macs = keys * M * Dk;
+        printf("kernels kind %d (%s), %d rows x head_dim %d, tile of %d keys: scores %.1f ns/key "
+               "(%.1f multiply-adds/ns), P.V %.1f ns/key (%.1f/ns); together %.1f ns per key (%.0f)\n",
+               kind, lv[l].name, M, Dk, nt, best_s / keys * 1e9, macs / best_s / 1e9,
+               best_p / keys * 1e9, macs / best_p / 1e9, (best_s + best_p) / keys * 1e9,
+               (double)acc[0] + S[0]);
+    }
+    free(buf);
+    free(q);
+    free(S);
+    free(acc);
+    free(tmp);
+    return 0;
+}
 #endif
 
 int main(int argc, char **argv)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
+    if (argc >= 2 && strcmp(argv[1], "kernels") == 0) {
+        const int kind = argc > 2 ? atoi(argv[2]) : 1, M = argc > 3 ? atoi(argv[3]) : 4,
+                  Dk = argc > 4 ? atoi(argv[4]) : 128;
+        if (kind < 0 || kind > 5 || M < 1 || M > 64 || Dk < 8 || Dk > 512 || Dk % 8) {
+            fprintf(stderr, "kernels [kind 0-5 [rows 1-64 [head_dim 8-512, a multiple of 8]]]\n");
+            return 2;
+        }
+        return kernels_alone(kind, M, Dk);
+    }
     if (argc == 5 && strcmp(argv[1], "raw") == 0)
         return raw_read(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
     if ((argc == 4 || argc == 5) && strcmp(argv[1], "pace") == 0)

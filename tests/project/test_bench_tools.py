@@ -51,3 +51,43 @@ def test_dot_throughput_builds_and_runs_on_aarch64(tmp_path):
                          timeout=120).stdout
     assert "1. skipped: not x86-64" in out, out
     _check_errors(out)
+
+
+PROFILE = ROOT / "bench" / "attention_profile.c"
+CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
+
+
+@pytest.mark.toolchain
+@pytest.mark.skipif(not PROFILE.exists() or not CSRC.is_dir(), reason="needs the source tree")
+def test_attention_profile_times_the_decode_kernels_alone(tmp_path):
+    """``attention_profile kernels`` (docs/performance.md, "On an AVX2-only AMD
+    EPYC Zen 3"): one line per x86 level the CPU has, the scores and P.V
+    kernels' ns per key and multiply-adds per ns; bad arguments exit 2."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the kernels mode times the x86 levels")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (the build needs one too)"
+    exe = tmp_path / "attention_profile"
+    sources = [str(PROFILE), *map(str, sorted(CSRC.glob("kv_att*.c"))), str(CSRC / "kv_simd.c")]
+    # (-O1: the timings are not checked, and it builds in 3/4 of -O2's time)
+    subprocess.run([cc, "-O1", "-pthread", f"-I{CSRC}", *sources, "-o", str(exe), "-lm"],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(exe), "kernels", "5", "3", "64"], check=True, capture_output=True,
+                         text=True, timeout=300).stdout
+    rows = re.findall(r"^kernels kind 5 \((\w+)\), 3 rows x head_dim 64, tile of \d+ keys: "
+                      r"scores ([\d.]+) ns/key \(([\d.]+) multiply-adds/ns\), P\.V ([\d.]+) "
+                      r"ns/key \(([\d.]+)/ns\); together ([\d.]+) ns per key", out, re.M)
+    levels = [r[0] for r in rows]
+    assert levels in ([], ["avx2"], ["avx2", "avx512"]), out
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if re.search(r"^flags\s*:.*\bavx2\b", flags, re.M):
+        assert levels, out
+    for _, s, s_rate, p, p_rate, both in rows:
+        s, s_rate, p, p_rate, both = map(float, (s, s_rate, p, p_rate, both))
+        assert s > 0 and p > 0 and abs(s + p - both) < 0.11, out
+        # multiply-adds per ns = 3 rows x 64 dims per key / ns per key
+        assert abs(s_rate - 192 / s) <= 0.06 * s_rate and abs(p_rate - 192 / p) <= 0.06 * p_rate
+    bad = subprocess.run([str(exe), "kernels", "9"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "kernels [kind 0-5" in bad.stderr
