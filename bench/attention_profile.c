@@ -32,12 +32,16 @@
  *   /tmp/attention_profile kernels [kind [rows head_dim]]
  *       5. the decode kernels alone: the scores (Q.K) and P.V kernels of
  *       each x86 level this CPU has (avx2; avx512 where present), called on
- *       one decode tile of KVA_DECODE_KEY_TILE keys whose rows lie as in a
- *       page (blocks of 16 contiguous rows) and stay in L1/L2, for `rows`
- *       query rows (a GQA group: 4) at head_dim 128: nanoseconds per key and
- *       multiply-adds per ns.  Set beside the decode rows above (ns per
- *       position and KV head = scores + P.V per key), it says how much of a
- *       decode's time its two kernels take and how much waits on the memory.
+ *       one decode tile (the level's: KVA_DECODE_KEY_TILE keys, or
+ *       KVA_KEY_TILE for rows short enough) whose rows lie as in a page
+ *       (blocks of 16 contiguous rows; the best of 4 placements) and stay in
+ *       L1/L2, for `rows` query rows (a GQA group: 4 by default; a level
+ *       whose decode items of that many rows widen the tile first says so)
+ *       at head_dim 128 by default: nanoseconds per key and multiply-adds
+ *       per ns.  Set beside the decode rows above (ns per position and KV
+ *       head = scores + P.V per key), it says how much of a decode's time
+ *       its two kernels take and how much goes elsewhere (the memory, the
+ *       softmax, the tiles' bookkeeping).
  *   /tmp/attention_profile pace row_bytes fmas [kv_heads]
  *       4. how far a decode's arithmetic slows its reads out of the caches:
  *       a loop that walks kv_heads (8) x 65536 positions as the decode does
@@ -615,25 +619,31 @@ static int pace(int rb, int fmas, int kvh)
 /* 5. The decode kernels alone, per x86 level this CPU has (see the top). */
 static int kernels_alone(int kind, int M, int Dk)
 {
-    const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2, nt = KVA_DECODE_KEY_TILE;
-    const size_t row = (size_t)Dk * isz, span = (size_t)nt * row * 2 + 64 * row;
-    char *buf = aligned_alloc(64, 2 * span);
-    for (size_t i = 0; i < 2 * span; i++)
-        buf[i] = (char)(0x20 + rand() % 0x40); /* (finite codes; halves near 2^-7..2) */
-    if (kind == 1 || kind == 2)
-        for (size_t i = 0; i < span; i++)
-            ((uint16_t *)buf)[i] = (uint16_t)((kind == 1 ? 0x2000 : 0x3C00) + rand() % 0x1000);
-    if (kind == 0)
-        for (size_t i = 0; i < span / 2; i++)
-            ((float *)buf)[i] = (rand() % 2001 - 1000) / 1000.0f;
-    const char *krow[KVA_KEY_TILE], *vrow[KVA_KEY_TILE];
-    for (int i = 0; i < nt; i++) { /* a block of 16 rows, then a gap of 16 */
-        const size_t off = (size_t)(i / BS * 2 * BS + i % BS) * row;
-        krow[i] = buf + off;
-        vrow[i] = buf + span + off;
-    }
+    const int isz = kind == 0 ? 4 : kind >= 3 ? 1 : 2;
+    const size_t row = (size_t)Dk * isz, span = (size_t)KVA_KEY_TILE * row * 2 + 64 * row;
+    enum { SHIFTS = 4, SHIFT = 1088 }; /* rows moved by 17 lines: other 4 KB offsets */
+    char *buf = aligned_alloc(64, 2 * span + SHIFTS * SHIFT);
     float *q = aligned_alloc(64, sizeof(float) * 64 * 512), *S = aligned_alloc(64, sizeof(float) * 64 * KVA_KEY_TILE);
     float *acc = aligned_alloc(64, sizeof(float) * 64 * 512), *tmp = aligned_alloc(64, sizeof(float) * KVA_KEY_TILE * 512);
+    if (buf == NULL || q == NULL || S == NULL || acc == NULL || tmp == NULL) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+    }
+    for (size_t i = 0; i < 2 * span + SHIFTS * SHIFT; i++)
+        buf[i] = (char)(0x20 + rand() % 0x40); /* (finite codes; halves near 2^-7..2) */
+    if (kind == 1 || kind == 2)
+        for (size_t i = 0; i < span + SHIFTS * SHIFT / 2; i++)
+            ((uint16_t *)buf)[i] = (uint16_t)((kind == 1 ? 0x2000 : 0x3C00) + rand() % 0x1000);
+    if (kind == 0)
+        for (size_t i = 0; i < (2 * span + SHIFTS * SHIFT) / 4; i++)
+            ((float *)buf)[i] = (rand() % 2001 - 1000) / 1000.0f;
+    const char *krow[SHIFTS][KVA_KEY_TILE], *vrow[SHIFTS][KVA_KEY_TILE];
+    for (int c = 0; c < SHIFTS; c++)
+        for (int i = 0; i < KVA_KEY_TILE; i++) { /* a block of 16 rows, then a gap of 16 */
+            const size_t off = (size_t)c * SHIFT + (size_t)(i / BS * 2 * BS + i % BS) * row;
+            krow[c][i] = buf + off;
+            vrow[c][i] = buf + span + off;
+        }
     float alpha[64];
     for (int i = 0; i < M * Dk; i++) {
         q[i] = (rand() % 2001 - 1000) / 8000.0f;
@@ -643,12 +653,12 @@ static int kernels_alone(int kind, int M, int Dk)
         S[i] = (rand() % 1000) / 1000.0f;
     for (int i = 0; i < M; i++)
         alpha[i] = 1.0f;
-    struct { const char *name; const kva_kernels *table; int level; } lv[] = {
+    struct { const char *name; const kva_kernels *table; const kva_math *math; int level; } lv[] = {
 #if KVA_HAVE_AVX2
-        {"avx2", kva_kernels_avx2, KVA_AVX2},
+        {"avx2", kva_kernels_avx2, &kva_math_avx2, KVA_AVX2},
 #endif
 #if KVA_HAVE_AVX512
-        {"avx512", kva_kernels_avx512, KVA_AVX512},
+        {"avx512", kva_kernels_avx512, &kva_math_avx512, KVA_AVX512},
 #endif
     };
     const int reps = 4000000 / (M * Dk) + 1;
@@ -656,14 +666,26 @@ static int kernels_alone(int kind, int M, int Dk)
         if (!kva_level_supported(lv[l].level))
             continue;
         const kva_kernels *kern = &lv[l].table[kind];
+        if (kind != 0 && M > kern->direct_rows) {
+            printf("kernels kind %d (%s), %d rows: skipped (decode items of more than %d rows "
+                   "widen the tile to float32 first)\n", kind, lv[l].name, M, kern->direct_rows);
+            continue;
+        }
+        /* the level's decode tile (kv_attn_tile.c: wide_tile_row_bytes) */
+        const int nt = row <= (size_t)lv[l].math->wide_tile_row_bytes ? KVA_KEY_TILE
+                                                                       : KVA_DECODE_KEY_TILE;
         double best_s = 1e9, best_p = 1e9;
-        for (int t = 0; t < 7; t++) {
+        /* best of 7 at each of SHIFTS placements of the rows (a row whose
+         * address shares its low 12 bits with a store to S or acc can wait
+         * on that store: the best placement is the kernels' own rate) */
+        for (int t = 0; t < 7 * SHIFTS; t++) {
+            const int c = t % SHIFTS;
             double t0 = cpu_now();
             for (int r = 0; r < reps; r++)
-                kern->scores(q, M, Dk, krow, nt, S, tmp, NULL);
+                kern->scores(q, M, Dk, krow[c], nt, S, tmp, NULL);
             double t1 = cpu_now();
             for (int r = 0; r < reps; r++)
-                kern->pv(S, M, Dk, vrow, nt, acc, alpha, tmp, NULL);
+                kern->pv(S, M, Dk, vrow[c], nt, acc, alpha, tmp, NULL);
             double t2 = cpu_now();
             best_s = t1 - t0 < best_s ? t1 - t0 : best_s;
             best_p = t2 - t1 < best_p ? t2 - t1 : best_p;
