@@ -630,7 +630,7 @@ static int kernels_alone(int kind, int M, int Dk)
         return 1;
     }
     for (size_t i = 0; i < 2 * span + SHIFTS * SHIFT; i++)
-        buf[i] = (char)(0x20 + rand() % 0x40); /* (finite codes; halves near 2^-7..2) */
+        buf[i] = (char)(0x20 + rand() % 0x40); /* 8-bit codes 0x20-0x5F: no NaN code */
     if (kind == 1 || kind == 2)
         for (size_t i = 0; i < span + SHIFTS * SHIFT / 2; i++)
             ((uint16_t *)buf)[i] = (uint16_t)((kind == 1 ? 0x2000 : 0x3C00) + rand() % 0x1000);

@@ -11,7 +11,6 @@ at a size that matters for prompts of 40-64 tokens (windows of 16, chunks of
 their config alone are in ``NOT_BUILT`` with the reason.
 """
 import dataclasses
-import os
 import warnings
 
 import torch
@@ -186,6 +185,22 @@ def prompts(lengths=(56, 41), seed=1, vocab=VOCAB, pad=PAD):
     return ids, mask
 
 
+def count_operators(monkeypatch):
+    """The layers of each run of the compiled route's attention operator
+    (``kvcore::attend``, kvcore/hf/compiled.py), in order, as a list that
+    grows while the test runs."""
+    import kvcore.hf.compiled
+
+    layers = []
+    real = kvcore.hf.compiled.current
+
+    def counted(cache_id, layer):
+        layers.append(layer)
+        return real(cache_id, layer)
+    monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
+    return layers
+
+
 if __name__ == "__main__":     # a survey: which types build
     import sys
     import time
@@ -201,19 +216,3 @@ if __name__ == "__main__":     # a survey: which types build
             print(f"{mt:28s} built {n:8d} params {time.time() - t:.2f}s", flush=True)
         except Exception as e:
             print(f"{mt:28s} FAIL {type(e).__name__}: {str(e)[:160]!r}", flush=True)
-
-
-def count_operators(monkeypatch):
-    """The layers of each run of the compiled route's attention operator
-    (``kvcore::attend``, kvcore/hf/compiled.py), in order, as a list that
-    grows while the test runs."""
-    import kvcore.hf.compiled
-
-    layers = []
-    real = kvcore.hf.compiled.current
-
-    def counted(cache_id, layer):
-        layers.append(layer)
-        return real(cache_id, layer)
-    monkeypatch.setattr(kvcore.hf.compiled, "current", counted)
-    return layers

@@ -1,5 +1,6 @@
 """The C tools under bench/ that docs/performance.md quotes build and say
 what the docs say they say."""
+import platform
 import re
 import shutil
 import subprocess
@@ -18,6 +19,12 @@ DOT = ROOT / "bench" / "dot_throughput.c"
 pytestmark = pytest.mark.skipif(not DOT.exists(), reason="needs the source tree or the sdist")
 
 
+def _cc():
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (the build needs one too)"
+    return cc
+
+
 def _check_errors(out):
     errors = re.findall(r"float32 q ([\d.e+-]+), bfloat16 q ([\d.e+-]+), "
                         r"q as two bfloat16 \(hi \+ lo\) ([\d.e+-]+)", out)
@@ -27,10 +34,9 @@ def _check_errors(out):
 
 
 def test_dot_throughput_builds_runs_and_measures_the_bfloat16_error(tmp_path):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc, "a C compiler (the build needs one too)"
     exe = tmp_path / "dot_throughput"
-    subprocess.run([cc, "-O2", "-Wall", "-Werror", str(DOT), "-o", str(exe), "-lm"], check=True)
+    subprocess.run([_cc(), "-O2", "-Wall", "-Werror", str(DOT), "-o", str(exe), "-lm"],
+                   check=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True,
                          timeout=120).stdout
     _check_errors(out)
@@ -63,16 +69,12 @@ def test_attention_profile_times_the_decode_kernels_alone(tmp_path):
     """``attention_profile kernels`` (docs/performance.md, "On an AVX2-only AMD
     EPYC Zen 3"): one line per x86 level the CPU has, the scores and P.V
     kernels' ns per key and multiply-adds per ns; bad arguments exit 2."""
-    import platform
-
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the kernels mode times the x86 levels")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    assert cc, "a C compiler (the build needs one too)"
     exe = tmp_path / "attention_profile"
     sources = [str(PROFILE), *map(str, sorted(CSRC.glob("kv_att*.c"))), str(CSRC / "kv_simd.c")]
     # (-O1: the timings are not checked, and it builds in 3/4 of -O2's time)
-    subprocess.run([cc, "-O1", "-pthread", f"-I{CSRC}", *sources, "-o", str(exe), "-lm"],
+    subprocess.run([_cc(), "-O1", "-pthread", f"-I{CSRC}", *sources, "-o", str(exe), "-lm"],
                    check=True, capture_output=True)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     has_avx2 = all(re.search(rf"^flags\s*:.*\b{f}\b", flags, re.M) for f in ("avx2", "fma", "f16c"))
