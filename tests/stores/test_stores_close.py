@@ -23,6 +23,22 @@ class SlowDisk(kvcore.DiskStore):
         return super().put(items)
 
 
+class GatedDisk(kvcore.DiskStore):
+    """A DiskStore whose puts wait until the test opens ``gate`` (at most
+    30 s): once ``entered`` is set, the store worker is held inside its
+    first put, so whatever is spilled afterwards waits in the queue."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def put(self, items):
+        self.entered.set()
+        self.gate.wait(30)
+        return super().put(items)
+
+
 def spill_for(pool, seconds, first=0):
     """A request thread's work: spill into ``pool``'s stores for ``seconds``
     (distinct prompts, each evicting the last one's cached blocks)."""
@@ -46,15 +62,29 @@ def spilling_pool(tmp_path, disk_cls=kvcore.DiskStore):
     return make_pool(num_blocks=16, stores=[disk]), disk
 
 
-def test_close_with_a_timeout_returns_within_it_and_counts_what_it_dropped(tmp_path):
-    """A request thread spilling into a slow 1 MiB DiskStore: close(0.5)
-    returns within its bound, saying not everything was written, and
-    counts what it dropped."""
-    pool, disk = spilling_pool(tmp_path, SlowDisk)
+def held_backlog(pool, disk):
+    """A request thread spilling into ``disk`` while its worker is held in
+    the first put, and a few more spills from this thread: a backlog that
+    is certainly queued (on a busy machine the thread alone may not build
+    one in time)."""
     t = spilling_thread(pool, 3.0)
-    start = time.monotonic()
-    done = pool.close(timeout=0.5)
-    took = time.monotonic() - start
+    assert disk.entered.wait(30), "the store worker never started a put"
+    assert spill_for(pool, 0.2, first=10**5) >= 1
+    return t
+
+
+def test_close_with_a_timeout_returns_within_it_and_counts_what_it_dropped(tmp_path):
+    """A request thread spilling into a 1 MiB DiskStore whose put is held:
+    close(0.5) returns within its bound, saying not everything was written,
+    and counts what it dropped."""
+    pool, disk = spilling_pool(tmp_path, GatedDisk)
+    try:
+        t = held_backlog(pool, disk)
+        start = time.monotonic()
+        done = pool.close(timeout=0.5)
+        took = time.monotonic() - start
+    finally:
+        disk.gate.set()
     t.join()
     assert took < 0.5 + 1.0, took                       # (one busy machine's slack)
     assert done is False
@@ -84,11 +114,15 @@ def test_a_request_thread_spilling_into_a_1_mib_disk_store_then_close_is_bounded
 
 def test_leaving_a_with_block_waits_at_most_exit_timeout(tmp_path, monkeypatch):
     monkeypatch.setattr(kvcore.pool, "EXIT_TIMEOUT", 0.5)
-    pool, disk = spilling_pool(tmp_path, SlowDisk)
-    with pool:
-        t = spilling_thread(pool, 3.0)
-        start = time.monotonic()
-    assert time.monotonic() - start < 0.5 + 1.0
+    pool, disk = spilling_pool(tmp_path, GatedDisk)
+    try:
+        with pool:
+            t = held_backlog(pool, disk)
+            start = time.monotonic()
+        took = time.monotonic() - start
+    finally:
+        disk.gate.set()
+    assert took < 0.5 + 1.0, took
     t.join()
     assert pool.stats()["stores"][0]["spills_dropped"] > 0
     assert pool.wait_spills(30)
