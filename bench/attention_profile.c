@@ -26,9 +26,10 @@
  *       instead of 0x20-0x5F.
  *   /tmp/attention_profile raw kv_heads head_dim context
  *       3. what the memory gives one core for decode's access pattern: a
- *       plain AVX-512 loop that reads the K and V chunks of every KV head
- *       (16 float16 positions each) in the same shuffled block order and
- *       does nothing but add them up, in GB/s.
+ *       plain AVX-512 loop (AVX2 where the CPU has no AVX-512) that reads
+ *       the K and V chunks of every KV head (16 float16 positions each) in
+ *       the same shuffled block order and does nothing but add them up, in
+ *       GB/s (the best of 7 reads).
  *   /tmp/attention_profile kernels [kind [rows head_dim]]
  *       5. the decode kernels alone: the scores (Q.K) and P.V kernels of
  *       each x86 level this CPU has (avx2; avx512 where present), called on
@@ -499,10 +500,33 @@ __attribute__((target("avx512f"), noinline)) static float raw_sum(const char *k,
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
+/* (3. on a CPU without AVX-512: the same read, 32 bytes a load) */
+__attribute__((target("avx2"), noinline)) static float raw_sum_avx2(const char *k, const char *v,
+                                                                    const int32_t *table,
+                                                                    int nblk, int kvh,
+                                                                    size_t chunk)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int g = 0; g < kvh; g++)
+        for (int b = 0; b < nblk; b++) {
+            const size_t at = (size_t)table[b] * kvh * chunk + (size_t)g * chunk;
+            for (size_t o = 0; o < chunk; o += 64) {
+                a0 = _mm256_add_ps(a0, _mm256_loadu_ps((const float *)(k + at + o)));
+                a1 = _mm256_add_ps(a1, _mm256_loadu_ps((const float *)(k + at + o + 32)));
+                a2 = _mm256_add_ps(a2, _mm256_loadu_ps((const float *)(v + at + o)));
+                a3 = _mm256_add_ps(a3, _mm256_loadu_ps((const float *)(v + at + o + 32)));
+            }
+        }
+    float f[8];
+    _mm256_storeu_ps(f, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    return f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];
+}
+
 static int raw_read(int kvh, int d, int ctx)
 {
-    if (!__builtin_cpu_supports("avx512f")) {
-        fprintf(stderr, "raw needs AVX-512F\n");
+    const int wide = __builtin_cpu_supports("avx512f");
+    if (!wide && !__builtin_cpu_supports("avx2")) {
+        fprintf(stderr, "raw needs AVX-512F or AVX2\n");
         return 2;
     }
     const int nblk = ctx / BS;
@@ -518,13 +542,14 @@ static int raw_read(int kvh, int d, int ctx)
     float sink = 0;
     for (int r = 0; r < 7; r++) {
         double t0 = cpu_now();
-        sink += raw_sum(k, v, table, nblk, kvh, chunk);
+        sink += wide ? raw_sum(k, v, table, nblk, kvh, chunk)
+                     : raw_sum_avx2(k, v, table, nblk, kvh, chunk);
         double t = cpu_now() - t0;
         if (t < best)
             best = t;
     }
-    printf("raw read ctx %5d, %d kv heads x %zu-byte chunks: %6.2f GB/s (%g)\n", ctx, kvh, chunk,
-           2.0 * bytes / best / 1e9, (double)sink);
+    printf("raw read ctx %5d, %d kv heads x %zu-byte chunks (%s): %6.2f GB/s (%g)\n", ctx, kvh,
+           chunk, wide ? "avx512" : "avx2", 2.0 * bytes / best / 1e9, (double)sink);
     free(k);
     free(v);
     free(table);

@@ -63,21 +63,35 @@ PROFILE = ROOT / "bench" / "attention_profile.c"
 CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 
 
-@pytest.mark.toolchain
-@pytest.mark.skipif(not PROFILE.exists() or not CSRC.is_dir(), reason="needs the source tree")
-def test_attention_profile_times_the_decode_kernels_alone(tmp_path):
-    """``attention_profile kernels`` (docs/performance.md, "On an AVX2-only AMD
-    EPYC Zen 3"): one line per x86 level the CPU has, the scores and P.V
-    kernels' ns per key and multiply-adds per ns; bad arguments exit 2."""
+def _cpu_flags():
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    line = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(line.group(1).split()) if line else set()
+
+
+@pytest.fixture(scope="module")
+def profile_exe(tmp_path_factory):
+    """bench/attention_profile.c built once for this module's tests."""
+    if not PROFILE.exists() or not CSRC.is_dir():
+        pytest.skip("needs the source tree")
     if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the kernels mode times the x86 levels")
-    exe = tmp_path / "attention_profile"
+        pytest.skip("its kernels and raw modes time the x86 levels")
+    exe = tmp_path_factory.mktemp("attention_profile") / "attention_profile"
     sources = [str(PROFILE), *map(str, sorted(CSRC.glob("kv_att*.c"))), str(CSRC / "kv_simd.c")]
     # (-O1: the timings are not checked, and it builds in 3/4 of -O2's time)
     subprocess.run([_cc(), "-O1", "-pthread", f"-I{CSRC}", *sources, "-o", str(exe), "-lm"],
                    check=True, capture_output=True)
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    has_avx2 = all(re.search(rf"^flags\s*:.*\b{f}\b", flags, re.M) for f in ("avx2", "fma", "f16c"))
+    return exe
+
+
+@pytest.mark.toolchain
+def test_attention_profile_times_the_decode_kernels_alone(profile_exe):
+    """``attention_profile kernels`` (docs/performance.md, "On an AVX2-only AMD
+    EPYC Zen 3"): one line per x86 level the CPU has, the scores and P.V
+    kernels' ns per key and multiply-adds per ns; bad arguments exit 2."""
+    exe = profile_exe
+    has_avx2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
     # (float16 at the default 4 rows x 128; int8, whose pages the kernels read as
     # codes, at SmolLM2's 3 x 64)
     for kind, args, macs in (("1", [], 4 * 128), ("5", ["3", "64"], 3 * 64)):
@@ -103,3 +117,27 @@ def test_attention_profile_times_the_decode_kernels_alone(tmp_path):
         assert re.search(r"^kernels kind 3 \(avx2\), 9 rows: skipped", skipped, re.M), skipped
     bad = subprocess.run([str(exe), "kernels", "9"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "kernels [kind 0-5" in bad.stderr
+
+
+@pytest.mark.toolchain
+def test_attention_profile_reads_the_pages_pattern_at_the_best_level(profile_exe):
+    """``attention_profile raw`` (docs/performance.md, "On an AVX2-only AMD
+    EPYC Zen 3"): the decode's page pattern read by a plain loop, AVX-512
+    where the CPU has it, else AVX2 (else a clear refusal); GB/s of the K and
+    V chunks read; a head_dim whose 16-position chunk is not whole lines is
+    refused."""
+    flags = _cpu_flags()
+    run = subprocess.run([str(profile_exe), "raw", "2", "64", "1024"], capture_output=True,
+                         text=True, timeout=120)
+    if "avx512f" not in flags and "avx2" not in flags:
+        assert run.returncode == 2 and "raw needs AVX-512F or AVX2" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr
+    got = re.search(r"^raw read ctx  1024, 2 kv heads x 2048-byte chunks \((\w+)\): +([\d.]+) GB/s",
+                    run.stdout, re.M)
+    assert got, run.stdout
+    assert got.group(1) == ("avx512" if "avx512f" in flags else "avx2"), run.stdout
+    assert float(got.group(2)) > 0, run.stdout
+    bad = subprocess.run([str(profile_exe), "raw", "2", "3", "1024"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "head_dim" in bad.stderr
