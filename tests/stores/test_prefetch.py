@@ -82,7 +82,11 @@ def test_allocate_during_a_prefetch_takes_what_arrived_and_loads_the_rest():
     got = []
     t = threading.Thread(target=lambda: got.append(check_hit(pool, PROMPT, 10)))
     t.start()
-    time.sleep(0.2)
+    # (the allocate cancels the prefetch before its own gated get: wait for
+    # that, not for a fixed time a busy machine may not keep)
+    deadline = time.monotonic() + 30
+    while not h.cancelled() and time.monotonic() < deadline:
+        time.sleep(0.005)
     store.gate.set()
     t.join(30)
     assert got == [None]
