@@ -10,8 +10,10 @@ import pytest
 
 try:
     from _helpers import aarch64_tools
+    from _simd_levels import cpu_flags
 except ImportError:  # pragma: no cover - run as a package
     from .._helpers import aarch64_tools
+    from .._simd_levels import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 DOT = ROOT / "bench" / "dot_throughput.c"
@@ -63,13 +65,6 @@ PROFILE = ROOT / "bench" / "attention_profile.c"
 CSRC = ROOT / "kvcore" / "backends" / "cpu" / "csrc"
 
 
-def _cpu_flags():
-    info = Path("/proc/cpuinfo")
-    text = info.read_text() if info.exists() else ""
-    line = re.search(r"^flags\s*:(.*)$", text, re.M)
-    return set(line.group(1).split()) if line else set()
-
-
 @pytest.fixture(scope="module")
 def profile_exe(tmp_path_factory):
     """bench/attention_profile.c built once for this module's tests."""
@@ -91,7 +86,7 @@ def test_attention_profile_times_the_decode_kernels_alone(profile_exe):
     EPYC Zen 3"): one line per x86 level the CPU has, the scores and P.V
     kernels' ns per key and multiply-adds per ns; bad arguments exit 2."""
     exe = profile_exe
-    has_avx2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
+    has_avx2 = {"avx2", "fma", "f16c"} <= cpu_flags()
     # (float16 at the default 4 rows x 128; int8, whose pages the kernels read as
     # codes, at SmolLM2's 3 x 64)
     for kind, args, macs in (("1", [], 4 * 128), ("5", ["3", "64"], 3 * 64)):
@@ -126,7 +121,7 @@ def test_attention_profile_reads_the_pages_pattern_at_the_best_level(profile_exe
     where the CPU has it, else AVX2 (else a clear refusal); GB/s of the K and
     V chunks read; a head_dim whose 16-position chunk is not whole lines is
     refused."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     run = subprocess.run([str(profile_exe), "raw", "2", "64", "1024"], capture_output=True,
                          text=True, timeout=120)
     if "avx512f" not in flags and "avx2" not in flags:
